@@ -1,0 +1,42 @@
+"""Encoding and checking one chunk: raw little-endian rows (optionally zstd), then crc32c.
+
+This is byte-for-byte what zarr-python produces for the codec chain
+``[bytes(little), (zstd), crc32c]``: the crc32c trailer is 4 little-endian bytes over everything
+before it (the zarr v3 ``crc32c`` codec).
+"""
+
+from __future__ import annotations
+
+import crc32c as _crc32c
+import numpy as np
+
+from .layout import CRC_BYTES, parse_compressor
+
+
+def crc_bytes(payload: bytes | memoryview) -> bytes:
+    return _crc32c.crc32c(payload).to_bytes(CRC_BYTES, "little")
+
+
+def encode(rows: np.ndarray, compressor: str | None) -> tuple[memoryview | bytes, bytes]:
+    """(payload, crc) of a chunk's rows; the payload is a zero-copy view when uncompressed."""
+    if not rows.flags.c_contiguous:
+        rows = np.ascontiguousarray(rows)
+    payload: memoryview | bytes = memoryview(rows).cast("B")
+    if compressor is not None:
+        from numcodecs import Zstd
+
+        _, level = parse_compressor(compressor)
+        payload = bytes(Zstd(level=level).encode(payload))
+    return payload, crc_bytes(payload)
+
+
+def check(raw: bytes | memoryview, expected_payload_bytes: int | None) -> str | None:
+    """Why a stored chunk is damaged, or None when its size and crc32c are right."""
+    if expected_payload_bytes is not None and len(raw) != expected_payload_bytes + CRC_BYTES:
+        return f"size {len(raw)} bytes, expected {expected_payload_bytes + CRC_BYTES}"
+    if len(raw) < CRC_BYTES:
+        return f"size {len(raw)} bytes, too short for a crc32c"
+    view = memoryview(raw)
+    if crc_bytes(view[:-CRC_BYTES]) != bytes(view[-CRC_BYTES:]):
+        return "crc32c mismatch (flipped or truncated bytes)"
+    return None

@@ -1,0 +1,71 @@
+"""The ``featurestore`` console script: one argparse parser, one module per verb.
+
+Each module in ``featurestore/commands/`` exposes ``register(subparsers)``, which adds its
+sub-parser and sets ``func`` to a callable ``func(args) -> int``. Modules import heavy
+dependencies (torch, fastapi) inside ``func`` only, so ``featurestore --help`` and the read-only
+verbs stay fast and work without torch.
+
+Errors: a :class:`~featurestore.errors.FeatureStoreError` (or an ``OSError`` / ``ValueError``
+from bad input) becomes one line on stderr and exit status 1; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .errors import FeatureStoreError
+
+# Order is the order of `featurestore --help`.
+COMMAND_MODULES = ("extract", "inspect", "serve", "probe", "bench", "demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="featurestore",
+        description="Memory-mapped Zarr v3 feature store for frozen-encoder evaluation.",
+    )
+    parser.add_argument("--version", action="version", version=f"featurestore {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the full traceback on errors"
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"featurestore.commands.{name}")
+        except ModuleNotFoundError as error:  # a verb not built yet; tests/test_cli.py pins all
+            if error.name != f"featurestore.commands.{name}":
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = args.debug or "--debug" in argv
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("featurestore: interrupted", file=sys.stderr)
+        return 130
+    except (FeatureStoreError, OSError, ValueError, ImportError) as error:
+        if debug:
+            raise
+        print(f"featurestore: error: {_one_line(error)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    return " ".join(text.split())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""One root error, precise subclasses that also inherit the matching builtin.
+
+Every message names the offending value and says how to fix it; the CLI prints ``str(error)`` as
+its single stderr line, and the HTTP server maps each class to one status code (see
+``server/errors.py``), so the class is the contract, not the wording.
+"""
+
+from __future__ import annotations
+
+
+class FeatureStoreError(Exception):
+    """Root of every error featurestore raises on purpose."""
+
+
+class InvalidName(FeatureStoreError, ValueError):
+    """A dataset, encoder or split name outside ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``."""
+
+
+class StoreNotFound(FeatureStoreError, FileNotFoundError):
+    """The store URL holds no featurestore root."""
+
+
+class NotAFeatureStore(FeatureStoreError, ValueError):
+    """The URL holds something, but not a featurestore root group."""
+
+
+class UnsupportedFormatVersion(FeatureStoreError, ValueError):
+    """The store was written by a newer, incompatible featurestore."""
+
+
+class DatasetNotFound(FeatureStoreError, LookupError):
+    pass
+
+
+class EncoderNotFound(FeatureStoreError, LookupError):
+    pass
+
+
+class SplitNotFound(FeatureStoreError, LookupError):
+    pass
+
+
+class IncompleteSplit(FeatureStoreError, RuntimeError):
+    """The split's status is not ``complete`` (still writing, or the writer died)."""
+
+
+class SplitExists(FeatureStoreError, FileExistsError):
+    """``create_split`` on an existing split without ``resume=True`` or ``overwrite=True``."""
+
+
+class ReadOnlyStore(FeatureStoreError, PermissionError):
+    """A write on a store opened with ``mode="r"``."""
+
+
+class IndexOutOfRange(FeatureStoreError, IndexError):
+    pass
+
+
+class ShapeMismatch(FeatureStoreError, ValueError):
+    pass
+
+
+class DtypeMismatch(FeatureStoreError, TypeError):
+    pass
+
+
+class Float16Overflow(FeatureStoreError, OverflowError):
+    """A value beyond +-65504 would be stored as float16."""
+
+
+class NonFiniteValues(FeatureStoreError, ValueError):
+    """NaN or Inf in the values to store."""
+
+
+class CorruptChunk(FeatureStoreError, IOError):
+    """A chunk whose size or crc32c does not match."""
+
+
+class MissingChunks(FeatureStoreError, RuntimeError):
+    """``commit()`` found chunks that were never written."""
+
+
+class CacheKeyMismatch(FeatureStoreError, ValueError):
+    """Resuming or re-running into a split made with another encoder, preprocessing or dtype."""

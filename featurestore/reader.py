@@ -1,0 +1,213 @@
+"""FeatureArray: gather any list of rows of one stored array into one preallocated buffer.
+
+Three paths behind one interface, chosen when the array is opened, all returning the same bytes:
+
+* ``mmap`` (local, uncompressed): every chunk file is memory-mapped on first use in each process
+  and rows are copied straight from the page cache into the output. The maps are dropped on
+  pickling and when the process id changes (a forked DataLoader worker), so each process opens
+  its own.
+* ``ranges`` (object storage / any fsspec URL, uncompressed): one byte range per run of adjacent
+  requested rows, all fetched in one ``cat_ranges`` call, which s3fs and gcsfs issue concurrently.
+* ``zarr`` (compressed arrays): zarr-python decodes the touched chunks.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+
+from . import dtypes, layout
+from .errors import IndexOutOfRange, ShapeMismatch
+from .storage import Storage
+
+
+class FeatureArray:
+    """One stored array (``features`` or ``labels``) of a split."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        split_key: str,
+        name: str,
+        array_doc: dict[str, Any],
+        *,
+        logical_dtype: str,
+        metadata: dict[str, Any],
+        labels: FeatureArray | None = None,
+    ) -> None:
+        self._storage = storage
+        self._split_key = split_key
+        self._key = f"{split_key}/{name}"
+        self.name = name
+        self.shape: tuple[int, ...] = tuple(int(s) for s in array_doc["shape"])
+        self.sample_shape = self.shape[1:]
+        self.dtype = logical_dtype
+        self.numpy_dtype = dtypes.storage_dtype(logical_dtype)
+        self.chunk_rows = layout.array_chunk_rows(array_doc)
+        self.sample_nbytes = int(np.prod(self.sample_shape, dtype=np.int64)) * self.numpy_dtype.itemsize
+        self.metadata = metadata
+        self.labels = labels
+        self._ndim = len(self.shape)
+        self._compressed = layout.is_compressed(array_doc)
+        if self._compressed:
+            self.path = "zarr"
+        elif storage.local_path(self._key) is not None:
+            self.path = "mmap"
+        else:
+            self.path = "ranges"
+        self._maps: dict[int, np.ndarray] = {}
+        self._pid = os.getpid()
+        self._zarr: Any = None
+
+    # ------------------------------------------------------------------ sizes
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.sample_nbytes
+
+    @property
+    def ids(self) -> list[str] | None:
+        if not self._storage.exists(f"{self._split_key}/{layout.IDS}/{layout.ZARR_JSON}"):
+            return None
+        import zarr
+
+        array = zarr.open_array(store=self._storage.zarr_store(), path=f"{self._split_key}/{layout.IDS}", mode="r")
+        return [str(v) for v in array[:]]
+
+    def __repr__(self) -> str:
+        return f"FeatureArray({self._key!r}, shape={self.shape}, dtype={self.dtype!r}, path={self.path!r})"
+
+    # ------------------------------------------------------------------ reads
+    def read(self, indices: Any) -> Any:
+        """Rows ``indices`` as a torch tensor of the stored dtype (torch.bfloat16 for bfloat16)."""
+        return dtypes.to_torch(self.read_numpy(indices), self.dtype)
+
+    def read_range(self, start: int, stop: int) -> np.ndarray:
+        if not (0 <= start <= stop <= len(self)):
+            raise IndexOutOfRange(f"range [{start}, {stop}) is outside [0, {len(self)}]: use 0 <= start <= stop <= {len(self)}")
+        return self.read_numpy(np.arange(start, stop, dtype=np.int64))
+
+    def read_numpy(self, indices: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``indices`` (any order, duplicates allowed) in the storage dtype (uint16 bits for
+        bfloat16). ``out``, if given, must be a C-contiguous array of that shape and dtype."""
+        index = self._normalize(indices)
+        shape = (len(index), *self.sample_shape)
+        if out is None:
+            out = np.empty(shape, self.numpy_dtype)
+        elif out.shape != shape or out.dtype != self.numpy_dtype or not out.flags.c_contiguous:
+            raise ShapeMismatch(
+                f"out has shape {out.shape} and dtype {out.dtype}; this read needs a C-contiguous "
+                f"{shape} array of {self.numpy_dtype}"
+            )
+        if len(index):
+            rows = out.reshape(len(index), -1).view(np.uint8)
+            if self.path == "mmap":
+                self._gather_mmap(index, rows)
+            elif self.path == "ranges":
+                self._gather_ranges(index, rows)
+            else:
+                self._gather_zarr(index, out)
+        return out
+
+    def _normalize(self, indices: Any) -> np.ndarray:
+        if type(indices).__module__.startswith("torch"):
+            indices = indices.detach().cpu().numpy()
+        index = np.asarray(indices)
+        if index.ndim == 0:
+            index = index.reshape(1)
+        if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
+            raise IndexOutOfRange(
+                f"indices must be a 1-D sequence of integers, got {index.dtype} with shape "
+                f"{index.shape}: pass e.g. a list of ints or a torch.LongTensor"
+            )
+        index = index.astype(np.int64, copy=False)
+        if index.size:
+            low, high = int(index.min()), int(index.max())
+            if low < 0 or high >= len(self):
+                bad = low if low < 0 else high
+                raise IndexOutOfRange(
+                    f"index {bad} is out of range for {self._key} with {len(self)} samples: "
+                    f"use indices in [0, {len(self) - 1}]"
+                )
+        return index
+
+    # ------------------------------------------------------------------ mmap path
+    def _chunk_view(self, chunk: int) -> np.ndarray:
+        view = self._maps.get(chunk)
+        if view is None:
+            path = self._storage.local_path(layout.chunk_key(self._key, chunk, self._ndim))
+            assert path is not None
+            with open(path, "rb") as f:
+                # The map outlives the file descriptor; the 4-byte crc trailer is left out of
+                # the view. MADV_RANDOM: shuffled gathers gain nothing from read-ahead.
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+                mapped.madvise(mmap.MADV_RANDOM)
+            data = np.frombuffer(mapped, np.uint8, count=self.chunk_rows * self.sample_nbytes)
+            view = data.reshape(self.chunk_rows, self.sample_nbytes)
+            self._maps[chunk] = view
+        return view
+
+    def _gather_mmap(self, index: np.ndarray, rows: np.ndarray) -> None:
+        if os.getpid() != self._pid:  # forked: open this process's own maps
+            self._maps = {}
+            self._pid = os.getpid()
+        chunk_of, offset = np.divmod(index, self.chunk_rows)
+        # Runs of consecutive rows within one chunk are copied as one slice; a shuffled batch
+        # is one row per run. The loop is over runs, the copies are numpy memcpys.
+        for start, stop in _runs(chunk_of, offset):
+            view = self._chunk_view(int(chunk_of[start]))
+            first = int(offset[start])
+            rows[start:stop] = view[first : first + (stop - start)]
+
+    # ------------------------------------------------------------------ ranges path
+    def _gather_ranges(self, index: np.ndarray, rows: np.ndarray) -> None:
+        unique, inverse = np.unique(index, return_inverse=True)
+        chunk_of, offset = np.divmod(unique, self.chunk_rows)
+        keys, starts, ends, spans = [], [], [], []
+        for start, stop in _runs(chunk_of, offset):
+            keys.append(layout.chunk_key(self._key, int(chunk_of[start]), self._ndim))
+            starts.append(int(offset[start]) * self.sample_nbytes)
+            ends.append(int(offset[start] + (stop - start)) * self.sample_nbytes)
+            spans.append((start, stop))
+        blobs = self._storage.read_ranges(keys, starts, ends)
+        if len(unique) == len(index) and np.array_equal(unique, index):
+            target = rows
+        else:
+            target = np.empty((len(unique), self.sample_nbytes), np.uint8)
+        for (start, stop), blob in zip(spans, blobs):
+            target[start:stop] = np.frombuffer(blob, np.uint8).reshape(stop - start, self.sample_nbytes)
+        if target is not rows:
+            np.take(target, inverse.reshape(-1), axis=0, out=rows)
+
+    # ------------------------------------------------------------------ zarr path
+    def _gather_zarr(self, index: np.ndarray, out: np.ndarray) -> None:
+        if self._zarr is None:
+            import zarr
+
+            self._zarr = zarr.open_array(store=self._storage.zarr_store(), path=self._key, mode="r")
+        unique, inverse = np.unique(index, return_inverse=True)
+        values = np.asarray(self._zarr.get_orthogonal_selection((unique,)))
+        np.take(values.view(self.numpy_dtype), inverse.reshape(-1), axis=0, out=out)
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_maps"] = {}  # memory maps are per process: reopened lazily after unpickling
+        state["_zarr"] = None
+        return state
+
+
+def _runs(chunk_of: np.ndarray, offset: np.ndarray) -> list[tuple[int, int]]:
+    """[start, stop) positions of maximal runs where rows are consecutive within one chunk."""
+    n = len(chunk_of)
+    if n == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(chunk_of) != 0) | (np.diff(offset) != 1)) + 1
+    bounds = np.concatenate(([0], breaks, [n]))
+    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))

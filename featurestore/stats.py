@@ -1,0 +1,151 @@
+"""Quantization report and per-channel statistics from per-chunk partial sums.
+
+Each feature chunk gets one float64 row (``ChunkStats.to_row``) written by the chunk's owner
+beside the chunk. A split's report is the fold of all rows in chunk order, so it does not depend
+on which process wrote which chunk, on batch sizes or on arrival order: one writer, several
+torchrun ranks and a resumed run all produce the same numbers.
+
+Per chunk: counts, maxima (order-free), sums of squared error / squared source taken per sample
+row then summed in row order, and per-channel mean and M2 (sum of squared deviations) over the
+chunk's rows, merged across chunks with Chan et al.'s parallel update
+(https://en.wikipedia.org/wiki/Algorithms_for_calculating_variance#Parallel_algorithm).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Scalar slots at the start of a row; the channel mean and M2 follow (2 * channels values).
+SCALARS = (
+    "rows",
+    "values",
+    "abs_max",
+    "max_abs_error",
+    "max_rel_error",
+    "sum_sq_error",
+    "sum_sq_source",
+    "nan_count",
+    "inf_count",
+    "overflow_count",
+)
+NUM_SCALARS = len(SCALARS)
+# Relative error is taken only where |x| is at least float16's smallest normal: below it every
+# format loses relative precision by design (subnormals), and the ratio says nothing useful.
+REL_ERROR_FLOOR = 6.103515625e-05
+
+
+def row_length(channels: int) -> int:
+    return NUM_SCALARS + 2 * channels
+
+
+@dataclass
+class ChunkStats:
+    channels: int
+    rows: int = 0
+    values: int = 0
+    abs_max: float = 0.0
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    sum_sq_error: float = 0.0
+    sum_sq_source: float = 0.0
+    nan_count: int = 0
+    inf_count: int = 0
+    overflow_count: int = 0
+    mean: np.ndarray = field(default=None)  # type: ignore[assignment]
+    m2: np.ndarray = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.mean is None:
+            self.mean = np.zeros(self.channels, np.float64)
+        if self.m2 is None:
+            self.m2 = np.zeros(self.channels, np.float64)
+
+    def to_row(self) -> np.ndarray:
+        head = [getattr(self, name) for name in SCALARS]
+        return np.concatenate([np.asarray(head, np.float64), self.mean, self.m2])
+
+    @classmethod
+    def from_row(cls, row: np.ndarray) -> ChunkStats:
+        channels = (len(row) - NUM_SCALARS) // 2
+        values = {name: float(row[i]) for i, name in enumerate(SCALARS)}
+        for name in ("rows", "values", "nan_count", "inf_count", "overflow_count"):
+            values[name] = int(values[name])
+        mean = row[NUM_SCALARS : NUM_SCALARS + channels].astype(np.float64)
+        m2 = row[NUM_SCALARS + channels :].astype(np.float64)
+        return cls(channels=channels, mean=mean, m2=m2, **values)
+
+    def merge(self, other: ChunkStats) -> None:
+        """Fold ``other`` into self (Chan's update for mean/M2; max and sums otherwise)."""
+        n_a = self.values // max(1, self.channels)
+        n_b = other.values // max(1, other.channels)
+        if n_b:
+            total = n_a + n_b
+            delta = other.mean - self.mean
+            self.mean = self.mean + delta * (n_b / total)
+            self.m2 = self.m2 + other.m2 + delta * delta * (n_a * n_b / total)
+        self.rows += other.rows
+        self.values += other.values
+        self.abs_max = max(self.abs_max, other.abs_max)
+        self.max_abs_error = max(self.max_abs_error, other.max_abs_error)
+        self.max_rel_error = max(self.max_rel_error, other.max_rel_error)
+        self.sum_sq_error += other.sum_sq_error
+        self.sum_sq_source += other.sum_sq_source
+        self.nan_count += other.nan_count
+        self.inf_count += other.inf_count
+        self.overflow_count += other.overflow_count
+
+
+def channel_moments(stored32: np.ndarray, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and M2 of ``stored32`` (float32, any leading shape, last axis = channels).
+
+    Sums accumulate in float64; the deviations are taken from the chunk mean (two passes), which
+    stays accurate when the mean is large against the spread.
+    """
+    flat = stored32.reshape(-1, channels)
+    if flat.shape[0] == 0:
+        return np.zeros(channels), np.zeros(channels)
+    mean = flat.sum(axis=0, dtype=np.float64) / flat.shape[0]
+    centred = flat - mean.astype(np.float32)
+    m2 = np.einsum("ij,ij->j", centred, centred, dtype=np.float64)
+    return mean, m2
+
+
+def merge_rows(rows: list[np.ndarray], channels: int) -> ChunkStats:
+    total = ChunkStats(channels=channels)
+    for row in rows:
+        total.merge(ChunkStats.from_row(row))
+    return total
+
+
+def report(total: ChunkStats, *, source_dtype: str, logical_dtype: str) -> dict[str, Any]:
+    """The ``quantization`` and ``channel_stats`` metadata of a split (docs/FORMAT.md)."""
+    n_channel = total.values // max(1, total.channels)
+    std = np.sqrt(total.m2 / n_channel) if n_channel else np.zeros(total.channels)
+    rms_source = math.sqrt(total.sum_sq_source / total.values) if total.values else 0.0
+    rms_error = math.sqrt(total.sum_sq_error / total.values) if total.values else 0.0
+    quantization = {
+        "source_dtype": source_dtype,
+        "stored_dtype": logical_dtype,
+        "exact": total.sum_sq_error == 0.0 and total.max_abs_error == 0.0,
+        "values": total.values,
+        "abs_max": total.abs_max,
+        "max_abs_error": total.max_abs_error,
+        "max_rel_error": total.max_rel_error,
+        "rel_error_floor": REL_ERROR_FLOOR,
+        "rms_error": rms_error,
+        "rel_rms_error": (rms_error / rms_source) if rms_source else 0.0,
+        "overflow_count": total.overflow_count,
+        "nan_count": total.nan_count,
+        "inf_count": total.inf_count,
+    }
+    channel_stats = {
+        "axis": -1,
+        "count": n_channel,
+        "mean": [float(v) for v in total.mean],
+        "std": [float(v) for v in std],
+    }
+    return {"quantization": quantization, "channel_stats": channel_stats}

@@ -1,0 +1,220 @@
+"""Key-value access to a store root: one small interface, a local and an fsspec backend.
+
+Keys are ``/``-separated paths relative to the store root (``ds/enc/split/features/c/0/0/0``).
+The writer needs exactly three guarantees from a backend, and both give them:
+
+* ``write`` is atomic: a reader (or a resumed writer) sees the whole value or no value, never a
+  torn one. Locally that is write-to-temp + ``os.replace`` in the same directory (POSIX rename is
+  atomic); on object stores a single PUT is atomic by design.
+* ``read_ranges`` fetches many byte ranges in one call; fsspec's async filesystems (s3fs, gcsfs)
+  issue them concurrently.
+* ``local_path`` tells the reader when a key is a plain file it may memory-map.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import StoreNotFound
+
+
+class Storage:
+    """Abstract key-value view of a store root."""
+
+    url: str
+
+    def read(self, key: str) -> bytes:  # raises FileNotFoundError
+        raise NotImplementedError
+
+    def read_ranges(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
+        raise NotImplementedError
+
+    def read_many(self, keys: Sequence[str]) -> list[bytes]:
+        """Whole values of many keys (concurrently where the backend can)."""
+        return [self.read(k) for k in keys]
+
+    def write(self, key: str, *parts: bytes | memoryview) -> None:
+        """Store the concatenation of ``parts`` under ``key``, atomically."""
+        raise NotImplementedError
+
+    def exists(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def size(self, key: str) -> int | None:
+        """Size in bytes, or None if the key does not exist."""
+        raise NotImplementedError
+
+    def listdir(self, prefix: str) -> list[str]:
+        """Names directly under ``prefix`` (files and sub-directories), [] if none."""
+        raise NotImplementedError
+
+    def delete_tree(self, prefix: str) -> None:
+        raise NotImplementedError
+
+    def local_path(self, key: str) -> str | None:
+        return None
+
+    def zarr_store(self, read_only: bool = True) -> Any:
+        """A zarr-python store on the same root (for the compressed read path and ``ids``)."""
+        raise NotImplementedError
+
+
+class LocalStorage(Storage):
+    def __init__(self, root: str, *, fsync: bool = False) -> None:
+        self.root = os.path.abspath(root)
+        self.url = self.root
+        # fsync makes each chunk durable across an OS crash; a process crash (SIGKILL) never loses
+        # a completed rename without it, so it is off by default for speed.
+        self.fsync = fsync
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/")) if key else self.root
+
+    def local_path(self, key: str) -> str | None:
+        return self._path(key)
+
+    def read(self, key: str) -> bytes:
+        with open(self._path(key), "rb") as f:
+            return f.read()
+
+    def read_ranges(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
+        out = []
+        for key, start, end in zip(keys, starts, ends):
+            with open(self._path(key), "rb") as f:
+                out.append(os.pread(f.fileno(), end - start, start))
+        return out
+
+    def write(self, key: str, *parts: bytes | memoryview) -> None:
+        path = self._path(key)
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        # The temp name is unique per process and call, so concurrent writers never share one.
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                for part in parts:  # several parts: the chunk and its crc, without a joined copy
+                    f.write(part)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+
+    def exists(self, key: str) -> bool:
+        return os.path.exists(self._path(key))
+
+    def size(self, key: str) -> int | None:
+        try:
+            return os.stat(self._path(key)).st_size
+        except FileNotFoundError:
+            return None
+
+    def listdir(self, prefix: str) -> list[str]:
+        try:
+            return sorted(n for n in os.listdir(self._path(prefix)) if not n.endswith(".tmp"))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def delete_tree(self, prefix: str) -> None:
+        shutil.rmtree(self._path(prefix), ignore_errors=True)
+
+    def zarr_store(self, read_only: bool = True) -> Any:
+        from zarr.storage import LocalStore
+
+        return LocalStore(self.root, read_only=read_only)
+
+
+class FsspecStorage(Storage):
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        import fsspec.core
+
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        self.root = self.root.rstrip("/")
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}" if key else self.root
+
+    def read(self, key: str) -> bytes:
+        return self.fs.cat_file(self._path(key))
+
+    def read_ranges(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
+        if not keys:
+            return []
+        paths = [self._path(k) for k in keys]
+        # One call: async filesystems (s3fs, gcsfs) gather the ranges concurrently.
+        return self.fs.cat_ranges(paths, list(starts), list(ends), on_error="raise")
+
+    def read_many(self, keys: Sequence[str]) -> list[bytes]:
+        if not keys:
+            return []
+        paths = [self._path(k) for k in keys]
+        values = self.fs.cat(paths, on_error="raise")
+        return [values[p] for p in paths]
+
+    def write(self, key: str, *parts: bytes | memoryview) -> None:
+        # A single PUT is atomic on object stores; memory:// replaces the value in one step.
+        self.fs.pipe_file(self._path(key), b"".join(parts))
+
+    def exists(self, key: str) -> bool:
+        return self.size(key) is not None
+
+    def size(self, key: str) -> int | None:
+        try:
+            info = self.fs.info(self._path(key))
+        except (FileNotFoundError, OSError):
+            return None
+        if info.get("type") == "directory":
+            return None
+        return int(info["size"])
+
+    def listdir(self, prefix: str) -> list[str]:
+        path = self._path(prefix)
+        # Object-store listings are cached by fsspec; other processes (ranks) add keys, so
+        # always ask the server.
+        self.fs.invalidate_cache(path)
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except (FileNotFoundError, OSError):
+            return []
+        names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries}
+        names.discard("")
+        return sorted(names)
+
+    def delete_tree(self, prefix: str) -> None:
+        path = self._path(prefix)
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(path)
+
+    def zarr_store(self, read_only: bool = True) -> Any:
+        from zarr.storage import FsspecStore
+
+        return FsspecStore.from_url(self.url, storage_options=self.storage_options, read_only=read_only)
+
+
+def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:
+    """A local path or ``file://`` URL gets :class:`LocalStorage` (memory-mappable); any other
+    fsspec URL gets :class:`FsspecStorage`."""
+    if not isinstance(url, (str, os.PathLike)) or not str(url):
+        raise StoreNotFound(f"store URL {url!r} is empty: pass a directory path or an fsspec URL such as s3://bucket/prefix")
+    url = os.fspath(url)
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    if "://" not in url:
+        return LocalStorage(url, fsync=os.environ.get("FEATURESTORE_FSYNC") == "1")
+    return FsspecStorage(url, storage_options)
+
+

@@ -1,0 +1,363 @@
+"""FeatureStore: the root of a store, its listings, and the doors to readers and writers."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from typing import Any
+
+import numpy as np
+
+from . import __version__, chunks, dtypes, layout
+from .errors import (
+    CacheKeyMismatch,
+    DatasetNotFound,
+    EncoderNotFound,
+    FeatureStoreError,
+    IncompleteSplit,
+    NotAFeatureStore,
+    ReadOnlyStore,
+    ShapeMismatch,
+    SplitExists,
+    SplitNotFound,
+    StoreNotFound,
+    UnsupportedFormatVersion,
+)
+from .names import validate_name
+from .reader import FeatureArray
+from .stats import row_length
+from .storage import Storage, open_storage
+from .writer import SplitWriter
+
+ROOT_ATTRIBUTES = {"featurestore": {"format": layout.FORMAT_NAME, "version": layout.FORMAT_VERSION}}
+
+
+def open_store(url: str, mode: str = "r", **storage_options: Any) -> FeatureStore:
+    """Open the store at ``url`` (a path or any fsspec URL).
+
+    ``mode="r"`` needs an existing store; ``mode="a"`` creates the root group if it is missing.
+    ``storage_options`` go to fsspec (e.g. ``endpoint_url``, ``key``, ``secret`` for s3fs).
+    """
+    if mode not in ("r", "a"):
+        raise FeatureStoreError(f"mode {mode!r} is not supported: use 'r' (read) or 'a' (read and write)")
+    return FeatureStore(open_storage(url, storage_options), mode=mode)
+
+
+class FeatureStore:
+    def __init__(self, storage: Storage, *, mode: str) -> None:
+        self.storage = storage
+        self.url = storage.url
+        self.mode = mode
+        raw = self._read_document(layout.ZARR_JSON)
+        if raw is None:
+            if mode == "r":
+                raise StoreNotFound(
+                    f"no featurestore at {self.url!r}: check the URL, or create one by writing a "
+                    "split (featurestore extract --store URL ..., or open_store(url, mode='a'))"
+                )
+            storage.write(layout.ZARR_JSON, layout.group_document(ROOT_ATTRIBUTES))
+            return
+        check_root(raw, self.url)
+
+    def __repr__(self) -> str:
+        return f"FeatureStore({self.url!r}, mode={self.mode!r})"
+
+    # ------------------------------------------------------------------ listings
+    def datasets(self) -> list[str]:
+        return self._groups("")
+
+    def encoders(self, dataset: str) -> list[str]:
+        self._require_group(dataset)
+        return self._groups(validate_name(dataset, "dataset"))
+
+    def splits(self, dataset: str, encoder: str) -> list[str]:
+        self._require_group(dataset, encoder)
+        return self._groups(f"{dataset}/{encoder}")
+
+    def split_metadata(self, dataset: str, encoder: str, split: str) -> dict[str, Any]:
+        key = self._split_key(dataset, encoder, split)
+        doc = self._read_document(f"{key}/{layout.ZARR_JSON}")
+        if doc is None:
+            self._require_group(dataset, encoder)
+            raise SplitNotFound(
+                f"split {split!r} not found in {dataset}/{encoder} at {self.url}; available: "
+                f"{', '.join(self.splits(dataset, encoder)) or 'none'}"
+            )
+        return check_split(doc, key)
+
+    def split_status(self, dataset: str, encoder: str, split: str) -> str:
+        return str(self.split_metadata(dataset, encoder, split).get("status", "writing"))
+
+    # ------------------------------------------------------------------ reading
+    def open(self, dataset: str, encoder: str, split: str, allow_incomplete: bool = False) -> FeatureArray:
+        meta = self.split_metadata(dataset, encoder, split)
+        key = self._split_key(dataset, encoder, split)
+        if meta.get("status") != "complete" and not allow_incomplete:
+            raise IncompleteSplit(
+                f"split {key} is not complete (status {meta.get('status')!r}): its writer is still "
+                "running or died. Resume it (featurestore extract ... --resume), or pass "
+                "allow_incomplete=True to read it as it is"
+            )
+        labels = None
+        if meta.get("labels"):
+            labels_doc = self._array_document(f"{key}/{layout.LABELS}")
+            labels = FeatureArray(self.storage, key, layout.LABELS, labels_doc,
+                                  logical_dtype=meta["labels"]["dtype"], metadata=meta)
+        features_doc = self._array_document(f"{key}/{layout.FEATURES}")
+        return FeatureArray(self.storage, key, layout.FEATURES, features_doc,
+                            logical_dtype=meta["logical_dtype"], metadata=meta, labels=labels)
+
+    # ------------------------------------------------------------------ writing
+    def create_split(
+        self,
+        dataset: str,
+        encoder: str,
+        split: str,
+        *,
+        num_samples: int,
+        sample_shape: tuple[int, ...] | list[int],
+        dtype: str = "float16",
+        label_shape: tuple[int, ...] | list[int] = (),
+        label_dtype: Any = None,
+        metadata: dict[str, Any] | None = None,
+        chunk_bytes: int = 8 << 20,
+        resume: bool = False,
+        overwrite: bool = False,
+        compressor: str | None = None,
+        ids: list[str] | None = None,
+    ) -> SplitWriter:
+        """Create (or resume, or overwrite) a split and return its :class:`SplitWriter`.
+
+        An existing split is refused unless ``resume=True`` (keep its valid chunks, rewrite the
+        rest) or ``overwrite=True`` (delete it first). Resuming a split whose
+        ``metadata["cache_key"]`` differs raises :class:`CacheKeyMismatch`.
+        """
+        if self.mode != "a":
+            raise ReadOnlyStore(f"store {self.url} is open read-only: open_store(url, mode='a') to write")
+        key = self._split_key(dataset, encoder, split)
+        if resume and overwrite:
+            raise FeatureStoreError("resume=True and overwrite=True exclude each other: choose one")
+        wanted = self._new_metadata(dataset, encoder, split, num_samples, sample_shape, dtype,
+                                    label_shape, label_dtype, metadata, chunk_bytes, compressor, ids)
+        label_np = np.dtype(wanted["labels"]["dtype"]) if wanted["labels"] else None
+        existing = self._read_document(f"{key}/{layout.ZARR_JSON}")
+        if existing is not None and not overwrite:
+            if not resume:
+                raise SplitExists(
+                    f"split {key} already exists at {self.url}: pass resume=True to continue it "
+                    "(--resume) or overwrite=True to replace it (--overwrite)"
+                )
+            meta = check_split(existing, key)
+            _check_resumable(meta, wanted, key)
+            done = set(range(layout.num_chunks(meta["num_samples"], meta["chunk_rows"])))
+            if meta.get("status") != "complete":
+                done = self._valid_chunks(key, meta)
+            return SplitWriter(self.storage, key, meta, done_chunks=done, label_dtype=label_np)
+        if existing is not None:
+            self.storage.delete_tree(key)
+        self._ensure_group(dataset, {"featurestore": {"kind": "dataset"}})
+        self._ensure_group(f"{dataset}/{encoder}", {"featurestore": {"kind": "encoder"}})
+        # The split's group (status "writing") goes first: a creation cut short is visible as an
+        # incomplete split, never as a complete one.
+        self.storage.write(f"{key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": wanted}))
+        self._write_arrays(key, wanted, ids)
+        return SplitWriter(self.storage, key, wanted, done_chunks=set(), label_dtype=label_np)
+
+    # ------------------------------------------------------------------ internals
+    def _new_metadata(self, dataset: str, encoder: str, split: str, num_samples: int,
+                      sample_shape: Any, dtype: str, label_shape: Any, label_dtype: Any,
+                      metadata: dict[str, Any] | None, chunk_bytes: int, compressor: str | None,
+                      ids: list[str] | None) -> dict[str, Any]:
+        dtypes.check_feature_dtype(dtype)
+        if not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
+            raise ShapeMismatch(f"num_samples must be a positive int, got {num_samples!r}")
+        shape = tuple(int(s) for s in sample_shape)
+        if not shape or any(s < 1 for s in shape):
+            raise ShapeMismatch(f"sample_shape must have at least one positive axis (e.g. (tokens, dim)), got {tuple(sample_shape)!r}")
+        if not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes < 1:
+            raise FeatureStoreError(f"chunk_bytes must be a positive int (e.g. 8 << 20), got {chunk_bytes!r}")
+        if compressor is not None:
+            layout.parse_compressor(compressor)
+        if ids is not None and len(ids) != num_samples:
+            raise ShapeMismatch(f"ids has {len(ids)} entries for {num_samples} samples: pass one id per sample")
+        labels = None
+        if label_dtype is not None:
+            label_np = np.dtype(label_dtype)
+            if label_np.kind not in "iufb":
+                raise FeatureStoreError(f"label_dtype {label_np} is not numeric: use e.g. 'int64' or 'uint8'")
+            labels = {"shape": [int(s) for s in label_shape], "dtype": label_np.name}
+        sample_nbytes = int(np.prod(shape)) * dtypes.storage_dtype(dtype).itemsize
+        user = dict(metadata or {})
+        meta: dict[str, Any] = {
+            "format": layout.FORMAT_NAME,
+            "format_version": layout.FORMAT_VERSION,
+            "status": "writing",
+            "dataset": dataset,
+            "encoder_name": encoder,
+            "split": split,
+            "num_samples": int(num_samples),
+            "sample_shape": list(shape),
+            "logical_dtype": dtype,
+            "source_dtype": user.pop("source_dtype", None),
+            "chunk_rows": layout.chunk_rows_for(sample_nbytes, chunk_bytes, int(num_samples)),
+            "compressor": compressor,
+            "labels": labels,
+            "ids": ids is not None,
+            "encoder": user.pop("encoder", {"name": encoder, "spec": None, "weights_hash": None}),
+            "preprocessing": user.pop("preprocessing", None),
+            "token_layout": user.pop("token_layout", None),
+            "cache_key": user.pop("cache_key", None),
+            "quantization": None,
+            "channel_stats": None,
+            "creator": {"name": "featurestore", "version": __version__},
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "completed": None,
+        }
+        meta.update(user)
+        json.dumps(meta, allow_nan=False)  # metadata must be plain JSON: fail here, not at commit
+        return meta
+
+    def _write_arrays(self, key: str, meta: dict[str, Any], ids: list[str] | None) -> None:
+        n, rows = meta["num_samples"], meta["chunk_rows"]
+        shape = tuple(meta["sample_shape"])
+        logical = meta["logical_dtype"]
+        attrs = {"featurestore": {"logical_dtype": logical}}
+        self.storage.write(f"{key}/{layout.FEATURES}/{layout.ZARR_JSON}", layout.array_document(
+            shape=(n, *shape), chunk_rows=rows, data_type=dtypes.zarr_data_type(logical),
+            compressor=meta["compressor"], attributes=attrs))
+        if meta["labels"]:
+            label_shape = tuple(meta["labels"]["shape"])
+            self.storage.write(f"{key}/{layout.LABELS}/{layout.ZARR_JSON}", layout.array_document(
+                shape=(n, *label_shape), chunk_rows=rows, data_type=meta["labels"]["dtype"],
+                attributes={"featurestore": {"logical_dtype": meta["labels"]["dtype"]}}))
+        stats_chunks = layout.num_chunks(n, rows)
+        self.storage.write(f"{key}/{layout.CHUNK_STATS}/{layout.ZARR_JSON}", layout.array_document(
+            shape=(stats_chunks, row_length(shape[-1])), chunk_rows=1, data_type="float64",
+            attributes={"featurestore": {"description": "per-chunk partial sums; see docs/FORMAT.md"}}))
+        if ids is not None:
+            import zarr
+
+            array = zarr.create_array(store=self.storage.zarr_store(read_only=False),
+                                      name=f"{key}/{layout.IDS}", shape=(n,), dtype=str,
+                                      chunks=(max(1, min(n, 65536)),), overwrite=True)
+            array[:] = np.asarray([str(i) for i in ids], dtype=object)
+
+    def _valid_chunks(self, key: str, meta: dict[str, Any]) -> set[int]:
+        """Chunks whose features, statistics row and labels are all present with valid crc32c."""
+        rows = meta["chunk_rows"]
+        shape = meta["sample_shape"]
+        sample_nbytes = int(np.prod(shape)) * dtypes.storage_dtype(meta["logical_dtype"]).itemsize
+        arrays: list[tuple[str, int, int | None]] = [
+            (layout.FEATURES, 1 + len(shape), None if meta.get("compressor") else rows * sample_nbytes),
+            (layout.CHUNK_STATS, 2, 8 * row_length(shape[-1])),
+        ]
+        if meta.get("labels"):
+            label_shape = meta["labels"]["shape"]
+            nbytes = rows * int(np.prod(label_shape, dtype=np.int64)) * np.dtype(meta["labels"]["dtype"]).itemsize
+            arrays.append((layout.LABELS, 1 + len(label_shape), nbytes))
+        valid: set[int] | None = None
+        for name, ndim, nbytes in arrays:
+            present = {int(n) for n in self.storage.listdir(f"{key}/{name}/c") if n.isdigit()}
+            good = set()
+            for index in sorted(present if valid is None else present & valid):
+                raw = self.storage.read(layout.chunk_key(f"{key}/{name}", index, ndim))
+                if chunks.check(raw, nbytes) is None:
+                    good.add(index)
+            valid = good
+        return valid or set()
+
+    def _split_key(self, dataset: str, encoder: str, split: str) -> str:
+        return layout.split_key(validate_name(dataset, "dataset"), validate_name(encoder, "encoder"),
+                                validate_name(split, "split"))
+
+    def _groups(self, prefix: str) -> list[str]:
+        names = []
+        for name in self.storage.listdir(prefix):
+            if name.startswith(".") or not _is_name(name):
+                continue
+            if self.storage.exists(f"{prefix}/{name}/{layout.ZARR_JSON}" if prefix else f"{name}/{layout.ZARR_JSON}"):
+                names.append(name)
+        return sorted(names)
+
+    def _require_group(self, dataset: str, encoder: str | None = None) -> None:
+        validate_name(dataset, "dataset")
+        if not self.storage.exists(f"{dataset}/{layout.ZARR_JSON}"):
+            raise DatasetNotFound(
+                f"dataset {dataset!r} not found at {self.url}; available: {', '.join(self.datasets()) or 'none'}"
+            )
+        if encoder is not None:
+            validate_name(encoder, "encoder")
+            if not self.storage.exists(f"{dataset}/{encoder}/{layout.ZARR_JSON}"):
+                raise EncoderNotFound(
+                    f"encoder {encoder!r} not found in dataset {dataset!r} at {self.url}; "
+                    f"available: {', '.join(self._groups(dataset)) or 'none'}"
+                )
+
+    def _ensure_group(self, key: str, attributes: dict[str, Any]) -> None:
+        if not self.storage.exists(f"{key}/{layout.ZARR_JSON}"):
+            self.storage.write(f"{key}/{layout.ZARR_JSON}", layout.group_document(attributes))
+
+    def _read_document(self, key: str) -> dict[str, Any] | None:
+        try:
+            raw = self.storage.read(key)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+        try:
+            return layout.load_document(raw)
+        except ValueError as error:
+            raise NotAFeatureStore(f"{self.url}/{key} is not valid JSON ({error}): the store is damaged") from None
+
+    def _array_document(self, key: str) -> dict[str, Any]:
+        doc = self._read_document(f"{key}/{layout.ZARR_JSON}")
+        if doc is None or doc.get("node_type") != "array":
+            raise SplitNotFound(f"array {key} is missing at {self.url}: the split is damaged; rewrite it with overwrite=True")
+        return doc
+
+
+def check_root(doc: dict[str, Any], url: str) -> None:
+    info = (doc.get("attributes") or {}).get("featurestore") or {}
+    if doc.get("node_type") != "group" or info.get("format") != layout.FORMAT_NAME:
+        raise NotAFeatureStore(
+            f"{url} holds a zarr node that is not a featurestore root: point to the store's root "
+            "directory, or use an empty location for a new store"
+        )
+    _check_version(info.get("version"), url)
+
+
+def check_split(doc: dict[str, Any], key: str) -> dict[str, Any]:
+    meta = (doc.get("attributes") or {}).get("featurestore")
+    if doc.get("node_type") != "group" or not isinstance(meta, dict) or "num_samples" not in meta:
+        raise SplitNotFound(f"{key} is not a featurestore split (no split metadata in its zarr.json)")
+    _check_version(meta.get("format_version"), key)
+    return meta
+
+
+def _check_version(version: Any, where: str) -> None:
+    if not isinstance(version, int) or version > layout.FORMAT_VERSION or version < 1:
+        raise UnsupportedFormatVersion(
+            f"{where} uses featurestore format version {version!r}, this featurestore "
+            f"({__version__}) reads version {layout.FORMAT_VERSION}: upgrade featurestore"
+        )
+
+
+def _check_resumable(meta: dict[str, Any], wanted: dict[str, Any], key: str) -> None:
+    old, new = meta.get("cache_key"), wanted.get("cache_key")
+    if old and new and old != new:
+        raise CacheKeyMismatch(
+            f"split {key} was written with cache key {old}, this run has {new} (another encoder, "
+            "weights, preprocessing, dtype or input): use overwrite=True (--overwrite) to replace it"
+        )
+    for field in ("num_samples", "sample_shape", "logical_dtype", "labels", "compressor"):
+        if meta.get(field) != wanted.get(field):
+            raise ShapeMismatch(
+                f"cannot resume {key}: its {field} is {meta.get(field)!r}, this run asks for "
+                f"{wanted.get(field)!r}; use overwrite=True (--overwrite) to replace it"
+            )
+
+
+def _is_name(name: str) -> bool:
+    try:
+        validate_name(name)
+    except FeatureStoreError:
+        return False
+    return True
