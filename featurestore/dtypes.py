@@ -109,3 +109,29 @@ def torch_dtype(logical: str) -> Any:
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(
         logical
     ) or getattr(torch, np.dtype(logical).name)
+
+
+# Sign-cleared bit patterns order like magnitudes, and every pattern at or above the exponent's
+# all-ones value is Inf or NaN; an integer max over the masked bits gives both the abs max and the
+# finiteness check in one vectorised pass, where numpy's float16 max is emulated and ~100x slower.
+_MAGNITUDE = {
+    np.dtype(np.float16): (np.uint16, 0x7FFF, 0x7C00),
+    BFLOAT16: (np.uint16, 0x7FFF, 0x7F80),
+    np.dtype(np.float32): (np.uint32, 0x7FFFFFFF, 0x7F800000),
+}
+
+
+def row_abs_max(values: np.ndarray) -> np.ndarray:
+    """Largest |value| of each row (first axis) as float64; inf for a row holding Inf or NaN."""
+    rows = values.reshape(len(values), -1) if len(values) else values.reshape(0, 1)
+    if rows.shape[1] == 0:
+        return np.zeros(len(values))
+    spec = _MAGNITUDE.get(values.dtype)
+    if spec is None or not values.flags.c_contiguous:
+        top = np.abs(rows.astype(np.float64)).max(axis=1)
+        return np.where(np.isfinite(top), top, np.inf)
+    uint, mask, non_finite = spec
+    bits = np.bitwise_and(rows.view(uint), uint(mask)).max(axis=1)
+    top = bits.view(values.dtype).astype(np.float64)
+    top[bits >= non_finite] = np.inf
+    return top

@@ -1,322 +1,390 @@
 """Reference probes on frozen features, and the check of whether a storage dtype moves a metric.
 
-Every probe trains from any iterable of ``(features, labels)`` batches, so the same code runs on
-:class:`client.FeatureLoader` (streaming from a store, local or over HTTP) and on
-:class:`TensorLoader` (the classic in-RAM cache), which is what makes the two comparable.
+The public entry points (``featurestore probe`` is their command line):
 
-- :func:`train_linear_probe`: a linear classifier on pooled tokens; macro-F1, balanced accuracy.
-- :func:`featurestore.probes_seg.train_seg_probe`: a small transformer head on the patch-token
-  grid; per-image macro Jaccard.
-- :func:`run_seeds` runs one probe under K seeds and summarises each metric as mean ± std;
-  :func:`compare_summaries` decides whether two such summaries differ by more than the spread.
-- :func:`run_probe` and :func:`compare_probes` (in :mod:`featurestore.probe_runner`-free form,
-  below) do all of that for splits in a store; ``featurestore probe`` is their command line.
+- :func:`run_probe`: train the reference probe for one encoder's split under K seeds and score it
+  on another split -> mean ± std per metric;
+- :func:`compare_probes`: the same for two encoder names holding the same images (e.g. the
+  features stored as float16 and as float32), plus, per metric, the difference and whether it
+  exceeds the run-to-run spread (:func:`compare_summaries`).
 
-Metric definitions and how to read the comparison: ``docs/PROBES.md``.
+The probes themselves train from any iterable of ``(features, labels)`` batches, so they run the
+same on ``client.FeatureLoader`` (streaming from a store, local or over HTTP) and on an in-RAM
+:class:`~featurestore.probes_linear.TensorLoader`:
+:func:`~featurestore.probes_linear.train_linear_probe` (macro-F1, balanced accuracy) and
+:func:`~featurestore.probes_seg.train_seg_probe` (per-image macro Jaccard). Metric definitions
+and how to read a comparison: ``docs/PROBES.md``. Torch and the client are imported inside the
+functions that train, so describing a split works without them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import torch
-from torch import nn
-
-if TYPE_CHECKING:
-    from torch import Tensor
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 __all__ = [
-    "LinearProbeConfig",
-    "TensorLoader",
-    "balanced_accuracy",
+    "SPREAD_FACTOR",
+    "SplitInfo",
+    "compare_probes",
     "compare_summaries",
-    "confusion_matrix",
-    "epochs_of",
-    "macro_f1",
-    "pool_tokens",
-    "resolve_device",
+    "describe_split",
+    "detect_task",
+    "num_classes_of",
+    "run_probe",
     "run_seeds",
     "summarize",
-    "train_linear_probe",
+    "token_layout",
 ]
 
-Batch = tuple["Tensor", "Tensor"]
+TASKS = ("auto", "linear", "seg")
+LOADERS = ("stream", "ram")
 
 # A metric "exceeds the run-to-run spread" when |mean_A - mean_B| > SPREAD_FACTOR * pooled std.
 SPREAD_FACTOR = 2.0
 
 
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """``"auto"`` -> CUDA when available, else CPU; anything else is passed to ``torch.device``."""
-    if isinstance(device, torch.device):
-        return device
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as error:
-        raise ValueError(f"invalid device {device!r}: use auto, cpu, cuda or cuda:N") from error
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available; use --device cpu")
-    return resolved
-
-
-class TensorLoader:
-    """Batches of in-RAM tensors, the baseline that a feature cache in host memory gives.
-
-    It mirrors the parts of ``FeatureLoader`` that the probes use: re-iterable, ``set_epoch``,
-    shuffling from ``seed`` (a fresh generator per epoch, so an epoch's order does not depend on
-    how many epochs ran before), and batches moved to ``device`` with features cast to ``dtype``.
-    """
-
-    def __init__(
-        self,
-        features: Tensor,
-        labels: Tensor,
-        *,
-        batch_size: int = 64,
-        shuffle: bool = False,
-        seed: int = 0,
-        device: str | torch.device = "auto",
-        dtype: torch.dtype = torch.float32,
-        drop_last: bool = False,
-    ) -> None:
-        if len(features) != len(labels):
-            raise ValueError(
-                f"features and labels differ in length ({len(features)} vs {len(labels)})"
-            )
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, but got: {batch_size!r}")
-        self.features = features
-        self.labels = labels
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.device = resolve_device(device)
-        self.dtype = dtype
-        self.drop_last = drop_last
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        n = len(self.features)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
-
-    def __iter__(self) -> Iterator[Batch]:
-        n = len(self.features)
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            order = torch.randperm(n, generator=generator)
-        else:
-            order = torch.arange(n)
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
-            index = order[start : start + self.batch_size]
-            yield (
-                self.features[index].to(self.device, self.dtype),
-                self.labels[index].to(self.device),
-            )
-
-
-def epochs_of(loader: Iterable[Batch], epochs: int) -> Iterator[Iterable[Batch]]:
-    """Yield ``loader`` once per epoch, calling ``set_epoch`` first when it has one.
-
-    Loaders that reshuffle per epoch (``FeatureLoader``, ``TensorLoader``, a ``DistributedSampler``
-    wrapper) need ``set_epoch``; plain lists of batches are simply re-iterated.
-    """
-    for epoch in range(epochs):
-        set_epoch = getattr(loader, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-        yield loader
-
-
-def _cosine_lr(base_lr: float, epoch: int, epochs: int) -> float:
-    # Per-epoch cosine decay: needs no len() of the loader, which a generic iterable may lack.
-    return base_lr * 0.5 * (1.0 + math.cos(math.pi * epoch / max(epochs, 1)))
-
-
-# ----------------------------------------------------------------------------------- metrics
-
-
-def confusion_matrix(target: Tensor, pred: Tensor, num_classes: int) -> Tensor:
-    """``[C, C]`` int64 counts, rows = target class, columns = predicted class."""
-    target = target.reshape(-1).long()
-    pred = pred.reshape(-1).long()
-    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= num_classes):
-        raise ValueError(
-            f"labels must lie in [0, {num_classes}), but got values in "
-            f"[{int(target.min())}, {int(target.max())}]; pass the right num_classes"
-        )
-    flat = torch.bincount(target * num_classes + pred, minlength=num_classes * num_classes)
-    return flat.reshape(num_classes, num_classes)
-
-
-def macro_f1(confusion: Tensor) -> float:
-    """Mean per-class F1 over classes present in the target or the prediction.
-
-    ``F1_c = 2 TP / (2 TP + FP + FN)``; a class absent from both has 0/0 and is left out (what
-    scikit-learn does when ``labels`` is not given), so unused class ids do not dilute the mean.
-    """
-    confusion = confusion.double()
-    tp = confusion.diag()
-    denominator = 2 * tp + (confusion.sum(0) - tp) + (confusion.sum(1) - tp)
-    present = denominator > 0
-    if not bool(present.any()):
-        return float("nan")
-    return float((2 * tp[present] / denominator[present]).mean())
-
-
-def balanced_accuracy(confusion: Tensor) -> float:
-    """Mean per-class recall over classes present in the target (scikit-learn's definition)."""
-    confusion = confusion.double()
-    support = confusion.sum(1)
-    present = support > 0
-    if not bool(present.any()):
-        return float("nan")
-    return float((confusion.diag()[present] / support[present]).mean())
-
-
-# ------------------------------------------------------------------------------ linear probe
+# --------------------------------------------------------------------------- split description
 
 
 @dataclass(frozen=True)
-class LinearProbeConfig:
-    """Hyper-parameters of the linear probe (AdamW, per-epoch cosine decay)."""
+class SplitInfo:
+    """One opened split: what the probe needs to know before reading any features."""
 
-    epochs: int = 20
-    lr: float = 1e-3
-    weight_decay: float = 1e-4
-    pool: str = "mean"  # "mean": mean over patch tokens; "cls": the first prefix token
-    prefix_tokens: int = 0  # leading non-patch tokens (CLS, registers) in each sample
+    source: str
+    dataset: str
+    encoder: str
+    split: str
+    num_samples: int
+    sample_shape: tuple[int, ...]
+    dtype: str
+    label_shape: tuple[int, ...] | None  # None: the split has no labels
+    metadata: dict[str, Any]
+    ds: Any = field(repr=False, compare=False)  # the client.FeatureDataset it was read from
 
-
-def pool_tokens(features: Tensor, pool: str = "mean", prefix_tokens: int = 0) -> Tensor:
-    """``[B, T, D]`` -> ``[B, D]``: mean over the patch tokens (prefix dropped) or the CLS token.
-
-    ``[B, D]`` features are already pooled and pass through; more dims are flattened to tokens.
-    """
-    if features.ndim == 2:
-        return features
-    if features.ndim > 3:
-        features = features.reshape(features.shape[0], -1, features.shape[-1])
-    if pool == "cls":
-        if prefix_tokens < 1:
-            raise ValueError(
-                "pool='cls' needs a CLS token, but these features have no prefix tokens "
-                "(token_layout.prefix_tokens = 0); use pool='mean'"
-            )
-        return features[:, 0]
-    if pool == "mean":
-        return features[:, prefix_tokens:].mean(dim=1)
-    raise ValueError(f"pool must be 'mean' or 'cls', but got: {pool!r}")
+    @property
+    def name(self) -> str:
+        return f"{self.dataset}/{self.encoder}/{self.split}"
 
 
-class LinearProbe(nn.Module):
-    """BatchNorm without affine parameters, then one linear layer.
-
-    The parameter-free BatchNorm standardises each channel with running statistics, as in MAE's
-    linear probe (He et al. 2021, sec. A.2: https://arxiv.org/abs/2111.06377), so one learning
-    rate fits encoders whose feature scales differ by orders of magnitude.
-    """
-
-    def __init__(self, in_dim: int, num_classes: int) -> None:
-        super().__init__()
-        self.norm = nn.BatchNorm1d(in_dim, affine=False, eps=1e-6)
-        self.head = nn.Linear(in_dim, num_classes)
-
-    def forward(self, pooled: Tensor) -> Tensor:
-        return self.head(self.norm(pooled))
-
-
-def train_linear_probe(
-    train: Iterable[Batch],
-    evaluate: Iterable[Batch],
+def describe_split(
+    source: str,
+    dataset: str,
+    encoder: str,
+    split: str,
     *,
-    num_classes: int,
-    seed: int = 0,
-    device: str | torch.device = "auto",
-    config: LinearProbeConfig | None = None,
-) -> dict[str, float]:
-    """Fit a linear probe on ``train`` batches; return macro-F1 and balanced accuracy on ``evaluate``.
+    storage_options: dict[str, Any] | None = None,
+    token: str | None = None,
+) -> SplitInfo:
+    """Open a split through ``client.FeatureDataset``: a store path, fsspec URL or http(s) server."""
+    from client import FeatureDataset
 
-    Features of any float dtype are upcast to float32 on ``device``; labels are class ids.
-    ``seed`` fixes the initialisation (the loader's own seed fixes the shuffle), so on CPU two
-    runs with the same seed and the same batches give bit-identical metrics.
-    """
-    config = config or LinearProbeConfig()
-    if num_classes < 2:
-        raise ValueError(f"num_classes must be at least 2, but got: {num_classes}")
-    if config.epochs < 1:
-        raise ValueError(f"epochs must be a positive integer, but got: {config.epochs}")
-    device = resolve_device(device)
-    torch.manual_seed(seed)
-    model: LinearProbe | None = None
-    optimizer: torch.optim.Optimizer | None = None
-    loss_fn = nn.CrossEntropyLoss()
-    for epoch, loader in enumerate(epochs_of(train, config.epochs)):
-        for features, labels in loader:
-            pooled = pool_tokens(features.to(device, torch.float32), config.pool, config.prefix_tokens)
-            if model is None:
-                # Built at the first batch because the feature dim is only known there; nothing
-                # between manual_seed and here draws from the global generator.
-                model = LinearProbe(pooled.shape[-1], num_classes).to(device)
-                optimizer = torch.optim.AdamW(
-                    model.parameters(), lr=config.lr, weight_decay=config.weight_decay
-                )
-                model.train()
-            assert optimizer is not None  # set together with model; for the type checker
-            for group in optimizer.param_groups:
-                group["lr"] = _cosine_lr(config.lr, epoch, config.epochs)
-            if pooled.shape[0] < 2:
-                continue  # BatchNorm cannot normalise a batch of one sample in training mode
-            loss = loss_fn(model(pooled), _class_ids(labels, device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-    if model is None:
-        raise ValueError("the training loader yielded no batches; is the train split empty?")
-    return evaluate_linear_probe(model, evaluate, num_classes=num_classes, device=device,
-                                 pool=config.pool, prefix_tokens=config.prefix_tokens)
+    http = source.startswith(("http://", "https://"))
+    ds = FeatureDataset(source, dataset, encoder, split,
+                        storage_options=None if http else storage_options,
+                        token=token if http else None)
+    return SplitInfo(
+        source=source, dataset=dataset, encoder=encoder, split=split,
+        num_samples=int(ds.num_samples), sample_shape=tuple(ds.sample_shape), dtype=str(ds.dtype),
+        label_shape=tuple(ds.label_shape) if ds.has_labels else None,
+        metadata=dict(ds.metadata), ds=ds,
+    )
 
 
-@torch.no_grad()
-def evaluate_linear_probe(
-    model: nn.Module,
-    evaluate: Iterable[Batch],
-    *,
-    num_classes: int,
-    device: torch.device,
-    pool: str = "mean",
-    prefix_tokens: int = 0,
-) -> dict[str, float]:
-    model.eval()
-    confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
-    seen = 0
-    for features, labels in evaluate:
-        pooled = pool_tokens(features.to(device, torch.float32), pool, prefix_tokens)
-        pred = model(pooled).argmax(dim=1)
-        confusion += confusion_matrix(_class_ids(labels, device), pred, num_classes)
-        seen += pooled.shape[0]
-    if seen == 0:
-        raise ValueError("the evaluation loader yielded no batches; is the eval split empty?")
-    return {"macro_f1": macro_f1(confusion.cpu()), "balanced_accuracy": balanced_accuracy(confusion.cpu())}
-
-
-def _class_ids(labels: Tensor, device: torch.device) -> Tensor:
-    labels = labels.to(device)
-    if labels.ndim == 2 and labels.shape[1] == 1:
-        labels = labels[:, 0]
-    if labels.ndim != 1:
+def detect_task(info: SplitInfo, task: str = "auto") -> str:
+    """``auto``: labels with a spatial shape ``[H, W]`` -> ``seg``; one id per sample -> ``linear``."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, but got: {task!r}")
+    if info.label_shape is None:
         raise ValueError(
-            f"the linear probe needs one class id per sample, but got labels of shape "
-            f"{tuple(labels.shape)}; use the seg probe for masks"
+            f"split {info.name} has no labels, so no probe can be trained on it; write labels "
+            "with the features (featurestore extract --labels ..., or a labelled source)"
         )
-    return labels.long()
+    spatial = len(info.label_shape) >= 2
+    if task == "auto":
+        return "seg" if spatial else "linear"
+    if task == "seg" and not spatial:
+        raise ValueError(
+            f"task seg needs class maps [H, W] per sample, but {info.name} has labels of shape "
+            f"{list(info.label_shape)}; use task linear"
+        )
+    if task == "linear" and info.label_shape not in ((), (1,)):
+        raise ValueError(
+            f"task linear needs one class id per sample, but {info.name} has labels of shape "
+            f"{list(info.label_shape)}; use task seg"
+        )
+    return task
+
+
+def token_layout(info: SplitInfo) -> tuple[tuple[int, int] | None, int]:
+    """``(grid, prefix tokens still present in the features)`` from ``metadata["token_layout"]``.
+
+    A store written with ``tokens=patch`` has dropped the prefix tokens but still records how
+    many the encoder had, so the prefix counts only when the token count says it is there.
+    """
+    layout = info.metadata.get("token_layout") or {}
+    grid_value = layout.get("grid")
+    grid = (int(grid_value[0]), int(grid_value[1])) if grid_value else None
+    prefix = int(layout.get("prefix_tokens") or 0)
+    if len(info.sample_shape) < 2 or (grid is not None and info.sample_shape[0] == grid[0] * grid[1]):
+        prefix = 0
+    return grid, prefix
+
+
+def num_classes_of(infos: Sequence[SplitInfo]) -> int:
+    """The class count: ``label_info.classes`` or ``num_classes`` in metadata, else max label + 1.
+
+    The scan reads labels only (never features), 4096 rows at a time.
+    """
+    import numpy as np
+
+    for info in infos:
+        label_info = info.metadata.get("label_info") or {}
+        if label_info.get("classes"):
+            return len(label_info["classes"])
+        if info.metadata.get("num_classes"):
+            return int(info.metadata["num_classes"])
+    top = -1
+    for info in infos:
+        labels = info.ds.array.labels
+        for start in range(0, info.num_samples, 4096):
+            values = np.asarray(labels.read_range(start, min(start + 4096, info.num_samples)))
+            if values.size and int(values.min()) < 0:
+                raise ValueError(f"split {info.name} has negative labels; class ids must be >= 0")
+            top = max(top, int(values.max()) if values.size else -1)
+    return top + 1
+
+
+# --------------------------------------------------------------------------------- running
+
+
+def run_probe(
+    source: str,
+    dataset: str,
+    encoder: str,
+    *,
+    train_split: str,
+    eval_split: str,
+    task: str = "auto",
+    seeds: int | Sequence[int] = 3,
+    epochs: int | None = None,
+    batch_size: int = 64,
+    device: str = "auto",
+    num_classes: int | None = None,
+    pool: str = "mean",
+    loader: str = "stream",
+    storage_options: dict[str, Any] | None = None,
+    token: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Train the reference probe on ``train_split`` under each seed and score it on ``eval_split``.
+
+    ``source``: store path, fsspec URL (with ``storage_options``) or ``http(s)://`` server (with
+    ``token``). ``seeds``: a count K (seeds ``0..K-1``) or explicit seeds. ``epochs``: default
+    per task (``LinearProbeConfig``: 20, ``SegProbeConfig``: 10). ``loader``: ``"stream"``
+    (``client.FeatureLoader``) or ``"ram"`` (the split read into host RAM as float32 first, the
+    classic cache). ``log`` receives one line per seed. Returns the setup, every run's metrics
+    and, under ``"metrics"``, each metric's ``{"mean", "std", "values"}`` (std over seeds,
+    ddof=1; None with one seed).
+    """
+    infos = [describe_split(source, dataset, encoder, split, storage_options=storage_options,
+                            token=token) for split in (train_split, eval_split)]
+    task = _resolve_task(infos, task)
+    num_classes = num_classes if num_classes is not None else num_classes_of(infos)
+    return _run(*infos, task=task, num_classes=num_classes, seeds=seeds, epochs=epochs,
+                batch_size=batch_size, device=device, pool=pool, loader=loader, log=log)
+
+
+def compare_probes(
+    source: str,
+    dataset: str,
+    encoder: str,
+    compare_encoder: str,
+    *,
+    train_split: str,
+    eval_split: str,
+    compare_source: str | None = None,
+    task: str = "auto",
+    seeds: int | Sequence[int] = 3,
+    epochs: int | None = None,
+    batch_size: int = 64,
+    device: str = "auto",
+    num_classes: int | None = None,
+    pool: str = "mean",
+    loader: str = "stream",
+    storage_options: dict[str, Any] | None = None,
+    token: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the same probe, seeds and batches on ``encoder`` (A) and ``compare_encoder`` (B).
+
+    B is read from ``compare_source`` (default: ``source``), so a store can also be compared with
+    its copy served over HTTP. Seed k gives A and B the same initialisation and batch order, so
+    identical features give identical metrics. Other arguments as :func:`run_probe`. Returns
+    ``{"a": run, "b": run, "comparison": {metric: {...}}, "rule": str}``; the comparison fields
+    are those of :func:`compare_summaries`.
+    """
+    compare_source = compare_source or source
+    infos = [
+        describe_split(src, dataset, enc, split, storage_options=storage_options, token=token)
+        for src, enc in ((source, encoder), (compare_source, compare_encoder))
+        for split in (train_split, eval_split)
+    ]
+    # One task and one class count for both sides, or the two metrics would not be comparable.
+    task = _resolve_task(infos, task)
+    num_classes = num_classes if num_classes is not None else num_classes_of(infos)
+    for a_info, b_info in zip(infos[:2], infos[2:]):
+        if a_info.num_samples != b_info.num_samples:
+            raise ValueError(
+                f"{a_info.name} has {a_info.num_samples} samples but {b_info.name} has "
+                f"{b_info.num_samples}: compare the same images stored twice"
+            )
+    options: dict[str, Any] = dict(task=task, num_classes=num_classes, seeds=seeds, epochs=epochs,
+                                   batch_size=batch_size, device=device, pool=pool, loader=loader,
+                                   log=log)
+    a = _run(infos[0], infos[1], **options)
+    b = _run(infos[2], infos[3], **options)
+    return {
+        "a": a,
+        "b": b,
+        "comparison": compare_summaries(a, b),
+        "rule": (
+            f"diff = mean(A) - mean(B); std = sample std over seeds (ddof=1); pooled std = "
+            f"sqrt((std_A^2 + std_B^2) / 2); exceeds spread = |diff| > {SPREAD_FACTOR:g} x pooled std"
+        ),
+    }
+
+
+def _resolve_task(infos: Sequence[SplitInfo], task: str) -> str:
+    tasks = {detect_task(info, task) for info in infos}
+    if len(tasks) > 1:
+        raise ValueError(
+            "the splits disagree on the task (some have class maps, some class ids): "
+            + ", ".join(f"{i.name} labels {list(i.label_shape or ())}" for i in infos)
+        )
+    return tasks.pop()
+
+
+def _run(
+    train: SplitInfo,
+    evaluate: SplitInfo,
+    *,
+    task: str,
+    num_classes: int,
+    seeds: int | Sequence[int],
+    epochs: int | None,
+    batch_size: int,
+    device: str,
+    pool: str,
+    loader: str,
+    log: Callable[[str], None] | None,
+) -> dict[str, Any]:
+    from .probes_linear import LinearProbeConfig, resolve_device, train_linear_probe
+    from .probes_seg import SegProbeConfig, train_seg_probe
+
+    seed_list = _seed_list(seeds)
+    for name, value in (("epochs", epochs), ("batch_size", batch_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, but got: {value!r}")
+    if loader not in LOADERS:
+        raise ValueError(f"loader must be one of {', '.join(LOADERS)}, but got: {loader!r}")
+    if num_classes < 2:
+        raise ValueError(f"found {num_classes} class(es) in the labels; a probe needs at least 2")
+    torch_device = resolve_device(device)
+    grid, prefix = token_layout(train)
+    epochs_kw = {} if epochs is None else {"epochs": epochs}
+    config: Any = (SegProbeConfig(**epochs_kw) if task == "seg"
+                   else LinearProbeConfig(pool=pool, prefix_tokens=prefix, **epochs_kw))
+    make = _batches(train, evaluate, batch_size=batch_size, device=torch_device, loader=loader)
+
+    def one(seed: int) -> dict[str, float]:
+        started = time.perf_counter()
+        train_batches, eval_batches = make(seed)
+        if task == "seg":
+            metrics = train_seg_probe(train_batches, eval_batches, num_classes=num_classes,
+                                      grid=grid, prefix_tokens=prefix, seed=seed,
+                                      device=torch_device, config=config)
+        else:
+            metrics = train_linear_probe(train_batches, eval_batches, num_classes=num_classes,
+                                         seed=seed, device=torch_device, config=config)
+        if log is not None:
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            log(f"{train.dataset}/{train.encoder} ({train.dtype}) seed {seed}: {shown} "
+                f"({time.perf_counter() - started:.1f} s)")
+        return metrics
+
+    started = time.perf_counter()
+    result = run_seeds(one, seed_list)
+    return {
+        "source": train.source, "dataset": train.dataset, "encoder": train.encoder,
+        "dtype": train.dtype, "train_split": train.split, "eval_split": evaluate.split,
+        "train_samples": train.num_samples, "eval_samples": evaluate.num_samples,
+        "sample_shape": list(train.sample_shape), "task": task, "num_classes": num_classes,
+        "token_grid": None if grid is None else list(grid), "prefix_tokens_dropped": prefix,
+        "device": str(torch_device), "loader": loader, "batch_size": batch_size,
+        "config": asdict(config), "seconds": time.perf_counter() - started,
+        **result,
+    }
+
+
+def _seed_list(seeds: int | Sequence[int]) -> list[int]:
+    if isinstance(seeds, bool):
+        raise ValueError(f"seeds must be a positive count or a list of seeds, but got: {seeds!r}")
+    if isinstance(seeds, int):
+        if seeds < 1:
+            raise ValueError(f"seeds must be a positive integer (the number of runs), but got: {seeds}")
+        return list(range(seeds))
+    seed_list = [int(s) for s in seeds]
+    if not seed_list or len(set(seed_list)) != len(seed_list) or min(seed_list) < 0:
+        raise ValueError(f"seeds must be a non-empty list of distinct integers >= 0, but got: {seeds!r}")
+    return seed_list
+
+
+def _batches(
+    train: SplitInfo, evaluate: SplitInfo, *, batch_size: int, device: Any, loader: str
+) -> Callable[[int], tuple[Any, Any]]:
+    """``seed -> (train batches, eval batches)``; datasets (or RAM copies) are reused across seeds."""
+    import torch
+
+    if loader == "ram":
+        from .probes_linear import TensorLoader
+
+        train_x, train_y = _read_all(train)
+        eval_x, eval_y = _read_all(evaluate)
+        return lambda seed: (
+            TensorLoader(train_x, train_y, batch_size=batch_size, shuffle=True, seed=seed,
+                         device=device),
+            TensorLoader(eval_x, eval_y, batch_size=batch_size, shuffle=False, device=device),
+        )
+    from client import FeatureLoader
+
+    # order="shuffle" (uniform rows) everywhere, not the loader's "auto", which picks a chunk-local
+    # shuffle on object storage and HTTP: with one order for every source, seed k feeds A and B the
+    # same batches even when one side is local and the other remote.
+    return lambda seed: (
+        FeatureLoader(train.ds, batch_size=batch_size, shuffle=True, seed=seed, device=device,
+                      dtype=torch.float32, order="shuffle"),
+        FeatureLoader(evaluate.ds, batch_size=batch_size, shuffle=False, device=device,
+                      dtype=torch.float32),
+    )
+
+
+def _read_all(info: SplitInfo) -> tuple[Any, Any]:
+    """The whole split as float32 features + labels in host RAM (``loader="ram"``).
+
+    This is the cache featurestore replaces; it is here to show that streaming trains the same probe.
+    """
+    import torch
+
+    array = info.ds.array
+    features = torch.empty((info.num_samples, *info.sample_shape), dtype=torch.float32)
+    labels = torch.from_numpy(array.labels.read_range(0, info.num_samples))
+    for start in range(0, info.num_samples, 256):
+        stop = min(start + 256, info.num_samples)
+        features[start:stop] = array.read(list(range(start, stop))).to(torch.float32)
+    return features, labels
 
 
 # ------------------------------------------------------------------------- seeds and spread

@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .probes import _cosine_lr, epochs_of, resolve_device
+from .probes_linear import cosine_lr, epochs_of, resolve_device
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from .probes import Batch
+    from .probes_linear import Batch
 
 __all__ = ["SegHead", "SegProbeConfig", "dice_loss", "per_image_jaccard", "train_seg_probe"]
 
@@ -189,7 +189,7 @@ def train_seg_probe(
                 )
                 model.train()
             for group in optimizer.param_groups:
-                group["lr"] = _cosine_lr(config.lr, epoch, config.epochs)
+                group["lr"] = cosine_lr(config.lr, epoch, config.epochs)
             logits = model(features[:, drop:], (masks.shape[-2], masks.shape[-1]))
             loss = F.cross_entropy(logits, masks)
             if config.dice_weight:

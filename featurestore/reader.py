@@ -23,6 +23,8 @@ from . import dtypes, layout
 from .errors import IndexOutOfRange, ShapeMismatch
 from .storage import Storage
 
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in lazily
+
 
 class FeatureArray:
     """One stored array (``features`` or ``labels``) of a split."""
@@ -143,11 +145,10 @@ class FeatureArray:
             path = self._storage.local_path(layout.chunk_key(self._key, chunk, self._ndim))
             assert path is not None
             with open(path, "rb") as f:
-                # The map outlives the file descriptor; the 4-byte crc trailer is left out of
-                # the view. MADV_RANDOM: shuffled gathers gain nothing from read-ahead.
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-                mapped.madvise(mmap.MADV_RANDOM)
+                # The map outlives the file descriptor; the 4-byte crc trailer is left out of the
+                # view. MAP_POPULATE maps the chunk's cached pages in one call instead of one
+                # page fault per 4 KiB on first touch (a shuffled epoch touches every chunk).
+                mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
             data = np.frombuffer(mapped, np.uint8, count=self.chunk_rows * self.sample_nbytes)
             view = data.reshape(self.chunk_rows, self.sample_nbytes)
             self._maps[chunk] = view
@@ -158,12 +159,21 @@ class FeatureArray:
             self._maps = {}
             self._pid = os.getpid()
         chunk_of, offset = np.divmod(index, self.chunk_rows)
+        maps = self._maps
+        chunk_list, offset_list = chunk_of.tolist(), offset.tolist()
         # Runs of consecutive rows within one chunk are copied as one slice; a shuffled batch
-        # is one row per run. The loop is over runs, the copies are numpy memcpys.
+        # is one row per run. The loop is over runs, the copies are numpy memcpys straight
+        # from the page cache into the caller's buffer.
         for start, stop in _runs(chunk_of, offset):
-            view = self._chunk_view(int(chunk_of[start]))
-            first = int(offset[start])
-            rows[start:stop] = view[first : first + (stop - start)]
+            chunk = chunk_list[start]
+            view = maps.get(chunk)
+            if view is None:
+                view = self._chunk_view(chunk)
+            first = offset_list[start]
+            if stop - start == 1:
+                rows[start] = view[first]
+            else:
+                rows[start:stop] = view[first : first + (stop - start)]
 
     # ------------------------------------------------------------------ ranges path
     def _gather_ranges(self, index: np.ndarray, rows: np.ndarray) -> None:

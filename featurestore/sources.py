@@ -41,31 +41,32 @@ class SourceError(FeatureStoreError, ValueError):
     """An image source that is missing, malformed, or does not match its spec."""
 
 
-def import_callable(target: str, what: str) -> Callable[..., Any]:
+def import_callable(target: str, what: str, error: type[FeatureStoreError] | None = None) -> Callable[..., Any]:
     """Import ``module:attr`` (attr may be dotted) for a ``python:`` spec; errors name the fix.
 
     The working directory is put on ``sys.path`` first, because the console script's own
     directory is there instead and users expect ``python:mymodule:factory`` to find ./mymodule.py.
     """
+    fail = error or SourceError
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
-        raise SourceError(f"invalid {what} spec 'python:{target}': use python:MODULE:FACTORY")
+        raise fail(f"invalid {what} spec 'python:{target}': use python:MODULE:FACTORY")
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
     try:
         obj: Any = importlib.import_module(module_name)
-    except Exception as error:  # any import-time failure is the user's module, not ours
-        raise SourceError(
+    except Exception as cause:  # any import-time failure is the user's module, not ours
+        raise fail(
             f"cannot import module {module_name!r} for {what} 'python:{target}': "
-            f"{type(error).__name__}: {error}. Check PYTHONPATH or run from the module's directory"
-        ) from error
+            f"{type(cause).__name__}: {cause}. Check PYTHONPATH or run from the module's directory"
+        ) from cause
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise SourceError(f"module {module_name!r} has no attribute {attr!r} ({what} 'python:{target}')")
+            raise fail(f"module {module_name!r} has no attribute {attr!r} ({what} 'python:{target}')")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise SourceError(f"{what} 'python:{target}' is not callable (got {type(obj).__name__})")
+        raise fail(f"{what} 'python:{target}' is not callable (got {type(obj).__name__})")
     return obj
 
 

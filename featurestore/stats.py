@@ -99,18 +99,35 @@ class ChunkStats:
         self.overflow_count += other.overflow_count
 
 
-def channel_moments(stored32: np.ndarray, channels: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel mean and M2 of ``stored32`` (float32, any leading shape, last axis = channels).
+def channel_moments(stored: np.ndarray, logical_dtype: str, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and M2 of stored values (any leading shape, last axis = channels).
 
-    Sums accumulate in float64; the deviations are taken from the chunk mean (two passes), which
-    stays accurate when the mean is large against the spread.
+    The values are decoded to float32 a block at a time into one reused buffer (cache-sized, no
+    fresh pages per chunk), shifted by the chunk's first row so the sums of squares do not cancel
+    when a channel's mean is large against its spread, and summed in float64 across blocks.
     """
-    flat = stored32.reshape(-1, channels)
-    if flat.shape[0] == 0:
+    from .dtypes import BFLOAT16
+
+    flat = stored.reshape(-1, channels)
+    if logical_dtype == "bfloat16":
+        flat = flat.view(BFLOAT16)
+    n = flat.shape[0]
+    if n == 0:
         return np.zeros(channels), np.zeros(channels)
-    mean = flat.sum(axis=0, dtype=np.float64) / flat.shape[0]
-    centred = flat - mean.astype(np.float32)
-    m2 = np.einsum("ij,ij->j", centred, centred, dtype=np.float64)
+    block_rows = max(1, (1 << 20) // (4 * channels))
+    buffer = np.empty((min(block_rows, n), channels), np.float32)
+    reference = flat[0].astype(np.float32)
+    first = np.zeros(channels, np.float64)
+    second = np.zeros(channels, np.float64)
+    for start in range(0, n, block_rows):
+        block = buffer[: min(block_rows, n - start)]
+        np.copyto(block, flat[start : start + len(block)], casting="unsafe")
+        block -= reference
+        first += block.sum(axis=0)
+        second += np.einsum("ij,ij->j", block, block)
+    mean_shift = first / n
+    mean = reference.astype(np.float64) + mean_shift
+    m2 = np.maximum(second - first * mean_shift, 0.0)
     return mean, m2
 
 

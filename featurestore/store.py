@@ -71,7 +71,8 @@ class FeatureStore:
         return self._groups(validate_name(dataset, "dataset"))
 
     def splits(self, dataset: str, encoder: str) -> list[str]:
-        self._require_group(dataset, encoder)
+        # validate here: _require_group treats encoder=None as "dataset only"
+        self._require_group(dataset, validate_name(encoder, "encoder"))
         return self._groups(f"{dataset}/{encoder}")
 
     def split_metadata(self, dataset: str, encoder: str, split: str) -> dict[str, Any]:

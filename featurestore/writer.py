@@ -17,7 +17,6 @@ rewrites, and never a split marked complete.
 from __future__ import annotations
 
 import datetime as _dt
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,11 +42,13 @@ class _Buffer:
     data: np.ndarray
     filled: np.ndarray
     labels: np.ndarray | None
+    # Per-row figures, reduced per chunk only when it is written: a chunk's statistics row then
+    # depends on its rows alone, never on how the batches were cut (resume gives equal bytes).
     sq_error: np.ndarray
     sq_source: np.ndarray
-    abs_max: float = 0.0
-    max_abs_error: float = 0.0
-    max_rel_error: float = 0.0
+    abs_max: np.ndarray
+    max_abs_error: np.ndarray
+    max_rel_error: np.ndarray
 
 
 @dataclass
@@ -55,9 +56,9 @@ class _Batch:
     stored: np.ndarray
     sq_error: np.ndarray | None
     sq_source: np.ndarray | None
-    abs_max: float
-    max_abs_error: float
-    max_rel_error: float
+    abs_max: np.ndarray
+    max_abs_error: np.ndarray | None
+    max_rel_error: np.ndarray | None
 
 
 class SplitWriter:
@@ -190,11 +191,12 @@ class SplitWriter:
             )
         self._source_dtype = self._source_dtype or kind
         exact = kind == self.dtype or (self.dtype == "float32" and kind in ("float16", "bfloat16"))
-        source32 = source if source.dtype == np.float32 or (exact and kind != "bfloat16") else source.astype(np.float32)
-        high, low = float(np.max(source32)), float(np.min(source32))
-        abs_max = max(abs(high), abs(low))
+        source = np.ascontiguousarray(source)
+        row_max = dtypes.row_abs_max(source)
+        abs_max = float(row_max.max())
         rows = f"samples [{start}, {start + source.shape[0]})"
-        if not math.isfinite(abs_max):
+        if not np.isfinite(abs_max):
+            source32 = dtypes.stored_as_float32(source.view(np.uint16), "bfloat16") if kind == "bfloat16" else source
             nan = int(np.isnan(source32).sum())
             inf = int(np.isinf(source32).sum())
             raise NonFiniteValues(
@@ -203,7 +205,7 @@ class SplitWriter:
                 "its input"
             )
         if self.dtype == "float16" and abs_max > dtypes.FLOAT16_MAX:
-            over = int((np.abs(source32) > dtypes.FLOAT16_MAX).sum())
+            over = int((np.abs(source.astype(np.float32)) > dtypes.FLOAT16_MAX).sum())
             raise Float16Overflow(
                 f"{over} values of {rows} exceed float16's range +-65504 (abs max {abs_max:.6g}); "
                 "nothing of this batch was stored. Use --dtype bfloat16 (float32's range, ~4e-3 "
@@ -211,7 +213,8 @@ class SplitWriter:
             )
         stored = dtypes.quantize(source, self.dtype)
         if exact:
-            return _Batch(stored, None, None, abs_max, 0.0, 0.0)
+            return _Batch(stored, None, None, row_max, None, None)
+        source32 = source if source.dtype == np.float32 else source.astype(np.float32)
         decoded = dtypes.stored_as_float32(stored, self.dtype)
         error = decoded - source32
         abs_error = np.abs(error)
@@ -223,9 +226,9 @@ class SplitWriter:
             stored,
             np.einsum("ij,ij->i", flat_error, flat_error, dtype=np.float64),
             np.einsum("ij,ij->i", flat_source, flat_source, dtype=np.float64),
-            abs_max,
-            float(abs_error.max()),
-            float(relative.max()),
+            row_max,
+            abs_error.reshape(len(error), -1).max(axis=1).astype(np.float64),
+            relative.reshape(len(error), -1).max(axis=1).astype(np.float64),
         )
 
     def _check_labels(self, labels: Any, count: int) -> np.ndarray | None:
@@ -265,6 +268,10 @@ class SplitWriter:
                 continue  # already valid on storage (resume): keep it as it is
             lo, hi = self.chunk_range(index)
             a, b = max(lo, start), min(hi, stop)
+            if a == lo and b == hi and index not in self._buffers:
+                # The batch holds the whole chunk: write it from the batch, no buffer copy.
+                self._write_chunk(index, self._view_buffer(batch, labels, slice(a - start, b - start)))
+                continue
             buffer = self._buffers.get(index) or self._new_buffer(hi - lo)
             self._buffers[index] = buffer
             rows = slice(a - lo, b - lo)
@@ -273,16 +280,30 @@ class SplitWriter:
             buffer.filled[rows] = True
             if labels is not None and buffer.labels is not None:
                 buffer.labels[rows] = labels[src]
-            if batch.sq_error is not None and batch.sq_source is not None:
-                buffer.sq_error[rows] = batch.sq_error[src]
-                buffer.sq_source[rows] = batch.sq_source[src]
-            # Maxima are taken over the whole batch: order-free, and a batch that straddles two
-            # chunks bounds both (the report's maxima are over the split, so nothing is lost).
-            buffer.abs_max = max(buffer.abs_max, batch.abs_max)
-            buffer.max_abs_error = max(buffer.max_abs_error, batch.max_abs_error)
-            buffer.max_rel_error = max(buffer.max_rel_error, batch.max_rel_error)
+            buffer.abs_max[rows] = batch.abs_max[src]
+            for name in ("sq_error", "sq_source", "max_abs_error", "max_rel_error"):
+                values = getattr(batch, name)
+                getattr(buffer, name)[rows] = 0.0 if values is None else values[src]
             if buffer.filled.all():
                 self._write_chunk(index, self._buffers.pop(index))
+
+    def _view_buffer(self, batch: _Batch, labels: np.ndarray | None, rows: slice) -> _Buffer:
+        count = rows.stop - rows.start
+        zeros = np.zeros(count, np.float64)
+
+        def part(values: np.ndarray | None) -> np.ndarray:
+            return zeros if values is None else values[rows]
+
+        return _Buffer(
+            data=batch.stored[rows],
+            filled=np.ones(count, bool),
+            labels=None if labels is None else labels[rows],
+            sq_error=part(batch.sq_error),
+            sq_source=part(batch.sq_source),
+            abs_max=part(batch.abs_max),
+            max_abs_error=part(batch.max_abs_error),
+            max_rel_error=part(batch.max_rel_error),
+        )
 
     def _new_buffer(self, rows: int) -> _Buffer:
         labels = None
@@ -295,18 +316,21 @@ class SplitWriter:
             labels=labels,
             sq_error=np.zeros(rows, np.float64),
             sq_source=np.zeros(rows, np.float64),
+            abs_max=np.zeros(rows, np.float64),
+            max_abs_error=np.zeros(rows, np.float64),
+            max_rel_error=np.zeros(rows, np.float64),
         )
 
     def _write_chunk(self, index: int, buffer: _Buffer) -> None:
         stats = ChunkStats(channels=self.channels)
         stats.rows = len(buffer.data)
         stats.values = int(buffer.data.size)
-        stats.abs_max = buffer.abs_max
-        stats.max_abs_error = buffer.max_abs_error
-        stats.max_rel_error = buffer.max_rel_error
+        stats.abs_max = float(buffer.abs_max.max())
+        stats.max_abs_error = float(buffer.max_abs_error.max())
+        stats.max_rel_error = float(buffer.max_rel_error.max())
         stats.sum_sq_error = float(buffer.sq_error.sum())
         stats.sum_sq_source = float(buffer.sq_source.sum())
-        stats.mean, stats.m2 = channel_moments(dtypes.stored_as_float32(buffer.data, self.dtype), self.channels)
+        stats.mean, stats.m2 = channel_moments(buffer.data, self.dtype, self.channels)
         if buffer.labels is not None:
             self._put(layout.LABELS, index, self._pad(buffer.labels), None)
         self._put(layout.CHUNK_STATS, index, stats.to_row()[None, :], None)

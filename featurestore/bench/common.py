@@ -1,0 +1,60 @@
+"""Small helpers shared by the benchmarks (timing, page-cache warm-up, memory readings)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """``"256x384,1024x1536"`` -> [(256, 384), (1024, 1536)]."""
+    shapes = []
+    for part in text.split(","):
+        try:
+            shapes.append(tuple(int(v) for v in part.strip().lower().split("x")))
+        except ValueError:
+            raise ValueError(f"bad shape {part!r} in {text!r}: write shapes as TxD, e.g. 256x384,1024x1536") from None
+    return shapes
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def timed_batches(fn: Callable[[np.ndarray], Any], n: int, batch_size: int, batches: int, *, seed: int) -> float:
+    """Seconds for ``batches`` calls of ``fn`` on shuffled index batches (one warm-up call first)."""
+    rng = np.random.default_rng(seed)
+    orders = [rng.choice(n, size=batch_size, replace=False) for _ in range(batches + 1)]
+    fn(orders[0])
+    start = time.perf_counter()
+    for order in orders[1:]:
+        fn(order)
+    return time.perf_counter() - start
+
+
+def drop_into(path: str) -> None:
+    """Read every file under ``path`` once, so later reads come from the page cache."""
+    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    buffer = bytearray(8 << 20)
+    for name in files:
+        with open(name, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
+
+
+def rss_anon_bytes() -> int:
+    """This process's anonymous resident memory (RssAnon), the part a page cache cannot reclaim."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

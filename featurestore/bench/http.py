@@ -1,0 +1,376 @@
+"""``featurestore bench http``: the HTTP path against raw loopback TCP, latency, and a load test.
+
+In one run, on the same page-cached store of ``[256, 384]`` float16 samples, shuffled batches of
+64 samples (12 MiB each) are fetched, repeats interleaved, best kept (the machine is noisy):
+
+* ``http``: ``featurestore serve`` (uvicorn, a separate process) and :class:`client.FeatureClient`
+  reading each batch in place into one reused buffer;
+* ``http naive client``: the same server, ``httpx.post(...).content`` + ``np.frombuffer``;
+* ``raw tcp``: a separate process streaming the *same bytes* over a plain loopback socket
+  (``sendall`` of a pre-gathered batch, ``recv_into`` a reused buffer): the transport ceiling;
+* ``raw tcp + gather``: the same socket, but the process gathers each shuffled batch with the
+  store's reader first, as the server must: the fair "HTTP costs nothing" ceiling.
+
+Then single-item latency (p50/p99 over ``/items/{i}``) and, unless ``--load-seconds 0``, the load
+test: ``--clients`` threads, each with its own client, of mixed random requests, every payload
+compared with a local read, server RSS printed at start and end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .common import drop_into, gbps
+
+SHAPE = (256, 384)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "http", help="HTTP server + client vs raw loopback TCP; item latency; load test"
+    )
+    parser.add_argument("--store", default=None,
+                        help="serve this store (its first split) instead of building one")  # fmt: skip
+    parser.add_argument("--num-samples", type=int, default=1024, help="samples in the built store")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batches", type=int, default=30, help="timed batches per method/repeat")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; best kept")
+    parser.add_argument("--items", type=int, default=300, help="single-item requests timed")
+    parser.add_argument("--load-seconds", type=float, default=30.0, help="0 skips the load test")
+    parser.add_argument("--clients", type=int, default=16, help="load-test concurrent clients")
+    parser.add_argument("--workdir", default=None, help="scratch directory (default: temp, removed)")
+    parser.add_argument("--json", dest="json_out", default=None, help="also write results here")
+    parser.set_defaults(func=lambda args: _print_and_save(run(args), args.json_out))
+
+
+# ---------------------------------------------------------------------- helpers shared with tests
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def process_rss(pid: int) -> int:
+    """Resident set size of process ``pid`` in bytes (Linux /proc; 0 where unavailable)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@contextlib.contextmanager
+def serve_subprocess(store: str, *, env: dict[str, str] | None = None, args: tuple[str, ...] = (),
+                     startup_timeout: float = 60.0) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:  # fmt: skip
+    """Run ``featurestore serve STORE`` on a free loopback port; yield (url, process); always
+    stop it (SIGTERM, then SIGKILL after 10 s)."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "featurestore.cli", "serve", store, "--port", str(port),
+           "--log-level", "warning", "--no-access-log", *args]  # fmt: skip
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                raise RuntimeError(f"featurestore serve exited with {proc.returncode}: {err[-2000:]}")
+            try:
+                if httpx.get(url + "/healthz", timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"featurestore serve did not answer /healthz within {startup_timeout} s")
+            time.sleep(0.05)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
+
+
+def build_store(path: str, num_samples: int, *, seed: int = 0) -> None:
+    """``bench/enc/train``: [N, 256, 384] float16 features and int64 labels, written in slabs."""
+    import featurestore
+
+    rng = np.random.default_rng(seed)
+    writer = featurestore.open_store(path, mode="a").create_split(
+        "bench", "enc", "train", num_samples=num_samples, sample_shape=SHAPE, dtype="float16",
+        label_shape=(), label_dtype="int64", overwrite=True,
+    )  # fmt: skip
+    for start in range(0, num_samples, 128):
+        n = min(128, num_samples - start)
+        values = rng.standard_normal((n, *SHAPE), dtype=np.float32).astype(np.float16)
+        writer.write(start, values, labels=np.arange(start, start + n, dtype=np.int64))
+    writer.commit()
+
+
+# ---------------------------------------------------------------------- raw TCP baseline
+_RAW_SERVER = r"""
+import socket, struct, sys, numpy as np, featurestore
+arr = featurestore.open_store(sys.argv[1]).open(sys.argv[2], sys.argv[3], sys.argv[4])
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+static = None
+def recv_exact(n):
+    buf = bytearray(n); view = memoryview(buf); got = 0
+    while got < n:
+        k = conn.recv_into(view[got:])
+        if not k: raise SystemExit(0)
+        got += k
+    return buf
+while True:
+    count, mode = struct.unpack("<IB", recv_exact(5))
+    index = np.frombuffer(recv_exact(8 * count), np.int64)
+    if mode == 0:  # gather the batch like the server does
+        conn.sendall(memoryview(arr.read_numpy(index).reshape(-1).view(np.uint8)))
+    else:  # stream one pre-gathered batch: the transport alone
+        if static is None or len(static) != count:
+            static = arr.read_numpy(index)
+        conn.sendall(memoryview(static.reshape(-1).view(np.uint8)))
+"""
+
+
+class RawTCP:
+    """Client side of the raw baseline; the server runs in its own process, like uvicorn."""
+
+    def __init__(self, store: str, key: tuple[str, str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _RAW_SERVER, store, *key],
+                                     stdout=subprocess.PIPE)  # fmt: skip
+        assert self.proc.stdout is not None
+        port = int(self.proc.stdout.readline())
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def read(self, index: np.ndarray, out: np.ndarray, *, gather: bool) -> np.ndarray:
+        index = np.ascontiguousarray(index, dtype=np.int64)
+        self.sock.sendall(struct.pack("<IB", len(index), 0 if gather else 1) + index.tobytes())
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        got = 0
+        while got < view.nbytes:
+            n = self.sock.recv_into(view[got:])
+            if n == 0:
+                raise ConnectionError("raw TCP baseline server went away")
+            got += n
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.wait(10)
+
+
+# ---------------------------------------------------------------------- load test
+def load_test(url: str, store: str, key: tuple[str, str, str], *, clients: int = 16,
+              seconds: float = 30.0, server_pid: int | None = None, seed: int = 0,
+              token: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """``clients`` threads of mixed random requests for ``seconds``; every payload is compared
+    with a local read of the same store. Returns counts, errors and server RSS."""
+    import featurestore
+    from client import FeatureClient
+
+    local = featurestore.open_store(store).open(*key)
+    n = len(local)
+    rss_start = process_rss(server_pid) if server_pid else 0
+    stop_at = time.monotonic() + seconds
+    lock = threading.Lock()
+    totals = {"requests": 0, "bytes": 0, "errors": 0, "mismatches": 0}
+    failures: list[str] = []
+
+    def worker(number: int) -> None:
+        rng = np.random.default_rng(seed + number)
+        counts = {"requests": 0, "bytes": 0, "errors": 0, "mismatches": 0}
+        with FeatureClient(url, token=token, retries=0, max_connections=2) as fc:
+            remote = None
+            while time.monotonic() < stop_at:
+                kind = int(rng.integers(0, 4))
+                try:
+                    remote = remote or fc.open(*key)
+                    if kind == 0:  # shuffled batch, duplicates allowed
+                        index = rng.integers(0, n, size=int(rng.integers(1, 129)))
+                        got, want = remote.read_numpy(index), local.read_numpy(index)
+                    elif kind == 1:  # contiguous range
+                        start = int(rng.integers(0, n))
+                        stop = min(n, start + int(rng.integers(0, 129)))
+                        got, want = remote.read_range(start, stop), local.read_range(start, stop)
+                    elif kind == 2:  # one item
+                        i = int(rng.integers(0, n))
+                        got, want = fc.item(*key, i), local.read_numpy([i])[0]
+                    else:  # labels of a shuffled batch
+                        index = rng.integers(0, n, size=int(rng.integers(1, 129)))
+                        got = fc.read_numpy(*key, index, labels=True)
+                        want = local.labels.read_numpy(index) if local.labels is not None else None
+                    counts["requests"] += 1
+                    counts["bytes"] += got.nbytes
+                    if want is None or got.shape != want.shape or not np.array_equal(got, want):
+                        counts["mismatches"] += 1
+                        failures.append(f"client {number}: payload mismatch on request kind {kind}")
+                except Exception as error:  # counted, reported: the load test must not stop
+                    counts["errors"] += 1
+                    failures.append(f"client {number}: {type(error).__name__}: {error}")
+        with lock:
+            for name, value in counts.items():
+                totals[name] += value
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + 120)
+    elapsed = time.perf_counter() - started
+    rss_end = process_rss(server_pid) if server_pid else 0
+    return {
+        **totals,
+        "clients": clients,
+        "seconds": elapsed,
+        "requests_per_s": totals["requests"] / elapsed,
+        "gb_per_s": gbps(totals["bytes"], elapsed),
+        "server_rss_start": rss_start,
+        "server_rss_end": rss_end,
+        "failures": failures[:20],
+    }
+
+
+# ---------------------------------------------------------------------- the benchmark
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-http-")
+    os.makedirs(work, exist_ok=True)
+    try:
+        if args.store:
+            import featurestore
+
+            store = featurestore.open_store(args.store)
+            ds = store.datasets()[0]
+            enc = store.encoders(ds)[0]
+            key = (ds, enc, store.splits(ds, enc)[0])
+            path = args.store
+        else:
+            path = os.path.join(work, "store")
+            print(f"[http] building {args.num_samples} samples of {list(SHAPE)} float16 ...")
+            build_store(path, args.num_samples)
+            key = ("bench", "enc", "train")
+        if os.path.isdir(path):
+            drop_into(path)  # page-cached, so every method measures transport, not disk
+        with serve_subprocess(path) as (url, proc):
+            results = _measure(url, proc, path, key, args)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str, str, str],
+             args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    import httpx
+
+    from client import FeatureClient
+
+    fc = FeatureClient(url)
+    remote = fc.open(*key)
+    n, batch = len(remote), args.batch_size
+    out = np.empty((batch, *remote.sample_shape), remote.numpy_dtype)
+    batch_bytes = out.nbytes
+    naive = httpx.Client(timeout=60)
+    raw = RawTCP(path, key)
+    post_url = f"{url}/v1/features/{'/'.join(key)}/batch"
+
+    def naive_read(index: np.ndarray) -> np.ndarray:
+        response = naive.post(post_url, json={"indices": index.tolist()})
+        return np.frombuffer(response.content, remote.numpy_dtype).reshape(out.shape)
+
+    methods = {
+        "http": lambda idx: remote.read_numpy(idx, out=out),
+        "http naive client": naive_read,
+        "raw tcp": lambda idx: raw.read(idx, out, gather=False),
+        "raw tcp + gather": lambda idx: raw.read(idx, out, gather=True),
+    }
+    print(f"[http] {n} samples of {list(remote.sample_shape)} {remote.dtype}, shuffled batches of "
+          f"{batch} ({batch_bytes / 2**20:.1f} MiB), {args.repeats} x {args.batches} batches")  # fmt: skip
+    best: dict[str, float] = {}
+    try:
+        for repeat in range(args.repeats):
+            rng = np.random.default_rng(repeat)
+            orders = [rng.choice(n, size=batch, replace=n < batch) for _ in range(args.batches + 1)]
+            for name, fn in methods.items():
+                fn(orders[0])  # warm-up: connection, caches
+                start = time.perf_counter()
+                for order in orders[1:]:
+                    fn(order)
+                rate = gbps(args.batches * batch_bytes, time.perf_counter() - start)
+                best[name] = max(best.get(name, 0.0), rate)
+    finally:
+        raw.close()
+        naive.close()
+    ratio = best["http"] / best["raw tcp"]
+    ratio_gather = best["http"] / best["raw tcp + gather"]
+    for name, rate in best.items():
+        print(f"  {name:<20} {rate:6.2f} GB/s   {rate / best['raw tcp']:5.2f}x raw tcp")
+    print(f"  http vs raw tcp: {ratio:.2f}x; vs raw tcp + gather: {ratio_gather:.2f}x "
+          "(target >= 0.6x)")  # fmt: skip
+
+    rng = np.random.default_rng(99)
+    latencies = []
+    for i in rng.integers(0, n, size=args.items + 10):
+        start = time.perf_counter()
+        fc.item(*key, int(i))
+        latencies.append(time.perf_counter() - start)
+    lat = np.array(latencies[10:]) * 1e3
+    p50, p99 = float(np.percentile(lat, 50)), float(np.percentile(lat, 99))
+    print(f"  single item ({remote.sample_nbytes / 1024:.0f} KiB): p50 {p50:.2f} ms, p99 {p99:.2f} ms")
+    fc.close()
+
+    results: dict[str, Any] = {
+        "benchmark": "http", "batch_size": batch, "sample_shape": list(remote.sample_shape),
+        "gb_per_s": best, "http_vs_raw_tcp": ratio, "http_vs_raw_tcp_gather": ratio_gather,
+        "item_latency_ms": {"p50": p50, "p99": p99, "count": len(lat)},
+    }  # fmt: skip
+    if args.load_seconds > 0:
+        print(f"[http] load test: {args.clients} clients, {args.load_seconds:.0f} s of mixed "
+              "random requests, every payload checked")  # fmt: skip
+        load = load_test(url, path, key, clients=args.clients, seconds=args.load_seconds,
+                         server_pid=proc.pid)  # fmt: skip
+        print(f"  {load['requests']} requests ({load['requests_per_s']:.0f}/s, "
+              f"{load['gb_per_s']:.2f} GB/s), errors {load['errors']}, payload mismatches "
+              f"{load['mismatches']}; server RSS {load['server_rss_start'] / 2**20:.0f} MiB at "
+              f"start, {load['server_rss_end'] / 2**20:.0f} MiB at end")  # fmt: skip
+        for failure in load["failures"][:5]:
+            print(f"    {failure}")
+        results["load"] = load
+    return results
+
+
+def _print_and_save(results: dict[str, Any], path: str | None) -> int:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+    load = results.get("load")
+    return 1 if load and (load["errors"] or load["mismatches"]) else 0

@@ -1,0 +1,30 @@
+"""``featurestore bench``: throughput and memory against baselines (one sub-command per bench).
+
+Each module in ``featurestore/bench/`` registers its own sub-command; ``bench all`` runs them all
+and writes ``report.md``, ``report.json`` and plots (``featurestore/bench/report.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+BENCHES = ("read", "http", "loader", "extract", "report")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="throughput and memory vs baselines (read, http, loader, extract, all)",
+        description="Benchmarks that print figures measured side by side in one run.",
+    )
+    benches = parser.add_subparsers(dest="bench", metavar="BENCH")
+    benches.required = True
+    for name in BENCHES:
+        try:
+            module = importlib.import_module(f"featurestore.bench.{name}")
+        except ModuleNotFoundError as error:  # a bench not built yet; tests pin the full list
+            if error.name != f"featurestore.bench.{name}":
+                raise
+            continue
+        module.register(benches)

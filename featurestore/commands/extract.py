@@ -1,0 +1,126 @@
+"""``featurestore extract``: images -> frozen encoder -> a complete split (docs/EXTRACT.md).
+
+Runs as one process or under ``torchrun --nproc-per-node K featurestore extract ...``. torch and
+the extraction machinery are imported inside ``run`` so ``featurestore --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from ..errors import FeatureStoreError
+
+
+def _size(values: list[int] | None, flag: str) -> tuple[int, int] | None:
+    if values is None:
+        return None
+    if len(values) not in (1, 2) or any(v < 1 for v in values):
+        raise FeatureStoreError(f"{flag} takes one or two positive integers (H [W]), but got: {values}")
+    return (values[0], values[-1])
+
+
+def _triple(values: list[float] | None, flag: str) -> tuple[float, float, float] | None:
+    if values is None:
+        return None
+    if len(values) == 1:
+        values = values * 3
+    if len(values) != 3:
+        raise FeatureStoreError(f"{flag} takes 1 or 3 numbers (R G B), but got: {values}")
+    return (values[0], values[1], values[2])
+
+
+def storage_options(text: str | None) -> dict[str, Any]:
+    """``--storage-options`` JSON, else ``FEATURESTORE_STORAGE_OPTIONS``; s3fs also reads its own
+    settings (``AWS_*``, ``FSSPEC_S3_*``) from the environment."""
+    text = text if text is not None else os.environ.get("FEATURESTORE_STORAGE_OPTIONS")
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except ValueError as error:
+        raise FeatureStoreError(f"storage options {text!r} are not JSON ({error}): pass an object such as "
+                                '\'{"endpoint_url": "http://127.0.0.1:9000"}\'') from error
+    if not isinstance(options, dict):
+        raise FeatureStoreError(f"storage options must be a JSON object, but got: {text!r}")
+    return options
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "extract",
+        help="encode images with a frozen encoder into a split",
+        description="Encode an image source with a frozen encoder and write the features (and labels) "
+        "into a split of a store. Resumable (--resume), several processes under torchrun.",
+    )
+    req = p.add_argument_group("required")
+    req.add_argument("--images", required=True, metavar="SOURCE",
+                     help="npy:IMAGES.npy | pannuke:DIR | folder:DIR | python:MODULE:FACTORY")
+    req.add_argument("--encoder", required=True, metavar="SPEC",
+                     help="builtin:tiny-vit | python:MODULE:FACTORY | torchhub:REPO_OR_DIR:ENTRY | hf:MODEL_ID_OR_DIR")
+    req.add_argument("--store", required=True, metavar="URL", help="store path or fsspec URL (s3://bucket/prefix)")
+    req.add_argument("--dataset", required=True, metavar="NAME")
+    req.add_argument("--split", required=True, metavar="NAME")
+    p.add_argument("--encoder-name", metavar="NAME", help="name of the encoder in the store (default: from SPEC)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
+                   help="storage dtype; auto: the encoder's float16/bfloat16, else float16 under the overflow guard")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue an incomplete split from its valid chunks")
+    mode.add_argument("--overwrite", action="store_true", help="replace an existing split")
+    p.add_argument("--chunk-mb", type=float, default=8.0, help="chunk size target in MiB (default 8)")
+    p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="encoder compute: auto = bf16 autocast on CUDA, float32 on CPU")
+    p.add_argument("--tokens", default="patch", choices=("patch", "cls", "all"),
+                   help="tokens kept: the patch grid (default), the CLS token, or all")
+    p.add_argument("--prefix-tokens", type=int, default=None, metavar="N",
+                   help="CLS + register tokens before the patch grid, if the encoder does not say")
+    p.add_argument("--labels", metavar="FILE.npy", help="labels [N, ...] for an npy: source")
+    p.add_argument("--num-workers", type=int, default=None, metavar="N", help="DataLoader workers (default: auto)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N images")
+    p.add_argument("--crop", type=int, nargs="+", metavar="H [W]", help="centre crop before resizing")
+    p.add_argument("--resize", type=int, nargs="+", metavar="H [W]", help="resize (bilinear, antialiased)")
+    p.add_argument("--mean", type=float, nargs="+", metavar="M", help="normalisation mean (default: the encoder's)")
+    p.add_argument("--std", type=float, nargs="+", metavar="S", help="normalisation std (default: the encoder's)")
+    p.add_argument("--compressor", default=None, help="opt-in chunk compression (see docs/FORMAT.md)")
+    p.add_argument("--storage-options", default=None, metavar="JSON",
+                   help="fsspec storage options (default: $FEATURESTORE_STORAGE_OPTIONS)")
+    p.add_argument("--queue-size", type=int, default=4, help="batches in flight to the writer thread")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # SUPPRESS: do not reset a `featurestore --debug extract ...` given before the verb.
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    p.set_defaults(func=run)
+
+
+def options_from_args(args: argparse.Namespace) -> Any:
+    from ..extract import ExtractOptions
+
+    return ExtractOptions(
+        images=args.images, encoder=args.encoder, store=args.store, dataset=args.dataset, split=args.split,
+        encoder_name=args.encoder_name, dtype=args.dtype, batch_size=args.batch_size, device=args.device,
+        resume=args.resume, overwrite=args.overwrite, chunk_mb=args.chunk_mb, precision=args.precision,
+        tokens=args.tokens, prefix_tokens=args.prefix_tokens, labels=args.labels,
+        num_workers=args.num_workers, limit=args.limit, crop=_size(args.crop, "--crop"),
+        resize=_size(args.resize, "--resize"), mean=_triple(args.mean, "--mean"),
+        std=_triple(args.std, "--std"), compressor=args.compressor,
+        storage_options=storage_options(args.storage_options), queue_size=args.queue_size,
+        progress=not args.no_progress)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..extract import extract, format_report
+    from ..extract_dist import coordinator_from_env
+
+    opts = options_from_args(args)
+    coord = coordinator_from_env()
+    try:
+        result = extract(opts, coord)
+    finally:
+        coord.shutdown()
+    if coord.rank == 0:
+        for line in format_report(result):
+            print(line, flush=True)
+    return 0

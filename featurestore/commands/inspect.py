@@ -1,0 +1,130 @@
+"""``featurestore ls``, ``info`` and ``verify``: read-only views of a store (no torch needed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    ls = subparsers.add_parser("ls", help="list datasets / encoders / splits with shapes and status")
+    ls.add_argument("url", help="store path or fsspec URL (s3://bucket/prefix, memory://...)")
+    ls.set_defaults(func=run_ls)
+
+    info = subparsers.add_parser("info", help="show one split's metadata")
+    info.add_argument("url")
+    info.add_argument("dataset")
+    info.add_argument("encoder")
+    info.add_argument("split")
+    info.add_argument("--json", action="store_true", help="print the full metadata as JSON")
+    info.set_defaults(func=run_info)
+
+    verify = subparsers.add_parser(
+        "verify",
+        help="check every chunk of complete splits (presence, size, crc32c); exit 1 on damage",
+        description="Check every chunk of the complete splits: present, right size, crc32c. "
+        "Incomplete splits are listed, not counted as damage. Exit status 1 if anything is damaged.",
+    )
+    verify.add_argument("url")
+    verify.add_argument("names", nargs="*", metavar="DATASET ENCODER SPLIT",
+                        help="optionally restrict to one dataset, encoder and split")
+    verify.set_defaults(func=run_verify)
+
+
+def _store(url: str) -> Any:
+    from featurestore import open_store
+
+    return open_store(url, mode="r")
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    return ""
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    from featurestore import dtypes
+    from featurestore.verify import iter_splits
+
+    store = _store(args.url)
+    rows = []
+    for ds, enc, sp in iter_splits(store):
+        meta = store.split_metadata(ds, enc, sp)
+        shape = [meta["num_samples"], *meta["sample_shape"]]
+        itemsize = dtypes.storage_dtype(meta["logical_dtype"]).itemsize
+        nbytes = itemsize * math.prod(shape)
+        rows.append((f"{ds}/{enc}/{sp}", str(meta.get("status")), "x".join(map(str, shape)),
+                     meta["logical_dtype"], _size(nbytes)))
+    if not rows:
+        print(f"{store.url}: empty store")
+        return 0
+    header = ("SPLIT", "STATUS", "SHAPE", "DTYPE", "SIZE")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    store = _store(args.url)
+    meta = store.split_metadata(args.dataset, args.encoder, args.split)
+    if args.json:
+        json.dump(meta, sys.stdout, indent=2)
+        print()
+        return 0
+    q = meta.get("quantization") or {}
+    encoder = meta.get("encoder") or {}
+    lines = [
+        ("split", f"{args.dataset}/{args.encoder}/{args.split}"),
+        ("status", meta.get("status")),
+        ("shape", f"[{meta['num_samples']}, {', '.join(map(str, meta['sample_shape']))}]"),
+        ("dtype", f"{meta['logical_dtype']} (source {meta.get('source_dtype')})"),
+        ("chunks", f"{meta['chunk_rows']} samples per chunk, compressor {meta.get('compressor')}"),
+        ("labels", meta.get("labels")),
+        ("encoder", f"{encoder.get('name')} spec={encoder.get('spec')} weights={encoder.get('weights_hash')}"),
+        ("token layout", meta.get("token_layout")),
+        ("preprocessing", meta.get("preprocessing")),
+        ("cache key", meta.get("cache_key")),
+        ("created", f"{meta.get('created')} by featurestore {(meta.get('creator') or {}).get('version')}"),
+    ]
+    if q:
+        lines.append(("quantization", (
+            f"exact={q.get('exact')} max_abs_error={q.get('max_abs_error'):.3g} "
+            f"max_rel_error={q.get('max_rel_error'):.3g} rel_rms_error={q.get('rel_rms_error'):.3g} "
+            f"abs_max={q.get('abs_max'):.6g} overflow={q.get('overflow_count')} "
+            f"nan={q.get('nan_count')} inf={q.get('inf_count')}")))
+    for name, value in lines:
+        print(f"{name:>14}: {value}")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from featurestore.errors import FeatureStoreError
+    from featurestore.verify import iter_splits, verify_split
+
+    if len(args.names) not in (0, 3):
+        raise FeatureStoreError(
+            f"verify takes DATASET ENCODER SPLIT together or none of them, got {args.names!r}"
+        )
+    store = _store(args.url)
+    damaged = checked = 0
+    for ds, enc, sp in iter_splits(store, *(args.names or [None, None, None])):
+        result = verify_split(store, ds, enc, sp)
+        if result.status != "complete":
+            print(f"{result.key}: incomplete (status {result.status!r}), not checked")
+            continue
+        checked += 1
+        if result.damaged:
+            damaged += 1
+            for problem in result.problems:
+                print(f"DAMAGED {problem}")
+        else:
+            print(f"{result.key}: ok ({result.chunks_checked} chunks)")
+    print(f"{checked} complete split(s) checked, {damaged} damaged")
+    return 1 if damaged else 0

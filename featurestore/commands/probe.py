@@ -1,0 +1,188 @@
+"""``featurestore probe``: train a reference probe on one split, score it on another, and with
+``--compare`` check whether the storage dtype of the features moves the metric.
+
+A thin layer over :func:`featurestore.probes.run_probe` / :func:`~featurestore.probes.compare_probes`;
+this module adds the argument parser and :func:`format_report`, the table it prints. Nothing
+heavy is imported until the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+# Mirrors featurestore.probes.TASKS / LOADERS, kept here so `featurestore --help` imports nothing.
+TASKS = ("auto", "linear", "seg")
+LOADERS = ("stream", "ram")
+METRIC_TITLES = {
+    "macro_f1": "macro-F1",
+    "balanced_accuracy": "balanced accuracy",
+    "jaccard": "per-image macro Jaccard",
+}
+
+
+# ------------------------------------------------------------------------------- reporting
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The text ``featurestore probe`` prints, for a :func:`run_probe` or :func:`compare_probes` result."""
+    if "comparison" not in result:
+        run = result
+        lines = [_setup_line(run), f"  {_side(run)}", ""]
+        rows = [("metric", f"{run['encoder']} ({run['dtype']})")]
+        rows += [(name, _mean_std(s)) for name, s in run["metrics"].items()]
+        lines += _table(rows)
+        lines += ["", f"mean ± sample std over {len(run['seeds'])} seed(s) {run['seeds']}."]
+        return "\n".join(lines)
+
+    a, b, comparison = result["a"], result["b"], result["comparison"]
+    lines = [_setup_line(a), f"  A = {_side(a)}", f"  B = {_side(b)}", ""]
+    rows = [("metric", f"A {a['dtype']}", f"B {b['dtype']}", "diff A-B", "2x pooled std",
+             "max |paired diff|", "exceeds spread?")]
+    for name, c in comparison.items():
+        rows.append((
+            name,
+            _mean_std(a["metrics"][name]),
+            _mean_std(b["metrics"][name]),
+            f"{c['diff']:+.4f}",
+            "n/a" if c["threshold"] is None else f"{c['threshold']:.4f}",
+            f"{c['max_abs_paired_diff']:.4f}",
+            _verdict(c),
+        ))
+    lines += _table(rows)
+    k = len(a["seeds"])
+    lines += [
+        "",
+        f"How to read: each cell is mean ± sample std over {k} seed(s) {a['seeds']}; seed k gives A "
+        "and B the same head initialisation and batch order, so only the stored features differ.",
+        "diff = mean(A) - mean(B). Run-to-run spread: pooled std = sqrt((std_A^2 + std_B^2) / 2). "
+        "'exceeds spread' = |diff| > 2 x pooled std: the storage dtype moved the metric by more "
+        "than changing the seed does. 'no' means within seed noise, not zero; 'identical' means "
+        "every seed gave bit-identical metrics. Paired diff = A - B for the same seed.",
+    ]
+    if k < 2:
+        lines.append("With one seed there is no spread to compare with: use --seeds 3 or more.")
+    return "\n".join(lines)
+
+
+def _setup_line(run: dict[str, Any]) -> str:
+    title = ", ".join(METRIC_TITLES.get(m, m) for m in run["metrics"])
+    return (
+        f"{run['task']} probe ({title}): train on '{run['train_split']}', evaluate on "
+        f"'{run['eval_split']}'; {run['num_classes']} classes; {run['config']['epochs']} epochs, "
+        f"batch {run['batch_size']}, device {run['device']}, {run['loader']} loader"
+    )
+
+
+def _side(run: dict[str, Any]) -> str:
+    return (
+        f"{run['dataset']}/{run['encoder']} stored as {run['dtype']}, features "
+        f"{run['sample_shape']}, {run['train_samples']} train + {run['eval_samples']} eval "
+        f"samples, {run['seconds']:.1f} s ({run['source']})"
+    )
+
+
+def _mean_std(summary: dict[str, Any]) -> str:
+    std = summary["std"]
+    return f"{summary['mean']:.4f}" + ("" if std is None else f" ± {std:.4f}")
+
+
+def _verdict(c: dict[str, Any]) -> str:
+    if c["max_abs_paired_diff"] == 0.0:
+        return "identical"
+    if c["exceeds_spread"] is None:
+        return "n/a (1 seed)"
+    return "YES" if c["exceeds_spread"] else "no"
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+# ------------------------------------------------------------------------------ command line
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "probe",
+        help="train a reference probe on a split; --compare checks whether the storage dtype "
+        "moves the metric",
+        description="Train the reference probe (linear on pooled tokens, or a segmentation head "
+        "on the token grid) on one split and evaluate it on another, under K seeds. With "
+        "--compare ENCODER, run the same seeds on a second encoder name holding the same images "
+        "(e.g. the features stored as float32) and report each metric as mean ± std per storage "
+        "dtype, the difference, and whether it exceeds 2 x the pooled run-to-run std. "
+        "See docs/PROBES.md.",
+    )
+    parser.add_argument("store", metavar="STORE",
+                        help="store path, fsspec URL (s3://..., memory://...) or http(s):// server")
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--encoder", required=True, help="encoder name in the store (A)")
+    parser.add_argument("--train", required=True, metavar="SPLIT", help="split to train on")
+    parser.add_argument("--eval", required=True, metavar="SPLIT", help="split to evaluate on")
+    parser.add_argument("--task", choices=TASKS, default="auto",
+                        help="auto: class maps [H, W] -> seg, one class id per sample -> linear")
+    parser.add_argument("--compare", metavar="ENCODER",
+                        help="second encoder name (B), e.g. the same features stored as float32")
+    parser.add_argument("--compare-store", metavar="STORE",
+                        help="where B lives, if not in STORE (e.g. the same store over HTTP)")
+    parser.add_argument("--seeds", type=_positive_int, default=3,
+                        help="number of seeds K, run as seeds 0..K-1 (default 3)")
+    parser.add_argument("--epochs", type=_positive_int, default=None,
+                        help="training epochs (default: 20 linear, 10 seg)")
+    parser.add_argument("--batch-size", type=_positive_int, default=64)
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    parser.add_argument("--num-classes", type=_positive_int, default=None,
+                        help="class count (default: label_info.classes in metadata, else max label + 1)")
+    parser.add_argument("--pool", choices=("mean", "cls"), default="mean",
+                        help="linear probe pooling: mean over patch tokens, or the CLS token")
+    parser.add_argument("--loader", choices=LOADERS, default="stream",
+                        help="stream: FeatureLoader from the store; ram: read the split into host "
+                        "RAM as float32 first (the classic cache, for comparison)")
+    parser.add_argument("--json", metavar="OUT", help="also write the full result as JSON to OUT ('-' = stdout)")
+    parser.add_argument("--quiet", action="store_true", help="no per-seed progress on stderr")
+    parser.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    common: dict[str, Any] = dict(
+        train_split=args.train, eval_split=args.eval, task=args.task, seeds=args.seeds,
+        epochs=args.epochs, batch_size=args.batch_size, device=args.device,
+        num_classes=args.num_classes, pool=args.pool, loader=args.loader,
+        log=None if args.quiet else log,
+    )
+    from featurestore.probes import compare_probes, run_probe
+
+    if args.compare:
+        result = compare_probes(args.store, args.dataset, args.encoder, args.compare,
+                                compare_source=args.compare_store, **common)
+    else:
+        if args.compare_store:
+            raise ValueError("--compare-store needs --compare ENCODER")
+        result = run_probe(args.store, args.dataset, args.encoder, **common)
+    if args.json == "-":
+        json.dump(result, sys.stdout, indent=2, allow_nan=True)
+        print()
+        return 0
+    print(format_report(result))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(result, handle, indent=2, allow_nan=True)
+            handle.write("\n")
+    return 0

@@ -1,0 +1,89 @@
+"""``featurestore serve URL``: the read-only HTTP server (FastAPI under uvicorn).
+
+Settings travel through the ``FEATURESTORE_*`` environment (``server/settings.py``), which is
+also how ``--workers N`` reaches every worker process: uvicorn needs an import string to spawn
+workers, so it runs the factory ``server.app:app_from_env``. uvicorn handles SIGTERM/SIGINT with a
+graceful shutdown (in-flight requests finish, then exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+DEFAULT_TOKEN_ENV = "FEATURESTORE_TOKEN"
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a store over HTTP (read-only; routes in docs/SERVER.md)",
+        description="Serve a store over HTTP: listings, metadata, feature batches, the raw Zarr "
+        "key space and /metrics. Settings also come from FEATURESTORE_* environment variables "
+        "(FEATURESTORE_TOKEN, FEATURESTORE_MAX_RESPONSE_BYTES, FEATURESTORE_STORAGE_OPTIONS).",
+    )
+    parser.add_argument("url", help="store path or fsspec URL (s3://bucket/prefix, ...)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="interface to bind (default 127.0.0.1; 0.0.0.0 in a container)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    parser.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    parser.add_argument(
+        "--token-env", default=None, metavar="VAR",
+        help=f"read the bearer token from environment variable VAR (default: {DEFAULT_TOKEN_ENV}"
+        " if set; without a token the server is open)",
+    )  # fmt: skip
+    parser.add_argument("--max-response-bytes", type=int, default=None,
+                        help="byte cap of one data response (default 268435456 = 256 MiB)")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--no-access-log", action="store_true",
+                        help="do not log one line per request")
+    parser.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, but got: {args.port}")
+    if args.workers < 1:
+        raise ValueError(f"--workers must be a positive integer, but got: {args.workers}")
+    if args.max_response_bytes is not None and args.max_response_bytes <= 0:
+        raise ValueError(
+            f"--max-response-bytes must be a positive integer, but got: {args.max_response_bytes}"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    import uvicorn
+
+    os.environ["FEATURESTORE_STORE"] = args.url
+    if args.token_env:
+        token = os.environ.get(args.token_env)
+        if not token:
+            raise ValueError(
+                f"--token-env {args.token_env}: that environment variable is unset or empty; "
+                f"export {args.token_env}=<token> or drop --token-env"
+            )
+        os.environ["FEATURESTORE_TOKEN"] = token
+    if args.max_response_bytes is not None:
+        os.environ["FEATURESTORE_MAX_RESPONSE_BYTES"] = str(args.max_response_bytes)
+
+    # Build the app once here, so a wrong URL or setting is one clear error line and exit 1,
+    # not a traceback per worker.
+    from server.app import create_app
+
+    app = create_app()
+    common = dict(
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=not args.no_access_log,
+        timeout_graceful_shutdown=30,
+    )
+    if args.workers == 1:
+        uvicorn.run(app, **common)  # type: ignore[arg-type]
+    else:
+        del app
+        uvicorn.run("server.app:app_from_env", factory=True, workers=args.workers, **common)  # type: ignore[arg-type]
+    return 0

@@ -1,0 +1,400 @@
+"""Extraction: images -> encoder -> a complete split, with overlapped writes and resume.
+
+The plan is a pure function of ``(num_samples, chunk_rows, batch_size)``: batches never cross a
+chunk boundary and start at the chunk's first row or a multiple of ``batch_size`` after it. Every
+sample is therefore encoded in the same batch, with the same companions, whether the run is
+fresh, resumed after a SIGKILL, or one rank of a torchrun job: encoders are not bit-exact across
+batch compositions on every backend (cuBLAS picks kernels by shape), and the promise here is
+byte-identical chunks. The price: the effective batch is ``min(batch_size, chunk_rows)``; raise
+``--chunk-mb`` if samples are so large that a chunk holds fewer rows than a useful batch.
+
+Encoding runs on the main thread; a writer thread drains a bounded queue into the store, so the
+encoder does not wait for storage and host RAM holds at most ``queue_size`` batches. The first
+writer error stops the main loop at its next batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import dtypes
+from .encoders import Encoder, EncoderError, TokenLayout, load_encoder, resolve_layout
+from .errors import (CacheKeyMismatch, DatasetNotFound, EncoderNotFound, FeatureStoreError, SplitExists,
+                     SplitNotFound)
+from .extract_dist import Coordinator, coordinator_from_env
+from .names import validate_name
+from .sources import Failure, ImageSource, Preprocessing, PreparedImages, SourceError, collate, open_source
+
+
+@dataclass
+class ExtractOptions:
+    """Everything ``featurestore extract`` takes; see docs/EXTRACT.md for each option."""
+
+    images: str
+    encoder: str
+    store: str
+    dataset: str
+    split: str
+    encoder_name: str | None = None
+    dtype: str = "auto"
+    batch_size: int = 64
+    device: str = "auto"
+    resume: bool = False
+    overwrite: bool = False
+    chunk_mb: float = 8.0
+    precision: str = "auto"
+    tokens: str = "patch"
+    prefix_tokens: int | None = None
+    labels: str | None = None
+    num_workers: int | None = None
+    limit: int | None = None
+    crop: tuple[int, int] | None = None
+    resize: tuple[int, int] | None = None
+    mean: tuple[float, float, float] | None = None
+    std: tuple[float, float, float] | None = None
+    compressor: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    queue_size: int = 4
+    progress: bool = True
+
+
+@dataclass
+class ExtractResult:
+    status: str  # "complete" | "already-complete"
+    key: str
+    num_samples: int
+    encoded: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise FeatureStoreError("--device cuda was asked for but no CUDA device is visible: use --device cpu")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if choice == "cpu":
+        return torch.device("cpu")
+    raise FeatureStoreError(f"--device {choice!r} is not one of auto, cpu, cuda")
+
+
+def resolve_precision(choice: str, device: torch.device) -> str:
+    """``bf16`` (autocast) or ``fp32``: bf16 by default on CUDA, float32 on the CPU."""
+    if choice == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if choice not in ("bf16", "fp32"):
+        raise FeatureStoreError(f"--precision {choice!r} is not one of auto, bf16, fp32")
+    return choice
+
+
+def resolve_dtype(choice: str, output_dtype: str) -> str:
+    """``--dtype auto``: keep float16/bfloat16 outputs as they are; float32 -> float16, under the
+    writer's overflow guard (an overflow stops the run and says to use bfloat16 or float32)."""
+    if choice == "auto":
+        return output_dtype if output_dtype in ("float16", "bfloat16") else "float16"
+    return dtypes.check_feature_dtype(choice)
+
+
+def plan_batches(chunks: list[int], chunk_rows: int, num_samples: int, batch_size: int) -> list[list[int]]:
+    """Sample indices per batch for ``chunks``; see the module docstring for why it is fixed."""
+    plan = []
+    for chunk in chunks:
+        lo, hi = chunk * chunk_rows, min((chunk + 1) * chunk_rows, num_samples)
+        plan.extend(list(range(a, min(a + batch_size, hi))) for a in range(lo, hi, batch_size))
+    return plan
+
+
+@dataclass
+class _Prepared:
+    source: ImageSource
+    images: PreparedImages
+    encoder: Encoder
+    layout: TokenLayout
+    device: torch.device
+    precision: str
+    dtype: str
+    num_samples: int
+    sample_shape: tuple[int, ...]
+    encoder_name: str
+    metadata: dict[str, Any]
+
+
+def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _prepare(opts: ExtractOptions, coord: Coordinator) -> _Prepared:
+    validate_name(opts.dataset, "dataset")
+    validate_name(opts.split, "split")
+    if opts.batch_size < 1:
+        raise FeatureStoreError(f"--batch-size must be a positive integer, but got: {opts.batch_size}")
+    if not opts.chunk_mb > 0:
+        raise FeatureStoreError(f"--chunk-mb must be a positive number of MiB, but got: {opts.chunk_mb}")
+    if opts.resume and opts.overwrite:
+        raise FeatureStoreError("--resume and --overwrite exclude each other: choose one")
+    source = open_source(opts.images, labels=opts.labels)
+    num_samples = len(source) if opts.limit is None else min(len(source), opts.limit)
+    if num_samples < 1:
+        raise SourceError(f"--limit must be a positive integer, but got: {opts.limit}")
+    encoder = load_encoder(opts.encoder)
+    encoder_name = validate_name(opts.encoder_name or encoder.default_name, "encoder name")
+    device = resolve_device(opts.device, coord.local_rank)
+    encoder.to(device)
+    precision = resolve_precision(opts.precision, device)
+    prep = Preprocessing(opts.crop, opts.resize, opts.mean or encoder.mean, opts.std or encoder.std)
+    images = PreparedImages(source, prep)
+    # One sample through the encoder: token count, output dtype and grid, before any storage.
+    first = images[0]
+    if isinstance(first, Failure):
+        raise SourceError(first.message)
+    with torch.inference_mode(), _autocast(device, precision):
+        tokens = encoder(first[1][None].to(device))
+    layout = resolve_layout(encoder, int(tokens.shape[1]), tuple(first[1].shape[-2:]), opts.tokens,  # type: ignore[arg-type]
+                            opts.prefix_tokens)
+    sample = layout.select(tokens)
+    output_dtype = str(sample.dtype).removeprefix("torch.")
+    dtype = resolve_dtype(opts.dtype, output_dtype)
+    key_parts = {
+        "weights_hash": encoder.weights_hash,
+        "preprocessing": prep.to_dict(),
+        "tokens": layout.to_dict(),
+        "precision": precision,
+        "dtype": dtype,
+        "input": source.fingerprint(),
+        "num_samples": num_samples,
+    }
+    cache_key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()
+    metadata = {
+        "encoder": {"name": encoder_name, "spec": opts.encoder, "weights_hash": encoder.weights_hash,
+                    "output_dtype": output_dtype, "precision": precision},
+        "preprocessing": prep.to_dict(),
+        "token_layout": layout.to_dict(),
+        "source_dtype": output_dtype,
+        "cache_key": cache_key,
+        "source": {"spec": source.spec, "fingerprint": key_parts["input"], "num_samples": num_samples,
+                   "labels": source.label_info},
+    }
+    return _Prepared(source, images, encoder, layout, device, precision, dtype, num_samples,
+                     tuple(sample.shape[1:]), encoder_name, metadata)
+
+
+def _open_split(opts: ExtractOptions, prep: _Prepared, store: Any, *, resume: bool, overwrite: bool) -> Any:
+    """The split's writer, or None when it is already complete with the same cache key."""
+    key = f"{opts.dataset}/{prep.encoder_name}/{opts.split}"
+    if not overwrite:
+        try:
+            existing = store.split_metadata(opts.dataset, prep.encoder_name, opts.split)
+        except (DatasetNotFound, EncoderNotFound, SplitNotFound):
+            existing = None
+        if existing is not None:
+            if existing.get("cache_key") != prep.metadata["cache_key"]:
+                raise CacheKeyMismatch(
+                    f"split {key} exists with cache key {existing.get('cache_key')}, this run's is "
+                    f"{prep.metadata['cache_key']} (another encoder, weights, preprocessing, dtype or "
+                    "input): pass --overwrite to replace it, or another --split name")
+            if existing.get("status") == "complete":
+                return None
+            if not resume:
+                raise SplitExists(f"split {key} exists but is incomplete (status "
+                                  f"{existing.get('status')!r}): pass --resume to continue it or "
+                                  "--overwrite to start over")
+    ids = prep.source.ids[: prep.num_samples] if prep.source.ids is not None else None
+    return store.create_split(
+        opts.dataset, prep.encoder_name, opts.split, num_samples=prep.num_samples,
+        sample_shape=prep.sample_shape, dtype=prep.dtype,
+        label_shape=prep.source.label_shape or (), label_dtype=prep.source.label_dtype,
+        metadata=prep.metadata, chunk_bytes=max(1, int(opts.chunk_mb * (1 << 20))),
+        resume=resume, overwrite=overwrite, compressor=opts.compressor, ids=ids)
+
+
+class _WriterThread(threading.Thread):
+    """Drains ``(start, features, labels)`` into the split writer; keeps the first error."""
+
+    def __init__(self, writer: Any, maxsize: int) -> None:
+        super().__init__(name="featurestore-writer", daemon=True)
+        self.writer = writer
+        self.queue: queue.Queue[tuple[int, torch.Tensor, Any] | None] = queue.Queue(maxsize=max(1, maxsize))
+        self.error: BaseException | None = None
+        self.bytes_written = 0
+        self.itemsize = dtypes.storage_dtype(writer.dtype).itemsize
+
+    def run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if self.error is not None:
+                continue  # keep draining so the producer never blocks on a dead consumer
+            start, features, labels = item
+            try:
+                self.writer.write(start, features, labels)
+                self.bytes_written += features.numel() * self.itemsize
+            except BaseException as error:  # handed to the main thread, which raises it
+                self.error = error
+
+    def put(self, item: tuple[int, torch.Tensor, Any]) -> None:
+        while True:
+            self.check()
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def finish(self) -> None:
+        self.queue.put(None)
+        self.join()
+        self.check()
+
+
+def _worker_init(_: int) -> None:
+    # Workers only decode and resize one image at a time; intra-op threads would oversubscribe.
+    torch.set_num_threads(1)
+
+
+def _encode_chunks(opts: ExtractOptions, prep: _Prepared, writer: Any, chunks: list[int],
+                   coord: Coordinator) -> tuple[int, int]:
+    """Encode the samples of ``chunks`` and write them; returns (samples, bytes written)."""
+    plan = plan_batches(chunks, writer.chunk_rows, prep.num_samples, opts.batch_size)
+    total = sum(len(b) for b in plan)
+    if not plan:
+        return 0, 0
+    workers = opts.num_workers if opts.num_workers is not None else min(4, max(0, (os.cpu_count() or 1) // coord.world_size - 1))
+    loader = torch.utils.data.DataLoader(
+        prep.images, batch_sampler=plan, num_workers=workers, collate_fn=collate,
+        pin_memory=prep.device.type == "cuda", worker_init_fn=_worker_init if workers else None)
+    from tqdm import tqdm
+
+    thread = _WriterThread(writer, opts.queue_size)
+    thread.start()
+    bar = tqdm(total=total, unit="img", desc=f"extract r{coord.rank}" if coord.world_size > 1 else "extract",
+               # None: tqdm shows itself on a terminal only; one bar per job, on rank 0.
+               disable=True if not opts.progress or coord.rank != 0 else None, file=sys.stderr,
+               dynamic_ncols=True)
+    started = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            for batch in loader:
+                if isinstance(batch, Failure):
+                    raise SourceError(batch.message)
+                indices, images, labels = batch
+                with _autocast(prep.device, prep.precision):
+                    tokens = prep.encoder(images.to(prep.device, non_blocking=True))
+                if tokens.shape[1] != prep.layout.encoder_tokens:
+                    raise EncoderError(f"encoder {prep.encoder.spec} returned {tokens.shape[1]} tokens for samples "
+                                       f"{indices[0]}..{indices[-1]}, but {prep.layout.encoder_tokens} for sample 0")
+                features = prep.layout.select(tokens).contiguous().cpu()
+                thread.put((indices[0], features, labels))
+                bar.update(len(indices))
+                elapsed = max(time.perf_counter() - started, 1e-9)
+                bar.set_postfix_str(f"{thread.bytes_written / elapsed / 1e6:.1f} MB/s", refresh=False)
+        thread.finish()
+    except BaseException:
+        thread.queue.put(None)  # let the thread end; the daemon flag covers a full queue
+        raise
+    finally:
+        bar.close()
+    return total, thread.bytes_written
+
+
+def extract(opts: ExtractOptions, coord: Coordinator | None = None) -> ExtractResult:
+    """Run one extraction (or this rank's share of it); raises FeatureStoreError on bad input."""
+    from . import open_store
+
+    coord = coord or coordinator_from_env()
+    started = time.perf_counter()
+    key = f"{opts.dataset}/{opts.encoder_name or '?'}/{opts.split}"
+    prep: _Prepared | None = None
+    error: BaseException | None = None
+    try:
+        prep = _prepare(opts, coord)
+        store = open_store(opts.store, mode="a", **opts.storage_options)
+        key = f"{opts.dataset}/{prep.encoder_name}/{opts.split}"
+    except BaseException as e:  # every rank must reach agree(), or the others would wait forever
+        error = e
+    coord.agree(error)
+    assert prep is not None
+    writer, error = None, None
+    if coord.rank == 0:
+        try:
+            writer = _open_split(opts, prep, store, resume=opts.resume, overwrite=opts.overwrite)
+        except BaseException as e:
+            error = e
+    done = coord.agree(error, payload=writer is None if coord.rank == 0 else None)[0]
+    if done:
+        meta = store.split_metadata(opts.dataset, prep.encoder_name, opts.split)
+        return ExtractResult("already-complete", key, prep.num_samples, metadata=meta)
+    error = None
+    encoded = written = 0
+    try:
+        if coord.rank != 0:  # attach to the split rank 0 created or resumed
+            writer = store.create_split(
+                opts.dataset, prep.encoder_name, opts.split, num_samples=prep.num_samples,
+                sample_shape=prep.sample_shape, dtype=prep.dtype,
+                label_shape=prep.source.label_shape or (), label_dtype=prep.source.label_dtype,
+                metadata=prep.metadata, chunk_bytes=max(1, int(opts.chunk_mb * (1 << 20))),
+                resume=True, compressor=opts.compressor)
+        mine = [c for c in writer.pending_chunks() if coord.owns(c)]
+        encoded, written = _encode_chunks(opts, prep, writer, mine, coord)
+        if coord.rank == 0:
+            writer.flush()
+        else:
+            writer.close()
+    except BaseException as e:
+        error = e
+    totals = coord.agree(error, payload=(encoded, written))
+    error, meta = None, {}
+    if coord.rank == 0:
+        try:
+            meta = writer.commit()
+        except BaseException as e:
+            error = e
+    coord.agree(error)
+    return ExtractResult("complete", key, prep.num_samples, sum(t[0] for t in totals),
+                         sum(t[1] for t in totals), time.perf_counter() - started, meta)
+
+
+def format_report(result: ExtractResult) -> list[str]:
+    """The closing lines: quantization report, then one summary line."""
+    meta = result.metadata
+    q = meta.get("quantization") or {}
+    lines = []
+    if q:
+        exact = " (exact)" if q.get("exact") else ""
+        lines.append(
+            f"quantization: {q.get('source_dtype')} -> {q.get('stored_dtype')}{exact}: "
+            f"max abs error {q.get('max_abs_error', 0):.3g}, max rel error {q.get('max_rel_error', 0):.3g}, "
+            f"rel rms error {q.get('rel_rms_error', 0):.3g}, abs max {q.get('abs_max', 0):.6g}, "
+            f"overflow {q.get('overflow_count', 0)}, NaN {q.get('nan_count', 0)}, Inf {q.get('inf_count', 0)}")
+    shape = "x".join(str(s) for s in [result.num_samples, *meta.get("sample_shape", [])])
+    if result.status == "already-complete":
+        lines.append(f"split {result.key} is already complete with the same cache key ({shape} "
+                     f"{meta.get('logical_dtype')}): nothing to do (--overwrite to redo it)")
+        return lines
+    secs = max(result.seconds, 1e-9)
+    lines.append(
+        f"extracted {result.key}: {shape} {meta.get('logical_dtype')}, {result.encoded} samples encoded "
+        f"in {result.seconds:.1f}s ({result.encoded / secs:.1f} img/s, "
+        f"{result.bytes_written / secs / 1e6:.1f} MB/s written), status {meta.get('status')}")
+    return lines
+
