@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -57,8 +58,11 @@ class TensorLoader:
     """Batches of in-RAM tensors, the baseline that a feature cache in host memory gives.
 
     It mirrors the parts of ``FeatureLoader`` that the probes use: re-iterable, ``set_epoch``,
-    shuffling from ``seed`` (a fresh generator per epoch, so an epoch's order does not depend on
-    how many epochs ran before), and batches moved to ``device`` with features cast to ``dtype``.
+    batches moved to ``device`` with features cast to ``dtype``, and the same shuffled order:
+    ``client.sampling.epoch_order(n, "shuffle", seed=seed, epoch=epoch)``, re-derived here so the
+    core package does not import the client. With the same seed, a probe trained from this loader
+    and one trained from ``FeatureLoader(order="shuffle")`` see identical batches, so a float32
+    store and its in-RAM copy give bit-identical metrics on CPU.
     """
 
     def __init__(
@@ -99,8 +103,9 @@ class TensorLoader:
     def __iter__(self) -> Iterator[Batch]:
         n = len(self.features)
         if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            order = torch.randperm(n, generator=generator)
+            # SeedSequence([seed, epoch]) -> PCG64 permutation: client/sampling.py's "shuffle".
+            sequence = np.random.SeedSequence([int(self.seed), int(self.epoch)])
+            order = torch.from_numpy(np.random.Generator(np.random.PCG64(sequence)).permutation(n))
         else:
             order = torch.arange(n)
         for start in range(0, len(self) * self.batch_size, self.batch_size):

@@ -31,11 +31,17 @@ SCALARS = (
     "nan_count",
     "inf_count",
     "overflow_count",
+    "source_code",
 )
 NUM_SCALARS = len(SCALARS)
 # Relative error is taken only where |x| is at least float16's smallest normal: below it every
 # format loses relative precision by design (subnormals), and the ratio says nothing useful.
 REL_ERROR_FLOOR = 6.103515625e-05
+# The dtype of the values handed to ``write`` for a chunk, kept per chunk so that a process that
+# only commits (every chunk written by other ranks, or by the run a resume continues) still
+# reports the real source dtype. 0 = unknown (rows written before this slot existed).
+SOURCE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
+SOURCE_NAMES = {code: name for name, code in SOURCE_CODES.items()}
 
 
 def row_length(channels: int) -> int:
@@ -55,6 +61,7 @@ class ChunkStats:
     nan_count: int = 0
     inf_count: int = 0
     overflow_count: int = 0
+    source_code: int = 0
     mean: np.ndarray = field(default=None)  # type: ignore[assignment]
     m2: np.ndarray = field(default=None)  # type: ignore[assignment]
 
@@ -72,7 +79,7 @@ class ChunkStats:
     def from_row(cls, row: np.ndarray) -> ChunkStats:
         channels = (len(row) - NUM_SCALARS) // 2
         values = {name: float(row[i]) for i, name in enumerate(SCALARS)}
-        for name in ("rows", "values", "nan_count", "inf_count", "overflow_count"):
+        for name in ("rows", "values", "nan_count", "inf_count", "overflow_count", "source_code"):
             values[name] = int(values[name])
         mean = row[NUM_SCALARS : NUM_SCALARS + channels].astype(np.float64)
         m2 = row[NUM_SCALARS + channels :].astype(np.float64)
@@ -97,6 +104,8 @@ class ChunkStats:
         self.nan_count += other.nan_count
         self.inf_count += other.inf_count
         self.overflow_count += other.overflow_count
+        # all chunks normally share one source dtype; if not, the widest one is reported
+        self.source_code = max(self.source_code, other.source_code)
 
 
 def channel_moments(stored: np.ndarray, logical_dtype: str, channels: int) -> tuple[np.ndarray, np.ndarray]:
