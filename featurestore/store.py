@@ -152,6 +152,9 @@ class FeatureStore:
             _check_resumable(meta, wanted, key)
             done = set(range(layout.num_chunks(meta["num_samples"], meta["chunk_rows"])))
             if meta.get("status") != "complete":
+                # The array documents may be missing if the creating process died right after
+                # the group; writing them again is idempotent (same geometry, checked above).
+                self._write_arrays(key, meta, ids)
                 done = self._valid_chunks(key, meta)
             return SplitWriter(self.storage, key, meta, done_chunks=done, label_dtype=label_np)
         if existing is not None:

@@ -31,7 +31,15 @@ from .errors import (
     NonFiniteValues,
     ShapeMismatch,
 )
-from .stats import REL_ERROR_FLOOR, ChunkStats, channel_moments, merge_rows, report
+from .stats import (
+    REL_ERROR_FLOOR,
+    SOURCE_CODES,
+    SOURCE_NAMES,
+    ChunkStats,
+    channel_moments,
+    merge_rows,
+    report,
+)
 from .storage import Storage
 
 
@@ -49,6 +57,7 @@ class _Buffer:
     abs_max: np.ndarray
     max_abs_error: np.ndarray
     max_rel_error: np.ndarray
+    source_code: int = 0  # stats.SOURCE_CODES of the values written into this chunk
 
 
 @dataclass
@@ -59,6 +68,7 @@ class _Batch:
     abs_max: np.ndarray
     max_abs_error: np.ndarray | None
     max_rel_error: np.ndarray | None
+    source_code: int = 0
 
 
 class SplitWriter:
@@ -143,9 +153,12 @@ class SplitWriter:
     def commit(self) -> dict[str, Any]:
         """Flush, check that every chunk of the split is on storage, then mark it complete.
 
-        Returns the split's final metadata.
+        Callable after :meth:`close` (the usual multi-writer sequence: every writer closes, then
+        one commits). Committing a split that is already complete changes nothing. Returns the
+        split's final metadata.
         """
-        self._check_open()
+        if self._meta.get("status") == "complete" and not self._buffers:
+            return dict(self._meta)
         self.flush()
         if self._buffers:
             missing = sum(int((~b.filled).sum()) for b in self._buffers.values())
@@ -212,8 +225,9 @@ class SplitWriter:
                 "relative error) or --dtype float32 (exact)"
             )
         stored = dtypes.quantize(source, self.dtype)
+        code = SOURCE_CODES[kind]
         if exact:
-            return _Batch(stored, None, None, row_max, None, None)
+            return _Batch(stored, None, None, row_max, None, None, code)
         source32 = source if source.dtype == np.float32 else source.astype(np.float32)
         decoded = dtypes.stored_as_float32(stored, self.dtype)
         error = decoded - source32
@@ -229,6 +243,7 @@ class SplitWriter:
             row_max,
             abs_error.reshape(len(error), -1).max(axis=1).astype(np.float64),
             relative.reshape(len(error), -1).max(axis=1).astype(np.float64),
+            code,
         )
 
     def _check_labels(self, labels: Any, count: int) -> np.ndarray | None:
@@ -281,6 +296,7 @@ class SplitWriter:
             if labels is not None and buffer.labels is not None:
                 buffer.labels[rows] = labels[src]
             buffer.abs_max[rows] = batch.abs_max[src]
+            buffer.source_code = max(buffer.source_code, batch.source_code)
             for name in ("sq_error", "sq_source", "max_abs_error", "max_rel_error"):
                 values = getattr(batch, name)
                 getattr(buffer, name)[rows] = 0.0 if values is None else values[src]
@@ -303,6 +319,7 @@ class SplitWriter:
             abs_max=part(batch.abs_max),
             max_abs_error=part(batch.max_abs_error),
             max_rel_error=part(batch.max_rel_error),
+            source_code=batch.source_code,
         )
 
     def _new_buffer(self, rows: int) -> _Buffer:
@@ -330,6 +347,7 @@ class SplitWriter:
         stats.max_rel_error = float(buffer.max_rel_error.max())
         stats.sum_sq_error = float(buffer.sq_error.sum())
         stats.sum_sq_source = float(buffer.sq_source.sum())
+        stats.source_code = buffer.source_code
         stats.mean, stats.m2 = channel_moments(buffer.data, self.dtype, self.channels)
         if buffer.labels is not None:
             self._put(layout.LABELS, index, self._pad(buffer.labels), None)
@@ -369,7 +387,10 @@ class SplitWriter:
         for raw in self._storage.read_many(keys):
             rows.append(np.frombuffer(raw[: -layout.CRC_BYTES], np.float64))
         total = merge_rows(rows, self.channels)
-        source = self._source_dtype or meta.get("source_dtype") or self.dtype
+        # The chunks' own record comes before the metadata: a writer that wrote nothing itself
+        # (it only commits) must not report the logical dtype as the source.
+        source = (self._source_dtype or SOURCE_NAMES.get(total.source_code)
+                  or meta.get("source_dtype") or self.dtype)
         out = report(total, source_dtype=source, logical_dtype=self.dtype)
         out["source_dtype"] = source
         return out
