@@ -14,7 +14,7 @@ same on ``client.FeatureLoader`` (streaming from a store, local or over HTTP) an
 :func:`~featurestore.probes_linear.train_linear_probe` (macro-F1, balanced accuracy) and
 :func:`~featurestore.probes_seg.train_seg_probe` (per-image macro Jaccard). Metric definitions
 and how to read a comparison: ``docs/PROBES.md``. Torch and the client are imported inside the
-functions that train, so describing a split works without them.
+functions, so importing this module (and ``featurestore --help``) stays cheap.
 """
 
 from __future__ import annotations
@@ -170,6 +170,7 @@ def run_probe(
     task: str = "auto",
     seeds: int | Sequence[int] = 3,
     epochs: int | None = None,
+    lr: float | None = None,
     batch_size: int = 64,
     device: str = "auto",
     num_classes: int | None = None,
@@ -182,8 +183,10 @@ def run_probe(
     """Train the reference probe on ``train_split`` under each seed and score it on ``eval_split``.
 
     ``source``: store path, fsspec URL (with ``storage_options``) or ``http(s)://`` server (with
-    ``token``). ``seeds``: a count K (seeds ``0..K-1``) or explicit seeds. ``epochs``: default
-    per task (``LinearProbeConfig``: 20, ``SegProbeConfig``: 10). ``loader``: ``"stream"``
+    ``token``). ``seeds``: a count K (seeds ``0..K-1``) or explicit seeds. ``epochs`` and ``lr``:
+    default per task (``LinearProbeConfig``: 20 epochs, lr 1e-2; ``SegProbeConfig``: 10 epochs,
+    lr 1e-3); small splits give few optimizer steps per epoch, so raise ``epochs`` or lower
+    ``batch_size`` there. ``loader``: ``"stream"``
     (``client.FeatureLoader``) or ``"ram"`` (the split read into host RAM as float32 first, the
     classic cache). ``log`` receives one line per seed. Returns the setup, every run's metrics
     and, under ``"metrics"``, each metric's ``{"mean", "std", "values"}`` (std over seeds,
@@ -193,7 +196,7 @@ def run_probe(
                             token=token) for split in (train_split, eval_split)]
     task = _resolve_task(infos, task)
     num_classes = num_classes if num_classes is not None else num_classes_of(infos)
-    return _run(*infos, task=task, num_classes=num_classes, seeds=seeds, epochs=epochs,
+    return _run(*infos, task=task, num_classes=num_classes, seeds=seeds, epochs=epochs, lr=lr,
                 batch_size=batch_size, device=device, pool=pool, loader=loader, log=log)
 
 
@@ -209,6 +212,7 @@ def compare_probes(
     task: str = "auto",
     seeds: int | Sequence[int] = 3,
     epochs: int | None = None,
+    lr: float | None = None,
     batch_size: int = 64,
     device: str = "auto",
     num_classes: int | None = None,
@@ -242,7 +246,7 @@ def compare_probes(
                 f"{b_info.num_samples}: compare the same images stored twice"
             )
     options: dict[str, Any] = dict(task=task, num_classes=num_classes, seeds=seeds, epochs=epochs,
-                                   batch_size=batch_size, device=device, pool=pool, loader=loader,
+                                   lr=lr, batch_size=batch_size, device=device, pool=pool, loader=loader,
                                    log=log)
     a = _run(infos[0], infos[1], **options)
     b = _run(infos[2], infos[3], **options)
@@ -275,6 +279,7 @@ def _run(
     num_classes: int,
     seeds: int | Sequence[int],
     epochs: int | None,
+    lr: float | None,
     batch_size: int,
     device: str,
     pool: str,
@@ -291,12 +296,20 @@ def _run(
     if loader not in LOADERS:
         raise ValueError(f"loader must be one of {', '.join(LOADERS)}, but got: {loader!r}")
     if num_classes < 2:
-        raise ValueError(f"found {num_classes} class(es) in the labels; a probe needs at least 2")
+        raise ValueError(f"num_classes is {num_classes}: a probe needs at least 2 classes")
+    if train.sample_shape != evaluate.sample_shape:
+        raise ValueError(
+            f"{train.name} has samples of shape {list(train.sample_shape)} but {evaluate.name} has "
+            f"{list(evaluate.sample_shape)}: train and eval splits must come from the same encoder"
+        )
     torch_device = resolve_device(device)
     grid, prefix = token_layout(train)
-    epochs_kw = {} if epochs is None else {"epochs": epochs}
-    config: Any = (SegProbeConfig(**epochs_kw) if task == "seg"
-                   else LinearProbeConfig(pool=pool, prefix_tokens=prefix, **epochs_kw))
+    if lr is not None and (not isinstance(lr, (int, float)) or not 0 < lr < math.inf):
+        raise ValueError(f"lr must be a positive number, but got: {lr!r}")
+    overrides: dict[str, Any] = {"epochs": epochs, "lr": lr}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    config: Any = (SegProbeConfig(**overrides) if task == "seg"
+                   else LinearProbeConfig(pool=pool, prefix_tokens=prefix, **overrides))
     make = _batches(train, evaluate, batch_size=batch_size, device=torch_device, loader=loader)
 
     def one(seed: int) -> dict[str, float]:

@@ -26,7 +26,9 @@ __all__ = [
     "LinearProbeConfig",
     "TensorLoader",
     "balanced_accuracy",
+    "check_class_ids",
     "confusion_matrix",
+    "cosine_lr",
     "epochs_of",
     "evaluate_linear_probe",
     "macro_f1",
@@ -257,7 +259,7 @@ def train_linear_probe(
     for epoch, loader in enumerate(epochs_of(train, config.epochs)):
         for features, labels in loader:
             pooled = pool_tokens(features.to(device, torch.float32), config.pool, config.prefix_tokens)
-            if model is None:
+            if model is None or optimizer is None:
                 # Built at the first batch because the feature dim is only known there; nothing
                 # between manual_seed and here draws from the global generator.
                 model = LinearProbe(pooled.shape[-1], num_classes).to(device)
@@ -265,12 +267,11 @@ def train_linear_probe(
                     model.parameters(), lr=config.lr, weight_decay=config.weight_decay
                 )
                 model.train()
-            assert optimizer is not None  # set together with model; for the type checker
             for group in optimizer.param_groups:
                 group["lr"] = cosine_lr(config.lr, epoch, config.epochs)
             if pooled.shape[0] < 2:
                 continue  # BatchNorm cannot normalise a batch of one sample in training mode
-            loss = loss_fn(model(pooled), _class_ids(labels, device))
+            loss = loss_fn(model(pooled), _class_ids(labels, device, num_classes))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -296,14 +297,14 @@ def evaluate_linear_probe(
     for features, labels in evaluate:
         pooled = pool_tokens(features.to(device, torch.float32), pool, prefix_tokens)
         pred = model(pooled).argmax(dim=1)
-        confusion += confusion_matrix(_class_ids(labels, device), pred, num_classes)
+        confusion += confusion_matrix(_class_ids(labels, device, num_classes), pred, num_classes)
         seen += pooled.shape[0]
     if seen == 0:
         raise ValueError("the evaluation loader yielded no batches; is the eval split empty?")
     return {"macro_f1": macro_f1(confusion.cpu()), "balanced_accuracy": balanced_accuracy(confusion.cpu())}
 
 
-def _class_ids(labels: Tensor, device: torch.device) -> Tensor:
+def _class_ids(labels: Tensor, device: torch.device, num_classes: int) -> Tensor:
     labels = labels.to(device)
     if labels.ndim == 2 and labels.shape[1] == 1:
         labels = labels[:, 0]
@@ -312,4 +313,21 @@ def _class_ids(labels: Tensor, device: torch.device) -> Tensor:
             f"the linear probe needs one class id per sample, but got labels of shape "
             f"{tuple(labels.shape)}; use the seg probe for masks"
         )
-    return labels.long()
+    return check_class_ids(labels.long(), num_classes)
+
+
+def check_class_ids(labels: Tensor, num_classes: int) -> Tensor:
+    """``labels`` if every id lies in ``[0, num_classes)``, else a ValueError naming the bad id.
+
+    Checked per batch because cross-entropy on an out-of-range id fails deep inside torch (or,
+    on CUDA, with an asynchronous device assert) instead of saying which label is wrong.
+    """
+    if labels.numel():
+        low, high = int(labels.min()), int(labels.max())
+        if low < 0 or high >= num_classes:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"label {bad} is outside [0, {num_classes}); pass the right num_classes "
+                "(--num-classes) or fix the labels"
+            )
+    return labels

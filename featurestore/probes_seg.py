@@ -3,8 +3,8 @@
 Input batches are ``(features [B, T, D], masks [B, H, W])`` with ``T = prefix_tokens + gh * gw``
 tokens in row-major grid order (``metadata["token_layout"]``) and masks holding class ids. The head
 drops the prefix tokens, projects the patch tokens to a small width, mixes them with a couple of
-pre-norm transformer layers (so a patch's prediction can use its neighbours, as the MaskTransformer
-head of the reference suite does), predicts per-patch class logits, and bilinearly upsamples them
+pre-norm transformer layers (so a patch's prediction can use its neighbours, in the spirit of the
+MaskTransformer head the reference suite fits on cached features), predicts per-patch class logits, and bilinearly upsamples them
 to the mask size. Loss: cross-entropy + soft dice. Metric: per-image macro Jaccard
 (:func:`per_image_jaccard`; exact definition there and in ``docs/PROBES.md``).
 """
@@ -20,14 +20,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .probes_linear import cosine_lr, epochs_of, resolve_device
+from .probes_linear import check_class_ids, cosine_lr, epochs_of, resolve_device
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from .probes_linear import Batch
 
-__all__ = ["SegHead", "SegProbeConfig", "dice_loss", "per_image_jaccard", "train_seg_probe"]
+__all__ = [
+    "SegHead",
+    "SegProbeConfig",
+    "dice_loss",
+    "evaluate_seg_probe",
+    "grid_from_layout",
+    "per_image_jaccard",
+    "soft_dice",
+    "train_seg_probe",
+]
 
 
 @dataclass(frozen=True)
@@ -113,11 +122,23 @@ def dice_loss(logits: Tensor, target: Tensor, smooth: float = 1.0) -> Tensor:
     Sums run over the batch and all pixels; ``p`` is the softmax, ``y`` the one-hot target. The
     smoothing ``s`` keeps classes absent from a batch at a dice of ~1 instead of 0/0.
     """
-    probs = logits.softmax(dim=1)
-    onehot = F.one_hot(target, logits.shape[1]).permute(0, 3, 1, 2).to(probs.dtype)
-    dims = (0, 2, 3)
-    intersection = (probs * onehot).sum(dims)
-    total = probs.sum(dims) + onehot.sum(dims)
+    return soft_dice(logits.softmax(dim=1), target, smooth)
+
+
+def soft_dice(probs: Tensor, target: Tensor, smooth: float = 1.0) -> Tensor:
+    """:func:`dice_loss` from probabilities ``[B, C, H, W]``.
+
+    ``sum(p_c y_c)`` is the probability of the true class summed per class, so no one-hot
+    ``[B, C, H, W]`` tensor is built: at mask resolution that tensor and its backward were a
+    quarter of a CPU training step.
+    """
+    num_classes = probs.shape[1]
+    flat_target = target.reshape(-1)
+    picked = probs.gather(1, target.unsqueeze(1)).reshape(-1)
+    intersection = torch.zeros(num_classes, dtype=probs.dtype, device=probs.device)
+    intersection = intersection.index_add(0, flat_target, picked)
+    target_count = torch.bincount(flat_target, minlength=num_classes).to(probs.dtype)
+    total = probs.sum(dim=(0, 2, 3)) + target_count
     return 1.0 - ((2.0 * intersection + smooth) / (total + smooth)).mean()
 
 
@@ -177,7 +198,7 @@ def train_seg_probe(
     for epoch, loader in enumerate(epochs_of(train, config.epochs)):
         for features, masks in loader:
             features = features.to(device, torch.float32)
-            masks = _masks(masks, device)
+            masks = _masks(masks, device, num_classes)
             if model is None or optimizer is None:
                 # Built at the first batch, where the feature dim and token count are known.
                 drop = _prefix_to_drop(features.shape[1], grid, prefix_tokens)
@@ -191,9 +212,11 @@ def train_seg_probe(
             for group in optimizer.param_groups:
                 group["lr"] = cosine_lr(config.lr, epoch, config.epochs)
             logits = model(features[:, drop:], (masks.shape[-2], masks.shape[-1]))
-            loss = F.cross_entropy(logits, masks)
+            # One log-softmax serves both terms (cross-entropy = NLL of it, dice on its exp).
+            log_probs = logits.log_softmax(dim=1)
+            loss = F.nll_loss(log_probs, masks)
             if config.dice_weight:
-                loss = loss + config.dice_weight * dice_loss(logits, masks)
+                loss = loss + config.dice_weight * soft_dice(log_probs.exp(), masks)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -212,7 +235,7 @@ def evaluate_seg_probe(
     images = 0
     for features, masks in evaluate:
         features = features.to(device, torch.float32)
-        masks = _masks(masks, device)
+        masks = _masks(masks, device, model.num_classes)
         logits = model(features[:, drop:], (masks.shape[-2], masks.shape[-1]))
         scores = per_image_jaccard(logits.argmax(dim=1), masks, model.num_classes)
         total += scores.sum()
@@ -236,7 +259,7 @@ def _is_square(n: int) -> bool:
     return n > 0 and math.isqrt(n) ** 2 == n
 
 
-def _masks(masks: Tensor, device: torch.device) -> Tensor:
+def _masks(masks: Tensor, device: torch.device, num_classes: int) -> Tensor:
     if masks.ndim == 4 and masks.shape[1] == 1:
         masks = masks[:, 0]
     if masks.ndim != 3:
@@ -244,4 +267,4 @@ def _masks(masks: Tensor, device: torch.device) -> Tensor:
             f"the seg probe needs class maps [B, H, W], but got labels of shape "
             f"{tuple(masks.shape)}; use the linear probe for one class id per sample"
         )
-    return masks.to(device).long()
+    return check_class_ids(masks.to(device).long(), num_classes)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import textwrap
 from typing import Any
 
 # Mirrors featurestore.probes.TASKS / LOADERS, kept here so `featurestore --help` imports nothing.
@@ -35,6 +37,7 @@ def format_report(result: dict[str, Any]) -> str:
         rows += [(name, _mean_std(s)) for name, s in run["metrics"].items()]
         lines += _table(rows)
         lines += ["", f"mean ± sample std over {len(run['seeds'])} seed(s) {run['seeds']}."]
+        lines += [line for note in _collapse_notes(run) for line in textwrap.wrap(note, width=100)]
         return "\n".join(lines)
 
     a, b, comparison = result["a"], result["b"], result["comparison"]
@@ -46,25 +49,51 @@ def format_report(result: dict[str, Any]) -> str:
             name,
             _mean_std(a["metrics"][name]),
             _mean_std(b["metrics"][name]),
-            f"{c['diff']:+.4f}",
+            _small(c["diff"], sign=True),
             "n/a" if c["threshold"] is None else f"{c['threshold']:.4f}",
-            f"{c['max_abs_paired_diff']:.4f}",
+            _small(c["max_abs_paired_diff"]),
             _verdict(c),
         ))
     lines += _table(rows)
     k = len(a["seeds"])
-    lines += [
-        "",
+    notes = [
         f"How to read: each cell is mean ± sample std over {k} seed(s) {a['seeds']}; seed k gives A "
         "and B the same head initialisation and batch order, so only the stored features differ.",
         "diff = mean(A) - mean(B). Run-to-run spread: pooled std = sqrt((std_A^2 + std_B^2) / 2). "
         "'exceeds spread' = |diff| > 2 x pooled std: the storage dtype moved the metric by more "
-        "than changing the seed does. 'no' means within seed noise, not zero; 'identical' means "
-        "every seed gave bit-identical metrics. Paired diff = A - B for the same seed.",
+        "than changing the seed does. 'no' = within seed noise (not zero); 'identical' = every "
+        "seed gave exactly the same metric in A and B. Paired diff = A - B for the same seed.",
     ]
     if k < 2:
-        lines.append("With one seed there is no spread to compare with: use --seeds 3 or more.")
+        notes.append("With one seed there is no spread to compare with: use --seeds 3 or more.")
+    notes += _collapse_notes(a) + _collapse_notes(b)
+    lines.append("")
+    lines += [line for note in notes for line in textwrap.wrap(note, width=100)]
     return "\n".join(lines)
+
+
+def _small(value: float, sign: bool = False) -> str:
+    # A float16 cache typically moves a metric by 1e-5..1e-3: 4 decimals would print such a
+    # difference as 0.0000, indistinguishable from an exact tie.
+    if value != 0 and abs(value) < 5e-5:
+        return f"{value:+.1e}" if sign else f"{value:.1e}"
+    return f"{value:+.4f}" if sign else f"{value:.4f}"
+
+
+def _collapse_notes(run: dict[str, Any]) -> list[str]:
+    # Seeds change the initialisation and the batch order, so a trained probe never scores
+    # exactly the same under all of them; when it does, it has almost surely learned a constant
+    # prediction (e.g. background everywhere), and a comparison of two such runs says nothing.
+    if len(run["seeds"]) < 2:
+        return []
+    flat = [name for name, s in run["metrics"].items() if s["std"] == 0.0]
+    if not flat:
+        return []
+    return [
+        f"Warning: {run['encoder']} gave exactly the same {', '.join(flat)} under every seed: "
+        "the probe probably predicts a constant class. Train longer (--epochs), with smaller "
+        "batches (--batch-size) or another --lr before reading the comparison."
+    ]
 
 
 def _setup_line(run: dict[str, Any]) -> str:
@@ -72,7 +101,8 @@ def _setup_line(run: dict[str, Any]) -> str:
     return (
         f"{run['task']} probe ({title}): train on '{run['train_split']}', evaluate on "
         f"'{run['eval_split']}'; {run['num_classes']} classes; {run['config']['epochs']} epochs, "
-        f"batch {run['batch_size']}, device {run['device']}, {run['loader']} loader"
+        f"lr {run['config']['lr']:g}, batch {run['batch_size']}, device {run['device']}, "
+        f"{run['loader']} loader"
     )
 
 
@@ -143,6 +173,8 @@ def register(subparsers: Any) -> None:
                         help="number of seeds K, run as seeds 0..K-1 (default 3)")
     parser.add_argument("--epochs", type=_positive_int, default=None,
                         help="training epochs (default: 20 linear, 10 seg)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="AdamW learning rate (default: 1e-2 linear, 1e-3 seg)")
     parser.add_argument("--batch-size", type=_positive_int, default=64)
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     parser.add_argument("--num-classes", type=_positive_int, default=None,
@@ -152,6 +184,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--loader", choices=LOADERS, default="stream",
                         help="stream: FeatureLoader from the store; ram: read the split into host "
                         "RAM as float32 first (the classic cache, for comparison)")
+    parser.add_argument("--token", default=None,
+                        help="bearer token for an http(s):// STORE (default: $FEATURESTORE_TOKEN)")
     parser.add_argument("--json", metavar="OUT", help="also write the full result as JSON to OUT ('-' = stdout)")
     parser.add_argument("--quiet", action="store_true", help="no per-seed progress on stderr")
     parser.set_defaults(func=run_command)
@@ -163,8 +197,9 @@ def run_command(args: argparse.Namespace) -> int:
 
     common: dict[str, Any] = dict(
         train_split=args.train, eval_split=args.eval, task=args.task, seeds=args.seeds,
-        epochs=args.epochs, batch_size=args.batch_size, device=args.device,
+        epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, device=args.device,
         num_classes=args.num_classes, pool=args.pool, loader=args.loader,
+        token=args.token or os.environ.get("FEATURESTORE_TOKEN") or None,
         log=None if args.quiet else log,
     )
     from featurestore.probes import compare_probes, run_probe

@@ -1,0 +1,457 @@
+"""Reference probes (linear and segmentation), the multi-seed comparison and ``featurestore probe``.
+
+Data is synthetic and small: class information is planted in the features (one prototype per
+class, plus noise), so a probe that learns must score far above chance, and a broken one cannot.
+Store-level tests write the same features twice under two encoder names with the core API and
+check that the comparison reports them as identical, through the streaming loader, the in-RAM
+loader, and (when the server stack is installed) HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import featurestore
+from featurestore.cli import main
+from featurestore.commands.probe import format_report
+from featurestore.probes import (
+    SplitInfo,
+    compare_probes,
+    compare_summaries,
+    describe_split,
+    detect_task,
+    run_probe,
+    run_seeds,
+    summarize,
+    token_layout,
+)
+from featurestore.probes_linear import (
+    LinearProbeConfig,
+    TensorLoader,
+    balanced_accuracy,
+    confusion_matrix,
+    macro_f1,
+    pool_tokens,
+    train_linear_probe,
+)
+from featurestore.probes_seg import SegProbeConfig, dice_loss, per_image_jaccard, train_seg_probe
+
+DATASET = "toy"
+GRID = (4, 4)
+PATCH = 4  # mask pixels per token side: masks are 16 x 16
+DIM = 16
+SEG_CLASSES = 3
+LIN_CLASSES = 4
+SMALL_SEG = SegProbeConfig(epochs=4, dim=32, depth=1, heads=2)
+
+
+@pytest.fixture(autouse=True)
+def _two_threads() -> Any:
+    # The budget is 2 CPU cores; more intra-op threads only add contention on a shared runner.
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+# ------------------------------------------------------------------------------ synthetic data
+
+
+def seg_data(n: int, seed: int, prefix: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features ``[n, prefix + 16, DIM]`` whose patch token t carries its patch's class, and the
+    matching uint8 masks ``[n, 16, 16]`` (each token covers a 4 x 4 block of pixels)."""
+    g = torch.Generator().manual_seed(seed)
+    prototypes = torch.randn(SEG_CLASSES, DIM, generator=torch.Generator().manual_seed(99)) * 2
+    patch_class = torch.randint(0, SEG_CLASSES, (n, *GRID), generator=g)
+    tokens = prototypes[patch_class.reshape(n, -1)] + 0.5 * torch.randn(n, GRID[0] * GRID[1], DIM, generator=g)
+    if prefix:
+        tokens = torch.cat([torch.randn(n, prefix, DIM, generator=g) * 5, tokens], dim=1)
+    masks = patch_class.repeat_interleave(PATCH, 1).repeat_interleave(PATCH, 2).to(torch.uint8)
+    return tokens, masks
+
+
+def linear_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features ``[n, 8, DIM]``: every token is its sample's class prototype plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    prototypes = torch.randn(LIN_CLASSES, DIM, generator=torch.Generator().manual_seed(7)) * 2
+    labels = torch.randint(0, LIN_CLASSES, (n,), generator=g)
+    return prototypes[labels][:, None, :] + torch.randn(n, 8, DIM, generator=g), labels
+
+
+def write(store: Any, encoder: str, split: str, features: torch.Tensor, labels: torch.Tensor | None,
+          dtype: str, metadata: dict[str, Any] | None = None) -> None:
+    writer = store.create_split(
+        DATASET, encoder, split, num_samples=len(features), sample_shape=tuple(features.shape[1:]),
+        dtype=dtype, label_shape=() if labels is None else tuple(labels.shape[1:]),
+        label_dtype=None if labels is None else str(labels.numpy().dtype), metadata=metadata,
+        chunk_bytes=16 * features[0].numel() * 4,  # several chunks per split
+    )
+    writer.write(0, features.numpy(), labels=None if labels is None else labels.numpy())
+    writer.commit()
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Seg splits under ``seg32a``/``seg32b`` (same float32 bytes), ``seg16`` (float16, with a
+    CLS token recorded in token_layout) and ``segbf`` (bfloat16); linear splits ``lin32``/``lin16``;
+    ``nolab`` unlabelled."""
+    path = str(tmp_path_factory.mktemp("probes") / "store")
+    store = featurestore.open_store(path, mode="a")
+    seg_layout = {"token_layout": {"prefix_tokens": 0, "grid": list(GRID)}}
+    for split, n, seed in (("train", 64, 0), ("val", 32, 1)):
+        features, masks = seg_data(n, seed)
+        write(store, "seg32a", split, features, masks, "float32", seg_layout)
+        write(store, "seg32b", split, features, masks, "float32", seg_layout)
+        with_cls, _ = seg_data(n, seed, prefix=1)
+        write(store, "seg16", split, with_cls, masks, "float16",
+              {"token_layout": {"prefix_tokens": 1, "grid": list(GRID)}})
+        write(store, "segbf", split, features, masks, "bfloat16", seg_layout)
+        features, labels = linear_data(2 * n, seed)
+        write(store, "lin32", split, features, labels, "float32")
+        write(store, "lin16", split, features, labels, "float16")
+        write(store, "nolab", split, features, None, "float32")
+    return path
+
+
+# -------------------------------------------------------------------------------------- metrics
+
+
+def test_classification_metrics_match_hand_computed_values() -> None:
+    target = torch.tensor([0, 0, 1, 1, 2, 2])
+    pred = torch.tensor([0, 1, 1, 1, 2, 0])
+    confusion = confusion_matrix(target, pred, 4)  # class 3: absent from target and prediction
+    assert confusion[:3, :3].tolist() == [[1, 1, 0], [0, 2, 0], [1, 0, 1]]
+    # F1: class 0 = 2/(2+1+1) = 0.5, class 1 = 4/(4+1+0) = 0.8, class 2 = 2/(2+0+1) = 2/3.
+    assert macro_f1(confusion) == pytest.approx((0.5 + 0.8 + 2 / 3) / 3)
+    # Recall: 1/2, 2/2, 1/2; class 3 has no support and is not averaged in.
+    assert balanced_accuracy(confusion) == pytest.approx((0.5 + 1.0 + 0.5) / 3)
+    with pytest.raises(ValueError, match="labels must lie in"):
+        confusion_matrix(torch.tensor([5]), torch.tensor([0]), 4)
+
+
+def test_per_image_jaccard_averages_classes_present_per_image() -> None:
+    target = torch.tensor([[[0, 0], [1, 1]], [[2, 2], [2, 2]]])
+    pred = torch.tensor([[[0, 1], [1, 1]], [[2, 2], [2, 2]]])
+    scores = per_image_jaccard(pred, target, num_classes=4)
+    # Image 0: class 0 IoU 1/2, class 1 IoU 2/3; classes 2 and 3 absent from both, skipped.
+    # Image 1: only class 2, IoU 1.
+    assert scores.tolist() == pytest.approx([(0.5 + 2 / 3) / 2, 1.0])
+    # A class predicted but absent from the target counts as IoU 0 for that image.
+    assert per_image_jaccard(torch.full((1, 2, 2), 3), target[:1], 4).item() == 0.0
+
+
+def test_dice_loss_matches_the_one_hot_formula_and_its_gradient() -> None:
+    g = torch.Generator().manual_seed(0)
+    target = torch.randint(0, 4, (3, 9, 7), generator=g)
+    logits = torch.randn(3, 5, 9, 7, generator=g, requires_grad=True)  # class 4 never in target
+    probs = logits.softmax(1)
+    onehot = torch.nn.functional.one_hot(target, 5).permute(0, 3, 1, 2).float()
+    dims = (0, 2, 3)
+    expected = 1 - ((2 * (probs * onehot).sum(dims) + 1) / (probs.sum(dims) + onehot.sum(dims) + 1)).mean()
+    got = dice_loss(logits, target)
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)
+    (grad_got,) = torch.autograd.grad(got, logits, retain_graph=True)
+    (grad_expected,) = torch.autograd.grad(expected, logits)
+    assert torch.allclose(grad_got, grad_expected, atol=1e-7)
+    perfect = torch.nn.functional.one_hot(target, 4).permute(0, 3, 1, 2).float() * 50
+    assert dice_loss(perfect, target).item() < 1e-3
+    assert dice_loss(-perfect, target).item() > 0.9
+
+
+def test_pool_tokens_mean_skips_prefix_and_cls_needs_one() -> None:
+    features = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2)
+    assert torch.equal(pool_tokens(features, "mean", prefix_tokens=1), features[:, 1:].mean(1))
+    assert torch.equal(pool_tokens(features, "cls", prefix_tokens=1), features[:, 0])
+    with pytest.raises(ValueError, match="no prefix tokens"):
+        pool_tokens(features, "cls", prefix_tokens=0)
+
+
+# ------------------------------------------------------------------------------------- learning
+
+
+def test_linear_probe_learns_a_separable_set_from_float16_batches() -> None:
+    train_x, train_y = linear_data(256, seed=0)
+    eval_x, eval_y = linear_data(128, seed=1)
+    # float16 inputs: the probe upcasts on its device, as it must for a float16 store.
+    train = TensorLoader(train_x.half(), train_y, batch_size=32, shuffle=True, seed=0,
+                         device="cpu", dtype=torch.float16)
+    evaluate = TensorLoader(eval_x.half(), eval_y, batch_size=64, device="cpu", dtype=torch.float16)
+    metrics = train_linear_probe(train, evaluate, num_classes=LIN_CLASSES, seed=0, device="cpu",
+                                 config=LinearProbeConfig(epochs=5))
+    assert metrics["macro_f1"] > 0.9
+    assert metrics["balanced_accuracy"] > 0.9
+
+
+def test_linear_probe_is_deterministic_and_takes_any_iterable_of_batches() -> None:
+    x, y = linear_data(96, seed=2)
+    batches = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 96, 32)]  # a plain list
+    config = LinearProbeConfig(epochs=2)
+    first = train_linear_probe(batches, batches, num_classes=LIN_CLASSES, seed=3, device="cpu", config=config)
+    second = train_linear_probe(batches, batches, num_classes=LIN_CLASSES, seed=3, device="cpu", config=config)
+    assert first == second
+    with pytest.raises(ValueError, match="yielded no batches"):
+        train_linear_probe([], batches, num_classes=LIN_CLASSES, device="cpu", config=config)
+
+
+def test_seg_probe_learns_classes_encoded_in_tokens_and_drops_prefix_tokens() -> None:
+    train_x, train_y = seg_data(128, seed=0, prefix=1)
+    eval_x, eval_y = seg_data(48, seed=1, prefix=1)
+    train = TensorLoader(train_x, train_y, batch_size=32, shuffle=True, seed=0, device="cpu")
+    evaluate = TensorLoader(eval_x, eval_y, batch_size=48, device="cpu")
+    metrics = train_seg_probe(train, evaluate, num_classes=SEG_CLASSES, grid=GRID, prefix_tokens=1,
+                              seed=0, device="cpu", config=SMALL_SEG)
+    constant = per_image_jaccard(torch.zeros_like(eval_y), eval_y, SEG_CLASSES).mean().item()
+    assert constant < 0.35  # ~1/3 of each image is class 0: IoU 1/3 on one of ~3 present classes
+    assert metrics["jaccard"] > 0.8
+    again = train_seg_probe(train, evaluate, num_classes=SEG_CLASSES, grid=GRID, prefix_tokens=1,
+                            seed=0, device="cpu", config=SMALL_SEG)
+    assert again == metrics  # fixed seed, CPU: bit-identical
+
+
+def test_seg_probe_rejects_a_grid_that_does_not_match_the_tokens() -> None:
+    x, y = seg_data(8, seed=0)
+    batches = [(x, y)]
+    with pytest.raises(ValueError, match="token grid 3x3"):
+        train_seg_probe(batches, batches, num_classes=SEG_CLASSES, grid=(3, 3), device="cpu", config=SMALL_SEG)
+
+
+# ------------------------------------------------------------------------------ seeds and spread
+
+
+def test_summaries_and_the_spread_rule() -> None:
+    summary = summarize([0.70, 0.72, 0.74])
+    assert summary["mean"] == pytest.approx(0.72)
+    assert summary["std"] == pytest.approx(0.02)  # sample std, ddof = 1
+    assert summarize([0.5])["std"] is None
+
+    def metrics_at(offset: float) -> Any:
+        return lambda seed: {"m": 0.70 + 0.02 * seed + offset}
+
+    base = run_seeds(metrics_at(0.0), [0, 1, 2])
+    close = compare_summaries(run_seeds(metrics_at(0.01), [0, 1, 2]), base)["m"]
+    far = compare_summaries(run_seeds(metrics_at(0.05), [0, 1, 2]), base)["m"]
+    same = compare_summaries(base, base)["m"]
+    assert close["pooled_std"] == pytest.approx(0.02) and close["threshold"] == pytest.approx(0.04)
+    assert close["diff"] == pytest.approx(0.01) and close["exceeds_spread"] is False
+    assert far["exceeds_spread"] is True
+    assert same["diff"] == 0 and same["exceeds_spread"] is False and same["max_abs_paired_diff"] == 0
+    single = compare_summaries(run_seeds(metrics_at(0.05), [0]), run_seeds(metrics_at(0), [0]))["m"]
+    assert single["exceeds_spread"] is None and single["pooled_std"] is None
+
+
+# ------------------------------------------------------------------------------- through a store
+
+
+def test_split_description_task_and_token_layout(store_path: str) -> None:
+    seg = describe_split(store_path, DATASET, "seg16", "train")
+    assert isinstance(seg, SplitInfo) and seg.dtype == "float16" and seg.label_shape == (16, 16)
+    assert detect_task(seg) == "seg" and token_layout(seg) == (GRID, 1)  # CLS still stored
+    assert token_layout(describe_split(store_path, DATASET, "seg32a", "train")) == (GRID, 0)
+    lin = describe_split(store_path, DATASET, "lin32", "train")
+    assert detect_task(lin) == "linear"
+    with pytest.raises(ValueError, match="task seg needs class maps"):
+        detect_task(lin, "seg")
+    with pytest.raises(ValueError, match="has no labels"):
+        detect_task(describe_split(store_path, DATASET, "nolab", "train"))
+
+
+def test_compare_reports_identical_metrics_for_identical_stores(store_path: str) -> None:
+    result = compare_probes(store_path, DATASET, "seg32a", "seg32b", train_split="train",
+                            eval_split="val", seeds=2, epochs=2, batch_size=32, device="cpu")
+    a, b = result["a"], result["b"]
+    assert a["task"] == "seg" and a["num_classes"] == SEG_CLASSES and a["seeds"] == [0, 1]
+    assert a["runs"] == b["runs"]  # same seeds, same batches, same bytes: bit-identical
+    jaccard = result["comparison"]["jaccard"]
+    assert jaccard["diff"] == 0 and jaccard["max_abs_paired_diff"] == 0
+    assert jaccard["exceeds_spread"] is False
+    assert a["runs"][0] != a["runs"][1]  # the seed does change the run, so the spread is real
+
+
+def test_streaming_trains_the_same_probe_as_the_in_ram_cache(store_path: str) -> None:
+    common: dict[str, Any] = dict(train_split="train", eval_split="val", seeds=[1], epochs=2,
+                                  batch_size=32, device="cpu")
+    streamed = run_probe(store_path, DATASET, "seg32a", loader="stream", **common)
+    in_ram = run_probe(store_path, DATASET, "seg32a", loader="ram", **common)
+    assert streamed["runs"] == in_ram["runs"]
+
+
+def test_compare_float16_with_cls_token_against_float32(store_path: str) -> None:
+    # A float16 store that still carries a CLS token vs the float32 one without: the prefix is
+    # dropped from token_layout, and the seg probe learns on both.
+    result = compare_probes(store_path, DATASET, "seg16", "seg32a", train_split="train",
+                            eval_split="val", seeds=2, epochs=3, device="cpu")
+    assert result["a"]["prefix_tokens_dropped"] == 1 and result["b"]["prefix_tokens_dropped"] == 0
+    assert result["a"]["metrics"]["jaccard"]["mean"] > 0.5
+    assert result["b"]["metrics"]["jaccard"]["mean"] > 0.5
+
+
+def test_bfloat16_store_is_upcast_and_probed(store_path: str) -> None:
+    result = run_probe(store_path, DATASET, "segbf", train_split="train", eval_split="val",
+                       seeds=[0], epochs=3, batch_size=16, device="cpu")
+    assert result["dtype"] == "bfloat16" and result["metrics"]["jaccard"]["mean"] > 0.5
+
+
+def test_linear_task_is_detected_and_learns_through_the_store(store_path: str) -> None:
+    result = compare_probes(store_path, DATASET, "lin16", "lin32", train_split="train",
+                            eval_split="val", seeds=2, epochs=5, batch_size=32, device="cpu")
+    assert result["a"]["task"] == "linear" and result["a"]["num_classes"] == LIN_CLASSES
+    assert set(result["comparison"]) == {"macro_f1", "balanced_accuracy"}
+    for side in ("a", "b"):
+        assert result[side]["metrics"]["macro_f1"]["mean"] > 0.9
+
+
+def test_compare_refuses_mismatched_inputs(store_path: str) -> None:
+    with pytest.raises(ValueError, match="disagree on the task"):
+        compare_probes(store_path, DATASET, "seg32a", "lin32", train_split="train", eval_split="val")
+    with pytest.raises(ValueError, match="seeds must be a positive integer"):
+        run_probe(store_path, DATASET, "lin32", train_split="train", eval_split="val", seeds=0)
+    with pytest.raises(ValueError, match="loader must be one of"):
+        run_probe(store_path, DATASET, "lin32", train_split="train", eval_split="val", loader="disk")
+
+
+# ----------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_compare_prints_the_table_and_writes_json(store_path: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "probe.json"
+    code = main(["probe", store_path, "--dataset", DATASET, "--encoder", "lin16", "--compare", "lin32",
+                 "--train", "train", "--eval", "val", "--seeds", "2", "--epochs", "2",
+                 "--device", "cpu", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "A float16" in captured.out and "B float32" in captured.out
+    assert "exceeds spread" in captured.out and "2 x pooled std" in captured.out
+    assert "seed 1" in captured.err  # per-seed progress goes to stderr
+    result = json.loads(out.read_text())
+    assert result["a"]["dtype"] == "float16" and result["b"]["dtype"] == "float32"
+    assert math.isfinite(result["comparison"]["macro_f1"]["diff"])
+
+
+def test_cli_single_encoder_json_to_stdout(store_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["probe", store_path, "--dataset", DATASET, "--encoder", "lin32", "--train", "train",
+                 "--eval", "val", "--seeds", "1", "--epochs", "1", "--lr", "0.05", "--device", "cpu",
+                 "--json", "-", "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 0 and captured.err == ""
+    result = json.loads(captured.out)
+    assert result["task"] == "linear" and result["metrics"]["macro_f1"]["std"] is None
+    assert result["config"]["lr"] == 0.05 and result["config"]["epochs"] == 1
+
+
+def test_report_warns_when_every_seed_gives_the_same_metric() -> None:
+    def run(values: list[float]) -> dict[str, Any]:
+        seeds = list(range(len(values)))
+        return {
+            **run_seeds(lambda seed: {"jaccard": values[seed]}, seeds),
+            "task": "seg", "train_split": "train", "eval_split": "val", "num_classes": 6,
+            "config": {"epochs": 1, "lr": 1e-3}, "batch_size": 64, "device": "cpu",
+            "loader": "stream", "dataset": "d", "encoder": "enc", "dtype": "float16",
+            "sample_shape": [4, 8], "train_samples": 8, "eval_samples": 8, "seconds": 0.0,
+            "source": "store",
+        }
+
+    collapsed, learned = run([0.16, 0.16, 0.16]), run([0.5, 0.6, 0.55])
+    text = format_report({"a": collapsed, "b": learned,
+                          "comparison": compare_summaries(collapsed, learned)})
+    assert "YES" in text  # |diff| = 0.39 > 2 x pooled std
+    assert "Warning: enc gave exactly the same jaccard under every seed" in text.replace("\n", " ")
+    assert "Warning" not in format_report(learned)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--encoder", "nolab", "--eval", "val"], "has no labels"),
+        (["--encoder", "lin32", "--eval", "val", "--task", "seg"], "task seg needs class maps"),
+        (["--encoder", "lin32", "--eval", "val", "--compare", "missing"], "missing"),
+        (["--encoder", "lin32", "--eval", "nope"], "nope"),
+        (["--encoder", "lin32", "--eval", "val", "--compare-store", "/x"], "--compare-store needs --compare"),
+        (["--encoder", "lin32", "--eval", "val", "--device", "bogus"], "invalid device"),
+        (["--encoder", "lin32", "--eval", "val", "--num-classes", "2"], "is outside [0, 2)"),
+    ],
+)
+def test_cli_errors_are_one_line_and_exit_1(store_path: str, argv: list[str], message: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["probe", store_path, "--dataset", DATASET, "--train", "train", "--quiet",
+                 "--epochs", "1", "--seeds", "1", *argv])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith("featurestore: error:") and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cli_missing_store_and_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--dataset", DATASET, "--encoder", "e", "--train", "train", "--eval", "val"]
+    assert main(["probe", str(tmp_path / "absent"), *args]) == 1
+    assert "no featurestore" in capsys.readouterr().err
+    for bad in (["--seeds", "0"], ["--epochs", "x"], ["--task", "regression"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["probe", str(tmp_path), *args, *bad])
+        assert exit_info.value.code == 2  # argparse usage error
+
+
+# ---------------------------------------------------------------------------------------- HTTP
+
+
+@pytest.fixture(scope="module")
+def served(store_path: str) -> Iterator[str]:
+    """``featurestore serve`` over the probe store on a free loopback port (skips without the
+    server stack)."""
+    for module in ("uvicorn", "fastapi", "httpx"):
+        pytest.importorskip(module)
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    env = {k: v for k, v in os.environ.items() if k != "FEATURESTORE_TOKEN"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "featurestore.cli", "serve", store_path, "--host", "127.0.0.1",
+         "--port", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("featurestore serve did not answer /healthz within 30 s")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_compare_local_store_with_its_copy_over_http(store_path: str, served: str) -> None:
+    result = compare_probes(store_path, DATASET, "seg32a", "seg32a", compare_source=served,
+                            train_split="train", eval_split="val", seeds=[0], epochs=1,
+                            batch_size=32, device="cpu")
+    assert result["b"]["source"] == served
+    assert result["a"]["runs"] == result["b"]["runs"]
+    assert result["comparison"]["jaccard"]["max_abs_paired_diff"] == 0
