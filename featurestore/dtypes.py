@@ -17,6 +17,9 @@ from .errors import DtypeMismatch
 
 FEATURE_DTYPES = ("float32", "float16", "bfloat16")
 FLOAT16_MAX = 65504.0
+# float32 values at or beyond this magnitude round (to nearest even) to Inf in bfloat16: it is
+# halfway between bfloat16's largest finite value (0x7F7F, ~3.3895e38) and 2**128.
+BFLOAT16_ROUNDS_TO_INF = float(np.array(0x7F7F8000, np.uint32).view(np.float32))
 
 _STORAGE = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 _ZARR_NAME = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}

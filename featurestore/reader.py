@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes, layout
-from .errors import IndexOutOfRange, ShapeMismatch
+from .errors import IndexOutOfRange, MissingChunks, ShapeMismatch
 from .storage import Storage
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in lazily
@@ -108,12 +108,20 @@ class FeatureArray:
             )
         if len(index):
             rows = out.reshape(len(index), -1).view(np.uint8)
-            if self.path == "mmap":
-                self._gather_mmap(index, rows)
-            elif self.path == "ranges":
-                self._gather_ranges(index, rows)
-            else:
-                self._gather_zarr(index, out)
+            try:
+                if self.path == "mmap":
+                    self._gather_mmap(index, rows)
+                elif self.path == "ranges":
+                    self._gather_ranges(index, rows)
+                else:
+                    self._gather_zarr(index, out)
+            except FileNotFoundError:
+                # Only an incomplete split (opened with allow_incomplete=True) lacks chunks.
+                raise MissingChunks(
+                    f"{self._key}: some requested rows lie in chunks that have not been written "
+                    f"(status {self.metadata.get('status')!r}); read only written rows, or resume "
+                    "the split first"
+                ) from None
         return out
 
     def _normalize(self, indices: Any) -> np.ndarray:

@@ -158,6 +158,13 @@ class FeatureStore:
                 done = self._valid_chunks(key, meta)
             return SplitWriter(self.storage, key, meta, done_chunks=done, label_dtype=label_np)
         if existing is not None:
+            # Mark the old split incomplete before deleting it: a delete cut short (SIGKILL, a
+            # lost connection) must not leave a split that reads as complete with chunks gone.
+            # It keeps its own metadata (cache key included), so a later resume cannot mix its
+            # surviving chunks with another encoder's.
+            stale = dict((existing.get("attributes") or {}).get("featurestore") or {})
+            stale["status"] = "writing"
+            self.storage.write(f"{key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": stale}))
             self.storage.delete_tree(key)
         self._ensure_group(dataset, {"featurestore": {"kind": "dataset"}})
         self._ensure_group(f"{dataset}/{encoder}", {"featurestore": {"kind": "encoder"}})
@@ -264,7 +271,12 @@ class FeatureStore:
             present = {int(n) for n in self.storage.listdir(f"{key}/{name}/c") if n.isdigit()}
             good = set()
             for index in sorted(present if valid is None else present & valid):
-                raw = self.storage.read(layout.chunk_key(f"{key}/{name}", index, ndim))
+                try:
+                    raw = self.storage.read(layout.chunk_key(f"{key}/{name}", index, ndim))
+                except (FileNotFoundError, IsADirectoryError):
+                    # c/<i>/ exists locally from the moment a writer starts chunk i (makedirs,
+                    # then the atomic rename): another rank mid-write, or one killed there.
+                    continue
                 if chunks.check(raw, nbytes) is None:
                     good.add(index)
             valid = good

@@ -224,6 +224,13 @@ class SplitWriter:
                 "nothing of this batch was stored. Use --dtype bfloat16 (float32's range, ~4e-3 "
                 "relative error) or --dtype float32 (exact)"
             )
+        if self.dtype == "bfloat16" and abs_max >= dtypes.BFLOAT16_ROUNDS_TO_INF:
+            over = int((np.abs(source.astype(np.float32)) >= dtypes.BFLOAT16_ROUNDS_TO_INF).sum())
+            raise NonFiniteValues(
+                f"{over} values of {rows} would round to Inf in bfloat16 (abs max {abs_max:.6g}, "
+                "bfloat16's largest finite value is ~3.3895e38); nothing of this batch was stored. "
+                "Use --dtype float32 (exact)"
+            )
         stored = dtypes.quantize(source, self.dtype)
         code = SOURCE_CODES[kind]
         if exact:
@@ -378,7 +385,16 @@ class SplitWriter:
         present = set(self._storage.listdir(feature_dir)) & set(self._storage.listdir(stats_dir))
         if self.label_shape is not None:
             present &= set(self._storage.listdir(f"{self._key}/{layout.LABELS}/c"))
-        return [i for i in others if str(i) not in present]
+        absent = [i for i in others if str(i) not in present]
+        if self._storage.local_path(self._key) is not None:
+            # Locally, features/c/<i>/ is a directory from the moment a writer starts chunk i
+            # (makedirs, then the atomic rename of the file); a writer killed in between leaves
+            # it empty. The features chunk is written last, so its file is the proof of a done
+            # chunk. Object stores have no empty directories: their listing is the proof.
+            ndim = 1 + len(self.sample_shape)
+            absent += [i for i in others if str(i) in present and not self._storage.exists(
+                layout.chunk_key(f"{self._key}/{layout.FEATURES}", i, ndim))]
+        return sorted(absent)
 
     def _final_report(self, meta: dict[str, Any], only: list[int] | None = None) -> dict[str, Any]:
         indices = list(range(self.num_chunks)) if only is None else only

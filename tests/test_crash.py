@@ -1,0 +1,252 @@
+"""Real processes: a writer killed with SIGKILL never leaves a complete split, ``resume=True``
+in a new process finishes it with the bytes of an uninterrupted run, and two processes writing
+disjoint chunks of one split equal one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import featurestore
+from featurestore import chunks, layout
+from featurestore.errors import CacheKeyMismatch, IncompleteSplit, SplitNotFound
+from featurestore.storage import LocalStorage
+
+# The writer under test. argv: root, mode (fresh | resume | rank | commit), rank, hold seconds.
+# It prints one line per step and flushes, so the test can kill it at a known point; before
+# commit it sleeps ``hold`` seconds, so a kill sent after any line lands before the commit.
+WRITER = r"""
+import sys, time
+import numpy as np
+import featurestore
+
+root, mode, rank, hold = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+N, ROWS, BATCH = 62, 4, 3
+x = (np.random.default_rng(0).standard_normal((N, 4, 8)) * 3).astype(np.float32)
+labels = np.arange(N) % 7
+store = featurestore.open_store(root, mode="a")
+w = store.create_split("pannuke", "tiny-vit", "train", num_samples=N, sample_shape=(4, 8),
+                       dtype="float16", chunk_bytes=ROWS * 64, label_dtype="int64",
+                       metadata={"cache_key": "k1"}, resume=mode != "fresh")
+print("pending", *w.pending_chunks(), flush=True)
+if mode == "commit":
+    w.commit()
+    print("committed", flush=True)
+    sys.exit(0)
+if mode == "rank":  # chunk-ownership rule: this process holds the rows of chunks i % 2 == rank
+    spans = [w.chunk_range(i) for i in range(w.num_chunks) if i % 2 == rank]
+else:
+    spans = [(0, N)]
+step = 0
+for lo, hi in spans:
+    for start in range(lo, hi, BATCH):
+        stop = min(start + BATCH, hi)
+        w.write(start, x[start:stop], labels=labels[start:stop])
+        print("progress", step, flush=True)
+        step += 1
+print("written", flush=True)
+time.sleep(hold)
+if mode == "rank":
+    w.close()
+else:
+    w.commit()
+print("done", flush=True)
+"""
+
+SPLIT = ("pannuke", "tiny-vit", "train")
+N = 62
+
+
+def _start(root: Path, mode: str, rank: int = 0, hold: float = 0.0) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-c", WRITER, str(root), mode, str(rank), str(hold)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def _wait_for(proc: subprocess.Popen[bytes], line: str, timeout: float = 60.0) -> list[str]:
+    """Read the child's stdout until ``line`` (or ``line`` + " ...") appears; return the lines."""
+    assert proc.stdout is not None
+    fd, buffer, seen = proc.stdout.fileno(), b"", []
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            proc.kill()
+            raise AssertionError(f"no {line!r} from the writer within {timeout}s; saw {seen}")
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if not ready:
+            continue
+        data = os.read(fd, 65536)
+        if not data:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise AssertionError(f"writer exited before {line!r}; saw {seen}; stderr:\n{err}")
+        buffer += data
+        *complete, buffer = buffer.split(b"\n")
+        seen += [c.decode() for c in complete]
+        if any(s == line or s.startswith(line + " ") for s in seen):
+            return seen
+
+
+def _run(root: Path, mode: str, rank: int = 0) -> list[str]:
+    proc = _start(root, mode, rank)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()
+    return out.decode().splitlines()
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file of the split except its group document (it holds timestamps), by path."""
+    split = root.joinpath(*SPLIT)
+    out = {}
+    for path in sorted(split.rglob("*")):
+        rel = path.relative_to(split).as_posix()
+        if path.is_file() and rel != "zarr.json" and not path.name.endswith(".tmp"):
+            out[rel] = path.read_bytes()
+    return out
+
+
+def _metadata(root: Path) -> dict[str, Any]:
+    meta = featurestore.open_store(str(root)).split_metadata(*SPLIT)
+    return {k: v for k, v in meta.items() if k not in ("created", "completed")}
+
+
+def _valid_chunks(root: Path, num_chunks: int) -> set[int]:
+    """Chunks whose features, labels and statistics files are all present with a valid crc32c."""
+    split = root.joinpath(*SPLIT)
+    valid = set()
+    for i in range(num_chunks):
+        parts = [layout.chunk_key(f"{a}", i, nd) for a, nd in (("features", 3), ("labels", 1), ("chunk_stats", 2))]
+        paths = [split / p for p in parts]
+        if all(p.exists() for p in paths) and all(chunks.check(p.read_bytes(), None) is None for p in paths):
+            valid.add(i)
+    return valid
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted run."""
+    root = tmp_path_factory.mktemp("reference") / "store"
+    lines = _run(root, "fresh")
+    assert lines[-1] == "done"
+    return root
+
+
+def _assert_same_as_reference(root: Path, reference: Path) -> None:
+    assert _files(root) == _files(reference)
+    assert _metadata(root) == _metadata(reference)
+    got = featurestore.open_store(str(root)).open(*SPLIT)
+    want = featurestore.open_store(str(reference)).open(*SPLIT)
+    index = np.random.default_rng(0).permutation(N)
+    assert got.read_numpy(index).tobytes() == want.read_numpy(index).tobytes()
+    assert got.labels.read_numpy(index).tobytes() == want.labels.read_numpy(index).tobytes()
+
+
+@pytest.mark.parametrize("kill_after", ["pending", "progress 0", "progress 6", "progress 15", "written"])
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path: Path, reference: Path, kill_after: str) -> None:
+    root = tmp_path / "store"
+    proc = _start(root, "fresh", hold=30.0)
+    try:
+        _wait_for(proc, kill_after)
+        # After "written" the child sleeps before committing; after any other line it is
+        # writing chunks when the signal lands.
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+    store = featurestore.open_store(str(root))
+    assert store.split_status(*SPLIT) == "writing"
+    with pytest.raises(IncompleteSplit):
+        store.open(*SPLIT)
+    num_chunks = -(-N // 4)
+    survived = _valid_chunks(root, num_chunks)
+    if kill_after == "written":
+        assert survived == set(range(num_chunks))
+
+    lines = _run(root, "resume")
+    pending = [int(v) for v in lines[0].split()[1:]]
+    assert lines[0].startswith("pending")
+    assert set(pending) == set(range(num_chunks)) - survived  # valid chunks are kept
+    assert lines[-1] == "done"
+    _assert_same_as_reference(root, reference)
+
+
+def test_two_processes_writing_disjoint_chunks(tmp_path: Path, reference: Path) -> None:
+    root = tmp_path / "store"
+    # the split is created once, then the ranks attach with resume=True
+    store = featurestore.open_store(str(root), mode="a")
+    store.create_split(*SPLIT, num_samples=N, sample_shape=(4, 8), dtype="float16",
+                       chunk_bytes=4 * 64, label_dtype="int64", metadata={"cache_key": "k1"}).close()
+    ranks = [_start(root, "rank", rank=r) for r in (0, 1)]
+    for proc in ranks:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err.decode()
+    assert store.split_status(*SPLIT) == "writing"
+    assert _valid_chunks(root, -(-N // 4)) == set(range(-(-N // 4)))
+    lines = _run(root, "commit")  # a process that wrote nothing itself commits
+    assert lines == ["pending", "committed"]
+    _assert_same_as_reference(root, reference)
+
+
+def test_chunk_cut_short_between_mkdir_and_rename(tmp_path: Path, reference: Path) -> None:
+    """What SIGKILL leaves while chunk i is being written (its directories and a temp file, no
+    chunk file) is a missing chunk: a commit-only process refuses, resume rewrites it."""
+    root = tmp_path / "store"
+    shutil.copytree(reference, root)
+    split = root.joinpath(*SPLIT)
+    document = split / "zarr.json"
+    meta = json.loads(document.read_text())
+    meta["attributes"]["featurestore"]["status"] = "writing"
+    document.write_text(json.dumps(meta))
+    chunk = split / "features" / "c" / "3" / "0" / "0"
+    chunk.unlink()
+    (chunk.parent / ".0.12345.0badc0de.tmp").write_bytes(b"\0" * 100)
+    assert (split / "labels" / "c" / "3").exists() and (split / "chunk_stats" / "c" / "3" / "0").exists()
+
+    proc = _start(root, "commit")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and b"MissingChunks" in err and b"chunk 3" in err
+    with pytest.raises(IncompleteSplit):
+        featurestore.open_store(str(root)).open(*SPLIT)
+    lines = _run(root, "resume")
+    assert lines[0] == "pending 3"
+    _assert_same_as_reference(root, reference)
+
+
+class _DiesWhileDeleting(LocalStorage):
+    """A real local store whose process "dies" part-way through deleting a split: the chunks go
+    first (as a recursive delete may well order them), then the process is gone."""
+
+    def delete_tree(self, prefix: str) -> None:
+        shutil.rmtree(Path(self._path(prefix)) / "features" / "c")
+        raise SystemExit("killed while deleting")
+
+
+def test_overwrite_cut_short_never_leaves_a_complete_split(tmp_path: Path, reference: Path) -> None:
+    root = tmp_path / "store"
+    shutil.copytree(reference, root)
+    dying = featurestore.FeatureStore(_DiesWhileDeleting(str(root)), mode="a")
+    with pytest.raises(SystemExit):
+        dying.create_split(*SPLIT, num_samples=N, sample_shape=(4, 8), dtype="float32",
+                           overwrite=True)
+    store = featurestore.open_store(str(root))
+    with pytest.raises((IncompleteSplit, SplitNotFound)):
+        store.open(*SPLIT)
+    if (root.joinpath(*SPLIT) / "zarr.json").exists():
+        assert store.split_status(*SPLIT) == "writing"
+    # the stale split keeps its own cache key: resuming it as another run's split is refused
+    with pytest.raises(CacheKeyMismatch):
+        featurestore.open_store(str(root), mode="a").create_split(
+            *SPLIT, num_samples=N, sample_shape=(4, 8), dtype="float16", chunk_bytes=4 * 64,
+            label_dtype="int64", metadata={"cache_key": "another-encoder"}, resume=True)

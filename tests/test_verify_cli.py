@@ -1,0 +1,180 @@
+"""``featurestore verify`` / ``ls`` / ``info`` and the CLI's error contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import featurestore
+from featurestore import cli
+
+SPLIT = ("pannuke", "tiny-vit", "train")
+
+
+def _make_store(root: Path) -> Path:
+    """A complete split with labels (5 chunks), a complete zstd split, an incomplete split."""
+    store = featurestore.open_store(str(root), mode="a")
+    x = (np.random.default_rng(0).standard_normal((23, 4, 8)) * 2).astype(np.float32)
+    w = store.create_split(*SPLIT, num_samples=23, sample_shape=(4, 8), dtype="float16",
+                           chunk_bytes=5 * 64, label_dtype="int64")
+    w.write(0, x, labels=np.arange(23) % 3)
+    w.commit()
+    w = store.create_split("pannuke", "tiny-vit", "val", num_samples=23, sample_shape=(4, 8),
+                           dtype="bfloat16", chunk_bytes=5 * 64, compressor="zstd")
+    w.write(0, x)
+    w.commit()
+    w = store.create_split("pannuke", "tiny-vit", "test", num_samples=23, sample_shape=(4, 8),
+                           dtype="float32", chunk_bytes=5 * 128)
+    w.write(0, x[:10])
+    w.close()
+    return root
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return _make_store(tmp_path / "store")
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _chunk(root: Path, split: str, index: int) -> Path:
+    return root / "pannuke" / "tiny-vit" / split / "features" / "c" / str(index) / "0" / "0"
+
+
+def test_verify_good_store(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _cli(capsys, "verify", str(root))
+    assert code == 0, out + err
+    assert "pannuke/tiny-vit/train: ok" in out and "pannuke/tiny-vit/val: ok" in out
+    # the incomplete split is listed, not counted as damage
+    assert "pannuke/tiny-vit/test: incomplete" in out
+    assert "2 complete split(s) checked, 0 damaged" in out
+    code, out, _ = _cli(capsys, "verify", str(root), *SPLIT)
+    assert code == 0 and "pannuke/tiny-vit/train: ok" in out and "val" not in out
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_verify_flipped_byte(root: Path, capsys: pytest.CaptureFixture[str], split: str) -> None:
+    chunk = _chunk(root, split, 2)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    code, out, _ = _cli(capsys, "verify", str(root))
+    assert code == 1
+    damaged = [line for line in out.splitlines() if line.startswith("DAMAGED")]
+    assert damaged == [f"DAMAGED pannuke/tiny-vit/{split}/features/c/2/0/0: crc32c mismatch (flipped or truncated bytes)"]
+    assert "1 damaged" in out
+
+
+def test_verify_missing_and_truncated_chunks(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _chunk(root, "train", 4).unlink()
+    labels = root / "pannuke" / "tiny-vit" / "train" / "labels" / "c" / "1"
+    labels.write_bytes(labels.read_bytes()[:-3])
+    code, out, _ = _cli(capsys, "verify", str(root))
+    assert code == 1
+    assert "DAMAGED pannuke/tiny-vit/train/features/c/4/0/0: missing" in out
+    assert "DAMAGED pannuke/tiny-vit/train/labels/c/1: size" in out
+    assert "pannuke/tiny-vit/val: ok" in out
+
+
+def test_verify_incomplete_only_is_not_damage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = featurestore.open_store(str(tmp_path / "s"), mode="a")
+    store.create_split("a", "b", "c", num_samples=4, sample_shape=(2,), dtype="float32").close()
+    code, out, _ = _cli(capsys, "verify", str(tmp_path / "s"))
+    assert code == 0
+    assert "a/b/c: incomplete" in out and "0 complete split(s) checked, 0 damaged" in out
+
+
+def test_ls(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _cli(capsys, "ls", str(root))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["SPLIT", "STATUS", "SHAPE", "DTYPE", "SIZE"]
+    rows = {line.split()[0]: line.split()[1:4] for line in lines[1:]}
+    assert rows == {
+        "pannuke/tiny-vit/test": ["writing", "23x4x8", "float32"],
+        "pannuke/tiny-vit/train": ["complete", "23x4x8", "float16"],
+        "pannuke/tiny-vit/val": ["complete", "23x4x8", "bfloat16"],
+    }
+    empty = featurestore.open_store(str(root.parent / "empty"), mode="a").url
+    code, out, _ = _cli(capsys, "ls", empty)
+    assert code == 0 and "empty store" in out
+
+
+def test_info(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _cli(capsys, "info", str(root), *SPLIT)
+    assert code == 0
+    fields = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in out.splitlines()}
+    assert fields["split"] == "pannuke/tiny-vit/train"
+    assert fields["status"] == "complete"
+    assert fields["shape"] == "[23, 4, 8]"
+    assert fields["dtype"] == "float16 (source float32)"
+    assert "exact=False" in fields["quantization"]
+    code, out, _ = _cli(capsys, "info", str(root), *SPLIT, "--json")
+    assert code == 0
+    meta = json.loads(out)
+    assert meta == featurestore.open_store(str(root)).split_metadata(*SPLIT)
+    assert meta["status"] == "complete" and meta["labels"] == {"shape": [], "dtype": "int64"}
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "featurestore.cli", *argv], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("case", ["missing-store", "bad-name", "unknown-split", "verify-args"])
+def test_errors_are_one_line(root: Path, tmp_path: Path, case: str) -> None:
+    argv = {
+        "missing-store": ["ls", str(tmp_path / "nowhere")],
+        "bad-name": ["info", str(root), "../x", "tiny-vit", "train"],
+        "unknown-split": ["info", str(root), "pannuke", "tiny-vit", "nosuch"],
+        "verify-args": ["verify", str(root), "pannuke"],
+    }[case]
+    result = _run(*argv)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("featurestore: error: ")
+    assert "Traceback" not in result.stderr
+    word = {"missing-store": "nowhere", "bad-name": "'../x'", "unknown-split": "'nosuch'",
+            "verify-args": "DATASET ENCODER SPLIT"}[case]
+    assert word in lines[0]
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    result = _run("--debug", "ls", str(tmp_path / "nowhere"))
+    assert result.returncode != 0 and "Traceback" in result.stderr and "StoreNotFound" in result.stderr
+
+
+def test_help_lists_every_verb() -> None:
+    result = _run("--help")
+    assert result.returncode == 0
+    verbs = []
+    for module in cli.COMMAND_MODULES:
+        verbs += {"inspect": ["ls", "info", "verify"]}.get(module, [module])
+    listed = {line.split()[0] for line in result.stdout.splitlines() if line.startswith("    ")}
+    missing = [verb for verb in verbs if verb not in listed]
+    assert not missing, f"featurestore --help does not list {missing}:\n{result.stdout}"
+
+
+def test_verify_object_storage(memory_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    store = featurestore.open_store(memory_url, mode="a")
+    w = store.create_split(*SPLIT, num_samples=9, sample_shape=(4, 8), dtype="float16", chunk_bytes=4 * 64)
+    w.write(0, np.ones((9, 4, 8), np.float32))
+    w.commit()
+    assert _cli(capsys, "verify", memory_url)[0] == 0
+    key = "pannuke/tiny-vit/train/features/c/1/0/0"
+    data = bytearray(store.storage.read(key))
+    data[0] ^= 0x01
+    store.storage.write(key, bytes(data))
+    code, out, _ = _cli(capsys, "verify", memory_url)
+    assert code == 1 and f"DAMAGED {key}: crc32c mismatch" in out
