@@ -1,0 +1,170 @@
+"""FeatureDataset: one stored split as a map-style torch Dataset, drop-in for a DataLoader.
+
+``ds[i]`` reads one sample; ``ds.__getitems__(indices)`` (which ``torch.utils.data.DataLoader``
+calls when it exists, torch >= 2.0) reads a whole batch with one gathered read, so a DataLoader
+with ``batch_size=64`` costs one read per batch instead of 64. The source is a local path, any
+fsspec URL (``s3://``, ``gs://``, ``memory://``...) or an ``http(s)://`` featurestore server.
+
+The opened reader is never pickled: DataLoader workers (spawned or forked) reopen the split
+lazily, in their own process, on their first read. A forked worker notices the changed process
+id and reopens too, so no file map, fsspec session or HTTP connection is shared across processes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from featurestore import dtypes
+
+NO_LABEL = -1
+"""Label returned for every sample of a split stored without labels (an int64 scalar tensor), so
+the default collate still works and ``(features, label)`` unpacking never changes shape."""
+
+
+def _is_http(source: str) -> bool:
+    return source.startswith(("http://", "https://"))
+
+
+class FeatureDataset(torch.utils.data.Dataset):
+    """Map-style dataset over ``source/dataset/encoder/split``.
+
+    ``ds[i] -> (features, label)``: features as a tensor of the stored dtype (``torch.float16``,
+    ``torch.bfloat16`` or ``torch.float32``, shape ``sample_shape``), label as a tensor of the
+    stored label dtype, or ``tensor(-1)`` (:data:`NO_LABEL`) when the split has no labels.
+    Upcasting is left to the consumer (or to :class:`~client.loader.FeatureLoader`, which does it
+    on the GPU), so the bytes crossing process boundaries stay at the stored width.
+
+    ``storage_options`` go to fsspec (e.g. ``endpoint_url``, ``key``, ``secret``); ``token`` is the
+    bearer token of an ``http(s)://`` server; ``allow_incomplete`` reads a split still being
+    written (store sources only).
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str],
+        dataset: str,
+        encoder: str,
+        split: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        token: str | None = None,
+        allow_incomplete: bool = False,
+    ) -> None:
+        if not isinstance(source, (str, os.PathLike)):
+            raise TypeError(f"source must be a path, fsspec URL or http(s):// URL, but got: {source!r}")
+        self.source = os.fspath(source)
+        self.dataset, self.encoder, self.split = dataset, encoder, split
+        self.storage_options = dict(storage_options or {})
+        self.token = token
+        self.allow_incomplete = bool(allow_incomplete)
+        if _is_http(self.source) and self.storage_options:
+            raise ValueError("storage_options apply to fsspec sources only; an http(s):// source takes token=")
+        if _is_http(self.source) and self.allow_incomplete:
+            raise ValueError("allow_incomplete applies to store sources only: a server serves complete splits "
+                             "(409 otherwise); open the store URL directly to read an incomplete split")
+        # Opened once here so a wrong name or URL fails now, in the main process, and so the
+        # shape and metadata are known without a reader; workers reopen (see __getstate__).
+        self._array: Any = None
+        self._pid = -1
+        array = self.array
+        self.num_samples = int(array.shape[0])
+        self.sample_shape: tuple[int, ...] = tuple(int(s) for s in array.sample_shape)
+        self.dtype: str = array.dtype
+        self.numpy_dtype = np.dtype(array.numpy_dtype)
+        self.torch_dtype = dtypes.torch_dtype(self.dtype)
+        self.metadata: dict[str, Any] = dict(array.metadata)
+        labels = array.labels
+        self.has_labels = labels is not None
+        self.label_shape: tuple[int, ...] = tuple(int(s) for s in labels.sample_shape) if labels is not None else ()
+        self.label_numpy_dtype = np.dtype(labels.numpy_dtype) if labels is not None else np.dtype(np.int64)
+        # "mmap" / "ranges" / "zarr" for store readers; "http" for a server. The loader picks its
+        # default shuffle from this (random row access is cheap only on "mmap").
+        self.read_path: str = "http" if _is_http(self.source) else str(getattr(array, "path", "ranges"))
+        self.chunk_rows = int(getattr(array, "chunk_rows", 0) or self.metadata.get("chunk_rows") or 1)
+
+    # ------------------------------------------------------------------ opening
+    @property
+    def array(self) -> Any:
+        """The split's feature reader, opened in this process on first use."""
+        if self._array is None or self._pid != os.getpid():
+            self._array = self._open()
+            self._pid = os.getpid()
+        return self._array
+
+    def _open(self) -> Any:
+        if _is_http(self.source):
+            from .http import FeatureClient
+
+            return FeatureClient(self.source, token=self.token).open(self.dataset, self.encoder, self.split)
+        import featurestore
+
+        store = featurestore.open_store(self.source, mode="r", **self.storage_options)
+        return store.open(self.dataset, self.encoder, self.split, allow_incomplete=self.allow_incomplete)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_array"] = None  # no maps, sessions or sockets cross a process boundary
+        state["_pid"] = -1
+        return state
+
+    def __repr__(self) -> str:
+        return (f"FeatureDataset({self.source!r}, {self.dataset!r}, {self.encoder!r}, {self.split!r}, "
+                f"n={self.num_samples}, sample_shape={self.sample_shape}, dtype={self.dtype!r})")
+
+    # ------------------------------------------------------------------ reads
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @property
+    def sample_nbytes(self) -> int:
+        return int(np.prod(self.sample_shape, dtype=np.int64)) * self.numpy_dtype.itemsize
+
+    @property
+    def label_nbytes(self) -> int:
+        return int(np.prod(self.label_shape, dtype=np.int64)) * self.label_numpy_dtype.itemsize
+
+    def read_into(self, indices: np.ndarray, features: np.ndarray, labels: np.ndarray | None = None) -> None:
+        """Gather rows ``indices`` into the preallocated ``features`` (storage dtype, C-contiguous,
+        ``[len(indices), *sample_shape]``) and, if given and the split has labels, ``labels``.
+
+        This is the loader's hot path: one gathered read per array, no allocation of the batch.
+        """
+        array = self.array
+        array.read_numpy(indices, out=features)
+        if labels is not None:
+            if array.labels is not None:
+                array.labels.read_numpy(indices, out=labels)
+            else:
+                labels.fill(NO_LABEL)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = int(index)
+        if index < 0:  # Python-style negative indices, as for a list
+            index += self.num_samples
+        features, labels = self._read_batch(np.asarray([index], dtype=np.int64))
+        return features[0], labels[0]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One gathered read for the whole batch; samples are views into that batch."""
+        features, labels = self._read_batch(np.asarray(indices, dtype=np.int64).reshape(-1))
+        return [(features[j], labels[j]) for j in range(len(features))]
+
+    def _read_batch(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        array = self.array
+        features = dtypes.to_torch(array.read_numpy(index), self.dtype)
+        if array.labels is not None:
+            labels = torch.from_numpy(array.labels.read_numpy(index))
+        else:
+            labels = torch.full((len(index),), NO_LABEL, dtype=torch.int64)
+        return features, labels
+
+    def channel_stats(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The split's stored per-channel (last axis) mean and std as float32, or None."""
+        stats = self.metadata.get("channel_stats")
+        if not stats or stats.get("mean") is None or stats.get("std") is None:
+            return None
+        return np.asarray(stats["mean"], np.float32), np.asarray(stats["std"], np.float32)

@@ -1,0 +1,539 @@
+"""``featurestore bench loader``: FeatureLoader against the bare reader, and its memory bound.
+
+One run measures, on a synthetic local store (memory-mapped path):
+
+1. throughput to a CPU consumer that does nothing, loader vs ``FeatureArray.read`` on the same
+   shuffled batches, page cache warm (target: loader >= 0.9x the reader);
+2. stall: a consumer that sleeps as long per step as one bare read takes; the time it waits in
+   ``next()`` as a share of the epoch (target: < 5 %);
+3. peak anonymous RSS of an epoch over N and 4N samples, each in a fresh subprocess, sampled over
+   time (target: does not grow with N; file-backed pages of the memory maps are the page cache,
+   reclaimable, and are reported separately);
+4. an epoch over a store >= 2x a memory cgroup's limit completes, while loading the same split into
+   a RAM tensor under that limit is killed (cgroup v2 or v1, whichever is writable here; skipped
+   with the reason otherwise);
+5. with CUDA: host-to-device GB/s from pinned vs pageable buffers, and the loader to the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+
+DATASET, ENCODER = "bench", "loader"
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("loader", help="FeatureLoader vs bare reader: throughput, stall, RSS N vs 4N, "
+                                   "epoch under a memory cgroup, H2D GB/s")
+    parser.add_argument("--shape", default="256x384", help="sample shape TxD (default 256x384)")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    parser.add_argument("--num-samples", type=int, default=1024, help="N (the RSS run also uses 4N)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved throughput repeats; best kept")
+    parser.add_argument("--cgroup-limit-mib", type=int, default=512, help="memory limit of the cgroup run")
+    parser.add_argument("--skip-rss", action="store_true", help="skip the N vs 4N subprocesses")
+    parser.add_argument("--skip-cgroup", action="store_true", help="skip the memory cgroup run")
+    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
+    parser.set_defaults(func=lambda args: _print_and_save(run(args), args.json_out))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    shape = tuple(int(v) for v in str(args.shape).lower().split("x"))
+    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-loader-")
+    os.makedirs(work, exist_ok=True)
+    store = os.path.join(work, "store")
+    n = int(args.num_samples)
+    results: dict[str, Any] = {"benchmark": "loader", "sample_shape": list(shape), "dtype": args.dtype,
+                               "batch_size": args.batch_size, "prefetch": args.prefetch, "num_samples": n}
+    try:
+        _make_split(store, "n", n, shape, args.dtype)
+        _make_split(store, "n4", 4 * n, shape, args.dtype)
+        results["throughput"] = _throughput(store, args)
+        # Over 4N: more batches per epoch, so the unavoidable wait for the first one weighs less.
+        results["stall"] = _stall(store, "n4", args)
+        if not args.skip_rss:
+            results["rss"] = _rss(store, args)
+        results["cgroup"] = _cgroup_epoch(store, shape, args) if not args.skip_cgroup else {"skipped": "--skip-cgroup"}
+        results["cuda"] = _cuda(store, args)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+# ---------------------------------------------------------------------- data
+def _make_split(store: str, split: str, n: int, shape: tuple[int, ...], dtype: str) -> int:
+    """Write ``n`` random samples (once; reused by a later run with the same --workdir)."""
+    import featurestore
+
+    fs = featurestore.open_store(store, mode="a")
+    if DATASET in fs.datasets() and split in fs.splits(DATASET, ENCODER) \
+            and fs.split_status(DATASET, ENCODER, split) == "complete" \
+            and fs.split_metadata(DATASET, ENCODER, split)["num_samples"] == n:
+        return n
+    writer = fs.create_split(DATASET, ENCODER, split, num_samples=n, sample_shape=shape, dtype=dtype, overwrite=True)
+    rng = np.random.default_rng(0)
+    block = 256
+    # A few random blocks, reused with a shift: content does not matter to I/O, generation does.
+    pool = [rng.standard_normal((block, *shape), dtype=np.float32) for _ in range(4)]
+    for k, start in enumerate(range(0, n, block)):
+        rows = min(block, n - start)
+        writer.write(start, pool[k % 4][:rows] + np.float32(k % 7))
+    writer.commit()
+    return n
+
+
+def _split_dir(store: str, split: str) -> str:
+    return os.path.join(store, DATASET, ENCODER, split)
+
+
+def _warm(path: str) -> None:
+    from .common import drop_into
+
+    drop_into(path)
+
+
+def _evict(path: str) -> None:
+    """Drop a split's clean pages from the page cache, so the next reader faults them in itself."""
+    for directory, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+# ---------------------------------------------------------------------- 1. throughput
+def _throughput(store: str, args: argparse.Namespace) -> dict[str, Any]:
+    from client import FeatureDataset, FeatureLoader
+
+    ds = FeatureDataset(store, DATASET, ENCODER, "n4")
+    array = ds.array
+    batches = list(FeatureLoader(ds, batch_size=args.batch_size, device="cpu", order="shuffle", seed=1).plan())
+    nbytes = sum(len(b) for b in batches) * ds.sample_nbytes
+    _warm(_split_dir(store, "n4"))
+
+    import torch
+
+    def reader(upcast: bool) -> float:
+        start = time.perf_counter()
+        for index in batches:
+            batch = array.read(index)
+            if upcast:
+                batch = batch.to(torch.float32)
+        return time.perf_counter() - start
+
+    # One loader per dtype, reused across epochs as a training loop does: its recycled buffers
+    # and threads are set up by the warm-up epoch, like the reader's maps are by its first pass.
+    loaders = {dtype: FeatureLoader(ds, batch_sampler=batches, device="cpu", dtype=dtype, prefetch=args.prefetch)
+               for dtype in (None, torch.float32)}
+
+    def loader(dtype: Any) -> float:
+        start = time.perf_counter()
+        for _ in loaders[dtype]:
+            pass
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {"reader": [], "loader": [], "reader_f32": [], "loader_f32": []}
+    reader(False)
+    loader(None)
+    loader(torch.float32)
+    for _ in range(max(1, args.repeats)):  # interleaved, so drift hits all four alike
+        times["reader"].append(reader(False))
+        times["loader"].append(loader(None))
+        times["reader_f32"].append(reader(True))
+        times["loader_f32"].append(loader(torch.float32))
+    best = {k: min(v) for k, v in times.items()}
+    out = {
+        "batches": len(batches),
+        "bytes": nbytes,
+        "reader_gbps": nbytes / best["reader"] / 1e9,
+        "loader_gbps": nbytes / best["loader"] / 1e9,
+        "loader_vs_reader": best["reader"] / best["loader"],
+        "reader_float32_gbps": nbytes / best["reader_f32"] / 1e9,
+        "loader_float32_gbps": nbytes / best["loader_f32"] / 1e9,
+        "loader_vs_reader_float32": best["reader_f32"] / best["loader_f32"],
+        "reader_s_per_batch": best["reader"] / len(batches),
+        "times_s": times,
+    }
+    out["ok"] = out["loader_vs_reader"] >= 0.9 and out["loader_vs_reader_float32"] >= 0.9
+    return out
+
+
+# ---------------------------------------------------------------------- 2. stall
+def _stall(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
+    from client import FeatureDataset, FeatureLoader
+
+    ds = FeatureDataset(store, DATASET, ENCODER, split)
+    _warm(_split_dir(store, split))
+    loader = FeatureLoader(ds, batch_size=args.batch_size, device="cpu", dtype=None, order="shuffle", seed=2,
+                           prefetch=args.prefetch)
+    for _ in loader:  # warm-up epoch (page tables of the maps, recycled buffers)
+        pass
+    # The consumer's step: the mean time of one bare read of this split's batches, measured just
+    # before, so that reads and steps run at the same rate (the hardest case for a prefetcher).
+    batches = list(loader.plan(epoch=2))
+    start = time.perf_counter()
+    for index in batches:
+        ds.array.read(index)
+    step_s = (time.perf_counter() - start) / len(batches)
+    loader.set_epoch(1)
+    start = time.perf_counter()
+    for _ in loader:
+        time.sleep(step_s)  # the "GPU step"
+    epoch = time.perf_counter() - start
+    stall = float(loader.stats["stall_s"])
+    # The first batch is always waited for (nothing to overlap it with); it is counted.
+    return {"split_samples": ds.num_samples, "consumer_step_s": step_s, "epoch_s": epoch, "stall_s": stall,
+            "stall_fraction": stall / epoch, "batches": int(loader.stats["batches"]), "ok": stall / epoch < 0.05}
+
+
+# ---------------------------------------------------------------------- 3. RSS, N vs 4N
+def _child(mode: str, store: str, split: str, batch_size: int, prefetch: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "featurestore.bench.loader", mode, store, split, str(batch_size),
+                           str(prefetch)], capture_output=True, text=True, check=False)
+
+
+def _rss(store: str, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for label, split in (("N", "n"), ("4N", "n4")):
+        proc = _child("_epoch", store, split, args.batch_size, args.prefetch)
+        if proc.returncode != 0:
+            raise RuntimeError(f"RSS child for {label} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        out[label] = json.loads(proc.stdout.strip().splitlines()[-1])
+    growth = out["4N"]["peak_anon"] - out["N"]["peak_anon"]
+    elements = int(np.prod(_shape(args)))
+    stored_itemsize = 4 if args.dtype == "float32" else 2
+    # docs/LOADER.md: (prefetch + 2) float32 batches handed out, plus one staging batch at the
+    # stored width for the CPU upcast, plus a constant (thread stacks, intra-op thread arenas).
+    bound = (args.prefetch + 2) * args.batch_size * elements * 4 + args.batch_size * elements * stored_itemsize
+    constant = 32 << 20
+    out["growth_bytes"] = growth
+    out["bound_bytes"] = bound
+    out["loader_bytes"] = {k: out[k]["peak_anon"] - out[k]["baseline_anon"] for k in ("N", "4N")}
+    # "Does not grow with N": both runs stay under the same N-independent bound.
+    out["ok"] = all(v <= bound + constant for v in out["loader_bytes"].values())
+    return out
+
+
+def _shape(args: argparse.Namespace) -> tuple[int, ...]:
+    return tuple(int(v) for v in str(args.shape).lower().split("x"))
+
+
+def _status_kib(fields: tuple[str, ...]) -> dict[str, int]:
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = line.split(":", 1)[0]
+            if key in fields:
+                values[key] = int(line.split()[1]) * 1024
+    return values
+
+
+def _child_epoch(store: str, split: str, batch_size: int, prefetch: int) -> dict[str, Any]:
+    """One epoch to a CPU consumer in float32, RSS sampled every 5 ms (runs in a fresh process)."""
+    import torch
+
+    from client import FeatureDataset, FeatureLoader
+
+    ds = FeatureDataset(store, DATASET, ENCODER, split)
+    loader = FeatureLoader(ds, batch_size=batch_size, device="cpu", dtype=torch.float32, prefetch=prefetch)
+    samples: list[tuple[float, int, int]] = []
+    stop = threading.Event()
+    t0 = time.perf_counter()
+
+    def sample() -> None:
+        while not stop.is_set():
+            v = _status_kib(("RssAnon", "RssFile"))
+            samples.append((time.perf_counter() - t0, v.get("RssAnon", 0), v.get("RssFile", 0)))
+            time.sleep(0.005)
+
+    baseline = _status_kib(("RssAnon",)).get("RssAnon", 0)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    checksum = 0.0
+    for features, _ in loader:
+        checksum += float(features[:, 0, 0].sum())  # touch the batch, as a consumer would
+    epoch = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
+    peak = max(s[1] for s in samples) if samples else baseline
+    return {"num_samples": ds.num_samples, "store_bytes": ds.num_samples * ds.sample_nbytes, "epoch_s": epoch,
+            "baseline_anon": baseline, "peak_anon": peak, "peak_file": max((s[2] for s in samples), default=0),
+            "samples": samples[:: max(1, len(samples) // 400)], "checksum": checksum}
+
+
+def _child_ram(store: str, split: str) -> dict[str, Any]:
+    """The baseline the product replaces: the whole split as one float32 tensor in RAM."""
+    import torch
+
+    from client import FeatureDataset
+
+    ds = FeatureDataset(store, DATASET, ENCODER, split)
+    ram = torch.empty((ds.num_samples, *ds.sample_shape), dtype=torch.float32)
+    step = 256
+    for start in range(0, ds.num_samples, step):
+        stop = min(ds.num_samples, start + step)
+        ram[start:stop] = ds.array.read(np.arange(start, stop)).to(torch.float32)
+    return {"loaded_bytes": ram.numel() * 4}
+
+
+# ---------------------------------------------------------------------- 4. cgroup
+def _cgroup_epoch(store: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
+    limit = args.cgroup_limit_mib << 20
+    sample_bytes = int(np.prod(shape)) * {"float32": 4}.get(args.dtype, 2)
+    rows = -(-int(2.2 * limit) // sample_bytes)  # >= 2x the limit, with margin
+    _make_split(store, "big", rows, shape, args.dtype)
+    out: dict[str, Any] = {"limit_bytes": limit, "store_bytes": rows * sample_bytes, "num_samples": rows}
+    try:
+        with _MemoryCgroup(limit) as group:
+            _evict(_split_dir(store, "big"))  # the child must fault every page in, under the limit
+            start = time.perf_counter()
+            loader = group.run([sys.executable, "-m", "featurestore.bench.loader", "_epoch", store, "big",
+                                str(args.batch_size), str(args.prefetch)])
+            out["loader_s"] = time.perf_counter() - start
+            out["loader_returncode"] = loader.returncode
+            if loader.returncode == 0:
+                child = json.loads(loader.stdout.strip().splitlines()[-1])
+                out["loader_peak_anon"] = child["peak_anon"]
+                out["loader_rss_samples"] = child["samples"]
+            else:
+                out["loader_stderr"] = loader.stderr[-2000:]
+            ram = group.run([sys.executable, "-m", "featurestore.bench.loader", "_ram", store, "big", "0", "0"])
+            out["ram_returncode"] = ram.returncode
+            out["ram_killed"] = ram.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
+            out["oom_kills"] = group.oom_kills()
+    except _CgroupUnavailable as error:
+        print(f"cgroup run skipped: {error}")
+        return {"skipped": str(error)}
+    out["ok"] = out["loader_returncode"] == 0 and out["ram_killed"]
+    return out
+
+
+class _CgroupUnavailable(RuntimeError):
+    pass
+
+
+class _MemoryCgroup:
+    """A memory cgroup with a hard limit for child processes, made from what this host allows.
+
+    Tried in order: a child of this process's own cgroup (v2: ``memory.max``; v1:
+    ``memory.limit_in_bytes``), then ``systemd-run --scope -p MemoryMax=`` (v2 with systemd).
+    Swap is capped at zero where the knob exists, so "over the limit" means killed, not swapped.
+    Raises :class:`_CgroupUnavailable` with the reason when none works.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = int(limit)
+        self.path: str | None = None
+        self.version = 0
+        self.prefix: list[str] = []
+
+    def __enter__(self) -> _MemoryCgroup:
+        reasons = []
+        for own, version in _own_memory_cgroups():
+            path = os.path.join(own, f"featurestore-bench-{os.getpid()}")
+            if version == 2:  # children get a memory.max only if the parent delegates "memory"
+                _write(os.path.join(own, "cgroup.subtree_control"), "+memory", optional=True)
+            try:
+                os.mkdir(path)
+            except OSError as error:
+                reasons.append(f"cannot create {path} ({error.strerror})")
+                continue
+            try:
+                if version == 2:
+                    _write(os.path.join(path, "memory.max"), str(self.limit))
+                    _write(os.path.join(path, "memory.swap.max"), "0", optional=True)
+                else:
+                    _write(os.path.join(path, "memory.limit_in_bytes"), str(self.limit))
+                    _write(os.path.join(path, "memory.memsw.limit_in_bytes"), str(self.limit), optional=True)
+            except OSError as error:
+                os.rmdir(path)
+                reasons.append(f"cannot set the limit in {path} ({error.strerror})")
+                continue
+            self.path, self.version = path, version
+            return self
+        if shutil.which("systemd-run") and os.path.isdir("/run/systemd/system"):
+            self.prefix = ["systemd-run", "--scope", "--quiet", "-p", f"MemoryMax={self.limit}", "-p", "MemorySwapMax=0"]
+            return self
+        raise _CgroupUnavailable("; ".join(reasons) or "no memory cgroup controller is mounted under /sys/fs/cgroup")
+
+    def run(self, command: list[str]) -> subprocess.CompletedProcess[str]:
+        procs = os.path.join(self.path, "cgroup.procs") if self.path else None
+
+        def enter() -> None:  # in the child, before exec: everything it allocates is charged
+            if procs:
+                with open(procs, "w") as f:
+                    f.write(str(os.getpid()))
+
+        return subprocess.run(self.prefix + command, capture_output=True, text=True, check=False,
+                              preexec_fn=enter if procs else None)
+
+    def oom_kills(self) -> int | None:
+        if not self.path:
+            return None
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        try:
+            with open(os.path.join(self.path, name)) as f:
+                for line in f:
+                    if line.startswith("oom_kill "):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.path:
+            for _ in range(50):  # the last child may still be exiting
+                try:
+                    os.rmdir(self.path)
+                    return
+                except OSError:
+                    time.sleep(0.1)
+
+
+def _own_memory_cgroups() -> list[tuple[str, int]]:
+    """Directories of this process's memory cgroup: [(path, version)] (v2 first if mounted)."""
+    found = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and controllers == "" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+            found.append((os.path.join("/sys/fs/cgroup", path.lstrip("/")), 2))
+        elif "memory" in controllers.split(","):
+            base = "/sys/fs/cgroup/memory"
+            own = os.path.join(base, path.lstrip("/"))
+            found.append((own if os.path.isdir(own) else base, 1))
+    return found
+
+
+def _write(path: str, value: str, optional: bool = False) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+    except OSError:
+        if not optional:
+            raise
+
+
+# ---------------------------------------------------------------------- 5. CUDA
+def _cuda(store: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("CUDA figures skipped: no CUDA device")
+        return {"skipped": "no CUDA device"}
+    from client import FeatureDataset, FeatureLoader
+
+    nbytes = 256 << 20
+    device = torch.device("cuda")
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(device)}
+    for name, pinned in (("pinned", True), ("pageable", False)):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        host.fill_(1)
+        target.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            target.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        out[f"h2d_{name}_gbps"] = 10 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9
+    ds = FeatureDataset(store, DATASET, ENCODER, "n")
+    _warm(_split_dir(store, "n"))
+    loader = FeatureLoader(ds, batch_size=args.batch_size, device="cuda", prefetch=args.prefetch)
+    for _ in loader:  # warm-up epoch: CUDA context, pinned slots, allocator
+        pass
+    start_s = time.perf_counter()
+    count = 0
+    for features, _ in loader:
+        count += len(features)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start_s
+    out["loader_to_gpu_gbps"] = count * ds.sample_nbytes / seconds / 1e9
+    out["loader_to_gpu_stall_s"] = float(loader.stats["stall_s"])
+    return out
+
+
+# ---------------------------------------------------------------------- output
+def _print_and_save(results: dict[str, Any], path: str | None) -> int:
+    t = results["throughput"]
+    print(f"loader bench: {results['num_samples']} samples of {results['sample_shape']} {results['dtype']}, "
+          f"batch {results['batch_size']}, prefetch {results['prefetch']}")
+    print(f"  throughput (CPU consumer, same shuffled batches, stored dtype): reader {t['reader_gbps']:.2f} GB/s, "
+          f"loader {t['loader_gbps']:.2f} GB/s ({t['loader_vs_reader']:.2f}x)")
+    print(f"  with float32 upcast on the CPU: reader+.float() {t['reader_float32_gbps']:.2f} GB/s, loader "
+          f"{t['loader_float32_gbps']:.2f} GB/s ({t['loader_vs_reader_float32']:.2f}x); target >= 0.9x: "
+          f"{'ok' if t['ok'] else 'MISSED'}")
+    s = results["stall"]
+    print(f"  stall over {s['batches']} batches with a {s['consumer_step_s'] * 1e3:.1f} ms consumer step: {s['stall_s'] * 1e3:.1f} ms of "
+          f"{s['epoch_s']:.2f} s = {100 * s['stall_fraction']:.2f}% (target < 5%: {'ok' if s['ok'] else 'MISSED'})")
+    r = results.get("rss")
+    if r:
+        for label in ("N", "4N"):
+            c = r[label]
+            print(f"  peak anonymous RSS, {label} = {c['num_samples']} samples ({c['store_bytes'] / 2**20:.0f} MiB): "
+                  f"{c['peak_anon'] / 2**20:.1f} MiB (after imports {c['baseline_anon'] / 2**20:.1f} MiB; "
+                  f"file-backed peak {c['peak_file'] / 2**20:.1f} MiB)")
+        print(f"  loader's own anonymous memory: N {r['loader_bytes']['N'] / 2**20:.1f} MiB, 4N "
+              f"{r['loader_bytes']['4N'] / 2**20:.1f} MiB (growth {r['growth_bytes'] / 2**20:+.1f} MiB); bound "
+              f"(prefetch + 2) batches + staging = {r['bound_bytes'] / 2**20:.1f} MiB + 32 MiB constant: "
+              f"{'ok' if r['ok'] else 'EXCEEDED'}")
+    g = results.get("cgroup", {})
+    if "skipped" in g:
+        print(f"  cgroup epoch: skipped ({g['skipped']})")
+    elif g:
+        print(f"  cgroup limit {g['limit_bytes'] / 2**20:.0f} MiB, store {g['store_bytes'] / 2**20:.0f} MiB: loader epoch "
+              f"{'completed' if g['loader_returncode'] == 0 else 'FAILED rc=' + str(g['loader_returncode'])}"
+              + (f" in {g['loader_s']:.1f} s (peak anon {g['loader_peak_anon'] / 2**20:.0f} MiB)"
+                 if g['loader_returncode'] == 0 else "")
+              + f"; RAM tensor {'killed (OOM)' if g['ram_killed'] else 'NOT killed, rc=' + str(g['ram_returncode'])}")
+    c = results.get("cuda", {})
+    if "skipped" in c:
+        print(f"  CUDA: skipped ({c['skipped']})")
+    elif c:
+        print(f"  CUDA {c['device']}: H2D pinned {c['h2d_pinned_gbps']:.1f} GB/s, pageable {c['h2d_pageable_gbps']:.1f} "
+              f"GB/s; loader to GPU {c['loader_to_gpu_gbps']:.2f} GB/s")
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def _main(argv: list[str]) -> int:
+    """Entry of the measurement subprocesses (``python -m featurestore.bench.loader MODE ...``)."""
+    mode, store, split, batch_size, prefetch = argv[:5]
+    if mode == "_epoch":
+        result = _child_epoch(store, split, int(batch_size), int(prefetch))
+    elif mode == "_ram":
+        result = _child_ram(store, split)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}: this entry point is for featurestore bench loader's subprocesses")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
