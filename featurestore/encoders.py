@@ -56,8 +56,8 @@ class _Block(nn.Module):
 class TinyViT(nn.Module):
     """A small ViT with a CLS token, register tokens and a patch grid (DINOv2-reg layout).
 
-    Sized for CPU demos (dim 128, 3 blocks: ~1.4 M parameters). Weights come from a fixed seed, so every machine builds the same encoder and the same
-    weights hash. Positional embeddings are fixed 2-D sin-cos, computed for any grid, so images
+    Sized for CPU demos (dim 128, 3 blocks: ~0.7 M parameters). Weights come from a fixed seed,
+    so every machine builds the same encoder and the same weights hash. Positional embeddings are fixed 2-D sin-cos, computed for any grid, so images
     of any size divisible by the patch size work without interpolation.
     """
 
@@ -171,7 +171,8 @@ class _ForwardFeatures(nn.Module):
         self.model = model
 
     def forward(self, x: torch.Tensor) -> Any:
-        return self.model.forward_features(x)
+        forward_features: Callable[[torch.Tensor], Any] = getattr(self.model, "forward_features")
+        return forward_features(x)
 
 
 class _HFModel(nn.Module):

@@ -30,8 +30,8 @@ import torch
 
 from . import dtypes
 from .encoders import Encoder, EncoderError, TokenLayout, load_encoder, resolve_layout
-from .errors import (CacheKeyMismatch, DatasetNotFound, EncoderNotFound, FeatureStoreError, SplitExists,
-                     SplitNotFound)
+from .errors import (CacheKeyMismatch, DatasetNotFound, EncoderNotFound, FeatureStoreError, NonFiniteValues,
+                     SplitExists, SplitNotFound)
 from .extract_dist import Coordinator, coordinator_from_env
 from .names import validate_name
 from .sources import Failure, ImageSource, Preprocessing, PreparedImages, SourceError, collate, open_source
@@ -67,6 +67,7 @@ class ExtractOptions:
     storage_options: dict[str, Any] = field(default_factory=dict)
     queue_size: int = 4
     progress: bool = True
+    threads: int | None = None  # torch intra-op threads on the CPU; see docs/EXTRACT.md
 
 
 @dataclass
@@ -74,9 +75,11 @@ class ExtractResult:
     status: str  # "complete" | "already-complete"
     key: str
     num_samples: int
-    encoded: int = 0
+    encoded: int = 0  # samples encoded by this run (all ranks)
     bytes_written: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # the encode-and-write loop (slowest rank)
+    wall_seconds: float = 0.0  # everything, from loading the encoder to the commit
+    writer_wait_seconds: float = 0.0  # the encoder blocked on the writer (full queue, final drain)
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
@@ -104,14 +107,13 @@ def resolve_precision(choice: str, device: torch.device) -> str:
 def resolve_dtype(choice: str, output_dtype: str) -> str:
     """``--dtype auto``: keep float16/bfloat16 outputs as they are; float32 -> float16, under the
     writer's overflow guard (an overflow stops the run and says to use bfloat16 or float32)."""
-    if choice == "auto":
-        return output_dtype if output_dtype in ("float16", "bfloat16") else "float16"
-    return dtypes.check_feature_dtype(choice)
+    keep = output_dtype if output_dtype in ("float16", "bfloat16") else "float16"
+    return keep if choice == "auto" else dtypes.check_feature_dtype(choice)
 
 
 def plan_batches(chunks: list[int], chunk_rows: int, num_samples: int, batch_size: int) -> list[list[int]]:
     """Sample indices per batch for ``chunks``; see the module docstring for why it is fixed."""
-    plan = []
+    plan: list[list[int]] = []
     for chunk in chunks:
         lo, hi = chunk * chunk_rows, min((chunk + 1) * chunk_rows, num_samples)
         plan.extend(list(range(a, min(a + batch_size, hi))) for a in range(lo, hi, batch_size))
@@ -134,9 +136,7 @@ class _Prepared:
 
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
 
 
 def _prepare(opts: ExtractOptions, coord: Coordinator) -> _Prepared:
@@ -165,9 +165,12 @@ def _prepare(opts: ExtractOptions, coord: Coordinator) -> _Prepared:
         raise SourceError(first.message)
     with torch.inference_mode(), _autocast(device, precision):
         tokens = encoder(first[1][None].to(device))
-    layout = resolve_layout(encoder, int(tokens.shape[1]), tuple(first[1].shape[-2:]), opts.tokens,  # type: ignore[arg-type]
-                            opts.prefix_tokens)
+    image_hw = (int(first[1].shape[-2]), int(first[1].shape[-1]))
+    layout = resolve_layout(encoder, int(tokens.shape[1]), image_hw, opts.tokens, opts.prefix_tokens)
     sample = layout.select(tokens)
+    if not bool(torch.isfinite(sample).all()):  # refuse before the store is touched
+        raise NonFiniteValues(f"encoder {opts.encoder} returned NaN or Inf for sample 0: featurestore does "
+                              "not store non-finite values. Check the encoder (try --precision fp32) and its input")
     output_dtype = str(sample.dtype).removeprefix("torch.")
     dtype = resolve_dtype(opts.dtype, output_dtype)
     key_parts = {
@@ -214,6 +217,10 @@ def _open_split(opts: ExtractOptions, prep: _Prepared, store: Any, *, resume: bo
                 raise SplitExists(f"split {key} exists but is incomplete (status "
                                   f"{existing.get('status')!r}): pass --resume to continue it or "
                                   "--overwrite to start over")
+    return _create_split(opts, prep, store, resume=resume, overwrite=overwrite)
+
+
+def _create_split(opts: ExtractOptions, prep: _Prepared, store: Any, *, resume: bool, overwrite: bool) -> Any:
     ids = prep.source.ids[: prep.num_samples] if prep.source.ids is not None else None
     return store.create_split(
         opts.dataset, prep.encoder_name, opts.split, num_samples=prep.num_samples,
@@ -232,6 +239,7 @@ class _WriterThread(threading.Thread):
         self.queue: queue.Queue[tuple[int, torch.Tensor, Any] | None] = queue.Queue(maxsize=max(1, maxsize))
         self.error: BaseException | None = None
         self.bytes_written = 0
+        self.waited = 0.0
         self.itemsize = dtypes.storage_dtype(writer.dtype).itemsize
 
     def run(self) -> None:
@@ -249,22 +257,24 @@ class _WriterThread(threading.Thread):
                 self.error = error
 
     def put(self, item: tuple[int, torch.Tensor, Any]) -> None:
-        while True:
-            self.check()
+        started = time.perf_counter()
+        while self.error is None:
             try:
                 self.queue.put(item, timeout=0.1)
-                return
+                break
             except queue.Full:
                 continue
-
-    def check(self) -> None:
+        self.waited += time.perf_counter() - started  # ~0 when writes hide behind encoding
         if self.error is not None:
             raise self.error
 
     def finish(self) -> None:
+        started = time.perf_counter()
         self.queue.put(None)
         self.join()
-        self.check()
+        self.waited += time.perf_counter() - started
+        if self.error is not None:
+            raise self.error
 
 
 def _worker_init(_: int) -> None:
@@ -273,13 +283,15 @@ def _worker_init(_: int) -> None:
 
 
 def _encode_chunks(opts: ExtractOptions, prep: _Prepared, writer: Any, chunks: list[int],
-                   coord: Coordinator) -> tuple[int, int]:
-    """Encode the samples of ``chunks`` and write them; returns (samples, bytes written)."""
+                   coord: Coordinator) -> tuple[int, int, float, float]:
+    """Encode and write the samples of ``chunks``: (samples, bytes, seconds, seconds waited)."""
     plan = plan_batches(chunks, writer.chunk_rows, prep.num_samples, opts.batch_size)
     total = sum(len(b) for b in plan)
     if not plan:
-        return 0, 0
-    workers = opts.num_workers if opts.num_workers is not None else min(4, max(0, (os.cpu_count() or 1) // coord.world_size - 1))
+        return 0, 0, 0.0, 0.0
+    workers = opts.num_workers
+    if workers is None:  # leave a core to the encoder; ranks share the machine's cores
+        workers = min(4, max(0, (os.cpu_count() or 1) // coord.world_size - 1))
     loader = torch.utils.data.DataLoader(
         prep.images, batch_sampler=plan, num_workers=workers, collate_fn=collate,
         pin_memory=prep.device.type == "cuda", worker_init_fn=_worker_init if workers else None)
@@ -303,25 +315,38 @@ def _encode_chunks(opts: ExtractOptions, prep: _Prepared, writer: Any, chunks: l
                 if tokens.shape[1] != prep.layout.encoder_tokens:
                     raise EncoderError(f"encoder {prep.encoder.spec} returned {tokens.shape[1]} tokens for samples "
                                        f"{indices[0]}..{indices[-1]}, but {prep.layout.encoder_tokens} for sample 0")
-                features = prep.layout.select(tokens).contiguous().cpu()
+                # No .contiguous(): the writer's quantization makes its own copy anyway.
+                features = prep.layout.select(tokens).cpu()
                 thread.put((indices[0], features, labels))
                 bar.update(len(indices))
                 elapsed = max(time.perf_counter() - started, 1e-9)
-                bar.set_postfix_str(f"{thread.bytes_written / elapsed / 1e6:.1f} MB/s", refresh=False)
+                bar.set_postfix_str(f"{thread.bytes_written / elapsed / 1e6:.3g} MB/s", refresh=False)
         thread.finish()
     except BaseException:
-        thread.queue.put(None)  # let the thread end; the daemon flag covers a full queue
+        # Let the thread write what is queued (complete chunks help a resume) and end.
+        thread.queue.put(None)
+        thread.join()
         raise
     finally:
         bar.close()
-    return total, thread.bytes_written
+    return total, thread.bytes_written, time.perf_counter() - started, thread.waited
 
 
 def extract(opts: ExtractOptions, coord: Coordinator | None = None) -> ExtractResult:
     """Run one extraction (or this rank's share of it); raises FeatureStoreError on bad input."""
+    coord = coord or coordinator_from_env()
+    threads = torch.get_num_threads()
+    if opts.threads:  # CPU float sums can round differently with the thread count (docs/EXTRACT.md)
+        torch.set_num_threads(opts.threads)
+    try:
+        return _extract(opts, coord)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _extract(opts: ExtractOptions, coord: Coordinator) -> ExtractResult:
     from . import open_store
 
-    coord = coord or coordinator_from_env()
     started = time.perf_counter()
     key = f"{opts.dataset}/{opts.encoder_name or '?'}/{opts.split}"
     prep: _Prepared | None = None
@@ -334,7 +359,8 @@ def extract(opts: ExtractOptions, coord: Coordinator | None = None) -> ExtractRe
         error = e
     coord.agree(error)
     assert prep is not None
-    writer, error = None, None
+    writer: Any = None
+    error = None
     if coord.rank == 0:
         try:
             writer = _open_split(opts, prep, store, resume=opts.resume, overwrite=opts.overwrite)
@@ -346,23 +372,19 @@ def extract(opts: ExtractOptions, coord: Coordinator | None = None) -> ExtractRe
         return ExtractResult("already-complete", key, prep.num_samples, metadata=meta)
     error = None
     encoded = written = 0
+    seconds = waited = 0.0
     try:
         if coord.rank != 0:  # attach to the split rank 0 created or resumed
-            writer = store.create_split(
-                opts.dataset, prep.encoder_name, opts.split, num_samples=prep.num_samples,
-                sample_shape=prep.sample_shape, dtype=prep.dtype,
-                label_shape=prep.source.label_shape or (), label_dtype=prep.source.label_dtype,
-                metadata=prep.metadata, chunk_bytes=max(1, int(opts.chunk_mb * (1 << 20))),
-                resume=True, compressor=opts.compressor)
+            writer = _create_split(opts, prep, store, resume=True, overwrite=False)
         mine = [c for c in writer.pending_chunks() if coord.owns(c)]
-        encoded, written = _encode_chunks(opts, prep, writer, mine, coord)
+        encoded, written, seconds, waited = _encode_chunks(opts, prep, writer, mine, coord)
         if coord.rank == 0:
             writer.flush()
         else:
             writer.close()
     except BaseException as e:
         error = e
-    totals = coord.agree(error, payload=(encoded, written))
+    totals = coord.agree(error, payload=(encoded, written, seconds, waited))
     error, meta = None, {}
     if coord.rank == 0:
         try:
@@ -371,30 +393,6 @@ def extract(opts: ExtractOptions, coord: Coordinator | None = None) -> ExtractRe
             error = e
     coord.agree(error)
     return ExtractResult("complete", key, prep.num_samples, sum(t[0] for t in totals),
-                         sum(t[1] for t in totals), time.perf_counter() - started, meta)
-
-
-def format_report(result: ExtractResult) -> list[str]:
-    """The closing lines: quantization report, then one summary line."""
-    meta = result.metadata
-    q = meta.get("quantization") or {}
-    lines = []
-    if q:
-        exact = " (exact)" if q.get("exact") else ""
-        lines.append(
-            f"quantization: {q.get('source_dtype')} -> {q.get('stored_dtype')}{exact}: "
-            f"max abs error {q.get('max_abs_error', 0):.3g}, max rel error {q.get('max_rel_error', 0):.3g}, "
-            f"rel rms error {q.get('rel_rms_error', 0):.3g}, abs max {q.get('abs_max', 0):.6g}, "
-            f"overflow {q.get('overflow_count', 0)}, NaN {q.get('nan_count', 0)}, Inf {q.get('inf_count', 0)}")
-    shape = "x".join(str(s) for s in [result.num_samples, *meta.get("sample_shape", [])])
-    if result.status == "already-complete":
-        lines.append(f"split {result.key} is already complete with the same cache key ({shape} "
-                     f"{meta.get('logical_dtype')}): nothing to do (--overwrite to redo it)")
-        return lines
-    secs = max(result.seconds, 1e-9)
-    lines.append(
-        f"extracted {result.key}: {shape} {meta.get('logical_dtype')}, {result.encoded} samples encoded "
-        f"in {result.seconds:.1f}s ({result.encoded / secs:.1f} img/s, "
-        f"{result.bytes_written / secs / 1e6:.1f} MB/s written), status {meta.get('status')}")
-    return lines
+                         sum(t[1] for t in totals), max(t[2] for t in totals),
+                         time.perf_counter() - started, max(t[3] for t in totals), meta)
 

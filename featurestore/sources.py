@@ -94,14 +94,13 @@ class Preprocessing:
         """Preprocess one image; a spatial label map (same H, W) follows the crop but not the
         resize, so masks keep their pixels."""
         x = to_chw_float(image)
-        if label is not None and self.crop is not None:
-            array = np.asarray(label)
-            if array.ndim >= 2 and tuple(array.shape[:2]) == tuple(x.shape[-2:]):
-                top, left = _crop_origin(tuple(x.shape[-2:]), self.crop)  # type: ignore[arg-type]
-                label = np.ascontiguousarray(array[top : top + self.crop[0], left : left + self.crop[1]])
         if self.crop is not None:
-            top, left = _crop_origin(tuple(x.shape[-2:]), self.crop)  # type: ignore[arg-type]
-            x = x[:, top : top + self.crop[0], left : left + self.crop[1]]
+            hw = (int(x.shape[-2]), int(x.shape[-1]))
+            top, left = _crop_origin(hw, self.crop)
+            rows, cols = slice(top, top + self.crop[0]), slice(left, left + self.crop[1])
+            if label is not None and np.ndim(label) >= 2 and tuple(np.shape(label)[:2]) == hw:
+                label = np.ascontiguousarray(np.asarray(label)[rows, cols])
+            x = x[:, rows, cols]
         if self.resize is not None and tuple(x.shape[-2:]) != self.resize:
             x = F.interpolate(x[None], size=self.resize, mode="bilinear", antialias=True,
                               align_corners=False)[0]
@@ -329,7 +328,8 @@ class PythonSource(ImageSource):
         try:
             self.dataset = factory()
         except Exception as error:
-            raise SourceError(f"image source factory 'python:{target}' failed: {type(error).__name__}: {error}") from error
+            raise SourceError(f"image source factory 'python:{target}' failed: "
+                              f"{type(error).__name__}: {error}") from error
         if not hasattr(self.dataset, "__getitem__") or not hasattr(self.dataset, "__len__"):
             raise SourceError(f"'python:{target}' returned {type(self.dataset).__name__}, not a map-style Dataset")
         if len(self.dataset) == 0:

@@ -88,6 +88,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--compressor", default=None, help="opt-in chunk compression (see docs/FORMAT.md)")
     p.add_argument("--storage-options", default=None, metavar="JSON",
                    help="fsspec storage options (default: $FEATURESTORE_STORAGE_OPTIONS)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads (pin it to get byte-identical CPU runs; torchrun uses 1)")
     p.add_argument("--queue-size", type=int, default=4, help="batches in flight to the writer thread")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     # SUPPRESS: do not reset a `featurestore --debug extract ...` given before the verb.
@@ -107,11 +109,37 @@ def options_from_args(args: argparse.Namespace) -> Any:
         resize=_size(args.resize, "--resize"), mean=_triple(args.mean, "--mean"),
         std=_triple(args.std, "--std"), compressor=args.compressor,
         storage_options=storage_options(args.storage_options), queue_size=args.queue_size,
-        progress=not args.no_progress)
+        progress=not args.no_progress, threads=args.threads)
+
+
+def format_report(result: Any) -> list[str]:
+    """The closing lines: quantization report, then one summary line."""
+    meta = result.metadata
+    q = meta.get("quantization") or {}
+    lines = []
+    if q:
+        exact = " (exact)" if q.get("exact") else ""
+        lines.append(
+            f"quantization: {q.get('source_dtype')} -> {q.get('stored_dtype')}{exact}: "
+            f"max abs error {q.get('max_abs_error', 0):.3g}, max rel error {q.get('max_rel_error', 0):.3g}, "
+            f"rel rms error {q.get('rel_rms_error', 0):.3g}, abs max {q.get('abs_max', 0):.6g}, "
+            f"overflow {q.get('overflow_count', 0)}, NaN {q.get('nan_count', 0)}, Inf {q.get('inf_count', 0)}")
+    shape = "x".join(str(s) for s in [result.num_samples, *meta.get("sample_shape", [])])
+    if result.status == "already-complete":
+        lines.append(f"split {result.key} is already complete with the same cache key ({shape} "
+                     f"{meta.get('logical_dtype')}): nothing to do (--overwrite to redo it)")
+        return lines
+    secs = max(result.seconds, 1e-9)
+    lines.append(
+        f"extracted {result.key}: {shape} {meta.get('logical_dtype')}, {result.encoded} samples encoded "
+        f"in {result.seconds:.1f}s ({result.encoded / secs:.1f} img/s, "
+        f"{result.bytes_written / secs / 1e6:.3g} MB/s written; {result.wall_seconds:.1f}s in all), "
+        f"status {meta.get('status')}")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..extract import extract, format_report
+    from ..extract import extract
     from ..extract_dist import coordinator_from_env
 
     opts = options_from_args(args)
