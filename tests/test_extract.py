@@ -122,7 +122,8 @@ def _tests_importable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def options(fold: Path, store: Path | str, **kw: Any) -> ExtractOptions:
-    # 6 float16 samples [16, 16] per chunk (3 when stored as float32).
+    # A 6-sample float16 target (3 samples as float32), which chunk_bytes_for turns into one
+    # whole batch of 4 rows per chunk either way.
     base: dict[str, Any] = dict(images=f"pannuke:{fold}", encoder="python:test_extract:patch_encoder",
                                 store=str(store), dataset="pannuke", split="fold1", batch_size=4,
                                 chunk_mb=6 * 16 * 16 * 2 / 2**20, num_workers=0, progress=False)
@@ -159,7 +160,7 @@ def test_pannuke_float32_is_exact_with_labels_ids_and_metadata(fold: Path, tmp_p
     assert result.status == "complete" and result.encoded == 20
     store = featurestore.open_store(str(tmp_path))
     arr = store.open("pannuke", "patch_encoder", "fold1")
-    assert arr.shape == (20, 16, 16) and arr.dtype == "float32" and arr.chunk_rows == 3
+    assert arr.shape == (20, 16, 16) and arr.dtype == "float32" and arr.chunk_rows == 4
     # The same batches through the same encoder give the same bits.
     source = open_source(f"pannuke:{fold}")
     enc = load_encoder("python:test_extract:patch_encoder")
@@ -220,9 +221,10 @@ def test_resume_encodes_only_the_missing_chunks(fold: Path, tmp_path: Path, monk
     monkeypatch.delenv("FSX_FAIL_AFTER")
     log.write_text("")
     result = extract(options(fold, tmp_path / "run", resume=True), Coordinator())
-    # 3 batches of 4, 4+2: chunk 0 (rows 0-5) was written before the crash and is not redone.
-    assert result.encoded == 14
-    assert sum(int(n) for n in log.read_text().split()) == 1 + 14  # the probe sample + the rest
+    # Chunks hold one batch of 4: the 3 batches before the crash filled chunks 0-2 (rows 0-11),
+    # which are kept; only chunks 3-4 (8 rows) are encoded again.
+    assert result.encoded == 8
+    assert sum(int(n) for n in log.read_text().split()) == 1 + 8  # the probe sample + the rest
     name = ("pannuke", "patch_encoder", "fold1")
     assert np.array_equal(read_all(str(reference), name), read_all(str(tmp_path / "run"), name))
     assert result.metadata["quantization"] == featurestore.open_store(str(reference)).open(*name).metadata["quantization"]

@@ -71,7 +71,8 @@ def register(subparsers: Any) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue an incomplete split from its valid chunks")
     mode.add_argument("--overwrite", action="store_true", help="replace an existing split")
-    p.add_argument("--chunk-mb", type=float, default=8.0, help="chunk size target in MiB (default 8)")
+    p.add_argument("--chunk-mb", type=float, default=8.0,
+                   help="chunk size target in MiB (default 8), rounded to whole batches of --batch-size")
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
                    help="encoder compute: auto = bf16 autocast on CUDA, float32 on CPU")
     p.add_argument("--tokens", default="patch", choices=("patch", "cls", "all"),
