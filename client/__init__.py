@@ -9,13 +9,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ClientError", "FeatureClient", "FeatureDataset", "FeatureLoader"]
+__all__ = ["ClientError", "FeatureClient", "FeatureDataset", "FeatureLoader", "RemoteFeatureArray"]
 
 _WHERE = {
     "FeatureClient": "client.http",
     "ClientError": "client.http",
     "FeatureDataset": "client.dataset",
     "FeatureLoader": "client.loader",
+    "RemoteFeatureArray": "client.remote",
 }
 
 

@@ -1,7 +1,8 @@
 """``featurestore bench http``: the HTTP path against raw loopback TCP, latency, and a load test.
 
 In one run, on the same page-cached store of ``[256, 384]`` float16 samples, shuffled batches of
-64 samples (12 MiB each) are fetched, repeats interleaved, best kept (the machine is noisy):
+64 samples (12 MiB each) are fetched by each method in turn, batch after batch, and each method is
+rated by its median batch time (the machine is noisy; this way all see the same load):
 
 * ``http``: ``featurestore serve`` (uvicorn, a separate process) and :class:`client.FeatureClient`
   reading each batch in place into one reused buffer;
@@ -49,7 +50,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--num-samples", type=int, default=1024, help="samples in the built store")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--batches", type=int, default=30, help="timed batches per method/repeat")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; best kept")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of --batches batches")
     parser.add_argument("--items", type=int, default=300, help="single-item requests timed")
     parser.add_argument("--load-seconds", type=float, default=30.0, help="0 skips the load test")
     parser.add_argument("--clients", type=int, default=16, help="load-test concurrent clients")
@@ -65,12 +66,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def process_rss(pid: int) -> int:
-    """Resident set size of process ``pid`` in bytes (Linux /proc; 0 where unavailable)."""
+def process_rss(pid: int, field: str = "VmRSS") -> int:
+    """Resident memory of process ``pid`` in bytes (Linux /proc; 0 where unavailable).
+
+    ``VmRSS`` counts the store's memory-mapped chunk pages the server touched (page cache, not
+    leaks); ``RssAnon`` is the part that is the process's own heap, the one a leak would grow.
+    """
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -174,7 +179,7 @@ class RawTCP:
     def read(self, index: np.ndarray, out: np.ndarray, *, gather: bool) -> np.ndarray:
         index = np.ascontiguousarray(index, dtype=np.int64)
         self.sock.sendall(struct.pack("<IB", len(index), 0 if gather else 1) + index.tobytes())
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        view = out.reshape(-1).view(np.uint8).data
         got = 0
         while got < view.nbytes:
             n = self.sock.recv_into(view[got:])
@@ -200,6 +205,7 @@ def load_test(url: str, store: str, key: tuple[str, str, str], *, clients: int =
     local = featurestore.open_store(store).open(*key)
     n = len(local)
     rss_start = process_rss(server_pid) if server_pid else 0
+    anon_start = process_rss(server_pid, "RssAnon") if server_pid else 0
     stop_at = time.monotonic() + seconds
     lock = threading.Lock()
     totals = {"requests": 0, "bytes": 0, "errors": 0, "mismatches": 0}
@@ -211,7 +217,8 @@ def load_test(url: str, store: str, key: tuple[str, str, str], *, clients: int =
         with FeatureClient(url, token=token, retries=0, max_connections=2) as fc:
             remote = None
             while time.monotonic() < stop_at:
-                kind = int(rng.integers(0, 4))
+                kind = int(rng.integers(0, 4 if local.labels is not None else 3))
+                want: np.ndarray | None
                 try:
                     remote = remote or fc.open(*key)
                     if kind == 0:  # shuffled batch, duplicates allowed
@@ -247,7 +254,14 @@ def load_test(url: str, store: str, key: tuple[str, str, str], *, clients: int =
     for thread in threads:
         thread.join(seconds + 120)
     elapsed = time.perf_counter() - started
+    # The server gives idle heap back to the OS at most once a second, after a data response
+    # (server/memory.py): wait that second and make one small request, so "end" is the server
+    # at rest after the load, not the buffers of the last in-flight requests.
+    time.sleep(1.1)
+    with FeatureClient(url, token=token) as fc:
+        fc.item(*key, 0)
     rss_end = process_rss(server_pid) if server_pid else 0
+    anon_end = process_rss(server_pid, "RssAnon") if server_pid else 0
     return {
         **totals,
         "clients": clients,
@@ -256,6 +270,8 @@ def load_test(url: str, store: str, key: tuple[str, str, str], *, clients: int =
         "gb_per_s": gbps(totals["bytes"], elapsed),
         "server_rss_start": rss_start,
         "server_rss_end": rss_end,
+        "server_rss_anon_start": anon_start,
+        "server_rss_anon_end": anon_end,
         "failures": failures[:20],
     }
 
@@ -314,22 +330,27 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
         "raw tcp + gather": lambda idx: raw.read(idx, out, gather=True),
     }
     print(f"[http] {n} samples of {list(remote.sample_shape)} {remote.dtype}, shuffled batches of "
-          f"{batch} ({batch_bytes / 2**20:.1f} MiB), {args.repeats} x {args.batches} batches")  # fmt: skip
-    best: dict[str, float] = {}
+          f"{batch} ({batch_bytes / 2**20:.1f} MiB), {args.repeats} x {args.batches} batches per "
+          "method, alternating; GB/s from the median batch time")  # fmt: skip
+    # Methods alternate batch by batch, and each is rated by its median batch time: on a shared
+    # machine the load changes from second to second, and this way every method sees the same
+    # conditions and a scheduling hiccup does not decide the ratio.
+    times: dict[str, list[float]] = {name: [] for name in methods}
     try:
+        for fn in methods.values():
+            fn(np.arange(batch) % n)  # warm-up: connections, caches
         for repeat in range(args.repeats):
             rng = np.random.default_rng(repeat)
-            orders = [rng.choice(n, size=batch, replace=n < batch) for _ in range(args.batches + 1)]
-            for name, fn in methods.items():
-                fn(orders[0])  # warm-up: connection, caches
-                start = time.perf_counter()
-                for order in orders[1:]:
+            for _ in range(args.batches):
+                order = rng.choice(n, size=batch, replace=n < batch)
+                for name, fn in methods.items():
+                    start = time.perf_counter()
                     fn(order)
-                rate = gbps(args.batches * batch_bytes, time.perf_counter() - start)
-                best[name] = max(best.get(name, 0.0), rate)
+                    times[name].append(time.perf_counter() - start)
     finally:
         raw.close()
         naive.close()
+    best = {name: gbps(batch_bytes, float(np.median(values))) for name, values in times.items()}
     ratio = best["http"] / best["raw tcp"]
     ratio_gather = best["http"] / best["raw tcp + gather"]
     for name, rate in best.items():
@@ -361,7 +382,9 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
         print(f"  {load['requests']} requests ({load['requests_per_s']:.0f}/s, "
               f"{load['gb_per_s']:.2f} GB/s), errors {load['errors']}, payload mismatches "
               f"{load['mismatches']}; server RSS {load['server_rss_start'] / 2**20:.0f} MiB at "
-              f"start, {load['server_rss_end'] / 2**20:.0f} MiB at end")  # fmt: skip
+              f"start, {load['server_rss_end'] / 2**20:.0f} MiB at end (anonymous: "
+              f"{load['server_rss_anon_start'] / 2**20:.0f} -> {load['server_rss_anon_end'] / 2**20:.0f}"
+              " MiB; the rest is the store's page cache mapped in)")  # fmt: skip
         for failure in load["failures"][:5]:
             print(f"    {failure}")
         results["load"] = load

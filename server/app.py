@@ -1,0 +1,67 @@
+"""The app factory: ``create_app(store_url=None, settings=None)``.
+
+``uvicorn`` runs it as ``server.app:app_from_env`` with ``factory=True`` (what
+``featurestore serve`` does, also with ``--workers N``): settings then come from the
+``FEATURESTORE_*`` environment.
+
+Nothing here imports torch: the server image ships without it.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+import featurestore
+
+from . import routes_features, routes_zarr
+from .auth import BearerAuthMiddleware
+from .errors import install_error_handlers
+from .metrics import Metrics, MetricsMiddleware
+from .settings import Settings
+from .state import StoreState
+
+
+def create_app(store_url: str | None = None, settings: Settings | None = None) -> FastAPI:
+    """Build the read-only HTTP face of one store.
+
+    ``store_url`` overrides ``settings.store``; ``settings`` defaults to ``Settings()`` (the
+    environment). The store is opened here, so a wrong URL fails at start-up, not per request.
+    """
+    settings = settings if settings is not None else Settings()
+    if store_url is not None:
+        settings = settings.model_copy(update={"store": str(store_url)})
+    state = StoreState(settings)
+
+    app = FastAPI(
+        title="featurestore",
+        version=featurestore.__version__,
+        description="Read-only access to a featurestore: listings, split metadata, feature "
+        "batches (raw little-endian bytes with X-Shape / X-Dtype) and the raw Zarr key space.",
+    )
+    app.state.featurestore = state
+    install_error_handlers(app)
+    app.include_router(routes_features.router)
+    app.include_router(routes_zarr.router)
+
+    metrics = Metrics()
+    metrics.watch_pool(lambda: state.buffers.free_bytes)
+    app.state.metrics = metrics
+
+    @app.get("/metrics", tags=["service"], response_class=Response)
+    def prometheus(request: Request) -> Response:
+        """Prometheus text exposition of this worker's counters."""
+        return metrics.render(request)
+
+    # The middleware added last is the outermost: metrics wraps auth, so rejected requests are
+    # counted too.
+    token = settings.token_value()
+    if token is not None:
+        app.add_middleware(BearerAuthMiddleware, token=token)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """Factory for ``uvicorn server.app:app_from_env --factory`` (settings from the env)."""
+    return create_app()

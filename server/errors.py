@@ -1,0 +1,131 @@
+"""Domain errors -> HTTP status codes, in one place.
+
+Every error body is ``{"detail": <message>, "error": <class name>}``; ``detail`` is the SPEC's
+contract, ``error`` lets the HTTP client raise an exception of the same class as a local read
+would (``except SplitNotFound`` works for both sources).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from featurestore import errors as fse
+
+log = logging.getLogger("featurestore.server")
+
+
+class BadRequest(fse.FeatureStoreError, ValueError):
+    """A request the server understood but refuses (bad body, bad range, bad key)."""
+
+
+class NotFound(fse.FeatureStoreError, LookupError):
+    """A resource inside a split (labels, ids, a Zarr key) that does not exist."""
+
+
+class ResponseTooLarge(fse.FeatureStoreError, ValueError):
+    """The response would exceed ``FEATURESTORE_MAX_RESPONSE_BYTES``."""
+
+    def __init__(self, message: str, *, max_response_bytes: int) -> None:
+        super().__init__(message)
+        self.max_response_bytes = max_response_bytes
+
+
+class RangeNotSatisfiable(fse.FeatureStoreError, IndexError):
+    """An HTTP ``Range`` outside a Zarr key's bytes."""
+
+    def __init__(self, message: str, *, size: int) -> None:
+        super().__init__(message)
+        self.size = size
+
+
+class Unauthorized(fse.FeatureStoreError, PermissionError):
+    pass
+
+
+# First match in MRO order wins, so subclasses may override their parents.
+STATUS: Mapping[type[BaseException], int] = {
+    Unauthorized: 401,
+    BadRequest: 400,
+    fse.InvalidName: 400,
+    NotFound: 404,
+    fse.DatasetNotFound: 404,
+    fse.EncoderNotFound: 404,
+    fse.SplitNotFound: 404,
+    fse.IncompleteSplit: 409,
+    ResponseTooLarge: 413,
+    fse.IndexOutOfRange: 416,
+    RangeNotSatisfiable: 416,
+    # The server's own store is missing or unreadable: not the caller's fault.
+    fse.StoreNotFound: 503,
+    fse.NotAFeatureStore: 503,
+    fse.UnsupportedFormatVersion: 503,
+}
+
+
+def status_for(error: BaseException) -> int:
+    for cls in type(error).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500
+
+
+def error_response(status: int, detail: object, error: str, headers: dict[str, str] | None = None
+                   ) -> JSONResponse:
+    return JSONResponse({"detail": detail, "error": error}, status_code=status, headers=headers)
+
+
+def render_error(exc: fse.FeatureStoreError) -> JSONResponse:
+    """The one translation of a domain error into a response (also used by the auth middleware)."""
+    status = status_for(exc)
+    headers: dict[str, str] = {}
+    content: dict[str, object] = {"detail": str(exc), "error": type(exc).__name__}
+    if isinstance(exc, RangeNotSatisfiable):
+        headers["Content-Range"] = f"bytes */{exc.size}"
+    if isinstance(exc, Unauthorized):
+        headers["WWW-Authenticate"] = "Bearer"
+    if isinstance(exc, ResponseTooLarge):
+        content["max_response_bytes"] = exc.max_response_bytes
+    return JSONResponse(content, status_code=status, headers=headers or None)
+
+
+async def _feature_store_error(request: Request, exc: Exception) -> JSONResponse:
+    if not isinstance(exc, fse.FeatureStoreError):  # pragma: no cover - registered for it
+        return await _unexpected(request, exc)
+    if status_for(exc) >= 500:
+        log.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
+    return render_error(exc)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    # FastAPI answers 422 by default; SPEC has one code for a malformed request: 400.
+    problems = []
+    for item in exc.errors() if isinstance(exc, RequestValidationError) else ():
+        where = ".".join(str(part) for part in item.get("loc", ()))
+        problems.append(f"{where}: {item.get('msg', 'invalid')}")
+    detail = "bad request: " + "; ".join(problems) if problems else "bad request"
+    return error_response(400, detail, "BadRequest")
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    if not isinstance(exc, StarletteHTTPException):  # pragma: no cover - registered for it
+        return await _unexpected(request, exc)
+    return error_response(exc.status_code, exc.detail, "HTTPError", dict(exc.headers or {}))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    # A bug, never bad input: keep the server up, log the traceback, say little to the caller.
+    log.error("%s %s crashed", request.method, request.url.path, exc_info=exc)
+    return error_response(500, f"internal server error ({type(exc).__name__})", "InternalError")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(fse.FeatureStoreError, _feature_store_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,129 @@
+"""``GET /zarr/{key}``: the store's raw Zarr key space, read-only, with HTTP ``Range``.
+
+This is what lets any Zarr v3 client open the store through the server, e.g. zarr-python with
+``zarr.open_group("http://host:8000/zarr", mode="r")`` over fsspec's HTTPFileSystem.
+
+Safety: a key is a ``/``-joined list of segments of ``[A-Za-z0-9._-]`` that are neither ``.``
+nor ``..``, and the raw (undecoded) request path may hold no ``%`` escape, so neither ``..`` nor
+``%2e%2e`` / ``%2f`` / ``%5c`` can climb out of the root. On a local store the resolved real path
+must also stay under the root's real path, so a symlink inside the store cannot leak files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from .errors import BadRequest, NotFound, RangeNotSatisfiable, ResponseTooLarge
+from .state import StoreState
+
+router = APIRouter()
+
+_SEGMENT = re.compile(r"[A-Za-z0-9._-]{1,255}")
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+_MAX_KEY = 1024
+
+
+def validate_key(key: str, raw_path: bytes) -> str:
+    if b"%" in raw_path or "\\" in key:
+        raise BadRequest("Zarr keys are plain [A-Za-z0-9._-] segments; escapes are refused")
+    if not key or len(key) > _MAX_KEY:
+        raise BadRequest(f"bad Zarr key {key[:80]!r}")
+    for segment in key.split("/"):
+        if segment in (".", "..") or _SEGMENT.fullmatch(segment) is None:
+            raise BadRequest(f"bad Zarr key {key[:80]!r}: segment {segment[:80]!r} is not allowed")
+    return key
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """``(start, stop)`` for a single satisfiable byte range, None to send the whole key.
+
+    Per RFC 9110 section 14.2 a server may ignore a Range it does not support (several ranges,
+    other units, malformed); a syntactically valid range that starts past the end is 416.
+    """
+    if not header:
+        return None
+    match = _RANGE.fullmatch(header.strip())
+    if match is None:
+        return None
+    first, last = match.groups()
+    if first == "" and last == "":
+        return None
+    if first == "":  # suffix: the last N bytes
+        length = int(last)
+        if length == 0:
+            raise RangeNotSatisfiable(f"empty suffix range {header!r}", size=size)
+        return max(size - length, 0), size
+    start = int(first)
+    stop = size if last == "" else min(int(last) + 1, size)
+    if last != "" and int(last) < start:
+        return None  # invalid range: ignore it, as the RFC allows
+    if start >= size:
+        raise RangeNotSatisfiable(
+            f"range {header!r} starts beyond the key's {size} bytes", size=size
+        )
+    return start, stop
+
+
+def _resolve(state: StoreState, key: str) -> str:
+    path = f"{state.root}/{key}"
+    if _is_local(state.fs):
+        root = state.real_root
+        real = os.path.realpath(path)
+        if real != root and not real.startswith(root + os.sep):
+            raise NotFound(f"no Zarr key {key!r}")
+        return real
+    return path
+
+
+def _is_local(fs: Any) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocol or "local" in protocol
+
+
+@router.get("/zarr/{key:path}", tags=["zarr"], responses={206: {"description": "partial"}})
+def zarr_key(request: Request, key: str) -> Response:
+    """One key of the store (``zarr.json``, ``<dataset>/<encoder>/<split>/features/c/0/0/0``)."""
+    state: StoreState = request.app.state.featurestore
+    key = validate_key(key, request.scope.get("raw_path") or request.url.path.encode())
+    path = _resolve(state, key)
+    try:
+        info = state.fs.info(path)
+    except OSError:  # missing, a path through a file, unreadable: all "no such key"
+        raise NotFound(f"no Zarr key {key!r}") from None
+    if info.get("type") != "file":
+        raise NotFound(f"no Zarr key {key!r} (a directory)")
+    size = int(info["size"])
+    byte_range = parse_range(request.headers.get("range"), size)
+    start, stop = byte_range if byte_range is not None else (0, size)
+    cap = state.settings.max_response_bytes
+    if stop - start > cap:
+        raise ResponseTooLarge(
+            f"Zarr key {key!r} range of {stop - start} bytes exceeds the server's cap of {cap} "
+            "bytes (FEATURESTORE_MAX_RESPONSE_BYTES); request it in Range pieces of at most "
+            f"{cap} bytes",
+            max_response_bytes=cap,
+        )
+    headers = {"Accept-Ranges": "bytes"}
+    if request.method == "HEAD":  # fsspec's HTTPFileSystem asks for sizes this way: no read
+        data = b""
+        headers["Content-Length"] = str(stop - start)
+    else:
+        try:
+            data = state.fs.cat_file(path, start=start, end=stop) if stop > start else b""
+        except FileNotFoundError:
+            raise NotFound(f"no Zarr key {key!r}") from None
+    media = "application/json" if key.endswith(".json") else "application/octet-stream"
+    if byte_range is None:
+        return Response(data, media_type=media, headers=headers)
+    headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+    return Response(data, status_code=206, media_type=media, headers=headers)
+
+
+# HEAD (sizes for fsspec's HTTPFileSystem) answers from the same handler; kept out of the OpenAPI
+# schema, where it would duplicate the GET operation.
+router.add_api_route("/zarr/{key:path}", zarr_key, methods=["HEAD"], include_in_schema=False)

@@ -1,0 +1,289 @@
+"""``FeatureClient`` / ``RemoteFeatureArray`` against a real ``featurestore serve`` process, plus
+the transport's edge cases against scripted loopback servers (no mocks)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+import featurestore  # noqa: E402
+from client import ClientError, FeatureClient  # noqa: E402
+from client.http import RemoteFeatureArray  # noqa: E402
+from featurestore import errors as fse  # noqa: E402
+from featurestore.bench.http import serve_subprocess  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _server_fixtures import ScriptedHTTPServer, expected, make_store, response  # noqa: E402
+
+KEY = ("pannuke", "tiny", "train")
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_store(str(tmp_path_factory.mktemp("client") / "store"))
+
+
+@pytest.fixture(scope="module")
+def server_url(store_path: str) -> Iterator[str]:
+    with serve_subprocess(store_path) as (url, _):
+        yield url
+
+
+@pytest.fixture
+def fc(server_url: str) -> Iterator[FeatureClient]:
+    with FeatureClient(server_url, retries=1, backoff=0.01) as client:
+        yield client
+
+
+def test_import_client_does_not_import_the_server_stack() -> None:
+    code = ("import sys, client; client.FeatureClient; client.ClientError; "
+            "print(sorted({'fastapi', 'starlette', 'uvicorn', 'server', 'torch', 'pydantic_settings'} "
+            "& set(sys.modules)))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_listings_and_info(fc: FeatureClient, store_path: str) -> None:
+    assert fc.healthy()
+    assert fc.datasets() == ["other", "pannuke"]
+    assert fc.encoders("pannuke") == ["tiny"]
+    assert fc.splits("pannuke", "tiny") == ["f32", "train", "val", "writing"]
+    local = featurestore.open_store(store_path).open(*KEY)
+    assert fc.info(*KEY) == json.loads(json.dumps(local.metadata))
+
+
+def test_remote_array_mirrors_feature_array(fc: FeatureClient, store_path: str) -> None:
+    local = featurestore.open_store(store_path).open(*KEY)
+    remote = fc.open(*KEY)
+    assert isinstance(remote, RemoteFeatureArray)
+    for name in ("shape", "sample_shape", "dtype", "numpy_dtype", "sample_nbytes", "chunk_rows", "nbytes", "ids"):
+        assert getattr(remote, name) == getattr(local, name), name
+    assert len(remote) == len(local) and remote.metadata == json.loads(json.dumps(local.metadata))
+    assert remote.labels is not None and local.labels is not None
+    assert (remote.labels.shape, remote.labels.dtype) == (local.labels.shape, local.labels.dtype)
+    assert fc.open("pannuke", "tiny", "val").labels is None
+    assert fc.open(*KEY) is remote  # layouts are cached
+
+
+def test_reads_match_the_local_reader(fc: FeatureClient, store_path: str) -> None:
+    remote = fc.open(*KEY)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        index = rng.integers(0, 40, size=int(rng.integers(1, 30)))
+        np.testing.assert_array_equal(remote.read_numpy(index), expected(store_path, "train", index))
+    np.testing.assert_array_equal(remote.read_numpy([]), np.empty((0, 4, 8), np.float16))
+    np.testing.assert_array_equal(remote.read_range(5, 25), expected(store_path, "train", range(5, 25)))
+    np.testing.assert_array_equal(remote.read_numpy(7), expected(store_path, "train", [7]))
+    out = np.zeros((3, 4, 8), np.float16)
+    assert remote.read_numpy([3, 2, 1], out=out) is out
+    np.testing.assert_array_equal(out, expected(store_path, "train", [3, 2, 1]))
+    with pytest.raises(fse.ShapeMismatch):
+        remote.read_numpy([1, 2], out=out)
+    np.testing.assert_array_equal(fc.item(*KEY, 9), expected(store_path, "train", [9])[0])
+    np.testing.assert_array_equal(fc.read_numpy(*KEY, [4, 4], labels=True), [40, 40])
+    np.testing.assert_array_equal(fc.read_range("pannuke", "tiny", "f32", 1, 3, labels=True),
+                                  expected(store_path, "f32", [1, 2], labels=True))  # fmt: skip
+
+
+def test_read_returns_torch_tensors_of_the_stored_dtype(fc: FeatureClient, store_path: str) -> None:
+    torch = pytest.importorskip("torch")
+    tensor = fc.read(*KEY, torch.tensor([2, 0]))
+    assert tensor.dtype == torch.float16 and tuple(tensor.shape) == (2, 4, 8)
+    np.testing.assert_array_equal(tensor.numpy(), expected(store_path, "train", [2, 0]))
+    bf16 = fc.read("pannuke", "tiny", "val", [3])
+    assert bf16.dtype == torch.bfloat16
+    assert bf16.float()[0, 0, 0].item() == 3.0
+    local = featurestore.open_store(store_path).open("pannuke", "tiny", "val").read([3])
+    assert torch.equal(bf16, local)
+
+
+def test_errors_carry_status_detail_url_and_domain_class(fc: FeatureClient, server_url: str) -> None:
+    with pytest.raises(fse.SplitNotFound) as info:
+        fc.open("pannuke", "tiny", "nope")
+    error = info.value
+    assert isinstance(error, ClientError) and isinstance(error, LookupError)
+    assert error.status == 404 and "nope" in str(error.detail)
+    assert error.url == f"{server_url}/v1/features/pannuke/tiny/nope/arrays"
+    with pytest.raises(fse.DatasetNotFound):
+        fc.encoders("missing")
+    with pytest.raises(fse.InvalidName) as bad:
+        fc.info("pannuke", "tiny", ".x")
+    assert bad.value.status == 400
+    with pytest.raises(fse.IncompleteSplit) as incomplete:
+        fc.read_numpy("pannuke", "tiny", "writing", [0])
+    assert incomplete.value.status == 409
+    with pytest.raises(fse.IndexOutOfRange):
+        fc.open(*KEY).read_numpy([40])
+    with pytest.raises(fse.IndexOutOfRange):
+        fc.item(*KEY, 40)  # the server's 416, as the same class
+    with pytest.raises(ClientError, match="no labels"):
+        fc.read_numpy("pannuke", "tiny", "val", [0], labels=True)
+
+
+def test_token(store_path: str) -> None:
+    with serve_subprocess(store_path, env={"MY_TOKEN": "t0k3n"}, args=("--token-env", "MY_TOKEN")) as (url, _):
+        with pytest.raises(ClientError) as info:
+            FeatureClient(url, retries=0).datasets()
+        assert info.value.status == 401
+        with pytest.raises(ClientError):
+            FeatureClient(url, token="wrong", retries=0).datasets()
+        with FeatureClient(url, token="t0k3n") as authed:
+            assert authed.datasets() == ["other", "pannuke"]
+            np.testing.assert_array_equal(authed.open(*KEY).read_numpy([1]),
+                                          expected(store_path, "train", [1]))  # fmt: skip
+
+
+def test_reads_over_the_byte_cap_are_split(store_path: str) -> None:
+    # 64 bytes per sample and a 200-byte cap: at most 3 samples per request.
+    with serve_subprocess(store_path, args=("--max-response-bytes", "200")) as (url, _):
+        with FeatureClient(url) as small:
+            remote = small.open(*KEY)
+            assert remote.max_response_bytes == 200
+            index = np.random.default_rng(1).permutation(40)
+            np.testing.assert_array_equal(remote.read_numpy(index), expected(store_path, "train", index))
+            np.testing.assert_array_equal(remote.read_range(0, 40), expected(store_path, "train", range(40)))
+            metrics = small.http.get(url + "/metrics").text
+        served = [line for line in metrics.splitlines()
+                  if line.startswith("featurestore_http_requests_total") and "/batch" in line]  # fmt: skip
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in served) >= 2 * 14
+
+
+def test_pickle_and_fork(fc: FeatureClient, store_path: str) -> None:
+    remote = fc.open(*KEY)
+    remote.read_numpy([0])  # open a pooled connection in this process
+    clone = pickle.loads(pickle.dumps(remote))
+    np.testing.assert_array_equal(clone.read_numpy([5, 6]), expected(store_path, "train", [5, 6]))
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(2) as pool:
+        results = pool.map(_read_in_child, [(remote, [i, 39 - i]) for i in range(4)])
+    for i, got in enumerate(results):
+        np.testing.assert_array_equal(got, expected(store_path, "train", [i, 39 - i]))
+    np.testing.assert_array_equal(remote.read_numpy([1]), expected(store_path, "train", [1]))
+
+
+def _read_in_child(job: tuple[RemoteFeatureArray, list[int]]) -> np.ndarray:
+    remote, index = job
+    return remote.read_numpy(index)
+
+
+def test_in_process_test_client_path(store_path: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from server import create_app
+
+    with TestClient(create_app(store_path)) as test_client:
+        fc = FeatureClient("http://testserver", http_client=test_client)
+        index = [9, 1, 1]
+        np.testing.assert_array_equal(fc.read_numpy(*KEY, index), expected(store_path, "train", index))
+
+
+# ---------------------------------------------------------------------- transport edge cases
+def test_connection_errors_are_retried_with_backoff() -> None:
+    from featurestore.bench.http import free_port
+
+    client = FeatureClient(f"http://127.0.0.1:{free_port()}", retries=2, backoff=0.05)
+    started = time.monotonic()
+    with pytest.raises(ClientError) as info:
+        client.datasets()
+    assert "3 attempts" in str(info.value) and info.value.status is None
+    assert time.monotonic() - started >= 0.05 * (0.5 + 1.0)  # two jittered sleeps
+    assert not client.healthy()
+
+
+def test_5xx_is_retried_then_succeeds() -> None:
+    ok = json.dumps({"datasets": ["a"]}).encode()
+    server = ScriptedHTTPServer([response(503, b'{"detail": "busy"}'), response(500, b"oops"), response(200, ok)])
+    try:
+        assert FeatureClient(server.url, retries=2, backoff=0.01).datasets() == ["a"]
+        assert len(server.requests) == 3
+    finally:
+        server.close()
+
+
+def test_5xx_after_all_retries_is_a_client_error() -> None:
+    server = ScriptedHTTPServer([response(503, b'{"detail": "busy"}')] * 2)
+    try:
+        with pytest.raises(ClientError) as info:
+            FeatureClient(server.url, retries=1, backoff=0.01).datasets()
+        assert info.value.status == 503 and info.value.detail == "busy"
+    finally:
+        server.close()
+
+
+def test_4xx_is_not_retried() -> None:
+    server = ScriptedHTTPServer([response(404, b'{"detail": "gone", "error": "DatasetNotFound"}')] * 3)
+    try:
+        with pytest.raises(fse.DatasetNotFound):
+            FeatureClient(server.url, retries=3, backoff=0.01).encoders("x")
+        assert len(server.requests) == 1
+    finally:
+        server.close()
+
+
+def test_stale_keep_alive_connection_is_replaced() -> None:
+    ok = json.dumps({"datasets": ["a"]}).encode()
+    server = ScriptedHTTPServer([response(200, ok)] * 3, close_after=True)
+    try:
+        client = FeatureClient(server.url, retries=0)
+        for _ in range(3):  # each pooled socket was closed by the server after its answer
+            assert client.datasets() == ["a"]
+    finally:
+        server.close()
+
+
+def test_chunked_and_close_delimited_bodies() -> None:
+    body = json.dumps({"datasets": ["x", "y"]}).encode()
+    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n"
+               + b"%x\r\n" % 5 + body[:5] + b"\r\n" + b"%x;ext=1\r\n" % (len(body) - 5) + body[5:]
+               + b"\r\n0\r\n\r\n")  # fmt: skip
+    close_delimited = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + body
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n" + response(200, body)
+    server = ScriptedHTTPServer([chunked, interim, close_delimited], close_after=False)
+    try:
+        client = FeatureClient(server.url, retries=0)
+        assert client.datasets() == ["x", "y"]
+        assert client.datasets() == ["x", "y"]
+    finally:
+        server.close()
+    server = ScriptedHTTPServer([close_delimited], close_after=True)
+    try:
+        assert FeatureClient(server.url, retries=0).datasets() == ["x", "y"]
+    finally:
+        server.close()
+
+
+def test_truncated_data_body_is_an_error_not_garbage() -> None:
+    headers = {"X-Shape": "1,4,8", "X-Dtype": "float16", "Content-Length": "64"}
+    head = "HTTP/1.1 200 OK\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    layout = {"features": {"shape": [40, 4, 8], "dtype": "float16", "storage_dtype": "float16",
+                           "sample_nbytes": 64, "chunk_rows": 5},
+              "labels": None, "has_ids": False, "max_response_bytes": 1 << 20}  # fmt: skip
+    server = ScriptedHTTPServer(
+        [response(200, json.dumps(layout).encode()), response(200, b"{}"), head.encode() + b"\x00" * 10],
+        close_after=True,
+    )
+    try:
+        with pytest.raises(ClientError, match="attempts"):
+            FeatureClient(server.url, retries=0).open(*KEY).read_numpy([1])
+    finally:
+        server.close()
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="http"):
+        FeatureClient("ftp://x")
+    with pytest.raises(ValueError, match="retries"):
+        FeatureClient("http://x", retries=-1)
+    assert "secret" not in repr(FeatureClient("http://x", token="secret"))
