@@ -1,0 +1,119 @@
+"""``featurestore bench all``: real bench results go into report.md, report.json and the PNGs; a
+failing bench is reported (and makes the exit status 1), never dropped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("matplotlib")
+
+from featurestore.bench import report  # noqa: E402
+from featurestore.cli import main  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _check_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 5000, path  # a real figure, not an empty file
+
+
+def test_quick_report_from_real_benches(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # loader + extract, in this process: 9 s on 2 quiet cores, up to ~100 s when other jobs load
+    # them (the loader's two RSS subprocesses importing torch are most of it). read and http run through the same code path (bench_args +
+    # run); their quick flags are checked against their own parsers below.
+    out = tmp_path / "out"
+    status = main(["bench", "all", "--quick", "--benches", "loader,extract", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert status == 0, captured.out[-3000:] + captured.err[-3000:]
+    assert "[bench all] wrote" in captured.out
+    for name in ("report.md", "report.json", "throughput.png", "rss.png"):
+        assert (out / name).is_file(), name
+    _check_png(out / "throughput.png")
+    _check_png(out / "rss.png")
+
+    data = json.loads((out / "report.json").read_text())
+    assert data["quick"] is True and data["machine"]["cpu_count"] >= 1
+    assert list(data["benches"]) == ["loader", "extract"]
+    for entry in data["benches"].values():
+        assert entry["status"] == "ok" and entry["seconds"] > 0
+    loader = data["benches"]["loader"]
+    assert loader["args"]["num_samples"] == 64 and loader["args"]["shape"] == "64x384"  # the --quick size reached the bench's own args
+    assert loader["result"]["throughput"]["loader_gbps"] > 0
+    assert loader["result"]["rss"]["N"]["samples"], "the RSS plot needs the loader's samples"
+    assert data["benches"]["extract"]["result"]["extract_img_s"] > 0
+
+    md = (out / "report.md").read_text()
+    assert "| loader | ok |" in md and "| extract | ok |" in md
+    assert "loader (CPU consumer), GB/s" in md and "extract, images/s" in md
+    assert "float32 cache" in md and "![rss](rss.png)" in md
+    series = report.rss_series(data)
+    assert [s["label"].split(" ")[0] for s in series] == ["N", "4N"]
+    assert series[1]["cache_mib"] == pytest.approx(4 * series[0]["cache_mib"])
+
+
+def test_failed_bench_is_reported_and_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    import featurestore.bench.extract as extract_bench
+
+    def broken(args: object) -> dict[str, object]:
+        raise RuntimeError("encoder fell over")
+
+    monkeypatch.setattr(extract_bench, "run", broken)
+    out = tmp_path / "out"
+    assert main(["bench", "all", "--quick", "--benches", "extract", "--out", str(out)]) == 1
+    assert "extract" in capsys.readouterr().err
+    data = json.loads((out / "report.json").read_text())
+    entry = data["benches"]["extract"]
+    assert entry["status"] == "failed"
+    assert entry["error"] == "RuntimeError: encoder fell over" and "Traceback" in entry["traceback"]
+    md = (out / "report.md").read_text()
+    assert "**FAILED**: RuntimeError: encoder fell over" in md and "## Failures" in md
+    _check_png(out / "throughput.png")  # plots are still written, saying there is nothing to show
+    _check_png(out / "rss.png")
+
+
+@pytest.mark.parametrize("name", report.BENCH_NAMES)
+def test_args_come_from_each_bench_parser(name: str) -> None:
+    import importlib
+
+    full = report.bench_args(name)
+    quick = report.bench_args(name, report.QUICK_FLAGS[name])
+    assert callable(getattr(importlib.import_module(f"featurestore.bench.{name}"), "run"))
+    assert full.workdir is None and quick.workdir is None
+    assert vars(full) != vars(quick)  # --quick changes sizes, and only through real flags
+
+
+def test_bench_selection() -> None:
+    assert report.parse_benches("extract, read,extract") == ["extract", "read"]
+    with pytest.raises(ValueError, match="subset of read,http,loader,extract"):
+        report.parse_benches("read,gpu")
+
+
+def test_json_is_strict() -> None:
+    # JSON has no inf/NaN: a division by a zero time must not produce an unreadable report.
+    import numpy as np
+
+    cleaned = report._jsonable({"a": float("inf"), "b": (np.float32(1.5), np.int64(2)), 3: float("nan")})
+    assert cleaned == {"a": None, "b": [1.5, 2], "3": None}
+    json.dumps(cleaned, allow_nan=False)
+
+
+def test_changed_result_keys_are_noted_not_fatal(tmp_path: Path) -> None:
+    # One bench's result lacks a key the report reads: its figures are left out with a note, the
+    # other bench's figures and every file are still written.
+    good = {"extract_img_s": 40.0, "encode_only_img_s": 50.0, "ratio": 1.25, "write_only_mb_s": 90.0}
+    data = {"created": "now", "command": "featurestore bench all", "quick": True, "files": [],
+            "machine": report.machine_info(),
+            "benches": {"http": {"status": "ok", "seconds": 1.0, "result": {"gb_per_s_renamed": {}}},
+                        "extract": {"status": "ok", "seconds": 1.0, "result": good}}}
+    files = report.write_report(data, str(tmp_path))
+    assert files == ["throughput.png", "rss.png", "report.md", "report.json"]
+    md = (tmp_path / "report.md").read_text()
+    assert "| extract | 40 | 1.00x |" in md and "| encode only | 50 | 0.80x |" in md
+    assert "## Report notes" in md and "http: _http_rows: KeyError: 'gb_per_s'" in md
+    _check_png(tmp_path / "throughput.png")

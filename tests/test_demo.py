@@ -1,0 +1,109 @@
+"""``featurestore demo``: the small size runs end to end (data, extraction, server, probes, table),
+cleans up after itself, and fails with one clear line on bad input."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+from featurestore.cli import main  # noqa: E402
+from featurestore.commands.demo import format_table  # noqa: E402
+from featurestore.demo import ENCODERS, run_demo  # noqa: E402
+from featurestore.errors import FeatureStoreError  # noqa: E402
+
+# How far above the constant predictor the probe must land: the small demo measures ~0.04-0.08
+# above it; a probe that learned nothing sits at +0.00.
+MARGIN = 0.02
+
+
+def test_small_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "mine.txt").write_text("not the demo's")  # a user's file must survive the clean-up
+    import torch
+
+    threads = torch.get_num_threads()
+    result = run_demo(str(workdir), size="small")
+    assert torch.get_num_threads() == threads  # the demo's thread choice does not leak out
+    progress = capsys.readouterr().out
+    for step in range(1, 8):
+        assert f"[{step}/7]" in progress
+
+    # Both dtypes extracted; float16 is the smaller store and carries a real quantization error.
+    e32, e16 = result["extract"]["float32"], result["extract"]["float16"]
+    assert e32["encoder"] == ENCODERS["float32"] and e16["encoder"] == ENCODERS["float16"]
+    assert e32["images"] == e16["images"] == result["plan"]["train"] + result["plan"]["val"]
+    assert 0 < e16["store_bytes"] < e32["store_bytes"]
+    assert e32["quantization"].get("max_rel_error", 0) == 0
+    assert 0 < e16["quantization"]["max_rel_error"] < 1e-3
+    assert e16["images_per_s"] > 0 and result["loader"]["local"]["gb_per_s"] > 0
+    assert result["loader"]["http"]["gb_per_s"] > 0
+    assert result["memory"]["ram_cache_bytes"] > 0
+
+    # The probe learned: every dtype's mean Jaccard beats the constant predictor by a margin.
+    compare = result["compare"]
+    assert {compare["a"]["dtype"], compare["b"]["dtype"]} == {"float16", "float32"}
+    baseline = result["baseline_jaccard"]["jaccard"]
+    assert 0 < baseline < 1
+    for side in ("a", "b"):
+        summary = compare[side]["metrics"]["jaccard"]
+        assert len(summary["values"]) == result["plan"]["seeds"]
+        assert summary["std"] is not None
+        assert summary["mean"] > baseline + MARGIN, (side, summary, baseline)
+    # Streaming over HTTP trained the same probe as from disk (same seed, same bytes).
+    assert result["http_probe"]["identical"], result["http_probe"]
+
+    table = format_table(result)
+    assert "float32" in table and "float16" in table
+    assert re.search(r"Jaccard, 2 seeds, local\s+0\.\d{4} ± 0\.\d{4}\s+0\.\d{4} ± 0\.\d{4}", table), table
+    assert "exceeds run-to-run spread?" in table
+    assert "MiB" in table and "img/s" in table and "GB/s" in table
+
+    # Cleaned: the demo's data and store are gone, the user's file is not.
+    assert sorted(os.listdir(workdir)) == ["mine.txt"]
+    assert not result["kept"]
+
+
+def test_keep_leaves_data_and_store_even_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import featurestore.demo as demo
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise FeatureStoreError("extraction broke")
+
+    monkeypatch.setattr(demo, "_extract", broken)
+    kept = tmp_path / "kept"
+    with pytest.raises(FeatureStoreError, match="extraction broke"):
+        run_demo(str(kept), size="small", keep=True, log=lambda line: None)
+    assert (kept / "data" / "train" / "images.npy").is_file()
+
+    # Without --keep a directory the demo created is removed, failure or not.
+    gone = tmp_path / "gone"
+    with pytest.raises(FeatureStoreError):
+        run_demo(str(gone), size="small", log=lambda line: None)
+    assert not gone.exists()
+
+
+def test_refuses_to_clobber_an_existing_store(tmp_path: Path) -> None:
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "precious").write_text("x")
+    with pytest.raises(FeatureStoreError, match="already exists"):
+        run_demo(str(tmp_path), size="small", log=lambda line: None)
+    assert (tmp_path / "store" / "precious").read_text() == "x"
+
+
+def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    assert main(["demo", "--size", "small", "--workdir", str(not_a_dir)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("featurestore: error:") and "not a directory" in err and "\n" not in err
+    with pytest.raises(SystemExit) as excinfo:  # argparse: unknown size
+        main(["demo", "--size", "huge"])
+    assert excinfo.value.code == 2
