@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from featurestore import dtypes
+from featurestore.reader import aligned_empty
 
 from . import sampling
 from .dataset import FeatureDataset
@@ -85,7 +86,7 @@ class _Transfer:
         else:
             need = b * ds.sample_nbytes
             if staging.get("features") is None or staging["features"].size < need:
-                staging["features"] = np.empty(need, np.uint8)
+                staging["features"] = aligned_empty((need,), np.uint8)  # see aligned_empty: 4x faster gathers
             stored = staging["features"][:need].view(ds.numpy_dtype).reshape(shape)
             ds.read_into(index, stored, labels_np)
             features, _ = self.pool.tensor(b * (ds.sample_nbytes // ds.numpy_dtype.itemsize) * self.dtype.itemsize,

@@ -24,6 +24,23 @@ from .errors import IndexOutOfRange, MissingChunks, ShapeMismatch
 from .storage import Storage
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in lazily
+PAGE = mmap.PAGESIZE
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any, alignment: int = PAGE) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an ``alignment`` boundary.
+
+    Gathered rows come from page-aligned chunk maps; when the destination sits at another offset
+    within a cache line (malloc returns large blocks at +16 bytes), the memcpy slows ~4x on the
+    CPUs measured here (2.6 vs 10-12 GB/s for 192 KiB rows, ``featurestore bench read``). Page
+    alignment puts source and destination rows at the same offsets whenever a sample's size is a
+    multiple of 64 bytes, as it is for the usual widths (384, 768, 1024, 1536, 3072 channels).
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    start = (-raw.ctypes.data) % alignment
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 class FeatureArray:
@@ -96,11 +113,12 @@ class FeatureArray:
 
     def read_numpy(self, indices: Any, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``indices`` (any order, duplicates allowed) in the storage dtype (uint16 bits for
-        bfloat16). ``out``, if given, must be a C-contiguous array of that shape and dtype."""
+        bfloat16). ``out``, if given, must be a C-contiguous array of that shape and dtype; make
+        it with :func:`aligned_empty` for full copy speed."""
         index = self._normalize(indices)
         shape = (len(index), *self.sample_shape)
         if out is None:
-            out = np.empty(shape, self.numpy_dtype)
+            out = aligned_empty(shape, self.numpy_dtype)
         elif out.shape != shape or out.dtype != self.numpy_dtype or not out.flags.c_contiguous:
             raise ShapeMismatch(
                 f"out has shape {out.shape} and dtype {out.dtype}; this read needs a C-contiguous "

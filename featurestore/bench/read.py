@@ -64,6 +64,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
     import zarr
 
     import featurestore
+    from featurestore.reader import aligned_empty
 
     sample_bytes = int(np.prod(shape)) * 2
     n = max(args.batch_size * 4, int(args.gib * (1 << 30)) // sample_bytes)
@@ -103,7 +104,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
     memmap = np.memmap(raw_path, dtype=np.float16, mode="r", shape=(n, *shape))
     zarray = zarr.open_group(os.path.join(base, "store"), mode="r")["bench/enc/train/features"]
     h5 = h5py.File(os.path.join(base, "per-sample.h5"), "r")
-    out = np.empty((args.batch_size, *shape), np.float16)
+    out = aligned_empty((args.batch_size, *shape), np.float16)  # what the loader and server use
 
     def featurestore_read(idx: np.ndarray) -> np.ndarray:
         return array.read_numpy(idx, out=out)
@@ -160,8 +161,9 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
 _RSS_CHILD = r"""
 import json, sys, numpy as np, featurestore
 from featurestore.bench.common import rss_anon_bytes
+from featurestore.reader import aligned_empty
 store = featurestore.open_store(sys.argv[1]); arr = store.open("bench", "enc", "train")
-base = rss_anon_bytes(); peak = base; out = np.empty((64, *arr.sample_shape), arr.numpy_dtype)
+base = rss_anon_bytes(); peak = base; out = aligned_empty((64, *arr.sample_shape), arr.numpy_dtype)
 order = np.random.default_rng(0).permutation(len(arr))
 for s in range(0, len(order) - 63, 64):
     arr.read_numpy(order[s:s + 64], out=out); peak = max(peak, rss_anon_bytes())
