@@ -35,7 +35,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--shapes", default="256x384,1024x1536", help="sample shapes TxD, comma separated")
     parser.add_argument("--gib", type=float, default=0.75, help="size of each test array in GiB (default 0.75)")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--batches", type=int, default=60, help="timed batches per method and repeat")
+    parser.add_argument("--batches", type=int, default=200, help="timed batches per method and repeat (fewer do not settle)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the best is kept")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--skip-rss", action="store_true", help="skip the N vs 4N RSS subprocesses")
