@@ -159,7 +159,7 @@ def _decode(block: np.ndarray, values: np.ndarray) -> None:
     which is most of the writer's cost for half-precision data. Both give the same bits (the
     widening is exact), so a store's statistics do not depend on whether torch is installed.
     """
-    torch = _torch()
+    torch = optional_torch()
     if torch is not None and block.dtype == np.float32 and values.flags.c_contiguous and values.dtype.itemsize == 2:
         source = torch.from_numpy(values.view(np.int16))
         half = torch.float16 if values.dtype == np.float16 else torch.bfloat16
@@ -171,7 +171,7 @@ def _decode(block: np.ndarray, values: np.ndarray) -> None:
 _TORCH: list[Any] = []
 
 
-def _torch() -> Any:
+def optional_torch() -> Any:
     """torch if it is installed (imported once, on the first half-precision chunk), else None."""
     if not _TORCH:
         try:
