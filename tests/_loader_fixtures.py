@@ -8,12 +8,6 @@ against in-RAM tensors built from the same numpy arrays.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import socket
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -65,20 +59,6 @@ class Source:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _server_command(store: str, port: int) -> list[str]:
-    # `featurestore serve` once the verb exists; the same app through uvicorn directly before that.
-    if importlib.util.find_spec("featurestore.commands.serve") is not None:
-        return [sys.executable, "-m", "featurestore.cli", "serve", store, "--host", "127.0.0.1", "--port", str(port)]
-    return [sys.executable, "-m", "uvicorn", "server.app:app_from_env", "--factory", "--host", "127.0.0.1",
-            "--port", str(port), "--log-level", "warning"]
-
-
 @pytest.fixture(scope="module")
 def local_store(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = str(tmp_path_factory.mktemp("loader") / "store")
@@ -88,43 +68,11 @@ def local_store(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def http_url(local_store: str) -> Iterator[str]:
-    """A live featurestore server (uvicorn subprocess on a free loopback port) over ``local_store``."""
-    for module in ("client.http", "server.app", "uvicorn"):
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ImportError:
-            found = False
-        if not found:
-            pytest.skip(f"{module} is not available: the HTTP source cannot be tested here")
-    port = _free_port()
-    env = {**os.environ, "FEATURESTORE_STORE": local_store}
-    env.pop("FEATURESTORE_TOKEN", None)
-    proc = subprocess.Popen(_server_command(local_store, port), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        import httpx
+    """A live ``featurestore serve`` (uvicorn subprocess on a free loopback port) over ``local_store``."""
+    from featurestore.bench.http import serve_subprocess
 
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not answer /healthz within 30 s")
-            time.sleep(0.1)
+    with serve_subprocess(local_store) as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -409,43 +405,11 @@ def test_cli_missing_store_and_bad_arguments(tmp_path: Path, capsys: pytest.Capt
 
 @pytest.fixture(scope="module")
 def served(store_path: str) -> Iterator[str]:
-    """``featurestore serve`` over the probe store on a free loopback port (skips without the
-    server stack)."""
-    for module in ("uvicorn", "fastapi", "httpx"):
-        pytest.importorskip(module)
-    import httpx
+    """``featurestore serve`` over the probe store on a free loopback port."""
+    from featurestore.bench.http import serve_subprocess
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    env = {k: v for k, v in os.environ.items() if k != "FEATURESTORE_TOKEN"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "featurestore.cli", "serve", store_path, "--host", "127.0.0.1",
-         "--port", str(port)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("featurestore serve did not answer /healthz within 30 s")
-            time.sleep(0.1)
+    with serve_subprocess(store_path) as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_compare_local_store_with_its_copy_over_http(store_path: str, served: str) -> None:
