@@ -9,26 +9,12 @@ import numpy as np
 
 from featurestore import errors as fse
 from featurestore import wire
+from featurestore.reader import as_index_array
 
 if TYPE_CHECKING:
     from .http import FeatureClient
 
 __all__ = ["RemoteFeatureArray"]
-
-
-def _normalize(indices: Any) -> np.ndarray:
-    if type(indices).__module__.startswith("torch"):
-        indices = indices.detach().cpu().numpy()
-    index = np.asarray(indices)
-    if index.ndim == 0:
-        index = index.reshape(1)
-    if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
-        raise fse.IndexOutOfRange(
-            f"indices must be a 1-D sequence of integers, got {index.dtype} with shape "
-            f"{index.shape}: pass e.g. a list of ints or a torch.LongTensor"
-        )
-    return index.astype(np.int64, copy=False)
-
 
 
 class RemoteFeatureArray:
@@ -90,7 +76,7 @@ class RemoteFeatureArray:
         return self.read_numpy(np.arange(start, stop, dtype=np.int64))
 
     def read_numpy(self, indices: Any, out: np.ndarray | None = None) -> np.ndarray:
-        index = _normalize(indices)
+        index = as_index_array(indices)
         shape = (len(index), *self.sample_shape)
         if out is None:
             out = np.empty(shape, self.numpy_dtype)

@@ -143,17 +143,7 @@ class FeatureArray:
         return out
 
     def _normalize(self, indices: Any) -> np.ndarray:
-        if type(indices).__module__.startswith("torch"):
-            indices = indices.detach().cpu().numpy()
-        index = np.asarray(indices)
-        if index.ndim == 0:
-            index = index.reshape(1)
-        if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
-            raise IndexOutOfRange(
-                f"indices must be a 1-D sequence of integers, got {index.dtype} with shape "
-                f"{index.shape}: pass e.g. a list of ints or a torch.LongTensor"
-            )
-        index = index.astype(np.int64, copy=False)
+        index = as_index_array(indices)
         if index.size:
             low, high = int(index.min()), int(index.max())
             if low < 0 or high >= len(self):
@@ -240,6 +230,21 @@ class FeatureArray:
         state["_maps"] = {}  # memory maps are per process: reopened lazily after unpickling
         state["_zarr"] = None
         return state
+
+
+def as_index_array(indices: Any) -> np.ndarray:
+    """Any 1-D int sequence (list, numpy, torch; a scalar counts as one) as int64 numpy."""
+    if type(indices).__module__.startswith("torch"):
+        indices = indices.detach().cpu().numpy()
+    index = np.asarray(indices)
+    if index.ndim == 0:
+        index = index.reshape(1)
+    if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
+        raise IndexOutOfRange(
+            f"indices must be a 1-D sequence of integers, got {index.dtype} with shape "
+            f"{index.shape}: pass e.g. a list of ints or a torch.LongTensor"
+        )
+    return index.astype(np.int64, copy=False)
 
 
 def _runs(chunk_of: np.ndarray, offset: np.ndarray, target: np.ndarray | None = None) -> list[tuple[int, int]]:
