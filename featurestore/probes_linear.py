@@ -139,6 +139,28 @@ def cosine_lr(base_lr: float, epoch: int, epochs: int) -> float:
 # ----------------------------------------------------------------------------------- metrics
 
 
+def begin_training(num_classes: int, epochs: int, device: str | torch.device, seed: int) -> torch.device:
+    """Checks and set-up shared by the probes: the device to train on, the seed applied."""
+    if num_classes < 2:
+        raise ValueError(f"num_classes must be at least 2, but got: {num_classes}")
+    if epochs < 1:
+        raise ValueError(f"epochs must be a positive integer, but got: {epochs}")
+    resolved = resolve_device(device)
+    torch.manual_seed(seed)
+    return resolved
+
+
+def adamw(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """The probes' optimizer, with the model put in training mode."""
+    model.train()
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+
+
+def set_cosine_lr(optimizer: torch.optim.Optimizer, base_lr: float, epoch: int, epochs: int) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = cosine_lr(base_lr, epoch, epochs)
+
+
 def confusion_matrix(target: Tensor, pred: Tensor, num_classes: int) -> Tensor:
     """``[C, C]`` int64 counts, rows = target class, columns = predicted class."""
     target = target.reshape(-1).long()
@@ -247,12 +269,7 @@ def train_linear_probe(
     runs with the same seed and the same batches give bit-identical metrics.
     """
     config = config or LinearProbeConfig()
-    if num_classes < 2:
-        raise ValueError(f"num_classes must be at least 2, but got: {num_classes}")
-    if config.epochs < 1:
-        raise ValueError(f"epochs must be a positive integer, but got: {config.epochs}")
-    device = resolve_device(device)
-    torch.manual_seed(seed)
+    device = begin_training(num_classes, config.epochs, device, seed)
     model: LinearProbe | None = None
     optimizer: torch.optim.Optimizer | None = None
     loss_fn = nn.CrossEntropyLoss()
@@ -263,12 +280,8 @@ def train_linear_probe(
                 # Built at the first batch because the feature dim is only known there; nothing
                 # between manual_seed and here draws from the global generator.
                 model = LinearProbe(pooled.shape[-1], num_classes).to(device)
-                optimizer = torch.optim.AdamW(
-                    model.parameters(), lr=config.lr, weight_decay=config.weight_decay
-                )
-                model.train()
-            for group in optimizer.param_groups:
-                group["lr"] = cosine_lr(config.lr, epoch, config.epochs)
+                optimizer = adamw(model, config.lr, config.weight_decay)
+            set_cosine_lr(optimizer, config.lr, epoch, config.epochs)
             if pooled.shape[0] < 2:
                 continue  # BatchNorm cannot normalise a batch of one sample in training mode
             loss = loss_fn(model(pooled), _class_ids(labels, device, num_classes))

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .probes_linear import check_class_ids, cosine_lr, epochs_of, resolve_device
+from .probes_linear import adamw, begin_training, check_class_ids, epochs_of, set_cosine_lr
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -186,12 +186,7 @@ def train_seg_probe(
     upcast to float32 on ``device``; ``seed`` fixes the head's initialisation.
     """
     config = config or SegProbeConfig()
-    if num_classes < 2:
-        raise ValueError(f"num_classes must be at least 2, but got: {num_classes}")
-    if config.epochs < 1:
-        raise ValueError(f"epochs must be a positive integer, but got: {config.epochs}")
-    device = resolve_device(device)
-    torch.manual_seed(seed)
+    device = begin_training(num_classes, config.epochs, device, seed)
     model: SegHead | None = None
     optimizer: torch.optim.Optimizer | None = None
     drop = prefix_tokens
@@ -205,12 +200,8 @@ def train_seg_probe(
                 shape = grid_from_layout(features.shape[1] - drop, grid, 0)
                 model = SegHead(features.shape[-1], num_classes, shape, dim=config.dim,
                                 depth=config.depth, heads=config.heads).to(device)
-                optimizer = torch.optim.AdamW(
-                    model.parameters(), lr=config.lr, weight_decay=config.weight_decay
-                )
-                model.train()
-            for group in optimizer.param_groups:
-                group["lr"] = cosine_lr(config.lr, epoch, config.epochs)
+                optimizer = adamw(model, config.lr, config.weight_decay)
+            set_cosine_lr(optimizer, config.lr, epoch, config.epochs)
             logits = model(features[:, drop:], (masks.shape[-2], masks.shape[-1]))
             # One log-softmax serves both terms (cross-entropy = NLL of it, dice on its exp).
             log_probs = logits.log_softmax(dim=1)
