@@ -102,10 +102,6 @@ def is_compressed(array_doc: dict[str, Any]) -> bool:
     return any(c.get("name") not in ("bytes", "crc32c") for c in array_doc.get("codecs", []))
 
 
-def has_crc(array_doc: dict[str, Any]) -> bool:
-    return any(c.get("name") == "crc32c" for c in array_doc.get("codecs", []))
-
-
 def array_chunk_rows(array_doc: dict[str, Any]) -> int:
     return int(array_doc["chunk_grid"]["configuration"]["chunk_shape"][0])
 

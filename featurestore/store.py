@@ -255,19 +255,8 @@ class FeatureStore:
 
     def _valid_chunks(self, key: str, meta: dict[str, Any]) -> set[int]:
         """Chunks whose features, statistics row and labels are all present with valid crc32c."""
-        rows = meta["chunk_rows"]
-        shape = meta["sample_shape"]
-        sample_nbytes = int(np.prod(shape)) * dtypes.storage_dtype(meta["logical_dtype"]).itemsize
-        arrays: list[tuple[str, int, int | None]] = [
-            (layout.FEATURES, 1 + len(shape), None if meta.get("compressor") else rows * sample_nbytes),
-            (layout.CHUNK_STATS, 2, 8 * row_length(shape[-1])),
-        ]
-        if meta.get("labels"):
-            label_shape = meta["labels"]["shape"]
-            nbytes = rows * int(np.prod(label_shape, dtype=np.int64)) * np.dtype(meta["labels"]["dtype"]).itemsize
-            arrays.append((layout.LABELS, 1 + len(label_shape), nbytes))
         valid: set[int] | None = None
-        for name, ndim, nbytes in arrays:
+        for name, ndim, nbytes in chunk_arrays(meta):
             present = {int(n) for n in self.storage.listdir(f"{key}/{name}/c") if n.isdigit()}
             good = set()
             for index in sorted(present if valid is None else present & valid):
@@ -328,6 +317,22 @@ class FeatureStore:
         if doc is None or doc.get("node_type") != "array":
             raise SplitNotFound(f"array {key} is missing at {self.url}: the split is damaged; rewrite it with overwrite=True")
         return doc
+
+
+def chunk_arrays(meta: dict[str, Any]) -> list[tuple[str, int, int | None]]:
+    """(array name, ndim, payload bytes of one chunk or None when compressed) for every chunked
+    array of a split: features, labels if any, statistics rows."""
+    rows, shape = meta["chunk_rows"], meta["sample_shape"]
+    itemsize = dtypes.storage_dtype(meta["logical_dtype"]).itemsize
+    arrays: list[tuple[str, int, int | None]] = [
+        (layout.FEATURES, 1 + len(shape), None if meta.get("compressor") else rows * int(np.prod(shape)) * itemsize),
+    ]
+    if meta.get("labels"):
+        label_shape = meta["labels"]["shape"]
+        nbytes = rows * int(np.prod(label_shape, dtype=np.int64)) * np.dtype(meta["labels"]["dtype"]).itemsize
+        arrays.append((layout.LABELS, 1 + len(label_shape), nbytes))
+    arrays.append((layout.CHUNK_STATS, 2, 8 * row_length(shape[-1])))
+    return arrays
 
 
 def check_root(doc: dict[str, Any], url: str) -> None:

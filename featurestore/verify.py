@@ -4,13 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
-
-from . import chunks, dtypes, layout
-from .stats import row_length
-from .store import FeatureStore
+from . import chunks, layout
+from .store import FeatureStore, chunk_arrays
 
 
 @dataclass
@@ -40,7 +36,7 @@ def verify_split(store: FeatureStore, dataset: str, encoder: str, split: str) ->
     result = SplitCheck(key=key, status=str(meta.get("status")))
     if result.status != "complete":
         return result
-    for name, ndim, nbytes in _arrays(meta):
+    for name, ndim, nbytes in chunk_arrays(meta):
         count = layout.num_chunks(meta["num_samples"], meta["chunk_rows"])
         for index in range(count):
             chunk = layout.chunk_key(f"{key}/{name}", index, ndim)
@@ -54,17 +50,3 @@ def verify_split(store: FeatureStore, dataset: str, encoder: str, split: str) ->
             if problem:
                 result.problems.append(f"{chunk}: {problem}")
     return result
-
-
-def _arrays(meta: dict[str, Any]) -> list[tuple[str, int, int | None]]:
-    rows, shape = meta["chunk_rows"], meta["sample_shape"]
-    itemsize = dtypes.storage_dtype(meta["logical_dtype"]).itemsize
-    arrays: list[tuple[str, int, int | None]] = [
-        (layout.FEATURES, 1 + len(shape), None if meta.get("compressor") else rows * int(np.prod(shape)) * itemsize),
-    ]
-    if meta.get("labels"):
-        label_shape = meta["labels"]["shape"]
-        nbytes = rows * int(np.prod(label_shape, dtype=np.int64)) * np.dtype(meta["labels"]["dtype"]).itemsize
-        arrays.append((layout.LABELS, 1 + len(label_shape), nbytes))
-    arrays.append((layout.CHUNK_STATS, 2, 8 * row_length(shape[-1])))
-    return arrays
