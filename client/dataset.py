@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from featurestore import dtypes
+from featurestore.format import dtypes
 
 NO_LABEL = -1
 """Label returned for every sample of a split stored without labels (an int64 scalar tensor), so
@@ -97,7 +97,7 @@ class FeatureDataset(torch.utils.data.Dataset):
 
     def _open(self) -> Any:
         if _is_http(self.source):
-            from .http import FeatureClient
+            from client.http import FeatureClient
 
             return FeatureClient(self.source, token=self.token).open(self.dataset, self.encoder, self.split)
         import featurestore

@@ -24,11 +24,10 @@ from typing import Any
 import httpx
 import numpy as np
 
+from client._transport import FastHTTPTransport
+from client.remote import RemoteFeatureArray
 from featurestore import errors as fse
-from featurestore import wire
-
-from ._transport import FastHTTPTransport
-from .remote import RemoteFeatureArray
+from featurestore.format import wire
 
 __all__ = ["ClientError", "FeatureClient", "RemoteFeatureArray"]
 

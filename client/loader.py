@@ -29,11 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from featurestore import dtypes
-from featurestore.reader import aligned_empty
-
-from . import sampling
-from .dataset import FeatureDataset
+from client import sampling
+from client.dataset import FeatureDataset
+from featurestore.core.reader import aligned_empty
+from featurestore.format import dtypes
 
 _JOIN_TIMEOUT_S = 60.0  # a thread stuck in a remote read is abandoned (daemon) after this
 

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from featurestore import errors as fse
-from featurestore import wire
-from featurestore.reader import as_index_array
+from featurestore.core.reader import as_index_array
+from featurestore.format import wire
 
 if TYPE_CHECKING:
-    from .http import FeatureClient
+    from client.http import FeatureClient
 
 __all__ = ["RemoteFeatureArray"]
 
@@ -64,7 +64,7 @@ class RemoteFeatureArray:
         return self._ids
 
     def read(self, indices: Any) -> Any:
-        from featurestore.dtypes import to_torch
+        from featurestore.format.dtypes import to_torch
 
         return to_torch(self.read_numpy(indices), self.dtype)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .errors import FeatureStoreError  # noqa: E402
-from .reader import FeatureArray  # noqa: E402
-from .store import FeatureStore, open_store  # noqa: E402
-from .writer import SplitWriter  # noqa: E402
+from featurestore.core.reader import FeatureArray  # noqa: E402
+from featurestore.core.store import FeatureStore, open_store  # noqa: E402
+from featurestore.core.writer import SplitWriter  # noqa: E402
+from featurestore.errors import FeatureStoreError  # noqa: E402
 
 __all__ = ["FeatureArray", "FeatureStore", "FeatureStoreError", "SplitWriter", "__version__", "open_store"]

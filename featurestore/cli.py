@@ -16,8 +16,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from . import __version__
-from .errors import FeatureStoreError
+from featurestore import __version__
+from featurestore.errors import FeatureStoreError
 
 # Order is the order of `featurestore --help`.
 COMMAND_MODULES = ("extract", "inspect", "serve", "probe", "bench", "demo")

@@ -6,7 +6,7 @@ imports torch.
 
 from __future__ import annotations
 
-from .app import app_from_env, create_app
-from .settings import Settings
+from server.app import app_from_env, create_app
+from server.settings import Settings
 
 __all__ = ["Settings", "app_from_env", "create_app"]

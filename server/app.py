@@ -13,13 +13,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 import featurestore
-
-from . import routes_features, routes_zarr
-from .auth import BearerAuthMiddleware
-from .errors import install_error_handlers
-from .metrics import Metrics, MetricsMiddleware
-from .settings import Settings
-from .state import StoreState
+from server import routes_features, routes_zarr
+from server.auth import BearerAuthMiddleware
+from server.errors import install_error_handlers
+from server.metrics import Metrics, MetricsMiddleware
+from server.settings import Settings
+from server.state import StoreState
 
 
 def create_app(store_url: str | None = None, settings: Settings | None = None) -> FastAPI:

@@ -8,9 +8,10 @@ FastAPI adds itself (``/docs``, ``/openapi.json``) and ``/metrics``. Comparison 
 from __future__ import annotations
 
 import hmac
+
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import Unauthorized, render_error
+from server.errors import Unauthorized, render_error
 
 OPEN_PATHS = frozenset({"/healthz"})
 

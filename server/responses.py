@@ -17,7 +17,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from featurestore import wire
+from featurestore.format import wire
 
 
 class ArrayResponse(Response):

@@ -13,14 +13,13 @@ import numpy as np
 from fastapi import APIRouter, Body, Header, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from featurestore import wire
 from featurestore.errors import IndexOutOfRange
-from featurestore.names import NAME_PATTERN, validate_name
-
-from .buffers import MIN_POOLED
-from .errors import BadRequest, NotFound, ResponseTooLarge
-from .responses import ArrayResponse
-from .state import StoreState
+from featurestore.format import wire
+from featurestore.format.names import NAME_PATTERN, validate_name
+from server.buffers import MIN_POOLED
+from server.errors import BadRequest, NotFound, ResponseTooLarge
+from server.responses import ArrayResponse
+from server.state import StoreState
 
 router = APIRouter()
 

@@ -18,8 +18,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from .errors import BadRequest, NotFound, RangeNotSatisfiable, ResponseTooLarge
-from .state import StoreState
+from server.errors import BadRequest, NotFound, RangeNotSatisfiable, ResponseTooLarge
+from server.state import StoreState
 
 router = APIRouter()
 

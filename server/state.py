@@ -7,10 +7,9 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from featurestore.names import validate_name
-
-from .buffers import BufferPool
-from .settings import Settings
+from featurestore.format.names import validate_name
+from server.buffers import BufferPool
+from server.settings import Settings
 
 
 class StoreState:

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 import featurestore
-from featurestore import layout
+from featurestore.format import layout
 
 SAMPLE_SHAPE = (4, 8)  # [tokens, dim]
 FLOAT32_SAMPLE_BYTES = 4 * 8 * 4

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import featurestore
-from featurestore.reader import aligned_empty
+from featurestore.core.reader import aligned_empty
 
 
 @pytest.mark.parametrize("shape", [(64, 256, 384), (3, 5), (1,), (0, 7)])

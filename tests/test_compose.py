@@ -213,7 +213,7 @@ def test_extract_command_is_accepted_by_the_cli(compose):
     assert (args.dataset, args.split) == ("pannuke-synthetic", "fold1")
     # The synthetic fold it writes first comes from the generator the CLI documents.
     assert "make_synthetic_pannuke" in script and "/tmp/pannuke" in script
-    synthetic = pytest.importorskip("featurestore.synthetic")
+    synthetic = pytest.importorskip("featurestore.demo.synthetic")
     assert callable(synthetic.make_synthetic_pannuke)
 
 

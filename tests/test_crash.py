@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import featurestore
-from featurestore import chunks, layout
+from featurestore.core.storage import LocalStorage
 from featurestore.errors import CacheKeyMismatch, IncompleteSplit, SplitNotFound
-from featurestore.storage import LocalStorage
+from featurestore.format import chunks, layout
 
 # The writer under test. argv: root, mode (fresh | resume | rank | commit), rank, hold seconds.
 # It prints one line per step and flushes, so the test can kill it at a known point; before

@@ -8,8 +8,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
-import featurestore
 from _loader_fixtures import (  # noqa: F401  (fixtures are used by name)
     DATASET,
     ENCODER,
@@ -18,6 +16,8 @@ from _loader_fixtures import (  # noqa: F401  (fixtures are used by name)
     local_store,
     reference,
 )
+
+import featurestore
 from client import FeatureDataset
 from client.dataset import NO_LABEL
 from featurestore.errors import IncompleteSplit, IndexOutOfRange, SplitNotFound

@@ -15,7 +15,7 @@ pytest.importorskip("httpx")
 
 from featurestore.cli import main  # noqa: E402
 from featurestore.commands.demo import format_table  # noqa: E402
-from featurestore.demo import ENCODERS, run_demo  # noqa: E402
+from featurestore.demo.run import ENCODERS, run_demo  # noqa: E402
 from featurestore.errors import FeatureStoreError  # noqa: E402
 
 # How far above the constant predictor the probe must land: the small demo measures ~0.04-0.08
@@ -72,7 +72,7 @@ def test_small_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_keep_leaves_data_and_store_even_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import featurestore.demo as demo
+    import featurestore.demo.run as demo
 
     def broken(*args: object, **kwargs: object) -> None:
         raise FeatureStoreError("extraction broke")

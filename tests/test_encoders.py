@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from featurestore.encoders import (
+from featurestore.extract.encoders import (
     Encoder,
     EncoderError,
     TinyViT,
@@ -186,9 +186,9 @@ def test_hf_dinov2_extraction_into_a_store(tiny_dinov2: Path, tmp_path: Path) ->
     import transformers
 
     import featurestore
-    from featurestore.extract import ExtractOptions, extract
-    from featurestore.extract_dist import Coordinator
-    from featurestore.sources import Preprocessing
+    from featurestore.extract.dist import Coordinator
+    from featurestore.extract.run import ExtractOptions, extract
+    from featurestore.extract.sources import Preprocessing
 
     images = np.random.default_rng(0).integers(0, 256, (5, 32, 32, 3), dtype=np.uint8)
     np.save(tmp_path / "x.npy", images)

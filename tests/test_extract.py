@@ -20,12 +20,12 @@ import pytest
 import torch
 
 import featurestore
-from featurestore.encoders import load_encoder
+from featurestore.demo.synthetic import make_synthetic_pannuke
 from featurestore.errors import CacheKeyMismatch, Float16Overflow, SplitExists
-from featurestore.extract import ExtractOptions, extract, plan_batches
-from featurestore.extract_dist import Coordinator
-from featurestore.sources import PreparedImages, Preprocessing, open_source, pannuke_class_map
-from featurestore.synthetic import make_synthetic_pannuke
+from featurestore.extract.dist import Coordinator
+from featurestore.extract.encoders import load_encoder
+from featurestore.extract.run import ExtractOptions, extract, plan_batches
+from featurestore.extract.sources import PreparedImages, Preprocessing, open_source, pannuke_class_map
 
 TESTS = Path(__file__).parent
 

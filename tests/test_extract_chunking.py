@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from featurestore.extract import chunk_bytes_for
+from featurestore.extract.run import chunk_bytes_for
 
 
 @pytest.mark.parametrize(

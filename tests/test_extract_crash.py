@@ -9,13 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
+from test_extract import cli_env, run_cli
 
 import featurestore
-from featurestore.extract import ExtractOptions, extract
-from featurestore.extract_dist import Coordinator
-from featurestore.synthetic import make_synthetic_pannuke
-
-from test_extract import cli_env, run_cli
+from featurestore.demo.synthetic import make_synthetic_pannuke
+from featurestore.extract.dist import Coordinator
+from featurestore.extract.run import ExtractOptions, extract
 
 SPLIT = ("pannuke", "logged_tiny_vit", "fold1")
 

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from _loader_fixtures import (  # noqa: F401  (fixtures are used by name)
     DATASET,
     ENCODER,
@@ -27,8 +26,8 @@ from _loader_fixtures import (  # noqa: F401  (fixtures are used by name)
     s3_store,
     source,
 )
-from client import FeatureDataset, FeatureLoader
-from client import sampling
+
+from client import FeatureDataset, FeatureLoader, sampling
 
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from _core_helpers import SAMPLE_SHAPE, chunk_keys, float32_source, write_shuffled
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,8 +23,6 @@ from featurestore.errors import (
     NonFiniteValues,
     ShapeMismatch,
 )
-
-from _core_helpers import SAMPLE_SHAPE, chunk_keys, float32_source, write_shuffled
 
 ROWS = 5
 

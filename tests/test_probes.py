@@ -23,7 +23,16 @@ import torch
 import featurestore
 from featurestore.cli import main
 from featurestore.commands.probe import format_report
-from featurestore.probes import (
+from featurestore.probes.linear import (
+    LinearProbeConfig,
+    TensorLoader,
+    balanced_accuracy,
+    confusion_matrix,
+    macro_f1,
+    pool_tokens,
+    train_linear_probe,
+)
+from featurestore.probes.run import (
     SplitInfo,
     compare_probes,
     compare_summaries,
@@ -34,16 +43,7 @@ from featurestore.probes import (
     summarize,
     token_layout,
 )
-from featurestore.probes_linear import (
-    LinearProbeConfig,
-    TensorLoader,
-    balanced_accuracy,
-    confusion_matrix,
-    macro_f1,
-    pool_tokens,
-    train_linear_probe,
-)
-from featurestore.probes_seg import SegProbeConfig, dice_loss, per_image_jaccard, train_seg_probe
+from featurestore.probes.seg import SegProbeConfig, dice_loss, per_image_jaccard, train_seg_probe
 
 DATASET = "toy"
 GRID = (4, 4)

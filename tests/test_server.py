@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from featurestore import wire  # noqa: E402
+from featurestore.format import wire  # noqa: E402
 from server import Settings, create_app  # noqa: E402
 from server.routes_zarr import parse_range, validate_key  # noqa: E402
 

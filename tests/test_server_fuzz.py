@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from featurestore import wire  # noqa: E402
+from featurestore.format import wire  # noqa: E402
 from server import Settings, create_app  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from featurestore.sources import (
+from featurestore.demo.synthetic import NUCLEUS_TYPES, make_synthetic_pannuke
+from featurestore.extract.sources import (
     PANNUKE_CLASSES,
     Failure,
     FolderSource,
@@ -22,7 +23,6 @@ from featurestore.sources import (
     open_source,
     pannuke_class_map,
 )
-from featurestore.synthetic import NUCLEUS_TYPES, make_synthetic_pannuke
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from _core_helpers import SAMPLE_SHAPE, chunk_keys, float32_source, write_shuffled
+from _core_helpers import bits as _bits
+from _core_helpers import options as _options
 
 import featurestore
-from featurestore import layout
 from featurestore.errors import (
     CacheKeyMismatch,
     DatasetNotFound,
@@ -27,9 +29,8 @@ from featurestore.errors import (
     SplitExists,
     SplitNotFound,
 )
-from featurestore.stats import merge_rows, report
-
-from _core_helpers import SAMPLE_SHAPE, bits as _bits, chunk_keys, float32_source, options as _options, write_shuffled
+from featurestore.format import layout
+from featurestore.format.stats import merge_rows, report
 
 N = 23  # 5 chunks of 5 rows, the last one partial
 ROWS = 5
@@ -346,7 +347,7 @@ class TestStoreContract:
 
 def test_local_mmap_and_ranges_paths_agree(tmp_path: Any) -> None:
     """The same local bytes through the mmap path and the fsspec range path (file://)."""
-    from featurestore.storage import FsspecStorage
+    from featurestore.core.storage import FsspecStorage
 
     root = str(tmp_path / "store")
     store = featurestore.open_store(root, mode="a")

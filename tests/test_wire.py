@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from featurestore import wire
+from featurestore.format import wire
 
 
 def test_header_names_and_media_types() -> None:
@@ -91,6 +91,6 @@ def test_json_safe_replaces_non_finite_floats() -> None:
 
 
 def test_wire_imports_neither_torch_nor_web_stacks() -> None:
-    code = "import sys, featurestore.wire; print(sorted({'torch', 'fastapi', 'httpx', 'starlette'} & set(sys.modules)))"
+    code = "import sys, featurestore.format.wire; print(sorted({'torch', 'fastapi', 'httpx', 'starlette'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -5,7 +5,7 @@ the encoder is cheap and storage has the most chance to show):
 
 * **encode only**: the extraction's own DataLoader, batch plan and encoder, results copied to the
   host and dropped;
-* **extract**: ``featurestore.extract.extract`` into a fresh local store (float16, overflow
+* **extract**: ``featurestore.extract.run.extract`` into a fresh local store (float16, overflow
   guard, quantization report, chunk writes on the writer thread, commit);
 * **write only**: ``create_split`` + ``write`` + ``commit`` of the same number of bytes from
   memory, for the store's raw write MB/s.
@@ -30,7 +30,6 @@ import time
 from typing import Any
 
 import numpy as np
-
 
 # Seconds the trivial encoder waits per batch (``--device-ms``); set by ``run`` in this process,
 # which is where extraction calls the encoder.
@@ -90,9 +89,15 @@ def _main(args: argparse.Namespace) -> int:
 def _encode_only(opts: Any) -> tuple[float, int]:
     import torch
 
-    from ..encoders import load_encoder
-    from ..extract import _autocast, _worker_init, plan_batches, resolve_device, resolve_precision
-    from ..sources import Failure, PreparedImages, Preprocessing, collate, open_source
+    from featurestore.extract.encoders import load_encoder
+    from featurestore.extract.run import (
+        _autocast,
+        _worker_init,
+        plan_batches,
+        resolve_device,
+        resolve_precision,
+    )
+    from featurestore.extract.sources import Failure, PreparedImages, Preprocessing, collate, open_source
 
     start = time.perf_counter()
     source = open_source(opts.images)
@@ -123,7 +128,7 @@ def _encode_only(opts: Any) -> tuple[float, int]:
 
 
 def _write_only(store_url: str, n: int, sample_shape: tuple[int, ...], chunk_mb: float) -> float:
-    from .. import open_store
+    from featurestore import open_store
 
     rng = np.random.default_rng(0)
     block = rng.standard_normal((64, *sample_shape), dtype=np.float32)
@@ -138,7 +143,7 @@ def _write_only(store_url: str, n: int, sample_shape: tuple[int, ...], chunk_mb:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ..extract import ExtractOptions, extract
+    from featurestore.extract.run import ExtractOptions, extract
 
     _DEVICE_SECONDS[0] = getattr(args, "device_ms", 0.0) / 1000.0
     work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-extract-")

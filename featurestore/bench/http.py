@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import drop_into, gbps
+from featurestore.bench.common import drop_into, gbps
 
 SHAPE = (256, 384)
 

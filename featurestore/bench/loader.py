@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-
 DATASET, ENCODER = "bench", "loader"
 
 
@@ -103,7 +102,7 @@ def _split_dir(store: str, split: str) -> str:
 
 
 def _warm(path: str) -> None:
-    from .common import drop_into
+    from featurestore.bench.common import drop_into
 
     drop_into(path)
 

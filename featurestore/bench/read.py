@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import drop_into, gbps, parse_shapes, rss_anon_bytes, timed_batches
+from featurestore.bench.common import drop_into, gbps, parse_shapes, rss_anon_bytes, timed_batches
 
 
 def register(subparsers: Any) -> None:
@@ -64,7 +64,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
     import zarr
 
     import featurestore
-    from featurestore.reader import aligned_empty
+    from featurestore.core.reader import aligned_empty
 
     sample_bytes = int(np.prod(shape)) * 2
     n = max(args.batch_size * 4, int(args.gib * (1 << 30)) // sample_bytes)
@@ -161,7 +161,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
 _RSS_CHILD = r"""
 import json, sys, numpy as np, featurestore
 from featurestore.bench.common import rss_anon_bytes
-from featurestore.reader import aligned_empty
+from featurestore.core.reader import aligned_empty
 store = featurestore.open_store(sys.argv[1]); arr = store.open("bench", "enc", "train")
 base = rss_anon_bytes(); peak = base; out = aligned_empty((64, *arr.sample_shape), arr.numpy_dtype)
 order = np.random.default_rng(0).permutation(len(arr))

@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from .. import __version__
+from featurestore import __version__
 
 BENCH_NAMES = ("read", "http", "loader", "extract")
 

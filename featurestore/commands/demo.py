@@ -1,4 +1,4 @@
-"""``featurestore demo``: the pipeline end to end on built-in data (``featurestore/demo.py``),
+"""``featurestore demo``: the pipeline end to end on built-in data (``featurestore/demo/run.py``),
 then one summary table. torch and the pipeline are imported when the command runs."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-SIZE_NAMES = ("small", "default")  # mirrors featurestore.demo.SIZES; no import at --help time
+SIZE_NAMES = ("small", "default")  # mirrors featurestore.demo.run.SIZES; no import at --help time
 
 
 def register(subparsers: Any) -> None:
@@ -29,7 +29,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..demo import run_demo
+    from featurestore.demo.run import run_demo
 
     def log(line: str) -> None:
         print(line, flush=True)

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from ..errors import FeatureStoreError
+from featurestore.errors import FeatureStoreError
 
 
 def _size(values: list[int] | None, flag: str) -> tuple[int, int] | None:
@@ -99,7 +99,7 @@ def register(subparsers: Any) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
-    from ..extract import ExtractOptions
+    from featurestore.extract.run import ExtractOptions
 
     return ExtractOptions(
         images=args.images, encoder=args.encoder, store=args.store, dataset=args.dataset, split=args.split,
@@ -140,8 +140,8 @@ def format_report(result: Any) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..extract import extract
-    from ..extract_dist import coordinator_from_env
+    from featurestore.extract.dist import coordinator_from_env
+    from featurestore.extract.run import extract
 
     opts = options_from_args(args)
     coord = coordinator_from_env()

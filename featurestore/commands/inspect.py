@@ -49,8 +49,8 @@ def _size(nbytes: float) -> str:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    from featurestore import dtypes
-    from featurestore.verify import iter_splits
+    from featurestore.core.verify import iter_splits
+    from featurestore.format import dtypes
 
     store = _store(args.url)
     rows = []
@@ -105,8 +105,8 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    from featurestore.core.verify import iter_splits, verify_split
     from featurestore.errors import FeatureStoreError
-    from featurestore.verify import iter_splits, verify_split
 
     if len(args.names) not in (0, 3):
         raise FeatureStoreError(

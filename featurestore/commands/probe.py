@@ -1,7 +1,7 @@
 """``featurestore probe``: train a reference probe on one split, score it on another, and with
 ``--compare`` check whether the storage dtype of the features moves the metric.
 
-A thin layer over :func:`featurestore.probes.run_probe` / :func:`~featurestore.probes.compare_probes`;
+A thin layer over :func:`featurestore.probes.run.run_probe` / :func:`~featurestore.probes.run.compare_probes`;
 this module adds the argument parser and :func:`format_report`, the table it prints. Nothing
 heavy is imported until the command runs.
 """
@@ -15,7 +15,7 @@ import sys
 import textwrap
 from typing import Any
 
-# Mirrors featurestore.probes.TASKS / LOADERS, kept here so `featurestore --help` imports nothing.
+# Mirrors featurestore.probes.run.TASKS / LOADERS, kept here so `featurestore --help` imports nothing.
 TASKS = ("auto", "linear", "seg")
 LOADERS = ("stream", "ram")
 METRIC_TITLES = {
@@ -202,7 +202,7 @@ def run_command(args: argparse.Namespace) -> int:
         token=args.token or os.environ.get("FEATURESTORE_TOKEN") or None,
         log=None if args.quiet else log,
     )
-    from featurestore.probes import compare_probes, run_probe
+    from featurestore.probes.run import compare_probes, run_probe
 
     if args.compare:
         result = compare_probes(args.store, args.dataset, args.encoder, args.compare,

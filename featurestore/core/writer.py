@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from . import chunks, dtypes, layout
-from .errors import (
+from featurestore.core.storage import Storage
+from featurestore.errors import (
     DtypeMismatch,
     Float16Overflow,
     IndexOutOfRange,
@@ -31,17 +31,17 @@ from .errors import (
     NonFiniteValues,
     ShapeMismatch,
 )
-from .stats import (
+from featurestore.format import chunks, dtypes, layout
+from featurestore.format.stats import (
     REL_ERROR_FLOOR,
     SOURCE_CODES,
     SOURCE_NAMES,
     ChunkStats,
     channel_moments,
-    optional_torch,
     merge_rows,
+    optional_torch,
     report,
 )
-from .storage import Storage
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from . import chunks, layout
-from .store import FeatureStore, chunk_arrays
+from featurestore.core.store import FeatureStore, chunk_arrays
+from featurestore.format import chunks, layout
 
 
 @dataclass

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes, layout
-from .errors import IndexOutOfRange, MissingChunks, ShapeMismatch
-from .storage import Storage
+from featurestore.core.storage import Storage
+from featurestore.errors import IndexOutOfRange, MissingChunks, ShapeMismatch
+from featurestore.format import dtypes, layout
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in lazily
 PAGE = mmap.PAGESIZE

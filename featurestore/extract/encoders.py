@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import FeatureStoreError
-from .sources import import_callable
+from featurestore.errors import FeatureStoreError
+from featurestore.extract.sources import import_callable
 
 TOKEN_MODES = ("patch", "cls", "all")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

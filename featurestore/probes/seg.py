@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .probes_linear import adamw, begin_training, check_class_ids, epochs_of, set_cosine_lr
+from featurestore.probes.linear import adamw, begin_training, check_class_ids, epochs_of, set_cosine_lr
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from .probes_linear import Batch
+    from featurestore.probes.linear import Batch
 
 __all__ = [
     "SegHead",

@@ -4,7 +4,7 @@ Under ``torchrun --nproc-per-node K featurestore extract ...`` every rank runs t
 Rank 0 creates (or resumes) the split, the others attach to it with ``resume=True``; rank ``r``
 encodes and writes the chunks ``i`` with ``i % K == r``; after every rank has closed its writer,
 rank 0 commits. The split's quantization report and channel statistics are folded from per-chunk
-rows on storage (``featurestore.stats``), so they come out the same as a one-process run's.
+rows on storage (``featurestore.format.stats``), so they come out the same as a one-process run's.
 
 Each step ends with :meth:`Coordinator.agree`, an all-gather of every rank's outcome: a rank that
 fails makes all ranks stop at the next step with its message, instead of the others waiting at a
@@ -18,7 +18,7 @@ import datetime as _dt
 import os
 from typing import Any
 
-from .errors import FeatureStoreError
+from featurestore.errors import FeatureStoreError
 
 
 class RankFailed(FeatureStoreError, RuntimeError):

@@ -10,9 +10,9 @@ The public entry points (``featurestore probe`` is their command line):
 
 The probes themselves train from any iterable of ``(features, labels)`` batches, so they run the
 same on ``client.FeatureLoader`` (streaming from a store, local or over HTTP) and on an in-RAM
-:class:`~featurestore.probes_linear.TensorLoader`:
-:func:`~featurestore.probes_linear.train_linear_probe` (macro-F1, balanced accuracy) and
-:func:`~featurestore.probes_seg.train_seg_probe` (per-image macro Jaccard). Metric definitions
+:class:`~featurestore.probes.linear.TensorLoader`:
+:func:`~featurestore.probes.linear.train_linear_probe` (macro-F1, balanced accuracy) and
+:func:`~featurestore.probes.seg.train_seg_probe` (per-image macro Jaccard). Metric definitions
 and how to read a comparison: ``docs/PROBES.md``. Torch and the client are imported inside the
 functions, so importing this module (and ``featurestore --help``) stays cheap.
 """
@@ -286,8 +286,8 @@ def _run(
     loader: str,
     log: Callable[[str], None] | None,
 ) -> dict[str, Any]:
-    from .probes_linear import LinearProbeConfig, resolve_device, train_linear_probe
-    from .probes_seg import SegProbeConfig, train_seg_probe
+    from featurestore.probes.linear import LinearProbeConfig, resolve_device, train_linear_probe
+    from featurestore.probes.seg import SegProbeConfig, train_seg_probe
 
     seed_list = _seed_list(seeds)
     for name, value in (("epochs", epochs), ("batch_size", batch_size)):
@@ -362,7 +362,7 @@ def _batches(
     import torch
 
     if loader == "ram":
-        from .probes_linear import TensorLoader
+        from featurestore.probes.linear import TensorLoader
 
         train_x, train_y = _read_all(train)
         eval_x, eval_y = _read_all(evaluate)

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import StoreNotFound
+from featurestore.errors import StoreNotFound
 
 
 class Storage:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import crc32c as _crc32c
 import numpy as np
 
-from .layout import CRC_BYTES, parse_compressor
+from featurestore.format.layout import CRC_BYTES, parse_compressor
 
 
 def crc_bytes(payload: bytes | memoryview) -> bytes:

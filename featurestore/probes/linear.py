@@ -1,7 +1,7 @@
 """The linear probe on pooled tokens, and the training helpers both probe heads share.
 
 - :func:`resolve_device`, :class:`TensorLoader` (in-RAM batches, the baseline a host-RAM feature
-  cache gives) and :func:`epochs_of` are used by this module and :mod:`featurestore.probes_seg`;
+  cache gives) and :func:`epochs_of` are used by this module and :mod:`featurestore.probes.seg`;
 - :func:`train_linear_probe` fits a linear classifier on mean-pooled patch tokens (or the CLS
   token) from any iterable of ``(features, labels)`` batches and reports macro-F1 and balanced
   accuracy, computed from a confusion matrix in torch (:func:`macro_f1`, :func:`balanced_accuracy`).

@@ -21,7 +21,7 @@ CRC_BYTES = 4
 FEATURES = "features"
 LABELS = "labels"
 IDS = "ids"
-# One row of float64 partial sums per feature chunk (featurestore.stats), chunked like the
+# One row of float64 partial sums per feature chunk (featurestore.format.stats), chunked like the
 # features so each chunk's owner writes its own row: the reports of several writers then merge.
 CHUNK_STATS = "chunk_stats"
 
@@ -87,7 +87,7 @@ def array_document(
 
 def parse_compressor(compressor: str) -> tuple[str, int]:
     """``"zstd"`` or ``"zstd:5"`` -> (name, level). Only zstd is offered: it is in every zarr."""
-    from .errors import FeatureStoreError
+    from featurestore.errors import FeatureStoreError
 
     name, _, level = str(compressor).partition(":")
     if name != "zstd" or (level and not level.lstrip("-").isdigit()):

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .errors import FeatureStoreError
+from featurestore.errors import FeatureStoreError
 
 PANNUKE_CLASSES = ("background", "neoplastic", "inflammatory", "connective", "dead", "epithelial")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".webp")

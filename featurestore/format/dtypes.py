@@ -13,7 +13,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .errors import DtypeMismatch
+from featurestore.errors import DtypeMismatch
 
 FEATURE_DTYPES = ("float32", "float16", "bfloat16")
 FLOAT16_MAX = 65504.0

@@ -1,7 +1,7 @@
 """``featurestore demo``: the whole pipeline end to end on built-in data, in minutes on a CPU.
 
 1. a synthetic PanNuke-style fold (train + val) in the real PanNuke file format
-   (:func:`featurestore.synthetic.make_synthetic_pannuke`);
+   (:func:`featurestore.demo.synthetic.make_synthetic_pannuke`);
 2. ``builtin:tiny-vit`` features extracted twice, stored as float32 (``tiny-vit-fp32``) and as
    float16 (``tiny-vit-fp16``), with the float16 quantization report;
 3. the store served by a real ``featurestore serve`` subprocess on a free loopback port;
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import FeatureStoreError
+from featurestore.errors import FeatureStoreError
 
 DATASET = "pannuke"
 ENCODERS = {"float32": "tiny-vit-fp32", "float16": "tiny-vit-fp16"}
@@ -145,7 +145,7 @@ def _set_threads(threads: int | None) -> int:
 
 
 def _make_data(data: str, plan: DemoSize) -> dict[str, Any]:
-    from .synthetic import make_synthetic_pannuke
+    from featurestore.demo.synthetic import make_synthetic_pannuke
 
     began = time.perf_counter()
     for split, n, seed in (("train", plan.train, 0), ("val", plan.val, 1)):
@@ -154,7 +154,7 @@ def _make_data(data: str, plan: DemoSize) -> dict[str, Any]:
 
 
 def _extract(data: str, store: str, dtype: str) -> dict[str, Any]:
-    from .extract import ExtractOptions, extract
+    from featurestore.extract.run import ExtractOptions, extract
 
     out: dict[str, Any] = {"encoder": ENCODERS[dtype], "images": 0, "seconds": 0.0}
     for split in ("train", "val"):
@@ -182,7 +182,7 @@ def _extract_line(e: dict[str, Any]) -> str:
 def _served(store: str) -> Iterator[str]:
     """``featurestore serve STORE`` as a subprocess on a free loopback port; the bench helper
     stops it (TERM, then KILL) in its ``finally``, whatever happens in the block."""
-    from .bench.http import serve_subprocess
+    from featurestore.bench.http import serve_subprocess
 
     server = serve_subprocess(store, args=("--host", "127.0.0.1"))  # loopback only, explicitly
     try:
@@ -226,8 +226,7 @@ def _memory(store: str) -> dict[str, Any]:
     import torch
 
     from client import FeatureDataset, FeatureLoader
-
-    from .bench.common import rss_anon_bytes
+    from featurestore.bench.common import rss_anon_bytes
 
     dsets = [FeatureDataset(store, DATASET, ENCODERS["float16"], s) for s in ("train", "val")]
     before = rss_anon_bytes()
@@ -270,7 +269,7 @@ def _peak_rss() -> int:
 
 
 def _compare(store: str, plan: DemoSize, log: Callable[[str], None]) -> dict[str, Any]:
-    from .probes import compare_probes
+    from featurestore.probes.run import compare_probes
 
     return compare_probes(store, DATASET, ENCODERS["float16"], ENCODERS["float32"], train_split="train",
                           eval_split="val", task="seg", seeds=plan.seeds, epochs=plan.epochs,
@@ -278,7 +277,7 @@ def _compare(store: str, plan: DemoSize, log: Callable[[str], None]) -> dict[str
 
 
 def _http_probe(url: str, plan: DemoSize, compare: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
-    from .probes import run_probe
+    from featurestore.probes.run import run_probe
 
     run = run_probe(url, DATASET, ENCODERS["float16"], train_split="train", eval_split="val", task="seg",
                     seeds=[0], epochs=plan.epochs, batch_size=plan.batch_size, device="auto",
@@ -294,8 +293,7 @@ def constant_baseline(store: str) -> dict[str, Any]:
     import torch
 
     import featurestore
-
-    from .probes_seg import per_image_jaccard
+    from featurestore.probes.seg import per_image_jaccard
 
     labels = featurestore.open_store(store).open(DATASET, ENCODERS["float32"], "val").labels
     if labels is None:  # extraction from a pannuke: source always writes the class maps

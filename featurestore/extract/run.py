@@ -29,13 +29,28 @@ from typing import Any
 
 import torch
 
-from . import dtypes
-from .encoders import Encoder, EncoderError, TokenLayout, load_encoder, resolve_layout
-from .errors import (CacheKeyMismatch, DatasetNotFound, EncoderNotFound, FeatureStoreError, NonFiniteValues,
-                     SplitExists, SplitNotFound)
-from .extract_dist import Coordinator, coordinator_from_env
-from .names import validate_name
-from .sources import Failure, ImageSource, Preprocessing, PreparedImages, SourceError, collate, open_source
+from featurestore.errors import (
+    CacheKeyMismatch,
+    DatasetNotFound,
+    EncoderNotFound,
+    FeatureStoreError,
+    NonFiniteValues,
+    SplitExists,
+    SplitNotFound,
+)
+from featurestore.extract.dist import Coordinator, coordinator_from_env
+from featurestore.extract.encoders import Encoder, EncoderError, TokenLayout, load_encoder, resolve_layout
+from featurestore.extract.sources import (
+    Failure,
+    ImageSource,
+    PreparedImages,
+    Preprocessing,
+    SourceError,
+    collate,
+    open_source,
+)
+from featurestore.format import dtypes
+from featurestore.format.names import validate_name
 
 
 @dataclass
@@ -357,7 +372,7 @@ def extract(opts: ExtractOptions, coord: Coordinator | None = None) -> ExtractRe
 
 
 def _extract(opts: ExtractOptions, coord: Coordinator) -> ExtractResult:
-    from . import open_store
+    from featurestore import open_store
 
     started = time.perf_counter()
     key = f"{opts.dataset}/{opts.encoder_name or '?'}/{opts.split}"

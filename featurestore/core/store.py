@@ -8,8 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__, chunks, dtypes, layout
-from .errors import (
+from featurestore import __version__
+from featurestore.core.reader import FeatureArray
+from featurestore.core.storage import Storage, open_storage
+from featurestore.core.writer import SplitWriter
+from featurestore.errors import (
     CacheKeyMismatch,
     DatasetNotFound,
     EncoderNotFound,
@@ -23,11 +26,9 @@ from .errors import (
     StoreNotFound,
     UnsupportedFormatVersion,
 )
-from .names import validate_name
-from .reader import FeatureArray
-from .stats import row_length
-from .storage import Storage, open_storage
-from .writer import SplitWriter
+from featurestore.format import chunks, dtypes, layout
+from featurestore.format.names import validate_name
+from featurestore.format.stats import row_length
 
 ROOT_ATTRIBUTES = {"featurestore": {"format": layout.FORMAT_NAME, "version": layout.FORMAT_VERSION}}
 

@@ -115,7 +115,7 @@ def channel_moments(stored: np.ndarray, logical_dtype: str, channels: int) -> tu
     fresh pages per chunk), shifted by the chunk's first row so the sums of squares do not cancel
     when a channel's mean is large against its spread, and summed in float64 across blocks.
     """
-    from .dtypes import BFLOAT16
+    from featurestore.format.dtypes import BFLOAT16
 
     flat = stored.reshape(-1, channels)
     if logical_dtype == "bfloat16":
