@@ -18,7 +18,6 @@ read ahead of the consumer, which bounds host memory whatever the split's length
 
 from __future__ import annotations
 
-import mmap
 import queue
 import threading
 import time
@@ -31,7 +30,7 @@ import torch
 
 from client import sampling
 from client.dataset import FeatureDataset
-from featurestore.core.reader import aligned_empty
+from featurestore.core.buffers import BufferPool, aligned_empty
 from featurestore.format import dtypes
 
 _JOIN_TIMEOUT_S = 60.0  # a thread stuck in a remote read is abandoned (daemon) after this
@@ -61,7 +60,7 @@ class _Transfer:
             self.norm = (torch.from_numpy(mean).to(device, dtype), torch.from_numpy(inv.astype(np.float32)).to(device, dtype))
             if device.type == "cuda":  # made on this thread's stream, read on the side stream later
                 torch.cuda.synchronize(device)
-        self.pool = _BufferPool(keep=2)
+        self.pool = BufferPool(keep=2)
         if self.cuda:
             self.stream = torch.cuda.Stream(device=device)
             # T threads + 1: every thread can read while the previous copy is still in flight.
@@ -79,7 +78,8 @@ class _Transfer:
         shape = (b, *ds.sample_shape)
         if self.dtype == self.stored:
             # Straight into the buffer handed out: one copy, as the bare reader does.
-            features, host = self.pool.tensor(b * ds.sample_nbytes, self.stored, shape)
+            host = self.pool.lease(b * ds.sample_nbytes)
+            features = torch.from_numpy(host).view(self.stored).view(shape)
             ds.read_into(index, host.view(ds.numpy_dtype).reshape(shape), labels_np)
             del host
         else:
@@ -88,8 +88,9 @@ class _Transfer:
                 staging["features"] = aligned_empty((need,), np.uint8)  # see aligned_empty: 4x faster gathers
             stored = staging["features"][:need].view(ds.numpy_dtype).reshape(shape)
             ds.read_into(index, stored, labels_np)
-            features, _ = self.pool.tensor(b * (ds.sample_nbytes // ds.numpy_dtype.itemsize) * self.dtype.itemsize,
-                                           self.dtype, shape)
+            host = self.pool.lease(b * (ds.sample_nbytes // ds.numpy_dtype.itemsize) * self.dtype.itemsize)
+            features = torch.from_numpy(host).view(self.dtype).view(shape)
+            del host
             features.copy_(dtypes.to_torch(stored, ds.dtype))  # exact upcast, into a recycled buffer
         if self.norm is not None:
             features.sub_(self.norm[0]).mul_(self.norm[1])
@@ -129,70 +130,6 @@ class _Transfer:
         features.record_stream(stream)
         labels.record_stream(stream)
         return features, labels
-
-
-class _BufferPool:
-    """Recycled host memory for the batches handed out on the CPU path.
-
-    A batch is a tensor over a pooled buffer. The buffer comes back to the pool when the consumer
-    drops the last tensor or view of that batch (the storage's numpy base holds a :class:`_Lease`
-    whose finaliser returns it), so a loop that lets go of batch k-1 feeds batch k+prefetch with
-    already-faulted pages, and a consumer that keeps its batches (``torch.cat`` at the end) just
-    gets fresh ones. Fresh buffers are anonymous maps: dropped ones go straight back to the OS (no
-    malloc arena growth), and on hosts with transparent huge pages in ``madvise`` mode they take
-    2 MiB pages, a few faults per batch instead of thousands. At most ``keep`` idle buffers stay.
-    """
-
-    def __init__(self, keep: int) -> None:
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-        self._keep = keep
-
-    def tensor(self, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
-        """A ``dtype`` tensor of ``shape`` over a pooled buffer, and a uint8 numpy view of it."""
-        buffer = None
-        with self._lock:
-            for i, candidate in enumerate(self._free):
-                if candidate.size >= nbytes:
-                    buffer = self._free.pop(i)
-                    break
-        if buffer is None:
-            buffer = _anonymous(nbytes)
-        host = np.asarray(_Lease(self, buffer, nbytes))
-        return torch.from_numpy(host).view(dtype).view(shape), host
-
-    def give_back(self, buffer: np.ndarray) -> None:
-        with self._lock:
-            if len(self._free) < self._keep:
-                self._free.append(buffer)
-
-
-class _Lease:
-    """The numpy base of one handed-out batch: returns its buffer to the pool when collected."""
-
-    def __init__(self, pool: _BufferPool, buffer: np.ndarray, nbytes: int) -> None:
-        self._pool = pool
-        self._buffer = buffer
-        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3,
-                                    "data": (buffer.ctypes.data, False)}
-
-    def __del__(self) -> None:
-        try:
-            self._pool.give_back(self._buffer)
-        except Exception:  # interpreter shutdown: nothing to recycle into
-            pass
-
-
-def _anonymous(nbytes: int) -> np.ndarray:
-    if not hasattr(mmap, "MAP_ANONYMOUS"):  # not POSIX: plain heap memory, same semantics
-        return np.empty(max(int(nbytes), 1), np.uint8)
-    mapped = mmap.mmap(-1, max(int(nbytes), 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mapped.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # THP disabled or unsupported: small pages, same behaviour
-            pass
-    return np.frombuffer(mapped, np.uint8)
 
 
 class _HostSlot:

@@ -19,28 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from featurestore.core.buffers import PAGE, aligned_empty
 from featurestore.core.storage import Storage
 from featurestore.errors import IndexOutOfRange, MissingChunks, ShapeMismatch
 from featurestore.format import dtypes, layout
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in lazily
-PAGE = mmap.PAGESIZE
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: Any, alignment: int = PAGE) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on an ``alignment`` boundary.
-
-    Gathered rows come from page-aligned chunk maps; when the destination sits at another offset
-    within a cache line (malloc returns large blocks at +16 bytes), the memcpy slows ~4x on the
-    CPUs measured here (2.6 vs 10-12 GB/s for 192 KiB rows, ``featurestore bench read``). Page
-    alignment puts source and destination rows at the same offsets whenever a sample's size is a
-    multiple of 64 bytes, as it is for the usual widths (384, 768, 1024, 1536, 3072 channels).
-    """
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + alignment, np.uint8)
-    start = (-raw.ctypes.data) % alignment
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 class FeatureArray:

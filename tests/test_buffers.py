@@ -1,0 +1,66 @@
+"""core.buffers: the one lease-based buffer pool (loader batches, server responses)."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+
+from featurestore.core.buffers import PAGE, BufferPool, aligned_empty
+
+
+def test_lease_returns_buffer_only_when_last_view_dies() -> None:
+    pool = BufferPool(keep=2)
+    a = pool.array((4, 1000), np.float16)
+    assert a.shape == (4, 1000) and a.dtype == np.float16 and a.flags.c_contiguous
+    assert a.ctypes.data % PAGE == 0
+    address = a.ctypes.data
+    view = a[1:3]  # a view keeps the lease alive
+    del a
+    gc.collect()
+    assert pool.free_bytes == 0
+    b = pool.array((4, 1000), np.float16)
+    assert b.ctypes.data != address  # the held buffer was not handed out again
+    del view
+    gc.collect()
+    assert pool.free_bytes >= 8000
+    c = pool.array((4, 1000), np.float16)
+    assert c.ctypes.data == address  # reused once every view was gone
+    del b, c
+
+
+def test_pool_bounds_idle_buffers_by_count_and_bytes() -> None:
+    pool = BufferPool(keep=2, max_free_bytes=3 * PAGE)
+    held = [pool.lease(PAGE) for _ in range(4)]
+    del held
+    gc.collect()
+    assert pool.free_bytes == 2 * PAGE  # keep=2
+    pool.clear()
+    big = [pool.lease(2 * PAGE) for _ in range(2)]
+    del big
+    gc.collect()
+    assert pool.free_bytes == 2 * PAGE  # the second would exceed max_free_bytes
+
+
+def test_small_request_does_not_take_a_large_buffer() -> None:
+    pool = BufferPool(keep=2)
+    big = pool.lease(64 * PAGE)
+    address = big.ctypes.data
+    del big
+    gc.collect()
+    small = pool.lease(PAGE)
+    assert small.ctypes.data != address and pool.free_bytes == 64 * PAGE
+
+
+def test_min_pooled_uses_plain_aligned_memory() -> None:
+    pool = BufferPool(keep=2, min_pooled=1 << 20)
+    a = pool.lease(100)
+    assert a.size == 100 and a.ctypes.data % PAGE == 0
+    del a
+    gc.collect()
+    assert pool.free_bytes == 0
+
+
+def test_aligned_empty_shape_dtype() -> None:
+    out = aligned_empty((3, 5), np.uint16)
+    assert out.shape == (3, 5) and out.ctypes.data % PAGE == 0
