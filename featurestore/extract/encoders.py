@@ -1,4 +1,6 @@
-"""Encoders for extraction: ``builtin:tiny-vit``, ``python:``, ``torchhub:`` and ``hf:`` specs.
+"""Encoders for extraction: ``builtin:tiny-vit``, ``python:``, ``torchhub:``, ``hf:`` and ``timm:`` specs.
+
+``timm:`` specs live in :mod:`featurestore.extract.timm_models`.
 
 Every encoder is wrapped in :class:`Encoder`, which runs it on ``[B, 3, H, W]`` float images and
 returns ``[B, T, D]`` tokens, refusing anything else with one clear message. The wrapper also
@@ -234,7 +236,7 @@ def load_encoder(spec: str) -> Encoder:
     kind, sep, rest = spec.partition(":")
     if not sep or not rest:
         raise EncoderError(f"invalid encoder spec {spec!r}: use builtin:tiny-vit, python:MODULE:FACTORY, "
-                           "torchhub:REPO_OR_DIR:ENTRY or hf:MODEL_ID_OR_DIR")
+                           "torchhub:REPO_OR_DIR:ENTRY, hf:MODEL_ID_OR_DIR or timm:MODEL_NAME")
     if kind == "builtin":
         if rest not in BUILTINS:
             raise EncoderError(f"unknown builtin encoder {rest!r}: available: {', '.join(sorted(BUILTINS))}")
@@ -258,7 +260,11 @@ def load_encoder(spec: str) -> Encoder:
         return _load_torchhub(spec, rest)
     if kind == "hf":
         return _load_hf(spec, rest)
-    raise EncoderError(f"unknown encoder kind {kind!r} in {spec!r}: use builtin:, python:, torchhub: or hf:")
+    if kind == "timm":
+        from featurestore.extract.timm_models import load_timm  # imports timm only for timm: specs
+
+        return load_timm(spec, rest)
+    raise EncoderError(f"unknown encoder kind {kind!r} in {spec!r}: use builtin:, python:, torchhub:, hf: or timm:")
 
 
 def _load_torchhub(spec: str, rest: str) -> Encoder:
