@@ -20,7 +20,7 @@ from featurestore import __version__
 from featurestore.errors import FeatureStoreError
 
 # Order is the order of `featurestore --help`.
-COMMAND_MODULES = ("extract", "inspect", "serve", "probe", "bench", "demo")
+COMMAND_MODULES = ("extract", "import_", "inspect", "serve", "probe", "bench", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -160,7 +160,7 @@ def test_help_lists_every_verb() -> None:
     assert result.returncode == 0
     verbs = []
     for module in cli.COMMAND_MODULES:
-        verbs += {"inspect": ["ls", "info", "verify"]}.get(module, [module])
+        verbs += {"inspect": ["ls", "info", "verify"], "import_": ["import"]}.get(module, [module])
     listed = {line.split()[0] for line in result.stdout.splitlines() if line.startswith("    ")}
     missing = [verb for verb in verbs if verb not in listed]
     assert not missing, f"featurestore --help does not list {missing}:\n{result.stdout}"

@@ -1,0 +1,73 @@
+"""``featurestore import``: an existing feature cache as a split (docs/EXTRACT.md, "Importing a cache").
+
+torch and the importer are imported inside ``run`` so ``featurestore --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from featurestore.commands.extract import storage_options
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "import",
+        help="bring an existing feature cache in as a split",
+        description="Write an existing feature cache into a split of a store, streaming (one batch in "
+        "RAM) and resumable: a directory of one .pt/.npy file per sample, an HDF5 file (one [N, ...] "
+        "dataset or one dataset per sample), or a [N, ...] torch tensor / .npy file. Same precision "
+        "policy (--dtype) and quantization report as extract.",
+    )
+    p.add_argument("source", metavar="SOURCE", help="DIR | FILE.h5 | FILE.pt | FILE.npy")
+    req = p.add_argument_group("required")
+    req.add_argument("--store", required=True, metavar="URL", help="store path or fsspec URL")
+    req.add_argument("--dataset", required=True)
+    req.add_argument("--encoder-name", required=True, help="encoder name in the store")
+    req.add_argument("--split", required=True)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
+                   help="storage dtype; auto: float16/bfloat16 kept, float32 -> float16 under the overflow guard")
+    p.add_argument("--labels", metavar="FILE_OR_KEY",
+                   help="labels [N, ...]: a .npy/.pt file, or a dataset name in the HDF5 source")
+    p.add_argument("--key", help="the features inside the source: HDF5 dataset/group name, or dict key of a .pt")
+    p.add_argument("--prefix-tokens", type=int, default=0,
+                   help="CLS/register tokens before the patch grid in each sample (default 0)")
+    p.add_argument("--grid", type=int, nargs=2, metavar=("H", "W"),
+                   help="patch grid of the samples (default: square, when the patch tokens make one)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue an incomplete split from its valid chunks")
+    mode.add_argument("--overwrite", action="store_true", help="replace an existing split")
+    p.add_argument("--batch-size", type=int, default=256, help="rows read and written at a time (default 256)")
+    p.add_argument("--chunk-mb", type=float, default=8.0, help="chunk size target in MiB (default 8)")
+    p.add_argument("--storage-options", metavar="JSON", help="fsspec storage options (default: $FEATURESTORE_STORAGE_OPTIONS)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from featurestore.extract.importer import ImportOptions, import_cache
+
+    result = import_cache(ImportOptions(
+        source=args.source, store=args.store, dataset=args.dataset, encoder_name=args.encoder_name,
+        split=args.split, dtype=args.dtype, labels=args.labels, key=args.key, prefix_tokens=args.prefix_tokens,
+        grid=tuple(args.grid) if args.grid else None, batch_size=args.batch_size, chunk_mb=args.chunk_mb,
+        resume=args.resume, overwrite=args.overwrite, storage_options=storage_options(args.storage_options),
+        progress=not args.no_progress))
+    meta = result.metadata
+    shape = "x".join(str(s) for s in [result.num_samples, *meta.get("sample_shape", [])])
+    if result.status == "already-complete":
+        print(f"split {result.key} is already complete with the same cache key ({shape} "
+              f"{meta.get('logical_dtype')}): nothing to do (--overwrite to redo it)")
+        return 0
+    q = meta.get("quantization") or {}
+    if q:
+        exact = " (exact)" if q.get("exact") else ""
+        print(f"quantization: {q.get('source_dtype')} -> {q.get('stored_dtype')}{exact}: "
+              f"max abs error {q.get('max_abs_error', 0):.3g}, max rel error {q.get('max_rel_error', 0):.3g}, "
+              f"rel rms error {q.get('rel_rms_error', 0):.3g}, abs max {q.get('abs_max', 0):.6g}, "
+              f"overflow {q.get('overflow_count', 0)}, NaN {q.get('nan_count', 0)}, Inf {q.get('inf_count', 0)}")
+    print(f"imported {result.key}: {shape} {meta.get('logical_dtype')}, {result.imported} samples written in "
+          f"{result.seconds:.1f}s, status {meta.get('status')}", flush=True)
+    return 0

@@ -1,0 +1,166 @@
+"""``featurestore import``: an existing feature cache -> a split, streaming and resumable (readers: extract/caches.py).
+
+Caches people already hold, read without loading them whole:
+
+- a **directory** with one ``.pt`` or ``.npy`` file per sample (eva's embeddings layout), in
+  natural name order (``2.pt`` before ``10.pt``); the file stems become the sample ids;
+- an **HDF5 file** (THUNDER-style; needs h5py) with one ``[N, ...]`` dataset, or one dataset per
+  sample (in a group, natural name order, names -> ids);
+- a **tensor file**: ``torch.save`` of one ``[N, ...]`` tensor (the ``torch.cat`` cache of a probe),
+  memory-mapped (``torch.load(mmap=True)``), or a ``.npy`` ``[N, ...]`` array (``mmap_mode="r"``).
+
+Rows go to the writer chunk by chunk, in batches of ``batch_size`` rows, so host RAM holds one
+batch. The same precision policy as extraction applies (``--dtype auto``: float16/bfloat16 kept,
+float32 -> float16 under the overflow guard) and the same quantization report closes the run.
+``resume`` keeps the chunks already valid on storage and reads only the others. Every sample is
+checked against sample 0's shape and dtype as it is read: a ragged or mismatched cache stops with
+one :class:`~featurestore.errors.ShapeMismatch` line naming the sample, before its chunk is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from featurestore.errors import CacheKeyMismatch, DatasetNotFound, EncoderNotFound, ShapeMismatch, SplitExists, \
+    SplitNotFound
+from featurestore.extract.caches import ArraySource, CacheSource, _dtype_name, open_cache, open_labels
+from featurestore.extract.run import chunk_bytes_for, resolve_dtype
+from featurestore.extract.sources import SourceError
+from featurestore.format.names import validate_name
+
+__all__ = ["ImportOptions", "ImportResult", "import_cache", "open_cache"]
+
+# --------------------------------------------------------------------------- the import
+@dataclass
+class ImportOptions:
+    source: str
+    store: str
+    dataset: str
+    encoder_name: str
+    split: str
+    dtype: str = "auto"
+    labels: str | None = None
+    key: str | None = None
+    prefix_tokens: int = 0
+    grid: tuple[int, int] | None = None
+    batch_size: int = 256
+    chunk_mb: float = 8.0
+    resume: bool = False
+    overwrite: bool = False
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    progress: bool = True
+
+
+@dataclass
+class ImportResult:
+    status: str  # "complete" | "already-complete"
+    key: str
+    num_samples: int
+    imported: int = 0
+    seconds: float = 0.0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def _token_layout(shape: tuple[int, ...], prefix: int, grid: tuple[int, int] | None) -> dict[str, Any]:
+    if len(shape) == 1:
+        return {"tokens": "cls", "prefix_tokens": 0, "grid": None, "encoder_tokens": None,
+                "encoder_prefix_tokens": None}
+    tokens = shape[0]
+    if not 0 <= prefix < tokens:
+        raise ShapeMismatch(f"--prefix-tokens {prefix} does not fit samples of {tokens} tokens")
+    if grid is None:
+        side = int(round((tokens - prefix) ** 0.5))
+        grid = (side, side) if side * side == tokens - prefix else None
+    elif grid[0] * grid[1] != tokens - prefix:
+        raise ShapeMismatch(f"--grid {grid[0]} {grid[1]} needs {grid[0] * grid[1]} patch tokens, but samples "
+                            f"have {tokens} tokens with {prefix} prefix tokens")
+    return {"tokens": "all" if prefix else "patch", "prefix_tokens": prefix,
+            "grid": list(grid) if grid else None, "encoder_tokens": tokens, "encoder_prefix_tokens": prefix}
+
+
+def import_cache(opts: ImportOptions) -> ImportResult:
+    """Bring the cache at ``opts.source`` in as a split; raises FeatureStoreError on bad input."""
+    from featurestore import open_store
+
+    for value, what in ((opts.dataset, "dataset"), (opts.encoder_name, "encoder name"), (opts.split, "split")):
+        validate_name(value, what)
+    if opts.batch_size < 1:
+        raise SourceError(f"--batch-size must be a positive integer, but got: {opts.batch_size}")
+    if opts.resume and opts.overwrite:
+        raise SourceError("--resume and --overwrite exclude each other: choose one")
+    started = time.perf_counter()
+    source = open_cache(opts.source, opts.key, opts.labels)
+    labels = open_labels(opts.labels, source)
+    source_dtype = "float32" if source.dtype == "float64" else source.dtype
+    dtype = resolve_dtype(opts.dtype, source_dtype)
+    layout = _token_layout(source.sample_shape, opts.prefix_tokens, opts.grid)
+    fingerprint = {"source": source.fingerprint(), "labels": labels.fingerprint() if labels else None}
+    key_parts = {"import": fingerprint, "dtype": dtype, "tokens": layout, "num_samples": source.num_samples}
+    cache_key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()
+    metadata = {
+        "encoder": {"name": opts.encoder_name, "spec": f"import:{source.spec}", "weights_hash": None,
+                    "output_dtype": source.dtype, "precision": None},
+        "preprocessing": None,
+        "token_layout": layout,
+        "source_dtype": source_dtype,
+        "cache_key": cache_key,
+        "source": {"spec": source.spec, "format": source.kind, "fingerprint": fingerprint,
+                   "num_samples": source.num_samples, "labels": labels.spec if labels else None},
+    }
+    store = open_store(opts.store, mode="a", **opts.storage_options)
+    key = f"{opts.dataset}/{opts.encoder_name}/{opts.split}"
+    if not opts.overwrite:
+        try:
+            existing = store.split_metadata(opts.dataset, opts.encoder_name, opts.split)
+        except (DatasetNotFound, EncoderNotFound, SplitNotFound):
+            existing = None
+        if existing is not None:
+            if existing.get("cache_key") != cache_key:
+                raise CacheKeyMismatch(f"split {key} exists with cache key {existing.get('cache_key')}, this "
+                                       f"import's is {cache_key} (another cache, labels, dtype or layout): pass "
+                                       "--overwrite to replace it, or another --split name")
+            if existing.get("status") == "complete":
+                return ImportResult("already-complete", key, source.num_samples, metadata=existing)
+            if not opts.resume:
+                raise SplitExists(f"split {key} exists but is incomplete (status {existing.get('status')!r}): "
+                                  "pass --resume to continue it or --overwrite to start over")
+    writer = store.create_split(
+        opts.dataset, opts.encoder_name, opts.split, num_samples=source.num_samples,
+        sample_shape=source.sample_shape, dtype=dtype,
+        label_shape=labels.sample_shape if labels else (), label_dtype=labels.dtype if labels else None,
+        metadata=metadata, chunk_bytes=chunk_bytes_for(source.sample_shape, dtype, opts.chunk_mb, 1),
+        resume=opts.resume, overwrite=opts.overwrite, ids=source.ids)
+    imported = _copy(source, labels, writer, opts)
+    meta = writer.commit()
+    return ImportResult("complete", key, source.num_samples, imported, time.perf_counter() - started, meta)
+
+
+def _copy(source: CacheSource, labels: ArraySource | None, writer: Any, opts: ImportOptions) -> int:
+    """Read and write the rows of the pending chunks, ``batch_size`` rows at a time."""
+    from tqdm import tqdm
+
+    pending = writer.pending_chunks()
+    total = sum(writer.chunk_range(c)[1] - writer.chunk_range(c)[0] for c in pending)
+    bar = tqdm(total=total, unit="sample", desc="import", disable=True if not opts.progress else None,
+               file=sys.stderr, dynamic_ncols=True)
+    try:
+        for chunk in pending:
+            lo, hi = writer.chunk_range(chunk)
+            for start in range(lo, hi, opts.batch_size):
+                stop = min(start + opts.batch_size, hi)
+                rows = source.read(start, stop)
+                if _dtype_name(rows.dtype) == "float64":
+                    rows = rows.astype(np.float32) if isinstance(rows, np.ndarray) else rows.float()
+                writer.write(start, rows, labels.read(start, stop) if labels else None)
+                bar.update(stop - start)
+            writer.flush()  # the chunk is complete: on storage now, so a crash keeps it
+    finally:
+        bar.close()
+    return total
