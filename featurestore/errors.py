@@ -82,3 +82,7 @@ class MissingChunks(FeatureStoreError, RuntimeError):
 
 class CacheKeyMismatch(FeatureStoreError, ValueError):
     """Resuming or re-running into a split made with another encoder, preprocessing or dtype."""
+
+
+class StorageFull(FeatureStoreError, OSError):
+    """The store's device ran out of space (ENOSPC/EDQUOT) while a chunk was written."""

@@ -9,9 +9,12 @@ byte-identical chunks. So that this never shrinks the batch, a new split's chunk
 multiple of ``batch_size`` rows (``chunk_bytes_for``): ``--chunk-mb`` is rounded to it, and grown
 to one batch when samples are large (a [1024, 3072] float16 sample is 6 MiB).
 
-Encoding runs on the main thread; a writer thread drains a bounded queue into the store, so the
-encoder does not wait for storage and host RAM holds at most ``queue_size`` batches. The first
-writer error stops the main loop at its next batch.
+Encoding runs on the main thread; a writer thread drains a bounded queue into the split writer,
+which checks, casts and measures each batch on the encoder's device and hands finished chunks to
+its pool of put threads (crc32c + atomic put). The encoder waits only when ``queue_size`` batches
+are queued and the put pool is full, so memory stays bounded: ``queue_size`` batches on the
+device plus the pool's pending chunks on the host. The first writer error stops the main loop at
+its next batch.
 """
 
 from __future__ import annotations
@@ -278,7 +281,8 @@ class _WriterThread(threading.Thread):
                 continue  # keep draining so the producer never blocks on a dead consumer
             start, features, labels = item
             try:
-                self.writer.write(start, features, labels)
+                # donate: the encoder never touches this batch again, so no defensive copy.
+                self.writer.write(start, features, labels, donate=True)
                 self.bytes_written += features.numel() * self.itemsize
             except BaseException as error:  # handed to the main thread, which raises it
                 self.error = error
@@ -342,8 +346,9 @@ def _encode_chunks(opts: ExtractOptions, prep: _Prepared, writer: Any, chunks: l
                 if tokens.shape[1] != prep.layout.encoder_tokens:
                     raise EncoderError(f"encoder {prep.encoder.spec} returned {tokens.shape[1]} tokens for samples "
                                        f"{indices[0]}..{indices[-1]}, but {prep.layout.encoder_tokens} for sample 0")
-                # No .contiguous(): the writer's quantization makes its own copy anyway.
-                features = prep.layout.select(tokens).cpu()
+                # Left on the device: the writer thread casts and measures it there, and only
+                # the stored-dtype bytes cross to the host (featurestore.core.device_stats).
+                features = prep.layout.select(tokens)
                 thread.put((indices[0], features, labels))
                 bar.update(len(indices))
                 elapsed = max(time.perf_counter() - started, 1e-9)

@@ -108,95 +108,120 @@ class ChunkStats:
         self.source_code = max(self.source_code, other.source_code)
 
 
-def channel_moments(stored: np.ndarray, logical_dtype: str, channels: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel mean and M2 of stored values (any leading shape, last axis = channels).
+@dataclass
+class RowStats:
+    """Per-sample partial statistics of a batch or a chunk (``B`` rows, ``C`` channels).
 
-    The values are decoded to float32 a block at a time into one reused buffer (cache-sized, no
-    fresh pages per chunk), shifted by the chunk's first row so the sums of squares do not cancel
-    when a channel's mean is large against its spread, and summed in float64 across blocks.
+    Computed for each sample alone (featurestore.core.device_stats, on the features' device, or
+    ``row_stats_numpy`` without torch), so a chunk's statistics row, folded from its samples'
+    partials in row order by :func:`fold_rows`, never depends on how the batches were cut.
     """
-    from featurestore.format.dtypes import BFLOAT16
 
-    flat = stored.reshape(-1, channels)
-    if logical_dtype == "bfloat16":
-        flat = flat.view(BFLOAT16)
-    if flat.shape[0] == 0:
-        return np.zeros(channels), np.zeros(channels)
-    with np.errstate(over="ignore", invalid="ignore"):  # detected below, then redone
-        mean, m2 = _moments(flat, channels, np.float32)
-    if not (np.isfinite(mean).all() and np.isfinite(m2).all()):
-        # Deviations beyond ~1.8e19 overflow float32 when squared (finite values up to ~3.4e38
-        # are legal in float32 and bfloat16 storage): redo this chunk in float64.
-        mean, m2 = _moments(flat, channels, np.float64)
-    return mean, m2
+    abs_max: np.ndarray  # [B] largest |source value|
+    max_abs_error: np.ndarray  # [B] largest |stored - source|
+    max_rel_error: np.ndarray  # [B] largest |stored - source| / |source| where |source| >= floor
+    sq_error: np.ndarray  # [B] sum of (stored - source)**2
+    sq_source: np.ndarray  # [B] sum of source**2
+    mean: np.ndarray  # [B, C] per-channel mean of the stored values over the sample's tokens
+    m2: np.ndarray  # [B, C] per-channel sum of squared deviations from that mean
 
+    @classmethod
+    def zeros(cls, rows: int, channels: int) -> RowStats:
+        scalar = [np.zeros(rows, np.float64) for _ in range(5)]
+        return cls(*scalar, np.zeros((rows, channels), np.float64), np.zeros((rows, channels), np.float64))
 
-def _moments(flat: np.ndarray, channels: int, work: Any) -> tuple[np.ndarray, np.ndarray]:
-    n = flat.shape[0]
-    block_rows = max(1, (1 << 20) // (4 * channels))
-    buffer = np.empty((min(block_rows, n), channels), work)
-    squares = np.empty_like(buffer)
-    reference = flat[0].astype(work)
-    first = np.zeros(channels, np.float64)
-    second = np.zeros(channels, np.float64)
-    for start in range(0, n, block_rows):
-        block = buffer[: min(block_rows, n - start)]
-        _decode(block, flat[start : start + len(block)])
-        block -= reference
-        first += _column_sums(block)
-        second += _column_sums(np.multiply(block, block, out=squares[: len(block)]))
-    mean_shift = first / n
-    mean = reference.astype(np.float64) + mean_shift
-    m2 = np.maximum(second - first * mean_shift, 0.0)
-    return mean, m2
+    def __len__(self) -> int:
+        return len(self.abs_max)
+
+    def __getitem__(self, rows: slice) -> RowStats:
+        return RowStats(*(getattr(self, name)[rows] for name in ROW_FIELDS))
+
+    def __setitem__(self, rows: slice, other: RowStats) -> None:
+        for name in ROW_FIELDS:
+            getattr(self, name)[rows] = getattr(other, name)
 
 
-def _decode(block: np.ndarray, values: np.ndarray) -> None:
-    """``block[...] = values`` widened to float; exact for every stored dtype.
+ROW_FIELDS = ("abs_max", "max_abs_error", "max_rel_error", "sq_error", "sq_source", "mean", "m2")
 
-    numpy converts float16 and bfloat16 element by element in software; torch's kernels use the
-    CPU's F16C/AVX2 conversions, ~15x faster (0.14 vs 2.07 ms per 1 MiB block measured here),
-    which is most of the writer's cost for half-precision data. Both give the same bits (the
-    widening is exact), so a store's statistics do not depend on whether torch is installed.
+
+def fold_rows(rows: RowStats, tokens: int, source_code: int) -> ChunkStats:
+    """A chunk's statistics row from its samples' partials (``tokens`` values per channel each).
+
+    Only fixed-order numpy reductions over the chunk's rows, so the result is a function of the
+    per-sample partials alone. The channel moments merge equal-sized groups exactly: the mean of
+    the sample means, and M2 = sum of the samples' M2 + tokens * sum of (sample mean - mean)**2.
     """
-    torch = optional_torch()
-    if torch is not None and block.dtype == np.float32 and values.flags.c_contiguous and values.dtype.itemsize == 2:
-        source = torch.from_numpy(values.view(np.int16))
-        half = torch.float16 if values.dtype == np.float16 else torch.bfloat16
-        torch.from_numpy(block).copy_(source.view(half))
-        return
-    np.copyto(block, values, casting="unsafe")
+    channels = rows.mean.shape[1]
+    stats = ChunkStats(channels=channels)
+    n = len(rows)
+    stats.rows = n
+    stats.values = n * tokens * channels
+    if n == 0:
+        return stats
+    stats.abs_max = float(rows.abs_max.max())
+    stats.max_abs_error = float(rows.max_abs_error.max())
+    stats.max_rel_error = float(rows.max_rel_error.max())
+    stats.sum_sq_error = float(rows.sq_error.sum())
+    stats.sum_sq_source = float(rows.sq_source.sum())
+    stats.source_code = source_code
+    mean = rows.mean.sum(axis=0) / n
+    spread = rows.mean - mean
+    stats.mean = mean
+    stats.m2 = rows.m2.sum(axis=0) + tokens * np.einsum("ij,ij->j", spread, spread)
+    return stats
 
 
-_TORCH: list[Any] = []
+# Values summed in float32 before the float64 accumulation: a group's float32 sum adds at most
+# GROUP roundings (~1e-6 relative), and float32 arithmetic is ~4x faster than float64 on CPUs.
+GROUP = 16
 
 
-def optional_torch() -> Any:
-    """torch if it is installed (imported once, on the first half-precision chunk), else None."""
-    if not _TORCH:
-        try:
-            import torch
-        except ImportError:
-            torch = None
-        _TORCH.append(torch)
-    return _TORCH[0]
+def row_stats_numpy(source: np.ndarray, stored: np.ndarray, logical: str, exact: bool,
+                    channels: int) -> RowStats:
+    """:class:`RowStats` without torch (the core writer on a host with no torch installed).
+
+    Same formulas as featurestore.core.device_stats; numpy's summation order differs from
+    torch's, so figures can differ from a torch-written split in the last bits.
+    """
+    from featurestore.format import dtypes
+
+    count = len(source)
+    out = RowStats.zeros(count, channels)
+    if count == 0:
+        return out
+    src32 = dtypes.stored_as_float32(source.view(np.uint16), "bfloat16") if source.dtype == dtypes.BFLOAT16 \
+        else source.astype(np.float32, copy=False)
+    out.abs_max[:] = np.abs(src32.reshape(count, -1)).max(axis=1) if src32.size else 0.0
+    q32 = dtypes.stored_as_float32(stored, logical).reshape(count, -1, channels)
+    work = np.float32 if logical == "float16" else np.float64
+    reference = q32[:, :1, :].astype(work)
+    deviation = q32.astype(work) - reference
+    tokens = deviation.shape[1]
+    first = _group_sums(deviation)
+    second = _group_sums(deviation * deviation)
+    out.mean[:] = reference[:, 0, :].astype(np.float64) + first / tokens
+    out.m2[:] = np.maximum(second - first * first / tokens, 0.0)
+    if not exact:
+        error = q32 - src32.reshape(q32.shape)
+        magnitude = np.abs(src32.reshape(q32.shape))
+        out.max_abs_error[:] = np.abs(error).reshape(count, -1).max(axis=1)
+        relative = np.divide(np.abs(error), magnitude, out=np.zeros_like(error), where=magnitude >= REL_ERROR_FLOOR)
+        out.max_rel_error[:] = relative.reshape(count, -1).max(axis=1)
+        out.sq_error[:] = _group_sums(error * error).sum(axis=1)
+        out.sq_source[:] = _group_sums(magnitude * magnitude).sum(axis=1)
+    return out
 
 
-# Rows summed in float32 before the float64 accumulation. A float32 column sum over a whole
-# block adds one rounding error per row (~1e-5 relative on 30k rows, seen on 512 KiB chunks);
-# groups of 16 bound it near 16 ulp (~1e-6) at float32 speed, where float64 sums are ~4x slower.
-_GROUP = 16
-
-
-def _column_sums(block: np.ndarray) -> np.ndarray:
-    """Per-column sums of a float32 (or float64) ``[rows, channels]`` block, as float64."""
-    rows, channels = block.shape
-    head = rows - rows % _GROUP
-    total = np.zeros(channels, np.float64)
+def _group_sums(values: np.ndarray) -> np.ndarray:
+    """``[B, T, C]`` -> per-row, per-channel sums ``[B, C]`` in float64 (GROUP rows at a time)."""
+    count, tokens, channels = values.shape
+    head = tokens - tokens % GROUP
+    total = np.zeros((count, channels), np.float64)
     if head:
-        total += block[:head].reshape(-1, _GROUP, channels).sum(axis=1).sum(axis=0, dtype=np.float64)
-    if head < rows:
-        total += block[head:].sum(axis=0, dtype=np.float64)
+        groups = values[:, :head].reshape(count, head // GROUP, GROUP, channels).sum(axis=2)
+        total += groups.sum(axis=1, dtype=np.float64)
+    if head < tokens:
+        total += values[:, head:].sum(axis=1, dtype=np.float64)
     return total
 
 

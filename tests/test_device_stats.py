@@ -1,0 +1,138 @@
+"""Statistics where the features are (featurestore.core.device_stats): per-sample figures that do
+not depend on the batch cut or torch's thread count, the numpy fallback, the CUDA path, and the
+put pool's ordering and error handling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import featurestore
+from featurestore.core import device_stats
+from featurestore.core.batch import prepare_numpy
+from featurestore.format.stats import ROW_FIELDS, RowStats
+
+# [T, C] samples large enough that torch's CPU reductions run in parallel (> 32768 values).
+SHAPE = (96, 48)
+
+
+def _features(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, *SHAPE)).astype(np.float32) * rng.uniform(0.1, 30, SHAPE[-1]).astype(np.float32)
+    return x + np.float32(500) * (np.arange(SHAPE[-1], dtype=np.float32) % 3)  # large means
+
+
+def _rows_equal(a: RowStats, b: RowStats) -> None:
+    for name in ROW_FIELDS:
+        got, want = getattr(a, name), getattr(b, name)
+        assert got.tobytes() == want.tobytes(), name
+
+
+def _with_threads(threads: int, fn: Any) -> Any:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("logical", ["float16", "bfloat16", "float32"])
+def test_per_sample_figures_ignore_the_batch_cut_and_the_thread_count(logical: str) -> None:
+    x = torch.from_numpy(_features(24))
+    whole = _with_threads(1, lambda: device_stats.prepare(x, logical, SHAPE[-1], 0))
+    many = _with_threads(4, lambda: device_stats.prepare(x, logical, SHAPE[-1], 0))
+    _rows_equal(whole.rows, many.rows)
+    assert whole.stored.tobytes() == many.stored.tobytes()
+    for lo, hi in ((0, 1), (1, 8), (8, 24)):
+        part = _with_threads(2, lambda: device_stats.prepare(x[lo:hi], logical, SHAPE[-1], lo))
+        _rows_equal(part.rows, whole.rows[lo:hi])
+        assert part.stored.tobytes() == whole.stored[lo:hi].tobytes()
+    assert whole.rows.max_abs_error.max() > 0 or logical == "float32"
+
+
+def test_split_report_is_identical_under_any_thread_count_and_writer_count(tmp_path: Path) -> None:
+    x = _features(40, seed=3)
+    store = featurestore.open_store(str(tmp_path / "store"), mode="a")
+    chunk_bytes = 6 * int(np.prod(SHAPE)) * 2  # 6 samples per chunk, an edge chunk of 4
+    metas = []
+    for split, threads, cut in (("a", 1, 40), ("b", 4, 7), ("c", 2, 3)):
+        def run() -> dict[str, Any]:
+            w = store.create_split("d", "e", split, num_samples=40, sample_shape=SHAPE, dtype="float16",
+                                   chunk_bytes=chunk_bytes)
+            for lo in range(0, 40, cut):
+                w.write(lo, x[lo:lo + cut])
+            return w.commit()
+        metas.append(_with_threads(threads, run))
+    # two writers of one split (chunk i to writer i % 2), numpy input, then a commit-only process
+    first = store.create_split("d", "e", "two", num_samples=40, sample_shape=SHAPE, dtype="float16",
+                               chunk_bytes=chunk_bytes)
+    second = store.create_split("d", "e", "two", num_samples=40, sample_shape=SHAPE, dtype="float16",
+                                chunk_bytes=chunk_bytes, resume=True)
+    for index in range(first.num_chunks):
+        lo, hi = first.chunk_range(index)
+        (first if index % 2 else second).write(lo, torch.from_numpy(x[lo:hi]))
+    first.close()
+    second.close()
+    metas.append(store.create_split("d", "e", "two", num_samples=40, sample_shape=SHAPE, dtype="float16",
+                                    chunk_bytes=chunk_bytes, resume=True).commit())
+    for meta in metas[1:]:
+        assert meta["quantization"] == metas[0]["quantization"]
+        assert meta["channel_stats"] == metas[0]["channel_stats"]
+    stored = store.open("d", "e", "a").read_numpy(np.arange(40)).astype(np.float64).reshape(-1, SHAPE[-1])
+    np.testing.assert_allclose(metas[0]["channel_stats"]["mean"], stored.mean(axis=0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(metas[0]["channel_stats"]["std"], stored.std(axis=0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("logical", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("source", ["float32", "float16", "float64"])
+def test_numpy_fallback_agrees_with_torch(logical: str, source: str) -> None:
+    """The torch-free path (a host without torch) stores the same bytes and the same maxima;
+    sums agree to float32 group-sum rounding."""
+    x = _features(6, seed=5).astype(source)
+    ours = device_stats.prepare(torch.from_numpy(x), logical, SHAPE[-1], 0)
+    theirs = prepare_numpy(x, logical, SHAPE[-1], 0)
+    assert ours.stored.tobytes() == theirs.stored.tobytes()
+    for name in ("abs_max", "max_abs_error", "max_rel_error"):
+        np.testing.assert_array_equal(getattr(ours.rows, name), getattr(theirs.rows, name), err_msg=name)
+    for name in ("sq_error", "sq_source", "mean", "m2"):
+        np.testing.assert_allclose(getattr(ours.rows, name), getattr(theirs.rows, name), rtol=2e-6, err_msg=name)
+
+
+def test_a_donated_batch_is_not_copied_and_a_borrowed_one_is(tmp_path: Path) -> None:
+    """A float16 batch stored as float16 needs no cast: unless donated, the writer copies it, so
+    a caller that reuses its buffer right after write() cannot change what is stored."""
+    store = featurestore.open_store(str(tmp_path / "store"), mode="a")
+    x = _features(12).astype(np.float16)
+    w = store.create_split("d", "e", "s", num_samples=12, sample_shape=SHAPE, dtype="float16",
+                           chunk_bytes=4 * int(np.prod(SHAPE)) * 2)
+    buffer = x.copy()
+    for lo in range(0, 12, 4):
+        buffer[:] = x
+        w.write(lo, buffer[lo:lo + 4])
+        buffer[:] = 0  # the caller reuses its buffer at once
+    w.commit()
+    assert store.open("d", "e", "s").read_numpy(np.arange(12)).tobytes() == x.tobytes()
+    batch = device_stats.prepare(torch.from_numpy(x), "float16", SHAPE[-1], 0)
+    assert batch.aliases_source and np.shares_memory(batch.stored, x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("logical", ["float16", "bfloat16"])
+def test_cuda_statistics_match_the_cpu(logical: str) -> None:
+    """Bytes and maxima identical to the CPU's; sums within the tolerance docs/EXTRACT.md states."""
+    x = torch.from_numpy(_features(16, seed=9))
+    cpu = device_stats.prepare(x, logical, SHAPE[-1], 0)
+    gpu = device_stats.prepare(x.cuda(), logical, SHAPE[-1], 0)
+    assert gpu.stored.tobytes() == cpu.stored.tobytes()
+    for name in ("abs_max", "max_abs_error", "max_rel_error"):
+        np.testing.assert_array_equal(getattr(gpu.rows, name), getattr(cpu.rows, name), err_msg=name)
+    for name in ("sq_error", "sq_source", "mean", "m2"):
+        np.testing.assert_allclose(getattr(gpu.rows, name), getattr(cpu.rows, name), rtol=1e-6, err_msg=name)
+    # a batch cut on the GPU keeps its per-sample figures within the same tolerance
+    part = device_stats.prepare(x[3:7].cuda(), logical, SHAPE[-1], 3)
+    np.testing.assert_allclose(part.rows.m2, gpu.rows.m2[3:7], rtol=1e-6)
