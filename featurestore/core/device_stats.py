@@ -6,8 +6,8 @@ quantization error against the source, abs max, the per-channel moments of the s
 computed there, vectorised, and only the stored-dtype bytes plus ``[B]`` / ``[B, C]`` float64
 partials cross to the host. On the CPU the same code runs on torch's threads.
 
-This module imports torch; the writer imports it lazily (only when torch is installed), so the
-core stays torch-free at import.
+torch is imported inside the functions (the first batch pays it), so importing the core, this
+module included, never loads torch.
 
 Determinism: every figure is computed per sample (rows never mix), so a chunk's statistics row,
 folded from its samples in row order (``format.stats.fold_rows``), does not depend on the batch
@@ -25,29 +25,46 @@ cut, the writer count or a resume. Within a sample:
 
 from __future__ import annotations
 
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
-import torch
 
 from featurestore.core.batch import Prepared, bfloat16_overflow, check_kind, float16_overflow, is_exact, non_finite
 from featurestore.format import dtypes
 from featurestore.format.stats import GROUP, REL_ERROR_FLOOR, RowStats
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-KINDS = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
-# Sign-cleared bit patterns order like magnitudes, and every pattern at or above the exponent's
-# all-ones value is Inf or NaN: one integer max gives both the abs max and the finiteness check.
-_BITS = {
-    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
-    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
-    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
-}
+if TYPE_CHECKING:
+    import torch
+
+
+
+@cache
+def _dtypes() -> tuple[dict[str, Any], dict[Any, str], dict[Any, tuple[Any, int, int]]]:
+    """(logical -> torch dtype, torch dtype -> kind, bit specs), built on the first batch."""
+    import torch
+
+    logical = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    kinds = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+             torch.float64: "float64"}
+    # Sign-cleared bit patterns order like magnitudes, and every pattern at or above the
+    # exponent's all-ones value is Inf or NaN: one integer max gives both the abs max and the
+    # finiteness check.
+    bits = {
+        torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+        torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+        torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+    }
+    return logical, kinds, bits
+
+
 # Rows are processed in blocks of about this many values: bounded scratch (64 MiB of float32 at
 # most on the device) whatever the batch size. Blocks hold whole rows, so results do not change.
 BLOCK_VALUES = 1 << 22
 
 
 def source_kind(tensor: torch.Tensor) -> str:
-    return check_kind(KINDS.get(tensor.dtype) or str(tensor.dtype).removeprefix("torch."))
+    return check_kind(_dtypes()[1].get(tensor.dtype) or str(tensor.dtype).removeprefix("torch."))
 
 
 def prepare(source: torch.Tensor, logical: str, channels: int, start: int) -> Prepared:
@@ -55,11 +72,15 @@ def prepare(source: torch.Tensor, logical: str, channels: int, start: int) -> Pr
 
     Raises NonFiniteValues / Float16Overflow (naming the rows) before anything is returned.
     """
+    import torch
+
     with torch.inference_mode():  # also in a writer thread: no autograd records, no version counters
         return _prepare(source, logical, channels, start)
 
 
 def _prepare(source: torch.Tensor, logical: str, channels: int, start: int) -> Prepared:
+    import torch
+
     kind = source_kind(source)
     x = source.detach()
     if not x.is_contiguous():
@@ -69,7 +90,7 @@ def _prepare(source: torch.Tensor, logical: str, channels: int, start: int) -> P
     # One small device-to-host copy (and sync) before the cast: a refused batch stores nothing.
     abs_max = _row_abs_max(flat).cpu().numpy()
     _check_range(flat, abs_max, kind, logical, f"samples [{start}, {start + count})")
-    target = TORCH_DTYPES[logical]
+    target = _dtypes()[0][logical]
     exact = is_exact(kind, logical)
     if kind == "float64":  # rounded to float32 first; the error is reported against that
         x = x.to(torch.float32)
@@ -99,9 +120,11 @@ def _prepare(source: torch.Tensor, logical: str, channels: int, start: int) -> P
 
 def _row_abs_max(flat: torch.Tensor) -> torch.Tensor:
     """Largest |value| of each row as float64; inf for a row holding Inf or NaN."""
+    import torch
+
     if flat.shape[1] == 0:
         return torch.zeros(len(flat), dtype=torch.float64, device=flat.device)
-    spec = _BITS.get(flat.dtype)
+    spec = _dtypes()[2].get(flat.dtype)
     if spec is None:  # float64
         top = flat.abs().amax(dim=1)
         return torch.where(torch.isfinite(top), top, torch.inf)
@@ -112,6 +135,8 @@ def _row_abs_max(flat: torch.Tensor) -> torch.Tensor:
 
 
 def _check_range(flat: torch.Tensor, abs_max: np.ndarray, kind: str, logical: str, rows: str) -> None:
+    import torch
+
     largest = float(abs_max.max()) if len(abs_max) else 0.0
     if not np.isfinite(largest):
         raise non_finite(int(torch.isnan(flat).sum()), int(torch.isinf(flat).sum()), rows)
@@ -128,6 +153,8 @@ def _moments(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     channel's mean is large against its spread. float16 deviations square below 1.8e10, safe in
     float32; bfloat16/float32 values (up to ~3.4e38) are worked in float64.
     """
+    import torch
+
     work = torch.float32 if values.dtype == torch.float16 else torch.float64
     tokens = values.shape[1]
     if tokens == 0:
@@ -144,6 +171,8 @@ def _moments(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _errors(source: torch.Tensor, stored: torch.Tensor, out: torch.Tensor) -> None:
     """Per-sample max |error|, max relative error, sum error**2, sum source**2 into ``out`` [4, n]."""
+    import torch
+
     n = len(source)
     src = source.to(torch.float32)
     error = stored.to(torch.float32, copy=True).sub_(src)  # copy: stored may be float32 already
@@ -162,6 +191,8 @@ def group_sums(values: torch.Tensor) -> torch.Tensor:
     Every output is one (sample, channel): torch's CPU reductions then give each output to one
     thread whole, in an order fixed by the shape, so thread counts do not change the sums.
     """
+    import torch
+
     n, tokens, channels = values.shape
     head = tokens - tokens % GROUP
     total = torch.zeros((n, channels), dtype=torch.float64, device=values.device)
