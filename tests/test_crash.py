@@ -55,6 +55,7 @@ for lo, hi in spans:
         w.write(start, x[start:stop], labels=labels[start:stop])
         print("progress", step, flush=True)
         step += 1
+w.flush()  # write() hands whole chunks to the put threads; flush() waits until they are stored
 print("written", flush=True)
 time.sleep(hold)
 if mode == "rank":
