@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from featurestore.core.reader import as_index_array
+from featurestore.errors import IndexOutOfRange, InvalidIndices
 from featurestore.format import dtypes
 
 NO_LABEL = -1
@@ -142,7 +144,17 @@ class FeatureDataset(torch.utils.data.Dataset):
                 labels.fill(NO_LABEL)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(index, torch.Tensor) and index.ndim == 0 and not index.dtype.is_floating_point \
+                and index.dtype != torch.bool:
+            index = int(index)
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            # int(1.9) would read row 1 and int('3') row 3: refuse, as the server does
+            raise InvalidIndices(f"a sample index must be an integer, but got {index!r} ({type(index).__name__}): "
+                                 "pass an int, e.g. ds[3]")
         index = int(index)
+        if not -self.num_samples <= index < self.num_samples:
+            raise IndexOutOfRange(f"index {index} is out of range for a split of {self.num_samples} samples: use "
+                                  f"0 <= index < {self.num_samples} (or a negative index down to -{self.num_samples})")
         if index < 0:  # Python-style negative indices, as for a list
             index += self.num_samples
         features, labels = self._read_batch(np.asarray([index], dtype=np.int64))
@@ -150,7 +162,7 @@ class FeatureDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One gathered read for the whole batch; samples are views into that batch."""
-        features, labels = self._read_batch(np.asarray(indices, dtype=np.int64).reshape(-1))
+        features, labels = self._read_batch(as_index_array(indices))
         return [(features[j], labels[j]) for j in range(len(features))]
 
     def _read_batch(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -86,3 +86,7 @@ class CacheKeyMismatch(FeatureStoreError, ValueError):
 
 class StorageFull(FeatureStoreError, OSError):
     """The store's device ran out of space (ENOSPC/EDQUOT) while a chunk was written."""
+
+
+class InvalidIndices(FeatureStoreError, TypeError):
+    """Row indices that are not integers (a float, a string, a 2-D array...)."""

@@ -53,6 +53,7 @@ STATUS: Mapping[type[BaseException], int] = {
     Unauthorized: 401,
     BadRequest: 400,
     fse.InvalidName: 400,
+    fse.InvalidIndices: 400,
     NotFound: 404,
     fse.DatasetNotFound: 404,
     fse.EncoderNotFound: 404,

@@ -122,9 +122,20 @@ class TestSourceSuite:
         assert labels.shape == (NUM_SAMPLES,) and torch.equal(torch.sort(labels).values, torch.sort(ref_y).values)
 
     def test_shuffle_is_reproducible_from_seed_and_epoch(self, source: Source) -> None:
-        # The source's default shuffle (uniform on local mmap, block on S3/HTTP); the other
-        # order is covered locally by test_explicit_orders_are_reproducible.
+        # The default shuffle; "block" is covered locally by test_explicit_orders_are_reproducible.
         _check_reproducible(self._ds(source), "auto")
+
+    def test_shuffle_true_is_a_uniform_permutation_on_every_source(self, source: Source) -> None:
+        # Issue 15.3: no silent switch to the chunk-local block order on S3 or HTTP.
+        ds = self._ds(source)
+        loader = FeatureLoader(ds, batch_size=16, shuffle=True, seed=3, device="cpu")
+        assert loader.order == "shuffle"
+        expected = sampling.epoch_order(NUM_SAMPLES, "shuffle", seed=3, epoch=0)
+        assert np.array_equal(loader.plan().indices, expected)
+        features = torch.cat([f for f, _ in loader])
+        assert torch.equal(features, _ref()[0][expected])
+        # Uniform, not chunk-local: the first batch spans many of the 13 chunks.
+        assert len(set((expected[:16] // ds.chunk_rows).tolist())) > 4
 
     def test_mid_epoch_resume_yields_exactly_the_remaining_batches(self, source: Source) -> None:
         ds = self._ds(source)
@@ -309,7 +320,7 @@ def test_break_leaves_no_threads_and_read_ahead_is_bounded(local_store: str, mon
     next(first)
     second = iter(loader)
     next(second)
-    assert len(_prefetch_threads()) == 1
+    assert len(_prefetch_threads()) == loader.num_threads  # only the second epoch's threads
     del first, second
     assert not _prefetch_threads()
 

@@ -23,6 +23,7 @@ from featurestore.errors import (
     DatasetNotFound,
     IncompleteSplit,
     IndexOutOfRange,
+    InvalidIndices,
     MissingChunks,
     ReadOnlyStore,
     ShapeMismatch,
@@ -167,8 +168,10 @@ class TestStoreContract:
             assert str(N) in str(info.value)
         with pytest.raises(IndexOutOfRange):
             arr.read_range(0, N + 1)
-        with pytest.raises(IndexOutOfRange):
+        with pytest.raises(InvalidIndices):
             arr.read([[0, 1]])
+        with pytest.raises(InvalidIndices):
+            arr.read([1.9])
         w = self._create(store, "other")
         with pytest.raises(IndexOutOfRange):
             w.write(N - 1, float32_source(2))

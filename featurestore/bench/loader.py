@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup, evict
+
 DATASET, ENCODER = "bench", "loader"
 
 
@@ -105,17 +107,6 @@ def _warm(path: str) -> None:
     from featurestore.bench.common import drop_into
 
     drop_into(path)
-
-
-def _evict(path: str) -> None:
-    """Drop a split's clean pages from the page cache, so the next reader faults them in itself."""
-    for directory, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 # ---------------------------------------------------------------------- 1. throughput
@@ -301,8 +292,8 @@ def _cgroup_epoch(store: str, shape: tuple[int, ...], args: argparse.Namespace) 
     _make_split(store, "big", rows, shape, args.dtype)
     out: dict[str, Any] = {"limit_bytes": limit, "store_bytes": rows * sample_bytes, "num_samples": rows}
     try:
-        with _MemoryCgroup(limit) as group:
-            _evict(_split_dir(store, "big"))  # the child must fault every page in, under the limit
+        with MemoryCgroup(limit) as group:
+            evict(_split_dir(store, "big"))  # the child must fault every page in, under the limit
             start = time.perf_counter()
             loader = group.run([sys.executable, "-m", "featurestore.bench.loader", "_epoch", store, "big",
                                 str(args.batch_size), str(args.prefetch)])
@@ -318,121 +309,11 @@ def _cgroup_epoch(store: str, shape: tuple[int, ...], args: argparse.Namespace) 
             out["ram_returncode"] = ram.returncode
             out["ram_killed"] = ram.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
             out["oom_kills"] = group.oom_kills()
-    except _CgroupUnavailable as error:
+    except CgroupUnavailable as error:
         print(f"cgroup run skipped: {error}")
         return {"skipped": str(error)}
     out["ok"] = out["loader_returncode"] == 0 and out["ram_killed"]
     return out
-
-
-class _CgroupUnavailable(RuntimeError):
-    pass
-
-
-class _MemoryCgroup:
-    """A memory cgroup with a hard limit for child processes, made from what this host allows.
-
-    Tried in order: a child of this process's own cgroup (v2: ``memory.max``; v1:
-    ``memory.limit_in_bytes``), then ``systemd-run --scope -p MemoryMax=`` (v2 with systemd).
-    Swap is capped at zero where the knob exists, so "over the limit" means killed, not swapped.
-    Raises :class:`_CgroupUnavailable` with the reason when none works.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = int(limit)
-        self.path: str | None = None
-        self.version = 0
-        self.prefix: list[str] = []
-
-    def __enter__(self) -> _MemoryCgroup:
-        reasons = []
-        for own, version in _own_memory_cgroups():
-            path = os.path.join(own, f"featurestore-bench-{os.getpid()}")
-            if version == 2:  # children get a memory.max only if the parent delegates "memory"
-                _write(os.path.join(own, "cgroup.subtree_control"), "+memory", optional=True)
-            try:
-                os.mkdir(path)
-            except OSError as error:
-                reasons.append(f"cannot create {path} ({error.strerror})")
-                continue
-            try:
-                if version == 2:
-                    _write(os.path.join(path, "memory.max"), str(self.limit))
-                    _write(os.path.join(path, "memory.swap.max"), "0", optional=True)
-                else:
-                    _write(os.path.join(path, "memory.limit_in_bytes"), str(self.limit))
-                    _write(os.path.join(path, "memory.memsw.limit_in_bytes"), str(self.limit), optional=True)
-            except OSError as error:
-                os.rmdir(path)
-                reasons.append(f"cannot set the limit in {path} ({error.strerror})")
-                continue
-            self.path, self.version = path, version
-            return self
-        if shutil.which("systemd-run") and os.path.isdir("/run/systemd/system"):
-            self.prefix = ["systemd-run", "--scope", "--quiet", "-p", f"MemoryMax={self.limit}", "-p", "MemorySwapMax=0"]
-            return self
-        raise _CgroupUnavailable("; ".join(reasons) or "no memory cgroup controller is mounted under /sys/fs/cgroup")
-
-    def run(self, command: list[str]) -> subprocess.CompletedProcess[str]:
-        procs = os.path.join(self.path, "cgroup.procs") if self.path else None
-
-        def enter() -> None:  # in the child, before exec: everything it allocates is charged
-            if procs:
-                with open(procs, "w") as f:
-                    f.write(str(os.getpid()))
-
-        return subprocess.run(self.prefix + command, capture_output=True, text=True, check=False,
-                              preexec_fn=enter if procs else None)
-
-    def oom_kills(self) -> int | None:
-        if not self.path:
-            return None
-        name = "memory.events" if self.version == 2 else "memory.oom_control"
-        try:
-            with open(os.path.join(self.path, name)) as f:
-                for line in f:
-                    if line.startswith("oom_kill "):
-                        return int(line.split()[1])
-        except OSError:
-            pass
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.path:
-            for _ in range(50):  # the last child may still be exiting
-                try:
-                    os.rmdir(self.path)
-                    return
-                except OSError:
-                    time.sleep(0.1)
-
-
-def _own_memory_cgroups() -> list[tuple[str, int]]:
-    """Directories of this process's memory cgroup: [(path, version)] (v2 first if mounted)."""
-    found = []
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        hierarchy, controllers, path = line.split(":", 2)
-        if hierarchy == "0" and controllers == "" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
-            found.append((os.path.join("/sys/fs/cgroup", path.lstrip("/")), 2))
-        elif "memory" in controllers.split(","):
-            base = "/sys/fs/cgroup/memory"
-            own = os.path.join(base, path.lstrip("/"))
-            found.append((own if os.path.isdir(own) else base, 1))
-    return found
-
-
-def _write(path: str, value: str, optional: bool = False) -> None:
-    try:
-        with open(path, "w") as f:
-            f.write(value)
-    except OSError:
-        if not optional:
-            raise
 
 
 # ---------------------------------------------------------------------- 5. CUDA

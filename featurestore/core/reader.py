@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from typing import Any
 
 import numpy as np
 
 from featurestore.core.buffers import PAGE, aligned_empty
+from featurestore.core import pread
 from featurestore.core.storage import Storage
-from featurestore.errors import IndexOutOfRange, MissingChunks, ShapeMismatch
+from featurestore.errors import CorruptChunk, IndexOutOfRange, InvalidIndices, MissingChunks, ShapeMismatch
 from featurestore.format import dtypes, layout
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in lazily
@@ -61,7 +63,17 @@ class FeatureArray:
             self.path = "mmap"
         else:
             self.path = "ranges"
+        # Local uncompressed arrays: which gather ("auto", "mmap", "pread") and what the page cache
+        # does with pread's bytes ("keep", "drop", "direct"); docs/READS.md has the figures.
+        self.local_read = _setting("FEATURESTORE_LOCAL_READ", "auto", LOCAL_READS)
+        self.cache = _setting("FEATURESTORE_READ_CACHE", "auto", pread.CACHE_MODES)
+        self._auto_cache: tuple[int, str] | None = None
+        self.read_pool: pread.ReadPool | None = None  # None: the process's default pool
+        self.read_counts = {"mmap": 0, "inline": 0, "pool": 0}
         self._maps: dict[int, np.ndarray] = {}
+        self._inodes: dict[int, int] = {}  # inode of each mapped chunk file, to notice replacement
+        self._warm: np.ndarray | None = None  # chunks found wholly page-cached (see _cached)
+        self._warm_since = 0.0
         self._pid = os.getpid()
         self._zarr: Any = None
 
@@ -112,19 +124,22 @@ class FeatureArray:
             rows = out.reshape(len(index), -1).view(np.uint8)
             try:
                 if self.path == "mmap":
-                    self._gather_mmap(index, rows)
+                    self._gather_local(index, rows)
                 elif self.path == "ranges":
                     self._gather_ranges(index, rows)
                 else:
                     self._gather_zarr(index, out)
-            except FileNotFoundError:
-                # Only an incomplete split (opened with allow_incomplete=True) lacks chunks.
-                raise MissingChunks(
-                    f"{self._key}: some requested rows lie in chunks that have not been written "
-                    f"(status {self.metadata.get('status')!r}); read only written rows, or resume "
-                    "the split first"
-                ) from None
+            except FileNotFoundError as error:
+                raise self._missing(error.filename) from None
         return out
+
+    def _missing(self, chunk: str | None) -> MissingChunks:
+        where = f"chunk {chunk}" if chunk else "some requested rows' chunks"
+        if self.metadata.get("status") != "complete":  # opened with allow_incomplete=True
+            return MissingChunks(f"{self._key}: {where} has not been written yet (status "
+                                 f"{self.metadata.get('status')!r}): read only written rows, or resume the split first")
+        return MissingChunks(f"{self._key}: {where} is missing from a complete split (damaged store): run "
+                             "`featurestore verify`, then re-extract the split with --resume")
 
     def _normalize(self, indices: Any) -> np.ndarray:
         index = as_index_array(indices)
@@ -138,26 +153,93 @@ class FeatureArray:
                 )
         return index
 
-    # ------------------------------------------------------------------ mmap path
-    def _chunk_view(self, chunk: int) -> np.ndarray:
-        view = self._maps.get(chunk)
-        if view is None:
-            path = self._storage.local_path(layout.chunk_key(self._key, chunk, self._ndim))
-            assert path is not None
-            with open(path, "rb") as f:
-                # The map outlives the file descriptor; the 4-byte crc trailer is left out of the
-                # view. MAP_POPULATE maps the chunk's cached pages in one call instead of one
-                # page fault per 4 KiB on first touch (a shuffled epoch touches every chunk).
-                mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
-            data = np.frombuffer(mapped, np.uint8, count=self.chunk_rows * self.sample_nbytes)
-            view = data.reshape(self.chunk_rows, self.sample_nbytes)
-            self._maps[chunk] = view
+    # ------------------------------------------------------------------ local paths
+    def _chunk_view(self, chunk: int, populate: bool = True) -> np.ndarray:
+        path = self._chunk_path(chunk)
+        with open(path, "rb") as f:
+            self._check_size(path, os.fstat(f.fileno()).st_size)
+            # The map outlives the file descriptor; the 4-byte crc trailer is left out of the
+            # view. MAP_POPULATE maps the chunk's cached pages in one call instead of one page
+            # fault per 4 KiB on first touch, but on a cold chunk it reads the whole file first
+            # (384 MiB for one 6 MiB row of a 64-row chunk), so "auto" maps lazily.
+            flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
+            mapped = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+        data = np.frombuffer(mapped, np.uint8, count=self.chunk_rows * self.sample_nbytes)
+        view = data.reshape(self.chunk_rows, self.sample_nbytes)
+        self._maps[chunk] = view
         return view
 
-    def _gather_mmap(self, index: np.ndarray, rows: np.ndarray) -> None:
+    def _check_size(self, path: str, size: int) -> None:
+        expected = self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES
+        if size != expected:
+            raise CorruptChunk(f"chunk file {path} has {size} bytes, expected {expected} (truncated or "
+                               "overwritten): run `featurestore verify` and re-extract the split with --resume")
+
+    def _gather_local(self, index: np.ndarray, rows: np.ndarray) -> None:
+        mode = self.local_read
+        if mode not in LOCAL_READS:
+            raise ValueError(f"local_read must be one of {', '.join(LOCAL_READS)}, got {mode!r}")
         if os.getpid() != self._pid:  # forked: open this process's own maps
-            self._maps = {}
+            self._maps, self._inodes, self._warm = {}, {}, None
             self._pid = os.getpid()
+        if mode == "mmap" or (mode == "auto" and self._cached(index)):
+            self._gather_mmap(index, rows, populate=mode == "mmap")
+            self.read_counts["mmap"] += 1
+            return
+        counts = pread.gather(index, rows, chunk_rows=self.chunk_rows, path_of=self._chunk_path,
+                              expected_size=self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES,
+                              pool=self.read_pool, cache=self._resolved_cache())
+        self.read_counts["inline"] += counts["inline"]
+        self.read_counts["pool"] += counts["pool"]
+
+    def _resolved_cache(self) -> str:
+        if self.cache != "auto":
+            return self.cache
+        if self._auto_cache is None or self._auto_cache[0] != os.getpid():  # a forked worker: re-check
+            self._auto_cache = (os.getpid(), pread.resolve_cache("auto", self.nbytes))
+        return self._auto_cache[1]
+
+    def _cached(self, index: np.ndarray) -> bool:
+        """Whether every chunk the rows lie in is in the page cache: then the mmap gather is the
+        fastest path; otherwise concurrent preads keep the disk busy.
+
+        A chunk is checked whole (``mincore`` on a lazily made map, one call) the first time it is
+        touched and then remembered as warm, so a page-cached epoch pays one numpy lookup per
+        batch. The memory is dropped every ``_RECHECK_S`` seconds: a chunk evicted since is found
+        cold again (until then the mmap gather only faults it back in: right bytes, slower).
+        The same check stats each chunk file: a chunk deleted or truncated fails here with its
+        name, and one replaced (a resume rewrote it) is mapped again."""
+        now = time.monotonic()
+        if self._warm is None or now - self._warm_since > _RECHECK_S:
+            self._warm = np.zeros(-(-len(self) // self.chunk_rows), bool)
+            self._warm_since = now
+        chunks = np.unique(index // self.chunk_rows)
+        warm = self._warm
+        if warm[chunks].all():
+            return True
+        for chunk in chunks[~warm[chunks]].tolist():
+            path = self._chunk_path(chunk)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                raise self._missing(path) from None
+            self._check_size(path, st.st_size)
+            view = self._maps.get(chunk)
+            if view is None or self._inodes.get(chunk) != st.st_ino:
+                view = self._chunk_view(chunk, populate=False)
+                self._inodes[chunk] = st.st_ino
+            if pread.resident(view.ctypes.data, view.nbytes):
+                warm[chunk] = True
+            else:
+                return False
+        return True
+
+    def _chunk_path(self, chunk: int) -> str:
+        path = self._storage.local_path(layout.chunk_key(self._key, chunk, self._ndim))
+        assert path is not None
+        return path
+
+    def _gather_mmap(self, index: np.ndarray, rows: np.ndarray, populate: bool = True) -> None:
         # Rows are visited in ascending storage order and each is copied to its own output slot:
         # sequential source addresses keep the page walk and prefetchers on one chunk at a time
         # (measured on shuffled batches: ~11-12 GB/s, as np.memmap's gather, against 8-10 in the
@@ -171,7 +253,7 @@ class FeatureArray:
             chunk = chunk_list[start]
             view = maps.get(chunk)
             if view is None:
-                view = self._chunk_view(chunk)
+                view = self._chunk_view(chunk, populate)
             first, target = offset_list[start], order_list[start]
             if stop - start == 1:
                 rows[target] = view[first]
@@ -211,9 +293,23 @@ class FeatureArray:
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_maps"] = {}  # memory maps are per process: reopened lazily after unpickling
+        state["_maps"] = {}
+        state["_inodes"] = {}
+        state["_warm"] = None  # memory maps are per process: reopened lazily after unpickling
         state["_zarr"] = None
+        state["read_pool"] = None  # threads are per process
         return state
+
+
+LOCAL_READS = ("auto", "mmap", "pread")
+_RECHECK_S = 2.0  # how long "this chunk is page-cached" is trusted before mincore is asked again
+
+
+def _setting(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = os.environ.get(name, default).strip().lower()
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}: unset it or pick one of those")
+    return value
 
 
 def as_index_array(indices: Any) -> np.ndarray:
@@ -224,7 +320,7 @@ def as_index_array(indices: Any) -> np.ndarray:
     if index.ndim == 0:
         index = index.reshape(1)
     if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
-        raise IndexOutOfRange(
+        raise InvalidIndices(
             f"indices must be a 1-D sequence of integers, got {index.dtype} with shape "
             f"{index.shape}: pass e.g. a list of ints or a torch.LongTensor"
         )

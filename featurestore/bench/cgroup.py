@@ -1,0 +1,137 @@
+"""A memory cgroup for benchmark children, and page-cache eviction where none can be made.
+
+Used by ``bench loader`` (an epoch over a store larger than the limit) and ``bench cold`` (reads
+of data that is not in the page cache). cgroup v2 and v1 (``/sys/fs/cgroup/memory``) are both
+handled; page cache a child reads is charged to its cgroup, so the limit bounds it too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from typing import Any
+
+
+def evict(path: str) -> None:
+    """Drop the clean pages of every file under ``path`` (or of the file ``path``) from the page
+    cache, so the next reader reads them from the device. Dirty pages are written first."""
+    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)  # DONTNEED skips dirty pages
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class CgroupUnavailable(RuntimeError):
+    pass
+
+
+class MemoryCgroup:
+    """A memory cgroup with a hard limit for child processes, made from what this host allows.
+
+    Tried in order: a child of this process's own cgroup (v2: ``memory.max``; v1:
+    ``memory.limit_in_bytes``), then ``systemd-run --scope -p MemoryMax=`` (v2 with systemd).
+    Swap is capped at zero where the knob exists, so "over the limit" means killed, not swapped.
+    Raises :class:`CgroupUnavailable` with the reason when none works.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = int(limit)
+        self.path: str | None = None
+        self.version = 0
+        self.prefix: list[str] = []
+
+    def __enter__(self) -> MemoryCgroup:
+        reasons = []
+        for own, version in _own_memory_cgroups():
+            path = os.path.join(own, f"featurestore-bench-{os.getpid()}")
+            if version == 2:  # children get a memory.max only if the parent delegates "memory"
+                _write(os.path.join(own, "cgroup.subtree_control"), "+memory", optional=True)
+            try:
+                os.mkdir(path)
+            except OSError as error:
+                reasons.append(f"cannot create {path} ({error.strerror})")
+                continue
+            try:
+                if version == 2:
+                    _write(os.path.join(path, "memory.max"), str(self.limit))
+                    _write(os.path.join(path, "memory.swap.max"), "0", optional=True)
+                else:
+                    _write(os.path.join(path, "memory.limit_in_bytes"), str(self.limit))
+                    _write(os.path.join(path, "memory.memsw.limit_in_bytes"), str(self.limit), optional=True)
+            except OSError as error:
+                os.rmdir(path)
+                reasons.append(f"cannot set the limit in {path} ({error.strerror})")
+                continue
+            self.path, self.version = path, version
+            return self
+        if shutil.which("systemd-run") and os.path.isdir("/run/systemd/system"):
+            self.prefix = ["systemd-run", "--scope", "--quiet", "-p", f"MemoryMax={self.limit}", "-p", "MemorySwapMax=0"]
+            return self
+        raise CgroupUnavailable("; ".join(reasons) or "no memory cgroup controller is mounted under /sys/fs/cgroup")
+
+    def run(self, command: list[str]) -> subprocess.CompletedProcess[str]:
+        procs = os.path.join(self.path, "cgroup.procs") if self.path else None
+
+        def enter() -> None:  # in the child, before exec: everything it allocates is charged
+            if procs:
+                with open(procs, "w") as f:
+                    f.write(str(os.getpid()))
+
+        return subprocess.run(self.prefix + command, capture_output=True, text=True, check=False,
+                              preexec_fn=enter if procs else None)
+
+    def oom_kills(self) -> int | None:
+        if not self.path:
+            return None
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        try:
+            with open(os.path.join(self.path, name)) as f:
+                for line in f:
+                    if line.startswith("oom_kill "):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.path:
+            for _ in range(50):  # the last child may still be exiting
+                try:
+                    os.rmdir(self.path)
+                    return
+                except OSError:
+                    time.sleep(0.1)
+
+
+def _own_memory_cgroups() -> list[tuple[str, int]]:
+    """Directories of this process's memory cgroup: [(path, version)] (v2 first if mounted)."""
+    found = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and controllers == "" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+            found.append((os.path.join("/sys/fs/cgroup", path.lstrip("/")), 2))
+        elif "memory" in controllers.split(","):
+            base = "/sys/fs/cgroup/memory"
+            own = os.path.join(base, path.lstrip("/"))
+            found.append((own if os.path.isdir(own) else base, 1))
+    return found
+
+
+def _write(path: str, value: str, optional: bool = False) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+    except OSError:
+        if not optional:
+            raise

@@ -1,0 +1,285 @@
+"""``featurestore bench cold``: shuffled epochs over a store larger than RAM, at the device's speed?
+
+For each sample shape (default the seed's ``[1024, 3072]`` float16 and ``[256, 384]``, 64-row
+chunks), a store and a raw file of the same bytes are written, then one child process runs inside a
+memory cgroup whose limit is a third of the store (v2 or v1; where no cgroup can be made the run
+says so and relies on eviction alone). Before every method the files are evicted from the page
+cache (``fdatasync`` + ``POSIX_FADV_DONTNEED``), so every figure is **page-cache cold**. Methods,
+interleaved in each repeat, each one full shuffled epoch (the same permutation):
+
+* ``device limit``: every chunk file read whole, sequentially, in 8 MiB reads (4 files at a time);
+* ``pread reference``: 8 threads, one ``os.preadv`` per sample into a preallocated buffer;
+* ``np.memmap gather``: ``memmap[batch]`` over the raw file;
+* ``FeatureArray.read``: the reader with its defaults (and, unless ``--no-variants``, the mmap
+  gather and the pread path with ``cache="drop"`` / ``"direct"`` forced);
+* ``FeatureLoader``: one epoch, ``shuffle=True``, ``device="cpu"``, stored dtype;
+* with CUDA: pinned host-to-device GB/s and one cold ``FeatureLoader`` epoch to ``cuda``.
+
+GB/s, ratios against the device limit, the pread reference and np.memmap, and each method's peak
+RSS (VmHWM, reset before each method: resident file pages of maps count too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup, evict
+from featurestore.bench.common import gbps, parse_shapes
+
+BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
+VARIANTS = {"FeatureArray.read [mmap]": ("mmap", "keep"), "FeatureArray.read [pread, drop]": ("pread", "drop"),
+            "FeatureArray.read [pread, direct]": ("pread", "direct")}
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("cold", help="cold-cache epochs over a store larger than a memory cgroup")
+    parser.add_argument("--shapes", default="1024x3072,256x384", help="sample shapes TxD, comma separated")
+    parser.add_argument("--batch-sizes", default="16,64", help="batch size per shape (one value: all shapes)")
+    parser.add_argument("--chunk-rows", type=int, default=64, help="rows per chunk of the store (default 64)")
+    parser.add_argument("--limit-mib", type=int, default=512, help="memory cgroup limit (default 512 MiB)")
+    parser.add_argument("--store-ratio", type=float, default=3.0, help="store size / cgroup limit (default 3)")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats; the median is kept")
+    parser.add_argument("--prefetch", type=int, default=4, help="FeatureLoader prefetch (default 4)")
+    parser.add_argument("--no-variants", action="store_true", help="skip the forced mmap/drop/direct reader rows")
+    parser.add_argument("--cuda", choices=("auto", "on", "off"), default="auto",
+                        help="CUDA rows (pinned H2D, loader epoch to the GPU); auto: when a GPU is present")
+    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
+    parser.set_defaults(func=lambda args: _print_and_save(run(args), args.json_out))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    shapes = parse_shapes(args.shapes)
+    sizes = [int(v) for v in str(args.batch_sizes).split(",")]
+    if len(sizes) == 1:
+        sizes *= len(shapes)
+    if len(sizes) != len(shapes) or min(sizes) < 1:
+        raise ValueError(f"--batch-sizes {args.batch_sizes!r}: give one positive size, or one per shape ({len(shapes)})")
+    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-cold-", dir=os.environ.get("FEATURESTORE_BENCH_DIR"))
+    os.makedirs(work, exist_ok=True)
+    limit = args.limit_mib << 20
+    results: dict[str, Any] = {"benchmark": "cold", "limit_bytes": limit, "shapes": []}
+    try:
+        for shape, batch_size in zip(shapes, sizes):
+            results["shapes"].append(_bench_shape(work, shape, batch_size, limit, args))
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def _build(base: str, shape: tuple[int, ...], n: int, chunk_rows: int) -> None:
+    """A float16 store and a raw file of the same bytes; generated in slabs (never all in RAM)."""
+    import featurestore
+
+    sample_bytes = int(np.prod(shape)) * 2
+    store = featurestore.open_store(os.path.join(base, "store"), mode="a")
+    writer = store.create_split("bench", "enc", "train", num_samples=n, sample_shape=shape, dtype="float16",
+                                chunk_bytes=chunk_rows * sample_bytes)
+    seed = np.random.default_rng(0).standard_normal((chunk_rows, *shape), dtype=np.float32).astype(np.float16)
+    with open(os.path.join(base, "raw.f16"), "wb") as raw:
+        for k, start in enumerate(range(0, n, chunk_rows)):
+            values = seed[: min(chunk_rows, n - start)] + np.float16(k % 64)  # distinct rows, cheap
+            values.tofile(raw)
+            writer.write(start, values)
+    writer.commit()
+
+
+def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, limit: int,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    sample_bytes = int(np.prod(shape)) * 2
+    n = max(2 * batch_size, int(args.store_ratio * limit) // sample_bytes)
+    label = "x".join(map(str, shape))
+    base = os.path.join(work, label)
+    shutil.rmtree(base, ignore_errors=True)
+    os.makedirs(base)
+    print(f"\n[cold] samples [{label}] float16, N={n} ({n * sample_bytes / 2**30:.2f} GiB, {args.chunk_rows}-row chunks), "
+          f"batches of {batch_size}, memory limit {limit >> 20} MiB")
+    start = time.perf_counter()
+    _build(base, shape, n, args.chunk_rows)
+    print(f"  built in {time.perf_counter() - start:.1f} s")
+    methods = list(BASE_METHODS) + ([] if args.no_variants else list(VARIANTS))
+    cuda = args.cuda == "on" or (args.cuda == "auto" and _has_cuda())
+    if cuda:
+        methods += ["FeatureLoader -> cuda", "pinned H2D"]
+    config = {"base": base, "shape": list(shape), "n": n, "batch_size": batch_size, "methods": methods,
+              "repeats": args.repeats, "prefetch": args.prefetch}
+    command = [sys.executable, "-m", "featurestore.bench.cold", "_child", json.dumps(config)]
+    out: dict[str, Any] = {"sample_shape": list(shape), "num_samples": n, "batch_size": batch_size,
+                           "chunk_rows": args.chunk_rows, "store_bytes": n * sample_bytes}
+    try:
+        with MemoryCgroup(limit) as group:
+            done = group.run(command)
+            out["cgroup"] = f"v{group.version}" if group.version else "systemd-run scope"
+            out["oom_kills"] = group.oom_kills()
+    except CgroupUnavailable as error:
+        print(f"  no memory cgroup ({error}): cold figures rely on eviction (posix_fadvise DONTNEED) alone")
+        out["cgroup"] = f"none ({error}); evicted with posix_fadvise(DONTNEED) before each method"
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    out["returncode"] = done.returncode
+    if done.returncode != 0:
+        print(f"  child failed (rc {done.returncode}): {done.stderr[-1500:]}")
+        out["stderr"] = done.stderr[-3000:]
+        shutil.rmtree(base, ignore_errors=True)
+        return out
+    child = json.loads(done.stdout.strip().splitlines()[-1])
+    out.update(child)
+    _print_rows(out)
+    shutil.rmtree(base, ignore_errors=True)
+    return out
+
+
+def _print_rows(out: dict[str, Any]) -> None:
+    rows = out["rows"]
+    device, ref, mm = (rows[k]["gb_per_s"] for k in ("device limit", "pread reference", "np.memmap gather"))
+    print(f"  page-cache COLD, median of {out['repeats']} interleaved repeat(s); memory cgroup: {out['cgroup']}")
+    for name, row in rows.items():
+        extra = f"   peak RSS {row['peak_rss'] / 2**20:7.0f} MiB" if row.get("peak_rss") else ""
+        print(f"  {name:<34} {row['gb_per_s']:6.2f} GB/s  {row['gb_per_s'] / device:5.2f}x device  "
+              f"{row['gb_per_s'] / ref:5.2f}x pread ref  {row['gb_per_s'] / mm:5.2f}x memmap{extra}")
+    loader = rows["FeatureLoader"]["gb_per_s"]
+    print(f"  targets: loader >= 0.85x pread ref: {loader / ref:.2f}x; loader >= 3x memmap: {loader / mm:.2f}x; "
+          f"same bytes on every path: {out['same_bytes']}")
+
+
+# ---------------------------------------------------------------------- the child (in the cgroup)
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def _peak_reset() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def _peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _child(config: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    import featurestore
+    from client import FeatureDataset, FeatureLoader
+    from featurestore.core.buffers import aligned_empty
+
+    base, shape, n, b = config["base"], tuple(config["shape"]), config["n"], config["batch_size"]
+    sample_bytes = int(np.prod(shape)) * 2
+    store_dir, raw_path = os.path.join(base, "store"), os.path.join(base, "raw.f16")
+    order = np.random.default_rng(1).permutation(n)
+    batches = [order[i : i + b] for i in range(0, n, b)]
+    chunk_files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(store_dir, "bench", "enc", "train", "features"))
+                   for f in fs]
+
+    def device_limit() -> int:
+        def whole(path: str) -> int:
+            buffer, total = bytearray(8 << 20), 0
+            with open(path, "rb", buffering=0) as f:
+                while (got := f.readinto(buffer)):
+                    total += got
+            return total
+
+        with ThreadPoolExecutor(4) as pool:
+            return sum(pool.map(whole, chunk_files))
+
+    def pread_reference() -> int:
+        fd = os.open(raw_path, os.O_RDONLY)
+        out = aligned_empty((8 * b, sample_bytes), np.uint8)
+        try:
+            def one(k: int) -> int:
+                return os.preadv(fd, [memoryview(out[k % len(out)])], int(order[k]) * sample_bytes)
+
+            with ThreadPoolExecutor(8) as pool:
+                return sum(pool.map(one, range(n), chunksize=b))
+        finally:
+            os.close(fd)
+
+    memmap = np.memmap(raw_path, dtype=np.float16, mode="r", shape=(n, *shape))
+
+    def memmap_gather() -> int:
+        return sum(memmap[idx].nbytes for idx in batches)
+
+    def reader(local_read: str | None, cache: str | None) -> Any:
+        def read() -> int:
+            array = featurestore.open_store(store_dir).open("bench", "enc", "train")
+            if local_read:
+                array.local_read, array.cache = local_read, cache
+            return sum(array.read(idx).numel() * 2 for idx in batches)
+        return read
+
+    def loader(device: str) -> Any:
+        def epoch() -> int:
+            ds = FeatureDataset(store_dir, "bench", "enc", "train")
+            total = 0
+            it = FeatureLoader(ds, batch_size=b, shuffle=True, device=device, dtype=None, prefetch=config["prefetch"])
+            for features, _ in it:
+                total += features.numel() * 2
+            it.close()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return total
+        return epoch
+
+    def pinned_h2d() -> int:
+        host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True).fill_(1)
+        target = torch.empty_like(host, device="cuda")
+        for _ in range(10):
+            target.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        return 10 * host.numel()
+
+    fns = {"device limit": device_limit, "pread reference": pread_reference, "np.memmap gather": memmap_gather,
+           "FeatureArray.read": reader(None, None), "FeatureLoader": loader("cpu"),
+           "FeatureLoader -> cuda": loader("cuda"), "pinned H2D": pinned_h2d}
+    fns.update({name: reader(*mode) for name, mode in VARIANTS.items()})
+    rates: dict[str, list[float]] = {}
+    peaks: dict[str, int] = {}
+    for _ in range(config["repeats"]):
+        for name in config["methods"]:
+            evict(store_dir)
+            evict(raw_path)
+            _peak_reset()
+            start = time.perf_counter()
+            nbytes = fns[name]()
+            rates.setdefault(name, []).append(gbps(nbytes, time.perf_counter() - start))
+            peaks[name] = max(peaks.get(name, 0), _peak())
+    # Same bytes: the reader's and the loader's first batch against the raw file.
+    array = featurestore.open_store(store_dir).open("bench", "enc", "train")
+    same = bool(np.array_equal(array.read_numpy(batches[0]).view(np.uint16), memmap[batches[0]].view(np.uint16)))
+    rows = {name: {"gb_per_s": float(np.median(r)), "all_gb_per_s": r, "peak_rss": peaks[name]}
+            for name, r in rates.items()}
+    return {"rows": rows, "repeats": config["repeats"], "same_bytes": same}
+
+
+def _print_and_save(results: dict[str, Any], path: str | None) -> int:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "_child":
+    print(json.dumps(_child(json.loads(sys.argv[2]))))

@@ -1,0 +1,302 @@
+"""Positional reads of rows from local chunk files: the local read path built for cold data.
+
+A page fault on a memory map reads one small piece at a time, one fault after another, so a
+shuffled epoch over a store larger than RAM ran at ~0.3x of what the disk gives to concurrent
+reads (issue 13). Here a gather is a list of ``os.preadv`` calls, one per run of rows that are
+adjacent in a chunk file (a scatter read: each row goes straight to its own output slot), issued
+concurrently from a small thread pool (``preadv`` releases the GIL), so the device queue stays full.
+
+Rows already in the page cache are not sent to the pool: every read is first tried inline with
+``RWF_NOWAIT`` (Linux >= 4.14), which copies cached bytes and refuses (``EAGAIN``, or a short
+count) instead of waiting for the disk; only what is missing goes to the threads. A warm batch so
+costs no thread hand-off, a cold one is read in parallel, and a half-cached one both at once.
+
+``cache`` picks what the page cache does with the bytes (``docs/READS.md`` has the figures):
+``"keep"`` (plain buffered reads), ``"drop"`` (``POSIX_FADV_DONTNEED`` on the chunks just read, so
+an epoch over a store larger than RAM does not evict everything else) or ``"direct"``
+(``O_DIRECT``: no page cache, no read-ahead of bytes nobody asked for; needs rows that are a
+multiple of 4 KiB and falls back to buffered reads otherwise). ``"auto"`` (the default) is
+``"direct"`` when the array is larger than half the memory this process may use (RAM, or its
+memory cgroup's limit), where caching only evicts, and ``"keep"`` otherwise, so a store that fits
+is cached by the first epoch and read warm by the next.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import numpy as np
+
+from featurestore.errors import CorruptChunk
+
+CACHE_MODES = ("auto", "keep", "drop", "direct")
+_IOV_MAX = 1024  # Linux's limit on buffers per preadv
+_MAX_REQUEST = 8 << 20  # split long runs so one batch spreads over the threads
+_DIRECT_ALIGN = 4096
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class ReadPool:
+    """A small thread pool for positional reads, private to the process that made it.
+
+    After a fork the child gets a fresh pool on first use (a forked copy of a pool has no threads),
+    so DataLoader workers each read with their own. ``shutdown`` stops the threads.
+    """
+
+    def __init__(self, threads: int = 8) -> None:
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"read threads must be a positive integer, got {threads!r}")
+        self.threads = threads
+        self._executor: ThreadPoolExecutor | None = None
+        self._pid = -1
+        self._lock = threading.Lock()
+
+    def executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None or self._pid != os.getpid():
+                self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="featurestore-read")
+                self._pid = os.getpid()
+            return self._executor
+
+    def shutdown(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None and self._pid == os.getpid():
+            executor.shutdown(wait=True, cancel_futures=True)
+
+
+_DEFAULT: ReadPool | None = None
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_mincore: Any = None
+
+
+def resident(address: int, nbytes: int) -> bool | None:
+    """Whether every page of ``[address, address + nbytes)`` of a file map is in the page cache
+    (``mincore``, one syscall; the pages need not be mapped in yet), or None where unknown."""
+    global _mincore
+    if _mincore is None:
+        try:
+            import ctypes
+            import ctypes.util
+
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            _mincore = (libc.mincore, ctypes)
+        except (OSError, AttributeError):
+            _mincore = False
+    if not _mincore or nbytes <= 0:
+        return None
+    call, ctypes = _mincore
+    start = address - address % _PAGE
+    length = address + nbytes - start
+    vector = np.empty(-(-length // _PAGE), np.uint8)
+    if call(start, length, vector.ctypes.data) != 0:
+        return None
+    return bool((vector & 1).all())
+
+
+def default_pool() -> ReadPool:
+    """The process's shared pool (``FEATURESTORE_READ_THREADS``, default 8)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = ReadPool(int(os.environ.get("FEATURESTORE_READ_THREADS", "8")))
+    return _DEFAULT
+
+
+def memory_limit() -> int:
+    """Bytes of memory this process may use: RAM, or its memory cgroup's limit when lower."""
+    limit = os.sysconf("SC_PHYS_PAGES") * _PAGE if hasattr(os, "sysconf") else 1 << 62
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return limit
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and controllers == "":
+            candidates = [os.path.join("/sys/fs/cgroup", path.lstrip("/"), "memory.max")]
+        elif "memory" in controllers.split(","):
+            candidates = [os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"), "memory.limit_in_bytes")]
+        else:
+            continue
+        for name in candidates:
+            try:
+                with open(name) as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            if text.isdigit():
+                limit = min(limit, int(text))
+    return limit
+
+
+def resolve_cache(cache: str, array_bytes: int) -> str:
+    """``"auto"`` -> ``"direct"`` for arrays larger than half of :func:`memory_limit`, else ``"keep"``."""
+    if cache != "auto":
+        return cache
+    return "direct" if array_bytes > memory_limit() // 2 else "keep"
+
+
+class _Read:
+    """One positional read: ``nbytes`` at ``offset`` of one chunk file into a list of buffers."""
+
+    __slots__ = ("chunk", "offset", "buffers", "nbytes")
+
+    def __init__(self, chunk: int, offset: int, buffers: list[memoryview], nbytes: int) -> None:
+        self.chunk, self.offset, self.buffers, self.nbytes = chunk, offset, buffers, nbytes
+
+    def advance(self, done: int) -> None:
+        """Drop the first ``done`` bytes (a short read continues where it stopped)."""
+        self.offset += done
+        self.nbytes -= done
+        while done and self.buffers:
+            head = self.buffers[0]
+            if len(head) <= done:
+                done -= len(head)
+                self.buffers.pop(0)
+            else:
+                self.buffers[0] = head[done:]
+                done = 0
+
+
+def plan_reads(index: np.ndarray, rows: np.ndarray, chunk_rows: int) -> tuple[list[_Read], np.ndarray, np.ndarray]:
+    """The reads that fill ``rows`` (uint8 ``[n, sample_nbytes]``) with rows ``index``, and the
+    (source, target) output positions of duplicates, copied after the reads."""
+    sample_nbytes = rows.shape[1]
+    order = np.argsort(index, kind="stable")
+    ordered = index[order]
+    first = np.ones(len(ordered), bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    # A duplicate copies the output row of the first occurrence of its value.
+    first_pos = np.maximum.accumulate(np.where(first, np.arange(len(ordered)), 0))
+    dup_targets = order[~first]
+    dup_sources = order[first_pos[~first]]
+    unique, targets = ordered[first], order[first]
+    chunk_of, offset = np.divmod(unique, chunk_rows)
+    breaks = np.flatnonzero((np.diff(chunk_of) != 0) | (np.diff(offset) != 1)) + 1
+    bounds = np.concatenate(([0], breaks, [len(unique)])).tolist()
+    per_request = max(1, min(_IOV_MAX, _MAX_REQUEST // max(sample_nbytes, 1)))
+    target_list, chunk_list, offset_list = targets.tolist(), chunk_of.tolist(), offset.tolist()
+    flat = memoryview(rows.reshape(-1))
+    reads: list[_Read] = []
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        for a in range(start, stop, per_request):
+            b = min(stop, a + per_request)
+            buffers: list[memoryview] = []
+            run_start = prev = target_list[a]
+            for t in target_list[a + 1 : b]:  # rows adjacent in the output share one buffer
+                if t != prev + 1:
+                    buffers.append(flat[run_start * sample_nbytes : (prev + 1) * sample_nbytes])
+                    run_start = t
+                prev = t
+            buffers.append(flat[run_start * sample_nbytes : (prev + 1) * sample_nbytes])
+            reads.append(_Read(chunk_list[a], offset_list[a] * sample_nbytes, buffers, (b - a) * sample_nbytes))
+    return reads, dup_sources, dup_targets
+
+
+class ChunkFiles:
+    """Open file descriptors of one array's chunk files for one gather (closed by ``close``).
+
+    Each file's size is checked on open: a truncated chunk fails here, naming the file, instead
+    of leaving zeros or stale bytes in the output.
+    """
+
+    def __init__(self, path_of: Callable[[int], str], expected_size: int, direct: bool) -> None:
+        self._path_of = path_of
+        self._expected = expected_size
+        self._direct = direct
+        self.fds: dict[int, int] = {}
+
+    def open(self, chunk: int) -> int:
+        fd = self.fds.get(chunk)
+        if fd is not None:
+            return fd
+        path = self._path_of(chunk)
+        try:
+            fd = os.open(path, os.O_RDONLY | (_O_DIRECT if self._direct else 0))
+        except FileNotFoundError:
+            raise  # the reader names the chunk and says what to do, by the split's status
+        except OSError:
+            if not self._direct:
+                raise
+            fd = os.open(path, os.O_RDONLY)  # this filesystem refuses O_DIRECT: buffered reads
+        size = os.fstat(fd).st_size
+        if size != self._expected:
+            os.close(fd)
+            raise CorruptChunk(f"chunk file {path} has {size} bytes, expected {self._expected} (truncated or "
+                               "overwritten): run `featurestore verify` and re-extract the split with --resume")
+        self.fds[chunk] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _read_blocking(fd: int, read: _Read, path_of: Callable[[int], str]) -> None:
+    while read.nbytes > 0:
+        done = os.preadv(fd, read.buffers, read.offset)
+        if done <= 0:  # end of file before the row's end: the file shrank under us
+            raise CorruptChunk(f"chunk file {path_of(read.chunk)} ended before byte {read.offset + read.nbytes} "
+                               "(truncated while reading): re-extract the split with --resume")
+        read.advance(done)
+
+
+def gather(
+    index: np.ndarray,
+    rows: np.ndarray,
+    *,
+    chunk_rows: int,
+    path_of: Callable[[int], str],
+    expected_size: int,
+    pool: ReadPool | None = None,
+    cache: str = "keep",
+) -> dict[str, int]:
+    """(``cache`` is resolved by the caller: "keep", "drop" or "direct".)"""
+    """Fill ``rows`` (uint8 ``[len(index), sample_nbytes]``) with rows ``index`` of the chunk
+    files ``path_of(chunk)``; returns counts of reads served inline (cached) and by the pool."""
+    if cache not in CACHE_MODES[1:]:
+        raise ValueError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
+    sample_nbytes = rows.shape[1]
+    direct = cache == "direct" and _O_DIRECT != 0 and sample_nbytes % _DIRECT_ALIGN == 0 \
+        and rows.ctypes.data % _DIRECT_ALIGN == 0
+    reads, dup_sources, dup_targets = plan_reads(index, rows, chunk_rows)
+    files = ChunkFiles(path_of, expected_size, direct)
+    futures: list[Future[Any]] = []
+    inline = 0
+    try:
+        executor = (pool or default_pool()).executor()
+        for read in reads:
+            fd = files.open(read.chunk)
+            if _NOWAIT and not direct:
+                try:
+                    done = os.preadv(fd, read.buffers, read.offset, _NOWAIT)
+                except BlockingIOError:  # not cached: the disk is needed, a thread waits for it
+                    done = 0
+                if done >= read.nbytes:
+                    inline += 1
+                    continue
+                read.advance(done)
+            futures.append(executor.submit(_read_blocking, fd, read, path_of))
+        if futures:
+            wait(futures)  # every thread is done writing into `rows` before anything returns
+            for future in futures:
+                future.result()  # the first failure, raised in the caller
+        if cache == "drop":  # these rows are not read again this epoch: do not let them evict others
+            for fd in files.fds.values():
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        for future in futures:
+            future.cancel()
+        if futures:
+            wait(futures)
+        files.close()
+    if len(dup_targets):
+        rows[dup_targets] = rows[dup_sources]
+    return {"inline": inline, "pool": len(futures)}
