@@ -4,6 +4,7 @@ put pool's ordering and error handling."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,21 @@ def _rows_equal(a: RowStats, b: RowStats) -> None:
 
 
 def _with_threads(threads: int, fn: Any) -> Any:
+    """Run ``fn`` with ``threads`` torch intra-op threads, the statistics included (their own cap,
+    FEATURESTORE_STATS_THREADS, is lifted to the same count)."""
     before = torch.get_num_threads()
+    cap = os.environ.get("FEATURESTORE_STATS_THREADS")
     torch.set_num_threads(threads)
+    os.environ["FEATURESTORE_STATS_THREADS"] = str(threads)
     try:
+        assert device_stats.stats_threads() == threads
         return fn()
     finally:
         torch.set_num_threads(before)
+        if cap is None:
+            del os.environ["FEATURESTORE_STATS_THREADS"]
+        else:
+            os.environ["FEATURESTORE_STATS_THREADS"] = cap
 
 
 @pytest.mark.parametrize("logical", ["float16", "bfloat16", "float32"])

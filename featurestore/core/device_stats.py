@@ -25,6 +25,8 @@ cut, the writer count or a resume. Within a sample:
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -58,9 +60,10 @@ def _dtypes() -> tuple[dict[str, Any], dict[Any, str], dict[Any, tuple[Any, int,
     return logical, kinds, bits
 
 
-# Rows are processed in blocks of about this many values: bounded scratch (64 MiB of float32 at
-# most on the device) whatever the batch size. Blocks hold whole rows, so results do not change.
-BLOCK_VALUES = 1 << 22
+# Values per tile: on the CPU small enough that a tile's passes stay in cache (2 MiB of float32);
+# on an accelerator large enough to amortise kernel launches, and a bound on its scratch memory.
+TILE_VALUES = 1 << 19
+DEVICE_TILE_VALUES = 1 << 24
 
 
 def source_kind(tensor: torch.Tensor) -> str:
@@ -74,8 +77,28 @@ def prepare(source: torch.Tensor, logical: str, channels: int, start: int) -> Pr
     """
     import torch
 
-    with torch.inference_mode():  # also in a writer thread: no autograd records, no version counters
-        return _prepare(source, logical, channels, start)
+    threads = torch.get_num_threads()
+    cap = source.device.type == "cpu" and stats_threads() < threads
+    if cap:
+        torch.set_num_threads(stats_threads())
+    try:
+        with torch.inference_mode():  # also in a writer thread: no autograd records, no version counters
+            return _prepare(source, logical, channels, start)
+    finally:
+        if cap:
+            torch.set_num_threads(threads)
+
+
+def stats_threads() -> int:
+    """torch intra-op threads for CPU statistics: ``FEATURESTORE_STATS_THREADS``, default 1.
+
+    The tiles are cache-sized and the put threads, the caller and (in extraction) the encoder
+    want the other cores: on a loaded 2-core host 2 intra-op threads measured 10x slower than 1
+    (OpenMP barriers across descheduled threads). torch's OpenMP thread count is per calling
+    thread, so the cap does not reach the encoder's thread. The figures do not depend on it.
+    """
+    value = os.environ.get("FEATURESTORE_STATS_THREADS", "1")
+    return max(1, int(value)) if value.strip().isdigit() else 1
 
 
 def _prepare(source: torch.Tensor, logical: str, channels: int, start: int) -> Prepared:
@@ -96,24 +119,33 @@ def _prepare(source: torch.Tensor, logical: str, channels: int, start: int) -> P
         x = x.to(torch.float32)
     stored = x if x.dtype == target else x.to(target)
     tokens = flat.shape[1] // channels if channels else 0
-    sums = torch.zeros((4, count), dtype=torch.float64, device=x.device)  # error figures per row
-    mean = torch.zeros((count, channels), dtype=torch.float64, device=x.device)
-    m2 = torch.zeros_like(mean)
-    step = max(1, BLOCK_VALUES // max(1, flat.shape[1]))
-    for lo in range(0, count, step):
-        hi = min(count, lo + step)
-        values = stored[lo:hi].reshape(hi - lo, tokens, channels)
-        mean[lo:hi], m2[lo:hi] = _moments(values)
+    shaped = stored.reshape(count, tokens, channels)
+    source = x.reshape(count, tokens, channels)
+    zeros = torch.zeros((count, channels), dtype=torch.float64, device=x.device)
+    first, second, sq_error, sq_source = zeros, zeros.clone(), zeros.clone(), zeros.clone()
+    max_error = torch.zeros((2, count), dtype=torch.float32, device=x.device)  # abs, relative
+    reference = shaped[:, :1, :].to(_work(shaped.dtype))
+    for rows, span in _tiles(count, tokens, channels, x.device.type):
+        values = shaped[rows, span]
+        a, b = _moment_sums(values, reference[rows])
+        first[rows] += a
+        second[rows] += b
         if not exact:
-            _errors(x[lo:hi].reshape(hi - lo, tokens, channels), values, sums[:, lo:hi])
+            e, r, sq_e, sq_s = _errors(source[rows, span], values)
+            torch.maximum(max_error[0, rows], e, out=max_error[0, rows])
+            torch.maximum(max_error[1, rows], r, out=max_error[1, rows])
+            sq_error[rows] += sq_e
+            sq_source[rows] += sq_s
+    mean = reference[:, 0, :].to(torch.float64) + first / max(1, tokens)
+    m2 = (second - first * first / max(1, tokens)).clamp_(min=0.0)
     host = stored.cpu() if stored.device.type != "cpu" else stored
     if host.dtype == torch.bfloat16:
         array = host.view(torch.int16).numpy().view(np.uint16)
     else:
         array = host.numpy()
-    partials = sums.cpu().numpy()
-    rows = RowStats(abs_max, partials[0], partials[1], partials[2], partials[3],
-                    mean.cpu().numpy(), m2.cpu().numpy())
+    maxima = max_error.to(torch.float64).cpu().numpy()
+    rows = RowStats(abs_max, maxima[0], maxima[1], sq_error.sum(dim=1).cpu().numpy(),
+                    sq_source.sum(dim=1).cpu().numpy(), mean.cpu().numpy(), m2.cpu().numpy())
     return Prepared(array, rows, kind, aliases_source=stored.data_ptr() == source.data_ptr()
                     and source.device.type == "cpu")
 
@@ -146,43 +178,59 @@ def _check_range(flat: torch.Tensor, abs_max: np.ndarray, kind: str, logical: st
         raise bfloat16_overflow(int((flat.abs() >= dtypes.BFLOAT16_ROUNDS_TO_INF).sum()), largest, rows)
 
 
-def _moments(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample, per-channel mean and M2 of stored values ``[n, T, C]``, as float64.
+def _work(stored: torch.dtype) -> torch.dtype:
+    """float16 deviations square below 1.8e10, safe in float32; bfloat16/float32 values (up to
+    ~3.4e38) are worked in float64."""
+    import torch
+
+    return torch.float32 if stored == torch.float16 else torch.float64
+
+
+def _tiles(count: int, tokens: int, channels: int, device: str) -> Iterator[tuple[slice, slice]]:
+    """(rows, tokens) tiles of about TILE_VALUES values, in an order fixed by the sample shape.
+
+    Small tiles keep the CPU's passes in cache; a sample larger than a tile is cut along its
+    tokens at multiples of GROUP, the same cuts for every batch.
+    """
+    budget = TILE_VALUES if device == "cpu" else DEVICE_TILE_VALUES
+    row_values = max(1, tokens * channels)
+    if row_values <= budget or tokens <= GROUP:
+        step = max(1, budget // row_values)
+        for lo in range(0, count, step):
+            yield slice(lo, min(count, lo + step)), slice(0, tokens)
+        return
+    span = max(GROUP, budget // max(1, channels) // GROUP * GROUP)
+    for row in range(count):
+        for lo in range(0, tokens, span):
+            yield slice(row, row + 1), slice(lo, min(tokens, lo + span))
+
+
+def _moment_sums(values: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample, per-channel sums of (value - reference) and its square, as float64.
 
     Deviations from each sample's first token keep the sums of squares from cancelling when a
-    channel's mean is large against its spread. float16 deviations square below 1.8e10, safe in
-    float32; bfloat16/float32 values (up to ~3.4e38) are worked in float64.
+    channel's mean is large against its spread.
     """
     import torch
 
-    work = torch.float32 if values.dtype == torch.float16 else torch.float64
-    tokens = values.shape[1]
-    if tokens == 0:
-        zeros = torch.zeros((values.shape[0], values.shape[2]), dtype=torch.float64, device=values.device)
-        return zeros, zeros.clone()
-    reference = values[:, :1, :].to(work)
-    deviation = torch.sub(values.to(work), reference)
+    deviation = torch.sub(values.to(reference.dtype), reference)
     first = group_sums(deviation)
-    second = group_sums(deviation.mul_(deviation))
-    mean = reference[:, 0, :].to(torch.float64) + first / tokens
-    m2 = (second - first * first / tokens).clamp_(min=0.0)
-    return mean, m2
+    return first, group_sums(deviation.mul_(deviation))
 
 
-def _errors(source: torch.Tensor, stored: torch.Tensor, out: torch.Tensor) -> None:
-    """Per-sample max |error|, max relative error, sum error**2, sum source**2 into ``out`` [4, n]."""
+def _errors(source: torch.Tensor, stored: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-sample max |error| and max relative error (float32, exact), per-sample per-channel
+    sums of error**2 and source**2 (float64)."""
     import torch
 
     n = len(source)
     src = source.to(torch.float32)
     error = stored.to(torch.float32, copy=True).sub_(src)  # copy: stored may be float32 already
     low, high = torch.aminmax(error.view(n, -1), dim=1)
-    out[0] = torch.maximum(high, low.neg()).to(torch.float64)
     magnitude = src.abs()
     relative = torch.where(magnitude >= REL_ERROR_FLOOR, error.abs() / magnitude.clamp(min=REL_ERROR_FLOOR), 0.0)
-    out[1] = relative.view(n, -1).amax(dim=1).to(torch.float64)
-    out[2] = group_sums(error.mul_(error)).sum(dim=1)
-    out[3] = group_sums(magnitude.mul_(magnitude)).sum(dim=1)
+    return (torch.maximum(high, low.neg()), relative.view(n, -1).amax(dim=1),
+            group_sums(error.mul_(error)), group_sums(magnitude.mul_(magnitude)))
 
 
 def group_sums(values: torch.Tensor) -> torch.Tensor:

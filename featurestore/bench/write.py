@@ -1,0 +1,128 @@
+"""``featurestore bench write``: the writer against numpy ``tofile`` of the same bytes.
+
+For each sample shape, in one run, interleaved, each side timed from its first byte to
+``os.sync()`` returning (so both pay the disk, not only the page cache):
+
+* **tofile**: the float16 bytes, ``ndarray.tofile`` into one file;
+* **writer, float16 input**: ``create_split`` + ``write`` (batches of ``--batch-size``) +
+  ``commit`` of the same float16 values (copied by the writer, as for any caller that may reuse
+  its array; ``donate=True`` would skip that copy);
+* **writer, float32 input stored float16**: the float32 source of those values, cast, checked
+  and measured by the writer (the common case: encoders under autocast return float32).
+
+The figure is each writer's throughput as a ratio of tofile's (median of ``--repeats``): the
+disk's own write speed swings between runs, the ratio much less. Page cache: warm for the
+source arrays (in RAM), every written file is new.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from featurestore.bench.common import gbps, parse_shapes
+
+TARGETS = {"float16": 0.7, "float32": 0.5}
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("write", help="writer (float16 and float32 input) vs numpy tofile, with os.sync")
+    parser.add_argument("--shapes", default="256x384,1024x3072", help="sample shapes (default 256x384,1024x3072)")
+    parser.add_argument("--mb", type=float, default=384.0, help="stored float16 MB per shape and method (default 384)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--chunk-mb", type=float, default=8.0, help="writer chunk size in MiB (default 8)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the median is kept")
+    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    results = run(args)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def _tofile(path: str, values: np.ndarray) -> float:
+    start = time.perf_counter()
+    values.tofile(path)
+    os.sync()
+    return time.perf_counter() - start
+
+
+def _writer(path: str, values: np.ndarray, batch: int, chunk_mb: float) -> float:
+    import featurestore
+
+    start = time.perf_counter()
+    n, shape = len(values), tuple(values.shape[1:])
+    sample_bytes = int(np.prod(shape)) * 2
+    rows = max(1, int(chunk_mb * (1 << 20)) // sample_bytes)
+    rows = batch if rows < batch else rows - rows % batch  # whole batches per chunk, as extract does
+    writer = featurestore.open_store(path, mode="a").create_split(
+        "bench", "write", "s", num_samples=n, sample_shape=shape, dtype="float16", chunk_bytes=rows * sample_bytes)
+    for lo in range(0, n, batch):
+        writer.write(lo, values[lo : lo + batch])
+    writer.commit()
+    os.sync()
+    return time.perf_counter() - start
+
+
+def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
+    sample_bytes = int(np.prod(shape)) * 2
+    n = max(args.batch_size, int(args.mb * 1e6) // sample_bytes)
+    nbytes = n * sample_bytes
+    source32 = np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32)
+    source16 = source32.astype(np.float16)
+    times: dict[str, list[float]] = {"tofile": [], "float16": [], "float32": []}
+    for repeat in range(args.repeats):
+        for method in times:  # interleaved: a slow disk moment hits every method alike
+            path = os.path.join(work, f"{method}-{repeat}")
+            if method == "tofile":
+                seconds = _tofile(path, source16)
+            else:
+                seconds = _writer(path, source16 if method == "float16" else source32, args.batch_size, args.chunk_mb)
+            times[method].append(seconds)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+            os.sync()  # the delete's writeback stays out of the next method's time
+    median = {m: statistics.median(t) for m, t in times.items()}
+    out = {
+        "sample_shape": list(shape), "num_samples": n, "bytes": nbytes,
+        "tofile_gb_per_s": gbps(nbytes, median["tofile"]),
+        "repeats_s": times,
+    }
+    label = "x".join(map(str, shape))
+    print(f"[write] [{label}] float16 stored, N={n} ({nbytes / 1e6:.0f} MB), batches of {args.batch_size}; "
+          f"tofile {out['tofile_gb_per_s']:.2f} GB/s (to os.sync)")
+    for source in ("float16", "float32"):
+        ratio = median["tofile"] / median[source]
+        out[f"writer_{source}_gb_per_s"] = gbps(nbytes, median[source])
+        out[f"writer_{source}_ratio"] = ratio
+        print(f"  writer, {source} input: {out[f'writer_{source}_gb_per_s']:.2f} GB/s = {ratio:.2f}x tofile "
+              f"(target >= {TARGETS[source]}x)")
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-write-")
+    os.makedirs(work, exist_ok=True)
+    try:
+        shapes = [_bench_shape(work, shape, args) for shape in parse_shapes(args.shapes)]
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    return {"benchmark": "write", "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
+            "page_cache": "source in RAM; every file new; both sides timed to os.sync()",
+            "targets": TARGETS, "shapes": shapes}
+
+
+__all__ = ["register", "run"]
