@@ -90,7 +90,7 @@ def test_args_come_from_each_bench_parser(name: str) -> None:
 
 def test_bench_selection() -> None:
     assert report.parse_benches("extract, read,extract") == ["extract", "read"]
-    with pytest.raises(ValueError, match="subset of read,http,loader,extract"):
+    with pytest.raises(ValueError, match="subset of read,write,http,loader,extract"):
         report.parse_benches("read,gpu")
 
 

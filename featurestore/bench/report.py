@@ -1,6 +1,6 @@
 """``featurestore bench all``: run every benchmark and write ``report.md``, ``report.json`` and plots.
 
-Each bench (``read``, ``http``, ``loader``, ``extract``) is run in this process through its own
+Each bench (``read``, ``write``, ``http``, ``loader``, ``extract``) is run in this process through its own
 ``run(args)``, with the defaults of its own parser (so ``bench all`` never drifts from ``bench
 NAME``), or with the small sizes of ``--quick``. A bench that raises (or whose own check fails) is
 recorded as failed with its error in both reports, the others still run, and the command exits 1
@@ -25,11 +25,12 @@ from typing import Any
 
 from featurestore import __version__
 
-BENCH_NAMES = ("read", "http", "loader", "extract")
+BENCH_NAMES = ("read", "write", "http", "loader", "extract")
 
 # Small sizes for CI and a first look: each bench finishes in seconds, the figures are noisy.
 QUICK_FLAGS: dict[str, list[str]] = {
     "read": ["--shapes", "256x384", "--gib", "0.03", "--batches", "10", "--repeats", "1", "--skip-rss"],
+    "write": ["--shapes", "256x384", "--mb", "8", "--repeats", "1"],
     "http": ["--num-samples", "192", "--batches", "6", "--repeats", "1", "--items", "30",
              "--load-seconds", "2", "--clients", "4"],
     "loader": ["--shape", "64x384", "--num-samples", "64", "--repeats", "1", "--skip-cgroup"],
@@ -40,7 +41,7 @@ QUICK_FLAGS: dict[str, list[str]] = {
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "all", help="run every bench; write report.md, report.json and PNG plots",
-        description="Run the read, http, loader and extract benches with their default arguments "
+        description="Run the read, write, http, loader and extract benches with their default arguments "
         "(or small ones with --quick) and write report.md, report.json, throughput.png and rss.png "
         "into --out. A failed bench is reported with its error and makes the exit status 1.")
     parser.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
@@ -181,8 +182,8 @@ def _jsonable(value: Any) -> Any:
 def throughput_rows(report: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
     """Per panel title: ``(method, rate)`` pairs, featurestore first. Rates: GB/s (img/s for extract)."""
     panels: dict[str, list[tuple[str, float]]] = {}
-    for name, rows in (("read", _read_rows), ("http", _http_rows), ("loader", _loader_rows),
-                       ("extract", _extract_rows)):
+    for name, rows in (("read", _read_rows), ("write", _write_rows), ("http", _http_rows),
+                       ("loader", _loader_rows), ("extract", _extract_rows)):
         panels.update(_guarded(report, name, rows, {}))
     return panels
 
@@ -203,6 +204,12 @@ def _guarded(report: dict[str, Any], name: str, fn: Any, default: Any) -> Any:
 def _read_rows(read: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
     return {f"read [{'x'.join(map(str, shape['sample_shape']))}] float16, GB/s":
             [(m, r["gb_per_s"]) for m, r in shape["read"].items()] for shape in read["shapes"]}
+
+
+def _write_rows(write: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+    return {f"write [{'x'.join(map(str, shape['sample_shape']))}] float16 stored, to os.sync, GB/s": [
+        ("writer, f16 input", shape["writer_float16_gb_per_s"]), ("writer, f32 input", shape["writer_float32_gb_per_s"]),
+        ("numpy tofile", shape["tofile_gb_per_s"])] for shape in write["shapes"]}
 
 
 def _http_rows(http: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
@@ -352,8 +359,8 @@ def render_markdown(report: dict[str, Any]) -> str:
 def _details(report: dict[str, Any]) -> list[str]:
     """The figures that are not bars: write speed, latency, stall, memory bound, cgroup, extraction ratio."""
     lines: list[str] = []
-    for name, fn in (("read", _read_details), ("http", _http_details), ("loader", _loader_details),
-                     ("extract", _extract_details)):
+    for name, fn in (("read", _read_details), ("write", _write_details), ("http", _http_details),
+                     ("loader", _loader_details), ("extract", _extract_details)):
         lines += _guarded(report, name, fn, [])
     return ["", "## Other figures", "", *lines] if lines else []
 
@@ -362,6 +369,13 @@ def _read_details(read: dict[str, Any]) -> list[str]:
     return [f"- write [{'x'.join(map(str, shape['sample_shape']))}]: featurestore "
             f"{shape['write']['featurestore_gb_per_s']:.2f} GB/s vs numpy tofile "
             f"{shape['write']['tofile_gb_per_s']:.2f} GB/s ({shape['write']['ratio']:.2f}x)" for shape in read["shapes"]]
+
+
+def _write_details(write: dict[str, Any]) -> list[str]:
+    targets = write.get("targets", {"float16": 0.7, "float32": 0.5})
+    return [f"- write [{'x'.join(map(str, shape['sample_shape']))}] / numpy tofile (to os.sync): float16 input "
+            f"{shape['writer_float16_ratio']:.2f}x (target >= {targets['float16']}x), float32 input "
+            f"{shape['writer_float32_ratio']:.2f}x (target >= {targets['float32']}x)" for shape in write["shapes"]]
 
 
 def _http_details(http: dict[str, Any]) -> list[str]:
@@ -389,7 +403,9 @@ def _loader_details(loader: dict[str, Any]) -> list[str]:
 
 def _extract_details(extract: dict[str, Any]) -> list[str]:
     return [f"- extract wall time / encode-only {extract['ratio']:.3f} (target <= {extract.get('target_ratio', 1.1)}); "
-            f"write only {extract['write_only_mb_s']:.0f} MB/s"]
+            f"write only {extract['write_only_mb_s']:.0f} MB/s"
+            + (f"; extract / numpy tofile of the same bytes {extract['extract_vs_tofile']:.2f}x"
+               if "extract_vs_tofile" in extract else "")]
 
 
 def _cell(text: str) -> str:
