@@ -26,6 +26,7 @@ import torch
 
 from client import sampling
 from client.dataset import FeatureDataset
+from client.device import resolve_device
 from client.prefetch import Prefetcher
 from client.transfer import Transfer
 
@@ -82,9 +83,7 @@ class FeatureLoader:
             raise ValueError(f"`dtype` must be a floating torch dtype or None (keep the stored dtype), but got: {dtype!r}")
         if pin_memory not in ("auto", True, False):
             raise ValueError(f"`pin_memory` must be 'auto', True or False, but got: {pin_memory!r}")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={str(device)!r} but CUDA is not available here: pass device='cpu'")
+        self.device = resolve_device(device)
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"`device` must be a CUDA device or 'cpu', but got: {str(device)!r}")
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):

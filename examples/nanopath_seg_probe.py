@@ -250,7 +250,7 @@ def train_from_store(store: str, dataset: str, encoder: str, train: str, val: st
                      storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train and score the reference head on ``train``/``val`` splits of a store (or server)."""
     from client import FeatureDataset, FeatureLoader
-    from featurestore.probes.linear import resolve_device
+    from featurestore.probes.train import resolve_device
 
     dev = resolve_device(device)
     train_ds = FeatureDataset(store, dataset, encoder, train, storage_options=storage_options)

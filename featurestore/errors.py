@@ -90,3 +90,23 @@ class StorageFull(FeatureStoreError, OSError):
 
 class InvalidIndices(FeatureStoreError, TypeError):
     """Row indices that are not integers (a float, a string, a 2-D array...)."""
+
+
+class InvalidOption(FeatureStoreError, ValueError):
+    """An argument or command-line option outside its allowed values (the message names both)."""
+
+
+class DeviceUnavailable(FeatureStoreError, ValueError):
+    """A device asked for that this machine does not have (CUDA without a CUDA device)."""
+
+
+class MissingLabels(FeatureStoreError, ValueError):
+    """A split without labels where a probe needs them."""
+
+
+class InvalidLabels(FeatureStoreError, ValueError):
+    """Labels a probe cannot use: class ids outside ``[0, num_classes)``, or the wrong shape."""
+
+
+class EmptySplit(FeatureStoreError, ValueError):
+    """A split (or loader) that yields no samples where at least one is needed."""

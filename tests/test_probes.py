@@ -23,9 +23,17 @@ import torch
 import featurestore
 from featurestore.cli import main
 from featurestore.commands.probe import format_report
+from featurestore.errors import (
+    DeviceUnavailable,
+    EmptySplit,
+    FeatureStoreError,
+    InvalidLabels,
+    InvalidOption,
+    MissingLabels,
+)
+from featurestore.probes.compare import compare_summaries, run_seeds, summarize
 from featurestore.probes.linear import (
     LinearProbeConfig,
-    TensorLoader,
     balanced_accuracy,
     confusion_matrix,
     macro_f1,
@@ -35,15 +43,13 @@ from featurestore.probes.linear import (
 from featurestore.probes.run import (
     SplitInfo,
     compare_probes,
-    compare_summaries,
     describe_split,
     detect_task,
     run_probe,
-    run_seeds,
-    summarize,
     token_layout,
 )
 from featurestore.probes.seg import SegProbeConfig, dice_loss, per_image_jaccard, train_seg_probe
+from featurestore.probes.train import TensorLoader
 
 DATASET = "toy"
 GRID = (4, 4)
@@ -258,10 +264,30 @@ def test_split_description_task_and_token_layout(store_path: str) -> None:
     assert token_layout(describe_split(store_path, DATASET, "seg32a", "train")) == (GRID, 0)
     lin = describe_split(store_path, DATASET, "lin32", "train")
     assert detect_task(lin) == "linear"
-    with pytest.raises(ValueError, match="task seg needs class maps"):
+    with pytest.raises(InvalidLabels, match="task seg needs class maps"):
         detect_task(lin, "seg")
-    with pytest.raises(ValueError, match="has no labels"):
+    with pytest.raises(MissingLabels, match="has no labels"):
         detect_task(describe_split(store_path, DATASET, "nolab", "train"))
+    with pytest.raises(InvalidOption, match="task must be one of"):
+        detect_task(lin, "regression")
+
+
+def test_probe_errors_are_featurestore_errors_by_meaning() -> None:
+    from client.device import resolve_device
+
+    # Every probe error is a FeatureStoreError (one CLI line); bugs stay plain exceptions.
+    for cls in (InvalidOption, InvalidLabels, MissingLabels, EmptySplit, DeviceUnavailable):
+        assert issubclass(cls, FeatureStoreError)
+    with pytest.raises(EmptySplit, match="yielded no batches"):
+        train_linear_probe([], [], num_classes=2, device="cpu")
+    with pytest.raises(InvalidLabels, match="label 5 is outside"):
+        train_linear_probe([(torch.randn(4, 8), torch.tensor([0, 1, 5, 1]))], [], num_classes=3, device="cpu")
+    with pytest.raises(InvalidOption, match="invalid device 'gpu0'"):
+        resolve_device("gpu0")
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceUnavailable, match="CUDA is not available"):
+            resolve_device("cuda")
 
 
 def test_compare_reports_identical_metrics_for_identical_stores(store_path: str) -> None:

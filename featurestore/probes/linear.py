@@ -1,7 +1,5 @@
-"""The linear probe on pooled tokens, and the training helpers both probe heads share.
+"""The linear probe on pooled tokens (training helpers: :mod:`featurestore.probes.train`).
 
-- :func:`resolve_device`, :class:`TensorLoader` (in-RAM batches, the baseline a host-RAM feature
-  cache gives) and :func:`epochs_of` are used by this module and :mod:`featurestore.probes.seg`;
 - :func:`train_linear_probe` fits a linear classifier on mean-pooled patch tokens (or the CLS
   token) from any iterable of ``(features, labels)`` batches and reports macro-F1 and balanced
   accuracy, computed from a confusion matrix in torch (:func:`macro_f1`, :func:`balanced_accuracy`).
@@ -9,14 +7,15 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import nn
+
+from featurestore.errors import EmptySplit, InvalidLabels, InvalidOption, ShapeMismatch
+from featurestore.probes.train import Batch, adamw, begin_training, check_class_ids, epochs_of, set_cosine_lr
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -24,141 +23,16 @@ if TYPE_CHECKING:
 __all__ = [
     "LinearProbe",
     "LinearProbeConfig",
-    "TensorLoader",
     "balanced_accuracy",
-    "check_class_ids",
     "confusion_matrix",
-    "cosine_lr",
-    "epochs_of",
     "evaluate_linear_probe",
     "macro_f1",
     "pool_tokens",
-    "resolve_device",
     "train_linear_probe",
 ]
 
-# One batch as every loader here yields it: (features [B, ...], labels [B, ...]).
-Batch = tuple["Tensor", "Tensor"]
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """``"auto"`` -> CUDA when available, else CPU; anything else is passed to ``torch.device``."""
-    if isinstance(device, torch.device):
-        return device
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as error:
-        raise ValueError(f"invalid device {device!r}: use auto, cpu, cuda or cuda:N") from error
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available; use --device cpu")
-    return resolved
-
-
-class TensorLoader:
-    """Batches of in-RAM tensors, the baseline that a feature cache in host memory gives.
-
-    It mirrors the parts of ``FeatureLoader`` that the probes use: re-iterable, ``set_epoch``,
-    batches moved to ``device`` with features cast to ``dtype``, and the same shuffled order:
-    ``client.sampling.epoch_order(n, "shuffle", seed=seed, epoch=epoch)``, re-derived here so the
-    core package does not import the client. With the same seed, a probe trained from this loader
-    and one trained from ``FeatureLoader(order="shuffle")`` see identical batches, so a float32
-    store and its in-RAM copy give bit-identical metrics on CPU.
-    """
-
-    def __init__(
-        self,
-        features: Tensor,
-        labels: Tensor,
-        *,
-        batch_size: int = 64,
-        shuffle: bool = False,
-        seed: int = 0,
-        device: str | torch.device = "auto",
-        dtype: torch.dtype = torch.float32,
-        drop_last: bool = False,
-    ) -> None:
-        if len(features) != len(labels):
-            raise ValueError(
-                f"features and labels differ in length ({len(features)} vs {len(labels)})"
-            )
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, but got: {batch_size!r}")
-        self.features = features
-        self.labels = labels
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.device = resolve_device(device)
-        self.dtype = dtype
-        self.drop_last = drop_last
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        n = len(self.features)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
-
-    def __iter__(self) -> Iterator[Batch]:
-        n = len(self.features)
-        if self.shuffle:
-            # SeedSequence([seed, epoch]) -> PCG64 permutation: client/sampling.py's "shuffle".
-            sequence = np.random.SeedSequence([int(self.seed), int(self.epoch)])
-            order = torch.from_numpy(np.random.Generator(np.random.PCG64(sequence)).permutation(n))
-        else:
-            order = torch.arange(n)
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
-            index = order[start : start + self.batch_size]
-            yield (
-                self.features[index].to(self.device, self.dtype),
-                self.labels[index].to(self.device),
-            )
-
-
-def epochs_of(loader: Iterable[Batch], epochs: int) -> Iterator[Iterable[Batch]]:
-    """Yield ``loader`` once per epoch, calling ``set_epoch`` first when it has one.
-
-    Loaders that reshuffle per epoch (``FeatureLoader``, ``TensorLoader``, a ``DistributedSampler``
-    wrapper) need ``set_epoch``; plain lists of batches are simply re-iterated.
-    """
-    for epoch in range(epochs):
-        set_epoch = getattr(loader, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-        yield loader
-
-
-def cosine_lr(base_lr: float, epoch: int, epochs: int) -> float:
-    # Per-epoch cosine decay: needs no len() of the loader, which a generic iterable may lack.
-    return base_lr * 0.5 * (1.0 + math.cos(math.pi * epoch / max(epochs, 1)))
-
 
 # ----------------------------------------------------------------------------------- metrics
-
-
-def begin_training(num_classes: int, epochs: int, device: str | torch.device, seed: int) -> torch.device:
-    """Checks and set-up shared by the probes: the device to train on, the seed applied."""
-    if num_classes < 2:
-        raise ValueError(f"num_classes must be at least 2, but got: {num_classes}")
-    if epochs < 1:
-        raise ValueError(f"epochs must be a positive integer, but got: {epochs}")
-    resolved = resolve_device(device)
-    torch.manual_seed(seed)
-    return resolved
-
-
-def adamw(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """The probes' optimizer, with the model put in training mode."""
-    model.train()
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-
-
-def set_cosine_lr(optimizer: torch.optim.Optimizer, base_lr: float, epoch: int, epochs: int) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = cosine_lr(base_lr, epoch, epochs)
 
 
 def confusion_matrix(target: Tensor, pred: Tensor, num_classes: int) -> Tensor:
@@ -166,7 +40,7 @@ def confusion_matrix(target: Tensor, pred: Tensor, num_classes: int) -> Tensor:
     target = target.reshape(-1).long()
     pred = pred.reshape(-1).long()
     if target.numel() and (int(target.min()) < 0 or int(target.max()) >= num_classes):
-        raise ValueError(
+        raise InvalidLabels(
             f"labels must lie in [0, {num_classes}), but got values in "
             f"[{int(target.min())}, {int(target.max())}]; pass the right num_classes"
         )
@@ -226,14 +100,14 @@ def pool_tokens(features: Tensor, pool: str = "mean", prefix_tokens: int = 0) ->
         features = features.reshape(features.shape[0], -1, features.shape[-1])
     if pool == "cls":
         if prefix_tokens < 1:
-            raise ValueError(
+            raise ShapeMismatch(
                 "pool='cls' needs a CLS token, but these features have no prefix tokens "
                 "(token_layout.prefix_tokens = 0); use pool='mean'"
             )
         return features[:, 0]
     if pool == "mean":
         return features[:, prefix_tokens:].mean(dim=1)
-    raise ValueError(f"pool must be 'mean' or 'cls', but got: {pool!r}")
+    raise InvalidOption(f"pool must be 'mean' or 'cls', but got: {pool!r}")
 
 
 class LinearProbe(nn.Module):
@@ -289,7 +163,7 @@ def train_linear_probe(
             loss.backward()
             optimizer.step()
     if model is None:
-        raise ValueError("the training loader yielded no batches; is the train split empty?")
+        raise EmptySplit("the training loader yielded no batches; is the train split empty?")
     return evaluate_linear_probe(model, evaluate, num_classes=num_classes, device=device,
                                  pool=config.pool, prefix_tokens=config.prefix_tokens)
 
@@ -313,7 +187,7 @@ def evaluate_linear_probe(
         confusion += confusion_matrix(_class_ids(labels, device, num_classes), pred, num_classes)
         seen += pooled.shape[0]
     if seen == 0:
-        raise ValueError("the evaluation loader yielded no batches; is the eval split empty?")
+        raise EmptySplit("the evaluation loader yielded no batches; is the eval split empty?")
     return {"macro_f1": macro_f1(confusion.cpu()), "balanced_accuracy": balanced_accuracy(confusion.cpu())}
 
 
@@ -322,25 +196,10 @@ def _class_ids(labels: Tensor, device: torch.device, num_classes: int) -> Tensor
     if labels.ndim == 2 and labels.shape[1] == 1:
         labels = labels[:, 0]
     if labels.ndim != 1:
-        raise ValueError(
+        raise InvalidLabels(
             f"the linear probe needs one class id per sample, but got labels of shape "
             f"{tuple(labels.shape)}; use the seg probe for masks"
         )
     return check_class_ids(labels.long(), num_classes)
 
 
-def check_class_ids(labels: Tensor, num_classes: int) -> Tensor:
-    """``labels`` if every id lies in ``[0, num_classes)``, else a ValueError naming the bad id.
-
-    Checked per batch because cross-entropy on an out-of-range id fails deep inside torch (or,
-    on CUDA, with an asynchronous device assert) instead of saying which label is wrong.
-    """
-    if labels.numel():
-        low, high = int(labels.min()), int(labels.max())
-        if low < 0 or high >= num_classes:
-            bad = low if low < 0 else high
-            raise ValueError(
-                f"label {bad} is outside [0, {num_classes}); pass the right num_classes "
-                "(--num-classes) or fix the labels"
-            )
-    return labels

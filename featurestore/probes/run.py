@@ -6,11 +6,11 @@ The public entry points (``featurestore probe`` is their command line):
   on another split -> mean ± std per metric;
 - :func:`compare_probes`: the same for two encoder names holding the same images (e.g. the
   features stored as float16 and as float32), plus, per metric, the difference and whether it
-  exceeds the run-to-run spread (:func:`compare_summaries`).
+  exceeds the run-to-run spread (:func:`featurestore.probes.compare.compare_summaries`).
 
 The probes themselves train from any iterable of ``(features, labels)`` batches, so they run the
 same on ``client.FeatureLoader`` (streaming from a store, local or over HTTP) and on an in-RAM
-:class:`~featurestore.probes.linear.TensorLoader`:
+:class:`~featurestore.probes.train.TensorLoader`:
 :func:`~featurestore.probes.linear.train_linear_probe` (macro-F1, balanced accuracy) and
 :func:`~featurestore.probes.seg.train_seg_probe` (per-image macro Jaccard). Metric definitions
 and how to read a comparison: ``docs/PROBES.md``. Torch and the client are imported inside the
@@ -21,29 +21,26 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from featurestore.errors import InvalidLabels, InvalidOption, MissingLabels, ShapeMismatch
+from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds
+
 __all__ = [
-    "SPREAD_FACTOR",
     "SplitInfo",
     "compare_probes",
-    "compare_summaries",
     "describe_split",
     "detect_task",
     "num_classes_of",
     "run_probe",
-    "run_seeds",
-    "summarize",
     "token_layout",
 ]
 
 TASKS = ("auto", "linear", "seg")
 LOADERS = ("stream", "ram")
 
-# A metric "exceeds the run-to-run spread" when |mean_A - mean_B| > SPREAD_FACTOR * pooled std.
-SPREAD_FACTOR = 2.0
 
 
 # --------------------------------------------------------------------------- split description
@@ -96,9 +93,9 @@ def describe_split(
 def detect_task(info: SplitInfo, task: str = "auto") -> str:
     """``auto``: labels with a spatial shape ``[H, W]`` -> ``seg``; one id per sample -> ``linear``."""
     if task not in TASKS:
-        raise ValueError(f"task must be one of {', '.join(TASKS)}, but got: {task!r}")
+        raise InvalidOption(f"task must be one of {', '.join(TASKS)}, but got: {task!r}")
     if info.label_shape is None:
-        raise ValueError(
+        raise MissingLabels(
             f"split {info.name} has no labels, so no probe can be trained on it; write labels "
             "with the features (featurestore extract --labels ..., or a labelled source)"
         )
@@ -106,12 +103,12 @@ def detect_task(info: SplitInfo, task: str = "auto") -> str:
     if task == "auto":
         return "seg" if spatial else "linear"
     if task == "seg" and not spatial:
-        raise ValueError(
+        raise InvalidLabels(
             f"task seg needs class maps [H, W] per sample, but {info.name} has labels of shape "
             f"{list(info.label_shape)}; use task linear"
         )
     if task == "linear" and info.label_shape not in ((), (1,)):
-        raise ValueError(
+        raise InvalidLabels(
             f"task linear needs one class id per sample, but {info.name} has labels of shape "
             f"{list(info.label_shape)}; use task seg"
         )
@@ -152,7 +149,7 @@ def num_classes_of(infos: Sequence[SplitInfo]) -> int:
         for start in range(0, info.num_samples, 4096):
             values = np.asarray(labels.read_range(start, min(start + 4096, info.num_samples)))
             if values.size and int(values.min()) < 0:
-                raise ValueError(f"split {info.name} has negative labels; class ids must be >= 0")
+                raise InvalidLabels(f"split {info.name} has negative labels; class ids must be >= 0")
             top = max(top, int(values.max()) if values.size else -1)
     return top + 1
 
@@ -241,7 +238,7 @@ def compare_probes(
     num_classes = num_classes if num_classes is not None else num_classes_of(infos)
     for a_info, b_info in zip(infos[:2], infos[2:]):
         if a_info.num_samples != b_info.num_samples:
-            raise ValueError(
+            raise ShapeMismatch(
                 f"{a_info.name} has {a_info.num_samples} samples but {b_info.name} has "
                 f"{b_info.num_samples}: compare the same images stored twice"
             )
@@ -264,7 +261,7 @@ def compare_probes(
 def _resolve_task(infos: Sequence[SplitInfo], task: str) -> str:
     tasks = {detect_task(info, task) for info in infos}
     if len(tasks) > 1:
-        raise ValueError(
+        raise ShapeMismatch(
             "the splits disagree on the task (some have class maps, some class ids): "
             + ", ".join(f"{i.name} labels {list(i.label_shape or ())}" for i in infos)
         )
@@ -286,26 +283,27 @@ def _run(
     loader: str,
     log: Callable[[str], None] | None,
 ) -> dict[str, Any]:
-    from featurestore.probes.linear import LinearProbeConfig, resolve_device, train_linear_probe
+    from featurestore.probes.linear import LinearProbeConfig, train_linear_probe
     from featurestore.probes.seg import SegProbeConfig, train_seg_probe
+    from featurestore.probes.train import resolve_device
 
     seed_list = _seed_list(seeds)
     for name, value in (("epochs", epochs), ("batch_size", batch_size)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name} must be a positive integer, but got: {value!r}")
+            raise InvalidOption(f"{name} must be a positive integer, but got: {value!r}")
     if loader not in LOADERS:
-        raise ValueError(f"loader must be one of {', '.join(LOADERS)}, but got: {loader!r}")
+        raise InvalidOption(f"loader must be one of {', '.join(LOADERS)}, but got: {loader!r}")
     if num_classes < 2:
-        raise ValueError(f"num_classes is {num_classes}: a probe needs at least 2 classes")
+        raise InvalidOption(f"num_classes is {num_classes}: a probe needs at least 2 classes")
     if train.sample_shape != evaluate.sample_shape:
-        raise ValueError(
+        raise ShapeMismatch(
             f"{train.name} has samples of shape {list(train.sample_shape)} but {evaluate.name} has "
             f"{list(evaluate.sample_shape)}: train and eval splits must come from the same encoder"
         )
     torch_device = resolve_device(device)
     grid, prefix = token_layout(train)
     if lr is not None and (not isinstance(lr, (int, float)) or not 0 < lr < math.inf):
-        raise ValueError(f"lr must be a positive number, but got: {lr!r}")
+        raise InvalidOption(f"lr must be a positive number, but got: {lr!r}")
     overrides: dict[str, Any] = {"epochs": epochs, "lr": lr}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     config: Any = (SegProbeConfig(**overrides) if task == "seg"
@@ -344,14 +342,14 @@ def _run(
 
 def _seed_list(seeds: int | Sequence[int]) -> list[int]:
     if isinstance(seeds, bool):
-        raise ValueError(f"seeds must be a positive count or a list of seeds, but got: {seeds!r}")
+        raise InvalidOption(f"seeds must be a positive count or a list of seeds, but got: {seeds!r}")
     if isinstance(seeds, int):
         if seeds < 1:
-            raise ValueError(f"seeds must be a positive integer (the number of runs), but got: {seeds}")
+            raise InvalidOption(f"seeds must be a positive integer (the number of runs), but got: {seeds}")
         return list(range(seeds))
     seed_list = [int(s) for s in seeds]
     if not seed_list or len(set(seed_list)) != len(seed_list) or min(seed_list) < 0:
-        raise ValueError(f"seeds must be a non-empty list of distinct integers >= 0, but got: {seeds!r}")
+        raise InvalidOption(f"seeds must be a non-empty list of distinct integers >= 0, but got: {seeds!r}")
     return seed_list
 
 
@@ -362,7 +360,7 @@ def _batches(
     import torch
 
     if loader == "ram":
-        from featurestore.probes.linear import TensorLoader
+        from featurestore.probes.train import TensorLoader
 
         train_x, train_y = _read_all(train)
         eval_x, eval_y = _read_all(evaluate)
@@ -398,77 +396,3 @@ def _read_all(info: SplitInfo) -> tuple[Any, Any]:
         stop = min(start + 256, info.num_samples)
         features[start:stop] = array.read(list(range(start, stop))).to(torch.float32)
     return features, labels
-
-
-# ------------------------------------------------------------------------- seeds and spread
-
-
-def summarize(values: Sequence[float]) -> dict[str, Any]:
-    """Mean and sample standard deviation (ddof=1) of one metric over seeds.
-
-    With one seed there is no spread: ``std`` is ``None``.
-    """
-    data = [float(v) for v in values]
-    if not data:
-        raise ValueError("summarize needs at least one value")
-    mean = math.fsum(data) / len(data)
-    std = (
-        math.sqrt(math.fsum((v - mean) ** 2 for v in data) / (len(data) - 1))
-        if len(data) > 1
-        else None
-    )
-    return {"mean": mean, "std": std, "values": data}
-
-
-def run_seeds(run_one: Callable[[int], Mapping[str, float]], seeds: Sequence[int]) -> dict[str, Any]:
-    """Run ``run_one(seed)`` for each seed; summarise every metric as mean ± std.
-
-    Returns ``{"seeds": [...], "runs": [metrics, ...], "metrics": {name: summarize(...)}}``.
-    """
-    seeds = list(seeds)
-    if not seeds:
-        raise ValueError("run_seeds needs at least one seed")
-    runs = [dict(run_one(seed)) for seed in seeds]
-    names = list(runs[0])
-    return {
-        "seeds": seeds,
-        "runs": runs,
-        "metrics": {name: summarize([run[name] for run in runs]) for name in names},
-    }
-
-
-def compare_summaries(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per metric: ``diff = mean_A - mean_B``, the pooled std and whether |diff| exceeds the spread.
-
-    ``pooled_std = sqrt((std_A**2 + std_B**2) / 2)`` (equal seed counts), and a metric
-    ``exceeds`` the run-to-run spread when ``|diff| > 2 * pooled_std`` and ``diff != 0``. This is
-    a screening rule, not a significance test: with 3 seeds it flags differences larger than the
-    noise that changing the seed alone produces. ``exceeds`` is ``None`` with a single seed.
-    The per-seed paired differences (same seed = same init and shuffle order in A and B) are
-    reported as well, because they isolate the storage dtype from seed noise.
-    """
-    out: dict[str, dict[str, Any]] = {}
-    for name, summary_a in a["metrics"].items():
-        if name not in b["metrics"]:
-            continue
-        summary_b = b["metrics"][name]
-        diff = summary_a["mean"] - summary_b["mean"]
-        if summary_a["std"] is None or summary_b["std"] is None:
-            pooled, exceeds = None, None
-        else:
-            pooled = math.sqrt((summary_a["std"] ** 2 + summary_b["std"] ** 2) / 2)
-            exceeds = bool(diff != 0 and abs(diff) > SPREAD_FACTOR * pooled)
-        paired = [x - y for x, y in zip(summary_a["values"], summary_b["values"])]
-        out[name] = {
-            "mean_a": summary_a["mean"],
-            "std_a": summary_a["std"],
-            "mean_b": summary_b["mean"],
-            "std_b": summary_b["std"],
-            "diff": diff,
-            "pooled_std": pooled,
-            "threshold": None if pooled is None else SPREAD_FACTOR * pooled,
-            "exceeds_spread": exceeds,
-            "paired_diffs": paired,
-            "max_abs_paired_diff": max(abs(d) for d in paired) if paired else 0.0,
-        }
-    return out

@@ -20,12 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featurestore.probes.linear import adamw, begin_training, check_class_ids, epochs_of, set_cosine_lr
+from featurestore.errors import EmptySplit, InvalidLabels, ShapeMismatch
+from featurestore.probes.train import adamw, begin_training, check_class_ids, epochs_of, set_cosine_lr
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from featurestore.probes.linear import Batch
+    from featurestore.probes.train import Batch
 
 __all__ = [
     "SegHead",
@@ -60,14 +61,14 @@ def grid_from_layout(
     if grid is None:
         side = math.isqrt(max(patches, 0))
         if side * side != patches or patches == 0:
-            raise ValueError(
+            raise ShapeMismatch(
                 f"{num_tokens} tokens with {prefix_tokens} prefix tokens do not form a square "
                 "grid and the split's metadata has no token_layout.grid; record the grid"
             )
         return side, side
     gh, gw = (int(g) for g in grid)
     if gh * gw != patches:
-        raise ValueError(
+        raise ShapeMismatch(
             f"token grid {gh}x{gw} needs {gh * gw} patch tokens, but the features have "
             f"{num_tokens} tokens with {prefix_tokens} prefix tokens; check token_layout"
         )
@@ -212,7 +213,7 @@ def train_seg_probe(
             loss.backward()
             optimizer.step()
     if model is None:
-        raise ValueError("the training loader yielded no batches; is the train split empty?")
+        raise EmptySplit("the training loader yielded no batches; is the train split empty?")
     return evaluate_seg_probe(model, evaluate, drop=drop, device=device)
 
 
@@ -232,7 +233,7 @@ def evaluate_seg_probe(
         total += scores.sum()
         images += scores.numel()
     if images == 0:
-        raise ValueError("the evaluation loader yielded no batches; is the eval split empty?")
+        raise EmptySplit("the evaluation loader yielded no batches; is the eval split empty?")
     return {"jaccard": float(total) / images}
 
 
@@ -254,7 +255,7 @@ def _masks(masks: Tensor, device: torch.device, num_classes: int) -> Tensor:
     if masks.ndim == 4 and masks.shape[1] == 1:
         masks = masks[:, 0]
     if masks.ndim != 3:
-        raise ValueError(
+        raise InvalidLabels(
             f"the seg probe needs class maps [B, H, W], but got labels of shape "
             f"{tuple(masks.shape)}; use the linear probe for one class id per sample"
         )

@@ -1,0 +1,90 @@
+"""Seeds and spread: summarise a metric over seeds, and compare two summaries.
+
+:func:`summarize` (mean, sample std), :func:`run_seeds` (one run per seed, every metric
+summarised) and :func:`compare_summaries` (difference, pooled std, whether it exceeds
+``SPREAD_FACTOR`` x the run-to-run spread, per-seed paired differences). Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from featurestore.errors import InvalidOption
+
+__all__ = ["SPREAD_FACTOR", "compare_summaries", "run_seeds", "summarize"]
+
+# A metric "exceeds the run-to-run spread" when |mean_A - mean_B| > SPREAD_FACTOR * pooled std.
+SPREAD_FACTOR = 2.0
+
+
+def summarize(values: Sequence[float]) -> dict[str, Any]:
+    """Mean and sample standard deviation (ddof=1) of one metric over seeds.
+
+    With one seed there is no spread: ``std`` is ``None``.
+    """
+    data = [float(v) for v in values]
+    if not data:
+        raise InvalidOption("summarize needs at least one value")
+    mean = math.fsum(data) / len(data)
+    std = (
+        math.sqrt(math.fsum((v - mean) ** 2 for v in data) / (len(data) - 1))
+        if len(data) > 1
+        else None
+    )
+    return {"mean": mean, "std": std, "values": data}
+
+
+def run_seeds(run_one: Callable[[int], Mapping[str, float]], seeds: Sequence[int]) -> dict[str, Any]:
+    """Run ``run_one(seed)`` for each seed; summarise every metric as mean ± std.
+
+    Returns ``{"seeds": [...], "runs": [metrics, ...], "metrics": {name: summarize(...)}}``.
+    """
+    seeds = list(seeds)
+    if not seeds:
+        raise InvalidOption("run_seeds needs at least one seed")
+    runs = [dict(run_one(seed)) for seed in seeds]
+    names = list(runs[0])
+    return {
+        "seeds": seeds,
+        "runs": runs,
+        "metrics": {name: summarize([run[name] for run in runs]) for name in names},
+    }
+
+
+def compare_summaries(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per metric: ``diff = mean_A - mean_B``, the pooled std and whether |diff| exceeds the spread.
+
+    ``pooled_std = sqrt((std_A**2 + std_B**2) / 2)`` (equal seed counts), and a metric
+    ``exceeds`` the run-to-run spread when ``|diff| > 2 * pooled_std`` and ``diff != 0``. This is
+    a screening rule, not a significance test: with 3 seeds it flags differences larger than the
+    noise that changing the seed alone produces. ``exceeds`` is ``None`` with a single seed.
+    The per-seed paired differences (same seed = same init and shuffle order in A and B) are
+    reported as well, because they isolate the storage dtype from seed noise.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for name, summary_a in a["metrics"].items():
+        if name not in b["metrics"]:
+            continue
+        summary_b = b["metrics"][name]
+        diff = summary_a["mean"] - summary_b["mean"]
+        if summary_a["std"] is None or summary_b["std"] is None:
+            pooled, exceeds = None, None
+        else:
+            pooled = math.sqrt((summary_a["std"] ** 2 + summary_b["std"] ** 2) / 2)
+            exceeds = bool(diff != 0 and abs(diff) > SPREAD_FACTOR * pooled)
+        paired = [x - y for x, y in zip(summary_a["values"], summary_b["values"])]
+        out[name] = {
+            "mean_a": summary_a["mean"],
+            "std_a": summary_a["std"],
+            "mean_b": summary_b["mean"],
+            "std_b": summary_b["std"],
+            "diff": diff,
+            "pooled_std": pooled,
+            "threshold": None if pooled is None else SPREAD_FACTOR * pooled,
+            "exceeds_spread": exceeds,
+            "paired_diffs": paired,
+            "max_abs_paired_diff": max(abs(d) for d in paired) if paired else 0.0,
+        }
+    return out
