@@ -69,11 +69,10 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def reference_in_ram(train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor],
-                     record: list[Any]) -> tuple[float, float]:
+                     record: list[Any], device: torch.device) -> tuple[float, float]:
     """The reference loop as NANOPATH.md describes it: the whole cache in RAM, feats[idx].to(device)."""
     feats, labels = train[0], train[1].long()
-    val_feats, val_labels = val[0], val[1].long()
-    device = torch.device("cpu")
+    val_feats, val_labels = val[0].to(device), val[1].long().to(device)
     torch.manual_seed(SEED)
     head = recipe.MaskTransformer(CLASSES, DIM, **HEAD).to(device)
     optimizer = torch.optim.Adam(head.parameters(), lr=1e-3, weight_decay=1e-4)
@@ -106,29 +105,39 @@ def reference_in_ram(train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.
     with torch.no_grad():
         preds = torch.cat([recipe.upsampled_logits(head, val_feats[i : i + 64], (LABEL_HW, LABEL_HW)).argmax(1)
                            for i in range(0, len(val_feats), 64)])
-    return best, recipe.weighted_jaccard(val_labels.numpy(), preds.numpy())
+    return best, recipe.weighted_jaccard(val_labels.cpu().numpy(), preds.cpu().numpy())
 
 
-def test_recipe_matches_the_in_ram_reference(data: dict[str, Any]) -> None:
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_recipe_matches_the_in_ram_reference(data: dict[str, Any], device: str) -> None:
+    """CPU: bit-identical. CUDA: the same batches; scores within a tolerance, because the CUDA
+    backward of upsample_bilinear2d is not deterministic (in the reference too)."""
     ref_record: list[Any] = []
-    ref_best, ref_metric = reference_in_ram(data["train"], data["val"], ref_record)
+    ref_best, ref_metric = reference_in_ram(data["train"], data["val"], ref_record, torch.device(device))
+    exact = device == "cpu"
+
+    def close(a: float, b: float, tol: float) -> bool:
+        return a == b if exact else abs(a - b) <= tol
 
     store_record: list[Any] = []
     result = recipe.train_from_store(data["path"], "toy", "enc", "train", "val", epochs=EPOCHS, seed=SEED,
-                                     device="cpu", num_classes=CLASSES, head_kwargs=HEAD,
+                                     device=device, num_classes=CLASSES, head_kwargs=HEAD,
                                      on_epoch=lambda e, b, v: store_record.append((b, v)))
     assert len(store_record) == len(ref_record) == EPOCHS
     for epoch, ((ref_batches, ref_loss), (fs_batches, fs_loss), given) in enumerate(
             zip(ref_record, store_record, result["loader_batches"])):
         same = ref_batches == fs_batches == given
-        print(f"epoch {epoch + 1}: batches {[len(b) for b in ref_batches]}, membership identical: {same}; "
+        print(f"[{device}] epoch {epoch + 1}: batches {[len(b) for b in ref_batches]}, membership identical: {same}; "
               f"val dice loss in RAM {ref_loss:.8f}, featurestore {fs_loss:.8f}")
         assert same, f"epoch {epoch + 1}: the loader read other batches than the reference"
-        assert fs_loss == ref_loss
-    print(f"best val dice loss: in RAM {ref_best:.8f}, featurestore {result['best_val_dice_loss']:.8f}")
-    print(f"weighted Jaccard: in RAM {ref_metric:.8f}, featurestore {result['weighted_jaccard']:.8f}")
-    assert result["best_val_dice_loss"] == ref_best
-    assert result["weighted_jaccard"] == ref_metric
+        assert close(fs_loss, ref_loss, 1e-3), (fs_loss, ref_loss)
+    print(f"[{device}] best val dice loss: in RAM {ref_best:.8f}, featurestore {result['best_val_dice_loss']:.8f}")
+    print(f"[{device}] weighted Jaccard: in RAM {ref_metric:.8f}, featurestore {result['weighted_jaccard']:.8f}")
+    assert close(result["best_val_dice_loss"], ref_best, 1e-3)
+    assert close(result["weighted_jaccard"], ref_metric, 1e-2)
     assert 0.0 < ref_metric <= 1.0
 
 
