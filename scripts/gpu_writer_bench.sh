@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-bench-gpu}"
 mkdir -p "$OUT"
 if [ -d .gpu-wheels ]; then  # an offline box without the project's wheels: install what is missing
-  pip install -q --no-index --find-links .gpu-wheels --target /tmp/fs-deps crc32c ml_dtypes tqdm pytest 2>&1 | tail -2
+  pip install -q --no-deps --no-index --find-links .gpu-wheels --target /tmp/fs-deps crc32c ml_dtypes tqdm pytest 2>&1 | tail -2
   export PYTHONPATH="/tmp/fs-deps:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 python -m pytest -q -p no:cacheprovider --noconftest tests/test_device_stats.py 2>&1 | tail -3
