@@ -230,8 +230,8 @@ class _Body(httpx.SyncByteStream):
         self._released = False
 
     def readinto(self, view: memoryview) -> int:
-        """Read the whole (Content-Length) body into ``view``, which must be exactly its size."""
-        if self._chunked or self._remaining is None or self._remaining != view.nbytes:
+        """Read the next ``view.nbytes`` body bytes (Content-Length bodies) into ``view``."""
+        if self._chunked or self._remaining is None or view.nbytes > self._remaining:
             raise httpx.RemoteProtocolError(
                 f"body of {self._remaining} bytes cannot fill a {view.nbytes}-byte buffer"
             )
@@ -241,8 +241,8 @@ class _Body(httpx.SyncByteStream):
             raise httpx.ReadTimeout(str(error)) from error
         except OSError as error:
             raise httpx.ReadError(str(error)) from error
-        self._remaining = 0
-        self._done = True
+        self._remaining -= view.nbytes
+        self._done = self._remaining == 0
         return view.nbytes
 
     def __iter__(self) -> Iterator[bytes]:

@@ -32,6 +32,8 @@ from featurestore.format import wire
 __all__ = ["ClientError", "FeatureClient", "RemoteFeatureArray"]
 
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
+# A damaged store answers 500 too, but asking again cannot help.
+_NO_RETRY_ERRORS = frozenset({"CorruptChunk", "MissingChunks"})
 
 
 class ClientError(fse.FeatureStoreError):
@@ -98,13 +100,17 @@ class FeatureClient:
         transport: httpx.BaseTransport | None = None,
         http_client: httpx.Client | None = None,
     ) -> None:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"url must be an http(s):// URL of a featurestore server, got {url!r}")
+        if not isinstance(url, str) or not url.lower().startswith(("http://", "https://")):
+            shown = wire.redact(url) if isinstance(url, str) else repr(url)
+            raise ValueError(f"url must be an http(s):// URL of a featurestore server, got {shown!r}")
         if not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries must be a non-negative integer, but got: {retries!r}")
         if not timeout or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, but got: {timeout!r}")
-        self.url = url.rstrip("/")
+        scheme, rest = url.split("://", 1)
+        # The scheme is case-insensitive (RFC 3986 3.1): HTTP://host works like http://host.
+        self._base = f"{scheme.lower()}://{rest}".rstrip("/")  # may hold user:password@
+        self.url = wire.redact(self._base)  # what messages and reprs show
         self.timeout = float(timeout)
         self.retries = retries
         self.backoff = float(backoff)
@@ -164,23 +170,24 @@ class FeatureClient:
             yield attempt
 
     def _error(self, response: httpx.Response, url: str) -> ClientError:
-        name = None
         try:
-            body = response.json()
-            detail, name = body.get("detail"), body.get("error")
-        except (ValueError, AttributeError):
-            detail = response.text[:500]
+            detail, name, extra = wire.parse_error_body(response.json())
+        except ValueError:
+            detail, name, extra = response.text[:500], None, {}
+        if isinstance(detail, str):
+            detail = wire.redact(detail)
         error = _make_error(
             f"{response.request.method} {url} failed with HTTP {response.status_code}: {detail}",
             status=response.status_code, detail=detail, url=url, name=name,
         )  # fmt: skip
-        if isinstance(body_cap := _cap_from(response), int):
-            error.max_response_bytes = body_cap
+        if isinstance(cap := extra.get("max_response_bytes"), int):
+            error.max_response_bytes = cap
         return error
 
     def _send(self, method: str, path: str, *, stream_into: Any = None, **kwargs: Any) -> Any:
         """One request with retries; JSON result, or ``stream_into(response)``'s result."""
-        url = self.url + path
+        url = self._base + path
+        shown = self.url + path
         kwargs["headers"] = self._headers(kwargs.get("headers"))
         last: BaseException | None = None
         for attempt in self._attempts():
@@ -188,8 +195,10 @@ class FeatureClient:
                 with self.http.stream(method, url, **kwargs) as response:
                     if response.status_code >= 400:
                         response.read()
-                        error = self._error(response, url)
-                        if response.status_code in _RETRY_STATUS and attempt < self.retries:
+                        error = self._error(response, shown)
+                        retry = (response.status_code in _RETRY_STATUS
+                                 and type(error).__name__ not in _NO_RETRY_ERRORS)  # fmt: skip
+                        if retry and attempt < self.retries:
                             last = error
                             continue
                         raise error from None
@@ -201,42 +210,52 @@ class FeatureClient:
                 last = error
         if isinstance(last, ClientError):  # a 5xx on every attempt
             raise last
+        # httpx messages may quote the URL, credentials included: redact every line we raise.
         raise _make_error(
-            f"{method} {url} failed after {self.retries + 1} attempts: {last!r}",
-            status=None, detail=str(last), url=url,
-        ) from last
+            wire.redact(f"{method} {shown} failed after {self.retries + 1} attempts: {last!r}"),
+            status=None, detail=wire.redact(str(last)), url=shown,
+        ) from None
 
     # ------------------------------------------------------------------ listings
+    def get_json(self, path: str, params: dict[str, str] | None = None) -> Any:
+        """``GET path`` (a filled-in :mod:`wire <featurestore.format.wire>` route) as JSON."""
+        return self._send("GET", path, params=params)
+
     def datasets(self) -> list[str]:
-        return list(self._send("GET", "/v1/datasets")["datasets"])
+        return list(self.get_json(wire.DATASETS)["datasets"])
 
     def encoders(self, dataset: str) -> list[str]:
-        return list(self._send("GET", f"/v1/datasets/{dataset}/encoders")["encoders"])
+        return list(self.get_json(wire.route(wire.ENCODERS, dataset=dataset))["encoders"])
 
     def splits(self, dataset: str, encoder: str) -> list[str]:
-        return list(self._send("GET", f"/v1/datasets/{dataset}/encoders/{encoder}/splits")["splits"])
+        return list(self.get_json(wire.route(wire.SPLITS, dataset=dataset, encoder=encoder))["splits"])
 
     def info(self, dataset: str, encoder: str, split: str) -> dict[str, Any]:
         """The split's metadata dict (what ``FeatureArray.metadata`` holds locally)."""
-        result: dict[str, Any] = self._send("GET", f"/v1/features/{dataset}/{encoder}/{split}")
+        result: dict[str, Any] = self.get_json(
+            wire.route(wire.SPLIT, dataset=dataset, encoder=encoder, split=split)
+        )
         return result
 
     def healthy(self) -> bool:
         try:
-            return self._send("GET", "/healthz").get("status") == "ok"
+            return self.get_json(wire.HEALTHZ).get("status") == "ok"
         except ClientError:
             return False
 
     # ------------------------------------------------------------------ data
     def open(self, dataset: str, encoder: str, split: str) -> RemoteFeatureArray:
-        """The split's features as a :class:`RemoteFeatureArray` (two small requests, cached)."""
+        """The split as a :class:`RemoteFeatureArray`: one request (structure and metadata), cached."""
         key = (dataset, encoder, split)
         arr = self._layouts.get(key)
         if arr is None:
-            base = f"/v1/features/{dataset}/{encoder}/{split}"
-            layout = self._send("GET", base + "/arrays")
-            metadata = self.info(dataset, encoder, split)
-            arr = RemoteFeatureArray(self, key, layout, metadata, labels=False)
+            doc = self.get_json(wire.route(wire.ARRAYS, dataset=dataset, encoder=encoder, split=split))
+            try:
+                structure = wire.SplitStructure.from_json(doc)
+            except wire.WireFormatError as error:
+                raise _make_error(f"{self.url} answered a bad split structure: {error}",
+                                  status=200, detail=None, url=self.url) from None  # fmt: skip
+            arr = RemoteFeatureArray(self, key, structure)
             self._layouts[key] = arr
         return arr
 
@@ -259,6 +278,18 @@ class FeatureClient:
         """Rows ``indices`` as a torch tensor of the stored dtype (torch.bfloat16 for bfloat16)."""
         return self._array(dataset, encoder, split, labels).read(indices)
 
+    def read_samples(self, dataset: str, encoder: str, split: str, indices: Any
+                     ) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
+        """Features and labels (None without labels) of ``indices``, in one request."""
+        arr = self.open(dataset, encoder, split)
+        index = wire.as_index_array(indices)
+        features = np.empty((len(index), *arr.sample_shape), arr.numpy_dtype)
+        if arr.labels is None:
+            return arr.read_numpy(index, out=features), None
+        labels = np.empty((len(index), *arr.labels.sample_shape), arr.labels.numpy_dtype)
+        arr.read_into(index, features, labels)
+        return features, labels
+
     def read_range(self, dataset: str, encoder: str, split: str, start: int, stop: int, *,
                    labels: bool = False) -> np.ndarray:  # fmt: skip
         return self._array(dataset, encoder, split, labels).read_range(start, stop)
@@ -268,50 +299,81 @@ class FeatureClient:
         """One sample (storage dtype), via the single-item route."""
         arr = self._array(dataset, encoder, split, labels)
         out = np.empty(arr.sample_shape, arr.numpy_dtype)
-        path = f"{arr._base}/items/{int(index)}"
-        return self._fetch(arr, "GET", path, out, params=arr._params)
+        path = wire.route(wire.ITEM, **arr.route, index=int(index))
+        return self.fetch_into("GET", path, out, arr.dtype, params=arr.params)
 
-    def _fetch(self, arr: RemoteFeatureArray, method: str, path: str, out: np.ndarray,
-               **kwargs: Any) -> np.ndarray:  # fmt: skip
-        """Stream one data response straight into ``out`` (no intermediate body buffer)."""
-        target = out.reshape(-1).view(np.uint8).data  # a memoryview of `out`
+    def fetch_into(self, method: str, path: str, out: np.ndarray, dtype: str, *,
+                   params: dict[str, str] | None = None,
+                   indices: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+        """One data response (``X-Shape`` must be ``out.shape``, ``X-Dtype`` ``dtype``) streamed
+        straight into ``out``; ``indices`` go as a raw int64 body (:data:`wire.INDICES`)."""
+        parts = [(out, dtype, wire.SHAPE_HEADER, wire.DTYPE_HEADER)]
+        return self._fetch_parts(method, path, parts, params=params, indices=indices)[0]
 
-        def fill(response: httpx.Response) -> np.ndarray:
-            try:
-                shape = wire.parse_shape(response.headers.get(wire.SHAPE_HEADER, ""))
-            except wire.WireFormatError as error:
-                raise _make_error(str(error), status=response.status_code, detail=None,
-                                  url=str(response.url)) from None  # fmt: skip
-            dtype = response.headers.get(wire.DTYPE_HEADER)
-            if shape != out.shape or dtype != arr.dtype:
-                raise _make_error(
-                    f"{response.url} answered shape {shape} dtype {dtype}, expected {out.shape} "
-                    f"{arr.dtype}", status=response.status_code, detail=None, url=str(response.url),
-                )  # fmt: skip
+    def fetch_samples(self, arr: RemoteFeatureArray, index: np.ndarray, features: np.ndarray,
+                      labels: np.ndarray) -> None:  # fmt: skip
+        """Features and labels of ``index`` in one :data:`wire.SAMPLES` response, in place."""
+        assert arr.labels is not None
+        parts = [(features, arr.dtype, wire.SHAPE_HEADER, wire.DTYPE_HEADER),
+                 (labels, arr.labels.dtype, wire.LABELS_SHAPE_HEADER, wire.LABELS_DTYPE_HEADER)]
+        self._fetch_parts("POST", wire.route(wire.SAMPLES, **arr.route), parts, indices=index)
+
+    def _fetch_parts(self, method: str, path: str,
+                     parts: list[tuple[np.ndarray, str, str, str]], *,
+                     params: dict[str, str] | None = None,
+                     indices: np.ndarray | None = None) -> list[np.ndarray]:  # fmt: skip
+        """Stream one response into ``parts`` (arrays back to back, each described by its own
+        shape/dtype headers): no intermediate body buffer."""
+        targets = [out.reshape(-1).view(np.uint8).data for out, *_ in parts]
+
+        def fill(response: httpx.Response) -> list[np.ndarray]:
+            for out, dtype, shape_header, dtype_header in parts:
+                try:
+                    shape = wire.parse_shape(response.headers.get(shape_header, ""))
+                except wire.WireFormatError as error:
+                    raise _make_error(str(error), status=response.status_code, detail=None,
+                                      url=self.url + path) from None  # fmt: skip
+                got = response.headers.get(dtype_header)
+                if shape != out.shape or got != dtype:
+                    raise _make_error(
+                        f"{self.url}{path} answered {shape_header} {shape} {dtype_header} {got}, "
+                        f"expected {out.shape} {dtype}",
+                        status=response.status_code, detail=None, url=self.url + path,
+                    )  # fmt: skip
             readinto = response.extensions.get("readinto")
             encoded = response.headers.get("content-encoding", "identity") != "identity"
             if readinto is not None and not encoded:
-                readinto(target)  # straight from the socket into `out`
-                return out
-            filled = 0
-            for chunk in response.iter_bytes() if encoded else response.iter_raw():
-                size = len(chunk)
-                if filled + size > target.nbytes:
-                    raise httpx.RemoteProtocolError("response body longer than X-Shape says")
-                target[filled : filled + size] = chunk
-                filled += size
-            if filled != target.nbytes:
-                raise httpx.RemoteProtocolError(f"body of {filled} bytes, expected {target.nbytes}")
-            return out
+                for target in targets:
+                    readinto(target)  # straight from the socket into the output arrays
+                return [out for out, *_ in parts]
+            _fill_views(response.iter_bytes() if encoded else response.iter_raw(), targets)
+            return [out for out, *_ in parts]
 
         headers = {"Accept": wire.OCTET_STREAM, "Accept-Encoding": "identity"}
-        result: np.ndarray = self._send(method, path, stream_into=fill, headers=headers, **kwargs)
+        kwargs: dict[str, Any] = {"params": params, "headers": headers}
+        if indices is not None:
+            headers["Content-Type"] = wire.INDICES
+            kwargs["content"] = wire.encode_indices(indices)
+        result: list[np.ndarray] = self._send(method, path, stream_into=fill, **kwargs)
         return result
 
 
-def _cap_from(response: httpx.Response) -> int | None:
-    try:
-        value = response.json().get("max_response_bytes")
-    except (ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) else None
+def _fill_views(chunks: Iterator[bytes], targets: list[memoryview]) -> None:
+    """Copy a body arriving in ``chunks`` into ``targets`` back to back; exact length."""
+    total = sum(t.nbytes for t in targets)
+    which, filled, seen = 0, 0, 0
+    for chunk in chunks:
+        view = memoryview(chunk)
+        seen += view.nbytes
+        if seen > total:
+            raise httpx.RemoteProtocolError("response body longer than its shape headers say")
+        while view.nbytes:
+            target = targets[which]
+            take = min(view.nbytes, target.nbytes - filled)
+            target[filled : filled + take] = view[:take]
+            filled += take
+            view = view[take:]
+            if filled == target.nbytes and which + 1 < len(targets):
+                which, filled = which + 1, 0
+    if seen != total:
+        raise httpx.RemoteProtocolError(f"body of {seen} bytes, expected {total}")

@@ -1,5 +1,10 @@
 """``RemoteFeatureArray``: one split's features (or labels) on a server, with the interface of a
-local :class:`featurestore.FeatureArray`, so datasets and loaders treat both sources alike."""
+local :class:`featurestore.FeatureArray`, so datasets and loaders treat both sources alike.
+
+Everything it knows about the split comes from one :class:`~featurestore.format.wire.SplitStructure`
+(one ``GET .../arrays``); every byte it reads comes through :meth:`FeatureClient.fetch_into` /
+:meth:`FeatureClient.fetch_samples`, the client's public data calls.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from featurestore import errors as fse
-from featurestore.core.reader import as_index_array
 from featurestore.format import wire
 
 if TYPE_CHECKING:
@@ -21,30 +25,34 @@ class RemoteFeatureArray:
     """A split's ``features`` (or ``labels``) over HTTP, with :class:`FeatureArray`'s interface.
 
     Reads larger than the server's byte cap are split into several requests, each written in
-    place into the one output buffer.
+    place into the one output buffer. :meth:`read_into` fetches features and labels of a batch in
+    one request (the loader's hot path).
     """
 
-    def __init__(self, client: FeatureClient, key: tuple[str, str, str], layout: dict[str, Any],
-                 metadata: dict[str, Any], *, labels: bool) -> None:  # fmt: skip
+    def __init__(self, client: FeatureClient, key: tuple[str, str, str],
+                 structure: wire.SplitStructure, *, labels: bool = False) -> None:  # fmt: skip
         self.client = client
         self.key = key
+        self.structure = structure
         self.name = "labels" if labels else "features"
-        desc = layout["labels" if labels else "features"]
-        self.shape: tuple[int, ...] = tuple(int(d) for d in desc["shape"])
-        self.sample_shape = self.shape[1:]
-        self.dtype: str = desc["dtype"]
-        self.numpy_dtype = wire.storage_dtype(self.dtype)
-        self.sample_nbytes = int(desc["sample_nbytes"])
-        self.chunk_rows = int(desc["chunk_rows"])
-        self.max_response_bytes = int(layout["max_response_bytes"])
-        self.metadata = metadata
-        self._has_ids = bool(layout.get("has_ids"))
+        array = structure.labels if labels else structure.features
+        if array is None:
+            raise fse.SplitNotFound(f"split {'/'.join(key)} has no labels")
+        self.shape: tuple[int, ...] = array.shape
+        self.sample_shape = array.sample_shape
+        self.dtype: str = array.dtype
+        self.numpy_dtype = array.storage_dtype
+        self.sample_nbytes = array.sample_nbytes
+        self.chunk_rows = array.chunk_rows
+        self.max_response_bytes = structure.max_response_bytes
+        self.metadata = structure.metadata
+        self.path = "http"  # the read path, as FeatureArray.path names its own
+        self.route = dict(zip(("dataset", "encoder", "split"), key, strict=True))
+        self.params: dict[str, str] = {"labels": "true"} if labels else {}
         self._ids: list[str] | None = None
-        self._base = "/v1/features/{}/{}/{}".format(*key)
-        self._params = {"labels": "true"} if labels else {}
         self.labels: RemoteFeatureArray | None = None
-        if not labels and layout.get("labels"):
-            self.labels = RemoteFeatureArray(client, key, layout, metadata, labels=True)
+        if not labels and structure.labels is not None:
+            self.labels = RemoteFeatureArray(client, key, structure, labels=True)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -59,10 +67,12 @@ class RemoteFeatureArray:
 
     @property
     def ids(self) -> list[str] | None:
-        if self._has_ids and self._ids is None:
-            self._ids = list(self.client._send("GET", self._base + "/ids")["ids"])
+        """The sample ids (fetched on first use; ``None`` without asking when the split has none)."""
+        if self.structure.has_ids and self._ids is None:
+            self._ids = [str(i) for i in self.client.get_json(wire.route(wire.IDS, **self.route))["ids"]]
         return self._ids
 
+    # ------------------------------------------------------------------ reads
     def read(self, indices: Any) -> Any:
         from featurestore.format.dtypes import to_torch
 
@@ -75,38 +85,62 @@ class RemoteFeatureArray:
             )
         return self.read_numpy(np.arange(start, stop, dtype=np.int64))
 
-    def read_numpy(self, indices: Any, out: np.ndarray | None = None) -> np.ndarray:
-        index = as_index_array(indices)
-        shape = (len(index), *self.sample_shape)
+    def _index(self, indices: Any) -> np.ndarray:
+        index = wire.as_index_array(indices)
+        wire.check_bounds(index, len(self), f"{self.client.url} {'/'.join(self.key)} {self.name}")
+        return index
+
+    def _out(self, out: np.ndarray | None, rows: int, sample_shape: tuple[int, ...],
+             dtype: np.dtype) -> np.ndarray:  # fmt: skip
+        shape = (rows, *sample_shape)
         if out is None:
-            out = np.empty(shape, self.numpy_dtype)
-        elif out.shape != shape or out.dtype != self.numpy_dtype or not out.flags.c_contiguous:
+            return np.empty(shape, dtype)
+        if out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
             raise fse.ShapeMismatch(
                 f"out has shape {out.shape} and dtype {out.dtype}; this read needs a C-contiguous "
-                f"{shape} array of {self.numpy_dtype}"
+                f"{shape} array of {dtype}"
             )
-        if index.size:
-            low, high = int(index.min()), int(index.max())
-            if low < 0 or high >= len(self):
-                raise fse.IndexOutOfRange(
-                    f"index {low if low < 0 else high} is out of range for {self.client.url} "
-                    f"{'/'.join(self.key)} {self.name} with {len(self)} samples: use indices in "
-                    f"[0, {len(self) - 1}]"
-                )
+        return out
+
+    def read_numpy(self, indices: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``indices`` (any order, duplicates allowed) in the storage dtype."""
+        index = self._index(indices)
+        out = self._out(out, len(index), self.sample_shape, self.numpy_dtype)
         rows = max(1, self.max_response_bytes // max(self.sample_nbytes, 1))
         for start in range(0, len(index), rows):
             self._read_piece(index[start : start + rows], out[start : start + rows])
         return out
 
+    def read_into(self, indices: Any, features: np.ndarray,
+                  labels: np.ndarray | None = None) -> None:  # fmt: skip
+        """Features (and, if given and the split has them, labels) of ``indices`` in place, in one
+        request per piece that fits the server's cap (:data:`wire.SAMPLES`)."""
+        if self.name != "features":
+            raise TypeError("read_into is a features-array call: it also fills the labels")
+        index = self._index(indices)
+        features = self._out(features, len(index), self.sample_shape, self.numpy_dtype)
+        if labels is None or self.labels is None:
+            self.read_numpy(index, out=features)
+            return
+        lab = self.labels
+        labels = self._out(labels, len(index), lab.sample_shape, lab.numpy_dtype)
+        per_row = self.sample_nbytes + lab.sample_nbytes
+        rows = max(1, self.max_response_bytes // max(per_row, 1))
+        for start in range(0, len(index), rows):
+            piece = slice(start, start + rows)
+            self.client.fetch_samples(self, index[piece], features[piece], labels[piece])
+
     def _read_piece(self, index: np.ndarray, out: np.ndarray) -> None:
+        if not len(index):
+            return
         first = int(index[0])
-        # A contiguous ascending run goes as GET ?start&stop: no JSON body, and the server
-        # reads it as one slice.
+        batch = wire.route(wire.BATCH, **self.route)
+        # A contiguous ascending run goes as GET ?start&stop: no body, and the server reads it
+        # as one slice.
         if len(index) == 1 or (int(index[-1]) - first == len(index) - 1
                                and bool(np.all(np.diff(index) == 1))):  # fmt: skip
-            params = {**self._params, "start": first, "stop": first + len(index)}
-            self.client._fetch(self, "GET", self._base + "/batch", out, params=params)
+            params = {**self.params, "start": str(first), "stop": str(first + len(index))}
+            self.client.fetch_into("GET", batch, out, self.dtype, params=params)
         else:
-            body = {"indices": index.tolist()}
-            self.client._fetch(self, "POST", self._base + "/batch", out, params=self._params,
-                               json=body)  # fmt: skip
+            self.client.fetch_into("POST", batch, out, self.dtype, params=self.params,
+                                   indices=index)  # fmt: skip

@@ -9,13 +9,16 @@ Nothing here imports torch: the server image ships without it.
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 import featurestore
-from server import routes_features, routes_zarr
+from server import routes_data, routes_features, routes_zarr
 from server.auth import BearerAuthMiddleware
 from server.errors import install_error_handlers
+from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics, MetricsMiddleware
 from server.settings import Settings
 from server.state import StoreState
@@ -40,8 +43,9 @@ def create_app(store_url: str | None = None, settings: Settings | None = None) -
     )
     app.state.featurestore = state
     install_error_handlers(app)
-    app.include_router(routes_features.router)
+    app.include_router(routes_data.router)
     app.include_router(routes_zarr.router)
+    app.include_router(routes_features.router)  # last: its /v1 catch-all matches anything
 
     metrics = Metrics()
     metrics.watch_pool(lambda: state.buffers.free_bytes)
@@ -54,6 +58,9 @@ def create_app(store_url: str | None = None, settings: Settings | None = None) -
 
     # The middleware added last is the outermost: metrics wraps auth, so rejected requests are
     # counted too.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    if (warning := settings.empty_token_warning()) is not None:
+        logging.getLogger("featurestore.server").warning(warning)
     token = settings.token_value()
     if token is not None:
         app.add_middleware(BearerAuthMiddleware, token=token)

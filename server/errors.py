@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from featurestore import errors as fse
+from featurestore.format import wire
 
 log = logging.getLogger("featurestore.server")
 
@@ -48,6 +49,18 @@ class Unauthorized(fse.FeatureStoreError, PermissionError):
     pass
 
 
+class RequestTooLarge(fse.FeatureStoreError, ValueError):
+    """A request body or index list beyond the server's caps (checked before parsing)."""
+
+
+class Busy(fse.FeatureStoreError, RuntimeError):
+    """Too many response bytes in flight: 503 with ``Retry-After``."""
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 # First match in MRO order wins, so subclasses may override their parents.
 STATUS: Mapping[type[BaseException], int] = {
     Unauthorized: 401,
@@ -60,13 +73,23 @@ STATUS: Mapping[type[BaseException], int] = {
     fse.SplitNotFound: 404,
     fse.IncompleteSplit: 409,
     ResponseTooLarge: 413,
+    RequestTooLarge: 413,
+    Busy: 503,
     fse.IndexOutOfRange: 416,
     RangeNotSatisfiable: 416,
     # The server's own store is missing or unreadable: not the caller's fault.
     fse.StoreNotFound: 503,
     fse.NotAFeatureStore: 503,
     fse.UnsupportedFormatVersion: 503,
+    # A complete split whose chunks are damaged or missing: the store is broken (see _DAMAGED).
+    fse.CorruptChunk: 500,
+    fse.MissingChunks: 500,
 }
+
+_DAMAGED = (
+    "the server's store is damaged (not a problem with the request): {}. Run 'featurestore "
+    "verify' on the store and re-extract or resume the split"
+)
 
 
 def status_for(error: BaseException) -> int:
@@ -78,20 +101,28 @@ def status_for(error: BaseException) -> int:
 
 def error_response(status: int, detail: object, error: str, headers: dict[str, str] | None = None
                    ) -> JSONResponse:
-    return JSONResponse({"detail": detail, "error": error}, status_code=status, headers=headers)
+    if isinstance(detail, str):
+        detail = wire.redact(detail)
+    return JSONResponse(wire.error_body(detail, error), status_code=status, headers=headers)
 
 
 def render_error(exc: fse.FeatureStoreError) -> JSONResponse:
     """The one translation of a domain error into a response (also used by the auth middleware)."""
     status = status_for(exc)
     headers: dict[str, str] = {}
-    content: dict[str, object] = {"detail": str(exc), "error": type(exc).__name__}
+    message = str(exc)
+    if isinstance(exc, (fse.CorruptChunk, fse.MissingChunks)):
+        message = _DAMAGED.format(message)
+    extra: dict[str, object] = {}
     if isinstance(exc, RangeNotSatisfiable):
         headers["Content-Range"] = f"bytes */{exc.size}"
     if isinstance(exc, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
     if isinstance(exc, ResponseTooLarge):
-        content["max_response_bytes"] = exc.max_response_bytes
+        extra["max_response_bytes"] = exc.max_response_bytes
+    if isinstance(exc, Busy):
+        headers["Retry-After"] = str(exc.retry_after)
+    content = wire.error_body(wire.redact(message), type(exc).__name__, **extra)
     return JSONResponse(content, status_code=status, headers=headers or None)
 
 
@@ -99,7 +130,7 @@ async def _feature_store_error(request: Request, exc: Exception) -> JSONResponse
     if not isinstance(exc, fse.FeatureStoreError):  # pragma: no cover - registered for it
         return await _unexpected(request, exc)
     if status_for(exc) >= 500:
-        log.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
+        log.error("%s %s failed: %s", request.method, request.url.path, wire.redact(str(exc)))
     return render_error(exc)
 
 

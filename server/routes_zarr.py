@@ -24,7 +24,7 @@ from server.state import StoreState
 router = APIRouter()
 
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]{1,255}")
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+_RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
 _MAX_KEY = 1024
 
 
@@ -42,31 +42,46 @@ def validate_key(key: str, raw_path: bytes) -> str:
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     """``(start, stop)`` for a single satisfiable byte range, None to send the whole key.
 
-    Per RFC 9110 section 14.2 a server may ignore a Range it does not support (several ranges,
-    other units, malformed); a syntactically valid range that starts past the end is 416.
+    Per RFC 9110 section 14.2 a server may ignore a Range it does not support (other units,
+    several ranges): those get the whole key. A malformed ``bytes=`` range is a 400 and a
+    well-formed one that starts past the end a 416; never a 500, however many digits a number
+    has (Python refuses to parse ints of more than 4300 digits, so lengths are compared first).
     """
     if not header:
         return None
-    match = _RANGE.fullmatch(header.strip())
+    text = header.strip()
+    unit, sep, spec = text.partition("=")
+    if not sep or unit.strip().lower() != "bytes":
+        return None  # another unit: ignore, as the RFC says
+    if "," in spec:
+        return None  # several ranges: not supported, the whole key instead (allowed by the RFC)
+    match = _RANGE.fullmatch("bytes=" + spec.strip())
     if match is None:
-        return None
+        raise BadRequest(f"malformed Range header {text[:60]!r}: use bytes=START-END, "
+                         "bytes=START- or bytes=-SUFFIX")  # fmt: skip
     first, last = match.groups()
     if first == "" and last == "":
-        return None
+        raise BadRequest(f"malformed Range header {text[:60]!r}: no positions")
     if first == "":  # suffix: the last N bytes
-        length = int(last)
+        length = _bounded(last, size)
         if length == 0:
-            raise RangeNotSatisfiable(f"empty suffix range {header!r}", size=size)
+            raise RangeNotSatisfiable(f"empty suffix range {text[:60]!r}", size=size)
         return max(size - length, 0), size
-    start = int(first)
-    stop = size if last == "" else min(int(last) + 1, size)
-    if last != "" and int(last) < start:
-        return None  # invalid range: ignore it, as the RFC allows
+    start = _bounded(first, size)
+    stop = size if last == "" else min(_bounded(last, size) + 1, size)
+    if last != "" and _bounded(last, size) < start:
+        raise BadRequest(f"malformed Range header {text[:60]!r}: the end is before the start")
     if start >= size:
         raise RangeNotSatisfiable(
-            f"range {header!r} starts beyond the key's {size} bytes", size=size
+            f"range {text[:60]!r} starts beyond the key's {size} bytes", size=size
         )
     return start, stop
+
+
+def _bounded(digits: str, size: int) -> int:
+    """``int(digits)``, or ``size + 1`` for any number too long to matter (no int parse)."""
+    digits = digits.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 18 else size + 1
 
 
 def _resolve(state: StoreState, key: str) -> str:

@@ -43,9 +43,44 @@ class Settings(BaseSettings):
         description="data bodies are handed to the server in pieces of this size (flow control)",
     )
 
+    max_request_bytes: int = Field(
+        default=8 << 20,
+        gt=0,
+        description="largest request body (e.g. an index list); bigger ones get 413 before any of "
+        "it is parsed",
+    )
+    max_indices: int = Field(
+        default=1 << 20, gt=0, description="most indices in one batch request (413 beyond)"
+    )
+    max_inflight_bytes: int = Field(
+        default=1 << 30,
+        gt=0,
+        description="response bytes gathered or being sent at once, over all requests of this "
+        "worker; a request that does not fit waits up to inflight_wait_s, then gets 503 with "
+        "Retry-After",
+    )
+    inflight_wait_s: float = Field(default=5.0, ge=0, description="see max_inflight_bytes")
+    metadata_ttl_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="on object storage, how long a split's metadata is trusted before it is "
+        "re-read (local stores re-check it on every request)",
+    )
+
     def token_value(self) -> str | None:
-        """The token, or None when unset or empty (an empty token would mean no auth)."""
+        """The token, or None when unset or empty (no auth; see :meth:`empty_token_warning`)."""
         if self.token is None:
             return None
-        value = self.token.get_secret_value()
-        return value or None
+        return self.token.get_secret_value().strip() or None
+
+    def empty_token_warning(self) -> str | None:
+        """A loud warning when FEATURESTORE_TOKEN is set but empty (issue 12.11): that looks like
+        auth is on while the server is open to anyone. Not refused, because compose files pass
+        ``FEATURESTORE_TOKEN: ${FEATURESTORE_TOKEN:-}`` to mean "no token" on purpose."""
+        if self.token is not None and not self.token.get_secret_value().strip():
+            return (
+                "WARNING: FEATURESTORE_TOKEN is set but empty, so this server runs WITHOUT "
+                "authentication: every route is open to anyone who can reach it. Set a token, "
+                "or unset FEATURESTORE_TOKEN to say you mean it"
+            )
+        return None

@@ -118,8 +118,10 @@ def test_errors_carry_status_detail_url_and_domain_class(fc: FeatureClient, serv
     assert error.url == f"{server_url}/v1/features/pannuke/tiny/nope/arrays"
     with pytest.raises(fse.DatasetNotFound):
         fc.encoders("missing")
-    with pytest.raises(fse.InvalidName) as bad:
+    with pytest.raises(fse.InvalidName):  # refused by the client, before any request
         fc.info("pannuke", "tiny", ".x")
+    with pytest.raises(fse.InvalidName) as bad:  # and by the server (400), e.g. a raw request
+        fc.get_json("/v1/features/pannuke/tiny/.x")
     assert bad.value.status == 400
     with pytest.raises(fse.IncompleteSplit) as incomplete:
         fc.read_numpy("pannuke", "tiny", "writing", [0])
@@ -269,9 +271,9 @@ def test_truncated_data_body_is_an_error_not_garbage() -> None:
     head = "HTTP/1.1 200 OK\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
     layout = {"features": {"shape": [40, 4, 8], "dtype": "float16", "storage_dtype": "float16",
                            "sample_nbytes": 64, "chunk_rows": 5},
-              "labels": None, "has_ids": False, "max_response_bytes": 1 << 20}  # fmt: skip
-    server = ScriptedHTTPServer(
-        [response(200, json.dumps(layout).encode()), response(200, b"{}"), head.encode() + b"\x00" * 10],
+              "labels": None, "has_ids": False, "max_response_bytes": 1 << 20, "metadata": {}}  # fmt: skip
+    server = ScriptedHTTPServer(  # one request opens the split, the next reads
+        [response(200, json.dumps(layout).encode()), head.encode() + b"\x00" * 10],
         close_after=True,
     )
     try:

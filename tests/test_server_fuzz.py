@@ -70,6 +70,14 @@ def _check(response: Any) -> None:
     if response.status_code >= 400:
         body = response.json()
         assert isinstance(body.get("detail"), (str, list)), body
+    elif response.headers.get("content-type") == wire.SAMPLES_MEDIA:
+        total = 0
+        for shape_h, dtype_h in ((wire.SHAPE_HEADER, wire.DTYPE_HEADER),
+                                 (wire.LABELS_SHAPE_HEADER, wire.LABELS_DTYPE_HEADER)):  # fmt: skip
+            if shape_h in response.headers:
+                shape = wire.parse_shape(response.headers[shape_h])
+                total += int(np.prod(shape)) * wire.storage_dtype(response.headers[dtype_h]).itemsize
+        assert len(response.content) == total
     elif wire.SHAPE_HEADER in response.headers and response.headers["content-type"] == wire.OCTET_STREAM:
         shape = wire.parse_shape(response.headers[wire.SHAPE_HEADER])
         dtype = wire.storage_dtype(response.headers[wire.DTYPE_HEADER])
@@ -91,13 +99,14 @@ def test_get_routes_never_fail(client: TestClient, ds: str, enc: str, split: str
 
 @FUZZ
 @given(ds=st.sampled_from(["pannuke", "nope", ".."]), split=names, body=bodies, labels=st.sampled_from([None, "true"]),
-       hdrs=headers, raw=st.one_of(st.none(), st.binary(max_size=30)))  # fmt: skip
+       hdrs=headers, raw=st.one_of(st.none(), st.binary(max_size=30)), route=st.sampled_from(["batch", "samples"]),
+       ctype=st.sampled_from(["application/json", wire.INDICES]))  # fmt: skip
 def test_post_batch_never_fails(client: TestClient, ds: str, split: str, body: Any, labels: str | None,
-                                hdrs: dict[str, str], raw: bytes | None) -> None:  # fmt: skip
-    path = f"/v1/features/{_seg(ds)}/tiny/{_seg(split)}/batch"
+                                hdrs: dict[str, str], raw: bytes | None, route: str, ctype: str) -> None:  # fmt: skip
+    path = f"/v1/features/{_seg(ds)}/tiny/{_seg(split)}/{route}"
     params = {"labels": labels} if labels else {}
     if raw is not None:
-        response = client.post(path, params=params, content=raw, headers={**hdrs, "content-type": "application/json"})
+        response = client.post(path, params=params, content=raw, headers={**hdrs, "content-type": ctype})
     else:
         response = client.post(path, params=params, content=json.dumps(body, allow_nan=True),
                                headers={**hdrs, "content-type": "application/json"})  # fmt: skip
@@ -127,5 +136,6 @@ def test_every_openapi_route_is_covered(client: TestClient) -> None:
              "/v1/datasets/{dataset}/encoders/{encoder}/splits", "/v1/features/{dataset}/{encoder}/{split}",
              "/v1/features/{dataset}/{encoder}/{split}/arrays", "/v1/features/{dataset}/{encoder}/{split}/ids",
              "/v1/features/{dataset}/{encoder}/{split}/items/{index}",
-             "/v1/features/{dataset}/{encoder}/{split}/batch", "/zarr/{key}", "/metrics"}  # fmt: skip
+             "/v1/features/{dataset}/{encoder}/{split}/batch", "/v1/features/{dataset}/{encoder}/{split}/samples",
+             "/zarr/{key}", "/metrics"}  # fmt: skip
     assert set(client.get("/openapi.json").json()["paths"]) == known

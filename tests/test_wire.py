@@ -40,10 +40,15 @@ def test_storage_dtypes() -> None:
     assert wire.storage_dtype("float32") == np.dtype("<f4")
     assert wire.storage_dtype("int64") == np.dtype("<i8")
     assert wire.storage_dtype("uint8") == np.dtype("u1")
+    # One mapping (featurestore.format.dtypes); wire_dtype checks a name that came off the wire.
+    from featurestore.format import dtypes
+
+    assert wire.storage_dtype is dtypes.storage_dtype
+    assert wire.wire_dtype("bfloat16") == np.dtype("<u2")
     with pytest.raises(wire.WireFormatError):
-        wire.storage_dtype("object")
+        wire.wire_dtype("object")
     with pytest.raises(wire.WireFormatError):
-        wire.storage_dtype("not-a-dtype")
+        wire.wire_dtype("not-a-dtype")
 
 
 @given(

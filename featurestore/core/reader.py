@@ -25,6 +25,7 @@ from featurestore.core import pread
 from featurestore.core.storage import Storage
 from featurestore.errors import CorruptChunk, IndexOutOfRange, InvalidIndices, MissingChunks, ShapeMismatch
 from featurestore.format import dtypes, layout
+from featurestore.format.wire import as_index_array, check_bounds
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in lazily
 
@@ -143,14 +144,7 @@ class FeatureArray:
 
     def _normalize(self, indices: Any) -> np.ndarray:
         index = as_index_array(indices)
-        if index.size:
-            low, high = int(index.min()), int(index.max())
-            if low < 0 or high >= len(self):
-                bad = low if low < 0 else high
-                raise IndexOutOfRange(
-                    f"index {bad} is out of range for {self._key} with {len(self)} samples: "
-                    f"use indices in [0, {len(self) - 1}]"
-                )
+        check_bounds(index, len(self), self._key)
         return index
 
     # ------------------------------------------------------------------ local paths
@@ -310,21 +304,6 @@ def _setting(name: str, default: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}: unset it or pick one of those")
     return value
-
-
-def as_index_array(indices: Any) -> np.ndarray:
-    """Any 1-D int sequence (list, numpy, torch; a scalar counts as one) as int64 numpy."""
-    if type(indices).__module__.startswith("torch"):
-        indices = indices.detach().cpu().numpy()
-    index = np.asarray(indices)
-    if index.ndim == 0:
-        index = index.reshape(1)
-    if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
-        raise InvalidIndices(
-            f"indices must be a 1-D sequence of integers, got {index.dtype} with shape "
-            f"{index.shape}: pass e.g. a list of ints or a torch.LongTensor"
-        )
-    return index.astype(np.int64, copy=False)
 
 
 def _runs(chunk_of: np.ndarray, offset: np.ndarray, target: np.ndarray | None = None) -> list[tuple[int, int]]:

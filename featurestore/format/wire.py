@@ -6,6 +6,12 @@ A data response is the raw C-order little-endian bytes of one array, described b
 header says how to view them. ``Accept: application/x-npy`` asks for the same bytes behind a
 standard ``.npy`` header (NPY format 1.0; bfloat16 is then ``<u2`` bits, as on storage).
 
+Besides the headers, this module holds everything else both sides must agree on: the route
+templates, the structure of an opened split (:class:`SplitStructure`, what ``GET .../arrays``
+answers: shapes, dtypes, chunking, labels/ids presence and the metadata, so opening a remote split
+is one request), the error body, the one index normaliser and bounds check, and the binary framing
+of a features+labels batch (:data:`SAMPLES`, issue 16).
+
 This module must stay importable without torch, fastapi or httpx: the server image has no torch
 and ``import client`` must not pull in the server stack.
 """
@@ -17,12 +23,42 @@ import math
 import re
 import struct
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from featurestore.errors import IndexOutOfRange
+from featurestore.format.dtypes import storage_dtype
+from featurestore.format.names import validate_name
+
 __all__ = [
+    "ARRAYS",
+    "BATCH",
+    "DATASETS",
     "DTYPE_HEADER",
+    "ENCODERS",
+    "HEALTHZ",
+    "IDS",
+    "INDICES",
+    "ITEM",
+    "LABELS_DTYPE_HEADER",
+    "LABELS_SHAPE_HEADER",
+    "SAMPLES",
+    "SAMPLES_MEDIA",
+    "SPLIT",
+    "SPLITS",
+    "ArrayStructure",
+    "SplitStructure",
+    "as_index_array",
+    "check_bounds",
+    "decode_indices",
+    "encode_indices",
+    "error_body",
+    "parse_error_body",
+    "redact",
+    "route",
+    "wire_dtype",
     "NPY",
     "NPY_MAGIC",
     "OCTET_STREAM",
@@ -40,8 +76,30 @@ __all__ = [
 
 SHAPE_HEADER = "X-Shape"
 DTYPE_HEADER = "X-Dtype"
+# A features+labels response (SAMPLES) also describes the labels part; see SAMPLES_MEDIA.
+LABELS_SHAPE_HEADER = "X-Labels-Shape"
+LABELS_DTYPE_HEADER = "X-Labels-Dtype"
 OCTET_STREAM = "application/octet-stream"
 NPY = "application/x-npy"
+# A request body of raw little-endian int64 indices (no JSON to parse on either side).
+INDICES = "application/x-featurestore-indices"
+# The features+labels framing: the features' bytes (X-Shape/X-Dtype), then, only if the split has
+# labels, the labels' bytes (X-Labels-Shape/X-Labels-Dtype); Content-Length is their sum. Both
+# parts are raw C-order little-endian, as in a single-array response; no padding between them.
+SAMPLES_MEDIA = "application/x-featurestore-samples"
+
+# Route templates (FastAPI path syntax), used verbatim by the server's routers and, filled in by
+# route(), by the client.
+HEALTHZ = "/healthz"
+DATASETS = "/v1/datasets"
+ENCODERS = "/v1/datasets/{dataset}/encoders"
+SPLITS = "/v1/datasets/{dataset}/encoders/{encoder}/splits"
+SPLIT = "/v1/features/{dataset}/{encoder}/{split}"
+ARRAYS = SPLIT + "/arrays"
+IDS = SPLIT + "/ids"
+ITEM = SPLIT + "/items/{index}"
+BATCH = SPLIT + "/batch"
+SAMPLES = SPLIT + "/samples"
 
 # https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html: magic, version 1.0,
 # little-endian uint16 header length, header padded with spaces and a newline so that the data
@@ -56,23 +114,33 @@ class WireFormatError(ValueError):
     """A header or payload that does not follow this contract."""
 
 
-def storage_dtype(logical: str) -> np.dtype:
-    """The little-endian numpy dtype whose bytes carry ``logical`` on storage and on the wire.
+def wire_dtype(logical: str) -> np.dtype:
+    """:func:`~featurestore.format.dtypes.storage_dtype` for a name that came off the wire.
 
-    ``bfloat16`` -> ``<u2`` (its bit pattern); every other name is a numpy dtype name
-    (``float16``, ``float32``, ``uint8``, ``int64``, ...), forced to little-endian.
+    The mapping (``bfloat16`` -> ``<u2`` bits, anything else little-endian numpy) is the store's
+    one; this adds the check a peer's header needs: only bool, integer and float arrays travel.
     """
-    if logical == "bfloat16":
-        return np.dtype("<u2")
     try:
-        dtype = np.dtype(logical)
+        dtype = storage_dtype(logical)
     except TypeError as error:
         raise WireFormatError(f"unknown dtype {logical!r} in {DTYPE_HEADER}") from error
     if dtype.kind not in "biuf" or dtype.itemsize == 0:
         raise WireFormatError(
             f"dtype {logical!r} cannot travel on the wire: only bool, integer and float arrays do"
         )
-    return dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype
+    return dtype
+
+
+def route(template: str, **parts: object) -> str:
+    """A route template filled in: ``route(ITEM, dataset="d", encoder="e", split="s", index=3)``.
+
+    Names are checked here, on the client, so a bad one is :class:`InvalidName` before any
+    request (a slash in a name would otherwise reach another route, or none).
+    """
+    for name in ("dataset", "encoder", "split"):
+        if name in parts:
+            validate_name(parts[name], name)
+    return template.format(**{name: str(value) for name, value in parts.items()})
 
 
 def encode_shape(shape: Iterable[int]) -> str:
@@ -188,3 +256,182 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return json_safe(value.tolist())
     return value
+
+
+# ---------------------------------------------------------------------- indices
+def as_index_array(indices: Any) -> np.ndarray:
+    """Any 1-D int sequence (list, numpy, torch; a scalar counts as one) as int64 numpy.
+
+    The one normaliser for every reader (local, object storage, HTTP) and the server's index
+    bodies, so the same input is accepted or refused with the same error everywhere.
+    """
+    if type(indices).__module__.startswith("torch"):
+        indices = indices.detach().cpu().numpy()
+    index = np.asarray(indices)
+    if index.ndim == 0:
+        index = index.reshape(1)
+    if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
+        raise IndexOutOfRange(
+            f"indices must be a 1-D sequence of integers, got {index.dtype} with shape "
+            f"{index.shape}: pass e.g. a list of ints or a torch.LongTensor"
+        )
+    if index.dtype == np.uint64 and index.size and int(index.max()) > np.iinfo(np.int64).max:
+        raise IndexOutOfRange(f"index {int(index.max())} does not fit in int64")
+    return index.astype(np.int64, copy=False)
+
+
+def check_bounds(index: np.ndarray, length: int, what: str) -> None:
+    """Refuse any index outside ``[0, length)`` of ``what`` (a split, named for the message)."""
+    if index.size:
+        low, high = int(index.min()), int(index.max())
+        if low < 0 or high >= length:
+            bad = low if low < 0 else high
+            raise IndexOutOfRange(
+                f"index {bad} is out of range for {what} with {length} samples: use indices in "
+                f"[0, {length - 1}]"
+            )
+
+
+def decode_indices(body: bytes | memoryview) -> np.ndarray:
+    """An :data:`INDICES` body (little-endian int64s) as an int64 array; no copy."""
+    if len(body) % 8:
+        raise WireFormatError(f"an {INDICES} body holds 8-byte integers; got {len(body)} bytes")
+    return np.frombuffer(body, dtype="<i8")
+
+
+def encode_indices(index: np.ndarray) -> bytes:
+    return np.ascontiguousarray(index, dtype="<i8").tobytes()
+
+
+# ---------------------------------------------------------------------- structure
+@dataclass(frozen=True)
+class ArrayStructure:
+    """Shape, logical dtype and chunking of one stored array (``features`` or ``labels``)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    chunk_rows: int
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        return storage_dtype(self.dtype)
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+    @property
+    def sample_nbytes(self) -> int:
+        return math.prod(self.sample_shape) * self.storage_dtype.itemsize
+
+    @classmethod
+    def of(cls, array: Any) -> ArrayStructure:
+        """The structure of any reader array (``shape``, ``dtype``, ``chunk_rows``)."""
+        return cls(tuple(int(d) for d in array.shape), str(array.dtype), int(array.chunk_rows))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "storage_dtype": str(self.storage_dtype),
+            "sample_nbytes": self.sample_nbytes,
+            "chunk_rows": self.chunk_rows,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> ArrayStructure:
+        try:
+            shape = tuple(int(d) for d in doc["shape"])
+            structure = cls(shape, str(doc["dtype"]), int(doc["chunk_rows"]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise WireFormatError(f"bad array structure {dict(doc)!r}: {error!r}") from error
+        wire_dtype(structure.dtype)
+        if not shape or any(d < 0 for d in shape) or structure.chunk_rows < 1:
+            raise WireFormatError(f"bad array structure {dict(doc)!r}")
+        return structure
+
+
+@dataclass(frozen=True)
+class SplitStructure:
+    """What a client needs to read an opened split, in one ``GET`` (:data:`ARRAYS`).
+
+    ``metadata`` is the split's metadata document (docs/FORMAT.md, made strict-JSON by
+    :func:`json_safe`); ``has_ids`` comes from it, never from reading the ids;
+    ``max_response_bytes`` is the server's cap, so a client splits large reads itself.
+    """
+
+    features: ArrayStructure
+    labels: ArrayStructure | None
+    has_ids: bool
+    max_response_bytes: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def generation(self) -> str | None:
+        """The split's generation id (issue 12.1), when its writer recorded one."""
+        value = self.metadata.get("generation")
+        return None if value is None else str(value)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "features": self.features.to_json(),
+            "labels": None if self.labels is None else self.labels.to_json(),
+            "has_ids": self.has_ids,
+            "max_response_bytes": self.max_response_bytes,
+            "generation": self.generation,
+            "metadata": json_safe(self.metadata),
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> SplitStructure:
+        try:
+            labels = doc.get("labels")
+            metadata = doc.get("metadata") or {}
+            if not isinstance(metadata, dict):
+                raise TypeError("metadata is not an object")
+            return cls(
+                features=ArrayStructure.from_json(doc["features"]),
+                labels=None if labels is None else ArrayStructure.from_json(labels),
+                has_ids=bool(doc.get("has_ids", metadata.get("ids", False))),
+                max_response_bytes=int(doc["max_response_bytes"]),
+                metadata=metadata,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            if isinstance(error, WireFormatError):
+                raise
+            raise WireFormatError(f"bad split structure: {error!r}") from error
+
+
+# ---------------------------------------------------------------------- errors
+def error_body(detail: Any, error: str, **extra: Any) -> dict[str, Any]:
+    """Every JSON error: ``{"detail": message, "error": class name, ...extra}``."""
+    return {"detail": detail, "error": error, **extra}
+
+
+def parse_error_body(doc: Any) -> tuple[Any, str | None, dict[str, Any]]:
+    """``(detail, error class name or None, the other keys)`` of an error body (any JSON)."""
+    if not isinstance(doc, dict):
+        return doc, None, {}
+    name = doc.get("error")
+    extra = {k: v for k, v in doc.items() if k not in ("detail", "error")}
+    return doc.get("detail"), name if isinstance(name, str) else None, extra
+
+
+# ---------------------------------------------------------------------- redaction
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s'\"]*@")
+_SECRET_PARAM = re.compile(
+    r"(?i)\b(token|access_token|secret|password|key|signature|x-amz-signature|x-amz-credential)"
+    r"=[^&\s'\"]+"
+)
+_BEARER = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]+")
+
+
+def redact(text: str) -> str:
+    """``text`` with URL userinfo, bearer tokens and secret-looking query parameters masked.
+
+    Applied to every message and log line that may quote a URL (issue 12.8):
+    ``http://alice:pw123@host`` -> ``http://***@host``.
+    """
+    text = _USERINFO.sub(r"\1***@", text)
+    text = _SECRET_PARAM.sub(r"\1=***", text)
+    return _BEARER.sub(r"\1 ***", text)

@@ -1,0 +1,211 @@
+"""Data routes: one item, a contiguous range, a list of indices, and features+labels together.
+
+Every data request follows one path (:func:`_respond`): check the byte cap (413), reserve the
+response's bytes against the in-flight budget (wait, or 503 with Retry-After), gather each array
+into a pooled buffer with the store's reader, confirm the split did not change meanwhile (409),
+then hand the buffers to :class:`~server.responses.ArrayResponse`, which sends them without
+copying and gives the reservation back when the last byte left (or the client went away).
+
+Index lists come as raw little-endian int64 (``Content-Type: application/x-featurestore-indices``,
+no parsing at all) or JSON ``{"indices": [...]}``; either is capped in bytes
+(``FEATURESTORE_MAX_REQUEST_BYTES``, by ``server/limits.py`` before the body is read) and in
+count (``FEATURESTORE_MAX_INDICES``, before it is parsed). Parsing and gathering run in the
+thread pool, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import numpy as np
+from fastapi import APIRouter, Header, Query, Request
+from starlette.concurrency import run_in_threadpool
+
+from featurestore.errors import IndexOutOfRange
+from featurestore.format import wire
+from server.errors import BadRequest, NotFound, RequestTooLarge, ResponseTooLarge
+from server.responses import ArrayResponse
+from server.routes_features import Name, state_of
+from server.state import OpenedSplit, StoreState
+
+router = APIRouter()
+
+Labels = Annotated[bool, Query(description="labels instead of features")]
+Accept = Annotated[str | None, Header(description=f"{wire.NPY} for an .npy body")]
+
+_DATA: dict[int | str, dict[str, Any]] = {
+    "200": {"content": {wire.OCTET_STREAM: {}, wire.NPY: {}}, "description": "raw bytes"}
+}
+_SAMPLES: dict[int | str, dict[str, Any]] = {
+    "200": {"content": {wire.SAMPLES_MEDIA: {}},
+            "description": "features bytes, then labels bytes (see docs/SERVER.md)"}
+}  # fmt: skip
+_INDEX_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"type": "object", "required": ["indices"],
+                                            "properties": {"indices": {"type": "array",
+                                                                       "items": {"type": "integer"}}}}},  # fmt: skip
+            wire.INDICES: {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+
+
+def _pick(entry: OpenedSplit, labels: bool) -> Any:
+    arr = entry.array
+    if not labels:
+        return arr
+    if arr.labels is None:
+        raise NotFound(f"split {'/'.join(entry.key)} has no labels")
+    return arr.labels
+
+
+def _check_size(state: StoreState, arrays: list[Any], rows: int) -> int:
+    cap = state.settings.max_response_bytes
+    per_row = sum(int(a.sample_nbytes) for a in arrays)
+    nbytes = rows * per_row
+    if nbytes > cap:
+        per_request = cap // max(per_row, 1)
+        hint = (
+            f"request at most {per_request} samples at a time and concatenate"
+            if per_request
+            else "one sample is larger than the cap: raise FEATURESTORE_MAX_RESPONSE_BYTES"
+        )
+        raise ResponseTooLarge(
+            f"response of {rows} samples x {per_row} bytes = {nbytes} bytes exceeds the server's "
+            f"cap of {cap} bytes (FEATURESTORE_MAX_RESPONSE_BYTES); {hint}",
+            max_response_bytes=cap,
+        )
+    return nbytes
+
+
+def _respond(state: StoreState, entry: OpenedSplit, arrays: list[Any], index: np.ndarray, *,
+             npy: bool = False, single: bool = False,
+             media_type: str = wire.OCTET_STREAM) -> ArrayResponse:  # fmt: skip
+    """Gather rows ``index`` of each array into pooled buffers and wrap them, no copy."""
+    nbytes = _check_size(state, arrays, len(index))
+    state.reserve(nbytes)
+    try:
+        parts = []
+        headers = [(wire.SHAPE_HEADER, wire.DTYPE_HEADER),
+                   (wire.LABELS_SHAPE_HEADER, wire.LABELS_DTYPE_HEADER)]  # fmt: skip
+        for arr, (shape_header, dtype_header) in zip(arrays, headers, strict=False):
+            out = state.buffer((len(index), *arr.sample_shape), arr.numpy_dtype)
+            arr.read_numpy(index, out=out)
+            parts.append((out[0] if single else out, arr.dtype, shape_header, dtype_header))
+        state.confirm(entry)  # the split did not change while we read it
+    except BaseException:
+        state.release(nbytes)
+        raise
+    return ArrayResponse(parts, media_type=media_type, npy=npy,
+                         chunk_bytes=state.settings.send_chunk_bytes,
+                         on_sent=lambda: state.release(nbytes))  # fmt: skip
+
+
+@router.get(wire.ITEM, tags=["features"], response_class=ArrayResponse, status_code=200,
+            responses=_DATA)  # fmt: skip
+def item(
+    request: Request, dataset: Name, encoder: Name, split: Name, index: int,
+    labels: Labels = False, accept: Accept = None,
+) -> ArrayResponse:  # fmt: skip
+    """One sample: ``X-Shape`` is the sample shape (``256,384``)."""
+    state = state_of(request)
+    entry = state.open_split(dataset, encoder, split)
+    arr = _pick(entry, labels)
+    if not 0 <= index < len(arr):
+        raise IndexOutOfRange(f"index {index} out of range for {len(arr)} samples")
+    return _respond(state, entry, [arr], np.array([index], dtype=np.int64),
+                    npy=wire.wants_npy(accept), single=True)  # fmt: skip
+
+
+@router.get(wire.BATCH, tags=["features"], response_class=ArrayResponse, status_code=200,
+            responses=_DATA)  # fmt: skip
+def batch_range(
+    request: Request, dataset: Name, encoder: Name, split: Name,
+    start: Annotated[int, Query(description="first index")],
+    stop: Annotated[int, Query(description="one past the last index")],
+    labels: Labels = False, accept: Accept = None,
+) -> ArrayResponse:  # fmt: skip
+    """Samples ``start:stop`` (a contiguous read)."""
+    state = state_of(request)
+    entry = state.open_split(dataset, encoder, split)
+    arr = _pick(entry, labels)
+    if start > stop:
+        raise BadRequest(f"start={start} is after stop={stop}")
+    if start < 0 or stop > len(arr):
+        raise IndexOutOfRange(f"range {start}:{stop} out of range for {len(arr)} samples")
+    return _respond(state, entry, [arr], np.arange(start, stop, dtype=np.int64),
+                    npy=wire.wants_npy(accept))  # fmt: skip
+
+
+def parse_indices(body: bytes, content_type: str, length: int, max_indices: int) -> np.ndarray:
+    """An index body (raw int64 or JSON), counted before it is parsed and bounds-checked."""
+    if content_type.split(";")[0].strip().lower() == wire.INDICES:
+        if len(body) // 8 > max_indices:
+            raise RequestTooLarge(f"{len(body) // 8} indices exceed the server's cap of "
+                                  f"{max_indices} (FEATURESTORE_MAX_INDICES): split the batch")  # fmt: skip
+        try:
+            index = wire.decode_indices(body)
+        except wire.WireFormatError as error:
+            raise BadRequest(str(error)) from None
+        wire.check_bounds(index, length, "this split")
+        return index
+    # JSON: commas bound the count, so a huge list is refused before json.loads builds it.
+    if body.count(b",") + 1 > max_indices:
+        raise RequestTooLarge(f"more than {max_indices} indices (FEATURESTORE_MAX_INDICES): "
+                              "split the batch")  # fmt: skip
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest('body must be JSON {"indices": [...]} (or raw int64 with Content-Type '
+                         f"{wire.INDICES})") from None  # fmt: skip
+    if not isinstance(doc, dict) or set(doc) != {"indices"} or not isinstance(doc["indices"], list):
+        raise BadRequest('body must be exactly {"indices": [<int>, ...]}')
+    values = doc["indices"]
+    if any(type(v) is not int for v in values):  # bools and floats are not indices
+        raise BadRequest("indices must be a JSON list of integers")
+    # Bounds on Python ints first: a huge index must be a 416, not an int64 overflow in numpy.
+    if values and (min(values) < 0 or max(values) >= length):
+        bad = next(i for i in values if not 0 <= i < length)
+        raise IndexOutOfRange(f"index {bad} out of range for {length} samples")
+    return np.array(values, dtype=np.int64)
+
+
+async def _indexed(request: Request, dataset: str, encoder: str, split: str, labels: bool,
+                   accept: str | None, *, samples: bool) -> ArrayResponse:  # fmt: skip
+    state = state_of(request)
+    body = await request.body()  # capped by server/limits.py while it arrives
+
+    def work() -> ArrayResponse:
+        entry = state.open_split(dataset, encoder, split)
+        if samples:
+            arrays = [entry.array] + ([entry.array.labels] if entry.array.labels is not None else [])
+        else:
+            arrays = [_pick(entry, labels)]
+        index = parse_indices(body, request.headers.get("content-type", ""), len(arrays[0]),
+                              state.settings.max_indices)  # fmt: skip
+        if samples:
+            return _respond(state, entry, arrays, index, media_type=wire.SAMPLES_MEDIA)
+        return _respond(state, entry, arrays, index, npy=wire.wants_npy(accept))
+
+    return await run_in_threadpool(work)
+
+
+@router.post(wire.BATCH, tags=["features"], response_class=ArrayResponse, status_code=200,
+             responses=_DATA, openapi_extra=_INDEX_BODY)  # fmt: skip
+async def batch_indices(request: Request, dataset: Name, encoder: Name, split: Name,
+                        labels: Labels = False, accept: Accept = None) -> ArrayResponse:  # fmt: skip
+    """Samples at ``indices`` (any order, duplicates allowed), gathered into one buffer."""
+    return await _indexed(request, dataset, encoder, split, labels, accept, samples=False)
+
+
+@router.post(wire.SAMPLES, tags=["features"], response_class=ArrayResponse, status_code=200,
+             responses=_SAMPLES, openapi_extra=_INDEX_BODY)  # fmt: skip
+async def samples(request: Request, dataset: Name, encoder: Name, split: Name) -> ArrayResponse:
+    """Features and labels of ``indices`` in one response: the features' bytes (``X-Shape``,
+    ``X-Dtype``), then the labels' (``X-Labels-Shape``, ``X-Labels-Dtype``; absent, and no bytes,
+    when the split has none)."""
+    return await _indexed(request, dataset, encoder, split, False, None, samples=True)
