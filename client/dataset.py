@@ -136,6 +136,10 @@ class FeatureDataset(torch.utils.data.Dataset):
         This is the loader's hot path: one gathered read per array, no allocation of the batch.
         """
         array = self.array
+        both = getattr(array, "read_into", None)  # HTTP: features and labels in one request
+        if both is not None and labels is not None and array.labels is not None:
+            both(indices, features, labels)
+            return
         array.read_numpy(indices, out=features)
         if labels is not None:
             if array.labels is not None:

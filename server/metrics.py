@@ -43,7 +43,7 @@ class Metrics:
     def watch_pool(self, free_bytes: Callable[[], float]) -> None:
         gauge = Gauge(
             "featurestore_buffer_pool_free_bytes",
-            "response buffers kept warm for reuse (server/buffers.py)",
+            "response buffers kept warm for reuse (featurestore/core/buffers.py)",
             registry=self.registry,
         )
         gauge.set_function(free_bytes)

@@ -289,3 +289,57 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="retries"):
         FeatureClient("http://x", retries=-1)
     assert "secret" not in repr(FeatureClient("http://x", token="secret"))
+
+
+def _requests_by_route(url: str) -> dict[str, float]:
+    import httpx
+
+    counts: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("featurestore_http_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            route = labels.split('route="')[1].split('"')[0]
+            if route != "/metrics":  # the scrape itself
+                counts[route] = counts.get(route, 0) + float(value)
+    return counts
+
+
+def test_features_and_labels_in_one_request(fc: FeatureClient, store_path: str, server_url: str) -> None:
+    index = [7, 3, 3, 39, 0]
+    fc.open(*KEY)  # the split's structure: one request, cached
+    before = _requests_by_route(server_url)
+    features, labels = fc.read_samples(*KEY, index)
+    after = _requests_by_route(server_url)
+    np.testing.assert_array_equal(features, expected(store_path, "train", index))
+    assert labels is not None
+    np.testing.assert_array_equal(labels, expected(store_path, "train", index, labels=True))
+    samples = "/v1/features/{dataset}/{encoder}/{split}/samples"
+    assert after.get(samples, 0) - before.get(samples, 0) == 1
+    assert sum(after.values()) - sum(before.values()) == 1
+    features, no_labels = fc.read_samples("pannuke", "tiny", "val", [2, 1])
+    assert no_labels is None
+    np.testing.assert_array_equal(features, expected(store_path, "val", [2, 1]))
+    # Pieces over the server's byte cap: still one request per piece, rows in order.
+    arr = fc.open(*KEY)
+    out = np.empty((40, 4, 8), np.float16)
+    lab = np.empty(40, np.int64)
+    arr.read_into(np.arange(40)[::-1], out, lab)
+    np.testing.assert_array_equal(out, expected(store_path, "train", np.arange(40)[::-1]))
+    np.testing.assert_array_equal(lab, expected(store_path, "train", np.arange(40)[::-1], labels=True))
+
+
+def test_loader_over_http_makes_one_request_per_batch(store_path: str, server_url: str) -> None:
+    pytest.importorskip("torch")
+    from client import FeatureDataset, FeatureLoader
+
+    ds = FeatureDataset(server_url, *KEY)
+    loader = FeatureLoader(ds, batch_size=8, shuffle=True, seed=3, num_threads=2, device="cpu")
+    ds.array  # opened (one /arrays request) before counting
+    before = _requests_by_route(server_url)
+    got = [(f.numpy().copy(), y.numpy().copy()) for f, y in loader]
+    after = _requests_by_route(server_url)
+    assert len(got) == 5
+    assert sum(after.values()) - sum(before.values()) == 5  # one per batch: features with labels
+    for features, labels in got:
+        rows = labels // 10  # labels are 10 x the row index
+        np.testing.assert_array_equal(features, expected(store_path, "train", rows))

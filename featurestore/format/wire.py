@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.errors import IndexOutOfRange
+from featurestore.errors import IndexOutOfRange, InvalidIndices
 from featurestore.format.dtypes import storage_dtype
 from featurestore.format.names import validate_name
 
@@ -271,7 +271,7 @@ def as_index_array(indices: Any) -> np.ndarray:
     if index.ndim == 0:
         index = index.reshape(1)
     if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
-        raise IndexOutOfRange(
+        raise InvalidIndices(
             f"indices must be a 1-D sequence of integers, got {index.dtype} with shape "
             f"{index.shape}: pass e.g. a list of ints or a torch.LongTensor"
         )
