@@ -460,6 +460,8 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
     print(f"  client/_transport.py vs the better of httpx streaming / http.client readinto: "
           f"{transports['http'] / rival:.2f}x (keep only if >= 1.3x)")  # fmt: skip
 
+    loader = _loader_vs_client(url, key, remote, args)
+
     rng = np.random.default_rng(99)
     latencies = []
     for i in rng.integers(0, n, size=args.items + 10):
@@ -475,7 +477,7 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
         "benchmark": "http", "batch_size": batch, "sample_shape": list(remote.sample_shape),
         "page_cache": "warm", "gb_per_s": median, "gb_per_s_best": best, "http_vs_raw_tcp": ratio,
         "http_vs_raw_tcp_gather": ratio_gather, "transport_vs_rival": transports["http"] / rival,
-        "item_latency_ms": {"p50": p50, "p99": p99, "count": len(lat)},
+        "item_latency_ms": {"p50": p50, "p99": p99, "count": len(lat)}, "loader": loader,
     }  # fmt: skip
     if args.load_seconds > 0:
         print(f"[http] load test: {args.clients} clients, {args.load_seconds:.0f} s of mixed "
@@ -492,6 +494,50 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
             print(f"    {failure}")
         results["load"] = load
     return results
+
+
+def _loader_vs_client(url: str, key: tuple[str, str, str], remote: Any,
+                      args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    """FeatureLoader over HTTP (uniform shuffle, CPU, stored dtype) against FeatureClient reading
+    the same batches (features+labels, one request each) one after another; epochs alternate."""
+    try:
+        import torch  # noqa: F401
+
+        from client import FeatureDataset, FeatureLoader
+    except ImportError:  # the client extra without torch: nothing to compare
+        return {}
+    n, batch = len(remote), args.batch_size
+    ds = FeatureDataset(url, *key)
+    threads = max(1, args.read_ahead)
+    loader = FeatureLoader(ds, batch_size=batch, order="shuffle", device="cpu", dtype=None,
+                           num_threads=threads, prefetch=threads + 1, drop_last=True)  # fmt: skip
+    features = np.empty((batch, *remote.sample_shape), remote.numpy_dtype)
+    labels = None if remote.labels is None else np.empty((batch, *remote.labels.sample_shape),
+                                                         remote.labels.numpy_dtype)  # fmt: skip
+    per_batch: dict[str, list[float]] = {"loader": [], "client": []}
+    batches = n // batch
+    for epoch in range(args.repeats + 1):
+        loader.set_epoch(epoch)
+        start = time.perf_counter()
+        count = sum(1 for _ in loader)
+        if epoch:  # the first epoch warms connections and threads
+            per_batch["loader"].append((time.perf_counter() - start) / max(count, 1))
+        order = np.random.default_rng(epoch).permutation(n)
+        start = time.perf_counter()
+        for k in range(batches):
+            index = order[k * batch : (k + 1) * batch]
+            if labels is None:
+                remote.read_numpy(index, out=features)
+            else:
+                remote.read_into(index, features, labels)
+        if epoch:
+            per_batch["client"].append((time.perf_counter() - start) / max(batches, 1))
+    nbytes = features.nbytes + (0 if labels is None else labels.nbytes)
+    rates = {name: gbps(nbytes, float(np.median(v))) for name, v in per_batch.items()}
+    ratio = rates["loader"] / rates["client"]
+    print(f"  FeatureLoader over HTTP (uniform shuffle, {threads} threads): {rates['loader']:.2f} GB/s; "
+          f"FeatureClient same batches: {rates['client']:.2f} GB/s; ratio {ratio:.2f}x (target >= 0.9x)")  # fmt: skip
+    return {"gb_per_s": rates, "loader_vs_client": ratio, "threads": threads}
 
 
 def _print_and_save(results: dict[str, Any], path: str | None) -> int:
