@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from client._transport import FastHTTPTransport
+from client._stdlib_transport import StdlibTransport
 from client.remote import RemoteFeatureArray
 from featurestore import errors as fse
 from featurestore.format import wire
@@ -73,7 +73,7 @@ def _transport(max_connections: int) -> httpx.BaseTransport:
     # waits for the ACK of the headers, which the server may delay (delayed ACK, up to 40 ms).
     nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
     fallback = httpx.HTTPTransport(limits=limits, socket_options=nodelay)
-    return FastHTTPTransport(max_idle_per_host=max_connections, fallback=fallback)
+    return StdlibTransport(max_idle_per_host=max_connections, fallback=fallback)
 
 
 class FeatureClient:
@@ -82,8 +82,9 @@ class FeatureClient:
     One pooled ``httpx.Client`` per process (re-created after a fork, dropped when pickled, so
     the client can live inside a DataLoader's dataset). Idempotent reads are retried
     ``retries`` times on connection errors and 5xx, waiting ``backoff * 2**attempt`` seconds.
-    ``transport`` replaces the default one (``client/_transport.py``: plain-HTTP keep-alive
-    pool that reads bodies straight into the output array; https goes through httpx's own), e.g.
+    ``transport`` replaces the default one (``client/_stdlib_transport.py``: the standard
+    library's ``http.client`` keep-alive connections, whose ``readinto`` fills the output array
+    straight from the socket; https goes through httpx's own), e.g.
     ``httpx.HTTPTransport()``. ``http_client`` lets tests pass
     ``fastapi.testclient.TestClient(app)``.
     """

@@ -43,6 +43,11 @@ class Settings(BaseSettings):
         description="data bodies are handed to the server in pieces of this size (flow control)",
     )
 
+    pool_bytes: int = Field(
+        default=64 << 20,
+        ge=0,
+        description="idle response buffers kept warm for reuse (bytes); beyond it they are unmapped",
+    )
     max_request_bytes: int = Field(
         default=8 << 20,
         gt=0,

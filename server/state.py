@@ -70,7 +70,7 @@ class StoreState:
         # Anonymous maps, reused warm: plain np.empty buffers of many sizes fragmented glibc's
         # heap (RSS 43 -> 664 MiB over the 16-client load test), fresh maps per request
         # page-faulted away half the throughput. Small answers use the ordinary allocator.
-        self.buffers = BufferPool(keep=32, max_free_bytes=settings.max_response_bytes,
+        self.buffers = BufferPool(keep=16, max_free_bytes=settings.pool_bytes,
                                   min_pooled=1 << 20)  # fmt: skip
         self._splits: OrderedDict[tuple[str, str, str], OpenedSplit] = OrderedDict()
         self._lock = threading.Lock()

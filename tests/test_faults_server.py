@@ -252,3 +252,24 @@ def test_upper_case_scheme_works(served: str) -> None:
     with FeatureClient(served.replace("http://", "HTTP://"), retries=0) as fc:
         assert "pannuke" in fc.datasets()
         assert fc.read_numpy("pannuke", "tiny", "train", [1]).shape == (1, 4, 8)
+
+
+# ---------------------------------------------------------------------- 12.4 damaged chunks
+def test_damaged_chunk_is_a_clear_store_error_not_a_bare_500(store_path: str, served: str) -> None:
+    chunk = os.path.join(store_path, "pannuke", "tiny", "train", "features", "c", "1", "0", "0")  # rows 5-9
+    missing = os.path.join(store_path, "pannuke", "tiny", "train", "features", "c", "3", "0", "0")  # rows 15-19
+    with open(chunk, "r+b") as f:
+        f.truncate(10)
+    os.remove(missing)
+    for row, error_class, cls in ((6, "CorruptChunk", fse.CorruptChunk), (16, "MissingChunks", fse.MissingChunks)):
+        status, _, raw = _get(served, f"/v1/features/pannuke/tiny/train/items/{row}")
+        body = json.loads(raw)
+        assert status == 500 and body["error"] == error_class, raw
+        assert "store is damaged" in body["detail"] and "featurestore verify" in body["detail"]
+        with FeatureClient(served, retries=3, backoff=5.0) as fc:  # a damaged store is not retried
+            started = time.monotonic()
+            with pytest.raises(cls):
+                fc.read_numpy("pannuke", "tiny", "train", [0, row])
+            assert time.monotonic() - started < 4
+    with FeatureClient(served, retries=0) as fc:  # the intact chunks still read
+        assert fc.read_numpy("pannuke", "tiny", "train", [0, 30]).shape == (2, 4, 8)

@@ -23,7 +23,7 @@ import numpy as np
 from featurestore.core.buffers import PAGE, aligned_empty
 from featurestore.core import pread
 from featurestore.core.storage import Storage
-from featurestore.errors import CorruptChunk, IndexOutOfRange, InvalidIndices, MissingChunks, ShapeMismatch
+from featurestore.errors import CorruptChunk, IndexOutOfRange, MissingChunks, ShapeMismatch
 from featurestore.format import dtypes, layout
 from featurestore.format.wire import as_index_array, check_bounds
 

@@ -1,0 +1,165 @@
+"""``StdlibTransport``: httpx's transport interface over the standard library's ``http.client``.
+
+Why (measured in ``featurestore bench http``, docs/SERVER.md): httpx's own transport (httpcore +
+h11) moves a body through Python in 64 KiB pieces and copies each several times, which held a
+12 MiB batch at a fraction of the wire speed. ``http.client.HTTPResponse.readinto`` copies a
+Content-Length body straight from the socket into the caller's buffer, as a raw socket does; the
+hand-written HTTP/1.1 client this replaces (300 lines) was not faster than it. So plain
+``http://`` requests go through ``http.client`` keep-alive connections (a small pool per host),
+and ``response.extensions["readinto"]`` fills the output array in place; ``https://`` and
+anything else go to ``fallback`` (httpx's transport).
+
+A pooled connection the server closed meanwhile fails on reuse; the request is then retried once
+on a fresh connection, which is safe for the idempotent reads ``FeatureClient`` makes and the
+reason this transport is private to it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+_READ_BYTES = 1 << 20
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
+          ConnectionAbortedError)  # fmt: skip
+
+
+class StdlibTransport(httpx.BaseTransport):
+    def __init__(self, *, max_idle_per_host: int = 16, fallback: httpx.BaseTransport | None = None
+                 ) -> None:  # fmt: skip
+        self._idle: dict[tuple[str, int], list[http.client.HTTPConnection]] = {}
+        self._lock = threading.Lock()
+        self._max_idle = max_idle_per_host
+        self._fallback = fallback if fallback is not None else httpx.HTTPTransport()
+        self._closed = False
+
+    # ------------------------------------------------------------------ pool
+    def _checkout(self, key: tuple[str, int], timeout: float | None) -> tuple[http.client.HTTPConnection, bool]:
+        with self._lock:
+            idle = self._idle.get(key)
+            if idle:
+                conn = idle.pop()
+                conn.timeout = timeout
+                if conn.sock is not None:
+                    conn.sock.settimeout(timeout)
+                return conn, True
+        conn = http.client.HTTPConnection(key[0], key[1], timeout=timeout)
+        return conn, False
+
+    def _checkin(self, key: tuple[str, int], conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(key, [])
+            if not self._closed and len(idle) < self._max_idle:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for conn in conns:
+            conn.close()
+        self._fallback.close()
+
+    # ------------------------------------------------------------------ requests
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.scheme != "http":
+            return self._fallback.handle_request(request)
+        timeouts: dict[str, Any] = request.extensions.get("timeout", {})
+        key = (request.url.host, request.url.port or 80)
+        body = request.read()
+        target = request.url.raw_path.decode("ascii")
+        headers = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in request.headers.raw
+                   if n.lower() not in (b"host", b"content-length", b"transfer-encoding")]  # fmt: skip
+        for attempt in (0, 1):
+            conn, reused = self._checkout(key, timeouts.get("read"))
+            try:
+                if conn.sock is None:
+                    conn.timeout = timeouts.get("connect")
+                    conn.connect()
+                    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    conn.sock.settimeout(timeouts.get("read"))
+                conn.putrequest(request.method, target, skip_accept_encoding=True)
+                for name, value in headers:
+                    conn.putheader(name, value)
+                if body or request.method not in ("GET", "HEAD"):
+                    conn.putheader("Content-Length", str(len(body)))
+                conn.endheaders(body or None)
+                response = conn.getresponse()
+                break
+            except _STALE as error:
+                conn.close()
+                if reused and attempt == 0:
+                    continue
+                raise httpx.RemoteProtocolError(f"{key[0]}:{key[1]}: {error!r}") from error
+            except TimeoutError as error:
+                conn.close()
+                raise httpx.ReadTimeout(f"{key[0]}:{key[1]}: {error}") from error
+            except (OSError, http.client.HTTPException) as error:
+                conn.close()
+                if reused and attempt == 0:
+                    continue
+                kind = httpx.ConnectError if not reused and conn.sock is None else httpx.ReadError
+                raise kind(f"{key[0]}:{key[1]}: {error!r}") from error
+        stream = _Body(self, key, conn, response)
+        return httpx.Response(
+            response.status,
+            headers=[(n.encode("latin-1"), v.encode("latin-1")) for n, v in response.getheaders()],
+            stream=stream,
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": response.reason.encode("latin-1"),
+                        "readinto": stream.readinto},  # fmt: skip
+            request=request,
+        )
+
+
+class _Body(httpx.SyncByteStream):
+    def __init__(self, transport: StdlibTransport, key: tuple[str, int],
+                 conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:  # fmt: skip
+        self._transport, self._key, self._conn, self._response = transport, key, conn, response
+        self._released = False
+
+    def readinto(self, view: memoryview) -> int:
+        """Fill ``view`` exactly with the next body bytes, straight from the socket."""
+        done = 0
+        try:
+            while done < view.nbytes:
+                n = self._response.readinto(view[done:])
+                if not n:
+                    raise httpx.RemoteProtocolError(
+                        f"connection closed after {done} of {view.nbytes} body bytes"
+                    )
+                done += n
+        except TimeoutError as error:
+            raise httpx.ReadTimeout(str(error)) from error
+        except (OSError, http.client.HTTPException) as error:
+            raise httpx.ReadError(repr(error)) from error
+        return done
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            while chunk := self._response.read1(_READ_BYTES):
+                yield chunk
+        except TimeoutError as error:
+            raise httpx.ReadTimeout(str(error)) from error
+        except http.client.IncompleteRead as error:
+            raise httpx.RemoteProtocolError(repr(error)) from error
+        except (OSError, http.client.HTTPException) as error:
+            raise httpx.ReadError(repr(error)) from error
+
+    def close(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        response = self._response
+        if response.isclosed() and not response.will_close:
+            self._transport._checkin(self._key, self._conn)  # body fully read: reuse the socket
+        else:  # unread body or close-delimited: the connection cannot be reused
+            response.close()
+            self._conn.close()
