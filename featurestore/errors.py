@@ -20,6 +20,23 @@ class StoreNotFound(FeatureStoreError, FileNotFoundError):
     """The store URL holds no featurestore root."""
 
 
+class BucketNotFound(FeatureStoreError, LookupError):
+    """The object-storage bucket (or container) in the store URL does not exist. Not a
+    ``FileNotFoundError``: code that treats a missing key as "absent" must not swallow it."""
+
+
+class InvalidStorageOptions(FeatureStoreError, ValueError):
+    """A ``storage_options`` key or value the object-storage backend does not understand."""
+
+
+class StorageAccessDenied(FeatureStoreError, PermissionError):
+    """Object storage refused the credentials (wrong key/secret, expired token, no permission)."""
+
+
+class StorageUnavailable(FeatureStoreError, ConnectionError):
+    """Object storage did not answer (or kept failing) through every retry."""
+
+
 class NotAFeatureStore(FeatureStoreError, ValueError):
     """The URL holds something, but not a featurestore root group."""
 

@@ -1,7 +1,7 @@
 """Fixtures for the Dataset/loader suite: one reference split set, served from three sources.
 
-The same bytes are written to a local directory and to a bucket on the moto S3 server (from
-``conftest.s3_endpoint``), and served over HTTP by a real uvicorn subprocess running the
+The same bytes are written to a local directory, to a bucket on the moto S3 server (from
+``conftest.s3_endpoint``), to the session's SeaweedFS (``conftest.seaweed``), and served over HTTP by a real uvicorn subprocess running the
 featurestore server on the local copy. Every suite test then runs once per source and compares
 against in-RAM tensors built from the same numpy arrays.
 """
@@ -94,11 +94,25 @@ def s3_store(request: pytest.FixtureRequest, local_store: str) -> tuple[str, dic
     return f"s3://{bucket}/store", options
 
 
-@pytest.fixture(scope="module", params=["local", "s3", "http"])
+@pytest.fixture(scope="module")
+def seaweed_store(request: pytest.FixtureRequest) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The reference store written by the writer itself to the session's SeaweedFS (conftest)."""
+    from conftest import SEAWEED_BUCKET
+
+    from featurestore.core.storage_obstore import ObjectStorage
+
+    options = dict(request.getfixturevalue("seaweed").storage_options)
+    url = f"s3://{SEAWEED_BUCKET}/loader-{uuid.uuid4().hex[:10]}"
+    write_reference_store(url, options)
+    yield url, options
+    ObjectStorage(url, options).delete_tree("")
+
+
+@pytest.fixture(scope="module", params=["local", "s3", "seaweedfs", "http"])
 def source(request: pytest.FixtureRequest) -> Source:
     if request.param == "local":
         return Source("local", request.getfixturevalue("local_store"))
-    if request.param == "s3":
-        url, options = request.getfixturevalue("s3_store")
-        return Source("s3", url, {"storage_options": options})
+    if request.param in ("s3", "seaweedfs"):
+        url, options = request.getfixturevalue("s3_store" if request.param == "s3" else "seaweed_store")
+        return Source(request.param, url, {"storage_options": options})
     return Source("http", request.getfixturevalue("http_url"))

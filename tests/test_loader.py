@@ -24,6 +24,7 @@ from _loader_fixtures import (  # noqa: F401  (fixtures are used by name)
     local_store,
     reference,
     s3_store,
+    seaweed_store,
     source,
 )
 

@@ -6,8 +6,8 @@ The writer needs exactly three guarantees from a backend, and both give them:
 * ``write`` is atomic: a reader (or a resumed writer) sees the whole value or no value, never a
   torn one. Locally that is write-to-temp + ``os.replace`` in the same directory (POSIX rename is
   atomic); on object stores a single PUT is atomic by design.
-* ``read_ranges`` fetches many byte ranges in one call; fsspec's async filesystems (s3fs, gcsfs)
-  issue them concurrently.
+* ``read_ranges`` fetches many byte ranges in one call, concurrently where the backend can (the
+  obstore backend for s3/gs/az in ``storage_obstore``, fsspec's async filesystems otherwise).
 * ``local_path`` tells the reader when a key is a plain file it may memory-map.
 """
 
@@ -206,8 +206,10 @@ class FsspecStorage(Storage):
 
 
 def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:
-    """A local path or ``file://`` URL gets :class:`LocalStorage` (memory-mappable); any other
-    fsspec URL gets :class:`FsspecStorage`."""
+    """A local path or ``file://`` URL gets :class:`LocalStorage` (memory-mappable); ``s3://``,
+    ``gs://`` and ``az://`` get the obstore backend (``storage_obstore.ObjectStorage``; set
+    ``FEATURESTORE_OBJECT_BACKEND=fsspec`` to go through fsspec instead); any other fsspec URL gets
+    :class:`FsspecStorage`."""
     if not isinstance(url, (str, os.PathLike)) or not str(url):
         raise StoreNotFound(f"store URL {url!r} is empty: pass a directory path or an fsspec URL such as s3://bucket/prefix")
     url = os.fspath(url)
@@ -215,6 +217,15 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Sto
         url = url[len("file://"):]
     if "://" not in url:
         return LocalStorage(url, fsync=os.environ.get("FEATURESTORE_FSYNC") == "1")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in OBJECT_SCHEMES and os.environ.get("FEATURESTORE_OBJECT_BACKEND", "obstore") != "fsspec":
+        from featurestore.core.storage_obstore import ObjectStorage
+
+        return ObjectStorage(url, storage_options)
     return FsspecStorage(url, storage_options)
+
+
+#: URL schemes read and written through obstore (see featurestore.core.storage_options.SCHEMES).
+OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
 
 

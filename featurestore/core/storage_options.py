@@ -1,0 +1,252 @@
+"""fsspec-style ``storage_options`` -> obstore store settings, in one place.
+
+Users (and the docs, the CLI's ``--storage-options`` and ``FEATURESTORE_STORAGE_OPTIONS``) speak
+fsspec's language: s3fs's ``key``/``secret``/``token``/``anon``/``endpoint_url``/``client_kwargs``,
+gcsfs's ``token``/``project``, adlfs's ``account_name``/``account_key``/``sas_token``. The
+object-storage backend (:mod:`featurestore.core.storage_obstore`) speaks obstore's. This module
+is the only translation between the two, so every entry point accepts the same options; an option
+it does not know fails in one line that lists the ones it does.
+
+Environment variables keep working the way they did with s3fs: obstore reads the standard
+``AWS_*`` variables itself (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
+``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``...), fsspec's
+``FSSPEC_S3_*`` variables are read here (through ``fsspec.config``) as defaults under the explicit
+options, and ``AWS_PROFILE`` (or ``profile=``) goes through boto3's credential chain. Explicit
+options win over the environment.
+
+featurestore's own settings ride along in the same dict (and in environment variables):
+``max_concurrency`` (requests in flight per store, ``FEATURESTORE_OBJECT_CONCURRENCY``, default
+64), ``max_retries`` (``FEATURESTORE_OBJECT_RETRIES``, default 5) and ``retry_timeout`` (seconds,
+``FEATURESTORE_OBJECT_RETRY_TIMEOUT``, default 30).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from featurestore.errors import InvalidStorageOptions
+
+#: URL schemes served by obstore, by store kind.
+SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+
+DEFAULT_CONCURRENCY = 64
+DEFAULT_RETRIES = 5
+DEFAULT_RETRY_TIMEOUT = 30.0
+
+_COMMON = ("max_concurrency", "max_retries", "retry_timeout")
+# fsspec name -> obstore S3Config name.
+_S3 = {
+    "key": "access_key_id", "aws_access_key_id": "access_key_id", "access_key_id": "access_key_id",
+    "secret": "secret_access_key", "aws_secret_access_key": "secret_access_key",
+    "secret_access_key": "secret_access_key",
+    "token": "session_token", "aws_session_token": "session_token", "session_token": "session_token",
+    "endpoint_url": "endpoint", "endpoint": "endpoint",
+    "region": "region", "region_name": "region",
+    "requester_pays": "request_payer",
+}  # fmt: skip
+_S3_CLIENT_KWARGS = {"endpoint_url": "endpoint", "region_name": "region", "aws_access_key_id": "access_key_id",
+                     "aws_secret_access_key": "secret_access_key", "aws_session_token": "session_token"}
+_S3_FLAGS = ("anon", "use_ssl", "profile", "client_kwargs", "config_kwargs")
+_GCS = ("token", "project", "anon", "endpoint_url")
+_AZURE = {"account_name": "account_name", "account_key": "account_key", "sas_token": "sas_key",
+          "tenant_id": "tenant_id", "client_id": "client_id", "client_secret": "client_secret"}
+
+
+@dataclass
+class ObjectStoreSettings:
+    """Everything needed to build one obstore store (and to rebuild it after unpickling)."""
+
+    kind: str  # "s3" | "gcs" | "azure"
+    config: dict[str, Any] = field(default_factory=dict)
+    client_options: dict[str, Any] = field(default_factory=dict)
+    retry_config: dict[str, Any] = field(default_factory=dict)
+    max_concurrency: int = DEFAULT_CONCURRENCY
+    profile: str | None = None  # AWS profile: credentials through boto3's chain
+    credentials: dict[str, Any] | None = None  # explicit key/secret(/token): used as one set
+    endpoint: str | None = None  # the effective endpoint (for messages), None = the cloud's own
+
+
+def translate(url: str, options: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> ObjectStoreSettings:
+    """The obstore settings for ``url`` given fsspec-style ``options``; raises
+    :class:`InvalidStorageOptions` naming the first unknown or malformed option."""
+    environ = os.environ if environ is None else environ
+    scheme = url.split("://", 1)[0].lower()
+    kind = SCHEMES.get(scheme)
+    if kind is None:
+        raise InvalidStorageOptions(f"{url}: scheme {scheme!r} is not object storage (s3://, gs://, az://)")
+    opts = dict(options or {})
+    settings = ObjectStoreSettings(kind=kind)
+    settings.max_concurrency = _positive_int(url, "max_concurrency", opts.pop("max_concurrency", None),
+                                             environ.get("FEATURESTORE_OBJECT_CONCURRENCY"), DEFAULT_CONCURRENCY)
+    retries = _positive_int(url, "max_retries", opts.pop("max_retries", None),
+                            environ.get("FEATURESTORE_OBJECT_RETRIES"), DEFAULT_RETRIES, minimum=0)
+    timeout = _seconds(url, "retry_timeout", opts.pop("retry_timeout", None),
+                       environ.get("FEATURESTORE_OBJECT_RETRY_TIMEOUT"), DEFAULT_RETRY_TIMEOUT)
+    settings.retry_config = {
+        "max_retries": retries,
+        "retry_timeout": timedelta(seconds=timeout),
+        # Short first backoff: a loopback or in-region server that hiccups is back in ms.
+        "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=2), "base": 2},
+    }
+    if kind == "s3":
+        _s3(url, opts, settings, environ)
+    elif kind == "gcs":
+        _gcs(url, opts, settings)
+    else:
+        _azure(url, opts, settings)
+    return settings
+
+
+def _s3(url: str, opts: dict[str, Any], settings: ObjectStoreSettings, environ: Mapping[str, str]) -> None:
+    # fsspec's own config (FSSPEC_S3_* variables, fsspec config files) sits under the explicit options.
+    try:
+        import fsspec.config
+
+        defaults = dict(fsspec.config.conf.get("s3", {}))
+    except ImportError:  # fsspec is a core dependency; stay usable without it all the same
+        defaults = {}
+    opts = {**defaults, **opts}
+    _reject_unknown(url, opts, (*_S3, *_S3_FLAGS, *_COMMON), "s3")
+    config: dict[str, Any] = {}
+    for name, value in opts.items():
+        if name in _S3 and value is not None:
+            config[_S3[name]] = value
+    client_kwargs = opts.get("client_kwargs") or {}
+    if not isinstance(client_kwargs, Mapping):
+        raise InvalidStorageOptions(f"{url}: client_kwargs must be a JSON object, got {client_kwargs!r}")
+    for name, value in client_kwargs.items():
+        if name == "verify":
+            if value is False:
+                settings.client_options["allow_invalid_certificates"] = True
+            continue
+        if name not in _S3_CLIENT_KWARGS:
+            raise InvalidStorageOptions(
+                f"{url}: client_kwargs option {name!r} is not supported; use one of "
+                f"{', '.join(sorted([*_S3_CLIENT_KWARGS, 'verify']))}"
+            )
+        if value is not None:
+            config.setdefault(_S3_CLIENT_KWARGS[name], value)
+    config_kwargs = opts.get("config_kwargs") or {}
+    s3_kwargs = config_kwargs.get("s3") or {} if isinstance(config_kwargs, Mapping) else {}
+    extra = [k for k in config_kwargs if k != "s3"] + [f"s3.{k}" for k in s3_kwargs if k != "addressing_style"]
+    if extra or not isinstance(s3_kwargs, Mapping):
+        raise InvalidStorageOptions(f"{url}: config_kwargs {extra or config_kwargs!r} not supported; only "
+                                    "{'s3': {'addressing_style': 'virtual' | 'path'}} is")
+    addressing = s3_kwargs.get("addressing_style")
+    if addressing is not None:
+        config["virtual_hosted_style_request"] = addressing == "virtual"
+    if _truthy(opts.get("anon")):
+        config["skip_signature"] = True
+    if "request_payer" in config:
+        config["request_payer"] = _truthy(config["request_payer"])
+    if "access_key_id" in config or "secret_access_key" in config:
+        # An explicit key and secret are one set, as with s3fs: a session token from the
+        # environment (AWS_SESSION_TOKEN) must not be mixed in, so they bypass obstore's
+        # environment lookup through a static credential provider.
+        if not config.get("access_key_id") or not config.get("secret_access_key"):
+            raise InvalidStorageOptions(f"{url}: pass both key and secret (or neither, to use AWS_* variables)")
+        settings.credentials = {"access_key_id": str(config.pop("access_key_id")),
+                                "secret_access_key": str(config.pop("secret_access_key")),
+                                "token": config.pop("session_token", None) or None, "expires_at": None}
+    settings.profile = opts.get("profile") or None
+    endpoint = (config.get("endpoint") or environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL")
+                or environ.get("AWS_ENDPOINT"))
+    if endpoint:
+        config.setdefault("endpoint", endpoint)
+        settings.endpoint = str(endpoint).rstrip("/")
+        # Custom endpoints (MinIO, SeaweedFS, Ceph) serve buckets under the path, as s3fs assumes.
+        config.setdefault("virtual_hosted_style_request", False)
+        if str(endpoint).startswith("http://"):
+            settings.client_options["allow_http"] = True
+    if opts.get("use_ssl") is False:
+        settings.client_options["allow_http"] = True
+    settings.config = config
+
+
+def _gcs(url: str, opts: dict[str, Any], settings: ObjectStoreSettings) -> None:
+    _reject_unknown(url, opts, (*_GCS, *_COMMON), "gs")
+    token = opts.get("token")
+    config: dict[str, Any] = {}
+    if _truthy(opts.get("anon")) or token == "anon":
+        config["skip_signature"] = True
+    elif isinstance(token, Mapping):
+        import json
+
+        config["service_account_key"] = json.dumps(dict(token))
+    elif isinstance(token, str) and token not in ("google_default", "cloud", "browser", ""):
+        config["service_account"] = token  # a path to a service-account JSON file
+    if opts.get("endpoint_url"):
+        config["base_url"] = opts["endpoint_url"]
+        settings.endpoint = str(opts["endpoint_url"]).rstrip("/")
+        if str(opts["endpoint_url"]).startswith("http://"):
+            settings.client_options["allow_http"] = True
+    settings.config = config  # "project" is accepted for compatibility: object reads need none
+
+
+def _azure(url: str, opts: dict[str, Any], settings: ObjectStoreSettings) -> None:
+    _reject_unknown(url, opts, (*_AZURE, "anon", "account_host", *_COMMON), "az")
+    config = {_AZURE[k]: v for k, v in opts.items() if k in _AZURE and v is not None}
+    if _truthy(opts.get("anon")):
+        config["skip_signature"] = True
+    if opts.get("account_host"):
+        host = str(opts["account_host"])
+        config["endpoint"] = host if "://" in host else f"https://{host}"
+        settings.endpoint = config["endpoint"]
+    settings.config = config
+
+
+def _reject_unknown(url: str, opts: Mapping[str, Any], known: tuple[str, ...], scheme: str) -> None:
+    unknown = sorted(set(opts) - set(known))
+    if unknown:
+        raise InvalidStorageOptions(
+            f"{url}: storage option {unknown[0]!r} is not supported for {scheme}://; use one of "
+            f"{', '.join(sorted(set(known)))} (docs/STORAGE.md)"
+        )
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "requester")
+    return bool(value)
+
+
+def _positive_int(url: str, name: str, value: Any, env: str | None, default: int, minimum: int = 1) -> int:
+    raw = value if value is not None else env
+    if raw is None or raw == "":
+        return default
+    try:
+        number = int(raw)
+        if number != float(raw):
+            raise ValueError
+    except (TypeError, ValueError):
+        number = minimum - 1
+    if number < minimum:
+        raise InvalidStorageOptions(f"{url}: {name}={raw!r} must be an integer >= {minimum}")
+    return number
+
+
+def _seconds(url: str, name: str, value: Any, env: str | None, default: float) -> float:
+    raw = value if value is not None else env
+    if raw is None or raw == "":
+        return default
+    try:
+        number = float(raw)
+    except (TypeError, ValueError):
+        number = -1.0
+    if not (0 < number < 1e6):
+        raise InvalidStorageOptions(f"{url}: {name}={raw!r} must be a number of seconds > 0")
+    return number
+
+
+class StaticCredentials:
+    """An obstore S3 credential provider for one fixed key/secret(/token) set (picklable)."""
+
+    def __init__(self, credentials: Mapping[str, Any]) -> None:
+        self.credentials = dict(credentials)
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self.credentials)

@@ -1,0 +1,185 @@
+"""The obstore backend for s3:// (gs://, az://): option translation, ranged reads, multipart
+writes and its errors, against the session's real S3 server (SeaweedFS) and, for a server that
+dies mid-epoch, a moto server this module stops itself."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+
+import featurestore
+from featurestore.core.storage_options import translate
+from featurestore.errors import BucketNotFound, InvalidStorageOptions, StorageAccessDenied, StorageUnavailable
+
+pytest.importorskip("obstore")
+
+
+# ---------------------------------------------------------------------- translation (no server)
+def test_fsspec_s3_options_translate_to_obstore() -> None:
+    settings = translate("s3://b/p", {"key": "K", "secret": "S", "token": "T", "client_kwargs": {
+        "endpoint_url": "http://127.0.0.1:9000", "region_name": "eu-west-1"}, "max_concurrency": 7}, environ={})
+    assert settings.kind == "s3" and settings.max_concurrency == 7
+    assert settings.credentials == {"access_key_id": "K", "secret_access_key": "S", "token": "T", "expires_at": None}
+    assert settings.config["endpoint"] == "http://127.0.0.1:9000" and settings.config["region"] == "eu-west-1"
+    assert settings.client_options["allow_http"] is True  # an http:// endpoint needs it in obstore
+    assert settings.config["virtual_hosted_style_request"] is False  # buckets in the path, as s3fs
+    anon = translate("s3://b", {"anon": True, "endpoint_url": "https://minio:9000"}, environ={})
+    assert anon.config["skip_signature"] is True and "allow_http" not in anon.client_options
+
+
+def test_environment_endpoint_and_fsspec_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = translate("s3://b", {}, environ={"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:1"})
+    assert settings.endpoint == "http://127.0.0.1:1" and settings.client_options["allow_http"] is True
+    import fsspec.config
+
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": "http://from-fsspec:2"})
+    assert translate("s3://b", {}, environ={}).config["endpoint"] == "http://from-fsspec:2"
+    # explicit options win over fsspec's config
+    assert translate("s3://b", {"endpoint_url": "http://x:3"}, environ={}).config["endpoint"] == "http://x:3"
+    assert translate("s3://b", {}, environ={"FEATURESTORE_OBJECT_CONCURRENCY": "5"}).max_concurrency == 5
+
+
+@pytest.mark.parametrize("options, needle", [
+    ({"endpoint": "http://x", "colour": "red"}, "'colour'"),
+    ({"client_kwargs": {"proxies": {}}}, "'proxies'"),
+    ({"max_concurrency": 0}, "max_concurrency=0"),
+    ({"max_concurrency": "many"}, "max_concurrency='many'"),
+    ({"retry_timeout": -1}, "retry_timeout=-1"),
+    ({"key": "only-a-key"}, "both key and secret"),
+])  # fmt: skip
+def test_bad_options_fail_in_one_line(options: dict[str, Any], needle: str) -> None:
+    with pytest.raises(InvalidStorageOptions) as info:
+        featurestore.open_store("s3://bucket/prefix", **options)
+    message = str(info.value)
+    assert needle in message and "s3://bucket/prefix" in message and "\n" not in message
+
+
+def test_gcs_and_azure_options() -> None:
+    gcs = translate("gs://b/p", {"token": "/keys/sa.json", "project": "p"}, environ={})
+    assert gcs.kind == "gcs" and gcs.config == {"service_account": "/keys/sa.json"}
+    assert translate("gs://b", {"token": "anon"}, environ={}).config == {"skip_signature": True}
+    az = translate("az://container/p", {"account_name": "acct", "sas_token": "sv=1"}, environ={})
+    assert az.kind == "azure" and az.config == {"account_name": "acct", "sas_key": "sv=1"}
+    with pytest.raises(InvalidStorageOptions, match="'key'"):
+        translate("az://c", {"key": "x"}, environ={})
+
+
+# ---------------------------------------------------------------------- SeaweedFS
+def _storage(url: str, options: dict[str, Any]) -> Any:
+    from featurestore.core.storage_obstore import ObjectStorage
+
+    return ObjectStorage(url, options)
+
+
+def test_ranged_reads_coalesce_and_stay_bounded(seaweed_url: str, seaweed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import obstore
+
+    storage = _storage(seaweed_url, {**seaweed.storage_options, "max_concurrency": 3})
+    blobs = {f"obj{i}": np.random.default_rng(i).integers(0, 256, 300_000, dtype=np.uint8).tobytes() for i in range(6)}
+    for key, blob in blobs.items():
+        storage.write(key, blob)
+    storage.gap = 0  # only touching ranges merge here; the gap merge is checked below
+    in_flight = peak = calls = 0
+    real = obstore.get_range_async
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal in_flight, peak, calls
+        in_flight += 1
+        calls += 1
+        peak = max(peak, in_flight)
+        try:
+            await asyncio.sleep(0.01)  # hold the slot so overlapping requests show
+            return await real(*args, **kwargs)
+        finally:
+            in_flight -= 1
+
+    monkeypatch.setattr(obstore, "get_range_async", counting)
+    keys, starts, ends = [], [], []
+    for i in range(6):
+        for lo, hi in ((0, 1000), (1000, 5000), (100_000, 100_500), (200_000, 299_999), (250_000, 250_010)):
+            keys.append(f"obj{i}")
+            starts.append(lo)
+            ends.append(hi)
+    got = storage.read_ranges(keys, starts, ends)
+    assert [bytes(g) for g in got] == [blobs[k][a:b] for k, a, b in zip(keys, starts, ends)]
+    assert calls == 6 * 3  # adjacent and overlapping ranges of one object: one request
+    assert 1 < peak <= 3  # issued together, never more than max_concurrency at once
+    storage.gap = 1 << 20
+    calls = 0
+    assert [bytes(g) for g in storage.read_ranges(keys, starts, ends)] == [blobs[k][a:b] for k, a, b in zip(keys, starts, ends)]
+    assert calls == 6  # within the gap: one request per object
+
+
+def test_multipart_write_is_one_object(seaweed_url: str, seaweed: Any) -> None:
+    storage = _storage(seaweed_url, seaweed.storage_options)
+    storage.multipart_bytes, storage.part_bytes = 6 << 20, 5 << 20  # S3's smallest part size
+    payload = np.random.default_rng(0).integers(0, 256, 13 << 20, dtype=np.uint8)
+    storage.write("big", memoryview(payload), b"tail")
+    assert storage.size("big") == payload.nbytes + 4
+    assert storage.read("big") == payload.tobytes() + b"tail"
+    clone = pickle.loads(pickle.dumps(storage))  # workers get a fresh client, same root
+    assert bytes(clone.read_ranges(["big"], [5], [9])[0]) == payload[5:9].tobytes()
+
+
+def test_missing_bucket_names_url_and_bucket(seaweed: Any) -> None:
+    url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/store"
+    for mode in ("r", "a"):
+        with pytest.raises(BucketNotFound) as info:
+            featurestore.open_store(url, mode=mode, **seaweed.storage_options)
+        message = str(info.value)
+        assert url in message and "bucket 'no-such-bucket-" in message and "does not exist" in message
+        assert seaweed.endpoint in message and "\n" not in message
+
+
+def test_wrong_credentials_name_url_and_bucket(seaweed: Any, seaweed_url: str) -> None:
+    featurestore.open_store(seaweed_url, mode="a", **seaweed.storage_options)
+    bad = {**seaweed.storage_options, "secret": "not-the-secret", "max_retries": 0}
+    with pytest.raises(StorageAccessDenied) as info:
+        featurestore.open_store(seaweed_url, **bad)
+    message = str(info.value)
+    assert seaweed_url in message and "featurestore-tests" in message and "credentials" in message
+    assert "not-the-secret" not in message and "\n" not in message
+
+
+# ---------------------------------------------------------------------- a server that goes away
+def test_server_gone_mid_epoch_retries_then_one_line(tmp_path: Any) -> None:
+    """moto on its own port: read a batch, stop the server, the next batch retries then fails
+    with the URL and bucket in one line, within the retry budget."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing",
+               "max_retries": 2, "retry_timeout": 3}
+    stopped = False
+    try:
+        import urllib.request
+
+        # CreateBucket: moto takes it unsigned.
+        urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/gone-bucket", method="PUT"), timeout=10)
+        url = "s3://gone-bucket/store"
+        store = featurestore.open_store(url, mode="a", **options)
+        writer = store.create_split("d", "e", "s", num_samples=40, sample_shape=(8,), dtype="float32", chunk_bytes=5 * 32)
+        writer.write(0, np.arange(320, dtype=np.float32).reshape(40, 8))
+        writer.commit()
+        array = featurestore.open_store(url, **options).open("d", "e", "s")
+        assert array.read_numpy([3, 1, 39]).sum() > 0
+        server.stop()
+        stopped = True
+        start = time.monotonic()
+        with pytest.raises(StorageUnavailable) as info:
+            array.read_numpy([5, 20, 30])
+        elapsed = time.monotonic() - start
+    finally:
+        if not stopped:
+            server.stop()
+    message = str(info.value)
+    assert url in message and "'gone-bucket'" in message and "2 retries" in message and "\n" not in message
+    assert elapsed < 20
