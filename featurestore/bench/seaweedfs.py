@@ -113,7 +113,8 @@ def _ready(endpoint: str) -> bool:
 
 
 @contextlib.contextmanager
-def seaweed_server(directory: str | None = None, *, startup_timeout: float = 60.0) -> Iterator[SeaweedServer]:
+def seaweed_server(directory: str | None = None, *, startup_timeout: float = 60.0,
+                   extra_args: tuple[str, ...] = ()) -> Iterator[SeaweedServer]:
     """Start ``weed server -s3`` on free loopback ports; yield it once S3 answers; always stop it."""
     binary = weed_binary()
     owned = directory is None
@@ -137,7 +138,7 @@ def seaweed_server(directory: str | None = None, *, startup_timeout: float = 60.
     with open(config_path, "w") as f:
         json.dump({"identities": [{"name": "featurestore", "credentials": [
             {"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}], "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}, f)
-    cmd.append(f"-s3.config={config_path}")
+    cmd += [f"-s3.config={config_path}", *extra_args]
     log_path = os.path.join(root, "weed.log")
     log = open(log_path, "wb")
     try:

