@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from reader_contract import ReaderContract
 
 import featurestore
 from featurestore.core.storage_options import translate
@@ -71,6 +72,19 @@ def test_gcs_and_azure_options() -> None:
 
 
 # ---------------------------------------------------------------------- SeaweedFS
+class TestSeaweedReader(ReaderContract):
+    """The reader contract on the real S3 server: the obstore ranged path and, for compressed
+    arrays, zarr-python's ObjectStore on the same obstore client."""
+
+    def location(self, request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any]]:
+        return request.getfixturevalue("seaweed_url"), dict(request.getfixturevalue("seaweed").storage_options)
+
+
+class TestSeaweedReaderCompressed(TestSeaweedReader):
+    compressor = "zstd"
+    dtypes = ("float16",)
+
+
 def _storage(url: str, options: dict[str, Any]) -> Any:
     from featurestore.core.storage_obstore import ObjectStorage
 
