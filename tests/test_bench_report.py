@@ -117,3 +117,23 @@ def test_changed_result_keys_are_noted_not_fatal(tmp_path: Path) -> None:
     assert "| extract | 40 | 1.00x |" in md and "| encode only | 50 | 0.80x |" in md
     assert "## Report notes" in md and "http: _http_rows: KeyError: 'gb_per_s'" in md
     _check_png(tmp_path / "throughput.png")
+
+
+def test_s3_bench_runs_and_reports(tmp_path: Path, seaweed: object, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench s3`` end to end at --quick size, on the session's SeaweedFS (through --endpoint,
+    so no second server starts): every figure is measured and lands in the report."""
+    from conftest import SEAWEED_BUCKET
+
+    from featurestore.bench.seaweedfs import ACCESS_KEY, SECRET_KEY
+
+    flags = [*report.QUICK_FLAGS["s3"], "--endpoint", seaweed.endpoint, "--key", ACCESS_KEY,  # type: ignore[attr-defined]
+             "--secret", SECRET_KEY, "--bucket", SEAWEED_BUCKET]
+    from featurestore.bench import s3
+
+    out = s3.run(report.bench_args("s3", flags))
+    assert all(v > 0 for v in out["gb_per_s"].values()), out["gb_per_s"]
+    assert set(out["ratios"]) >= set(s3.TARGETS)
+    rows = report.throughput_rows({"benches": {"s3": {"result": out}}})
+    assert any(title.startswith("S3 (SeaweedFS") for title in rows)
+    assert s3._print_and_save(out, None) == 0
+    assert "read_vs_ceiling" in capsys.readouterr().out

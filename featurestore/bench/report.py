@@ -1,6 +1,6 @@
 """``featurestore bench all``: run every benchmark and write ``report.md``, ``report.json`` and plots.
 
-Each bench (``read``, ``write``, ``http``, ``loader``, ``extract``) is run in this process through its own
+Each bench (``read``, ``write``, ``http``, ``loader``, ``extract``, ``s3``) is run in this process through its own
 ``run(args)``, with the defaults of its own parser (so ``bench all`` never drifts from ``bench
 NAME``), or with the small sizes of ``--quick``. A bench that raises (or whose own check fails) is
 recorded as failed with its error in both reports, the others still run, and the command exits 1
@@ -25,7 +25,7 @@ from typing import Any
 
 from featurestore import __version__
 
-BENCH_NAMES = ("read", "write", "http", "loader", "extract")
+BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3")
 
 # Small sizes for CI and a first look: each bench finishes in seconds, the figures are noisy.
 QUICK_FLAGS: dict[str, list[str]] = {
@@ -35,6 +35,7 @@ QUICK_FLAGS: dict[str, list[str]] = {
              "--load-seconds", "2", "--clients", "4"],
     "loader": ["--shape", "64x384", "--num-samples", "64", "--repeats", "1", "--skip-cgroup"],
     "extract": ["--n", "64", "--image-size", "64", "--repeats", "1"],
+    "s3": ["--num-samples", "128", "--batches", "4", "--slow-batches", "2", "--repeats", "1"],
 }
 
 
@@ -183,7 +184,7 @@ def throughput_rows(report: dict[str, Any]) -> dict[str, list[tuple[str, float]]
     """Per panel title: ``(method, rate)`` pairs, featurestore first. Rates: GB/s (img/s for extract)."""
     panels: dict[str, list[tuple[str, float]]] = {}
     for name, rows in (("read", _read_rows), ("write", _write_rows), ("http", _http_rows),
-                       ("loader", _loader_rows), ("extract", _extract_rows)):
+                       ("loader", _loader_rows), ("extract", _extract_rows), ("s3", _s3_rows)):
         panels.update(_guarded(report, name, rows, {}))
     return panels
 
@@ -226,6 +227,24 @@ def _loader_rows(loader: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
 def _extract_rows(extract: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
     return {"extract, images/s": [("extract", extract["extract_img_s"]),
                                   ("encode only", extract["encode_only_img_s"])]}
+
+
+def _s3_rows(s3: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+    rates = s3["gb_per_s"]
+    reads = ["featurestore shuffled batches", "ceiling (whole chunks, 8 GETs)", "FeatureLoader epoch (uniform shuffle)",
+             "zarr-python FsspecStore", "featurestore via fsspec (before)"]
+    return {"S3 (SeaweedFS, loopback) reads, GB/s": [(name, rates[name]) for name in reads],
+            "S3 (SeaweedFS, loopback) writes, GB/s": [(name, rates[name]) for name in
+                                                      ("featurestore write", "plain concurrent put")]}
+
+
+def _s3_details(s3: dict[str, Any]) -> list[str]:
+    targets = s3.get("targets", {})
+    parts = []
+    for name, value in s3["ratios"].items():
+        target = targets.get(name)
+        parts.append(f"{name} {value:.2f}x" + (f" (target >= {target}x)" if target is not None else ""))
+    return [f"- s3 ({s3['cache']}): " + "; ".join(parts)]
 
 
 def _pyplot() -> Any:
@@ -360,7 +379,7 @@ def _details(report: dict[str, Any]) -> list[str]:
     """The figures that are not bars: write speed, latency, stall, memory bound, cgroup, extraction ratio."""
     lines: list[str] = []
     for name, fn in (("read", _read_details), ("write", _write_details), ("http", _http_details),
-                     ("loader", _loader_details), ("extract", _extract_details)):
+                     ("loader", _loader_details), ("extract", _extract_details), ("s3", _s3_details)):
         lines += _guarded(report, name, fn, [])
     return ["", "## Other figures", "", *lines] if lines else []
 

@@ -49,6 +49,7 @@ def register(subparsers: Any) -> None:
                         help="max_concurrency storage option (default: FEATURESTORE_OBJECT_CONCURRENCY or 64)")
     parser.add_argument("--loader-threads", type=int, default=None, help="FeatureLoader num_threads (default: its own)")
     parser.add_argument("--prefetch", type=int, default=4, help="FeatureLoader prefetch (batches in flight)")
+    parser.add_argument("--workdir", default=None, help="SeaweedFS data directory (default: a temp dir, removed)")
     parser.add_argument("--endpoint", default=None, help="use this S3 endpoint instead of starting SeaweedFS")
     parser.add_argument("--bucket", default="featurestore-bench")
     parser.add_argument("--key", default=None)
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return _bench(args, options, server="endpoint " + args.endpoint)
     from featurestore.bench.seaweedfs import seaweed_server
 
-    with seaweed_server() as server:
+    with seaweed_server(args.workdir) as server:
         server.create_bucket(args.bucket)
         return _bench(args, server.storage_options, server=f"SeaweedFS on loopback ({server.endpoint})")
 

@@ -29,12 +29,16 @@ from featurestore.format import chunks, layout
 Put = tuple[str, np.ndarray, "str | None"]
 
 
-def default_workers() -> int:
-    """``FEATURESTORE_PUT_THREADS`` or min(4, cores): page-cache writes are memcpy-bound per
-    thread, so a few threads reach a disk's rate; more only add contention."""
+def default_workers(storage: Storage | None = None) -> int:
+    """``FEATURESTORE_PUT_THREADS``, else the storage's own hint (object storage: puts wait on the
+    network, not the CPU, so more are in flight), else min(4, cores): page-cache writes are
+    memcpy-bound per thread, so a few threads reach a disk's rate; more only add contention."""
     value = os.environ.get("FEATURESTORE_PUT_THREADS")
     if value is not None and value.strip().isdigit():
         return int(value)
+    hint = getattr(storage, "put_threads", None)
+    if isinstance(hint, int) and hint > 0:
+        return hint
     return min(4, os.cpu_count() or 1)
 
 
@@ -45,7 +49,7 @@ class ChunkPuts:
                  max_pending: int | None = None, on_done: Callable[[int], None] | None = None) -> None:
         self._storage = storage
         self._key = key
-        self._workers = default_workers() if workers is None else max(0, workers)
+        self._workers = default_workers(storage) if workers is None else max(0, workers)
         self._slots = threading.Semaphore(max(1, max_pending or 2 * max(1, self._workers)))
         self._executor: ThreadPoolExecutor | None = None
         self._pending: set[Future[None]] = set()

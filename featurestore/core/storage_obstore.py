@@ -54,6 +54,10 @@ GAP_BYTES = 64 << 10
 class ObjectStorage(Storage):
     """A store root on object storage; keys are object paths below the URL's prefix."""
 
+    #: The writer's chunk-put threads on object storage (``chunk_puts.default_workers``): each
+    #: put mostly waits on the network, so more in flight than a disk wants.
+    put_threads = 8
+
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
