@@ -161,6 +161,18 @@ def test_wrong_credentials_name_url_and_bucket(seaweed: Any, seaweed_url: str) -
     assert "not-the-secret" not in message and "\n" not in message
 
 
+def test_no_credentials_at_all_says_so(seaweed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No key in the options or the environment: obstore asks the instance metadata service (here
+    a closed local port), and the error says credentials are missing, not "server down"."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", "http://127.0.0.1:1")
+    with pytest.raises(StorageAccessDenied) as info:
+        featurestore.open_store("s3://featurestore-tests/none", endpoint_url=seaweed.endpoint, max_retries=0)
+    message = str(info.value)
+    assert "no credentials" in message and "'featurestore-tests'" in message and "\n" not in message
+
+
 # ---------------------------------------------------------------------- a server that goes away
 def test_server_gone_mid_epoch_retries_then_one_line(tmp_path: Any) -> None:
     """moto on its own port: read a batch, stop the server, the next batch retries then fails

@@ -296,6 +296,15 @@ class ObjectStorage(Storage):
                 f"({code or type(exc).__name__}): check the credentials (storage_options key/secret, "
                 "or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the bucket's permissions"
             )
+        if isinstance(exc, BaseError) and ("169.254.169.254" in text or "/latest/api/token" in text
+                                           or "credential" in text.lower()):
+            # No key anywhere: obstore fell back to the cloud's instance metadata, which is not
+            # there. Say what is missing, not "server unreachable".
+            return StorageAccessDenied(
+                f"{self.url}: no credentials for bucket {self.bucket!r} at {where}: pass key and secret "
+                "in storage_options (--storage-options / FEATURESTORE_STORAGE_OPTIONS), or set "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
+            )
         if isinstance(exc, BaseError):
             retries = self.settings.retry_config.get("max_retries")
             reason = code or _first_line(text)
