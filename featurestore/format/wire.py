@@ -12,6 +12,10 @@ answers: shapes, dtypes, chunking, labels/ids presence and the metadata, so open
 is one request), the error body, the one index normaliser and bounds check, and the binary framing
 of a features+labels batch (:data:`SAMPLES`, issue 16).
 
+It is one module on purpose (a little over the ~400-line guide): the contract both sides must
+agree on is read in one place. Credential redaction, used by both sides' messages, lives in
+``featurestore/format/redact.py`` and is re-exported here.
+
 This module must stay importable without torch, fastapi or httpx: the server image has no torch
 and ``import client`` must not pull in the server stack.
 """
@@ -31,6 +35,7 @@ import numpy as np
 from featurestore.errors import IndexOutOfRange, InvalidIndices
 from featurestore.format.dtypes import storage_dtype
 from featurestore.format.names import validate_name
+from featurestore.format.redact import redact
 
 __all__ = [
     "ARRAYS",
@@ -415,23 +420,3 @@ def parse_error_body(doc: Any) -> tuple[Any, str | None, dict[str, Any]]:
     name = doc.get("error")
     extra = {k: v for k, v in doc.items() if k not in ("detail", "error")}
     return doc.get("detail"), name if isinstance(name, str) else None, extra
-
-
-# ---------------------------------------------------------------------- redaction
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s'\"]*@")
-_SECRET_PARAM = re.compile(
-    r"(?i)\b(token|access_token|secret|password|key|signature|x-amz-signature|x-amz-credential)"
-    r"=[^&\s'\"]+"
-)
-_BEARER = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]+")
-
-
-def redact(text: str) -> str:
-    """``text`` with URL userinfo, bearer tokens and secret-looking query parameters masked.
-
-    Applied to every message and log line that may quote a URL (issue 12.8):
-    ``http://alice:pw123@host`` -> ``http://***@host``.
-    """
-    text = _USERINFO.sub(r"\1***@", text)
-    text = _SECRET_PARAM.sub(r"\1=***", text)
-    return _BEARER.sub(r"\1 ***", text)
