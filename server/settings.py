@@ -58,7 +58,7 @@ class Settings(BaseSettings):
         default=1 << 20, gt=0, description="most indices in one batch request (413 beyond)"
     )
     max_inflight_bytes: int = Field(
-        default=1 << 30,
+        default=512 << 20,
         gt=0,
         description="response bytes gathered or being sent at once, over all requests of this "
         "worker; a request that does not fit waits up to inflight_wait_s, then gets 503 with "

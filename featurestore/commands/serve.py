@@ -21,7 +21,9 @@ def register(subparsers: Any) -> None:
         help="serve a store over HTTP (read-only; routes in docs/SERVER.md)",
         description="Serve a store over HTTP: listings, metadata, feature batches, the raw Zarr "
         "key space and /metrics. Settings also come from FEATURESTORE_* environment variables "
-        "(FEATURESTORE_TOKEN, FEATURESTORE_MAX_RESPONSE_BYTES, FEATURESTORE_STORAGE_OPTIONS).",
+        "(FEATURESTORE_TOKEN, FEATURESTORE_MAX_RESPONSE_BYTES, FEATURESTORE_STORAGE_OPTIONS, and the "
+        "resource caps FEATURESTORE_MAX_REQUEST_BYTES, FEATURESTORE_MAX_INDICES, "
+        "FEATURESTORE_MAX_INFLIGHT_BYTES; all listed in docs/SERVER.md).",
     )
     parser.add_argument("url", help="store path or fsspec URL (s3://bucket/prefix, ...)")
     parser.add_argument("--host", default="127.0.0.1",
