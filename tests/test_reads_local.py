@@ -49,6 +49,8 @@ def test_loader_epoch_same_bytes_on_every_path(store: str, monkeypatch: pytest.M
                                                local_read: str, cache: str, cold: bool) -> None:
     monkeypatch.setenv("FEATURESTORE_LOCAL_READ", local_read)
     monkeypatch.setenv("FEATURESTORE_READ_CACHE", cache)
+    if cold:  # the first-read crc check would read (and cache) whole chunks first
+        monkeypatch.setenv("FEATURESTORE_VERIFY_READS", "off")
     ref_x, ref_y = (torch.from_numpy(a) for a in reference())
     ds = FeatureDataset(store, DATASET, ENCODER, "f32")
     for order in ("shuffle", "sequential"):
@@ -68,6 +70,7 @@ def test_loader_epoch_same_bytes_on_every_path(store: str, monkeypatch: pytest.M
 
 
 def test_dataloader_workers_read_with_their_own_pools(store: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FEATURESTORE_VERIFY_READS", "off")
     monkeypatch.setenv("FEATURESTORE_LOCAL_READ", "pread")
     ref_x = torch.from_numpy(reference()[0])
     ds = FeatureDataset(store, DATASET, ENCODER, "f32")
@@ -121,6 +124,7 @@ def test_chunk_damaged_mid_epoch_fails_with_its_name(store: str, monkeypatch: py
 
 
 def test_failed_read_thread_never_leaves_the_loader_waiting(store: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FEATURESTORE_VERIFY_READS", "off")
     monkeypatch.setenv("FEATURESTORE_LOCAL_READ", "pread")
     real = pread._read_blocking
     calls = {"n": 0}
@@ -142,6 +146,7 @@ def test_failed_read_thread_never_leaves_the_loader_waiting(store: str, monkeypa
 
 
 def test_loader_close_stops_its_read_threads(store: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FEATURESTORE_VERIFY_READS", "off")
     monkeypatch.setenv("FEATURESTORE_LOCAL_READ", "pread")
     ds = FeatureDataset(store, DATASET, ENCODER, "f32")
     before = len(_read_threads())

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -207,10 +208,12 @@ def _child(config: dict[str, Any]) -> dict[str, Any]:
 
     def pread_reference() -> int:
         fd = os.open(raw_path, os.O_RDONLY)
-        out = aligned_empty((8 * b, sample_bytes), np.uint8)
+        local = threading.local()  # one preallocated sample buffer per thread
         try:
             def one(k: int) -> int:
-                return os.preadv(fd, [memoryview(out[k % len(out)])], int(order[k]) * sample_bytes)
+                if not hasattr(local, "out"):
+                    local.out = memoryview(aligned_empty((sample_bytes,), np.uint8))
+                return os.preadv(fd, [local.out], int(order[k]) * sample_bytes)
 
             with ThreadPoolExecutor(8) as pool:
                 return sum(pool.map(one, range(n), chunksize=b))

@@ -1,6 +1,6 @@
 """``featurestore bench all``: run every benchmark and write ``report.md``, ``report.json`` and plots.
 
-Each bench (``read``, ``write``, ``http``, ``loader``, ``extract``, ``s3``) is run in this process through its own
+Each bench (``read``, ``write``, ``http``, ``loader``, ``extract``, ``s3``, ``cold``) is run in this process through its own
 ``run(args)``, with the defaults of its own parser (so ``bench all`` never drifts from ``bench
 NAME``), or with the small sizes of ``--quick``. A bench that raises (or whose own check fails) is
 recorded as failed with its error in both reports, the others still run, and the command exits 1
@@ -25,7 +25,7 @@ from typing import Any
 
 from featurestore import __version__
 
-BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3")
+BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3", "cold")
 
 # Small sizes for CI and a first look: each bench finishes in seconds, the figures are noisy.
 QUICK_FLAGS: dict[str, list[str]] = {
@@ -36,13 +36,15 @@ QUICK_FLAGS: dict[str, list[str]] = {
     "loader": ["--shape", "64x384", "--num-samples", "64", "--repeats", "1", "--skip-cgroup"],
     "extract": ["--n", "64", "--image-size", "64", "--repeats", "1"],
     "s3": ["--num-samples", "128", "--batches", "4", "--slow-batches", "2", "--repeats", "1"],
+    "cold": ["--shapes", "64x384", "--batch-sizes", "16", "--limit-mib", "512", "--store-ratio", "0.1",
+             "--no-variants", "--cuda", "off"],
 }
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "all", help="run every bench; write report.md, report.json and PNG plots",
-        description="Run the read, write, http, loader and extract benches with their default arguments "
+        description="Run the read, write, http, loader, extract and cold benches with their default arguments "
         "(or small ones with --quick) and write report.md, report.json, throughput.png and rss.png "
         "into --out. A failed bench is reported with its error and makes the exit status 1.")
     parser.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
@@ -184,7 +186,7 @@ def throughput_rows(report: dict[str, Any]) -> dict[str, list[tuple[str, float]]
     """Per panel title: ``(method, rate)`` pairs, featurestore first. Rates: GB/s (img/s for extract)."""
     panels: dict[str, list[tuple[str, float]]] = {}
     for name, rows in (("read", _read_rows), ("write", _write_rows), ("http", _http_rows),
-                       ("loader", _loader_rows), ("extract", _extract_rows), ("s3", _s3_rows)):
+                       ("loader", _loader_rows), ("extract", _extract_rows), ("s3", _s3_rows), ("cold", _cold_rows)):
         panels.update(_guarded(report, name, rows, {}))
     return panels
 
@@ -222,6 +224,19 @@ def _loader_rows(loader: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
     return {"loader (CPU consumer), GB/s": [
         ("loader", t["loader_gbps"]), ("bare reader", t["reader_gbps"]),
         ("loader -> f32", t["loader_float32_gbps"]), ("reader + .float()", t["reader_float32_gbps"])]}
+
+
+def _cold_rows(cold: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+    panels = {}
+    for shape in cold["shapes"]:
+        if "rows" not in shape:
+            continue
+        rows = shape["rows"]
+        first = [k for k in ("FeatureLoader", "FeatureArray.read") if k in rows]
+        names = first + [k for k in rows if k not in first]
+        panels[f"cold [{'x'.join(map(str, shape['sample_shape']))}] float16 (page cache cold), GB/s"] = [
+            (name, rows[name]["gb_per_s"]) for name in names]
+    return panels
 
 
 def _extract_rows(extract: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
@@ -379,13 +394,17 @@ def _details(report: dict[str, Any]) -> list[str]:
     """The figures that are not bars: write speed, latency, stall, memory bound, cgroup, extraction ratio."""
     lines: list[str] = []
     for name, fn in (("read", _read_details), ("write", _write_details), ("http", _http_details),
-                     ("loader", _loader_details), ("extract", _extract_details), ("s3", _s3_details)):
+                     ("loader", _loader_details), ("extract", _extract_details), ("s3", _s3_details),
+                     ("cold", _cold_details)):
         lines += _guarded(report, name, fn, [])
     return ["", "## Other figures", "", *lines] if lines else []
 
 
 def _read_details(read: dict[str, Any]) -> list[str]:
-    return [f"- write [{'x'.join(map(str, shape['sample_shape']))}]: featurestore "
+    return [f"- read [{'x'.join(map(str, shape['sample_shape']))}] (warm): featurestore / np.memmap paired per "
+            f"repeat, median {shape['median_paired_vs_memmap']:.2f}x (target >= 1.0x); first pass with crc32c "
+            f"checks {shape['verify']['ratio']:.2f}x the unchecked one" for shape in read["shapes"]] + [
+            f"- write [{'x'.join(map(str, shape['sample_shape']))}]: featurestore "
             f"{shape['write']['featurestore_gb_per_s']:.2f} GB/s vs numpy tofile "
             f"{shape['write']['tofile_gb_per_s']:.2f} GB/s ({shape['write']['ratio']:.2f}x)" for shape in read["shapes"]]
 
@@ -417,6 +436,23 @@ def _loader_details(loader: dict[str, Any]) -> list[str]:
     elif cg:
         lines.append(f"- cgroup limit {cg['limit_bytes'] / 2**20:.0f} MiB, store {cg['store_bytes'] / 2**20:.0f} MiB: "
                      f"loader rc {cg['loader_returncode']}, RAM tensor killed: {cg['ram_killed']}")
+    return lines
+
+
+def _cold_details(cold: dict[str, Any]) -> list[str]:
+    lines = []
+    for shape in cold["shapes"]:
+        label = "x".join(map(str, shape["sample_shape"]))
+        if "rows" not in shape:
+            lines.append(f"- cold [{label}]: child failed (rc {shape.get('returncode')})")
+            continue
+        rows = shape["rows"]
+        loader, ref, mm = (rows[k]["gb_per_s"] for k in ("FeatureLoader", "pread reference", "np.memmap gather"))
+        lines.append(f"- cold [{label}], {shape['chunk_rows']}-row chunks, store {shape['store_bytes'] / 2**30:.2f} GiB, "
+                     f"memory cgroup {cold['limit_bytes'] >> 20} MiB ({shape['cgroup']}): loader {loader / ref:.2f}x the "
+                     f"parallel-pread reference (target >= 0.85x), {loader / mm:.2f}x np.memmap (target >= 3x), "
+                     f"{loader / rows['device limit']['gb_per_s']:.2f}x the device limit; loader peak RSS "
+                     f"{rows['FeatureLoader']['peak_rss'] / 2**20:.0f} MiB; same bytes: {shape['same_bytes']}")
     return lines
 
 

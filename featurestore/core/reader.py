@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 
 from featurestore.core.buffers import PAGE, aligned_empty
-from featurestore.core import pread
+from featurestore.core import checked, pread
 from featurestore.core.storage import Storage
 from featurestore.errors import CorruptChunk, IndexOutOfRange, MissingChunks, ShapeMismatch
-from featurestore.format import dtypes, layout
+from featurestore.format import chunks, dtypes, layout
 from featurestore.format.wire import as_index_array, check_bounds
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in lazily
@@ -69,6 +69,8 @@ class FeatureArray:
         self.local_read = _setting("FEATURESTORE_LOCAL_READ", "auto", LOCAL_READS)
         self.cache = _setting("FEATURESTORE_READ_CACHE", "auto", pread.CACHE_MODES)
         self._auto_cache: tuple[int, str] | None = None
+        self.verify_reads = _setting("FEATURESTORE_VERIFY_READS", "auto", checked.VERIFY_MODES)
+        self._verified = checked.Verified()
         self.read_pool: pread.ReadPool | None = None  # None: the process's default pool
         self.read_counts = {"mmap": 0, "inline": 0, "pool": 0}
         self._maps: dict[int, np.ndarray] = {}
@@ -124,6 +126,7 @@ class FeatureArray:
         if len(index):
             rows = out.reshape(len(index), -1).view(np.uint8)
             try:
+                self._verify(index)
                 if self.path == "mmap":
                     self._gather_local(index, rows)
                 elif self.path == "ranges":
@@ -133,6 +136,48 @@ class FeatureArray:
             except FileNotFoundError as error:
                 raise self._missing(error.filename) from None
         return out
+
+    # ------------------------------------------------------------------ checked reads
+    def _verify(self, index: np.ndarray) -> None:
+        """crc32c of every chunk this read touches that this process has not verified yet
+        (featurestore.core.checked has the policy and its cost)."""
+        mode = self.verify_reads
+        if mode not in checked.VERIFY_MODES:
+            raise ValueError(f"verify_reads must be one of {', '.join(checked.VERIFY_MODES)}, got {mode!r}")
+        if mode == "off" or self.path == "zarr":  # zarr's crc32c codec checks every decoded chunk itself
+            return
+        if mode == "auto" and self.path == "mmap" and self._resolved_cache() == "direct":
+            return
+        pending = self._verified.pending(np.unique(index // self.chunk_rows).tolist())
+        if not pending:
+            return
+        payload = self.chunk_rows * self.sample_nbytes
+        if self.path == "mmap":
+            def check(chunk: int) -> str | None:
+                return checked.check_file(self._chunk_path(chunk), payload)
+
+            executor = (self.read_pool or pread.default_pool()).executor()
+            try:
+                damaged = checked.run_checks(pending, check, executor)
+            except FileNotFoundError as error:
+                raise self._missing(error.filename) from None
+            where = self._chunk_path
+        else:
+            keys = [layout.chunk_key(self._key, c, self._ndim) for c in pending]
+            try:
+                blobs = self._storage.read_many(keys)
+            except FileNotFoundError:
+                gone = next((k for k in keys if not self._storage.exists(k)), None)
+                raise self._missing(gone) from None
+            damaged = {c: r for c, blob in zip(pending, blobs) if (r := chunks.check(blob, payload)) is not None}
+
+            def where(chunk: int) -> str:
+                return f"{self._storage.url}/{layout.chunk_key(self._key, chunk, self._ndim)}"
+        if damaged:
+            chunk, reason = next(iter(sorted(damaged.items())))
+            more = f" (and {len(damaged) - 1} more chunk(s) read by the same batch)" if len(damaged) > 1 else ""
+            raise CorruptChunk(checked.damage_message(f"chunk {chunk} of {self._key} ({where(chunk)}){more}", reason))
+        self._verified.add(pending)
 
     def _missing(self, chunk: str | None) -> MissingChunks:
         where = f"chunk {chunk}" if chunk else "some requested rows' chunks"
@@ -264,12 +309,27 @@ class FeatureArray:
             starts.append(int(offset[start]) * self.sample_nbytes)
             ends.append(int(offset[start] + (stop - start)) * self.sample_nbytes)
             spans.append((start, stop))
-        blobs = self._storage.read_ranges(keys, starts, ends)
+        try:
+            blobs = self._storage.read_ranges(keys, starts, ends)
+        except FileNotFoundError:
+            raise
+        except OSError:  # e.g. S3 "range not satisfiable": an object shorter than its rows?
+            expected = self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES
+            for key in dict.fromkeys(keys):
+                size = self._storage.size(key)
+                if size is not None and size != expected:
+                    raise CorruptChunk(checked.damage_message(
+                        f"chunk {self._storage.url}/{key}", f"size {size} bytes, expected {expected}")) from None
+            raise
         if len(unique) == len(index) and np.array_equal(unique, index):
             target = rows
         else:
             target = np.empty((len(unique), self.sample_nbytes), np.uint8)
-        for (start, stop), blob in zip(spans, blobs):
+        for key, (start, stop), blob in zip(keys, spans, blobs):
+            if len(blob) != (stop - start) * self.sample_nbytes:  # the object is shorter than its rows
+                raise CorruptChunk(checked.damage_message(
+                    f"chunk {self._storage.url}/{key}", f"{len(blob)} bytes where {(stop - start) * self.sample_nbytes} "
+                    "were requested (truncated object)"))
             target[start:stop] = np.frombuffer(blob, np.uint8).reshape(stop - start, self.sample_nbytes)
         if target is not rows:
             np.take(target, inverse.reshape(-1), axis=0, out=rows)
