@@ -9,7 +9,8 @@ interleaved in each repeat, each one full shuffled epoch (the same permutation):
 
 * ``device limit``: every chunk file read whole, sequentially, in 8 MiB reads (4 files at a time);
 * ``pread reference``: 8 threads, one ``os.preadv`` per sample into a preallocated buffer;
-* ``np.memmap gather``: ``memmap[batch]`` over the raw file;
+* ``np.memmap gather``: ``memmap[batch]`` over the raw file (page-fault bound and slow when cold:
+  measured over the batches it reads in ``--slow-seconds``, as is the forced-mmap reader row);
 * ``FeatureArray.read``: the reader with its defaults (and, unless ``--no-variants``, the mmap
   gather and the pread path with ``cache="drop"`` / ``"direct"`` forced);
 * ``FeatureLoader``: one epoch, ``shuffle=True``, ``device="cpu"``, stored dtype;
@@ -53,6 +54,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats; the median is kept")
     parser.add_argument("--prefetch", type=int, default=4, help="FeatureLoader prefetch (default 4)")
     parser.add_argument("--no-variants", action="store_true", help="skip the forced mmap/drop/direct reader rows")
+    parser.add_argument("--slow-seconds", type=float, default=20.0,
+                        help="time budget of the page-fault-bound rows (np.memmap, forced mmap): GB/s over the "
+                             "batches read in that time (default 20 s)")
     parser.add_argument("--cuda", choices=("auto", "on", "off"), default="auto",
                         help="CUDA rows (pinned H2D, loader epoch to the GPU); auto: when a GPU is present")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
@@ -115,7 +119,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, limit: int,
     if cuda:
         methods += ["FeatureLoader -> cuda", "pinned H2D"]
     config = {"base": base, "shape": list(shape), "n": n, "batch_size": batch_size, "methods": methods,
-              "repeats": args.repeats, "prefetch": args.prefetch}
+              "repeats": args.repeats, "prefetch": args.prefetch, "slow_seconds": args.slow_seconds}
     command = [sys.executable, "-m", "featurestore.bench.cold", "_child", json.dumps(config)]
     out: dict[str, Any] = {"sample_shape": list(shape), "num_samples": n, "batch_size": batch_size,
                            "chunk_rows": args.chunk_rows, "store_bytes": n * sample_bytes}
@@ -222,15 +226,25 @@ def _child(config: dict[str, Any]) -> dict[str, Any]:
 
     memmap = np.memmap(raw_path, dtype=np.float16, mode="r", shape=(n, *shape))
 
+    def budget(fn: Any, slow: bool) -> int:
+        """Bytes of ``fn(batch)`` over the epoch; a slow row stops after its time budget (GB/s is
+        per byte, so a prefix of the same shuffled epoch measures the same rate)."""
+        total, start = 0, time.perf_counter()
+        for idx in batches:
+            total += fn(idx)
+            if slow and time.perf_counter() - start > config["slow_seconds"]:
+                break
+        return total
+
     def memmap_gather() -> int:
-        return sum(memmap[idx].nbytes for idx in batches)
+        return budget(lambda idx: memmap[idx].nbytes, slow=True)
 
     def reader(local_read: str | None, cache: str | None) -> Any:
         def read() -> int:
             array = featurestore.open_store(store_dir).open("bench", "enc", "train")
             if local_read:
                 array.local_read, array.cache = local_read, cache
-            return sum(array.read(idx).numel() * 2 for idx in batches)
+            return budget(lambda idx: array.read(idx).numel() * 2, slow=local_read == "mmap")
         return read
 
     def loader(device: str) -> Any:
