@@ -44,7 +44,7 @@ QUICK_FLAGS: dict[str, list[str]] = {
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "all", help="run every bench; write report.md, report.json and PNG plots",
-        description="Run the read, write, http, loader, extract and cold benches with their default arguments "
+        description="Run the read, write, http, loader, extract, s3 and cold benches with their default arguments "
         "(or small ones with --quick) and write report.md, report.json, throughput.png and rss.png "
         "into --out. A failed bench is reported with its error and makes the exit status 1.")
     parser.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
