@@ -153,6 +153,8 @@ def _print_rows(out: dict[str, Any]) -> None:
         extra = f"   peak RSS {row['peak_rss'] / 2**20:7.0f} MiB" if row.get("peak_rss") else ""
         print(f"  {name:<34} {row['gb_per_s']:6.2f} GB/s  {row['gb_per_s'] / device:5.2f}x device  "
               f"{row['gb_per_s'] / ref:5.2f}x pread ref  {row['gb_per_s'] / mm:5.2f}x memmap{extra}")
+    for name, error in out.get("errors", {}).items():
+        print(f"  {name:<34} FAILED: {error}")
     loader = rows["FeatureLoader"]["gb_per_s"]
     print(f"  targets: loader >= 0.85x pread ref: {loader / ref:.2f}x; loader >= 3x memmap: {loader / mm:.2f}x; "
           f"same bytes on every path: {out['same_bytes']}")
@@ -274,13 +276,18 @@ def _child(config: dict[str, Any]) -> dict[str, Any]:
     fns.update({name: reader(*mode) for name, mode in VARIANTS.items()})
     rates: dict[str, list[float]] = {}
     peaks: dict[str, int] = {}
+    errors: dict[str, str] = {}
     for _ in range(config["repeats"]):
         for name in config["methods"]:
             evict(store_dir)
             evict(raw_path)
             _peak_reset()
             start = time.perf_counter()
-            nbytes = fns[name]()
+            try:
+                nbytes = fns[name]()
+            except Exception as error:  # one broken row (a CUDA setup, say) must not hide the others
+                errors[name] = f"{type(error).__name__}: {error}"
+                continue
             rates.setdefault(name, []).append(gbps(nbytes, time.perf_counter() - start))
             peaks[name] = max(peaks.get(name, 0), _peak())
     # Same bytes: the reader's and the loader's first batch against the raw file.
@@ -288,14 +295,15 @@ def _child(config: dict[str, Any]) -> dict[str, Any]:
     same = bool(np.array_equal(array.read_numpy(batches[0]).view(np.uint16), memmap[batches[0]].view(np.uint16)))
     rows = {name: {"gb_per_s": float(np.median(r)), "all_gb_per_s": r, "peak_rss": peaks[name]}
             for name, r in rates.items()}
-    return {"rows": rows, "repeats": config["repeats"], "same_bytes": same}
+    return {"rows": rows, "repeats": config["repeats"], "same_bytes": same, "errors": errors}
 
 
 def _print_and_save(results: dict[str, Any], path: str | None) -> int:
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
-    return 0
+    failed = [s for s in results.get("shapes", []) if s.get("returncode") != 0 or s.get("errors")]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "_child":
