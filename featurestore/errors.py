@@ -109,6 +109,13 @@ class InvalidIndices(FeatureStoreError, TypeError):
     """Row indices that are not integers (a float, a string, a 2-D array...)."""
 
 
+
+
+
+class InvalidMetadata(FeatureStoreError, ValueError):
+    """A split's metadata (or one of its zarr.json documents) is damaged or not plain JSON."""
+
+
 class InvalidOption(FeatureStoreError, ValueError):
     """An argument or command-line option outside its allowed values (the message names both)."""
 
@@ -127,3 +134,21 @@ class InvalidLabels(FeatureStoreError, ValueError):
 
 class EmptySplit(FeatureStoreError, ValueError):
     """A split (or loader) that yields no samples where at least one is needed."""
+
+
+class WriterClosed(FeatureStoreError, RuntimeError):
+    """A write on a :class:`SplitWriter` after ``close()`` or ``commit()``."""
+
+
+class SplitTakenOver(FeatureStoreError, RuntimeError):
+    """Another writer replaced the split (``--overwrite``) while this one was writing it: the
+    split's generation on storage is no longer this writer's (docs/FORMAT.md, "Generation")."""
+
+
+class StorageOptionsError(FeatureStoreError, ValueError):
+    """``--storage-options`` / ``FEATURESTORE_STORAGE_OPTIONS`` is not a JSON object, or the
+    backend refused it."""
+
+
+class SplitSettingsMismatch(FeatureStoreError, ValueError):
+    """Resuming or re-running into a split written with another compressor or chunk size."""

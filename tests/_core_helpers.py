@@ -53,3 +53,12 @@ def bits(tensor: Any) -> np.ndarray:
 def options(store: featurestore.FeatureStore) -> dict[str, Any]:
     """The storage options a store was opened with (none for local paths)."""
     return dict(getattr(store.storage, "storage_options", {}))
+
+
+def comparable_chunk_file(rel: str, data: bytes) -> bytes:
+    """A chunk file's bytes, less what differs between two runs by design: a statistics row's
+    generation slot (each run of a split draws its own) and so its crc32c."""
+    if not rel.startswith("chunk_stats/c/"):
+        return data
+    # row = statistics, generation, chunk index; then the 4-byte crc32c
+    return data[:-20] + b"\0" * 8 + data[-12:-4]

@@ -122,7 +122,7 @@ def _tests_importable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def options(fold: Path, store: Path | str, **kw: Any) -> ExtractOptions:
-    # A 6-sample float16 target (3 samples as float32), which chunk_bytes_for turns into one
+    # A 6-sample float16 target (3 samples as float32), which chunk_rows_for turns into one
     # whole batch of 4 rows per chunk either way.
     base: dict[str, Any] = dict(images=f"pannuke:{fold}", encoder="python:test_extract:patch_encoder",
                                 store=str(store), dataset="pannuke", split="fold1", batch_size=4,

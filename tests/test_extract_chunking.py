@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from featurestore.extract.run import chunk_bytes_for
+from featurestore.extract.run import chunk_rows_for
 
 
 @pytest.mark.parametrize(
@@ -18,10 +18,6 @@ from featurestore.extract.run import chunk_bytes_for
     ],
 )
 def test_chunks_hold_whole_batches(shape: tuple[int, ...], dtype: str, chunk_mb: float, batch: int, rows: int) -> None:
-    itemsize = 4 if dtype == "float32" else 2
-    sample_nbytes = itemsize
-    for size in shape:
-        sample_nbytes *= size
-    nbytes = chunk_bytes_for(shape, dtype, chunk_mb, batch)
-    assert nbytes == rows * sample_nbytes
-    assert (nbytes // sample_nbytes) % batch == 0
+    got = chunk_rows_for(shape, dtype, chunk_mb, batch)
+    assert got == rows
+    assert got % batch == 0

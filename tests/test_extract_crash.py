@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _core_helpers import comparable_chunk_file
 from test_extract import cli_env, run_cli
 
 import featurestore
@@ -23,7 +24,8 @@ def _files(root: Path) -> dict[str, bytes]:
     """Every chunk file of the split (features, labels, statistics), by relative path."""
     split = root.joinpath(*SPLIT)
     # zarr.json holds timestamps; .tmp files are writes the SIGKILL cut short (never renamed).
-    return {str(p.relative_to(split)): p.read_bytes() for p in sorted(split.rglob("*"))
+    return {str(p.relative_to(split)): comparable_chunk_file(str(p.relative_to(split)), p.read_bytes())
+            for p in sorted(split.rglob("*"))
             if p.is_file() and p.name != "zarr.json" and not p.name.endswith(".tmp")}
 
 

@@ -22,7 +22,7 @@ from featurestore.errors import (
     UnsupportedFormatVersion,
 )
 
-VOLATILE = ("created", "completed")
+VOLATILE = ("created", "completed", "generation")
 
 
 def _write_golden(root: Path) -> dict[str, Any]:
@@ -94,6 +94,10 @@ def test_split_metadata_and_features_document_are_pinned(tmp_path: Path) -> None
     assert set(doc["attributes"]) == {"featurestore"}
     meta = doc["attributes"]["featurestore"]
     assert meta == returned
+    # The volatile keys sit after "creator", in this order, before the user's keys.
+    assert list(meta)[list(meta).index("creator") + 1:][:3] == list(VOLATILE)
+    assert len(meta["generation"]) == 13 and int(meta["generation"], 16) < 2**52
+    meta_generation = meta["generation"]
     for key in VOLATILE:
         assert isinstance(meta.pop(key), str)
     assert meta["creator"].pop("version") == featurestore.__version__
@@ -107,7 +111,10 @@ def test_split_metadata_and_features_document_are_pinned(tmp_path: Path) -> None
     labels = _doc(split_dir / "labels" / "zarr.json")
     assert (labels["shape"], labels["data_type"], labels["chunk_grid"]["configuration"]["chunk_shape"]) == ([6], "int64", [4])
     stats = _doc(split_dir / "chunk_stats" / "zarr.json")
-    assert (stats["shape"], stats["data_type"]) == ([2, 11 + 2 * 3], "float64")
+    # 11 scalars, mean and M2 per channel, then the seal: generation and chunk index.
+    assert (stats["shape"], stats["data_type"]) == ([2, 11 + 2 * 3 + 2], "float64")
+    row = np.frombuffer((split_dir / "chunk_stats" / "c" / "1" / "0").read_bytes()[:-4], np.float64)
+    assert (int(row[-2]), int(row[-1])) == (int(meta_generation, 16), 1)
 
     # Golden bytes: an uncompressed chunk is the raw little-endian rows (the edge chunk padded
     # with the fill value to full chunk shape), then crc32c of those bytes, little-endian.

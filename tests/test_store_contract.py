@@ -342,7 +342,10 @@ class TestStoreContract:
                for k in chunk_keys(store, "pannuke", "tiny-vit", "val", "chunk_stats", 2, 5)]
         np.testing.assert_array_equal(stats, np.stack(raw))
         # the metadata's report is exactly the fold of the rows a plain zarr client sees
-        folded = report(merge_rows(list(stats), SAMPLE_SHAPE[-1]), source_dtype="float32",
+        # (each row ends with its seal: the split's generation and the chunk's index)
+        assert [int(g) for g in stats[:, -2]] == [int(meta["generation"], 16)] * 5
+        assert [int(i) for i in stats[:, -1]] == list(range(5))
+        folded = report(merge_rows(list(stats[:, :-2]), SAMPLE_SHAPE[-1]), source_dtype="float32",
                         logical_dtype="bfloat16")
         assert folded["quantization"] == meta["quantization"]
         assert folded["channel_stats"] == meta["channel_stats"]

@@ -71,6 +71,9 @@ def register(subparsers: Any) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue an incomplete split from its valid chunks")
     mode.add_argument("--overwrite", action="store_true", help="replace an existing split")
+    p.add_argument("--verify-chunks", action="store_true",
+                   help="with --resume (or a re-run) of a complete split: check every chunk's crc32c, "
+                   "not only its size, and rewrite the damaged ones")
     p.add_argument("--chunk-mb", type=float, default=8.0,
                    help="chunk size target in MiB (default 8), rounded to whole batches of --batch-size")
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
@@ -110,7 +113,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         resize=_size(args.resize, "--resize"), mean=_triple(args.mean, "--mean"),
         std=_triple(args.std, "--std"), compressor=args.compressor,
         storage_options=storage_options(args.storage_options), queue_size=args.queue_size,
-        progress=not args.no_progress, threads=args.threads)
+        progress=not args.no_progress, threads=args.threads, verify_chunks=args.verify_chunks)
 
 
 def format_report(result: Any) -> list[str]:

@@ -55,12 +55,12 @@ def run_ls(args: argparse.Namespace) -> int:
     store = _store(args.url)
     rows = []
     for ds, enc, sp in iter_splits(store):
-        meta = store.split_metadata(ds, enc, sp)
-        shape = [meta["num_samples"], *meta["sample_shape"]]
-        itemsize = dtypes.storage_dtype(meta["logical_dtype"]).itemsize
+        meta = store.split_info(ds, enc, sp)
+        shape = [meta.num_samples, *meta.sample_shape]
+        itemsize = dtypes.storage_dtype(meta.logical_dtype).itemsize
         nbytes = itemsize * math.prod(shape)
-        rows.append((f"{ds}/{enc}/{sp}", str(meta.get("status")), "x".join(map(str, shape)),
-                     meta["logical_dtype"], _size(nbytes)))
+        rows.append((f"{ds}/{enc}/{sp}", meta.status, "x".join(map(str, shape)),
+                     meta.logical_dtype, _size(nbytes)))
     if not rows:
         print(f"{store.url}: empty store")
         return 0
@@ -73,25 +73,27 @@ def run_ls(args: argparse.Namespace) -> int:
 
 def run_info(args: argparse.Namespace) -> int:
     store = _store(args.url)
-    meta = store.split_metadata(args.dataset, args.encoder, args.split)
+    meta = store.split_info(args.dataset, args.encoder, args.split)
     if args.json:
-        json.dump(meta, sys.stdout, indent=2)
+        json.dump(meta.to_json(), sys.stdout, indent=2)
         print()
         return 0
-    q = meta.get("quantization") or {}
-    encoder = meta.get("encoder") or {}
+    # quantization, encoder and creator are free-form JSON objects inside the typed metadata
+    q = meta.quantization or {}
+    encoder = meta.encoder or {}
     lines = [
         ("split", f"{args.dataset}/{args.encoder}/{args.split}"),
-        ("status", meta.get("status")),
-        ("shape", f"[{meta['num_samples']}, {', '.join(map(str, meta['sample_shape']))}]"),
-        ("dtype", f"{meta['logical_dtype']} (source {meta.get('source_dtype')})"),
-        ("chunks", f"{meta['chunk_rows']} samples per chunk, compressor {meta.get('compressor')}"),
-        ("labels", meta.get("labels")),
+        ("status", meta.status),
+        ("shape", f"[{meta.num_samples}, {', '.join(map(str, meta.sample_shape))}]"),
+        ("dtype", f"{meta.logical_dtype} (source {meta.source_dtype})"),
+        ("chunks", f"{meta.chunk_rows} samples per chunk, compressor {meta.compressor}"),
+        ("labels", meta.labels.to_json() if meta.labels else None),
         ("encoder", f"{encoder.get('name')} spec={encoder.get('spec')} weights={encoder.get('weights_hash')}"),
-        ("token layout", meta.get("token_layout")),
-        ("preprocessing", meta.get("preprocessing")),
-        ("cache key", meta.get("cache_key")),
-        ("created", f"{meta.get('created')} by featurestore {(meta.get('creator') or {}).get('version')}"),
+        ("token layout", meta.token_layout),
+        ("preprocessing", meta.preprocessing),
+        ("cache key", meta.cache_key),
+        ("generation", meta.generation),
+        ("created", f"{meta.created} by featurestore {(meta.creator or {}).get('version')}"),
     ]
     if q:
         lines.append(("quantization", (

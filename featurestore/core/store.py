@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 from typing import Any
 
 import numpy as np
@@ -15,18 +13,30 @@ from featurestore.core.writer import SplitWriter
 from featurestore.errors import (
     CacheKeyMismatch,
     DatasetNotFound,
+    DtypeMismatch,
     EncoderNotFound,
     FeatureStoreError,
     IncompleteSplit,
+    InvalidOption,
     NotAFeatureStore,
     ReadOnlyStore,
     ShapeMismatch,
     SplitExists,
     SplitNotFound,
+    SplitSettingsMismatch,
     StoreNotFound,
-    UnsupportedFormatVersion,
 )
 from featurestore.format import chunks, dtypes, layout
+from featurestore.format.metadata import (
+    GENERATION_DIGITS,
+    SEAL_SLOTS,
+    WRITING,
+    LabelSpec,
+    Provenance,
+    SplitMetadata,
+    check_version,
+    unseal,
+)
 from featurestore.format.names import validate_name
 from featurestore.format.stats import row_length
 
@@ -40,7 +50,7 @@ def open_store(url: str, mode: str = "r", **storage_options: Any) -> FeatureStor
     ``storage_options`` go to fsspec (e.g. ``endpoint_url``, ``key``, ``secret`` for s3fs).
     """
     if mode not in ("r", "a"):
-        raise FeatureStoreError(f"mode {mode!r} is not supported: use 'r' (read) or 'a' (read and write)")
+        raise InvalidOption(f"mode {mode!r} is not supported: use 'r' (read) or 'a' (read and write)")
     return FeatureStore(open_storage(url, storage_options), mode=mode)
 
 
@@ -76,7 +86,8 @@ class FeatureStore:
         self._require_group(dataset, validate_name(encoder, "encoder"))
         return self._groups(f"{dataset}/{encoder}")
 
-    def split_metadata(self, dataset: str, encoder: str, split: str) -> dict[str, Any]:
+    def split_info(self, dataset: str, encoder: str, split: str) -> SplitMetadata:
+        """The split's metadata, typed (:class:`~featurestore.format.metadata.SplitMetadata`)."""
         key = self._split_key(dataset, encoder, split)
         doc = self._read_document(f"{key}/{layout.ZARR_JSON}")
         if doc is None:
@@ -87,27 +98,32 @@ class FeatureStore:
             )
         return check_split(doc, key)
 
+    def split_metadata(self, dataset: str, encoder: str, split: str) -> dict[str, Any]:
+        """The split's metadata as the plain dict stored in its zarr.json (see :meth:`split_info`)."""
+        return self.split_info(dataset, encoder, split).to_json()
+
     def split_status(self, dataset: str, encoder: str, split: str) -> str:
-        return str(self.split_metadata(dataset, encoder, split).get("status", "writing"))
+        return self.split_info(dataset, encoder, split).status
 
     # ------------------------------------------------------------------ reading
     def open(self, dataset: str, encoder: str, split: str, allow_incomplete: bool = False) -> FeatureArray:
-        meta = self.split_metadata(dataset, encoder, split)
+        meta = self.split_info(dataset, encoder, split)
         key = self._split_key(dataset, encoder, split)
-        if meta.get("status") != "complete" and not allow_incomplete:
+        if not meta.complete and not allow_incomplete:
             raise IncompleteSplit(
-                f"split {key} is not complete (status {meta.get('status')!r}): its writer is still "
+                f"split {key} is not complete (status {meta.status!r}): its writer is still "
                 "running or died. Resume it (featurestore extract ... --resume), or pass "
                 "allow_incomplete=True to read it as it is"
             )
+        user_meta = meta.to_json()  # arr.metadata stays a dict for users (SPEC)
         labels = None
-        if meta.get("labels"):
+        if meta.labels is not None:
             labels_doc = self._array_document(f"{key}/{layout.LABELS}")
             labels = FeatureArray(self.storage, key, layout.LABELS, labels_doc,
-                                  logical_dtype=meta["labels"]["dtype"], metadata=meta)
+                                  logical_dtype=meta.labels.dtype, metadata=user_meta)
         features_doc = self._array_document(f"{key}/{layout.FEATURES}")
         return FeatureArray(self.storage, key, layout.FEATURES, features_doc,
-                            logical_dtype=meta["logical_dtype"], metadata=meta, labels=labels)
+                            logical_dtype=meta.logical_dtype, metadata=user_meta, labels=labels)
 
     # ------------------------------------------------------------------ writing
     def create_split(
@@ -122,26 +138,34 @@ class FeatureStore:
         label_shape: tuple[int, ...] | list[int] = (),
         label_dtype: Any = None,
         metadata: dict[str, Any] | None = None,
-        chunk_bytes: int = 8 << 20,
+        chunk_bytes: int | None = None,
+        chunk_rows: int | None = None,
         resume: bool = False,
         overwrite: bool = False,
         compressor: str | None = None,
         ids: list[str] | None = None,
+        provenance: Provenance | None = None,
+        verify_chunks: bool = False,
     ) -> SplitWriter:
         """Create (or resume, or overwrite) a split and return its :class:`SplitWriter`.
 
-        An existing split is refused unless ``resume=True`` (keep its valid chunks, rewrite the
-        rest) or ``overwrite=True`` (delete it first). Resuming a split whose
-        ``metadata["cache_key"]`` differs raises :class:`CacheKeyMismatch`.
+        The chunk size is ``chunk_rows`` samples, or as many samples as fit in ``chunk_bytes``
+        (default 8 MiB); give one of them. An existing split is refused unless ``resume=True``
+        (keep its valid chunks, rewrite the rest) or ``overwrite=True`` (delete it first, new
+        generation). Resuming a split whose ``cache_key`` differs raises
+        :class:`CacheKeyMismatch`; one whose geometry, compressor or chunk size differs raises
+        :class:`SplitSettingsMismatch`. Resuming a complete split re-checks its chunks (sizes;
+        crc32c too with ``verify_chunks=True``) and reopens it for the missing or damaged ones.
         """
         if self.mode != "a":
             raise ReadOnlyStore(f"store {self.url} is open read-only: open_store(url, mode='a') to write")
         key = self._split_key(dataset, encoder, split)
         if resume and overwrite:
-            raise FeatureStoreError("resume=True and overwrite=True exclude each other: choose one")
+            raise InvalidOption("resume=True and overwrite=True exclude each other: choose one")
         wanted = self._new_metadata(dataset, encoder, split, num_samples, sample_shape, dtype,
-                                    label_shape, label_dtype, metadata, chunk_bytes, compressor, ids)
-        label_np = np.dtype(wanted["labels"]["dtype"]) if wanted["labels"] else None
+                                    label_shape, label_dtype, metadata, chunk_bytes, chunk_rows,
+                                    compressor, ids, provenance)
+        label_np = np.dtype(wanted.labels.dtype) if wanted.labels is not None else None
         existing = self._read_document(f"{key}/{layout.ZARR_JSON}")
         if existing is not None and not overwrite:
             if not resume:
@@ -150,101 +174,92 @@ class FeatureStore:
                     "(--resume) or overwrite=True to replace it (--overwrite)"
                 )
             meta = check_split(existing, key)
-            _check_resumable(meta, wanted, key)
-            done = set(range(layout.num_chunks(meta["num_samples"], meta["chunk_rows"])))
-            if meta.get("status") != "complete":
-                # The array documents may be missing if the creating process died right after
-                # the group; writing them again is idempotent (same geometry, checked above).
-                self._write_arrays(key, meta, ids)
-                done = self._valid_chunks(key, meta)
+            check_resumable(meta, wanted, key)
+            if meta.complete:
+                done = self._valid_chunks(key, meta, crc=verify_chunks)
+                if len(done) == meta.num_chunks:
+                    return SplitWriter(self.storage, key, meta, done_chunks=done, label_dtype=label_np)
+                # Damaged: it must not read as complete while its chunks are rewritten.
+                meta = meta.replace(status=WRITING, completed=None)
+                self._write_split_document(key, meta)
+                return SplitWriter(self.storage, key, meta, done_chunks=done, label_dtype=label_np)
+            # The array documents may be missing if the creating process died right after the
+            # group; writing them again is idempotent (same geometry, checked above).
+            self._write_arrays(key, meta, ids)
+            done = self._valid_chunks(key, meta)
             return SplitWriter(self.storage, key, meta, done_chunks=done, label_dtype=label_np)
         if existing is not None:
             # Mark the old split incomplete before deleting it: a delete cut short (SIGKILL, a
             # lost connection) must not leave a split that reads as complete with chunks gone.
-            # It keeps its own metadata (cache key included), so a later resume cannot mix its
-            # surviving chunks with another encoder's.
+            # It keeps its own metadata (cache key and generation included), so a later resume
+            # cannot mix its surviving chunks with another encoder's.
             stale = dict((existing.get("attributes") or {}).get("featurestore") or {})
-            stale["status"] = "writing"
+            stale["status"] = WRITING
             self.storage.write(f"{key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": stale}))
             self.storage.delete_tree(key)
         self._ensure_group(dataset, {"featurestore": {"kind": "dataset"}})
         self._ensure_group(f"{dataset}/{encoder}", {"featurestore": {"kind": "encoder"}})
-        # The split's group (status "writing") goes first: a creation cut short is visible as an
-        # incomplete split, never as a complete one.
-        self.storage.write(f"{key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": wanted}))
+        # The split's group (status "writing", a new generation) goes first: a creation cut short
+        # is visible as an incomplete split, never as a complete one, and a writer of the
+        # replaced split sees the generation change at its next chunk.
+        self._write_split_document(key, wanted)
         self._write_arrays(key, wanted, ids)
         return SplitWriter(self.storage, key, wanted, done_chunks=set(), label_dtype=label_np)
 
     # ------------------------------------------------------------------ internals
     def _new_metadata(self, dataset: str, encoder: str, split: str, num_samples: int,
                       sample_shape: Any, dtype: str, label_shape: Any, label_dtype: Any,
-                      metadata: dict[str, Any] | None, chunk_bytes: int, compressor: str | None,
-                      ids: list[str] | None) -> dict[str, Any]:
+                      metadata: dict[str, Any] | None, chunk_bytes: int | None,
+                      chunk_rows: int | None, compressor: str | None,
+                      ids: list[str] | None, provenance: Provenance | None) -> SplitMetadata:
         dtypes.check_feature_dtype(dtype)
         if not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
             raise ShapeMismatch(f"num_samples must be a positive int, got {num_samples!r}")
         shape = tuple(int(s) for s in sample_shape)
         if not shape or any(s < 1 for s in shape):
             raise ShapeMismatch(f"sample_shape must have at least one positive axis (e.g. (tokens, dim)), got {tuple(sample_shape)!r}")
-        if not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes < 1:
-            raise FeatureStoreError(f"chunk_bytes must be a positive int (e.g. 8 << 20), got {chunk_bytes!r}")
-        if compressor is not None:
-            layout.parse_compressor(compressor)
+        if chunk_rows is not None and chunk_bytes is not None:
+            raise InvalidOption(f"chunk_rows={chunk_rows!r} and chunk_bytes={chunk_bytes!r} exclude each other: give one")
+        if chunk_rows is None:
+            chunk_bytes = 8 << 20 if chunk_bytes is None else chunk_bytes
+            if not isinstance(chunk_bytes, (int, np.integer)) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
+                raise InvalidOption(f"chunk_bytes must be a positive int (e.g. 8 << 20), got {chunk_bytes!r}")
+            sample_nbytes = int(np.prod(shape)) * dtypes.storage_dtype(dtype).itemsize
+            chunk_rows = layout.chunk_rows_for(sample_nbytes, chunk_bytes, int(num_samples))
+        elif not isinstance(chunk_rows, (int, np.integer)) or isinstance(chunk_rows, bool) or chunk_rows < 1:
+            raise InvalidOption(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+        else:
+            chunk_rows = min(int(chunk_rows), int(num_samples))
         if ids is not None and len(ids) != num_samples:
             raise ShapeMismatch(f"ids has {len(ids)} entries for {num_samples} samples: pass one id per sample")
         labels = None
         if label_dtype is not None:
             label_np = np.dtype(label_dtype)
             if label_np.kind not in "iufb":
-                raise FeatureStoreError(f"label_dtype {label_np} is not numeric: use e.g. 'int64' or 'uint8'")
-            labels = {"shape": [int(s) for s in label_shape], "dtype": label_np.name}
-        sample_nbytes = int(np.prod(shape)) * dtypes.storage_dtype(dtype).itemsize
-        user = dict(metadata or {})
-        meta: dict[str, Any] = {
-            "format": layout.FORMAT_NAME,
-            "format_version": layout.FORMAT_VERSION,
-            "status": "writing",
-            "dataset": dataset,
-            "encoder_name": encoder,
-            "split": split,
-            "num_samples": int(num_samples),
-            "sample_shape": list(shape),
-            "logical_dtype": dtype,
-            "source_dtype": user.pop("source_dtype", None),
-            "chunk_rows": layout.chunk_rows_for(sample_nbytes, chunk_bytes, int(num_samples)),
-            "compressor": compressor,
-            "labels": labels,
-            "ids": ids is not None,
-            "encoder": user.pop("encoder", {"name": encoder, "spec": None, "weights_hash": None}),
-            "preprocessing": user.pop("preprocessing", None),
-            "token_layout": user.pop("token_layout", None),
-            "cache_key": user.pop("cache_key", None),
-            "quantization": None,
-            "channel_stats": None,
-            "creator": {"name": "featurestore", "version": __version__},
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "completed": None,
-        }
-        meta.update(user)
-        json.dumps(meta, allow_nan=False)  # metadata must be plain JSON: fail here, not at commit
-        return meta
+                raise DtypeMismatch(f"label_dtype {label_np} is not numeric: use e.g. 'int64' or 'uint8'")
+            labels = LabelSpec(tuple(int(s) for s in label_shape), label_np.name)
+        return SplitMetadata.new(
+            dataset=dataset, encoder_name=encoder, split=split, num_samples=int(num_samples),
+            sample_shape=shape, logical_dtype=dtype, chunk_rows=int(chunk_rows), compressor=compressor,
+            labels=labels, ids=ids is not None, user=metadata, provenance=provenance,
+            creator_version=__version__)
 
-    def _write_arrays(self, key: str, meta: dict[str, Any], ids: list[str] | None) -> None:
-        n, rows = meta["num_samples"], meta["chunk_rows"]
-        shape = tuple(meta["sample_shape"])
-        logical = meta["logical_dtype"]
+    def _write_split_document(self, key: str, meta: SplitMetadata) -> None:
+        self.storage.write(f"{key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": meta.to_json()}))
+
+    def _write_arrays(self, key: str, meta: SplitMetadata, ids: list[str] | None) -> None:
+        n, rows = meta.num_samples, meta.chunk_rows
+        logical = meta.logical_dtype
         attrs = {"featurestore": {"logical_dtype": logical}}
         self.storage.write(f"{key}/{layout.FEATURES}/{layout.ZARR_JSON}", layout.array_document(
-            shape=(n, *shape), chunk_rows=rows, data_type=dtypes.zarr_data_type(logical),
-            compressor=meta["compressor"], attributes=attrs))
-        if meta["labels"]:
-            label_shape = tuple(meta["labels"]["shape"])
+            shape=(n, *meta.sample_shape), chunk_rows=rows, data_type=dtypes.zarr_data_type(logical),
+            compressor=meta.compressor, attributes=attrs))
+        if meta.labels is not None:
             self.storage.write(f"{key}/{layout.LABELS}/{layout.ZARR_JSON}", layout.array_document(
-                shape=(n, *label_shape), chunk_rows=rows, data_type=meta["labels"]["dtype"],
-                attributes={"featurestore": {"logical_dtype": meta["labels"]["dtype"]}}))
-        stats_chunks = layout.num_chunks(n, rows)
+                shape=(n, *meta.labels.shape), chunk_rows=rows, data_type=meta.labels.dtype,
+                attributes={"featurestore": {"logical_dtype": meta.labels.dtype}}))
         self.storage.write(f"{key}/{layout.CHUNK_STATS}/{layout.ZARR_JSON}", layout.array_document(
-            shape=(stats_chunks, row_length(shape[-1])), chunk_rows=1, data_type="float64",
+            shape=(meta.num_chunks, stats_row_length(meta)), chunk_rows=1, data_type="float64",
             attributes={"featurestore": {"description": "per-chunk partial sums; see docs/FORMAT.md"}}))
         if ids is not None:
             import zarr
@@ -254,21 +269,34 @@ class FeatureStore:
                                       chunks=(max(1, min(n, 65536)),), overwrite=True)
             array[:] = np.asarray([str(i) for i in ids], dtype=object)
 
-    def _valid_chunks(self, key: str, meta: dict[str, Any]) -> set[int]:
-        """Chunks whose features, statistics row and labels are all present with valid crc32c."""
+    def _valid_chunks(self, key: str, meta: SplitMetadata, crc: bool = True) -> set[int]:
+        """Chunks whose features, statistics row and labels are all present with the right size
+        (and valid crc32c unless ``crc=False``), whose statistics row carries this split's
+        generation and the chunk's own index."""
         valid: set[int] | None = None
         for name, ndim, nbytes in chunk_arrays(meta):
             present = {int(n) for n in self.storage.listdir(f"{key}/{name}/c") if n.isdigit()}
             good = set()
             for index in sorted(present if valid is None else present & valid):
+                if index >= meta.num_chunks:
+                    continue
+                chunk = layout.chunk_key(f"{key}/{name}", index, ndim)
+                if not crc and name != layout.CHUNK_STATS:
+                    size = self.storage.size(chunk)
+                    if size is not None and (nbytes is None or size == nbytes + layout.CRC_BYTES):
+                        good.add(index)
+                    continue
                 try:
-                    raw = self.storage.read(layout.chunk_key(f"{key}/{name}", index, ndim))
+                    raw = self.storage.read(chunk)
                 except (FileNotFoundError, IsADirectoryError):
                     # c/<i>/ exists locally from the moment a writer starts chunk i (makedirs,
                     # then the atomic rename): another rank mid-write, or one killed there.
                     continue
-                if chunks.check(raw, nbytes) is None:
-                    good.add(index)
+                if chunks.check(raw, nbytes) is not None:
+                    continue
+                if name == layout.CHUNK_STATS and seal_problem(raw, meta, index) is not None:
+                    continue  # another run's chunk (overwrite raced) or a moved file
+                good.add(index)
             valid = good
         return valid or set()
 
@@ -320,20 +348,40 @@ class FeatureStore:
         return doc
 
 
-def chunk_arrays(meta: dict[str, Any]) -> list[tuple[str, int, int | None]]:
+def stats_row_length(meta: SplitMetadata) -> int:
+    """Float64 values in one stored statistics row: the statistics, then the seal (if any)."""
+    return row_length(meta.sample_shape[-1]) + (SEAL_SLOTS if meta.generation is not None else 0)
+
+
+def chunk_arrays(meta: SplitMetadata) -> list[tuple[str, int, int | None]]:
     """(array name, ndim, payload bytes of one chunk or None when compressed) for every chunked
     array of a split: features, labels if any, statistics rows."""
-    rows, shape = meta["chunk_rows"], meta["sample_shape"]
-    itemsize = dtypes.storage_dtype(meta["logical_dtype"]).itemsize
+    rows, shape = meta.chunk_rows, meta.sample_shape
+    itemsize = dtypes.storage_dtype(meta.logical_dtype).itemsize
     arrays: list[tuple[str, int, int | None]] = [
-        (layout.FEATURES, 1 + len(shape), None if meta.get("compressor") else rows * int(np.prod(shape)) * itemsize),
+        (layout.FEATURES, 1 + len(shape), None if meta.compressor else rows * int(np.prod(shape)) * itemsize),
     ]
-    if meta.get("labels"):
-        label_shape = meta["labels"]["shape"]
-        nbytes = rows * int(np.prod(label_shape, dtype=np.int64)) * np.dtype(meta["labels"]["dtype"]).itemsize
+    if meta.labels is not None:
+        label_shape = meta.labels.shape
+        nbytes = rows * int(np.prod(label_shape, dtype=np.int64)) * np.dtype(meta.labels.dtype).itemsize
         arrays.append((layout.LABELS, 1 + len(label_shape), nbytes))
-    arrays.append((layout.CHUNK_STATS, 2, 8 * row_length(shape[-1])))
+    arrays.append((layout.CHUNK_STATS, 2, 8 * stats_row_length(meta)))
     return arrays
+
+
+def seal_problem(raw: bytes, meta: SplitMetadata, index: int) -> str | None:
+    """Why a stored statistics row (crc already checked) is not chunk ``index`` of this
+    generation of the split, or None."""
+    if meta.generation is None:
+        return None
+    row = np.frombuffer(raw[: -layout.CRC_BYTES], np.float64)
+    _, generation, at = unseal(row, meta)
+    if generation != meta.generation_number:
+        return (f"written by another generation of the split ({int(generation or 0):0{GENERATION_DIGITS}x}, "
+                f"the split's is {meta.generation}): a concurrent --overwrite or a copied file")
+    if at != index:
+        return f"holds the statistics of chunk {at}, not {index} (a moved or swapped file)"
+    return None
 
 
 def check_root(doc: dict[str, Any], url: str) -> None:
@@ -343,37 +391,36 @@ def check_root(doc: dict[str, Any], url: str) -> None:
             f"{url} holds a zarr node that is not a featurestore root: point to the store's root "
             "directory, or use an empty location for a new store"
         )
-    _check_version(info.get("version"), url)
+    check_version(info.get("version"), url)
 
 
-def check_split(doc: dict[str, Any], key: str) -> dict[str, Any]:
-    meta = (doc.get("attributes") or {}).get("featurestore")
-    if doc.get("node_type") != "group" or not isinstance(meta, dict) or "num_samples" not in meta:
-        raise SplitNotFound(f"{key} is not a featurestore split (no split metadata in its zarr.json)")
-    _check_version(meta.get("format_version"), key)
-    return meta
+def check_split(doc: dict[str, Any], key: str) -> SplitMetadata:
+    if doc.get("node_type") != "group":
+        raise SplitNotFound(f"{key} is not a featurestore split (its zarr.json is not a group)")
+    return SplitMetadata.from_json((doc.get("attributes") or {}).get("featurestore"), key)
 
 
-def _check_version(version: Any, where: str) -> None:
-    if not isinstance(version, int) or version > layout.FORMAT_VERSION or version < 1:
-        raise UnsupportedFormatVersion(
-            f"{where} uses featurestore format version {version!r}, this featurestore "
-            f"({__version__}) reads version {layout.FORMAT_VERSION}: upgrade featurestore"
-        )
-
-
-def _check_resumable(meta: dict[str, Any], wanted: dict[str, Any], key: str) -> None:
-    old, new = meta.get("cache_key"), wanted.get("cache_key")
+def check_resumable(meta: SplitMetadata, wanted: SplitMetadata, key: str) -> None:
+    """The one check that a run may continue (or re-run into) an existing split."""
+    old, new = meta.cache_key, wanted.cache_key
     if old and new and old != new:
         raise CacheKeyMismatch(
             f"split {key} was written with cache key {old}, this run has {new} (another encoder, "
-            "weights, preprocessing, dtype or input): use overwrite=True (--overwrite) to replace it"
+            "weights, preprocessing, dtype or input): use overwrite=True (--overwrite) to replace it, "
+            "or another split name"
         )
-    for field in ("num_samples", "sample_shape", "logical_dtype", "labels", "compressor"):
-        if meta.get(field) != wanted.get(field):
+    for name in ("num_samples", "sample_shape", "logical_dtype", "labels"):
+        if getattr(meta, name) != getattr(wanted, name):
             raise ShapeMismatch(
-                f"cannot resume {key}: its {field} is {meta.get(field)!r}, this run asks for "
-                f"{wanted.get(field)!r}; use overwrite=True (--overwrite) to replace it"
+                f"cannot resume {key}: its {name} is {getattr(meta, name)!r}, this run asks for "
+                f"{getattr(wanted, name)!r}; use overwrite=True (--overwrite) to replace it"
+            )
+    for name, flag in (("compressor", "--compressor"), ("chunk_rows", "--chunk-mb")):
+        if getattr(meta, name) != getattr(wanted, name):
+            raise SplitSettingsMismatch(
+                f"split {key} ({meta.status}) was written with {name} {getattr(meta, name)!r}, this run "
+                f"asks for {getattr(wanted, name)!r} ({flag}): run with the split's own setting, or "
+                "--overwrite to rewrite it with the new one"
             )
 
 

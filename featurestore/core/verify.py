@@ -31,13 +31,13 @@ def iter_splits(store: FeatureStore, dataset: str | None = None, encoder: str | 
 
 
 def verify_split(store: FeatureStore, dataset: str, encoder: str, split: str) -> SplitCheck:
-    meta = store.split_metadata(dataset, encoder, split)
+    meta = store.split_info(dataset, encoder, split)
     key = layout.split_key(dataset, encoder, split)
-    result = SplitCheck(key=key, status=str(meta.get("status")))
-    if result.status != "complete":
+    result = SplitCheck(key=key, status=meta.status)
+    if not meta.complete:
         return result
     for name, ndim, nbytes in chunk_arrays(meta):
-        count = layout.num_chunks(meta["num_samples"], meta["chunk_rows"])
+        count = meta.num_chunks
         for index in range(count):
             chunk = layout.chunk_key(f"{key}/{name}", index, ndim)
             try:

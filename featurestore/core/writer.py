@@ -32,8 +32,16 @@ import numpy as np
 from featurestore.core.batch import Prepared, prepare_numpy
 from featurestore.core.chunk_puts import ChunkPuts
 from featurestore.core.storage import Storage
-from featurestore.errors import DtypeMismatch, IndexOutOfRange, MissingChunks, ShapeMismatch
+from featurestore.errors import (
+    DtypeMismatch,
+    IndexOutOfRange,
+    MissingChunks,
+    ShapeMismatch,
+    SplitTakenOver,
+    WriterClosed,
+)
 from featurestore.format import dtypes, layout
+from featurestore.format.metadata import COMPLETE, SplitMetadata, seal, unseal
 from featurestore.format.stats import SOURCE_CODES, SOURCE_NAMES, RowStats, fold_rows, merge_rows, report
 
 
@@ -57,7 +65,7 @@ class SplitWriter:
         self,
         storage: Storage,
         key: str,
-        metadata: dict[str, Any],
+        metadata: SplitMetadata,
         *,
         done_chunks: set[int],
         label_dtype: np.dtype | None,
@@ -65,15 +73,14 @@ class SplitWriter:
         self._storage = storage
         self._key = key
         self._meta = metadata
-        self.num_samples: int = metadata["num_samples"]
-        self.sample_shape: tuple[int, ...] = tuple(metadata["sample_shape"])
-        self.dtype: str = metadata["logical_dtype"]
-        self.chunk_rows: int = metadata["chunk_rows"]
-        self.num_chunks: int = layout.num_chunks(self.num_samples, self.chunk_rows)
-        self.compressor: str | None = metadata.get("compressor")
+        self.num_samples: int = metadata.num_samples
+        self.sample_shape: tuple[int, ...] = tuple(metadata.sample_shape)
+        self.dtype: str = metadata.logical_dtype
+        self.chunk_rows: int = metadata.chunk_rows
+        self.num_chunks: int = metadata.num_chunks
+        self.compressor: str | None = metadata.compressor
         self.channels = self.sample_shape[-1]
-        labels = metadata.get("labels")
-        self.label_shape: tuple[int, ...] | None = tuple(labels["shape"]) if labels else None
+        self.label_shape: tuple[int, ...] | None = metadata.labels.shape if metadata.labels else None
         self._label_dtype = label_dtype
         self._storage_dtype = dtypes.storage_dtype(self.dtype)
         self._done = set(done_chunks)  # valid on storage (found there, or put by this writer)
@@ -85,6 +92,15 @@ class SplitWriter:
         self._closed = False
 
     # ------------------------------------------------------------------ public API
+    @property
+    def metadata(self) -> SplitMetadata:
+        return self._meta
+
+    @property
+    def generation(self) -> str | None:
+        """The split generation this writer writes (see docs/FORMAT.md, "Generation")."""
+        return self._meta.generation
+
     def pending_chunks(self) -> list[int]:
         """Chunks this writer has not seen valid on storage nor written itself."""
         return [i for i in range(self.num_chunks) if i not in self._submitted]
@@ -154,8 +170,9 @@ class SplitWriter:
         one commits). Committing a split that is already complete changes nothing. Returns the
         split's final metadata.
         """
-        if self._meta.get("status") == "complete" and not self._buffers:
-            return dict(self._meta)
+        self._check_generation()
+        if self._meta.complete and not self._buffers:
+            return self._meta.to_json()
         self.flush()
         if self._buffers:
             missing = sum(int((~b.filled).sum()) for b in self._buffers.values())
@@ -172,15 +189,16 @@ class SplitWriter:
                 f"(first: chunk {absent[0]}, samples [{lo}, {hi})); write them (another rank may "
                 "still be running) or resume, then commit"
             )
-        meta = dict(self._meta)
-        meta.update(self._final_report(meta))
-        meta["status"] = "complete"
-        meta["completed"] = _now()
-        self._storage.write(f"{self._key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": meta}))
+        final = self._final_report(self._meta)
+        meta = self._meta.replace(status=COMPLETE, completed=_now(), **final)
+        # Checked again right before the one write that makes the split complete: an overwrite
+        # that started while the statistics were read must not be marked complete by this writer.
+        self._check_generation()
+        self._storage.write(f"{self._key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": meta.to_json()}))
         self._meta = meta
         self._closed = True
         self._puts.close()
-        return meta
+        return meta.to_json()
 
     def report(self) -> dict[str, Any]:
         """The quantization report and channel statistics of the chunks on storage so far."""
@@ -288,10 +306,13 @@ class SplitWriter:
 
     def _write_chunk(self, index: int, buffer: _Buffer) -> None:
         stats = fold_rows(buffer.rows, self._tokens, buffer.source_code)
+        # One small read per chunk: a writer whose split was overwritten (another generation)
+        # stops here instead of writing its rows into the other run's split.
+        self._check_generation()
         puts = []
         if buffer.labels is not None:
             puts.append((layout.LABELS, self._pad(buffer.labels), None))
-        puts.append((layout.CHUNK_STATS, stats.to_row()[None, :], None))
+        puts.append((layout.CHUNK_STATS, seal(stats.to_row(), self._meta, index)[None, :], None))
         puts.append((layout.FEATURES, self._pad(buffer.data), self.compressor))
         self._submitted.add(index)
         self._puts.submit(index, puts)
@@ -325,24 +346,48 @@ class SplitWriter:
                 layout.chunk_key(f"{self._key}/{layout.FEATURES}", i, ndim))]
         return sorted(absent)
 
-    def _final_report(self, meta: dict[str, Any], only: list[int] | None = None) -> dict[str, Any]:
+    def _final_report(self, meta: SplitMetadata, only: list[int] | None = None) -> dict[str, Any]:
         indices = list(range(self.num_chunks)) if only is None else only
         keys = [layout.chunk_key(f"{self._key}/{layout.CHUNK_STATS}", i, 2) for i in indices]
         rows = []
-        for raw in self._storage.read_many(keys):
-            rows.append(np.frombuffer(raw[: -layout.CRC_BYTES], np.float64))
+        for index, raw in zip(indices, self._storage.read_many(keys)):
+            row, generation, at = unseal(np.frombuffer(raw[: -layout.CRC_BYTES], np.float64), meta)
+            if generation != meta.generation_number or at != index:
+                raise SplitTakenOver(
+                    f"cannot commit {self._key}: chunk {index} was written by another run of this "
+                    f"split (its statistics row has generation {int(generation or 0):x}, chunk {at}; "
+                    f"this writer's is {meta.generation}, chunk {index}). Resume the split "
+                    "(extract --resume) to rewrite such chunks, or --overwrite it")
+            rows.append(row)
         total = merge_rows(rows, self.channels)
         # The chunks' own record comes before the metadata: a writer that wrote nothing itself
         # (it only commits) must not report the logical dtype as the source.
         source = (self._source_dtype or SOURCE_NAMES.get(total.source_code)
-                  or meta.get("source_dtype") or self.dtype)
+                  or meta.source_dtype or self.dtype)
         out = report(total, source_dtype=source, logical_dtype=self.dtype)
         out["source_dtype"] = source
         return out
 
     def _check_open(self) -> None:
         if self._closed:
-            raise MissingChunks(f"writer for {self._key} is closed: open it again with resume=True")
+            raise WriterClosed(f"writer for {self._key} is closed: open it again with resume=True")
+
+    def _check_generation(self) -> None:
+        """Refuse to go on when the split on storage is no longer this writer's generation."""
+        if self._meta.generation is None:
+            return  # a split written before generations existed
+        try:
+            doc = layout.load_document(self._storage.read(f"{self._key}/{layout.ZARR_JSON}"))
+            current = ((doc.get("attributes") or {}).get("featurestore") or {}).get("generation")
+        except (FileNotFoundError, ValueError, AttributeError):
+            current = None  # deleted or being rewritten: not ours any more either
+        if current != self._meta.generation:
+            self._closed = True
+            raise SplitTakenOver(
+                f"split {self._key} was taken over by another writer (generation on storage "
+                f"{current!r}, this writer's {self._meta.generation!r}: an --overwrite started "
+                "after this run): this run stopped without writing further. Let the other run "
+                "finish, or rerun with --overwrite")
 
 
 _TORCH: list[bool] = []

@@ -6,7 +6,7 @@ sample is therefore encoded in the same batch, with the same companions, whether
 fresh, resumed after a SIGKILL, or one rank of a torchrun job: encoders are not bit-exact across
 batch compositions on every backend (cuBLAS picks kernels by shape), and the promise here is
 byte-identical chunks. So that this never shrinks the batch, a new split's chunk holds a whole
-multiple of ``batch_size`` rows (``chunk_bytes_for``): ``--chunk-mb`` is rounded to it, and grown
+multiple of ``batch_size`` rows (``chunk_rows_for``): ``--chunk-mb`` is rounded to it, and grown
 to one batch when samples are large (a [1024, 3072] float16 sample is 6 MiB).
 
 Encoding runs on the main thread; a writer thread drains a bounded queue into the split writer,
@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import queue
 import sys
@@ -33,10 +34,11 @@ from typing import Any
 import torch
 
 from featurestore.errors import (
-    CacheKeyMismatch,
     DatasetNotFound,
     EncoderNotFound,
     FeatureStoreError,
+    Float16Overflow,
+    InvalidOption,
     NonFiniteValues,
     SplitExists,
     SplitNotFound,
@@ -53,6 +55,7 @@ from featurestore.extract.sources import (
     open_source,
 )
 from featurestore.format import dtypes
+from featurestore.format.metadata import Provenance
 from featurestore.format.names import validate_name
 
 
@@ -87,6 +90,7 @@ class ExtractOptions:
     queue_size: int = 4
     progress: bool = True
     threads: int | None = None  # torch intra-op threads on the CPU; see docs/EXTRACT.md
+    verify_chunks: bool = False  # --resume of a complete split: check every crc32c, not sizes only
 
 
 @dataclass
@@ -107,11 +111,11 @@ def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda":
         if not torch.cuda.is_available():
-            raise FeatureStoreError("--device cuda was asked for but no CUDA device is visible: use --device cpu")
+            raise InvalidOption("--device cuda was asked for but no CUDA device is visible: use --device cpu")
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     if choice == "cpu":
         return torch.device("cpu")
-    raise FeatureStoreError(f"--device {choice!r} is not one of auto, cpu, cuda")
+    raise InvalidOption(f"--device {choice!r} is not one of auto, cpu, cuda")
 
 
 def resolve_precision(choice: str, device: torch.device) -> str:
@@ -119,7 +123,7 @@ def resolve_precision(choice: str, device: torch.device) -> str:
     if choice == "auto":
         return "bf16" if device.type == "cuda" else "fp32"
     if choice not in ("bf16", "fp32"):
-        raise FeatureStoreError(f"--precision {choice!r} is not one of auto, bf16, fp32")
+        raise InvalidOption(f"--precision {choice!r} is not one of auto, bf16, fp32")
     return choice
 
 
@@ -151,7 +155,8 @@ class _Prepared:
     num_samples: int
     sample_shape: tuple[int, ...]
     encoder_name: str
-    metadata: dict[str, Any]
+    provenance: Provenance
+    metadata: dict[str, Any]  # extra split metadata keys (the image source)
 
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
@@ -162,11 +167,15 @@ def _prepare(opts: ExtractOptions, coord: Coordinator) -> _Prepared:
     validate_name(opts.dataset, "dataset")
     validate_name(opts.split, "split")
     if opts.batch_size < 1:
-        raise FeatureStoreError(f"--batch-size must be a positive integer, but got: {opts.batch_size}")
-    if not opts.chunk_mb > 0:
-        raise FeatureStoreError(f"--chunk-mb must be a positive number of MiB, but got: {opts.chunk_mb}")
+        raise InvalidOption(f"--batch-size must be a positive integer, but got: {opts.batch_size}")
+    if not (isinstance(opts.chunk_mb, (int, float)) and math.isfinite(opts.chunk_mb) and 0 < opts.chunk_mb <= 1 << 20):
+        raise InvalidOption(f"--chunk-mb must be a finite positive number of MiB (at most 1048576), but got: {opts.chunk_mb}")
+    if opts.num_workers is not None and opts.num_workers < 0:
+        raise InvalidOption(f"--num-workers must be 0 (load in the main process) or more, but got: {opts.num_workers}")
+    if opts.queue_size < 1:
+        raise InvalidOption(f"--queue-size must be a positive integer, but got: {opts.queue_size}")
     if opts.resume and opts.overwrite:
-        raise FeatureStoreError("--resume and --overwrite exclude each other: choose one")
+        raise InvalidOption("--resume and --overwrite exclude each other: choose one")
     source = open_source(opts.images, labels=opts.labels)
     num_samples = len(source) if opts.limit is None else min(len(source), opts.limit)
     if num_samples < 1:
@@ -192,6 +201,7 @@ def _prepare(opts: ExtractOptions, coord: Coordinator) -> _Prepared:
                               "not store non-finite values. Check the encoder (try --precision fp32) and its input")
     output_dtype = str(sample.dtype).removeprefix("torch.")
     dtype = resolve_dtype(opts.dtype, output_dtype)
+    _check_first_sample_fits(sample, dtype, opts.encoder)
     key_parts = {
         "weights_hash": encoder.weights_hash,
         "preprocessing": prep.to_dict(),
@@ -202,40 +212,52 @@ def _prepare(opts: ExtractOptions, coord: Coordinator) -> _Prepared:
         "num_samples": num_samples,
     }
     cache_key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()
-    metadata = {
-        "encoder": {"name": encoder_name, "spec": opts.encoder, "weights_hash": encoder.weights_hash,
-                    "output_dtype": output_dtype, "precision": precision},
-        "preprocessing": prep.to_dict(),
-        "token_layout": layout.to_dict(),
-        "source_dtype": output_dtype,
-        "cache_key": cache_key,
-        "source": {"spec": source.spec, "fingerprint": key_parts["input"], "num_samples": num_samples,
-                   "labels": source.label_info},
-    }
+    provenance = Provenance(
+        encoder={"name": encoder_name, "spec": opts.encoder, "weights_hash": encoder.weights_hash,
+                 "output_dtype": output_dtype, "precision": precision},
+        preprocessing=prep.to_dict(), token_layout=layout.to_dict(), cache_key=cache_key,
+        source_dtype=output_dtype)
+    metadata = {"source": {"spec": source.spec, "fingerprint": key_parts["input"], "num_samples": num_samples,
+                           "labels": source.label_info}}
     return _Prepared(source, images, encoder, layout, device, precision, dtype, num_samples,
-                     tuple(sample.shape[1:]), encoder_name, metadata)
+                     tuple(sample.shape[1:]), encoder_name, provenance, metadata)
+
+
+def _check_first_sample_fits(sample: torch.Tensor, dtype: str, spec: str) -> None:
+    """The writer's range rules, applied to sample 0 before the store is touched (like NaN):
+    a run that cannot store its first sample must not leave a ``writing`` split behind."""
+    abs_max = float(sample.detach().abs().max().float())
+    if dtype == "float16" and abs_max > dtypes.FLOAT16_MAX:
+        raise Float16Overflow(
+            f"encoder {spec} returned values up to {abs_max:.6g} for sample 0, beyond float16's "
+            "range +-65504; nothing was written. Use --dtype bfloat16 (float32's range, ~4e-3 "
+            "relative error) or --dtype float32 (exact)")
+    if dtype == "bfloat16" and abs_max >= dtypes.BFLOAT16_ROUNDS_TO_INF:
+        raise NonFiniteValues(
+            f"encoder {spec} returned values up to {abs_max:.6g} for sample 0, which round to Inf "
+            "in bfloat16; nothing was written. Use --dtype float32 (exact)")
 
 
 def _open_split(opts: ExtractOptions, prep: _Prepared, store: Any, *, resume: bool, overwrite: bool) -> Any:
-    """The split's writer, or None when it is already complete with the same cache key."""
+    """The split's writer, or None when it is already complete and intact.
+
+    An existing split is continued through ``create_split(resume=True)``, which is the one place
+    that compares cache keys and settings; a complete split is re-checked there (sizes, crc32c
+    with ``--verify-chunks``) and reopened for the chunks that are missing or damaged.
+    """
     key = f"{opts.dataset}/{prep.encoder_name}/{opts.split}"
     if not overwrite:
         try:
-            existing = store.split_metadata(opts.dataset, prep.encoder_name, opts.split)
+            existing = store.split_info(opts.dataset, prep.encoder_name, opts.split)
         except (DatasetNotFound, EncoderNotFound, SplitNotFound):
             existing = None
         if existing is not None:
-            if existing.get("cache_key") != prep.metadata["cache_key"]:
-                raise CacheKeyMismatch(
-                    f"split {key} exists with cache key {existing.get('cache_key')}, this run's is "
-                    f"{prep.metadata['cache_key']} (another encoder, weights, preprocessing, dtype or "
-                    "input): pass --overwrite to replace it, or another --split name")
-            if existing.get("status") == "complete":
-                return None
-            if not resume:
+            if not existing.complete and not resume:
                 raise SplitExists(f"split {key} exists but is incomplete (status "
-                                  f"{existing.get('status')!r}): pass --resume to continue it or "
+                                  f"{existing.status!r}): pass --resume to continue it or "
                                   "--overwrite to start over")
+            writer = _create_split(opts, prep, store, resume=True, overwrite=False)
+            return None if writer.metadata.complete else writer
     return _create_split(opts, prep, store, resume=resume, overwrite=overwrite)
 
 
@@ -245,19 +267,19 @@ def _create_split(opts: ExtractOptions, prep: _Prepared, store: Any, *, resume: 
         opts.dataset, prep.encoder_name, opts.split, num_samples=prep.num_samples,
         sample_shape=prep.sample_shape, dtype=prep.dtype,
         label_shape=prep.source.label_shape or (), label_dtype=prep.source.label_dtype,
-        metadata=prep.metadata,
-        chunk_bytes=chunk_bytes_for(prep.sample_shape, prep.dtype, opts.chunk_mb, opts.batch_size),
-        resume=resume, overwrite=overwrite, compressor=opts.compressor, ids=ids)
+        metadata=prep.metadata, provenance=prep.provenance,
+        chunk_rows=chunk_rows_for(prep.sample_shape, prep.dtype, opts.chunk_mb, opts.batch_size),
+        resume=resume, overwrite=overwrite, compressor=opts.compressor, ids=ids,
+        verify_chunks=opts.verify_chunks)
 
 
-def chunk_bytes_for(sample_shape: tuple[int, ...], dtype: str, chunk_mb: float, batch_size: int) -> int:
-    """Chunk size in bytes for a whole multiple of ``batch_size`` rows, near ``chunk_mb`` MiB."""
+def chunk_rows_for(sample_shape: tuple[int, ...], dtype: str, chunk_mb: float, batch_size: int) -> int:
+    """Samples per chunk: a whole multiple of ``batch_size``, near ``chunk_mb`` MiB."""
     sample_nbytes = dtypes.storage_dtype(dtype).itemsize
     for size in sample_shape:
         sample_nbytes *= int(size)
     rows = max(1, int(chunk_mb * (1 << 20)) // sample_nbytes)
-    rows = batch_size if rows < batch_size else rows - rows % batch_size
-    return rows * sample_nbytes
+    return batch_size if rows < batch_size else rows - rows % batch_size
 
 
 class _WriterThread(threading.Thread):
@@ -367,6 +389,8 @@ def _encode_chunks(opts: ExtractOptions, prep: _Prepared, writer: Any, chunks: l
 def extract(opts: ExtractOptions, coord: Coordinator | None = None) -> ExtractResult:
     """Run one extraction (or this rank's share of it); raises FeatureStoreError on bad input."""
     coord = coord or coordinator_from_env()
+    if opts.threads is not None and opts.threads < 1:
+        raise InvalidOption(f"--threads must be a positive integer, but got: {opts.threads}")
     threads = torch.get_num_threads()
     if opts.threads:  # CPU float sums can round differently with the thread count (docs/EXTRACT.md)
         torch.set_num_threads(opts.threads)
