@@ -5,19 +5,28 @@ sub-parser and sets ``func`` to a callable ``func(args) -> int``. Modules import
 dependencies (torch, fastapi) inside ``func`` only, so ``featurestore --help`` and the read-only
 verbs stay fast and work without torch.
 
-Errors: a :class:`~featurestore.errors.FeatureStoreError` (or an ``OSError`` / ``ValueError``
-from bad input) becomes one line on stderr and exit status 1; ``--debug`` shows the traceback.
+Errors: a :class:`~featurestore.errors.FeatureStoreError` (bad input, a damaged or unreachable
+store: the verbs turn storage backend failures into ``StoreUnreachable``) becomes one line on
+stderr and exit status 1; ``--debug`` shows its traceback. A missing optional dependency is one
+line naming the extra to install. Anything else is a bug and keeps its traceback. A closed stdout
+(``featurestore info --json | head -1``) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 from featurestore import __version__
 from featurestore.errors import FeatureStoreError
+
+# Optional dependencies and the pyproject extra that brings each (a missing one is one line).
+OPTIONAL_MODULES = {"torch": "torch", "torchvision": "torch", "timm": "timm", "fastapi": "server",
+                    "uvicorn": "server", "pydantic_settings": "server", "s3fs": "s3", "h5py": "hdf5",
+                    "transformers": "hf", "httpx": "client"}
 
 # Order is the order of `featurestore --help`.
 COMMAND_MODULES = ("extract", "import_", "inspect", "serve", "probe", "bench", "demo")
@@ -50,10 +59,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("featurestore: interrupted", file=sys.stderr)
         return 130
-    except (FeatureStoreError, OSError, ValueError, ImportError) as error:
+    except BrokenPipeError:
+        # The reader of stdout went away (| head): not an error. Point stdout at devnull so the
+        # interpreter's final flush does not raise again (Python docs, "Note on SIGPIPE").
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except FeatureStoreError as error:
         if debug:
             raise
         print(f"featurestore: error: {_one_line(error)}", file=sys.stderr)
+        return 1
+    except ImportError as error:
+        extra = OPTIONAL_MODULES.get((error.name or "").split(".")[0])
+        if debug or extra is None:
+            raise
+        print(f"featurestore: error: {_one_line(error)}: install it with "
+              f"pip install 'featurestore[{extra}]'", file=sys.stderr)
         return 1
 
 

@@ -152,3 +152,12 @@ class StorageOptionsError(FeatureStoreError, ValueError):
 
 class SplitSettingsMismatch(FeatureStoreError, ValueError):
     """Resuming or re-running into a split written with another compressor or chunk size."""
+
+
+class StoreUnreachable(FeatureStoreError, OSError):
+    """The storage backend behind a store URL failed (no such bucket, refused connection, missing
+    credentials or fsspec backend); the message names the URL and the fix."""
+
+
+class MissingDependency(FeatureStoreError, ImportError):
+    """An optional dependency (an extra in pyproject.toml) is not installed."""

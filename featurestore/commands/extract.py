@@ -7,18 +7,17 @@ the extraction machinery are imported inside ``run`` so ``featurestore --help`` 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from typing import Any
 
-from featurestore.errors import FeatureStoreError
+from featurestore.commands.storeargs import add_storage_options, storage_options, store_errors
+from featurestore.errors import InvalidOption
 
 
 def _size(values: list[int] | None, flag: str) -> tuple[int, int] | None:
     if values is None:
         return None
     if len(values) not in (1, 2) or any(v < 1 for v in values):
-        raise FeatureStoreError(f"{flag} takes one or two positive integers (H [W]), but got: {values}")
+        raise InvalidOption(f"{flag} takes one or two positive integers (H [W]), but got: {values}")
     return (values[0], values[-1])
 
 
@@ -28,24 +27,8 @@ def _triple(values: list[float] | None, flag: str) -> tuple[float, float, float]
     if len(values) == 1:
         values = values * 3
     if len(values) != 3:
-        raise FeatureStoreError(f"{flag} takes 1 or 3 numbers (R G B), but got: {values}")
+        raise InvalidOption(f"{flag} takes 1 or 3 numbers (R G B), but got: {values}")
     return (values[0], values[1], values[2])
-
-
-def storage_options(text: str | None) -> dict[str, Any]:
-    """``--storage-options`` JSON, else ``FEATURESTORE_STORAGE_OPTIONS``; s3fs also reads its own
-    settings (``AWS_*``, ``FSSPEC_S3_*``) from the environment."""
-    text = text if text is not None else os.environ.get("FEATURESTORE_STORAGE_OPTIONS")
-    if not text:
-        return {}
-    try:
-        options = json.loads(text)
-    except ValueError as error:
-        raise FeatureStoreError(f"storage options {text!r} are not JSON ({error}): pass an object such as "
-                                '\'{"endpoint_url": "http://127.0.0.1:9000"}\'') from error
-    if not isinstance(options, dict):
-        raise FeatureStoreError(f"storage options must be a JSON object, but got: {text!r}")
-    return options
 
 
 def register(subparsers: Any) -> None:
@@ -90,8 +73,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--mean", type=float, nargs="+", metavar="M", help="normalisation mean (default: the encoder's)")
     p.add_argument("--std", type=float, nargs="+", metavar="S", help="normalisation std (default: the encoder's)")
     p.add_argument("--compressor", default=None, help="opt-in chunk compression (see docs/FORMAT.md)")
-    p.add_argument("--storage-options", default=None, metavar="JSON",
-                   help="fsspec storage options (default: $FEATURESTORE_STORAGE_OPTIONS)")
+    add_storage_options(p)
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch CPU threads (pin it to get byte-identical CPU runs; torchrun uses 1)")
     p.add_argument("--queue-size", type=int, default=4, help="batches in flight to the writer thread")
@@ -149,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     coord = coordinator_from_env()
     try:
-        result = extract(opts, coord)
+        with store_errors(opts.store):
+            result = extract(opts, coord)
     finally:
         coord.shutdown()
     if coord.rank == 0:

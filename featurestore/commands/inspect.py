@@ -8,10 +8,14 @@ import math
 import sys
 from typing import Any
 
+from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
+from featurestore.errors import InvalidOption
+
 
 def register(subparsers: Any) -> None:
     ls = subparsers.add_parser("ls", help="list datasets / encoders / splits with shapes and status")
     ls.add_argument("url", help="store path or fsspec URL (s3://bucket/prefix, memory://...)")
+    add_storage_options(ls)
     ls.set_defaults(func=run_ls)
 
     info = subparsers.add_parser("info", help="show one split's metadata")
@@ -20,24 +24,27 @@ def register(subparsers: Any) -> None:
     info.add_argument("encoder")
     info.add_argument("split")
     info.add_argument("--json", action="store_true", help="print the full metadata as JSON")
+    add_storage_options(info)
     info.set_defaults(func=run_info)
 
     verify = subparsers.add_parser(
         "verify",
-        help="check every chunk of complete splits (presence, size, crc32c); exit 1 on damage",
-        description="Check every chunk of the complete splits: present, right size, crc32c. "
-        "Incomplete splits are listed, not counted as damage. Exit status 1 if anything is damaged.",
+        help="check the documents and every chunk of complete splits; exit 1 on damage",
+        description="Check the store: every group has its zarr.json, each complete split's array "
+        "documents agree with its metadata (shape, chunking, dtype), every chunk is present with the "
+        "right size and crc32c, and every statistics row carries the split's generation and its own "
+        "chunk index and matches its features chunk (docs/FORMAT.md, 'Guarantees'). Every problem is "
+        "listed. Incomplete splits are listed, not counted as damage. Exit status 1 if anything is damaged.",
     )
     verify.add_argument("url")
     verify.add_argument("names", nargs="*", metavar="DATASET ENCODER SPLIT",
                         help="optionally restrict to one dataset, encoder and split")
+    add_storage_options(verify)
     verify.set_defaults(func=run_verify)
 
 
-def _store(url: str) -> Any:
-    from featurestore import open_store
-
-    return open_store(url, mode="r")
+def _store(args: argparse.Namespace) -> Any:
+    return open_store_from_args(args.url, args)
 
 
 def _size(nbytes: float) -> str:
@@ -49,10 +56,15 @@ def _size(nbytes: float) -> str:
 
 
 def run_ls(args: argparse.Namespace) -> int:
+    with store_errors(args.url):
+        return _run_ls(args)
+
+
+def _run_ls(args: argparse.Namespace) -> int:
     from featurestore.core.verify import iter_splits
     from featurestore.format import dtypes
 
-    store = _store(args.url)
+    store = _store(args)
     rows = []
     for ds, enc, sp in iter_splits(store):
         meta = store.split_info(ds, enc, sp)
@@ -72,7 +84,12 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    store = _store(args.url)
+    with store_errors(args.url):
+        return _run_info(args)
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    store = _store(args)
     meta = store.split_info(args.dataset, args.encoder, args.split)
     if args.json:
         json.dump(meta.to_json(), sys.stdout, indent=2)
@@ -107,18 +124,24 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from featurestore.core.verify import iter_splits, verify_split
-    from featurestore.errors import FeatureStoreError
+    with store_errors(args.url):
+        return _run_verify(args)
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from featurestore.core.verify import verify_store
 
     if len(args.names) not in (0, 3):
-        raise FeatureStoreError(
+        raise InvalidOption(
             f"verify takes DATASET ENCODER SPLIT together or none of them, got {args.names!r}"
         )
-    store = _store(args.url)
+    store = _store(args)
+    problems, checks = verify_store(store, *(args.names or [None, None, None]))
+    for problem in problems:
+        print(f"DAMAGED {problem}")
     damaged = checked = 0
-    for ds, enc, sp in iter_splits(store, *(args.names or [None, None, None])):
-        result = verify_split(store, ds, enc, sp)
-        if result.status != "complete":
+    for result in checks:
+        if result.status == "writing":
             print(f"{result.key}: incomplete (status {result.status!r}), not checked")
             continue
         checked += 1
@@ -128,5 +151,6 @@ def run_verify(args: argparse.Namespace) -> int:
                 print(f"DAMAGED {problem}")
         else:
             print(f"{result.key}: ok ({result.chunks_checked} chunks)")
-    print(f"{checked} complete split(s) checked, {damaged} damaged")
-    return 1 if damaged else 0
+    print(f"{checked} complete split(s) checked, {damaged} damaged"
+          + (f"; {len(problems)} problem(s) in the store's group documents" if problems else ""))
+    return 1 if damaged or problems else 0

@@ -15,6 +15,9 @@ import sys
 import textwrap
 from typing import Any
 
+from featurestore.commands.storeargs import add_storage_options, options_from_args
+from featurestore.errors import InvalidOption
+
 # Mirrors featurestore.probes.run.TASKS / LOADERS, kept here so `featurestore --help` imports nothing.
 TASKS = ("auto", "linear", "seg")
 LOADERS = ("stream", "ram")
@@ -188,6 +191,7 @@ def register(subparsers: Any) -> None:
                         help="bearer token for an http(s):// STORE (default: $FEATURESTORE_TOKEN)")
     parser.add_argument("--json", metavar="OUT", help="also write the full result as JSON to OUT ('-' = stdout)")
     parser.add_argument("--quiet", action="store_true", help="no per-seed progress on stderr")
+    add_storage_options(parser)
     parser.set_defaults(func=run_command)
 
 
@@ -202,6 +206,8 @@ def run_command(args: argparse.Namespace) -> int:
         token=args.token or os.environ.get("FEATURESTORE_TOKEN") or None,
         log=None if args.quiet else log,
     )
+    if not args.store.lower().startswith(("http://", "https://")):
+        common["storage_options"] = options_from_args(args)
     from featurestore.probes.run import compare_probes, run_probe
 
     if args.compare:
@@ -209,7 +215,7 @@ def run_command(args: argparse.Namespace) -> int:
                                 compare_source=args.compare_store, **common)
     else:
         if args.compare_store:
-            raise ValueError("--compare-store needs --compare ENCODER")
+            raise InvalidOption("--compare-store needs --compare ENCODER")
         result = run_probe(args.store, args.dataset, args.encoder, **common)
     if args.json == "-":
         json.dump(result, sys.stdout, indent=2, allow_nan=True)

@@ -9,8 +9,13 @@ graceful shutdown (in-flight requests finish, then exit 0).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any
+
+from featurestore.commands.storeargs import ENV as STORAGE_ENV
+from featurestore.commands.storeargs import add_storage_options, storage_options, store_errors
+from featurestore.errors import InvalidOption
 
 DEFAULT_TOKEN_ENV = "FEATURESTORE_TOKEN"
 
@@ -41,16 +46,17 @@ def register(subparsers: Any) -> None:
                         choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument("--no-access-log", action="store_true",
                         help="do not log one line per request")
+    add_storage_options(parser)
     parser.set_defaults(func=run)
 
 
 def _check(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in 0..65535, but got: {args.port}")
+        raise InvalidOption(f"--port must be in 0..65535, but got: {args.port}")
     if args.workers < 1:
-        raise ValueError(f"--workers must be a positive integer, but got: {args.workers}")
+        raise InvalidOption(f"--workers must be a positive integer, but got: {args.workers}")
     if args.max_response_bytes is not None and args.max_response_bytes <= 0:
-        raise ValueError(
+        raise InvalidOption(
             f"--max-response-bytes must be a positive integer, but got: {args.max_response_bytes}"
         )
 
@@ -60,10 +66,12 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     os.environ["FEATURESTORE_STORE"] = args.url
+    # Parsed here so a bad JSON is one line naming the flag; workers read it from the env.
+    os.environ[STORAGE_ENV] = json.dumps(storage_options(args.storage_options))
     if args.token_env:
         token = os.environ.get(args.token_env)
         if not token:
-            raise ValueError(
+            raise InvalidOption(
                 f"--token-env {args.token_env}: that environment variable is unset or empty; "
                 f"export {args.token_env}=<token> or drop --token-env"
             )
@@ -75,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     # not a traceback per worker.
     from server.app import create_app
 
-    app = create_app()
+    with store_errors(args.url):
+        app = create_app()
     common = dict(
         host=args.host,
         port=args.port,

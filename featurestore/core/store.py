@@ -281,9 +281,10 @@ class FeatureStore:
                 if index >= meta.num_chunks:
                     continue
                 chunk = layout.chunk_key(f"{key}/{name}", index, ndim)
-                if not crc and name != layout.CHUNK_STATS:
+                if not crc and nbytes is not None and name != layout.CHUNK_STATS:
+                    # Sizes only (a stat per chunk, no read); a directory has another size.
                     size = self.storage.size(chunk)
-                    if size is not None and (nbytes is None or size == nbytes + layout.CRC_BYTES):
+                    if size == nbytes + layout.CRC_BYTES:
                         good.add(index)
                     continue
                 try:

@@ -1,25 +1,51 @@
-"""Check the chunks of complete splits: presence, size and crc32c (``featurestore verify``)."""
+"""``featurestore verify``: check a store's documents against each other and against its chunks.
+
+What is checked (docs/FORMAT.md, "Guarantees"):
+
+* every dataset, encoder and split directory has its group ``zarr.json``, and every split's
+  metadata parses;
+* for each complete split, the ``features``, ``labels`` and ``chunk_stats`` array documents exist,
+  parse, and agree with the split metadata (shape = ``num_samples`` x ``sample_shape``, chunk
+  rows, data type, compression);
+* every chunk of every array is a file of the right size with a valid crc32c;
+* every statistics row carries the split's generation and its own chunk index (the seal), and
+  its row count and per-channel means match the features chunk beside it, so a chunk file moved,
+  swapped or left by another run of the split is found even though its own crc32c is valid.
+
+Every problem is listed; nothing stops at the first one.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from featurestore.core.store import FeatureStore, chunk_arrays
-from featurestore.format import chunks, layout
+import numpy as np
+
+from featurestore.core.store import FeatureStore, chunk_arrays, seal_problem, stats_row_length
+from featurestore.errors import FeatureStoreError
+from featurestore.format import chunks, dtypes, layout
+from featurestore.format.metadata import SplitMetadata, unseal
+from featurestore.format.names import validate_name
+from featurestore.format.stats import ChunkStats, channel_moments
+
+# Per-channel means of a chunk recomputed here against its statistics row: both come from the same
+# stored values, so they agree to float32 rounding; another chunk's rows miss by far more.
+_MEAN_RTOL = 1e-4
 
 
 @dataclass
 class SplitCheck:
     key: str
-    status: str
+    status: str  # "writing" | "complete" | "unreadable" (no or damaged metadata)
     chunks_checked: int = 0
     problems: list[str] = field(default_factory=list)
 
     @property
     def damaged(self) -> bool:
-        # Only complete splits can be damaged; an incomplete one is listed, not counted.
-        return self.status == "complete" and bool(self.problems)
+        # An incomplete split is listed, not counted; one whose metadata cannot be read is damaged.
+        return self.status != "writing" and bool(self.problems)
 
 
 def iter_splits(store: FeatureStore, dataset: str | None = None, encoder: str | None = None,
@@ -30,23 +56,152 @@ def iter_splits(store: FeatureStore, dataset: str | None = None, encoder: str | 
                 yield ds, enc, sp
 
 
+def verify_store(store: FeatureStore, dataset: str | None = None, encoder: str | None = None,
+                 split: str | None = None) -> tuple[list[str], list[SplitCheck]]:
+    """(problems of the store's group documents, one check per split directory found).
+
+    Walks the storage listing, not the group documents, so a split or dataset whose
+    ``zarr.json`` is gone is reported instead of silently skipped.
+    """
+    problems: list[str] = []
+    checks: list[SplitCheck] = []
+    for ds in [dataset] if dataset else _children(store, ""):
+        if not store.storage.exists(f"{ds}/{layout.ZARR_JSON}"):
+            if not _children(store, ds):
+                continue  # not a dataset at all (a stray directory)
+            problems.append(f"{ds}: dataset group has no zarr.json (deleted?): its splits are invisible to readers")
+        for enc in [encoder] if encoder else _children(store, ds):
+            if not store.storage.exists(f"{ds}/{enc}/{layout.ZARR_JSON}"):
+                problems.append(f"{ds}/{enc}: encoder group has no zarr.json (deleted?)")
+            for sp in [split] if split else _children(store, f"{ds}/{enc}"):
+                checks.append(verify_split(store, ds, enc, sp))
+    return problems, checks
+
+
 def verify_split(store: FeatureStore, dataset: str, encoder: str, split: str) -> SplitCheck:
-    meta = store.split_info(dataset, encoder, split)
     key = layout.split_key(dataset, encoder, split)
+    try:
+        meta = store.split_info(dataset, encoder, split)
+    except FeatureStoreError as error:
+        return SplitCheck(key=key, status="unreadable", problems=[f"{key}/{layout.ZARR_JSON}: {error}"])
     result = SplitCheck(key=key, status=meta.status)
     if not meta.complete:
         return result
-    for name, ndim, nbytes in chunk_arrays(meta):
-        count = meta.num_chunks
-        for index in range(count):
+    _check_documents(store, key, meta, result.problems)
+    stats_rows: dict[int, np.ndarray] = {}
+    # Statistics rows first: each features chunk is then checked against its row.
+    for name, ndim, nbytes in sorted(chunk_arrays(meta), key=lambda a: a[0] != layout.CHUNK_STATS):
+        present = {n for n in store.storage.listdir(f"{key}/{name}/c") if n.isdigit()}
+        extra = sorted(int(n) for n in present if int(n) >= meta.num_chunks)
+        if extra:
+            result.problems.append(f"{key}/{name}: chunk(s) {extra} beyond the split's {meta.num_chunks} chunks")
+        for index in range(meta.num_chunks):
             chunk = layout.chunk_key(f"{key}/{name}", index, ndim)
             try:
                 raw = store.storage.read(chunk)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 result.problems.append(f"{chunk}: missing")
                 continue
-            problem = chunks.check(raw, nbytes)
+            except IsADirectoryError:
+                result.problems.append(f"{chunk}: is a directory, not a chunk file")
+                continue
             result.chunks_checked += 1
+            problem = chunks.check(raw, nbytes)
+            if problem is None and name == layout.CHUNK_STATS:
+                problem = seal_problem(raw, meta, index)
+                if problem is None:
+                    stats_rows[index] = np.frombuffer(raw[: -layout.CRC_BYTES], np.float64)
+            elif problem is None and name == layout.FEATURES and index in stats_rows:
+                problem = _features_match_stats(raw, meta, index, stats_rows[index])
             if problem:
                 result.problems.append(f"{chunk}: {problem}")
     return result
+
+
+def _check_documents(store: FeatureStore, key: str, meta: SplitMetadata, problems: list[str]) -> None:
+    """The array documents against the split metadata."""
+    expected: list[tuple[str, list[int], int, str, bool]] = [
+        (layout.FEATURES, [meta.num_samples, *meta.sample_shape], meta.chunk_rows,
+         dtypes.zarr_data_type(meta.logical_dtype), meta.compressor is not None),
+        (layout.CHUNK_STATS, [meta.num_chunks, stats_row_length(meta)], 1, "float64", False),
+    ]
+    if meta.labels is not None:
+        expected.append((layout.LABELS, [meta.num_samples, *meta.labels.shape], meta.chunk_rows,
+                         meta.labels.dtype, False))
+    for name, shape, rows, data_type, compressed in expected:
+        where = f"{key}/{name}/{layout.ZARR_JSON}"
+        doc = _document(store, where, problems)
+        if doc is None:
+            continue
+        if doc.get("node_type") != "array":
+            problems.append(f"{where}: not an array document")
+            continue
+        try:
+            found = (list(doc["shape"]), layout.array_chunk_rows(doc), doc["data_type"], layout.is_compressed(doc))
+        except (KeyError, TypeError, IndexError, ValueError) as error:
+            problems.append(f"{where}: damaged ({type(error).__name__}: {error})")
+            continue
+        for what, got, want in zip(("shape", "chunk rows", "data type", "compressed"), found,
+                                   (shape, rows, data_type, compressed)):
+            if got != want:
+                problems.append(f"{where}: {what} {got!r}, but the split metadata says {want!r}")
+    if meta.ids and not store.storage.exists(f"{key}/{layout.IDS}/{layout.ZARR_JSON}"):
+        problems.append(f"{key}/{layout.IDS}/{layout.ZARR_JSON}: missing (the split metadata says it has ids)")
+
+
+def _document(store: FeatureStore, where: str, problems: list[str]) -> dict[str, Any] | None:
+    try:
+        raw = store.storage.read(where)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        problems.append(f"{where}: missing")
+        return None
+    try:
+        doc = layout.load_document(raw)
+    except ValueError as error:
+        problems.append(f"{where}: not valid JSON ({error})")
+        return None
+    if not isinstance(doc, dict):
+        problems.append(f"{where}: not a JSON object")
+        return None
+    return doc
+
+
+def _features_match_stats(raw: bytes, meta: SplitMetadata, index: int, sealed_row: np.ndarray) -> str | None:
+    """Whether a features chunk is the one its statistics row describes (row count, channel means)."""
+    payload = memoryview(raw)[: -layout.CRC_BYTES]
+    if meta.compressor is not None:
+        from numcodecs import Zstd
+
+        payload = memoryview(Zstd().decode(payload))
+    storage = dtypes.storage_dtype(meta.logical_dtype)
+    values = np.frombuffer(payload, storage)
+    per_row = int(np.prod(meta.sample_shape))
+    if values.size != meta.chunk_rows * per_row:
+        return f"decodes to {values.size} values, expected {meta.chunk_rows * per_row}"
+    lo = index * meta.chunk_rows
+    count = min(meta.chunk_rows, meta.num_samples - lo)
+    stats = ChunkStats.from_row(unseal(sealed_row, meta)[0])
+    if stats.rows != count:
+        return f"its statistics row counts {stats.rows} samples, the chunk holds {count}"
+    mean, _ = channel_moments(values[: count * per_row], meta.logical_dtype, meta.sample_shape[-1])
+    scale = max(1.0, float(np.abs(stats.mean).max(initial=0.0)))
+    if not np.allclose(mean, stats.mean, rtol=_MEAN_RTOL, atol=_MEAN_RTOL * scale):
+        worst = int(np.argmax(np.abs(mean - stats.mean)))
+        return (f"its channel means do not match its statistics row (channel {worst}: "
+                f"{mean[worst]:.6g} vs {stats.mean[worst]:.6g}): a chunk file swapped, moved or "
+                "written by another run")
+    return None
+
+
+def _children(store: FeatureStore, prefix: str) -> list[str]:
+    names = []
+    for name in store.storage.listdir(prefix):
+        if name == layout.ZARR_JSON:
+            continue
+        try:
+            validate_name(name)
+        except FeatureStoreError:
+            continue  # ".tmp" files, hidden entries
+        if store.storage.listdir(f"{prefix}/{name}" if prefix else name):
+            names.append(name)
+    return sorted(names)

@@ -1,0 +1,76 @@
+"""Store URLs on the command line: one ``--storage-options`` flag, one environment variable, one
+way to fail (docs/FORMAT.md, "Storage options").
+
+Every verb that takes a store URL (extract, ls, info, verify, serve, probe, ...) adds the flag with
+:func:`add_storage_options` and opens the store through :func:`open_store_from_args`, so the JSON
+is parsed, the environment consulted and backend failures turned into one line in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from featurestore.errors import FeatureStoreError, StorageOptionsError, StoreUnreachable
+
+ENV = "FEATURESTORE_STORAGE_OPTIONS"
+EXAMPLE = '\'{"endpoint_url": "http://127.0.0.1:9000", "key": "...", "secret": "..."}\''
+
+
+def add_storage_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage-options", default=None, metavar="JSON",
+                        help=f"fsspec storage options as a JSON object, e.g. {EXAMPLE} "
+                        f"(default: ${ENV})")
+
+
+def storage_options(text: str | None) -> dict[str, Any]:
+    """``--storage-options`` JSON, else ``$FEATURESTORE_STORAGE_OPTIONS``, else ``{}``. s3fs also
+    reads its own settings (``AWS_*``, ``FSSPEC_S3_*``) from the environment."""
+    source = "--storage-options"
+    if text is None:
+        text, source = os.environ.get(ENV), f"${ENV}"
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except ValueError as error:
+        raise StorageOptionsError(f"{source} {text!r} is not JSON ({error}): pass an object such as {EXAMPLE}") from None
+    if not isinstance(options, dict):
+        raise StorageOptionsError(f"{source} must be a JSON object such as {EXAMPLE}, but got: {text!r}")
+    return options
+
+
+def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return storage_options(getattr(args, "storage_options", None))
+
+
+@contextlib.contextmanager
+def store_errors(url: str) -> Iterator[None]:
+    """Turn a storage backend's failure (no such bucket, refused connection, missing credentials,
+    missing s3fs) into one :class:`StoreUnreachable` line naming the URL and the fix. Errors of
+    featurestore itself pass through unchanged; anything else is a bug and keeps its traceback."""
+    try:
+        yield
+    except (FeatureStoreError, BrokenPipeError):
+        raise
+    except (OSError, ImportError) as error:
+        text = " ".join((str(error) or type(error).__name__).split())
+        if len(text) > 300:
+            text = text[:300] + "..."
+        raise StoreUnreachable(
+            f"cannot use the store at {url}: {type(error).__name__}: {text}. Check the URL and "
+            f"credentials; for S3 behind a custom endpoint pass --storage-options {EXAMPLE} "
+            f"(or set {ENV})"
+        ) from error
+
+
+def open_store_from_args(url: str, args: argparse.Namespace, mode: str = "r") -> Any:
+    from featurestore import open_store
+
+    options = options_from_args(args)
+    with store_errors(url):
+        return open_store(url, mode=mode, **options)
