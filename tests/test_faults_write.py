@@ -238,7 +238,7 @@ def test_every_store_verb_takes_storage_options(reference: Path, s3_bucket: str,
         env = run_cli(*verb, env=cli_env(FEATURESTORE_STORAGE_OPTIONS=options))
         assert env.returncode == 0 and env.stdout == flag.stdout, env.stderr
     assert "ok (" in flag.stdout
-    for verb in ("extract", "serve", "probe"):
+    for verb in ("extract", "serve", "probe", "import"):
         assert "--storage-options" in run_cli(verb, "--help").stdout
 
     bad = _one_line_error(run_cli("ls", url, "--storage-options", "{not json"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from featurestore.commands.extract import storage_options
+from featurestore.commands.storeargs import add_storage_options, storage_options, store_errors
 
 
 def register(subparsers: Any) -> None:
@@ -40,7 +40,7 @@ def register(subparsers: Any) -> None:
     mode.add_argument("--overwrite", action="store_true", help="replace an existing split")
     p.add_argument("--batch-size", type=int, default=256, help="rows read and written at a time (default 256)")
     p.add_argument("--chunk-mb", type=float, default=8.0, help="chunk size target in MiB (default 8)")
-    p.add_argument("--storage-options", metavar="JSON", help="fsspec storage options (default: $FEATURESTORE_STORAGE_OPTIONS)")
+    add_storage_options(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     p.set_defaults(func=run)
@@ -49,12 +49,14 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from featurestore.extract.importer import ImportOptions, import_cache
 
-    result = import_cache(ImportOptions(
+    options = ImportOptions(
         source=args.source, store=args.store, dataset=args.dataset, encoder_name=args.encoder_name,
         split=args.split, dtype=args.dtype, labels=args.labels, key=args.key, prefix_tokens=args.prefix_tokens,
         grid=tuple(args.grid) if args.grid else None, batch_size=args.batch_size, chunk_mb=args.chunk_mb,
         resume=args.resume, overwrite=args.overwrite, storage_options=storage_options(args.storage_options),
-        progress=not args.no_progress))
+        progress=not args.no_progress)
+    with store_errors(args.store):
+        result = import_cache(options)
     meta = result.metadata
     shape = "x".join(str(s) for s in [result.num_samples, *meta.get("sample_shape", [])])
     if result.status == "already-complete":

@@ -31,7 +31,7 @@ import numpy as np
 from featurestore.errors import CacheKeyMismatch, DatasetNotFound, EncoderNotFound, ShapeMismatch, SplitExists, \
     SplitNotFound
 from featurestore.extract.caches import ArraySource, CacheSource, _dtype_name, open_cache, open_labels
-from featurestore.extract.run import chunk_bytes_for, resolve_dtype
+from featurestore.extract.run import chunk_rows_for, resolve_dtype
 from featurestore.extract.sources import SourceError
 from featurestore.format.names import validate_name
 
@@ -135,7 +135,7 @@ def import_cache(opts: ImportOptions) -> ImportResult:
         opts.dataset, opts.encoder_name, opts.split, num_samples=source.num_samples,
         sample_shape=source.sample_shape, dtype=dtype,
         label_shape=labels.sample_shape if labels else (), label_dtype=labels.dtype if labels else None,
-        metadata=metadata, chunk_bytes=chunk_bytes_for(source.sample_shape, dtype, opts.chunk_mb, 1),
+        metadata=metadata, chunk_rows=chunk_rows_for(source.sample_shape, dtype, opts.chunk_mb, 1),
         resume=opts.resume, overwrite=opts.overwrite, ids=source.ids)
     imported = _copy(source, labels, writer, opts)
     meta = writer.commit()
