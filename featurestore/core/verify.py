@@ -28,7 +28,7 @@ from featurestore.errors import FeatureStoreError
 from featurestore.format import chunks, dtypes, layout
 from featurestore.format.metadata import SplitMetadata, unseal
 from featurestore.format.names import validate_name
-from featurestore.format.stats import ChunkStats, channel_moments
+from featurestore.format.stats import ChunkStats
 
 # Per-channel means of a chunk recomputed here against its statistics row: both come from the same
 # stored values, so they agree to float32 rounding; another chunk's rows miss by far more.
@@ -183,7 +183,9 @@ def _features_match_stats(raw: bytes, meta: SplitMetadata, index: int, sealed_ro
     stats = ChunkStats.from_row(unseal(sealed_row, meta)[0])
     if stats.rows != count:
         return f"its statistics row counts {stats.rows} samples, the chunk holds {count}"
-    mean, _ = channel_moments(values[: count * per_row], meta.logical_dtype, meta.sample_shape[-1])
+    channels = meta.sample_shape[-1]
+    stored = values[: count * per_row]
+    mean = dtypes.stored_as_float32(stored, meta.logical_dtype).reshape(-1, channels).mean(axis=0, dtype=np.float64)
     scale = max(1.0, float(np.abs(stats.mean).max(initial=0.0)))
     if not np.allclose(mean, stats.mean, rtol=_MEAN_RTOL, atol=_MEAN_RTOL * scale):
         worst = int(np.argmax(np.abs(mean - stats.mean)))
