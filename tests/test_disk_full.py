@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _core_helpers import comparable_chunk_file
 from test_extract import cli_env, run_cli
 
 import featurestore
@@ -22,7 +23,8 @@ KIB = 1024
 
 def _files(root: Path) -> dict[str, bytes]:
     split = root.joinpath(*SPLIT)
-    return {str(p.relative_to(split)): p.read_bytes() for p in sorted(split.rglob("*"))
+    return {str(p.relative_to(split)): comparable_chunk_file(str(p.relative_to(split)), p.read_bytes())
+            for p in sorted(split.rglob("*"))
             if p.is_file() and p.name != "zarr.json" and not p.name.endswith(".tmp")}
 
 
