@@ -16,7 +16,7 @@ import textwrap
 from typing import Any
 
 from featurestore.commands.storeargs import add_storage_options, options_from_args
-from featurestore.errors import FeatureStoreError, InvalidOption
+from featurestore.errors import InvalidOption
 
 # Mirrors featurestore.probes.run.TASKS / LOADERS, kept here so `featurestore --help` imports nothing.
 TASKS = ("auto", "linear", "seg")
@@ -212,18 +212,11 @@ def run_command(args: argparse.Namespace) -> int:
 
     if args.compare_store and not args.compare:
         raise InvalidOption("--compare-store needs --compare ENCODER")
-    try:
-        if args.compare:
-            result = compare_probes(args.store, args.dataset, args.encoder, args.compare,
-                                    compare_source=args.compare_store, **common)
-        else:
-            result = run_probe(args.store, args.dataset, args.encoder, **common)
-    except ValueError as error:
-        # Transitional: featurestore.probes still raises ValueError for bad input (issue 11.6 moves
-        # it to FeatureStoreError subclasses); until then the probe verb keeps its one-line errors.
-        if isinstance(error, FeatureStoreError):
-            raise
-        raise InvalidOption(str(error)) from error
+    if args.compare:
+        result = compare_probes(args.store, args.dataset, args.encoder, args.compare,
+                                compare_source=args.compare_store, **common)
+    else:
+        result = run_probe(args.store, args.dataset, args.encoder, **common)
     if args.json == "-":
         json.dump(result, sys.stdout, indent=2, allow_nan=True)
         print()

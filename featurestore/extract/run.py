@@ -35,6 +35,7 @@ import torch
 
 from featurestore.errors import (
     DatasetNotFound,
+    DeviceUnavailable,
     EncoderNotFound,
     FeatureStoreError,
     Float16Overflow,
@@ -111,7 +112,7 @@ def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda":
         if not torch.cuda.is_available():
-            raise InvalidOption("--device cuda was asked for but no CUDA device is visible: use --device cpu")
+            raise DeviceUnavailable("--device cuda was asked for but no CUDA device is visible: use --device cpu")
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     if choice == "cpu":
         return torch.device("cpu")
@@ -179,7 +180,7 @@ def _prepare(opts: ExtractOptions, coord: Coordinator) -> _Prepared:
     source = open_source(opts.images, labels=opts.labels)
     num_samples = len(source) if opts.limit is None else min(len(source), opts.limit)
     if num_samples < 1:
-        raise SourceError(f"--limit must be a positive integer, but got: {opts.limit}")
+        raise InvalidOption(f"--limit must be a positive integer, but got: {opts.limit}")
     encoder = load_encoder(opts.encoder)
     encoder_name = validate_name(opts.encoder_name or encoder.default_name, "encoder name")
     device = resolve_device(opts.device, coord.local_rank)

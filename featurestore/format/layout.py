@@ -87,11 +87,11 @@ def array_document(
 
 def parse_compressor(compressor: str) -> tuple[str, int]:
     """``"zstd"`` or ``"zstd:5"`` -> (name, level). Only zstd is offered: it is in every zarr."""
-    from featurestore.errors import FeatureStoreError
+    from featurestore.errors import InvalidOption
 
     name, _, level = str(compressor).partition(":")
     if name != "zstd" or (level and not level.lstrip("-").isdigit()):
-        raise FeatureStoreError(
+        raise InvalidOption(
             f"unsupported compressor {compressor!r}: use None (uncompressed, memory-mappable), "
             "'zstd' or 'zstd:LEVEL'"
         )
