@@ -26,7 +26,7 @@ from featurestore.errors import FeatureStoreError
 # Optional dependencies and the pyproject extra that brings each (a missing one is one line).
 OPTIONAL_MODULES = {"torch": "torch", "torchvision": "torch", "timm": "timm", "fastapi": "server",
                     "uvicorn": "server", "pydantic_settings": "server", "s3fs": "s3", "h5py": "hdf5",
-                    "transformers": "hf", "httpx": "client"}
+                    "transformers": "hf", "httpx": "client", "obstore": "s3"}
 
 # Order is the order of `featurestore --help`.
 COMMAND_MODULES = ("extract", "import_", "inspect", "serve", "probe", "bench", "demo")

@@ -145,10 +145,6 @@ class SplitTakenOver(FeatureStoreError, RuntimeError):
     split's generation on storage is no longer this writer's (docs/FORMAT.md, "Generation")."""
 
 
-class StorageOptionsError(FeatureStoreError, ValueError):
-    """``--storage-options`` / ``FEATURESTORE_STORAGE_OPTIONS`` is not a JSON object, or the
-    backend refused it."""
-
 
 class SplitSettingsMismatch(FeatureStoreError, ValueError):
     """Resuming or re-running into a split written with another compressor or chunk size."""

@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from featurestore.errors import FeatureStoreError, StorageOptionsError, StoreUnreachable
+from featurestore.errors import FeatureStoreError, InvalidStorageOptions, StoreUnreachable
 
 ENV = "FEATURESTORE_STORAGE_OPTIONS"
 EXAMPLE = '\'{"endpoint_url": "http://127.0.0.1:9000", "key": "...", "secret": "..."}\''
@@ -38,9 +38,9 @@ def storage_options(text: str | None) -> dict[str, Any]:
     try:
         options = json.loads(text)
     except ValueError as error:
-        raise StorageOptionsError(f"{source} {text!r} is not JSON ({error}): pass an object such as {EXAMPLE}") from None
+        raise InvalidStorageOptions(f"{source} {text!r} is not JSON ({error}): pass an object such as {EXAMPLE}") from None
     if not isinstance(options, dict):
-        raise StorageOptionsError(f"{source} must be a JSON object such as {EXAMPLE}, but got: {text!r}")
+        raise InvalidStorageOptions(f"{source} must be a JSON object such as {EXAMPLE}, but got: {text!r}")
     return options
 
 
@@ -50,14 +50,16 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def store_errors(url: str) -> Iterator[None]:
-    """Turn a storage backend's failure (no such bucket, refused connection, missing credentials,
-    missing s3fs) into one :class:`StoreUnreachable` line naming the URL and the fix. Errors of
-    featurestore itself pass through unchanged; anything else is a bug and keeps its traceback."""
+    """Turn a storage backend's failure (refused connection, missing credentials, an OSError of
+    fsspec) into one :class:`StoreUnreachable` line naming the URL and the fix. Errors of
+    featurestore itself pass through unchanged (the object-storage backend already names the
+    bucket); a missing optional backend is the CLI's "pip install" line; anything else is a bug
+    and keeps its traceback."""
     try:
         yield
     except (FeatureStoreError, BrokenPipeError):
         raise
-    except (OSError, ImportError) as error:
+    except OSError as error:
         text = " ".join((str(error) or type(error).__name__).split())
         if len(text) > 300:
             text = text[:300] + "..."

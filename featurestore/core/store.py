@@ -28,17 +28,16 @@ from featurestore.errors import (
 )
 from featurestore.format import chunks, dtypes, layout
 from featurestore.format.metadata import (
-    GENERATION_DIGITS,
-    SEAL_SLOTS,
     WRITING,
     LabelSpec,
     Provenance,
     SplitMetadata,
     check_version,
-    unseal,
+    chunk_arrays,
+    seal_problem,
+    stats_row_length,
 )
 from featurestore.format.names import validate_name
-from featurestore.format.stats import row_length
 
 ROOT_ATTRIBUTES = {"featurestore": {"format": layout.FORMAT_NAME, "version": layout.FORMAT_VERSION}}
 
@@ -347,42 +346,6 @@ class FeatureStore:
         if doc is None or doc.get("node_type") != "array":
             raise SplitNotFound(f"array {key} is missing at {self.url}: the split is damaged; rewrite it with overwrite=True")
         return doc
-
-
-def stats_row_length(meta: SplitMetadata) -> int:
-    """Float64 values in one stored statistics row: the statistics, then the seal (if any)."""
-    return row_length(meta.sample_shape[-1]) + (SEAL_SLOTS if meta.generation is not None else 0)
-
-
-def chunk_arrays(meta: SplitMetadata) -> list[tuple[str, int, int | None]]:
-    """(array name, ndim, payload bytes of one chunk or None when compressed) for every chunked
-    array of a split: features, labels if any, statistics rows."""
-    rows, shape = meta.chunk_rows, meta.sample_shape
-    itemsize = dtypes.storage_dtype(meta.logical_dtype).itemsize
-    arrays: list[tuple[str, int, int | None]] = [
-        (layout.FEATURES, 1 + len(shape), None if meta.compressor else rows * int(np.prod(shape)) * itemsize),
-    ]
-    if meta.labels is not None:
-        label_shape = meta.labels.shape
-        nbytes = rows * int(np.prod(label_shape, dtype=np.int64)) * np.dtype(meta.labels.dtype).itemsize
-        arrays.append((layout.LABELS, 1 + len(label_shape), nbytes))
-    arrays.append((layout.CHUNK_STATS, 2, 8 * stats_row_length(meta)))
-    return arrays
-
-
-def seal_problem(raw: bytes, meta: SplitMetadata, index: int) -> str | None:
-    """Why a stored statistics row (crc already checked) is not chunk ``index`` of this
-    generation of the split, or None."""
-    if meta.generation is None:
-        return None
-    row = np.frombuffer(raw[: -layout.CRC_BYTES], np.float64)
-    _, generation, at = unseal(row, meta)
-    if generation != meta.generation_number:
-        return (f"written by another generation of the split ({int(generation or 0):0{GENERATION_DIGITS}x}, "
-                f"the split's is {meta.generation}): a concurrent --overwrite or a copied file")
-    if at != index:
-        return f"holds the statistics of chunk {at}, not {index} (a moved or swapped file)"
-    return None
 
 
 def check_root(doc: dict[str, Any], url: str) -> None:

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core.store import FeatureStore, chunk_arrays, seal_problem, stats_row_length
+from featurestore.core.store import FeatureStore
 from featurestore.errors import FeatureStoreError
 from featurestore.format import chunks, dtypes, layout
-from featurestore.format.metadata import SplitMetadata, unseal
+from featurestore.format.metadata import SplitMetadata, chunk_arrays, seal_problem, stats_row_length, unseal
 from featurestore.format.names import validate_name
 from featurestore.format.stats import ChunkStats
 
