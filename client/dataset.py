@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from featurestore.core.reader import as_index_array
-from featurestore.errors import IndexOutOfRange, InvalidIndices
+from featurestore.errors import IndexOutOfRange, InvalidIndices, InvalidOption
 from featurestore.format import dtypes
 
 NO_LABEL = -1
@@ -64,9 +64,9 @@ class FeatureDataset(torch.utils.data.Dataset):
         self.token = token
         self.allow_incomplete = bool(allow_incomplete)
         if _is_http(self.source) and self.storage_options:
-            raise ValueError("storage_options apply to fsspec sources only; an http(s):// source takes token=")
+            raise InvalidOption("storage_options apply to fsspec sources only; an http(s):// source takes token=")
         if _is_http(self.source) and self.allow_incomplete:
-            raise ValueError("allow_incomplete applies to store sources only: a server serves complete splits "
+            raise InvalidOption("allow_incomplete applies to store sources only: a server serves complete splits "
                              "(409 otherwise); open the store URL directly to read an incomplete split")
         # Opened once here so a wrong name or URL fails now, in the main process, and so the
         # shape and metadata are known without a reader; workers reopen (see __getstate__).

@@ -103,11 +103,11 @@ class FeatureClient:
     ) -> None:
         if not isinstance(url, str) or not url.lower().startswith(("http://", "https://")):
             shown = wire.redact(url) if isinstance(url, str) else repr(url)
-            raise ValueError(f"url must be an http(s):// URL of a featurestore server, got {shown!r}")
+            raise fse.InvalidOption(f"url must be an http(s):// URL of a featurestore server, got {shown!r}")
         if not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries must be a non-negative integer, but got: {retries!r}")
+            raise fse.InvalidOption(f"retries must be a non-negative integer, but got: {retries!r}")
         if not timeout or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, but got: {timeout!r}")
+            raise fse.InvalidOption(f"timeout must be a positive number of seconds, but got: {timeout!r}")
         scheme, rest = url.split("://", 1)
         # The scheme is case-insensitive (RFC 3986 3.1): HTTP://host works like http://host.
         self._base = f"{scheme.lower()}://{rest}".rstrip("/")  # may hold user:password@

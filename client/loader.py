@@ -29,6 +29,7 @@ from client.dataset import FeatureDataset
 from client.device import resolve_device
 from client.prefetch import Prefetcher
 from client.transfer import Transfer
+from featurestore.errors import InvalidOption
 
 
 class FeatureLoader:
@@ -71,23 +72,23 @@ class FeatureLoader:
         for name, value, low in (("batch_size", batch_size, 1), ("prefetch", prefetch, 1), ("seed", seed, 0),
                                  ("world_size", world_size, 1), ("rank", rank, 0)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-                raise ValueError(f"`{name}` must be an integer >= {low}, but got: {value!r}")
+                raise InvalidOption(f"`{name}` must be an integer >= {low}, but got: {value!r}")
         if rank >= world_size:
-            raise ValueError(f"`rank` must be in [0, world_size={world_size}), but got: {rank!r}")
+            raise InvalidOption(f"`rank` must be in [0, world_size={world_size}), but got: {rank!r}")
         if order not in ("auto", *sampling.ORDERS):
-            raise ValueError(f"`order` must be one of auto, {', '.join(sampling.ORDERS)}, but got: {order!r}")
+            raise InvalidOption(f"`order` must be one of auto, {', '.join(sampling.ORDERS)}, but got: {order!r}")
         if batch_sampler is not None and world_size != 1:
-            raise ValueError("a batch_sampler is used as given on every rank: leave rank/world_size at "
+            raise InvalidOption("a batch_sampler is used as given on every rank: leave rank/world_size at "
                              "their defaults and partition inside the sampler (e.g. with DistributedSampler)")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"`dtype` must be a floating torch dtype or None (keep the stored dtype), but got: {dtype!r}")
+            raise InvalidOption(f"`dtype` must be a floating torch dtype or None (keep the stored dtype), but got: {dtype!r}")
         if pin_memory not in ("auto", True, False):
-            raise ValueError(f"`pin_memory` must be 'auto', True or False, but got: {pin_memory!r}")
+            raise InvalidOption(f"`pin_memory` must be 'auto', True or False, but got: {pin_memory!r}")
         self.device = resolve_device(device)
         if self.device.type not in ("cuda", "cpu"):
-            raise ValueError(f"`device` must be a CUDA device or 'cpu', but got: {str(device)!r}")
+            raise InvalidOption(f"`device` must be a CUDA device or 'cpu', but got: {str(device)!r}")
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
-            raise ValueError(f"`num_threads` must be a positive integer or None, but got: {num_threads!r}")
+            raise InvalidOption(f"`num_threads` must be a positive integer or None, but got: {num_threads!r}")
         self.ds = ds
         self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
@@ -106,7 +107,7 @@ class FeatureLoader:
         self.normalize = bool(normalize)
         self._mean_std = ds.channel_stats() if self.normalize else None
         if self.normalize and self._mean_std is None:
-            raise ValueError(f"normalize=True needs the split's channel_stats, and {ds.dataset}/{ds.encoder}/"
+            raise InvalidOption(f"normalize=True needs the split's channel_stats, and {ds.dataset}/{ds.encoder}/"
                              f"{ds.split} has none: pass normalize=False")
         self.pin_memory = self.device.type == "cuda" if pin_memory == "auto" else bool(pin_memory)
         # Read-ahead: each thread has one batch's reads in flight. Locally a batch's rows are read
@@ -126,7 +127,7 @@ class FeatureLoader:
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration yields (call before each epoch)."""
         if not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"`epoch` must be a non-negative integer, but got: {epoch!r}")
+            raise InvalidOption(f"`epoch` must be a non-negative integer, but got: {epoch!r}")
         if int(epoch) != self.epoch:
             self._resume_batch = 0  # a resume offset belongs to the epoch it was saved in
         self.epoch = int(epoch)
@@ -140,7 +141,7 @@ class FeatureLoader:
     def plan(self, epoch: int | None = None) -> sampling.BatchPlan:
         """This rank's batches for ``epoch`` (default: the current one), built-in orders only."""
         if self.batch_sampler is not None:
-            raise ValueError("this loader uses a batch_sampler: its batches are the sampler's")
+            raise InvalidOption("this loader uses a batch_sampler: its batches are the sampler's")
         return sampling.BatchPlan(self.ds.num_samples, self.batch_size, self.order, seed=self.seed,
                                   epoch=self.epoch if epoch is None else epoch, block_rows=self.ds.chunk_rows,
                                   drop_last=self.drop_last, rank=self.rank, world_size=self.world_size)
@@ -211,16 +212,16 @@ class FeatureLoader:
             raise TypeError(f"load_state_dict takes the dict that state_dict() returned, but got: {type(state).__name__}")
         missing = [key for key in ("epoch", "batch") if key not in state]
         if missing:
-            raise ValueError(f"cannot resume: the state lacks {', '.join(map(repr, missing))} (it has "
+            raise InvalidOption(f"cannot resume: the state lacks {', '.join(map(repr, missing))} (it has "
                              f"{sorted(state)}); pass the whole dict that loader.state_dict() returned")
         for key in ("epoch", "batch"):
             value = state[key]
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"cannot resume: state[{key!r}] must be a non-negative integer, but got: {value!r}")
+                raise InvalidOption(f"cannot resume: state[{key!r}] must be a non-negative integer, but got: {value!r}")
         mine = self.state_dict()
         for key in ("seed", "order", "batch_size", "drop_last", "rank", "world_size", "num_samples"):
             if key in state and state[key] != mine[key]:
-                raise ValueError(f"cannot resume: the state has {key}={state[key]!r}, this loader has "
+                raise InvalidOption(f"cannot resume: the state has {key}={state[key]!r}, this loader has "
                                  f"{key}={mine[key]!r}; build the loader with the same arguments as the saved run")
         self.set_epoch(int(state["epoch"]))
         self._resume_batch = int(state["batch"])

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.errors import CorruptChunk
+from featurestore.errors import CorruptChunk, InvalidOption
 
 CACHE_MODES = ("auto", "keep", "drop", "direct")
 _IOV_MAX = 1024  # Linux's limit on buffers per preadv
@@ -50,7 +50,7 @@ class ReadPool:
 
     def __init__(self, threads: int = 8) -> None:
         if not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"read threads must be a positive integer, got {threads!r}")
+            raise InvalidOption(f"read threads must be a positive integer, got {threads!r}")
         self.threads = threads
         self._executor: ThreadPoolExecutor | None = None
         self._pid = -1
@@ -262,7 +262,7 @@ def gather(
     """Fill ``rows`` (uint8 ``[len(index), sample_nbytes]``) with rows ``index`` of the chunk
     files ``path_of(chunk)``; returns counts of reads served inline (cached) and by the pool."""
     if cache not in CACHE_MODES[1:]:
-        raise ValueError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
+        raise InvalidOption(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
     sample_nbytes = rows.shape[1]
     direct = cache == "direct" and _O_DIRECT != 0 and sample_nbytes % _DIRECT_ALIGN == 0 \
         and rows.ctypes.data % _DIRECT_ALIGN == 0

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core.buffers import PAGE, aligned_empty
 from featurestore.core import checked, pread
+from featurestore.core.buffers import aligned_empty
 from featurestore.core.storage import Storage
-from featurestore.errors import CorruptChunk, IndexOutOfRange, MissingChunks, ShapeMismatch
+from featurestore.errors import CorruptChunk, IndexOutOfRange, InvalidOption, MissingChunks, ShapeMismatch
 from featurestore.format import chunks, dtypes, layout
 from featurestore.format.wire import as_index_array, check_bounds
 
@@ -143,7 +143,7 @@ class FeatureArray:
         (featurestore.core.checked has the policy and its cost)."""
         mode = self.verify_reads
         if mode not in checked.VERIFY_MODES:
-            raise ValueError(f"verify_reads must be one of {', '.join(checked.VERIFY_MODES)}, got {mode!r}")
+            raise InvalidOption(f"verify_reads must be one of {', '.join(checked.VERIFY_MODES)}, got {mode!r}")
         if mode == "off" or self.path == "zarr":  # zarr's crc32c codec checks every decoded chunk itself
             return
         if mode == "auto" and self.path == "mmap" and self._resolved_cache() == "direct":
@@ -217,7 +217,7 @@ class FeatureArray:
     def _gather_local(self, index: np.ndarray, rows: np.ndarray) -> None:
         mode = self.local_read
         if mode not in LOCAL_READS:
-            raise ValueError(f"local_read must be one of {', '.join(LOCAL_READS)}, got {mode!r}")
+            raise InvalidOption(f"local_read must be one of {', '.join(LOCAL_READS)}, got {mode!r}")
         if os.getpid() != self._pid:  # forked: open this process's own maps
             self._maps, self._inodes, self._warm = {}, {}, None
             self._pid = os.getpid()
@@ -362,7 +362,7 @@ _RECHECK_S = 2.0  # how long "this chunk is page-cached" is trusted before minco
 def _setting(name: str, default: str, allowed: tuple[str, ...]) -> str:
     value = os.environ.get(name, default).strip().lower()
     if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}: unset it or pick one of those")
+        raise InvalidOption(f"{name}={value!r} is not one of {', '.join(allowed)}: unset it or pick one of those")
     return value
 
 

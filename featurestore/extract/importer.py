@@ -28,8 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.errors import CacheKeyMismatch, DatasetNotFound, EncoderNotFound, ShapeMismatch, SplitExists, \
-    SplitNotFound
+from featurestore.errors import DatasetNotFound, EncoderNotFound, ShapeMismatch, SplitExists, SplitNotFound
 from featurestore.extract.caches import ArraySource, CacheSource, _dtype_name, open_cache, open_labels
 from featurestore.extract.run import chunk_rows_for, resolve_dtype
 from featurestore.extract.sources import SourceError
@@ -116,27 +115,28 @@ def import_cache(opts: ImportOptions) -> ImportResult:
     }
     store = open_store(opts.store, mode="a", **opts.storage_options)
     key = f"{opts.dataset}/{opts.encoder_name}/{opts.split}"
+    resume = opts.resume
     if not opts.overwrite:
         try:
-            existing = store.split_metadata(opts.dataset, opts.encoder_name, opts.split)
+            existing = store.split_info(opts.dataset, opts.encoder_name, opts.split)
         except (DatasetNotFound, EncoderNotFound, SplitNotFound):
             existing = None
         if existing is not None:
-            if existing.get("cache_key") != cache_key:
-                raise CacheKeyMismatch(f"split {key} exists with cache key {existing.get('cache_key')}, this "
-                                       f"import's is {cache_key} (another cache, labels, dtype or layout): pass "
-                                       "--overwrite to replace it, or another --split name")
-            if existing.get("status") == "complete":
-                return ImportResult("already-complete", key, source.num_samples, metadata=existing)
-            if not opts.resume:
-                raise SplitExists(f"split {key} exists but is incomplete (status {existing.get('status')!r}): "
+            if not existing.complete and not opts.resume:
+                raise SplitExists(f"split {key} exists but is incomplete (status {existing.status!r}): "
                                   "pass --resume to continue it or --overwrite to start over")
+            # create_split(resume=True) is the one place that compares cache keys and settings
+            # (CacheKeyMismatch for another cache) and re-checks a complete split's chunks.
+            resume = True
     writer = store.create_split(
         opts.dataset, opts.encoder_name, opts.split, num_samples=source.num_samples,
         sample_shape=source.sample_shape, dtype=dtype,
         label_shape=labels.sample_shape if labels else (), label_dtype=labels.dtype if labels else None,
         metadata=metadata, chunk_rows=chunk_rows_for(source.sample_shape, dtype, opts.chunk_mb, 1),
-        resume=opts.resume, overwrite=opts.overwrite, ids=source.ids)
+        resume=resume, overwrite=opts.overwrite, ids=source.ids)
+    if writer.metadata.complete:
+        return ImportResult("already-complete", key, source.num_samples, metadata=store.split_metadata(
+            opts.dataset, opts.encoder_name, opts.split))
     imported = _copy(source, labels, writer, opts)
     meta = writer.commit()
     return ImportResult("complete", key, source.num_samples, imported, time.perf_counter() - started, meta)
