@@ -24,7 +24,8 @@ from featurestore.demo.synthetic import make_synthetic_pannuke
 from featurestore.errors import CacheKeyMismatch, Float16Overflow, SplitExists
 from featurestore.extract.dist import Coordinator
 from featurestore.extract.encoders import load_encoder
-from featurestore.extract.run import ExtractOptions, extract, plan_batches
+from featurestore.extract.plan import plan_batches
+from featurestore.extract.run import ExtractOptions, extract
 from featurestore.extract.sources import PreparedImages, Preprocessing, open_source, pannuke_class_map
 
 TESTS = Path(__file__).parent

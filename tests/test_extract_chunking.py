@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from featurestore.extract.run import chunk_rows_for
+from featurestore.extract.plan import chunk_rows_for
 
 
 @pytest.mark.parametrize(

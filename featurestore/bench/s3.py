@@ -81,7 +81,8 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
     from client import FeatureDataset, FeatureLoader
     from featurestore.core.reader import aligned_empty
     from featurestore.core.storage import FsspecStorage
-    from featurestore.core.storage_obstore import ObjectStorage, run as run_async
+    from featurestore.core.storage_obstore import ObjectStorage
+    from featurestore.core.storage_obstore import run as run_async
     from featurestore.format import layout
 
     shape = tuple(int(v) for v in args.shape.lower().split("x"))

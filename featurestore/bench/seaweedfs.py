@@ -18,11 +18,11 @@ import sys
 import sysconfig
 import tempfile
 import time
-from datetime import timedelta
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 #: Credentials handed to clients; SeaweedFS without IAM config accepts any pair.

@@ -30,7 +30,8 @@ import numpy as np
 
 from featurestore.errors import DatasetNotFound, EncoderNotFound, ShapeMismatch, SplitExists, SplitNotFound
 from featurestore.extract.caches import ArraySource, CacheSource, _dtype_name, open_cache, open_labels
-from featurestore.extract.run import chunk_rows_for, resolve_dtype
+from featurestore.extract.plan import chunk_rows_for
+from featurestore.extract.run import resolve_dtype
 from featurestore.extract.sources import SourceError
 from featurestore.format.names import validate_name
 

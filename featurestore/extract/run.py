@@ -1,13 +1,7 @@
 """Extraction: images -> encoder -> a complete split, with overlapped writes and resume.
 
-The plan is a pure function of ``(num_samples, chunk_rows, batch_size)``: batches never cross a
-chunk boundary and start at the chunk's first row or a multiple of ``batch_size`` after it. Every
-sample is therefore encoded in the same batch, with the same companions, whether the run is
-fresh, resumed after a SIGKILL, or one rank of a torchrun job: encoders are not bit-exact across
-batch compositions on every backend (cuBLAS picks kernels by shape), and the promise here is
-byte-identical chunks. So that this never shrinks the batch, a new split's chunk holds a whole
-multiple of ``batch_size`` rows (``chunk_rows_for``): ``--chunk-mb`` is rounded to it, and grown
-to one batch when samples are large (a [1024, 3072] float16 sample is 6 MiB).
+Which samples share a batch is fixed by ``plan.plan_batches`` (see there for why), so a fresh, a
+resumed and a torchrun run write byte-identical chunks.
 
 Encoding runs on the main thread; a writer thread drains a bounded queue into the split writer,
 which checks, casts and measures each batch on the encoder's device and hands finished chunks to
@@ -24,9 +18,7 @@ import hashlib
 import json
 import math
 import os
-import queue
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +29,6 @@ from featurestore.errors import (
     DatasetNotFound,
     DeviceUnavailable,
     EncoderNotFound,
-    FeatureStoreError,
     Float16Overflow,
     InvalidOption,
     NonFiniteValues,
@@ -46,6 +37,7 @@ from featurestore.errors import (
 )
 from featurestore.extract.dist import Coordinator, coordinator_from_env
 from featurestore.extract.encoders import Encoder, EncoderError, TokenLayout, load_encoder, resolve_layout
+from featurestore.extract.plan import chunk_rows_for, plan_batches
 from featurestore.extract.sources import (
     Failure,
     ImageSource,
@@ -55,6 +47,7 @@ from featurestore.extract.sources import (
     collate,
     open_source,
 )
+from featurestore.extract.writer_thread import WriterThread
 from featurestore.format import dtypes
 from featurestore.format.metadata import Provenance
 from featurestore.format.names import validate_name
@@ -133,15 +126,6 @@ def resolve_dtype(choice: str, output_dtype: str) -> str:
     writer's overflow guard (an overflow stops the run and says to use bfloat16 or float32)."""
     keep = output_dtype if output_dtype in ("float16", "bfloat16") else "float16"
     return keep if choice == "auto" else dtypes.check_feature_dtype(choice)
-
-
-def plan_batches(chunks: list[int], chunk_rows: int, num_samples: int, batch_size: int) -> list[list[int]]:
-    """Sample indices per batch for ``chunks``; see the module docstring for why it is fixed."""
-    plan: list[list[int]] = []
-    for chunk in chunks:
-        lo, hi = chunk * chunk_rows, min((chunk + 1) * chunk_rows, num_samples)
-        plan.extend(list(range(a, min(a + batch_size, hi))) for a in range(lo, hi, batch_size))
-    return plan
 
 
 @dataclass
@@ -274,63 +258,6 @@ def _create_split(opts: ExtractOptions, prep: _Prepared, store: Any, *, resume: 
         verify_chunks=opts.verify_chunks)
 
 
-def chunk_rows_for(sample_shape: tuple[int, ...], dtype: str, chunk_mb: float, batch_size: int) -> int:
-    """Samples per chunk: a whole multiple of ``batch_size``, near ``chunk_mb`` MiB."""
-    sample_nbytes = dtypes.storage_dtype(dtype).itemsize
-    for size in sample_shape:
-        sample_nbytes *= int(size)
-    rows = max(1, int(chunk_mb * (1 << 20)) // sample_nbytes)
-    return batch_size if rows < batch_size else rows - rows % batch_size
-
-
-class _WriterThread(threading.Thread):
-    """Drains ``(start, features, labels)`` into the split writer; keeps the first error."""
-
-    def __init__(self, writer: Any, maxsize: int) -> None:
-        super().__init__(name="featurestore-writer", daemon=True)
-        self.writer = writer
-        self.queue: queue.Queue[tuple[int, torch.Tensor, Any] | None] = queue.Queue(maxsize=max(1, maxsize))
-        self.error: BaseException | None = None
-        self.bytes_written = 0
-        self.waited = 0.0
-        self.itemsize = dtypes.storage_dtype(writer.dtype).itemsize
-
-    def run(self) -> None:
-        while True:
-            item = self.queue.get()
-            if item is None:
-                return
-            if self.error is not None:
-                continue  # keep draining so the producer never blocks on a dead consumer
-            start, features, labels = item
-            try:
-                # donate: the encoder never touches this batch again, so no defensive copy.
-                self.writer.write(start, features, labels, donate=True)
-                self.bytes_written += features.numel() * self.itemsize
-            except BaseException as error:  # handed to the main thread, which raises it
-                self.error = error
-
-    def put(self, item: tuple[int, torch.Tensor, Any]) -> None:
-        started = time.perf_counter()
-        while self.error is None:
-            try:
-                self.queue.put(item, timeout=0.1)
-                break
-            except queue.Full:
-                continue
-        self.waited += time.perf_counter() - started  # ~0 when writes hide behind encoding
-        if self.error is not None:
-            raise self.error
-
-    def finish(self) -> None:
-        started = time.perf_counter()
-        self.queue.put(None)
-        self.join()
-        self.waited += time.perf_counter() - started
-        if self.error is not None:
-            raise self.error
-
-
 def _worker_init(_: int) -> None:
     # Workers only decode and resize one image at a time; intra-op threads would oversubscribe.
     torch.set_num_threads(1)
@@ -351,7 +278,7 @@ def _encode_chunks(opts: ExtractOptions, prep: _Prepared, writer: Any, chunks: l
         pin_memory=prep.device.type == "cuda", worker_init_fn=_worker_init if workers else None)
     from tqdm import tqdm
 
-    thread = _WriterThread(writer, opts.queue_size)
+    thread = WriterThread(writer, opts.queue_size)
     thread.start()
     bar = tqdm(total=total, unit="img", desc=f"extract r{coord.rank}" if coord.world_size > 1 else "extract",
                # None: tqdm shows itself on a terminal only; one bar per job, on rank 0.
