@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup, evict
-from featurestore.bench.common import gbps, parse_shapes
+from featurestore.bench.common import gbps, parse_shapes, save_json
 
 BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
 VARIANTS = {"FeatureArray.read [mmap]": ("mmap", "keep"), "FeatureArray.read [pread, drop]": ("pread", "drop"),
@@ -299,9 +299,7 @@ def _child(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _print_and_save(results: dict[str, Any], path: str | None) -> int:
-    if path:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2)
+    save_json(results, path)
     failed = [s for s in results.get("shapes", []) if s.get("returncode") != 0 or s.get("errors")]
     return 1 if failed else 0
 

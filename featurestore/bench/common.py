@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -58,3 +59,10 @@ def rss_anon_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def save_json(results: dict[str, Any], path: str | None) -> None:
+    """Write a bench's results to ``path`` (its ``--json``), if one was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)

@@ -29,7 +29,6 @@ accelerator computes: the ratio then shows whether the writes hide behind device
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -37,6 +36,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from featurestore.bench.common import save_json
 
 # Seconds the trivial encoder waits per batch (``--device-ms``); set by ``run`` in this process,
 # which is where extraction calls the encoder.
@@ -125,9 +126,7 @@ def register(subparsers: Any) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     results = run(args)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(results, f, indent=2)
+    save_json(results, args.json_out)
     return 0
 
 

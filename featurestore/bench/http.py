@@ -26,7 +26,6 @@ compared with a local read, server RSS printed at start and end.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import socket
@@ -39,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.common import drop_into, gbps
+from featurestore.bench.common import drop_into, gbps, save_json
 from featurestore.bench.serving import SHAPE, build_store, free_port, load_test, process_rss, serve_subprocess
 
 __all__ = ["SHAPE", "build_store", "free_port", "load_test", "process_rss", "register", "serve_subprocess"]
@@ -384,8 +383,6 @@ def _loader_vs_client(url: str, key: tuple[str, str, str], remote: Any,
 
 
 def _print_and_save(results: dict[str, Any], path: str | None) -> int:
-    if path:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2)
+    save_json(results, path)
     load = results.get("load")
     return 1 if load and (load["errors"] or load["mismatches"]) else 0

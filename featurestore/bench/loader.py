@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup, evict
+from featurestore.bench.common import save_json
 
 DATASET, ENCODER = "bench", "loader"
 
@@ -396,9 +397,7 @@ def _print_and_save(results: dict[str, Any], path: str | None) -> int:
     elif c:
         print(f"  CUDA {c['device']}: H2D pinned {c['h2d_pinned_gbps']:.1f} GB/s, pageable {c['h2d_pageable_gbps']:.1f} "
               f"GB/s; loader to GPU {c['loader_to_gpu_gbps']:.2f} GB/s")
-    if path:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2)
+    save_json(results, path)
     return 0
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.common import drop_into, gbps, parse_shapes, rss_anon_bytes, timed_batches
+from featurestore.bench.common import drop_into, gbps, parse_shapes, rss_anon_bytes, save_json, timed_batches
 
 
 def register(subparsers: Any) -> None:
@@ -224,9 +224,7 @@ def _bench_rss(work: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print_and_save(results: dict[str, Any], path: str | None) -> int:
-    if path:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2)
+    save_json(results, path)
     return 0
 
 

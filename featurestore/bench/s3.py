@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 import uuid
 from typing import Any
 
 import numpy as np
 
-from featurestore.bench.common import gbps
+from featurestore.bench.common import gbps, save_json
 
 TARGETS = {"read_vs_ceiling": 0.5, "read_vs_zarr": 10.0, "loader_vs_ceiling": 0.5, "write_vs_put": 0.5}
 
@@ -239,8 +238,6 @@ def _print_and_save(result: dict[str, Any], json_out: str | None) -> int:
         if target is not None and value < target:
             missed.append(name)
         print(f"  {name:<40} {value:7.2f}x{verdict}")
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(result, f, indent=2)
+    save_json(result, json_out)
     # A missed target is a figure to report, not a failed bench: the run itself worked.
     return 0

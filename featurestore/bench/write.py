@@ -18,7 +18,6 @@ source arrays (in RAM), every written file is new.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -28,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.common import gbps, parse_shapes
+from featurestore.bench.common import gbps, parse_shapes, save_json
 
 TARGETS = {"float16": 0.7, "float32": 0.5}
 
@@ -47,9 +46,7 @@ def register(subparsers: Any) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     results = run(args)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(results, f, indent=2)
+    save_json(results, args.json_out)
     return 0
 
 
