@@ -22,6 +22,15 @@ CHUNK = 2  # the damaged chunk: rows 8..11
 KEY = layout.chunk_key(layout.split_key("ds", "enc", "s") + "/features", CHUNK, 3)
 
 
+def _write_split(url: str, options: dict[str, Any], values: np.ndarray) -> None:
+    """One complete float16 split ``ds/enc/s`` of ``values``, in chunks of ``ROWS`` rows."""
+    store = featurestore.open_store(url, mode="a", **options)
+    writer = store.create_split("ds", "enc", "s", num_samples=N, sample_shape=SHAPE, dtype="float16",
+                                chunk_bytes=ROWS * 128)
+    writer.write(0, values)
+    writer.commit()
+
+
 @pytest.fixture(params=["local", "s3"])
 def damaged_store(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any], Any]:
     """(url, options, fs) of a store with one complete float16 split; ``fs`` edits raw objects."""
@@ -36,11 +45,7 @@ def damaged_store(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, d
         options = dict(request.getfixturevalue("s3_storage_options"))
         url, root = f"s3://{bucket}/store", f"{bucket}/store"
         fs = s3fs.S3FileSystem(**options)
-    store = featurestore.open_store(url, mode="a", **options)
-    writer = store.create_split("ds", "enc", "s", num_samples=N, sample_shape=SHAPE, dtype="float16",
-                                chunk_bytes=ROWS * 128)
-    writer.write(0, np.arange(N * 64, dtype=np.float32).reshape(N, *SHAPE) / 100)
-    writer.commit()
+    _write_split(url, options, np.arange(N * 64, dtype=np.float32).reshape(N, *SHAPE) / 100)
     fs.invalidate_cache()
     return url, options, (fs, f"{root}/{KEY}")
 
@@ -103,11 +108,7 @@ def test_verify_reads_off_skips_the_crc(damaged_store: Any, monkeypatch: pytest.
 @pytest.mark.parametrize("local_read", ["mmap", "pread"])
 def test_every_local_path_checks(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, local_read: str) -> None:
     url = str(tmp_path / "store")
-    store = featurestore.open_store(url, mode="a")
-    writer = store.create_split("ds", "enc", "s", num_samples=N, sample_shape=SHAPE, dtype="float16",
-                                chunk_bytes=ROWS * 128)
-    writer.write(0, np.ones((N, *SHAPE), np.float32))
-    writer.commit()
+    _write_split(url, {}, np.ones((N, *SHAPE), np.float32))
     path = f"{url}/{KEY}"
     with open(path, "r+b") as f:
         f.seek(130)
@@ -123,11 +124,7 @@ def test_loader_surfaces_the_damage(tmp_path: Any) -> None:
     from client import FeatureDataset, FeatureLoader
 
     url = str(tmp_path / "store")
-    store = featurestore.open_store(url, mode="a")
-    writer = store.create_split("ds", "enc", "s", num_samples=N, sample_shape=SHAPE, dtype="float16",
-                                chunk_bytes=ROWS * 128)
-    writer.write(0, np.ones((N, *SHAPE), np.float32))
-    writer.commit()
+    _write_split(url, {}, np.ones((N, *SHAPE), np.float32))
     with open(f"{url}/{KEY}", "r+b") as f:
         f.seek(3)
         f.write(b"\x7f")
