@@ -35,7 +35,11 @@ TARGETS = {"float16": 0.7, "float32": 0.5}
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("write", help="writer (float16 and float32 input) vs numpy tofile, with os.sync")
     parser.add_argument("--shapes", default="256x384,1024x3072", help="sample shapes (default 256x384,1024x3072)")
-    parser.add_argument("--mb", type=float, default=384.0, help="stored float16 MB per shape and method (default 384)")
+    parser.add_argument("--mb", type=float, default=384.0,
+                        help="stored float16 MB per shape and method (default 384; at least --min-batches batches)")
+    parser.add_argument("--min-batches", type=int, default=5,
+                        help="at least this many batches per shape, so the writer's pipeline runs (default 5: "
+                             "320 samples of [1024, 3072], 2 GB, as in issue 14)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--chunk-mb", type=float, default=8.0, help="writer chunk size in MiB (default 8)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the median is kept")
@@ -76,7 +80,7 @@ def _writer(path: str, values: np.ndarray, batch: int, chunk_mb: float) -> float
 
 def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
     sample_bytes = int(np.prod(shape)) * 2
-    n = max(args.batch_size, int(args.mb * 1e6) // sample_bytes)
+    n = max(args.min_batches * args.batch_size, int(args.mb * 1e6) // sample_bytes)
     nbytes = n * sample_bytes
     source32 = np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32)
     source16 = source32.astype(np.float16)

@@ -213,16 +213,24 @@ def row_stats_numpy(source: np.ndarray, stored: np.ndarray, logical: str, exact:
 
 
 def _group_sums(values: np.ndarray) -> np.ndarray:
-    """``[B, T, C]`` -> per-row, per-channel sums ``[B, C]`` in float64 (GROUP rows at a time)."""
+    """``[B, T, C]`` -> per-row, per-channel sums ``[B, C]`` in float64 (GROUP rows at a time).
+
+    The order is spelled out (one add per token) rather than left to ``ndarray.sum``, which sums
+    a contiguous axis pairwise: it is the order of the fused kernel (core/fused_kernel.py), so
+    both give the same bits.
+    """
     count, tokens, channels = values.shape
     head = tokens - tokens % GROUP
     total = np.zeros((count, channels), np.float64)
-    if head:
-        groups = values[:, :head].reshape(count, head // GROUP, GROUP, channels).sum(axis=2)
-        total += groups.sum(axis=1, dtype=np.float64)
-    if head < tokens:
-        total += values[:, head:].sum(axis=1, dtype=np.float64)
-    return total
+    for lo in range(0, head, GROUP):
+        group = values[:, lo].copy()
+        for t in range(lo + 1, lo + GROUP):
+            group += values[:, t]
+        total += group
+    tail = np.zeros((count, channels), np.float64)
+    for t in range(head, tokens):
+        tail += values[:, t]
+    return total + tail
 
 
 def merge_rows(rows: list[np.ndarray], channels: int) -> ChunkStats:

@@ -1,0 +1,149 @@
+"""A CPU batch in one pass: the cast, the checks and every statistic, fused (numba, optional).
+
+On the CPU, torch or numpy take ~20 passes over a float32 batch (cast, upcast, error, abs,
+relative error, squares, group sums...), each through memory: about 0.2 GB/s of float16 output
+on one core, a fraction of what a disk takes. The kernel (featurestore.core.fused_kernel) reads
+each value once and keeps the rest in registers: the stored bits (float16 / bfloat16 rounded to
+nearest even, or a float32 copy), the source's abs max, the per-channel moment sums of the stored
+values, the error maxima and the per-channel sums of error**2 and source**2.
+
+Its figures are the numpy reference's (``format.stats.row_stats_numpy``), bit for bit
+(tests/test_fused_stats.py): the same float32 sums over groups of ``GROUP`` tokens, float64 over
+the groups and over a tail, in the same order. Work items are (sample, block of channels), each
+owning its outputs, so the thread count changes no bit. numba is the ``numba`` extra: without it
+the CPU path is torch's (``core.device_stats``) or numpy's, equal to this one to float32
+group-sum rounding (~1e-6 relative).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from featurestore.core.batch import Prepared, bfloat16_overflow, check_kind, float16_overflow, is_exact, non_finite
+from featurestore.format import dtypes
+from featurestore.format.stats import RowStats
+
+_ENCODING = {"float16": 1, "bfloat16": 2, "float32": 3}  # fused_kernel.FLOAT16 / BFLOAT16 / FLOAT32
+_SOURCE = {"float32": 0, "float16": 1, "bfloat16": 2}
+# (source, stored) -> kernel name in fused_kernel; stored 0 means "as the source" (no cast).
+_KERNELS = {(0, 1): "f32_f16", (0, 2): "f32_bf16", (0, 0): "f32_same", (1, 0): "f16_same",
+            (2, 0): "bf16_same", (1, 3): "f16_f32", (2, 3): "bf16_f32", (1, 2): "f16_bf16", (2, 1): "bf16_f16",
+            (0, 3): "f32_f32",
+            (1, 1): "f16_copy", (2, 2): "bf16_copy"}
+_OUT_DTYPE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
+_LOCK = threading.Lock()  # numba's default thread pool (workqueue) takes one caller at a time
+
+
+@cache
+def available() -> bool:
+    """numba importable, and not switched off by ``FEATURESTORE_FUSED_STATS=0``."""
+    if os.environ.get("FEATURESTORE_FUSED_STATS", "1").strip() == "0":
+        return False
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def prepare(source: np.ndarray, kind: str, logical: str, channels: int, start: int, *, threads: int,
+            private: bool = False, allocate: Callable[[tuple[int, ...], Any], np.ndarray] = np.empty) -> Prepared:
+    """Check, cast and measure a host batch ``[B, *sample_shape]`` (bfloat16 as uint16 bits).
+
+    ``private``: the stored array must not share the caller's memory (the caller may reuse it
+    once ``write`` returns). When no cast is needed the kernel then writes the copy in its one
+    pass, instead of the writer copying afterwards. ``allocate(shape, dtype)`` makes the stored
+    array (the writer's recycled buffers).
+
+    Raises NonFiniteValues / Float16Overflow / NonFiniteValues-for-bfloat16 naming the rows, and
+    then nothing was stored: the stored bytes go to a new array, never into ``source``.
+    """
+    from featurestore.core import fused_kernel
+
+    check_kind(kind)
+    count = len(source)
+    wide_source = source
+    if kind == "float64":  # checked as it is, then rounded to float32 (the error's reference)
+        _check_range(source, kind, logical, dtypes.row_abs_max(source), f"samples [{start}, {start + count})")
+        source = source.astype(np.float32)
+    source = np.ascontiguousarray(source)
+    src_kind = _SOURCE["float32" if kind == "float64" else kind]
+    sample = int(np.prod(source.shape[1:], dtype=np.int64))
+    channels = channels or 1
+    tokens = sample // channels if count else 0
+    exact = is_exact(kind, logical)
+    same = kind == logical and not private
+    out = source if same else allocate(tuple(source.shape), _OUT_DTYPE[logical])
+    sums = np.zeros((4, count, channels), np.float64)
+    maxima = np.zeros((3, count, channels), np.float32)
+    if count and tokens:
+        flat = _numba_view(source)
+        kernel = getattr(fused_kernel, _KERNELS[(src_kind, 0 if same else _ENCODING[logical])])
+        with _LOCK:
+            import numba
+
+            numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+            kernel(flat, flat if same else _numba_view(out), tokens, channels, sums, maxima)
+    top = maxima[0].view(np.uint32).max(axis=1) if count else np.zeros(0, np.uint32)
+    abs_max = np.where(top >= 0x7F800000, np.inf, top.view(np.float32).astype(np.float64))
+    if kind == "float64":  # the float64 source's own abs max, as on the other paths
+        abs_max = dtypes.row_abs_max(wide_source)
+    _check_range(wide_source, kind, logical, abs_max, f"samples [{start}, {start + count})")
+    rows = RowStats.zeros(count, channels)
+    rows.abs_max[:] = abs_max
+    if count:
+        first, second, sq_error, sq_source = sums
+        rows.mean[:] = _reference(out, count, channels, logical) + first / max(1, tokens)
+        rows.m2[:] = np.maximum(second - first * first / max(1, tokens), 0.0)
+        if not exact:
+            rows.max_abs_error[:] = maxima[1].max(axis=1)
+            rows.max_rel_error[:] = maxima[2].max(axis=1)
+            rows.sq_error[:] = sq_error.sum(axis=1)
+            rows.sq_source[:] = sq_source.sum(axis=1)
+    return Prepared(out, rows, kind, aliases_source=same and np.shares_memory(out, wide_source))
+
+
+def _numba_view(values: np.ndarray) -> np.ndarray:
+    """Flat, and float16 as its uint16 bits (numba has no float16 on the CPU)."""
+    flat = values.reshape(-1)
+    return flat.view(np.uint16) if flat.dtype == np.float16 else flat
+
+
+def _reference(stored: np.ndarray, count: int, channels: int, logical: str) -> np.ndarray:
+    """Each sample's stored token 0 as float64 (the deviations' origin)."""
+    first_token = stored.reshape(count, -1)[:, :channels]
+    return dtypes.stored_as_float32(first_token, logical).astype(np.float64)
+
+
+def _check_range(source: np.ndarray, kind: str, logical: str, abs_max: np.ndarray, rows: str) -> None:
+    """The same refusals as the other paths; counts are taken (slowly) only for a refused batch."""
+    if not len(abs_max):
+        return
+    largest = float(abs_max.max())
+    if not np.isfinite(largest):  # NaN bits are the largest magnitudes, so a NaN shows here too
+        wide = _as_float(source, kind)
+        raise non_finite(int(np.isnan(wide).sum()), int(np.isinf(wide).sum()), rows)
+    if logical == "float16" and largest > dtypes.FLOAT16_MAX:
+        raise float16_overflow(int((np.abs(_as_float(source, kind)) > dtypes.FLOAT16_MAX).sum()), largest, rows)
+    if logical == "bfloat16" and largest >= dtypes.BFLOAT16_ROUNDS_TO_INF:
+        over = int((np.abs(_as_float(source, kind)) >= dtypes.BFLOAT16_ROUNDS_TO_INF).sum())
+        raise bfloat16_overflow(over, largest, rows)
+
+
+def _as_float(source: np.ndarray, kind: str) -> np.ndarray:
+    return dtypes.stored_as_float32(source.view(np.uint16), "bfloat16") if kind == "bfloat16" else source
+
+
+def kernel_info() -> dict[str, Any]:
+    """For benches and bug reports: whether the kernel is used and numba's threading layer."""
+    if not available():
+        return {"fused_stats": False}
+    import numba
+
+    return {"fused_stats": True, "numba": numba.__version__, "threads": numba.get_num_threads()}

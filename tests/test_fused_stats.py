@@ -1,0 +1,155 @@
+"""The writer's one-pass CPU kernel (featurestore.core.fused_stats): the numpy reference's bytes
+and figures bit for bit, whatever the thread count; the same refusals; used by the writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import featurestore
+from featurestore.core import fused_stats
+from featurestore.core.batch import prepare_numpy
+from featurestore.errors import Float16Overflow, NonFiniteValues
+from featurestore.format.stats import ROW_FIELDS
+
+pytestmark = pytest.mark.skipif(not fused_stats.available(), reason="numba is not installed (the numba extra)")
+
+SOURCES = ["float32", "float16", "bfloat16", "float64"]
+STORED = ["float16", "bfloat16", "float32"]
+
+
+def _features(n: int, tokens: int, channels: int, seed: int = 0) -> np.ndarray:
+    """Large channel means against their spread, tiny and subnormal-range values, exact zeros,
+    negative zeros and values near float16's largest (65280 is exact in bfloat16 too)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, tokens, channels)).astype(np.float32)
+    x *= rng.uniform(0.1, 30, channels).astype(np.float32)
+    x += np.float32(500) * (np.arange(channels, dtype=np.float32) % 3)
+    flat = x.reshape(-1)
+    picks = rng.choice(flat.size, size=min(flat.size, 64), replace=False)
+    specials = np.array([0.0, -0.0, 1e-8, -3e-6, 6.0e-5, 6.2e-5, 65280.0, -65280.0, 2.0**-24, 1.5 * 2.0**-24],
+                        np.float32)
+    flat[picks] = np.resize(specials, picks.size)
+    return x
+
+
+def _as(x: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(what the kernel takes, what the numpy reference takes) for a source dtype."""
+    if kind == "bfloat16":
+        values = x.astype(ml_dtypes.bfloat16)
+        return values.view(np.uint16), values
+    values = x.astype(kind)
+    return values, values
+
+
+def _same(a: fused_stats.Prepared, b: fused_stats.Prepared) -> None:
+    assert a.stored.tobytes() == b.stored.tobytes()
+    for name in ROW_FIELDS:
+        assert getattr(a.rows, name).tobytes() == getattr(b.rows, name).tobytes(), name
+
+
+@pytest.mark.parametrize("stored", STORED)
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("shape", [(96, 48), (37, 70), (16, 1), (5, 3), (1, 9000)])
+def test_bit_identical_to_the_numpy_reference(shape: tuple[int, int], source: str, stored: str) -> None:
+    """Every (source, stored) pair, with tails (37 tokens), one channel, fewer tokens than a group
+    and a sample wider than a work item (9000 channels)."""
+    raw, reference_input = _as(_features(5, *shape), source)
+    want = prepare_numpy(reference_input, stored, shape[-1], 0)
+    for private in (False, True):
+        got = fused_stats.prepare(raw, source, stored, shape[-1], 0, threads=1, private=private)
+        _same(got, want)
+        if private:
+            assert not np.shares_memory(got.stored, raw)
+    if source != stored and source != "float64":
+        assert want.rows.max_abs_error.max() > 0 or stored == "float32"
+
+
+@pytest.mark.parametrize("stored", STORED)
+def test_thread_count_changes_no_bit(stored: str) -> None:
+    raw = _features(7, 64, 4100, seed=2)  # 4100 channels: two work items per sample
+    one = fused_stats.prepare(raw, "float32", stored, 4100, 0, threads=1)
+    two = fused_stats.prepare(raw, "float32", stored, 4100, 0, threads=2)
+    _same(one, two)
+    for lo, hi in ((0, 1), (1, 5), (5, 7)):  # and the batch cut
+        part = fused_stats.prepare(raw[lo:hi], "float32", stored, 4100, lo, threads=2)
+        assert part.stored.tobytes() == one.stored[lo:hi].tobytes()
+        for name in ROW_FIELDS:
+            assert getattr(part.rows, name).tobytes() == getattr(one.rows, name)[lo:hi].tobytes(), name
+
+
+def test_every_float16_value_and_rounding_tie() -> None:
+    """The kernel's float16 rounding against numpy's on every finite float16, every midpoint
+    between neighbours (ties to even) and random float32 bit patterns in range."""
+    halves = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)
+    midpoints = (halves[:-1].astype(np.float64) + halves[1:]) / 2
+    rng = np.random.default_rng(1)
+    bits = rng.integers(0, 0x477FE000, 1 << 16, dtype=np.uint32).view(np.float32)
+    values = np.concatenate([halves, -halves, midpoints.astype(np.float32), bits, -bits])
+    values = values[: len(values) - len(values) % 8].reshape(1, -1, 8)
+    got = fused_stats.prepare(values, "float32", "float16", 8, 0, threads=1)
+    assert got.stored.tobytes() == values.astype(np.float16).tobytes()
+
+
+@pytest.mark.parametrize(("values", "stored", "error", "words"), [
+    (np.float32(np.nan), "float16", NonFiniteValues, "1 NaN and 0 Inf"),
+    (np.float32(-np.inf), "float32", NonFiniteValues, "0 NaN and 1 Inf"),
+    (np.float32(70000), "float16", Float16Overflow, "float16's range"),
+    (np.float32(3.4e38), "bfloat16", NonFiniteValues, "round to Inf in bfloat16"),
+])
+def test_refusals_match_the_other_paths(values: np.float32, stored: str, error: type, words: str) -> None:
+    raw = _features(3, 16, 8)
+    raw[1, 4, 2] = values
+    with pytest.raises(error, match=words) as ours:
+        fused_stats.prepare(raw, "float32", stored, 8, 10, threads=1)
+    with pytest.raises(error) as theirs:
+        prepare_numpy(raw, stored, 8, 10)
+    assert str(ours.value) == str(theirs.value)
+    assert "samples [10, 13)" in str(ours.value)
+
+
+def test_float64_overflowing_float32_is_refused_as_out_of_range() -> None:
+    raw = _features(2, 16, 8).astype(np.float64)
+    raw[0, 0, 0] = 1e300
+    with pytest.raises(Float16Overflow, match="abs max 1e"):
+        fused_stats.prepare(raw, "float64", "float16", 8, 0, threads=1)
+
+
+def test_the_writer_uses_the_kernel_and_stores_what_numpy_would(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A split written through the kernel holds the bytes and the report of one written through
+    the numpy reference (numba switched off), chunk by chunk."""
+    x = _features(12, 32, 24, seed=4)
+    calls: list[int] = []
+    real = fused_stats.prepare
+
+    def counted(*args: object, **kwargs: object) -> fused_stats.Prepared:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    store = featurestore.open_store(str(tmp_path / "s"), mode="a")
+    monkeypatch.setattr(fused_stats, "prepare", counted)
+    metas = {}
+    for split, fused in (("fused", True), ("numpy", False)):
+        monkeypatch.setattr(fused_stats, "available", lambda fused=fused: fused)
+        monkeypatch.setattr("featurestore.core.writer._torch_available", lambda: False)
+        w = store.create_split("d", "e", split, num_samples=12, sample_shape=(32, 24), dtype="float16", chunk_rows=5)
+        for lo in range(0, 12, 4):
+            w.write(lo, x[lo:lo + 4])
+        metas[split] = w.commit()
+    assert len(calls) == 3
+    assert metas["fused"]["quantization"] == metas["numpy"]["quantization"]
+    assert metas["fused"]["channel_stats"] == metas["numpy"]["channel_stats"]
+    a = store.open("d", "e", "fused").read_numpy(np.arange(12))
+    assert a.tobytes() == store.open("d", "e", "numpy").read_numpy(np.arange(12)).tobytes()
+
+
+def test_a_borrowed_batch_is_copied_in_the_pass_and_a_donated_one_is_not(tmp_path: Path) -> None:
+    x = _features(8, 16, 8).astype(np.float16)
+    kept = fused_stats.prepare(x, "float16", "float16", 8, 0, threads=1, private=False)
+    assert kept.aliases_source and np.shares_memory(kept.stored, x)
+    copied = fused_stats.prepare(x, "float16", "float16", 8, 0, threads=1, private=True)
+    assert not copied.aliases_source and copied.stored.tobytes() == x.tobytes()
+    _same(kept, copied)
