@@ -46,11 +46,53 @@ def test_environment_endpoint_and_fsspec_config(monkeypatch: pytest.MonkeyPatch)
     assert translate("s3://b", {}, environ={"FEATURESTORE_OBJECT_CONCURRENCY": "5"}).max_concurrency == 5
 
 
+def test_coalesce_gap_setting() -> None:
+    assert translate("s3://b", {}, environ={}).coalesce_gap == 1 << 20  # object_store's own default
+    assert translate("s3://b", {"coalesce_gap": 0}, environ={}).coalesce_gap == 0
+    assert translate("gs://b", {}, environ={"FEATURESTORE_OBJECT_COALESCE_GAP": "4096"}).coalesce_gap == 4096
+    # the option wins over the environment
+    assert translate("s3://b", {"coalesce_gap": 7}, environ={"FEATURESTORE_OBJECT_COALESCE_GAP": "9"}).coalesce_gap == 7
+
+
+@pytest.mark.parametrize("environ, needle", [
+    ({"FEATURESTORE_OBJECT_COALESCE_GAP": "lots"}, "FEATURESTORE_OBJECT_COALESCE_GAP='lots' must be an integer >= 0"),
+    ({"FEATURESTORE_OBJECT_CONCURRENCY": "0"}, "FEATURESTORE_OBJECT_CONCURRENCY='0' must be an integer >= 1"),
+    ({"FEATURESTORE_OBJECT_RETRY_TIMEOUT": "soon"}, "FEATURESTORE_OBJECT_RETRY_TIMEOUT='soon' must be a number"),
+])  # fmt: skip
+def test_bad_environment_settings_name_the_variable(environ: dict[str, str], needle: str) -> None:
+    with pytest.raises(InvalidStorageOptions) as info:
+        translate("s3://bucket/p", {}, environ=environ)
+    message = str(info.value)
+    assert needle in message and "leave it out for the default" in message and "\n" not in message
+
+
+def test_plan_requests_coalescing_boundaries() -> None:
+    from featurestore.core.storage_obstore import plan_requests
+
+    def plan(ranges: list[tuple[str, int, int]], gap: int) -> list[tuple[str, int, int, list[int]]]:
+        return plan_requests([r[0] for r in ranges], [r[1] for r in ranges], [r[2] for r in ranges], gap)
+
+    # gap 0: touching and overlapping ranges merge, a one-byte hole does not
+    assert plan([("a", 0, 10), ("a", 10, 20), ("a", 15, 18), ("a", 21, 30)], 0) == [
+        ("a", 0, 20, [0, 1, 2]), ("a", 21, 30, [3])]
+    # exactly `gap` bytes between two ranges: one request; gap + 1: two
+    assert plan([("a", 0, 10), ("a", 110, 120)], 100) == [("a", 0, 120, [0, 1])]
+    assert plan([("a", 0, 10), ("a", 111, 120)], 100) == [("a", 0, 10, [0]), ("a", 111, 120, [1])]
+    # never across objects, whatever the gap; input order does not matter (members keep indices)
+    assert plan([("b", 50, 60), ("a", 0, 10), ("b", 0, 10), ("a", 5, 6)], 1 << 20) == [
+        ("b", 0, 60, [2, 0]), ("a", 0, 10, [1, 3])]
+    # a chain of near ranges grows one request
+    assert plan([("a", i * 300, i * 300 + 100) for i in range(5)], 200) == [("a", 0, 1300, [0, 1, 2, 3, 4])]
+
+
 @pytest.mark.parametrize("options, needle", [
     ({"endpoint": "http://x", "colour": "red"}, "'colour'"),
     ({"client_kwargs": {"proxies": {}}}, "'proxies'"),
     ({"max_concurrency": 0}, "max_concurrency=0"),
     ({"max_concurrency": "many"}, "max_concurrency='many'"),
+    ({"max_concurrency": True}, "max_concurrency=True"),
+    ({"coalesce_gap": -1}, "coalesce_gap=-1 must be an integer >= 0"),
+    ({"coalesce_gap": 1.5}, "coalesce_gap=1.5"),
     ({"retry_timeout": -1}, "retry_timeout=-1"),
     ({"key": "only-a-key"}, "both key and secret"),
 ])  # fmt: skip
@@ -128,6 +170,8 @@ def test_ranged_reads_coalesce_and_stay_bounded(seaweed_url: str, seaweed: Any, 
     calls = 0
     assert [bytes(g) for g in storage.read_ranges(keys, starts, ends)] == [blobs[k][a:b] for k, a, b in zip(keys, starts, ends)]
     assert calls == 6  # within the gap: one request per object
+    default = _storage(seaweed_url, seaweed.storage_options)
+    assert default.gap == 1 << 20  # the coalesce_gap setting reaches the backend
 
 
 def test_multipart_write_is_one_object(seaweed_url: str, seaweed: Any) -> None:

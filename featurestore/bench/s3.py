@@ -46,6 +46,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--chunk-mb", type=float, default=8.0, help="chunk size in MiB (default: the writer's 8)")
     parser.add_argument("--concurrency", type=int, default=None,
                         help="max_concurrency storage option (default: FEATURESTORE_OBJECT_CONCURRENCY or 64)")
+    parser.add_argument("--coalesce-gap", type=int, default=None,
+                        help="coalesce_gap storage option in bytes (default: FEATURESTORE_OBJECT_COALESCE_GAP or 1 MiB)")
+    parser.add_argument("--weed-args", default="",
+                        help="extra SeaweedFS server flags, space separated, after featurestore's own (e.g. "
+                             "'-filer.maxMB=4' for SeaweedFS's stock 4 MiB internal chunks)")
     parser.add_argument("--loader-threads", type=int, default=None, help="FeatureLoader num_threads (default: its own)")
     parser.add_argument("--prefetch", type=int, default=4, help="FeatureLoader prefetch (batches in flight)")
     parser.add_argument("--workdir", default=None, help="SeaweedFS data directory (default: a temp dir, removed)")
@@ -65,9 +70,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return _bench(args, options, server="endpoint " + args.endpoint)
     from featurestore.bench.seaweedfs import seaweed_server
 
-    with seaweed_server(args.workdir) as server:
+    from featurestore.bench.seaweedfs import READ_TUNED_ARGS
+
+    extra = tuple(args.weed_args.split())
+    with seaweed_server(args.workdir, extra_args=extra) as server:
         server.create_bucket(args.bucket)
-        return _bench(args, server.storage_options, server=f"SeaweedFS on loopback ({server.endpoint})")
+        flags = " ".join((*READ_TUNED_ARGS, *extra))
+        return _bench(args, server.storage_options, server=f"SeaweedFS on loopback ({server.endpoint}, {flags})")
 
 
 def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> dict[str, Any]:
@@ -91,6 +100,8 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
     fs_options = dict(options)
     if args.concurrency:
         fs_options["max_concurrency"] = args.concurrency
+    if args.coalesce_gap is not None:
+        fs_options["coalesce_gap"] = args.coalesce_gap
     values = np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32).astype(np.float16)
     nbytes = values.nbytes
     chunk_bytes = int(args.chunk_mb * (1 << 20))
@@ -216,19 +227,21 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
     return {
         "benchmark": "s3", "server": server, "num_samples": n, "sample_shape": list(shape), "batch_size": batch,
         "chunk_rows": chunk_rows, "cache": "warm (server's volume files just written, page-cached)",
-        "max_concurrency": storage.settings.max_concurrency, "gb_per_s": median,
+        "max_concurrency": storage.settings.max_concurrency, "coalesce_gap": storage.gap, "gb_per_s": median,
         "runs": {**reads, **writes}, "ratios": ratios, "targets": TARGETS,
     }
 
 
 def _s3fs_options(options: dict[str, Any]) -> dict[str, Any]:
     """The same server for s3fs (the baselines): featurestore's own keys removed."""
-    return {k: v for k, v in options.items() if k not in ("max_concurrency", "max_retries", "retry_timeout")}
+    from featurestore.core.storage_options import FEATURESTORE_KEYS
+
+    return {k: v for k, v in options.items() if k not in FEATURESTORE_KEYS}
 
 
 def _print_and_save(result: dict[str, Any], json_out: str | None) -> int:
     print(f"\n[s3] {result['server']}; {result['cache']}; median of {len(next(iter(result['runs'].values())))} "
-          "interleaved repeats")
+          f"interleaved repeats; max_concurrency {result['max_concurrency']}, coalesce_gap {result['coalesce_gap']} bytes")
     for name, value in result["gb_per_s"].items():
         print(f"  {name:<40} {value:7.3f} GB/s")
     missed = []

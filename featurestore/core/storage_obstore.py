@@ -6,9 +6,11 @@ SeaweedFS it reached 0.08x of what whole-object GETs give. obstore signs and tra
 releases the GIL, and hands back its buffers without a copy.
 
 How a batch is read (:meth:`ObjectStorage.read_ranges`): the reader already merged adjacent rows
-into one range per run; here ranges of the same object closer than ``gap`` bytes are merged into one
-request too, and every request of the batch is issued at once on one event loop per process,
-bounded by ``max_concurrency`` requests in flight per store (a setting, see
+into one range per run; here ranges of the same object closer than ``coalesce_gap`` bytes (default
+1 MiB) are merged into one request too (the bytes between them are fetched and dropped: cheaper
+than another request, see :data:`~featurestore.core.storage_options.DEFAULT_COALESCE_GAP`), and
+every request of the batch is issued at once on one event loop per process, bounded by
+``max_concurrency`` requests in flight per store (settings, see
 :mod:`featurestore.core.storage_options`). The loop lives in a daemon thread; a forked child
 (DataLoader worker) starts its own.
 
@@ -26,6 +28,9 @@ Errors: a missing key stays ``FileNotFoundError`` (callers ask "is it there?"); 
 bucket, refused credentials and a server that stays unreachable through the retries become
 :class:`BucketNotFound`, :class:`StorageAccessDenied` and :class:`StorageUnavailable`, each one
 line naming the URL, the bucket and the fix.
+
+(A little over 400 lines: one backend's reads, writes, listing and error translation, which
+share its client, its event loop and its fork fallback.)
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from featurestore.core.storage import Storage
-from featurestore.core.storage_options import ObjectStoreSettings, StaticCredentials, translate
+from featurestore.core.storage_options import FEATURESTORE_KEYS, ObjectStoreSettings, StaticCredentials, translate
 from featurestore.errors import BucketNotFound, StorageAccessDenied, StorageUnavailable
 
 T = TypeVar("T")
@@ -46,9 +51,6 @@ T = TypeVar("T")
 #: Values at least this large go up as multipart uploads, in parts of ``PART_BYTES``.
 MULTIPART_BYTES = 32 << 20
 PART_BYTES = 8 << 20
-#: Ranges of one object closer than this are fetched as one request. A request costs about as
-#: much as this many bytes on a fast link; measured with ``featurestore bench s3``.
-GAP_BYTES = 64 << 10
 
 
 class ObjectStorage(Storage):
@@ -63,7 +65,7 @@ class ObjectStorage(Storage):
         self.storage_options = dict(storage_options or {})
         self.settings: ObjectStoreSettings = translate(self.url, self.storage_options)
         self.bucket, self.prefix = _bucket_and_prefix(self.url, self.settings)
-        self.gap = GAP_BYTES
+        self.gap = self.settings.coalesce_gap  # bytes; ranges of one object closer than this: one request
         self.multipart_bytes = MULTIPART_BYTES
         self.part_bytes = PART_BYTES
         self._store = _build_store(self.bucket, self.prefix, self.settings)
@@ -102,22 +104,8 @@ class ObjectStorage(Storage):
     async def _read_ranges(self, keys: list[str], starts: list[int], ends: list[int]) -> list[Any]:
         import obstore
 
-        # Group by object, merge near ranges, fetch every merged range at once, slice back.
-        by_key: dict[str, list[int]] = {}
-        for i, key in enumerate(keys):
-            by_key.setdefault(key, []).append(i)
-        requests: list[tuple[str, int, int, list[int]]] = []
-        for key, members in by_key.items():
-            members.sort(key=lambda i: starts[i])
-            lo, hi, group = starts[members[0]], ends[members[0]], [members[0]]
-            for i in members[1:]:
-                if starts[i] <= hi + self.gap:
-                    hi = max(hi, ends[i])
-                    group.append(i)
-                else:
-                    requests.append((key, lo, hi, group))
-                    lo, hi, group = starts[i], ends[i], [i]
-            requests.append((key, lo, hi, group))
+        # Merge near ranges of each object, fetch every merged range at once, slice back.
+        requests = plan_requests(keys, starts, ends, self.gap)
         semaphore = self._semaphore()
         out: list[Any] = [b""] * len(keys)
 
@@ -242,7 +230,7 @@ class ObjectStorage(Storage):
         if self._fallback is None:
             from featurestore.core.storage import FsspecStorage
 
-            options = {k: v for k, v in self.storage_options.items() if k not in _FEATURESTORE_KEYS}
+            options = {k: v for k, v in self.storage_options.items() if k not in FEATURESTORE_KEYS}
             self._fallback = FsspecStorage(self.url, options)
         return self._fallback
 
@@ -315,6 +303,30 @@ class ObjectStorage(Storage):
         return exc
 
 
+def plan_requests(keys: Sequence[str], starts: Sequence[int], ends: Sequence[int],
+                  gap: int) -> list[tuple[str, int, int, list[int]]]:
+    """The requests that fetch ranges ``[starts[i], ends[i])`` of objects ``keys[i]``: ranges of
+    one object that overlap, touch or lie at most ``gap`` bytes apart become one request
+    ``(key, lo, hi, members)`` (the bytes between them are fetched and dropped); ``members`` are
+    the indices of the ranges it serves."""
+    by_key: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        by_key.setdefault(key, []).append(i)
+    requests: list[tuple[str, int, int, list[int]]] = []
+    for key, members in by_key.items():
+        members.sort(key=lambda i: starts[i])
+        lo, hi, group = starts[members[0]], ends[members[0]], [members[0]]
+        for i in members[1:]:
+            if starts[i] - hi <= gap:
+                hi = max(hi, ends[i])
+                group.append(i)
+            else:
+                requests.append((key, lo, hi, group))
+                lo, hi, group = starts[i], ends[i], [i]
+        requests.append((key, lo, hi, group))
+    return requests
+
+
 # ---------------------------------------------------------------------- store construction
 def _bucket_and_prefix(url: str, settings: ObjectStoreSettings) -> tuple[str, str]:
     rest = url.split("://", 1)[1]
@@ -376,7 +388,6 @@ def _first_line(text: str) -> str:
 
 
 # ---------------------------------------------------------------------- fork safety
-_FEATURESTORE_KEYS = ("max_concurrency", "max_retries", "retry_timeout")
 _runtime_pid: int | None = None
 
 
