@@ -65,7 +65,7 @@ class ObjectStorage(Storage):
         self.storage_options = dict(storage_options or {})
         self.settings: ObjectStoreSettings = translate(self.url, self.storage_options)
         self.bucket, self.prefix = _bucket_and_prefix(self.url, self.settings)
-        self.gap = self.settings.coalesce_gap  # bytes; ranges of one object closer than this: one request
+        self.gap = self.settings.coalesce_gap  # bytes; ranges of one object at most this far apart: one request
         self.multipart_bytes = MULTIPART_BYTES
         self.part_bytes = PART_BYTES
         self._store = _build_store(self.bucket, self.prefix, self.settings)
