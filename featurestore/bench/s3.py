@@ -49,8 +49,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--coalesce-gap", type=int, default=None,
                         help="coalesce_gap storage option in bytes (default: FEATURESTORE_OBJECT_COALESCE_GAP or 1 MiB)")
     parser.add_argument("--weed-args", default="",
-                        help="extra SeaweedFS server flags, space separated, after featurestore's own (e.g. "
-                             "'-filer.maxMB=4' for SeaweedFS's stock 4 MiB internal chunks)")
+                        help="extra SeaweedFS server flags, space separated, after featurestore's own; write "
+                             "--weed-args=-filer.maxMB=4 (with '=') for SeaweedFS's stock 4 MiB internal chunks")
     parser.add_argument("--loader-threads", type=int, default=None, help="FeatureLoader num_threads (default: its own)")
     parser.add_argument("--prefetch", type=int, default=4, help="FeatureLoader prefetch (batches in flight)")
     parser.add_argument("--workdir", default=None, help="SeaweedFS data directory (default: a temp dir, removed)")
