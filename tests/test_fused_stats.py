@@ -153,3 +153,20 @@ def test_a_borrowed_batch_is_copied_in_the_pass_and_a_donated_one_is_not(tmp_pat
     copied = fused_stats.prepare(x, "float16", "float16", 8, 0, threads=1, private=True)
     assert not copied.aliases_source and copied.stored.tobytes() == x.tobytes()
     _same(kept, copied)
+
+
+@pytest.mark.parametrize("stored", ["float16", "float32"])
+def test_strided_and_read_only_batches_are_read_in_place(stored: str) -> None:
+    """An encoder's tokens without the CLS token (each sample contiguous, the batch not) and a
+    read-only batch give what their contiguous copies give."""
+    tokens = _features(6, 17, 24, seed=7)
+    strided = tokens[:, 1:]
+    assert not strided.flags.c_contiguous
+    contiguous = np.ascontiguousarray(strided)
+    want = prepare_numpy(contiguous, stored, 24, 0)
+    _same(fused_stats.prepare(strided, "float32", stored, 24, 0, threads=1), want)
+    _same(fused_stats.prepare(strided[::2], "float32", stored, 24, 0, threads=1),
+          prepare_numpy(np.ascontiguousarray(strided[::2]), stored, 24, 0))
+    frozen = contiguous.copy()
+    frozen.flags.writeable = False
+    _same(fused_stats.prepare(frozen, "float32", stored, 24, 0, threads=1), want)

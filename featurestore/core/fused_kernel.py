@@ -151,10 +151,12 @@ def accumulate(x: Any, v: Any, ref: Any, exact: bool, wide: bool, floor: Any, c:
 
 @jit
 def body(src: Any, src_kind: int, out: Any, out_kind: int, stored_kind: int, tokens: int,
-         channels: int, exact: bool, wide: bool, sums: Any, maxima: Any) -> None:
+         channels: int, stride: int, exact: bool, wide: bool, sums: Any, maxima: Any) -> None:
     """One pass over a batch.
 
-    src / out: flat ``[B * tokens * channels]`` (out unused when ``out_kind == SAME``);
+    src: flat, sample b at ``b * stride`` (samples of a strided batch, e.g. an encoder's tokens
+    without the CLS token, are read in place); out: flat ``[B * tokens * channels]`` (unused
+    when ``out_kind == SAME``);
     sums: ``[4, B, C]`` float64 (sum of deviations from token 0, of their squares, of error**2, of
     source**2); maxima: ``[3, B, C]`` float32 (source |x| as integer bits, max |error|, max
     relative error) reduced over channels by the caller.
@@ -167,7 +169,8 @@ def body(src: Any, src_kind: int, out: Any, out_kind: int, stored_kind: int, tok
         b = item // blocks
         c0 = (item % blocks) * BLOCK
         width = min(BLOCK, channels - c0)
-        base = b * tokens * channels + c0
+        base = b * stride + c0
+        out_base = b * tokens * channels + c0
         # One 1-D array per accumulator (not rows of a 2-D one): LLVM then vectorises the channel
         # loop (8 or 16 channels per instruction) instead of running it scalar.
         ref = np.empty(width, np.float32)  # each channel's stored token 0: deviations from it
@@ -187,8 +190,9 @@ def body(src: Any, src_kind: int, out: Any, out_kind: int, stored_kind: int, tok
             # Row views, indexed from 0 by range(): numba then drops its negative-index
             # wraparound, which otherwise keeps the loop scalar (measured 3x slower).
             row = base + t * channels
+            out_at = out_base + t * channels
             src_row = src[row:row + width]
-            out_row = out[row:row + width] if out_kind != SAME else out[0:0]
+            out_row = out[out_at:out_at + width] if out_kind != SAME else out[0:0]
             if t < head:
                 for c in range(width):
                     x = load(src_row, c, src_kind)
@@ -231,61 +235,61 @@ parallel = numba.njit(nogil=True, cache=True, parallel=True, error_model="numpy"
 
 
 @parallel
-def f32_f16(src, out, tokens, channels, sums, maxima):
-    body(src, 0, out, FLOAT16, FLOAT16, tokens, channels, False, False, sums, maxima)
+def f32_f16(src, out, tokens, channels, stride, sums, maxima):
+    body(src, 0, out, FLOAT16, FLOAT16, tokens, channels, stride, False, False, sums, maxima)
 
 
 @parallel
-def f32_bf16(src, out, tokens, channels, sums, maxima):
-    body(src, 0, out, BFLOAT16, BFLOAT16, tokens, channels, False, True, sums, maxima)
+def f32_bf16(src, out, tokens, channels, stride, sums, maxima):
+    body(src, 0, out, BFLOAT16, BFLOAT16, tokens, channels, stride, False, True, sums, maxima)
 
 
 @parallel
-def f16_same(src, out, tokens, channels, sums, maxima):
-    body(src, FLOAT16, out, SAME, FLOAT16, tokens, channels, True, False, sums, maxima)
+def f16_same(src, out, tokens, channels, stride, sums, maxima):
+    body(src, FLOAT16, out, SAME, FLOAT16, tokens, channels, stride, True, False, sums, maxima)
 
 
 @parallel
-def f32_same(src, out, tokens, channels, sums, maxima):
-    body(src, 0, out, SAME, FLOAT32, tokens, channels, True, True, sums, maxima)
+def f32_same(src, out, tokens, channels, stride, sums, maxima):
+    body(src, 0, out, SAME, FLOAT32, tokens, channels, stride, True, True, sums, maxima)
 
 
 @parallel
-def bf16_same(src, out, tokens, channels, sums, maxima):
-    body(src, BFLOAT16, out, SAME, BFLOAT16, tokens, channels, True, True, sums, maxima)
+def bf16_same(src, out, tokens, channels, stride, sums, maxima):
+    body(src, BFLOAT16, out, SAME, BFLOAT16, tokens, channels, stride, True, True, sums, maxima)
 
 
 @parallel
-def f16_f32(src, out, tokens, channels, sums, maxima):
-    body(src, FLOAT16, out, FLOAT32, FLOAT32, tokens, channels, True, True, sums, maxima)
+def f16_f32(src, out, tokens, channels, stride, sums, maxima):
+    body(src, FLOAT16, out, FLOAT32, FLOAT32, tokens, channels, stride, True, True, sums, maxima)
 
 
 @parallel
-def bf16_f32(src, out, tokens, channels, sums, maxima):
-    body(src, BFLOAT16, out, FLOAT32, FLOAT32, tokens, channels, True, True, sums, maxima)
+def bf16_f32(src, out, tokens, channels, stride, sums, maxima):
+    body(src, BFLOAT16, out, FLOAT32, FLOAT32, tokens, channels, stride, True, True, sums, maxima)
 
 
 @parallel
-def f16_bf16(src, out, tokens, channels, sums, maxima):
-    body(src, FLOAT16, out, BFLOAT16, BFLOAT16, tokens, channels, False, True, sums, maxima)
+def f16_bf16(src, out, tokens, channels, stride, sums, maxima):
+    body(src, FLOAT16, out, BFLOAT16, BFLOAT16, tokens, channels, stride, False, True, sums, maxima)
 
 
 @parallel
-def bf16_f16(src, out, tokens, channels, sums, maxima):
-    body(src, BFLOAT16, out, FLOAT16, FLOAT16, tokens, channels, False, False, sums, maxima)
+def bf16_f16(src, out, tokens, channels, stride, sums, maxima):
+    body(src, BFLOAT16, out, FLOAT16, FLOAT16, tokens, channels, stride, False, False, sums, maxima)
 
 
 @parallel
-def f32_f32(src, out, tokens, channels, sums, maxima):  # a float64 source, rounded to float32
-    body(src, 0, out, FLOAT32, FLOAT32, tokens, channels, False, True, sums, maxima)
+def f32_f32(src, out, tokens, channels, stride, sums, maxima):  # a float64 source, rounded to float32
+    body(src, 0, out, FLOAT32, FLOAT32, tokens, channels, stride, False, True, sums, maxima)
 
 
 # The same values into a new array (the caller keeps its buffer): the copy rides the one pass.
 @parallel
-def f16_copy(src, out, tokens, channels, sums, maxima):
-    body(src, FLOAT16, out, COPY, FLOAT16, tokens, channels, True, False, sums, maxima)
+def f16_copy(src, out, tokens, channels, stride, sums, maxima):
+    body(src, FLOAT16, out, COPY, FLOAT16, tokens, channels, stride, True, False, sums, maxima)
 
 
 @parallel
-def bf16_copy(src, out, tokens, channels, sums, maxima):
-    body(src, BFLOAT16, out, COPY, BFLOAT16, tokens, channels, True, True, sums, maxima)
+def bf16_copy(src, out, tokens, channels, stride, sums, maxima):
+    body(src, BFLOAT16, out, COPY, BFLOAT16, tokens, channels, stride, True, True, sums, maxima)

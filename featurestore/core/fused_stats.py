@@ -72,24 +72,27 @@ def prepare(source: np.ndarray, kind: str, logical: str, channels: int, start: i
     if kind == "float64":  # checked as it is, then rounded to float32 (the error's reference)
         _check_range(source, kind, logical, dtypes.row_abs_max(source), f"samples [{start}, {start + count})")
         source = source.astype(np.float32)
-    source = np.ascontiguousarray(source)
+    source, stride = _samples_in_place(source)
     src_kind = _SOURCE["float32" if kind == "float64" else kind]
     sample = int(np.prod(source.shape[1:], dtype=np.int64))
     channels = channels or 1
     tokens = sample // channels if count else 0
     exact = is_exact(kind, logical)
-    same = kind == logical and not private
+    same = kind == logical and not private and source.flags.c_contiguous
     out = source if same else allocate(tuple(source.shape), _OUT_DTYPE[logical])
     sums = np.zeros((4, count, channels), np.float64)
     maxima = np.zeros((3, count, channels), np.float32)
     if count and tokens:
-        flat = _numba_view(source)
+        flat = _numba_view(_span(source, stride))
         kernel = getattr(fused_kernel, _KERNELS[(src_kind, 0 if same else _ENCODING[logical])])
         with _LOCK:
             import numba
 
             numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
-            kernel(flat, flat if same else _numba_view(out), tokens, channels, sums, maxima)
+            # Nothing is written when no cast is needed: an empty array of the same type then
+            # (the source may be read-only).
+            target = np.empty(0, flat.dtype) if same else _numba_view(out)
+            kernel(flat, target, tokens, channels, stride, sums, maxima)
     top = maxima[0].view(np.uint32).max(axis=1) if count else np.zeros(0, np.uint32)
     abs_max = np.where(top >= 0x7F800000, np.inf, top.view(np.float32).astype(np.float64))
     if kind == "float64":  # the float64 source's own abs max, as on the other paths
@@ -107,6 +110,29 @@ def prepare(source: np.ndarray, kind: str, logical: str, channels: int, start: i
             rows.sq_error[:] = sq_error.sum(axis=1)
             rows.sq_source[:] = sq_source.sum(axis=1)
     return Prepared(out, rows, kind, aliases_source=same and np.shares_memory(out, wide_source))
+
+
+def _samples_in_place(source: np.ndarray) -> tuple[np.ndarray, int]:
+    """``source`` and its sample stride in elements: read in place when each sample is
+    contiguous (a slice of tokens, e.g. without the CLS token), else a contiguous copy."""
+    if source.ndim < 2 or len(source) < 2:
+        source = np.ascontiguousarray(source)
+        return source, int(np.prod(source.shape[1:], dtype=np.int64))
+    sample = source[0]
+    stride, rest = divmod(source.strides[0], source.itemsize)
+    if sample.flags.c_contiguous and not rest and stride >= sample.size:
+        return source, stride
+    source = np.ascontiguousarray(source)
+    return source, int(np.prod(source.shape[1:], dtype=np.int64))
+
+
+def _span(source: np.ndarray, stride: int) -> np.ndarray:
+    """A flat view from the first sample's first value to the last sample's last value."""
+    if source.flags.c_contiguous:
+        return source.reshape(-1)
+    length = (len(source) - 1) * stride + int(np.prod(source.shape[1:], dtype=np.int64))
+    return np.lib.stride_tricks.as_strided(source, shape=(length,), strides=(source.itemsize,),
+                                           writeable=source.flags.writeable)
 
 
 def _numba_view(values: np.ndarray) -> np.ndarray:
