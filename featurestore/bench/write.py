@@ -10,8 +10,9 @@ For each sample shape, in one run, interleaved, each side timed from its first b
 * **writer, float32 input stored float16**: the float32 source of those values, cast, checked
   and measured by the writer (the common case: encoders under autocast return float32).
 
-The figure is each writer's throughput as a ratio of tofile's (median of ``--repeats``): the
-disk's own write speed swings between runs, the ratio much less. Page cache: warm for the
+The figure is each writer's throughput as a ratio of tofile's (median of ``--repeats``, the
+order of the three rotated each repeat, after ``--warmup`` untimed rounds): the disk's own write
+speed swings between runs, the ratio much less. Page cache: warm for the
 source arrays (in RAM), every written file is new.
 """
 
@@ -42,7 +43,9 @@ def register(subparsers: Any) -> None:
                              "320 samples of [1024, 3072], 2 GB, as in issue 14)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--chunk-mb", type=float, default=8.0, help="writer chunk size in MiB (default 8)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the median is kept")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="interleaved repeats, the order rotated each time; the median is kept")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
     parser.set_defaults(func=_main)
@@ -85,16 +88,26 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
     source32 = np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32)
     source16 = source32.astype(np.float16)
     times: dict[str, list[float]] = {"tofile": [], "float16": [], "float32": []}
-    for repeat in range(args.repeats):
-        for method in times:  # interleaved: a slow disk moment hits every method alike
+    methods = list(times)
+    for repeat in range(-args.warmup, args.repeats):
+        # Interleaved, and the order rotated each repeat: a slow disk moment hits every method
+        # alike, and each method runs once in each slot of a round.
+        shift = repeat % len(methods)
+        paths = []
+        for method in methods[shift:] + methods[:shift]:
             path = os.path.join(work, f"{method}-{repeat}")
+            paths.append(path)
             if method == "tofile":
                 seconds = _tofile(path, source16)
             else:
                 seconds = _writer(path, source16 if method == "float16" else source32, args.batch_size, args.chunk_mb)
-            times[method].append(seconds)
+            if repeat >= 0:  # warm-up rounds: first touches of memory and disk, not timed
+                times[method].append(seconds)
+        # Deleted after the round, not between methods: a method that followed a 2 GB delete
+        # measured up to 2.4x slower (the file system reclaiming the freed blocks), whichever it was.
+        for path in paths:
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
-            os.sync()  # the delete's writeback stays out of the next method's time
+        os.sync()  # the deletes' writeback stays out of the next round
     median = {m: statistics.median(t) for m, t in times.items()}
     out = {
         "sample_shape": list(shape), "num_samples": n, "bytes": nbytes,
