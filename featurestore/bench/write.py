@@ -134,7 +134,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
+    from featurestore.core import fused_stats
+
     return {"benchmark": "write", "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
+            "fused_stats": fused_stats.available(), "stats_threads": fused_stats.threads(),
             "page_cache": "source in RAM; every file new; both sides timed to os.sync()",
             "targets": TARGETS, "shapes": shapes}
 

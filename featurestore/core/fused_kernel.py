@@ -19,9 +19,9 @@ from featurestore.format.stats import GROUP, REL_ERROR_FLOOR
 
 # Stored encodings; each kernel below fixes its pair as constants. COPY: the source's bits.
 SAME, FLOAT16, BFLOAT16, FLOAT32, COPY = 0, 1, 2, 3, 4
-# Channels per work item. The channel loop pays a fixed cost per row (~400 ns: loop entry,
-# alias checks), so long rows are faster: on a 2-core Xeon, float32 -> float16 took 2.0 ns per
-# value with 384-wide rows, 1.2 with 1024, 0.96 with 3072. 4096 keeps an item's ~112 bytes of
+# Channels per work item. Splitting a row costs: float32 -> float16 on one core of the 2-core
+# test host took 1.13 ns per value at [1024, 3072] with 4096-channel items, 1.23 with 1024 and
+# 1.59 with 512 (1.20 / 1.84 / 2.43 at [256, 1536]). 4096 keeps an item's ~112 bytes of
 # accumulators per channel within L2; samples are the other axis of parallelism.
 BLOCK = 4096
 
@@ -151,7 +151,8 @@ def accumulate(x: Any, v: Any, ref: Any, exact: bool, wide: bool, floor: Any, c:
 
 @jit
 def body(src: Any, src_kind: int, out: Any, out_kind: int, stored_kind: int, tokens: int,
-         channels: int, stride: int, exact: bool, wide: bool, sums: Any, maxima: Any) -> None:
+         channels: int, stride: int, exact: bool, wide: bool, sums: Any, maxima: Any, first: int,
+         last: int) -> None:
     """One pass over a batch.
 
     src: flat, sample b at ``b * stride`` (samples of a strided batch, e.g. an encoder's tokens
@@ -161,11 +162,10 @@ def body(src: Any, src_kind: int, out: Any, out_kind: int, stored_kind: int, tok
     source**2); maxima: ``[3, B, C]`` float32 (source |x| as integer bits, max |error|, max
     relative error) reduced over channels by the caller.
     """
-    count = sums.shape[1]
     blocks = (channels + BLOCK - 1) // BLOCK
     head = tokens - tokens % GROUP
     floor = np.float32(REL_ERROR_FLOOR)
-    for item in numba.prange(count * blocks):
+    for item in range(first, last):
         b = item // blocks
         c0 = (item % blocks) * BLOCK
         width = min(BLOCK, channels - c0)
@@ -230,66 +230,69 @@ def body(src: Any, src_kind: int, out: Any, out_kind: int, stored_kind: int, tok
 
 
 # One compiled kernel per (source, stored) pair: the encodings are constants there, so the hot
-# loop holds no branch on them (a generic kernel measured ~3x slower).
-parallel = numba.njit(nogil=True, cache=True, parallel=True, error_model="numpy")
+# loop holds no branch on them (a generic kernel measured ~3x slower). Each runs work items
+# [first, last) without the GIL; fused_stats splits a batch's items over its own threads. numba's
+# parallel=True (prange) compiled the same loop ~1.7x slower per value at 384 channels, and its
+# OpenMP team spins on a loaded host.
+entry = numba.njit(nogil=True, cache=True, error_model="numpy")
 
 
-@parallel
-def f32_f16(src, out, tokens, channels, stride, sums, maxima):
-    body(src, 0, out, FLOAT16, FLOAT16, tokens, channels, stride, False, False, sums, maxima)
+@entry
+def f32_f16(src, out, tokens, channels, stride, sums, maxima, first, last):
+    body(src, 0, out, FLOAT16, FLOAT16, tokens, channels, stride, False, False, sums, maxima, first, last)
 
 
-@parallel
-def f32_bf16(src, out, tokens, channels, stride, sums, maxima):
-    body(src, 0, out, BFLOAT16, BFLOAT16, tokens, channels, stride, False, True, sums, maxima)
+@entry
+def f32_bf16(src, out, tokens, channels, stride, sums, maxima, first, last):
+    body(src, 0, out, BFLOAT16, BFLOAT16, tokens, channels, stride, False, True, sums, maxima, first, last)
 
 
-@parallel
-def f16_same(src, out, tokens, channels, stride, sums, maxima):
-    body(src, FLOAT16, out, SAME, FLOAT16, tokens, channels, stride, True, False, sums, maxima)
+@entry
+def f16_same(src, out, tokens, channels, stride, sums, maxima, first, last):
+    body(src, FLOAT16, out, SAME, FLOAT16, tokens, channels, stride, True, False, sums, maxima, first, last)
 
 
-@parallel
-def f32_same(src, out, tokens, channels, stride, sums, maxima):
-    body(src, 0, out, SAME, FLOAT32, tokens, channels, stride, True, True, sums, maxima)
+@entry
+def f32_same(src, out, tokens, channels, stride, sums, maxima, first, last):
+    body(src, 0, out, SAME, FLOAT32, tokens, channels, stride, True, True, sums, maxima, first, last)
 
 
-@parallel
-def bf16_same(src, out, tokens, channels, stride, sums, maxima):
-    body(src, BFLOAT16, out, SAME, BFLOAT16, tokens, channels, stride, True, True, sums, maxima)
+@entry
+def bf16_same(src, out, tokens, channels, stride, sums, maxima, first, last):
+    body(src, BFLOAT16, out, SAME, BFLOAT16, tokens, channels, stride, True, True, sums, maxima, first, last)
 
 
-@parallel
-def f16_f32(src, out, tokens, channels, stride, sums, maxima):
-    body(src, FLOAT16, out, FLOAT32, FLOAT32, tokens, channels, stride, True, True, sums, maxima)
+@entry
+def f16_f32(src, out, tokens, channels, stride, sums, maxima, first, last):
+    body(src, FLOAT16, out, FLOAT32, FLOAT32, tokens, channels, stride, True, True, sums, maxima, first, last)
 
 
-@parallel
-def bf16_f32(src, out, tokens, channels, stride, sums, maxima):
-    body(src, BFLOAT16, out, FLOAT32, FLOAT32, tokens, channels, stride, True, True, sums, maxima)
+@entry
+def bf16_f32(src, out, tokens, channels, stride, sums, maxima, first, last):
+    body(src, BFLOAT16, out, FLOAT32, FLOAT32, tokens, channels, stride, True, True, sums, maxima, first, last)
 
 
-@parallel
-def f16_bf16(src, out, tokens, channels, stride, sums, maxima):
-    body(src, FLOAT16, out, BFLOAT16, BFLOAT16, tokens, channels, stride, False, True, sums, maxima)
+@entry
+def f16_bf16(src, out, tokens, channels, stride, sums, maxima, first, last):
+    body(src, FLOAT16, out, BFLOAT16, BFLOAT16, tokens, channels, stride, False, True, sums, maxima, first, last)
 
 
-@parallel
-def bf16_f16(src, out, tokens, channels, stride, sums, maxima):
-    body(src, BFLOAT16, out, FLOAT16, FLOAT16, tokens, channels, stride, False, False, sums, maxima)
+@entry
+def bf16_f16(src, out, tokens, channels, stride, sums, maxima, first, last):
+    body(src, BFLOAT16, out, FLOAT16, FLOAT16, tokens, channels, stride, False, False, sums, maxima, first, last)
 
 
-@parallel
-def f32_f32(src, out, tokens, channels, stride, sums, maxima):  # a float64 source, rounded to float32
-    body(src, 0, out, FLOAT32, FLOAT32, tokens, channels, stride, False, True, sums, maxima)
+@entry
+def f32_f32(src, out, tokens, channels, stride, sums, maxima, first, last):  # a float64 source, rounded to float32
+    body(src, 0, out, FLOAT32, FLOAT32, tokens, channels, stride, False, True, sums, maxima, first, last)
 
 
 # The same values into a new array (the caller keeps its buffer): the copy rides the one pass.
-@parallel
-def f16_copy(src, out, tokens, channels, stride, sums, maxima):
-    body(src, FLOAT16, out, COPY, FLOAT16, tokens, channels, stride, True, False, sums, maxima)
+@entry
+def f16_copy(src, out, tokens, channels, stride, sums, maxima, first, last):
+    body(src, FLOAT16, out, COPY, FLOAT16, tokens, channels, stride, True, False, sums, maxima, first, last)
 
 
-@parallel
-def bf16_copy(src, out, tokens, channels, stride, sums, maxima):
-    body(src, BFLOAT16, out, COPY, BFLOAT16, tokens, channels, stride, True, True, sums, maxima)
+@entry
+def bf16_copy(src, out, tokens, channels, stride, sums, maxima, first, last):
+    body(src, BFLOAT16, out, COPY, BFLOAT16, tokens, channels, stride, True, True, sums, maxima, first, last)

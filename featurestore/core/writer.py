@@ -153,7 +153,7 @@ class SplitWriter:
         if on_host and fused_stats.available():
             array, kind = _host_array(source)
             return fused_stats.prepare(array, kind, self.dtype, self.channels, start,
-                                       threads=device_stats.stats_threads(), private=private,
+                                       threads=fused_stats.threads(), private=private,
                                        allocate=self._pool.array)
         if isinstance(source, np.ndarray):
             return prepare_numpy(source, self.dtype, self.channels, start)
