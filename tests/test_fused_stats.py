@@ -118,7 +118,8 @@ def test_float64_overflowing_float32_is_refused_as_out_of_range() -> None:
         fused_stats.prepare(raw, "float64", "float16", 8, 0, threads=1)
 
 
-def test_the_writer_uses_the_kernel_and_stores_what_numpy_would(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_writer_uses_the_kernel_and_stores_what_numpy_would(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A split written through the kernel holds the bytes and the report of one written through
     the numpy reference (numba switched off), chunk by chunk."""
     x = _features(12, 32, 24, seed=4)

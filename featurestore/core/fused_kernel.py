@@ -19,11 +19,14 @@ from featurestore.format.stats import GROUP, REL_ERROR_FLOOR
 
 # Stored encodings; each kernel below fixes its pair as constants. COPY: the source's bits.
 SAME, FLOAT16, BFLOAT16, FLOAT32, COPY = 0, 1, 2, 3, 4
+
+
 # Channels per work item. Splitting a row costs: float32 -> float16 on one core of the 2-core
 # test host took 1.13 ns per value at [1024, 3072] with 4096-channel items, 1.23 with 1024 and
 # 1.59 with 512 (1.20 / 1.84 / 2.43 at [256, 1536]). 4096 keeps an item's ~112 bytes of
 # accumulators per channel within L2; samples are the other axis of parallelism.
 BLOCK = 4096
+
 
 @intrinsic
 def f32_bits(typingctx: Any, x: Any) -> Any:
@@ -31,14 +34,17 @@ def f32_bits(typingctx: Any, x: Any) -> Any:
         return builder.bitcast(args[0], ir.IntType(32))
     return types.uint32(types.float32), codegen
 
+
 @intrinsic
 def bits_f32(typingctx: Any, x: Any) -> Any:
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         return builder.bitcast(args[0], ir.FloatType())
     return types.float32(types.uint32), codegen
 
+
 # No fast-math: the numpy reference's IEEE results, bit for bit.
 jit = numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+
 
 @jit
 def half_to_f32(h: Any) -> Any:
@@ -89,6 +95,7 @@ def f32_to_bfloat16(x: Any) -> Any:
     u = f32_bits(x)
     return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
+
 @jit
 def load(src: Any, index: int, kind: int) -> Any:
     if kind == FLOAT16:
@@ -96,6 +103,7 @@ def load(src: Any, index: int, kind: int) -> Any:
     if kind == BFLOAT16:
         return bits_f32(np.uint32(src[index]) << np.uint32(16))
     return np.float32(src[index])
+
 
 @jit
 def store(x: Any, out: Any, index: int, kind: int, src: Any) -> Any:
@@ -113,6 +121,7 @@ def store(x: Any, out: Any, index: int, kind: int, src: Any) -> Any:
     if kind == FLOAT32:
         out[index] = x
     return x
+
 
 @jit
 def stored_value(x: Any, kind: int) -> Any:

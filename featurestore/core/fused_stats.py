@@ -19,14 +19,21 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any
 
 import numpy as np
 
-from featurestore.core.batch import Prepared, bfloat16_overflow, check_kind, float16_overflow, is_exact, non_finite
+from featurestore.core.batch import (
+    Prepared,
+    bfloat16_overflow,
+    check_kind,
+    float16_overflow,
+    is_exact,
+    non_finite,
+)
 from featurestore.format import dtypes
 from featurestore.format.stats import RowStats
 
