@@ -92,8 +92,9 @@ class SplitWriter:
         self._puts = ChunkPuts(storage, key, on_done=self._done.add)
         # Cast batches and chunk buffers are leased: a buffer comes back when its chunk is on
         # storage. Fresh memory costs a page fault per 4 KiB on first touch, measured 3-20x a
-        # copy into a reused buffer; a few idle ones cover the puts in flight.
-        self._pool = BufferPool(keep=4)
+        # copy into a reused buffer. At most 2 idle buffers and 512 MiB are kept on top of the
+        # chunks in flight (docs/EXTRACT.md: the memory bound).
+        self._pool = BufferPool(keep=2, max_free_bytes=512 << 20)
         self._closed = False
 
     # ------------------------------------------------------------------ public API
