@@ -66,8 +66,7 @@ def threads() -> int:
 
     All cores, unlike torch's passes (cores // 2): these are plain threads, each on its own work
     items, with no OpenMP team to spin on a loaded host. On the 2-core test host a second thread
-    measured equal or faster (extraction with the zero-cost encoder 0.54x tofile vs 0.34-0.47x
-    with one; bench write at [256, 384] the same). The figures never depend on it.
+    measured as fast or faster in `bench write` and `bench extract`. The figures never depend on it.
     """
     value = os.environ.get("FEATURESTORE_STATS_THREADS", "")
     if value.strip().isdigit():
