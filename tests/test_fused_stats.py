@@ -171,3 +171,16 @@ def test_strided_and_read_only_batches_are_read_in_place(stored: str) -> None:
     frozen = contiguous.copy()
     frozen.flags.writeable = False
     _same(fused_stats.prepare(frozen, "float32", stored, 24, 0, threads=1), want)
+
+
+def test_a_kernel_that_cannot_load_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """E.g. numba finding no writable cache directory: writes go on through torch/numpy."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "featurestore.core.fused_kernel", None)  # import now fails
+    fused_stats.available.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="fused CPU statistics kernel is off.*NUMBA_CACHE_DIR"):
+            assert fused_stats.available() is False
+    finally:
+        fused_stats.available.cache_clear()

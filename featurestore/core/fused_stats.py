@@ -17,8 +17,10 @@ group-sum rounding (~1e-6 relative).
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
@@ -57,6 +59,13 @@ def available() -> bool:
     try:
         import numba  # noqa: F401
     except ImportError:
+        return False
+    try:  # compiles nothing yet, but numba must find a writable cache (else: set NUMBA_CACHE_DIR)
+        importlib.import_module("featurestore.core.fused_kernel")
+    except Exception as error:  # a broken numba install must not stop a write: torch/numpy do it
+        warnings.warn(f"featurestore: the fused CPU statistics kernel is off ({error}); statistics "
+                      "run as torch or numpy passes (slower). Set NUMBA_CACHE_DIR to a writable "
+                      "directory if the error is about caching", RuntimeWarning, stacklevel=2)
         return False
     return True
 
