@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,30 @@ def test_a_writer_whose_split_was_overwritten_refuses_to_write_or_commit(tmp_pat
     assert second.commit()["generation"] == second.generation
     resumed = store.create_split("d", "e", "s", resume=True, **make)
     assert resumed.generation == second.generation  # resume keeps it
+
+
+def test_a_put_broken_by_an_overwrite_reports_the_takeover(tmp_path: Path) -> None:
+    """An --overwrite that deletes the split under a put in flight: the old writer reports the
+    takeover (the put's FileNotFoundError as its cause), not the symptom."""
+    store = featurestore.open_store(str(tmp_path / "s"), mode="a")
+    make = dict(num_samples=8, sample_shape=(2, 3), dtype="float32", chunk_rows=2)
+    first = store.create_split("d", "e", "s", **make)
+    overwritten = threading.Event()
+
+    class DirectoryGone:  # the put lands after the overwrite removed its directory
+        url = store.url
+
+        def write(self, key: str, *parts: Any) -> None:
+            overwritten.wait(30)
+            raise FileNotFoundError(2, "No such file or directory", key)
+
+    first._puts._storage = DirectoryGone()  # type: ignore[assignment]
+    first.write(0, np.ones((2, 2, 3), np.float32))
+    store.create_split("d", "e", "s", overwrite=True, **make)
+    overwritten.set()
+    with pytest.raises(SplitTakenOver, match="taken over") as taken:
+        first.flush()
+    assert isinstance(taken.value.__cause__, FileNotFoundError)
 
 
 def test_verify_and_resume_reject_a_chunk_of_another_generation(fold: Path, reference: Path, tmp_path: Path) -> None:

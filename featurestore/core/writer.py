@@ -24,6 +24,7 @@ finished chunks run in a small pool of put threads (featurestore.core.chunk_puts
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,7 +126,7 @@ class SplitWriter:
         copy when no cast is needed (stored dtype == input dtype).
         """
         self._check_open()
-        self._puts.raise_error()
+        self._put_failures(self._puts.raise_error)
         source = self._as_source(features)
         if source.ndim != len(self.sample_shape) + 1 or tuple(source.shape[1:]) != self.sample_shape:
             raise ShapeMismatch(
@@ -164,7 +165,7 @@ class SplitWriter:
         """Write every buffered chunk whose rows are all present, and wait for the puts."""
         for index in [i for i, b in self._buffers.items() if b.filled.all()]:
             self._write_chunk(index, self._buffers.pop(index))
-        self._puts.wait()
+        self._put_failures(self._puts.wait)
 
     def close(self) -> None:
         """Flush complete chunks and drop partial ones (they belong to another writer or a
@@ -389,6 +390,21 @@ class SplitWriter:
     def _check_open(self) -> None:
         if self._closed:
             raise WriterClosed(f"writer for {self._key} is closed: open it again with resume=True")
+
+    def _put_failures(self, check: Callable[[], None]) -> None:
+        """Run ``check`` (which raises the first failed put). A put can fail because another
+        writer took the split over (its --overwrite deleted the directory under the put): then
+        the takeover is the error to report, with the put's failure as its cause."""
+        try:
+            check()
+        except SplitTakenOver:
+            raise
+        except Exception as error:
+            try:
+                self._check_generation()
+            except SplitTakenOver as taken:
+                raise taken from error
+            raise
 
     def _check_generation(self) -> None:
         """Refuse to go on when the split on storage is no longer this writer's generation."""
