@@ -73,17 +73,27 @@ def prepare_numpy(source: np.ndarray, logical: str, channels: int, start: int) -
     source = np.ascontiguousarray(source)
     rows = f"samples [{start}, {start + len(source)})"
     row_max = dtypes.row_abs_max(source)
-    largest = float(row_max.max()) if len(source) else 0.0
-    wide = dtypes.stored_as_float32(source.view(np.uint16), "bfloat16") if kind == "bfloat16" else source
-    if not np.isfinite(largest):
-        raise non_finite(int(np.isnan(wide).sum()), int(np.isinf(wide).sum()), rows)
-    if logical == "float16" and largest > dtypes.FLOAT16_MAX:
-        raise float16_overflow(int((np.abs(wide) > dtypes.FLOAT16_MAX).sum()), largest, rows)
-    if logical == "bfloat16" and largest >= dtypes.BFLOAT16_ROUNDS_TO_INF:
-        raise bfloat16_overflow(int((np.abs(wide) >= dtypes.BFLOAT16_ROUNDS_TO_INF).sum()), largest, rows)
+    refuse_out_of_range(source, kind, logical, row_max, rows)
     if kind == "float64":  # rounded to float32 first, as on the torch path
         source = source.astype(np.float32)
     stored = dtypes.quantize(source, logical)
     stats = row_stats_numpy(source, stored, logical, is_exact(kind, logical), channels)
     stats.abs_max[:] = row_max
     return Prepared(stored, stats, kind, aliases_source=np.shares_memory(stored, source))
+
+
+def refuse_out_of_range(source: np.ndarray, kind: str, logical: str, abs_max: np.ndarray, rows: str) -> None:
+    """The host paths' refusals from each row's abs max (inf or NaN for a row holding a
+    non-finite value): non-finite values, float16 overflow, values that round to Inf in
+    bfloat16. The counts in the message are taken (slowly) only for a refused batch.
+    ``source``: bfloat16 as ml_dtypes values or uint16 bits."""
+    largest = float(abs_max.max()) if len(abs_max) else 0.0
+    if np.isfinite(largest) and not (logical == "float16" and largest > dtypes.FLOAT16_MAX) and not (
+            logical == "bfloat16" and largest >= dtypes.BFLOAT16_ROUNDS_TO_INF):
+        return
+    wide = dtypes.stored_as_float32(source.view(np.uint16), "bfloat16") if kind == "bfloat16" else source
+    if not np.isfinite(largest):  # NaN bits are the largest magnitudes, so a NaN shows here too
+        raise non_finite(int(np.isnan(wide).sum()), int(np.isinf(wide).sum()), rows)
+    if logical == "float16":
+        raise float16_overflow(int((np.abs(wide) > dtypes.FLOAT16_MAX).sum()), largest, rows)
+    raise bfloat16_overflow(int((np.abs(wide) >= dtypes.BFLOAT16_ROUNDS_TO_INF).sum()), largest, rows)

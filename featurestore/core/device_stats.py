@@ -112,10 +112,16 @@ def stats_threads() -> int:
     CPU statistics run on one dedicated thread whose OpenMP team has this size, so the caller's
     (and the encoder's) own thread count is untouched. The figures do not depend on it (tests).
     """
+    return threads_setting(max(1, min(8, (os.cpu_count() or 1) // 2)))
+
+
+def threads_setting(default: int) -> int:
+    """``FEATURESTORE_STATS_THREADS`` when set to a whole number (at least 1), else ``default``:
+    one variable for both CPU statistics paths, each with its own default."""
     value = os.environ.get("FEATURESTORE_STATS_THREADS", "")
     if value.strip().isdigit():
         return max(1, int(value))
-    return max(1, min(8, (os.cpu_count() or 1) // 2))
+    return default
 
 
 def _prepare(source: torch.Tensor, logical: str, channels: int, start: int) -> Prepared:

@@ -28,14 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core.batch import (
-    Prepared,
-    bfloat16_overflow,
-    check_kind,
-    float16_overflow,
-    is_exact,
-    non_finite,
-)
+from featurestore.core.batch import Prepared, check_kind, is_exact, refuse_out_of_range
 from featurestore.format import dtypes
 from featurestore.format.stats import RowStats
 
@@ -77,10 +70,9 @@ def threads() -> int:
     items, with no OpenMP team to spin on a loaded host. On the 2-core test host a second thread
     measured as fast or faster in `bench write` and `bench extract`. The figures never depend on it.
     """
-    value = os.environ.get("FEATURESTORE_STATS_THREADS", "")
-    if value.strip().isdigit():
-        return max(1, int(value))
-    return max(1, min(8, os.cpu_count() or 1))
+    from featurestore.core.device_stats import threads_setting
+
+    return threads_setting(max(1, min(8, os.cpu_count() or 1)))
 
 
 def prepare(source: np.ndarray, kind: str, logical: str, channels: int, start: int, *, threads: int,
@@ -100,8 +92,10 @@ def prepare(source: np.ndarray, kind: str, logical: str, channels: int, start: i
     check_kind(kind)
     count = len(source)
     wide_source = source
-    if kind == "float64":  # checked as it is, then rounded to float32 (the error's reference)
-        _check_range(source, kind, logical, dtypes.row_abs_max(source), f"samples [{start}, {start + count})")
+    rows_text = f"samples [{start}, {start + count})"
+    if kind == "float64":  # checked with its own abs max, then rounded to float32 (the error's
+        wide_max = dtypes.row_abs_max(source)  # reference)
+        refuse_out_of_range(source, kind, logical, wide_max, rows_text)
         source = source.astype(np.float32)
     source, stride = _samples_in_place(source)
     src_kind = _SOURCE["float32" if kind == "float64" else kind]
@@ -121,11 +115,12 @@ def prepare(source: np.ndarray, kind: str, logical: str, channels: int, start: i
         target = np.empty(0, flat.dtype) if same else _numba_view(out)
         items = count * -(-channels // fused_kernel.BLOCK)
         _run(kernel, (flat, target, tokens, channels, stride, sums, maxima), items, threads)
-    top = maxima[0].view(np.uint32).max(axis=1) if count else np.zeros(0, np.uint32)
-    abs_max = np.where(top >= 0x7F800000, np.inf, top.view(np.float32).astype(np.float64))
-    if kind == "float64":  # the float64 source's own abs max, as on the other paths
-        abs_max = dtypes.row_abs_max(wide_source)
-    _check_range(wide_source, kind, logical, abs_max, f"samples [{start}, {start + count})")
+    if kind == "float64":
+        abs_max = wide_max  # the float64 source's own, as on the other paths
+    else:
+        top = maxima[0].view(np.uint32).max(axis=1) if count else np.zeros(0, np.uint32)
+        abs_max = np.where(top >= 0x7F800000, np.inf, top.view(np.float32).astype(np.float64))
+        refuse_out_of_range(source, kind, logical, abs_max, rows_text)
     rows = RowStats.zeros(count, channels)
     rows.abs_max[:] = abs_max
     if count:
@@ -197,22 +192,3 @@ def _reference(stored: np.ndarray, count: int, channels: int, logical: str) -> n
     """Each sample's stored token 0 as float64 (the deviations' origin)."""
     first_token = stored.reshape(count, -1)[:, :channels]
     return dtypes.stored_as_float32(first_token, logical).astype(np.float64)
-
-
-def _check_range(source: np.ndarray, kind: str, logical: str, abs_max: np.ndarray, rows: str) -> None:
-    """The same refusals as the other paths; counts are taken (slowly) only for a refused batch."""
-    if not len(abs_max):
-        return
-    largest = float(abs_max.max())
-    if not np.isfinite(largest):  # NaN bits are the largest magnitudes, so a NaN shows here too
-        wide = _as_float(source, kind)
-        raise non_finite(int(np.isnan(wide).sum()), int(np.isinf(wide).sum()), rows)
-    if logical == "float16" and largest > dtypes.FLOAT16_MAX:
-        raise float16_overflow(int((np.abs(_as_float(source, kind)) > dtypes.FLOAT16_MAX).sum()), largest, rows)
-    if logical == "bfloat16" and largest >= dtypes.BFLOAT16_ROUNDS_TO_INF:
-        over = int((np.abs(_as_float(source, kind)) >= dtypes.BFLOAT16_ROUNDS_TO_INF).sum())
-        raise bfloat16_overflow(over, largest, rows)
-
-
-def _as_float(source: np.ndarray, kind: str) -> np.ndarray:
-    return dtypes.stored_as_float32(source.view(np.uint16), "bfloat16") if kind == "bfloat16" else source
