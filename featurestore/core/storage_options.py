@@ -236,36 +236,38 @@ def _raw(name: str, value: Any, environ: Mapping[str, str], variable: str) -> tu
 
 def _positive_int(url: str, name: str, value: Any, environ: Mapping[str, str], variable: str, default: int,
                   minimum: int = 1) -> int:
-    raw, source = _raw(name, value, environ, variable)
-    if raw is None or raw == "":
-        return default
-    try:
-        if isinstance(raw, bool):
-            raise ValueError
+    def whole(raw: Any) -> int:
         number = int(raw)
         if number != float(raw):
             raise ValueError
-    except (TypeError, ValueError, OverflowError):
-        number = minimum - 1
-    if number < minimum:
-        raise InvalidStorageOptions(f"{url}: {source}={raw!r} must be an integer >= {minimum}: fix it, or leave "
-                                    f"it out for the default {default}")
-    return number
+        return number
+
+    return _number(url, name, value, environ, variable, default, whole, lambda n: n >= minimum,
+                   f"an integer >= {minimum}", str(default))
 
 
 def _seconds(url: str, name: str, value: Any, environ: Mapping[str, str], variable: str, default: float) -> float:
+    return _number(url, name, value, environ, variable, default, float, lambda n: 0 < n < 1e6,
+                   "a number of seconds > 0", f"{default:g}")
+
+
+def _number(url: str, name: str, value: Any, environ: Mapping[str, str], variable: str, default: Any,
+            parse: Any, valid: Any, wanted: str, shown: str) -> Any:
+    """A numeric setting from its option or environment variable: ``default`` when unset; one
+    error line naming what the user set, what it must be and the default, when ``parse``
+    refuses it (a bool included) or ``valid`` does not hold."""
     raw, source = _raw(name, value, environ, variable)
     if raw is None or raw == "":
         return default
     try:
         if isinstance(raw, bool):
             raise ValueError
-        number = float(raw)
-    except (TypeError, ValueError):
-        number = -1.0
-    if not (0 < number < 1e6):
-        raise InvalidStorageOptions(f"{url}: {source}={raw!r} must be a number of seconds > 0: fix it, or leave "
-                                    f"it out for the default {default:g}")
+        number = parse(raw)
+    except (TypeError, ValueError, OverflowError):
+        number = None
+    if number is None or not valid(number):
+        raise InvalidStorageOptions(f"{url}: {source}={raw!r} must be {wanted}: fix it, or leave "
+                                    f"it out for the default {shown}")
     return number
 
 
