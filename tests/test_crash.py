@@ -156,18 +156,22 @@ def _assert_same_as_reference(root: Path, reference: Path) -> None:
     assert got.labels.read_numpy(index).tobytes() == want.labels.read_numpy(index).tobytes()
 
 
-@pytest.mark.parametrize("kill_after", ["pending", "progress 0", "progress 6", "progress 15", "written"])
-def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path: Path, reference: Path, kill_after: str) -> None:
-    root = tmp_path / "store"
-    proc = _start(root, "fresh", hold=30.0)
+def _kill_after(proc: subprocess.Popen[bytes], line: str) -> None:
+    """SIGKILL the writer child once it printed ``line``; it must die of that signal."""
     try:
-        _wait_for(proc, kill_after)
-        # After "written" the child sleeps before committing; after any other line it is
-        # writing chunks when the signal lands.
+        _wait_for(proc, line)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("kill_after", ["pending", "progress 0", "progress 6", "progress 15", "written"])
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path: Path, reference: Path, kill_after: str) -> None:
+    root = tmp_path / "store"
+    # After "written" the child sleeps before committing; after any other line it is writing
+    # chunks when the signal lands.
+    _kill_after(_start(root, "fresh", hold=30.0), kill_after)
 
     store = featurestore.open_store(str(root))
     assert store.split_status(*SPLIT) == "writing"
@@ -277,13 +281,7 @@ def test_sigkill_then_resume_on_s3_equals_uninterrupted_run(seaweed_url: str, se
     """SeaweedFS: a writer killed mid-split leaves only whole chunk objects; a resumed run in a
     new process ends with exactly the objects of the uninterrupted local run."""
     options = seaweed.storage_options
-    proc = _start(seaweed_url, "fresh", hold=30.0, options=options)
-    try:
-        _wait_for(proc, kill_after)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+    _kill_after(_start(seaweed_url, "fresh", hold=30.0, options=options), kill_after)
     store = featurestore.open_store(seaweed_url, **options)
     assert store.split_status(*SPLIT) == "writing"
     with pytest.raises(IncompleteSplit):
