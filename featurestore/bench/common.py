@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -66,3 +67,15 @@ def save_json(results: dict[str, Any], path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def stop_process(process: subprocess.Popen[Any], grace: float) -> None:
+    """SIGTERM a server child, SIGKILL it after ``grace`` seconds if still running; reaped."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

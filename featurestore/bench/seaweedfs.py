@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from featurestore.bench.common import stop_process
+
 #: Credentials handed to clients; SeaweedFS without IAM config accepts any pair.
 ACCESS_KEY = "featurestore"
 SECRET_KEY = "featurestore-secret"
@@ -176,13 +178,7 @@ def seaweed_server(directory: str | None = None, *, startup_timeout: float = 60.
         _wait_writable(server, deadline)
         yield server
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(3)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process, grace=3)
         log.close()
         if owned:
             shutil.rmtree(root, ignore_errors=True)

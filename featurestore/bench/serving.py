@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.common import gbps
+from featurestore.bench.common import gbps, stop_process
 
 SHAPE = (256, 384)
 
@@ -74,13 +74,7 @@ def serve_subprocess(store: str, *, env: dict[str, str] | None = None, args: tup
             time.sleep(0.05)
         yield url, proc
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, grace=10)
         if proc.stderr:
             proc.stderr.close()
 
