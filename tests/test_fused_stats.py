@@ -3,6 +3,7 @@ and figures bit for bit, whatever the thread count; the same refusals; used by t
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import ml_dtypes
@@ -92,6 +93,69 @@ def test_every_float16_value_and_rounding_tie() -> None:
     values = values[: len(values) - len(values) % 8].reshape(1, -1, 8)
     got = fused_stats.prepare(values, "float32", "float16", 8, 0, threads=1)
     assert got.stored.tobytes() == values.astype(np.float16).tobytes()
+
+
+def _conversion_inputs() -> tuple[np.ndarray, np.ndarray]:
+    """(every float16 bit pattern but NaN payloads, float32 values: every finite float16, every
+    midpoint between neighbours and random bit patterns within float16's range, both signs)."""
+    bits = np.arange(0, 1 << 16, dtype=np.uint16)
+    bits = bits[(bits & 0x7C00) != 0x7C00]  # Inf and NaN: refused before any conversion
+    halves = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)
+    midpoints = ((halves[:-1].astype(np.float64) + halves[1:]) / 2).astype(np.float32)
+    random = np.random.default_rng(3).integers(0, 0x477FE000, 1 << 16, dtype=np.uint32).view(np.float32)
+    values = np.concatenate([halves, midpoints, random])
+    return bits, np.concatenate([values, -values])
+
+
+@pytest.mark.parametrize("family", ["soft", "hard"])
+def test_both_float16_conversions_round_as_numpy(family: str) -> None:
+    """The integer (soft) and hardware (hard) conversions, whichever this host's kernels use:
+    float16 -> float32 exact, float32 -> float16 and its value rounded to nearest even."""
+    import numba
+
+    from featurestore.core import fused_kernel
+
+    if family == "hard" and not fused_kernel.HARDWARE_HALF:
+        pytest.skip("this CPU target has no float16 conversion instructions (the soft ones are used)")
+    to_f32 = getattr(fused_kernel, f"{family}_half_to_f32")
+    to_half = getattr(fused_kernel, f"{family}_f32_to_half")
+    value = getattr(fused_kernel, f"{family}_half_value")
+
+    @numba.njit
+    def convert(bits, values, widened, rounded, rounded_values):  # type: ignore[no-untyped-def]
+        for i in range(bits.size):
+            widened[i] = to_f32(bits[i])
+        for i in range(values.size):
+            rounded[i] = to_half(values[i])
+            rounded_values[i] = value(values[i])
+
+    bits, values = _conversion_inputs()
+    widened = np.empty(bits.size, np.float32)
+    rounded = np.empty(values.size, np.uint16)
+    rounded_values = np.empty(values.size, np.float32)
+    convert(bits, values, widened, rounded, rounded_values)
+    assert widened.tobytes() == bits.view(np.float16).astype(np.float32).tobytes()
+    assert rounded.tobytes() == values.astype(np.float16).tobytes()
+    assert rounded_values.tobytes() == values.astype(np.float16).astype(np.float32).tobytes()
+
+
+def test_a_target_without_float16_instructions_uses_the_soft_conversions(tmp_path: Path) -> None:
+    """``NUMBA_CPU_NAME=generic`` lowers float16 conversions to helper calls numba does not link
+    (a crash if called): the probe sees them, and the kernel's bytes stay numpy's."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np\n"
+        "from featurestore.core import fused_kernel, fused_stats\n"
+        "x = np.random.default_rng(0).standard_normal((3, 40, 24)).astype(np.float32)\n"
+        "got = fused_stats.prepare(x, 'float32', 'float16', 24, 0, threads=1)\n"
+        "print(fused_kernel.HARDWARE_HALF, got.stored.tobytes() == x.astype(np.float16).tobytes())\n"
+    )
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True"]
 
 
 @pytest.mark.parametrize(("values", "stored", "error", "words"), [
