@@ -248,3 +248,26 @@ def test_a_kernel_that_cannot_load_falls_back_with_a_warning(monkeypatch: pytest
             assert fused_stats.available() is False
     finally:
         fused_stats.available.cache_clear()
+
+
+def test_warm_up_loads_the_kernel_a_batch_will_use_and_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Extraction loads the kernel on a thread while its image workers start (run in a fresh
+    process: this one has loaded kernels already). A failure is left for the first write."""
+    import subprocess
+    import sys
+
+    code = ("from featurestore.core import fused_kernel, fused_stats\n"
+            "assert not fused_kernel.f32_bf16.signatures\n"
+            "fused_stats.warm_up('float32', 'bfloat16')\n"
+            "print(len(fused_kernel.f32_bf16.signatures), len(fused_kernel.f32_f16.signatures))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1", "0"]
+
+    fused_stats.warm_up("int8", "float16")  # not a kind the kernel takes: nothing to load
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(fused_stats, "prepare", broken)
+    fused_stats.warm_up("float32", "float16")  # swallowed: the first write meets it again

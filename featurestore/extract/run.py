@@ -19,12 +19,14 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from featurestore.core import fused_stats
 from featurestore.errors import (
     DatasetNotFound,
     DeviceUnavailable,
@@ -286,8 +288,12 @@ def _encode_chunks(opts: ExtractOptions, prep: _Prepared, writer: Any, chunks: l
                dynamic_ncols=True)
     started = time.perf_counter()
     try:
+        batches = iter(loader)  # image workers start (fork) here, before the warm-up thread exists
+        if prep.device.type == "cpu":  # host batches: the writer's fused kernel, loaded meanwhile
+            threading.Thread(target=fused_stats.warm_up, args=(prep.provenance.source_dtype, prep.dtype),
+                             name="featurestore-warm-up", daemon=True).start()
         with torch.inference_mode():
-            for batch in loader:
+            for batch in batches:
                 if isinstance(batch, Failure):
                     raise SourceError(batch.message)
                 indices, images, labels = batch
