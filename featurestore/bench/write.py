@@ -11,10 +11,9 @@ For each sample shape, in one run, interleaved, each side timed from its first b
   and measured by the writer (the common case: encoders under autocast return float32).
 
 The figure is each writer's throughput as a ratio of tofile's (median of ``--repeats``, each
-repeat in another of the six orders of the three, after ``--warmup`` untimed rounds): the disk's own write
-speed swings between runs, the ratio much less. Page cache: warm for the
-source arrays (in RAM), every written file is new and evicted from the page cache after its
-timing.
+repeat in another of the six orders of the three, after ``--warmup`` untimed rounds): the disk's
+own write speed swings between runs, the ratio much less. Page cache: warm for the source arrays
+(in RAM), every written file is new and evicted from the page cache after its timing.
 """
 
 from __future__ import annotations

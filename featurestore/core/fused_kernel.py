@@ -21,10 +21,10 @@ from featurestore.format.stats import GROUP, REL_ERROR_FLOOR
 SAME, FLOAT16, BFLOAT16, FLOAT32, COPY = 0, 1, 2, 3, 4
 
 
-# Channels per work item. Splitting a row costs: float32 -> float16 (integer rounding) on one core of the 2-core
-# test host took 1.13 ns per value at [1024, 3072] with 4096-channel items, 1.23 with 1024 and
-# 1.59 with 512 (1.20 / 1.84 / 2.43 at [256, 1536]). 4096 keeps an item's ~112 bytes of
-# accumulators per channel within L2; samples are the other axis of parallelism.
+# Channels per work item. Splitting a row costs: float32 -> float16 (integer rounding) on one
+# core of the 2-core test host took 1.13 ns per value at [1024, 3072] with 4096-channel items,
+# 1.23 with 1024 and 1.59 with 512 (1.20 / 1.84 / 2.43 at [256, 1536]). 4096 keeps an item's
+# ~112 bytes of accumulators per channel within L2; samples are the other axis of parallelism.
 BLOCK = 4096
 
 
