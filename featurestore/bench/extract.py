@@ -136,7 +136,8 @@ def _encode_only(opts: Any) -> tuple[float, Any]:
     import torch
 
     from featurestore.extract.encoders import load_encoder
-    from featurestore.extract.run import _autocast, _worker_init, resolve_device, resolve_precision
+    from featurestore.extract.run import (_autocast, _worker_init, default_num_workers, resolve_device,
+                                          resolve_precision)
     from featurestore.extract.sources import Failure, PreparedImages, Preprocessing, collate, open_source
 
     start = time.perf_counter()
@@ -149,7 +150,7 @@ def _encode_only(opts: Any) -> tuple[float, Any]:
     n = len(source)
     # New splits hold whole batches per chunk, so extraction's plan is these consecutive batches.
     plan = [list(range(a, min(a + opts.batch_size, n))) for a in range(0, n, opts.batch_size)]
-    workers = opts.num_workers if opts.num_workers is not None else min(4, max(0, (os.cpu_count() or 1) - 1))
+    workers = opts.num_workers if opts.num_workers is not None else default_num_workers()
     loader = torch.utils.data.DataLoader(images, batch_sampler=plan, num_workers=workers, collate_fn=collate,
                                          pin_memory=device.type == "cuda",
                                          worker_init_fn=_worker_init if workers else None)

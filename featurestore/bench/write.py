@@ -31,6 +31,7 @@ import numpy as np
 
 from featurestore.bench.cgroup import evict
 from featurestore.bench.common import gbps, parse_shapes, save_json
+from featurestore.extract.plan import chunk_rows_for
 
 TARGETS = {"float16": 0.7, "float32": 0.5}
 
@@ -72,11 +73,9 @@ def _writer(path: str, values: np.ndarray, batch: int, chunk_mb: float) -> float
 
     start = time.perf_counter()
     n, shape = len(values), tuple(values.shape[1:])
-    sample_bytes = int(np.prod(shape)) * 2
-    rows = max(1, int(chunk_mb * (1 << 20)) // sample_bytes)
-    rows = batch if rows < batch else rows - rows % batch  # whole batches per chunk, as extract does
     writer = featurestore.open_store(path, mode="a").create_split(
-        "bench", "write", "s", num_samples=n, sample_shape=shape, dtype="float16", chunk_bytes=rows * sample_bytes)
+        "bench", "write", "s", num_samples=n, sample_shape=shape, dtype="float16",
+        chunk_rows=chunk_rows_for(shape, "float16", chunk_mb, batch))  # whole batches per chunk, as extract's
     for lo in range(0, n, batch):
         writer.write(lo, values[lo : lo + batch])
     writer.commit()

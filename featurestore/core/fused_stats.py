@@ -30,7 +30,7 @@ import numpy as np
 
 from featurestore.core.batch import Prepared, check_kind, is_exact, refuse_out_of_range
 from featurestore.format import dtypes
-from featurestore.format.stats import RowStats
+from featurestore.format.stats import GROUP, RowStats
 
 _ENCODING = {"float16": 1, "bfloat16": 2, "float32": 3}  # fused_kernel.FLOAT16 / BFLOAT16 / FLOAT32
 _SOURCE = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -144,8 +144,6 @@ def warm_up(kind: str, logical: str, *, private: bool = False) -> None:
     try:
         if kind not in _SOURCE or logical not in _ENCODING or not available():
             return
-        from featurestore.format.stats import GROUP
-
         sample = np.zeros((1, GROUP, 8), np.uint16 if kind == "bfloat16" else kind)
         prepare(sample, kind, logical, 8, 0, threads=1, private=private)
     except Exception:  # noqa: BLE001 - see the docstring: the first write reports it

@@ -260,6 +260,12 @@ def _create_split(opts: ExtractOptions, prep: _Prepared, store: Any, *, resume: 
         verify_chunks=opts.verify_chunks)
 
 
+def default_num_workers(world_size: int = 1) -> int:
+    """Image workers when ``--num-workers`` is not given: leave a core to the encoder; ranks
+    share the machine's cores."""
+    return min(4, max(0, (os.cpu_count() or 1) // world_size - 1))
+
+
 def _worker_init(_: int) -> None:
     # Workers only decode and resize one image at a time; intra-op threads would oversubscribe.
     torch.set_num_threads(1)
@@ -272,9 +278,7 @@ def _encode_chunks(opts: ExtractOptions, prep: _Prepared, writer: Any, chunks: l
     total = sum(len(b) for b in plan)
     if not plan:
         return 0, 0, 0.0, 0.0
-    workers = opts.num_workers
-    if workers is None:  # leave a core to the encoder; ranks share the machine's cores
-        workers = min(4, max(0, (os.cpu_count() or 1) // coord.world_size - 1))
+    workers = opts.num_workers if opts.num_workers is not None else default_num_workers(coord.world_size)
     loader = torch.utils.data.DataLoader(
         prep.images, batch_sampler=plan, num_workers=workers, collate_fn=collate,
         pin_memory=prep.device.type == "cuda", worker_init_fn=_worker_init if workers else None)
