@@ -33,6 +33,16 @@ def test_tiny_vit_is_seeded_and_has_cls_registers_and_grid() -> None:
     assert weights_hash(TinyViT(seed=1), "") != a.weights_hash
 
 
+def test_vit_s14_builtin_has_the_dinov2_reg_small_shape() -> None:
+    encoder = load_encoder("builtin:vit-s14")
+    assert sum(p.numel() for p in encoder.module.parameters()) == 21_522_432  # ViT-S/14 + 4 registers
+    assert encoder.prefix_tokens == 5 and encoder.patch_size == (14, 14) and encoder.default_name == "vit-s14"
+    with torch.inference_mode():
+        out = encoder(torch.randn(1, 3, 224, 224))
+    assert out.shape == (1, 5 + 16 * 16, 384)
+    assert encoder.weights_hash == load_encoder("builtin:vit-s14").weights_hash != load_encoder("builtin:tiny-vit").weights_hash
+
+
 def test_tiny_vit_does_not_move_the_global_rng() -> None:
     torch.manual_seed(123)
     expected = torch.rand(3)
@@ -82,7 +92,7 @@ def test_python_encoder_module_and_wrong_rank(monkeypatch: pytest.MonkeyPatch) -
         bad(torch.zeros(2, 3, 16, 16))
     with pytest.raises(EncoderError, match="cannot import module"):
         load_encoder("python:not_a_module_q:f")
-    with pytest.raises(EncoderError, match="unknown builtin"):
+    with pytest.raises(EncoderError, match="unknown builtin encoder 'huge-vit': available: tiny-vit, vit-l14, vit-s14"):
         load_encoder("builtin:huge-vit")
 
 

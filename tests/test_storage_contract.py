@@ -9,11 +9,14 @@ storage backend does) and implement :meth:`open`.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import pytest
 
-from featurestore.core.storage import Storage, open_storage
+from featurestore.core import storage as storage_module
+from featurestore.core.storage import LocalStorage, Storage, open_storage
 
 
 class StorageContract:
@@ -66,6 +69,64 @@ class TestLocalStorage(StorageContract):
         storage = open_storage(str(tmp_path / "root"))
         assert storage.local_path("a") is not None
         return storage
+
+
+# --------------------------------------------------------------------------- local writeback
+def _record_writeback(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """Record each ``sync_file_range`` call (offset, length, flags), still making the real one."""
+    calls: list[tuple[int, int, int]] = []
+    real = storage_module._sync_file_range
+
+    def record(fd: int, offset: int, length: int, flags: int) -> int:
+        calls.append((offset, length, flags))
+        return real(fd, offset, length, flags) if real is not None else 0
+
+    monkeypatch.setattr(storage_module, "_sync_file_range", record)
+    return calls
+
+
+def test_a_large_value_starts_its_writeback_slice_by_slice(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(storage_module, "WRITEBACK_MIN_BYTES", 1000)
+    monkeypatch.setattr(storage_module, "WRITEBACK_SLICE_BYTES", 4096)
+    calls = _record_writeback(monkeypatch)
+    payload, crc = os.urandom(3 * 4096 + 100), b"crc!"
+    storage = LocalStorage(str(tmp_path))
+    storage.write("s/features/c/0", memoryview(payload), crc)
+    assert storage.read("s/features/c/0") == payload + crc
+    # every byte's writeback started once, in file order, as each slice was written
+    assert calls == [(0, 4096, 2), (4096, 4096, 2), (8192, 4096, 2), (12288, 100, 2), (12388, 4, 2)]
+    storage.write("s/labels/c/0", b"x" * 999)  # below the threshold: the kernel's own writeback
+    assert len(calls) == 5 and storage.read("s/labels/c/0") == b"x" * 999
+
+
+@pytest.mark.parametrize("how", ["FEATURESTORE_WRITEBACK=0", "FEATURESTORE_FSYNC=1"])
+def test_writeback_stays_off_when_switched_off_or_fsync_waits_anyway(
+        how: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(storage_module, "WRITEBACK_MIN_BYTES", 1000)
+    name, value = how.split("=")
+    monkeypatch.setenv(name, value)
+    calls = _record_writeback(monkeypatch)
+    storage = open_storage(str(tmp_path / "root"))
+    storage.write("k", b"y" * 5000)
+    assert calls == [] and storage.read("k") == b"y" * 5000
+
+
+def test_writes_work_where_there_is_no_sync_file_range(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(storage_module, "WRITEBACK_MIN_BYTES", 1000)
+    monkeypatch.setattr(storage_module, "_sync_file_range", None)  # macOS, Windows
+    storage = LocalStorage(str(tmp_path))
+    storage.write("k", b"z" * 5000, b"tail")
+    assert storage.read("k") == b"z" * 5000 + b"tail"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_the_kernel_accepts_the_writeback_request(tmp_path: Any) -> None:
+    assert storage_module._sync_file_range is not None
+    with open(tmp_path / "f", "wb") as f:
+        f.write(b"w" * 65536)
+        f.flush()
+        assert storage_module.start_writeback(f.fileno(), 0, 65536)
+        assert not storage_module.start_writeback(-1)  # a bad descriptor: False, not an exception
 
 
 class TestMemoryStorage(StorageContract):

@@ -42,7 +42,7 @@ def register(subparsers: Any) -> None:
     req.add_argument("--images", required=True, metavar="SOURCE",
                      help="npy:IMAGES.npy | pannuke:DIR | folder:DIR | python:MODULE:FACTORY")
     req.add_argument("--encoder", required=True, metavar="SPEC",
-                     help="builtin:tiny-vit | python:MODULE:FACTORY | torchhub:REPO_OR_DIR:ENTRY | hf:MODEL_ID_OR_DIR | timm:NAME[,KEY=VALUE...]")
+                     help="builtin:tiny-vit|vit-s14|vit-l14 | python:MODULE:FACTORY | torchhub:REPO_OR_DIR:ENTRY | hf:MODEL_ID_OR_DIR | timm:NAME[,KEY=VALUE...]")
     req.add_argument("--store", required=True, metavar="URL", help="store path or fsspec URL (s3://bucket/prefix)")
     req.add_argument("--dataset", required=True, metavar="NAME")
     req.add_argument("--split", required=True, metavar="NAME")

@@ -1,4 +1,4 @@
-"""Encoders for extraction: ``builtin:tiny-vit``, ``python:``, ``torchhub:``, ``hf:`` and ``timm:`` specs.
+"""Encoders for extraction: ``builtin:`` (tiny-vit, vit-s14, vit-l14), ``python:``, ``torchhub:``, ``hf:`` and ``timm:`` specs.
 
 ``timm:`` specs live in :mod:`featurestore.extract.timm_models`.
 
@@ -11,6 +11,7 @@ register tokens before the patch grid) and the patch size, when the encoder tell
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -35,7 +36,7 @@ class EncoderError(FeatureStoreError, ValueError):
     """An encoder spec that does not load, or an encoder whose output is not ``[B, T, D]``."""
 
 
-# --------------------------------------------------------------------------- builtin:tiny-vit
+# --------------------------------------------------------------------------- builtin: ViTs
 class _Block(nn.Module):
     def __init__(self, dim: int, heads: int, mlp_ratio: int) -> None:
         super().__init__()
@@ -56,11 +57,13 @@ class _Block(nn.Module):
 
 
 class TinyViT(nn.Module):
-    """A small ViT with a CLS token, register tokens and a patch grid (DINOv2-reg layout).
+    """A ViT with a CLS token, register tokens and a patch grid (DINOv2-reg layout).
 
-    Sized for CPU demos (dim 128, 3 blocks: ~0.7 M parameters). Weights come from a fixed seed,
-    so every machine builds the same encoder and the same weights hash. Positional embeddings are fixed 2-D sin-cos, computed for any grid, so images
-    of any size divisible by the patch size work without interpolation.
+    The defaults are sized for CPU demos (dim 128, 3 blocks: ~0.7 M parameters); ``BUILTINS``
+    also builds it at ViT-S/14 and ViT-L/14 sizes, real encoders' cost without a download.
+    Weights come from a fixed seed, so every machine builds the same encoder and the same weights
+    hash. Positional embeddings are fixed 2-D sin-cos, computed for any grid, so images of any size
+    divisible by the patch size work without interpolation.
     """
 
     def __init__(self, *, dim: int = 128, depth: int = 3, heads: int = 4, patch_size: int = 16,
@@ -107,7 +110,13 @@ def _sincos_2d(gh: int, gw: int, dim: int) -> torch.Tensor:
     return F.pad(emb, (0, dim - emb.shape[1]))[None]
 
 
-BUILTINS: dict[str, Callable[[], nn.Module]] = {"tiny-vit": TinyViT}
+BUILTINS: dict[str, Callable[[], nn.Module]] = {
+    "tiny-vit": TinyViT,
+    # DINOv2-reg ViT-S/14 (22 M parameters) and ViT-L/14 (304 M) shapes with seeded random
+    # weights: what a pathology encoder costs per image (e.g. `bench extract`), no download.
+    "vit-s14": functools.partial(TinyViT, dim=384, depth=12, heads=6, patch_size=14, registers=4),
+    "vit-l14": functools.partial(TinyViT, dim=1024, depth=24, heads=16, patch_size=14, registers=4),
+}
 
 
 # --------------------------------------------------------------------------- wrapper
@@ -235,7 +244,7 @@ def load_encoder(spec: str) -> Encoder:
     """Parse an encoder SPEC (see docs/EXTRACT.md) and load it on the CPU."""
     kind, sep, rest = spec.partition(":")
     if not sep or not rest:
-        raise EncoderError(f"invalid encoder spec {spec!r}: use builtin:tiny-vit, python:MODULE:FACTORY, "
+        raise EncoderError(f"invalid encoder spec {spec!r}: use builtin:NAME ({', '.join(BUILTINS)}), python:MODULE:FACTORY, "
                            "torchhub:REPO_OR_DIR:ENTRY, hf:MODEL_ID_OR_DIR or timm:MODEL_NAME")
     if kind == "builtin":
         if rest not in BUILTINS:
