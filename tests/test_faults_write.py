@@ -133,7 +133,7 @@ def test_a_put_broken_by_an_overwrite_reports_the_takeover(tmp_path: Path) -> No
     class DirectoryGone:  # the put lands after the overwrite removed its directory
         url = store.url
 
-        def write(self, key: str, *parts: Any) -> None:
+        def write_sealed(self, key: str, payload: Any) -> None:  # how chunk puts write
             overwritten.wait(30)
             raise FileNotFoundError(2, "No such file or directory", key)
 

@@ -13,10 +13,12 @@ import os
 import sys
 from typing import Any
 
+import crc32c
 import pytest
 
 from featurestore.core import storage as storage_module
 from featurestore.core.storage import LocalStorage, Storage, open_storage
+from featurestore.format import chunks
 
 
 class StorageContract:
@@ -58,6 +60,12 @@ class StorageContract:
         storage.delete_tree("t/x")
         assert not storage.exists("t/x/1") and storage.listdir("t") == ["y"]
 
+    def test_write_sealed_appends_the_crc32c_trailer(self, storage: Storage) -> None:
+        payload = os.urandom(3000)
+        storage.write_sealed("c/0", memoryview(payload))
+        assert storage.read("c/0") == payload + crc32c.crc32c(payload).to_bytes(4, "little")
+        assert chunks.check(storage.read("c/0"), len(payload)) is None
+
     def test_no_temporary_left_behind(self, storage: Storage) -> None:
         for i in range(3):
             storage.write("w/v", bytes([i]) * 100)
@@ -94,9 +102,24 @@ def test_a_large_value_starts_its_writeback_slice_by_slice(tmp_path: Any, monkey
     storage.write("s/features/c/0", memoryview(payload), crc)
     assert storage.read("s/features/c/0") == payload + crc
     # every byte's writeback started once, in file order, as each slice was written
-    assert calls == [(0, 4096, 2), (4096, 4096, 2), (8192, 4096, 2), (12288, 100, 2), (12388, 4, 2)]
+    assert calls == [(0, 4096, 2), (4096, 4096, 2), (8192, 4096, 2), (12288, 104, 2)]
     storage.write("s/labels/c/0", b"x" * 999)  # below the threshold: the kernel's own writeback
-    assert len(calls) == 5 and storage.read("s/labels/c/0") == b"x" * 999
+    assert len(calls) == 4 and storage.read("s/labels/c/0") == b"x" * 999
+
+
+def test_a_sealed_value_is_checksummed_piece_by_piece_as_it_is_written(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(storage_module, "WRITEBACK_MIN_BYTES", 1000)
+    monkeypatch.setattr(storage_module, "WRITEBACK_SLICE_BYTES", 4096)
+    monkeypatch.setattr(storage_module, "PIECE_BYTES", 1000)  # pieces that do not divide the slices
+    calls = _record_writeback(monkeypatch)
+    payload = os.urandom(2 * 4096 + 7)
+    storage = LocalStorage(str(tmp_path))
+    storage.write_sealed("s/features/c/0", payload)
+    assert storage.read("s/features/c/0") == payload + crc32c.crc32c(payload).to_bytes(4, "little")
+    assert calls == [(0, 5000, 2), (5000, 3203, 2)]  # once 4096 bytes wait, then the rest and the crc
+    storage.write_sealed("small", b"abc")  # below the threshold: sealed all the same
+    assert storage.read("small") == b"abc" + crc32c.crc32c(b"abc").to_bytes(4, "little") and len(calls) == 2
 
 
 @pytest.mark.parametrize("how", ["FEATURESTORE_WRITEBACK=0", "FEATURESTORE_FSYNC=1"])

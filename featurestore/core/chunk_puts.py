@@ -105,8 +105,8 @@ class ChunkPuts:
             if self._error is not None:
                 return  # the split stopped at the first failure; resume rewrites the rest
             for array, rows, compressor in puts:
-                payload, crc = chunks.encode(rows, compressor)
-                self._storage.write(layout.chunk_key(f"{self._key}/{array}", index, rows.ndim), payload, crc)
+                key = layout.chunk_key(f"{self._key}/{array}", index, rows.ndim)
+                self._storage.write_sealed(key, chunks.encode(rows, compressor))
             if self._on_done is not None:
                 self._on_done(index)
         except BaseException as error:

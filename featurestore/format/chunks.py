@@ -13,12 +13,23 @@ import numpy as np
 from featurestore.format.layout import CRC_BYTES, parse_compressor
 
 
+def crc32c(data: bytes | memoryview, value: int = 0) -> int:
+    """crc32c of ``data``, continuing from ``value`` (the crc of the bytes before it)."""
+    return _crc32c.crc32c(data, value)
+
+
+def crc_trailer(value: int) -> bytes:
+    """The 4 little-endian bytes a chunk ends with."""
+    return value.to_bytes(CRC_BYTES, "little")
+
+
 def crc_bytes(payload: bytes | memoryview) -> bytes:
-    return _crc32c.crc32c(payload).to_bytes(CRC_BYTES, "little")
+    return crc_trailer(crc32c(payload))
 
 
-def encode(rows: np.ndarray, compressor: str | None) -> tuple[memoryview | bytes, bytes]:
-    """(payload, crc) of a chunk's rows; the payload is a zero-copy view when uncompressed."""
+def encode(rows: np.ndarray, compressor: str | None) -> memoryview | bytes:
+    """A chunk's payload (its crc32c trailer is added by ``Storage.write_sealed``): a zero-copy
+    view of the rows when uncompressed."""
     if not rows.flags.c_contiguous:
         rows = np.ascontiguousarray(rows)
     payload: memoryview | bytes = memoryview(rows).cast("B")
@@ -27,7 +38,7 @@ def encode(rows: np.ndarray, compressor: str | None) -> tuple[memoryview | bytes
 
         _, level = parse_compressor(compressor)
         payload = bytes(Zstd(level=level).encode(payload))
-    return payload, crc_bytes(payload)
+    return payload
 
 
 def check(raw: bytes | memoryview, expected_payload_bytes: int | None) -> str | None:
