@@ -16,10 +16,11 @@ kept, because a shared machine is noisy.
 ``--encoder zero`` is a zero-cost encoder (it returns one precomputed tensor): the pipeline's own
 ceiling (image loading, the writer's checks, cast and statistics, the chunk puts), compared with
 numpy ``tofile`` of the same stored bytes, both timed to ``os.sync()`` (target >= 0.6x).
-``--encoder builtin:vit-s14`` is a real encoder's cost on any host (a ViT-S/14 with seeded random
-weights, no download). ``--encoder timm:...`` and ``--device cuda`` measure a real encoder on a GPU; there the bench also
-runs the writer's statistics of one batch on the GPU and on the CPU and prints how far they are
-apart (bytes and maxima must be identical; sums within the tolerance docs/EXTRACT.md states).
+``--encoder builtin:vit-s14`` is a real encoder's cost on any host (a ViT-S/14 with seeded
+random weights, no download). ``--encoder timm:...`` and ``--device cuda`` measure a real
+encoder on a GPU; there the bench also runs the writer's statistics of one batch on the GPU and
+on the CPU and prints how far they are apart (bytes and maxima must be identical; sums within the
+tolerance docs/EXTRACT.md states).
 
 On a CPU-only host the encoder, the image workers and the writer's quantization all share the
 same cores, so the ratio there measures CPU contention as much as overlap. ``--device-ms`` adds

@@ -5,7 +5,9 @@ The writer needs exactly three guarantees from a backend, and both give them:
 
 * ``write`` is atomic: a reader (or a resumed writer) sees the whole value or no value, never a
   torn one. Locally that is write-to-temp + ``os.replace`` in the same directory (POSIX rename is
-  atomic); on object stores a single PUT is atomic by design.
+  atomic); on object stores a single PUT is atomic by design. ``write_sealed`` is ``write`` of a
+  chunk plus its crc32c trailer; the local backend checksums each piece as it writes it and
+  starts the file's writeback as it goes (``start_writeback``).
 * ``read_ranges`` fetches many byte ranges in one call, concurrently where the backend can (the
   obstore backend for s3/gs/az in ``storage_obstore``, fsspec's async filesystems otherwise).
 * ``local_path`` tells the reader when a key is a plain file it may memory-map.

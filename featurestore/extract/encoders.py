@@ -1,4 +1,5 @@
-"""Encoders for extraction: ``builtin:`` (tiny-vit, vit-s14, vit-l14), ``python:``, ``torchhub:``, ``hf:`` and ``timm:`` specs.
+"""Encoders for extraction: ``builtin:`` (tiny-vit, vit-s14, vit-l14), ``python:``, ``torchhub:``,
+``hf:`` and ``timm:`` specs.
 
 ``timm:`` specs live in :mod:`featurestore.extract.timm_models`.
 
