@@ -185,13 +185,9 @@ class LocalStorage(Storage):
         nbytes = sum(memoryview(p).nbytes for p in parts)
         try:
             with open(tmp, "wb") as f:
-                if seal or nbytes >= WRITEBACK_MIN_BYTES:
-                    # several parts (the chunk and its crc) without a joined copy
-                    _stream(f, parts, seal=seal,
-                            writeback=self.writeback and not self.fsync and nbytes >= WRITEBACK_MIN_BYTES)
-                else:
-                    for part in parts:
-                        f.write(part)
+                # several parts (the chunk and its crc) without a joined copy
+                _stream(f, parts, seal=seal,
+                        writeback=self.writeback and not self.fsync and nbytes >= WRITEBACK_MIN_BYTES)
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
