@@ -152,7 +152,7 @@ class FeatureLoader:
         skip, self._resume_batch = self._resume_batch, 0
         if self.batch_sampler is not None:
             n = self.ds.num_samples
-            batches: Iterator[Any] = (sampling.as_index_array(b, n)
+            batches: Iterator[Any] = (sampling.sampler_batch(b, n)
                                       for b in sampling.user_batches(self.batch_sampler, self.epoch, skip))
         else:
             plan = self.plan()

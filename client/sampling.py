@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.errors import IndexOutOfRange
+from featurestore.errors import IndexOutOfRange, InvalidIndices
+from featurestore.format import wire
 
 ORDERS = ("sequential", "shuffle", "block")
 
@@ -120,21 +121,26 @@ def num_batches(num_samples: int, batch_size: int, *, drop_last: bool, world_siz
     return per_rank // batch_size if drop_last else -(-per_rank // batch_size)
 
 
-def as_index_array(batch: Any, num_samples: int) -> np.ndarray:
-    """A user batch (list, tuple, numpy or torch 1-D ints) as an int64 numpy array, checked."""
-    if type(batch).__module__.startswith("torch"):
-        batch = batch.detach().cpu().numpy()
-    index = np.asarray(batch)
-    if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
-        raise ValueError(
-            f"batch_sampler must yield 1-D sequences of integer indices, but got an array of "
-            f"{index.dtype} with shape {index.shape}: yield e.g. a list of ints per batch"
+def sampler_batch(batch: Any, num_samples: int) -> np.ndarray:
+    """One batch of a user ``batch_sampler`` as checked int64 indices.
+
+    The readers' one normaliser (:func:`featurestore.format.wire.as_index_array`) does the
+    conversion; only the messages differ, so they name the ``batch_sampler`` that yielded the
+    batch rather than a read call. A scalar is refused here (a sampler yields sequences)."""
+    try:
+        index = wire.as_index_array(batch) if np.ndim(batch) == 1 else None
+    except InvalidIndices:
+        index = None
+    if index is None:
+        shape = np.shape(batch)
+        raise InvalidIndices(
+            f"batch_sampler must yield 1-D sequences of integer indices, but got {type(batch).__name__} "
+            f"with shape {tuple(shape)}: yield e.g. a list of ints per batch"
         )
-    index = index.astype(np.int64, copy=False)
-    if index.size and (int(index.min()) < 0 or int(index.max()) >= num_samples):
-        bad = int(index.min()) if int(index.min()) < 0 else int(index.max())
-        raise IndexOutOfRange(f"batch_sampler yielded index {bad}, outside [0, {num_samples - 1}] for this dataset: "
-                              "yield indices of this split only")
+    try:
+        wire.check_bounds(index, num_samples, "this dataset")
+    except IndexOutOfRange as error:
+        raise IndexOutOfRange(f"batch_sampler yielded a bad batch: {error} (yield indices of this split only)") from None
     return index
 
 

@@ -437,3 +437,16 @@ def test_cuda_normalize_and_resume(local_store: str) -> None:
     assert len(rest) == len(cpu) - 3
     for (f, y), (cf, cy) in zip(rest, cpu[3:]):
         assert torch.allclose(f, cf, rtol=1e-6, atol=1e-6) and torch.equal(y, cy)
+
+
+def test_sampler_batches_use_the_readers_normaliser_with_their_own_messages() -> None:
+    from featurestore.errors import IndexOutOfRange, InvalidIndices
+
+    assert sampling.sampler_batch(torch.tensor([3, 1]), 4).tolist() == [3, 1]
+    assert sampling.sampler_batch(np.array([2], dtype=np.uint8), 4).dtype == np.int64
+    with pytest.raises(InvalidIndices, match="batch_sampler must yield 1-D"):
+        sampling.sampler_batch([0.5, 1.0], 4)
+    with pytest.raises(InvalidIndices, match="batch_sampler must yield 1-D"):
+        sampling.sampler_batch(3, 4)  # a scalar is not a batch
+    with pytest.raises(IndexOutOfRange, match="batch_sampler yielded a bad batch: index 4 is out of range"):
+        sampling.sampler_batch([0, 4], 4)
