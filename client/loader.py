@@ -26,7 +26,7 @@ import torch
 
 from client import sampling
 from client.dataset import FeatureDataset
-from client.device import resolve_device
+from featurestore.core.device import resolve_device
 from client.prefetch import Prefetcher
 from client.transfer import Transfer
 from featurestore.errors import InvalidOption

@@ -273,7 +273,7 @@ def test_split_description_task_and_token_layout(store_path: str) -> None:
 
 
 def test_probe_errors_are_featurestore_errors_by_meaning() -> None:
-    from client.device import resolve_device
+    from featurestore.core.device import resolve_device
 
     # Every probe error is a FeatureStoreError (one CLI line); bugs stay plain exceptions.
     for cls in (InvalidOption, InvalidLabels, MissingLabels, EmptySplit, DeviceUnavailable):

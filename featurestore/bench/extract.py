@@ -139,8 +139,8 @@ def _encode_only(opts: Any) -> tuple[float, Any]:
     import torch
 
     from featurestore.extract.encoders import load_encoder
-    from featurestore.extract.run import (_autocast, _worker_init, default_num_workers, resolve_device,
-                                          resolve_precision)
+    from featurestore.core.device import resolve_device
+    from featurestore.extract.run import _autocast, _worker_init, default_num_workers, resolve_precision
     from featurestore.extract.sources import Failure, PreparedImages, Preprocessing, collate, open_source
 
     start = time.perf_counter()

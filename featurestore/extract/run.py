@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from featurestore.core import fused_stats
+from featurestore.core.device import resolve_device
 from featurestore.errors import (
     DatasetNotFound,
-    DeviceUnavailable,
     EncoderNotFound,
     Float16Overflow,
     InvalidOption,
@@ -100,18 +100,6 @@ class ExtractResult:
     wall_seconds: float = 0.0  # everything, from loading the encoder to the commit
     writer_wait_seconds: float = 0.0  # the encoder blocked on the writer (full queue, final drain)
     metadata: dict[str, Any] = field(default_factory=dict)
-
-
-def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda":
-        if not torch.cuda.is_available():
-            raise DeviceUnavailable("--device cuda was asked for but no CUDA device is visible: use --device cpu")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    if choice == "cpu":
-        return torch.device("cpu")
-    raise InvalidOption(f"--device {choice!r} is not one of auto, cpu, cuda")
 
 
 def resolve_precision(choice: str, device: torch.device) -> str:

@@ -4,7 +4,7 @@
   same shuffled order as ``FeatureLoader(order="shuffle")``;
 - :func:`epochs_of`, :func:`begin_training` (checks, device, seed), :func:`adamw`,
   :func:`set_cosine_lr`, :func:`check_class_ids`;
-- :func:`resolve_device` is the client's (``client.device``), re-exported for the probes' callers.
+- :func:`resolve_device` is the one in ``featurestore.core.device`` (loaders and extraction use it too), re-exported for the probes' callers.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from client.device import resolve_device
+from featurestore.core.device import resolve_device
 from featurestore.errors import InvalidLabels, InvalidOption, ShapeMismatch
 
 if TYPE_CHECKING:
