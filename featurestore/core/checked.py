@@ -11,6 +11,10 @@ starts over). ``verify_reads`` (``FEATURESTORE_VERIFY_READS``) picks when:
 * ``"first"``: on the first read of each chunk, always.
 * ``"off"``: sizes only.
 
+Not caught, by design: bit rot after a chunk's first checked read. The check is once per chunk
+per process, so a byte that flips later reaches a long-running process (a server, a loader) as
+data until it restarts; ``featurestore verify`` finds it (docs/READS.md).
+
 Cost (``featurestore bench read`` prints it; docs/READS.md): crc32c runs at ~10 GB/s here
 (hardware instruction), so a page-cached first epoch pays about one extra pass over the bytes at
 that speed, later epochs nothing; on a cold local store that fits the page cache, the whole-chunk

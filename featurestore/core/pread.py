@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from featurestore.core.open_files import FileBudget, file_budget
 from featurestore.errors import CorruptChunk, InvalidOption
 
 CACHE_MODES = ("auto", "keep", "drop", "direct")
@@ -203,20 +204,43 @@ class ChunkFiles:
     """Open file descriptors of one array's chunk files for one gather (closed by ``close``).
 
     Each file's size is checked on open: a truncated chunk fails here, naming the file, instead
-    of leaving zeros or stale bytes in the output.
+    of leaving zeros or stale bytes in the output. Every descriptor is one of the process's
+    ``budget`` (:mod:`featurestore.core.open_files`), so a gather over thousands of chunk files
+    never holds thousands of descriptors; ``has_room`` says when the caller must first finish
+    and ``close`` what it holds.
     """
 
-    def __init__(self, path_of: Callable[[int], str], expected_size: int, direct: bool) -> None:
+    def __init__(self, path_of: Callable[[int], str], expected_size: int, direct: bool,
+                 budget: FileBudget | None = None) -> None:
         self._path_of = path_of
         self._expected = expected_size
         self._direct = direct
+        self._budget = budget or file_budget()
         self.fds: dict[int, int] = {}
+        self._reserved = False
+
+    def has_room(self) -> bool:
+        """Reserve one descriptor for the next ``open`` without waiting; False when none is free."""
+        if not self._reserved:
+            self._reserved = self._budget.try_take()
+        return self._reserved
 
     def open(self, chunk: int) -> int:
         fd = self.fds.get(chunk)
         if fd is not None:
             return fd
-        path = self._path_of(chunk)
+        if not self._reserved:  # hold none while waiting (see FileBudget)
+            self._budget.take()
+        self._reserved = False
+        try:
+            fd = self._open(self._path_of(chunk))
+        except BaseException:
+            self._budget.give()
+            raise
+        self.fds[chunk] = fd
+        return fd
+
+    def _open(self, path: str) -> int:
         try:
             fd = os.open(path, os.O_RDONLY | (_O_DIRECT if self._direct else 0))
         except FileNotFoundError:
@@ -230,13 +254,22 @@ class ChunkFiles:
             os.close(fd)
             raise CorruptChunk(f"chunk file {path} has {size} bytes, expected {self._expected} (truncated or "
                                "overwritten): run `featurestore verify` and re-extract the split with --resume")
-        self.fds[chunk] = fd
         return fd
 
-    def close(self) -> None:
-        for fd in self.fds.values():
+    def close(self, drop_cache: bool = False) -> None:
+        """Close every descriptor (``drop_cache``: after ``POSIX_FADV_DONTNEED`` on its file)."""
+        fds, self.fds = self.fds, {}
+        for fd in fds.values():
+            if drop_cache:
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass  # advice only: the bytes read are right either way
             os.close(fd)
-        self.fds.clear()
+            self._budget.give()
+        if self._reserved:
+            self._budget.give()
+            self._reserved = False
 
 
 def _read_blocking(fd: int, read: _Read, path_of: Callable[[int], str]) -> None:
@@ -269,10 +302,15 @@ def gather(
     reads, dup_sources, dup_targets = plan_reads(index, rows, chunk_rows)
     files = ChunkFiles(path_of, expected_size, direct)
     futures: list[Future[Any]] = []
-    inline = 0
+    inline = pooled = 0
     try:
         executor = (pool or default_pool()).executor()
-        for read in reads:
+        for read in reads:  # in storage order: each chunk file is opened once
+            if read.chunk not in files.fds and files.fds and not files.has_room():
+                # The process's descriptors are all taken: finish and close what this gather
+                # holds, then wait for one (a waiting gather holds none).
+                pooled += _finish(futures)
+                files.close(drop_cache=cache == "drop")
             fd = files.open(read.chunk)
             if _NOWAIT and not direct:
                 try:
@@ -284,19 +322,27 @@ def gather(
                     continue
                 read.advance(done)
             futures.append(executor.submit(_read_blocking, fd, read, path_of))
-        if futures:
-            wait(futures)  # every thread is done writing into `rows` before anything returns
-            for future in futures:
-                future.result()  # the first failure, raised in the caller
-        if cache == "drop":  # these rows are not read again this epoch: do not let them evict others
-            for fd in files.fds.values():
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        pooled += _finish(futures)
+        # "drop": these rows are not read again this epoch: do not let them evict others.
+        files.close(drop_cache=cache == "drop")
     finally:
         for future in futures:
             future.cancel()
         if futures:
-            wait(futures)
+            wait(futures)  # no thread still reads through a descriptor closed below
         files.close()
     if len(dup_targets):
         rows[dup_targets] = rows[dup_sources]
-    return {"inline": inline, "pool": len(futures)}
+    return {"inline": inline, "pool": pooled}
+
+
+def _finish(futures: list[Future[Any]]) -> int:
+    """Wait for every submitted read (all done writing into the output), raise the first
+    failure in the caller, and empty the list; returns how many there were."""
+    if futures:
+        wait(futures)
+        for future in futures:
+            future.result()
+    count = len(futures)
+    futures.clear()
+    return count

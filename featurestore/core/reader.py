@@ -2,10 +2,11 @@
 
 Three paths behind one interface, chosen when the array is opened, all returning the same bytes:
 
-* ``mmap`` (local, uncompressed): every chunk file is memory-mapped on first use in each process
-  and rows are copied straight from the page cache into the output. The maps are dropped on
-  pickling and when the process id changes (a forked DataLoader worker), so each process opens
-  its own.
+* ``mmap`` (local, uncompressed): chunk files are memory-mapped and rows are copied straight from
+  the page cache into the output. The maps live in one bounded LRU per process
+  (:mod:`featurestore.core.chunk_maps`), shared by every array, so descriptors and maps stay
+  bounded whatever the chunk count; a forked DataLoader worker starts with its own. Rows that are
+  not page-cached are read with concurrent preads instead (:mod:`featurestore.core.pread`).
 * ``ranges`` (object storage / any fsspec URL, uncompressed): one byte range per run of adjacent
   requested rows, all fetched in one ``cat_ranges`` call, which s3fs and gcsfs issue concurrently.
 * ``zarr`` (compressed arrays): zarr-python decodes the touched chunks.
@@ -13,21 +14,18 @@ Three paths behind one interface, chosen when the array is opened, all returning
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
 from typing import Any
 
 import numpy as np
 
-from featurestore.core import checked, pread
+from featurestore.core import checked, chunk_maps, pread
 from featurestore.core.buffers import aligned_empty
 from featurestore.core.storage import Storage
 from featurestore.errors import CorruptChunk, IndexOutOfRange, InvalidOption, MissingChunks, ShapeMismatch
 from featurestore.format import chunks, dtypes, layout
 from featurestore.format.wire import as_index_array, check_bounds
-
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in lazily
 
 
 class FeatureArray:
@@ -73,12 +71,11 @@ class FeatureArray:
         self._verified = checked.Verified()
         self.read_pool: pread.ReadPool | None = None  # None: the process's default pool
         self.read_counts = {"mmap": 0, "inline": 0, "pool": 0}
-        self._maps: dict[int, np.ndarray] = {}
-        self._inodes: dict[int, int] = {}  # inode of each mapped chunk file, to notice replacement
         self._warm: np.ndarray | None = None  # chunks found wholly page-cached (see _cached)
         self._warm_since = 0.0
         self._pid = os.getpid()
         self._zarr: Any = None
+        self._maps: chunk_maps.ArrayMaps | None = None
 
     # ------------------------------------------------------------------ sizes
     def __len__(self) -> int:
@@ -193,21 +190,6 @@ class FeatureArray:
         return index
 
     # ------------------------------------------------------------------ local paths
-    def _chunk_view(self, chunk: int, populate: bool = True) -> np.ndarray:
-        path = self._chunk_path(chunk)
-        with open(path, "rb") as f:
-            self._check_size(path, os.fstat(f.fileno()).st_size)
-            # The map outlives the file descriptor; the 4-byte crc trailer is left out of the
-            # view. MAP_POPULATE maps the chunk's cached pages in one call instead of one page
-            # fault per 4 KiB on first touch, but on a cold chunk it reads the whole file first
-            # (384 MiB for one 6 MiB row of a 64-row chunk), so "auto" maps lazily.
-            flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
-            mapped = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
-        data = np.frombuffer(mapped, np.uint8, count=self.chunk_rows * self.sample_nbytes)
-        view = data.reshape(self.chunk_rows, self.sample_nbytes)
-        self._maps[chunk] = view
-        return view
-
     def _check_size(self, path: str, size: int) -> None:
         expected = self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES
         if size != expected:
@@ -218,8 +200,8 @@ class FeatureArray:
         mode = self.local_read
         if mode not in LOCAL_READS:
             raise InvalidOption(f"local_read must be one of {', '.join(LOCAL_READS)}, got {mode!r}")
-        if os.getpid() != self._pid:  # forked: open this process's own maps
-            self._maps, self._inodes, self._warm = {}, {}, None
+        if os.getpid() != self._pid:  # forked: what was found page-cached is the parent's news
+            self._warm, self._maps = None, None
             self._pid = os.getpid()
         if mode == "mmap" or (mode == "auto" and self._cached(index)):
             self._gather_mmap(index, rows, populate=mode == "mmap")
@@ -247,7 +229,8 @@ class FeatureArray:
         batch. The memory is dropped every ``_RECHECK_S`` seconds: a chunk evicted since is found
         cold again (until then the mmap gather only faults it back in: right bytes, slower).
         The same check stats each chunk file: a chunk deleted or truncated fails here with its
-        name, and one replaced (a resume rewrote it) is mapped again."""
+        name, and one replaced (a resume rewrote it) is mapped again. A read touching more chunks
+        than the process keeps maps of goes to pread: its maps would not survive to the gather."""
         now = time.monotonic()
         if self._warm is None or now - self._warm_since > _RECHECK_S:
             self._warm = np.zeros(-(-len(self) // self.chunk_rows), bool)
@@ -256,6 +239,8 @@ class FeatureArray:
         warm = self._warm
         if warm[chunks].all():
             return True
+        if len(chunks) > chunk_maps.shared().max_maps:
+            return False
         for chunk in chunks[~warm[chunks]].tolist():
             path = self._chunk_path(chunk)
             try:
@@ -263,15 +248,21 @@ class FeatureArray:
             except FileNotFoundError:
                 raise self._missing(path) from None
             self._check_size(path, st.st_size)
-            view = self._maps.get(chunk)
-            if view is None or self._inodes.get(chunk) != st.st_ino:
-                view = self._chunk_view(chunk, populate=False)
-                self._inodes[chunk] = st.st_ino
+            view = self._array_maps().rows(chunk, populate=False, inode=st.st_ino)
             if pread.resident(view.ctypes.data, view.nbytes):
                 warm[chunk] = True
             else:
                 return False
         return True
+
+    def _array_maps(self) -> chunk_maps.ArrayMaps:
+        """This array's front on the process's shared chunk maps (a forked or unpickled copy
+        makes its own: the parent's maps are not in this process's bound)."""
+        if self._maps is None:
+            owner = self._storage.local_path(self._key) or self._key  # one key per split, shared by reopens
+            self._maps = chunk_maps.ArrayMaps(owner, (self.chunk_rows, self.sample_nbytes), self._chunk_path,
+                                              self._check_size)
+        return self._maps
 
     def _chunk_path(self, chunk: int) -> str:
         path = self._storage.local_path(layout.chunk_key(self._key, chunk, self._ndim))
@@ -283,16 +274,18 @@ class FeatureArray:
         # sequential source addresses keep the page walk and prefetchers on one chunk at a time
         # (measured on shuffled batches: ~11-12 GB/s, as np.memmap's gather, against 8-10 in the
         # caller's order). Runs that are consecutive in both storage and output (sequential
-        # reads) are copied as one slice.
+        # reads) are copied as one slice. Each chunk is so visited once: its size is checked on
+        # its map's descriptor right before its rows are copied (a file truncated in place since
+        # would raise SIGBUS on the copy).
         order = np.argsort(index, kind="stable")
         chunk_of, offset = np.divmod(index[order], self.chunk_rows)
-        maps = self._maps
         chunk_list, offset_list, order_list = chunk_of.tolist(), offset.tolist(), order.tolist()
+        maps, current = self._array_maps(), -1
         for start, stop in _runs(chunk_of, offset, order):
             chunk = chunk_list[start]
-            view = maps.get(chunk)
-            if view is None:
-                view = self._chunk_view(chunk, populate)
+            if chunk != current:
+                view = maps.rows(chunk, populate)
+                current = chunk
             first, target = offset_list[start], order_list[start]
             if stop - start == 1:
                 rows[target] = view[first]
@@ -347,9 +340,8 @@ class FeatureArray:
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_maps"] = {}
-        state["_inodes"] = {}
-        state["_warm"] = None  # memory maps are per process: reopened lazily after unpickling
+        state["_warm"] = None  # page-cache news are per process
+        state["_maps"] = None  # memory maps are per process: reopened lazily after unpickling
         state["_zarr"] = None
         state["read_pool"] = None  # threads are per process
         return state

@@ -1,0 +1,203 @@
+"""Memory maps of local chunk files: one LRU per process, shared by every array, bounded.
+
+The mmap gather (docs/READS.md) copies page-cached rows straight out of maps of the chunk files.
+A map used to be made per chunk and kept until the array was dropped, so descriptors and map-table
+entries grew with the chunk count (issue 1). Here every ``FeatureArray`` of the process (a server
+holds many splits) shares one cache, bounded in count (:func:`open_files.max_maps`) and in mapped
+bytes (half of the memory this process may use, the size below which ``auto`` keeps arrays
+cached); the map least recently fetched from the cache is dropped first (an array's own lookups,
+:class:`ArrayMaps`, skip the cache's lock and do not refresh that order). A map a gather is still
+copying from stays valid: dropping it unmaps it only once that gather lets go of its view.
+
+Every use re-checks the mapped file's size with ``fstat`` on the map's own descriptor. A file
+truncated in place under a map raises SIGBUS on the first touch of a page past its new end, which
+no Python code can catch (it killed servers and loaders, issue 3); a size that no longer matches
+is refused here instead, as ``CorruptChunk`` naming the file. What remains is the window between
+that ``fstat`` and the end of the copy of that chunk's rows (microseconds): a truncation landing
+exactly there still raises SIGBUS. featurestore itself never truncates a chunk in place (it
+replaces files atomically, and a replaced file keeps its old inode mapped until unmapped).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+
+from featurestore.core import open_files, pread
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in lazily
+
+
+class _Entry:
+    __slots__ = ("path", "inode", "mapped", "rows", "nbytes")
+
+    def __init__(self, path: str, inode: int, mapped: mmap.mmap, rows: np.ndarray) -> None:
+        self.path, self.inode, self.mapped, self.rows = path, inode, mapped, rows
+        self.nbytes = len(mapped)
+
+    def close(self) -> None:
+        mapped, self.rows, self.mapped = self.mapped, None, None  # type: ignore[assignment]
+        if mapped is not None:
+            try:
+                mapped.close()
+            except BufferError:  # a gather still copies from it: unmapped when it drops its view
+                pass
+
+    def checked_rows(self) -> np.ndarray | None:
+        """The rows if the file still has the size it was mapped with (``fstat`` on the map's own
+        descriptor), else None. Holding the rows keeps the map alive even if evicted meanwhile."""
+        rows, mapped = self.rows, self.mapped
+        if rows is None or mapped is None or mapped.size() != self.nbytes:
+            return None
+        return rows
+
+
+class ChunkMaps:
+    """The process's chunk maps, keyed by ``(array directory, chunk)``."""
+
+    def __init__(self, max_maps: int, max_bytes: int) -> None:
+        self.max_maps = max_maps
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entry(self, owner: str, chunk: int, path_of: Callable[[int], str], *, shape: tuple[int, int],
+              check_size: Callable[[str, int], None], populate: bool,
+              inode: int | None = None) -> tuple[_Entry, np.ndarray]:
+        """The map of the chunk file ``path_of(chunk)`` and its rows ``[chunk_rows, sample_nbytes]``,
+        mapped once and reused. ``check_size(path, size)`` raises when ``size`` is not the chunk's;
+        the size is checked on every call, on the map's own descriptor. ``inode``, when given, is
+        the inode the path has now: a map of an older file (a resume replaced it) is made again."""
+        key = (owner, chunk)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:  # in the cache, so still open; holding its rows keeps it so
+                self._entries.move_to_end(key)
+                rows, mapped = entry.rows, entry.mapped
+        if entry is not None:
+            size = mapped.size()  # fstat on the mapped file itself
+            if size == entry.nbytes and (inode is None or entry.inode == inode):
+                return entry, rows
+            self._drop(key, entry)
+            if size != entry.nbytes:
+                check_size(entry.path, size)  # raises, naming the file
+        entry = _map(path_of(chunk), shape, check_size, populate)
+        with self._lock:
+            current = self._entries.get(key)
+            if current is not None and current.inode == entry.inode:  # another thread mapped it first
+                self._entries.move_to_end(key)
+                entry.close()
+                entry = current
+            else:
+                if current is not None:
+                    self._remove_locked(key)
+                self._entries[key] = entry
+                self._bytes += entry.nbytes
+            rows = entry.rows  # taken under the lock: no eviction can close it first
+            evicted = self._evict_locked()
+        for old in evicted:
+            old.close()
+        return entry, rows
+
+    def clear(self) -> None:
+        with self._lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+            self._bytes = 0
+        for entry in entries:
+            entry.close()
+
+    def _drop(self, key: tuple[str, int], entry: _Entry) -> None:
+        with self._lock:
+            if self._entries.get(key) is entry:
+                self._remove_locked(key)
+        entry.close()
+
+    def _remove_locked(self, key: tuple[str, int]) -> None:
+        self._bytes -= self._entries.pop(key).nbytes
+
+    def _evict_locked(self) -> list[_Entry]:
+        evicted = []
+        while len(self._entries) > 1 and (len(self._entries) > self.max_maps or self._bytes > self.max_bytes):
+            _, entry = self._entries.popitem(last=False)
+            self._bytes -= entry.nbytes
+            evicted.append(entry)
+        return evicted
+
+
+class ArrayMaps:
+    """One array's front on the shared maps: a lock-free ``chunk -> map`` lookup for the gather.
+
+    A hit costs a dict lookup and the ``fstat`` size check; a miss, or a map the shared cache has
+    dropped since, goes to the shared cache. Dropped maps are closed there, so what is remembered
+    here never holds a descriptor or a map; the forgotten ones are pruned as they pile up.
+    """
+
+    def __init__(self, owner: str, shape: tuple[int, int], path_of: Callable[[int], str],
+                 check_size: Callable[[str, int], None]) -> None:
+        self._owner, self._shape, self._path_of, self._check_size = owner, shape, path_of, check_size
+        self._seen: dict[int, _Entry] = {}
+
+    def rows(self, chunk: int, populate: bool = False, inode: int | None = None) -> np.ndarray:
+        """Rows of ``chunk`` (see :meth:`ChunkMaps.entry`); the file's size is checked every time."""
+        entry = self._seen.get(chunk)
+        if entry is not None and inode is None:
+            rows = entry.checked_rows()
+            if rows is not None:
+                return rows
+        maps = shared()
+        entry, rows = maps.entry(self._owner, chunk, self._path_of, shape=self._shape,
+                                 check_size=self._check_size, populate=populate, inode=inode)
+        if len(self._seen) >= 2 * maps.max_maps:
+            self._seen = {c: e for c, e in self._seen.items() if e.rows is not None}
+        self._seen[chunk] = entry
+        return rows
+
+
+def _map(path: str, shape: tuple[int, int], check_size: Callable[[str, int], None], populate: bool) -> _Entry:
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        check_size(path, st.st_size)
+        # The map keeps its own duplicate of the descriptor (CPython's mmap), which the size
+        # checks above use; the 4-byte crc trailer is left out of the view. MAP_POPULATE maps the
+        # chunk's cached pages in one call instead of one page fault per 4 KiB on first touch, but
+        # on a cold chunk it reads the whole file first (384 MiB for one 6 MiB row of a 64-row
+        # chunk), so "auto" maps lazily.
+        flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
+        mapped = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+    rows = np.frombuffer(mapped, np.uint8, count=shape[0] * shape[1]).reshape(shape)
+    return _Entry(path, st.st_ino, mapped, rows)
+
+
+_SHARED: ChunkMaps | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared() -> ChunkMaps:
+    """The process's cache (made on first use; a forked child starts with an empty one)."""
+    global _SHARED
+    if _SHARED is not None:  # the per-gather path: no lock once made
+        return _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = ChunkMaps(open_files.max_maps(), pread.memory_limit() // 2)
+        return _SHARED
+
+
+def _after_fork_in_child() -> None:
+    global _SHARED, _SHARED_LOCK
+    # The parent's maps are valid here too, but its lock may be held by a thread that did not
+    # come along: start over (the dropped maps are unmapped as their last references go).
+    _SHARED, _SHARED_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
