@@ -2,7 +2,7 @@
 
 The mmap gather (docs/READS.md) copies page-cached rows straight out of maps of the chunk files.
 A map used to be made per chunk and kept until the array was dropped, so descriptors and map-table
-entries grew with the chunk count (issue 1). Here every ``FeatureArray`` of the process (a server
+entries grew with the chunk count. Here every ``FeatureArray`` of the process (a server
 holds many splits) shares one cache, bounded in count (:func:`open_files.max_maps`) and in mapped
 bytes (half of the memory this process may use, the size below which ``auto`` keeps arrays
 cached); the map least recently fetched from the cache is dropped first (an array's own lookups,
@@ -11,7 +11,7 @@ copying from stays valid: dropping it unmaps it only once that gather lets go of
 
 Every use re-checks the mapped file's size with ``fstat`` on the map's own descriptor. A file
 truncated in place under a map raises SIGBUS on the first touch of a page past its new end, which
-no Python code can catch (it killed servers and loaders, issue 3); a size that no longer matches
+no Python code can catch (it killed servers and loaders); a size that no longer matches
 is refused here instead, as ``CorruptChunk`` naming the file. What remains is the window between
 that ``fstat`` and the end of the copy of that chunk's rows (microseconds): a truncation landing
 exactly there still raises SIGBUS. featurestore itself never truncates a chunk in place (it

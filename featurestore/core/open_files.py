@@ -3,7 +3,7 @@
 Every memory map of a chunk holds a file descriptor (CPython's ``mmap`` keeps a ``dup`` of it) and
 one entry of the process's map table (``vm.max_map_count``), and a pread gather holds one
 descriptor per chunk file it reads. Kept per chunk, they grew with the chunk count until the
-process failed with ``EMFILE`` (issue 1: a split of one-row chunks under ``ulimit -n 1024``).
+process failed with ``EMFILE`` (a split of one-row chunks under ``ulimit -n 1024``).
 Both are bounded here, by a share of the soft ``RLIMIT_NOFILE`` read on first use, so sockets,
 libraries and the rest of the process keep the other half:
 
