@@ -149,15 +149,21 @@ def test_symlinks_out_of_the_store_are_neither_listed_nor_served(store_path: str
     other = make_store(str(tmp_path / "other"))
     os.symlink(os.path.join(other, "pannuke"), os.path.join(store_path, "linked"))
     os.symlink(os.path.join(other, "pannuke", "tiny", "val"), os.path.join(store_path, "pannuke", "tiny", "lval"))
+    features = os.path.join(store_path, "pannuke", "tiny", "f32", "features")
+    os.rename(features, features + "-moved")  # the split's features array points elsewhere
+    os.symlink(os.path.join(other, "pannuke", "tiny", "f32", "features"), features)
     store = featurestore.open_store(store_path)
     assert store.datasets() == ["other", "pannuke"]
     assert "lval" not in store.splits("pannuke", "tiny")
     with pytest.raises(fse.DatasetNotFound, match="leads out of the store"):
         store.open("linked", "tiny", "train")
-    with pytest.raises(fse.SplitNotFound, match="leads out of the store"):
+    with pytest.raises(fse.SplitNotFound, match="split pannuke/tiny/lval .*leads out of the store"):
         store.open("pannuke", "tiny", "lval")
+    with pytest.raises(fse.SplitNotFound, match="array pannuke/tiny/f32/features .*leads out"):
+        store.open("pannuke", "tiny", "f32")
     assert client.get("/v1/datasets").json()["datasets"] == ["other", "pannuke"]
     for target in ("/v1/features/linked/tiny/train/items/0", "/v1/features/pannuke/tiny/lval/batch?start=0&stop=2",
+                   "/v1/features/pannuke/tiny/f32/items/0",
                    "/v1/datasets/linked/encoders", "/zarr/linked/tiny/train/zarr.json"):  # fmt: skip
         response = client.get(target)
         assert response.status_code == 404, (target, response.text[:300])

@@ -40,6 +40,8 @@ from featurestore.format.metadata import (
 )
 from featurestore.format.names import validate_name
 
+# The levels of a split's key, with the error that names each (FeatureStore._require_inside).
+_LEVELS = ((DatasetNotFound, "dataset"), (EncoderNotFound, "encoder"), (SplitNotFound, "split"))
 ROOT_ATTRIBUTES = {"featurestore": {"format": layout.FORMAT_NAME, "version": layout.FORMAT_VERSION}}
 
 
@@ -332,20 +334,16 @@ class FeatureStore:
 
     def _require_inside(self, dataset: str, encoder: str | None = None, split: str | None = None,
                         *arrays: str) -> None:  # fmt: skip
-        """Refuse the first level (dataset, encoder, split, its arrays) that leads out of the
-        store, with the not-found error of that level."""
-        levels = [(DatasetNotFound, "dataset"), (EncoderNotFound, "encoder"), (SplitNotFound, "split")]
-        levels += [(SplitNotFound, "array")] * len(arrays)
+        """Refuse the first level (dataset, encoder, split, then each of the split's ``arrays``)
+        that leads out of the store, with that level's not-found error."""
         names = [n for n in (dataset, encoder, split) if n is not None]
-        key = ""
-        for name, (error, what) in zip([*names, *arrays], levels, strict=False):
-            key = f"{key}/{name}" if key else name
+        checks = [("/".join(names[: i + 1]), level) for i, level in enumerate(_LEVELS[: len(names)])]
+        checks += [(f"{'/'.join(names)}/{array}", (SplitNotFound, "array")) for array in arrays]
+        for key, (error, what) in checks:
             if not self._inside(key):
-                raise error(
-                    f"{what} {key} at {self.url} is a symbolic link that leads out of the store: "
-                    "it is neither listed nor read. Copy the data into the store, or open the "
-                    "store it belongs to"
-                )
+                raise error(f"{what} {key} at {self.url} is a symbolic link that leads out of the "
+                            "store: it is neither listed nor read. Copy the data into the store, or "
+                            "open the store it belongs to")  # fmt: skip
 
     def _require_group(self, dataset: str, encoder: str | None = None) -> None:
         self._require_inside(validate_name(dataset, "dataset"),
