@@ -14,6 +14,7 @@ the server stack (fastapi).
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import random
 import socket
@@ -44,6 +45,7 @@ class ClientError(fse.FeatureStoreError):
     detail: Any = None
     url: str = ""
     max_response_bytes: int | None = None
+    retry_after: float | None = None  # the server's Retry-After, in seconds
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,6 +84,10 @@ class FeatureClient:
     One pooled ``httpx.Client`` per process (re-created after a fork, dropped when pickled, so
     the client can live inside a DataLoader's dataset). Idempotent reads are retried
     ``retries`` times on connection errors and 5xx, waiting ``backoff * 2**attempt`` seconds.
+    A split that is being rewritten (the server's 409 with ``Retry-After``: an overwrite deleted
+    or changed it under the read) is asked for again, backing off up to the Retry-After, for at
+    most ``split_change_wait_s`` seconds (0: not at all); then the 409 is raised
+    (``IncompleteSplit``).
     ``transport`` replaces the default one (``client/_stdlib_transport.py``: the standard
     library's ``http.client`` keep-alive connections, whose ``readinto`` fills the output array
     straight from the socket; https goes through httpx's own), e.g.
@@ -97,6 +103,7 @@ class FeatureClient:
         timeout: float = 60.0,
         retries: int = 3,
         backoff: float = 0.25,
+        split_change_wait_s: float = 60.0,
         max_connections: int = 16,
         transport: httpx.BaseTransport | None = None,
         http_client: httpx.Client | None = None,
@@ -108,6 +115,9 @@ class FeatureClient:
             raise fse.InvalidOption(f"retries must be a non-negative integer, but got: {retries!r}")
         if not timeout or timeout <= 0:
             raise fse.InvalidOption(f"timeout must be a positive number of seconds, but got: {timeout!r}")
+        if not isinstance(split_change_wait_s, (int, float)) or split_change_wait_s < 0:
+            raise fse.InvalidOption("split_change_wait_s must be a non-negative number of seconds, "
+                                    f"but got: {split_change_wait_s!r}")  # fmt: skip
         scheme, rest = url.split("://", 1)
         # The scheme is case-insensitive (RFC 3986 3.1): HTTP://host works like http://host.
         self._base = f"{scheme.lower()}://{rest}".rstrip("/")  # may hold user:password@
@@ -115,6 +125,7 @@ class FeatureClient:
         self.timeout = float(timeout)
         self.retries = retries
         self.backoff = float(backoff)
+        self.split_change_wait_s = float(split_change_wait_s)
         self.max_connections = int(max_connections)
         self._token = token
         self._external = http_client
@@ -183,9 +194,29 @@ class FeatureClient:
         )  # fmt: skip
         if isinstance(cap := extra.get("max_response_bytes"), int):
             error.max_response_bytes = cap
+        try:
+            error.retry_after = float(response.headers["retry-after"])
+        except (KeyError, ValueError):
+            pass
         return error
 
     def _send(self, method: str, path: str, *, stream_into: Any = None, **kwargs: Any) -> Any:
+        """One request with retries (:meth:`_send_once`), asked again while the split is being
+        rewritten (409 with Retry-After), for at most ``split_change_wait_s``."""
+        deadline = time.monotonic() + self.split_change_wait_s
+        for attempt in itertools.count():
+            try:
+                return self._send_once(method, path, stream_into=stream_into, **kwargs)
+            except ClientError as error:
+                if error.status != 409 or error.retry_after is None:
+                    raise
+                wait = min(self.backoff * 2**attempt, error.retry_after) * random.uniform(0.5, 1.0)
+                if time.monotonic() + wait > deadline:
+                    raise
+                time.sleep(wait)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _send_once(self, method: str, path: str, *, stream_into: Any = None, **kwargs: Any) -> Any:
         """One request with retries; JSON result, or ``stream_into(response)``'s result."""
         url = self._base + path
         shown = self.url + path

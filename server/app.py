@@ -13,6 +13,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
 
 import featurestore
 from server import routes_data, routes_features, routes_zarr
@@ -20,8 +21,22 @@ from server.auth import BearerAuthMiddleware
 from server.errors import install_error_handlers
 from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics, MetricsMiddleware
+from server.responses import ABORT_KEY, transport_abort
 from server.settings import Settings
 from server.state import StoreState
+
+
+class FeatureStoreApp(FastAPI):
+    """FastAPI, plus the connection's ``abort()`` in each HTTP scope.
+
+    Only here, at the very top, is ``send`` still the server's own (every middleware below wraps
+    it): ``server.responses.BoundedSend`` uses it to drop a client that stopped reading.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (abort := transport_abort(send)) is not None:
+            scope["extensions"] = {**(scope.get("extensions") or {}), ABORT_KEY: abort}
+        await super().__call__(scope, receive, send)
 
 
 def create_app(store_url: str | None = None, settings: Settings | None = None) -> FastAPI:
@@ -35,7 +50,7 @@ def create_app(store_url: str | None = None, settings: Settings | None = None) -
         settings = settings.model_copy(update={"store": str(store_url)})
     state = StoreState(settings)
 
-    app = FastAPI(
+    app = FeatureStoreApp(
         title="featurestore",
         version=featurestore.__version__,
         description="Read-only access to a featurestore: listings, split metadata, feature "

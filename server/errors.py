@@ -8,7 +8,7 @@ would (``except SplitNotFound`` works for both sources).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -106,11 +106,21 @@ def error_response(status: int, detail: object, error: str, headers: dict[str, s
     return JSONResponse(wire.error_body(detail, error), status_code=status, headers=headers)
 
 
-def render_error(exc: fse.FeatureStoreError) -> JSONResponse:
-    """The one translation of a domain error into a response (also used by the auth middleware)."""
+def relative_to_store(message: str, private_paths: Sequence[str]) -> str:
+    """``message`` with the store's own location taken out: keys inside it become relative
+    (``ds/enc/split/features/c/3/0/0``), the root itself "the store". Callers of a server must not
+    learn where its store lives (issue 14b); the server's log keeps the full message."""
+    for root in private_paths:  # longest first: a root inside another is not cut in half
+        message = message.replace(root + "/", "").replace(root, "the store")
+    return message
+
+
+def render_error(exc: fse.FeatureStoreError, private_paths: Sequence[str] = ()) -> JSONResponse:
+    """The one translation of a domain error into a response (also used by the auth middleware).
+    ``private_paths``: the store's paths and URL, never shown (see :func:`relative_to_store`)."""
     status = status_for(exc)
     headers: dict[str, str] = {}
-    message = str(exc)
+    message = relative_to_store(str(exc), private_paths)
     if isinstance(exc, (fse.CorruptChunk, fse.MissingChunks)):
         message = _DAMAGED.format(message)
     extra: dict[str, object] = {}
@@ -120,8 +130,9 @@ def render_error(exc: fse.FeatureStoreError) -> JSONResponse:
         headers["WWW-Authenticate"] = "Bearer"
     if isinstance(exc, ResponseTooLarge):
         extra["max_response_bytes"] = exc.max_response_bytes
-    if isinstance(exc, Busy):
-        headers["Retry-After"] = str(exc.retry_after)
+    # Busy (503), and a split that changed while it was read (409, server/state.py): ask again.
+    if (retry_after := getattr(exc, "retry_after", None)) is not None:
+        headers["Retry-After"] = str(retry_after)
     content = wire.error_body(wire.redact(message), type(exc).__name__, **extra)
     return JSONResponse(content, status_code=status, headers=headers or None)
 
@@ -131,7 +142,8 @@ async def _feature_store_error(request: Request, exc: Exception) -> JSONResponse
         return await _unexpected(request, exc)
     if status_for(exc) >= 500:
         log.error("%s %s failed: %s", request.method, request.url.path, wire.redact(str(exc)))
-    return render_error(exc)
+    state = getattr(request.app.state, "featurestore", None)
+    return render_error(exc, getattr(state, "private_paths", ()))
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

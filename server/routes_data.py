@@ -22,7 +22,7 @@ import numpy as np
 from fastapi import APIRouter, Header, Query, Request
 from starlette.concurrency import run_in_threadpool
 
-from featurestore.errors import IndexOutOfRange
+from featurestore.errors import CorruptChunk, IndexOutOfRange, MissingChunks
 from featurestore.format import wire
 from server.errors import BadRequest, NotFound, RequestTooLarge, ResponseTooLarge
 from server.responses import ArrayResponse
@@ -94,7 +94,7 @@ def _respond(state: StoreState, entry: OpenedSplit, arrays: list[Any], index: np
                    (wire.LABELS_SHAPE_HEADER, wire.LABELS_DTYPE_HEADER)]  # fmt: skip
         for arr, (shape_header, dtype_header) in zip(arrays, headers, strict=False):
             out = state.buffer((len(index), *arr.sample_shape), arr.numpy_dtype)
-            arr.read_numpy(index, out=out)
+            _gather(state, entry, arr, index, out)
             parts.append((out[0] if single else out, arr.dtype, shape_header, dtype_header))
         state.confirm(entry)  # the split did not change while we read it
     except BaseException:
@@ -102,7 +102,19 @@ def _respond(state: StoreState, entry: OpenedSplit, arrays: list[Any], index: np
         raise
     return ArrayResponse(parts, media_type=media_type, npy=npy,
                          chunk_bytes=state.settings.send_chunk_bytes,
+                         send_timeout_s=state.settings.send_timeout_s,
                          on_sent=lambda: state.release(nbytes))  # fmt: skip
+
+
+def _gather(state: StoreState, entry: OpenedSplit, arr: Any, index: np.ndarray, out: np.ndarray) -> None:
+    """Read rows ``index`` into ``out``. Chunks that are missing or damaged mean a damaged store
+    (500) only if the split is still the one that was opened: an overwrite deletes and rewrites
+    them, and a read caught in it is the retryable 409 (issue 9)."""
+    try:
+        arr.read_numpy(index, out=out)
+    except (MissingChunks, CorruptChunk, FileNotFoundError):
+        state.check_unchanged(entry)
+        raise
 
 
 @router.get(wire.ITEM, tags=["features"], response_class=ArrayResponse, status_code=200,
@@ -157,11 +169,7 @@ def parse_indices(body: bytes, content_type: str, length: int, max_indices: int)
     if body.count(b",") + 1 > max_indices:
         raise RequestTooLarge(f"more than {max_indices} indices (FEATURESTORE_MAX_INDICES): "
                               "split the batch")  # fmt: skip
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise BadRequest('body must be JSON {"indices": [...]} (or raw int64 with Content-Type '
-                         f"{wire.INDICES})") from None  # fmt: skip
+    doc = _load_index_json(body)
     if not isinstance(doc, dict) or set(doc) != {"indices"} or not isinstance(doc["indices"], list):
         raise BadRequest('body must be exactly {"indices": [<int>, ...]}')
     values = doc["indices"]
@@ -172,6 +180,37 @@ def parse_indices(body: bytes, content_type: str, length: int, max_indices: int)
         bad = next(i for i in values if not 0 <= i < length)
         raise IndexOutOfRange(f"index {bad} out of range for {length} samples")
     return np.array(values, dtype=np.int64)
+
+
+def _load_index_json(body: bytes) -> Any:
+    """The JSON document of an index body: one 400 line for anything that is not plain JSON
+    (a nesting too deep for the parser, a key given twice: which one would count?)."""
+    try:
+        return json.loads(body, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as error:
+        raise BadRequest(f"index body gives the key {error.key!r} more than once: give it once, "
+                         'as {"indices": [<int>, ...]}') from None  # fmt: skip
+    except RecursionError:
+        raise BadRequest('index body nests too deeply: send {"indices": [<int>, ...]}, a flat '
+                         "list of integers") from None  # fmt: skip
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest('body must be JSON {"indices": [...]} (or raw int64 with Content-Type '
+                         f"{wire.INDICES})") from None  # fmt: skip
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    doc: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in doc:
+            raise _DuplicateKey(key[:80])
+        doc[key] = value
+    return doc
 
 
 async def _indexed(request: Request, dataset: str, encoder: str, split: str, labels: bool,

@@ -7,18 +7,27 @@ Safety: a key is a ``/``-joined list of segments of ``[A-Za-z0-9._-]`` that are 
 nor ``..``, and the raw (undecoded) request path may hold no ``%`` escape, so neither ``..`` nor
 ``%2e%2e`` / ``%2f`` / ``%5c`` can climb out of the root. On a local store the resolved real path
 must also stay under the root's real path, so a symlink inside the store cannot leak files.
+Hidden names (a leading ``.``) and writers' temporary files (``.tmp``) are no keys: 404.
+
+Bodies: a key's bytes are charged against ``FEATURESTORE_MAX_INFLIGHT_BYTES`` like every ``/v1``
+data body and streamed ``FEATURESTORE_SEND_CHUNK_BYTES`` at a time
+(:class:`~server.responses.FileRangeResponse`), never read whole into memory; a local key is
+read through one open file descriptor, so a value replaced meanwhile (writers rename) is still
+sent whole from the version that was opened.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.errors import BadRequest, NotFound, RangeNotSatisfiable, ResponseTooLarge
+from server.responses import FileRangeResponse
 from server.state import StoreState
 
 router = APIRouter()
@@ -36,7 +45,16 @@ def validate_key(key: str, raw_path: bytes) -> str:
     for segment in key.split("/"):
         if segment in (".", "..") or _SEGMENT.fullmatch(segment) is None:
             raise BadRequest(f"bad Zarr key {key[:80]!r}: segment {segment[:80]!r} is not allowed")
+    for segment in key.split("/"):
+        if _hidden(segment):
+            raise NotFound(f"no Zarr key {key!r}")
     return key
+
+
+def _hidden(segment: str) -> bool:
+    """Not part of the Zarr key space: dotfiles and writers' temporary files (``.x.tmp``), which
+    the store's own listings skip too."""
+    return segment.startswith(".") or segment.endswith(".tmp")
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
@@ -100,6 +118,15 @@ def _is_local(fs: Any) -> bool:
     return "file" in protocol or "local" in protocol
 
 
+def _opener(state: StoreState, path: str) -> tuple[Callable[[int, int], bytes], Callable[[], None]]:
+    """``(read(offset, size), close())`` over one value. Locally one file descriptor serves every
+    piece (positional reads, no shared offset); elsewhere each piece is a ranged GET."""
+    if _is_local(state.fs):
+        fd = os.open(path, os.O_RDONLY)
+        return (lambda offset, size: os.pread(fd, size, offset)), (lambda: os.close(fd))
+    return (lambda offset, size: state.fs.cat_file(path, start=offset, end=offset + size)), (lambda: None)
+
+
 @router.get("/zarr/{key:path}", tags=["zarr"], responses={206: {"description": "partial"}})
 def zarr_key(request: Request, key: str) -> Response:
     """One key of the store (``zarr.json``, ``<dataset>/<encoder>/<split>/features/c/0/0/0``)."""
@@ -124,19 +151,40 @@ def zarr_key(request: Request, key: str) -> Response:
             max_response_bytes=cap,
         )
     headers = {"Accept-Ranges": "bytes"}
-    if request.method == "HEAD":  # fsspec's HTTPFileSystem asks for sizes this way: no read
-        data = b""
-        headers["Content-Length"] = str(stop - start)
-    else:
-        try:
-            data = state.fs.cat_file(path, start=start, end=stop) if stop > start else b""
-        except FileNotFoundError:
-            raise NotFound(f"no Zarr key {key!r}") from None
+    status = 200
+    if byte_range is not None:
+        headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+        status = 206
     media = "application/json" if key.endswith(".json") else "application/octet-stream"
-    if byte_range is None:
-        return Response(data, media_type=media, headers=headers)
-    headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
-    return Response(data, status_code=206, media_type=media, headers=headers)
+    if request.method == "HEAD":  # fsspec's HTTPFileSystem asks for sizes this way: no read
+        headers["Content-Length"] = str(stop - start)
+        return Response(b"", status_code=status, media_type=media, headers=headers)
+    return _stream(state, key, path, start, stop, status=status, headers=headers, media=media)
+
+
+def _stream(state: StoreState, key: str, path: str, start: int, stop: int, *, status: int,
+            headers: dict[str, str], media: str) -> FileRangeResponse:  # fmt: skip
+    """The body, charged against the in-flight budget until its last byte left (or the client
+    was dropped); its first piece is read here, so a key that vanished is still a 404."""
+    nbytes = stop - start
+    state.reserve(nbytes)
+    close: Callable[[], None] = lambda: None  # noqa: E731
+    try:
+        read, close = _opener(state, path)
+        first = read(start, min(state.settings.send_chunk_bytes, nbytes)) if nbytes else b""
+        if len(first) < min(state.settings.send_chunk_bytes, nbytes):
+            raise FileNotFoundError(path)  # replaced by a shorter value since its size was read
+    except BaseException as error:
+        close()
+        state.release(nbytes)
+        if isinstance(error, OSError):
+            raise NotFound(f"no Zarr key {key!r}") from None
+        raise
+    return FileRangeResponse(read, close, start=start, stop=stop, first=first, status_code=status,
+                             headers=headers, media_type=media,
+                             chunk_bytes=state.settings.send_chunk_bytes,
+                             send_timeout_s=state.settings.send_timeout_s,
+                             on_sent=lambda: state.release(nbytes))  # fmt: skip
 
 
 # HEAD (sizes for fsspec's HTTPFileSystem) answers from the same handler; kept out of the OpenAPI

@@ -65,6 +65,15 @@ class Settings(BaseSettings):
         "Retry-After",
     )
     inflight_wait_s: float = Field(default=5.0, ge=0, description="see max_inflight_bytes")
+    send_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        # uvicorn has no write timeout: without one, a client that stops reading holds its
+        # response's share of max_inflight_bytes (and the memory) for as long as it stays connected.
+        description="longest wait for a client to take one piece (send_chunk_bytes) of a response; "
+        "past it the connection is dropped and the response's in-flight bytes are given back "
+        "(0: no limit)",
+    )
     metadata_ttl_s: float = Field(
         default=1.0,
         ge=0,

@@ -8,6 +8,12 @@ page-cached read of a few KiB, ~10-20 us) and once more after the gather: a spli
 between (an overwrite started, a re-extraction committed) is answered with 409, so no response
 ever mixes two generations. On object storage each re-read is a round trip, so the document is
 re-checked at most every ``metadata_ttl_s`` seconds (default 1 s) and only before the gather.
+
+Overwrites (issue 9): a split this worker has served complete and that is now incomplete (an
+overwrite is writing it), missing (the overwrite deleted it and has not written it again yet),
+or whose chunks vanished or changed under a read (a MissingChunks/CorruptChunk/FileNotFoundError
+while its document changed) is answered 409 with ``Retry-After`` ("the split changed while
+reading: retry"), never 404 or a 500 "the store is damaged"; clients retry those 409s.
 """
 
 from __future__ import annotations
@@ -35,6 +41,18 @@ _HTTP_HINT = (
 )
 
 
+# How long a split served here may stay missing from storage and still count as "being rewritten"
+# (an overwrite deletes it, then writes its new document at once).
+_REWRITE_GRACE_S = 60.0
+
+
+def _private_paths(*roots: str) -> tuple[str, ...]:
+    """The store's absolute paths and URL, longest first (see ``server.errors.relative_to_store``);
+    a relative or one-character root is skipped, as replacing it would mangle ordinary words."""
+    kept = {r.rstrip("/") for r in roots if r and (r.startswith("/") or "://" in r)}
+    return tuple(sorted((r for r in kept if len(r) > 1), key=len, reverse=True))
+
+
 @dataclass
 class OpenedSplit:
     """One cache entry: the opened array and the metadata bytes it was opened from."""
@@ -43,6 +61,8 @@ class OpenedSplit:
     array: Any
     document: bytes
     checked: float
+    # When this worker first saw the split changed under this entry (None: not yet).
+    changed: float | None = None
 
 
 class StoreState:
@@ -65,6 +85,8 @@ class StoreState:
         # Where a local root really is (symlinks resolved): /zarr reads must stay below it.
         self.real_root = os.path.realpath(self.root)
         self.local = self.store.storage.local_path(layout.ZARR_JSON) is not None
+        # Error bodies name things relative to the store, never by the server's own paths.
+        self.private_paths = _private_paths(self.store.url, self.real_root if self.local else "")
         # The one lease-based pool (core/buffers.py): a response's buffers return to it when
         # ArrayResponse drops its last view after the last byte was sent, never earlier.
         # Anonymous maps, reused warm: plain np.empty buffers of many sizes fragmented glibc's
@@ -99,19 +121,24 @@ class StoreState:
                 self._splits.move_to_end(key)
         if entry is not None and not self.local and now - entry.checked < self.settings.metadata_ttl_s:
             return entry
-        document = self._document(key)
-        if entry is not None and entry.document == document:
-            entry.checked = now
-            return entry
-        # New or changed: open afresh (outside the lock: a slow object store must not serialize
-        # every other request). store.open re-reads the document; if it changed again meanwhile
-        # the post-gather check below catches it.
         try:
+            document = self._document(key)
+            if entry is not None and entry.document == document:
+                entry.checked, entry.changed = now, None
+                return entry
+            # New or changed: open afresh (outside the lock: a slow object store must not
+            # serialize every other request). store.open re-reads the document; if it changed
+            # again meanwhile the post-gather check below catches it.
             array = self.store.open(*key)
-        except IncompleteSplit as error:
-            with self._lock:
-                self._splits.pop(key, None)
-            raise IncompleteSplit(f"{error} {_HTTP_HINT}") from None
+        except (IncompleteSplit, SplitNotFound) as error:
+            # Incomplete or missing now, complete when this worker last served it: an overwrite
+            # is writing it (it deletes the split, then writes the new one), not a split that
+            # never was.
+            if entry is not None and not self._given_up(entry, error):
+                raise self._changed(entry, "is being rewritten on storage") from None
+            if isinstance(error, IncompleteSplit):
+                raise IncompleteSplit(f"{error} {_HTTP_HINT}") from None
+            raise
         entry = OpenedSplit(key, array, document, now)
         with self._lock:
             self._splits[key] = entry
@@ -125,20 +152,40 @@ class StoreState:
 
     def confirm(self, entry: OpenedSplit) -> None:
         """After a gather: refuse (409) if the split changed while it was read (local stores)."""
-        if not self.local:
-            return
+        if self.local:
+            self.check_unchanged(entry)
+
+    def check_unchanged(self, entry: OpenedSplit) -> None:
+        """Raise the retryable 409 if the split's document is no longer the one ``entry`` was
+        opened from (re-read now, whatever the TTL): after a read that found chunks missing or
+        damaged, this tells an overwrite in progress from a damaged store."""
         try:
             same = self._document(entry.key) == entry.document
         except (SplitNotFound, OSError):
             same = False
         if not same:
-            with self._lock:
-                if self._splits.get(entry.key) is entry:
-                    del self._splits[entry.key]
-            raise IncompleteSplit(
-                f"split {'/'.join(entry.key)} changed on storage while it was read (it is being "
-                f"rewritten or was re-extracted): retry the request. {_HTTP_HINT}"
-            )
+            raise self._changed(entry, "changed on storage while it was read (it is being "
+                                "rewritten or was re-extracted)")  # fmt: skip
+
+    def _changed(self, entry: OpenedSplit, what: str) -> IncompleteSplit:
+        """The 409 for a split that changed under ``entry``; the entry stays cached (stale, so
+        every request re-reads the document) to remember that the split was complete here."""
+        if entry.changed is None:
+            entry.changed = time.monotonic()
+        error = IncompleteSplit(f"split {'/'.join(entry.key)} {what}: retry the request. {_HTTP_HINT}")
+        error.retry_after = 1  # type: ignore[attr-defined]  # server/errors.py: Retry-After
+        return error
+
+    def _given_up(self, entry: OpenedSplit, error: Exception) -> bool:
+        """A split missing for longer than a rewrite takes was deleted: forget it (404 again)."""
+        if not isinstance(error, SplitNotFound) or entry.changed is None:
+            return False
+        if time.monotonic() - entry.changed < _REWRITE_GRACE_S:
+            return False
+        with self._lock:
+            if self._splits.get(entry.key) is entry:
+                del self._splits[entry.key]
+        return True
 
     # ------------------------------------------------------------------ buffers
     def buffer(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:

@@ -224,6 +224,33 @@ def test_5xx_after_all_retries_is_a_client_error() -> None:
         server.close()
 
 
+def test_split_being_rewritten_409_is_retried_within_its_bound() -> None:
+    ok = json.dumps({"datasets": ["a"]}).encode()
+    changed = response(409, b'{"detail": "split a/b/c is being rewritten: retry", "error": "IncompleteSplit"}',
+                       {"Retry-After": "1"})  # fmt: skip
+    server = ScriptedHTTPServer([changed, changed, response(200, ok)])
+    try:  # retries=0: a rewrite is not a failure, it has its own bound
+        assert FeatureClient(server.url, retries=0, backoff=0.01).datasets() == ["a"]
+        assert len(server.requests) == 3
+    finally:
+        server.close()
+    server = ScriptedHTTPServer([changed] * 50)
+    try:  # the bound: then the 409 itself
+        with pytest.raises(fse.IncompleteSplit) as info:
+            FeatureClient(server.url, backoff=0.01, split_change_wait_s=0.2).datasets()
+        assert info.value.status == 409 and info.value.retry_after == 1.0
+        assert 2 <= len(server.requests) < 50
+    finally:
+        server.close()
+    server = ScriptedHTTPServer([response(409, b'{"detail": "not complete", "error": "IncompleteSplit"}')] * 3)
+    try:  # no Retry-After (a split that never was complete here): raised at once
+        with pytest.raises(fse.IncompleteSplit):
+            FeatureClient(server.url, backoff=0.01).datasets()
+        assert len(server.requests) == 1
+    finally:
+        server.close()
+
+
 def test_4xx_is_not_retried() -> None:
     server = ScriptedHTTPServer([response(404, b'{"detail": "gone", "error": "DatasetNotFound"}')] * 3)
     try:

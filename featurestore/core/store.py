@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,8 @@ from featurestore.format.metadata import (
 )
 from featurestore.format.names import validate_name
 
+# The levels of a split's key, with the error that names each (FeatureStore._require_inside).
+_LEVELS = ((DatasetNotFound, "dataset"), (EncoderNotFound, "encoder"), (SplitNotFound, "split"))
 ROOT_ATTRIBUTES = {"featurestore": {"format": layout.FORMAT_NAME, "version": layout.FORMAT_VERSION}}
 
 
@@ -58,6 +61,9 @@ class FeatureStore:
         self.storage = storage
         self.url = storage.url
         self.mode = mode
+        root = storage.local_path("")
+        # A local root's real path (symlinks resolved): nothing is listed or read outside it.
+        self._real_root = os.path.realpath(root) if root is not None else None
         raw = self._read_document(layout.ZARR_JSON)
         if raw is None:
             if mode == "r":
@@ -88,6 +94,7 @@ class FeatureStore:
     def split_info(self, dataset: str, encoder: str, split: str) -> SplitMetadata:
         """The split's metadata, typed (:class:`~featurestore.format.metadata.SplitMetadata`)."""
         key = self._split_key(dataset, encoder, split)
+        self._require_inside(dataset, encoder, split)
         doc = self._read_document(f"{key}/{layout.ZARR_JSON}")
         if doc is None:
             self._require_group(dataset, encoder)
@@ -115,6 +122,7 @@ class FeatureStore:
                 "allow_incomplete=True to read it as it is"
             )
         user_meta = meta.to_json()  # arr.metadata stays a dict for users (SPEC)
+        self._require_inside(dataset, encoder, split, layout.FEATURES, layout.LABELS)
         labels = None
         if meta.labels is not None:
             labels_doc = self._array_document(f"{key}/{layout.LABELS}")
@@ -309,12 +317,37 @@ class FeatureStore:
         for name in self.storage.listdir(prefix):
             if name.startswith(".") or not _is_name(name):
                 continue
-            if self.storage.exists(f"{prefix}/{name}/{layout.ZARR_JSON}" if prefix else f"{name}/{layout.ZARR_JSON}"):
+            key = f"{prefix}/{name}" if prefix else name
+            if self._inside(key) and self.storage.exists(f"{key}/{layout.ZARR_JSON}"):
                 names.append(name)
         return sorted(names)
 
+    def _inside(self, key: str) -> bool:
+        """Whether ``key`` really lies inside the store: on a local store a symlink (the key
+        itself or any directory above it) may not lead out of the root. The one containment
+        check of listings and opens; object stores have no links."""
+        if self._real_root is None:
+            return True
+        path = self.storage.local_path(key)
+        real = os.path.realpath(path) if path is not None else self._real_root
+        return real == self._real_root or real.startswith(self._real_root.rstrip(os.sep) + os.sep)
+
+    def _require_inside(self, dataset: str, encoder: str | None = None, split: str | None = None,
+                        *arrays: str) -> None:  # fmt: skip
+        """Refuse the first level (dataset, encoder, split, then each of the split's ``arrays``)
+        that leads out of the store, with that level's not-found error."""
+        names = [n for n in (dataset, encoder, split) if n is not None]
+        checks = [("/".join(names[: i + 1]), level) for i, level in enumerate(_LEVELS[: len(names)])]
+        checks += [(f"{'/'.join(names)}/{array}", (SplitNotFound, "array")) for array in arrays]
+        for key, (error, what) in checks:
+            if not self._inside(key):
+                raise error(f"{what} {key} at {self.url} is a symbolic link that leads out of the "
+                            "store: it is neither listed nor read. Copy the data into the store, or "
+                            "open the store it belongs to")  # fmt: skip
+
     def _require_group(self, dataset: str, encoder: str | None = None) -> None:
-        validate_name(dataset, "dataset")
+        self._require_inside(validate_name(dataset, "dataset"),
+                             None if encoder is None else validate_name(encoder, "encoder"))
         if not self.storage.exists(f"{dataset}/{layout.ZARR_JSON}"):
             raise DatasetNotFound(
                 f"dataset {dataset!r} not found at {self.url}; available: {', '.join(self.datasets()) or 'none'}"
