@@ -142,6 +142,7 @@ def _encode_only(opts: Any) -> tuple[float, Any]:
     from featurestore.core.device import resolve_device
     from featurestore.extract.run import _autocast, _worker_init, default_num_workers, resolve_precision
     from featurestore.extract.sources import Failure, PreparedImages, Preprocessing, collate, open_source
+    from featurestore.extract.workers import DieWithParent
 
     start = time.perf_counter()
     source = open_source(opts.images)
@@ -156,7 +157,7 @@ def _encode_only(opts: Any) -> tuple[float, Any]:
     workers = opts.num_workers if opts.num_workers is not None else default_num_workers()
     loader = torch.utils.data.DataLoader(images, batch_sampler=plan, num_workers=workers, collate_fn=collate,
                                          pin_memory=device.type == "cuda",
-                                         worker_init_fn=_worker_init if workers else None)
+                                         worker_init_fn=DieWithParent(_worker_init) if workers else None)
     first = None
     with torch.inference_mode():
         for batch in loader:

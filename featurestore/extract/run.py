@@ -49,6 +49,7 @@ from featurestore.extract.sources import (
     collate,
     open_source,
 )
+from featurestore.extract.workers import DieWithParent
 from featurestore.extract.writer_thread import WriterThread
 from featurestore.format import dtypes
 from featurestore.format.metadata import Provenance
@@ -267,9 +268,11 @@ def _encode_chunks(opts: ExtractOptions, prep: _Prepared, writer: Any, chunks: l
     if not plan:
         return 0, 0, 0.0, 0.0
     workers = opts.num_workers if opts.num_workers is not None else default_num_workers(coord.world_size)
+    # DieWithParent: a SIGKILL of this process takes the workers with it (they fork in iter(loader)
+    # below, on the caller's thread; featurestore.extract.workers says why that matters).
     loader = torch.utils.data.DataLoader(
         prep.images, batch_sampler=plan, num_workers=workers, collate_fn=collate,
-        pin_memory=prep.device.type == "cuda", worker_init_fn=_worker_init if workers else None)
+        pin_memory=prep.device.type == "cuda", worker_init_fn=DieWithParent(_worker_init) if workers else None)
     from tqdm import tqdm
 
     thread = WriterThread(writer, opts.queue_size)
