@@ -297,3 +297,94 @@ def test_sigkill_then_resume_on_s3_equals_uninterrupted_run(seaweed_url: str, se
     index = np.random.default_rng(0).permutation(N)
     got, want = store.open(*SPLIT), featurestore.open_store(str(reference)).open(*SPLIT)
     assert got.read_numpy(index).tobytes() == want.read_numpy(index).tobytes()
+
+
+# A writer that stops in the middle of a put: the first piece of its temporary file is written,
+# then it says so and waits (to be SIGKILLed, or to stay alive while another process resumes).
+PAUSED_WRITER = r"""
+import sys, time
+import numpy as np
+import featurestore
+from featurestore.core import storage
+
+real_stream = storage._stream
+
+def paused_stream(f, parts, *, seal, writeback):
+    f.write(bytes(memoryview(parts[0]).cast("B")[:100]))
+    f.flush()
+    print("in-put", flush=True)
+    time.sleep(600)
+
+storage._stream = paused_stream
+root = sys.argv[1]
+store = featurestore.open_store(root, mode="a")
+w = store.create_split("pannuke", "tiny-vit", "train", num_samples=62, sample_shape=(4, 8),
+                       dtype="float16", chunk_bytes=4 * 64, label_dtype="int64",
+                       metadata={"cache_key": "k1"}, resume=True)
+w.write(0, np.ones((4, 4, 8), np.float32), labels=np.zeros(4, np.int64))
+w.flush()
+"""
+
+
+def _paused_writer(root: Path) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-c", PAUSED_WRITER, str(root)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    _wait_for(proc, "in-put")
+    return proc
+
+
+def _temp_files(root: Path) -> list[Path]:
+    return sorted(root.joinpath(*SPLIT).rglob("*.tmp"))
+
+
+def _age(paths: list[Path], minutes: float) -> None:
+    then = time.time() - minutes * 60
+    for path in paths:
+        os.utime(path, (then, then))
+
+
+def test_temp_files_of_killed_writers_are_reported_and_resume_removes_only_stale_ones(tmp_path: Path) -> None:
+    """Issue 13c: a writer SIGKILLed in the middle of a put leaves its temporary file, which
+    neither resume removed nor verify reported. verify lists it (a leftover, not damage); a
+    resume removes it once its writer is gone from this host and it is 10 minutes old, and
+    never the temporary file of a writer that is still running."""
+    root = tmp_path / "store"
+    proc = _start(root, "fresh")
+    _wait_for(proc, "pending")
+    proc.kill()
+    proc.wait()
+    killed = _paused_writer(root)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()  # reaped: its pid is gone from this host
+    leftover = _temp_files(root)
+    assert len(leftover) == 1 and f".{killed.pid}." in leftover[0].name
+
+    result = subprocess.run([sys.executable, "-m", "featurestore.cli", "verify", str(root)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr  # incomplete split, no damage
+    lines = result.stdout.splitlines()
+    rel = leftover[0].relative_to(root).as_posix()
+    assert any(line.startswith(f"LEFTOVER {rel}: ") and "100 B" in line and "not running" in line
+               for line in lines), lines
+    assert "1 leftover temporary file(s), 100 B" in result.stdout
+
+    store = featurestore.open_store(str(root), mode="a")
+
+    def resume() -> None:
+        store.create_split(*SPLIT, num_samples=N, sample_shape=(4, 8), dtype="float16", chunk_bytes=4 * 64,
+                           label_dtype="int64", metadata={"cache_key": "k1"}, resume=True).close()
+
+    resume()  # young: its writer may be on another host sharing the file system
+    assert _temp_files(root) == leftover
+    live = _paused_writer(root)  # a writer still running, its put in progress
+    try:
+        both = _temp_files(root)
+        assert len(both) == 2
+        _age(both, 11)
+        resume()
+        assert [p.name for p in _temp_files(root)] == [p.name for p in both if f".{live.pid}." in p.name]
+    finally:
+        live.kill()
+        live.wait()
+    lines = _run(root, "resume")  # the split still finishes with an uninterrupted run's bytes
+    assert lines[-1] == "done"

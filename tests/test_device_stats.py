@@ -146,3 +146,24 @@ def test_cuda_statistics_match_the_cpu(logical: str) -> None:
     # a batch cut on the GPU keeps its per-sample figures within the same tolerance
     part = device_stats.prepare(x[3:7].cuda(), logical, SHAPE[-1], 3)
     np.testing.assert_allclose(part.rows.m2, gpu.rows.m2[3:7], rtol=1e-6)
+
+
+@pytest.mark.parametrize("logical", ["bfloat16", "float32"])
+@pytest.mark.parametrize("source", ["float32", "float64"])
+def test_torch_and_numpy_agree_on_values_whose_squares_leave_float32(logical: str, source: str) -> None:
+    """Issue 10: values near bfloat16's largest, and tiny ones, squared in float32 overflowed to
+    inf (or underflowed to 0) on the torch path; both paths now square them in float64."""
+    x = _features(6, seed=5) * 1e-3
+    x[0, 1, 2], x[1, 0, 0], x[2, 3, 4], x[5, 7, 1] = 3.0e38, -1e22, 1e-30, 1e20
+    x = x.astype(source)
+    ours = device_stats.prepare(torch.from_numpy(x), logical, SHAPE[-1], 0)
+    theirs = prepare_numpy(x, logical, SHAPE[-1], 0)
+    assert ours.stored.tobytes() == theirs.stored.tobytes()
+    for name in ("abs_max", "max_abs_error", "max_rel_error"):
+        np.testing.assert_array_equal(getattr(ours.rows, name), getattr(theirs.rows, name), err_msg=name)
+    for name in ("sq_error", "sq_source"):
+        assert np.isfinite(getattr(ours.rows, name)).all(), name
+        np.testing.assert_allclose(getattr(ours.rows, name), getattr(theirs.rows, name), rtol=1e-12, err_msg=name)
+    if source != logical:  # exact storage has no error figures to take
+        np.testing.assert_allclose(ours.rows.sq_source, (x.astype(np.float64) ** 2).reshape(6, -1).sum(axis=1),
+                                   rtol=1e-12)

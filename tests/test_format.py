@@ -185,7 +185,10 @@ def test_missing_store(tmp_path: Path, memory_url: str) -> None:
         featurestore.open_store(str(tmp_path / "x"), mode="w")
 
 
-BAD_NAMES = ["../x", "..", "", "a/b", "%2e%2e", "x" * 129, ".hidden", "a\\b", "a b", "a\x00b", "-x", None, 3]
+BAD_NAMES = ["../x", "..", "", "a/b", "%2e%2e", "x" * 129, ".hidden", "a\\b", "a b", "a\x00b", "-x", None, 3,
+             # reserved by the layout (featurestore.format.names): the group document at every
+             # level (any case: case-insensitive file systems), and temporary files
+             "zarr.json", "ZARR.JSON", "Zarr.Json", "train.tmp", "x.TMP"]
 
 
 @pytest.mark.parametrize("bad", BAD_NAMES, ids=repr)
@@ -209,6 +212,19 @@ def test_invalid_names_are_refused(tmp_path: Path, bad: Any) -> None:
     # nothing was created outside (or inside) the store by the refused calls
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
     assert store.datasets() == ["pannuke"] and store.splits("pannuke", "tiny-vit") == ["train"]
+
+
+def test_names_of_the_arrays_inside_a_split_stay_valid(tmp_path: Path) -> None:
+    """Only what sits beside a name in the layout is reserved: the arrays and chunk directories
+    of a split live one level below its name, so they are fine as names."""
+    store = featurestore.open_store(str(tmp_path / "store"), mode="a")
+    names = ("features", "c", "chunk_stats")
+    w = store.create_split(*names, num_samples=2, sample_shape=(2, 3), dtype="float32")
+    w.write(0, np.ones((2, 2, 3), np.float32))
+    w.commit()
+    store.create_split("labels", "ids", "zarr", num_samples=2, sample_shape=(2, 3)).close()
+    assert store.open(*names).shape == (2, 2, 3)
+    assert store.datasets() == ["features", "labels"] and store.splits("labels", "ids") == ["zarr"]
 
 
 def test_longest_valid_name(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 import featurestore
 from featurestore.core import fused_stats
-from featurestore.core.batch import prepare_numpy
+from featurestore.core.batch import is_exact, prepare_numpy
 from featurestore.errors import Float16Overflow, NonFiniteValues
 from featurestore.format.stats import ROW_FIELDS
 
@@ -271,3 +271,21 @@ def test_warm_up_loads_the_kernel_a_batch_will_use_and_never_raises(monkeypatch:
 
     monkeypatch.setattr(fused_stats, "prepare", broken)
     fused_stats.warm_up("float32", "float16")  # swallowed: the first write meets it again
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "float32"])
+@pytest.mark.parametrize("source", ["float32", "bfloat16", "float64"])
+def test_wide_values_are_summed_in_float64_as_the_numpy_reference(source: str, stored: str) -> None:
+    """Issue 10: bfloat16/float32 values reach 3.4e38; their squares overflowed (and below ~1e-19
+    underflowed) the kernel's float32 group sums. Now both paths square them in float64, in the
+    same order: the same bits, finite, right."""
+    x = _features(4, 37, 70) * np.float32(1e-3)
+    x[0, 5, 3], x[1, 20, 0], x[2, 36, 69], x[3, 0, 0] = 3.0e38, -1e22, 1e-30, 1e20
+    raw, reference_input = _as(x, source)
+    want = prepare_numpy(reference_input, stored, 70, 0)
+    got = fused_stats.prepare(raw, source, stored, 70, 0, threads=2)
+    _same(got, want)
+    assert np.isfinite(got.rows.sq_error).all() and np.isfinite(got.rows.sq_source).all()
+    if not is_exact(source, stored):  # exact storage has no error figures to take
+        wide = reference_input.astype(np.float64)
+        np.testing.assert_allclose(got.rows.sq_source, (wide**2).reshape(4, -1).sum(axis=1), rtol=1e-12)

@@ -310,3 +310,116 @@ def test_bfloat16_never_rounds_to_inf(tmp_path: Path) -> None:
         w.write(0, x)
     with pytest.raises(MissingChunks):
         w.commit()
+
+
+# ---------------------------------------------------------------------- extreme values (issue 10)
+@pytest.fixture(params=["fused", "torch", "numpy"])
+def stats_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each of the writer's statistics paths: the numba kernel, torch passes, numpy passes."""
+    from featurestore.core import fused_stats, writer
+
+    if request.param == "fused":
+        if not fused_stats.available():
+            pytest.skip("numba is not installed (the numba extra)")
+    else:
+        monkeypatch.setattr(fused_stats, "available", lambda: False)
+    if request.param == "numpy":
+        monkeypatch.setattr(writer, "_torch_available", lambda: False)
+    return str(request.param)
+
+
+def _reference_report(x: np.ndarray, decoded: np.ndarray) -> dict[str, float]:
+    """The report's error figures in float64 (scaled by the abs max, so no square overflows)."""
+    scale = float(np.abs(x).max())
+    error = (decoded.astype(np.float64) - x.astype(np.float64)) / scale
+    source = x.astype(np.float64) / scale
+    rms = np.sqrt(np.mean(error**2))
+    return {"rms_error": float(rms * scale), "rel_rms_error": float(rms / np.sqrt(np.mean(source**2))),
+            "max_abs_error": float(np.abs(error).max() * scale)}
+
+
+@pytest.mark.parametrize("dtype, big", [("bfloat16", 1e20), ("bfloat16", 1e22), ("bfloat16", 3.3e38),
+                                        ("float16", 6.5e4), ("bfloat16", 1e-30), ("bfloat16", 1e-38)])
+def test_report_is_right_for_any_value_the_stored_dtype_holds(tmp_path: Path, stats_path: str, dtype: str,
+                                                              big: float) -> None:
+    """Issue 10: with one bfloat16 value of 1e20 rel_rms_error was 0.0 (source**2 overflowed
+    float32), one >= 1e22 made commit() raise "Out of range float values are not JSON compliant"
+    (error**2 did) and left the split writing. Values far below 1 squared to 0 the same way."""
+    store = _store(tmp_path)
+    x = (float32_source(12, scale=3.0) * (big if big < 1 else 1.0)).astype(np.float32)
+    x[3, 1, 2] = big
+    w = _create(store, 12, dtype=dtype)
+    w.write(0, x)
+    q = w.commit()["quantization"]
+    assert store.split_status("d", "e", "s") == "complete"
+    decoded = (x.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else x.astype(np.float16)).astype(np.float32)
+    want = _reference_report(x, decoded)
+    for name, value in want.items():
+        assert q[name] == pytest.approx(value, rel=1e-6), name
+    assert q["rel_rms_error"] > 0 and q["abs_max"] == pytest.approx(float(np.abs(x).max()))
+
+
+def test_float64_source_is_recorded_and_measured_as_float64(tmp_path: Path, stats_path: str) -> None:
+    """Issue 10: a float64 source was reported against its float32 rounding (float64 -> float32
+    read "exact"). The source dtype is float64 and the error is the float64 -> stored one."""
+    store = _store(tmp_path)
+    x = float32_source(12, scale=30.0).astype(np.float64) * (1 + 1e-9)  # not float32 values
+    for split, dtype in (("f32", "float32"), ("f16", "float16")):
+        w = _create(store, 12, dtype=dtype, split=split)
+        w.write(0, x)
+        meta = w.commit()
+        q = meta["quantization"]
+        assert (meta["source_dtype"], q["source_dtype"], q["stored_dtype"]) == ("float64", "float64", dtype)
+        decoded = x.astype(np.float32).astype(dtype).astype(np.float64)
+        assert q["exact"] is False
+        assert q["max_abs_error"] == pytest.approx(float(np.abs(decoded - x).max()), rel=1e-9)
+        for name, value in _reference_report(x, decoded).items():
+            assert q[name] == pytest.approx(value, rel=1e-6), name
+    # float64 values that float32 holds exactly are stored exactly, and said so
+    w = _create(store, 12, dtype="float32", split="exact")
+    w.write(0, float32_source(12, scale=30.0).astype(np.float64))
+    q = w.commit()["quantization"]
+    assert (q["source_dtype"], q["exact"], q["max_abs_error"], q["rms_error"]) == ("float64", True, 0.0, 0.0)
+
+
+def test_float64_beyond_float32_is_refused(tmp_path: Path, stats_path: str) -> None:
+    """A float64 value past float32's range used to be stored as Inf in a float32 split."""
+    store = _store(tmp_path)
+    x = float32_source(4, scale=3.0).astype(np.float64)
+    x[1, 0, 0] = -1e39
+    w = _create(store, 4, dtype="float32")
+    with pytest.raises(NonFiniteValues, match="round to Inf in float32"):
+        w.write(0, x)
+    w.write(0, x * 0)
+    assert np.isfinite(w.commit()["quantization"]["abs_max"])
+
+
+def test_a_report_figure_that_is_not_finite_is_stored_as_null() -> None:
+    """Rows written by an older version may hold an overflowed (inf) sum: the report stores null
+    for it, never a value strict JSON cannot hold."""
+    import json
+
+    from featurestore.format.stats import ChunkStats, report
+
+    total = ChunkStats(channels=2, rows=1, values=4, abs_max=1e22, max_abs_error=1e19,
+                       sum_sq_error=float("inf"), sum_sq_source=float("inf"))
+    out = report(total, source_dtype="float32", logical_dtype="bfloat16")
+    json.dumps(out, allow_nan=False)
+    assert out["quantization"]["rms_error"] is None and out["quantization"]["rel_rms_error"] is None
+
+
+def test_a_float64_cache_is_imported_as_float64(tmp_path: Path) -> None:
+    """Issue 10: `featurestore import` of a float64 cache reported "float32 -> float32 (exact)":
+    it rounded the rows itself and declared float32. The report now says float64 -> stored."""
+    from featurestore.extract.importer import ImportOptions, import_cache
+
+    x = float32_source(10, scale=30.0).astype(np.float64) * (1 + 1e-9)
+    np.save(tmp_path / "cache.npy", x)
+    result = import_cache(ImportOptions(source=str(tmp_path / "cache.npy"), store=str(tmp_path / "store"),
+                                        dataset="d", encoder_name="e", split="s", dtype="float32",
+                                        progress=False))
+    meta = result.metadata
+    q = meta["quantization"]
+    assert (meta["source_dtype"], q["source_dtype"], q["stored_dtype"], q["exact"]) == (
+        "float64", "float64", "float32", False)
+    assert q["max_abs_error"] == pytest.approx(float(np.abs(x.astype(np.float32) - x).max()), rel=1e-9)

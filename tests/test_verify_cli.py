@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -139,7 +140,8 @@ def test_errors_are_one_line(root: Path, tmp_path: Path, case: str) -> None:
         "verify-args": ["verify", str(root), "pannuke"],
     }[case]
     result = _run(*argv)
-    assert result.returncode == 1
+    # verify's own status for "nothing checked" is 2 (1 means damage found)
+    assert result.returncode == (2 if argv[0] == "verify" else 1)
     assert result.stdout == ""
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
@@ -178,3 +180,55 @@ def test_verify_object_storage(memory_url: str, capsys: pytest.CaptureFixture[st
     store.storage.write(key, bytes(data))
     code, out, _ = _cli(capsys, "verify", memory_url)
     assert code == 1 and f"DAMAGED {key}: crc32c mismatch" in out
+
+
+@pytest.mark.parametrize("position", [0, 1, 2], ids=["dataset", "encoder", "split"])
+def test_verify_unknown_name_is_an_error_not_a_clean_store(root: Path, position: int) -> None:
+    """Issue 8: a typo in the dataset printed "0 complete split(s) checked, 0 damaged" with exit
+    0; one in the encoder or split was reported as damage (exit 1). Both are one line naming the
+    name and the known ones, with verify's "nothing checked" status 2."""
+    names = list(SPLIT)
+    names[position] = "typo"
+    result = _run("verify", str(root), *names)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stdout == "" and "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    what = ("dataset", "encoder", "split")[position]
+    known = {0: "pannuke", 1: "tiny-vit", 2: "test, train, val"}[position]
+    assert lines == [f"featurestore: error: no such {what} 'typo'"
+                     + ("" if position == 0 else f" in {'/'.join(SPLIT[:position])}")
+                     + f" at {root} (known: {known})"], result.stderr
+
+
+def test_verify_damage_and_not_checked_exit_differently(root: Path, tmp_path: Path) -> None:
+    _chunk(root, "train", 1).unlink()
+    assert _run("verify", str(root), *SPLIT).returncode == 1
+    assert _run("verify", str(tmp_path / "nowhere")).returncode == 2
+    assert _run("verify", str(root), "pannuke", "tiny-vit", "zarr.json").returncode == 2
+
+
+def test_verify_names_a_split_without_its_group_document(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A named split whose zarr.json is gone is there (in the listing) and damaged, not unknown."""
+    (root / "pannuke" / "tiny-vit" / "train" / "zarr.json").unlink()
+    code, out, _ = _cli(capsys, "verify", str(root), *SPLIT)
+    assert code == 1 and "DAMAGED pannuke/tiny-vit/train/zarr.json" in out
+
+
+def test_verify_reports_a_reserved_name_directory_on_object_storage(seaweed: Any, seaweed_url: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 8: on S3 a split called zarr.json was written (beside its encoder's document) and
+    served, but verify skipped it. The name is refused now; one an older version wrote is
+    reported, since readers never see it."""
+    options = json.dumps(seaweed.storage_options)
+    store = featurestore.open_store(seaweed_url, mode="a", **seaweed.storage_options)
+    with pytest.raises(featurestore.errors.InvalidName, match="reserved"):
+        store.create_split("pannuke", "tiny-vit", "zarr.json", num_samples=4, sample_shape=(2, 8))
+    w = store.create_split(*SPLIT, num_samples=4, sample_shape=(2, 8), dtype="float32")
+    w.write(0, np.ones((4, 2, 8), np.float32))
+    w.commit()
+    assert _cli(capsys, "verify", seaweed_url, "--storage-options", options)[0] == 0
+    # what an older featurestore wrote: the split's documents under .../tiny-vit/zarr.json/
+    store.storage.write("pannuke/tiny-vit/zarr.json/zarr.json", store.storage.read("pannuke/tiny-vit/train/zarr.json"))
+    code, out, _ = _cli(capsys, "verify", seaweed_url, "--storage-options", options)
+    assert code == 1, out
+    assert "DAMAGED pannuke/tiny-vit/zarr.json/: a directory under a reserved name" in out

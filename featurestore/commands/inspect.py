@@ -1,4 +1,5 @@
-"""``featurestore ls``, ``info`` and ``verify``: read-only views of a store (no torch needed)."""
+"""``featurestore ls`` and ``info`` (and, from its own module, ``verify``): read-only views of a store
+(no torch needed)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import sys
 from typing import Any
 
 from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
-from featurestore.errors import InvalidOption
 
 
 def register(subparsers: Any) -> None:
@@ -27,20 +27,10 @@ def register(subparsers: Any) -> None:
     add_storage_options(info)
     info.set_defaults(func=run_info)
 
-    verify = subparsers.add_parser(
-        "verify",
-        help="check the documents and every chunk of complete splits; exit 1 on damage",
-        description="Check the store: every group has its zarr.json, each complete split's array "
-        "documents agree with its metadata (shape, chunking, dtype), every chunk is present with the "
-        "right size and crc32c, and every statistics row carries the split's generation and its own "
-        "chunk index and matches its features chunk (docs/FORMAT.md, 'Guarantees'). Every problem is "
-        "listed. Incomplete splits are listed, not counted as damage. Exit status 1 if anything is damaged.",
-    )
-    verify.add_argument("url")
-    verify.add_argument("names", nargs="*", metavar="DATASET ENCODER SPLIT",
-                        help="optionally restrict to one dataset, encoder and split")
-    add_storage_options(verify)
-    verify.set_defaults(func=run_verify)
+    # verify has its own module (its exit statuses, its leftovers); registered here, after info
+    from featurestore.commands import verify
+
+    verify.register(subparsers)
 
 
 def _store(args: argparse.Namespace) -> Any:
@@ -121,36 +111,3 @@ def _run_info(args: argparse.Namespace) -> int:
     for name, value in lines:
         print(f"{name:>14}: {value}")
     return 0
-
-
-def run_verify(args: argparse.Namespace) -> int:
-    with store_errors(args.url):
-        return _run_verify(args)
-
-
-def _run_verify(args: argparse.Namespace) -> int:
-    from featurestore.core.verify import verify_store
-
-    if len(args.names) not in (0, 3):
-        raise InvalidOption(
-            f"verify takes DATASET ENCODER SPLIT together or none of them, got {args.names!r}"
-        )
-    store = _store(args)
-    problems, checks = verify_store(store, *(args.names or [None, None, None]))
-    for problem in problems:
-        print(f"DAMAGED {problem}")
-    damaged = checked = 0
-    for result in checks:
-        if result.status == "writing":
-            print(f"{result.key}: incomplete (status {result.status!r}), not checked")
-            continue
-        checked += 1
-        if result.damaged:
-            damaged += 1
-            for problem in result.problems:
-                print(f"DAMAGED {problem}")
-        else:
-            print(f"{result.key}: ok ({result.chunks_checked} chunks)")
-    print(f"{checked} complete split(s) checked, {damaged} damaged"
-          + (f"; {len(problems)} problem(s) in the store's group documents" if problems else ""))
-    return 1 if damaged or problems else 0

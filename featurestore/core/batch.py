@@ -67,6 +67,19 @@ def bfloat16_overflow(over: int, largest: float, rows: str) -> NonFiniteValues:
     )
 
 
+def float32_overflow(over: int, largest: float, rows: str) -> NonFiniteValues:
+    return NonFiniteValues(
+        f"{over} float64 values of {rows} would round to Inf in float32 (abs max {largest:.6g}, "
+        "float32's largest finite value is ~3.4028e38), the first step of every cast; nothing of "
+        "this batch was stored. Scale the features down"
+    )
+
+
+# float64 values at or beyond this magnitude round (to nearest even) to Inf in float32: halfway
+# between float32's largest finite value (2**128 - 2**104) and 2**128.
+FLOAT32_ROUNDS_TO_INF = 2.0**128 - 2.0**103
+
+
 def prepare_numpy(source: np.ndarray, logical: str, channels: int, start: int) -> Prepared:
     """:func:`featurestore.core.device_stats.prepare` without torch."""
     kind = check_kind(dtypes.source_dtype_name(source))
@@ -74,9 +87,9 @@ def prepare_numpy(source: np.ndarray, logical: str, channels: int, start: int) -
     rows = f"samples [{start}, {start + len(source)})"
     row_max = dtypes.row_abs_max(source)
     refuse_out_of_range(source, kind, logical, row_max, rows)
-    if kind == "float64":  # rounded to float32 first, as on the torch path
-        source = source.astype(np.float32)
-    stored = dtypes.quantize(source, logical)
+    # float64 is rounded to float32 first, as on the other paths; the error is measured against
+    # the float64 values themselves
+    stored = dtypes.quantize(source.astype(np.float32) if kind == "float64" else source, logical)
     stats = row_stats_numpy(source, stored, logical, is_exact(kind, logical), channels)
     stats.abs_max[:] = row_max
     return Prepared(stored, stats, kind, aliases_source=np.shares_memory(stored, source))
@@ -89,11 +102,14 @@ def refuse_out_of_range(source: np.ndarray, kind: str, logical: str, abs_max: np
     ``source``: bfloat16 as ml_dtypes values or uint16 bits."""
     largest = float(abs_max.max()) if len(abs_max) else 0.0
     if np.isfinite(largest) and not (logical == "float16" and largest > dtypes.FLOAT16_MAX) and not (
-            logical == "bfloat16" and largest >= dtypes.BFLOAT16_ROUNDS_TO_INF):
+            logical == "bfloat16" and largest >= dtypes.BFLOAT16_ROUNDS_TO_INF) and not (
+            kind == "float64" and largest >= FLOAT32_ROUNDS_TO_INF):
         return
     wide = dtypes.stored_as_float32(source.view(np.uint16), "bfloat16") if kind == "bfloat16" else source
     if not np.isfinite(largest):  # NaN bits are the largest magnitudes, so a NaN shows here too
         raise non_finite(int(np.isnan(wide).sum()), int(np.isinf(wide).sum()), rows)
     if logical == "float16":
         raise float16_overflow(int((np.abs(wide) > dtypes.FLOAT16_MAX).sum()), largest, rows)
+    if logical == "float32":
+        raise float32_overflow(int((np.abs(wide) >= FLOAT32_ROUNDS_TO_INF).sum()), largest, rows)
     raise bfloat16_overflow(int((np.abs(wide) >= dtypes.BFLOAT16_ROUNDS_TO_INF).sum()), largest, rows)

@@ -16,7 +16,9 @@ cut, the writer count or a resume. Within a sample:
 * maxima (abs max, max abs/relative error) and the stored bytes are exact (IEEE round to nearest
   even; an integer max over sign-cleared bits), identical on every device;
 * sums are taken per (sample, channel) — never into a single output, which torch's CPU reduction
-  would split across threads — over groups of ``GROUP`` values in float32 then in float64. On
+  would split across threads — over groups of ``GROUP`` values, then in float64. The groups are
+  float32 where the stored dtype is float16; for bfloat16/float32 (values up to 3.4e38, whose
+  squares overflow float32) and for float64 sources they are float64. On
   the CPU the order depends only on the shape (pinned across thread counts and batch cuts by
   tests/test_device_stats.py). On CUDA the kernels sum in another order: on an H100, sums of
   squares agreed with the CPU's within 1e-8 relative, M2 within 7.5e-7, means within 6e-7 (1e-4
@@ -34,7 +36,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from featurestore.core.batch import Prepared, bfloat16_overflow, check_kind, float16_overflow, is_exact, non_finite
+from featurestore.core.batch import (
+    FLOAT32_ROUNDS_TO_INF,
+    Prepared,
+    bfloat16_overflow,
+    check_kind,
+    float16_overflow,
+    float32_overflow,
+    is_exact,
+    non_finite,
+)
 from featurestore.format import dtypes
 from featurestore.format.stats import GROUP, REL_ERROR_FLOOR, RowStats
 
@@ -138,15 +149,18 @@ def _prepare(source: torch.Tensor, logical: str, channels: int, start: int) -> P
     _check_range(flat, abs_max, kind, logical, f"samples [{start}, {start + count})")
     target = _dtypes()[0][logical]
     exact = is_exact(kind, logical)
-    if kind == "float64":  # rounded to float32 first; the error is reported against that
+    tokens = flat.shape[1] // channels if channels else 0
+    # float64 is rounded to float32 first (as on the other paths); the error is measured against
+    # the float64 values themselves
+    source = x.reshape(count, tokens, channels)
+    if kind == "float64":
         x = x.to(torch.float32)
     stored = x if x.dtype == target else x.to(target)
-    tokens = flat.shape[1] // channels if channels else 0
     shaped = stored.reshape(count, tokens, channels)
-    source = x.reshape(count, tokens, channels)
     zeros = torch.zeros((count, channels), dtype=torch.float64, device=x.device)
     first, second, sq_error, sq_source = zeros, zeros.clone(), zeros.clone(), zeros.clone()
-    max_error = torch.zeros((2, count), dtype=torch.float32, device=x.device)  # abs, relative
+    # abs, relative; float64 for a float64 source (its own error), else float32 (exact)
+    max_error = torch.zeros((2, count), dtype=_error_dtype(source.dtype), device=x.device)
     reference = shaped[:, :1, :].to(_work(shaped.dtype))
     for rows, span in _tiles(count, tokens, channels, x.device.type):
         values = shaped[rows, span]
@@ -154,7 +168,7 @@ def _prepare(source: torch.Tensor, logical: str, channels: int, start: int) -> P
         first[rows] += a
         second[rows] += b
         if not exact:
-            e, r, sq_e, sq_s = _errors(source[rows, span], values)
+            e, r, sq_e, sq_s = _errors(source[rows, span], values, wide=logical != "float16")
             torch.maximum(max_error[0, rows], e, out=max_error[0, rows])
             torch.maximum(max_error[1, rows], r, out=max_error[1, rows])
             sq_error[rows] += sq_e
@@ -169,8 +183,8 @@ def _prepare(source: torch.Tensor, logical: str, channels: int, start: int) -> P
     maxima = max_error.to(torch.float64).cpu().numpy()
     rows = RowStats(abs_max, maxima[0], maxima[1], sq_error.sum(dim=1).cpu().numpy(),
                     sq_source.sum(dim=1).cpu().numpy(), mean.cpu().numpy(), m2.cpu().numpy())
-    return Prepared(array, rows, kind, aliases_source=stored.data_ptr() == source.data_ptr()
-                    and source.device.type == "cpu")
+    return Prepared(array, rows, kind, aliases_source=stored.data_ptr() == x.data_ptr()
+                    and x.device.type == "cpu")
 
 
 def _row_abs_max(flat: torch.Tensor) -> torch.Tensor:
@@ -199,6 +213,8 @@ def _check_range(flat: torch.Tensor, abs_max: np.ndarray, kind: str, logical: st
         raise float16_overflow(int((flat.abs() > dtypes.FLOAT16_MAX).sum()), largest, rows)
     if logical == "bfloat16" and largest >= dtypes.BFLOAT16_ROUNDS_TO_INF:
         raise bfloat16_overflow(int((flat.abs() >= dtypes.BFLOAT16_ROUNDS_TO_INF).sum()), largest, rows)
+    if kind == "float64" and largest >= FLOAT32_ROUNDS_TO_INF:  # float32 is every cast's first step
+        raise float32_overflow(int((flat.abs() >= FLOAT32_ROUNDS_TO_INF).sum()), largest, rows)
 
 
 def _work(stored: torch.dtype) -> torch.dtype:
@@ -241,17 +257,30 @@ def _moment_sums(values: torch.Tensor, reference: torch.Tensor) -> tuple[torch.T
     return first, group_sums(deviation.mul_(deviation))
 
 
-def _errors(source: torch.Tensor, stored: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per-sample max |error| and max relative error (float32, exact), per-sample per-channel
-    sums of error**2 and source**2 (float64)."""
+def _error_dtype(source: torch.dtype) -> torch.dtype:
+    import torch
+
+    return torch.float64 if source == torch.float64 else torch.float32
+
+
+def _errors(source: torch.Tensor, stored: torch.Tensor, *, wide: bool) -> tuple[torch.Tensor, ...]:
+    """Per-sample max |error| and max relative error (exact: float32, or float64 for a float64
+    source), per-sample per-channel sums of error**2 and source**2 (float64).
+
+    ``wide``: the stored dtype reaches 3.4e38 (bfloat16, float32), whose squares overflow
+    float32, so errors and magnitudes are squared in float64 (format.stats.error_figures)."""
     import torch
 
     n = len(source)
-    src = source.to(torch.float32)
-    error = stored.to(torch.float32, copy=True).sub_(src)  # copy: stored may be float32 already
+    work = _error_dtype(source.dtype)
+    src = source.to(work)
+    error = stored.to(work, copy=True).sub_(src)  # copy: stored may be float32 already
     low, high = torch.aminmax(error.view(n, -1), dim=1)
     magnitude = src.abs()
     relative = torch.where(magnitude >= REL_ERROR_FLOOR, error.abs() / magnitude.clamp(min=REL_ERROR_FLOOR), 0.0)
+    if wide or work == torch.float64:
+        error = error.to(torch.float64)  # a new tensor unless already float64: squared in place below
+        magnitude = magnitude.to(torch.float64)
     return (torch.maximum(high, low.neg()), relative.view(n, -1).amax(dim=1),
             group_sums(error.mul_(error)), group_sums(magnitude.mul_(magnitude)))
 

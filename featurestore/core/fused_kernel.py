@@ -191,9 +191,10 @@ def stored_value(x: Any, kind: int) -> Any:
 
 @jit
 def accumulate(x: Any, v: Any, ref: Any, exact: bool, wide: bool, floor: Any, c: int, s0: Any, s1: Any,
-               s2: Any, s3: Any, w0: Any, w1: Any, top_error: Any, top_relative: Any) -> None:
-    """Add one value to its channel's sums: s0..s3 float32 (or float64 for the tail), w0/w1 the
-    float64 deviation sums of a wide (bfloat16/float32) stored dtype."""
+               s2: Any, s3: Any, w0: Any, w1: Any, w2: Any, w3: Any, top_error: Any, top_relative: Any) -> None:
+    """Add one value to its channel's sums: s0..s3 float32 (or float64 for the tail), w0..w3 the
+    float64 sums of a wide (bfloat16/float32) stored dtype, whose values (up to 3.4e38) square
+    beyond float32's range (format.stats.error_figures)."""
     if wide:
         d64 = np.float64(v) - np.float64(ref[c])
         w0[c] += d64
@@ -210,8 +211,14 @@ def accumulate(x: Any, v: Any, ref: Any, exact: bool, wide: bool, floor: Any, c:
         r = ae / (a if a >= floor else floor)  # no branch: the quotient is dropped below the floor
         r = r if a >= floor else np.float32(0.0)
         top_relative[c] = r if r > top_relative[c] else top_relative[c]
-        s2[c] += e * e
-        s3[c] += a * a
+        if wide:
+            e64 = np.float64(e)
+            a64 = np.float64(a)
+            w2[c] += e64 * e64
+            w3[c] += a64 * a64
+        else:
+            s2[c] += e * e
+            s3[c] += a * a
 
 
 @jit
@@ -243,7 +250,8 @@ def body(src: Any, src_kind: int, out: Any, out_kind: int, stored_kind: int, tok
             ref[c] = stored_value(load(src, base + c, src_kind), stored_kind)
         g0, g1, g2, g3 = (np.zeros(width, np.float32), np.zeros(width, np.float32),
                           np.zeros(width, np.float32), np.zeros(width, np.float32))
-        gw0, gw1 = np.zeros(width, np.float64), np.zeros(width, np.float64)
+        gw0, gw1, gw2, gw3 = (np.zeros(width, np.float64), np.zeros(width, np.float64),
+                              np.zeros(width, np.float64), np.zeros(width, np.float64))
         t0, t1, t2, t3 = (np.zeros(width, np.float64), np.zeros(width, np.float64),
                           np.zeros(width, np.float64), np.zeros(width, np.float64))
         tail0, tail1, tail2, tail3 = (np.zeros(width, np.float64), np.zeros(width, np.float64),
@@ -263,27 +271,29 @@ def body(src: Any, src_kind: int, out: Any, out_kind: int, stored_kind: int, tok
                     x = load(src_row, c, src_kind)
                     top_bits[c] = max(top_bits[c], f32_bits(x) & np.uint32(0x7FFFFFFF))
                     v = store(x, out_row, c, out_kind, src_row)
-                    accumulate(x, v, ref, exact, wide, floor, c, g0, g1, g2, g3, gw0, gw1, top_error,
-                               top_relative)
+                    accumulate(x, v, ref, exact, wide, floor, c, g0, g1, g2, g3, gw0, gw1, gw2, gw3,
+                               top_error, top_relative)
                 if (t + 1) % GROUP == 0:  # a group ends: fold it into the float64 totals
                     for c in range(width):
                         if wide:
                             t0[c] += gw0[c]
                             t1[c] += gw1[c]
+                            t2[c] += gw2[c]
+                            t3[c] += gw3[c]
                         else:
                             t0[c] += np.float64(g0[c])
                             t1[c] += np.float64(g1[c])
-                        t2[c] += np.float64(g2[c])
-                        t3[c] += np.float64(g3[c])
+                            t2[c] += np.float64(g2[c])
+                            t3[c] += np.float64(g3[c])
                         g0[c] = g1[c] = g2[c] = g3[c] = 0.0
-                        gw0[c] = gw1[c] = 0.0
+                        gw0[c] = gw1[c] = gw2[c] = gw3[c] = 0.0
             else:  # the tail: each value straight into float64, as the numpy reference does
                 for c in range(width):
                     x = load(src_row, c, src_kind)
                     top_bits[c] = max(top_bits[c], f32_bits(x) & np.uint32(0x7FFFFFFF))
                     v = store(x, out_row, c, out_kind, src_row)
                     accumulate(x, v, ref, exact, wide, floor, c, tail0, tail1, tail2, tail3, tail0, tail1,
-                               top_error, top_relative)
+                               tail2, tail3, top_error, top_relative)
         for c in range(width):
             sums[0, b, c0 + c] = t0[c] + tail0[c]
             sums[1, b, c0 + c] = t1[c] + tail1[c]

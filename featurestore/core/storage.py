@@ -24,6 +24,7 @@ from typing import Any
 
 from featurestore.errors import StoreNotFound
 from featurestore.format import chunks, layout
+from featurestore.format.names import TMP_SUFFIX, tmp_name
 
 
 class Storage:
@@ -181,7 +182,8 @@ class LocalStorage(Storage):
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         # The temp name is unique per process and call, so concurrent writers never share one.
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        # The pid in it tells a resume whether its writer still runs (core.leftovers).
+        tmp = os.path.join(directory, tmp_name(os.path.basename(path), os.getpid(), uuid.uuid4().hex[:8]))
         nbytes = sum(memoryview(p).nbytes for p in parts)
         try:
             with open(tmp, "wb") as f:
@@ -210,7 +212,7 @@ class LocalStorage(Storage):
 
     def listdir(self, prefix: str) -> list[str]:
         try:
-            return sorted(n for n in os.listdir(self._path(prefix)) if not n.endswith(".tmp"))
+            return sorted(n for n in os.listdir(self._path(prefix)) if not n.endswith(TMP_SUFFIX))
         except (FileNotFoundError, NotADirectoryError):
             return []
 

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from featurestore import __version__
+from featurestore.core.leftovers import remove_stale_temp_files
 from featurestore.core.reader import FeatureArray
 from featurestore.core.storage import Storage, open_storage
 from featurestore.core.writer import SplitWriter
@@ -182,6 +183,7 @@ class FeatureStore:
                 )
             meta = check_split(existing, key)
             check_resumable(meta, wanted, key)
+            remove_stale_temp_files(self.storage, key)  # of killed writers only (core.leftovers)
             if meta.complete:
                 done = self._valid_chunks(key, meta, crc=verify_chunks)
                 if len(done) == meta.num_chunks:

@@ -10,9 +10,13 @@ What is checked (docs/FORMAT.md, "Guarantees"):
 * every chunk of every array is a file of the right size with a valid crc32c;
 * every statistics row carries the split's generation and its own chunk index (the seal), and
   its row count and per-channel means match the features chunk beside it, so a chunk file moved,
-  swapped or left by another run of the split is found even though its own crc32c is valid.
+  swapped or left by another run of the split is found even though its own crc32c is valid;
+* a directory under a reserved name (featurestore.format.names) is reported: readers skip it.
 
-Every problem is listed; nothing stops at the first one.
+Every problem is listed; nothing stops at the first one. Temporary files of writers killed
+mid-put are listed apart, as leftovers (featurestore.core.leftovers): not damage, since nothing
+reads them. A dataset, encoder or split asked for by name that is not there is an error, not
+an empty, clean check.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from typing import Any
 
 import numpy as np
 
+from featurestore.core.leftovers import TempFile, find_temp_files
 from featurestore.core.store import FeatureStore
-from featurestore.errors import FeatureStoreError
+from featurestore.errors import DatasetNotFound, EncoderNotFound, FeatureStoreError, SplitNotFound
 from featurestore.format import chunks, dtypes, layout
 from featurestore.format.metadata import SplitMetadata, chunk_arrays, seal_problem, stats_row_length, unseal
-from featurestore.format.names import validate_name
+from featurestore.format.names import reserved_reason, validate_name
 from featurestore.format.stats import ChunkStats
 
 # Per-channel means of a chunk recomputed here against its statistics row: both come from the same
@@ -56,26 +61,60 @@ def iter_splits(store: FeatureStore, dataset: str | None = None, encoder: str | 
                 yield ds, enc, sp
 
 
+@dataclass
+class StoreCheck:
+    """What ``verify`` found: problems of the group documents, one check per split directory,
+    and the temporary files killed writers left (not damage: nothing reads them)."""
+
+    problems: list[str]
+    checks: list[SplitCheck]
+    leftovers: list[TempFile]
+
+
 def verify_store(store: FeatureStore, dataset: str | None = None, encoder: str | None = None,
-                 split: str | None = None) -> tuple[list[str], list[SplitCheck]]:
-    """(problems of the store's group documents, one check per split directory found).
+                 split: str | None = None) -> StoreCheck:
+    """Check the whole store, or the one split named by ``dataset``, ``encoder`` and ``split``.
 
     Walks the storage listing, not the group documents, so a split or dataset whose
-    ``zarr.json`` is gone is reported instead of silently skipped.
+    ``zarr.json`` is gone is reported instead of silently skipped. A named dataset, encoder or
+    split that is not there raises :class:`DatasetNotFound` / :class:`EncoderNotFound` /
+    :class:`SplitNotFound` (naming the ones that are): nothing was checked, which must not read
+    as a clean store.
     """
+    scope = [name for name in (dataset, encoder, split) if name is not None]
+    if scope:
+        require_target(store, *scope)
     problems: list[str] = []
     checks: list[SplitCheck] = []
-    for ds in [dataset] if dataset else _children(store, ""):
+    for ds in [dataset] if dataset else _children(store, "", problems):
         if not store.storage.exists(f"{ds}/{layout.ZARR_JSON}"):
-            if not _children(store, ds):
-                continue  # not a dataset at all (a stray directory)
             problems.append(f"{ds}: dataset group has no zarr.json (deleted?): its splits are invisible to readers")
-        for enc in [encoder] if encoder else _children(store, ds):
+        for enc in [encoder] if encoder else _children(store, ds, problems):
             if not store.storage.exists(f"{ds}/{enc}/{layout.ZARR_JSON}"):
                 problems.append(f"{ds}/{enc}: encoder group has no zarr.json (deleted?)")
-            for sp in [split] if split else _children(store, f"{ds}/{enc}"):
+            for sp in [split] if split else _children(store, f"{ds}/{enc}", problems):
                 checks.append(verify_split(store, ds, enc, sp))
-    return problems, checks
+    return StoreCheck(problems, checks, find_temp_files(store.storage, "/".join(scope)))
+
+
+def require_target(store: FeatureStore, dataset: str, encoder: str | None = None,
+                   split: str | None = None) -> None:
+    """Raise unless the named dataset (and encoder, and split) is in the storage listing.
+
+    The listing, not the group documents: a split whose ``zarr.json`` is gone is still there to
+    be reported as damaged."""
+    named = [("dataset", DatasetNotFound, dataset), ("encoder", EncoderNotFound, encoder),
+             ("split", SplitNotFound, split)]
+    parent = ""
+    for what, error, name in named:
+        if name is None:
+            return
+        validate_name(name, what)
+        known = _children(store, parent, [])
+        if name not in known:
+            where = f" in {parent}" if parent else ""
+            raise error(f"no such {what} {name!r}{where} at {store.url} (known: {', '.join(known) or 'none'})")
+        parent = f"{parent}/{name}" if parent else name
 
 
 def verify_split(store: FeatureStore, dataset: str, encoder: str, split: str) -> SplitCheck:
@@ -195,15 +234,28 @@ def _features_match_stats(raw: bytes, meta: SplitMetadata, index: int, sealed_ro
     return None
 
 
-def _children(store: FeatureStore, prefix: str) -> list[str]:
+def _children(store: FeatureStore, prefix: str, problems: list[str]) -> list[str]:
+    """Directories under ``prefix`` that can be datasets, encoders or splits (valid names with
+    something in them). A directory with a reserved name (a split called ``zarr.json`` beside its
+    encoder's document, written on object storage before such names were refused) is a problem:
+    readers never see it."""
     names = []
     for name in store.storage.listdir(prefix):
-        if name == layout.ZARR_JSON:
-            continue
+        path = f"{prefix}/{name}" if prefix else name
         try:
             validate_name(name)
         except FeatureStoreError:
-            continue  # ".tmp" files, hidden entries
-        if store.storage.listdir(f"{prefix}/{name}" if prefix else name):
+            reason = reserved_reason(name)
+            if reason is not None and _is_directory(store, path, name):
+                problems.append(f"{path}/: a directory under a reserved name ({reason}): readers "
+                                "cannot see it; copy its data under another name, then delete it")
+            continue  # the group document itself, hidden entries, temporary files
+        if store.storage.listdir(path):
             names.append(name)
     return sorted(names)
+
+
+def _is_directory(store: FeatureStore, path: str, name: str) -> bool:
+    """Whether ``path`` holds entries (a directory or key prefix), not only a file of that name:
+    fsspec lists a file as itself, and a split called ``zarr.json`` holds a ``zarr.json`` too."""
+    return bool(set(store.storage.listdir(path)) - {name}) or store.storage.exists(f"{path}/{layout.ZARR_JSON}")

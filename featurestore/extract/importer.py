@@ -26,10 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from featurestore.errors import DatasetNotFound, EncoderNotFound, ShapeMismatch, SplitExists, SplitNotFound
-from featurestore.extract.caches import ArraySource, CacheSource, _dtype_name, open_cache, open_labels
+from featurestore.extract.caches import ArraySource, CacheSource, open_cache, open_labels
 from featurestore.extract.plan import chunk_rows_for
 from featurestore.extract.run import resolve_dtype
 from featurestore.extract.sources import SourceError
@@ -98,7 +96,7 @@ def import_cache(opts: ImportOptions) -> ImportResult:
     started = time.perf_counter()
     source = open_cache(opts.source, opts.key, opts.labels)
     labels = open_labels(opts.labels, source)
-    source_dtype = "float32" if source.dtype == "float64" else source.dtype
+    source_dtype = source.dtype  # float64 too: the writer measures the float64 -> stored error
     dtype = resolve_dtype(opts.dtype, source_dtype)
     layout = _token_layout(source.sample_shape, opts.prefix_tokens, opts.grid)
     fingerprint = {"source": source.fingerprint(), "labels": labels.fingerprint() if labels else None}
@@ -157,8 +155,6 @@ def _copy(source: CacheSource, labels: ArraySource | None, writer: Any, opts: Im
             for start in range(lo, hi, opts.batch_size):
                 stop = min(start + opts.batch_size, hi)
                 rows = source.read(start, stop)
-                if _dtype_name(rows.dtype) == "float64":
-                    rows = rows.astype(np.float32) if isinstance(rows, np.ndarray) else rows.float()
                 writer.write(start, rows, labels.read(start, stop) if labels else None)
                 bar.update(stop - start)
             writer.flush()  # the chunk is complete: on storage now, so a crash keeps it

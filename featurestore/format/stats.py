@@ -180,8 +180,9 @@ def row_stats_numpy(source: np.ndarray, stored: np.ndarray, logical: str, exact:
                     channels: int) -> RowStats:
     """:class:`RowStats` without torch (the core writer on a host with no torch installed).
 
-    Same formulas as featurestore.core.device_stats; numpy's summation order differs from
-    torch's, so figures can differ from a torch-written split in the last bits.
+    ``source``: the values given to the writer (float64 ones unrounded: the error is the
+    float64 -> stored one). Same formulas as featurestore.core.device_stats; numpy's summation
+    order differs from torch's, so figures can differ from a torch-written split in the last bits.
     """
     from featurestore.format import dtypes
 
@@ -189,9 +190,8 @@ def row_stats_numpy(source: np.ndarray, stored: np.ndarray, logical: str, exact:
     out = RowStats.zeros(count, channels)
     if count == 0:
         return out
-    src32 = dtypes.stored_as_float32(source.view(np.uint16), "bfloat16") if source.dtype == dtypes.BFLOAT16 \
-        else source.astype(np.float32, copy=False)
-    out.abs_max[:] = np.abs(src32.reshape(count, -1)).max(axis=1) if src32.size else 0.0
+    src = source_values(source)
+    out.abs_max[:] = np.abs(src.reshape(count, -1)).max(axis=1) if src.size else 0.0
     q32 = dtypes.stored_as_float32(stored, logical).reshape(count, -1, channels)
     work = np.float32 if logical == "float16" else np.float64
     reference = q32[:, :1, :].astype(work)
@@ -202,14 +202,48 @@ def row_stats_numpy(source: np.ndarray, stored: np.ndarray, logical: str, exact:
     out.mean[:] = reference[:, 0, :].astype(np.float64) + first / tokens
     out.m2[:] = np.maximum(second - first * first / tokens, 0.0)
     if not exact:
-        error = q32 - src32.reshape(q32.shape)
-        magnitude = np.abs(src32.reshape(q32.shape))
-        out.max_abs_error[:] = np.abs(error).reshape(count, -1).max(axis=1)
-        relative = np.divide(np.abs(error), magnitude, out=np.zeros_like(error), where=magnitude >= REL_ERROR_FLOOR)
-        out.max_rel_error[:] = relative.reshape(count, -1).max(axis=1)
-        out.sq_error[:] = _group_sums(error * error).sum(axis=1)
-        out.sq_source[:] = _group_sums(magnitude * magnitude).sum(axis=1)
+        figures = error_figures(src.reshape(q32.shape), q32, logical)
+        out.max_abs_error[:], out.max_rel_error[:], out.sq_error[:], out.sq_source[:] = figures
     return out
+
+
+def source_values(source: np.ndarray) -> np.ndarray:
+    """The writer's input as float32 (bfloat16 and float16 widen exactly), float64 kept as is."""
+    from featurestore.format import dtypes
+
+    if source.dtype == dtypes.BFLOAT16:
+        return dtypes.stored_as_float32(source.view(np.uint16), "bfloat16")
+    if source.dtype == np.float64:
+        return source
+    return source.astype(np.float32, copy=False)
+
+
+def error_figures(source: np.ndarray, stored: np.ndarray, logical: str) -> tuple[np.ndarray, ...]:
+    """Per sample of ``[B, T, C]`` values: max |stored - source|, max relative error (where
+    |source| >= REL_ERROR_FLOOR), and the sums of error**2 and of source**2.
+
+    ``stored`` is the stored values as float32 (exact). The squares must hold any finite value
+    of the stored dtype: a float16 one (|x| <= 65504, or a float16 subnormal) squares within
+    float32's range, but bfloat16 and float32 reach 3.4e38, whose square overflows float32 (and
+    below ~1e-19 underflows to 0), so for them errors and magnitudes are squared and summed in
+    float64 (|x|**2 <= 1.2e77 there). A float64 source is measured in float64 throughout, against
+    its own values, not their float32 rounding. The fused kernel (core/fused_kernel.py) sums in
+    the same order and precision, so both give the same bits.
+    """
+    count = len(source)
+    if source.dtype == np.float64:
+        error = stored.astype(np.float64) - source
+    else:
+        error = stored - source
+    magnitude = np.abs(source)
+    absolute = np.abs(error)
+    relative = np.divide(absolute, magnitude, out=np.zeros_like(absolute), where=magnitude >= REL_ERROR_FLOOR)
+    if logical != "float16" or source.dtype == np.float64:
+        error = error.astype(np.float64, copy=False)
+        magnitude = magnitude.astype(np.float64, copy=False)
+    return (absolute.reshape(count, -1).max(axis=1).astype(np.float64),
+            relative.reshape(count, -1).max(axis=1).astype(np.float64),
+            _group_sums(error * error).sum(axis=1), _group_sums(magnitude * magnitude).sum(axis=1))
 
 
 def _group_sums(values: np.ndarray) -> np.ndarray:
@@ -246,7 +280,12 @@ def report(total: ChunkStats, *, source_dtype: str, logical_dtype: str) -> dict[
     std = np.sqrt(total.m2 / n_channel) if n_channel else np.zeros(total.channels)
     rms_source = math.sqrt(total.sum_sq_source / total.values) if total.values else 0.0
     rms_error = math.sqrt(total.sum_sq_error / total.values) if total.values else 0.0
-    quantization = {
+    rel_rms_error = rms_error / rms_source if rms_source and math.isfinite(rms_source) else (
+        0.0 if rms_source == 0.0 else math.nan)
+    # Every figure is finite for values the writer accepts (error_figures); a figure that still
+    # is not (a row written by an older version whose float32 sums overflowed) is stored as null,
+    # never as Infinity/NaN, which strict JSON (the split document) cannot hold.
+    quantization: dict[str, Any] = {
         "source_dtype": source_dtype,
         "stored_dtype": logical_dtype,
         "exact": total.sum_sq_error == 0.0 and total.max_abs_error == 0.0,
@@ -256,15 +295,23 @@ def report(total: ChunkStats, *, source_dtype: str, logical_dtype: str) -> dict[
         "max_rel_error": total.max_rel_error,
         "rel_error_floor": REL_ERROR_FLOOR,
         "rms_error": rms_error,
-        "rel_rms_error": (rms_error / rms_source) if rms_source else 0.0,
+        "rel_rms_error": rel_rms_error,
         "overflow_count": total.overflow_count,
         "nan_count": total.nan_count,
         "inf_count": total.inf_count,
     }
+    quantization = {key: _json_number(value) for key, value in quantization.items()}
     channel_stats = {
         "axis": -1,
         "count": n_channel,
-        "mean": [float(v) for v in total.mean],
-        "std": [float(v) for v in std],
+        "mean": [_json_number(float(v)) for v in total.mean],
+        "std": [_json_number(float(v)) for v in std],
     }
     return {"quantization": quantization, "channel_stats": channel_stats}
+
+
+def _json_number(value: Any) -> Any:
+    """``value``, or None for a float that is infinite or NaN (not representable in JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

@@ -1,0 +1,87 @@
+"""``featurestore verify``: check a store, exit 0 (clean), 1 (damaged) or 2 (nothing checked).
+
+The exit status tells a script what happened: 1 only when damage was found; 2 when what was
+asked could not be checked at all (no such dataset, encoder or split, a bad name, a store that
+is missing or unreachable), like argparse's own usage errors. A clean status never stands for
+"found nothing to check" where something was named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from featurestore.commands.inspect import _size
+from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
+from featurestore.errors import FeatureStoreError, InvalidOption
+
+EXIT_CLEAN, EXIT_DAMAGED, EXIT_NOT_CHECKED = 0, 1, 2
+
+
+def register(subparsers: Any) -> None:
+    verify = subparsers.add_parser(
+        "verify",
+        help="check the documents and every chunk of complete splits; exit 1 on damage",
+        description="Check the store: every group has its zarr.json, each complete split's array "
+        "documents agree with its metadata (shape, chunking, dtype), every chunk is present with the "
+        "right size and crc32c, and every statistics row carries the split's generation and its own "
+        "chunk index and matches its features chunk (docs/FORMAT.md, 'Guarantees'). Every problem is "
+        "listed. Incomplete splits are listed, not counted as damage; temporary files left by killed "
+        "writers are listed as leftovers (a resume removes them). Exit status 0 if clean, 1 if "
+        "anything is damaged, 2 if nothing could be checked (no such dataset, encoder or split; "
+        "a missing or unreachable store).",
+    )
+    verify.add_argument("url")
+    verify.add_argument("names", nargs="*", metavar="DATASET ENCODER SPLIT",
+                        help="optionally restrict to one dataset, encoder and split")
+    add_storage_options(verify)
+    verify.set_defaults(func=run_verify)
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    try:
+        with store_errors(args.url):
+            return _run_verify(args)
+    except FeatureStoreError as error:
+        if getattr(args, "debug", False):
+            raise
+        print(f"featurestore: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return EXIT_NOT_CHECKED
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from featurestore.core.verify import verify_store
+
+    if len(args.names) not in (0, 3):
+        raise InvalidOption(
+            f"verify takes DATASET ENCODER SPLIT together or none of them, got {args.names!r}"
+        )
+    store = open_store_from_args(args.url, args)
+    found = verify_store(store, *(args.names or [None, None, None]))
+    for problem in found.problems:
+        print(f"DAMAGED {problem}")
+    damaged = checked = 0
+    for result in found.checks:
+        if result.status == "writing":
+            print(f"{result.key}: incomplete (status {result.status!r}), not checked")
+            continue
+        checked += 1
+        if result.damaged:
+            damaged += 1
+            for problem in result.problems:
+                print(f"DAMAGED {problem}")
+        else:
+            print(f"{result.key}: ok ({result.chunks_checked} chunks)")
+    for temp in found.leftovers:
+        writer = "running" if temp.writer_alive else "not running"
+        print(f"LEFTOVER {temp.key}: temporary file of an unfinished write ({_size(temp.size)}, "
+              f"writer pid {temp.pid} {writer}, {temp.age_s / 60:.0f} min old)")
+    print(f"{checked} complete split(s) checked, {damaged} damaged"
+          + (f"; {len(found.problems)} problem(s) in the store's group documents" if found.problems else ""))
+    if found.leftovers:
+        total = sum(t.size for t in found.leftovers)
+        print(f"{len(found.leftovers)} leftover temporary file(s), {_size(total)}: not damage; "
+              "resuming the split (extract/import --resume) removes those of writers no longer running")
+    return EXIT_DAMAGED if damaged or found.problems else EXIT_CLEAN
+
