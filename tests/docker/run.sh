@@ -14,11 +14,15 @@
 #
 # Environment (all optional):
 #   FEATURESTORE_DOCKER_TESTS=1        no engine / not root => fail instead of "skipped" (exit 0)
-#   FEATURESTORE_DOCKER_CACHE=DIR      cache of the debootstrap rootfs tarball and the wheelhouse
-#                                      (default /var/cache/featurestore-docker)
+#   FEATURESTORE_DOCKER_TESTS=changed  (.ci/run's default) run only if the docker inputs (docker/,
+#                                      pyproject.toml, .dockerignore, tests/docker/) differ from
+#                                      those of the last pass on this machine, else "skipped"
+#   FEATURESTORE_DOCKER_CACHE=DIR      cache of the debootstrap rootfs tarball, the wheelhouse and
+#                                      the last pass's inputs (default /var/cache/featurestore-docker)
 #   FEATURESTORE_DOCKER_WHEELHOUSE=0   builds resolve every package on PyPI, as on a user's
-#                                      machine (slower); default 1: a wheelhouse made once on the
-#                                      host with its own pip settings, served on loopback, and
+#                                      machine (slower); default 1: a wheelhouse made on the host
+#                                      with its own pip settings from what the Dockerfiles install
+#                                      (tests/docker/wheelhouse.py), served on loopback, and
 #                                      builds run pip with --no-index against it
 #   FEATURESTORE_DOCKER_SAMPLES=N      images in the synthetic dataset (default 16)
 #   FEATURESTORE_DOCKER_KEEP_LOGS=DIR  copy the engine log and the stack's logs there on exit
@@ -29,13 +33,13 @@ set -Eeuo pipefail
    # while a run is in progress cannot change what that run executes.
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-STRICT=${FEATURESTORE_DOCKER_TESTS:-0}
+MODE=${FEATURESTORE_DOCKER_TESTS:-0}
+STRICT=0; if [ "$MODE" = 1 ]; then STRICT=1; fi
 CACHE=${FEATURESTORE_DOCKER_CACHE:-/var/cache/featurestore-docker}
 USE_WHEELHOUSE=${FEATURESTORE_DOCKER_WHEELHOUSE:-1}
 SAMPLES=${FEATURESTORE_DOCKER_SAMPLES:-16}
 SUITE=bookworm                     # Debian 12: Python 3.11 from apt (nothing may need 3.12)
-TORCH_SPEC_TEST=torch==2.13.0      # the Dockerfile's default TORCH_SPEC
-MOTO_SPEC='moto[server]>=5,<6'     # the stand-in's default MOTO_SPEC
+WHEELHOUSE_PY=$REPO/tests/docker/wheelhouse.py  # the packages the Dockerfiles install
 MAX_SERVER_LAYERS_MB=${FEATURESTORE_DOCKER_MAX_LAYERS_MB:-270}  # 400 MB target - ~130 MB slim base
 DOCKER=/usr/bin/docker             # Debian's CLI, matching the engine (another one on PATH may
                                    # lack buildx)
@@ -146,6 +150,22 @@ free_port() {
 }
 
 # ---------------------------------------------------------------------------------------------
+# What the images and this test are made of: a pass is recorded with this digest (taken before
+# anything runs), and FEATURESTORE_DOCKER_TESTS=changed skips a run whose inputs already passed.
+INPUTS=$(cd "$REPO" && find docker tests/docker pyproject.toml .dockerignore -type f \
+           ! -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum \
+         | sha256sum | cut -c1-16)
+PASSED_RECORD=$CACHE/passed-inputs
+if [ "$MODE" = changed ]; then
+  step "changed since the last pass? (docker/, pyproject.toml, .dockerignore, tests/docker/)"
+  if [ "$(cat "$PASSED_RECORD" 2>/dev/null)" = "$INPUTS" ]; then
+    printf 'skipped: inputs %s already passed on this machine (FEATURESTORE_DOCKER_TESTS=1 runs it anyway)\n' "$INPUTS"
+    exit 0
+  fi
+  info "inputs $INPUTS have not passed here yet (last pass: $(cat "$PASSED_RECORD" 2>/dev/null || echo none)): running"
+fi
+
+# ---------------------------------------------------------------------------------------------
 step "preflight: root, tools, host python"
 [ "$(id -u)" = 0 ] || skip "needs root to start a Docker engine (uid $(id -u))"
 missing=""
@@ -233,7 +253,9 @@ info "featurestore-test/debian:$SUITE: $($DOCKER image inspect -f '{{.Size}}' fe
 # ---------------------------------------------------------------------------------------------
 # Python packages for the builds. The images' Dockerfiles take them from PyPI (and torch from
 # PyTorch's CPU index, unreachable here), so the test serves a directory on loopback: builds use
-# host networking and reach it at 127.0.0.1. TORCH_FIND_LINKS points at it in both modes.
+# host networking and reach it at 127.0.0.1. TORCH_FIND_LINKS points at it in both modes. What
+# goes in it is derived from the Dockerfiles' pip installs (tests/docker/wheelhouse.py), never
+# listed here, so a new dependency lands in the wheelhouse and in its cache stamp by itself.
 WH_PORT=$(free_port)
 WH_URL=http://127.0.0.1:$WH_PORT/
 HOST_PYVER=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || echo none)
@@ -244,21 +266,21 @@ fi
 if [ "$USE_WHEELHOUSE" = 1 ]; then
   step "wheelhouse for the builds (host pip, cached in $CACHE/wheelhouse-py311)"
   WH=$CACHE/wheelhouse-py311
-  stamp=$( (cat "$REPO/pyproject.toml"; echo "$MOTO_SPEC $TORCH_SPEC_TEST") | sha256sum | cut -c1-16)
+  stamp=$(python3 "$WHEELHOUSE_PY" stamp) || fail "tests/docker/wheelhouse.py stamp failed (above)"
   if [ "$(cat "$WH/.stamp" 2>/dev/null)" != "$stamp" ]; then
-    info "pip wheel: featurestore[server,s3] deps, $MOTO_SPEC, $TORCH_SPEC_TEST (a few minutes, once)"
+    info "wheelhouse $stamp for (one pip wheel each, a few minutes, once per change):"
+    python3 "$WHEELHOUSE_PY" requirements | sed 's/^/      /'
     rm -rf "$WH.tmp"; mkdir -p "$WH.tmp"
-    # `pip wheel` (not download): any sdist is built here, so the base needs no compiler.
     # The torch wheel comes through the host's pip configuration (`pip config list`): on the
     # build machines a find-links directory holds the CPU build of torch 2.13.0.
-    for reqs in "$REPO[server,s3] setuptools>=64 wheel" "$MOTO_SPEC" "$TORCH_SPEC_TEST"; do
-      # shellcheck disable=SC2086
-      python3 -m pip wheel -q -w "$WH.tmp" $reqs >"$D/wheel.log" 2>&1 \
-        || fail "pip wheel $reqs: $(grep -E 'ERROR' "$D/wheel.log" | head -2 | tr '\n' ' ')"
-    done
-    rm -f "$WH.tmp"/featurestore-*
-    ls "$WH.tmp"/torch-*.whl >/dev/null 2>&1 || fail "no torch wheel in the wheelhouse"
-    case "$(ls "$WH.tmp"/torch-*.whl)" in *+cpu*) ;; *) info "note: the torch wheel is not a +cpu build";; esac
+    python3 "$WHEELHOUSE_PY" build "$WH.tmp" >"$D/wheel.log" 2>&1 \
+      || fail "building the wheelhouse: $(grep -E '^pip wheel|ERROR|error:' "$D/wheel.log" | tail -3 | tr '\n' ' ')"
+    # One torch, the extract image's: another one (PyPI's CUDA build and its 3 GB of nvidia
+    # wheels) means a set was resolved without the image's TORCH_SPEC.
+    torch_wheels=$(cd "$WH.tmp" && ls torch-*.whl 2>/dev/null | tr '\n' ' ')
+    [ "$(echo "$torch_wheels" | wc -w)" = 1 ] \
+      || fail "the wheelhouse must hold one torch wheel, the extract image's; it holds: ${torch_wheels:-none}"
+    case "$torch_wheels" in *+cpu*) ;; *) info "note: the torch wheel is not a +cpu build";; esac
     echo "$stamp" >"$WH.tmp/.stamp"
     rm -rf "$WH"; mv "$WH.tmp" "$WH"
   else
@@ -268,8 +290,9 @@ if [ "$USE_WHEELHOUSE" = 1 ]; then
 else
   step "torch wheel for the extract build (builds resolve everything else on PyPI)"
   WH=$D/torchwheel; mkdir -p "$WH"
-  python3 -m pip download -q --no-deps -d "$WH" "$TORCH_SPEC_TEST" >"$D/wheel.log" 2>&1 \
-    || fail "pip download $TORCH_SPEC_TEST: $(tail -2 "$D/wheel.log" | tr '\n' ' ')"
+  torch_spec=$(python3 "$WHEELHOUSE_PY" arg "$REPO/docker/Dockerfile" TORCH_SPEC)
+  python3 -m pip download -q --no-deps -d "$WH" "$torch_spec" >"$D/wheel.log" 2>&1 \
+    || fail "pip download $torch_spec: $(tail -2 "$D/wheel.log" | tr '\n' ' ')"
   info "$(ls "$WH")"
   PIP_ENV=""
 fi
@@ -512,6 +535,8 @@ COMPOSE_UP=0
 [ "$($DOCKER ps -aq | wc -l)" = 0 ] || fail "containers left after down"
 
 step "passed"
+echo "$INPUTS" >"$PASSED_RECORD"
+info "recorded: inputs $INPUTS passed ($PASSED_RECORD)"
 info "server image $SERVER_MB MB (layers $LAYERS_MB MB over a $BASE_MB MB base), extract image $EXTRACT_MB MB"
 exit 0
 }
