@@ -38,6 +38,7 @@ from featurestore.format.metadata import (
     stats_row_length,
 )
 from featurestore.format.names import validate_name
+from featurestore.format.redact import redact_url
 
 ROOT_ATTRIBUTES = {"featurestore": {"format": layout.FORMAT_NAME, "version": layout.FORMAT_VERSION}}
 
@@ -70,7 +71,7 @@ class FeatureStore:
         check_root(raw, self.url)
 
     def __repr__(self) -> str:
-        return f"FeatureStore({self.url!r}, mode={self.mode!r})"
+        return f"FeatureStore({redact_url(self.url)!r}, mode={self.mode!r})"
 
     # ------------------------------------------------------------------ listings
     def datasets(self) -> list[str]:
