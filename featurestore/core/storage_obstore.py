@@ -11,8 +11,9 @@ into one range per run; here ranges of the same object closer than ``coalesce_ga
 than another request, see :data:`~featurestore.core.storage_options.DEFAULT_COALESCE_GAP`), and
 every request of the batch is issued at once on one event loop per process, bounded by
 ``max_concurrency`` requests in flight per store (settings, see
-:mod:`featurestore.core.storage_options`). The loop lives in a daemon thread; a forked child
-(DataLoader worker) starts its own.
+:mod:`featurestore.core.storage_options`). The loop lives in a daemon thread
+(:mod:`featurestore.core.io_loop`, which also keeps an exiting process from aborting while a
+Rust thread is still handing it a result); a forked child starts its own.
 
 Writes keep the commit protocol: each key is one PUT, which an object store makes visible
 atomically; a value over ``MULTIPART_BYTES`` goes up as a multipart upload (parts in parallel),
@@ -38,10 +39,10 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from featurestore.core.io_loop import run, settled
 from featurestore.core.storage import Storage
 from featurestore.core.storage_options import FEATURESTORE_KEYS, ObjectStoreSettings, StaticCredentials, translate
 from featurestore.errors import BucketNotFound, StorageAccessDenied, StorageUnavailable
@@ -116,7 +117,7 @@ class ObjectStorage(Storage):
                 return
             async with semaphore:
                 try:
-                    data = await obstore.get_range_async(self._store, key, start=lo, end=hi)
+                    data = await settled(lambda: obstore.get_range_async(self._store, key, start=lo, end=hi))
                 except Exception as exc:  # noqa: BLE001 - translated or re-raised as is
                     raise self._error(exc, key, "GET") from None
             if len(data) < hi - lo:
@@ -142,8 +143,8 @@ class ObjectStorage(Storage):
         async def fetch(key: str) -> Any:
             async with semaphore:
                 try:
-                    result = await obstore.get_async(self._store, key)
-                    return await result.bytes_async()
+                    result = await settled(lambda: obstore.get_async(self._store, key))
+                    return await settled(result.bytes_async)
                 except Exception as exc:  # noqa: BLE001
                     raise self._error(exc, key, "GET") from None
 
@@ -403,28 +404,3 @@ def _mark_runtime() -> None:
 def _forked() -> bool:
     """True in a child forked after this process used obstore (its runtime is unusable there)."""
     return _runtime_pid is not None and _runtime_pid != os.getpid()
-
-
-# ---------------------------------------------------------------------- the event loop
-_loop_lock = threading.Lock()
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_pid = 0
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """This process's I/O loop (a daemon thread; a forked child starts its own)."""
-    global _loop, _loop_pid
-    if _loop is not None and _loop_pid == os.getpid():
-        return _loop
-    with _loop_lock:
-        if _loop is None or _loop_pid != os.getpid():
-            loop = asyncio.new_event_loop()
-            thread = threading.Thread(target=loop.run_forever, name="featurestore-objectio", daemon=True)
-            thread.start()
-            _loop, _loop_pid = loop, os.getpid()
-    return _loop
-
-
-def run(coro: Awaitable[T]) -> T:
-    """Run ``coro`` on the I/O loop and wait for it (safe from any number of threads)."""
-    return asyncio.run_coroutine_threadsafe(coro, _event_loop()).result()  # type: ignore[arg-type]
