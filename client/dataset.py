@@ -21,6 +21,7 @@ import torch
 from featurestore.core.reader import as_index_array
 from featurestore.errors import IndexOutOfRange, InvalidIndices, InvalidOption
 from featurestore.format import dtypes
+from featurestore.format.redact import redact_url
 
 NO_LABEL = -1
 """Label returned for every sample of a split stored without labels (an int64 scalar tensor), so
@@ -114,7 +115,7 @@ class FeatureDataset(torch.utils.data.Dataset):
         return state
 
     def __repr__(self) -> str:
-        return (f"FeatureDataset({self.source!r}, {self.dataset!r}, {self.encoder!r}, {self.split!r}, "
+        return (f"FeatureDataset({redact_url(self.source)!r}, {self.dataset!r}, {self.encoder!r}, {self.split!r}, "
                 f"n={self.num_samples}, sample_shape={self.sample_shape}, dtype={self.dtype!r})")
 
     # ------------------------------------------------------------------ reads

@@ -253,3 +253,47 @@ def test_server_gone_mid_epoch_retries_then_one_line(tmp_path: Any) -> None:
     message = str(info.value)
     assert url in message and "'gone-bucket'" in message and "2 retries" in message and "\n" not in message
     assert elapsed < 20
+
+
+# ---------------------------------------------------------------------- exit after reads (item 11)
+_READ_AND_EXIT = """
+import json, sys
+from client.dataset import FeatureDataset
+from client.loader import FeatureLoader
+url, options = sys.argv[1], json.loads(sys.argv[2])
+ds = FeatureDataset(url, "ds", "enc", "train", storage_options=options)
+rows = sum(batch[0].shape[0] if isinstance(batch, (tuple, list)) else batch.shape[0]
+           for batch in FeatureLoader(ds, batch_size=16, device="cpu", prefetch=4))
+assert rows == ds.num_samples, rows
+"""
+
+
+@pytest.mark.slow
+def test_processes_that_read_from_s3_exit_cleanly(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    """A program that read from S3 and ends must exit 0: obstore's tokio threads hand results to
+    the event loop up to the last moment, and one that takes the GIL back once the interpreter
+    is finalizing aborts the process (exit 134, "Fatal Python error: Aborted"; io_loop). The race
+    is narrow (a few runs in a hundred), hence many short processes, two at a time."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    store = featurestore.open_store(seaweed_url, mode="a", **seaweed.storage_options)
+    writer = store.create_split("ds", "enc", "train", num_samples=256, sample_shape=(64,), dtype="float32",
+                                chunk_rows=32)
+    writer.write(0, np.random.default_rng(0).random((256, 64), dtype=np.float32))
+    writer.commit()
+    script = tmp_path / "read_and_exit.py"
+    script.write_text(_READ_AND_EXIT)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1",
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, str(script), seaweed_url, json.dumps(seaweed.storage_options)]
+    failures = []
+    for _ in range(20):
+        pair = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+        for process in pair:
+            output = process.communicate(timeout=120)[0].decode(errors="replace")
+            if process.returncode != 0:
+                failures.append(f"exit {process.returncode}: {output[-800:]}")
+    assert not failures, f"{len(failures)} of 40 processes failed at exit:\n" + "\n".join(failures[:3])

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from featurestore.errors import FeatureStoreError, InvalidStorageOptions, StoreUnreachable
+from featurestore.format.redact import redact, redact_url
 
 ENV = "FEATURESTORE_STORAGE_OPTIONS"
 EXAMPLE = '\'{"endpoint_url": "http://127.0.0.1:9000", "key": "...", "secret": "..."}\''
@@ -35,13 +36,22 @@ def storage_options(text: str | None) -> dict[str, Any]:
         text, source = os.environ.get(ENV), f"${ENV}"
     if not text:
         return {}
+    # The text holds keys and secrets: a message names where it came from and where it breaks,
+    # never the text itself.
     try:
         options = json.loads(text)
-    except ValueError as error:
-        raise InvalidStorageOptions(f"{source} {text!r} is not JSON ({error}): pass an object such as {EXAMPLE}") from None
+    except json.JSONDecodeError as error:
+        raise InvalidStorageOptions(
+            f"{source} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}: "
+            f"fix it there; the value must be a JSON object such as {EXAMPLE}"
+        ) from None
     if not isinstance(options, dict):
-        raise InvalidStorageOptions(f"{source} must be a JSON object such as {EXAMPLE}, but got: {text!r}")
+        raise InvalidStorageOptions(f"{source} must be a JSON object such as {EXAMPLE}, but it is a JSON "
+                                    f"{_JSON_TYPES.get(type(options), type(options).__name__)}")
     return options
+
+
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -60,11 +70,11 @@ def store_errors(url: str) -> Iterator[None]:
     except (FeatureStoreError, BrokenPipeError):
         raise
     except OSError as error:
-        text = " ".join((str(error) or type(error).__name__).split())
+        text = " ".join(redact(str(error) or type(error).__name__).split())
         if len(text) > 300:
             text = text[:300] + "..."
         raise StoreUnreachable(
-            f"cannot use the store at {url}: {type(error).__name__}: {text}. Check the URL and "
+            f"cannot use the store at {redact_url(url)}: {type(error).__name__}: {text}. Check the URL and "
             f"credentials; for S3 behind a custom endpoint pass --storage-options {EXAMPLE} "
             f"(or set {ENV})"
         ) from error

@@ -311,6 +311,7 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Sto
         return LocalStorage(url, fsync=os.environ.get("FEATURESTORE_FSYNC") == "1",
                             writeback=os.environ.get("FEATURESTORE_WRITEBACK", "1") != "0")
     scheme = url.split("://", 1)[0].lower()
+    check_protocols(url, scheme)
     if scheme in OBJECT_SCHEMES and os.environ.get("FEATURESTORE_OBJECT_BACKEND", "obstore") != "fsspec":
         from featurestore.core.storage_obstore import ObjectStorage
 
@@ -320,5 +321,24 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Sto
 
 #: URL schemes read and written through obstore (see featurestore.core.storage_options.SCHEMES).
 OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
+#: The schemes an unknown one's message suggests (any other fsspec protocol works too).
+COMMON_SCHEMES = ("file", "s3", "gs", "az", "abfs", "memory", "http", "https")
+
+
+def check_protocols(url: str, scheme: str) -> None:
+    """One line listing the supported schemes when ``url`` names a protocol fsspec does not know
+    (fsspec's own ``ValueError: Protocol not known`` would be a traceback). ``scheme`` may chain
+    protocols (``simplecache::s3``): each must be known."""
+    import fsspec
+
+    known = set(fsspec.available_protocols()) | set(OBJECT_SCHEMES)
+    unknown = [p for p in scheme.split("::") if p and p not in known]
+    if unknown:
+        from featurestore.format.redact import redact_url
+
+        raise StoreNotFound(
+            f"store URL {redact_url(url)!r}: unknown protocol {unknown[0]!r}: use a local path or a URL "
+            f"starting with {', '.join(s + '://' for s in COMMON_SCHEMES)} (or another fsspec protocol)"
+        )
 
 

@@ -11,8 +11,9 @@ into one range per run; here ranges of the same object closer than ``coalesce_ga
 than another request, see :data:`~featurestore.core.storage_options.DEFAULT_COALESCE_GAP`), and
 every request of the batch is issued at once on one event loop per process, bounded by
 ``max_concurrency`` requests in flight per store (settings, see
-:mod:`featurestore.core.storage_options`). The loop lives in a daemon thread; a forked child
-(DataLoader worker) starts its own.
+:mod:`featurestore.core.storage_options`). The loop lives in a daemon thread
+(:mod:`featurestore.core.io_loop`, which also keeps an exiting process from aborting while a
+Rust thread is still handing it a result); a forked child starts its own.
 
 Writes keep the commit protocol: each key is one PUT, which an object store makes visible
 atomically; a value over ``MULTIPART_BYTES`` goes up as a multipart upload (parts in parallel),
@@ -38,13 +39,14 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from featurestore.core.io_loop import run, settled
 from featurestore.core.storage import Storage
 from featurestore.core.storage_options import FEATURESTORE_KEYS, ObjectStoreSettings, StaticCredentials, translate
 from featurestore.errors import BucketNotFound, StorageAccessDenied, StorageUnavailable
+from featurestore.format.redact import redact, redact_url
 
 T = TypeVar("T")
 
@@ -62,6 +64,7 @@ class ObjectStorage(Storage):
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
+        self.shown = redact_url(self.url)  # what messages and the repr quote
         self.storage_options = dict(storage_options or {})
         self.settings: ObjectStoreSettings = translate(self.url, self.storage_options)
         self.bucket, self.prefix = _bucket_and_prefix(self.url, self.settings)
@@ -82,7 +85,7 @@ class ObjectStorage(Storage):
         self.__init__(state["url"], state["storage_options"])  # type: ignore[misc]
 
     def __repr__(self) -> str:
-        return f"ObjectStorage({self.url!r})"
+        return f"ObjectStorage({self.shown!r})"
 
     # ------------------------------------------------------------------ reads
     def read(self, key: str) -> bytes:
@@ -114,11 +117,11 @@ class ObjectStorage(Storage):
                 return
             async with semaphore:
                 try:
-                    data = await obstore.get_range_async(self._store, key, start=lo, end=hi)
+                    data = await settled(lambda: obstore.get_range_async(self._store, key, start=lo, end=hi))
                 except Exception as exc:  # noqa: BLE001 - translated or re-raised as is
                     raise self._error(exc, key, "GET") from None
             if len(data) < hi - lo:
-                raise FileNotFoundError(f"{self.url}/{key}: {len(data)} bytes where {hi - lo} were expected")
+                raise FileNotFoundError(f"{self.shown}/{key}: {len(data)} bytes where {hi - lo} were expected")
             for i in group:
                 out[i] = data if (starts[i], ends[i]) == (lo, hi) else data[starts[i] - lo : ends[i] - lo]
 
@@ -140,8 +143,8 @@ class ObjectStorage(Storage):
         async def fetch(key: str) -> Any:
             async with semaphore:
                 try:
-                    result = await obstore.get_async(self._store, key)
-                    return await result.bytes_async()
+                    result = await settled(lambda: obstore.get_async(self._store, key))
+                    return await settled(result.bytes_async)
                 except Exception as exc:  # noqa: BLE001
                     raise self._error(exc, key, "GET") from None
 
@@ -268,19 +271,19 @@ class ObjectStorage(Storage):
         """The exception to raise for ``exc``: one line naming the URL, bucket and fix."""
         from obstore.exceptions import BaseError, PermissionDeniedError, UnauthenticatedError
 
-        text = str(exc)
+        text = redact(str(exc))  # obstore quotes the request URL, endpoint userinfo included
         code = _xml_code(text)
         where = self.settings.endpoint or {"s3": "AWS S3", "gcs": "Google Cloud Storage", "azure": "Azure"}[self.settings.kind]
         if code in ("NoSuchBucket", "ContainerNotFound") or "bucket does not exist" in text.lower():
             return BucketNotFound(
-                f"{self.url}: bucket {self.bucket!r} does not exist at {where}: create it, or fix "
+                f"{self.shown}: bucket {self.bucket!r} does not exist at {where}: create it, or fix "
                 "the bucket name in the URL (or the endpoint in storage_options)"
             )
         if isinstance(exc, FileNotFoundError):
-            return exc
+            return FileNotFoundError(text) if text != str(exc) else exc
         if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)):
             return StorageAccessDenied(
-                f"{self.url}: {where} refused {op} {key or '/'} in bucket {self.bucket!r} "
+                f"{self.shown}: {where} refused {op} {key or '/'} in bucket {self.bucket!r} "
                 f"({code or type(exc).__name__}): check the credentials (storage_options key/secret, "
                 "or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the bucket's permissions"
             )
@@ -289,7 +292,7 @@ class ObjectStorage(Storage):
             # No key anywhere: obstore fell back to the cloud's instance metadata, which is not
             # there. Say what is missing, not "server unreachable".
             return StorageAccessDenied(
-                f"{self.url}: no credentials for bucket {self.bucket!r} at {where}: pass key and secret "
+                f"{self.shown}: no credentials for bucket {self.bucket!r} at {where}: pass key and secret "
                 "in storage_options (--storage-options / FEATURESTORE_STORAGE_OPTIONS), or set "
                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
             )
@@ -297,7 +300,7 @@ class ObjectStorage(Storage):
             retries = self.settings.retry_config.get("max_retries")
             reason = code or _first_line(text)
             return StorageUnavailable(
-                f"{self.url}: {op} {key or '/'} in bucket {self.bucket!r} failed at {where} after "
+                f"{self.shown}: {op} {key or '/'} in bucket {self.bucket!r} failed at {where} after "
                 f"{retries} retries ({reason}): check that the server is up and reachable, then retry"
             )
         return exc
@@ -337,7 +340,7 @@ def _bucket_and_prefix(url: str, settings: ObjectStoreSettings) -> tuple[str, st
     if not bucket:
         from featurestore.errors import StoreNotFound
 
-        raise StoreNotFound(f"store URL {url!r} names no bucket: use e.g. s3://bucket/prefix")
+        raise StoreNotFound(f"store URL {redact_url(url)!r} names no bucket: use e.g. s3://bucket/prefix")
     return bucket, prefix.strip("/")
 
 
@@ -401,28 +404,3 @@ def _mark_runtime() -> None:
 def _forked() -> bool:
     """True in a child forked after this process used obstore (its runtime is unusable there)."""
     return _runtime_pid is not None and _runtime_pid != os.getpid()
-
-
-# ---------------------------------------------------------------------- the event loop
-_loop_lock = threading.Lock()
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_pid = 0
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """This process's I/O loop (a daemon thread; a forked child starts its own)."""
-    global _loop, _loop_pid
-    if _loop is not None and _loop_pid == os.getpid():
-        return _loop
-    with _loop_lock:
-        if _loop is None or _loop_pid != os.getpid():
-            loop = asyncio.new_event_loop()
-            thread = threading.Thread(target=loop.run_forever, name="featurestore-objectio", daemon=True)
-            thread.start()
-            _loop, _loop_pid = loop, os.getpid()
-    return _loop
-
-
-def run(coro: Awaitable[T]) -> T:
-    """Run ``coro`` on the I/O loop and wait for it (safe from any number of threads)."""
-    return asyncio.run_coroutine_threadsafe(coro, _event_loop()).result()  # type: ignore[arg-type]

@@ -31,6 +31,7 @@ from datetime import timedelta
 from typing import Any
 
 from featurestore.errors import InvalidStorageOptions
+from featurestore.format.redact import redact_url
 
 #: URL schemes served by obstore, by store kind.
 SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
@@ -86,6 +87,7 @@ def translate(url: str, options: Mapping[str, Any] | None, environ: Mapping[str,
     environ = os.environ if environ is None else environ
     scheme = url.split("://", 1)[0].lower()
     kind = SCHEMES.get(scheme)
+    url = redact_url(url)  # from here on only messages quote it: s3://key:secret@bucket is legal
     if kind is None:
         raise InvalidStorageOptions(f"{url}: scheme {scheme!r} is not object storage (s3://, gs://, az://)")
     opts = dict(options or {})
@@ -126,10 +128,10 @@ def _s3(url: str, opts: dict[str, Any], settings: ObjectStoreSettings, environ: 
     config: dict[str, Any] = {}
     for name, value in opts.items():
         if name in _S3 and value is not None:
-            config[_S3[name]] = value
+            config[_S3[name]] = checked_endpoint(url, name, value) if _S3[name] == "endpoint" else value
     client_kwargs = opts.get("client_kwargs") or {}
     if not isinstance(client_kwargs, Mapping):
-        raise InvalidStorageOptions(f"{url}: client_kwargs must be a JSON object, got {client_kwargs!r}")
+        raise InvalidStorageOptions(f"{url}: client_kwargs must be a JSON object, got a {type(client_kwargs).__name__}")
     for name, value in client_kwargs.items():
         if name == "verify":
             if value is False:
@@ -140,13 +142,16 @@ def _s3(url: str, opts: dict[str, Any], settings: ObjectStoreSettings, environ: 
                 f"{url}: client_kwargs option {name!r} is not supported; use one of "
                 f"{', '.join(sorted([*_S3_CLIENT_KWARGS, 'verify']))}"
             )
+        if value is not None and _S3_CLIENT_KWARGS[name] == "endpoint":
+            value = checked_endpoint(url, f"client_kwargs.{name}", value)
         if value is not None:
             config.setdefault(_S3_CLIENT_KWARGS[name], value)
     config_kwargs = opts.get("config_kwargs") or {}
     s3_kwargs = config_kwargs.get("s3") or {} if isinstance(config_kwargs, Mapping) else {}
     extra = [k for k in config_kwargs if k != "s3"] + [f"s3.{k}" for k in s3_kwargs if k != "addressing_style"]
     if extra or not isinstance(s3_kwargs, Mapping):
-        raise InvalidStorageOptions(f"{url}: config_kwargs {extra or config_kwargs!r} not supported; only "
+        shown = ", ".join(extra) if extra else f"s3 = a {type(s3_kwargs).__name__}"
+        raise InvalidStorageOptions(f"{url}: config_kwargs {shown} not supported; only "
                                     "{'s3': {'addressing_style': 'virtual' | 'path'}} is")
     addressing = s3_kwargs.get("addressing_style")
     if addressing is not None:
@@ -165,14 +170,17 @@ def _s3(url: str, opts: dict[str, Any], settings: ObjectStoreSettings, environ: 
                                 "secret_access_key": str(config.pop("secret_access_key")),
                                 "token": config.pop("session_token", None) or None, "expires_at": None}
     settings.profile = opts.get("profile") or None
-    endpoint = (config.get("endpoint") or environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL")
-                or environ.get("AWS_ENDPOINT"))
+    endpoint = config.get("endpoint")
+    for variable in () if endpoint else ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"):
+        if environ.get(variable):
+            endpoint = checked_endpoint(url, variable, environ[variable])
+            break
     if endpoint:
         config.setdefault("endpoint", endpoint)
-        settings.endpoint = str(endpoint).rstrip("/")
+        settings.endpoint = redact_url(str(endpoint).rstrip("/"))
         # Custom endpoints (MinIO, SeaweedFS, Ceph) serve buckets under the path, as s3fs assumes.
         config.setdefault("virtual_hosted_style_request", False)
-        if str(endpoint).startswith("http://"):
+        if str(endpoint).lower().startswith("http://"):
             settings.client_options["allow_http"] = True
     if opts.get("use_ssl") is False:
         settings.client_options["allow_http"] = True
@@ -191,10 +199,10 @@ def _gcs(url: str, opts: dict[str, Any], settings: ObjectStoreSettings) -> None:
         config["service_account_key"] = json.dumps(dict(token))
     elif isinstance(token, str) and token not in ("google_default", "cloud", "browser", ""):
         config["service_account"] = token  # a path to a service-account JSON file
-    if opts.get("endpoint_url"):
-        config["base_url"] = opts["endpoint_url"]
-        settings.endpoint = str(opts["endpoint_url"]).rstrip("/")
-        if str(opts["endpoint_url"]).startswith("http://"):
+    if opts.get("endpoint_url") is not None:
+        config["base_url"] = checked_endpoint(url, "endpoint_url", opts["endpoint_url"])
+        settings.endpoint = redact_url(str(opts["endpoint_url"]).rstrip("/"))
+        if str(opts["endpoint_url"]).lower().startswith("http://"):
             settings.client_options["allow_http"] = True
     settings.config = config  # "project" is accepted for compatibility: object reads need none
 
@@ -206,9 +214,34 @@ def _azure(url: str, opts: dict[str, Any], settings: ObjectStoreSettings) -> Non
         config["skip_signature"] = True
     if opts.get("account_host"):
         host = str(opts["account_host"])
-        config["endpoint"] = host if "://" in host else f"https://{host}"
-        settings.endpoint = config["endpoint"]
+        config["endpoint"] = checked_endpoint(url, "account_host", host if "://" in host else f"https://{host}")
+        settings.endpoint = redact_url(config["endpoint"])
     settings.config = config
+
+
+def checked_endpoint(url: str, name: str, value: Any) -> str:
+    """``value`` if it is an http(s) URL with a host; else one line naming the option (or variable)
+    and the fix. object_store panics on an endpoint without a scheme or host (a Rust panic is no
+    message for a user), so nothing else reaches it."""
+    from urllib.parse import urlsplit
+
+    text = value if isinstance(value, str) else ""
+    if not text.strip():
+        raise InvalidStorageOptions(
+            f"{url}: {name} is {'empty' if isinstance(value, str) else f'a {type(value).__name__}'}: pass the "
+            "server's URL, e.g. http://127.0.0.1:9000, or leave it out for the cloud's own endpoint"
+        )
+    try:
+        parts = urlsplit(text)
+        host = parts.hostname
+    except ValueError:  # e.g. a port that is no number
+        parts, host = None, None
+    if parts is None or parts.scheme.lower() not in ("http", "https") or not host:
+        shown = redact_url(text)
+        fix = f"http://{shown}" if "://" not in text else "http://host:port or https://host"
+        raise InvalidStorageOptions(f"{url}: {name}={shown!r} is not an http:// or https:// URL with a host: "
+                                    f"pass e.g. {fix}")
+    return text
 
 
 def _reject_unknown(url: str, opts: Mapping[str, Any], known: tuple[str, ...], scheme: str) -> None:

@@ -40,6 +40,7 @@ from featurestore.format.metadata import (
     stats_row_length,
 )
 from featurestore.format.names import validate_name
+from featurestore.format.redact import redact_url
 
 # The levels of a split's key, with the error that names each (FeatureStore._require_inside).
 _LEVELS = ((DatasetNotFound, "dataset"), (EncoderNotFound, "encoder"), (SplitNotFound, "split"))
@@ -77,7 +78,7 @@ class FeatureStore:
         check_root(raw, self.url)
 
     def __repr__(self) -> str:
-        return f"FeatureStore({self.url!r}, mode={self.mode!r})"
+        return f"FeatureStore({redact_url(self.url)!r}, mode={self.mode!r})"
 
     # ------------------------------------------------------------------ listings
     def datasets(self) -> list[str]:
