@@ -4,13 +4,12 @@ panic or a traceback (item 12a). The redactor is property-tested: whatever a pas
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
 import sys
+from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,9 +19,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import featurestore  # noqa: E402
 from featurestore import errors as fse  # noqa: E402
 from featurestore.cli import main  # noqa: E402
-from featurestore.commands.argtypes import positive_float  # noqa: E402
 from featurestore.commands.storeargs import storage_options  # noqa: E402
 from featurestore.core.storage_options import translate  # noqa: E402
+from featurestore.extract.plan import check_chunk_mb  # noqa: E402
 from featurestore.format.redact import redact, redact_url  # noqa: E402
 
 SECRET = "Xq7SeCrEt"
@@ -161,17 +160,23 @@ def test_an_unknown_protocol_is_one_line_listing_the_supported_ones(capsys: pyte
 
 
 @pytest.mark.parametrize("verb", ["import", "extract"])
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1", "abc"])
-def test_chunk_mb_must_be_a_positive_finite_number(verb: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        main([verb, f"--chunk-mb={value}"])
-    assert info.value.code == 2
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1"])
+def test_chunk_mb_must_be_a_positive_finite_number(verb: str, value: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # Refused by the library (extract.plan.check_chunk_mb), so ImportOptions/ExtractOptions
+    # callers get the same one line as the CLI, before any input is opened or written.
+    source = ["npy:missing.npy"] if verb == "import" else ["--images", "npy:missing.npy", "--encoder", "builtin:tiny-vit"]
+    names = ["--encoder-name", "e"] if verb == "import" else []
+    store = tmp_path / "store"
+    code = main([verb, *source, "--store", str(store), "--dataset", "d", *names, "--split", "s", f"--chunk-mb={value}"])
     err = capsys.readouterr().err
-    assert "--chunk-mb: must be" in err and repr(value) in err and "Traceback" not in err, err
+    assert code == 1 and err.count("\n") == 1, err
+    assert "--chunk-mb must be a finite positive number of MiB" in err and "Traceback" not in err, err
+    assert not store.exists()
 
 
-def test_positive_float_accepts_what_it_should() -> None:
-    assert positive_float("0.5") == 0.5 and positive_float("8") == 8.0
-    with pytest.raises(argparse.ArgumentTypeError):
-        positive_float("1e999")  # inf after parsing
-    assert np.isfinite(positive_float("1e300"))
+def test_check_chunk_mb_accepts_what_it_should() -> None:
+    assert check_chunk_mb(0.5) == 0.5 and check_chunk_mb(8) == 8.0 and check_chunk_mb(1e6) == 1e6
+    for bad in (float("nan"), float("inf"), 0, -1, 2e6, True, "8"):
+        with pytest.raises(fse.InvalidOption, match="--chunk-mb must be"):
+            check_chunk_mb(bad)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from featurestore.commands.argtypes import positive_float
 from featurestore.commands.storeargs import add_storage_options, storage_options, store_errors
 from featurestore.errors import InvalidOption
 
@@ -58,7 +57,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--verify-chunks", action="store_true",
                    help="with --resume (or a re-run) of a complete split: check every chunk's crc32c, "
                    "not only its size, and rewrite the damaged ones")
-    p.add_argument("--chunk-mb", type=positive_float, default=8.0,
+    p.add_argument("--chunk-mb", type=float, default=8.0,
                    help="chunk size target in MiB (default 8), rounded to whole batches of --batch-size")
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
                    help="encoder compute: auto = bf16 autocast on CUDA, float32 on CPU")

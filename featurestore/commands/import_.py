@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from featurestore.commands.argtypes import positive_float
 from featurestore.commands.storeargs import add_storage_options, storage_options, store_errors
 
 
@@ -40,7 +39,7 @@ def register(subparsers: Any) -> None:
     mode.add_argument("--resume", action="store_true", help="continue an incomplete split from its valid chunks")
     mode.add_argument("--overwrite", action="store_true", help="replace an existing split")
     p.add_argument("--batch-size", type=int, default=256, help="rows read and written at a time (default 256)")
-    p.add_argument("--chunk-mb", type=positive_float, default=8.0, help="chunk size target in MiB (default 8)")
+    p.add_argument("--chunk-mb", type=float, default=8.0, help="chunk size target in MiB (default 8)")
     add_storage_options(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")

@@ -28,7 +28,7 @@ from typing import Any
 
 from featurestore.errors import DatasetNotFound, EncoderNotFound, ShapeMismatch, SplitExists, SplitNotFound
 from featurestore.extract.caches import ArraySource, CacheSource, open_cache, open_labels
-from featurestore.extract.plan import chunk_rows_for
+from featurestore.extract.plan import check_chunk_mb, chunk_rows_for
 from featurestore.extract.run import resolve_dtype
 from featurestore.extract.sources import SourceError
 from featurestore.format.names import validate_name
@@ -93,6 +93,7 @@ def import_cache(opts: ImportOptions) -> ImportResult:
         raise SourceError(f"--batch-size must be a positive integer, but got: {opts.batch_size}")
     if opts.resume and opts.overwrite:
         raise SourceError("--resume and --overwrite exclude each other: choose one")
+    check_chunk_mb(opts.chunk_mb)
     started = time.perf_counter()
     source = open_cache(opts.source, opts.key, opts.labels)
     labels = open_labels(opts.labels, source)

@@ -12,7 +12,12 @@ to one batch when samples are large (a [1024, 3072] float16 sample is 6 MiB).
 
 from __future__ import annotations
 
+import math
+
+from featurestore.errors import InvalidOption
 from featurestore.format import dtypes
+
+MAX_CHUNK_MB = 1 << 20  # 1 TiB: far past any useful chunk, and where int(chunk_mb << 20) stays exact
 
 
 def plan_batches(chunks: list[int], chunk_rows: int, num_samples: int, batch_size: int) -> list[list[int]]:
@@ -24,8 +29,19 @@ def plan_batches(chunks: list[int], chunk_rows: int, num_samples: int, batch_siz
     return plan
 
 
+def check_chunk_mb(chunk_mb: object) -> float:
+    """``--chunk-mb`` (``chunk_mb=``) as a finite positive number of MiB, else one clear error:
+    ``nan``, ``inf``, ``0`` and negative values are refused for ``extract`` and ``import`` alike."""
+    if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float)) or not (
+            math.isfinite(chunk_mb) and 0 < chunk_mb <= MAX_CHUNK_MB):
+        raise InvalidOption(f"--chunk-mb must be a finite positive number of MiB (at most {MAX_CHUNK_MB}), "
+                            f"but got: {chunk_mb!r}: pass e.g. --chunk-mb 8")
+    return float(chunk_mb)
+
+
 def chunk_rows_for(sample_shape: tuple[int, ...], dtype: str, chunk_mb: float, batch_size: int) -> int:
     """Samples per chunk: a whole multiple of ``batch_size``, near ``chunk_mb`` MiB."""
+    chunk_mb = check_chunk_mb(chunk_mb)
     sample_nbytes = dtypes.storage_dtype(dtype).itemsize
     for size in sample_shape:
         sample_nbytes *= int(size)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import sys
 import threading
@@ -39,7 +38,7 @@ from featurestore.errors import (
 )
 from featurestore.extract.dist import Coordinator, coordinator_from_env
 from featurestore.extract.encoders import Encoder, EncoderError, TokenLayout, load_encoder, resolve_layout
-from featurestore.extract.plan import chunk_rows_for, plan_batches
+from featurestore.extract.plan import check_chunk_mb, chunk_rows_for, plan_batches
 from featurestore.extract.sources import (
     Failure,
     ImageSource,
@@ -144,8 +143,7 @@ def _prepare(opts: ExtractOptions, coord: Coordinator) -> _Prepared:
     validate_name(opts.split, "split")
     if opts.batch_size < 1:
         raise InvalidOption(f"--batch-size must be a positive integer, but got: {opts.batch_size}")
-    if not (isinstance(opts.chunk_mb, (int, float)) and math.isfinite(opts.chunk_mb) and 0 < opts.chunk_mb <= 1 << 20):
-        raise InvalidOption(f"--chunk-mb must be a finite positive number of MiB (at most 1048576), but got: {opts.chunk_mb}")
+    check_chunk_mb(opts.chunk_mb)
     if opts.num_workers is not None and opts.num_workers < 0:
         raise InvalidOption(f"--num-workers must be 0 (load in the main process) or more, but got: {opts.num_workers}")
     if opts.queue_size < 1:
