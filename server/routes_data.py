@@ -109,7 +109,7 @@ def _respond(state: StoreState, entry: OpenedSplit, arrays: list[Any], index: np
 def _gather(state: StoreState, entry: OpenedSplit, arr: Any, index: np.ndarray, out: np.ndarray) -> None:
     """Read rows ``index`` into ``out``. Chunks that are missing or damaged mean a damaged store
     (500) only if the split is still the one that was opened: an overwrite deletes and rewrites
-    them, and a read caught in it is the retryable 409 (issue 9)."""
+    them, and a read caught in it is the retryable 409 (issue 26.9)."""
     try:
         arr.read_numpy(index, out=out)
     except (MissingChunks, CorruptChunk, FileNotFoundError):

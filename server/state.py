@@ -9,7 +9,7 @@ between (an overwrite started, a re-extraction committed) is answered with 409, 
 ever mixes two generations. On object storage each re-read is a round trip, so the document is
 re-checked at most every ``metadata_ttl_s`` seconds (default 1 s) and only before the gather.
 
-Overwrites (issue 9): a split this worker has served complete and that is now incomplete (an
+Overwrites (issue 26.9): a split this worker has served complete and that is now incomplete (an
 overwrite is writing it), missing (the overwrite deleted it and has not written it again yet),
 or whose chunks vanished or changed under a read (a MissingChunks/CorruptChunk/FileNotFoundError
 while its document changed) is answered 409 with ``Retry-After`` ("the split changed while
