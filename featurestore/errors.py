@@ -7,6 +7,17 @@ its single stderr line, and the HTTP server maps each class to one status code (
 
 from __future__ import annotations
 
+# The one repair advice for damage (a CorruptChunk or MissingChunks of a complete split): every
+# message that reports damage ends with it, and what it names does repair. ``--resume`` alone on
+# a complete split checks only sizes and seals (it does not read the chunks); ``--verify-chunks``
+# re-reads every chunk (crc32c, seal, and the features against their statistics row, as
+# `featurestore verify` does) and rewrites each damaged one from the input before committing.
+REPAIR_ADVICE = (
+    "run `featurestore verify` on the store, then repair the split with the command that wrote it "
+    "plus --resume --verify-chunks (`featurestore extract ...` or `featurestore import ...`), which "
+    "rewrites the damaged chunks from the input"
+)
+
 
 class FeatureStoreError(Exception):
     """Root of every error featurestore raises on purpose."""
@@ -99,6 +110,11 @@ class MissingChunks(FeatureStoreError, RuntimeError):
 
 class CacheKeyMismatch(FeatureStoreError, ValueError):
     """Resuming or re-running into a split made with another encoder, preprocessing or dtype."""
+
+
+class InputChanged(FeatureStoreError, ValueError):
+    """Resuming or re-running into a split whose input files changed after it was created
+    (featurestore.extract.input_check): the rows already stored would not match the input."""
 
 
 class StorageFull(FeatureStoreError, OSError):

@@ -86,10 +86,7 @@ STATUS: Mapping[type[BaseException], int] = {
     fse.MissingChunks: 500,
 }
 
-_DAMAGED = (
-    "the server's store is damaged (not a problem with the request): {}. Run 'featurestore "
-    "verify' on the store and re-extract or resume the split"
-)
+_DAMAGED = "the server's store is damaged (not a problem with the request): {}"
 
 
 def status_for(error: BaseException) -> int:

@@ -246,6 +246,29 @@ def test_resume_repairs_a_damaged_complete_split(fold: Path, reference: Path, tm
     assert np.array_equal(read_all(str(store), SPLIT), read_all(str(reference), SPLIT))
 
 
+def test_the_advised_repair_repairs_flipped_bytes_and_swapped_chunks(fold: Path, reference: Path, tmp_path: Path) -> None:
+    """Issue 26.7: CorruptChunk advised "--resume", which said "nothing to do" on a complete split;
+    and two swapped features chunks (each crc32c valid) survived every resume. The advice now names
+    --resume --verify-chunks, which re-reads every chunk against its statistics row too."""
+    from featurestore.errors import REPAIR_ADVICE, CorruptChunk
+
+    store = _copy(reference, tmp_path)
+    split = _split_dir(store)
+    path = split / "features/c/2/0/0"
+    flipped = bytearray(path.read_bytes())
+    flipped[5] ^= 0xFF
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(CorruptChunk) as damaged:
+        featurestore.open_store(str(store)).open(*SPLIT).read(list(range(N)))
+    assert REPAIR_ADVICE in str(damaged.value) and "--resume --verify-chunks" in REPAIR_ADVICE
+    _swap(split / "features/c/0/0/0", split / "features/c/4/0/0")
+    repaired = _extract(fold, store, "--resume", "--verify-chunks")
+    assert repaired.returncode == 0, repaired.stderr
+    assert f"{3 * ROWS} samples encoded" in repaired.stdout, repaired.stdout  # chunks 0, 2 and 4 only
+    assert _verify(store).returncode == 0
+    assert np.array_equal(read_all(str(store), SPLIT), read_all(str(reference), SPLIT))
+
+
 # ----------------------------------------------------------------------------- 12.9 storage options
 def test_every_store_verb_takes_storage_options(reference: Path, s3_bucket: str,
                                                 s3_storage_options: dict[str, Any]) -> None:

@@ -55,8 +55,9 @@ def register(subparsers: Any) -> None:
     mode.add_argument("--resume", action="store_true", help="continue an incomplete split from its valid chunks")
     mode.add_argument("--overwrite", action="store_true", help="replace an existing split")
     p.add_argument("--verify-chunks", action="store_true",
-                   help="with --resume (or a re-run) of a complete split: check every chunk's crc32c, "
-                   "not only its size, and rewrite the damaged ones")
+                   help="with --resume (or a re-run): re-read every chunk, check its crc32c, its seal and its "
+                   "features against their statistics row (as `featurestore verify` does), and rewrite "
+                   "each damaged or misplaced one from the input; the repair for CorruptChunk / MissingChunks")
     p.add_argument("--chunk-mb", type=float, default=8.0,
                    help="chunk size target in MiB (default 8), rounded to whole batches of --batch-size")
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),

@@ -38,6 +38,10 @@ def register(subparsers: Any) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue an incomplete split from its valid chunks")
     mode.add_argument("--overwrite", action="store_true", help="replace an existing split")
+    p.add_argument("--verify-chunks", action="store_true",
+                   help="with --resume (or a re-run): re-read every chunk, check its crc32c, its seal and its "
+                   "features against their statistics row (as `featurestore verify` does), and rewrite "
+                   "each damaged or misplaced one from the input; the repair for CorruptChunk / MissingChunks")
     p.add_argument("--batch-size", type=int, default=256, help="rows read and written at a time (default 256)")
     p.add_argument("--chunk-mb", type=float, default=8.0, help="chunk size target in MiB (default 8)")
     add_storage_options(p)
@@ -54,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         split=args.split, dtype=args.dtype, labels=args.labels, key=args.key, prefix_tokens=args.prefix_tokens,
         grid=tuple(args.grid) if args.grid else None, batch_size=args.batch_size, chunk_mb=args.chunk_mb,
         resume=args.resume, overwrite=args.overwrite, storage_options=storage_options(args.storage_options),
-        progress=not args.no_progress)
+        progress=not args.no_progress, verify_chunks=args.verify_chunks)
     with store_errors(args.store):
         result = import_cache(options)
     meta = result.metadata

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import crc32c as _crc32c
 
+from featurestore.errors import REPAIR_ADVICE
 from featurestore.format.layout import CRC_BYTES
 
 VERIFY_MODES = ("auto", "first", "off")
@@ -90,9 +91,7 @@ class Verified:
 
 
 def damage_message(where: str, reason: str) -> str:
-    return (f"{where} is damaged: {reason}. The store's bytes are not what was written; run "
-            "`featurestore verify` on the store, then re-extract the split with --resume (it rewrites "
-            "damaged chunks)")
+    return f"{where} is damaged: {reason}. The store's bytes are not what was written: {REPAIR_ADVICE}"
 
 
 def run_checks(pending: Sequence[int], check: Callable[[int], str | None], executor: object | None) -> dict[int, str]:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from featurestore.core.open_files import FileBudget, file_budget
-from featurestore.errors import CorruptChunk, InvalidOption
+from featurestore.errors import REPAIR_ADVICE, CorruptChunk, InvalidOption
 
 CACHE_MODES = ("auto", "keep", "drop", "direct")
 _IOV_MAX = 1024  # Linux's limit on buffers per preadv
@@ -253,7 +253,7 @@ class ChunkFiles:
         if size != self._expected:
             os.close(fd)
             raise CorruptChunk(f"chunk file {path} has {size} bytes, expected {self._expected} (truncated or "
-                               "overwritten): run `featurestore verify` and re-extract the split with --resume")
+                               f"overwritten): {REPAIR_ADVICE}")
         return fd
 
     def close(self, drop_cache: bool = False) -> None:
@@ -277,7 +277,7 @@ def _read_blocking(fd: int, read: _Read, path_of: Callable[[int], str]) -> None:
         done = os.preadv(fd, read.buffers, read.offset)
         if done <= 0:  # end of file before the row's end: the file shrank under us
             raise CorruptChunk(f"chunk file {path_of(read.chunk)} ended before byte {read.offset + read.nbytes} "
-                               "(truncated while reading): re-extract the split with --resume")
+                               f"(truncated while reading): {REPAIR_ADVICE}")
         read.advance(done)
 
 

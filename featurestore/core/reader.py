@@ -23,7 +23,14 @@ import numpy as np
 from featurestore.core import checked, chunk_maps, pread
 from featurestore.core.buffers import aligned_empty
 from featurestore.core.storage import Storage
-from featurestore.errors import CorruptChunk, IndexOutOfRange, InvalidOption, MissingChunks, ShapeMismatch
+from featurestore.errors import (
+    REPAIR_ADVICE,
+    CorruptChunk,
+    IndexOutOfRange,
+    InvalidOption,
+    MissingChunks,
+    ShapeMismatch,
+)
 from featurestore.format import chunks, dtypes, layout
 from featurestore.format.wire import as_index_array, check_bounds
 
@@ -181,8 +188,8 @@ class FeatureArray:
         if self.metadata.get("status") != "complete":  # opened with allow_incomplete=True
             return MissingChunks(f"{self._key}: {where} has not been written yet (status "
                                  f"{self.metadata.get('status')!r}): read only written rows, or resume the split first")
-        return MissingChunks(f"{self._key}: {where} is missing from a complete split (damaged store): run "
-                             "`featurestore verify`, then re-extract the split with --resume")
+        return MissingChunks(f"{self._key}: {where} is missing from a complete split (damaged store): "
+                             f"{REPAIR_ADVICE}")
 
     def _normalize(self, indices: Any) -> np.ndarray:
         index = as_index_array(indices)
@@ -194,7 +201,7 @@ class FeatureArray:
         expected = self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES
         if size != expected:
             raise CorruptChunk(f"chunk file {path} has {size} bytes, expected {expected} (truncated or "
-                               "overwritten): run `featurestore verify` and re-extract the split with --resume")
+                               f"overwritten): {REPAIR_ADVICE}")
 
     def _gather_local(self, index: np.ndarray, rows: np.ndarray) -> None:
         mode = self.local_read

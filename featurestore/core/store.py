@@ -29,6 +29,7 @@ from featurestore.errors import (
     StoreNotFound,
 )
 from featurestore.format import chunks, dtypes, layout
+from featurestore.format.chunk_checks import features_match_stats
 from featurestore.format.metadata import (
     WRITING,
     LabelSpec,
@@ -282,9 +283,13 @@ class FeatureStore:
     def _valid_chunks(self, key: str, meta: SplitMetadata, crc: bool = True) -> set[int]:
         """Chunks whose features, statistics row and labels are all present with the right size
         (and valid crc32c unless ``crc=False``), whose statistics row carries this split's
-        generation and the chunk's own index."""
+        generation and the chunk's own index, and (with ``crc``, which reads the features)
+        whose features are the ones that row describes: a swapped or moved chunk file with a
+        valid crc32c of its own is rewritten too (format.chunk_checks, as `verify` checks)."""
         valid: set[int] | None = None
-        for name, ndim, nbytes in chunk_arrays(meta):
+        stats_rows: dict[int, np.ndarray] = {}
+        # Statistics rows first: each features chunk is then checked against its row.
+        for name, ndim, nbytes in sorted(chunk_arrays(meta), key=lambda a: a[0] != layout.CHUNK_STATS):
             present = {int(n) for n in self.storage.listdir(f"{key}/{name}/c") if n.isdigit()}
             good = set()
             for index in sorted(present if valid is None else present & valid):
@@ -305,8 +310,12 @@ class FeatureStore:
                     continue
                 if chunks.check(raw, nbytes) is not None:
                     continue
-                if name == layout.CHUNK_STATS and seal_problem(raw, meta, index) is not None:
-                    continue  # another run's chunk (overwrite raced) or a moved file
+                if name == layout.CHUNK_STATS:
+                    if seal_problem(raw, meta, index) is not None:
+                        continue  # another run's chunk (overwrite raced) or a moved file
+                    stats_rows[index] = np.frombuffer(raw[: -layout.CRC_BYTES], np.float64)
+                elif name == layout.FEATURES and features_match_stats(raw, meta, index, stats_rows[index]):
+                    continue  # a swapped or moved features file: its rows belong elsewhere
                 good.add(index)
             valid = good
         return valid or set()

@@ -31,14 +31,9 @@ from featurestore.core.leftovers import TempFile, find_temp_files
 from featurestore.core.store import FeatureStore
 from featurestore.errors import DatasetNotFound, EncoderNotFound, FeatureStoreError, SplitNotFound
 from featurestore.format import chunks, dtypes, layout
-from featurestore.format.metadata import SplitMetadata, chunk_arrays, seal_problem, stats_row_length, unseal
+from featurestore.format.metadata import SplitMetadata, chunk_arrays, seal_problem, stats_row_length
+from featurestore.format.chunk_checks import features_match_stats
 from featurestore.format.names import reserved_reason, validate_name
-from featurestore.format.stats import ChunkStats
-
-# Per-channel means of a chunk recomputed here against its statistics row: both come from the same
-# stored values, so they agree to float32 rounding; another chunk's rows miss by far more.
-_MEAN_RTOL = 1e-4
-
 
 @dataclass
 class SplitCheck:
@@ -151,7 +146,7 @@ def verify_split(store: FeatureStore, dataset: str, encoder: str, split: str) ->
                 if problem is None:
                     stats_rows[index] = np.frombuffer(raw[: -layout.CRC_BYTES], np.float64)
             elif problem is None and name == layout.FEATURES and index in stats_rows:
-                problem = _features_match_stats(raw, meta, index, stats_rows[index])
+                problem = features_match_stats(raw, meta, index, stats_rows[index])
             if problem:
                 result.problems.append(f"{chunk}: {problem}")
     return result
@@ -203,35 +198,6 @@ def _document(store: FeatureStore, where: str, problems: list[str]) -> dict[str,
         problems.append(f"{where}: not a JSON object")
         return None
     return doc
-
-
-def _features_match_stats(raw: bytes, meta: SplitMetadata, index: int, sealed_row: np.ndarray) -> str | None:
-    """Whether a features chunk is the one its statistics row describes (row count, channel means)."""
-    payload = memoryview(raw)[: -layout.CRC_BYTES]
-    if meta.compressor is not None:
-        from numcodecs import Zstd
-
-        payload = memoryview(Zstd().decode(payload))
-    storage = dtypes.storage_dtype(meta.logical_dtype)
-    values = np.frombuffer(payload, storage)
-    per_row = int(np.prod(meta.sample_shape))
-    if values.size != meta.chunk_rows * per_row:
-        return f"decodes to {values.size} values, expected {meta.chunk_rows * per_row}"
-    lo = index * meta.chunk_rows
-    count = min(meta.chunk_rows, meta.num_samples - lo)
-    stats = ChunkStats.from_row(unseal(sealed_row, meta)[0])
-    if stats.rows != count:
-        return f"its statistics row counts {stats.rows} samples, the chunk holds {count}"
-    channels = meta.sample_shape[-1]
-    stored = values[: count * per_row]
-    mean = dtypes.stored_as_float32(stored, meta.logical_dtype).reshape(-1, channels).mean(axis=0, dtype=np.float64)
-    scale = max(1.0, float(np.abs(stats.mean).max(initial=0.0)))
-    if not np.allclose(mean, stats.mean, rtol=_MEAN_RTOL, atol=_MEAN_RTOL * scale):
-        worst = int(np.argmax(np.abs(mean - stats.mean)))
-        return (f"its channel means do not match its statistics row (channel {worst}: "
-                f"{mean[worst]:.6g} vs {stats.mean[worst]:.6g}): a chunk file swapped, moved or "
-                "written by another run")
-    return None
 
 
 def _children(store: FeatureStore, prefix: str, problems: list[str]) -> list[str]:

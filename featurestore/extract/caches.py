@@ -56,6 +56,10 @@ class CacheSource:
     def fingerprint(self) -> str:
         raise NotImplementedError
 
+    def input_files(self, start: int, stop: int) -> list[str]:
+        """The files rows ``[start, stop)`` are read from (extract.input_check)."""
+        raise NotImplementedError
+
     def _check(self, value: Any, where: str) -> Any:
         shape, dtype = tuple(value.shape), _dtype_name(value.dtype)
         if shape != self.sample_shape or dtype != self.dtype:
@@ -131,6 +135,9 @@ class DirectorySource(CacheSource):
             return torch.stack(rows)
         return np.stack(rows)
 
+    def input_files(self, start: int, stop: int) -> list[str]:
+        return [os.path.join(self.directory, self.names[i]) for i in range(start, stop)]
+
     def fingerprint(self) -> str:
         h = hashlib.sha256(f"{self.sample_shape}|{self.dtype}".encode())
         sampled = sorted({0, self.num_samples - 1, *[self.num_samples * k // 17 for k in range(1, 17)]})
@@ -161,6 +168,9 @@ class ArraySource(CacheSource):
         rows = self.array[start:stop]
         return rows if isinstance(rows, torch.Tensor) else np.asarray(rows)
 
+    def input_files(self, start: int, stop: int) -> list[str]:
+        return [self.path]
+
     def fingerprint(self) -> str:
         """Shape, dtype, file size and sampled row blocks (head, tail, 16 strided)."""
         h = hashlib.sha256(f"{self.kind}|{list(self.array.shape)}|{self.dtype}|{os.path.getsize(self.path)}".encode())
@@ -188,6 +198,9 @@ class H5PerSampleSource(CacheSource):
     def read(self, start: int, stop: int) -> Any:
         return np.stack([self._check(self.group[self.names[i]][()], f"sample {i} ({self.names[i]})")
                          for i in range(start, stop)])
+
+    def input_files(self, start: int, stop: int) -> list[str]:
+        return [self._keepalive.filename]
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(f"{self.sample_shape}|{self.dtype}|{'|'.join(self.names)}".encode())

@@ -28,6 +28,7 @@ from typing import Any
 
 from featurestore.errors import DatasetNotFound, EncoderNotFound, ShapeMismatch, SplitExists, SplitNotFound
 from featurestore.extract.caches import ArraySource, CacheSource, open_cache, open_labels
+from featurestore.extract.input_check import refuse_changed_inputs_of
 from featurestore.extract.plan import check_chunk_mb, chunk_rows_for
 from featurestore.extract.run import resolve_dtype
 from featurestore.extract.sources import SourceError
@@ -54,6 +55,7 @@ class ImportOptions:
     overwrite: bool = False
     storage_options: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+    verify_chunks: bool = False  # re-read and check every chunk of an existing split (the repair)
 
 
 @dataclass
@@ -133,7 +135,10 @@ def import_cache(opts: ImportOptions) -> ImportResult:
         sample_shape=source.sample_shape, dtype=dtype,
         label_shape=labels.sample_shape if labels else (), label_dtype=labels.dtype if labels else None,
         metadata=metadata, chunk_rows=chunk_rows_for(source.sample_shape, dtype, opts.chunk_mb, 1),
-        resume=resume, overwrite=opts.overwrite, ids=source.ids)
+        resume=resume, overwrite=opts.overwrite, ids=source.ids, verify_chunks=opts.verify_chunks)
+    if resume:  # rows kept from an earlier run must still match the input (extract.input_check)
+        refuse_changed_inputs_of(writer, lambda a, b: source.input_files(a, b) + (
+            labels.input_files(a, b) if labels else []), key)
     if writer.metadata.complete:
         return ImportResult("already-complete", key, source.num_samples, metadata=store.split_metadata(
             opts.dataset, opts.encoder_name, opts.split))

@@ -38,6 +38,7 @@ from featurestore.errors import (
 )
 from featurestore.extract.dist import Coordinator, coordinator_from_env
 from featurestore.extract.encoders import Encoder, EncoderError, TokenLayout, load_encoder, resolve_layout
+from featurestore.extract.input_check import refuse_changed_inputs_of
 from featurestore.extract.plan import check_chunk_mb, chunk_rows_for, plan_batches
 from featurestore.extract.sources import (
     Failure,
@@ -86,7 +87,7 @@ class ExtractOptions:
     queue_size: int = 4
     progress: bool = True
     threads: int | None = None  # torch intra-op threads on the CPU; see docs/EXTRACT.md
-    verify_chunks: bool = False  # --resume of a complete split: check every crc32c, not sizes only
+    verify_chunks: bool = False  # re-read every chunk of an existing split: crc32c, seal, features vs stats
 
 
 @dataclass
@@ -231,6 +232,8 @@ def _open_split(opts: ExtractOptions, prep: _Prepared, store: Any, *, resume: bo
                                   f"{existing.status!r}): pass --resume to continue it or "
                                   "--overwrite to start over")
             writer = _create_split(opts, prep, store, resume=True, overwrite=False)
+            # Rows kept from an earlier run must still match the input (extract.input_check).
+            refuse_changed_inputs_of(writer, prep.source.input_files, key)
             return None if writer.metadata.complete else writer
     return _create_split(opts, prep, store, resume=resume, overwrite=overwrite)
 

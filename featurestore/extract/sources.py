@@ -167,6 +167,11 @@ class ImageSource(torch.utils.data.Dataset):  # type: ignore[type-arg]
         """A cheap identity of the input data, part of the split's cache key."""
         raise NotImplementedError
 
+    def input_files(self, start: int, stop: int) -> list[str]:
+        """The files samples ``[start, stop)`` are read from (extract.input_check); none for
+        sources that are not files (``python:``)."""
+        return []
+
 
 def _load_npy(path: str, what: str) -> np.ndarray:
     if not os.path.isfile(path):
@@ -225,6 +230,9 @@ class NpySource(ImageSource):
         label = None if self.labels is None else np.array(self.labels[index])
         return self.images[index], label
 
+    def input_files(self, start: int, stop: int) -> list[str]:
+        return [self.path] + ([self.labels_path] if self.labels_path else [])
+
     def fingerprint(self) -> str:
         parts = [_file_fingerprint(self.path, self.images)]
         if self.labels is not None and self.labels_path:
@@ -248,7 +256,7 @@ class PanNukeSource(ImageSource):
         if self.masks.shape != (n, h, w, 6):
             raise SourceError(f"PanNuke masks {self.masks_path!r} have shape {self.masks.shape}; "
                               f"expected {(n, h, w, 6)} to match the images")
-        types_path = os.path.join(directory, "types.npy")
+        self.types_path = types_path = os.path.join(directory, "types.npy")
         tissues: Sequence[Any] = [""] * n
         if os.path.isfile(types_path):
             tissues = np.load(types_path, allow_pickle=False)
@@ -265,6 +273,9 @@ class PanNukeSource(ImageSource):
 
     def load(self, index: int) -> tuple[Any, Any]:
         return self.images[index], pannuke_class_map(self.masks[index])
+
+    def input_files(self, start: int, stop: int) -> list[str]:
+        return [self.images_path, self.masks_path] + ([self.types_path] if os.path.isfile(self.types_path) else [])
 
     def fingerprint(self) -> str:
         parts = [_file_fingerprint(self.images_path, self.images), _file_fingerprint(self.masks_path, self.masks)]
@@ -317,6 +328,9 @@ class FolderSource(ImageSource):
                 return np.asarray(image.convert("RGB")), np.int32(label)
         except (OSError, PIL.Image.DecompressionBombError) as error:
             raise SourceError(f"cannot decode image file {path!r}: {error}") from error
+
+    def input_files(self, start: int, stop: int) -> list[str]:
+        return [os.path.join(self.root, self.files[i][0]) for i in range(start, stop)]
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()
