@@ -138,3 +138,27 @@ def test_resume_reads_only_the_missing_chunks(tmp_path: Path) -> None:
     result = import_cache(opts(tmp_path, tmp_path / "c", resume=True, **small))
     assert result.status == "complete" and result.imported == 8  # chunks 0-3 were kept
     assert torch.equal(stored(tmp_path).read(list(range(N))), x)
+
+
+def test_import_repairs_flipped_bytes_and_swapped_chunks_with_verify_chunks(tmp_path: Path) -> None:
+    """Issue 26.7: `import` had no --verify-chunks, so the advised repair did not exist for it."""
+    x = feats(7).numpy()
+    np.save(tmp_path / "x.npy", x)
+    small = {"dtype": "float32", "chunk_mb": 8 * T * D * 4 / (1 << 20)}  # 8 rows per chunk, 5 chunks
+    assert import_cache(opts(tmp_path, tmp_path / "x.npy", **small)).status == "complete"
+    chunks = tmp_path / "store" / "ds" / "enc" / "s" / "features" / "c"
+    first, last = chunks / "0" / "0" / "0", chunks / "4" / "0" / "0"
+    a, b = first.read_bytes(), last.read_bytes()
+    first.write_bytes(b)
+    last.write_bytes(a)  # swapped: each crc32c still valid
+    flipped = chunks / "2" / "0" / "0"
+    raw = bytearray(flipped.read_bytes())
+    raw[7] ^= 0xFF
+    flipped.write_bytes(bytes(raw))
+    assert import_cache(opts(tmp_path, tmp_path / "x.npy", resume=True, **small)).status == "already-complete"
+    rc = main(["import", str(tmp_path / "x.npy"), "--store", str(tmp_path / "store"), "--dataset", "ds",
+               "--encoder-name", "enc", "--split", "s", "--dtype", "float32", "--chunk-mb", str(small["chunk_mb"]),
+               "--resume", "--verify-chunks", "--no-progress"])
+    assert rc == 0
+    assert torch.equal(stored(tmp_path).read(list(range(N))), torch.from_numpy(x))
+    assert featurestore.open_store(str(tmp_path / "store")).split_metadata("ds", "enc", "s")["status"] == "complete"
