@@ -199,7 +199,7 @@ def test_the_writer_uses_the_kernel_and_stores_what_numpy_would(tmp_path: Path,
     metas = {}
     for split, fused in (("fused", True), ("numpy", False)):
         monkeypatch.setattr(fused_stats, "available", lambda fused=fused: fused)
-        monkeypatch.setattr("featurestore.core.writer._torch_available", lambda: False)
+        monkeypatch.setattr("featurestore.core.intake._torch_available", lambda: False)
         w = store.create_split("d", "e", split, num_samples=12, sample_shape=(32, 24), dtype="float16", chunk_rows=5)
         for lo in range(0, 12, 4):
             w.write(lo, x[lo:lo + 4])

@@ -316,7 +316,7 @@ def test_bfloat16_never_rounds_to_inf(tmp_path: Path) -> None:
 @pytest.fixture(params=["fused", "torch", "numpy"])
 def stats_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each of the writer's statistics paths: the numba kernel, torch passes, numpy passes."""
-    from featurestore.core import fused_stats, writer
+    from featurestore.core import fused_stats, intake
 
     if request.param == "fused":
         if not fused_stats.available():
@@ -324,7 +324,7 @@ def stats_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     else:
         monkeypatch.setattr(fused_stats, "available", lambda: False)
     if request.param == "numpy":
-        monkeypatch.setattr(writer, "_torch_available", lambda: False)
+        monkeypatch.setattr(intake, "_torch_available", lambda: False)
     return str(request.param)
 
 

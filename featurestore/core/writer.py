@@ -19,6 +19,10 @@ torch's CPU threads for host arrays; featurestore.core.batch without torch), so 
 bytes and small per-sample statistics reach the chunk buffers. crc32c and the atomic puts of
 finished chunks run in a small pool of put threads (featurestore.core.chunk_puts); ``flush``,
 ``close``, ``commit`` and ``report`` wait for them.
+
+This module is the chunk assembly; what a ``write()`` accepts and how it is measured is
+featurestore.core.intake, and the protocol's checks against storage (generation, commit,
+report) are featurestore.core.split_protocol.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core.batch import Prepared, prepare_numpy
+from featurestore.core import intake, split_protocol
+from featurestore.core.batch import Prepared
 from featurestore.core.buffers import BufferPool
 from featurestore.core.chunk_puts import ChunkPuts
 from featurestore.core.storage import Storage
@@ -43,8 +48,8 @@ from featurestore.errors import (
     WriterClosed,
 )
 from featurestore.format import dtypes, layout
-from featurestore.format.metadata import COMPLETE, SplitMetadata, seal, unseal
-from featurestore.format.stats import SOURCE_CODES, SOURCE_NAMES, RowStats, fold_rows, merge_rows, report
+from featurestore.format.metadata import COMPLETE, SplitMetadata, seal
+from featurestore.format.stats import SOURCE_CODES, RowStats, fold_rows
 
 
 @dataclass
@@ -127,7 +132,7 @@ class SplitWriter:
         """
         self._check_open()
         self._put_failures(self._puts.raise_error)
-        source = self._as_source(features)
+        source = intake.as_source(features)
         if source.ndim != len(self.sample_shape) + 1 or tuple(source.shape[1:]) != self.sample_shape:
             raise ShapeMismatch(
                 f"features of shape {tuple(source.shape)} do not match this split's samples "
@@ -147,19 +152,8 @@ class SplitWriter:
         self._scatter(int(start), batch, label_rows, copy=batch.aliases_source and not donate)
 
     def _prepare(self, source: Any, start: int, *, private: bool) -> Prepared:
-        """The checked, cast and measured batch: the fused one-pass kernel for host memory when
-        numba is installed, else torch where the batch is, else numpy."""
-        from featurestore.core import device_stats, fused_stats
-
-        on_host = isinstance(source, np.ndarray) or source.device.type == "cpu"
-        if on_host and fused_stats.available():
-            array, kind = _host_array(source)
-            return fused_stats.prepare(array, kind, self.dtype, self.channels, start,
-                                       threads=fused_stats.threads(), private=private,
-                                       allocate=self._pool.array)
-        if isinstance(source, np.ndarray):
-            return prepare_numpy(source, self.dtype, self.channels, start)
-        return device_stats.prepare(source, self.dtype, self.channels, start)
+        return intake.prepare(source, self.dtype, self.channels, start, private=private,
+                              allocate=self._pool.array)
 
     def flush(self) -> None:
         """Write every buffered chunk whose rows are all present, and wait for the puts."""
@@ -229,29 +223,6 @@ class SplitWriter:
         self.close()
 
     # ------------------------------------------------------------------ input checks
-    def _as_source(self, features: Any) -> Any:
-        """A torch tensor (kept where it is) when torch is installed, else a numpy array."""
-        if type(features).__module__.startswith("torch"):
-            return features
-        array = dtypes.as_numpy(features)
-        kind = dtypes.source_dtype_name(array)
-        if kind not in ("float32", "float16", "bfloat16", "float64"):
-            raise DtypeMismatch(
-                f"features of dtype {kind} cannot be stored: pass float32, float16, bfloat16 "
-                "(torch or ml_dtypes) or float64 values"
-            )
-        from featurestore.core import fused_stats
-
-        if _torch_available() and not fused_stats.available():
-            import torch
-
-            if not array.flags.c_contiguous:
-                array = np.ascontiguousarray(array)
-            if kind == "bfloat16":
-                return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-            return torch.from_numpy(array)
-        return array
-
     def _check_labels(self, labels: Any, count: int) -> np.ndarray | None:
         if self.label_shape is None:
             if labels is not None:
@@ -347,108 +318,27 @@ class SplitWriter:
     # ------------------------------------------------------------------ commit helpers
     def _absent_on_storage(self) -> list[int]:
         others = [i for i in range(self.num_chunks) if i not in self._done]
-        if not others:
-            return []
-        feature_dir = f"{self._key}/{layout.FEATURES}/c"
-        stats_dir = f"{self._key}/{layout.CHUNK_STATS}/c"
-        present = set(self._storage.listdir(feature_dir)) & set(self._storage.listdir(stats_dir))
-        if self.label_shape is not None:
-            present &= set(self._storage.listdir(f"{self._key}/{layout.LABELS}/c"))
-        absent = [i for i in others if str(i) not in present]
-        if self._storage.local_path(self._key) is not None:
-            # Locally, features/c/<i>/ is a directory from the moment a writer starts chunk i
-            # (makedirs, then the atomic rename of the file); a writer killed in between leaves
-            # it empty. The features chunk is written last, so its file is the proof of a done
-            # chunk. Object stores have no empty directories: their listing is the proof.
-            ndim = 1 + len(self.sample_shape)
-            absent += [i for i in others if str(i) in present and not self._storage.exists(
-                layout.chunk_key(f"{self._key}/{layout.FEATURES}", i, ndim))]
-        return sorted(absent)
+        return split_protocol.absent_chunks(self._storage, self._key, self._meta, others)
 
     def _final_report(self, meta: SplitMetadata, only: list[int] | None = None) -> dict[str, Any]:
-        indices = list(range(self.num_chunks)) if only is None else only
-        keys = [layout.chunk_key(f"{self._key}/{layout.CHUNK_STATS}", i, 2) for i in indices]
-        rows = []
-        for index, raw in zip(indices, self._storage.read_many(keys)):
-            row, generation, at = unseal(np.frombuffer(raw[: -layout.CRC_BYTES], np.float64), meta)
-            if generation != meta.generation_number or at != index:
-                raise SplitTakenOver(
-                    f"cannot commit {self._key}: chunk {index} was written by another run of this "
-                    f"split (its statistics row has generation {int(generation or 0):x}, chunk {at}; "
-                    f"this writer's is {meta.generation}, chunk {index}). Resume the split "
-                    "(extract --resume) to rewrite such chunks, or --overwrite it")
-            rows.append(row)
-        total = merge_rows(rows, self.channels)
-        # The chunks' own record comes before the metadata: a writer that wrote nothing itself
-        # (it only commits) must not report the logical dtype as the source.
-        source = (self._source_dtype or SOURCE_NAMES.get(total.source_code)
-                  or meta.source_dtype or self.dtype)
-        out = report(total, source_dtype=source, logical_dtype=self.dtype)
-        out["source_dtype"] = source
-        return out
+        return split_protocol.sealed_report(
+            self._storage, self._key, meta, range(self.num_chunks) if only is None else only,
+            channels=self.channels, written_dtype=self._source_dtype)
 
     def _check_open(self) -> None:
         if self._closed:
             raise WriterClosed(f"writer for {self._key} is closed: open it again with resume=True")
 
     def _put_failures(self, check: Callable[[], None]) -> None:
-        """Run ``check`` (which raises the first failed put). A put can fail because another
-        writer took the split over (its --overwrite deleted the directory under the put): then
-        the takeover is the error to report, with the put's failure as its cause."""
-        try:
-            check()
-        except SplitTakenOver:
-            raise
-        except Exception as error:
-            try:
-                self._check_generation()
-            except SplitTakenOver as taken:
-                raise taken from error
-            raise
+        split_protocol.explain_put_failure(check, self._check_generation)
 
     def _check_generation(self) -> None:
         """Refuse to go on when the split on storage is no longer this writer's generation."""
-        if self._meta.generation is None:
-            return  # a split written before generations existed
         try:
-            doc = layout.load_document(self._storage.read(f"{self._key}/{layout.ZARR_JSON}"))
-            current = ((doc.get("attributes") or {}).get("featurestore") or {}).get("generation")
-        except (FileNotFoundError, ValueError, AttributeError):
-            current = None  # deleted or being rewritten: not ours any more either
-        if current != self._meta.generation:
+            split_protocol.check_generation(self._storage, self._key, self._meta)
+        except SplitTakenOver:
             self._closed = True
-            raise SplitTakenOver(
-                f"split {self._key} was taken over by another writer (generation on storage "
-                f"{current!r}, this writer's {self._meta.generation!r}: an --overwrite started "
-                "after this run): this run stopped without writing further. Let the other run "
-                "finish, or rerun with --overwrite")
-
-
-_TORCH: list[bool] = []
-
-
-def _host_array(source: Any) -> tuple[np.ndarray, str]:
-    """A host batch as numpy without copying (bfloat16 as its uint16 bits) and its dtype name."""
-    if isinstance(source, np.ndarray):
-        kind = dtypes.source_dtype_name(source)
-        return (source.view(np.uint16) if kind == "bfloat16" else source), kind
-    import torch
-
-    tensor = source.detach()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(np.uint16), "bfloat16"
-    from featurestore.core import device_stats
-
-    return tensor.numpy(), device_stats.source_kind(tensor)
-
-
-def _torch_available() -> bool:
-    """Whether torch can be imported (checked once; the import itself waits for a batch)."""
-    if not _TORCH:
-        import importlib.util
-
-        _TORCH.append(importlib.util.find_spec("torch") is not None)
-    return _TORCH[0]
+            raise
 
 
 def _now() -> str:

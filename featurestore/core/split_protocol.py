@@ -1,0 +1,102 @@
+"""The writing protocol's checks against storage, apart from the chunk assembly (core.writer).
+
+What makes writers of one split safe with each other (docs/FORMAT.md, "Generation" and "Writing
+protocol"): a writer re-reads the split's generation before each chunk and before its commit,
+and stops with :class:`SplitTakenOver` once another run took the split over; a commit first
+finds every chunk present on storage, then reads every statistics row, refuses any sealed by
+another run or for another chunk, and folds them into the quantization report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from featurestore.core.storage import Storage
+from featurestore.errors import SplitTakenOver
+from featurestore.format import layout
+from featurestore.format.metadata import SplitMetadata, unseal
+from featurestore.format.stats import SOURCE_NAMES, merge_rows, report
+
+__all__ = ["absent_chunks", "check_generation", "explain_put_failure", "sealed_report"]
+
+
+def check_generation(storage: Storage, key: str, meta: SplitMetadata) -> None:
+    """Refuse to go on when the split on storage is no longer ``meta``'s generation."""
+    if meta.generation is None:
+        return  # a split written before generations existed
+    try:
+        doc = layout.load_document(storage.read(f"{key}/{layout.ZARR_JSON}"))
+        current = ((doc.get("attributes") or {}).get("featurestore") or {}).get("generation")
+    except (FileNotFoundError, ValueError, AttributeError):
+        current = None  # deleted or being rewritten: not ours any more either
+    if current != meta.generation:
+        raise SplitTakenOver(
+            f"split {key} was taken over by another writer (generation on storage "
+            f"{current!r}, this writer's {meta.generation!r}: an --overwrite started "
+            "after this run): this run stopped without writing further. Let the other run "
+            "finish, or rerun with --overwrite")
+
+
+def explain_put_failure(check: Callable[[], None], generation_check: Callable[[], None]) -> None:
+    """Run ``check`` (which raises the first failed put). A put can fail because another writer
+    took the split over (its --overwrite deleted the directory under the put): then the takeover
+    is the error to report, with the put's failure as its cause."""
+    try:
+        check()
+    except SplitTakenOver:
+        raise
+    except Exception as error:
+        try:
+            generation_check()
+        except SplitTakenOver as taken:
+            raise taken from error
+        raise
+
+
+def absent_chunks(storage: Storage, key: str, meta: SplitMetadata, others: list[int]) -> list[int]:
+    """Which of the chunks ``others`` (not put by this writer) are not done on storage."""
+    if not others:
+        return []
+    feature_dir = f"{key}/{layout.FEATURES}/c"
+    stats_dir = f"{key}/{layout.CHUNK_STATS}/c"
+    present = set(storage.listdir(feature_dir)) & set(storage.listdir(stats_dir))
+    if meta.labels is not None:
+        present &= set(storage.listdir(f"{key}/{layout.LABELS}/c"))
+    absent = [i for i in others if str(i) not in present]
+    if storage.local_path(key) is not None:
+        # Locally, features/c/<i>/ is a directory from the moment a writer starts chunk i
+        # (makedirs, then the atomic rename of the file); a writer killed in between leaves
+        # it empty. The features chunk is written last, so its file is the proof of a done
+        # chunk. Object stores have no empty directories: their listing is the proof.
+        ndim = 1 + len(meta.sample_shape)
+        absent += [i for i in others if str(i) in present and not storage.exists(
+            layout.chunk_key(f"{key}/{layout.FEATURES}", i, ndim))]
+    return sorted(absent)
+
+
+def sealed_report(storage: Storage, key: str, meta: SplitMetadata, indices: Iterable[int], *,
+                  channels: int, written_dtype: str | None) -> dict[str, Any]:
+    """The quantization report and channel statistics folded from the statistics rows of chunks
+    ``indices``, each checked to carry ``meta``'s generation and its own index."""
+    indices = list(indices)
+    keys = [layout.chunk_key(f"{key}/{layout.CHUNK_STATS}", i, 2) for i in indices]
+    rows = []
+    for index, raw in zip(indices, storage.read_many(keys)):
+        row, generation, at = unseal(np.frombuffer(raw[: -layout.CRC_BYTES], np.float64), meta)
+        if generation != meta.generation_number or at != index:
+            raise SplitTakenOver(
+                f"cannot commit {key}: chunk {index} was written by another run of this "
+                f"split (its statistics row has generation {int(generation or 0):x}, chunk {at}; "
+                f"this writer's is {meta.generation}, chunk {index}). Resume the split "
+                "(extract --resume) to rewrite such chunks, or --overwrite it")
+        rows.append(row)
+    total = merge_rows(rows, channels)
+    # The chunks' own record comes before the metadata: a writer that wrote nothing itself
+    # (it only commits) must not report the logical dtype as the source.
+    source = written_dtype or SOURCE_NAMES.get(total.source_code) or meta.source_dtype or meta.logical_dtype
+    out = report(total, source_dtype=source, logical_dtype=meta.logical_dtype)
+    out["source_dtype"] = source
+    return out
