@@ -118,7 +118,7 @@ def test_info(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert fields["status"] == "complete"
     assert fields["shape"] == "[23, 4, 8]"
     assert fields["dtype"] == "float16 (source float32)"
-    assert "exact=False" in fields["quantization"]
+    assert fields["quantization"].startswith("float32 -> float16: max abs error "), fields["quantization"]
     code, out, _ = _cli(capsys, "info", str(root), *SPLIT, "--json")
     assert code == 0
     meta = json.loads(out)
@@ -232,3 +232,14 @@ def test_verify_reports_a_reserved_name_directory_on_object_storage(seaweed: Any
     code, out, _ = _cli(capsys, "verify", seaweed_url, "--storage-options", options)
     assert code == 1, out
     assert "DAMAGED pannuke/tiny-vit/zarr.json/: a directory under a reserved name" in out
+
+
+def test_a_report_figure_stored_as_null_prints_as_n_a() -> None:
+    """A figure the report could not represent is JSON null (FORMAT.md): info, extract and import
+    print it as n/a instead of failing on the format spec."""
+    from featurestore.commands.report_line import quantization_line
+
+    line = quantization_line({"source_dtype": "float32", "stored_dtype": "bfloat16", "max_abs_error": None,
+                              "max_rel_error": 0.002, "rel_rms_error": None, "abs_max": 3e38})
+    assert line == ("float32 -> bfloat16: max abs error n/a, max rel error 0.002, rel rms error n/a, "
+                    "abs max 3e+38, overflow 0, NaN 0, Inf 0")

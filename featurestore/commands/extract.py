@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from featurestore.commands.report_line import quantization_line
 from featurestore.commands.storeargs import add_storage_options, storage_options, store_errors
 from featurestore.errors import InvalidOption
 
@@ -105,12 +106,7 @@ def format_report(result: Any) -> list[str]:
     q = meta.get("quantization") or {}
     lines = []
     if q:
-        exact = " (exact)" if q.get("exact") else ""
-        lines.append(
-            f"quantization: {q.get('source_dtype')} -> {q.get('stored_dtype')}{exact}: "
-            f"max abs error {q.get('max_abs_error', 0):.3g}, max rel error {q.get('max_rel_error', 0):.3g}, "
-            f"rel rms error {q.get('rel_rms_error', 0):.3g}, abs max {q.get('abs_max', 0):.6g}, "
-            f"overflow {q.get('overflow_count', 0)}, NaN {q.get('nan_count', 0)}, Inf {q.get('inf_count', 0)}")
+        lines.append(f"quantization: {quantization_line(q)}")
     shape = "x".join(str(s) for s in [result.num_samples, *meta.get("sample_shape", [])])
     if result.status == "already-complete":
         lines.append(f"split {result.key} is already complete with the same cache key ({shape} "

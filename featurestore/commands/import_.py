@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from featurestore.commands.report_line import quantization_line
 from featurestore.commands.storeargs import add_storage_options, storage_options, store_errors
 
 
@@ -69,11 +70,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     q = meta.get("quantization") or {}
     if q:
-        exact = " (exact)" if q.get("exact") else ""
-        print(f"quantization: {q.get('source_dtype')} -> {q.get('stored_dtype')}{exact}: "
-              f"max abs error {q.get('max_abs_error', 0):.3g}, max rel error {q.get('max_rel_error', 0):.3g}, "
-              f"rel rms error {q.get('rel_rms_error', 0):.3g}, abs max {q.get('abs_max', 0):.6g}, "
-              f"overflow {q.get('overflow_count', 0)}, NaN {q.get('nan_count', 0)}, Inf {q.get('inf_count', 0)}")
+        print(f"quantization: {quantization_line(q)}")
     print(f"imported {result.key}: {shape} {meta.get('logical_dtype')}, {result.imported} samples written in "
           f"{result.seconds:.1f}s, status {meta.get('status')}", flush=True)
     return 0

@@ -9,6 +9,7 @@ import math
 import sys
 from typing import Any
 
+from featurestore.commands.report_line import quantization_line
 from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
 
 
@@ -103,11 +104,7 @@ def _run_info(args: argparse.Namespace) -> int:
         ("created", f"{meta.created} by featurestore {(meta.creator or {}).get('version')}"),
     ]
     if q:
-        lines.append(("quantization", (
-            f"exact={q.get('exact')} max_abs_error={q.get('max_abs_error'):.3g} "
-            f"max_rel_error={q.get('max_rel_error'):.3g} rel_rms_error={q.get('rel_rms_error'):.3g} "
-            f"abs_max={q.get('abs_max'):.6g} overflow={q.get('overflow_count')} "
-            f"nan={q.get('nan_count')} inf={q.get('inf_count')}")))
+        lines.append(("quantization", quantization_line(q)))
     for name, value in lines:
         print(f"{name:>14}: {value}")
     return 0

@@ -1,0 +1,24 @@
+"""The quantization report as one human line, for every verb that prints it (extract, import, info).
+
+A figure the report could not represent is stored as ``null`` (docs/FORMAT.md); it prints as
+``n/a`` rather than breaking the format.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _figure(value: Any, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def quantization_line(q: dict[str, Any]) -> str:
+    """``float32 -> float16: max abs error ..., overflow 0, NaN 0, Inf 0``."""
+    exact = " (exact)" if q.get("exact") else ""
+    return (f"{q.get('source_dtype')} -> {q.get('stored_dtype')}{exact}: "
+            f"max abs error {_figure(q.get('max_abs_error'), '.3g')}, "
+            f"max rel error {_figure(q.get('max_rel_error'), '.3g')}, "
+            f"rel rms error {_figure(q.get('rel_rms_error'), '.3g')}, "
+            f"abs max {_figure(q.get('abs_max'), '.6g')}, "
+            f"overflow {q.get('overflow_count', 0)}, NaN {q.get('nan_count', 0)}, Inf {q.get('inf_count', 0)}")
