@@ -367,3 +367,24 @@ def test_complete_split_resumed_takes_no_new_bags(tmp_path: Any) -> None:
     with pytest.raises(SplitExists, match="overwrite"):
         writer.add_bag("new", np.zeros((1, DIM), np.float32))
     assert writer.commit()["status"] == "complete"
+
+
+def test_labels_every_bag_or_none(tmp_path: Any) -> None:
+    from featurestore.errors import InvalidLabels
+
+    store = open_store(str(tmp_path), mode="a")
+    declared = store.create_bag_split("ds", "enc", "declared", dim=DIM, label_dtype="uint8")
+    with pytest.raises(InvalidLabels, match="no label"):
+        declared.add_bag("a", np.zeros((1, DIM), np.float32))
+    from featurestore.errors import DtypeMismatch
+
+    with pytest.raises(DtypeMismatch):
+        declared.add_bag("a", np.zeros((1, DIM), np.float32), label=300)
+    declared.add_bag("a", np.zeros((1, DIM), np.float32), label=3)
+    assert declared.commit()["bags"]["labels"] == {"dtype": "uint8"}
+    inferred = store.create_bag_split("ds", "enc", "inferred", dim=DIM)
+    inferred.add_bag("a", np.zeros((1, DIM), np.float32), label=0.5)
+    with pytest.raises(InvalidLabels, match="no label"):
+        inferred.add_bag("b", np.zeros((1, DIM), np.float32))
+    inferred.commit()
+    assert store.open_bags("ds", "enc", "inferred").labels.dtype == np.float64

@@ -152,8 +152,8 @@ def _labels(meta: SplitMetadata, ids: list[str], values: list[Any]) -> np.ndarra
     missing = [i for i, v in zip(ids, values) if v is None]
     if missing:
         raise InvalidLabels(f"cannot commit {key_of(meta)}: {len(missing)} of {len(ids)} bags have no label "
-                            f"(first: {missing[0]!r}); add labels to every bag or to none (resume the split "
-                            "and overwrite, or give the missing labels)")
+                            f"(first: {missing[0]!r}; writer sessions disagreed): a split's bags have a label "
+                            "each or none; overwrite the split (overwrite=True, --overwrite) to redo it")
     if declared is not None:
         dtype = np.dtype(declared["dtype"])
     else:

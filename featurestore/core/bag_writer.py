@@ -31,6 +31,7 @@ from featurestore.errors import (
     DtypeMismatch,
     DuplicateBag,
     FeatureStoreError,
+    InvalidLabels,
     ShapeMismatch,
     SplitExists,
     SplitTakenOver,
@@ -68,6 +69,7 @@ class BagWriter:
         self._pending: list[bags.BagRecord] = []  # bags whose last row is in it
         self._features, self._coords = self._new_buffers()
         self._closed = metadata.complete
+        self._labelled: bool | None = None  # whether this session's bags carry labels (the first says)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -184,6 +186,14 @@ class BagWriter:
         return cast
 
     def _check_label(self, bag_id: str, label: Any) -> int | float | None:
+        labelled = self._labelled if self.label_dtype is None else True
+        if (label is None) == labelled and labelled is not None:
+            if label is None:
+                raise InvalidLabels(f"bag {bag_id!r} has no label, but this split's bags have labels: pass "
+                                    "label= with every bag (or with none, and no label_dtype)")
+            raise InvalidLabels(f"bag {bag_id!r} has a label, but the bags before it have none: give every "
+                                "bag of a split a label, or none")
+        self._labelled = label is not None
         if label is None:
             return None
         value = dtypes.as_numpy(label)
