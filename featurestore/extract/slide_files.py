@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from featurestore.extract.h5_rows import read_rows
 from featurestore.extract.sources import SourceError
 
 H5_SUFFIXES = (".h5", ".hdf5")
@@ -121,8 +122,8 @@ class SlideFiles:
         try:
             with _open_h5(slide.path) as f:
                 name = _features_name(f, slide.path)
-                features = f[name][()]
-                coords = f["coords"][()] if "coords" in f else None
+                features = read_rows(f[name])  # h5py's one-chunk-at-a-time read, without its cost
+                coords = read_rows(f["coords"]) if "coords" in f else None
                 attrs: dict[str, Any] = {"source_file": os.path.basename(slide.path)}
                 for where, node in (("root", f), (name, f[name]), ("coords", f["coords"] if "coords" in f else None)):
                     if node is not None and len(node.attrs):
