@@ -40,7 +40,7 @@ QUICK_FLAGS: dict[str, list[str]] = {
     "s3": ["--num-samples", "128", "--batches", "4", "--slow-batches", "2", "--repeats", "1"],
     "cold": ["--shapes", "64x384", "--batch-sizes", "16", "--limit-mib", "512", "--store-ratio", "0.1",
              "--no-variants", "--cuda", "off"],
-    "bags": ["--gib", "0.02", "--dim", "64", "--median", "300", "--max", "2000", "--min", "10"],
+    "bags": ["--gib", "0.005", "--dim", "256", "--median", "100", "--max", "1000", "--min", "10"],
 }
 
 
