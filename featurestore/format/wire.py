@@ -14,8 +14,8 @@ of a features+labels batch (:data:`SAMPLES`, issue 16), and the bag routes of a 
 23): the listing (:class:`BagsListing`), one bag's features+coords framing (:data:`BAG_MEDIA`) and
 the encoding of a bag id into a URL (:func:`quote_bag_id`).
 
-It is one module on purpose (a little over the ~400-line guide): the contract both sides must
-agree on is read in one place. Credential redaction, used by both sides' messages, lives in
+It is one module on purpose (over the ~400-line guide, since the bag routes joined it): the
+contract both sides must agree on is read in one place. Credential redaction, used by both sides' messages, lives in
 ``featurestore/format/redact.py`` and is re-exported here.
 
 This module must stay importable without torch, fastapi or httpx: the server image has no torch
