@@ -104,6 +104,11 @@ class CorruptChunk(FeatureStoreError, IOError):
     """A chunk whose size or crc32c does not match."""
 
 
+class SplitChanged(FeatureStoreError, RuntimeError):
+    """A split was overwritten or deleted while a reader that opened it earlier still reads it
+    (a chunk of another generation reached the chunk cache's seal check)."""
+
+
 class MissingChunks(FeatureStoreError, RuntimeError):
     """``commit()`` found chunks that were never written."""
 

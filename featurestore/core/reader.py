@@ -9,6 +9,10 @@ Three paths behind one interface, chosen when the array is opened, all returning
   not page-cached are read with concurrent preads instead (:mod:`featurestore.core.pread`).
 * ``ranges`` (object storage / any fsspec URL, uncompressed): one byte range per run of adjacent
   requested rows, all fetched in one ``cat_ranges`` call, which s3fs and gcsfs issue concurrently.
+* ``cached`` (object storage with a chunk cache, uncompressed): the chunks a read touches are
+  fetched whole into the local cache directory (:mod:`featurestore.core.chunk_cache`), then
+  gathered from there by the local path (mmap or pread); chunks the cache cannot take (no room,
+  a full disk) are read by ranges.
 * ``zarr`` (compressed arrays): zarr-python decodes the touched chunks.
 """
 
@@ -20,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core import checked, chunk_maps, pread
+from featurestore.core import checked, chunk_cache, chunk_maps, pread
 from featurestore.core.buffers import aligned_empty
 from featurestore.core.storage import Storage
 from featurestore.errors import (
@@ -32,6 +36,7 @@ from featurestore.errors import (
     ShapeMismatch,
 )
 from featurestore.format import chunks, dtypes, layout
+from featurestore.format.metadata import SplitMetadata
 from featurestore.format.wire import as_index_array, check_bounds
 
 
@@ -67,8 +72,11 @@ class FeatureArray:
             self.path = "zarr"
         elif storage.local_path(self._key) is not None:
             self.path = "mmap"
+        elif storage.chunk_cache is not None and metadata.get("status") == "complete":
+            self.path = "cached"
         else:
             self.path = "ranges"
+        self._front: chunk_cache.CachedArray | None = None
         # Local uncompressed arrays: which gather ("auto", "mmap", "pread") and what the page cache
         # does with pread's bytes ("keep", "drop", "direct"); docs/READS.md has the figures.
         self.local_read = _setting("FEATURESTORE_LOCAL_READ", "auto", LOCAL_READS)
@@ -133,6 +141,8 @@ class FeatureArray:
                 self._verify(index)
                 if self.path == "mmap":
                     self._gather_local(index, rows)
+                elif self.path == "cached":
+                    self._gather_cached(index, rows)
                 elif self.path == "ranges":
                     self._gather_ranges(index, rows)
                 else:
@@ -142,21 +152,22 @@ class FeatureArray:
         return out
 
     # ------------------------------------------------------------------ checked reads
-    def _verify(self, index: np.ndarray) -> None:
+    def _verify(self, index: np.ndarray, path: str | None = None) -> None:
         """crc32c of every chunk this read touches that this process has not verified yet
         (featurestore.core.checked has the policy and its cost)."""
         mode = self.verify_reads
         if mode not in checked.VERIFY_MODES:
             raise InvalidOption(f"verify_reads must be one of {', '.join(checked.VERIFY_MODES)}, got {mode!r}")
-        if mode == "off" or self.path == "zarr":  # zarr's crc32c codec checks every decoded chunk itself
+        path = path or self.path
+        if mode == "off" or path in ("zarr", "cached"):  # zarr's codec checks itself; cached: _gather_cached
             return
-        if mode == "auto" and self.path == "mmap" and self._resolved_cache() == "direct":
+        if mode == "auto" and path == "mmap" and self._resolved_cache() == "direct":
             return
         pending = self._verified.pending(np.unique(index // self.chunk_rows).tolist())
         if not pending:
             return
         payload = self.chunk_rows * self.sample_nbytes
-        if self.path == "mmap":
+        if path == "mmap":
             def check(chunk: int) -> str | None:
                 return checked.check_file(self._chunk_path(chunk), payload)
 
@@ -266,12 +277,16 @@ class FeatureArray:
         """This array's front on the process's shared chunk maps (a forked or unpickled copy
         makes its own: the parent's maps are not in this process's bound)."""
         if self._maps is None:
-            owner = self._storage.local_path(self._key) or self._key  # one key per split, shared by reopens
+            # one key per split, shared by reopens (a cached array: its generation's cache directory)
+            owner = (self._cache_front().directory if self.path == "cached"
+                     else self._storage.local_path(self._key) or self._key)
             self._maps = chunk_maps.ArrayMaps(owner, (self.chunk_rows, self.sample_nbytes), self._chunk_path,
                                               self._check_size)
         return self._maps
 
     def _chunk_path(self, chunk: int) -> str:
+        if self.path == "cached":
+            return self._cache_front().path(chunk)
         path = self._storage.local_path(layout.chunk_key(self._key, chunk, self._ndim))
         assert path is not None
         return path
@@ -298,6 +313,85 @@ class FeatureArray:
                 rows[target] = view[first]
             else:
                 rows[target : target + (stop - start)] = view[first : first + (stop - start)]
+
+    # ------------------------------------------------------------------ cached path
+    def _cache_front(self) -> chunk_cache.CachedArray:
+        if self._front is None:
+            meta = SplitMetadata.from_json(self.metadata, self._split_key)
+            nbytes = self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES
+            self._front = self._storage.chunk_cache.array(self._storage, self._key, chunk_nbytes=nbytes,
+                                                          ndim=self._ndim, meta=meta)
+        return self._front
+
+    @property
+    def chunk_cache(self) -> chunk_cache.CachedArray | None:
+        """This array's front on the storage's chunk cache (``cache_dir``), or None."""
+        return self._cache_front() if self.path == "cached" else None
+
+    def _gather_cached(self, index: np.ndarray, rows: np.ndarray) -> None:
+        """Make the touched chunks local (whole GETs, checked), then gather them with the local
+        path; chunks the cache does not take are read by ranges. A cached file found damaged
+        (first read per process, crc32c) is dropped and fetched again; one removed by another
+        process's eviction between the fetch and the read is fetched again."""
+        front = self._cache_front()
+        wanted = np.unique(index // self.chunk_rows).tolist()
+        for _ in range(_CACHE_ATTEMPTS):
+            fetched, absent = front.ensure(wanted)
+            self._verified.add(fetched)  # checked (size, crc32c, seal) as they came in
+            if self.verify_reads != "off":
+                damaged = self._check_cached(wanted, absent)
+                if damaged:
+                    for chunk in damaged:
+                        front.drop(chunk)
+                    continue
+            if absent:
+                remote = np.isin(index // self.chunk_rows, absent)
+                self._gather_ranges_checked(index[remote], rows, np.flatnonzero(remote))
+                local = np.flatnonzero(~remote)
+                if len(local):
+                    part = np.empty((len(local), self.sample_nbytes), np.uint8)
+                    if not self._local_attempt(index[local], part):
+                        continue
+                    rows[local] = part
+                return
+            if self._local_attempt(index, rows):
+                return
+        self._gather_ranges_checked(index, rows, None)  # evicted under us every time: read by ranges
+
+    def _check_cached(self, wanted: list[int], absent: list[int]) -> list[int]:
+        pending = self._verified.pending([c for c in wanted if c not in set(absent)])
+        payload = self.chunk_rows * self.sample_nbytes
+
+        def check(chunk: int) -> str | None:
+            try:
+                return checked.check_file(self._chunk_path(chunk), payload)
+            except FileNotFoundError:
+                return "gone"
+
+        damaged = checked.run_checks(pending, check, (self.read_pool or pread.default_pool()).executor())
+        self._verified.add([c for c in pending if c not in damaged])
+        return sorted(damaged)
+
+    def _local_attempt(self, index: np.ndarray, rows: np.ndarray) -> bool:
+        try:
+            self._gather_local(index, rows)
+        except (FileNotFoundError, MissingChunks):
+            self._warm = None  # a chunk file left (evicted): what was found page-cached is stale
+            return False
+        return True
+
+    def _gather_ranges_checked(self, index: np.ndarray, rows: np.ndarray, positions: np.ndarray | None) -> None:
+        """Rows ``index`` by ranged GETs (crc32c checked per chunk as on the ranges path) into
+        ``rows`` (all of it, or the rows at ``positions``)."""
+        if not len(index):
+            return
+        self._verify(index, path="ranges")
+        if positions is None:
+            self._gather_ranges(index, rows)
+            return
+        part = np.empty((len(index), self.sample_nbytes), np.uint8)
+        self._gather_ranges(index, part)
+        rows[positions] = part
 
     # ------------------------------------------------------------------ ranges path
     def _gather_ranges(self, index: np.ndarray, rows: np.ndarray) -> None:
@@ -351,10 +445,12 @@ class FeatureArray:
         state["_maps"] = None  # memory maps are per process: reopened lazily after unpickling
         state["_zarr"] = None
         state["read_pool"] = None  # threads are per process
+        state["_front"] = None  # the cache's front is per process (its threads, its plan)
         return state
 
 
 LOCAL_READS = ("auto", "mmap", "pread")
+_CACHE_ATTEMPTS = 3  # fetch-and-read rounds of a cached read before it goes to ranged GETs
 _RECHECK_S = 2.0  # how long "this chunk is page-cached" is trusted before mincore is asked again
 
 

@@ -31,6 +31,8 @@ class Storage:
     """Abstract key-value view of a store root."""
 
     url: str
+    #: The local chunk cache readers of this storage use (object storage with ``cache_dir``).
+    chunk_cache: Any = None
 
     def read(self, key: str) -> bytes:  # raises FileNotFoundError
         raise NotImplementedError
@@ -41,6 +43,12 @@ class Storage:
     def read_many(self, keys: Sequence[str]) -> list[bytes]:
         """Whole values of many keys (concurrently where the backend can)."""
         return [self.read(k) for k in keys]
+
+    def read_whole(self, key: str, size: int, part_bytes: int) -> list[Any]:
+        """The value of ``key``, expected to hold ``size`` bytes, as consecutive buffers (a backend
+        may fetch parts of ``part_bytes`` concurrently). A longer value comes back longer than
+        ``size`` (by at least a byte), a shorter one shorter: the caller checks the size."""
+        return [self.read(key)]
 
     def write(self, key: str, *parts: bytes | memoryview) -> None:
         """Store the concatenation of ``parts`` under ``key``, atomically."""

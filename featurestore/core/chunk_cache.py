@@ -1,0 +1,425 @@
+"""A bounded local cache of whole chunks of object-storage arrays, shared by one host's processes.
+
+A shuffled epoch over object storage costs one ranged GET per row; whole chunk objects come at
+several times the bytes per second (issue 27, docs/STORAGE.md "Chunk cache"). With ``cache_dir``
+set (storage option, ``--cache-dir``, ``FEATURESTORE_CACHE_DIR``), a chunk a read needs is fetched
+whole (one GET, or concurrent ranged parts past :data:`PART_BYTES`), checked, written into the
+directory and read from there by the local read path (mmap or pread), so later epochs run at
+local speed.
+
+Checks before a chunk is kept: its size, its crc32c trailer, and the seal of its statistics row
+(``chunk_stats``, fetched *after* the chunk): the row must carry the split's generation and the
+chunk's index. An overwrite deletes the old chunks before writing new ones, so a chunk of another
+generation fetched by a reader that opened the split earlier is caught (:class:`SplitChanged`).
+
+Layout: ``<dir>/v1/<hash of the store URL>/<split key>/<generation>/<array>/<chunk>``, the stored
+bytes as they are (payload and crc trailer). Another generation of a split lives in another
+directory, so it is never read for this one.
+
+Several processes (DDP ranks, DataLoader workers, a server) share one directory:
+
+* no torn files: a chunk is written to a temporary name (``core.leftovers``' rule: pid in the
+  name) and renamed; a SIGKILLed download leaves only a temporary file, which nothing reads and
+  the next process to open the cache removes once its writer is dead;
+* no duplicate downloads: the download of chunk ``c`` holds ``flock`` on ``<c>.lock`` (released
+  by the kernel if the process dies); whoever waits on it finds the file there when it gets the
+  lock. Threads of one process share one download (a future per chunk).
+
+Size: at most ``cache_bytes`` (default: 75 % of the free space of the cache's file system when
+opened, plus what it already holds). Room is made by removing the least recently used chunks
+(a chunk's mtime is its last use; a process touches it at most every :data:`TOUCH_S`). A loader
+tells the cache which chunks its epoch still needs (:meth:`CachedArray.plan`): those are not
+removed, and a chunk that would need one of them removed is not admitted (its rows are read by
+ranged GETs instead). The limit may be passed by the chunks in flight at once (at most
+:data:`FETCH_THREADS` per process).
+
+A full disk (``ENOSPC``, ``EDQUOT``, ``EFBIG``) is one warning naming the directory; the process
+then reads by ranged GETs, as without a cache, and tries the disk again after :data:`FULL_RETRY_S`.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from featurestore.core.checked import damage_message
+from featurestore.errors import CorruptChunk, InvalidStorageOptions, SplitChanged
+from featurestore.format import chunks as chunk_codec
+from featurestore.format import layout
+from featurestore.format.metadata import SplitMetadata, seal_problem
+from featurestore.format.names import TMP_SUFFIX, tmp_name, tmp_writer_pid
+
+ENV_DIR = "FEATURESTORE_CACHE_DIR"
+ENV_BYTES = "FEATURESTORE_CACHE_BYTES"
+#: Whole chunks larger than this are fetched as concurrent ranged parts of this size.
+PART_BYTES = 16 << 20
+#: Chunk downloads in flight per process (each also writes its file).
+FETCH_THREADS = 8
+#: A process refreshes a cached chunk's mtime (its last use, for LRU) at most this often.
+TOUCH_S = 30.0
+#: After a full disk, the process reads by ranges and tries the disk again after this long.
+FULL_RETRY_S = 60.0
+DEFAULT_FREE_SHARE = 0.75
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_LAYOUT = "v1"
+_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(value: Any, source: str) -> int:
+    """``cache_bytes`` as an int: a number of bytes or a string such as ``"20G"`` / ``"512M"``."""
+    text = str(value).strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        number = int(float(text[:-1]) * _SUFFIXES[text[-1]]) if text and text[-1] in _SUFFIXES else int(text)
+    except (ValueError, IndexError):
+        number = -1
+    if number <= 0 or isinstance(value, bool):
+        raise InvalidStorageOptions(f"{source}={value!r} must be a positive number of bytes such as 20000000000 "
+                                    "or '20G': fix it, or leave it out for 75% of the cache disk's free space")
+    return number
+
+
+class ChunkCache:
+    """One cache directory as this process sees it (its limit, its fetch threads, its counts)."""
+
+    def __init__(self, directory: str, max_bytes: int | None = None) -> None:
+        self.directory = os.path.abspath(os.path.expanduser(directory))
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as error:
+            raise InvalidStorageOptions(f"cache_dir {self.directory!r} cannot be created ({error.strerror}): pass a "
+                                        "writable directory (--cache-dir / FEATURESTORE_CACHE_DIR)") from None
+        self._root = os.path.join(self.directory, _LAYOUT)
+        os.makedirs(self._root, exist_ok=True)
+        used = self._scan()[1]
+        if max_bytes is None:
+            stat = os.statvfs(self.directory)
+            max_bytes = int(stat.f_bavail * stat.f_frsize * DEFAULT_FREE_SHARE) + used
+        self.max_bytes = int(max_bytes)
+        self.stats = {"hits": 0, "fetched": 0, "fetched_bytes": 0, "waited": 0, "not_admitted": 0, "evicted": 0}
+        self._used = used
+        self._lock = threading.Lock()
+        self._inflight: dict[str, Future[bool]] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
+        self._full_until = 0.0  # monotonic time until which the disk is taken as full
+        self._no_room_until = 0.0  # everything held is kept by a plan: admit nothing until then
+        self._arrays: dict[str, CachedArray] = {}
+        self._touched: dict[str, float] = {}
+
+    def __repr__(self) -> str:
+        return f"ChunkCache({self.directory!r}, max_bytes={self.max_bytes})"
+
+    # ------------------------------------------------------------------ per array
+    def array(self, storage: Any, array_key: str, *, chunk_nbytes: int, ndim: int,
+              meta: SplitMetadata | None) -> CachedArray:
+        """The cache's front for one array of one generation of a split."""
+        store_id = hashlib.sha256(storage.url.encode()).hexdigest()[:16]
+        generation = (meta.generation if meta is not None else None) or "no-generation"
+        split_key, _, name = array_key.rpartition("/")
+        directory = os.path.join(self._root, store_id, *split_key.split("/"), generation, name)
+        with self._lock:
+            front = self._arrays.get(directory)
+            if front is None:
+                front = self._arrays[directory] = CachedArray(self, storage, array_key, directory, chunk_nbytes,
+                                                              ndim, meta)
+        return front
+
+    # ------------------------------------------------------------------ threads
+    def submit(self, key: str, fn: Callable[[], bool]) -> Future[bool]:
+        """``fn`` on a fetch thread, once per ``key`` at a time in this process."""
+        with self._lock:
+            if self._pid != os.getpid():  # forked: the parent's threads and downloads are not ours
+                self._executor, self._inflight, self._pid = None, {}, os.getpid()
+            future = self._inflight.get(key)
+            if future is not None:
+                return future
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="featurestore-cache")
+            future = self._executor.submit(fn)
+            self._inflight[key] = future
+        future.add_done_callback(lambda _: self._forget(key, future))
+        return future
+
+    def _forget(self, key: str, future: Future[bool]) -> None:
+        with self._lock:
+            if self._inflight.get(key) is future:
+                del self._inflight[key]
+
+    def inflight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    # ------------------------------------------------------------------ writes and room
+    def writable(self) -> bool:
+        return time.monotonic() >= max(self._full_until, self._no_room_until)
+
+    def store(self, path: str, parts: Sequence[Any], nbytes: int) -> bool:
+        """Write ``parts`` to ``path`` atomically once there is room; False when not admitted
+        (no room the plans allow) or the disk is full (warned once)."""
+        if not self._make_room(nbytes):
+            self.stats["not_admitted"] += 1
+            return False
+        directory = os.path.dirname(path)
+        tmp = os.path.join(directory, tmp_name(os.path.basename(path), os.getpid(), uuid.uuid4().hex[:8]))
+        try:
+            with open(tmp, "wb") as f:
+                for part in parts:
+                    f.write(part)
+            os.replace(tmp, path)
+        except OSError as error:
+            _unlink(tmp)
+            if error.errno not in _FULL_ERRNOS:
+                raise
+            with self._lock:
+                self._used = None
+                first = time.monotonic() >= self._full_until
+                self._full_until = time.monotonic() + FULL_RETRY_S
+            if first:
+                warnings.warn(f"chunk cache {self.directory} is full ({error.strerror}): reading by ranged GETs "
+                              f"instead for {FULL_RETRY_S:.0f} s; free space there or lower cache_bytes "
+                              f"(now {self.max_bytes} bytes)", ResourceWarning, stacklevel=2)
+            return False
+        with self._lock:
+            if self._used is not None:
+                self._used += nbytes
+            self.stats["fetched"] += 1
+            self.stats["fetched_bytes"] += nbytes
+        return True
+
+    def _make_room(self, nbytes: int) -> bool:
+        with self._lock:
+            if self._used is not None and self._used + nbytes <= self.max_bytes:
+                return True
+            if time.monotonic() < self._no_room_until:
+                return False
+        lock_fd = os.open(os.path.join(self._root, ".evict.lock"), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one evictor at a time across the host
+            entries, used = self._scan()
+            target = self.max_bytes - nbytes
+            if used > target:
+                used = self._evict(entries, used, target)
+            with self._lock:
+                self._used = used
+                if used > target:
+                    self._no_room_until = time.monotonic() + 2.0
+                    return False
+            return True
+        finally:
+            os.close(lock_fd)
+
+    def _evict(self, entries: list[tuple[float, int, str]], used: int, target: int) -> int:
+        # Below the target by a twentieth: the next few chunks need no scan.
+        target -= self.max_bytes // 20
+        for mtime, size, path in sorted(entries):
+            if used <= target:
+                break
+            if self._kept(path):
+                continue
+            _unlink(path)
+            used -= size
+            self.stats["evicted"] += 1
+        return used
+
+    def _kept(self, path: str) -> bool:
+        directory, name = os.path.split(path)
+        front = self._arrays.get(directory)
+        return front is not None and name.isdigit() and front.needed(int(name))
+
+    def _scan(self) -> tuple[list[tuple[float, int, str]], int]:
+        """``[(mtime, size, path)]`` of every cached chunk and their total size; removes the
+        temporary files of dead writers on the way (``core.leftovers``' rule)."""
+        entries, used = [], 0
+        for directory, _, names in os.walk(self._root):
+            for name in names:
+                path = os.path.join(directory, name)
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:
+                    continue
+                if name.endswith(TMP_SUFFIX):
+                    from featurestore.core.leftovers import pid_alive
+
+                    pid = tmp_writer_pid(name)
+                    if pid is None or not pid_alive(pid) or time.time() - st.st_mtime > 600:
+                        _unlink(path)
+                    continue
+                if name.isdigit():
+                    entries.append((st.st_mtime, st.st_size, path))
+                    used += st.st_size
+        return entries, used
+
+    def touch(self, path: str) -> None:
+        """Record a use of ``path`` (its mtime), at most every :data:`TOUCH_S` per process."""
+        now = time.monotonic()
+        if now - self._touched.get(path, -TOUCH_S) >= TOUCH_S:
+            self._touched[path] = now
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+
+    def used_bytes(self) -> int:
+        return self._scan()[1]
+
+
+class CachedArray:
+    """The cache's front for one array of one generation of a split: which chunks are here,
+    fetching the others, what a loader's plan still needs."""
+
+    def __init__(self, cache: ChunkCache, storage: Any, array_key: str, directory: str, chunk_nbytes: int,
+                 ndim: int, meta: SplitMetadata | None) -> None:
+        self.cache = cache
+        self.storage = storage
+        self.array_key = array_key
+        self.directory = directory
+        self.chunk_nbytes = chunk_nbytes  # payload + crc trailer
+        self.ndim = ndim
+        self.meta = meta
+        self._last_use: np.ndarray | None = None  # per chunk: the last plan position that reads it
+        self._position: Callable[[], int] = lambda: 0
+        os.makedirs(directory, exist_ok=True)
+
+    def path(self, chunk: int) -> str:
+        return os.path.join(self.directory, str(chunk))
+
+    # ------------------------------------------------------------------ plan
+    def plan(self, last_use: np.ndarray | None, position: Callable[[], int] | None = None) -> None:
+        """Keep chunk ``c`` while ``position() <= last_use[c]`` (a loader's epoch: the last batch
+        that reads it); None forgets the plan (plain LRU)."""
+        self._last_use = last_use
+        if position is not None:
+            self._position = position
+
+    def needed(self, chunk: int) -> bool:
+        last_use = self._last_use
+        return last_use is not None and chunk < len(last_use) and last_use[chunk] >= self._position()
+
+    # ------------------------------------------------------------------ fetching
+    def present(self, chunk: int) -> bool:
+        path = self.path(chunk)
+        try:
+            os.stat(path)
+        except FileNotFoundError:
+            return False
+        self.cache.touch(path)
+        return True
+
+    def prefetch(self, chunks: Sequence[int]) -> list[Future[bool]]:
+        """Start fetching ``chunks`` that are not here (no wait); their futures."""
+        return [self.cache.submit(self.path(c), lambda c=c: self._fill(c)) for c in chunks if not self.present(c)]
+
+    def ensure(self, chunks: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Make ``chunks`` local: ``(fetched now, not cached)``. Chunks not cached (no room, a
+        full disk) are for the caller to read by ranges. Storage errors propagate."""
+        missing = [c for c in chunks if not self.present(c)]
+        self.cache.stats["hits"] += len(chunks) - len(missing)
+        if not missing:
+            return [], []
+        futures = [self.cache.submit(self.path(c), lambda c=c: self._fill(c)) for c in missing]
+        fetched, absent = [], []
+        for chunk, future in zip(missing, futures):
+            (fetched if future.result() else absent).append(chunk)
+        return fetched, absent
+
+    def drop(self, chunk: int) -> None:
+        """Remove a cached chunk found damaged (it is fetched again on its next read)."""
+        _unlink(self.path(chunk))
+
+    def _fill(self, chunk: int) -> bool:
+        path = self.path(chunk)
+        if os.path.exists(path):
+            return True
+        if not self.cache.writable():
+            return False
+        lock_fd = os.open(f"{path}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another process is downloading it: wait for its file
+                self.cache.stats["waited"] += 1
+                fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            if os.path.exists(path):
+                return True
+            parts = self._download(chunk)
+            return self.cache.store(path, parts, self.chunk_nbytes)
+        finally:
+            os.close(lock_fd)  # releases the flock
+
+    def _download(self, chunk: int) -> list[Any]:
+        key = layout.chunk_key(self.array_key, chunk, self.ndim)
+        where = f"chunk {self.storage.url}/{key}"
+        parts = self.storage.read_whole(key, self.chunk_nbytes, PART_BYTES)
+        got = sum(len(p) for p in parts)
+        if got != self.chunk_nbytes:
+            raise CorruptChunk(damage_message(where, f"size {got if got <= self.chunk_nbytes else 'over'} bytes, "
+                                                     f"expected {self.chunk_nbytes}"))
+        reason = _check_crc(parts, self.chunk_nbytes - layout.CRC_BYTES)
+        if reason is not None:
+            raise CorruptChunk(damage_message(where, reason))
+        self._check_seal(chunk)
+        return parts
+
+    def _check_seal(self, chunk: int) -> None:
+        """The chunk's statistics row, fetched after the chunk, carries this generation and index."""
+        meta = self.meta
+        if meta is None or meta.generation is None:
+            return
+        split_key = self.array_key.rpartition("/")[0]
+        key = layout.chunk_key(f"{split_key}/{layout.CHUNK_STATS}", chunk, 2)
+        try:
+            raw = self.storage.read(key)
+        except FileNotFoundError:
+            raise SplitChanged(f"{split_key}: the statistics row of chunk {chunk} is gone from {self.storage.url}: "
+                               "the split was deleted or overwritten since it was opened; open it again") from None
+        problem = chunk_codec.check(raw, len(raw) - layout.CRC_BYTES) or seal_problem(raw, meta, chunk)
+        if problem is not None:
+            raise SplitChanged(f"{split_key}: chunk {chunk} at {self.storage.url} is {problem}: the split changed "
+                               "since it was opened (nothing was cached from it); open it again")
+
+
+_shared: dict[tuple[str, int | None], ChunkCache] = {}
+_shared_lock = threading.Lock()
+
+
+def shared(directory: str, max_bytes: int | None) -> ChunkCache:
+    """The process's one :class:`ChunkCache` for ``directory`` (every store opened with it shares
+    its fetch threads, its downloads in flight and its loaders' plans)."""
+    key = (os.path.abspath(os.path.expanduser(directory)), max_bytes)
+    with _shared_lock:
+        cache = _shared.get(key)
+        if cache is None:
+            cache = _shared[key] = ChunkCache(directory, max_bytes)
+        return cache
+
+
+def _check_crc(parts: Sequence[Any], payload_bytes: int) -> str | None:
+    crc, offset, trailer = 0, 0, b""
+    for part in parts:
+        view = memoryview(part).cast("B")
+        body = max(0, min(len(view), payload_bytes - offset))
+        if body:
+            crc = chunk_codec.crc32c(view[:body], crc)
+        trailer += bytes(view[body:])
+        offset += len(view)
+    if chunk_codec.crc_trailer(crc) != trailer:
+        return "crc32c mismatch (flipped or truncated bytes)"
+    return None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
