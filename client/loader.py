@@ -28,6 +28,7 @@ from client import sampling
 from client.dataset import FeatureDataset
 from featurestore.core.device import resolve_device
 from client.prefetch import Prefetcher
+from client.readahead import ReadAhead, cached_fronts
 from client.transfer import Transfer
 from featurestore.errors import InvalidOption
 
@@ -114,12 +115,14 @@ class FeatureLoader:
         # concurrently by the read pool already, so two batches keep the device queue full while
         # the consumer works; remote reads are latency bound, so more batches are requested at
         # once. Never more than `prefetch` are in flight (the memory bound).
-        default_threads = 2 if ds.read_path == "mmap" else 4
+        # A chunk cache's reads are local too (its downloads have their own threads).
+        default_threads = 2 if ds.read_path in ("mmap", "cached") else 4
         self.num_threads = min(num_threads or default_threads, self.prefetch)
         self.epoch = 0
         self._resume_batch = 0  # batches of `epoch` already consumed (load_state_dict)
         self._consumed = 0
         self._active: Prefetcher | None = None
+        self._readahead: ReadAhead | None = None
         self._transfer: Transfer | None = None
         self.stats: dict[str, float] = {"batches": 0, "stall_s": 0.0}
 
@@ -157,6 +160,10 @@ class FeatureLoader:
         else:
             plan = self.plan()
             batches = (plan.batch(k) for k in range(skip, len(plan)))
+            fronts = cached_fronts(self.ds)
+            if fronts:  # a chunk cache: fetch the epoch's chunks ahead, keep what it still needs
+                self._readahead = ReadAhead(fronts, [plan.batch(k) for k in range(skip, len(plan))],
+                                            self.ds.chunk_rows, skip, lambda: self._consumed)
         if self._transfer is None:  # the CUDA stream and pinned slots are reused across epochs
             self._transfer = Transfer(self.ds, self.device, self.dtype, self.pin_memory, self._mean_std,
                                        self.num_threads)
@@ -180,11 +187,17 @@ class FeatureLoader:
             prefetcher.close()
             if self._active is prefetcher:
                 self._active = None
+                if self._readahead is not None:
+                    self._readahead.close()
+                    self._readahead = None
 
     def _stop_epoch(self) -> None:
         if self._active is not None:
             self._active.close()
             self._active = None
+        if self._readahead is not None:
+            self._readahead.close()
+            self._readahead = None
 
     def close(self) -> None:
         """Stop the prefetch threads of the epoch in flight, if any, and the read threads (a

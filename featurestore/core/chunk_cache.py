@@ -63,11 +63,15 @@ from featurestore.format.names import TMP_SUFFIX, tmp_name, tmp_writer_pid
 ENV_DIR = "FEATURESTORE_CACHE_DIR"
 ENV_BYTES = "FEATURESTORE_CACHE_BYTES"
 #: Whole chunks larger than this are fetched as concurrent ranged parts of this size.
-PART_BYTES = 16 << 20
+PART_BYTES = 8 << 20
 #: Chunk downloads in flight per process (each also writes its file).
 FETCH_THREADS = 8
 #: A process refreshes a cached chunk's mtime (its last use, for LRU) at most this often.
 TOUCH_S = 30.0
+#: A chunk used this recently is not evicted: under a shuffle every chunk is touched all the time,
+#: so a cache smaller than the split keeps a stable set (the rest is read by ranged GETs) instead of
+#: replacing whole chunks on every batch (LRU would download the split several times per epoch).
+RECENT_S = 2 * TOUCH_S
 #: After a full disk, the process reads by ranges and tries the disk again after this long.
 FULL_RETRY_S = 60.0
 DEFAULT_FREE_SHARE = 0.75
@@ -164,12 +168,25 @@ class ChunkCache:
     def writable(self) -> bool:
         return time.monotonic() >= max(self._full_until, self._no_room_until)
 
+    def reserve(self, nbytes: int) -> bool:
+        """Room for a chunk of ``nbytes``, made by eviction if needed, counted as used; False when
+        the chunks held may not be removed yet (then it is not admitted: read by ranges)."""
+        if self._make_room(nbytes):
+            with self._lock:
+                if self._used is not None:
+                    self._used += nbytes
+            return True
+        self.stats["not_admitted"] += 1
+        return False
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            if self._used is not None:
+                self._used -= nbytes
+
     def store(self, path: str, parts: Sequence[Any], nbytes: int) -> bool:
-        """Write ``parts`` to ``path`` atomically once there is room; False when not admitted
-        (no room the plans allow) or the disk is full (warned once)."""
-        if not self._make_room(nbytes):
-            self.stats["not_admitted"] += 1
-            return False
+        """Write ``parts`` to ``path`` atomically (room reserved); False if the disk is full
+        (warned once per :data:`FULL_RETRY_S`)."""
         directory = os.path.dirname(path)
         tmp = os.path.join(directory, tmp_name(os.path.basename(path), os.getpid(), uuid.uuid4().hex[:8]))
         try:
@@ -179,6 +196,7 @@ class ChunkCache:
             os.replace(tmp, path)
         except OSError as error:
             _unlink(tmp)
+            self.release(nbytes)
             if error.errno not in _FULL_ERRNOS:
                 raise
             with self._lock:
@@ -191,8 +209,6 @@ class ChunkCache:
                               f"(now {self.max_bytes} bytes)", ResourceWarning, stacklevel=2)
             return False
         with self._lock:
-            if self._used is not None:
-                self._used += nbytes
             self.stats["fetched"] += 1
             self.stats["fetched_bytes"] += nbytes
         return True
@@ -225,14 +241,18 @@ class ChunkCache:
         for mtime, size, path in sorted(entries):
             if used <= target:
                 break
-            if self._kept(path):
+            if self._kept(path, mtime):
                 continue
             _unlink(path)
             used -= size
             self.stats["evicted"] += 1
         return used
 
-    def _kept(self, path: str) -> bool:
+    def _kept(self, path: str, mtime: float) -> bool:
+        """A chunk a loader's plan in this process still needs this epoch, or one used in the last
+        :data:`RECENT_S` (by any process: the plans of others are not known here)."""
+        if time.time() - mtime < RECENT_S:
+            return True
         directory, name = os.path.split(path)
         front = self._arrays.get(directory)
         return front is not None and name.isdigit() and front.needed(int(name))
@@ -352,7 +372,13 @@ class CachedArray:
                 fcntl.flock(lock_fd, fcntl.LOCK_EX)
             if os.path.exists(path):
                 return True
-            parts = self._download(chunk)
+            if not self.cache.reserve(self.chunk_nbytes):
+                return False
+            try:
+                parts = self._download(chunk)
+            except BaseException:
+                self.cache.release(self.chunk_nbytes)
+                raise
             return self.cache.store(path, parts, self.chunk_nbytes)
         finally:
             os.close(lock_fd)  # releases the flock

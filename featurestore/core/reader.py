@@ -376,7 +376,7 @@ class FeatureArray:
         try:
             self._gather_local(index, rows)
         except (FileNotFoundError, MissingChunks):
-            self._warm = None  # a chunk file left (evicted): what was found page-cached is stale
+            self._warm_since = float("-inf")  # a chunk file left (evicted): check page-cache residency again
             return False
         return True
 

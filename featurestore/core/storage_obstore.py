@@ -75,6 +75,7 @@ class ObjectStorage(Storage):
         self._bucket_checked = False
         self._semaphores: dict[int, asyncio.Semaphore] = {}
         self._fallback: Storage | None = None
+        self.bytes_read = 0  # bytes of GET responses so far (benches report it per epoch)
         if self.settings.cache_dir is not None:
             from featurestore.core import chunk_cache
 
@@ -98,6 +99,7 @@ class ObjectStorage(Storage):
         import obstore
 
         result = self._call(lambda: obstore.get(self._store, key).bytes(), key, "GET")
+        self.bytes_read += len(result)
         return bytes(result)  # small documents: callers json-parse them, which wants bytes
 
     def read_ranges(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[Any]:
@@ -124,6 +126,7 @@ class ObjectStorage(Storage):
                     data = await settled(lambda: obstore.get_range_async(self._store, key, start=lo, end=hi))
                 except Exception as exc:  # noqa: BLE001 - translated or re-raised as is
                     raise self._error(exc, key, "GET") from None
+            self.bytes_read += len(data)
             if len(data) < hi - lo:
                 raise FileNotFoundError(f"{self.shown}/{key}: {len(data)} bytes where {hi - lo} were expected")
             for i in group:
@@ -137,7 +140,8 @@ class ObjectStorage(Storage):
         concurrent parts of ``part_bytes`` for a large value (the chunk cache's fetch)."""
         if _forked():
             return self._forked_backend().read_whole(key, size, part_bytes)
-        bounds = list(range(0, size, part_bytes)) + [size + 1]
+        count = max(1, -(-size // part_bytes))
+        bounds = [size * i // count for i in range(count)] + [size + 1]
         return run(self._read_parts(key, bounds))
 
     async def _read_parts(self, key: str, bounds: list[int]) -> list[Any]:
@@ -148,9 +152,11 @@ class ObjectStorage(Storage):
         async def fetch(lo: int, hi: int) -> Any:
             async with semaphore:
                 try:
-                    return await settled(lambda: obstore.get_range_async(self._store, key, start=lo, end=hi))
+                    data = await settled(lambda: obstore.get_range_async(self._store, key, start=lo, end=hi))
                 except Exception as exc:  # noqa: BLE001 - translated or re-raised as is
                     raise self._error(exc, key, "GET") from None
+            self.bytes_read += len(data)
+            return data
 
         return list(await asyncio.gather(*(fetch(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]))))
 
@@ -170,9 +176,11 @@ class ObjectStorage(Storage):
             async with semaphore:
                 try:
                     result = await settled(lambda: obstore.get_async(self._store, key))
-                    return await settled(result.bytes_async)
+                    data = await settled(result.bytes_async)
                 except Exception as exc:  # noqa: BLE001
                     raise self._error(exc, key, "GET") from None
+            self.bytes_read += len(data)
+            return data
 
         return list(await asyncio.gather(*(fetch(k) for k in keys)))
 
