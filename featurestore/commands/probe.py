@@ -15,7 +15,7 @@ import sys
 import textwrap
 from typing import Any
 
-from featurestore.commands.storeargs import add_storage_options, options_from_args
+from featurestore.commands.storeargs import add_cache_options, add_storage_options, options_from_args
 from featurestore.errors import InvalidOption
 
 # Mirrors featurestore.probes.run.TASKS / LOADERS, kept here so `featurestore --help` imports nothing.
@@ -192,6 +192,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--json", metavar="OUT", help="also write the full result as JSON to OUT ('-' = stdout)")
     parser.add_argument("--quiet", action="store_true", help="no per-seed progress on stderr")
     add_storage_options(parser)
+    add_cache_options(parser)
     parser.set_defaults(func=run_command)
 
 

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from featurestore.commands.storeargs import ENV as STORAGE_ENV
-from featurestore.commands.storeargs import add_storage_options, storage_options, store_errors
+from featurestore.commands.storeargs import add_cache_options, add_storage_options, options_from_args, store_errors
 from featurestore.errors import InvalidOption
 
 DEFAULT_TOKEN_ENV = "FEATURESTORE_TOKEN"
@@ -47,6 +47,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--no-access-log", action="store_true",
                         help="do not log one line per request")
     add_storage_options(parser)
+    add_cache_options(parser)
     parser.set_defaults(func=run)
 
 
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     os.environ["FEATURESTORE_STORE"] = args.url
     # Parsed here so a bad JSON is one line naming the flag; workers read it from the env.
-    os.environ[STORAGE_ENV] = json.dumps(storage_options(args.storage_options))
+    os.environ[STORAGE_ENV] = json.dumps(options_from_args(args))
     if args.token_env:
         token = os.environ.get(args.token_env)
         if not token:

@@ -112,6 +112,7 @@ class ChunkCache:
         self.max_bytes = int(max_bytes)
         self.stats = {"hits": 0, "fetched": 0, "fetched_bytes": 0, "waited": 0, "not_admitted": 0, "evicted": 0}
         self._used = used
+        self._pending = 0  # bytes reserved by this process's downloads not written yet
         self._lock = threading.Lock()
         self._inflight: dict[str, Future[bool]] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -175,13 +176,16 @@ class ChunkCache:
             with self._lock:
                 if self._used is not None:
                     self._used += nbytes
+                self._pending += nbytes
             return True
         self.stats["not_admitted"] += 1
         return False
 
-    def release(self, nbytes: int) -> None:
+    def release(self, nbytes: int, written: bool = False) -> None:
+        """A reservation ends: its chunk was ``written``, or not (its room is free again)."""
         with self._lock:
-            if self._used is not None:
+            self._pending -= nbytes
+            if self._used is not None and not written:
                 self._used -= nbytes
 
     def store(self, path: str, parts: Sequence[Any], nbytes: int) -> bool:
@@ -208,6 +212,7 @@ class ChunkCache:
                               f"instead for {FULL_RETRY_S:.0f} s; free space there or lower cache_bytes "
                               f"(now {self.max_bytes} bytes)", ResourceWarning, stacklevel=2)
             return False
+        self.release(nbytes, written=True)
         with self._lock:
             self.stats["fetched"] += 1
             self.stats["fetched_bytes"] += nbytes
@@ -223,6 +228,7 @@ class ChunkCache:
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one evictor at a time across the host
             entries, used = self._scan()
+            used += self._pending  # this process's downloads in flight hold room too
             target = self.max_bytes - nbytes
             if used > target:
                 used = self._evict(entries, used, target)

@@ -343,6 +343,7 @@ class FeatureArray:
                 if damaged:
                     for chunk in damaged:
                         front.drop(chunk)
+                        self._array_maps().forget(chunk)
                     continue
             if absent:
                 remote = np.isin(index // self.chunk_rows, absent)
