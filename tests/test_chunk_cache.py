@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from reader_contract import ReaderContract
 
 import featurestore
 from featurestore.core import chunk_cache
@@ -22,6 +23,22 @@ from featurestore.core.storage_options import translate
 from featurestore.errors import InvalidStorageOptions, SplitChanged, StorageUnavailable
 
 pytest.importorskip("obstore")
+
+
+class TestSeaweedCachedReader(ReaderContract):
+    """The reader contract through a chunk cache on the real S3 server."""
+
+    dtypes = ("float16", "float32")
+
+    def location(self, request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any]]:
+        return request.getfixturevalue("seaweed_url"), dict(request.getfixturevalue("seaweed").storage_options)
+
+    def open_reader(self, url: str, options: dict[str, Any], dataset: str, encoder: str, split: str,
+                    request: pytest.FixtureRequest) -> Any:
+        cache = request.getfixturevalue("tmp_path") / "cache"
+        reader = featurestore.open_store(url, cache_dir=str(cache), **options).open(dataset, encoder, split)
+        assert reader.path == "cached"
+        return reader
 
 N, SHAPE, CHUNK_ROWS = 200, (16, 24), 16  # 13 chunks of 12 KiB (+ labels, + statistics rows)
 
@@ -315,3 +332,25 @@ def test_server_gone_mid_epoch_with_a_cache_is_one_error(tmp_path: Any) -> None:
     message = str(info.value)
     assert "'gone-cache'" in message and "2 retries" in message and "\n" not in message
     assert elapsed < 30
+
+
+# ---------------------------------------------------------------------- the server
+def test_the_server_reads_an_object_store_through_the_cache(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from featurestore.format import wire
+    from server.app import create_app
+    from server.settings import Settings
+
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    settings = Settings(storage_options={**options, "cache_dir": str(tmp_path / "cache")})
+    index = [150, 3, 77, 3]
+    with TestClient(create_app(seaweed_url, settings)) as client:
+        response = client.post(wire.route(wire.BATCH, dataset="ds", encoder="enc", split="train"),
+                               json={"indices": index})
+        assert response.status_code == 200, response.text
+    got = np.frombuffer(response.content, np.float16).reshape(len(index), *SHAPE)
+    assert np.array_equal(got, values[index])
+    assert len([p for p in _chunk_files(tmp_path / "cache") if f"{os.sep}features{os.sep}" in p]) == 3
