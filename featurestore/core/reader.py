@@ -404,9 +404,24 @@ class FeatureArray:
             starts.append(int(offset[start]) * self.sample_nbytes)
             ends.append(int(offset[start] + (stop - start)) * self.sample_nbytes)
             spans.append((start, stop))
+        if len(unique) == len(index) and np.array_equal(unique, index):
+            target = rows
+        else:
+            target = np.empty((len(unique), self.sample_nbytes), np.uint8)
+
+        def sink(i: int, blob: Any) -> None:  # each range as it arrives (the copy overlaps the others)
+            start, stop = spans[i]
+            if len(blob) != (stop - start) * self.sample_nbytes:  # the object is shorter than its rows
+                raise CorruptChunk(checked.damage_message(
+                    f"chunk {self._storage.url}/{keys[i]}", f"{len(blob)} bytes where "
+                    f"{(stop - start) * self.sample_nbytes} were requested (truncated object)"))
+            target[start:stop] = np.frombuffer(blob, np.uint8).reshape(stop - start, self.sample_nbytes)
+
         try:
-            blobs = self._storage.read_ranges(keys, starts, ends)
+            self._storage.read_ranges_into(keys, starts, ends, sink)
         except FileNotFoundError:
+            raise
+        except CorruptChunk:
             raise
         except OSError:  # e.g. S3 "range not satisfiable": an object shorter than its rows?
             expected = self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES
@@ -416,16 +431,6 @@ class FeatureArray:
                     raise CorruptChunk(checked.damage_message(
                         f"chunk {self._storage.url}/{key}", f"size {size} bytes, expected {expected}")) from None
             raise
-        if len(unique) == len(index) and np.array_equal(unique, index):
-            target = rows
-        else:
-            target = np.empty((len(unique), self.sample_nbytes), np.uint8)
-        for key, (start, stop), blob in zip(keys, spans, blobs):
-            if len(blob) != (stop - start) * self.sample_nbytes:  # the object is shorter than its rows
-                raise CorruptChunk(checked.damage_message(
-                    f"chunk {self._storage.url}/{key}", f"{len(blob)} bytes where {(stop - start) * self.sample_nbytes} "
-                    "were requested (truncated object)"))
-            target[start:stop] = np.frombuffer(blob, np.uint8).reshape(stop - start, self.sample_nbytes)
         if target is not rows:
             np.take(target, inverse.reshape(-1), axis=0, out=rows)
 

@@ -19,7 +19,7 @@ import ctypes
 import os
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from featurestore.errors import StoreNotFound
@@ -39,6 +39,14 @@ class Storage:
 
     def read_ranges(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
         raise NotImplementedError
+
+    def read_ranges_into(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int],
+                         sink: Callable[[int, Any], None]) -> None:
+        """``sink(i, data)`` for each range ``i`` of :meth:`read_ranges`; a backend that fetches
+        concurrently calls it as each range arrives, so the caller's copy overlaps the wait for
+        the others."""
+        for i, data in enumerate(self.read_ranges(keys, starts, ends)):
+            sink(i, data)
 
     def read_many(self, keys: Sequence[str]) -> list[bytes]:
         """Whole values of many keys (concurrently where the backend can)."""

@@ -110,7 +110,15 @@ class ObjectStorage(Storage):
             return []
         return run(self._read_ranges(list(keys), list(starts), list(ends)))
 
-    async def _read_ranges(self, keys: list[str], starts: list[int], ends: list[int]) -> list[Any]:
+    def read_ranges_into(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int],
+                         sink: Callable[[int, Any], None]) -> None:
+        if _forked():
+            return self._forked_backend().read_ranges_into(keys, starts, ends, sink)
+        if keys:
+            run(self._read_ranges(list(keys), list(starts), list(ends), sink))
+
+    async def _read_ranges(self, keys: list[str], starts: list[int], ends: list[int],
+                           sink: Callable[[int, Any], None] | None = None) -> list[Any]:
         import obstore
 
         # Merge near ranges of each object, fetch every merged range at once, slice back.
@@ -131,8 +139,17 @@ class ObjectStorage(Storage):
                 raise FileNotFoundError(f"{self.shown}/{key}: {len(data)} bytes where {hi - lo} were expected")
             for i in group:
                 out[i] = data if (starts[i], ends[i]) == (lo, hi) else data[starts[i] - lo : ends[i] - lo]
+                if sink is not None:  # on the loop thread, while other requests are in flight
+                    sink(i, out[i])
+                    out[i] = b""
 
-        await asyncio.gather(*(fetch(*request) for request in requests))
+        tasks = [asyncio.ensure_future(fetch(*request)) for request in requests]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # a failed batch: no request left to write into the caller's buffer
+                task.cancel()
+            raise
         return out
 
     def read_whole(self, key: str, size: int, part_bytes: int) -> list[Any]:
