@@ -198,6 +198,9 @@ class ChunkCache:
                 for part in parts:
                     f.write(part)
             os.replace(tmp, path)
+        except FileNotFoundError:  # its temporary file was swept (a writer in another pid namespace?)
+            self.release(nbytes)
+            return False
         except OSError as error:
             _unlink(tmp)
             self.release(nbytes)
@@ -369,6 +372,7 @@ class CachedArray:
             return True
         if not self.cache.writable():
             return False
+        os.makedirs(self.directory, exist_ok=True)  # the cache may have been emptied by hand
         lock_fd = os.open(f"{path}.lock", os.O_CREAT | os.O_RDWR, 0o644)
         try:
             try:

@@ -138,13 +138,13 @@ class FeatureArray:
         if len(index):
             rows = out.reshape(len(index), -1).view(np.uint8)
             try:
-                self._verify(index)
                 if self.path == "mmap":
+                    self._verify(index)
                     self._gather_local(index, rows)
                 elif self.path == "cached":
                     self._gather_cached(index, rows)
                 elif self.path == "ranges":
-                    self._gather_ranges(index, rows)
+                    self._gather_ranges_checked(index, rows, None)
                 else:
                     self._gather_zarr(index, out)
             except FileNotFoundError as error:
@@ -152,20 +152,23 @@ class FeatureArray:
         return out
 
     # ------------------------------------------------------------------ checked reads
-    def _verify(self, index: np.ndarray, path: str | None = None) -> None:
+    def _verify(self, index: np.ndarray, path: str | None = None) -> dict[int, Any]:
         """crc32c of every chunk this read touches that this process has not verified yet
-        (featurestore.core.checked has the policy and its cost)."""
+        (featurestore.core.checked has the policy and its cost). On object storage the chunks
+        checked are fetched whole: returns them, ``{chunk: bytes}``, for the caller to take this
+        read's rows from (no second request for them)."""
         mode = self.verify_reads
         if mode not in checked.VERIFY_MODES:
             raise InvalidOption(f"verify_reads must be one of {', '.join(checked.VERIFY_MODES)}, got {mode!r}")
         path = path or self.path
         if mode == "off" or path in ("zarr", "cached"):  # zarr's codec checks itself; cached: _gather_cached
-            return
+            return {}
         if mode == "auto" and path == "mmap" and self._resolved_cache() == "direct":
-            return
+            return {}
         pending = self._verified.pending(np.unique(index // self.chunk_rows).tolist())
         if not pending:
-            return
+            return {}
+        fresh: dict[int, Any] = {}
         payload = self.chunk_rows * self.sample_nbytes
         if path == "mmap":
             def check(chunk: int) -> str | None:
@@ -185,6 +188,7 @@ class FeatureArray:
                 gone = next((k for k in keys if not self._storage.exists(k)), None)
                 raise self._missing(gone) from None
             damaged = {c: r for c, blob in zip(pending, blobs) if (r := chunks.check(blob, payload)) is not None}
+            fresh = dict(zip(pending, blobs))
 
             def where(chunk: int) -> str:
                 return f"{self._storage.url}/{layout.chunk_key(self._key, chunk, self._ndim)}"
@@ -193,6 +197,7 @@ class FeatureArray:
             more = f" (and {len(damaged) - 1} more chunk(s) read by the same batch)" if len(damaged) > 1 else ""
             raise CorruptChunk(checked.damage_message(f"chunk {chunk} of {self._key} ({where(chunk)}){more}", reason))
         self._verified.add(pending)
+        return fresh
 
     def _missing(self, chunk: str | None) -> MissingChunks:
         where = f"chunk {chunk}" if chunk else "some requested rows' chunks"
@@ -382,17 +387,29 @@ class FeatureArray:
         return True
 
     def _gather_ranges_checked(self, index: np.ndarray, rows: np.ndarray, positions: np.ndarray | None) -> None:
-        """Rows ``index`` by ranged GETs (crc32c checked per chunk as on the ranges path) into
-        ``rows`` (all of it, or the rows at ``positions``)."""
+        """Rows ``index`` from object storage into ``rows`` (all of it, or the rows at
+        ``positions``): the chunks this process has not checked yet are fetched whole for their
+        crc32c, and their rows taken from those bytes; the others' rows by ranged GETs."""
         if not len(index):
             return
-        self._verify(index, path="ranges")
-        if positions is None:
-            self._gather_ranges(index, rows)
-            return
-        part = np.empty((len(index), self.sample_nbytes), np.uint8)
-        self._gather_ranges(index, part)
-        rows[positions] = part
+        dest = rows if positions is None else np.empty((len(index), self.sample_nbytes), np.uint8)
+        fresh = self._verify(index, path="ranges")
+        if fresh:
+            chunk_of, offset = np.divmod(index, self.chunk_rows)
+            payload = self.chunk_rows * self.sample_nbytes
+            for chunk, blob in fresh.items():
+                at = np.flatnonzero(chunk_of == chunk)
+                whole = np.frombuffer(blob, np.uint8, count=payload).reshape(self.chunk_rows, self.sample_nbytes)
+                dest[at] = whole[offset[at]]
+            rest = np.flatnonzero(~np.isin(chunk_of, list(fresh)))
+            if len(rest):
+                part = np.empty((len(rest), self.sample_nbytes), np.uint8)
+                self._gather_ranges(index[rest], part)
+                dest[rest] = part
+        else:
+            self._gather_ranges(index, dest)
+        if positions is not None:
+            rows[positions] = dest
 
     # ------------------------------------------------------------------ ranges path
     def _gather_ranges(self, index: np.ndarray, rows: np.ndarray) -> None:
