@@ -116,6 +116,8 @@ class ChunkCache:
         self._lock = threading.Lock()
         self._inflight: dict[str, Future[bool]] = {}
         self._executor: ThreadPoolExecutor | None = None
+        self._side: ThreadPoolExecutor | None = None
+        self._side_pid = os.getpid()
         self._pid = os.getpid()
         self._full_until = 0.0  # monotonic time until which the disk is taken as full
         self._no_room_until = 0.0  # everything held is kept by a plan: admit nothing until then
@@ -156,6 +158,14 @@ class ChunkCache:
         future.add_done_callback(lambda _: self._forget(key, future))
         return future
 
+    def side_submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """``fn(*args)`` on a thread of its own pool (small requests a download waits on)."""
+        with self._lock:
+            if self._side is None or self._side_pid != os.getpid():
+                self._side = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="featurestore-cache-seal")
+                self._side_pid = os.getpid()
+            return self._side.submit(fn, *args)
+
     def _forget(self, key: str, future: Future[bool]) -> None:
         with self._lock:
             if self._inflight.get(key) is future:
@@ -188,15 +198,17 @@ class ChunkCache:
             if self._used is not None and not written:
                 self._used -= nbytes
 
-    def store(self, path: str, parts: Sequence[Any], nbytes: int) -> bool:
+    def store(self, path: str, parts: Sequence[Any], nbytes: int, check: Callable[[], None] = lambda: None) -> bool:
         """Write ``parts`` to ``path`` atomically (room reserved); False if the disk is full
-        (warned once per :data:`FULL_RETRY_S`)."""
+        (warned once per :data:`FULL_RETRY_S`). ``check()`` runs between the write and the
+        rename: if it raises, nothing is kept."""
         directory = os.path.dirname(path)
         tmp = os.path.join(directory, tmp_name(os.path.basename(path), os.getpid(), uuid.uuid4().hex[:8]))
         try:
             with open(tmp, "wb") as f:
                 for part in parts:
                     f.write(part)
+            check()
             os.replace(tmp, path)
         except FileNotFoundError:  # its temporary file was swept (a writer in another pid namespace?)
             self.release(nbytes)
@@ -215,6 +227,10 @@ class ChunkCache:
                               f"instead for {FULL_RETRY_S:.0f} s; free space there or lower cache_bytes "
                               f"(now {self.max_bytes} bytes)", ResourceWarning, stacklevel=2)
             return False
+        except BaseException:
+            _unlink(tmp)
+            self.release(nbytes)
+            raise
         self.release(nbytes, written=True)
         with self._lock:
             self.stats["fetched"] += 1
@@ -386,10 +402,12 @@ class CachedArray:
                 return False
             try:
                 parts = self._download(chunk)
+                # The seal's GET (after the chunk's) overlaps the write of the file; checked before the rename.
+                seal = self.cache.side_submit(self._check_seal, chunk)
             except BaseException:
                 self.cache.release(self.chunk_nbytes)
                 raise
-            return self.cache.store(path, parts, self.chunk_nbytes)
+            return self.cache.store(path, parts, self.chunk_nbytes, check=seal.result)
         finally:
             os.close(lock_fd)  # releases the flock
 
@@ -404,7 +422,6 @@ class CachedArray:
         reason = _check_crc(parts, self.chunk_nbytes - layout.CRC_BYTES)
         if reason is not None:
             raise CorruptChunk(damage_message(where, reason))
-        self._check_seal(chunk)
         return parts
 
     def _check_seal(self, chunk: int) -> None:
