@@ -7,31 +7,24 @@ whole (one GET, or concurrent ranged parts past :data:`PART_BYTES`), checked, wr
 directory and read from there by the local read path (mmap or pread), so later epochs run at
 local speed.
 
-Checks before a chunk is kept: its size, its crc32c trailer, and the seal of its statistics row
-(``chunk_stats``, fetched *after* the chunk): the row must carry the split's generation and the
-chunk's index. An overwrite deletes the old chunks before writing new ones, so a chunk of another
-generation fetched by a reader that opened the split earlier is caught (:class:`SplitChanged`).
+What a chunk goes through before it is kept (size, crc32c, the generation seal) and how a host
+downloads it once are in :mod:`featurestore.core.cached_array` (one front per array).
 
 Layout: ``<dir>/v1/<hash of the store URL>/<split key>/<generation>/<array>/<chunk>``, the stored
-bytes as they are (payload and crc trailer). Another generation of a split lives in another
-directory, so it is never read for this one.
-
-Several processes (DDP ranks, DataLoader workers, a server) share one directory:
-
-* no torn files: a chunk is written to a temporary name (``core.leftovers``' rule: pid in the
-  name) and renamed; a SIGKILLed download leaves only a temporary file, which nothing reads and
-  the next process to open the cache removes once its writer is dead;
-* no duplicate downloads: the download of chunk ``c`` holds ``flock`` on ``<c>.lock`` (released
-  by the kernel if the process dies); whoever waits on it finds the file there when it gets the
-  lock. Threads of one process share one download (a future per chunk).
+bytes as they are (payload and crc trailer), so the local read path and its checks apply
+unchanged. Another generation of a split lives in another directory: it is never read for this
+one. Several processes (DDP ranks, DataLoader workers, a server) share one directory; no file is
+ever torn: a chunk is written to a temporary name (``core.leftovers``' naming: the writer's pid
+in it) and renamed. A SIGKILLed download leaves only a temporary file, which nothing reads and
+the next process to open the cache removes once its writer is dead.
 
 Size: at most ``cache_bytes`` (default: 75 % of the free space of the cache's file system when
 opened, plus what it already holds). Room is made by removing the least recently used chunks
-(a chunk's mtime is its last use; a process touches it at most every :data:`TOUCH_S`). A loader
-tells the cache which chunks its epoch still needs (:meth:`CachedArray.plan`): those are not
-removed, and a chunk that would need one of them removed is not admitted (its rows are read by
-ranged GETs instead). The limit may be passed by the chunks in flight at once (at most
-:data:`FETCH_THREADS` per process).
+(a chunk's mtime is its last use; a process touches it at most every :data:`TOUCH_S`), except
+those used in the last :data:`RECENT_S` and those a loader's plan in this process still needs
+this epoch (``CachedArray.plan``): a chunk that would need one of them removed is not admitted,
+and its rows are read by ranged GETs. Each process counts its own downloads in flight; those of
+other processes can pass the limit by at most :data:`FETCH_THREADS` chunks each.
 
 A full disk (``ENOSPC``, ``EDQUOT``, ``EFBIG``) is one warning naming the directory; the process
 then reads by ranged GETs, as without a cache, and tries the disk again after :data:`FULL_RETRY_S`.
@@ -51,13 +44,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
-from featurestore.core.checked import damage_message
-from featurestore.errors import CorruptChunk, InvalidStorageOptions, SplitChanged
-from featurestore.format import chunks as chunk_codec
-from featurestore.format import layout
-from featurestore.format.metadata import SplitMetadata, seal_problem
+from featurestore.errors import InvalidStorageOptions
 from featurestore.format.names import TMP_SUFFIX, tmp_name, tmp_writer_pid
 
 ENV_DIR = "FEATURESTORE_CACHE_DIR"
@@ -121,26 +108,27 @@ class ChunkCache:
         self._pid = os.getpid()
         self._full_until = 0.0  # monotonic time until which the disk is taken as full
         self._no_room_until = 0.0  # everything held is kept by a plan: admit nothing until then
-        self._arrays: dict[str, CachedArray] = {}
+        self._arrays: dict[str, Any] = {}  # array directory -> its front (cached_array.CachedArray)
         self._touched: dict[str, float] = {}
 
     def __repr__(self) -> str:
         return f"ChunkCache({self.directory!r}, max_bytes={self.max_bytes})"
 
     # ------------------------------------------------------------------ per array
-    def array(self, storage: Any, array_key: str, *, chunk_nbytes: int, ndim: int,
-              meta: SplitMetadata | None) -> CachedArray:
-        """The cache's front for one array of one generation of a split."""
-        store_id = hashlib.sha256(storage.url.encode()).hexdigest()[:16]
-        generation = (meta.generation if meta is not None else None) or "no-generation"
-        split_key, _, name = array_key.rpartition("/")
-        directory = os.path.join(self._root, store_id, *split_key.split("/"), generation, name)
+    def register(self, directory: str, make: Callable[[], Any]) -> Any:
+        """The process's one front for the array directory ``directory`` (``make()`` builds it):
+        eviction asks it which of its chunks a plan still needs."""
         with self._lock:
             front = self._arrays.get(directory)
             if front is None:
-                front = self._arrays[directory] = CachedArray(self, storage, array_key, directory, chunk_nbytes,
-                                                              ndim, meta)
+                front = self._arrays[directory] = make()
         return front
+
+    def entry_directory(self, store_url: str, array_key: str, generation: str | None) -> str:
+        """``<dir>/v1/<hash of the store URL>/<split key>/<generation>/<array>``."""
+        store_id = hashlib.sha256(store_url.encode()).hexdigest()[:16]
+        split_key, _, name = array_key.rpartition("/")
+        return os.path.join(self._root, store_id, *split_key.split("/"), generation or "no-generation", name)
 
     # ------------------------------------------------------------------ threads
     def submit(self, key: str, fn: Callable[[], bool]) -> Future[bool]:
@@ -319,129 +307,6 @@ class ChunkCache:
         return self._scan()[1]
 
 
-class CachedArray:
-    """The cache's front for one array of one generation of a split: which chunks are here,
-    fetching the others, what a loader's plan still needs."""
-
-    def __init__(self, cache: ChunkCache, storage: Any, array_key: str, directory: str, chunk_nbytes: int,
-                 ndim: int, meta: SplitMetadata | None) -> None:
-        self.cache = cache
-        self.storage = storage
-        self.array_key = array_key
-        self.directory = directory
-        self.chunk_nbytes = chunk_nbytes  # payload + crc trailer
-        self.ndim = ndim
-        self.meta = meta
-        self._last_use: np.ndarray | None = None  # per chunk: the last plan position that reads it
-        self._position: Callable[[], int] = lambda: 0
-        os.makedirs(directory, exist_ok=True)
-
-    def path(self, chunk: int) -> str:
-        return os.path.join(self.directory, str(chunk))
-
-    # ------------------------------------------------------------------ plan
-    def plan(self, last_use: np.ndarray | None, position: Callable[[], int] | None = None) -> None:
-        """Keep chunk ``c`` while ``position() <= last_use[c]`` (a loader's epoch: the last batch
-        that reads it); None forgets the plan (plain LRU)."""
-        self._last_use = last_use
-        if position is not None:
-            self._position = position
-
-    def needed(self, chunk: int) -> bool:
-        last_use = self._last_use
-        return last_use is not None and chunk < len(last_use) and last_use[chunk] >= self._position()
-
-    # ------------------------------------------------------------------ fetching
-    def present(self, chunk: int) -> bool:
-        path = self.path(chunk)
-        try:
-            os.stat(path)
-        except FileNotFoundError:
-            return False
-        self.cache.touch(path)
-        return True
-
-    def prefetch(self, chunks: Sequence[int]) -> list[Future[bool]]:
-        """Start fetching ``chunks`` that are not here (no wait); their futures."""
-        return [self.cache.submit(self.path(c), lambda c=c: self._fill(c)) for c in chunks if not self.present(c)]
-
-    def ensure(self, chunks: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Make ``chunks`` local: ``(fetched now, not cached)``. Chunks not cached (no room, a
-        full disk) are for the caller to read by ranges. Storage errors propagate."""
-        missing = [c for c in chunks if not self.present(c)]
-        self.cache.stats["hits"] += len(chunks) - len(missing)
-        if not missing:
-            return [], []
-        futures = [self.cache.submit(self.path(c), lambda c=c: self._fill(c)) for c in missing]
-        fetched, absent = [], []
-        for chunk, future in zip(missing, futures):
-            (fetched if future.result() else absent).append(chunk)
-        return fetched, absent
-
-    def drop(self, chunk: int) -> None:
-        """Remove a cached chunk found damaged (it is fetched again on its next read)."""
-        _unlink(self.path(chunk))
-
-    def _fill(self, chunk: int) -> bool:
-        path = self.path(chunk)
-        if os.path.exists(path):
-            return True
-        if not self.cache.writable():
-            return False
-        os.makedirs(self.directory, exist_ok=True)  # the cache may have been emptied by hand
-        lock_fd = os.open(f"{path}.lock", os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # another process is downloading it: wait for its file
-                self.cache.stats["waited"] += 1
-                fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            if os.path.exists(path):
-                return True
-            if not self.cache.reserve(self.chunk_nbytes):
-                return False
-            try:
-                parts = self._download(chunk)
-                # The seal's GET (after the chunk's) overlaps the write of the file; checked before the rename.
-                seal = self.cache.side_submit(self._check_seal, chunk)
-            except BaseException:
-                self.cache.release(self.chunk_nbytes)
-                raise
-            return self.cache.store(path, parts, self.chunk_nbytes, check=seal.result)
-        finally:
-            os.close(lock_fd)  # releases the flock
-
-    def _download(self, chunk: int) -> list[Any]:
-        key = layout.chunk_key(self.array_key, chunk, self.ndim)
-        where = f"chunk {self.storage.url}/{key}"
-        parts = self.storage.read_whole(key, self.chunk_nbytes, PART_BYTES)
-        got = sum(len(p) for p in parts)
-        if got != self.chunk_nbytes:
-            raise CorruptChunk(damage_message(where, f"size {got if got <= self.chunk_nbytes else 'over'} bytes, "
-                                                     f"expected {self.chunk_nbytes}"))
-        reason = _check_crc(parts, self.chunk_nbytes - layout.CRC_BYTES)
-        if reason is not None:
-            raise CorruptChunk(damage_message(where, reason))
-        return parts
-
-    def _check_seal(self, chunk: int) -> None:
-        """The chunk's statistics row, fetched after the chunk, carries this generation and index."""
-        meta = self.meta
-        if meta is None or meta.generation is None:
-            return
-        split_key = self.array_key.rpartition("/")[0]
-        key = layout.chunk_key(f"{split_key}/{layout.CHUNK_STATS}", chunk, 2)
-        try:
-            raw = self.storage.read(key)
-        except FileNotFoundError:
-            raise SplitChanged(f"{split_key}: the statistics row of chunk {chunk} is gone from {self.storage.url}: "
-                               "the split was deleted or overwritten since it was opened; open it again") from None
-        problem = chunk_codec.check(raw, len(raw) - layout.CRC_BYTES) or seal_problem(raw, meta, chunk)
-        if problem is not None:
-            raise SplitChanged(f"{split_key}: chunk {chunk} at {self.storage.url} is {problem}: the split changed "
-                               "since it was opened (nothing was cached from it); open it again")
-
-
 _shared: dict[tuple[str, int | None], ChunkCache] = {}
 _shared_lock = threading.Lock()
 
@@ -455,20 +320,6 @@ def shared(directory: str, max_bytes: int | None) -> ChunkCache:
         if cache is None:
             cache = _shared[key] = ChunkCache(directory, max_bytes)
         return cache
-
-
-def _check_crc(parts: Sequence[Any], payload_bytes: int) -> str | None:
-    crc, offset, trailer = 0, 0, b""
-    for part in parts:
-        view = memoryview(part).cast("B")
-        body = max(0, min(len(view), payload_bytes - offset))
-        if body:
-            crc = chunk_codec.crc32c(view[:body], crc)
-        trailer += bytes(view[body:])
-        offset += len(view)
-    if chunk_codec.crc_trailer(crc) != trailer:
-        return "crc32c mismatch (flipped or truncated bytes)"
-    return None
 
 
 def _unlink(path: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core import checked, chunk_cache, chunk_maps, pread
+from featurestore.core import cached_array, checked, chunk_maps, pread
 from featurestore.core.buffers import aligned_empty
 from featurestore.core.storage import Storage
 from featurestore.errors import (
@@ -76,7 +76,7 @@ class FeatureArray:
             self.path = "cached"
         else:
             self.path = "ranges"
-        self._front: chunk_cache.CachedArray | None = None
+        self._front: cached_array.CachedArray | None = None
         # Local uncompressed arrays: which gather ("auto", "mmap", "pread") and what the page cache
         # does with pread's bytes ("keep", "drop", "direct"); docs/READS.md has the figures.
         self.local_read = _setting("FEATURESTORE_LOCAL_READ", "auto", LOCAL_READS)
@@ -320,16 +320,16 @@ class FeatureArray:
                 rows[target : target + (stop - start)] = view[first : first + (stop - start)]
 
     # ------------------------------------------------------------------ cached path
-    def _cache_front(self) -> chunk_cache.CachedArray:
+    def _cache_front(self) -> cached_array.CachedArray:
         if self._front is None:
             meta = SplitMetadata.from_json(self.metadata, self._split_key)
             nbytes = self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES
-            self._front = self._storage.chunk_cache.array(self._storage, self._key, chunk_nbytes=nbytes,
-                                                          ndim=self._ndim, meta=meta)
+            self._front = cached_array.front(self._storage.chunk_cache, self._storage, self._key,
+                                             chunk_nbytes=nbytes, ndim=self._ndim, meta=meta)
         return self._front
 
     @property
-    def chunk_cache(self) -> chunk_cache.CachedArray | None:
+    def chunk_cache(self) -> cached_array.CachedArray | None:
         """This array's front on the storage's chunk cache (``cache_dir``), or None."""
         return self._cache_front() if self.path == "cached" else None
 
