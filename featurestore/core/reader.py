@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core import cached_array, checked, chunk_maps, pread
+from featurestore.core import checked, chunk_maps, pread
 from featurestore.core.buffers import aligned_empty
+from featurestore.core.reader_cached import CachedPath
 from featurestore.core.storage import Storage
 from featurestore.errors import (
     REPAIR_ADVICE,
@@ -40,7 +41,7 @@ from featurestore.format.metadata import SplitMetadata
 from featurestore.format.wire import as_index_array, check_bounds
 
 
-class FeatureArray:
+class FeatureArray(CachedPath):
     """One stored array (``features`` or ``labels``) of a split."""
 
     def __init__(
@@ -76,7 +77,7 @@ class FeatureArray:
             self.path = "cached"
         else:
             self.path = "ranges"
-        self._front: cached_array.CachedArray | None = None
+        self._front = None  # this array's front on the chunk cache (CachedPath), made on first use
         # Local uncompressed arrays: which gather ("auto", "mmap", "pread") and what the page cache
         # does with pread's bytes ("keep", "drop", "direct"); docs/READS.md has the figures.
         self.local_read = _setting("FEATURESTORE_LOCAL_READ", "auto", LOCAL_READS)
@@ -319,73 +320,7 @@ class FeatureArray:
             else:
                 rows[target : target + (stop - start)] = view[first : first + (stop - start)]
 
-    # ------------------------------------------------------------------ cached path
-    def _cache_front(self) -> cached_array.CachedArray:
-        if self._front is None:
-            meta = SplitMetadata.from_json(self.metadata, self._split_key)
-            nbytes = self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES
-            self._front = cached_array.front(self._storage.chunk_cache, self._storage, self._key,
-                                             chunk_nbytes=nbytes, ndim=self._ndim, meta=meta)
-        return self._front
-
-    @property
-    def chunk_cache(self) -> cached_array.CachedArray | None:
-        """This array's front on the storage's chunk cache (``cache_dir``), or None."""
-        return self._cache_front() if self.path == "cached" else None
-
-    def _gather_cached(self, index: np.ndarray, rows: np.ndarray) -> None:
-        """Make the touched chunks local (whole GETs, checked), then gather them with the local
-        path; chunks the cache does not take are read by ranges. A cached file found damaged
-        (first read per process, crc32c) is dropped and fetched again; one removed by another
-        process's eviction between the fetch and the read is fetched again."""
-        front = self._cache_front()
-        wanted = np.unique(index // self.chunk_rows).tolist()
-        for _ in range(_CACHE_ATTEMPTS):
-            fetched, absent = front.ensure(wanted)
-            self._verified.add(fetched)  # checked (size, crc32c, seal) as they came in
-            if self.verify_reads != "off":
-                damaged = self._check_cached(wanted, absent)
-                if damaged:
-                    for chunk in damaged:
-                        front.drop(chunk)
-                        self._array_maps().forget(chunk)
-                    continue
-            if absent:
-                remote = np.isin(index // self.chunk_rows, absent)
-                self._gather_ranges_checked(index[remote], rows, np.flatnonzero(remote))
-                local = np.flatnonzero(~remote)
-                if len(local):
-                    part = np.empty((len(local), self.sample_nbytes), np.uint8)
-                    if not self._local_attempt(index[local], part):
-                        continue
-                    rows[local] = part
-                return
-            if self._local_attempt(index, rows):
-                return
-        self._gather_ranges_checked(index, rows, None)  # evicted under us every time: read by ranges
-
-    def _check_cached(self, wanted: list[int], absent: list[int]) -> list[int]:
-        pending = self._verified.pending([c for c in wanted if c not in set(absent)])
-        payload = self.chunk_rows * self.sample_nbytes
-
-        def check(chunk: int) -> str | None:
-            try:
-                return checked.check_file(self._chunk_path(chunk), payload)
-            except FileNotFoundError:
-                return "gone"
-
-        damaged = checked.run_checks(pending, check, (self.read_pool or pread.default_pool()).executor())
-        self._verified.add([c for c in pending if c not in damaged])
-        return sorted(damaged)
-
-    def _local_attempt(self, index: np.ndarray, rows: np.ndarray) -> bool:
-        try:
-            self._gather_local(index, rows)
-        except (FileNotFoundError, MissingChunks):
-            self._warm_since = float("-inf")  # a chunk file left (evicted): check page-cache residency again
-            return False
-        return True
-
+    # ------------------------------------------------------------------ ranges path
     def _gather_ranges_checked(self, index: np.ndarray, rows: np.ndarray, positions: np.ndarray | None) -> None:
         """Rows ``index`` from object storage into ``rows`` (all of it, or the rows at
         ``positions``): the chunks this process has not checked yet are fetched whole for their
@@ -411,7 +346,6 @@ class FeatureArray:
         if positions is not None:
             rows[positions] = dest
 
-    # ------------------------------------------------------------------ ranges path
     def _gather_ranges(self, index: np.ndarray, rows: np.ndarray) -> None:
         unique, inverse = np.unique(index, return_inverse=True)
         chunk_of, offset = np.divmod(unique, self.chunk_rows)
@@ -473,7 +407,6 @@ class FeatureArray:
 
 
 LOCAL_READS = ("auto", "mmap", "pread")
-_CACHE_ATTEMPTS = 3  # fetch-and-read rounds of a cached read before it goes to ranged GETs
 _RECHECK_S = 2.0  # how long "this chunk is page-cached" is trusted before mincore is asked again
 
 
