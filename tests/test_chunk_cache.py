@@ -223,7 +223,10 @@ def test_entries_of_an_overwritten_split_are_never_used(seaweed_url: str, seawee
 def test_a_damaged_cache_file_is_found_and_fetched_again(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
     options = seaweed.storage_options
     values = _write(seaweed_url, options)
-    _open(seaweed_url, options, tmp_path).read_numpy(np.arange(N))
+    script = tmp_path / "fill.py"
+    script.write_text(_FILL)
+    subprocess.run([sys.executable, str(script), seaweed_url, json.dumps(options), str(tmp_path), "0"], env=_env(),
+                   check=True, capture_output=True, timeout=120)  # another process filled the cache
     files = [p for p in _chunk_files(tmp_path) if f"{os.sep}features{os.sep}" in p]
     victim = next(p for p in files if p.endswith(f"{os.sep}3"))
     with open(victim, "r+b") as f:
@@ -231,7 +234,7 @@ def test_a_damaged_cache_file_is_found_and_fetched_again(seaweed_url: str, seawe
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 0xFF]))
-    array = _open(seaweed_url, options, tmp_path)  # a new reader checks each cached file once
+    array = _open(seaweed_url, options, tmp_path)  # this process checks each cached file on its first read
     before = array._storage.chunk_cache.stats["fetched"]
     assert np.array_equal(array.read_numpy(np.arange(N)), values)
     assert array._storage.chunk_cache.stats["fetched"] == before + 1  # that one chunk, again
@@ -354,3 +357,17 @@ def test_the_server_reads_an_object_store_through_the_cache(seaweed_url: str, se
     got = np.frombuffer(response.content, np.float16).reshape(len(index), *SHAPE)
     assert np.array_equal(got, values[index])
     assert len([p for p in _chunk_files(tmp_path / "cache") if f"{os.sep}features{os.sep}" in p]) == 3
+
+
+def test_cache_flags_join_the_storage_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from featurestore.commands.storeargs import add_cache_options, add_storage_options, options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_storage_options(parser)
+    add_cache_options(parser)
+    monkeypatch.setenv("FEATURESTORE_STORAGE_OPTIONS", '{"endpoint_url": "http://127.0.0.1:1"}')
+    args = parser.parse_args(["--cache-dir", "/c", "--cache-bytes", "5G"])
+    assert options_from_args(args) == {"endpoint_url": "http://127.0.0.1:1", "cache_dir": "/c", "cache_bytes": "5G"}
+    assert options_from_args(parser.parse_args([])) == {"endpoint_url": "http://127.0.0.1:1"}

@@ -55,6 +55,7 @@ class CachedArray:
         self.meta = meta
         self._last_use: np.ndarray | None = None  # per chunk: the last plan position that reads it
         self._position: Callable[[], int] = lambda: 0
+        self._checked: set[tuple[int, int]] = set()  # (pid, chunk) fetched and checked by that process
         os.makedirs(directory, exist_ok=True)
 
     def path(self, chunk: int) -> str:
@@ -99,8 +100,13 @@ class CachedArray:
             (fetched if future.result() else absent).append(chunk)
         return fetched, absent
 
+    def checked_here(self, chunk: int) -> bool:
+        """Whether this process fetched (and so checked) the chunk's file itself."""
+        return (os.getpid(), chunk) in self._checked
+
     def drop(self, chunk: int) -> None:
         """Remove a cached chunk found damaged (it is fetched again on its next read)."""
+        self._checked.discard((os.getpid(), chunk))
         _unlink(self.path(chunk))
 
     def _fill(self, chunk: int) -> bool:
@@ -128,7 +134,10 @@ class CachedArray:
             except BaseException:
                 self.cache.release(self.chunk_nbytes)
                 raise
-            return self.cache.store(path, parts, self.chunk_nbytes, check=seal.result)
+            stored = self.cache.store(path, parts, self.chunk_nbytes, check=seal.result)
+            if stored:
+                self._checked.add((os.getpid(), chunk))
+            return stored
         finally:
             os.close(lock_fd)  # releases the flock
 

@@ -90,7 +90,13 @@ class CachedPath:
         self._gather_ranges_checked(index, rows, None)  # evicted under us every time: read by ranges
 
     def _check_cached(self, wanted: list[int], absent: list[int]) -> list[int]:
-        pending = self._verified.pending([c for c in wanted if c not in set(absent)])
+        front = self._cache_front()
+        skip = set(absent)
+        pending = self._verified.pending([c for c in wanted if c not in skip])
+        mine = [c for c in pending if front.checked_here(c)]  # fetched by this process's threads: checked then
+        if mine:
+            self._verified.add(mine)
+            pending = [c for c in pending if not front.checked_here(c)]
         payload = self.chunk_rows * self.sample_nbytes
 
         def check(chunk: int) -> str | None:
