@@ -242,11 +242,10 @@ def test_a_damaged_cache_file_is_found_and_fetched_again(seaweed_url: str, seawe
 
 # ---------------------------------------------------------------------- room
 _FULL_DISK = """
-import json, resource, sys, warnings
+import json, resource, sys
 import numpy as np
 import featurestore
 url, options, cache, limit = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-warnings.simplefilter("always")
 array = featurestore.open_store(url, cache_dir=cache, **options).open("ds", "enc", "train")
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # no file may grow past a few KiB: EFBIG
 rows = array.read_numpy(np.arange(len(array)))

@@ -213,7 +213,7 @@ class ChunkCache:
             if first:
                 warnings.warn(f"chunk cache {self.directory} is full ({error.strerror}): reading by ranged GETs "
                               f"instead for {FULL_RETRY_S:.0f} s; free space there or lower cache_bytes "
-                              f"(now {self.max_bytes} bytes)", ResourceWarning, stacklevel=2)
+                              f"(now {self.max_bytes} bytes)", RuntimeWarning, stacklevel=2)
             return False
         except BaseException:
             _unlink(tmp)
