@@ -24,6 +24,7 @@ from server.metrics import Metrics, MetricsMiddleware
 from server.responses import ABORT_KEY, transport_abort
 from server.settings import Settings
 from server.state import StoreState
+from server.web import routes as web_routes
 
 
 class FeatureStoreApp(FastAPI):
@@ -60,7 +61,9 @@ def create_app(store_url: str | None = None, settings: Settings | None = None) -
     install_error_handlers(app)
     app.include_router(routes_data.router)
     app.include_router(routes_zarr.router)
-    app.include_router(routes_features.router)  # last: its /v1 catch-all matches anything
+    app.include_router(routes_features.router)  # its /v1 catch-all matches anything under /v1
+    if settings.ui:
+        web_routes.install(app, state)  # /, /ui/...: the web page (docs/SERVER.md, "Web page")
 
     metrics = Metrics()
     metrics.watch_pool(lambda: state.buffers.free_bytes)
@@ -78,7 +81,7 @@ def create_app(store_url: str | None = None, settings: Settings | None = None) -
         logging.getLogger("featurestore.server").warning(warning)
     token = settings.token_value()
     if token is not None:
-        app.add_middleware(BearerAuthMiddleware, token=token)
+        app.add_middleware(BearerAuthMiddleware, token=token, pages=settings.ui)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 

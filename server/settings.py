@@ -81,6 +81,25 @@ class Settings(BaseSettings):
         "re-read (local stores re-check it on every request)",
     )
 
+    ui: bool = Field(
+        default=True, description="serve the web page (/ and /ui/...): catalog, precision report, pictures"
+    )
+    ui_max_sample_bytes: int = Field(
+        default=256 << 20,
+        gt=0,
+        description="largest sample (dense) or bag the picture routes read for one picture; bigger "
+        "ones get 413",
+    )
+    ui_picture_cache_bytes: int = Field(
+        default=64 << 20, ge=0, description="finished pictures (PNG bytes) kept per worker"
+    )
+    ui_pictures_at_once: int = Field(
+        default=2,
+        ge=1,
+        description="pictures computed at the same time per worker; more requests wait up to "
+        "inflight_wait_s, then get 503 with Retry-After",
+    )
+
     def token_value(self) -> str | None:
         """The token, or None when unset or empty (no auth; see :meth:`empty_token_warning`)."""
         if self.token is None:
