@@ -7,7 +7,10 @@ of one dataset/split, a split without a grid, an unfinished split, and metadata 
 * ``demo/vit-s-bf16/train``: the same samples through another projection, stored as bfloat16;
 * ``demo/vit-s/val``: float32 [6, 48] (class tokens only: no picture);
 * ``demo/vit-s/writing``: never committed;
-* ``markup/enc/split``: metadata strings holding ``<script>`` (they must show as text).
+* ``markup/enc/split``: metadata strings holding ``<script>`` (they must show as text);
+* ``demo/vit-s/slides``: a bag split of ``len(BAG_IDS)`` slides (one id is ``XSS``), level-0 pixel
+  coordinates on a 256 px grid inside a blob of tissue, features that change from the blob's core
+  to its rim (so the first principal component draws rings), one empty bag.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ GRID = (16, 16)
 DIM = 48
 SAMPLES = 12
 XSS = "<script>alert('featurestore')</script>"
+BAG_IDS = ["TCGA-A1-0001", "TCGA-A1-0002", "TCGA-B2-0003", XSS, "empty-slide"]
+PATCH = 256
 
 
 def regions(sample: int, grid: tuple[int, int] = GRID) -> np.ndarray:
@@ -83,4 +88,34 @@ def make_web_store(path: str) -> str:
     w = store.create_split("markup", "enc", "split", num_samples=3, sample_shape=(4, 8), dtype="float16", metadata=meta)
     w.write(0, tokens(3, 3, grid=(2, 2), dim=8, prefix=0))
     w.commit()
+    if hasattr(store, "create_bag_split"):  # bag splits (branch bags)
+        add_bags(store)
     return path
+
+
+def slide(bag: int, dim: int = DIM) -> tuple[np.ndarray, np.ndarray]:
+    """``(features [n, dim] float32, coords [n, 2] int64)`` of one synthetic slide."""
+    rng = np.random.default_rng(50 + bag)
+    rows, cols = 30 + 6 * bag, 40 + 4 * bag
+    yy, xx = np.mgrid[0:rows, 0:cols]
+    cy, cx = rows / 2, cols / 2
+    radius = np.hypot((yy - cy) / (rows / 2), (xx - cx) / (cols / 2))
+    wobble = 0.15 * np.sin(np.arctan2(yy - cy, xx - cx) * (3 + bag))
+    inside = radius < 0.85 + wobble
+    depth = radius[inside]  # 0 at the core, ~1 at the rim
+    coords = np.stack([xx[inside], yy[inside]], axis=1).astype(np.int64) * PATCH
+    direction = np.random.default_rng(9).standard_normal(dim)
+    features = depth[:, None] * direction * 3 + rng.standard_normal((len(depth), dim)) * 0.4
+    return features.astype(np.float32), coords
+
+
+def add_bags(store: object, dataset: str = "demo", encoder: str = "vit-s", split: str = "slides") -> None:
+    w = store.create_bag_split(dataset, encoder, split, dim=DIM, dtype="float16",  # type: ignore[attr-defined]
+                               patch_size_level0=PATCH, label_dtype="int64",
+                               metadata=_metadata("builtin:vit-s14", "3f1a9c0e7d2b4a61", 0, None))
+    for i, bag_id in enumerate(BAG_IDS):
+        features, coords = slide(i)
+        if bag_id == "empty-slide":
+            features, coords = features[:0], coords[:0]
+        w.add_bag(bag_id, features, coords=coords, label=i % 2, attrs={"mpp": 0.5, "note": XSS})
+    w.commit()

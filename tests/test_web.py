@@ -24,7 +24,11 @@ from server.web.png import decode_png, encode_png  # noqa: E402
 from server.web.session import COOKIE, RedactAccessLog, safe_next, session_value  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _web_fixtures import GRID, SAMPLES, XSS, make_web_store, regions  # noqa: E402
+from _web_fixtures import BAG_IDS, GRID, SAMPLES, XSS, make_web_store, regions, slide  # noqa: E402
+
+HAS_BAGS = int(hasattr(__import__("featurestore").FeatureStore, "open_bags"))
+needs_bags = pytest.mark.skipif(not HAS_BAGS, reason="bag splits (branch bags) are not in this tree")
+SLIDES = "/ui/splits/demo/vit-s/slides"
 
 TOKEN = "s3cret-Token_for-tests"
 TRAIN = "/ui/splits/demo/vit-s/train"
@@ -55,7 +59,7 @@ def test_catalog_lists_every_split_with_its_facts(client: TestClient, store_path
         page = client.get(path)
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     text = page.text
-    assert "2 datasets \u00b7 3 encoders \u00b7 5 splits" in text
+    assert f"2 datasets \u00b7 3 encoders \u00b7 {5 + HAS_BAGS} splits" in text
     meta = featurestore.open_store(store_path).split_info("demo", "vit-s", "train")
     for fact in ("[12, 257, 48]", "float16", "bfloat16", "291.8 KiB", meta.generation, "builtin:vit-s14",
                  "3f1a9c0e7d2b", ">writing<", ">complete<", "dense", "&quot;resize&quot;: 224"):  # fmt: skip
@@ -190,6 +194,61 @@ def test_ui_can_be_turned_off(store_path: str) -> None:
     with TestClient(create_app(store_path, Settings(ui=False))) as client:
         assert client.get("/").status_code == 404 and client.get(TRAIN).status_code == 404
         assert client.get("/v1/datasets").status_code == 200
+
+
+# ---------------------------------------------------------------------- bag splits
+@needs_bags
+def test_bag_split_in_catalog_and_its_page(client: TestClient) -> None:
+    total = sum(len(slide(i)[0]) for i in range(len(BAG_IDS) - 1))
+    catalog = client.get("/").text
+    assert f'href="{SLIDES}">slides</a></td><td>bags</td><td class="num">5 bags, [{total}, 48]</td>' in catalog
+    page = client.get(SLIDES)
+    assert page.status_code == 200
+    text = page.text
+    assert "<script" not in text and "&lt;script&gt;alert(&#x27;featurestore&#x27;)&lt;/script&gt;" in text
+    hist = re.search(r'<svg class="plot hist lengths"[^>]*data-count="(\d+)"', text)
+    assert hist is not None and hist.group(1) == "5"
+    for i, bag_id in enumerate(sorted(BAG_IDS)):  # stored in id order
+        assert f'<a href="{SLIDES}?bag={i}&amp;start=0">' in text
+    assert 'src="/ui/slidemap/demo/vit-s/slides/0.png"' in text
+    assert "patch size at level 0 256" in text
+    empty = sorted(BAG_IDS).index("empty-slide")
+    assert "this bag is empty" in client.get(f"{SLIDES}?bag={empty}").text
+
+
+@needs_bags
+def test_slide_map_draws_every_patch(client: TestClient) -> None:
+    bag = sorted(BAG_IDS).index("TCGA-A1-0002")
+    features, coords = slide(1)
+    answer = client.get(f"/ui/slidemap/demo/vit-s/slides/{bag}.png")
+    assert answer.status_code == 200 and answer.headers["content-type"] == "image/png"
+    image = decode_png(answer.content)
+    assert max(image.shape[:2]) == 512
+    painted = (image != 245).any(axis=2)
+    extent = coords.max(axis=0) - coords.min(axis=0) + 256
+    cell = 512 / extent.max() * 256  # pixels per patch side
+    assert abs(painted.sum() / (len(coords) * cell * cell) - 1) < 0.15
+    # the features change from core to rim: the first component separates them
+    colours = {tuple(c) for c in image[painted].reshape(-1, 3)}
+    assert len(colours) > 20
+
+
+@needs_bags
+@pytest.mark.parametrize(("path", "status"), [
+    ("/ui/slidemap/demo/vit-s/slides/5.png", 416), ("/ui/slidemap/demo/vit-s/train/0.png", 400),
+    ("/ui/pca/demo/vit-s/slides/0.png", 400), ("/ui/slidemap/demo/vit-s/nope/0.png", 404),
+])  # fmt: skip
+def test_bag_picture_errors(client: TestClient, path: str, status: int) -> None:
+    assert client.get(path).status_code == status
+
+
+@needs_bags
+def test_big_bags_are_drawn_from_a_bounded_sample(store_path: str) -> None:
+    with TestClient(create_app(store_path, Settings(ui_max_sample_bytes=100 * (48 * 2 + 2 * 8)))) as client:
+        bag = sorted(BAG_IDS).index("TCGA-A1-0002")
+        text = client.get(f"{SLIDES}?bag={bag}").text
+        assert f"100 of {len(slide(1)[0])} patches shown" in text
+        assert client.get(f"/ui/slidemap/demo/vit-s/slides/{bag}.png").status_code == 200
 
 
 # ---------------------------------------------------------------------- sign-in

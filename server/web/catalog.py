@@ -15,11 +15,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from featurestore.errors import FeatureStoreError
 from featurestore.format import layout
-from featurestore.format.metadata import SplitMetadata, chunk_arrays
+from featurestore.format.metadata import BAGS, DENSE, SplitMetadata, chunk_arrays
 
-DENSE, BAGS = "dense", "bags"
+__all__ = ["BAGS", "DENSE", "Catalog", "SplitRow", "row_from_document"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ def storage_bytes(meta: SplitMetadata) -> tuple[int | None, str]:
     """Bytes of the split's chunk files (features, labels, statistics rows), from its geometry:
     exact for uncompressed splits (every chunk is full size plus its crc32c, the last one padded);
     for compressed ones the uncompressed size, said so in the note."""
+    if meta.is_bags:
+        return bag_storage_bytes(meta)
     chunks = meta.num_chunks
     total, note = 0, ""
     for name, _, nbytes in chunk_arrays(meta):
@@ -64,57 +68,45 @@ def storage_bytes(meta: SplitMetadata) -> tuple[int | None, str]:
     return total, note
 
 
+def bag_storage_bytes(meta: SplitMetadata) -> tuple[int | None, str]:
+    """A bag split's features and coordinates chunks (docs/FORMAT.md, "Slide bags": both chunked
+    by the same rows) plus its per-bag statistics rows and offsets; ids and attributes (strings)
+    are left out, so the figure is a floor."""
+    from featurestore.format.stats import row_length
+
+    spec = meta.bags or {}
+    count = int(spec.get("count") or 0)
+    rows, dim = meta.chunk_rows, int(meta.sample_shape[0])
+    coord_item = np.dtype(str((spec.get("coords") or {}).get("dtype") or "int64")).itemsize
+    chunk = rows * (dim * _itemsize(meta.logical_dtype) + 2 * coord_item) + 2 * layout.CRC_BYTES
+    total = meta.num_chunks * chunk + count * 8 * (row_length(dim) + 2) + (count + 1) * 8
+    note = "" if meta.compressor is None else f"uncompressed; stored with {meta.compressor}"
+    return total, ("at least; " + note if note else "at least (bag ids and attributes not counted)")
+
+
 def _itemsize(logical: str) -> int:
     from featurestore.format import dtypes
 
     return int(dtypes.storage_dtype(logical).itemsize)
 
 
-def dense_row(dataset: str, encoder: str, split: str, doc: dict[str, Any]) -> SplitRow:
+def row_from_document(dataset: str, encoder: str, split: str, doc: dict[str, Any]) -> SplitRow:
+    """The row of a split (dense or bags) from its parsed ``zarr.json``."""
     from featurestore.core.store import check_split
 
     meta = check_split(doc, layout.split_key(dataset, encoder, split))
     size, note = storage_bytes(meta)
     enc = meta.encoder if isinstance(meta.encoder, dict) else {}
+    if meta.is_bags:  # (bags, patches over all bags, dim)
+        kind, shape = BAGS, (int((meta.bags or {}).get("count") or 0), meta.num_samples, *meta.sample_shape)
+    else:
+        kind, shape = DENSE, (meta.num_samples, *meta.sample_shape)
     return SplitRow(
-        dataset, encoder, split, kind=DENSE, status=meta.status,
-        shape=(meta.num_samples, *meta.sample_shape), dtype=meta.logical_dtype,
+        dataset, encoder, split, kind=kind, status=meta.status, shape=shape, dtype=meta.logical_dtype,
         size_bytes=size, size_note=note, generation=meta.generation, cache_key=meta.cache_key,
         encoder_spec=enc.get("spec"), weights_hash=enc.get("weights_hash"),
         preprocessing=meta.preprocessing, metadata=meta.to_json(),
     )  # fmt: skip
-
-
-def bag_row(store: Any, dataset: str, encoder: str, split: str, doc: dict[str, Any]) -> SplitRow:
-    """A bag split (``store.open_bags``, branch ``bags``): shape ``(bags, patches, dim)``."""
-    meta = (doc.get("attributes") or {}).get("featurestore") or {}
-    enc = meta.get("encoder") if isinstance(meta.get("encoder"), dict) else {}
-    shape: tuple[int, ...] = ()
-    size = None
-    status = str(meta.get("status", "complete"))
-    try:
-        bags = store.open_bags(dataset, encoder, split)
-        lengths = [int(n) for n in bags.lengths]
-        dim = int(getattr(bags, "dim", 0) or (meta.get("dim") or 0))
-        shape = (len(lengths), sum(lengths), dim)
-        size = getattr(bags, "nbytes", None)
-        meta = dict(getattr(bags, "metadata", None) or meta)
-    except FeatureStoreError as error:
-        return SplitRow(dataset, encoder, split, kind=BAGS, status=status, metadata=meta, error=str(error))
-    return SplitRow(
-        dataset, encoder, split, kind=BAGS, status=status, shape=shape,
-        dtype=str(meta.get("logical_dtype", "")), size_bytes=size,
-        generation=meta.get("generation"), cache_key=meta.get("cache_key"),
-        encoder_spec=enc.get("spec"), weights_hash=enc.get("weights_hash"),
-        preprocessing=meta.get("preprocessing"), metadata=meta,
-    )  # fmt: skip
-
-
-def split_kind(store: Any, dataset: str, encoder: str, split: str) -> str:
-    """``dense`` or ``bags``: ``store.split_kind`` where the store has bag splits (branch
-    ``bags``), else every split is dense."""
-    kind = getattr(store, "split_kind", None)
-    return str(kind(dataset, encoder, split)) if kind is not None else DENSE
 
 
 class Catalog:
@@ -151,11 +143,7 @@ class Catalog:
         if cached is not None and cached[0] == raw:
             return cached[1]
         try:
-            doc = layout.load_document(raw)
-            if split_kind(self.store, *key) == BAGS:
-                row = bag_row(self.store, *key, doc)
-            else:
-                row = dense_row(*key, doc)
+            row = row_from_document(*key, layout.load_document(raw))
         except (FeatureStoreError, ValueError, TypeError, AttributeError) as error:
             row = SplitRow(*key, error=f"{type(error).__name__}: {error}")
         with self._lock:

@@ -18,11 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.format import dtypes
+from featurestore.format import dtypes, layout
+from featurestore.format.names import validate_name
 from server.errors import Busy, RequestTooLarge
 from server.state import StoreState
 from server.web import pictures
 from server.web.png import encode_png
+
+_OPEN_BAGS = 8  # bag splits kept open per worker (their index arrays)
 
 
 class PictureTooLarge(RequestTooLarge):
@@ -71,6 +74,8 @@ class Figures:
         self.max_bytes = settings.ui_max_sample_bytes
         self._slots = threading.BoundedSemaphore(settings.ui_pictures_at_once)
         self._wait_s = settings.inflight_wait_s
+        self._bags: OrderedDict[str, tuple[bytes, Any]] = OrderedDict()
+        self._bags_lock = threading.Lock()
         self.computed = 0  # pictures computed (not served from the cache): for tests and bench
 
     def _cached(self, key: tuple[Any, ...], compute: Callable[[], np.ndarray]) -> bytes:
@@ -104,7 +109,12 @@ class Figures:
         """Sample ``index`` as the RGB picture of its patch tokens' first three components."""
         from server.errors import BadRequest
 
-        entry = self.state.open_split(dataset, encoder, split)
+        from featurestore.errors import WrongSplitKind
+
+        try:
+            entry = self.state.open_split(dataset, encoder, split)
+        except WrongSplitKind as error:  # a bag split: its pictures are slide maps
+            raise BadRequest(str(error)) from None
         arr = entry.array
         layout = self.grid_of(arr.metadata, arr.sample_shape)
         if layout is None:
@@ -127,43 +137,66 @@ class Figures:
         return self._cached(key, compute)
 
     # ------------------------------------------------------------------ bags
+    def open_bags(self, dataset: str, encoder: str, split: str) -> Any:
+        """The bag split, opened once per version of its document (its index arrays, ids
+        included, are read at open: not again for every page and picture)."""
+        from featurestore.errors import WrongSplitKind
+        from server.errors import BadRequest
+
+        key = layout.split_key(validate_name(dataset, "dataset"), validate_name(encoder, "encoder"),
+                               validate_name(split, "split"))  # fmt: skip
+        try:
+            document = self.state.store.storage.read(f"{key}/{layout.ZARR_JSON}")
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            self.state.store.split_info(dataset, encoder, split)  # the precise not-found error
+            raise
+        digest = hashlib.blake2b(document, digest_size=16).digest()
+        with self._bags_lock:
+            cached = self._bags.get(key)
+        if cached is not None and cached[0] == digest:
+            return cached[1]
+        try:
+            bags = self.state.store.open_bags(dataset, encoder, split)
+        except WrongSplitKind as error:
+            raise BadRequest(str(error)) from None
+        with self._bags_lock:
+            self._bags[key] = (digest, bags)
+            while len(self._bags) > _OPEN_BAGS:
+                self._bags.popitem(last=False)
+        return bags
+
+    def bag_rows(self, bags: Any, index: int) -> np.ndarray | None:
+        """The rows of bag ``index`` a slide map reads: all (None), or, for a bag over
+        ``ui_max_sample_bytes``, that many bytes of evenly spaced rows."""
+        n = int(bags.lengths[index])
+        per_row = bags.dim * _itemsize(bags.dtype) + 2 * np.dtype(bags.coords_dtype).itemsize
+        limit = max(1, self.max_bytes // per_row)
+        if n <= limit:
+            return None
+        return np.unique(np.linspace(0, n - 1, limit).round().astype(np.int64))
+
     def slide_png(self, dataset: str, encoder: str, split: str, index: int, max_side: int = 512) -> bytes:
         """Bag ``index`` as a slide map: its patches at their coordinates, coloured by PC1."""
-        store = self.state.store
-        bags = store.open_bags(dataset, encoder, split)
-        lengths = np.asarray(bags.lengths, np.int64)
-        if not 0 <= index < len(lengths):
-            from featurestore.errors import IndexOutOfRange
-
-            raise IndexOutOfRange(f"bag {index} is out of range: {dataset}/{encoder}/{split} has {len(lengths)} bags (0..{len(lengths) - 1})")
-        dim = int(getattr(bags, "dim", 0) or 0)
-        itemsize = 4 if str(getattr(bags, "dtype", "")) == "float32" else 2
-        self._check_size(int(lengths[index]) * max(dim, 1) * itemsize, f"bag {index} of {dataset}/{encoder}/{split}")
-        document = store.storage.read(f"{dataset}/{encoder}/{split}/zarr.json")
-        key = ("slide", dataset, encoder, split, hashlib.blake2b(document, digest_size=16).digest(), int(index), max_side)
+        bags = self.open_bags(dataset, encoder, split)
+        i = bags.position(int(index))  # IndexOutOfRange (416) outside the split
+        rows = self.bag_rows(bags, i)
+        key = ("slide", bags.key, bags.metadata.get("generation"), bags.metadata.get("completed"), i, max_side)
 
         def compute() -> np.ndarray:
-            features, coords = bags.read_numpy(index)
-            features = np.asarray(features)
-            if features.dtype == np.uint16:  # bfloat16 bits
-                features = dtypes.stored_as_float32(features, "bfloat16")
-            if len(features) == 0:
+            features, coords = bags.read_numpy(i, rows)
+            coords = np.asarray(coords, np.float64)
+            # rows written without coordinates hold -1 (NaN for float coordinates)
+            placed = np.isfinite(coords).all(axis=1) & (coords >= 0).all(axis=1)
+            if not placed.any():
                 return pictures.slide_map(np.zeros((0, 2)), np.zeros(0), max_side=max_side)
-            components = pictures.fit_components(features, 1)
-            values = components.unit(components.project(features))[:, 0]
-            return pictures.slide_map(np.asarray(coords), values, patch=_patch_size(bags, index), max_side=max_side)
+            sample = dtypes.stored_as_float32(features[placed], bags.dtype)
+            components = pictures.fit_components(sample, 1)
+            values = components.unit(components.project(sample))[:, 0]
+            patch = bags.patch_size_level0 if bags.coords_unit == "px" else None
+            return pictures.slide_map(coords[placed], values, patch=patch, max_side=max_side)
 
         return self._cached(key, compute)
 
 
-def _patch_size(bags: Any, index: int) -> int | None:
-    """The patch side at level 0, where the bag split records it (attrs), else None (inferred)."""
-    attrs_of = getattr(bags, "attrs", None)
-    try:
-        attrs = attrs_of(index) if callable(attrs_of) else None
-    except Exception:  # noqa: BLE001 - attributes are optional; the map infers the step
-        attrs = None
-    for name in ("patch_size_level0", "patch_size"):
-        if isinstance(attrs, dict) and isinstance(attrs.get(name), (int, float)) and attrs[name] > 0:
-            return int(attrs[name])
-    return None
+def _itemsize(logical: str) -> int:
+    return int(dtypes.storage_dtype(logical).itemsize)

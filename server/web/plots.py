@@ -36,6 +36,8 @@ def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
 
 
 def _label(value: float) -> str:
+    if value and abs(value) >= 1000 and float(value).is_integer():
+        return f"{value:,.0f}"
     return f"{value:.3g}" if value else "0"
 
 
@@ -107,7 +109,7 @@ def histogram(values: Sequence[int] | np.ndarray, title: str, x_label: str, bins
         hi = lo + 1
     # whole numbers (lengths): never more bins than distinct values could fill
     counts, edges = np.histogram(v, bins=max(1, min(bins, int(hi - lo) + 1)), range=(lo, hi))
-    ticks = nice_ticks(0.0, float(counts.max()))
+    ticks = nice_ticks(0.0, float(max(counts.max(), 4)))  # whole counts: at least 0..4
     data = f'data-count="{len(v)}"'
     frame, sx, sy, x0, base = _frame(title, (lo, hi), ticks, x_label, f"hist {cls}", data)
     parts = [frame]

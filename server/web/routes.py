@@ -140,14 +140,24 @@ def _dense_pictures(web: Web, row: SplitRow, sample: int) -> Html:
 
 
 def _bags(web: Web, row: SplitRow, chosen: int, start: int) -> Html:
-    bags = web.state.store.open_bags(*row.key)
+    bags = web.figures.open_bags(*row.key)
     ids = [str(i) for i in bags.ids]
     lengths = np.asarray(bags.lengths, np.int64)
-    labels = getattr(bags, "labels", None)
-    labels = None if labels is None else list(labels)
+    labels = None if bags.labels is None else [v.item() for v in bags.labels]
     start = min(start, max(len(ids) - 1, 0))
-    src = "/ui/slidemap/" + "/".join(row.key) + f"/{chosen}.png" if 0 <= chosen < len(ids) and lengths[chosen] else None
-    return views.bag_section(row, ids, lengths, labels, chosen, src, start, BAGS_PER_PAGE)
+    src, note = None, ""
+    if 0 <= chosen < len(ids):
+        if lengths[chosen]:
+            src = "/ui/slidemap/" + "/".join(row.key) + f"/{chosen}.png"
+            rows = web.figures.bag_rows(bags, chosen)
+            if rows is not None:
+                note = (f"{len(rows)} of {lengths[chosen]} patches shown, evenly spaced "
+                        "(FEATURESTORE_UI_MAX_SAMPLE_BYTES caps what one picture reads)")
+        else:
+            note = "this bag is empty (no patches)"
+    unit = bags.coords_unit or "no unit"
+    return views.bag_section(row, ids, lengths, labels, chosen, src, start, BAGS_PER_PAGE,
+                             note=note, coords=f"{unit}, patch size at level 0 {bags.patch_size_level0}")
 
 
 # ---------------------------------------------------------------------- pictures

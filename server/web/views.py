@@ -51,6 +51,12 @@ def _status(status: str) -> Html:
     return h('<span class="badge {}">{}</span>', "ok" if status == "complete" else "warn", status)
 
 
+def _catalog_shape(row: SplitRow) -> str:
+    if row.kind == BAGS and len(row.shape) == 3:
+        return f"{row.shape[0]} bags, [{row.shape[1]}, {row.shape[2]}]"
+    return _shape(row.shape)
+
+
 def _kind(row: SplitRow) -> str:
     if row.kind == BAGS and len(row.shape) == 3:
         return f"bags ({row.shape[0]} bags, {row.shape[1]} patches, dim {row.shape[2]})"
@@ -93,11 +99,11 @@ def _catalog_table(rows: Sequence[SplitRow]) -> Html:
             '<tr><td><a href="{}">{}</a></td><td>{}</td><td class="num">{}</td><td>{}</td>'
             '<td class="num" title="{}">{}</td><td>{}</td><td>{}</td><td>{}</td><td class="wrap">{}</td>'
             '<td>{}</td><td class="pre" title="{}">{}</td></tr>',
-            split_href(r), r.split, _kind(r), _shape(r.shape), r.dtype, r.size_note, size_text(r.size_bytes),
+            split_href(r), r.split, r.kind, _catalog_shape(r), r.dtype, r.size_note, size_text(r.size_bytes),
             _status(r.status), _short(r.generation, 13), _short(r.cache_key), r.encoder_spec or "",
             _short(r.weights_hash), compact_json(r.preprocessing, 2000) if pre else "", pre,
         ))  # fmt: skip
-    return h('<table class="catalog">{}<tbody>{}</tbody></table>', head, join(body))
+    return h('<div class="scroll"><table class="catalog">{}<tbody>{}</tbody></table></div>', head, join(body))
 
 
 # ---------------------------------------------------------------------- one split
@@ -233,22 +239,28 @@ _KNOWN = frozenset({
     "format", "format_version", "status", "dataset", "encoder_name", "split", "num_samples", "sample_shape",
     "logical_dtype", "source_dtype", "chunk_rows", "compressor", "labels", "ids", "encoder", "preprocessing",
     "token_layout", "cache_key", "quantization", "channel_stats", "creator", "created", "completed", "generation",
+    "kind", "bags",
 })  # fmt: skip
 
 
 # ---------------------------------------------------------------------- bags
 def bag_section(row: SplitRow, ids: Sequence[str], lengths: np.ndarray, labels: Sequence[Any] | None,
-                chosen: int, map_src: str | None, start: int, per_page: int) -> Html:
+                chosen: int, map_src: str | None, start: int, per_page: int, *, note: str = "",
+                coords: str = "") -> Html:
     parts = [h("<section><h2>Bags</h2>{}", plots.histogram(lengths, f"patches per bag ({len(lengths)} bags)",
                                                          "patches in a bag", cls="lengths"))]
     if len(lengths):
-        parts.append(h('<p class="muted">median {} \u00b7 min {} \u00b7 max {} patches</p>',
-                       int(np.median(lengths)), int(lengths.min()), int(lengths.max())))
-    if map_src is not None and 0 <= chosen < len(ids):
-        parts.append(h('<h3>slide map of bag <code>{}</code></h3><figure><a href="{}"><img src="{}" alt="slide map of bag {}" '
-                       'class="map"></a><figcaption>patches at their level-0 coordinates, coloured by the '
-                       "first principal component of their features (viridis, 1st..99th percentile)"
-                       "</figcaption></figure>", ids[chosen], map_src, map_src, ids[chosen]))
+        parts.append(h('<p class="muted">median {} \u00b7 min {} \u00b7 max {} patches \u00b7 coordinates: {}</p>',
+                       int(np.median(lengths)), int(lengths.min()), int(lengths.max()), coords))
+    if 0 <= chosen < len(ids):
+        parts.append(h("<h3>slide map of bag <code>{}</code> ({} patches)</h3>", ids[chosen], int(lengths[chosen])))
+        if map_src is not None:
+            parts.append(h('<figure><a href="{}"><img src="{}" alt="slide map of bag {}" class="map"></a>'
+                           "<figcaption>patches at their coordinates, coloured by the first principal "
+                           "component of their features (viridis, 1st..99th percentile). {}</figcaption></figure>",
+                           map_src, map_src, chosen, note))
+        elif note:
+            parts.append(h('<p class="muted">{}</p>', note))
     rows = []
     stop = min(len(ids), start + per_page)
     for i in range(start, stop):
