@@ -53,7 +53,7 @@ class BearerAuthMiddleware:
         if page and scope.get("method") == "GET" and b"token=" in scope.get("query_string", b""):
             await self._sign_in_from_query(scope, receive, send)
             return
-        if path in OPEN_PATHS or (page and session.is_open(path)) or self._authorized(scope):
+        if path in OPEN_PATHS or (self._pages and session.is_open(path)) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         if page:

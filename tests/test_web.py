@@ -111,6 +111,7 @@ def test_pages_send_a_strict_content_security_policy(client: TestClient) -> None
     css = client.get("/ui/static/style.css")
     assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
     assert client.get("/ui/static/favicon.svg").headers["content-type"] == "image/svg+xml"
+    assert client.get("/favicon.ico").content == client.get("/ui/static/favicon.svg").content
     assert client.get("/ui/static/..%2Fviews.py").status_code == 404
     assert client.get("/ui/static/nope.js").status_code == 404
 
@@ -284,6 +285,7 @@ def test_pages_ask_for_the_token_and_never_echo_it(secured: TestClient) -> None:
 def test_sign_in_form(secured: TestClient) -> None:
     assert secured.get("/ui/login").status_code == 200  # open, as are its stylesheet and icon
     assert secured.get("/ui/static/style.css").status_code == 200
+    assert secured.get("/favicon.ico").status_code == 200
     wrong = secured.post("/ui/login", data={"token": "nope", "next": TRAIN})
     assert wrong.status_code == 401 and "wrong token" in wrong.text
     right = secured.post("/ui/login", data={"token": TOKEN, "next": TRAIN}, follow_redirects=False)

@@ -176,6 +176,11 @@ def slide_png(request: Request, dataset: Name, encoder: Name, split: Name, index
 
 
 # ---------------------------------------------------------------------- static, sign-in
+@router.get(session.FAVICON)
+def favicon(request: Request) -> Response:
+    return static(request, "favicon.svg")
+
+
 @router.get("/ui/static/{name}")
 def static(request: Request, name: str) -> Response:
     media = STATIC_TYPES.get(name)

@@ -28,6 +28,7 @@ COOKIE = "featurestore_session"
 LOGIN = "/ui/login"
 LOGOUT = "/ui/logout"
 STATIC_PREFIX = "/ui/static/"
+FAVICON = "/favicon.ico"
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 _CONTEXT = b"featurestore-ui-session-v1"
 
@@ -42,8 +43,9 @@ def is_page(path: str) -> bool:
 
 
 def is_open(path: str) -> bool:
-    """Paths served without a token: the sign-in form and the stylesheet and icon it uses."""
-    return path in (LOGIN, LOGOUT) or path.startswith(STATIC_PREFIX)
+    """Paths served without a token: the sign-in form and the stylesheet and icon it uses (also
+    as ``/favicon.ico``, which browsers ask for by themselves, e.g. beside a picture)."""
+    return path in (LOGIN, LOGOUT, FAVICON) or path.startswith(STATIC_PREFIX)
 
 
 def cookie_from(headers: list[tuple[bytes, bytes]] | tuple[tuple[bytes, bytes], ...]) -> bytes | None:
