@@ -366,3 +366,19 @@ def test_picture_cache_is_bounded() -> None:
     assert cache.nbytes <= 100 and cache.get((9,)) is not None and cache.get((0,)) is None
     cache.put(("big",), bytes(101))
     assert cache.get(("big",)) is None
+
+
+def test_static_files_ship_in_the_wheel() -> None:
+    """Every file the page serves is matched by pyproject's package-data (else an installed
+    server answers 500 for its own stylesheet)."""
+    import fnmatch
+    from pathlib import Path
+
+    from server.web.routes import STATIC_TYPES
+
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["server.web"]
+    for name in STATIC_TYPES:
+        assert (root / "server" / "web" / "static" / name).is_file()
+        assert any(fnmatch.fnmatch(f"static/{name}", p) for p in patterns), name

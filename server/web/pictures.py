@@ -17,7 +17,7 @@ import numpy as np
 
 FIT_ROWS = 4096
 _OVERSAMPLE = 5
-_ITERATIONS = 4
+_ITERATIONS = 2
 # Blocks of rows converted to float32 at a time when projecting a large bag: memory stays at the
 # stored rows plus one block.
 _BLOCK_ROWS = 8192
