@@ -51,8 +51,10 @@ class BearerAuthMiddleware:
         path = scope["path"]
         page = self._pages and session.is_page(path)
         if page and scope.get("method") == "GET" and b"token=" in scope.get("query_string", b""):
-            await self._sign_in_from_query(scope, receive, send)
-            return
+            token, rest = session.split_token(scope["query_string"])
+            if token is not None:
+                await self._sign_in_from_query(scope, token, rest, send, receive)
+                return
         if path in OPEN_PATHS or (self._pages and session.is_open(path)) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
@@ -68,8 +70,7 @@ class BearerAuthMiddleware:
             )
         await response(scope, receive, send)
 
-    async def _sign_in_from_query(self, scope: Scope, receive: Receive, send: Send) -> None:
-        token, rest = session.split_token(scope.get("query_string", b""))
+    async def _sign_in_from_query(self, scope: Scope, token: str, rest: str, send: Send, receive: Receive) -> None:
         if session.matches(token, self._expected):
             target = scope["path"] + (f"?{rest}" if rest else "")
             response = RedirectResponse(target, status_code=303, headers=PAGE_HEADERS)

@@ -244,6 +244,21 @@ def test_bag_picture_errors(client: TestClient, path: str, status: int) -> None:
 
 
 @needs_bags
+def test_unfinished_bag_split_has_a_page(tmp_path: object) -> None:
+    import featurestore
+
+    path = make_web_store(str(tmp_path) + "/store")  # type: ignore[operator]
+    w = featurestore.open_store(path, mode="a").create_bag_split("demo", "vit-s", "wip", dim=48)
+    w.add_bag("a", np.zeros((3, 48), np.float32), coords=np.zeros((3, 2), np.int64))
+    w.close()
+    with TestClient(create_app(path, Settings())) as client:
+        assert 'href="/ui/splits/demo/vit-s/wip"' in client.get("/").text
+        page = client.get("/ui/splits/demo/vit-s/wip")
+        assert page.status_code == 200 and "status writing: the bags are listed once the split is committed" in page.text
+        assert client.get("/ui/slidemap/demo/vit-s/wip/0.png").status_code == 409
+
+
+@needs_bags
 def test_big_bags_are_drawn_from_a_bounded_sample(store_path: str) -> None:
     with TestClient(create_app(store_path, Settings(ui_max_sample_bytes=100 * (48 * 2 + 2 * 8)))) as client:
         bag = sorted(BAG_IDS).index("TCGA-A1-0002")
@@ -257,6 +272,8 @@ def test_pages_ask_for_the_token_and_never_echo_it(secured: TestClient) -> None:
     page = secured.get(TRAIN + "?sample=2")
     assert page.status_code == 401 and 'name="token"' in page.text and 'value="/ui/splits/demo/vit-s/train?sample=2"' in page.text
     assert secured.get("/ui/pca/demo/vit-s/train/0.png").status_code == 401
+    assert secured.get(TRAIN + "?not_a_token=1").status_code == 401  # the form, not "wrong token"
+    assert "wrong token" not in secured.get(TRAIN + "?not_a_token=1").text
     wrong = secured.get(TRAIN + "?token=guess", follow_redirects=False)
     assert wrong.status_code == 401 and "wrong token" in wrong.text and "guess" not in wrong.text
     right = secured.get(TRAIN + "?sample=2&token=" + TOKEN, follow_redirects=False)

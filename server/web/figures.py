@@ -20,7 +20,8 @@ import numpy as np
 
 from featurestore.format import dtypes, layout
 from featurestore.format.names import validate_name
-from server.errors import Busy, RequestTooLarge
+from featurestore.errors import WrongSplitKind
+from server.errors import BadRequest, Busy, RequestTooLarge
 from server.state import StoreState
 from server.web import pictures
 from server.web.png import encode_png
@@ -107,10 +108,6 @@ class Figures:
 
     def pca_png(self, dataset: str, encoder: str, split: str, index: int, max_side: int = 384) -> bytes:
         """Sample ``index`` as the RGB picture of its patch tokens' first three components."""
-        from server.errors import BadRequest
-
-        from featurestore.errors import WrongSplitKind
-
         try:
             entry = self.state.open_split(dataset, encoder, split)
         except WrongSplitKind as error:  # a bag split: its pictures are slide maps
@@ -140,9 +137,6 @@ class Figures:
     def open_bags(self, dataset: str, encoder: str, split: str) -> Any:
         """The bag split, opened once per version of its document (its index arrays, ids
         included, are read at open: not again for every page and picture)."""
-        from featurestore.errors import WrongSplitKind
-        from server.errors import BadRequest
-
         key = layout.split_key(validate_name(dataset, "dataset"), validate_name(encoder, "encoder"),
                                validate_name(split, "split"))  # fmt: skip
         try:

@@ -9,7 +9,7 @@ block the event loop). A domain error on a page is answered as an HTML page with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Annotated
 from urllib.parse import parse_qsl
@@ -21,12 +21,12 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from featurestore.errors import FeatureStoreError
 from featurestore.format import wire
 from featurestore.format.names import NAME_PATTERN, validate_name
-from server.errors import relative_to_store, status_for
+from server.errors import NotFound, relative_to_store, status_for
 from server.state import StoreState
 from server.web import session, views
 from server.web.catalog import BAGS, Catalog, SplitRow
 from server.web.figures import Figures
-from server.web.markup import Html
+from server.web.markup import Html, h
 from server.web.png import MEDIA_TYPE
 from server.web.security import PAGE_HEADERS
 
@@ -86,11 +86,7 @@ def catalog(request: Request) -> HTMLResponse:
 
 
 def _cleaned(web: Web, row: SplitRow) -> SplitRow:
-    if row.error is None:
-        return row
-    from dataclasses import replace
-
-    return replace(row, error=_clean(web, row.error))
+    return row if row.error is None else replace(row, error=_clean(web, row.error))
 
 
 # ---------------------------------------------------------------------- one split
@@ -140,6 +136,9 @@ def _dense_pictures(web: Web, row: SplitRow, sample: int) -> Html:
 
 
 def _bags(web: Web, row: SplitRow, chosen: int, start: int) -> Html:
+    if row.status != "complete":  # its bags are not laid out until commit
+        return h('<section><h2>Bags</h2><p class="muted">status {}: the bags are listed once the '
+                       "split is committed</p></section>", row.status)
     bags = web.figures.open_bags(*row.key)
     ids = [str(i) for i in bags.ids]
     lengths = np.asarray(bags.lengths, np.int64)
@@ -185,8 +184,6 @@ def favicon(request: Request) -> Response:
 def static(request: Request, name: str) -> Response:
     media = STATIC_TYPES.get(name)
     if media is None:  # a fixed list: no path from the request ever reaches the file system
-        from server.errors import NotFound
-
         raise NotFound(f"no static file {name[:100]!r}")
     files = web_of(request).static
     if name not in files:

@@ -13,7 +13,7 @@ import numpy as np
 
 from server.web import plots
 from server.web.catalog import BAGS, SplitRow
-from server.web.markup import Html, compact_json, esc, figure, h, join, page, size_text
+from server.web.markup import Html, compact_json, figure, h, join, page, size_text
 
 QUANTIZATION_ROWS = (
     ("values", "values measured", "d"),
