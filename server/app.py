@@ -25,6 +25,7 @@ from server.responses import ABORT_KEY, transport_abort
 from server.settings import Settings
 from server.state import StoreState
 from server.web import routes as web_routes
+from server.web.blas import limit_blas_threads
 
 
 class FeatureStoreApp(FastAPI):
@@ -87,5 +88,8 @@ def create_app(store_url: str | None = None, settings: Settings | None = None) -
 
 
 def app_from_env() -> FastAPI:
-    """Factory for ``uvicorn server.app:app_from_env --factory`` (settings from the env)."""
-    return create_app()
+    """Factory for ``uvicorn server.app:app_from_env --factory`` (settings from the env): a
+    server process of its own, so it also sets its BLAS threads (``server/web/blas.py``)."""
+    settings = Settings()
+    limit_blas_threads(settings.ui_blas_threads)
+    return create_app(settings=settings)

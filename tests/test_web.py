@@ -335,8 +335,8 @@ def test_png_decodes_with_pillow() -> None:
 
 def test_components_match_an_exact_svd() -> None:
     rng = np.random.default_rng(0)
-    scales = np.array([9.0, 5.0, 3.0] + [0.5] * 509)
-    x = (rng.standard_normal((2000, 512)) * scales) @ np.linalg.qr(rng.standard_normal((512, 512)))[0]
+    scales = np.array([9.0, 5.0, 3.0] + [0.5] * 253)
+    x = (rng.standard_normal((1200, 256)) * scales) @ np.linalg.qr(rng.standard_normal((256, 256)))[0]
     fitted = pictures.fit_components(x.astype(np.float32), 3)
     exact = np.linalg.svd(x - x.mean(axis=0), full_matrices=False)[2][:3]
     assert np.abs((fitted.axes * exact).sum(axis=1)).min() > 0.999
@@ -344,7 +344,7 @@ def test_components_match_an_exact_svd() -> None:
     assert (again.axes == fitted.axes).all()  # deterministic, signs included
     # fits use at most FIT_ROWS rows
     big = np.repeat(x[:10], pictures.FIT_ROWS, axis=0).astype(np.float32)
-    assert pictures.fit_components(big, 1).axes.shape == (1, 512)
+    assert pictures.fit_components(big, 1).axes.shape == (1, 256)
 
 
 def test_token_grid_rules() -> None:
@@ -399,3 +399,19 @@ def test_static_files_ship_in_the_wheel() -> None:
     for name in STATIC_TYPES:
         assert (root / "server" / "web" / "static" / name).is_file()
         assert any(fnmatch.fnmatch(f"static/{name}", p) for p in patterns), name
+
+
+def test_serve_runs_blas_on_one_thread(tmp_path: object) -> None:
+    """``featurestore serve`` (a process of its own) limits numpy's BLAS; create_app does not."""
+    import subprocess
+
+    pytest.importorskip("threadpoolctl")
+    code = ("import numpy, threadpoolctl\n"
+            "from server.app import create_app, app_from_env\n"
+            "threads = lambda: [c.num_threads for c in threadpoolctl.ThreadpoolController().select(user_api='blas').lib_controllers]\n"
+            "before = threads(); create_app(); middle = threads(); app_from_env(); print(before, middle, threads())")
+    path = make_web_store(str(tmp_path) + "/store")  # type: ignore[operator]
+    env = {**os.environ, "FEATURESTORE_STORE": path, "OPENBLAS_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[2]", "[2]", "[1]"]

@@ -82,9 +82,13 @@ def run(args: argparse.Namespace) -> int:
     # Build the app once here, so a wrong URL or setting is one clear error line and exit 1,
     # not a traceback per worker.
     from server.app import create_app
+    from server.settings import Settings
+    from server.web.blas import limit_blas_threads
 
     with store_errors(args.url):
-        app = create_app()
+        settings = Settings()
+        limit_blas_threads(settings.ui_blas_threads)  # this process's BLAS (the page's pictures)
+        app = create_app(settings=settings)
     common = dict(
         host=args.host,
         port=args.port,
