@@ -28,7 +28,9 @@ def register(subparsers: Any) -> None:
         "key space and /metrics. Settings also come from FEATURESTORE_* environment variables "
         "(FEATURESTORE_TOKEN, FEATURESTORE_MAX_RESPONSE_BYTES, FEATURESTORE_STORAGE_OPTIONS, and the "
         "resource caps FEATURESTORE_MAX_REQUEST_BYTES, FEATURESTORE_MAX_INDICES, "
-        "FEATURESTORE_MAX_INFLIGHT_BYTES; all listed in docs/SERVER.md).",
+        "FEATURESTORE_MAX_INFLIGHT_BYTES; all listed in docs/SERVER.md). A browser gets a web page at "
+        "/ (catalog, precision report, feature pictures; with a token, open /?token=... once or "
+        "sign in with the form; FEATURESTORE_UI=false turns it off).",
     )
     parser.add_argument("url", help="store path or fsspec URL (s3://bucket/prefix, ...)")
     parser.add_argument("--host", default="127.0.0.1",

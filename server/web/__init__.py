@@ -15,4 +15,5 @@ no external request (the stylesheet and icon ship in ``static/``), no torch.
 | ``png`` | PNG encoding with zlib |
 | ``session`` | browser sign-in: ``?token=`` or the form, then an HttpOnly cookie |
 | ``security`` | the pages' response headers (CSP and friends) |
+| ``blas`` | numpy's BLAS threads of a server process, set once at start-up |
 """
