@@ -69,6 +69,9 @@ def test_catalog_lists_every_split_with_its_facts(client: TestClient, store_path
         assert client.get(link).status_code == 200
     # the page never names where the store lives
     assert store_path not in text
+    # rows are cached for every split: without the per-channel statistics (the bulk of a document)
+    row = client.app.state.web.catalog.row("demo", "vit-s", "train")  # type: ignore[attr-defined]
+    assert "channel_stats" not in row.metadata and row.metadata["generation"] == meta.generation
 
 
 def test_split_page_shows_precision_channels_and_pictures(client: TestClient, store_path: str) -> None:

@@ -101,16 +101,20 @@ def row_from_document(dataset: str, encoder: str, split: str, doc: dict[str, Any
         kind, shape = BAGS, (int((meta.bags or {}).get("count") or 0), meta.num_samples, *meta.sample_shape)
     else:
         kind, shape = DENSE, (meta.num_samples, *meta.sample_shape)
+    # The row is cached for every split of the store: it keeps the metadata without the per-channel
+    # mean and std (two lists of `dim` floats, the bulk of the document); a split's page reads them.
+    light = {k: v for k, v in meta.to_json().items() if k != "channel_stats"}
     return SplitRow(
         dataset, encoder, split, kind=kind, status=meta.status, shape=shape, dtype=meta.logical_dtype,
         size_bytes=size, size_note=note, generation=meta.generation, cache_key=meta.cache_key,
         encoder_spec=enc.get("spec"), weights_hash=enc.get("weights_hash"),
-        preprocessing=meta.preprocessing, metadata=meta.to_json(),
+        preprocessing=meta.preprocessing, metadata=light,
     )  # fmt: skip
 
 
 class Catalog:
-    """Rows of every split of one store, each re-parsed only when its document changed."""
+    """Rows of every split of one store, each re-parsed only when its document changed (a row
+    holds no per-channel statistics: :meth:`channel_stats` reads them for one split's page)."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
@@ -149,3 +153,7 @@ class Catalog:
         with self._lock:
             self._rows[key] = (raw, row)
         return row
+
+    def channel_stats(self, dataset: str, encoder: str, split: str) -> Any:
+        """The split's ``channel_stats`` (per-channel mean and std), read now."""
+        return self.store.split_info(dataset, encoder, split).channel_stats

@@ -104,9 +104,10 @@ def split_page(request: Request, dataset: Name, encoder: Name, split: Name,
         else:
             extra = Html(f"<section><h2>Pictures</h2>{_dense_pictures(web, row, sample)}</section>")
             json_href = wire.SPLIT.format(dataset=dataset, encoder=encoder, split=split)
+        stats = None if row.error else web.catalog.channel_stats(*key)
     except FeatureStoreError as error:
         return _error_page(web, error)
-    return _html(views.split_page(row, extra, json_href))
+    return _html(views.split_page(row, extra, json_href, stats))
 
 
 def _picture(web: Web, row: SplitRow, sample: int) -> views.Picture:

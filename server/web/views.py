@@ -216,7 +216,7 @@ def pictures(row: SplitRow, sample: int, shown: Sequence[Picture]) -> Html:
     return h('{}{}<div class="gallery">{}</div>', form, note, join(figures))
 
 
-def split_page(row: SplitRow, body_extra: Html, json_href: str) -> Html:
+def split_page(row: SplitRow, body_extra: Html, json_href: str, channel_stats: Any = None) -> Html:
     crumbs = [(row.dataset, f"/#ds-{row.dataset}"), (row.encoder, None), (row.split, None)]
     parts = [h('<h1>{} <span class="muted">/ {} / {}</span></h1>', row.dataset, row.encoder, row.split)]
     if row.error:
@@ -227,7 +227,7 @@ def split_page(row: SplitRow, body_extra: Html, json_href: str) -> Html:
         h('<div class="cols"><section><h2>Overview</h2>{}<p><a href="{}">metadata as JSON</a></p></section>'
           "<section><h2>Precision</h2>{}</section></div>", overview(row), json_href, quantization(m.get("quantization"))),
         body_extra,
-        h("<section><h2>Channels</h2>{}</section>", channels(m.get("channel_stats"))),
+        h("<section><h2>Channels</h2>{}</section>", channels(channel_stats)),
     ]
     extra = {k: v for k, v in m.items() if k not in _KNOWN}
     if extra:
