@@ -175,7 +175,7 @@ def channels(stats: Any) -> Html:
         return h('<p class="muted">No per-channel statistics recorded.</p>')
     mean = np.asarray(stats.get("mean") or [], np.float64)
     std = np.asarray(stats.get("std") or [], np.float64)
-    parts = [h('<p class="muted">{} values per channel, over the stored values of every sample and token.</p>',
+    parts = [h('<p class="muted">{} values per channel: every stored token of every sample (every patch of every bag).</p>',
                f"{stats.get('count', '?'):,}" if isinstance(stats.get("count"), int) else stats.get("count", "?")),
              plots.channel_plot(mean, f"mean per channel ({len(mean)} channels)", "mean")]
     if len(std):
