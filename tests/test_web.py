@@ -83,6 +83,8 @@ def test_split_page_shows_precision_channels_and_pictures(client: TestClient, st
     assert "float32</code> \u2192 <code>float16" in text
     assert format(q["max_rel_error"], ".3g") in text and format(q["rel_rms_error"], ".3g") in text
     assert meta.cache_key in text and meta.generation in text
+    assert client.get("/v1/features/demo/vit-s/train").json()["generation"] == meta.generation  # its JSON link
+    assert '<a href="/v1/features/demo/vit-s/train">metadata as JSON</a>' in text
     # per-channel mean and std as inline SVG, one point per channel (48 < plots.MAX_POINTS)
     svgs = re.findall(r'<svg class="plot (\w+)"[^>]*data-channels="(\d+)"', text)
     assert svgs == [("mean", "48"), ("std", "48")]
@@ -215,6 +217,8 @@ def test_bag_split_in_catalog_and_its_page(client: TestClient) -> None:
     for i, bag_id in enumerate(sorted(BAG_IDS)):  # stored in id order
         assert f'<a href="{SLIDES}?bag={i}&amp;start=0">' in text
     assert 'src="/ui/slidemap/demo/vit-s/slides/0.png"' in text
+    json_link = re.search(r'<a href="([^"]+)">metadata as JSON</a>', text)
+    assert json_link is not None and client.get(json_link.group(1)).status_code == 200
     assert "patch size at level 0 256" in text
     empty = sorted(BAG_IDS).index("empty-slide")
     assert "this bag is empty" in client.get(f"{SLIDES}?bag={empty}").text

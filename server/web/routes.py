@@ -100,7 +100,7 @@ def split_page(request: Request, dataset: Name, encoder: Name, split: Name,
         row = _cleaned(web, web.catalog.row(*key))
         if row.kind == BAGS:
             extra = _bags(web, row, bag, start)
-            json_href = f"/v1/bags/{'/'.join(key)}"
+            json_href = _bags_json_href(request, key)
         else:
             extra = Html(f"<section><h2>Pictures</h2>{_dense_pictures(web, row, sample)}</section>")
             json_href = wire.SPLIT.format(dataset=dataset, encoder=encoder, split=split)
@@ -108,6 +108,14 @@ def split_page(request: Request, dataset: Name, encoder: Name, split: Name,
     except FeatureStoreError as error:
         return _error_page(web, error)
     return _html(views.split_page(row, extra, json_href, stats))
+
+
+def _bags_json_href(request: Request, key: tuple[str, str, str]) -> str:
+    """The bag listing route where the server has it (SPEC: ``GET /v1/bags/...``), else the
+    split's own document through the raw Zarr routes."""
+    if any(getattr(r, "path", "").startswith("/v1/bags/") for r in request.app.routes):
+        return "/v1/bags/" + "/".join(key)
+    return "/zarr/" + "/".join(key) + "/zarr.json"
 
 
 def _picture(web: Web, row: SplitRow, sample: int) -> views.Picture:
