@@ -196,6 +196,19 @@ def test_picture_reads_are_capped(store_path: str) -> None:
         assert answer.status_code == 413 and "FEATURESTORE_UI_MAX_SAMPLE_BYTES" in answer.json()["detail"]
 
 
+def test_pictures_at_once_are_capped(store_path: str) -> None:
+    with TestClient(create_app(store_path, Settings(ui_pictures_at_once=1, inflight_wait_s=0))) as client:
+        slots = client.app.state.web.figures._slots  # type: ignore[attr-defined]
+        assert slots.acquire(timeout=1)  # one picture in flight
+        try:
+            busy = client.get("/ui/pca/demo/vit-s/train/2.png")
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+            assert "FEATURESTORE_UI_PICTURES_AT_ONCE" in busy.json()["detail"]
+        finally:
+            slots.release()
+        assert client.get("/ui/pca/demo/vit-s/train/2.png").status_code == 200
+
+
 def test_ui_can_be_turned_off(store_path: str) -> None:
     with TestClient(create_app(store_path, Settings(ui=False))) as client:
         assert client.get("/").status_code == 404 and client.get(TRAIN).status_code == 404
