@@ -147,7 +147,7 @@ def _dense_pictures(web: Web, row: SplitRow, sample: int) -> Html:
 def _bags(web: Web, row: SplitRow, chosen: int, start: int) -> Html:
     if row.status != "complete":  # its bags are not laid out until commit
         return h('<section><h2>Bags</h2><p class="muted">status {}: the bags are listed once the '
-                       "split is committed</p></section>", row.status)
+                 "split is committed</p></section>", row.status)
     bags = web.figures.open_bags(*row.key)
     ids = [str(i) for i in bags.ids]
     lengths = np.asarray(bags.lengths, np.int64)
