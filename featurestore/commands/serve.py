@@ -28,7 +28,9 @@ def register(subparsers: Any) -> None:
         "key space and /metrics. Settings also come from FEATURESTORE_* environment variables "
         "(FEATURESTORE_TOKEN, FEATURESTORE_MAX_RESPONSE_BYTES, FEATURESTORE_STORAGE_OPTIONS, and the "
         "resource caps FEATURESTORE_MAX_REQUEST_BYTES, FEATURESTORE_MAX_INDICES, "
-        "FEATURESTORE_MAX_INFLIGHT_BYTES; all listed in docs/SERVER.md).",
+        "FEATURESTORE_MAX_INFLIGHT_BYTES; all listed in docs/SERVER.md). A browser gets a web page at "
+        "/ (catalog, precision report, feature pictures; with a token, open /?token=... once or "
+        "sign in with the form; FEATURESTORE_UI=false turns it off).",
     )
     parser.add_argument("url", help="store path or fsspec URL (s3://bucket/prefix, ...)")
     parser.add_argument("--host", default="127.0.0.1",
@@ -83,9 +85,13 @@ def run(args: argparse.Namespace) -> int:
     # Build the app once here, so a wrong URL or setting is one clear error line and exit 1,
     # not a traceback per worker.
     from server.app import create_app
+    from server.settings import Settings
+    from server.web.blas import limit_blas_threads
 
     with store_errors(args.url):
-        app = create_app()
+        settings = Settings()
+        limit_blas_threads(settings.ui_blas_threads)  # this process's BLAS (the page's pictures)
+        app = create_app(settings=settings)
     common = dict(
         host=args.host,
         port=args.port,
