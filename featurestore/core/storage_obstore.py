@@ -153,11 +153,14 @@ class ObjectStorage(Storage):
         return out
 
     def read_whole(self, key: str, size: int, part_bytes: int) -> list[Any]:
-        """One ranged GET of ``[0, size + 1)`` (a longer object shows its extra byte), or
-        concurrent parts of ``part_bytes`` for a large value (the chunk cache's fetch)."""
+        """One plain GET (whole objects are what object stores serve best), or concurrent ranged
+        parts of ``part_bytes`` for a larger value, the last one asking for a byte past ``size``
+        (a longer object shows it): the chunk cache's fetch."""
         if _forked():
             return self._forked_backend().read_whole(key, size, part_bytes)
-        count = max(1, -(-size // part_bytes))
+        if size <= part_bytes:
+            return run(self._read_many([key]))
+        count = -(-size // part_bytes)
         bounds = [size * i // count for i in range(count)] + [size + 1]
         return run(self._read_parts(key, bounds))
 
