@@ -370,3 +370,21 @@ def test_cache_flags_join_the_storage_options(monkeypatch: pytest.MonkeyPatch) -
     args = parser.parse_args(["--cache-dir", "/c", "--cache-bytes", "5G"])
     assert options_from_args(args) == {"endpoint_url": "http://127.0.0.1:1", "cache_dir": "/c", "cache_bytes": "5G"}
     assert options_from_args(parser.parse_args([])) == {"endpoint_url": "http://127.0.0.1:1"}
+
+
+def test_forked_workers_read_through_the_cache(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    """A DataLoader worker forked after the parent used the cache (obstore is not fork-safe: the
+    child fetches through fsspec) gets the right rows and fills the same cache."""
+    import torch
+
+    from client import FeatureDataset
+
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    ds = FeatureDataset(seaweed_url, "ds", "enc", "train", storage_options={**options, "cache_dir": str(tmp_path)})
+    ds.array.read_numpy([0])  # the parent used obstore and the cache before the fork
+    loader = torch.utils.data.DataLoader(ds, batch_size=25, shuffle=False, num_workers=2,
+                                         multiprocessing_context="fork")
+    got = torch.cat([features for features, _ in loader]).numpy()
+    assert np.array_equal(got, values)
+    assert len([p for p in _chunk_files(tmp_path) if f"{os.sep}features{os.sep}" in p]) == -(-N // CHUNK_ROWS)

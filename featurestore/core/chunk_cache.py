@@ -311,6 +311,20 @@ _shared: dict[tuple[str, int | None], ChunkCache] = {}
 _shared_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    # A forked child (a DataLoader worker) keeps the caches but none of the parent's threads,
+    # downloads in flight or held locks.
+    global _shared_lock
+    _shared_lock = threading.Lock()
+    for cache in _shared.values():
+        cache._lock = threading.Lock()
+        cache._inflight, cache._executor, cache._side, cache._pending = {}, None, None, 0
+        cache._pid = cache._side_pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def shared(directory: str, max_bytes: int | None) -> ChunkCache:
     """The process's one :class:`ChunkCache` for ``directory`` (every store opened with it shares
     its fetch threads, its downloads in flight and its loaders' plans)."""
