@@ -173,3 +173,7 @@ class StoreUnreachable(FeatureStoreError, OSError):
 
 class MissingDependency(FeatureStoreError, ImportError):
     """An optional dependency (an extra in pyproject.toml) is not installed."""
+
+
+class EmptyBag(FeatureStoreError, ValueError):
+    """A bag without patches where one is needed (``BagLoader(skip_empty=False)``)."""
