@@ -114,9 +114,7 @@ class BagTransfer:
     # ------------------------------------------------------------------ producer side (threads)
     def produce(self, batch: tuple[int, np.ndarray], staging: dict[str, np.ndarray]) -> Any:
         epoch, index = batch
-        bags = self.ds.bags  # this process's reader: give it the loader's read threads
-        if hasattr(bags, "read_pool") and bags.read_pool is not self.read_pool:
-            bags.read_pool = self.read_pool
+        self.ds.use_read_pool(self.read_pool)  # this process's reader: the loader's read threads
         rows, counts, longest = self.layout(epoch, index)
         if self.cuda:
             return self._produce_cuda(index, rows, counts, longest)

@@ -90,8 +90,9 @@ class BagDataset(torch.utils.data.Dataset):
         self.torch_dtype = dtypes.torch_dtype(self.dtype)
         self.coords_dtype = np.dtype(getattr(bags, "coords_dtype", "int64"))
         self.metadata: dict[str, Any] = dict(getattr(bags, "metadata", {}) or {})
-        self.coords_unit = (self.metadata.get("bags") or {}).get("coords", {}).get("unit", "px")
-        self.read_path: str = "http" if _is_http(self.source) else str(getattr(bags, "path", "local"))
+        self.coords_unit: str | None = getattr(bags, "coords_unit", "px")
+        # "mmap" / "ranges" / "zarr" for store readers (that of the features array), "http" for a server.
+        self.read_path: str = "http" if _is_http(self.source) else str(getattr(bags.features, "path", "ranges"))
 
     # ------------------------------------------------------------------ opening
     @property
@@ -155,7 +156,15 @@ class BagDataset(torch.utils.data.Dataset):
         """Bag ``index``'s ``rows`` (None: all) into the preallocated C-contiguous ``features``
         ``[len(rows), D]`` (storage dtype) and ``coords`` ``[len(rows), 2]``: the loaders' hot
         path, no allocation of the bag."""
-        self.bags.read_numpy(int(index), rows=rows, out=(features, coords))
+        _, stored = self.bags.read_numpy(int(index), rows=rows, out=features)
+        coords[...] = stored
+
+    def use_read_pool(self, pool: Any) -> None:
+        """Give this process's reader the loader's read threads (local stores; a no-op elsewhere)."""
+        bags = self.bags
+        for array in (getattr(bags, "features", None), getattr(bags, "coords", None)):
+            if array is not None and hasattr(array, "read_pool") and array.read_pool is not pool:
+                array.read_pool = pool
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         index = self._check_index(index)
@@ -203,7 +212,7 @@ class HttpBags:
         return len(self.ids)
 
     def read_numpy(self, index: int, rows: np.ndarray | None = None,
-                   out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                   out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         features, coords = self.client.read_bag(self.dataset, self.encoder, self.split, int(index))
         features = _numpy_bits(features)
         coords = np.asarray(coords.numpy() if hasattr(coords, "numpy") else coords)
@@ -211,9 +220,8 @@ class HttpBags:
             features, coords = features[rows], coords[rows]
         if out is None:
             return features, coords
-        out[0][...] = features
-        out[1][...] = coords
-        return out
+        out[...] = features
+        return out, coords
 
 
 def _field(listing: Any, name: str, default: Any = KeyError) -> Any:
