@@ -3,8 +3,8 @@
 ``ds[i] -> (features [n, D], coords [n, 2], label)``, one slide per item, drop-in for
 ``torch.utils.data.DataLoader(ds, batch_size=1, num_workers=4)`` (CLAM's and most MIL code's
 loop). The source is a local path, any fsspec URL or an ``http(s)://`` featurestore server; over
-HTTP the bag reader is :class:`HttpBags`, which answers the same calls as the store's bag reader,
-so the loader has one read path.
+HTTP the bag reader is ``FeatureClient.open_bags(...)`` (``client.http``), which answers the same
+calls as the store's bag reader, so the loader has one read path.
 
 ``max_patches=P`` draws, per bag and epoch, a uniform subset of P patches (all of them when the
 bag has no more) from ``SeedSequence([seed, epoch, ..., bag])`` (:func:`client.bag_sampling.subset_rows`):
@@ -107,7 +107,7 @@ class BagDataset(torch.utils.data.Dataset):
         if _is_http(self.source):
             from client.http import FeatureClient
 
-            return HttpBags(FeatureClient(self.source, token=self.token), self.dataset, self.encoder, self.split)
+            return FeatureClient(self.source, token=self.token).open_bags(self.dataset, self.encoder, self.split)
         import featurestore
 
         store = featurestore.open_store(self.source, mode="r", **self.storage_options)
@@ -188,54 +188,3 @@ class BagDataset(torch.utils.data.Dataset):
             raise IndexOutOfRange(f"bag index {index} is out of range for a split of {self.num_bags} bags: use "
                                   f"0 <= index < {self.num_bags} (or a negative index down to -{self.num_bags})")
         return index + self.num_bags if index < 0 else index
-
-
-class HttpBags:
-    """A bag split read from a featurestore server, with the store bag reader's interface
-    (``ids``, ``lengths``, ``labels``, ``dim``, ``dtype``, ``read_numpy(i, rows=, out=)``)."""
-
-    def __init__(self, client: Any, dataset: str, encoder: str, split: str) -> None:
-        self.client = client
-        self.dataset, self.encoder, self.split = dataset, encoder, split
-        listing = client.bags(dataset, encoder, split)
-        self.listing = listing
-        self.ids = list(_field(listing, "ids"))
-        self.lengths = np.asarray(_field(listing, "lengths"), dtype=np.int64)
-        labels = _field(listing, "labels", None)
-        self.labels = None if labels is None else np.asarray(labels)
-        self.dim = int(_field(listing, "dim"))
-        self.dtype = str(_field(listing, "dtype"))
-        self.coords_dtype = str(_field(listing, "coords_dtype", "int64"))
-        self.metadata = dict(_field(listing, "metadata", {}) or {})
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def read_numpy(self, index: int, rows: np.ndarray | None = None,
-                   out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        features, coords = self.client.read_bag(self.dataset, self.encoder, self.split, int(index))
-        features = _numpy_bits(features)
-        coords = np.asarray(coords.numpy() if hasattr(coords, "numpy") else coords)
-        if rows is not None:
-            features, coords = features[rows], coords[rows]
-        if out is None:
-            return features, coords
-        out[...] = features
-        return out, coords
-
-
-def _field(listing: Any, name: str, default: Any = KeyError) -> Any:
-    value = listing.get(name, default) if isinstance(listing, dict) else getattr(listing, name, default)
-    if value is KeyError:
-        raise InvalidOption(f"the server's bag listing has no {name!r}: is it an older featurestore?")
-    return value
-
-
-def _numpy_bits(features: Any) -> np.ndarray:
-    """A tensor or array of features as numpy at the storage width (bfloat16 as uint16 bits)."""
-    if isinstance(features, torch.Tensor):
-        if features.dtype == torch.bfloat16:
-            return features.view(torch.uint16).numpy() if hasattr(torch, "uint16") else \
-                features.view(torch.int16).numpy().view(np.uint16)
-        return features.numpy()
-    return np.asarray(features)
