@@ -139,16 +139,59 @@ def epoch_figures(store: str, dataset: str, encoder: str, split: str, *, pt_dir:
 
     Returns ``{"warm": {...}, "cold": {...}, "padded": {...}}``: per run the best seconds, GB/s
     of stored bytes, and the ratios the targets name (``loader_vs_reader``, ``loader_vs_clam``,
-    ``padded_vs_reader``). ``pt_dir`` holds ``<bag id>.pt`` per bag (float32 features)."""
+    ``padded_vs_reader``). ``pt_dir`` holds ``<bag id>.pt`` per bag (float32 features). Warm runs
+    share this process (page cache filled first); each cold run is a fresh subprocess that evicts
+    the files first (a process that has mapped them keeps their pages resident)."""
+    from client import BagDataset
+
+    ds = BagDataset(store, dataset, encoder, split)
+    spec = {"store": store, "dataset": dataset, "encoder": encoder, "split": split, "pt_dir": pt_dir,
+            "workers": workers, "seed": seed}
+    runs, order, paths = _runs(spec)
+    nbytes = int(ds.lengths.sum()) * ds.row_nbytes
+    split_dir = os.path.join(store, dataset, encoder, split)
+    out: dict[str, Any] = {"epoch_bytes": nbytes, "bags": len(order)}
+    for mode in ("warm", "cold") if cold else ("warm",):
+        if mode == "warm":
+            drop_into(split_dir)
+            for path in paths:
+                drop_into(path)
+            for name in runs:  # warm-up: maps, buffers, worker imports
+                runs[name]()
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(max(1, repeats)):  # interleaved, so drift hits every run alike
+            for name in runs:
+                times[name].append(_timed(runs[name]) if mode == "warm" else _cold_child(spec, name))
+        best = {name: min(values) for name, values in times.items()}
+        figures: dict[str, Any] = {f"{name}_s": best[name] for name in runs}
+        figures.update({f"{name}_gbps": nbytes / best[name] / 1e9 for name in runs})
+        figures["loader_vs_reader"] = best["reader"] / best["loader"]
+        figures["times_s"] = times
+        if "clam" in best:
+            figures["loader_vs_clam"] = best["clam"] / best["loader_f32"]
+        out[mode] = figures
+    out["padded"] = _padded(ds, batch_size=batch_size, max_patches=max_patches, seed=seed, repeats=repeats,
+                            threads=min(workers, 2))
+    return out
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _runs(spec: dict[str, Any]) -> tuple[dict[str, Any], list[int], list[str]]:
+    """The epochs compared, as callables, the shuffled bag order and CLAM's ``.pt`` paths."""
+    import warnings
+
     import torch
 
     from client import BagDataset, BagLoader
 
-    ds = BagDataset(store, dataset, encoder, split)
-    bags = ds.bags
+    ds = BagDataset(spec["store"], spec["dataset"], spec["encoder"], spec["split"])
+    bags, workers, seed = ds.bags, spec["workers"], spec["seed"]
     order = [int(b[0]) for b in BagLoader(ds, batch_size=1, seed=seed, device="cpu").plan()]
-    nbytes = int(ds.lengths.sum()) * ds.row_nbytes
-    split_dir = os.path.join(store, dataset, encoder, split)
     loader_stored = BagLoader(ds, batch_size=1, seed=seed, device="cpu", dtype=None, prefetch=workers,
                               num_threads=workers)
     loader_f32 = BagLoader(ds, batch_size=1, seed=seed, device="cpu", dtype=torch.float32, prefetch=workers,
@@ -166,48 +209,35 @@ def epoch_figures(store: str, dataset: str, encoder: str, split: str, *, pt_dir:
 
     runs: dict[str, Any] = {"reader": reader, "loader": loader(loader_stored), "loader_f32": loader(loader_f32)}
     paths: list[str] = []
-    if pt_dir:
-        paths = [os.path.join(pt_dir, f"{bag_id}.pt") for bag_id in ds.ids]
+    if spec["pt_dir"]:
+        paths = [os.path.join(spec["pt_dir"], f"{bag_id}.pt") for bag_id in ds.ids]
         clam_ds = ClamDataset([paths[i] for i in order], np.zeros(len(order), np.int64))
 
         def clam() -> None:
-            for _ in torch.utils.data.DataLoader(clam_ds, batch_size=1, num_workers=workers, shuffle=False,
-                                                 collate_fn=_collate_mil):
-                pass
+            with warnings.catch_warnings():  # "more workers than cores" on small hosts: CLAM's default
+                warnings.simplefilter("ignore")
+                for _ in torch.utils.data.DataLoader(clam_ds, batch_size=1, num_workers=workers, shuffle=False,
+                                                     collate_fn=_collate_mil):
+                    pass
         runs["clam"] = clam
+    return runs, order, paths
 
-    def timed(name: str, evicted: bool) -> float:
-        if evicted:
-            evict(split_dir)
-            for path in paths:
-                evict(path)
-        start = time.perf_counter()
-        runs[name]()
-        return time.perf_counter() - start
 
-    out: dict[str, Any] = {"epoch_bytes": nbytes, "bags": len(order)}
-    for mode in ("warm", "cold") if cold else ("warm",):
-        if mode == "warm":
-            drop_into(split_dir)
-            for path in paths:
-                drop_into(path)
-            for name in runs:  # warm-up: maps, buffers, worker imports
-                runs[name]()
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        for _ in range(max(1, repeats)):  # interleaved, so drift hits every run alike
-            for name in runs:
-                times[name].append(timed(name, mode == "cold"))
-        best = {name: min(values) for name, values in times.items()}
-        figures: dict[str, Any] = {f"{name}_s": best[name] for name in runs}
-        figures.update({f"{name}_gbps": nbytes / best[name] / 1e9 for name in runs})
-        figures["loader_vs_reader"] = best["reader"] / best["loader"]
-        figures["times_s"] = times
-        if "clam" in best:
-            figures["loader_vs_clam"] = best["clam"] / best["loader_f32"]
-        out[mode] = figures
-    out["padded"] = _padded(ds, batch_size=batch_size, max_patches=max_patches, seed=seed, repeats=repeats,
-                            threads=min(workers, 2))
-    return out
+def _cold_child(spec: dict[str, Any], name: str) -> float:
+    proc = subprocess.run([sys.executable, "-m", "featurestore.bench.bag_loader", "_cold", json.dumps(spec), name],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"cold {name} child failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return float(json.loads(proc.stdout.strip().splitlines()[-1])["seconds"])
+
+
+def _cold_epoch(spec: dict[str, Any], name: str) -> dict[str, Any]:
+    """One epoch of ``name`` in a fresh process, the split (and CLAM's files) evicted first."""
+    runs, _, paths = _runs(spec)
+    evict(os.path.join(spec["store"], spec["dataset"], spec["encoder"], spec["split"]))
+    for path in paths:
+        evict(path)
+    return {"seconds": _timed(runs[name])}
 
 
 def _padded(ds: Any, *, batch_size: int, max_patches: int, seed: int, repeats: int, threads: int) -> dict[str, Any]:
@@ -325,7 +355,10 @@ def _print_and_save(results: dict[str, Any], path: str | None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    """Entry of the RSS subprocesses (``python -m featurestore.bench.bag_loader _epoch STORE SPLIT PREFETCH``)."""
+    """Entry of the subprocesses: ``_epoch STORE SPLIT PREFETCH`` (RSS), ``_cold SPEC METHOD`` (a cold epoch)."""
+    if argv[:1] == ["_cold"]:
+        print(json.dumps(_cold_epoch(json.loads(argv[1]), argv[2])))
+        return 0
     mode, store, split, prefetch = argv[:4]
     if mode != "_epoch":
         raise SystemExit(f"unknown mode {mode!r}: this entry point is for featurestore bench bag-loader's subprocesses")
