@@ -51,7 +51,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--workers", type=int, default=4, help="CLAM DataLoader workers = loader read-ahead threads")
     parser.add_argument("--batch-size", type=int, default=8, help="padded run's batch size")
     parser.add_argument("--max-patches", type=int, default=4096, help="padded run's max_patches")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved epochs per figure; best kept")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved epochs per figure; best kept")
     parser.add_argument("--skip-cold", action="store_true", help="warm figures only")
     parser.add_argument("--skip-rss", action="store_true", help="skip the B vs 4B subprocesses")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
