@@ -278,3 +278,113 @@ def test_records_round_trip() -> None:
     record = bag_format.BagRecord("../x", 5, 3, 1, "{}", np.arange(4, dtype=np.float64))
     filled, [back] = bag_format.decode_records(bag_format.encode_records([record], 8).tobytes())
     assert filled == 8 and back.bag_id == "../x" and back.start == 5 and np.array_equal(back.stats, record.stats)
+
+
+def test_verify_clean_and_damaged(tmp_path: Any) -> None:
+    from featurestore.core.verify import verify_store
+
+    write(tmp_path, make_bags(), dtype="bfloat16")
+    store = open_store(str(tmp_path))
+    [check] = verify_store(store).checks
+    assert check.problems == [] and check.chunks_checked > 10
+    top = tmp_path / "ds" / "enc" / "train"
+    # two features chunks of different bags swapped: each crc32c still valid, the bags' means differ
+    a, b = top / "features" / "c" / "0" / "0", top / "features" / "c" / "7" / "0"
+    raw_a, raw_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(raw_b)
+    b.write_bytes(raw_a)
+    [check] = verify_store(store).checks
+    assert any("do not match its statistics row" in p for p in check.problems)
+    a.write_bytes(raw_a)
+    b.write_bytes(raw_b)
+    # a flipped byte in coords, and offsets that disagree with the features
+    coords = top / "coords" / "c" / "0" / "0"
+    raw = bytearray(coords.read_bytes())
+    raw[3] ^= 1
+    coords.write_bytes(bytes(raw))
+    [check] = verify_store(store).checks
+    assert any("coords/c/0/0: crc32c mismatch" in p for p in check.problems)
+
+
+def test_ls_info_verify_cli(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from featurestore.cli import main
+
+    write(tmp_path, make_bags())
+    assert main(["ls", str(tmp_path)]) == 0
+    assert "7 bags, 97x8" in capsys.readouterr().out
+    assert main(["info", str(tmp_path), "ds", "enc", "train"]) == 0
+    out = capsys.readouterr().out
+    assert "bags: 7" in out and "patches: 97" in out and "dim: 8" in out
+    assert main(["verify", str(tmp_path)]) == 0
+    assert "ds/enc/train: ok" in capsys.readouterr().out
+
+
+def test_same_id_from_two_writers_is_kept_once(tmp_path: Any) -> None:
+    store = open_store(str(tmp_path), mode="a")
+    first = store.create_bag_split("ds", "enc", "train", dim=DIM)
+    second = store.create_bag_split("ds", "enc", "train", dim=DIM, resume=True)  # attached before either closed
+    first.add_bag("dup", np.ones((2, DIM), np.float32))
+    second.add_bag("dup", np.full((3, DIM), 2, np.float32))
+    second.add_bag("other", np.zeros((1, DIM), np.float32))
+    first.close()
+    second.close()
+    meta = store.create_bag_split("ds", "enc", "train", dim=DIM, resume=True).commit()
+    bags = store.open_bags("ds", "enc", "train")
+    assert bags.ids == ["dup", "other"] and meta["bags"]["count"] == 2
+    segments = sorted([first.segment, second.segment])
+    kept = 2 if segments[0] == first.segment else 3  # the first segment by name wins
+    assert len(bags.read_numpy("dup")[0]) == kept
+
+
+def test_cache_key_and_settings_are_checked_on_resume(tmp_path: Any) -> None:
+    from featurestore.errors import CacheKeyMismatch, SplitSettingsMismatch
+
+    store = open_store(str(tmp_path), mode="a")
+    store.create_bag_split("ds", "enc", "train", dim=DIM, metadata={"cache_key": "a"}).close()
+    with pytest.raises(CacheKeyMismatch):
+        store.create_bag_split("ds", "enc", "train", dim=DIM, metadata={"cache_key": "b"}, resume=True)
+    with pytest.raises(SplitSettingsMismatch):
+        store.create_bag_split("ds", "enc", "train", dim=DIM, coords_unit="um", resume=True)
+    with pytest.raises(ShapeMismatch):
+        store.create_bag_split("ds", "enc", "train", dim=DIM + 1, resume=True)
+
+
+def test_reader_pickles_for_dataloader_workers(tmp_path: Any) -> None:
+    import pickle
+
+    data = make_bags()
+    write(tmp_path, data)
+    bags = pickle.loads(pickle.dumps(open_store(str(tmp_path)).open_bags("ds", "enc", "train")))
+    bag_id = sorted(data)[1]
+    np.testing.assert_array_equal(bags.read_numpy(bag_id)[0], data[bag_id][0].astype(np.float16))
+
+
+def test_complete_split_resumed_takes_no_new_bags(tmp_path: Any) -> None:
+    write(tmp_path, make_bags())
+    store = open_store(str(tmp_path), mode="a")
+    writer = store.create_bag_split("ds", "enc", "train", dim=DIM, chunk_bytes=10 * DIM * 2, resume=True)
+    assert writer.done_ids == set(make_bags())
+    with pytest.raises(SplitExists, match="overwrite"):
+        writer.add_bag("new", np.zeros((1, DIM), np.float32))
+    assert writer.commit()["status"] == "complete"
+
+
+def test_labels_every_bag_or_none(tmp_path: Any) -> None:
+    from featurestore.errors import InvalidLabels
+
+    store = open_store(str(tmp_path), mode="a")
+    declared = store.create_bag_split("ds", "enc", "declared", dim=DIM, label_dtype="uint8")
+    with pytest.raises(InvalidLabels, match="no label"):
+        declared.add_bag("a", np.zeros((1, DIM), np.float32))
+    from featurestore.errors import DtypeMismatch
+
+    with pytest.raises(DtypeMismatch):
+        declared.add_bag("a", np.zeros((1, DIM), np.float32), label=300)
+    declared.add_bag("a", np.zeros((1, DIM), np.float32), label=3)
+    assert declared.commit()["bags"]["labels"] == {"dtype": "uint8"}
+    inferred = store.create_bag_split("ds", "enc", "inferred", dim=DIM)
+    inferred.add_bag("a", np.zeros((1, DIM), np.float32), label=0.5)
+    with pytest.raises(InvalidLabels, match="no label"):
+        inferred.add_bag("b", np.zeros((1, DIM), np.float32))
+    inferred.commit()
+    assert store.open_bags("ds", "enc", "inferred").labels.dtype == np.float64
