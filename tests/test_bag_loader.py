@@ -293,3 +293,35 @@ def test_cuda_batches_equal_cpu_batches(bag_store: str) -> None:
     for a, b in zip(cpu, gpu):
         assert all(y.device.type == "cuda" for y in b)
         assert all(torch.equal(x, y.cpu()) for x, y in zip(a, b))
+
+
+# --------------------------------------------------------------------------------------- HTTP
+
+
+@pytest.fixture(scope="module")
+def bag_server(bag_store: str) -> Any:
+    """``featurestore serve`` (uvicorn subprocess on a free loopback port) over the bag store."""
+    from featurestore.bench.http import serve_subprocess
+
+    with serve_subprocess(bag_store) as (url, _):
+        yield url
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_http_source_gives_the_local_bags_and_batches(bag_store: str, bag_server: str, dtype: str) -> None:
+    local = BagDataset(bag_store, "cohort", f"enc-{dtype}", "all", max_patches=20, seed=1)
+    remote = BagDataset(bag_server, "cohort", f"enc-{dtype}", "all", max_patches=20, seed=1)
+    assert remote.ids == local.ids and np.array_equal(remote.lengths, local.lengths)
+    assert np.array_equal(remote.labels, local.labels) and remote.read_path == "http"
+    for i in range(len(local)):
+        assert all(torch.equal(a, b) for a, b in zip(local[i], remote[i]))
+    options: dict[str, Any] = dict(batch_size=3, seed=6, device="cpu", max_patches=25, bucket=True)
+    a, b = quiet(BagLoader(local, **options), 2), quiet(BagLoader(remote, **options), 2)
+    assert len(a) == len(b) == len(BagLoader(local, **options))
+    for x, y in zip(a, b):
+        assert all(torch.equal(p, q) for p, q in zip(x, y))
+    # A bag larger than a read piece, over HTTP: several requests, the same rows.
+    piece = 4 * remote.row_nbytes / 2**20
+    whole = quiet(BagLoader(local, batch_size=1, seed=3, device="cpu"))
+    pieces = quiet(BagLoader(remote, batch_size=1, seed=3, device="cpu", piece_mib=piece))
+    assert all(torch.equal(p, q) for x, y in zip(whole, pieces) for p, q in zip(x, y))

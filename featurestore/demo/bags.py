@@ -31,7 +31,7 @@ class BagPlan:
 
 # A few seconds on 2 cores either way: the probe's cost is slides x patches x epochs x seeds.
 BAG_SIZES = {
-    "small": BagPlan(train=32, val=16, dim=32, patches=(20, 120), epochs=4),
+    "small": BagPlan(train=32, val=16, dim=32, patches=(20, 120), epochs=8),
     "default": BagPlan(train=64, val=32, dim=64, patches=(40, 400), epochs=6),
 }
 
