@@ -39,7 +39,7 @@ from featurestore.errors import (
 )
 from featurestore.format import bags, dtypes, layout
 from featurestore.format.metadata import SplitMetadata
-from featurestore.format.stats import SOURCE_CODES, ChunkStats, RowStats, fold_rows
+from featurestore.format.stats import SOURCE_CODES, RowStats, fold_rows
 
 
 class BagWriter:
@@ -127,8 +127,9 @@ class BagWriter:
             self._coords[self._fill : self._fill + take] = coord_rows[done : done + take]
             self._fill += take
             done += take
-        self._pending.append(bags.BagRecord(bag_id, start, count, value, attributes, _stats_row(stats)))
+        self._pending.append(bags.BagRecord(bag_id, start, count, value, attributes, stats.to_row()))
         self._added.add(bag_id)
+        self._labelled = value is not None
 
     def close(self) -> None:
         """Put the partial last chunk and its record, and wait for every put of this session.
@@ -193,7 +194,6 @@ class BagWriter:
                                     "label= with every bag (or with none, and no label_dtype)")
             raise InvalidLabels(f"bag {bag_id!r} has a label, but the bags before it have none: give every "
                                 "bag of a split a label, or none")
-        self._labelled = label is not None
         if label is None:
             return None
         value = dtypes.as_numpy(label)
@@ -235,6 +235,3 @@ class BagWriter:
             self._closed = True
             raise
 
-
-def _stats_row(stats: ChunkStats) -> np.ndarray:
-    return stats.to_row()
