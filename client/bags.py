@@ -26,6 +26,7 @@ import torch
 
 from client import bag_sampling
 from client.dataset import NO_LABEL, _is_http
+from featurestore.core.protocol import BagReader
 from featurestore.errors import IndexOutOfRange, InvalidIndices, InvalidOption
 from featurestore.format import dtypes
 from featurestore.format.redact import redact_url
@@ -96,14 +97,15 @@ class BagDataset(torch.utils.data.Dataset):
 
     # ------------------------------------------------------------------ opening
     @property
-    def bags(self) -> Any:
-        """The split's bag reader, opened in this process on first use."""
+    def bags(self) -> BagReader:
+        """The split's bag reader (:class:`featurestore.core.protocol.BagReader`: the store's, or
+        the server's through ``FeatureClient.open_bags``), opened in this process on first use."""
         if self._bags is None or self._pid != os.getpid():
             self._bags = self._open()
             self._pid = os.getpid()
         return self._bags
 
-    def _open(self) -> Any:
+    def _open(self) -> BagReader:
         if _is_http(self.source):
             from client.http import FeatureClient
 
