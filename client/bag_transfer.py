@@ -49,6 +49,22 @@ class Piece(NamedTuple):
     rows: np.ndarray | None  # the bag's stored rows to read; None: the whole bag
 
 
+def fills(pieces: Iterator[Piece], piece_rows: int) -> Iterator[list[Piece]]:
+    """Consecutive pieces grouped into slot fills of at most ``piece_rows`` rows (a piece is never
+    longer than that): several small bags share one fill, a long bag's pieces fill one each."""
+    take: list[Piece] = []
+    filled = 0
+    for piece in pieces:
+        rows = piece.stop - piece.start
+        if take and filled + rows > piece_rows:
+            yield take
+            take, filled = [], 0
+        take.append(piece)
+        filled += rows
+    if take:
+        yield take
+
+
 class BagTransfer:
     """Reads one batch of bags and hands it over on the target device (see the module doc)."""
 
@@ -156,17 +172,11 @@ class BagTransfer:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             raw = torch.zeros((b, longest, row_bytes), dtype=torch.uint8, device=self.device)  # padding: zeros
             raw_coords = torch.zeros((b, longest, coord_bytes), dtype=torch.uint8, device=self.device)
-        pieces = list(self.pieces(rows, counts))
-        k = 0
-        while k < len(pieces):
+        for take in fills(self.pieces(rows, counts), self.piece_rows):
+            filled = sum(piece.stop - piece.start for piece in take)
             slot = self.slots.get()  # never blocks for long: one more slot than threads
             try:
                 slot.wait_copied()  # the copy out of this slot's last fill must be done first
-                take, filled = [], 0
-                while k < len(pieces) and (not take or filled + pieces[k].stop - pieces[k].start <= self.piece_rows):
-                    take.append(pieces[k])
-                    filled += pieces[k].stop - pieces[k].start
-                    k += 1
                 slot.reserve(filled * row_bytes, filled * coord_bytes)
                 host_f = slot.features[: filled * row_bytes].numpy().view(ds.numpy_dtype).reshape(filled, dim)
                 host_c = slot.labels[: filled * coord_bytes].numpy().view(ds.coords_dtype).reshape(filled, 2)

@@ -17,6 +17,7 @@ import torch
 
 from client import BagDataset, BagLoader
 from client import bag_sampling
+from client.bag_transfer import BagTransfer as BagTransferForTest
 from featurestore import open_store
 from featurestore.errors import EmptyBag, IndexOutOfRange, InvalidIndices, InvalidOption
 
@@ -221,6 +222,25 @@ def test_large_bags_stream_through_small_pieces(bag_store: str) -> None:
         assert len(whole) == len(pieces)
         for a, b in zip(whole, pieces):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_pieces_and_slot_fills_cover_every_row_once() -> None:
+    # The CUDA path's plan, checked without a GPU: pieces of at most piece_rows rows, bag by bag,
+    # grouped into slot fills that never exceed piece_rows, every yielded row exactly once.
+    from client.bag_transfer import fills
+
+    rows: list[np.ndarray | None] = [None, np.array([1, 4, 9, 12, 30]), None, None]
+    counts = np.array([23, 5, 2, 0])
+    transfer = object.__new__(BagTransferForTest)
+    transfer.piece_rows = 8
+    pieces = list(transfer.pieces(rows, counts))
+    assert all(p.stop - p.start <= 8 for p in pieces)
+    assert np.array_equal(pieces[1].rows, np.arange(8, 16))  # part of a whole bag: its row range
+    assert [(p.slot, p.start, p.stop) for p in pieces] == [(0, 0, 8), (0, 8, 16), (0, 16, 23), (1, 0, 5), (2, 0, 2)]
+    assert np.array_equal(pieces[3].rows, rows[1]) and pieces[4].rows is None  # a whole short bag: rows=None
+    groups = list(fills(iter(pieces), 8))
+    assert [[(p.slot, p.start) for p in g] for g in groups] == [[(0, 0)], [(0, 8)], [(0, 16)], [(1, 0), (2, 0)]]
+    assert all(sum(p.stop - p.start for p in g) <= 8 for g in groups)
 
 
 def test_state_dict_resume_yields_exactly_the_remaining_bags(bag_store: str) -> None:
