@@ -134,3 +134,15 @@ def test_padding_does_not_change_a_bag_result() -> None:
         with_pad, padded_attention = model(padded, mask)
     assert torch.allclose(alone, with_pad, atol=1e-6)
     assert float(padded_attention[0, 7:].sum()) == 0.0 and torch.allclose(padded_attention[0, :7], attention[0])
+
+
+@pytest.mark.filterwarnings("ignore:1 empty bag")
+def test_over_http_the_probe_trains_the_same_head(store: str) -> None:
+    from featurestore.bench.http import serve_subprocess
+
+    options = dict(train_split="train", eval_split="val", seeds=[0], epochs=2, batch_size=2, max_patches=30,
+                   device="cpu")
+    local = run_mil_probe(store, "cohort", ENCODERS["float16"], **options)
+    with serve_subprocess(store) as (url, _):
+        remote = run_mil_probe(url, "cohort", ENCODERS["float16"], **options)
+    assert remote["runs"] == local["runs"] and remote["source"] == url
