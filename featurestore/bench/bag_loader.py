@@ -15,8 +15,9 @@ writes them: one float32 ``pt_files/<id>.pt`` per slide), side by side in one ru
 3. peak anonymous RSS of a float32 epoch over B and over 4B bags (the same length mix repeated),
    each in a fresh subprocess: the loader's memory must not grow with the number of bags.
 
-:func:`epoch_figures` measures 1-2 on any existing bag split (and ``.pt`` directory), so the
-``bench bags`` verb can add these rows to its report without building its own cohort.
+:func:`epoch_figures` measures 1-2 on any existing bag split (and ``.pt`` directory of
+``<bag id>.pt`` files), so the ``bench bags`` verb can add these rows to its report without
+building its own cohort; :func:`throughput_rows` turns either result into report panels.
 """
 
 from __future__ import annotations
@@ -323,6 +324,28 @@ def _child_epoch(store: str, split: str, prefetch: int) -> dict[str, Any]:
     sampler.join()
     return {"bags": len(ds), "store_bytes": int(ds.lengths.sum()) * ds.row_nbytes, "epoch_s": seconds,
             "baseline_anon": baseline, "peak_anon": peak[0], "largest_bag_f32_bytes": int(ds.lengths.max()) * ds.dim * 4}
+
+
+# ---------------------------------------------------------------------- report rows
+def throughput_rows(results: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+    """Panels for ``bench all``'s report (the shape of ``featurestore.bench.summary``'s rows):
+    per title, ``(method, GB/s of stored bytes)`` pairs, featurestore first. Takes the result of
+    :func:`run` or the ``{"warm", "cold", "padded"}`` of :func:`epoch_figures`."""
+    panels: dict[str, list[tuple[str, float]]] = {}
+    for mode in ("warm", "cold"):
+        f = results.get(mode)
+        if f:
+            rows = [("BagLoader", f["loader_gbps"]), ("bare reader", f["reader_gbps"]),
+                    ("BagLoader -> f32", f["loader_f32_gbps"])]
+            if "clam_gbps" in f:
+                rows.append(("CLAM torch.load .pt", f["clam_gbps"]))
+            panels[f"bag loader, batch 1, {mode}, GB/s"] = rows
+    p = results.get("padded")
+    if p:
+        nbytes = p["loader_gbps"] * p["loader_s"]
+        panels[f"bag loader, batch {p['batch_size']} padded, GB/s"] = [
+            ("BagLoader", p["loader_gbps"]), ("reader + pad", nbytes / p["reader_s"])]
+    return panels
 
 
 # ---------------------------------------------------------------------- output
