@@ -31,7 +31,7 @@ import torch
 from client.bags import BagDataset
 from client.dataset import NO_LABEL
 from client.transfer import HostSlot, widen
-from featurestore.core.buffers import BufferPool, aligned_empty
+from featurestore.core.buffers import BufferPool, aligned_empty, grown_size
 from featurestore.core.pread import ReadPool
 from featurestore.errors import EmptyBag
 from featurestore.format import dtypes
@@ -155,8 +155,8 @@ class BagTransfer:
             del host
             for piece in self.pieces(rows, counts):
                 need = (piece.stop - piece.start) * ds.row_nbytes
-                if staging.get("bags") is None or staging["bags"].size < need:
-                    staging["bags"] = aligned_empty((min(need * 2, self.piece_rows * ds.row_nbytes),), np.uint8)
+                if staging.get("bags") is None or staging["bags"].size < need:  # at most one piece, +25 %
+                    staging["bags"] = aligned_empty((grown_size(need),), np.uint8)
                 stored = staging["bags"][:need].view(ds.numpy_dtype).reshape(piece.stop - piece.start, dim)
                 ds.read_into(int(index[piece.slot]), piece.rows, stored, coords[piece.slot, piece.start:piece.stop])
                 features[piece.slot, piece.start:piece.stop].copy_(dtypes.to_torch(stored, ds.dtype))

@@ -286,9 +286,12 @@ def rss_figures(store: str, splits: tuple[str, str], prefetch: int = 2) -> dict[
             raise RuntimeError(f"RSS child for {label} failed ({proc.returncode}): {proc.stderr[-2000:]}")
         out[label] = json.loads(proc.stdout.strip().splitlines()[-1])
     largest = max(out[k]["largest_bag_f32_bytes"] for k in ("B", "4B"))
-    # docs/LOADER.md, "Bags": (prefetch + 2) float32 batches handed out + one staging piece per
-    # thread at the stored width, plus a constant (thread stacks, allocator arenas).
-    bound = (prefetch + 2) * largest + prefetch * min(64 << 20, largest) + (32 << 20)
+    stored = max(out[k]["largest_bag_stored_bytes"] for k in ("B", "4B"))
+    # docs/LOADER.md, "Memory bound of BagLoader": (prefetch + 4) float32 batches (handed out, or
+    # idle in the pool), each rounded up at most 25 %, + a staging piece per read-ahead thread and
+    # the consumer, plus a constant (thread stacks, allocator arenas).
+    threads = min(2, prefetch)
+    bound = int((prefetch + 4) * 1.25 * largest + (threads + 1) * min(64 << 20, 1.25 * stored)) + (32 << 20)
     out["loader_bytes"] = {k: out[k]["peak_anon"] - out[k]["baseline_anon"] for k in ("B", "4B")}
     out["growth_bytes"] = out["loader_bytes"]["4B"] - out["loader_bytes"]["B"]
     out["bound_bytes"] = bound
@@ -323,7 +326,8 @@ def _child_epoch(store: str, split: str, prefetch: int) -> dict[str, Any]:
     stop.set()
     sampler.join()
     return {"bags": len(ds), "store_bytes": int(ds.lengths.sum()) * ds.row_nbytes, "epoch_s": seconds,
-            "baseline_anon": baseline, "peak_anon": peak[0], "largest_bag_f32_bytes": int(ds.lengths.max()) * ds.dim * 4}
+            "baseline_anon": baseline, "peak_anon": peak[0], "largest_bag_f32_bytes": int(ds.lengths.max()) * ds.dim * 4,
+            "largest_bag_stored_bytes": int(ds.lengths.max()) * ds.row_nbytes}
 
 
 # ---------------------------------------------------------------------- report rows
