@@ -315,6 +315,28 @@ def test_cuda_batches_equal_cpu_batches(bag_store: str) -> None:
         assert all(torch.equal(x, y.cpu()) for x, y in zip(a, b))
 
 
+# ------------------------------------------------------------------------------- object storage
+
+
+def test_object_storage_source_gives_the_local_batches(bag_store: str, s3_storage_options: dict[str, Any]) -> None:
+    # The same store's keys in a bucket of the session's moto server (conftest): ranged reads.
+    import uuid
+
+    import s3fs
+
+    bucket = f"fs-bags-{uuid.uuid4().hex[:10]}"
+    fs = s3fs.S3FileSystem(**s3_storage_options)
+    fs.mkdir(bucket)
+    fs.put(bag_store, f"{bucket}/store", recursive=True)
+    fs.invalidate_cache()
+    local = BagDataset(bag_store, "cohort", "enc-float16", "all")
+    remote = BagDataset(f"s3://{bucket}/store", "cohort", "enc-float16", "all", storage_options=s3_storage_options)
+    assert remote.ids == local.ids and remote.read_path == "ranges"
+    options: dict[str, Any] = dict(batch_size=2, seed=8, device="cpu", max_patches=12)
+    for x, y in zip(quiet(BagLoader(local, **options)), quiet(BagLoader(remote, **options))):
+        assert all(torch.equal(p, q) for p, q in zip(x, y))
+
+
 # --------------------------------------------------------------------------------------- HTTP
 
 
