@@ -20,8 +20,7 @@ from typing import Any
 import numpy as np
 
 from featurestore.errors import InvalidLabels, InvalidOption, MissingLabels, ShapeMismatch
-from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds
-from featurestore.probes.run import _seed_list
+from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds, seed_list_of
 
 __all__ = ["FOLD_SEED", "compare_mil_probes", "open_bags", "run_mil_probe", "stratified_folds"]
 
@@ -143,7 +142,7 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
     from featurestore.probes.abmil import ABMILConfig, train_abmil
     from featurestore.probes.train import resolve_device
 
-    seed_list = _seed_list(seeds)
+    seed_list = seed_list_of(seeds)
     for name, value in (("epochs", epochs), ("batch_size", batch_size), ("max_patches", max_patches)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise InvalidOption(f"{name} must be a positive integer, but got: {value!r}")
