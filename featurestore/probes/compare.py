@@ -1,9 +1,9 @@
 """Seeds and spread: summarise a metric over seeds, and compare two summaries.
 
 :func:`seed_list_of` (a seed count or list, checked), :func:`summarize` (mean, sample std),
-:func:`run_seeds` (one run per seed, every metric
-summarised) and :func:`compare_summaries` (difference, pooled std, whether it exceeds
-``SPREAD_FACTOR`` x the run-to-run spread, per-seed paired differences). Pure Python: no torch.
+:func:`run_seeds` (one run per seed, every metric summarised) and :func:`compare_summaries`
+(difference, pooled std, whether it exceeds ``SPREAD_FACTOR`` x the run-to-run spread, per-seed
+paired differences). Pure Python: no torch.
 """
 
 from __future__ import annotations
