@@ -27,10 +27,11 @@ import numpy as np
 
 from client._stdlib_transport import StdlibTransport
 from client.remote import RemoteFeatureArray
+from client.remote_bags import RemoteBags
 from featurestore import errors as fse
 from featurestore.format import wire
 
-__all__ = ["ClientError", "FeatureClient", "RemoteFeatureArray"]
+__all__ = ["ClientError", "FeatureClient", "RemoteBags", "RemoteFeatureArray"]
 
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 # A damaged store answers 500 too, but asking again cannot help.
@@ -133,6 +134,7 @@ class FeatureClient:
         self._http: httpx.Client | None = None
         self._pid = os.getpid()
         self._layouts: dict[tuple[str, str, str], RemoteFeatureArray] = {}
+        self._bags: dict[tuple[str, str, str], RemoteBags] = {}
 
     def __repr__(self) -> str:
         return f"FeatureClient({self.url!r}, token={'***' if self._token else None})"
@@ -262,6 +264,11 @@ class FeatureClient:
     def splits(self, dataset: str, encoder: str) -> list[str]:
         return list(self.get_json(wire.route(wire.SPLITS, dataset=dataset, encoder=encoder))["splits"])
 
+    def split_kinds(self, dataset: str, encoder: str) -> dict[str, str]:
+        """``{split: "dense" | "bags"}``: which splits :meth:`open` reads, which :meth:`open_bags`."""
+        doc = self.get_json(wire.route(wire.SPLITS, dataset=dataset, encoder=encoder))
+        return {str(name): str(kind) for name, kind in (doc.get("kind") or {}).items()}
+
     def info(self, dataset: str, encoder: str, split: str) -> dict[str, Any]:
         """The split's metadata dict (what ``FeatureArray.metadata`` holds locally)."""
         result: dict[str, Any] = self.get_json(
@@ -290,6 +297,54 @@ class FeatureClient:
             arr = RemoteFeatureArray(self, key, structure)
             self._layouts[key] = arr
         return arr
+
+    # ------------------------------------------------------------------ bag splits (issue 23)
+    def bags(self, dataset: str, encoder: str, split: str, *, attrs: bool = False) -> wire.BagsListing:
+        """The bag split's listing (every page): ``ids``, ``lengths`` (int64 patches per bag),
+        ``labels`` (or None), ``dim``, ``dtype``, ``coords_dtype``, ``coords_unit``,
+        ``metadata``; with ``attrs=True`` also each bag's slide attributes."""
+        path = wire.route(wire.BAGS, dataset=dataset, encoder=encoder, split=split)
+        params = {"attrs": "true"} if attrs else {}
+        listing: wire.BagsListing | None = None
+        while listing is None or listing.next_offset is not None:
+            offset = 0 if listing is None else listing.next_offset
+            try:
+                page = wire.BagsListing.from_json(self.get_json(path, {**params, "offset": str(offset)}))
+                listing = page if listing is None else listing.extend(page)
+            except wire.WireFormatError as error:
+                raise _make_error(f"{self.url}{path} answered a bad bag listing: {error}",
+                                  status=200, detail=None, url=self.url + path) from None  # fmt: skip
+        return listing
+
+    def open_bags(self, dataset: str, encoder: str, split: str) -> RemoteBags:
+        """The bag split as a :class:`RemoteBags` (the local bag reader's interface): its
+        listing is fetched once and cached."""
+        key = (dataset, encoder, split)
+        bags = self._bags.get(key)
+        if bags is None:
+            bags = self._bags[key] = RemoteBags(self, key, self.bags(dataset, encoder, split))
+        return bags
+
+    def read_bag(self, dataset: str, encoder: str, split: str, bag: int | str, rows: Any = None
+                 ) -> tuple[Any, Any]:  # fmt: skip
+        """One bag, by id (``str``) or position (``int``): ``(features [n, D] torch tensor in the
+        stored dtype, coords [n, 2] torch tensor)``. ``rows``: None (whole bag), a slice, or patch
+        indices. A bag above the server's byte cap is fetched in row ranges, into one tensor."""
+        return self.open_bags(dataset, encoder, split).read(bag, rows=rows)
+
+    def read_bag_numpy(self, dataset: str, encoder: str, split: str, bag: int | str, rows: Any = None,
+                       out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """:meth:`read_bag` as numpy (bfloat16 as uint16 bits), the features into ``out`` if
+        given; no torch."""
+        return self.open_bags(dataset, encoder, split).read_numpy(bag, rows=rows, out=out)
+
+    def fetch_bag(self, path: str, features: np.ndarray, coords: np.ndarray, dtype: str, coords_dtype: str, *,
+                  params: dict[str, str] | None = None, indices: np.ndarray | None = None) -> None:  # fmt: skip
+        """One :data:`wire.BAG` response (features, then coordinates) streamed into ``features``
+        and ``coords``; rows ``params`` (``start``/``stop``) by GET, or ``indices`` by POST."""
+        parts = [(features, dtype, wire.SHAPE_HEADER, wire.DTYPE_HEADER),
+                 (coords, coords_dtype, wire.COORDS_SHAPE_HEADER, wire.COORDS_DTYPE_HEADER)]
+        self._fetch_parts("GET" if indices is None else "POST", path, parts, params=params, indices=indices)
 
     def _array(self, dataset: str, encoder: str, split: str, labels: bool) -> RemoteFeatureArray:
         arr = self.open(dataset, encoder, split)

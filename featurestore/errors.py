@@ -193,3 +193,7 @@ class DuplicateBag(FeatureStoreError, ValueError):
 
 class WrongSplitKind(FeatureStoreError, TypeError):
     """A dense-split operation on a bag split, or a bag operation on a dense split."""
+
+
+class EmptyBag(FeatureStoreError, ValueError):
+    """A bag without patches where one is needed (``BagLoader(skip_empty=False)``)."""

@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
 import featurestore
-from server import routes_data, routes_features, routes_zarr
+from server import routes_bags, routes_data, routes_features, routes_zarr
 from server.auth import BearerAuthMiddleware
 from server.errors import install_error_handlers
 from server.limits import BodyLimitMiddleware
@@ -56,11 +56,13 @@ def create_app(store_url: str | None = None, settings: Settings | None = None) -
         title="featurestore",
         version=featurestore.__version__,
         description="Read-only access to a featurestore: listings, split metadata, feature "
-        "batches (raw little-endian bytes with X-Shape / X-Dtype) and the raw Zarr key space.",
+        "batches (raw little-endian bytes with X-Shape / X-Dtype), slide bags (features + coordinates of "
+        "one bag per request) and the raw Zarr key space.",
     )
     app.state.featurestore = state
     install_error_handlers(app)
     app.include_router(routes_data.router)
+    app.include_router(routes_bags.router)
     app.include_router(routes_zarr.router)
     app.include_router(routes_features.router)  # its /v1 catch-all matches anything under /v1
     if settings.ui:

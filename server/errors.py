@@ -71,6 +71,9 @@ STATUS: Mapping[type[BaseException], int] = {
     fse.DatasetNotFound: 404,
     fse.EncoderNotFound: 404,
     fse.SplitNotFound: 404,
+    fse.BagNotFound: 404,
+    # a dense route on a bag split, a bag route on a dense split: no such resource there
+    fse.WrongSplitKind: 404,
     fse.IncompleteSplit: 409,
     ResponseTooLarge: 413,
     RequestTooLarge: 413,

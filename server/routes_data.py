@@ -1,6 +1,6 @@
 """Data routes: one item, a contiguous range, a list of indices, and features+labels together.
 
-Every data request follows one path (:func:`_respond`): check the byte cap (413), reserve the
+Every data request follows one path (:func:`gathered_response`): check the byte cap (413), reserve the
 response's bytes against the in-flight budget (wait, or 503 with Retry-After), gather each array
 into a pooled buffer with the store's reader, confirm the split did not change meanwhile (409),
 then hand the buffers to :class:`~server.responses.ArrayResponse`, which sends them without
@@ -16,6 +16,7 @@ thread pool, never on the event loop.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import numpy as np
@@ -63,58 +64,77 @@ def _pick(entry: OpenedSplit, labels: bool) -> Any:
     return arr.labels
 
 
-def _check_size(state: StoreState, arrays: list[Any], rows: int) -> int:
+def check_size(state: StoreState, rows: int, per_row: int, *, unit: str = "samples",
+               how: str = "request at most {rows} {unit} at a time and concatenate") -> int:  # fmt: skip
+    """The response's bytes, or :class:`ResponseTooLarge` (413) naming the cap and how many
+    ``unit`` (rows of ``per_row`` bytes) one request may ask for (``how``)."""
     cap = state.settings.max_response_bytes
-    per_row = sum(int(a.sample_nbytes) for a in arrays)
     nbytes = rows * per_row
     if nbytes > cap:
         per_request = cap // max(per_row, 1)
         hint = (
-            f"request at most {per_request} samples at a time and concatenate"
+            how.format(rows=per_request, unit=unit)
             if per_request
-            else "one sample is larger than the cap: raise FEATURESTORE_MAX_RESPONSE_BYTES"
+            else f"one of the {unit} is larger than the cap: raise FEATURESTORE_MAX_RESPONSE_BYTES"
         )
         raise ResponseTooLarge(
-            f"response of {rows} samples x {per_row} bytes = {nbytes} bytes exceeds the server's "
+            f"response of {rows} {unit} x {per_row} bytes = {nbytes} bytes exceeds the server's "
             f"cap of {cap} bytes (FEATURESTORE_MAX_RESPONSE_BYTES); {hint}",
             max_response_bytes=cap,
         )
     return nbytes
 
 
-def _respond(state: StoreState, entry: OpenedSplit, arrays: list[Any], index: np.ndarray, *,
-             npy: bool = False, single: bool = False,
-             media_type: str = wire.OCTET_STREAM) -> ArrayResponse:  # fmt: skip
-    """Gather rows ``index`` of each array into pooled buffers and wrap them, no copy."""
-    nbytes = _check_size(state, arrays, len(index))
+# One output array of a response: (shape, storage dtype, logical dtype, shape header, dtype header).
+Part = tuple[tuple[int, ...], Any, str, str, str]
+
+
+def gathered_response(state: StoreState, entry: OpenedSplit, nbytes: int, parts: list[Part],
+                      fill: Callable[[list[np.ndarray]], None], *, npy: bool = False,
+                      single: bool = False, media_type: str = wire.OCTET_STREAM) -> ArrayResponse:  # fmt: skip
+    """The one path of every data response: reserve ``nbytes`` against the in-flight budget,
+    lease a pooled buffer per part, ``fill`` them with the store's reader, confirm the split did
+    not change meanwhile (409), and wrap the buffers, no copy; the reservation is given back when
+    the last byte left (or on any failure before)."""
     state.reserve(nbytes)
     try:
-        parts = []
-        headers = [(wire.SHAPE_HEADER, wire.DTYPE_HEADER),
-                   (wire.LABELS_SHAPE_HEADER, wire.LABELS_DTYPE_HEADER)]  # fmt: skip
-        for arr, (shape_header, dtype_header) in zip(arrays, headers, strict=False):
-            out = state.buffer((len(index), *arr.sample_shape), arr.numpy_dtype)
-            _gather(state, entry, arr, index, out)
-            parts.append((out[0] if single else out, arr.dtype, shape_header, dtype_header))
+        outs = [state.buffer(shape, numpy_dtype) for shape, numpy_dtype, *_ in parts]
+        try:
+            fill(outs)
+        except (MissingChunks, CorruptChunk, FileNotFoundError):
+            # Missing or damaged chunks mean a damaged store (500) only if the split is still the
+            # one that was opened: an overwrite deletes and rewrites them, and a read caught in it
+            # is the retryable 409 (issue 26.9).
+            state.check_unchanged(entry)
+            raise
         state.confirm(entry)  # the split did not change while we read it
     except BaseException:
         state.release(nbytes)
         raise
-    return ArrayResponse(parts, media_type=media_type, npy=npy,
+    body = [(out[0] if single else out, dtype, shape_header, dtype_header)
+            for out, (_, _, dtype, shape_header, dtype_header) in zip(outs, parts, strict=True)]  # fmt: skip
+    return ArrayResponse(body, media_type=media_type, npy=npy,
                          chunk_bytes=state.settings.send_chunk_bytes,
                          send_timeout_s=state.settings.send_timeout_s,
                          on_sent=lambda: state.release(nbytes))  # fmt: skip
 
 
-def _gather(state: StoreState, entry: OpenedSplit, arr: Any, index: np.ndarray, out: np.ndarray) -> None:
-    """Read rows ``index`` into ``out``. Chunks that are missing or damaged mean a damaged store
-    (500) only if the split is still the one that was opened: an overwrite deletes and rewrites
-    them, and a read caught in it is the retryable 409 (issue 26.9)."""
-    try:
-        arr.read_numpy(index, out=out)
-    except (MissingChunks, CorruptChunk, FileNotFoundError):
-        state.check_unchanged(entry)
-        raise
+def _respond(state: StoreState, entry: OpenedSplit, arrays: list[Any], index: np.ndarray, *,
+             npy: bool = False, single: bool = False,
+             media_type: str = wire.OCTET_STREAM) -> ArrayResponse:  # fmt: skip
+    """Gather rows ``index`` of each array into pooled buffers and wrap them, no copy."""
+    nbytes = check_size(state, len(index), sum(int(a.sample_nbytes) for a in arrays))
+    headers = [(wire.SHAPE_HEADER, wire.DTYPE_HEADER),
+               (wire.LABELS_SHAPE_HEADER, wire.LABELS_DTYPE_HEADER)]  # fmt: skip
+    parts: list[Part] = [((len(index), *arr.sample_shape), arr.numpy_dtype, arr.dtype, *names)
+                         for arr, names in zip(arrays, headers, strict=False)]  # fmt: skip
+
+    def fill(outs: list[np.ndarray]) -> None:
+        for arr, out in zip(arrays, outs, strict=True):
+            arr.read_numpy(index, out=out)
+
+    return gathered_response(state, entry, nbytes, parts, fill, npy=npy, single=single,
+                             media_type=media_type)  # fmt: skip
 
 
 @router.get(wire.ITEM, tags=["features"], response_class=ArrayResponse, status_code=200,
@@ -153,8 +173,10 @@ def batch_range(
                     npy=wire.wants_npy(accept))  # fmt: skip
 
 
-def parse_indices(body: bytes, content_type: str, length: int, max_indices: int) -> np.ndarray:
-    """An index body (raw int64 or JSON), counted before it is parsed and bounds-checked."""
+def parse_indices(body: bytes, content_type: str, length: int, max_indices: int,
+                  what: str = "this split") -> np.ndarray:  # fmt: skip
+    """An index body (raw int64 or JSON), counted before it is parsed and bounds-checked against
+    ``length`` rows of ``what``."""
     if content_type.split(";")[0].strip().lower() == wire.INDICES:
         if len(body) // 8 > max_indices:
             raise RequestTooLarge(f"{len(body) // 8} indices exceed the server's cap of "
@@ -163,7 +185,7 @@ def parse_indices(body: bytes, content_type: str, length: int, max_indices: int)
             index = wire.decode_indices(body)
         except wire.WireFormatError as error:
             raise BadRequest(str(error)) from None
-        wire.check_bounds(index, length, "this split")
+        wire.check_bounds(index, length, what)
         return index
     # JSON: commas bound the count, so a huge list is refused before json.loads builds it.
     if body.count(b",") + 1 > max_indices:
@@ -178,7 +200,7 @@ def parse_indices(body: bytes, content_type: str, length: int, max_indices: int)
     # Bounds on Python ints first: a huge index must be a 416, not an int64 overflow in numpy.
     if values and (min(values) < 0 or max(values) >= length):
         bad = next(i for i in values if not 0 <= i < length)
-        raise IndexOutOfRange(f"index {bad} out of range for {length} samples")
+        raise IndexOutOfRange(f"index {bad} out of range for {what} with {length} rows")
     return np.array(values, dtype=np.int64)
 
 

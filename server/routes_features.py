@@ -53,7 +53,9 @@ def splits(request: Request, dataset: Name, encoder: Name) -> dict[str, Any]:
     store = state_of(request).store
     names = list(store.splits(dataset, encoder))
     status = {name: store.split_status(dataset, encoder, name) for name in names}
-    return {"dataset": dataset, "encoder": encoder, "splits": names, "status": status}
+    # "dense" (read through /v1/features/...) or "bags" (through /v1/bags/...).
+    kind = {name: store.split_kind(dataset, encoder, name) for name in names}
+    return {"dataset": dataset, "encoder": encoder, "splits": names, "status": status, "kind": kind}
 
 
 @router.get(wire.SPLIT, tags=["features"])
@@ -99,7 +101,7 @@ def unknown(request: Request, rest: str) -> None:
     ``InvalidName`` (400) naming it, not a bare 404."""
     raw = (request.scope.get("raw_path") or b"").decode("latin-1").split("?")[0]
     segments = [unquote(part) for part in raw.split("/")[2:]]  # after "", "v1"
-    names = {"features": (1, 2, 3), "datasets": (1, 3)}.get(segments[0] if segments else "", ())
+    names = {"features": (1, 2, 3), "bags": (1, 2, 3), "datasets": (1, 3)}.get(segments[0] if segments else "", ())
     for position in names:
         if position < len(segments):
             validate_name(segments[position], "name")

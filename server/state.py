@@ -63,6 +63,12 @@ class OpenedSplit:
     checked: float
     # When this worker first saw the split changed under this entry (None: not yet).
     changed: float | None = None
+    # "dense" (array: a FeatureArray) or "bags" (array: the store's Bags reader, issue 23).
+    kind: str = "dense"
+
+    @property
+    def cache_key(self) -> tuple[str, str, str, str]:
+        return (*self.key, self.kind)
 
 
 class StoreState:
@@ -94,7 +100,7 @@ class StoreState:
         # page-faulted away half the throughput. Small answers use the ordinary allocator.
         self.buffers = BufferPool(keep=16, max_free_bytes=settings.pool_bytes,
                                   min_pooled=1 << 20)  # fmt: skip
-        self._splits: OrderedDict[tuple[str, str, str], OpenedSplit] = OrderedDict()
+        self._splits: OrderedDict[tuple[str, str, str, str], OpenedSplit] = OrderedDict()
         self._lock = threading.Lock()
         self._inflight = 0
         self._inflight_cv = threading.Condition()
@@ -107,18 +113,21 @@ class StoreState:
             self.store.split_metadata(*key)  # raises the precise not-found error
             raise SplitNotFound(f"split {'/'.join(key)} not found") from None
 
-    def open_split(self, dataset: str, encoder: str, split: str) -> OpenedSplit:
-        """The split, opened from its current metadata (409 if it is not complete)."""
+    def open_split(self, dataset: str, encoder: str, split: str, kind: str = "dense") -> OpenedSplit:
+        """The split, opened from its current metadata (409 if it is not complete): as a dense
+        split (``store.open``) or, with ``kind="bags"``, as a bag split (``store.open_bags``);
+        each refuses a split of the other kind with its own error."""
         key = (
             validate_name(dataset, "dataset"),
             validate_name(encoder, "encoder"),
             validate_name(split, "split"),
         )
+        opener = {"dense": self.store.open, "bags": self.store.open_bags}[kind]
         now = time.monotonic()
         with self._lock:
-            entry = self._splits.get(key)
+            entry = self._splits.get((*key, kind))
             if entry is not None:
-                self._splits.move_to_end(key)
+                self._splits.move_to_end(entry.cache_key)
         if entry is not None and not self.local and now - entry.checked < self.settings.metadata_ttl_s:
             return entry
         try:
@@ -129,7 +138,7 @@ class StoreState:
             # New or changed: open afresh (outside the lock: a slow object store must not
             # serialize every other request). store.open re-reads the document; if it changed
             # again meanwhile the post-gather check below catches it.
-            array = self.store.open(*key)
+            array = opener(*key)
         except (IncompleteSplit, SplitNotFound) as error:
             # Incomplete or missing now, complete when this worker last served it: an overwrite
             # is writing it (it deletes the split, then writes the new one), not a split that
@@ -139,10 +148,10 @@ class StoreState:
             if isinstance(error, IncompleteSplit):
                 raise IncompleteSplit(f"{error} {_HTTP_HINT}") from None
             raise
-        entry = OpenedSplit(key, array, document, now)
+        entry = OpenedSplit(key, array, document, now, kind=kind)
         with self._lock:
-            self._splits[key] = entry
-            self._splits.move_to_end(key)
+            self._splits[entry.cache_key] = entry
+            self._splits.move_to_end(entry.cache_key)
             while len(self._splits) > self.settings.array_cache_size:
                 self._splits.popitem(last=False)
         return entry
@@ -183,8 +192,8 @@ class StoreState:
         if time.monotonic() - entry.changed < _REWRITE_GRACE_S:
             return False
         with self._lock:
-            if self._splits.get(entry.key) is entry:
-                del self._splits[entry.key]
+            if self._splits.get(entry.cache_key) is entry:
+                del self._splits[entry.cache_key]
         return True
 
     # ------------------------------------------------------------------ buffers

@@ -53,9 +53,25 @@ headers = st.fixed_dictionaries(
 )  # fmt: skip
 
 
+# A bag split beside the dense ones (issue 23), with ids a path could trip over.
+BAG_IDS = ["s0", "a/b", "..", "é x", "%2e", "empty"]
+
+
+def _add_bags(path: str) -> None:
+    import featurestore
+
+    w = featurestore.open_store(path, mode="a").create_bag_split("pannuke", "tiny", "bags", dim=4,
+                                                                 label_dtype="int64", chunk_bytes=3 * 4 * 2)
+    for i, bag_id in enumerate(BAG_IDS):
+        n = 0 if bag_id == "empty" else i + 2
+        w.add_bag(bag_id, np.full((n, 4), i, np.float32), coords=np.zeros((n, 2), np.int64), label=i)
+    w.commit()
+
+
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     store = make_store(str(tmp_path_factory.mktemp("fuzz") / "store"))
+    _add_bags(store)
     app = create_app(store, Settings(max_response_bytes=1024))
     with TestClient(app, raise_server_exceptions=False) as test_client:
         yield test_client
@@ -70,10 +86,11 @@ def _check(response: Any) -> None:
     if response.status_code >= 400:
         body = response.json()
         assert isinstance(body.get("detail"), (str, list)), body
-    elif response.headers.get("content-type") == wire.SAMPLES_MEDIA:
+    elif response.headers.get("content-type") in (wire.SAMPLES_MEDIA, wire.BAG_MEDIA):
         total = 0
         for shape_h, dtype_h in ((wire.SHAPE_HEADER, wire.DTYPE_HEADER),
-                                 (wire.LABELS_SHAPE_HEADER, wire.LABELS_DTYPE_HEADER)):  # fmt: skip
+                                 (wire.LABELS_SHAPE_HEADER, wire.LABELS_DTYPE_HEADER),
+                                 (wire.COORDS_SHAPE_HEADER, wire.COORDS_DTYPE_HEADER)):  # fmt: skip
             if shape_h in response.headers:
                 shape = wire.parse_shape(response.headers[shape_h])
                 total += int(np.prod(shape)) * wire.storage_dtype(response.headers[dtype_h]).itemsize
@@ -130,6 +147,33 @@ def test_listing_routes_never_fail(client: TestClient, ds: str, enc: str) -> Non
     _check(client.get(f"/v1/datasets/{_seg(ds)}/encoders/{_seg(enc)}/splits"))
 
 
+bag_ids = st.one_of(st.sampled_from([*BAG_IDS, "nope", "", "../../zarr.json"]), st.text(max_size=12))
+
+
+@FUZZ
+@given(ds=st.one_of(st.sampled_from(["pannuke"]), names), split=st.sampled_from(["bags", "train", "writing", "nope"]),
+       bag=bag_ids, start=st.one_of(st.none(), indices), stop=st.one_of(st.none(), indices),
+       offset=indices, limit=indices, attrs=st.sampled_from([None, "true", "x"]), body=bodies,
+       raw=st.one_of(st.none(), st.binary(max_size=30)), encoded=st.booleans())  # fmt: skip
+def test_bag_routes_never_fail(client: TestClient, ds: str, split: str, bag: str, start: Any, stop: Any,
+                               offset: Any, limit: Any, attrs: str | None, body: Any, raw: bytes | None,
+                               encoded: bool) -> None:  # fmt: skip
+    base = f"/v1/bags/{_seg(ds)}/tiny/{_seg(split)}"
+    params = {k: str(v) for k, v in (("offset", offset), ("limit", limit), ("attrs", attrs)) if v is not None}
+    _check(client.get(base, params=params))
+    # encoded: as FeatureClient sends it; else slashes and dots raw (other clients', proxies' form)
+    path = f"{base}/{wire.quote_bag_id(bag) if encoded else quote(bag, safe='/')}"
+    rows = {k: str(v) for k, v in (("start", start), ("stop", stop)) if v is not None}
+    response = client.get(path, params=rows)
+    _check(response)
+    assert b"root:" not in response.content
+    if raw is not None:
+        _check(client.post(path, content=raw, headers={"content-type": wire.INDICES}))
+    else:
+        _check(client.post(path, content=json.dumps(body, allow_nan=True),
+                           headers={"content-type": "application/json"}))  # fmt: skip
+
+
 def test_every_openapi_route_is_covered(client: TestClient) -> None:
     # If a route is added, this fuzz module must learn about it.
     known = {"/healthz", "/v1/datasets", "/v1/datasets/{dataset}/encoders",
@@ -137,5 +181,6 @@ def test_every_openapi_route_is_covered(client: TestClient) -> None:
              "/v1/features/{dataset}/{encoder}/{split}/arrays", "/v1/features/{dataset}/{encoder}/{split}/ids",
              "/v1/features/{dataset}/{encoder}/{split}/items/{index}",
              "/v1/features/{dataset}/{encoder}/{split}/batch", "/v1/features/{dataset}/{encoder}/{split}/samples",
-             "/zarr/{key}", "/metrics"}  # fmt: skip
+             "/zarr/{key}", "/metrics", "/v1/bags/{dataset}/{encoder}/{split}",
+             "/v1/bags/{dataset}/{encoder}/{split}/{bag_id}"}  # fmt: skip
     assert set(client.get("/openapi.json").json()["paths"]) == known

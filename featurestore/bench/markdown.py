@@ -53,7 +53,7 @@ def _details(report: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     for name, fn in (("read", _read_details), ("write", _write_details), ("http", _http_details),
                      ("loader", _loader_details), ("extract", _extract_details), ("s3", _s3_details),
-                     ("cold", _cold_details)):
+                     ("cold", _cold_details), ("bags", _bags_details)):
         lines += _guarded(report, name, fn, [])
     return ["", "## Other figures", "", *lines] if lines else []
 
@@ -112,6 +112,17 @@ def _cold_details(cold: dict[str, Any]) -> list[str]:
                      f"{loader / rows['device limit']['gb_per_s']:.2f}x the device limit; loader peak RSS "
                      f"{rows['FeatureLoader']['peak_rss'] / 2**20:.0f} MiB; same bytes: {shape['same_bytes']}")
     return lines
+
+
+def _bags_details(bags: dict[str, Any]) -> list[str]:
+    parts = []
+    for name, value in bags["ratios"].items():
+        target = bags["targets"].get(name)
+        parts.append(f"{name} {value:.2f}x" + (f" (target >= {target}x)" if target is not None else ""))
+    note = ("" if "import vs h5 read" in bags["ratios"] else "; import not measured")
+    return [f"- bags: {bags['slides']} slides (median {bags['median_patches']}, max {bags['max_patches']} patches, "
+            f"dim {bags['dim']}, featurestore {bags['sizes']['store'] / 2**30:.2f} GiB), featurestore / baseline "
+            "pass time (CLAM .pt reads float32 features only: twice the bytes): " + "; ".join(parts) + note]
 
 
 def _extract_details(extract: dict[str, Any]) -> list[str]:

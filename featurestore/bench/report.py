@@ -1,6 +1,6 @@
 """``featurestore bench all``: run every benchmark and write ``report.md``, ``report.json`` and plots.
 
-Each bench (``read``, ``write``, ``http``, ``loader``, ``extract``, ``s3``, ``cold``) is run in this process through its own
+Each bench (``read``, ``write``, ``http``, ``loader``, ``extract``, ``s3``, ``cold``, ``bags``) is run in this process through its own
 ``run(args)``, with the defaults of its own parser (so ``bench all`` never drifts from ``bench
 NAME``), or with the small sizes of ``--quick``. A bench that raises (or whose own check fails) is
 recorded as failed with its error in both reports, the others still run, and the command exits 1
@@ -27,7 +27,7 @@ from featurestore import __version__
 from featurestore.bench.markdown import render_markdown
 from featurestore.bench.summary import rss_series, throughput_rows
 
-BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3", "cold")
+BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3", "cold", "bags")
 
 # Small sizes for CI and a first look: each bench finishes in seconds, the figures are noisy.
 QUICK_FLAGS: dict[str, list[str]] = {
@@ -40,13 +40,14 @@ QUICK_FLAGS: dict[str, list[str]] = {
     "s3": ["--num-samples", "128", "--batches", "4", "--slow-batches", "2", "--repeats", "1"],
     "cold": ["--shapes", "64x384", "--batch-sizes", "16", "--limit-mib", "512", "--store-ratio", "0.1",
              "--no-variants", "--cuda", "off"],
+    "bags": ["--gib", "0.02", "--dim", "64", "--median", "300", "--max", "2000", "--min", "10"],
 }
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "all", help="run every bench; write report.md, report.json and PNG plots",
-        description="Run the read, write, http, loader, extract, s3 and cold benches with their default arguments "
+        description="Run the read, write, http, loader, extract, s3, cold and bags benches with their default arguments "
         "(or small ones with --quick) and write report.md, report.json, throughput.png and rss.png "
         "into --out. A failed bench is reported with its error and makes the exit status 1.")
     parser.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")

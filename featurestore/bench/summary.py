@@ -27,7 +27,8 @@ def throughput_rows(report: dict[str, Any]) -> dict[str, list[tuple[str, float]]
     """Per panel title: ``(method, rate)`` pairs, featurestore first. Rates: GB/s (img/s for extract)."""
     panels: dict[str, list[tuple[str, float]]] = {}
     for name, rows in (("read", _read_rows), ("write", _write_rows), ("http", _http_rows),
-                       ("loader", _loader_rows), ("extract", _extract_rows), ("s3", _s3_rows), ("cold", _cold_rows)):
+                       ("loader", _loader_rows), ("extract", _extract_rows), ("s3", _s3_rows), ("cold", _cold_rows),
+                       ("bags", _bags_rows)):
         panels.update(_guarded(report, name, rows, {}))
     return panels
 
@@ -65,6 +66,15 @@ def _cold_rows(cold: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
         panels[f"cold [{'x'.join(map(str, shape['sample_shape']))}] float16 (page cache cold), GB/s"] = [
             (name, rows[name]["gb_per_s"]) for name in names]
     return panels
+
+
+def _bags_rows(bags: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+    """Whole-bag reads, bags/s (the formats read different bytes: CLAM's .pt is float32)."""
+    rows = bags["rows"]
+    return {f"bags, one shuffled pass over {bags['slides']} slides x {bags['dim']} features, {temperature}, bags/s": [
+        (name, rows[f"{name} {temperature}"]["bags_per_s"]) for name in ("featurestore", "TRIDENT h5", "CLAM .pt",
+                                                                         "parallel pread")]
+        for temperature in ("cold", "warm")}
 
 
 def _extract_rows(extract: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:

@@ -173,14 +173,12 @@ class FeatureArray(CachedPath):
         fresh: dict[int, Any] = {}
         payload = self.chunk_rows * self.sample_nbytes
         if path == "mmap":
-            def check(chunk: int) -> str | None:
-                return checked.check_file(self._chunk_path(chunk), payload)
-
             executor = (self.read_pool or pread.default_pool()).executor()
             try:
-                damaged = checked.run_checks(pending, check, executor)
+                reasons = checked.check_files([self._chunk_path(c) for c in pending], payload, executor)
             except FileNotFoundError as error:
                 raise self._missing(error.filename) from None
+            damaged = {c: r for c, r in zip(pending, reasons) if r is not None}
             where = self._chunk_path
         else:
             keys = [layout.chunk_key(self._key, c, self._ndim) for c in pending]

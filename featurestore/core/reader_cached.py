@@ -99,13 +99,12 @@ class CachedPath:
             pending = [c for c in pending if not front.checked_here(c)]
         payload = self.chunk_rows * self.sample_nbytes
 
-        def check(chunk: int) -> str | None:
-            try:
-                return checked.check_file(self._chunk_path(chunk), payload)
-            except FileNotFoundError:
-                return "gone"
-
-        damaged = checked.run_checks(pending, check, (self.read_pool or pread.default_pool()).executor())
+        paths = [self._chunk_path(c) for c in pending]
+        try:
+            reasons = checked.check_files(paths, payload, (self.read_pool or pread.default_pool()).executor())
+        except FileNotFoundError:  # evicted under us: find which, one file at a time
+            reasons = [_check_one(path, payload) for path in paths]
+        damaged = {c: r for c, r in zip(pending, reasons) if r is not None}
         self._verified.add([c for c in pending if c not in damaged])
         return sorted(damaged)
 
@@ -116,3 +115,10 @@ class CachedPath:
             self._warm_since = float("-inf")  # a chunk file left (evicted): check page-cache residency again
             return False
         return True
+
+
+def _check_one(path: str, payload: int) -> str | None:
+    try:
+        return checked.check_files([path], payload)[0]
+    except FileNotFoundError:
+        return "gone"

@@ -9,8 +9,10 @@ standard ``.npy`` header (NPY format 1.0; bfloat16 is then ``<u2`` bits, as on s
 Besides the headers, this module holds everything else both sides must agree on: the route
 templates, the structure of an opened split (:class:`SplitStructure`, what ``GET .../arrays``
 answers: shapes, dtypes, chunking, labels/ids presence and the metadata, so opening a remote split
-is one request), the error body, the one index normaliser and bounds check, and the binary framing
-of a features+labels batch (:data:`SAMPLES`, issue 16).
+is one request), the error body, the one index normaliser and bounds check, the binary framing
+of a features+labels batch (:data:`SAMPLES`, issue 16), and the bag routes of a bag split (issue
+23): the listing (:class:`BagsListing`), one bag's features+coords framing (:data:`BAG_MEDIA`) and
+the encoding of a bag id into a URL (:func:`quote_bag_id`).
 
 It is one module on purpose (a little over the ~400-line guide): the contract both sides must
 agree on is read in one place. Credential redaction, used by both sides' messages, lives in
@@ -27,8 +29,9 @@ import math
 import re
 import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 
@@ -39,7 +42,16 @@ from featurestore.format.redact import redact
 
 __all__ = [
     "ARRAYS",
+    "BAG",
+    "BAGS",
+    "BAGS_PAGE",
+    "BAG_MEDIA",
+    "BAG_ROUTE",
     "BATCH",
+    "COORDS_DTYPE_HEADER",
+    "COORDS_SHAPE_HEADER",
+    "BagsListing",
+    "quote_bag_id",
     "DATASETS",
     "DTYPE_HEADER",
     "ENCODERS",
@@ -92,6 +104,11 @@ INDICES = "application/x-featurestore-indices"
 # labels, the labels' bytes (X-Labels-Shape/X-Labels-Dtype); Content-Length is their sum. Both
 # parts are raw C-order little-endian, as in a single-array response; no padding between them.
 SAMPLES_MEDIA = "application/x-featurestore-samples"
+# One bag of a bag split (BAG): the features' bytes (X-Shape "n,D", X-Dtype), then the coordinates'
+# (X-Coords-Shape "n,2", X-Coords-Dtype); Content-Length is their sum. The same rules as SAMPLES.
+BAG_MEDIA = "application/x-featurestore-bag"
+COORDS_SHAPE_HEADER = "X-Coords-Shape"
+COORDS_DTYPE_HEADER = "X-Coords-Dtype"
 
 # Route templates (FastAPI path syntax), used verbatim by the server's routers and, filled in by
 # route(), by the client.
@@ -105,6 +122,16 @@ IDS = SPLIT + "/ids"
 ITEM = SPLIT + "/items/{index}"
 BATCH = SPLIT + "/batch"
 SAMPLES = SPLIT + "/samples"
+# Bag splits (issue 23). A bag id is data, any string a slide name holds (slashes, "..", spaces,
+# unicode): route() percent-encodes every byte of it but letters, digits, "-", "_" and "~"
+# (quote_bag_id), so no "/" or ".." segment ever reaches a URL normaliser, and the server matches
+# the rest of the path with a path converter (BAG_ROUTE) and looks the id up in the split's index;
+# an id is never joined into a storage path.
+BAGS = "/v1/bags/{dataset}/{encoder}/{split}"
+BAG = BAGS + "/{bag_id}"
+BAG_ROUTE = BAGS + "/{bag_id:path}"  # the server's template of BAG (FastAPI path converter)
+# Most bags one listing page holds (about 100 bytes of JSON each: ~10 MB); ?offset= pages on.
+BAGS_PAGE = 100_000
 
 # https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html: magic, version 1.0,
 # little-endian uint16 header length, header padded with spaces and a newline so that the data
@@ -145,7 +172,19 @@ def route(template: str, **parts: object) -> str:
     for name in ("dataset", "encoder", "split"):
         if name in parts:
             validate_name(parts[name], name)
+    if "bag_id" in parts:
+        parts["bag_id"] = quote_bag_id(parts["bag_id"])
     return template.format(**{name: str(value) for name, value in parts.items()})
+
+
+def quote_bag_id(bag_id: object) -> str:
+    """A bag id as one URL path segment: UTF-8, every byte but ``[A-Za-z0-9_~-]`` percent-encoded
+    (``.`` and ``/`` too, so ``..`` or ``a/../b`` cannot be folded away by a client or proxy that
+    normalises dot segments); the server decodes it once."""
+    if not isinstance(bag_id, str):
+        raise InvalidIndices(f"a bag id is a string, got {type(bag_id).__name__} {bag_id!r}: pass the "
+                             "id, or an int position in the split's bag order")
+    return quote(bag_id, safe="").replace(".", "%2E")
 
 
 def encode_shape(shape: Iterable[int]) -> str:
@@ -405,6 +444,92 @@ class SplitStructure:
             if isinstance(error, WireFormatError):
                 raise
             raise WireFormatError(f"bad split structure: {error!r}") from error
+
+
+@dataclass(frozen=True)
+class BagsListing:
+    """What ``GET`` :data:`BAGS` answers: a bag split's bags (one page of them) and what a client
+    needs to read one (dtypes, dim, the byte cap) in one request.
+
+    ``ids``, ``lengths`` (patches per bag, int64), ``labels`` (or None) and ``attrs`` (per-bag
+    slide attributes, only when asked for with ``?attrs=true``) hold the bags
+    ``offset .. offset + len(ids)`` of ``count``; :meth:`extend` joins pages.
+    """
+
+    ids: list[str]
+    lengths: np.ndarray
+    labels: list[Any] | None
+    dim: int
+    dtype: str
+    coords_dtype: str
+    coords_unit: str | None
+    max_response_bytes: int
+    count: int
+    offset: int = 0
+    attrs: list[dict[str, Any]] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def generation(self) -> str | None:
+        value = self.metadata.get("generation")
+        return None if value is None else str(value)
+
+    @property
+    def next_offset(self) -> int | None:
+        """Where the next page starts, or None on the last page."""
+        end = self.offset + len(self.ids)
+        return end if end < self.count else None
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one patch on the wire: its features and its coordinates."""
+        return self.dim * storage_dtype(self.dtype).itemsize + 2 * storage_dtype(self.coords_dtype).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        doc = {
+            "count": self.count, "offset": self.offset, "next_offset": self.next_offset,
+            "ids": list(self.ids), "lengths": [int(n) for n in self.lengths],
+            "labels": None if self.labels is None else json_safe(list(self.labels)),
+            "dim": self.dim, "dtype": self.dtype, "coords_dtype": self.coords_dtype,
+            "coords_unit": self.coords_unit, "max_response_bytes": self.max_response_bytes,
+            "generation": self.generation, "metadata": json_safe(self.metadata),
+        }  # fmt: skip
+        if self.attrs is not None:
+            doc["attrs"] = json_safe(self.attrs)
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> BagsListing:
+        try:
+            ids = [str(i) for i in doc["ids"]]
+            lengths = np.asarray(doc["lengths"], dtype=np.int64).reshape(-1)
+            labels, attrs = doc.get("labels"), doc.get("attrs")
+            listing = cls(
+                ids=ids, lengths=lengths, labels=None if labels is None else list(labels),
+                dim=int(doc["dim"]), dtype=str(doc["dtype"]), coords_dtype=str(doc["coords_dtype"]),
+                coords_unit=None if doc.get("coords_unit") is None else str(doc["coords_unit"]),
+                max_response_bytes=int(doc["max_response_bytes"]),
+                count=int(doc["count"]), offset=int(doc.get("offset", 0)),
+                attrs=None if attrs is None else [dict(a) for a in attrs],
+                metadata=dict(doc.get("metadata") or {}),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError) as error:
+            raise WireFormatError(f"bad bag listing: {error!r}") from error
+        wire_dtype(listing.dtype)
+        wire_dtype(listing.coords_dtype)
+        sizes = {len(ids), len(lengths)} | ({len(listing.labels)} if listing.labels is not None else set())
+        if len(sizes) != 1 or listing.offset + len(ids) > listing.count or (lengths < 0).any():
+            raise WireFormatError("bad bag listing: ids, lengths and labels disagree in number")
+        return listing
+
+    def extend(self, page: BagsListing) -> BagsListing:
+        """This listing followed by the next ``page`` (refused if the split changed meanwhile)."""
+        if page.offset != self.offset + len(self.ids) or page.generation != self.generation:
+            raise WireFormatError("the bag split changed between listing pages: list it again")
+        labels = None if self.labels is None or page.labels is None else self.labels + page.labels
+        attrs = None if self.attrs is None or page.attrs is None else self.attrs + page.attrs
+        return replace(self, ids=self.ids + page.ids, lengths=np.concatenate([self.lengths, page.lengths]),
+                       labels=labels, attrs=attrs)  # fmt: skip
 
 
 # ---------------------------------------------------------------------- errors

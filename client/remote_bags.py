@@ -1,0 +1,155 @@
+"""``RemoteBags``: a bag split on a server, with the interface of the store's local bag reader
+(``store.open_bags(...)``), so a ``BagDataset`` treats a store path and a server URL alike.
+
+Everything it knows about the split comes from one :class:`~featurestore.format.wire.BagsListing`
+(``GET /v1/bags/...``, all pages, fetched once); every byte it reads comes through
+:meth:`FeatureClient.fetch_bag`, one request per bag, or several for a bag larger than the server's
+byte cap (row ranges, each written in place into the one output pair).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from featurestore import errors as fse
+from featurestore.format import wire
+
+if TYPE_CHECKING:
+    from client.http import FeatureClient
+
+__all__ = ["RemoteBags"]
+
+
+class RemoteBags:
+    """A bag split over HTTP: ``len``, ``ids``, ``lengths`` (int64), ``labels``, ``dim``,
+    ``dtype``, ``coords_dtype``, ``coords_unit``, ``patch_size_level0``, ``metadata``, ``num_rows``,
+    ``attrs(i_or_id)``, ``label(i_or_id)``, ``index(bag_id)``, ``position(i_or_id)``,
+    ``read(i_or_id, rows=None)`` (torch) and ``read_numpy(i_or_id, rows=None, out=None)`` (numpy;
+    bfloat16 as uint16 bits; ``out``: the features' buffer), as the local reader has them.
+
+    ``rows``: None (the whole bag), a ``slice`` of patches (step 1), or a 1-D sequence of patch
+    indices (any order, duplicates allowed; sent as one ``POST`` body).
+    """
+
+    def __init__(self, client: FeatureClient, key: tuple[str, str, str], listing: wire.BagsListing) -> None:
+        self.client = client
+        self.key = key
+        self.listing = listing
+        self.route = dict(zip(("dataset", "encoder", "split"), key, strict=True))
+        self.ids: list[str] = listing.ids
+        self.lengths: np.ndarray = listing.lengths
+        self.labels: np.ndarray | None = None if listing.labels is None else np.asarray(listing.labels)
+        self.dim = listing.dim
+        self.dtype = listing.dtype
+        self.numpy_dtype = wire.storage_dtype(listing.dtype)
+        self.coords_dtype = listing.coords_dtype
+        self.coords_unit = listing.coords_unit
+        self.metadata = listing.metadata
+        self.patch_size_level0: Any = (listing.metadata.get("bags") or {}).get("patch_size_level0")
+        self.path = "http"
+        self._positions: dict[str, int] | None = None
+        self._attrs: list[dict[str, Any]] | None = listing.attrs
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __repr__(self) -> str:
+        return (f"RemoteBags({self.client.url!r}, {'/'.join(self.key)}, bags={len(self)}, dim={self.dim}, "
+                f"dtype={self.dtype!r})")  # fmt: skip
+
+    # ------------------------------------------------------------------ lookup
+    def index(self, bag_id: str) -> int:
+        """The position of ``bag_id`` in the split's bag order (``BagNotFound`` if none)."""
+        if self._positions is None:
+            self._positions = {bag: i for i, bag in enumerate(self.ids)}
+        try:
+            return self._positions[bag_id]
+        except (KeyError, TypeError):
+            raise fse.BagNotFound(f"no bag {bag_id!r} in {self.client.url} {'/'.join(self.key)} "
+                                  f"({len(self)} bags): see .ids for the ids it holds") from None  # fmt: skip
+
+    def position(self, bag: int | str) -> int:
+        if isinstance(bag, str):
+            return self.index(bag)
+        if isinstance(bag, (bool, float)) or not isinstance(bag, (int, np.integer)):
+            raise fse.InvalidIndices(f"a bag is an int position or a str id, got {type(bag).__name__} {bag!r}")
+        position = int(bag)
+        if not 0 <= position < len(self):
+            raise fse.IndexOutOfRange(f"bag {position} is out of range for {'/'.join(self.key)} with "
+                                      f"{len(self)} bags: use 0 <= i < {len(self)}, or a bag id")  # fmt: skip
+        return position
+
+    @property
+    def num_rows(self) -> int:
+        """Patches over all bags."""
+        return int(self.lengths.sum())
+
+    def label(self, bag: int | str) -> Any:
+        return None if self.labels is None else self.labels[self.position(bag)].item()
+
+    def attrs(self, bag: int | str) -> dict[str, Any]:
+        """One bag's slide attributes (all bags' fetched on first use, one listing request)."""
+        position = self.position(bag)
+        if self._attrs is None:
+            self._attrs = self.client.bags(*self.key, attrs=True).attrs or [{} for _ in self.ids]
+        return dict(self._attrs[position])
+
+    # ------------------------------------------------------------------ reads
+    def read(self, bag: int | str, rows: Any = None) -> tuple[Any, Any]:
+        """``(features [n, D] in the stored dtype, coords [n, 2])`` as torch tensors."""
+        from featurestore.format.dtypes import to_torch
+
+        features, coords = self.read_numpy(bag, rows=rows)
+        return to_torch(features, self.dtype), to_torch(coords, self.coords_dtype)
+
+    def read_numpy(self, bag: int | str, rows: Any = None,
+                   out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """``(features, coords)`` of one bag (or its ``rows``) as numpy; the features are written
+        into ``out`` if given (a C-contiguous ``[n, D]`` array of the storage dtype, e.g. pinned
+        memory), as the local reader does."""
+        position = self.position(bag)
+        length = int(self.lengths[position])
+        bag_id = self.ids[position]
+        selection = _selection(rows, length, bag_id)
+        count = selection.stop - selection.start if isinstance(selection, slice) else len(selection)
+        features, coords = self._outs(out, count)
+        # Pieces that fit the server's byte cap, each one request written in place.
+        step = max(1, self.listing.max_response_bytes // max(self.listing.row_nbytes, 1))
+        path = wire.route(wire.BAG, **self.route, bag_id=bag_id)
+        for lo in range(0, count, step):  # an empty bag: nothing to ask for
+            hi = min(count, lo + step)
+            if isinstance(selection, slice):
+                params = {"start": str(selection.start + lo), "stop": str(selection.start + hi)}
+                self.client.fetch_bag(path, features[lo:hi], coords[lo:hi], self.dtype, self.coords_dtype,
+                                      params=params)  # fmt: skip
+            else:
+                self.client.fetch_bag(path, features[lo:hi], coords[lo:hi], self.dtype, self.coords_dtype,
+                                      indices=selection[lo:hi])  # fmt: skip
+        return features, coords
+
+    def _outs(self, out: np.ndarray | None, count: int) -> tuple[np.ndarray, np.ndarray]:
+        coords = np.empty((count, 2), wire.storage_dtype(self.coords_dtype))
+        if out is None:
+            return np.empty((count, self.dim), self.numpy_dtype), coords
+        if out.shape != (count, self.dim) or out.dtype != self.numpy_dtype or not out.flags.c_contiguous:
+            raise fse.ShapeMismatch(f"out has shape {out.shape} and dtype {out.dtype}; this bag read needs a "
+                                    f"C-contiguous ({count}, {self.dim}) array of {self.numpy_dtype}")  # fmt: skip
+        return out, coords
+
+
+def _selection(rows: Any, length: int, bag_id: str) -> slice | np.ndarray:
+    """``rows`` as a checked ``slice(start, stop)`` or an int64 index array."""
+    if rows is None:
+        return slice(0, length)
+    if isinstance(rows, range):
+        rows = slice(rows.start, rows.stop, rows.step) if rows.step == 1 else np.asarray(rows)
+    if isinstance(rows, slice):
+        start, stop, step = rows.indices(length)
+        if step != 1:
+            return np.arange(start, stop, step, dtype=np.int64)
+        return slice(start, max(start, stop))
+    index = wire.as_index_array(rows)
+    wire.check_bounds(index, length, f"bag {bag_id!r}")
+    return index
