@@ -173,3 +173,18 @@ class StoreUnreachable(FeatureStoreError, OSError):
 
 class MissingDependency(FeatureStoreError, ImportError):
     """An optional dependency (an extra in pyproject.toml) is not installed."""
+
+
+class BagNotFound(FeatureStoreError, KeyError):
+    """A bag id (or bag position) that a bag split does not hold."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep the one clear line
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateBag(FeatureStoreError, ValueError):
+    """A bag id added twice to one bag split (callers skip ``writer.done_ids``)."""
+
+
+class WrongSplitKind(FeatureStoreError, TypeError):
+    """A dense-split operation on a bag split, or a bag operation on a dense split."""

@@ -51,6 +51,11 @@ class Storage:
         it) under ``key``, atomically. A backend that streams may compute the crc as it writes."""
         self.write(key, payload, chunks.crc_bytes(payload))
 
+    def copy(self, source: str, target: str) -> None:
+        """Store the value of ``source`` under ``target`` too, atomically (a bag split's commit
+        moves chunks already in place this way). Locally a hard link: no bytes are copied."""
+        self.write(target, self.read(source))
+
     def exists(self, key: str) -> bool:
         raise NotImplementedError
 
@@ -193,6 +198,27 @@ class LocalStorage(Storage):
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+
+    def copy(self, source: str, target: str) -> None:
+        # A hard link under a temporary name, then the atomic rename over the target: the file is
+        # never modified in place afterwards (every write is temp + rename), so sharing it is safe.
+        path = self._path(target)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = os.path.join(os.path.dirname(path), tmp_name(os.path.basename(path), os.getpid(), uuid.uuid4().hex[:8]))
+        try:
+            os.link(self._path(source), tmp)
+        except OSError as error:
+            if isinstance(error, FileNotFoundError):
+                raise
+            shutil.copyfile(self._path(source), tmp)  # no hard links here (EXDEV, EPERM, some FUSE mounts)
+        try:
             os.replace(tmp, path)
         except BaseException:
             try:

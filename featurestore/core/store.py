@@ -14,6 +14,7 @@ from featurestore.core.storage import Storage, open_storage
 from featurestore.core.writer import SplitWriter
 from featurestore.errors import (
     CacheKeyMismatch,
+    WrongSplitKind,
     DatasetNotFound,
     DtypeMismatch,
     EncoderNotFound,
@@ -114,10 +115,17 @@ class FeatureStore:
     def split_status(self, dataset: str, encoder: str, split: str) -> str:
         return self.split_info(dataset, encoder, split).status
 
+    def split_kind(self, dataset: str, encoder: str, split: str) -> str:
+        """``"dense"`` (``open``) or ``"bags"`` (``open_bags``)."""
+        return self.split_info(dataset, encoder, split).kind
+
     # ------------------------------------------------------------------ reading
     def open(self, dataset: str, encoder: str, split: str, allow_incomplete: bool = False) -> FeatureArray:
         meta = self.split_info(dataset, encoder, split)
         key = self._split_key(dataset, encoder, split)
+        if meta.is_bags:
+            raise WrongSplitKind(f"split {key} is a bag split (ragged per-slide bags): open it with "
+                                 "store.open_bags(...)")
         if not meta.complete and not allow_incomplete:
             raise IncompleteSplit(
                 f"split {key} is not complete (status {meta.status!r}): its writer is still "
@@ -135,7 +143,35 @@ class FeatureStore:
         return FeatureArray(self.storage, key, layout.FEATURES, features_doc,
                             logical_dtype=meta.logical_dtype, metadata=user_meta, labels=labels)
 
+    def open_bags(self, dataset: str, encoder: str, split: str, allow_incomplete: bool = False) -> Any:
+        """A bag split for reading (:class:`featurestore.core.bags.BagSplit`): ``len``, ``ids``,
+        ``lengths``, ``labels``, ``read(i_or_id)``; docs/CORE-API.md."""
+        from featurestore.core.bag_store import open_bags
+
+        return open_bags(self, dataset, encoder, split, allow_incomplete=allow_incomplete)
+
     # ------------------------------------------------------------------ writing
+    def create_bag_split(self, dataset: str, encoder: str, split: str, *, dim: int, dtype: str = "float16",
+                         metadata: dict[str, Any] | None = None, resume: bool = False, overwrite: bool = False,
+                         coords_unit: str | None = "px", coords_dtype: str = "int64",
+                         patch_size_level0: Any = None, label_dtype: Any = None,
+                         chunk_bytes: int = 8 << 20) -> Any:
+        """Create (or resume, or overwrite) a bag split and return its
+        :class:`~featurestore.core.bag_writer.BagWriter` (``add_bag``, ``done_ids``, ``commit``).
+
+        ``coords_unit``: ``"px"`` (level-0 pixels), ``"um"`` or None; ``coords_dtype``: int64,
+        int32, float32 or float64; ``patch_size_level0``: the patch side at level 0, if known;
+        ``label_dtype``: the dtype of per-bag labels (None: inferred from the labels given).
+        ``resume=True`` continues a split (every torchrun rank attaches with it after one
+        created it): ``writer.done_ids`` are the bags already complete. docs/FORMAT.md,
+        "Slide bags"."""
+        from featurestore.core.bag_store import create_bag_split
+
+        return create_bag_split(self, dataset, encoder, split, dim=dim, dtype=dtype, metadata=metadata,
+                                resume=resume, overwrite=overwrite, coords_unit=coords_unit,
+                                coords_dtype=coords_dtype, patch_size_level0=patch_size_level0,
+                                label_dtype=label_dtype, chunk_bytes=chunk_bytes)
+
     def create_split(
         self,
         dataset: str,
@@ -411,6 +447,9 @@ def check_split(doc: dict[str, Any], key: str) -> SplitMetadata:
 
 def check_resumable(meta: SplitMetadata, wanted: SplitMetadata, key: str) -> None:
     """The one check that a run may continue (or re-run into) an existing split."""
+    if meta.is_bags:
+        raise WrongSplitKind(f"split {key} is a bag split, not a dense split: use another split name, "
+                             "or overwrite=True (--overwrite) to replace it")
     old, new = meta.cache_key, wanted.cache_key
     if old and new and old != new:
         raise CacheKeyMismatch(

@@ -14,7 +14,13 @@ import math
 from typing import Any
 
 FORMAT_NAME = "featurestore"
+# Version 1: the store root and dense splits. Version 2 adds bag splits (a split document with
+# ``kind: "bags"``, docs/FORMAT.md "Slide bags"); only bag splits are written as version 2, so a
+# version-1 reader still reads the root and every dense split, and refuses a bag split with
+# UnsupportedFormatVersion instead of misreading it.
 FORMAT_VERSION = 1
+BAGS_FORMAT_VERSION = 2
+READ_FORMAT_VERSION = 2  # the newest version this code reads
 ZARR_JSON = "zarr.json"
 CRC_BYTES = 4
 

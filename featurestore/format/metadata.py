@@ -27,6 +27,9 @@ from featurestore.errors import InvalidMetadata, ShapeMismatch, SplitNotFound, U
 from featurestore.format import dtypes, layout
 from featurestore.format.stats import row_length
 
+DENSE = "dense"
+BAGS = "bags"
+KINDS = (DENSE, BAGS)
 WRITING = "writing"
 COMPLETE = "complete"
 # The generation is 13 hex digits (52 bits): it fits a float64 exactly, so the statistics row
@@ -84,6 +87,10 @@ class SplitMetadata:
     created: str | None = None
     completed: str | None = None
     generation: str | None = None  # None only in splits written before generations existed
+    # "dense" ([N, *sample_shape] samples) or "bags" (ragged per-slide bags, format.bags); a dense
+    # split's document has no "kind" key, as before version 2.
+    kind: str = DENSE
+    bags: dict[str, Any] | None = None  # a bag split's own settings and counts (format.bags)
     extra: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ building
@@ -91,12 +98,14 @@ class SplitMetadata:
     def new(cls, *, dataset: str, encoder_name: str, split: str, num_samples: int,
             sample_shape: Any, logical_dtype: str, chunk_rows: int, compressor: str | None = None,
             labels: LabelSpec | None = None, ids: bool = False, user: dict[str, Any] | None = None,
-            provenance: Provenance | None = None, creator_version: str = "") -> SplitMetadata:
+            provenance: Provenance | None = None, creator_version: str = "",
+            bags: dict[str, Any] | None = None) -> SplitMetadata:
         """A fresh split's metadata (status ``writing``, a new generation), validated.
 
         ``user`` is the ``metadata=`` of ``create_split``: its ``encoder``, ``preprocessing``,
         ``token_layout``, ``cache_key`` and ``source_dtype`` fill those fields, the rest is kept
-        as extra keys. ``provenance`` gives the same fields typed; its values win.
+        as extra keys. ``provenance`` gives the same fields typed; its values win. ``bags`` (the
+        settings of format.bags.bag_spec) makes it a bag split (format version 2).
         """
         user = dict(user or {})
         if provenance is not None:
@@ -110,6 +119,8 @@ class SplitMetadata:
             cache_key=user.pop("cache_key", None),
             creator={"name": "featurestore", "version": creator_version},
             created=_now(), generation=new_generation(), extra=user,
+            kind=DENSE if bags is None else BAGS, bags=bags,
+            format_version=layout.FORMAT_VERSION if bags is None else layout.BAGS_FORMAT_VERSION,
         )
         meta.validate()
         try:  # metadata must be plain JSON: fail here, not at commit
@@ -120,8 +131,16 @@ class SplitMetadata:
 
     def validate(self) -> None:
         dtypes.check_feature_dtype(self.logical_dtype)
-        if not isinstance(self.num_samples, (int, np.integer)) or isinstance(self.num_samples, bool) or self.num_samples < 1:
+        if self.kind not in KINDS:
+            raise InvalidMetadata(f"split kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        # A bag split counts its patch rows in num_samples: 0 until its first commit.
+        least = 0 if self.kind == BAGS else 1
+        if not isinstance(self.num_samples, (int, np.integer)) or isinstance(self.num_samples, bool) or self.num_samples < least:
             raise ShapeMismatch(f"num_samples must be a positive int, got {self.num_samples!r}")
+        if self.kind == BAGS:
+            from featurestore.format import bags
+
+            bags.check_spec(self.bags, len(self.sample_shape))
         if not self.sample_shape or any(not isinstance(s, (int, np.integer)) or s < 1 for s in self.sample_shape):
             raise ShapeMismatch(f"sample_shape must have at least one positive axis (e.g. (tokens, dim)), got {self.sample_shape!r}")
         if not isinstance(self.chunk_rows, (int, np.integer)) or self.chunk_rows < 1:
@@ -140,6 +159,10 @@ class SplitMetadata:
         return self.status == COMPLETE
 
     @property
+    def is_bags(self) -> bool:
+        return self.kind == BAGS
+
+    @property
     def num_chunks(self) -> int:
         return layout.num_chunks(self.num_samples, self.chunk_rows)
 
@@ -153,6 +176,7 @@ class SplitMetadata:
         doc: dict[str, Any] = {
             "format": self.format,
             "format_version": self.format_version,
+            **({"kind": self.kind} if self.kind != DENSE else {}),
             "status": self.status,
             "dataset": self.dataset,
             "encoder_name": self.encoder_name,
@@ -165,6 +189,7 @@ class SplitMetadata:
             "compressor": self.compressor,
             "labels": None if self.labels is None else self.labels.to_json(),
             "ids": self.ids,
+            **({"bags": self.bags} if self.kind != DENSE else {}),
             "encoder": self.encoder,
             "preprocessing": self.preprocessing,
             "token_layout": self.token_layout,
@@ -265,10 +290,10 @@ def seal_problem(raw: bytes, meta: SplitMetadata, index: int) -> str | None:
 def check_version(version: Any, where: str) -> None:
     from featurestore import __version__
 
-    if not isinstance(version, int) or isinstance(version, bool) or version > layout.FORMAT_VERSION or version < 1:
+    if not isinstance(version, int) or isinstance(version, bool) or version > layout.READ_FORMAT_VERSION or version < 1:
         raise UnsupportedFormatVersion(
             f"{where} uses featurestore format version {version!r}, this featurestore "
-            f"({__version__}) reads version {layout.FORMAT_VERSION}: upgrade featurestore"
+            f"({__version__}) reads versions 1 to {layout.READ_FORMAT_VERSION}: upgrade featurestore"
         )
 
 

@@ -1,0 +1,266 @@
+"""A bag split's segments found (resume) and laid out into the final arrays (commit).
+
+``collect`` reads every segment's records (crc32c checked) and keeps the bags whose chunks are
+all on storage: the complete bags, whoever wrote them. ``commit`` orders them by id, writes the
+final ``features`` and ``coords`` chunks (a chunk whose bytes already sit in one segment chunk
+at the same place is linked, not copied: a single writer adding bags in id order rewrites
+nothing), then the index arrays (``offsets``, ``bag_ids``, ``labels``, ``bag_attrs``, sealed
+``bag_stats``), then the split document with ``status: "complete"``, and last deletes the
+segments. A commit killed at any point leaves the split ``writing`` with its segments intact, so
+a resume or another commit redoes it; it is deterministic, so it writes the same bytes again.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from featurestore.core import split_protocol
+from featurestore.core.chunk_puts import ChunkPuts
+from featurestore.core.reader import FeatureArray
+from featurestore.core.storage import Storage
+from featurestore.errors import InvalidLabels
+from featurestore.format import bags, chunks, dtypes, layout
+from featurestore.format.metadata import COMPLETE, SplitMetadata, seal
+from featurestore.format.stats import SOURCE_NAMES, merge_rows, report, row_length
+
+__all__ = ["Collected", "collect", "commit"]
+
+INDEX_CHUNK_BYTES = 8 << 20
+STRING_CHUNK = 65536
+
+
+@dataclass
+class Collected:
+    """The complete bags of a split's segments: id -> (segment, record)."""
+
+    records: dict[str, tuple[str, bags.BagRecord]] = field(default_factory=dict)
+    filled: dict[tuple[str, int], int] = field(default_factory=dict)  # rows held by a segment chunk
+    segments: list[str] = field(default_factory=list)
+    rows: dict[str, int] = field(default_factory=dict)  # a segment's rows (its chunk count * chunk_rows)
+
+
+def collect(storage: Storage, key: str, meta: SplitMetadata) -> Collected:
+    """The complete bags in ``key``'s segments. A bag id found in several segments (two writers
+    given the same bag) is taken from the first segment by name: the same choice every time."""
+    rows = meta.chunk_rows
+    out = Collected()
+    out.segments = [s for s in storage.listdir(f"{key}/{bags.SEGMENTS}") if not s.startswith(".")]
+    for segment in out.segments:
+        base = f"{key}/{bags.SEGMENTS}/{segment}"
+        present = _present_chunks(storage, base, meta)
+        out.rows[segment] = (max(present) + 1) * rows if present else 0
+        indices = sorted(int(n) for n in storage.listdir(f"{base}/{bags.RECORDS}/c") if n.isdigit())
+        keys = [layout.chunk_key(f"{base}/{bags.RECORDS}", i, 1) for i in indices]
+        for index, raw in zip(indices, _read_all(storage, keys)):
+            if raw is None or chunks.check(raw, None) is not None:
+                continue  # a record cut short (it is written atomically: only by damage)
+            try:
+                filled, records = bags.decode_records(raw[: -layout.CRC_BYTES])
+            except ValueError:
+                continue
+            out.filled[(segment, index)] = filled
+            for record in records:
+                if record.bag_id in out.records or not all(c in present for c in record.chunks(rows)):
+                    continue
+                out.records[record.bag_id] = (segment, record)
+    return out
+
+
+def _present_chunks(storage: Storage, base: str, meta: SplitMetadata) -> set[int]:
+    """Segment chunks whose features and coords are both on storage (locally, at full size:
+    ``c/<i>/`` exists from the moment a put starts, the file only once it is renamed)."""
+    present: set[int] | None = None
+    local = storage.local_path(base) is not None
+    for name, nbytes in ((layout.FEATURES, _payload(meta, layout.FEATURES)), (bags.COORDS, _payload(meta, bags.COORDS))):
+        names = {int(n) for n in storage.listdir(f"{base}/{name}/c") if n.isdigit()}
+        if local:
+            names = {i for i in names if storage.size(layout.chunk_key(f"{base}/{name}", i, 2)) == nbytes + layout.CRC_BYTES}
+        present = names if present is None else present & names
+    return present or set()
+
+
+def _payload(meta: SplitMetadata, name: str) -> int:
+    if name == bags.COORDS:
+        return meta.chunk_rows * 2 * np.dtype((meta.bags or {})["coords"]["dtype"]).itemsize
+    return meta.chunk_rows * int(meta.sample_shape[0]) * dtypes.storage_dtype(meta.logical_dtype).itemsize
+
+
+def _read_all(storage: Storage, keys: list[str]) -> list[bytes | None]:
+    try:
+        return list(storage.read_many(keys))
+    except (FileNotFoundError, IsADirectoryError):
+        out: list[bytes | None] = []
+        for k in keys:
+            try:
+                out.append(storage.read(k))
+            except (FileNotFoundError, IsADirectoryError):
+                out.append(None)
+        return out
+
+
+def array_document(meta: SplitMetadata, name: str, rows: int) -> bytes:
+    """The zarr.json of ``features`` or ``coords`` holding ``rows`` rows."""
+    spec = meta.bags or {}
+    if name == bags.COORDS:
+        data_type, width = spec["coords"]["dtype"], 2
+        attrs = {"unit": spec["coords"]["unit"], "patch_size_level0": spec.get("patch_size_level0")}
+    else:
+        data_type, width = dtypes.zarr_data_type(meta.logical_dtype), int(meta.sample_shape[0])
+        attrs = {"logical_dtype": meta.logical_dtype}
+    return layout.array_document(shape=(rows, width), chunk_rows=meta.chunk_rows, data_type=data_type,
+                                 attributes={"featurestore": attrs})
+
+
+def commit(storage: Storage, key: str, meta: SplitMetadata) -> SplitMetadata:
+    """Lay out every complete bag of ``key`` and mark the split complete (module doc)."""
+    split_protocol.check_generation(storage, key, meta)
+    found = collect(storage, key, meta)
+    ids = sorted(found.records)
+    entries = [found.records[i] for i in ids]
+    offsets = bags.offsets_of([r.length for _, r in entries])
+    total = int(offsets[-1])
+    labels = _labels(meta, ids, [r.label for _, r in entries])
+    _write_rows(storage, key, meta, found, entries, offsets, total)
+    dim = int(meta.sample_shape[0])
+    stats = [r.stats for _, r in entries]
+    _write_index(storage, key, meta, ids, offsets, labels, [r.attrs for _, r in entries], stats)
+    total_stats = merge_rows(stats, dim)
+    source = SOURCE_NAMES.get(total_stats.source_code) or meta.source_dtype or meta.logical_dtype
+    folded = report(total_stats, source_dtype=source, logical_dtype=meta.logical_dtype)
+    spec = dict(meta.bags or {})
+    spec["count"] = len(ids)
+    if labels is not None:
+        spec["labels"] = {"dtype": labels.dtype.name}
+    final = meta.replace(status=COMPLETE, completed=_now(), num_samples=total, bags=spec,
+                         source_dtype=source, **folded)
+    # Checked right before the one write that makes the split complete (as a dense commit).
+    split_protocol.check_generation(storage, key, meta)
+    storage.write(f"{key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": final.to_json()}))
+    storage.delete_tree(f"{key}/{bags.SEGMENTS}")
+    return final
+
+
+def _labels(meta: SplitMetadata, ids: list[str], values: list[Any]) -> np.ndarray | None:
+    given = [v for v in values if v is not None]
+    declared = (meta.bags or {}).get("labels")
+    if not given and declared is None:
+        return None
+    missing = [i for i, v in zip(ids, values) if v is None]
+    if missing:
+        raise InvalidLabels(f"cannot commit {key_of(meta)}: {len(missing)} of {len(ids)} bags have no label "
+                            f"(first: {missing[0]!r}); add labels to every bag or to none (resume the split "
+                            "and overwrite, or give the missing labels)")
+    if declared is not None:
+        dtype = np.dtype(declared["dtype"])
+    else:
+        dtype = np.dtype(np.float64 if any(isinstance(v, float) for v in given) else np.int64)
+    return np.asarray(given, dtype)
+
+
+def key_of(meta: SplitMetadata) -> str:
+    return layout.split_key(meta.dataset, meta.encoder_name, meta.split)
+
+
+def _write_rows(storage: Storage, key: str, meta: SplitMetadata, found: Collected,
+                entries: list[tuple[str, bags.BagRecord]], offsets: np.ndarray, total: int) -> None:
+    rows, dim = meta.chunk_rows, int(meta.sample_shape[0])
+    pieces = [bags.Piece(int(offsets[i]), segment, r.start, r.length)
+              for i, (segment, r) in enumerate(entries) if r.length]
+    sources: dict[tuple[str, str], FeatureArray] = {}
+
+    def source(segment: str, name: str) -> FeatureArray:
+        if (segment, name) not in sources:
+            base = f"{key}/{bags.SEGMENTS}/{segment}"
+            logical = meta.logical_dtype if name == layout.FEATURES else (meta.bags or {})["coords"]["dtype"]
+            sources[(segment, name)] = FeatureArray(storage, base, name, layout.load_document(
+                array_document(meta, name, found.rows[segment])),
+                                                    logical_dtype=logical, metadata={"status": "complete"})
+        return sources[(segment, name)]
+
+    coords_dtype = np.dtype((meta.bags or {})["coords"]["dtype"])
+    puts = ChunkPuts(storage, key)
+    try:
+        for index, parts in enumerate(bags.chunk_pieces(pieces, total, rows)):
+            split_protocol.check_generation(storage, key, meta)
+            place = bags.in_place(parts, index, rows, total, found.filled)
+            if place is not None:
+                segment, at = place
+                base = f"{key}/{bags.SEGMENTS}/{segment}"
+                for name in (bags.COORDS, layout.FEATURES):
+                    storage.copy(layout.chunk_key(f"{base}/{name}", at, 2), layout.chunk_key(f"{key}/{name}", index, 2))
+                continue
+            features = np.zeros((rows, dim), dtypes.storage_dtype(meta.logical_dtype))
+            coords = np.zeros((rows, 2), coords_dtype)
+            lo = index * rows
+            for part in parts:
+                where = np.arange(part.seg_start, part.seg_start + part.length, dtype=np.int64)
+                at = slice(part.start - lo, part.start - lo + part.length)
+                source(part.segment, layout.FEATURES).read_numpy(where, out=features[at])
+                source(part.segment, bags.COORDS).read_numpy(where, out=coords[at])
+            puts.submit(index, [(bags.COORDS, coords, None), (layout.FEATURES, features, None)])
+    finally:
+        puts.close()
+    for name in (layout.FEATURES, bags.COORDS):
+        storage.write(f"{key}/{name}/{layout.ZARR_JSON}", array_document(meta, name, total))
+
+
+def _write_index(storage: Storage, key: str, meta: SplitMetadata, ids: list[str], offsets: np.ndarray,
+                 labels: np.ndarray | None, attrs: list[str], stats: list[np.ndarray]) -> None:
+    n = len(ids)
+    _put_array(storage, f"{key}/{bags.OFFSETS}", offsets, attributes={"featurestore": {
+        "description": "bag i is rows offsets[i]:offsets[i+1] of features and coords"}})
+    storage.delete_tree(f"{key}/{layout.LABELS}")
+    if labels is not None:
+        _put_array(storage, f"{key}/{layout.LABELS}", labels)
+    width = row_length(int(meta.sample_shape[0])) + (2 if meta.generation is not None else 0)
+    sealed = np.zeros((n, width), np.float64)
+    for i, row in enumerate(stats):
+        sealed[i] = seal(row, meta, i)
+    _put_array(storage, f"{key}/{bags.BAG_STATS}", sealed, attributes={"featurestore": {
+        "description": "per-bag statistics rows, sealed (generation, bag index); see docs/FORMAT.md"}})
+    _put_strings(storage, f"{key}/{bags.BAG_IDS}", ids)
+    _put_strings(storage, f"{key}/{bags.BAG_ATTRS}", attrs)
+
+
+def _put_array(storage: Storage, array_key: str, values: np.ndarray, attributes: dict[str, Any] | None = None) -> None:
+    """A small array in featurestore's own chunk encoding (raw little-endian rows + crc32c)."""
+    values = np.ascontiguousarray(values, values.dtype.newbyteorder("<"))
+    row_bytes = max(1, values[:1].nbytes if len(values) else values.dtype.itemsize * int(np.prod(values.shape[1:])))
+    chunk_rows = max(1, min(max(1, len(values)), INDEX_CHUNK_BYTES // row_bytes))
+    storage.delete_tree(array_key)
+    storage.write(f"{array_key}/{layout.ZARR_JSON}", layout.array_document(
+        shape=values.shape, chunk_rows=chunk_rows, data_type=values.dtype.name, attributes=attributes))
+    for index in range(layout.num_chunks(len(values), chunk_rows)):
+        part = values[index * chunk_rows : (index + 1) * chunk_rows]
+        if len(part) < chunk_rows:  # edge chunks at full shape, padded with 0 (as zarr writes them)
+            padded = np.zeros((chunk_rows, *values.shape[1:]), values.dtype)
+            padded[: len(part)] = part
+            part = padded
+        storage.write_sealed(layout.chunk_key(array_key, index, values.ndim), chunks.encode(part, None))
+
+
+def _put_strings(storage: Storage, array_key: str, values: list[str]) -> None:
+    """A zarr ``string`` array (vlen-utf8), written by zarr-python: every Zarr v3 reader reads it."""
+    import zarr
+
+    storage.delete_tree(array_key)
+    array = zarr.create_array(store=storage.zarr_store(read_only=False), name=array_key, shape=(len(values),),
+                              dtype=str, chunks=(max(1, min(len(values), STRING_CHUNK)),), overwrite=True)
+    if values:
+        array[:] = np.asarray(values, dtype=object)
+
+
+def read_strings(storage: Storage, array_key: str) -> list[str]:
+    import zarr
+
+    array = zarr.open_array(store=storage.zarr_store(), path=array_key, mode="r")
+    return [str(v) for v in array[:]] if array.shape[0] else []
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+

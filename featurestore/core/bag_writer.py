@@ -1,0 +1,221 @@
+"""BagWriter: one writer session of a bag split, appending whole bags to its own segment.
+
+Made by :meth:`featurestore.FeatureStore.create_bag_split` (docs/FORMAT.md, "Slide bags"). Each
+session writes to a segment of its own (``<split>/segments/<random name>/``), so writers of one
+split (torchrun ranks, a resume beside a still-running run) never touch the same keys. Rows are
+appended chunk by chunk (the split's chunk geometry); a full chunk goes to the put pool
+(featurestore.core.chunk_puts: coords chunk, features chunk, then the chunk's record naming the
+bags that end in it), the partial last chunk is put by ``close``/``commit``.
+
+A bag is complete once its record and every chunk its rows lie in are on storage. Each is one
+atomic put, so after a SIGKILL at any moment a resume (``resume=True``, featurestore.core.bag_commit
+finds them) counts exactly the complete bags in ``done_ids`` and the caller re-adds the rest;
+rows of incomplete bags stay unreferenced in their segment and vanish at commit.
+
+What ``add_bag`` accepts is what a dense ``write()`` accepts (featurestore.core.intake: the same
+precision policy, overflow guard and statistics), plus coordinates, a label and attributes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import numpy as np
+
+from featurestore.core import bag_commit, intake, split_protocol
+from featurestore.core.chunk_puts import ChunkPuts
+from featurestore.core.storage import Storage
+from featurestore.errors import (
+    DtypeMismatch,
+    DuplicateBag,
+    FeatureStoreError,
+    ShapeMismatch,
+    SplitExists,
+    SplitTakenOver,
+    WriterClosed,
+)
+from featurestore.format import bags, dtypes, layout
+from featurestore.format.metadata import SplitMetadata
+from featurestore.format.stats import SOURCE_CODES, ChunkStats, RowStats, fold_rows
+
+
+class BagWriter:
+    """Adds bags to one bag split; see the module doc and docs/CORE-API.md."""
+
+    def __init__(self, storage: Storage, key: str, metadata: SplitMetadata, *, done_ids: set[str]) -> None:
+        self._storage = storage
+        self._key = key
+        self._meta = metadata
+        self.dim: int = int(metadata.sample_shape[0])
+        self.dtype: str = metadata.logical_dtype
+        self.chunk_rows: int = metadata.chunk_rows
+        spec = metadata.bags or {}
+        self.coords_dtype = np.dtype(spec["coords"]["dtype"])
+        label = spec.get("labels")
+        self.label_dtype = None if label is None else np.dtype(label["dtype"])
+        self._done = set(done_ids)  # complete on storage when this session started
+        self._added: set[str] = set()  # added by this session
+        self.segment = uuid.uuid4().hex[:16]
+        self._segment_key = f"{key}/{bags.SEGMENTS}/{self.segment}"
+        self._puts = ChunkPuts(storage, self._segment_key)
+        self._chunk = 0  # index of the segment chunk being filled
+        self._fill = 0  # rows in it so far
+        self._pending: list[bags.BagRecord] = []  # bags whose last row is in it
+        self._features, self._coords = self._new_buffers()
+        self._closed = metadata.complete
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def metadata(self) -> SplitMetadata:
+        return self._meta
+
+    @property
+    def generation(self) -> str | None:
+        return self._meta.generation
+
+    @property
+    def done_ids(self) -> set[str]:
+        """Bags already complete (found on storage when this writer opened, or added by it)."""
+        return self._done | self._added
+
+    def add_bag(self, bag_id: str, features: Any, coords: Any = None, label: Any = None,
+                attrs: dict[str, Any] | None = None) -> None:
+        """Add one bag: ``features`` [n, dim] (torch tensor on any device, or array-like; n may be
+        0), ``coords`` [n, 2] (None: stored as -1, or NaN for float coordinates), a numeric
+        ``label`` and a dict of JSON ``attrs``. Everything is checked before anything of the bag
+        is buffered: a refused bag leaves nothing behind."""
+        bag_id = bags.check_bag_id(bag_id)
+        self._check_open(bag_id)
+        if bag_id in self._done or bag_id in self._added:
+            raise DuplicateBag(f"bag {bag_id!r} is already in split {self._key}: skip the ids in "
+                               "writer.done_ids, or overwrite the split")
+        split_protocol.explain_put_failure(self._puts.raise_error, self._check_generation)
+        source = intake.as_source(features)
+        if source.ndim != 2 or int(source.shape[1]) != self.dim:
+            raise ShapeMismatch(f"bag {bag_id!r}: features of shape {tuple(source.shape)} do not match "
+                                f"this split's [n, {self.dim}]: pass one row per patch")
+        count = int(source.shape[0])
+        coord_rows = self._check_coords(bag_id, coords, count)
+        value = self._check_label(bag_id, label)
+        attributes = bags.attrs_json(attrs)
+        if count:
+            try:
+                batch = intake.prepare(source, self.dtype, self.dim, 0, private=False)
+            except FeatureStoreError as error:
+                raise type(error)(f"bag {bag_id!r}: {error}") from None
+            stored, stats = batch.stored, fold_rows(batch.rows, 1, SOURCE_CODES[batch.kind])
+        else:
+            stored, stats = None, fold_rows(RowStats.zeros(0, self.dim), 1, 0)
+        start = self._chunk * self.chunk_rows + self._fill
+        done = 0
+        while done < count:
+            if self._fill == self.chunk_rows:
+                self._emit()
+            take = min(count - done, self.chunk_rows - self._fill)
+            assert stored is not None
+            self._features[self._fill : self._fill + take] = stored[done : done + take]
+            self._coords[self._fill : self._fill + take] = coord_rows[done : done + take]
+            self._fill += take
+            done += take
+        self._pending.append(bags.BagRecord(bag_id, start, count, value, attributes, _stats_row(stats)))
+        self._added.add(bag_id)
+
+    def close(self) -> None:
+        """Put the partial last chunk and its record, and wait for every put of this session.
+        Does not commit: several writers close, then one commits."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._fill or self._pending:
+                self._emit()
+        finally:
+            split_protocol.explain_put_failure(self._puts.close, self._check_generation)
+
+    def commit(self) -> dict[str, Any]:
+        """Close this session, then lay out every complete bag of every session in id order,
+        write the index and mark the split complete (featurestore.core.bag_commit). Call it once,
+        after every writer of the split has closed. Returns the split's final metadata."""
+        if self._meta.complete:
+            return self._meta.to_json()
+        self.close()
+        self._meta = bag_commit.commit(self._storage, self._key, self._meta)
+        return self._meta.to_json()
+
+    def __enter__(self) -> BagWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ input checks
+    def _check_open(self, bag_id: str) -> None:
+        if self._meta.complete:
+            raise SplitExists(f"split {self._key} is complete ({(self._meta.bags or {}).get('count')} bags): "
+                              f"bag {bag_id!r} cannot be added to it; overwrite the split (overwrite=True, "
+                              "--overwrite) to rewrite it with more bags")
+        if self._closed:
+            raise WriterClosed(f"writer for {self._key} is closed: open it again with resume=True")
+
+    def _check_coords(self, bag_id: str, coords: Any, count: int) -> np.ndarray:
+        if coords is None:
+            fill = np.nan if self.coords_dtype.kind == "f" else bags.NO_COORD_INT
+            return np.full((count, 2), fill, self.coords_dtype)
+        rows = dtypes.as_numpy(coords)
+        if rows.shape != (count, 2):
+            raise ShapeMismatch(f"bag {bag_id!r}: coords of shape {tuple(rows.shape)} for {count} feature rows: "
+                                f"pass [{count}, 2] coordinates, one (x, y) per patch")
+        if rows.dtype == self.coords_dtype:
+            return rows
+        if rows.dtype.kind not in "iuf":
+            raise DtypeMismatch(f"bag {bag_id!r}: coords of dtype {rows.dtype} are not numbers")
+        cast = rows.astype(self.coords_dtype)
+        if not np.array_equal(cast, rows, equal_nan=self.coords_dtype.kind == "f" and rows.dtype.kind == "f"):
+            raise DtypeMismatch(f"bag {bag_id!r}: coords of dtype {rows.dtype} do not fit the split's coords_dtype "
+                                f"{self.coords_dtype} exactly: create the split with coords_dtype='{rows.dtype}'")
+        return cast
+
+    def _check_label(self, bag_id: str, label: Any) -> int | float | None:
+        if label is None:
+            return None
+        value = dtypes.as_numpy(label)
+        if value.shape != () or value.dtype.kind not in "iufb":
+            raise ShapeMismatch(f"bag {bag_id!r}: label {label!r} is not one number: pass an int or float per bag")
+        item: int | float = float(value) if value.dtype.kind == "f" else int(value)
+        if self.label_dtype is not None and np.asarray(item).astype(self.label_dtype) != item:
+            raise DtypeMismatch(f"bag {bag_id!r}: label {item!r} does not fit the split's label_dtype {self.label_dtype}")
+        return item
+
+    # ------------------------------------------------------------------ segment chunks
+    def _new_buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        # Fresh zeroed buffers per chunk: a submitted chunk belongs to the put pool until stored,
+        # and the partial last chunk's tail must be the fill value 0 (as zarr pads).
+        return (np.zeros((self.chunk_rows, self.dim), dtypes.storage_dtype(self.dtype)),
+                np.zeros((self.chunk_rows, 2), self.coords_dtype))
+
+    def _emit(self) -> None:
+        """Hand the current chunk (if it holds rows) and its record to the put pool."""
+        self._check_generation()
+        puts: list[Any] = []
+        if self._fill:
+            puts.append((bags.COORDS, self._coords, None))
+            puts.append((layout.FEATURES, self._features, None))
+        # The record comes last: the pool puts one chunk's arrays in order.
+        puts.append((bags.RECORDS, bags.encode_records(self._pending, self._fill), None))
+        self._puts.submit(self._chunk, puts)
+        self._chunk += 1
+        self._fill = 0
+        self._pending = []
+        self._features, self._coords = self._new_buffers()
+
+    def _check_generation(self) -> None:
+        try:
+            split_protocol.check_generation(self._storage, self._key, self._meta)
+        except SplitTakenOver:
+            self._closed = True
+            raise
+
+
+def _stats_row(stats: ChunkStats) -> np.ndarray:
+    return stats.to_row()

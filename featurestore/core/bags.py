@@ -1,0 +1,134 @@
+"""BagSplit: the read side of a bag split (``store.open_bags``), over the dense reader's paths.
+
+The index (``offsets``, ``bag_ids``, ``labels``) is read once when the split is opened (a few
+small arrays: no scan of the rows). One bag is rows ``offsets[i]:offsets[i + 1]`` of ``features``
+and ``coords``, read by :class:`featurestore.core.reader.FeatureArray` like any dense rows: memory
+map or concurrent preads locally, one ranged read per chunk the bag spans on object storage, each
+chunk's crc32c checked on its first read per process (featurestore.core.checked).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from featurestore.core.bag_commit import read_strings
+from featurestore.core.reader import FeatureArray
+from featurestore.core.storage import Storage
+from featurestore.errors import BagNotFound, IndexOutOfRange, InvalidIndices, ShapeMismatch
+from featurestore.format import bags, dtypes, layout
+from featurestore.format.metadata import SplitMetadata
+
+
+class BagSplit:
+    """The bags of one split: ``len``, ``ids``, ``lengths``, ``labels``, ``read(i_or_id)``."""
+
+    def __init__(self, storage: Storage, key: str, meta: SplitMetadata,
+                 documents: dict[str, dict[str, Any]]) -> None:
+        self._storage = storage
+        self.key = key
+        self.metadata: dict[str, Any] = meta.to_json()
+        self.dim: int = int(meta.sample_shape[0])
+        self.dtype: str = meta.logical_dtype
+        spec = meta.bags or {}
+        self.coords_unit: str | None = spec["coords"]["unit"]
+        self.coords_dtype: str = spec["coords"]["dtype"]
+        self.patch_size_level0: Any = spec.get("patch_size_level0")
+        self.features = FeatureArray(storage, key, layout.FEATURES, documents[layout.FEATURES],
+                                     logical_dtype=self.dtype, metadata=self.metadata)
+        self.coords = FeatureArray(storage, key, bags.COORDS, documents[bags.COORDS],
+                                   logical_dtype=self.coords_dtype, metadata=self.metadata)
+        offsets = _whole(storage, key, bags.OFFSETS, documents[bags.OFFSETS], "int64", self.metadata)
+        self.offsets: np.ndarray = offsets
+        self.lengths: np.ndarray = np.diff(offsets).astype(np.int64)
+        self.ids: list[str] = read_strings(storage, f"{key}/{bags.BAG_IDS}")
+        labels_doc = documents.get(layout.LABELS)
+        self.labels: np.ndarray | None = None
+        if labels_doc is not None:
+            self.labels = _whole(storage, key, layout.LABELS, labels_doc, labels_doc["data_type"], self.metadata)
+        self._attrs: list[str] | None = None
+        self._positions: dict[str, int] | None = None
+
+    # ------------------------------------------------------------------ index
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __repr__(self) -> str:
+        return f"BagSplit({self.key!r}, bags={len(self)}, rows={int(self.offsets[-1])}, dim={self.dim}, dtype={self.dtype!r})"
+
+    @property
+    def num_rows(self) -> int:
+        """Patches over all bags."""
+        return int(self.offsets[-1])
+
+    def index(self, bag_id: str) -> int:
+        """The position of ``bag_id`` (:class:`BagNotFound` if the split has no such bag)."""
+        if self._positions is None:
+            self._positions = {bag: i for i, bag in enumerate(self.ids)}
+        try:
+            return self._positions[bag_id]
+        except (KeyError, TypeError):
+            sample = ", ".join(repr(b) for b in self.ids[:3]) + (", ..." if len(self) > 3 else "")
+            raise BagNotFound(f"no bag {bag_id!r} in {self.key} ({len(self)} bags: {sample or 'none'}): "
+                              "check the id (bags.ids lists them)") from None
+
+    def position(self, i_or_id: int | str) -> int:
+        if isinstance(i_or_id, str):
+            return self.index(i_or_id)
+        if isinstance(i_or_id, (bool, np.bool_)) or not isinstance(i_or_id, (int, np.integer)):
+            raise InvalidIndices(f"a bag is named by its position (int) or id (str), got {type(i_or_id).__name__}")
+        if not 0 <= int(i_or_id) < len(self):
+            raise IndexOutOfRange(f"bag position {int(i_or_id)} is outside [0, {len(self)}) of {self.key}")
+        return int(i_or_id)
+
+    def attrs(self, i_or_id: int | str) -> dict[str, Any]:
+        """The bag's attributes (slide attributes kept by import, or ``add_bag(attrs=)``)."""
+        i = self.position(i_or_id)
+        if self._attrs is None:
+            self._attrs = read_strings(self._storage, f"{self.key}/{bags.BAG_ATTRS}")
+        return json.loads(self._attrs[i])
+
+    def label(self, i_or_id: int | str) -> Any:
+        return None if self.labels is None else self.labels[self.position(i_or_id)].item()
+
+    # ------------------------------------------------------------------ reads
+    def rows_of(self, i_or_id: int | str, rows: Any = None) -> np.ndarray:
+        """Row positions in ``features``/``coords`` of the bag (or of its ``rows`` subset)."""
+        i = self.position(i_or_id)
+        start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
+        if rows is None:
+            return np.arange(start, stop, dtype=np.int64)
+        subset = np.asarray(rows)
+        if subset.ndim != 1 or (subset.size and subset.dtype.kind not in "iu"):
+            raise InvalidIndices(f"rows must be a 1-D integer array of positions within the bag, got {subset.dtype} {subset.shape}")
+        subset = subset.astype(np.int64, copy=False)
+        if subset.size and (subset.min() < 0 or subset.max() >= stop - start):
+            raise IndexOutOfRange(f"rows [{int(subset.min())}, {int(subset.max())}] are outside bag "
+                                  f"{self.ids[i]!r} of {stop - start} rows")
+        return start + subset
+
+    def read_numpy(self, i_or_id: int | str, rows: Any = None, out: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """``(features [n, dim], coords [n, 2])`` of one bag in the storage dtypes (bfloat16 as its
+        uint16 bits); ``rows``: positions within the bag (e.g. a sorted sample for max_patches);
+        ``out``: a C-contiguous ``[n, dim]`` buffer for the features (pinned memory)."""
+        index = self.rows_of(i_or_id, rows)
+        if out is not None and (out.shape != (len(index), self.dim) or not out.flags.c_contiguous):
+            raise ShapeMismatch(f"out has shape {out.shape}; this bag read needs a C-contiguous ({len(index)}, {self.dim}) array")
+        features = self.features.read_numpy(index, out=out)
+        return features, self.coords.read_numpy(index)
+
+    def read(self, i_or_id: int | str, rows: Any = None) -> tuple[Any, Any]:
+        """``(features, coords)`` as torch tensors: features in the stored dtype (torch.bfloat16
+        for bfloat16), coords in the split's coords dtype."""
+        features, coords = self.read_numpy(i_or_id, rows)
+        return dtypes.to_torch(features, self.dtype), dtypes.to_torch(coords, self.coords_dtype)
+
+
+def _whole(storage: Storage, key: str, name: str, doc: dict[str, Any], logical: str,
+           metadata: dict[str, Any]) -> np.ndarray:
+    """A small index array read whole, through the checked reader."""
+    array = FeatureArray(storage, key, name, doc, logical_dtype=logical, metadata=metadata)
+    return array.read_numpy(np.arange(len(array), dtype=np.int64)).copy()
