@@ -8,8 +8,8 @@ that drops specks, both smaller than about a quarter of a patch side.
 ``all`` keeps every grid patch. A patch is kept when the mean of the mask over its footprint is
 at least ``--min-tissue``.
 
-numpy and Pillow only (Pillow comes with openslide-python): its median, min and max filters are
-the median blur and the binary erosion and dilation, in C.
+numpy and Pillow only (Pillow comes with openslide-python, and its median filter is in C); the
+binary erosion and dilation are separable running windows in numpy.
 """
 
 from __future__ import annotations
@@ -74,10 +74,31 @@ def tissue_mask(rgb: np.ndarray, px_per_patch: float = MASK_PX_PER_PATCH) -> tup
     sat = Image.fromarray(saturation(rgb)).filter(ImageFilter.MedianFilter(MEDIAN_SIZE))
     values = np.asarray(sat)
     threshold = max(otsu_threshold(values), MIN_SATURATION)
-    mask = Image.fromarray(((values >= threshold) * 255).astype(np.uint8))
-    closed = mask.filter(ImageFilter.MaxFilter(size)).filter(ImageFilter.MinFilter(size))
-    opened = closed.filter(ImageFilter.MinFilter(size)).filter(ImageFilter.MaxFilter(size))
-    return np.asarray(opened) > 0, threshold
+    mask = values >= threshold
+    closed = _erode(_dilate(mask, size), size)
+    return _dilate(_erode(closed, size), size), threshold
+
+
+def _window(mask: np.ndarray, size: int, reduce: Any, fill: bool) -> np.ndarray:
+    """A square ``size`` window's ``reduce`` (np.any: dilation, np.all: erosion), separably: rows
+    then columns, O(size) per pixel. Pixels past the edge count as ``fill``."""
+    half = size // 2
+    out = mask
+    for axis in (0, 1):
+        pad = [(0, 0), (0, 0)]
+        pad[axis] = (half, half)
+        padded = np.pad(out, pad, constant_values=fill)
+        out = reduce(np.lib.stride_tricks.sliding_window_view(padded, size, axis=axis), axis=-1)
+    return out
+
+
+def _dilate(mask: np.ndarray, size: int) -> np.ndarray:
+    return _window(mask, size, np.any, False)
+
+
+def _erode(mask: np.ndarray, size: int) -> np.ndarray:
+    # Past the edge counts as tissue here, so tissue touching the border is not eaten away.
+    return _window(mask, size, np.all, True)
 
 
 def patch_fractions(mask: np.ndarray, coords: np.ndarray, patch_size_level0: int, scale: tuple[float, float]) -> np.ndarray:

@@ -6,9 +6,12 @@ Two map-style datasets, each behind its own DataLoader:
   level, the thumbnail's tissue mask, the kept grid patches) or a :class:`Skipped` with the one
   line that says why. Planning is per slide and independent of the run (workers, ranks, resume),
   so the same slide always gets the same patches.
-* :class:`PatchReader`, item :class:`PatchKey` -> ``(key, image [3, P, P] float32)`` or a
+* :class:`PatchReader`, item :class:`PatchKey` -> ``(key, image uint8 [3, P, P])`` or a
   :class:`Skipped` for that key's slide: one ``read_region`` at the plan's level, resized when the
-  level does not match the target scale, normalised like every source (``sources.Preprocessing``).
+  level does not match the target scale (bilinear, antialiased, rounded back to uint8). Patches
+  cross from the workers as uint8, a quarter of float32's bytes; :func:`to_encoder` makes them
+  floats and normalises them on the encoder's device (``sources.Preprocessing.normalize``: the
+  same float32 operations as every other source's preprocessing).
   Each worker keeps a few slides open, with a small OpenSlide tile cache each (OpenSlide's cache
   otherwise grows per handle: MSKCC MIL #5).
 
@@ -28,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from featurestore.errors import FeatureStoreError
 from featurestore.extract.sources import Preprocessing
@@ -129,11 +133,24 @@ class SlidePlanner(torch.utils.data.Dataset):  # type: ignore[type-arg]
             return Skipped(position, ref, f"cannot read slide {ref.path!r}: {type(error).__name__}: {error}")
 
 
-class PatchReader(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Item ``key`` -> ``(key, image)``; a read failure becomes ``Skipped`` for the key's slide."""
+def resize_uint8(image: torch.Tensor, size: int) -> torch.Tensor:
+    """``uint8 [3, h, w]`` -> ``uint8 [3, size, size]``: bilinear with antialiasing (as
+    ``Preprocessing`` resizes), rounded back to uint8."""
+    x = F.interpolate(image[None].float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    return x[0].round_().clamp_(0, 255).to(torch.uint8)
 
-    def __init__(self, patch_size: int, mean: tuple[float, float, float], std: tuple[float, float, float]) -> None:
-        self.preprocessing = Preprocessing(resize=(patch_size, patch_size), mean=mean, std=std)
+
+def to_encoder(images: torch.Tensor, preprocessing: Preprocessing, device: torch.device) -> torch.Tensor:
+    """A uint8 batch ``[B, 3, P, P]`` -> normalised float32 on ``device``."""
+    x = images.to(device, non_blocking=True).float() / 255.0
+    return preprocessing.normalize(x)
+
+
+class PatchReader(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Item ``key`` -> ``(key, uint8 image)``; a read failure becomes ``Skipped`` for the key's slide."""
+
+    def __init__(self, patch_size: int) -> None:
+        self.patch_size = patch_size
         self._open: OrderedDict[str, Any] = OrderedDict()
 
     def _slide(self, path: str) -> Any:
@@ -149,8 +166,10 @@ class PatchReader(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, key: PatchKey) -> tuple[PatchKey, torch.Tensor] | Skipped:
         try:
-            image, _ = self.preprocessing.apply(self.read(key))
-            return key, image
+            image = torch.from_numpy(self.read(key)).permute(2, 0, 1)
+            if key.read_size != self.patch_size:
+                image = resize_uint8(image, self.patch_size)
+            return key, image.contiguous()
         except Exception as error:  # a damaged tile: the slide is skipped, the cohort goes on
             self._open.pop(key.path, None)
             ref = SlideRef("", key.path)
@@ -166,7 +185,7 @@ def identity(item: Any) -> Any:
 @dataclass
 class PatchBatch:
     keys: list[PatchKey]
-    images: torch.Tensor  # [len(keys), 3, P, P]
+    images: torch.Tensor  # uint8 [len(keys), 3, P, P]
     skipped: list[Skipped]  # slides whose patch failed to read in this batch
 
 
@@ -202,4 +221,4 @@ class PatchBatches:
 
 
 __all__ = ["PatchBatch", "PatchBatches", "PatchKey", "PatchReader", "Patching", "Skipped", "SlidePlan",
-           "SlidePlanner", "collate_patches", "identity", "plan_slide"]
+           "SlidePlanner", "collate_patches", "identity", "plan_slide", "resize_uint8", "to_encoder"]

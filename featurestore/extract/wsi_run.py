@@ -36,7 +36,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from featurestore.core import fused_stats
@@ -53,6 +52,7 @@ from featurestore.errors import (
 from featurestore.extract.dist import Coordinator, coordinator_from_env
 from featurestore.extract.encoders import Encoder, EncoderError, load_encoder, resolve_layout
 from featurestore.extract.plan import check_chunk_mb
+from featurestore.extract.sources import Preprocessing
 from featurestore.extract.run import (
     _autocast,
     _check_first_sample_fits,
@@ -73,6 +73,7 @@ from featurestore.extract.wsi_patches import (
     SlidePlanner,
     collate_patches,
     identity,
+    to_encoder,
 )
 from featurestore.extract.workers import DieWithParent
 from featurestore.extract.writer_thread import WriterThread
@@ -213,6 +214,7 @@ class _Prepared:
     labels: dict[str, int | float] | None
     label_dtype: str | None
     patching: Patching
+    preprocessing: Preprocessing
     encoder: Encoder
     embedding: Embedding
     device: torch.device
@@ -257,11 +259,12 @@ def _prepare(opts: SlideOptions, coord: Coordinator) -> _Prepared:
     device = resolve_device(opts.device, coord.local_rank)
     encoder.to(device)
     precision = resolve_precision(opts.precision, device)
-    reader = PatchReader(opts.patch_size, opts.mean or encoder.mean, opts.std or encoder.std)
+    size = opts.patch_size
+    preprocessing = Preprocessing(resize=(size, size), mean=opts.mean or encoder.mean, std=opts.std or encoder.std)
     # A white patch through the encoder: its output shape, dtype and width, before any slide or storage.
-    white, _ = reader.preprocessing.apply(np.full((opts.patch_size, opts.patch_size, 3), 255, np.uint8))
+    white = to_encoder(torch.full((1, 3, size, size), 255, dtype=torch.uint8), preprocessing, device)
     with torch.inference_mode(), _autocast(device, precision):
-        out = encoder(white[None].to(device), vectors=True)
+        out = encoder(white, vectors=True)
     embedding = _embedding(encoder, out, opts.patch_size, opts)
     sample = embedding.select(out)
     if not bool(torch.isfinite(sample).all()):
@@ -270,21 +273,22 @@ def _prepare(opts: SlideOptions, coord: Coordinator) -> _Prepared:
     output_dtype = str(sample.dtype).removeprefix("torch.")
     dtype = resolve_dtype(opts.dtype, output_dtype)
     _check_first_sample_fits(sample, dtype, opts.encoder)
-    preprocessing = {**reader.preprocessing.to_dict(), "patching": patching.to_dict(),
-                     "read": "OpenSlide read_region at the level, transparent pixels on white"}
-    key_parts = {"weights_hash": encoder.weights_hash, "preprocessing": preprocessing,
+    recorded = {**preprocessing.to_dict(), "resize_mode": "bilinear-antialias, rounded to uint8",
+                "patching": patching.to_dict(),
+                "read": "OpenSlide read_region at the level, transparent pixels on white"}
+    key_parts = {"weights_hash": encoder.weights_hash, "preprocessing": recorded,
                  "tokens": embedding.to_dict(), "precision": precision, "dtype": dtype}
     cache_key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()
     metadata = {
         "encoder": {"name": encoder_name, "spec": opts.encoder, "weights_hash": encoder.weights_hash,
                     "output_dtype": output_dtype, "precision": precision},
-        "preprocessing": preprocessing, "token_layout": embedding.to_dict(), "cache_key": cache_key,
+        "preprocessing": recorded, "token_layout": embedding.to_dict(), "cache_key": cache_key,
         "source_dtype": output_dtype,
         "source": {"spec": opts.images, "kind": "wsi", "slides": len(refs), "batch_size": opts.batch_size,
                    "labels": None if labels is None else {"kind": "bag_label", "dtype": label_dtype}},
     }
-    return _Prepared(refs, labels, label_dtype, patching, encoder, embedding, device, precision, dtype,
-                     int(sample.shape[-1]), encoder_name, metadata)
+    return _Prepared(refs, labels, label_dtype, patching, preprocessing, encoder, embedding, device, precision,
+                     dtype, int(sample.shape[-1]), encoder_name, metadata)
 
 
 def _create(opts: SlideOptions, prep: _Prepared, store: Any, *, resume: bool, overwrite: bool) -> Any:
@@ -335,7 +339,7 @@ def _encode_slides(opts: SlideOptions, prep: _Prepared, writer: Any, mine: list[
         worker_init_fn=init)
     plans: dict[int, SlidePlan | Skipped] = {}
     batches = PatchBatches(plan_loader, opts.batch_size, lambda plan: plans.__setitem__(plan.position, plan))
-    reader = PatchReader(opts.patch_size, opts.mean or prep.encoder.mean, opts.std or prep.encoder.std)
+    reader = PatchReader(opts.patch_size)
     # batch_sampler: PatchBatches is iterated here, on this thread, lazily (a generator, no len).
     loader = torch.utils.data.DataLoader(
         reader, batch_sampler=batches, num_workers=workers, collate_fn=collate_patches,  # type: ignore[arg-type]
@@ -416,7 +420,7 @@ def _encode_batch(batch: PatchBatch, prep: _Prepared, batch_size: int, pieces: d
     if n < batch_size:  # one shape for every call: see the module docstring
         images = torch.cat([images, images.new_zeros((batch_size - n, *images.shape[1:]))])
     with _autocast(prep.device, prep.precision):
-        out = prep.encoder(images.to(prep.device, non_blocking=True), vectors=True)
+        out = prep.encoder(to_encoder(images, prep.preprocessing, prep.device), vectors=True)
     if prep.embedding.tokens is not None and (out.ndim != 3 or out.shape[1] != prep.embedding.tokens):
         raise EncoderError(f"encoder {prep.encoder.spec} returned shape {list(out.shape)} for a batch of patches, "
                            f"but {prep.embedding.tokens} tokens for the first one")
