@@ -278,3 +278,42 @@ def test_records_round_trip() -> None:
     record = bag_format.BagRecord("../x", 5, 3, 1, "{}", np.arange(4, dtype=np.float64))
     filled, [back] = bag_format.decode_records(bag_format.encode_records([record], 8).tobytes())
     assert filled == 8 and back.bag_id == "../x" and back.start == 5 and np.array_equal(back.stats, record.stats)
+
+
+def test_verify_clean_and_damaged(tmp_path: Any) -> None:
+    from featurestore.core.verify import verify_store
+
+    write(tmp_path, make_bags(), dtype="bfloat16")
+    store = open_store(str(tmp_path))
+    [check] = verify_store(store).checks
+    assert check.problems == [] and check.chunks_checked > 10
+    top = tmp_path / "ds" / "enc" / "train"
+    # two features chunks of different bags swapped: each crc32c still valid, the bags' means differ
+    a, b = top / "features" / "c" / "0" / "0", top / "features" / "c" / "7" / "0"
+    raw_a, raw_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(raw_b)
+    b.write_bytes(raw_a)
+    [check] = verify_store(store).checks
+    assert any("do not match its statistics row" in p for p in check.problems)
+    a.write_bytes(raw_a)
+    b.write_bytes(raw_b)
+    # a flipped byte in coords, and offsets that disagree with the features
+    coords = top / "coords" / "c" / "0" / "0"
+    raw = bytearray(coords.read_bytes())
+    raw[3] ^= 1
+    coords.write_bytes(bytes(raw))
+    [check] = verify_store(store).checks
+    assert any("coords/c/0/0: crc32c mismatch" in p for p in check.problems)
+
+
+def test_ls_info_verify_cli(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from featurestore.cli import main
+
+    write(tmp_path, make_bags())
+    assert main(["ls", str(tmp_path)]) == 0
+    assert "7 bags, 97x8" in capsys.readouterr().out
+    assert main(["info", str(tmp_path), "ds", "enc", "train"]) == 0
+    out = capsys.readouterr().out
+    assert "bags: 7" in out and "patches: 97" in out and "dim: 8" in out
+    assert main(["verify", str(tmp_path)]) == 0
+    assert "ds/enc/train: ok" in capsys.readouterr().out

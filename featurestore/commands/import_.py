@@ -19,7 +19,15 @@ def register(subparsers: Any) -> None:
         description="Write an existing feature cache into a split of a store, streaming (one batch in "
         "RAM) and resumable: a directory of one .pt/.npy file per sample, an HDF5 file (one [N, ...] "
         "dataset or one dataset per sample), or a [N, ...] torch tensor / .npy file. Same precision "
-        "policy (--dtype) and quantization report as extract.",
+        "policy (--dtype) and quantization report as extract. "
+        "Slide bags: a directory of per-slide .h5 files (TRIDENT/CLAM 'features' + 'coords' in level-0 "
+        "pixels, STAMP 'feats' + 'coords' in micrometres), a CLAM job directory (h5_files/, else "
+        "pt_files/) or CLAM's pt_files/ (features only) becomes a bag split: one bag per file, id = "
+        "file name without extension, the file's attributes kept per bag, one slide in RAM at a time; "
+        "--labels CSV gives bag labels (columns slide_id,label; text labels become class indices, "
+        "names in the metadata's label_names); --resume (or a re-run) skips the bags already complete. "
+        "A malformed file (no features dataset, coords of another length, another dim, a truncated h5) "
+        "stops the import with one line naming it; bags already imported are kept.",
     )
     p.add_argument("source", metavar="SOURCE", help="DIR | FILE.h5 | FILE.pt | FILE.npy")
     req = p.add_argument_group("required")
@@ -30,7 +38,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
                    help="storage dtype; auto: float16/bfloat16 kept, float32 -> float16 under the overflow guard")
     p.add_argument("--labels", metavar="FILE_OR_KEY",
-                   help="labels [N, ...]: a .npy/.pt file, or a dataset name in the HDF5 source")
+                   help="labels [N, ...]: a .npy/.pt file, or a dataset name in the HDF5 source; "
+                   "for slide bags a CSV with columns slide_id,label")
+    p.add_argument("--bags", action="store_true",
+                   help="read a directory of .pt files as one bag per file (automatic for .h5 files, "
+                   "h5_files/ and pt_files/)")
     p.add_argument("--key", help="the features inside the source: HDF5 dataset/group name, or dict key of a .pt")
     p.add_argument("--prefix-tokens", type=int, default=0,
                    help="CLS/register tokens before the patch grid in each sample (default 0)")
@@ -59,10 +71,12 @@ def run(args: argparse.Namespace) -> int:
         split=args.split, dtype=args.dtype, labels=args.labels, key=args.key, prefix_tokens=args.prefix_tokens,
         grid=tuple(args.grid) if args.grid else None, batch_size=args.batch_size, chunk_mb=args.chunk_mb,
         resume=args.resume, overwrite=args.overwrite, storage_options=storage_options(args.storage_options),
-        progress=not args.no_progress, verify_chunks=args.verify_chunks)
+        progress=not args.no_progress, verify_chunks=args.verify_chunks, bags=args.bags)
     with store_errors(args.store):
         result = import_cache(options)
     meta = result.metadata
+    if meta.get("kind") == "bags":
+        return _report_bags(result)
     shape = "x".join(str(s) for s in [result.num_samples, *meta.get("sample_shape", [])])
     if result.status == "already-complete":
         print(f"split {result.key} is already complete with the same cache key ({shape} "
@@ -73,4 +87,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"quantization: {quantization_line(q)}")
     print(f"imported {result.key}: {shape} {meta.get('logical_dtype')}, {result.imported} samples written in "
           f"{result.seconds:.1f}s, status {meta.get('status')}", flush=True)
+    return 0
+
+
+def _report_bags(result: Any) -> int:
+    meta = result.metadata
+    what = (f"{meta['bags']['count']} bags, {meta['num_samples']} patches x {meta['sample_shape'][0]} "
+            f"{meta.get('logical_dtype')}")
+    if result.status == "already-complete":
+        print(f"bag split {result.key} is already complete with the same cache key ({what}): nothing "
+              "to do (--overwrite to redo it)")
+        return 0
+    q = meta.get("quantization") or {}
+    if q:
+        print(f"quantization: {quantization_line(q)}")
+    print(f"imported {result.key}: {what}, {result.imported} bags written in {result.seconds:.1f}s, "
+          f"status {meta.get('status')}", flush=True)
     return 0

@@ -62,8 +62,10 @@ def _run_ls(args: argparse.Namespace) -> int:
         shape = [meta.num_samples, *meta.sample_shape]
         itemsize = dtypes.storage_dtype(meta.logical_dtype).itemsize
         nbytes = itemsize * math.prod(shape)
-        rows.append((f"{ds}/{enc}/{sp}", meta.status, "x".join(map(str, shape)),
-                     meta.logical_dtype, _size(nbytes)))
+        text = "x".join(map(str, shape))
+        if meta.is_bags:  # bag count, patch rows x dim (before the first commit: not counted yet)
+            text = f"{(meta.bags or {}).get('count', 0)} bags, {text}" if meta.complete else f"bags, dim {shape[1]}"
+        rows.append((f"{ds}/{enc}/{sp}", meta.status, text, meta.logical_dtype, _size(nbytes)))
     if not rows:
         print(f"{store.url}: empty store")
         return 0
@@ -72,6 +74,22 @@ def _run_ls(args: argparse.Namespace) -> int:
     for row in [header, *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     return 0
+
+
+def _bag_lines(meta: Any) -> list[tuple[str, Any]]:
+    """info's lines for a bag split, in place of the dense shape."""
+    spec = meta.bags or {}
+    coords = spec.get("coords") or {}
+    counted = meta.complete
+    return [
+        ("kind", "bags (ragged per-slide bags; store.open_bags)"),
+        ("bags", spec.get("count") if counted else "not counted until commit"),
+        ("patches", meta.num_samples if counted else "not counted until commit"),
+        ("dim", meta.sample_shape[0]),
+        ("coords", f"{coords.get('unit')} ({coords.get('dtype')}), patch size at level 0 "
+                   f"{spec.get('patch_size_level0')}"),
+        ("bag labels", spec.get("labels")),
+    ]
 
 
 def run_info(args: argparse.Namespace) -> int:
@@ -94,7 +112,7 @@ def _run_info(args: argparse.Namespace) -> int:
         ("status", meta.status),
         ("shape", f"[{meta.num_samples}, {', '.join(map(str, meta.sample_shape))}]"),
         ("dtype", f"{meta.logical_dtype} (source {meta.source_dtype})"),
-        ("chunks", f"{meta.chunk_rows} samples per chunk, compressor {meta.compressor}"),
+        ("chunks", f"{meta.chunk_rows} {'rows' if meta.is_bags else 'samples'} per chunk, compressor {meta.compressor}"),
         ("labels", meta.labels.to_json() if meta.labels else None),
         ("encoder", f"{encoder.get('name')} spec={encoder.get('spec')} weights={encoder.get('weights_hash')}"),
         ("token layout", meta.token_layout),
@@ -105,6 +123,9 @@ def _run_info(args: argparse.Namespace) -> int:
     ]
     if q:
         lines.append(("quantization", quantization_line(q)))
+    if meta.is_bags:
+        lines = [line for line in lines if line[0] != "labels"]
+        lines[2:3] = _bag_lines(meta)
     for name, value in lines:
         print(f"{name:>14}: {value}")
     return 0

@@ -244,12 +244,15 @@ def _put_array(storage: Storage, array_key: str, values: np.ndarray, attributes:
 
 
 def _put_strings(storage: Storage, array_key: str, values: list[str]) -> None:
-    """A zarr ``string`` array (vlen-utf8), written by zarr-python: every Zarr v3 reader reads it."""
+    """A zarr ``string`` array (vlen-utf8, then crc32c), written by zarr-python: every Zarr v3 reader reads it."""
     import zarr
+    from zarr.codecs import Crc32cCodec
 
     storage.delete_tree(array_key)
+    # crc32c after the vlen-utf8 serializer: zarr checks it on every decode, verify reads it too.
     array = zarr.create_array(store=storage.zarr_store(read_only=False), name=array_key, shape=(len(values),),
-                              dtype=str, chunks=(max(1, min(len(values), STRING_CHUNK)),), overwrite=True)
+                              dtype=str, chunks=(max(1, min(len(values), STRING_CHUNK)),),
+                              compressors=[Crc32cCodec()], overwrite=True)
     if values:
         array[:] = np.asarray(values, dtype=object)
 

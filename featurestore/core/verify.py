@@ -11,7 +11,8 @@ What is checked (docs/FORMAT.md, "Guarantees"):
 * every statistics row carries the split's generation and its own chunk index (the seal), and
   its row count and per-channel means match the features chunk beside it, so a chunk file moved,
   swapped or left by another run of the split is found even though its own crc32c is valid;
-* a directory under a reserved name (featurestore.format.names) is reported: readers skip it.
+* a directory under a reserved name (featurestore.format.names) is reported: readers skip it;
+* a bag split: its own checks (featurestore.core.bag_verify).
 
 Every problem is listed; nothing stops at the first one. Temporary files of writers killed
 mid-put are listed apart, as leftovers (featurestore.core.leftovers): not damage, since nothing
@@ -120,6 +121,11 @@ def verify_split(store: FeatureStore, dataset: str, encoder: str, split: str) ->
         return SplitCheck(key=key, status="unreadable", problems=[f"{key}/{layout.ZARR_JSON}: {error}"])
     result = SplitCheck(key=key, status=meta.status)
     if not meta.complete:
+        return result
+    if meta.is_bags:
+        from featurestore.core.bag_verify import verify_bags
+
+        verify_bags(store, key, meta, result)
         return result
     _check_documents(store, key, meta, result.problems)
     stats_rows: dict[int, np.ndarray] = {}

@@ -6,6 +6,8 @@ Caches people already hold, read without loading them whole:
   natural name order (``2.pt`` before ``10.pt``); the file stems become the sample ids;
 - an **HDF5 file** (THUNDER-style; needs h5py) with one ``[N, ...]`` dataset, or one dataset per
   sample (in a group, natural name order, names -> ids);
+- a directory of **per-slide files** (TRIDENT/CLAM/STAMP ``.h5``, CLAM ``pt_files/``): a bag split,
+  one bag per slide (extract/bag_import.py, readers in extract/slide_files.py);
 - a **tensor file**: ``torch.save`` of one ``[N, ...]`` tensor (the ``torch.cat`` cache of a probe),
   memory-mapped (``torch.load(mmap=True)``), or a ``.npy`` ``[N, ...]`` array (``mmap_mode="r"``).
 
@@ -31,6 +33,7 @@ from featurestore.extract.caches import ArraySource, CacheSource, open_cache, op
 from featurestore.extract.input_check import refuse_changed_inputs_of
 from featurestore.extract.plan import check_chunk_mb, chunk_rows_for
 from featurestore.extract.run import resolve_dtype
+from featurestore.extract.slide_files import SlideFiles, find_slides
 from featurestore.extract.sources import SourceError
 from featurestore.format.names import validate_name
 
@@ -56,6 +59,7 @@ class ImportOptions:
     storage_options: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
     verify_chunks: bool = False  # re-read and check every chunk of an existing split (the repair)
+    bags: bool = False  # read a directory of .pt files as one bag per file (CLAM pt_files under another name)
 
 
 @dataclass
@@ -96,6 +100,13 @@ def import_cache(opts: ImportOptions) -> ImportResult:
     if opts.resume and opts.overwrite:
         raise SourceError("--resume and --overwrite exclude each other: choose one")
     check_chunk_mb(opts.chunk_mb)
+    slides = find_slides(opts.source, force=opts.bags)
+    if slides is not None:  # per-slide files (TRIDENT, CLAM, STAMP): one bag per file
+        from featurestore.extract.bag_import import import_bags
+
+        return import_bags(opts, SlideFiles(*slides))
+    if opts.bags:
+        raise SourceError(f"--bags: {opts.source!r} is not a directory of per-slide .h5 or .pt files")
     started = time.perf_counter()
     source = open_cache(opts.source, opts.key, opts.labels)
     labels = open_labels(opts.labels, source)

@@ -1,0 +1,148 @@
+"""``featurestore import DIR`` for per-slide files: one bag per slide, streaming and resumable.
+
+Called by :func:`featurestore.extract.importer.import_cache` when the source directory holds
+per-slide feature files (featurestore.extract.slide_files). Every file's header is checked
+first (features dataset, one dim, coords of the features' length, a label for each slide when
+``--labels`` is given), so a malformed file stops the import before anything is written. Then
+slides go to the bag writer one at a time (host RAM: one bag), in name order, skipping the ids
+already complete (``--resume``, or a re-run). A file that fails while being read (a truncated
+h5) stops the import with one line naming it; the bags already added are kept (the writer is
+closed, not committed), and a rerun with ``--resume`` goes on from them.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from featurestore.errors import DatasetNotFound, EncoderNotFound, InvalidLabels, SplitExists, SplitNotFound
+from featurestore.extract.slide_files import SlideFileError, SlideFiles
+
+__all__ = ["import_bags", "read_label_csv"]
+
+
+def import_bags(opts: Any, files: SlideFiles) -> Any:
+    """Write ``files`` as a bag split (``opts``: importer.ImportOptions); an ImportResult."""
+    from featurestore import open_store
+    from featurestore.extract.importer import ImportResult
+    from featurestore.extract.run import resolve_dtype
+
+    started = time.perf_counter()
+    headers = [files.header(slide) for slide in files.slides]
+    first = headers[0]
+    for slide, header in zip(files.slides, headers):
+        if header.dim != first.dim:
+            raise SlideFileError(f"{slide.path!r} has features of dim {header.dim}, but {files.slides[0].path!r} has "
+                                 f"{first.dim}: one bag split holds one encoder's features (split the directory)")
+        if header.coords != first.coords or header.unit != first.unit:
+            raise SlideFileError(f"{slide.path!r} has {'coords in ' + header.unit if header.coords else 'no coords'}, "
+                                 f"but {files.slides[0].path!r} has {'coords in ' + first.unit if first.coords else 'no coords'}: "
+                                 "one bag split has one coordinate convention")
+    labels, label_names, label_digest = (None, None, None)
+    if opts.labels:
+        labels, label_names, label_digest = read_label_csv(opts.labels, [s.bag_id for s in files.slides])
+    settings = files.settings(first, files.slides[0])
+    dtype = resolve_dtype(opts.dtype, first.dtype)
+    fingerprint = {"source": files.fingerprint(), "labels": label_digest}
+    cache_key = hashlib.sha256(json.dumps({"import-bags": fingerprint, "dtype": dtype, **settings},
+                                          sort_keys=True).encode()).hexdigest()
+    metadata: dict[str, Any] = {
+        "encoder": {"name": opts.encoder_name, "spec": f"import:{files.spec}", "weights_hash": None,
+                    "output_dtype": first.dtype, "precision": None},
+        "source_dtype": first.dtype,
+        "cache_key": cache_key,
+        "source": {"spec": files.spec, "format": f"slide-{files.kind}", "fingerprint": fingerprint,
+                   "num_bags": len(files), "labels": opts.labels},
+    }
+    if label_names is not None:
+        metadata["label_names"] = label_names
+    store = open_store(opts.store, mode="a", **opts.storage_options)
+    key = f"{opts.dataset}/{opts.encoder_name}/{opts.split}"
+    resume = opts.resume
+    if not opts.overwrite:
+        try:
+            existing = store.split_info(opts.dataset, opts.encoder_name, opts.split)
+        except (DatasetNotFound, EncoderNotFound, SplitNotFound):
+            existing = None
+        if existing is not None:
+            if not existing.complete and not opts.resume:
+                raise SplitExists(f"split {key} exists but is incomplete (status {existing.status!r}): "
+                                  "pass --resume to continue it or --overwrite to start over")
+            resume = True  # create_bag_split compares cache keys and settings
+    writer = store.create_bag_split(
+        opts.dataset, opts.encoder_name, opts.split, dim=first.dim, dtype=dtype, metadata=metadata,
+        resume=resume, overwrite=opts.overwrite, label_dtype="int64" if label_names is not None else None,
+        chunk_bytes=int(opts.chunk_mb * (1 << 20)), **settings)
+    if writer.metadata.complete:
+        return ImportResult("already-complete", key, len(files), metadata=writer.metadata.to_json())
+    imported = _copy(files, writer, labels, opts)
+    meta = writer.commit()
+    return ImportResult("complete", key, len(files), imported, time.perf_counter() - started, meta)
+
+
+def _copy(files: SlideFiles, writer: Any, labels: dict[str, Any] | None, opts: Any) -> int:
+    from tqdm import tqdm
+
+    done = writer.done_ids
+    pending = [s for s in files.slides if s.bag_id not in done]
+    bar = tqdm(total=len(pending), unit="slide", desc="import", disable=True if not opts.progress else None,
+               file=sys.stderr, dynamic_ncols=True)
+    try:
+        for slide in pending:
+            features, coords, attrs = files.read(slide)
+            if coords is not None and len(coords) != len(features):
+                raise SlideFileError(f"{slide.path!r}: coords of {len(coords)} rows for {len(features)} feature rows")
+            writer.add_bag(slide.bag_id, features, coords=coords,
+                           label=None if labels is None else labels[slide.bag_id], attrs=attrs)
+            bar.update(1)
+    except BaseException:
+        writer.close()  # the complete bags stay: a rerun with --resume goes on from them
+        raise
+    finally:
+        bar.close()
+    return len(pending)
+
+
+def read_label_csv(path: str, bag_ids: list[str]) -> tuple[dict[str, Any], list[str] | None, str]:
+    """``(labels by bag id, class names or None, digest)`` from a CSV with ``slide_id`` and
+    ``label`` columns. Numbers are kept; text labels become class indices in sorted name order
+    (the names go to the split metadata as ``label_names``). A slide id may carry its file
+    extension (``TCGA-xx.svs``). Every bag needs a label."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            raw = f.read()
+    except OSError as error:
+        raise InvalidLabels(f"cannot read the labels CSV {path!r} ({error.strerror or error})") from None
+    rows = list(csv.DictReader(raw.splitlines()))
+    columns = set(rows[0]) if rows else set()
+    if not {"slide_id", "label"} <= columns:
+        raise InvalidLabels(f"labels CSV {path!r} needs the columns slide_id,label (it has: "
+                            f"{', '.join(sorted(c for c in columns if c)) or 'none'})")
+    given: dict[str, str] = {}
+    for row in rows:
+        slide, value = (row["slide_id"] or "").strip(), (row["label"] or "").strip()
+        for name in {slide, os.path.splitext(slide)[0]}:
+            given.setdefault(name, value)
+    missing = [b for b in bag_ids if not given.get(b)]
+    if missing:
+        raise InvalidLabels(f"labels CSV {path!r} has no (or an empty) label for slide {missing[0]!r}"
+                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                            + ": add a slide_id,label row for each slide, or move the slide out of the directory")
+    values = [given[b] for b in bag_ids]
+    names = None
+    parsed: list[Any]
+    try:
+        parsed = [int(v) for v in values]
+    except ValueError:
+        try:
+            parsed = [float(v) for v in values]
+        except ValueError:
+            names = sorted(set(values))
+            parsed = [names.index(v) for v in values]
+    digest = hashlib.sha256(raw.encode()).hexdigest()
+    return dict(zip(bag_ids, parsed)), names, digest

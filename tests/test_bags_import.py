@@ -1,0 +1,201 @@
+"""``featurestore import DIR`` of per-slide files (TRIDENT, CLAM, STAMP) as a bag split."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from featurestore import open_store
+from featurestore.cli import main
+
+DIM = 16
+
+
+def trident_dir(root: Path, lengths: dict[str, int], dtype: Any = np.float16, seed: int = 0) -> dict[str, Any]:
+    """One h5 per slide as TRIDENT writes it: features (h5 chunks of one row), coords int64 + attrs."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for slide, n in lengths.items():
+        features = rng.standard_normal((n, DIM)).astype(dtype)
+        coords = rng.integers(0, 50_000, (n, 2)).astype(np.int64)
+        with h5py.File(root / f"{slide}.h5", "w") as f:
+            f.create_dataset("features", data=features, chunks=(1, DIM) if n else None)
+            ds = f.create_dataset("coords", data=coords)
+            ds.attrs.update({"patch_size": 256, "patch_size_level0": 512, "level0_magnification": 40,
+                             "target_magnification": 20, "name": slide})
+            f["features"].attrs["encoder"] = "uni_v1"
+        out[slide] = (features, coords)
+    return out
+
+
+def run_import(source: Path, store: Path, *extra: str, split: str = "train") -> int:
+    return main(["import", str(source), "--store", str(store), "--dataset", "ds", "--encoder-name", "enc",
+                 "--split", split, "--no-progress", *extra])
+
+
+def test_trident_directory_with_labels(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = trident_dir(tmp_path / "features_uni", {"TCGA-02": 40, "TCGA-01": 7, "empty-slide": 0, "TCGA-10": 130})
+    (tmp_path / "labels.csv").write_text("case_id,slide_id,label\nc,TCGA-01.svs,LUAD\nc,TCGA-02,LUSC\n"
+                                         "c,TCGA-10,LUAD\nc,empty-slide,LUSC\nc,unused,LUAD\n")
+    assert run_import(tmp_path / "features_uni", tmp_path / "store", "--labels", str(tmp_path / "labels.csv"),
+                      "--chunk-mb", "0.001") == 0
+    out = capsys.readouterr().out
+    assert "imported ds/enc/train: 4 bags, 177 patches x 16 float16" in out
+    bags = open_store(str(tmp_path / "store")).open_bags("ds", "enc", "train")
+    assert bags.ids == sorted(data) and bags.metadata["label_names"] == ["LUAD", "LUSC"]
+    assert bags.coords_unit == "px" and bags.patch_size_level0 == 512 and bags.metadata["quantization"]["exact"]
+    for slide, (features, coords) in data.items():
+        got, got_coords = bags.read_numpy(slide)
+        np.testing.assert_array_equal(got, features)
+        np.testing.assert_array_equal(got_coords, coords)
+        assert bags.label(slide) == (0 if slide in ("TCGA-01", "TCGA-10") else 1)
+    attrs = bags.attrs("TCGA-02")
+    assert attrs["source_file"] == "TCGA-02.h5" and attrs["coords"]["level0_magnification"] == 40
+    assert attrs["features"] == {"encoder": "uni_v1"}
+    # a re-run is a no-op
+    assert run_import(tmp_path / "features_uni", tmp_path / "store", "--labels", str(tmp_path / "labels.csv"),
+                      "--chunk-mb", "0.001") == 0
+    assert "already complete" in capsys.readouterr().out
+
+
+def test_stamp_feats_and_micrometre_coords(tmp_path: Path) -> None:
+    source = tmp_path / "stamp"
+    source.mkdir()
+    rng = np.random.default_rng(1)
+    feats = rng.standard_normal((9, DIM)).astype(np.float16)
+    coords = (rng.random((9, 2)) * 1e4).astype(np.float32)
+    with h5py.File(source / "slide-a.h5", "w") as f:
+        f["feats"], f["coords"] = feats, coords
+        f.attrs.update({"unit": "um", "tile_size_um": 256.0, "tile_size_px": 224, "extractor": "ctranspath"})
+    assert run_import(source, tmp_path / "store") == 0
+    bags = open_store(str(tmp_path / "store")).open_bags("ds", "enc", "train")
+    assert bags.coords_unit == "um" and bags.coords_dtype == "float32" and bags.patch_size_level0 == 256
+    got, got_coords = bags.read_numpy("slide-a")
+    np.testing.assert_array_equal(got, feats)
+    np.testing.assert_array_equal(got_coords, coords)
+    assert bags.attrs("slide-a")["root"]["extractor"] == "ctranspath"
+
+
+def test_clam_job_and_pt_files(tmp_path: Path) -> None:
+    job = tmp_path / "clam"
+    data = trident_dir(job / "h5_files", {"s1": 5, "s2": 8}, dtype=np.float32)
+    (job / "pt_files").mkdir()
+    for slide, (features, _) in data.items():
+        torch.save(torch.from_numpy(features), job / "pt_files" / f"{slide}.pt")
+    assert run_import(job, tmp_path / "store", "--dtype", "float32") == 0  # h5_files first: it has coords
+    bags = open_store(str(tmp_path / "store")).open_bags("ds", "enc", "train")
+    np.testing.assert_array_equal(bags.read_numpy("s2")[1], data["s2"][1])
+    assert run_import(job / "pt_files", tmp_path / "store", "--dtype", "float32", split="pt") == 0
+    bags = open_store(str(tmp_path / "store")).open_bags("ds", "enc", "pt")
+    assert bags.coords_unit is None and bags.ids == ["s1", "s2"]
+    np.testing.assert_array_equal(bags.read_numpy("s1")[0], data["s1"][0])
+    assert (bags.read_numpy("s1")[1] == -1).all()
+
+
+@pytest.mark.parametrize("damage", ["no-features", "coords-length", "mixed-dims", "truncated", "missing-label"])
+def test_malformed_file_is_one_line_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str) -> None:
+    source = tmp_path / "src"
+    trident_dir(source, {"a": 4, "b": 5, "c": 6})
+    bad = source / "b.h5"
+    extra: list[str] = []
+    if damage == "no-features":
+        with h5py.File(bad, "w") as f:
+            f["coords"] = np.zeros((3, 2), np.int64)
+    elif damage == "coords-length":
+        with h5py.File(bad, "w") as f:
+            f["features"], f["coords"] = np.zeros((3, DIM), np.float16), np.zeros((2, 2), np.int64)
+    elif damage == "mixed-dims":
+        with h5py.File(bad, "w") as f:
+            f["features"], f["coords"] = np.zeros((3, DIM + 1), np.float16), np.zeros((3, 2), np.int64)
+    elif damage == "truncated":
+        raw = bad.read_bytes()
+        bad.write_bytes(raw[: len(raw) // 2])
+    else:
+        (tmp_path / "labels.csv").write_text("slide_id,label\na,1\nc,0\n")
+        extra = ["--labels", str(tmp_path / "labels.csv")]
+    assert run_import(source, tmp_path / "store", *extra) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "b.h5" in err or "'b'" in err
+
+
+def test_truncated_file_met_while_reading_keeps_earlier_bags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A file whose header reads but whose rows do not: the bags before it stay, --resume goes on."""
+    source = tmp_path / "src"
+    data = trident_dir(source, {"a": 300, "b": 300, "c": 300})
+    bad = source / "b.h5"
+    with h5py.File(bad, "w") as f:  # gzip chunks: garbage in one fails its inflate on read
+        f.create_dataset("features", data=data["b"][0], chunks=(1, DIM), compression="gzip")
+        f["coords"] = data["b"][1]
+    good = bad.read_bytes()
+    with h5py.File(bad, "r") as f:
+        info = f["features"].id.get_chunk_info(150)
+    raw = bytearray(good)
+    raw[info.byte_offset : info.byte_offset + info.size] = b"\xff" * info.size
+    bad.write_bytes(bytes(raw))
+    code = run_import(source, tmp_path / "store", "--chunk-mb", "0.001")
+    err = capsys.readouterr().err
+    assert code == 1 and "b.h5" in err
+    store = open_store(str(tmp_path / "store"), mode="a")
+    writer = store.create_bag_split("ds", "enc", "train", dim=DIM, resume=True, chunk_bytes=int(0.001 * (1 << 20)),
+                                    patch_size_level0=512)
+    assert writer.done_ids == {"a"}
+    writer.close()
+    bad.write_bytes(good)
+    assert run_import(source, tmp_path / "store", "--chunk-mb", "0.001", "--resume") == 0
+    bags = store.open_bags("ds", "enc", "train")
+    assert bags.ids == ["a", "b", "c"]
+    np.testing.assert_array_equal(bags.read_numpy("b")[0], data["b"][0])
+
+
+_CHILD = """
+import sys
+from featurestore.cli import main
+sys.exit(main(["import", sys.argv[1], "--store", sys.argv[2], "--dataset", "ds", "--encoder-name", "enc",
+               "--split", "train", "--no-progress", "--chunk-mb", "0.002"]))
+"""
+
+
+def test_sigkill_during_import_then_resume(tmp_path: Path) -> None:
+    """Killed once some bags are on storage: the resume keeps them, adds the rest, no duplicates."""
+    lengths = {f"slide-{i:03d}": 20 + (i * 37) % 90 for i in range(150)}
+    data = trident_dir(tmp_path / "src", lengths)
+    store_path = tmp_path / "store"
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path / "src"), str(store_path)],
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    split = store_path / "ds" / "enc" / "train"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and child.poll() is None:
+        segments = split / "segments"
+        records = [p for p in segments.glob("*/records/c/*")] if segments.exists() else []
+        if len(records) >= 3:
+            break
+        time.sleep(0.002)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert child.returncode == -signal.SIGKILL, "the import finished before it could be killed"
+    store = open_store(str(store_path), mode="a")
+    assert store.split_status("ds", "enc", "train") == "writing"
+    writer = store.create_bag_split("ds", "enc", "train", dim=DIM, resume=True, chunk_bytes=int(0.002 * (1 << 20)),
+                                    patch_size_level0=512)
+    kept = writer.done_ids
+    writer.close()
+    assert 0 < len(kept) < len(lengths)
+    assert run_import(tmp_path / "src", store_path, "--chunk-mb", "0.002", "--resume") == 0
+    bags = store.open_bags("ds", "enc", "train")
+    assert bags.ids == sorted(lengths) and len(set(bags.ids)) == len(bags.ids)
+    for slide in list(lengths)[::15]:
+        np.testing.assert_array_equal(bags.read_numpy(slide)[0], data[slide][0])
+        np.testing.assert_array_equal(bags.read_numpy(slide)[1], data[slide][1])
+    assert main(["verify", str(store_path)]) == 0
