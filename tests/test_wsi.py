@@ -84,6 +84,9 @@ def test_slide_list_csv_ids_and_labels(tmp_path: Path) -> None:
     refs = list_slides(str(tmp_path / "list.csv"))
     assert [(r.id, r.path, r.label) for r in refs] == [("a", "/abs/a.svs", "0"),
                                                       ("case-2", str(tmp_path / "b.tiff"), "1")]
+    (tmp_path / "nolabelid.csv").write_text("path,label\nb.tiff,1\n")
+    with pytest.raises(SlideError, match="label column but no slide_id column"):
+        list_slides(str(tmp_path / "nolabelid.csv"))
     (tmp_path / "dup.csv").write_text("path\nx/s.svs\ny/s.svs\n")
     with pytest.raises(SlideError, match="share the bag id 's'"):
         list_slides(str(tmp_path / "dup.csv"))

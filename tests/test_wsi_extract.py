@@ -27,6 +27,7 @@ from test_extract import cli_env, run_cli  # noqa: E402
 
 import featurestore  # noqa: E402
 from featurestore.demo.slides import write_cohort, write_slide  # noqa: E402
+from featurestore.errors import InvalidOption  # noqa: E402
 from featurestore.extract.dist import Coordinator  # noqa: E402
 from featurestore.extract.encoders import TinyViT  # noqa: E402
 from featurestore.extract.wsi import Target, list_slides  # noqa: E402
@@ -129,6 +130,7 @@ def test_one_bag_per_slide_with_plan_coords_and_attrs(cohort: Path, reference: P
         assert np.array_equal(coords.numpy(), plan.coords)
         assert (len(plan) == 0) == (ref.id == "blank")
     meta = bags.metadata
+    assert [s["id"] for s in meta["skipped"]] == ["junk"] and "not a slide" in meta["skipped"][0]["reason"]
     assert meta["token_layout"]["tokens"] == "cls" and meta["token_layout"]["encoder_prefix_tokens"] == 3
     assert meta["preprocessing"]["patching"]["tissue"] == "otsu"
     assert meta["bags"]["coords"] == {"unit": "px", "dtype": "int64"}
@@ -147,24 +149,23 @@ def test_cli_skips_bad_slides_by_name_and_exits_3(cohort: Path, reference: Path,
     assert again.returncode == 0 and "already complete" in again.stdout
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--images", "wsi:/nonexistent/slides"], "slide path '/nonexistent/slides' does not exist"),
-    (["--magnification", "80"], "--magnification 80 is finer than the scan's 20x"),
-    (["--tokens", "patch"], "--tokens 'patch' does not apply to slides"),
-])
-def test_cli_errors_are_one_line(cohort: Path, tmp_path: Path, args: list[str], message: str) -> None:
+def test_cli_error_is_one_line(cohort: Path, tmp_path: Path) -> None:
     common = _common(cohort)
-    if args[0] == "--images":
-        common[1] = args[1]
-        args = []
-    result = run_cli("extract", *common, *args, "--store", str(tmp_path / "s"), timeout=240)
-    if "--magnification" in args:  # every slide too coarse: each is skipped with its line
-        assert result.returncode == 3
-        lines = [line for line in result.stderr.splitlines() if message in line]
-        assert len(lines) == 4, result.stderr
-        return
+    common[1] = "wsi:/nonexistent/slides"
+    result = run_cli("extract", *common, "--store", str(tmp_path / "s"), timeout=240)
     assert result.returncode == 1
-    assert result.stderr.strip().count("\n") == 0 and message in result.stderr, result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert "slide path '/nonexistent/slides' does not exist" in result.stderr
+
+
+def test_slides_too_coarse_for_the_target_are_each_skipped_by_name(cohort: Path, tmp_path: Path) -> None:
+    result = extract_slides(_opts(cohort, tmp_path / "s", magnification=80))
+    reasons = {s["id"]: s["reason"] for s in result.skipped}
+    assert sorted(reasons) == ["blank", "junk", "slide-000", "slide-001", "slide-002"]
+    assert "slide-001.tiff': --magnification 80 is finer than the scan's 20x (0.5 um/px); use --magnification 20 " \
+           "or less" in reasons["slide-001"]
+    with pytest.raises(InvalidOption, match="--tokens 'patch' does not apply to slides"):
+        extract_slides(_opts(cohort, tmp_path / "t", tokens="patch"))
 
 
 def test_tokens_mean_and_vector_encoders(cohort: Path, reference: Path, tmp_path: Path) -> None:
@@ -179,6 +180,16 @@ def test_tokens_mean_and_vector_encoders(cohort: Path, reference: Path, tmp_path
     vec = extract_slides(_opts(one, tmp_path / "vec", encoder="python:test_wsi_extract:vector_encoder",
                                encoder_name=NAME[1]))
     assert vec.metadata["token_layout"]["tokens"] == "vector" and vec.metadata["sample_shape"] == [3]
+
+
+def test_labels_from_a_slide_list_csv(cohort: Path, tmp_path: Path) -> None:
+    listing = tmp_path / "list.csv"
+    listing.write_text(f"path,slide_id,label\n{cohort / 'slide-002.tiff'},case-b,tumor\n"
+                       f"{cohort / 'slide-000.tiff'},case-a,normal\n")
+    result = extract_slides(_opts(cohort, tmp_path / "s", images=f"wsi:{listing}"))
+    bags = featurestore.open_store(str(tmp_path / "s")).open_bags(*NAME)
+    assert list(bags.ids) == ["case-a", "case-b"] and result.metadata["label_names"] == ["normal", "tumor"]
+    assert bags.labels is not None and list(np.asarray(bags.labels)) == [0, 1]
 
 
 def _records(store: Path) -> int:

@@ -1,8 +1,9 @@
 """Whole-slide images: the slide list, opening a slide, its scale, the pyramid level and the patch grid.
 
 ``wsi:DIR`` (the slides directly in DIR, sorted by name), ``wsi:FILE`` (one slide) or
-``wsi:LIST.csv`` (a ``path`` column, optional ``slide_id`` and ``label`` columns). A slide's bag
-id is its file stem unless the CSV names it.
+``wsi:LIST.csv`` (a ``path`` column, optional ``slide_id`` and ``label`` columns; labels need
+slide ids and follow ``featurestore import``'s rules). A slide's bag id is its file stem unless the
+CSV names it.
 
 Scale: a slide's level-0 micrometres per pixel come from ``openslide.mpp-x``, else from the
 objective power (10 / power: 20x is 0.5 um/px, the convention TRIDENT and CLAM use), else from
@@ -92,6 +93,9 @@ def _slides_from_csv(path: str) -> list[SlideRef]:
         if "path" not in columns:
             raise SlideError(f"slide list {path!r} has columns {columns}; it needs a 'path' column "
                              "(optional: slide_id, label)")
+        if "label" in columns and "slide_id" not in columns:
+            raise SlideError(f"slide list {path!r} has a label column but no slide_id column: add slide_id "
+                             "(the bag id each label belongs to, e.g. the file stem)")
         base = os.path.dirname(os.path.abspath(path))
         refs = []
         for row in reader:

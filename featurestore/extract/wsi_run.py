@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import threading
 import time
@@ -43,12 +42,12 @@ from featurestore.core.device import resolve_device
 from featurestore.errors import (
     DatasetNotFound,
     EncoderNotFound,
-    InvalidLabels,
     InvalidOption,
     NonFiniteValues,
     SplitExists,
     SplitNotFound,
 )
+from featurestore.extract.bag_import import read_label_csv
 from featurestore.extract.dist import Coordinator, coordinator_from_env
 from featurestore.extract.encoders import Encoder, EncoderError, load_encoder, resolve_layout
 from featurestore.extract.plan import check_chunk_mb
@@ -102,7 +101,7 @@ class SlideOptions:
     precision: str = "auto"
     tokens: str = "cls"
     prefix_tokens: int | None = None
-    labels: str | None = None  # CSV: slide_id,label
+    labels: str | None = None  # CSV: slide_id,label (as for featurestore import)
     num_workers: int | None = None
     limit: int | None = None  # the first N slides
     magnification: float | None = None
@@ -172,47 +171,21 @@ def _embedding(encoder: Encoder, out: torch.Tensor, patch_size: int, opts: Slide
     return Embedding(opts.tokens, int(layout.encoder_prefix_tokens or 0), int(out.shape[1]))
 
 
-def read_labels(path: str) -> dict[str, str]:
-    """``--labels CSV``: a ``slide_id`` (or ``id``) column and a ``label`` column."""
-    import csv
-
-    if not os.path.isfile(path):
-        raise InvalidLabels(f"labels file {path!r} does not exist")
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        columns = [c.strip() for c in reader.fieldnames or []]
-        id_column = next((c for c in ("slide_id", "id", "bag_id", "slide") if c in columns), None)
-        if id_column is None or "label" not in columns:
-            raise InvalidLabels(f"labels file {path!r} has columns {columns}; it needs slide_id and label")
-        return {row[id_column].strip(): row["label"].strip() for row in reader}
-
-
-def _labels(refs: list[SlideRef], extra: dict[str, str]) -> tuple[dict[str, int | float] | None, str | None]:
-    """Bag labels by id and their dtype (int64 for class ids, else float32), or (None, None)."""
-    raw = {r.id: extra.get(r.id, r.label) for r in refs}
-    if all(v is None for v in raw.values()):
+def _labels(refs: list[SlideRef], labels_csv: str | None, list_csv: str | None) -> tuple[dict[str, Any] | None, list[str] | None]:
+    """Bag labels by id and class names (text labels) from ``--labels CSV``, else from a
+    ``wsi:LIST.csv`` with a ``label`` column; ``featurestore import``'s rules (bag_import)."""
+    path = labels_csv or (list_csv if any(r.label is not None for r in refs) else None)
+    if path is None:
         return None, None
-    missing = [i for i, v in raw.items() if v is None]
-    if missing:
-        raise InvalidLabels(f"slide {missing[0]!r} has no label ({len(missing)} slides lack one): give every "
-                            "slide a label, or none")
-    try:
-        ints = {i: int(v) for i, v in raw.items() if v is not None}
-        return dict(ints), "int64"
-    except ValueError:
-        pass
-    try:
-        floats = {i: float(v) for i, v in raw.items() if v is not None}
-    except ValueError as error:
-        raise InvalidLabels(f"slide labels must be numbers (class ids or values): {error}") from None
-    return dict(floats), "float32"
+    labels, names, _ = read_label_csv(path, [r.id for r in refs])
+    return labels, names
 
 
 @dataclass
 class _Prepared:
     refs: list[SlideRef]
-    labels: dict[str, int | float] | None
-    label_dtype: str | None
+    labels: dict[str, Any] | None
+    label_names: list[str] | None
     patching: Patching
     preprocessing: Preprocessing
     encoder: Encoder
@@ -253,7 +226,7 @@ def _prepare(opts: SlideOptions, coord: Coordinator) -> _Prepared:
     patching = Patching(Target(opts.patch_size, opts.magnification, opts.mpp, opts.slide_mpp),
                         opts.tissue, opts.min_tissue)
     refs = list_slides(target)[: opts.limit]
-    labels, label_dtype = _labels(refs, read_labels(opts.labels) if opts.labels else {})
+    labels, label_names = _labels(refs, opts.labels, target if target.lower().endswith(".csv") else None)
     encoder = load_encoder(opts.encoder)
     encoder_name = validate_name(opts.encoder_name or encoder.default_name, "encoder name")
     device = resolve_device(opts.device, coord.local_rank)
@@ -285,9 +258,11 @@ def _prepare(opts: SlideOptions, coord: Coordinator) -> _Prepared:
         "preprocessing": recorded, "token_layout": embedding.to_dict(), "cache_key": cache_key,
         "source_dtype": output_dtype,
         "source": {"spec": opts.images, "kind": "wsi", "slides": len(refs), "batch_size": opts.batch_size,
-                   "labels": None if labels is None else {"kind": "bag_label", "dtype": label_dtype}},
+                   "partition": "slide i of the sorted cohort -> rank i % world_size"},
     }
-    return _Prepared(refs, labels, label_dtype, patching, preprocessing, encoder, embedding, device, precision,
+    if label_names is not None:
+        metadata["label_names"] = label_names
+    return _Prepared(refs, labels, label_names, patching, preprocessing, encoder, embedding, device, precision,
                      dtype, int(sample.shape[-1]), encoder_name, metadata)
 
 
@@ -296,7 +271,7 @@ def _create(opts: SlideOptions, prep: _Prepared, store: Any, *, resume: bool, ov
         opts.dataset, prep.encoder_name, opts.split, dim=prep.dim, dtype=prep.dtype, metadata=prep.metadata,
         resume=resume, overwrite=overwrite, coords_unit="px", coords_dtype="int64",
         # Per slide (it follows each slide's scan): kept in each bag's attrs, not split-wide.
-        patch_size_level0=None, label_dtype=prep.label_dtype, chunk_bytes=int(opts.chunk_mb * (1 << 20)))
+        patch_size_level0=None, label_dtype="int64" if prep.label_names is not None else None, chunk_bytes=int(opts.chunk_mb * (1 << 20)))
 
 
 def _open_split(opts: SlideOptions, prep: _Prepared, store: Any) -> Any:
@@ -487,17 +462,17 @@ def _extract(opts: SlideOptions, coord: Coordinator) -> SlideResult:
     except BaseException as e:
         error = e
     totals = coord.agree(error, payload=progress)
+    skipped = sorted((s for t in totals for s in t.skipped), key=lambda s: s["id"])
     error, meta = None, {}
     if coord.rank == 0:
         try:
-            meta = writer.commit()
+            meta = writer.commit(extra={"skipped": skipped})
         except BaseException as e:
             error = e
     coord.agree(error)
-    skipped = sorted((s for t in totals for s in t.skipped), key=lambda s: s["id"])
     return SlideResult("complete", key, len(prep.refs), sum(t.bags for t in totals), sum(t.patches for t in totals),
                        skipped, sum(t.bytes_written for t in totals), max(t.seconds for t in totals),
                        time.perf_counter() - started, meta)
 
 
-__all__ = ["EXIT_SKIPPED", "SlideOptions", "SlideResult", "extract_slides", "read_labels"]
+__all__ = ["EXIT_SKIPPED", "SlideOptions", "SlideResult", "extract_slides"]
