@@ -15,13 +15,16 @@ instead, for slides whose resolution comes from the objective power. ``mpp=None`
 slide without resolution metadata.
 
 Tiles are deflate-compressed (zlib is in the standard library; JPEG would need imagecodecs).
-The default 4096 x 3072 slide with levels 1, 4, 16 is ~2 MB and written in well under a second.
+The image is made at 1/16 scale and each pixel repeated 16 x 16 times, so level 0 is streamed
+tile by tile and large slides (``bench extract --wsi``) never sit in memory whole. The default
+4096 x 3072 slide with levels 1, 4, 16 is ~0.5 MB and written in well under a second.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -31,11 +34,13 @@ _STAINS = np.array([[214.0, 120.0, 170.0],   # eosin pink
                     [230.0, 160.0, 190.0]])  # pale stroma
 
 
-def slide_image(width: int = 4096, height: int = 3072, *, seed: int = 0, blobs: int = 3) -> np.ndarray:
-    """The level-0 RGB image ``uint8 [height, width, 3]`` of a synthetic slide."""
+CELL = 16  # the image is made at 1/CELL scale and each pixel repeated CELL x CELL times
+
+
+def _small_image(width: int, height: int, seed: int, blobs: int) -> np.ndarray:
+    """The slide at 1/CELL scale: ``uint8 [ceil(height/CELL), ceil(width/CELL), 3]``."""
     rng = np.random.default_rng(seed)
-    cell = 16  # the smooth fields are made at 1/16 scale, then repeated: fast, and deflate packs them
-    gh, gw = -(-height // cell), -(-width // cell)
+    gh, gw = -(-height // CELL), -(-width // CELL)
     ys, xs = np.mgrid[0:gh, 0:gw].astype(np.float64)
     field = np.zeros((gh, gw))
     for _ in range(blobs):
@@ -50,8 +55,42 @@ def slide_image(width: int = 4096, height: int = 3072, *, seed: int = 0, blobs: 
     mix = np.kron(mix, np.ones((8, 8, 1)))[:gh, :gw]
     colour = mix @ _STAINS + rng.normal(0.0, 12.0, (gh, gw, 3))
     small = np.where(tissue[..., None], colour, _GLASS + rng.normal(0.0, 2.0, (gh, gw, 3)))
-    small = np.clip(np.rint(small), 0, 255).astype(np.uint8)
-    return np.ascontiguousarray(np.repeat(np.repeat(small, cell, 0), cell, 1)[:height, :width])
+    return np.clip(np.rint(small), 0, 255).astype(np.uint8)
+
+
+def _upsample(small: np.ndarray, factor: int, height: int, width: int) -> np.ndarray:
+    return np.ascontiguousarray(np.repeat(np.repeat(small, factor, 0), factor, 1)[:height, :width])
+
+
+def slide_image(width: int = 4096, height: int = 3072, *, seed: int = 0, blobs: int = 3) -> np.ndarray:
+    """The level-0 RGB image ``uint8 [height, width, 3]`` of a synthetic slide."""
+    return _upsample(_small_image(width, height, seed, blobs), CELL, height, width)
+
+
+def _level(small: np.ndarray, factor: int, height: int, width: int) -> np.ndarray:
+    """Level ``factor`` of the slide made from its 1/CELL image, without level 0 in memory: the
+    area average of CELL x CELL constant cells is the cell (for factors dividing CELL)."""
+    h, w = height // factor, width // factor
+    if CELL % factor == 0:
+        return _upsample(small, CELL // factor, h, w)
+    if factor % CELL == 0:
+        return _reduce(small[: h * (factor // CELL), : w * (factor // CELL)], factor // CELL)
+    return _reduce(slide_image_from(small, width, height), factor)
+
+
+def slide_image_from(small: np.ndarray, width: int, height: int) -> np.ndarray:
+    return _upsample(small, CELL, height, width)
+
+
+def _tiles(small: np.ndarray, width: int, height: int, tile: int) -> Iterator[np.ndarray]:
+    """Level 0 tile by tile, row-major, edge tiles padded to full size (as TIFF stores them)."""
+    for top in range(0, height, tile):
+        for left in range(0, width, tile):
+            block = small[top // CELL : -(-(top + tile) // CELL), left // CELL : -(-(left + tile) // CELL)]
+            pixels = _upsample(block, CELL, min(tile, height - top), min(tile, width - left))
+            out = np.zeros((tile, tile, 3), np.uint8)
+            out[: pixels.shape[0], : pixels.shape[1]] = pixels
+            yield out
 
 
 def _reduce(image: np.ndarray, factor: int) -> np.ndarray:
@@ -78,14 +117,26 @@ def write_slide(path: str | os.PathLike[str], *, width: int = 4096, height: int 
         raise ValueError(f"levels must start with 1 (level 0), but got: {list(levels)}")
     if vendor not in ("generic", "aperio"):
         raise ValueError(f"vendor must be 'generic' or 'aperio', but got: {vendor!r}")
-    base = slide_image(width, height, seed=seed, blobs=blobs) if image is None else image
+    if image is not None:
+        height, width = image.shape[:2]
+    elif tile % CELL:
+        raise ValueError(f"tile must be a multiple of {CELL}, but got: {tile}")
+    small = _small_image(width, height, seed, blobs) if image is None else None
     path = os.fspath(path)
-    with tifffile.TiffWriter(path) as tif:
+    with tifffile.TiffWriter(path, bigtiff=width * height * 3 > 2**31) as tif:
         for i, factor in enumerate(levels):
-            pixels = base if factor == 1 else _reduce(base, int(factor))
+            pixels: Any
+            if image is not None:
+                pixels = image if factor == 1 else _reduce(image, int(factor))
+                shape = pixels.shape
+            elif factor == 1:  # streamed, so a large slide never sits in memory whole
+                pixels, shape = _tiles(small, width, height, tile), (height, width, 3)  # type: ignore[arg-type]
+            else:
+                pixels = _level(small, int(factor), height, width)  # type: ignore[arg-type]
+                shape = pixels.shape
             options: dict[str, object] = {}
             if vendor == "aperio":
-                h, w = pixels.shape[:2]
+                h, w = shape[:2]
                 fields = [f"AppMag = {objective_power:g}"] if objective_power else []
                 if mpp is not None:
                     fields.append(f"MPP = {mpp:g}")
@@ -94,8 +145,8 @@ def write_slide(path: str | os.PathLike[str], *, width: int = 4096, height: int 
             elif mpp is not None:
                 pixels_per_cm = 1e4 / (mpp * factor)
                 options.update(resolution=(pixels_per_cm, pixels_per_cm), resolutionunit="CENTIMETER")
-            tif.write(pixels, tile=(tile, tile), photometric="rgb", compression="zlib",
-                      subfiletype=0 if i == 0 else 1, metadata=None, **options)
+            tif.write(pixels, shape=shape, dtype=np.uint8, tile=(tile, tile), photometric="rgb",
+                      compression="zlib", subfiletype=0 if i == 0 else 1, metadata=None, **options)
     return path
 
 

@@ -1,10 +1,10 @@
 """Tissue detection on a slide's thumbnail, and each grid patch's tissue fraction (``--tissue``).
 
 ``otsu`` (the default, CLAM's recipe): a thumbnail at ``MASK_PX_PER_PATCH`` pixels per patch side
-(finer for small slides, so it has ``MIN_THUMBNAIL_SIDE`` pixels) -> HSV saturation (glass is
-grey-white, stained tissue is saturated) -> median filter -> Otsu's threshold (never below
-``MIN_SATURATION``, so a blank slide keeps no noise) -> a closing that fills holes and an opening
-that drops specks, both smaller than about a quarter of a patch side.
+(cut from the coarsest pyramid level fine enough, so a slide costs one small read) -> HSV
+saturation (glass is grey-white, stained tissue is saturated) -> median filter -> Otsu's
+threshold (never below ``MIN_SATURATION``, so a blank slide keeps no noise) -> a closing that
+fills holes and an opening that drops specks, both smaller than about a quarter of a patch side.
 ``all`` keeps every grid patch. A patch is kept when the mean of the mask over its footprint is
 at least ``--min-tissue``.
 
@@ -22,9 +22,8 @@ import numpy as np
 from featurestore.errors import InvalidOption
 
 TISSUE_MODES = ("otsu", "all")
-MASK_PX_PER_PATCH = 16  # mask pixels along a patch side: fractions in steps of 1/256
+MASK_PX_PER_PATCH = 8  # mask pixels along a patch side: fractions in steps of 1/64 (CLAM: ~1/64 scale)
 MIN_SATURATION = 15  # of 255: the glass of a blank slide never counts as tissue
-MIN_THUMBNAIL_SIDE = 1024  # pixels along the slide's longer side, at least (never above level 0)
 MEDIAN_SIZE = 5  # the median filter's window, in mask pixels
 MAX_THUMBNAIL_PIXELS = 64 << 20  # the pyramid level a thumbnail is cut from, at most
 
@@ -119,15 +118,14 @@ def patch_fractions(mask: np.ndarray, coords: np.ndarray, patch_size_level0: int
 
 
 def read_thumbnail(slide: Any, patch_size_level0: int, name: str) -> tuple[np.ndarray, tuple[float, float]]:
-    """The slide at ``MASK_PX_PER_PATCH`` pixels per patch side or finer (see the module
-    docstring): ``(uint8 [h, w, 3], scale)``, cut from the coarsest level fine enough and resized
-    (area filter)."""
+    """The slide at ``MASK_PX_PER_PATCH`` pixels per patch side: ``(uint8 [h, w, 3], scale)``,
+    cut from the coarsest level fine enough and resized (area filter)."""
     from PIL import Image
 
     from featurestore.extract.wsi import SlideError, read_rgb
 
     width, height = slide.dimensions
-    downsample = max(1.0, min(patch_size_level0 / MASK_PX_PER_PATCH, max(width, height) / MIN_THUMBNAIL_SIDE))
+    downsample = max(1.0, patch_size_level0 / MASK_PX_PER_PATCH)
     size = (max(1, round(width / downsample)), max(1, round(height / downsample)))
     level = slide.get_best_level_for_downsample(downsample)
     lw, lh = slide.level_dimensions[level]
