@@ -101,7 +101,7 @@ def _encode_only(opts: Any, keys_batches: list[list[Any]], workers: int) -> floa
     precision = resolve_precision(opts.precision, device)
     size = opts.patch_size
     prep = Preprocessing(resize=(size, size), mean=encoder.mean, std=encoder.std)
-    reader = PatchReader(size, None if device.type == "cuda" else prep)
+    reader = PatchReader(size)
     loader = torch.utils.data.DataLoader(reader, batch_sampler=keys_batches, num_workers=workers,
                                          collate_fn=collate_patches, pin_memory=device.type == "cuda",
                                          worker_init_fn=DieWithParent(_worker_init) if workers else None)

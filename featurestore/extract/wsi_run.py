@@ -314,7 +314,7 @@ def _encode_slides(opts: SlideOptions, prep: _Prepared, writer: Any, mine: list[
         worker_init_fn=init)
     plans: dict[int, SlidePlan | Skipped] = {}
     batches = PatchBatches(plan_loader, opts.batch_size, lambda plan: plans.__setitem__(plan.position, plan))
-    reader = PatchReader(opts.patch_size, None if prep.device.type == "cuda" else prep.preprocessing)
+    reader = PatchReader(opts.patch_size)
     # batch_sampler: PatchBatches is iterated here, on this thread, lazily (a generator, no len).
     loader = torch.utils.data.DataLoader(
         reader, batch_sampler=batches, num_workers=workers, collate_fn=collate_patches,  # type: ignore[arg-type]
