@@ -192,6 +192,36 @@ def test_labels_from_a_slide_list_csv(cohort: Path, tmp_path: Path) -> None:
     assert bags.labels is not None and list(np.asarray(bags.labels)) == [0, 1]
 
 
+def test_a_tile_that_fails_to_decode_skips_its_slide_only(cohort: Path, reference: Path, tmp_path: Path) -> None:
+    """The slide's plan is made (from a low level), then a level-0 tile under a kept patch is
+    garbage: its bag is dropped mid-slide, the slides around it are written as in a clean run."""
+    import tifffile
+
+    damaged = tmp_path / "cohort"
+    damaged.mkdir()
+    for name in ("slide-000.tiff", "slide-002.tiff"):
+        os.symlink(cohort / name, damaged / name)
+    bad = damaged / "slide-001.tiff"
+    bad.write_bytes((cohort / "slide-001.tiff").read_bytes())
+    plan = plan_slide(0, list_slides(str(bad))[0], Patching(Target(64, magnification=20)))
+    x, y = (int(v) for v in plan.coords[len(plan) // 2])
+    with tifffile.TiffFile(bad) as tif:
+        page = tif.pages[0]
+        tile = (y // 256) * -(-page.imagewidth // 256) + x // 256
+        offset, size = page.dataoffsets[tile], page.databytecounts[tile]
+    with open(bad, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\xff" * size)
+    result = extract_slides(_opts(damaged, tmp_path / "s"))
+    assert [s["id"] for s in result.skipped] == ["slide-001"]
+    assert "cannot read slide" in result.skipped[0]["reason"] and "slide-001.tiff" in result.skipped[0]["reason"]
+    ours = featurestore.open_store(str(tmp_path / "s")).open_bags(*NAME)
+    theirs = featurestore.open_store(str(reference)).open_bags(*NAME)
+    assert list(ours.ids) == ["slide-000", "slide-002"]
+    for bag in ours.ids:
+        assert all(torch.equal(a, b) for a, b in zip(ours.read(bag), theirs.read(bag)))
+
+
 def _records(store: Path) -> int:
     """Bag records on storage so far (each names the bags that are complete in its chunk)."""
     return sum(1 for p in store.joinpath(*NAME, "segments").glob("*/records/c/*") if p.is_file())

@@ -399,7 +399,8 @@ def _encode_batch(batch: PatchBatch, prep: _Prepared, batch_size: int, pieces: d
     if prep.embedding.tokens is not None and (out.ndim != 3 or out.shape[1] != prep.embedding.tokens):
         raise EncoderError(f"encoder {prep.encoder.spec} returned shape {list(out.shape)} for a batch of patches, "
                            f"but {prep.embedding.tokens} tokens for the first one")
-    features = prep.embedding.select(out)[:n]
+    # contiguous(): a copy of the CLS rows, so a slide's pieces do not keep every [B, T, D] output alive.
+    features = prep.embedding.select(out)[:n].contiguous()
     start = 0
     while start < n:
         position = batch.keys[start].position
