@@ -267,3 +267,12 @@ def test_torchrun_two_ranks_equal_one_process(cohort: Path, reference: Path, tmp
     # torchrun reports a rank's non-zero exit as a failure: exit 3 (slides skipped) shows up as 1.
     assert stdout.count("extracted cohort/") == 1 and "4 bags of 5 slides" in stdout, stderr[-3000:]
     _same_split(reference, tmp_path / "multi")
+
+
+def test_bench_extract_wsi_runs(tmp_path: Path) -> None:
+    """``featurestore bench extract --wsi`` end to end on one small slide (figures not asserted)."""
+    result = run_cli("bench", "extract", "--wsi", "--slides", "1", "--slide-size", "2048", "1536", "--repeats", "1",
+                     "--patch-size", "64", "--num-workers", "0", "--workdir", str(tmp_path), "--json",
+                     str(tmp_path / "out.json"), timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "OpenSlide alone" in result.stdout and (tmp_path / "out.json").is_file()
