@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import featurestore
+from featurestore.core.protocol import BagReader
 from featurestore.errors import BagNotFound, IndexOutOfRange
 
 DIM = 6
@@ -75,6 +76,7 @@ class BagContract:
     # ------------------------------------------------------------------ the contract
     def test_index(self, written: Any) -> None:
         bags, data, dtype = written
+        assert isinstance(bags, BagReader)
         assert len(bags) == len(LENGTHS) and list(bags.ids) == sorted(LENGTHS)
         assert list(bags.lengths) == [LENGTHS[b] for b in sorted(LENGTHS)]
         assert list(bags.labels) == [data[b][2] for b in sorted(LENGTHS)]

@@ -317,3 +317,74 @@ def test_ls_info_verify_cli(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -
     assert "bags: 7" in out and "patches: 97" in out and "dim: 8" in out
     assert main(["verify", str(tmp_path)]) == 0
     assert "ds/enc/train: ok" in capsys.readouterr().out
+
+
+def test_same_id_from_two_writers_is_kept_once(tmp_path: Any) -> None:
+    store = open_store(str(tmp_path), mode="a")
+    first = store.create_bag_split("ds", "enc", "train", dim=DIM)
+    second = store.create_bag_split("ds", "enc", "train", dim=DIM, resume=True)  # attached before either closed
+    first.add_bag("dup", np.ones((2, DIM), np.float32))
+    second.add_bag("dup", np.full((3, DIM), 2, np.float32))
+    second.add_bag("other", np.zeros((1, DIM), np.float32))
+    first.close()
+    second.close()
+    meta = store.create_bag_split("ds", "enc", "train", dim=DIM, resume=True).commit()
+    bags = store.open_bags("ds", "enc", "train")
+    assert bags.ids == ["dup", "other"] and meta["bags"]["count"] == 2
+    segments = sorted([first.segment, second.segment])
+    kept = 2 if segments[0] == first.segment else 3  # the first segment by name wins
+    assert len(bags.read_numpy("dup")[0]) == kept
+
+
+def test_cache_key_and_settings_are_checked_on_resume(tmp_path: Any) -> None:
+    from featurestore.errors import CacheKeyMismatch, SplitSettingsMismatch
+
+    store = open_store(str(tmp_path), mode="a")
+    store.create_bag_split("ds", "enc", "train", dim=DIM, metadata={"cache_key": "a"}).close()
+    with pytest.raises(CacheKeyMismatch):
+        store.create_bag_split("ds", "enc", "train", dim=DIM, metadata={"cache_key": "b"}, resume=True)
+    with pytest.raises(SplitSettingsMismatch):
+        store.create_bag_split("ds", "enc", "train", dim=DIM, coords_unit="um", resume=True)
+    with pytest.raises(ShapeMismatch):
+        store.create_bag_split("ds", "enc", "train", dim=DIM + 1, resume=True)
+
+
+def test_reader_pickles_for_dataloader_workers(tmp_path: Any) -> None:
+    import pickle
+
+    data = make_bags()
+    write(tmp_path, data)
+    bags = pickle.loads(pickle.dumps(open_store(str(tmp_path)).open_bags("ds", "enc", "train")))
+    bag_id = sorted(data)[1]
+    np.testing.assert_array_equal(bags.read_numpy(bag_id)[0], data[bag_id][0].astype(np.float16))
+
+
+def test_complete_split_resumed_takes_no_new_bags(tmp_path: Any) -> None:
+    write(tmp_path, make_bags())
+    store = open_store(str(tmp_path), mode="a")
+    writer = store.create_bag_split("ds", "enc", "train", dim=DIM, chunk_bytes=10 * DIM * 2, resume=True)
+    assert writer.done_ids == set(make_bags())
+    with pytest.raises(SplitExists, match="overwrite"):
+        writer.add_bag("new", np.zeros((1, DIM), np.float32))
+    assert writer.commit()["status"] == "complete"
+
+
+def test_labels_every_bag_or_none(tmp_path: Any) -> None:
+    from featurestore.errors import InvalidLabels
+
+    store = open_store(str(tmp_path), mode="a")
+    declared = store.create_bag_split("ds", "enc", "declared", dim=DIM, label_dtype="uint8")
+    with pytest.raises(InvalidLabels, match="no label"):
+        declared.add_bag("a", np.zeros((1, DIM), np.float32))
+    from featurestore.errors import DtypeMismatch
+
+    with pytest.raises(DtypeMismatch):
+        declared.add_bag("a", np.zeros((1, DIM), np.float32), label=300)
+    declared.add_bag("a", np.zeros((1, DIM), np.float32), label=3)
+    assert declared.commit()["bags"]["labels"] == {"dtype": "uint8"}
+    inferred = store.create_bag_split("ds", "enc", "inferred", dim=DIM)
+    inferred.add_bag("a", np.zeros((1, DIM), np.float32), label=0.5)
+    with pytest.raises(InvalidLabels, match="no label"):
+        inferred.add_bag("b", np.zeros((1, DIM), np.float32))
+    inferred.commit()
+    assert store.open_bags("ds", "enc", "inferred").labels.dtype == np.float64

@@ -66,3 +66,24 @@ class TestSeaweedFS(BagContract):
         bags.read_numpy("empty")
         assert calls == []
         np.testing.assert_array_equal(bags.read_numpy("1")[0].view(data["1"][0].dtype), data["1"][0])
+
+
+def test_seaweedfs_commit_copies_chunks_in_place_server_side(seaweed: Any, seaweed_url: str) -> None:
+    """Bags added in id order by one writer: the commit copies each chunk object (CopyObject)."""
+    import featurestore
+
+    options = dict(seaweed.storage_options)
+    store = featurestore.open_store(seaweed_url, mode="a", **options)
+    writer = store.create_bag_split("ds", "enc", "s", dim=4, chunk_bytes=8 * 4 * 2)
+    rng = np.random.default_rng(0)
+    data = {f"b{i}": rng.standard_normal((n, 4)).astype(np.float16) for i, n in enumerate((8, 16, 3))}
+    for bag_id, values in data.items():
+        writer.add_bag(bag_id, values)
+    copied: list[str] = []
+    original = store.storage.copy
+    store.storage.copy = lambda a, b: (copied.append(b), original(a, b))  # type: ignore[method-assign]
+    writer.commit()
+    assert len(copied) == 2 * 4  # features and coords of the 4 chunks, none rewritten
+    bags = featurestore.open_store(seaweed_url, **options).open_bags("ds", "enc", "s")
+    for bag_id, values in data.items():
+        np.testing.assert_array_equal(bags.read_numpy(bag_id)[0], values)

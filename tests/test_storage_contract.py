@@ -2,8 +2,9 @@
 
 What the writer and the readers rely on, and nothing more: ``write`` is atomic and replaces,
 ``read``/``read_many``/``read_ranges`` return exactly the bytes written (a missing key is a
-``FileNotFoundError``), ``size``/``exists``/``listdir`` describe what is there, and
-``delete_tree`` removes a prefix. Subclass :class:`StorageContract` for a new backend (the object
+``FileNotFoundError``), ``size``/``exists``/``listdir`` describe what is there,
+``delete_tree`` removes a prefix and ``copy`` stores a key's value under another key. Subclass
+:class:`StorageContract` for a new backend (the object
 storage backend does) and implement :meth:`open`.
 """
 
@@ -50,6 +51,17 @@ class StorageContract:
         got = storage.read_ranges(["k/0", "k/1", "k/0"], [0, 10, 1000], [4, 20, 1024])
         assert [bytes(g) for g in got] == [data[0:4], data[::-1][10:20], data[1000:1024]]
         assert [bytes(g) for g in storage.read_many(["k/1", "k/0"])] == [data[::-1], data]
+
+    def test_copy_replaces_and_leaves_the_source(self, storage: Storage) -> None:
+        storage.write("s/a", b"first")
+        storage.write("t/b", b"old")
+        storage.copy("s/a", "t/b")  # a bag split's commit moves chunks in place this way
+        storage.write("s/a", b"second")  # the source rewritten afterwards: the copy keeps its bytes
+        assert storage.read("t/b") == b"first" and storage.read("s/a") == b"second"
+        storage.copy("s/a", "u/new/c")
+        assert storage.read("u/new/c") == b"second"
+        with pytest.raises(FileNotFoundError):
+            storage.copy("s/missing", "t/c")
 
     def test_listdir_exists_delete_tree(self, storage: Storage) -> None:
         storage.write("t/x/1", b"1")

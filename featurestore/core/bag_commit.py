@@ -153,8 +153,8 @@ def _labels(meta: SplitMetadata, ids: list[str], values: list[Any]) -> np.ndarra
     missing = [i for i, v in zip(ids, values) if v is None]
     if missing:
         raise InvalidLabels(f"cannot commit {key_of(meta)}: {len(missing)} of {len(ids)} bags have no label "
-                            f"(first: {missing[0]!r}); add labels to every bag or to none (resume the split "
-                            "and overwrite, or give the missing labels)")
+                            f"(first: {missing[0]!r}; writer sessions disagreed): a split's bags have a label "
+                            "each or none; overwrite the split (overwrite=True, --overwrite) to redo it")
     if declared is not None:
         dtype = np.dtype(declared["dtype"])
     else:
@@ -174,11 +174,11 @@ def _write_rows(storage: Storage, key: str, meta: SplitMetadata, found: Collecte
     sources: dict[tuple[str, str], FeatureArray] = {}
 
     def source(segment: str, name: str) -> FeatureArray:
+        """A segment's rows, read through the checked reader (each chunk's crc32c verified)."""
         if (segment, name) not in sources:
-            base = f"{key}/{bags.SEGMENTS}/{segment}"
+            doc = layout.load_document(array_document(meta, name, found.rows[segment]))
             logical = meta.logical_dtype if name == layout.FEATURES else (meta.bags or {})["coords"]["dtype"]
-            sources[(segment, name)] = FeatureArray(storage, base, name, layout.load_document(
-                array_document(meta, name, found.rows[segment])),
+            sources[(segment, name)] = FeatureArray(storage, f"{key}/{bags.SEGMENTS}/{segment}", name, doc,
                                                     logical_dtype=logical, metadata={"status": "complete"})
         return sources[(segment, name)]
 
@@ -205,7 +205,11 @@ def _write_rows(storage: Storage, key: str, meta: SplitMetadata, found: Collecte
             puts.submit(index, [(bags.COORDS, coords, None), (layout.FEATURES, features, None)])
     finally:
         puts.close()
+    count = layout.num_chunks(total, rows)
     for name in (layout.FEATURES, bags.COORDS):
+        # chunks beyond the count: left by an earlier, interrupted commit of more rows
+        for stale in (int(c) for c in storage.listdir(f"{key}/{name}/c") if c.isdigit() and int(c) >= count):
+            storage.delete_tree(f"{key}/{name}/c/{stale}")
         storage.write(f"{key}/{name}/{layout.ZARR_JSON}", array_document(meta, name, total))
 
 

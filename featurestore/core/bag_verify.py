@@ -186,8 +186,9 @@ def _check_bags(store: FeatureStore, key: str, meta: SplitMetadata, offsets: np.
 
 
 def _bag_matches(key: str, bag: int, count: int, sums: np.ndarray, stats: ChunkStats, result: SplitCheck) -> None:
-    if stats.rows != count:
-        result.problems.append(f"{key}: bag {bag} has {count} rows, its statistics row counts {stats.rows}")
+    if stats.values != count * stats.channels:
+        result.problems.append(f"{key}: bag {bag} has {count} rows, its statistics row counts "
+                               f"{stats.values // max(1, stats.channels)}")
         return
     if count == 0:
         return

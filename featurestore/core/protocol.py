@@ -57,3 +57,39 @@ class ArrayReader(Protocol):
 
     def read_range(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` (``0 <= start <= stop <= len``) as ``read_numpy`` returns them."""
+
+
+@runtime_checkable
+class BagReader(Protocol):
+    """The bags of one bag split (docs/FORMAT.md, "Slide bags").
+
+    Implemented by :class:`featurestore.core.bags.BagSplit` (local and object storage); an HTTP
+    reader implements the same members, so a bag loader works on either. ``tests/bag_contract.py``
+    is the contract suite. A bag is named by its position in ``ids`` (int) or its id (str); an
+    unknown id raises :class:`~featurestore.errors.BagNotFound`, a position outside ``[0, len)``
+    :class:`~featurestore.errors.IndexOutOfRange`.
+    """
+
+    ids: list[str]
+    """Bag ids in stored (id) order."""
+    lengths: np.ndarray
+    """Rows (patches) per bag, int64 ``[len]``."""
+    labels: np.ndarray | None
+    dim: int
+    dtype: str
+    """The features' logical dtype."""
+    metadata: dict[str, Any]
+
+    def __len__(self) -> int: ...
+
+    def index(self, bag_id: str) -> int: ...
+
+    def attrs(self, i_or_id: int | str) -> dict[str, Any]: ...
+
+    def read(self, i_or_id: int | str, rows: Any = None) -> tuple[Any, Any]:
+        """``(features [n, dim] torch tensor of the logical dtype, coords [n, 2])``."""
+
+    def read_numpy(self, i_or_id: int | str, rows: Any = None, out: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """``(features, coords)`` in storage dtypes (bfloat16 as uint16 bits); ``rows``: positions
+        within the bag; ``out``: a C-contiguous ``[len(rows) or n, dim]`` buffer for the features."""

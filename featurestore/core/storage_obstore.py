@@ -167,6 +167,14 @@ class ObjectStorage(Storage):
             self._call(lambda: obstore.put(self._store, key, payload, use_multipart=False), key, "PUT")
 
     # ------------------------------------------------------------------ metadata
+    def copy(self, source: str, target: str) -> None:
+        """A server-side copy (S3 CopyObject): atomic, and no bytes pass through this host."""
+        if _forked():
+            return self._forked_backend().copy(source, target)
+        import obstore
+
+        self._call(lambda: obstore.copy(self._store, source, target), target, "COPY")
+
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
 

@@ -4,8 +4,8 @@ Called by :func:`featurestore.extract.importer.import_cache` when the source dir
 per-slide feature files (featurestore.extract.slide_files). Every file's header is checked
 first (features dataset, one dim, coords of the features' length, a label for each slide when
 ``--labels`` is given), so a malformed file stops the import before anything is written. Then
-slides go to the bag writer one at a time (host RAM: one bag), in name order, skipping the ids
-already complete (``--resume``, or a re-run). A file that fails while being read (a truncated
+slides go to the bag writer one at a time (host RAM: two bags, the next is read meanwhile), in
+name order, skipping the ids already complete (``--resume``, or a re-run). A file that fails while being read (a truncated
 h5) stops the import with one line naming it; the bags already added are kept (the writer is
 closed, not committed), and a rerun with ``--resume`` goes on from them.
 """
@@ -86,6 +86,10 @@ def import_bags(opts: Any, files: SlideFiles) -> Any:
 
 
 def _copy(files: SlideFiles, writer: Any, labels: dict[str, Any] | None, opts: Any) -> int:
+    """Add the pending slides in name order; the next slide is read on a thread while this one
+    is added (two slides in RAM at most)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tqdm import tqdm
 
     done = writer.done_ids
@@ -93,13 +97,18 @@ def _copy(files: SlideFiles, writer: Any, labels: dict[str, Any] | None, opts: A
     bar = tqdm(total=len(pending), unit="slide", desc="import", disable=True if not opts.progress else None,
                file=sys.stderr, dynamic_ncols=True)
     try:
-        for slide in pending:
-            features, coords, attrs = files.read(slide)
-            if coords is not None and len(coords) != len(features):
-                raise SlideFileError(f"{slide.path!r}: coords of {len(coords)} rows for {len(features)} feature rows")
-            writer.add_bag(slide.bag_id, features, coords=coords,
-                           label=None if labels is None else labels[slide.bag_id], attrs=attrs)
-            bar.update(1)
+        with ThreadPoolExecutor(1, thread_name_prefix="featurestore-slide") as reader:
+            ahead = reader.submit(files.read, pending[0]) if pending else None
+            for k, slide in enumerate(pending):
+                assert ahead is not None
+                features, coords, attrs = ahead.result()
+                ahead = reader.submit(files.read, pending[k + 1]) if k + 1 < len(pending) else None
+                if coords is not None and len(coords) != len(features):
+                    raise SlideFileError(f"{slide.path!r}: coords of {len(coords)} rows for {len(features)} feature rows")
+                writer.add_bag(slide.bag_id, features, coords=coords,
+                               label=None if labels is None else labels[slide.bag_id], attrs=attrs)
+                del features, coords
+                bar.update(1)
     except BaseException:
         writer.close()  # the complete bags stay: a rerun with --resume goes on from them
         raise

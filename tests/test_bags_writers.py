@@ -1,0 +1,153 @@
+"""Bag splits with real processes: two writers of one split, SIGKILL while adding bags and while
+committing, then resume; an overwrite taking the split over."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from featurestore import open_store
+from featurestore.errors import SplitTakenOver
+
+DIM = 8
+CHUNK_BYTES = 4 * DIM * 2  # 4 rows per chunk: many chunks, so a commit takes a while
+BAGS = 40
+
+_CHILD = """
+import sys, numpy as np
+from featurestore import open_store
+root, mode, rank, world = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+rng = np.random.default_rng(5)
+bags = [(f"slide-{i:02d}", rng.standard_normal((3 + (i * 13) % 41, 8)).astype(np.float32)) for i in range(40)]
+store = open_store(root, mode="a")
+writer = store.create_bag_split("ds", "enc", "train", dim=8, chunk_bytes=4 * 8 * 2, resume=True)
+order = bags[::-1] if mode in ("reverse", "commit") else bags
+for i, (bag_id, features) in enumerate(order):
+    if i % world != rank or bag_id in writer.done_ids:
+        continue
+    coords = np.arange(2 * len(features)).reshape(-1, 2)
+    writer.add_bag(bag_id, features, coords=coords, label=None)
+    print("added", bag_id, flush=True)
+if mode == "commit":
+    writer.close()  # every bag complete on storage; then the commit is what gets killed
+    print("committing", flush=True)
+    writer.commit()
+else:
+    writer.close()
+print("done", flush=True)
+"""
+
+
+def expected() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(5)
+    return {f"slide-{i:02d}": rng.standard_normal((3 + (i * 13) % 41, DIM)).astype(np.float32) for i in range(BAGS)}
+
+
+def child(root: Path, mode: str, rank: int = 0, world: int = 1) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(root), mode, str(rank), str(world)],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+def create(root: Path) -> None:
+    open_store(str(root), mode="a").create_bag_split("ds", "enc", "train", dim=DIM, chunk_bytes=CHUNK_BYTES).close()
+
+
+def commit(root: Path) -> dict[str, Any]:
+    store = open_store(str(root), mode="a")
+    return store.create_bag_split("ds", "enc", "train", dim=DIM, chunk_bytes=CHUNK_BYTES, resume=True).commit()
+
+
+def split_files(root: Path) -> dict[str, bytes]:
+    top = root / "ds" / "enc" / "train"
+    files = {str(p.relative_to(top)): p.read_bytes() for p in sorted(top.rglob("*")) if p.is_file()}
+    # the split document and the sealed statistics carry the run's generation and timestamps
+    return {name: raw for name, raw in files.items() if name != "zarr.json" and not name.startswith("bag_stats")}
+
+
+def check_all(root: Path) -> None:
+    bags = open_store(str(root)).open_bags("ds", "enc", "train")
+    data = expected()
+    assert bags.ids == sorted(data)
+    for bag_id, features in data.items():
+        np.testing.assert_array_equal(bags.read_numpy(bag_id)[0], features.astype(np.float16))
+
+
+def test_two_writers_fill_one_split_with_the_bytes_of_one(tmp_path: Path) -> None:
+    create(tmp_path / "one")
+    create(tmp_path / "two")
+    one = child(tmp_path / "one", "forward")
+    ranks = [child(tmp_path / "two", "forward", rank, 2) for rank in range(2)]
+    for proc in (one, *ranks):
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and out.endswith("done\n")
+    commit(tmp_path / "one")
+    commit(tmp_path / "two")
+    assert split_files(tmp_path / "two") == split_files(tmp_path / "one")
+    check_all(tmp_path / "two")
+
+
+def _kill_after(proc: subprocess.Popen[str], line: str, count: int = 1) -> None:
+    assert proc.stdout is not None
+    seen = 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        text = proc.stdout.readline()
+        assert text, "the child ended early"
+        if text.startswith(line):
+            seen += 1
+            if seen == count:
+                break
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("after", [1, 17, 39])
+def test_sigkill_while_adding_bags_then_resume(tmp_path: Path, after: int) -> None:
+    create(tmp_path)
+    _kill_after(child(tmp_path, "forward"), "added", after)
+    store = open_store(str(tmp_path), mode="a")
+    assert store.split_status("ds", "enc", "train") == "writing"
+    writer = store.create_bag_split("ds", "enc", "train", dim=DIM, chunk_bytes=CHUNK_BYTES, resume=True)
+    kept = writer.done_ids
+    writer.close()
+    assert kept <= {f"slide-{i:02d}" for i in range(after)}  # never a bag it had not finished adding
+    proc = child(tmp_path, "forward")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    assert not {line.split()[1] for line in out.splitlines() if line.startswith("added")} & kept  # no duplicates
+    commit(tmp_path)
+    check_all(tmp_path)
+
+
+def test_sigkill_during_commit_then_commit_again(tmp_path: Path) -> None:
+    """Bags added in reverse id order: the commit rewrites every chunk; killed midway, the split
+    stays 'writing' with its segments, and a second commit gives the bytes of an unbroken one."""
+    create(tmp_path / "ref")
+    proc = child(tmp_path / "ref", "reverse")
+    proc.communicate(timeout=120)
+    commit(tmp_path / "ref")
+    create(tmp_path / "cut")
+    proc = child(tmp_path / "cut", "commit")
+    _kill_after(proc, "committing")
+    store = open_store(str(tmp_path / "cut"), mode="a")
+    assert store.split_status("ds", "enc", "train") == "writing"
+    commit(tmp_path / "cut")
+    check_all(tmp_path / "cut")
+
+
+def test_overwrite_takes_the_split_over(tmp_path: Path) -> None:
+    store = open_store(str(tmp_path), mode="a")
+    old = store.create_bag_split("ds", "enc", "train", dim=DIM, chunk_bytes=CHUNK_BYTES)
+    old.add_bag("a", np.zeros((3, DIM), np.float32))
+    store.create_bag_split("ds", "enc", "train", dim=DIM, chunk_bytes=CHUNK_BYTES, overwrite=True)
+    with pytest.raises(SplitTakenOver):
+        old.add_bag("b", np.zeros((40, DIM), np.float32))  # its first full chunk checks the generation
