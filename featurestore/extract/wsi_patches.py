@@ -26,6 +26,7 @@ for the extraction loop, and cuts the patch keys of consecutive slides into batc
 from __future__ import annotations
 
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -162,16 +163,23 @@ class PatchReader(torch.utils.data.Dataset):  # type: ignore[type-arg]
             self._open.popitem(last=False)[1].close()
         return slide
 
-    def read(self, key: PatchKey) -> np.ndarray:
-        """The patch's RGB pixels at its level, before resizing: ``uint8 [s, s, 3]``."""
-        return read_rgb(self._slide(key.path), (key.x, key.y), key.level, (key.read_size, key.read_size))
+    def read(self, key: PatchKey) -> torch.Tensor:
+        """The patch's pixels at its level, before resizing: ``uint8 [3, s, s]``."""
+        size = (key.read_size, key.read_size)
+        rgba = np.asarray(self._slide(key.path).read_region((key.x, key.y), key.level, size))
+        if rgba[..., 3].min() == 255:  # the usual case: one copy, RGBA [s, s, 4] -> RGB [3, s, s]
+            with warnings.catch_warnings():  # PIL's buffer is read-only; it is only read, into the copy
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(rgba).permute(2, 0, 1)[:3].contiguous()
+        composited = read_rgb(self._slide(key.path), (key.x, key.y), key.level, size)
+        return torch.from_numpy(composited).permute(2, 0, 1).contiguous()
 
     def __getitem__(self, key: PatchKey) -> tuple[PatchKey, torch.Tensor] | Skipped:
         try:
-            image = torch.from_numpy(self.read(key)).permute(2, 0, 1)
+            image = self.read(key)
             if key.read_size != self.patch_size:
                 image = resize_uint8(image, self.patch_size)
-            return key, image.contiguous()
+            return key, image
         except Exception as error:  # a damaged tile: the slide is skipped, the cohort goes on
             self._open.pop(key.path, None)
             ref = SlideRef("", key.path)
@@ -193,7 +201,8 @@ class PatchBatch:
 
 def collate_patches(items: list[tuple[PatchKey, torch.Tensor] | Skipped]) -> PatchBatch:
     good = [item for item in items if not isinstance(item, Skipped)]
-    images = torch.stack([x for _, x in good]) if good else torch.empty(0)
+    # default_collate stacks straight into shared memory in a worker: no copy on the way out.
+    images = torch.utils.data.default_collate([x for _, x in good]) if good else torch.empty(0)
     return PatchBatch([k for k, _ in good], images, [item for item in items if isinstance(item, Skipped)])
 
 
