@@ -17,8 +17,18 @@ tifffile = pytest.importorskip("tifffile")
 from featurestore.demo.slides import slide_image, write_slide  # noqa: E402
 from featurestore.errors import InvalidOption  # noqa: E402
 from featurestore.extract import tissue  # noqa: E402
-from featurestore.extract.wsi import SlideError, Target, geometry, grid, list_slides, open_slide  # noqa: E402
-from featurestore.extract.wsi_patches import PatchBatches, PatchKey, PatchReader, Patching, Skipped, SlidePlan, SlidePlanner, plan_slide  # noqa: E402
+from featurestore.extract.wsi import SlideError, SlideRef, Target, geometry, grid, list_slides, open_slide  # noqa: E402
+from featurestore.extract.wsi_bags import BagAssembler  # noqa: E402
+from featurestore.extract.wsi_patches import (  # noqa: E402
+    PatchBatches,
+    PatchKey,
+    PatchReader,
+    Patching,
+    Skipped,
+    SlidePlan,
+    SlidePlanner,
+    plan_slide,
+)
 
 DOWNSAMPLES = (1.0, 4.0, 16.0)
 
@@ -178,3 +188,31 @@ def test_objective_power_only_and_no_resolution(tmp_path: Path) -> None:
     skipped = planner[1]
     assert isinstance(skipped, Skipped) and skipped.ref.path == bare and "no resolution metadata" in skipped.reason
     assert isinstance(SlidePlanner(list_slides(bare), Patching(Target(64, slide_mpp=0.5)))[0], SlidePlan)
+
+
+def test_bag_assembler_finishes_slides_in_order() -> None:
+    import torch
+
+    def plan(position: int, n: int) -> SlidePlan:
+        geo = geometry({"openslide.mpp-x": "0.5"}, (64, 64), (1.0,), Target(16), "s")
+        return SlidePlan(position, SlideRef(f"s{position}", f"/s{position}"), geo,
+                         np.zeros((n, 2), np.int64))
+
+    def keys(position: int, rows: range) -> list[PatchKey]:
+        return [PatchKey(position, r, f"/s{position}", 0, 0, 0, 16) for r in rows]
+
+    bags = BagAssembler(2, torch.device("cpu"))
+    for p in (plan(0, 3), plan(1, 0), plan(2, 2), Skipped(3, SlideRef("s3", "/s3"), "bad"),
+              plan(4, 2)):
+        bags.plan(p)
+    rows = torch.arange(18.0).reshape(9, 2)
+    bags.add(keys(0, range(2)), rows[:2])
+    assert list(bags.finished()) == []  # slide 0 still has a row to come
+    bags.add(keys(0, range(2, 3)) + keys(2, range(2)) + keys(4, range(1)), rows[2:6])
+    bags.skip(4, "a tile failed")
+    bags.add(keys(4, range(1, 2)), rows[6:7])  # after its failure: dropped
+    out = list(bags.finished())
+    assert [(f.position, None if f.features is None else f.features.tolist(), f.reason) for f in out] == [
+        (0, rows[:3].tolist(), None), (1, [], None), (2, rows[3:5].tolist(), None), (3, None, "bad"),
+        (4, None, "a tile failed")]
+    assert out[1].features is not None and out[1].features.shape == (0, 2)

@@ -62,12 +62,11 @@ from featurestore.extract.run import (
 )
 from featurestore.extract.tissue import check_tissue_options
 from featurestore.extract.wsi import SlideRef, Target, list_slides
+from featurestore.extract.wsi_bags import BagAssembler
 from featurestore.extract.wsi_patches import (
-    PatchBatch,
     PatchBatches,
     PatchReader,
     Patching,
-    Skipped,
     SlidePlan,
     SlidePlanner,
     collate_patches,
@@ -312,50 +311,32 @@ def _encode_slides(opts: SlideOptions, prep: _Prepared, writer: Any, mine: list[
     plan_loader = torch.utils.data.DataLoader(
         SlidePlanner(refs, prep.patching), batch_size=None, num_workers=min(workers, 1), collate_fn=identity,
         worker_init_fn=init)
-    plans: dict[int, SlidePlan | Skipped] = {}
-    batches = PatchBatches(plan_loader, opts.batch_size, lambda plan: plans.__setitem__(plan.position, plan))
-    reader = PatchReader(opts.patch_size)
+    assembler = BagAssembler(prep.dim, prep.device)
+    batches = PatchBatches(plan_loader, opts.batch_size, assembler.plan)
     # batch_sampler: PatchBatches is iterated here, on this thread, lazily (a generator, no len).
     loader = torch.utils.data.DataLoader(
-        reader, batch_sampler=batches, num_workers=workers, collate_fn=collate_patches,  # type: ignore[arg-type]
-        pin_memory=prep.device.type == "cuda", worker_init_fn=init)
+        PatchReader(opts.patch_size), batch_sampler=batches, num_workers=workers,  # type: ignore[arg-type]
+        collate_fn=collate_patches, pin_memory=prep.device.type == "cuda", worker_init_fn=init)
     from tqdm import tqdm
 
     thread = BagWriterThread(writer, opts.queue_size)
     thread.start()
     bar = tqdm(total=len(refs), unit="slide", desc=f"extract r{coord.rank}" if coord.world_size > 1 else "extract",
                disable=True if not opts.progress or coord.rank != 0 else None, file=sys.stderr, dynamic_ncols=True)
-    pieces: dict[int, list[torch.Tensor]] = {}
-    counts: dict[int, int] = {}
-    skipped: dict[int, str] = {}
-    next_slide = 0
     started = time.perf_counter()
 
-    def skip(position: int, reason: str) -> None:
-        if position not in skipped:
-            skipped[position] = reason
-            pieces.pop(position, None)
-
-    def finish_ready() -> None:
-        nonlocal next_slide
-        while next_slide in plans:
-            plan = plans[next_slide]
-            if isinstance(plan, Skipped):
-                skip(plan.position, plan.reason)
-            if next_slide in skipped:
-                ref = refs[next_slide]
-                done.skipped.append({"id": ref.id, "path": ref.path, "reason": skipped[next_slide]})
-            elif counts.get(next_slide, 0) == len(plan):
+    def hand_over() -> None:  # the finished slides, in order, to the writer thread
+        for slide in assembler.finished():
+            ref = refs[slide.position]
+            if slide.features is None:
+                done.skipped.append({"id": ref.id, "path": ref.path, "reason": slide.reason or ""})
+            else:
+                plan = slide.plan
                 assert isinstance(plan, SlidePlan)
-                parts = pieces.pop(next_slide, [])
-                features = torch.cat(parts) if parts else torch.empty((0, prep.dim), device=prep.device)
-                label = None if prep.labels is None else prep.labels[plan.ref.id]
-                thread.put((plan.ref.id, features, plan.coords, label, plan.attrs))
+                label = None if prep.labels is None else prep.labels[ref.id]
+                thread.put((ref.id, slide.features, plan.coords, label, plan.attrs))
                 done.bags += 1
                 done.patches += len(plan)
-            else:
-                return
-            next_slide += 1
             bar.update(1)
             bar.set_postfix_str(f"{done.patches / max(time.perf_counter() - started, 1e-9):.0f} patches/s",
                                 refresh=False)
@@ -367,11 +348,14 @@ def _encode_slides(opts: SlideOptions, prep: _Prepared, writer: Any, mine: list[
                              name="featurestore-warm-up", daemon=True).start()
         with torch.inference_mode():
             for batch in batch_iter:
-                _encode_batch(batch, prep, opts.batch_size, pieces, counts, skipped, skip)
-                finish_ready()
-        finish_ready()
-        if next_slide != len(refs):  # every plan was recorded and every patch encoded by now
-            raise RuntimeError(f"internal error: {len(refs) - next_slide} slides were not finished")
+                for failure in batch.skipped:
+                    assembler.skip(failure.position, failure.reason)
+                if batch.keys:
+                    assembler.add(batch.keys, _encode(batch.images, prep, opts.batch_size))
+                hand_over()
+        hand_over()
+        if assembler.next != len(refs):  # every plan was recorded and every patch encoded by now
+            raise RuntimeError(f"internal error: {len(refs) - assembler.next} slides were not finished")
         thread.finish()
     except BaseException:
         thread.queue.put(None)
@@ -384,14 +368,9 @@ def _encode_slides(opts: SlideOptions, prep: _Prepared, writer: Any, mine: list[
     return done
 
 
-def _encode_batch(batch: PatchBatch, prep: _Prepared, batch_size: int, pieces: dict[int, list[torch.Tensor]],
-                  counts: dict[int, int], skipped: dict[int, str], skip: Any) -> None:
-    for failure in batch.skipped:
-        skip(failure.position, failure.reason)
-    n = len(batch.keys)
-    if not n:
-        return
-    images = batch.images
+def _encode(images: torch.Tensor, prep: _Prepared, batch_size: int) -> torch.Tensor:
+    """One vector per patch of a uint8 batch: ``[n, dim]`` on the encoder's device."""
+    n = len(images)
     if n < batch_size:  # one shape for every call: see the module docstring
         images = torch.cat([images, images.new_zeros((batch_size - n, *images.shape[1:]))])
     with _autocast(prep.device, prep.precision):
@@ -400,17 +379,7 @@ def _encode_batch(batch: PatchBatch, prep: _Prepared, batch_size: int, pieces: d
         raise EncoderError(f"encoder {prep.encoder.spec} returned shape {list(out.shape)} for a batch of patches, "
                            f"but {prep.embedding.tokens} tokens for the first one")
     # contiguous(): a copy of the CLS rows, so a slide's pieces do not keep every [B, T, D] output alive.
-    features = prep.embedding.select(out)[:n].contiguous()
-    start = 0
-    while start < n:
-        position = batch.keys[start].position
-        stop = start
-        while stop < n and batch.keys[stop].position == position:
-            stop += 1
-        if position not in skipped:
-            pieces.setdefault(position, []).append(features[start:stop])
-            counts[position] = counts.get(position, 0) + stop - start
-        start = stop
+    return prep.embedding.select(out)[:n].contiguous()
 
 
 def extract_slides(opts: SlideOptions, coord: Coordinator | None = None) -> SlideResult:
