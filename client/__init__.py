@@ -9,9 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ClientError", "FeatureClient", "FeatureDataset", "FeatureLoader", "RemoteFeatureArray"]
+__all__ = ["BagDataset", "BagLoader", "ClientError", "FeatureClient", "FeatureDataset", "FeatureLoader",
+           "RemoteFeatureArray"]
 
 _WHERE = {
+    "BagDataset": "client.bags",
+    "BagLoader": "client.bag_loader",
     "FeatureClient": "client.http",
     "ClientError": "client.http",
     "FeatureDataset": "client.dataset",

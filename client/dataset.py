@@ -41,7 +41,9 @@ class FeatureDataset(torch.utils.data.Dataset):
     Upcasting is left to the consumer (or to :class:`~client.loader.FeatureLoader`, which does it
     on the GPU), so the bytes crossing process boundaries stay at the stored width.
 
-    ``storage_options`` go to fsspec (e.g. ``endpoint_url``, ``key``, ``secret``); ``token`` is the
+    ``storage_options`` go to fsspec (e.g. ``endpoint_url``, ``key``, ``secret``; on object storage
+    also ``cache_dir``/``cache_bytes``, a local chunk cache that :class:`FeatureLoader` fills ahead
+    by its plan, docs/STORAGE.md); ``token`` is the
     bearer token of an ``http(s)://`` server; ``allow_incomplete`` reads a split still being
     written (store sources only).
     """

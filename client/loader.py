@@ -27,12 +27,13 @@ import torch
 from client import sampling
 from client.dataset import FeatureDataset
 from featurestore.core.device import resolve_device
-from client.prefetch import Prefetcher
+from client.readahead import ReadAhead, cached_fronts
+from client.streaming import StreamingLoader, check_count
 from client.transfer import Transfer
 from featurestore.errors import InvalidOption
 
 
-class FeatureLoader:
+class FeatureLoader(StreamingLoader):
     """Batches ``(features, labels)`` of a :class:`FeatureDataset`, on ``device``, in ``dtype``.
 
     ``shuffle=True`` is a uniform permutation of the rows on every backend (local, object storage,
@@ -71,8 +72,7 @@ class FeatureLoader:
             raise TypeError(f"ds must be a client.FeatureDataset, but got: {type(ds).__name__}")
         for name, value, low in (("batch_size", batch_size, 1), ("prefetch", prefetch, 1), ("seed", seed, 0),
                                  ("world_size", world_size, 1), ("rank", rank, 0)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-                raise InvalidOption(f"`{name}` must be an integer >= {low}, but got: {value!r}")
+            check_count(name, value, low)
         if rank >= world_size:
             raise InvalidOption(f"`rank` must be in [0, world_size={world_size}), but got: {rank!r}")
         if order not in ("auto", *sampling.ORDERS):
@@ -114,24 +114,13 @@ class FeatureLoader:
         # concurrently by the read pool already, so two batches keep the device queue full while
         # the consumer works; remote reads are latency bound, so more batches are requested at
         # once. Never more than `prefetch` are in flight (the memory bound).
-        default_threads = 2 if ds.read_path == "mmap" else 4
+        # A chunk cache's reads are local too (its downloads have their own threads).
+        default_threads = 2 if ds.read_path in ("mmap", "cached") else 4
         self.num_threads = min(num_threads or default_threads, self.prefetch)
-        self.epoch = 0
-        self._resume_batch = 0  # batches of `epoch` already consumed (load_state_dict)
-        self._consumed = 0
-        self._active: Prefetcher | None = None
-        self._transfer: Transfer | None = None
-        self.stats: dict[str, float] = {"batches": 0, "stall_s": 0.0}
+        self._readahead: ReadAhead | None = None
+        self._init_epochs()
 
-    # ------------------------------------------------------------------ epoch and length
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration yields (call before each epoch)."""
-        if not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise InvalidOption(f"`epoch` must be a non-negative integer, but got: {epoch!r}")
-        if int(epoch) != self.epoch:
-            self._resume_batch = 0  # a resume offset belongs to the epoch it was saved in
-        self.epoch = int(epoch)
-
+    # ------------------------------------------------------------------ length and plan
     def __len__(self) -> int:
         if self.batch_sampler is not None:
             return len(self.batch_sampler)  # type: ignore[arg-type]  # TypeError if it has no len
@@ -146,83 +135,30 @@ class FeatureLoader:
                                   epoch=self.epoch if epoch is None else epoch, block_rows=self.ds.chunk_rows,
                                   drop_last=self.drop_last, rank=self.rank, world_size=self.world_size)
 
-    # ------------------------------------------------------------------ iteration
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        self._stop_epoch()  # one epoch in flight per loader
-        skip, self._resume_batch = self._resume_batch, 0
+    # ------------------------------------------------------------------ what StreamingLoader runs
+    def _epoch_batches(self, skip: int) -> Iterator[np.ndarray]:
         if self.batch_sampler is not None:
             n = self.ds.num_samples
-            batches: Iterator[Any] = (sampling.sampler_batch(b, n)
-                                      for b in sampling.user_batches(self.batch_sampler, self.epoch, skip))
-        else:
-            plan = self.plan()
-            batches = (plan.batch(k) for k in range(skip, len(plan)))
-        if self._transfer is None:  # the CUDA stream and pinned slots are reused across epochs
-            self._transfer = Transfer(self.ds, self.device, self.dtype, self.pin_memory, self._mean_std,
-                                       self.num_threads)
-        self._consumed = skip
-        self.stats = {"batches": 0, "stall_s": 0.0}
-        prefetcher = Prefetcher(batches, self._transfer, self.prefetch, self.num_threads)
-        self._active = prefetcher
-        return self._run(prefetcher)
+            return (sampling.sampler_batch(b, n) for b in sampling.user_batches(self.batch_sampler, self.epoch, skip))
+        plan = self.plan()
+        fronts = cached_fronts(self.ds)
+        if fronts:  # a chunk cache: fetch the epoch's chunks ahead, keep what it still needs
+            self._readahead = ReadAhead(fronts, [plan.batch(k) for k in range(skip, len(plan))],
+                                        self.ds.chunk_rows, skip, lambda: self._consumed)
+        return (plan.batch(k) for k in range(skip, len(plan)))
 
-    def _run(self, prefetcher: Prefetcher) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        # A generator, so `break` out of the consumer's loop finalises it at once (CPython frees
-        # it when the loop drops it) and the `finally` joins the threads: nothing leaks.
-        try:
-            for batch in prefetcher:
-                self._consumed += 1
-                self.stats["batches"] += 1
-                self.stats["stall_s"] = prefetcher.stall_s
-                yield batch
-            self._consumed = 0  # the epoch is complete: a state saved now restarts it whole
-        finally:
-            prefetcher.close()
-            if self._active is prefetcher:
-                self._active = None
+    def _epoch_ended(self) -> None:
+        if self._readahead is not None:
+            self._readahead.close()
+            self._readahead = None
 
-    def _stop_epoch(self) -> None:
-        if self._active is not None:
-            self._active.close()
-            self._active = None
+    def _make_producer(self) -> Transfer:
+        return Transfer(self.ds, self.device, self.dtype, self.pin_memory, self._mean_std, self.num_threads)
 
-    def close(self) -> None:
-        """Stop the prefetch threads of the epoch in flight, if any, and the read threads (a
-        later iteration starts them again). Iteration stops its own prefetch threads."""
-        self._stop_epoch()
-        if self._transfer is not None:
-            self._transfer.shutdown()
+    @property
+    def _transfer(self) -> Transfer | None:
+        return self._producer
 
-    def __enter__(self) -> FeatureLoader:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict[str, Any]:
-        """Where the consumer is: the epoch and how many of its batches it has received."""
-        return {"epoch": self.epoch, "batch": self._consumed, "seed": self.seed, "order": self.order,
-                "batch_size": self.batch_size, "drop_last": self.drop_last, "rank": self.rank,
-                "world_size": self.world_size, "num_samples": self.ds.num_samples}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next iteration yields exactly the batches the saved run had not received."""
-        if not isinstance(state, dict):
-            raise TypeError(f"load_state_dict takes the dict that state_dict() returned, but got: {type(state).__name__}")
-        missing = [key for key in ("epoch", "batch") if key not in state]
-        if missing:
-            raise InvalidOption(f"cannot resume: the state lacks {', '.join(map(repr, missing))} (it has "
-                             f"{sorted(state)}); pass the whole dict that loader.state_dict() returned")
-        for key in ("epoch", "batch"):
-            value = state[key]
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-                raise InvalidOption(f"cannot resume: state[{key!r}] must be a non-negative integer, but got: {value!r}")
-        mine = self.state_dict()
-        for key in ("seed", "order", "batch_size", "drop_last", "rank", "world_size", "num_samples"):
-            if key in state and state[key] != mine[key]:
-                raise InvalidOption(f"cannot resume: the state has {key}={state[key]!r}, this loader has "
-                                 f"{key}={mine[key]!r}; build the loader with the same arguments as the saved run")
-        self.set_epoch(int(state["epoch"]))
-        self._resume_batch = int(state["batch"])
-        self._consumed = self._resume_batch
+    def _identity(self) -> dict[str, Any]:
+        return {"seed": self.seed, "order": self.order, "batch_size": self.batch_size, "drop_last": self.drop_last,
+                "rank": self.rank, "world_size": self.world_size, "num_samples": self.ds.num_samples}

@@ -12,12 +12,21 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-import torch
 
-from client.transfer import Transfer
+
+class Producer(Protocol):
+    """Turns one batch description into device tensors: ``produce`` runs on a prefetch thread,
+    ``finish`` on the consumer's (e.g. making its CUDA stream wait for the batch's copies).
+    :class:`client.transfer.Transfer` (rows) and :class:`client.bag_transfer.BagTransfer` (bags)."""
+
+    def produce(self, batch: Any, staging: dict[str, np.ndarray]) -> Any: ...
+
+    def finish(self, item: Any) -> Any: ...
+
+    def shutdown(self) -> None: ...
 
 _JOIN_TIMEOUT_S = 60.0  # a thread stuck in a remote read is abandoned (daemon) after this
 
@@ -32,7 +41,7 @@ class _Failure:
 class Prefetcher:
     """Threads that produce batches ahead of the consumer and hand them over in order."""
 
-    def __init__(self, batches: Iterator[np.ndarray], transfer: Transfer, prefetch: int, num_threads: int) -> None:
+    def __init__(self, batches: Iterator[Any], transfer: Producer, prefetch: int, num_threads: int) -> None:
         self._batches = batches
         self._transfer = transfer
         self._tokens = threading.Semaphore(prefetch)  # batches in production or ready, at most
@@ -94,7 +103,7 @@ class Prefetcher:
     def __iter__(self) -> Prefetcher:
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> Any:
         start = time.perf_counter()
         while True:
             with self._cond:

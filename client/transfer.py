@@ -128,7 +128,8 @@ class Transfer:
 
 
 class HostSlot:
-    """One reusable host buffer (pinned when asked) for a batch's features and labels."""
+    """One reusable host buffer (pinned when asked) for a batch's features and labels (a bag
+    batch's features and coordinates: :mod:`client.bag_transfer`)."""
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
@@ -141,9 +142,13 @@ class HostSlot:
             return buffer
         return torch.empty(need, dtype=torch.uint8, pin_memory=self.pin)
 
+    def reserve(self, features_nbytes: int, labels_nbytes: int) -> None:
+        """Grow the buffers to hold at least these many bytes (they never shrink)."""
+        self.features = self._grown(self.features, features_nbytes)
+        self.labels = self._grown(self.labels, labels_nbytes)
+
     def views(self, ds: FeatureDataset, b: int) -> tuple[np.ndarray, np.ndarray]:
-        self.features = self._grown(self.features, b * ds.sample_nbytes)
-        self.labels = self._grown(self.labels, b * ds.label_nbytes)
+        self.reserve(b * ds.sample_nbytes, b * ds.label_nbytes)
         f = self.features[: b * ds.sample_nbytes].numpy().view(ds.numpy_dtype).reshape(b, *ds.sample_shape)
         lab = self.labels[: b * ds.label_nbytes].numpy().view(ds.label_numpy_dtype).reshape(b, *ds.label_shape)
         return f, lab

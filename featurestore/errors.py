@@ -104,6 +104,11 @@ class CorruptChunk(FeatureStoreError, IOError):
     """A chunk whose size or crc32c does not match."""
 
 
+class SplitChanged(FeatureStoreError, RuntimeError):
+    """A split was overwritten or deleted while a reader that opened it earlier still reads it
+    (a chunk of another generation reached the chunk cache's seal check)."""
+
+
 class MissingChunks(FeatureStoreError, RuntimeError):
     """``commit()`` found chunks that were never written."""
 
@@ -188,3 +193,7 @@ class DuplicateBag(FeatureStoreError, ValueError):
 
 class WrongSplitKind(FeatureStoreError, TypeError):
     """A dense-split operation on a bag split, or a bag operation on a dense split."""
+
+
+class EmptyBag(FeatureStoreError, ValueError):
+    """A bag without patches where one is needed (``BagLoader(skip_empty=False)``)."""

@@ -24,6 +24,8 @@ from server.metrics import Metrics, MetricsMiddleware
 from server.responses import ABORT_KEY, transport_abort
 from server.settings import Settings
 from server.state import StoreState
+from server.web import routes as web_routes
+from server.web.blas import limit_blas_threads
 
 
 class FeatureStoreApp(FastAPI):
@@ -62,7 +64,9 @@ def create_app(store_url: str | None = None, settings: Settings | None = None) -
     app.include_router(routes_data.router)
     app.include_router(routes_bags.router)
     app.include_router(routes_zarr.router)
-    app.include_router(routes_features.router)  # last: its /v1 catch-all matches anything
+    app.include_router(routes_features.router)  # its /v1 catch-all matches anything under /v1
+    if settings.ui:
+        web_routes.install(app, state)  # /, /ui/...: the web page (docs/SERVER.md, "Web page")
 
     metrics = Metrics()
     metrics.watch_pool(lambda: state.buffers.free_bytes)
@@ -80,11 +84,14 @@ def create_app(store_url: str | None = None, settings: Settings | None = None) -
         logging.getLogger("featurestore.server").warning(warning)
     token = settings.token_value()
     if token is not None:
-        app.add_middleware(BearerAuthMiddleware, token=token)
+        app.add_middleware(BearerAuthMiddleware, token=token, pages=settings.ui)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 
 
 def app_from_env() -> FastAPI:
-    """Factory for ``uvicorn server.app:app_from_env --factory`` (settings from the env)."""
-    return create_app()
+    """Factory for ``uvicorn server.app:app_from_env --factory`` (settings from the env): a
+    server process of its own, so it also sets its BLAS threads (``server/web/blas.py``)."""
+    settings = Settings()
+    limit_blas_threads(settings.ui_blas_threads)
+    return create_app(settings=settings)

@@ -81,6 +81,33 @@ class Settings(BaseSettings):
         "re-read (local stores re-check it on every request)",
     )
 
+    ui: bool = Field(
+        default=True, description="serve the web page (/ and /ui/...): catalog, precision report, pictures"
+    )
+    ui_max_sample_bytes: int = Field(
+        default=256 << 20,
+        gt=0,
+        description="largest sample (dense) or bag the picture routes read for one picture; bigger "
+        "ones get 413",
+    )
+    ui_picture_cache_bytes: int = Field(
+        default=64 << 20, ge=0, description="finished pictures (PNG bytes) kept per worker"
+    )
+    ui_pictures_at_once: int = Field(
+        default=2,
+        ge=1,
+        description="pictures computed at the same time per worker; more requests wait up to "
+        "inflight_wait_s, then get 503 with Retry-After",
+    )
+
+    ui_blas_threads: int = Field(
+        default=1,
+        ge=0,
+        description="numpy BLAS threads of a server process started by 'featurestore serve' (the "
+        "pictures are its only BLAS work; one thread measured ~3x faster on a busy 2-core host); "
+        "0: leave BLAS as it is",
+    )
+
     def token_value(self) -> str | None:
         """The token, or None when unset or empty (no auth; see :meth:`empty_token_warning`)."""
         if self.token is None:

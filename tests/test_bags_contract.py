@@ -49,19 +49,28 @@ class TestSeaweedFS(BagContract):
     def test_one_ranged_read_per_chunk_a_bag_spans(self, written: Any) -> None:
         bags, data, _ = written
         assert bags.features.path == "ranges"
-        calls: list[int] = []
+        calls: list[tuple[str, int]] = []
         storage = bags.features._storage
-        original = storage.read_ranges
+        whole, ranged = storage.read_many, storage.read_ranges_into
 
-        def counting(keys: Any, starts: Any, ends: Any) -> Any:
-            calls.append(len(keys))
-            return original(keys, starts, ends)
+        def counting_whole(keys: Any) -> Any:
+            calls.append(("whole", len(keys)))
+            return whole(keys)
 
-        storage.read_ranges = counting
-        bags.read_numpy("../x")  # 37 rows from row offsets["../x"]: 5 or 6 chunks
+        def counting_ranged(keys: Any, starts: Any, ends: Any, sink: Any) -> Any:
+            calls.append(("ranges", len(keys)))
+            return ranged(keys, starts, ends, sink)
+
+        storage.read_many, storage.read_ranges_into = counting_whole, counting_ranged
         start = int(bags.offsets[bags.index("../x")])
         spanned = (start + 37 - 1) // CHUNK_ROWS - start // CHUNK_ROWS + 1
-        assert calls == [spanned, spanned]  # one call for features, one for coords
+        # First read of those chunks in this process: each fetched whole once (its crc32c is
+        # checked) and the bag's rows taken from it; one call for features, one for coords.
+        bags.read_numpy("../x")  # 37 rows from row offsets["../x"]: 5 or 6 chunks
+        assert calls == [("whole", spanned), ("whole", spanned)]
+        calls.clear()
+        bags.read_numpy("../x")  # checked already: one ranged read per chunk, one call per array
+        assert calls == [("ranges", spanned), ("ranges", spanned)]
         calls.clear()
         bags.read_numpy("empty")
         assert calls == []

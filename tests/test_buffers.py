@@ -64,3 +64,22 @@ def test_min_pooled_uses_plain_aligned_memory() -> None:
 def test_aligned_empty_shape_dtype() -> None:
     out = aligned_empty((3, 5), np.uint16)
     assert out.shape == (3, 5) and out.ctypes.data % PAGE == 0
+
+
+def test_grow_pool_reuses_larger_buffers_and_keeps_the_largest() -> None:
+    pool = BufferPool(keep=2, grow=True)
+    big = pool.lease(10 * PAGE)
+    base = big.__array_interface__["data"][0]
+    del big
+    gc.collect()
+    small = pool.lease(PAGE)  # a grow pool hands out any idle buffer that holds the request
+    assert small.nbytes == PAGE and small.__array_interface__["data"][0] == base
+    del small
+    gc.collect()
+    # A full pool drops its smallest idle buffer for a larger returning one.
+    leases = [pool.lease(n * PAGE) for n in (2, 3, 40)]
+    del leases
+    gc.collect()
+    assert len(pool._free) == 2 and min(b.size for b in pool._free) >= 10 * PAGE
+    assert max(b.size for b in pool._free) >= 40 * PAGE  # rounded up a quarter octave at most
+    assert max(b.size for b in pool._free) <= 50 * PAGE

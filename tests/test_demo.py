@@ -33,8 +33,8 @@ def test_small_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     result = run_demo(str(workdir), size="small")
     assert torch.get_num_threads() == threads  # the demo's thread choice does not leak out
     progress = capsys.readouterr().out
-    for step in range(1, 8):
-        assert f"[{step}/7]" in progress
+    for step in range(1, 9):
+        assert f"[{step}/8]" in progress
 
     # Both dtypes extracted; float16 is the smaller store and carries a real quantization error.
     e32, e16 = result["extract"]["float32"], result["extract"]["float16"]
@@ -60,7 +60,16 @@ def test_small_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     # Streaming over HTTP trained the same probe as from disk (same seed, same bytes).
     assert result["http_probe"]["identical"], result["http_probe"]
 
+    # Slide bags: streamed from disk and over HTTP, the ABMIL head learned the slide label, and the
+    # float32 store trained the same head as the same bags held in RAM.
+    bags = result["bags"]
+    assert bags["loader"]["local"]["patches"] == bags["loader"]["http"]["patches"] > 0
+    for side in ("a", "b"):
+        assert bags["compare"][side]["metrics"]["auc"]["mean"] > 0.75, bags["compare"][side]["metrics"]
+    assert bags["parity"]["identical"], bags["parity"]
+
     table = format_table(result)
+    assert "ABMIL slide AUC, 2 seeds" in table and "ABMIL from store = from RAM (seed 0)  yes" in table
     assert "float32" in table and "float16" in table
     assert re.search(r"Jaccard, 2 seeds, local\s+0\.\d{4} ± 0\.\d{4}\s+0\.\d{4} ± 0\.\d{4}", table), table
     assert "exceeds run-to-run spread?" in table

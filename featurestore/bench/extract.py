@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from featurestore.bench import extract_wsi
 from featurestore.bench.common import save_json
 
 # Seconds the trivial encoder waits per batch (``--device-ms``); set by ``run`` in this process,
@@ -117,17 +118,21 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--encoder", default="trivial",
                         help="trivial (patch embedding + LayerNorm), zero (zero-cost: the pipeline's own "
                         "ceiling) or any encoder spec, e.g. builtin:vit-s14 (a ViT-S/14's cost, no download) "
-                        "or timm:vit_small_patch14_dinov2,pretrained=false,img_size=224")
+                        "or timm:vit_small_patch14_dinov2,pretrained=false,img_size=224; with --wsi the "
+                        "default is zero")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     parser.add_argument("--precision", default="auto", help="auto, bf16 or fp32 (default auto: bf16 on CUDA)")
     parser.add_argument("--device-ms", type=float, default=0.0,
                         help="emulated accelerator time per batch of 64, host CPU idle (default 0)")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
+    extract_wsi.add_arguments(parser)
     parser.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.wsi:  # whole-slide extraction: its own bench (featurestore.bench.extract_wsi)
+        return extract_wsi.main(args)
     results = run(args)
     save_json(results, args.json_out)
     return 0

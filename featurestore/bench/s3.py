@@ -11,7 +11,12 @@ repeats interleaved so that every ratio compares figures taken side by side:
 * ``FeatureArray.read_numpy`` of shuffled batches (the obstore ranged path);
 * one ``FeatureLoader`` epoch with the uniform shuffle (``order="shuffle"``), device cpu;
 * zarr-python ``FsspecStore`` (s3fs) orthogonal selection of the same batches on the same array;
-* featurestore's previous path (fsspec ``cat_ranges`` through s3fs) on the same batches.
+* featurestore's previous path (fsspec ``cat_ranges`` through s3fs) on the same batches;
+* bare ranged GETs: the same shuffled batches, one ``get_range_async`` per row, all of a batch
+  at once (obstore, no featurestore code): what the ranged path is measured against;
+* the chunk cache (``cache_dir``, :mod:`featurestore.bench.s3_cache`): loader epochs 1 and 2
+  through a cache as large as the split, two epochs through a half-size cache (bytes downloaded
+  per epoch), and a local cold loader over the same bytes.
 
 The server's volume files were just written, so its reads come from the page cache (warm). The
 server and this process share the machine's cores: on a small machine the server's CPU is part of
@@ -28,9 +33,11 @@ from typing import Any
 
 import numpy as np
 
+from featurestore.bench import s3_cache
 from featurestore.bench.common import gbps, save_json
 
-TARGETS = {"read_vs_ceiling": 0.5, "read_vs_zarr": 10.0, "loader_vs_ceiling": 0.5, "write_vs_put": 0.5}
+TARGETS = {"read_vs_ceiling": 0.5, "read_vs_zarr": 10.0, "loader_vs_ceiling": 0.5, "write_vs_put": 0.5,
+           "read_vs_bare_ranges": 0.8, **s3_cache.TARGETS}
 
 
 def register(subparsers: Any) -> None:
@@ -53,7 +60,9 @@ def register(subparsers: Any) -> None:
                              "--weed-args=-filer.maxMB=4 (with '=') for SeaweedFS's stock 4 MiB internal chunks")
     parser.add_argument("--loader-threads", type=int, default=None, help="FeatureLoader num_threads (default: its own)")
     parser.add_argument("--prefetch", type=int, default=4, help="FeatureLoader prefetch (batches in flight)")
-    parser.add_argument("--workdir", default=None, help="SeaweedFS data directory (default: a temp dir, removed)")
+    parser.add_argument("--workdir", default=None,
+                        help="SeaweedFS data, cache and local copy directory (default: a temp dir, removed)")
+    parser.add_argument("--no-cache", action="store_true", help="skip the chunk cache figures")
     parser.add_argument("--endpoint", default=None, help="use this S3 endpoint instead of starting SeaweedFS")
     parser.add_argument("--bucket", default="featurestore-bench")
     parser.add_argument("--key", default=None)
@@ -200,16 +209,62 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
             fsspec_array.read_numpy(idx, out=out)
         return gbps(len(slow_orders) * batch * sample_bytes, time.perf_counter() - t0)
 
+    def bare_ranges() -> float:
+        async def batch_ranges(idx: np.ndarray) -> None:
+            semaphore = asyncio.Semaphore(storage.settings.max_concurrency)
+
+            async def get(row: int) -> None:
+                chunk, offset = divmod(int(row), chunk_rows)
+                async with semaphore:
+                    await obstore.get_range_async(storage._store, chunk_keys[chunk], start=offset * sample_bytes,
+                                                  end=(offset + 1) * sample_bytes)
+
+            await asyncio.gather(*(get(row) for row in idx))
+
+        t0 = time.perf_counter()
+        for idx in orders:
+            run_async(batch_ranges(idx))
+        return gbps(len(orders) * batch * sample_bytes, time.perf_counter() - t0)
+
     reads: dict[str, list[float]] = {"featurestore shuffled batches": [], "ceiling (whole chunks, 8 GETs)": [],
+                                     "bare ranged GETs (one per row)": [],
                                      "FeatureLoader epoch (uniform shuffle)": [], "zarr-python FsspecStore": [],
                                      "featurestore via fsspec (before)": []}
-    methods = dict(zip(reads, (shuffled_reads, ceiling, loader_epoch, zarr_python, fsspec_path)))
+    methods = dict(zip(reads, (shuffled_reads, ceiling, bare_ranges, loader_epoch, zarr_python, fsspec_path)))
+    cached = None
+    if not args.no_cache:
+        cached = s3_cache.CachedEpochs(url, fs_options, values, chunk_bytes, batch, args.prefetch,
+                                       args.loader_threads, args.workdir)
+
+        def full_cache() -> float:
+            first, second = cached.full_cache()
+            reads["cache epoch 2 (filled, cold files)"].append(second)
+            return first
+
+        def half_cache() -> float:
+            first, second = cached.half_cache()
+            reads["half cache epoch 2"].append(second)
+            return first
+
+        for name, fn in (("cache epoch 1 (empty, full-size cache)", full_cache), ("half cache epoch 1", half_cache),
+                         ("local cold loader", cached.local_cold)):
+            reads[name] = []
+            methods[name] = fn
+        reads["cache epoch 2 (filled, cold files)"] = []
+        reads["half cache epoch 2"] = []
     torch.set_num_threads(max(1, torch.get_num_threads()))
     for name in methods:  # one warm-up call each: connections, first-touch maps, imports
         methods[name]()
+    for values_list in reads.values():
+        values_list.clear()
+    if cached is not None:
+        for values_list in cached.downloaded.values():
+            values_list.clear()
     for _ in range(args.repeats):
         for name, fn in methods.items():
             reads[name].append(fn())
+    if cached is not None:
+        cached.close()
 
     median = {name: float(np.median(v)) for name, v in {**reads, **writes}.items()}
     ceil = median["ceiling (whole chunks, 8 GETs)"]
@@ -219,7 +274,12 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
         "loader_vs_ceiling": median["FeatureLoader epoch (uniform shuffle)"] / ceil,
         "write_vs_put": median["featurestore write"] / median["plain concurrent put"],
         "read_vs_fsspec_path": median["featurestore shuffled batches"] / median["featurestore via fsspec (before)"],
+        "read_vs_bare_ranges": median["featurestore shuffled batches"] / median["bare ranged GETs (one per row)"],
     }
+    downloaded = {}
+    if cached is not None:
+        ratios.update(s3_cache.ratios(median, ceil))
+        downloaded = {name: float(np.median(v)) for name, v in cached.downloaded.items()}
     try:
         store.storage.delete_tree("")
     except Exception:  # noqa: BLE001 - a scratch prefix; the server's temp dir goes anyway
@@ -229,6 +289,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
         "chunk_rows": chunk_rows, "cache": "warm (server's volume files just written, page-cached)",
         "max_concurrency": storage.settings.max_concurrency, "coalesce_gap": storage.gap, "gb_per_s": median,
         "runs": {**reads, **writes}, "ratios": ratios, "targets": TARGETS,
+        "downloaded_per_epoch_vs_split": downloaded,
     }
 
 
@@ -251,6 +312,8 @@ def _print_and_save(result: dict[str, Any], json_out: str | None) -> int:
         if target is not None and value < target:
             missed.append(name)
         print(f"  {name:<40} {value:7.2f}x{verdict}")
+    for name, value in result.get("downloaded_per_epoch_vs_split", {}).items():
+        print(f"  {'downloaded, ' + name:<40} {value:7.2f}x the split's bytes")
     save_json(result, json_out)
     # A missed target is a figure to report, not a failed bench: the run itself worked.
     return 0

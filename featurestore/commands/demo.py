@@ -79,6 +79,7 @@ def format_table(r: dict[str, Any]) -> str:
          + ("n/a" if c["threshold"] is None else f"{c['threshold']:.4f}") + ")"),
         ("max |paired diff| per seed", "", f"{c['max_abs_paired_diff']:.5f}"),
         ("exceeds run-to-run spread?", "", verdict),
+        *_bag_rows(r["bags"]),
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     rule = "-" * (sum(widths) + 4)
@@ -95,8 +96,33 @@ def format_table(r: dict[str, Any]) -> str:
     lines.append("At demo scale the whole cache is a few batches, so the loader's bound of (prefetch + 2) "
                  "batches is as large; that bound does not grow with N, the cache does, and per-epoch "
                  "start-up dominates loader GB/s: `featurestore bench loader` measures both at scale.")
+    lines.append("MIL: one BagLoader epoch of the train slides (batch 1, float32); ABMIL = gated-attention MIL "
+                 "(featurestore probe --head abmil), slide AUC on val, mean ± std over seeds; the float32 store and "
+                 "the same bags in RAM must train the same head.")
     lines.append("Measure, never assume: `featurestore probe STORE --compare ENCODER` runs this check on "
                  "your own features.")
     if r.get("kept"):
         lines.append(f"kept: {r['workdir']} (store: {r['store']})")
     return "\n".join(lines)
+
+
+def _bag_rows(bags: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The slide-bag section's rows (float32 column, float16 column)."""
+    cmp = bags["compare"]
+    a, b = cmp["a"]["metrics"]["auc"], cmp["b"]["metrics"]["auc"]  # a = float16, b = float32
+    c = cmp["comparison"]["auc"]
+    local, http = bags["loader"]["local"], bags["loader"]["http"]
+    plan = bags["plan"]
+
+    def ms(s: dict[str, Any]) -> str:
+        return f"{s['mean']:.4f}" + ("" if s["std"] is None else f" ± {s['std']:.4f}")
+
+    verdict = ("identical" if c["max_abs_paired_diff"] == 0.0 else "n/a (1 seed)" if c["exceeds_spread"] is None
+               else "YES" if c["exceeds_spread"] else "no: within seed noise")
+    return [
+        (f"MIL: {plan['train']} + {plan['val']} slides, dim {plan['dim']}", "", f"{local['patches']} train patches"),
+        ("BagLoader epoch, local / HTTP", "", f"{local['seconds']:.2f} s / {http['seconds']:.2f} s"),
+        (f"ABMIL slide AUC, {len(cmp['a']['seeds'])} seeds", ms(b), ms(a)),
+        ("ABMIL AUC exceeds spread?", "", verdict),
+        ("ABMIL from store = from RAM (seed 0)", "yes" if bags["parity"]["identical"] else "NO", ""),
+    ]

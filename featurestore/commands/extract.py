@@ -1,5 +1,8 @@
 """``featurestore extract``: images -> frozen encoder -> a complete split (docs/EXTRACT.md).
 
+``--images wsi:...`` goes to the slide extraction (featurestore.extract.wsi_run): one bag per
+slide, exit status 3 when the split is complete but some slides were skipped.
+
 Runs as one process or under ``torchrun --nproc-per-node K featurestore extract ...``. torch and
 the extraction machinery are imported inside ``run`` so ``featurestore --help`` stays fast.
 """
@@ -37,11 +40,14 @@ def register(subparsers: Any) -> None:
         "extract",
         help="encode images with a frozen encoder into a split",
         description="Encode an image source with a frozen encoder and write the features (and labels) "
-        "into a split of a store. Resumable (--resume), several processes under torchrun.",
+        "into a split of a store. Resumable (--resume), several processes under torchrun. A wsi: source "
+        "(whole-slide images through OpenSlide) writes a bag split, one bag per slide; a slide that "
+        "cannot be used is skipped with one line naming it, and the exit status is then 3.",
     )
     req = p.add_argument_group("required")
     req.add_argument("--images", required=True, metavar="SOURCE",
-                     help="npy:IMAGES.npy | pannuke:DIR | folder:DIR | python:MODULE:FACTORY")
+                     help="npy:IMAGES.npy | pannuke:DIR | folder:DIR | python:MODULE:FACTORY | "
+                     "wsi:DIR | wsi:SLIDE | wsi:LIST.csv (whole-slide images, one bag per slide)")
     req.add_argument("--encoder", required=True, metavar="SPEC",
                      help="builtin:tiny-vit|vit-s14|vit-l14 | python:MODULE:FACTORY | torchhub:REPO_OR_DIR:ENTRY | hf:MODEL_ID_OR_DIR | timm:NAME[,KEY=VALUE...]")
     req.add_argument("--store", required=True, metavar="URL", help="store path or fsspec URL (s3://bucket/prefix)")
@@ -63,18 +69,34 @@ def register(subparsers: Any) -> None:
                    help="chunk size target in MiB (default 8), rounded to whole batches of --batch-size")
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
                    help="encoder compute: auto = bf16 autocast on CUDA, float32 on CPU")
-    p.add_argument("--tokens", default="patch", choices=("patch", "cls", "all"),
-                   help="tokens kept: the patch grid (default), the CLS token, or all")
+    p.add_argument("--tokens", default=None, choices=("patch", "cls", "all", "mean"),
+                   help="tokens kept: the patch grid (default), the CLS token, or all; for wsi: sources, one "
+                   "vector per patch: cls (default) or mean (of the patch tokens)")
     p.add_argument("--prefix-tokens", type=int, default=None, metavar="N",
                    help="CLS + register tokens before the patch grid, if the encoder does not say")
-    p.add_argument("--labels", metavar="FILE.npy", help="labels [N, ...] for an npy: source")
+    p.add_argument("--labels", metavar="FILE", help="labels [N, ...] (.npy) for an npy: source; for wsi: a CSV "
+                   "with slide_id,label columns (one number per slide)")
     p.add_argument("--num-workers", type=int, default=None, metavar="N", help="DataLoader workers (default: auto)")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N images")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N images (slides)")
     p.add_argument("--crop", type=int, nargs="+", metavar="H [W]", help="centre crop before resizing")
     p.add_argument("--resize", type=int, nargs="+", metavar="H [W]", help="resize (bilinear, antialiased)")
     p.add_argument("--mean", type=float, nargs="+", metavar="M", help="normalisation mean (default: the encoder's)")
     p.add_argument("--std", type=float, nargs="+", metavar="S", help="normalisation std (default: the encoder's)")
     p.add_argument("--compressor", default=None, help="opt-in chunk compression (see docs/FORMAT.md)")
+    slides = p.add_argument_group("whole-slide images (wsi: sources; docs/EXTRACT.md)")
+    scale = slides.add_mutually_exclusive_group()
+    scale.add_argument("--magnification", type=float, default=None, metavar="X",
+                       help="target magnification (default 20; 20x = 0.5 um/px)")
+    scale.add_argument("--mpp", type=float, default=None, metavar="UM", help="target micrometres per pixel")
+    slides.add_argument("--patch-size", type=int, default=256, metavar="PX",
+                        help="patch side at the target scale (default 256)")
+    slides.add_argument("--slide-mpp", type=float, default=None, metavar="UM",
+                        help="level-0 micrometres per pixel of slides whose files carry no resolution "
+                        "(no openslide.mpp-x, no objective power); others keep their own")
+    slides.add_argument("--tissue", default="otsu", choices=("otsu", "all"),
+                        help="otsu: Otsu threshold of a thumbnail's saturation (default); all: every patch")
+    slides.add_argument("--min-tissue", type=float, default=0.5, metavar="F",
+                        help="keep a patch when this fraction of it is tissue (default 0.5)")
     add_storage_options(p)
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch CPU threads (pin it to get byte-identical CPU runs; torchrun uses 1)")
@@ -85,14 +107,46 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def is_slides(args: argparse.Namespace) -> bool:
+    return str(args.images).startswith("wsi:")
+
+
+_SLIDE_ONLY = ("magnification", "mpp", "slide_mpp")
+
+
+def slide_options_from_args(args: argparse.Namespace) -> Any:
+    from featurestore.extract.wsi_run import SlideOptions
+
+    for flag, value in (("--crop", args.crop), ("--resize", args.resize), ("--verify-chunks", args.verify_chunks),
+                        ("--compressor", args.compressor)):
+        if value:
+            raise InvalidOption(f"{flag} does not apply to wsi: sources (patches are cut at --patch-size, "
+                                "chunks are checked per bag): drop it")
+    return SlideOptions(
+        images=args.images, encoder=args.encoder, store=args.store, dataset=args.dataset, split=args.split,
+        encoder_name=args.encoder_name, dtype=args.dtype, batch_size=args.batch_size, device=args.device,
+        resume=args.resume, overwrite=args.overwrite, chunk_mb=args.chunk_mb, precision=args.precision,
+        tokens=args.tokens or "cls", prefix_tokens=args.prefix_tokens, labels=args.labels,
+        num_workers=args.num_workers, limit=args.limit, magnification=args.magnification, mpp=args.mpp,
+        slide_mpp=args.slide_mpp, patch_size=args.patch_size, tissue=args.tissue, min_tissue=args.min_tissue,
+        mean=_triple(args.mean, "--mean"), std=_triple(args.std, "--std"),
+        storage_options=storage_options(args.storage_options), queue_size=args.queue_size,
+        progress=not args.no_progress, threads=args.threads)
+
+
 def options_from_args(args: argparse.Namespace) -> Any:
     from featurestore.extract.run import ExtractOptions
 
+    for name in _SLIDE_ONLY:
+        if getattr(args, name, None) is not None:
+            raise InvalidOption(f"--{name.replace('_', '-')} applies to wsi: sources only (whole-slide images)")
+    if args.tokens == "mean":
+        raise InvalidOption("--tokens mean applies to wsi: sources only; use patch, cls or all")
     return ExtractOptions(
         images=args.images, encoder=args.encoder, store=args.store, dataset=args.dataset, split=args.split,
         encoder_name=args.encoder_name, dtype=args.dtype, batch_size=args.batch_size, device=args.device,
         resume=args.resume, overwrite=args.overwrite, chunk_mb=args.chunk_mb, precision=args.precision,
-        tokens=args.tokens, prefix_tokens=args.prefix_tokens, labels=args.labels,
+        tokens=args.tokens or "patch", prefix_tokens=args.prefix_tokens, labels=args.labels,
         num_workers=args.num_workers, limit=args.limit, crop=_size(args.crop, "--crop"),
         resize=_size(args.resize, "--resize"), mean=_triple(args.mean, "--mean"),
         std=_triple(args.std, "--std"), compressor=args.compressor,
@@ -121,10 +175,56 @@ def format_report(result: Any) -> list[str]:
     return lines
 
 
+def format_slide_report(result: Any) -> list[str]:
+    """The closing lines of a slide extraction (skipped slides go to stderr, one line each)."""
+    meta = result.metadata
+    lines = []
+    q = meta.get("quantization") or {}
+    if q:
+        lines.append(f"quantization: {quantization_line(q)}")
+    bags = meta.get("bags") or {}
+    if result.status == "already-complete":
+        lines.append(f"bag split {result.key} is already complete with the same cache key ({bags.get('count')} bags, "
+                     f"{meta.get('num_samples')} patches, {meta.get('logical_dtype')}): nothing to do "
+                     "(--overwrite to redo it)")
+        return lines
+    secs = max(result.seconds, 1e-9)
+    lines.append(
+        f"extracted {result.key}: {result.bags} bags of {result.slides} slides, {result.patches} patches encoded in "
+        f"{result.seconds:.1f}s ({result.patches / secs:.1f} patches/s; {result.wall_seconds:.1f}s in all), "
+        f"{len(result.skipped)} skipped; split: {bags.get('count')} bags, {meta.get('num_samples')} patches, "
+        f"{meta.get('logical_dtype')}, status {meta.get('status')}")
+    return lines
+
+
+def run_slides(args: argparse.Namespace) -> int:
+    import sys
+
+    from featurestore.extract.dist import coordinator_from_env
+    from featurestore.extract.wsi_run import EXIT_SKIPPED, extract_slides
+
+    opts = slide_options_from_args(args)
+    coord = coordinator_from_env()
+    try:
+        with store_errors(opts.store):
+            result = extract_slides(opts, coord)
+    finally:
+        coord.shutdown()
+    if coord.rank != 0:
+        return 0
+    for skipped in result.skipped:
+        print(f"skipped slide {skipped['id']}: {skipped['reason']}", file=sys.stderr, flush=True)
+    for line in format_slide_report(result):
+        print(line, flush=True)
+    return EXIT_SKIPPED if result.skipped else 0
+
+
 def run(args: argparse.Namespace) -> int:
     from featurestore.extract.dist import coordinator_from_env
     from featurestore.extract.run import extract
 
+    if is_slides(args):
+        return run_slides(args)
     opts = options_from_args(args)
     coord = coordinator_from_env()
     try:

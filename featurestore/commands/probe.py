@@ -15,7 +15,7 @@ import sys
 import textwrap
 from typing import Any
 
-from featurestore.commands.storeargs import add_storage_options, options_from_args
+from featurestore.commands.storeargs import add_cache_options, add_storage_options, options_from_args
 from featurestore.errors import InvalidOption
 
 # Mirrors featurestore.probes.run.TASKS / LOADERS, kept here so `featurestore --help` imports nothing.
@@ -25,7 +25,9 @@ METRIC_TITLES = {
     "macro_f1": "macro-F1",
     "balanced_accuracy": "balanced accuracy",
     "jaccard": "per-image macro Jaccard",
+    "auc": "slide AUC",
 }
+HEADS = ("linear", "seg", "abmil")  # abmil: featurestore.probes.mil_run, on bag splits
 
 
 # ------------------------------------------------------------------------------- reporting
@@ -110,10 +112,11 @@ def _setup_line(run: dict[str, Any]) -> str:
 
 
 def _side(run: dict[str, Any]) -> str:
+    unit = "bags" if run["task"] == "abmil" else "samples"
     return (
         f"{run['dataset']}/{run['encoder']} stored as {run['dtype']}, features "
         f"{run['sample_shape']}, {run['train_samples']} train + {run['eval_samples']} eval "
-        f"samples, {run['seconds']:.1f} s ({run['source']})"
+        f"{unit}, {run['seconds']:.1f} s ({run['source']})"
     )
 
 
@@ -158,16 +161,25 @@ def register(subparsers: Any) -> None:
         "--compare ENCODER, run the same seeds on a second encoder name holding the same images "
         "(e.g. the features stored as float32) and report each metric as mean ± std per storage "
         "dtype, the difference, and whether it exceeds 2 x the pooled run-to-run std. "
-        "See docs/PROBES.md.",
+        "--head abmil trains a gated-attention MIL head on a bag split (one label per slide) and "
+        "reports slide AUC and balanced accuracy, on --eval SPLIT or --folds K. See docs/PROBES.md.",
     )
     parser.add_argument("store", metavar="STORE",
                         help="store path, fsspec URL (s3://..., memory://...) or http(s):// server")
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--encoder", required=True, help="encoder name in the store (A)")
     parser.add_argument("--train", required=True, metavar="SPLIT", help="split to train on")
-    parser.add_argument("--eval", required=True, metavar="SPLIT", help="split to evaluate on")
+    parser.add_argument("--eval", metavar="SPLIT", help="split to evaluate on (required, except with --head abmil "
+                        "--folds K)")
     parser.add_argument("--task", choices=TASKS, default="auto",
                         help="auto: class maps [H, W] -> seg, one class id per sample -> linear")
+    parser.add_argument("--head", choices=HEADS, default=None,
+                        help="linear or seg: the dense probes (same as --task); abmil: gated-attention MIL "
+                        "(Ilse et al. 2018) on a bag split, slide-level AUC and balanced accuracy")
+    parser.add_argument("--folds", type=_positive_int, default=None, metavar="K",
+                        help="abmil: K stratified folds of the --train split instead of --eval")
+    parser.add_argument("--max-patches", type=_positive_int, default=None, metavar="P",
+                        help="abmil: train on a seeded random subset of P patches per bag per epoch")
     parser.add_argument("--compare", metavar="ENCODER",
                         help="second encoder name (B), e.g. the same features stored as float32")
     parser.add_argument("--compare-store", metavar="STORE",
@@ -178,7 +190,8 @@ def register(subparsers: Any) -> None:
                         help="training epochs (default: 20 linear, 10 seg)")
     parser.add_argument("--lr", type=float, default=None,
                         help="AdamW learning rate (default: 1e-2 linear, 1e-3 seg)")
-    parser.add_argument("--batch-size", type=_positive_int, default=64)
+    parser.add_argument("--batch-size", type=_positive_int, default=None,
+                        help="default 64 (dense), 1 bag (abmil; more pads to the longest bag, bucketed)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     parser.add_argument("--num-classes", type=_positive_int, default=None,
                         help="class count (default: label_info.classes in metadata, else max label + 1)")
@@ -192,6 +205,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--json", metavar="OUT", help="also write the full result as JSON to OUT ('-' = stdout)")
     parser.add_argument("--quiet", action="store_true", help="no per-seed progress on stderr")
     add_storage_options(parser)
+    add_cache_options(parser)
     parser.set_defaults(func=run_command)
 
 
@@ -199,24 +213,33 @@ def run_command(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    common: dict[str, Any] = dict(
-        train_split=args.train, eval_split=args.eval, task=args.task, seeds=args.seeds,
-        epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, device=args.device,
-        num_classes=args.num_classes, pool=args.pool, loader=args.loader,
-        token=args.token or os.environ.get("FEATURESTORE_TOKEN") or None,
-        log=None if args.quiet else log,
-    )
-    if not args.store.lower().startswith(("http://", "https://")):
-        common["storage_options"] = options_from_args(args)
-    from featurestore.probes.run import compare_probes, run_probe
-
     if args.compare_store and not args.compare:
         raise InvalidOption("--compare-store needs --compare ENCODER")
-    if args.compare:
-        result = compare_probes(args.store, args.dataset, args.encoder, args.compare,
-                                compare_source=args.compare_store, **common)
+    token = args.token or os.environ.get("FEATURESTORE_TOKEN") or None
+    storage = None if args.store.lower().startswith(("http://", "https://")) else options_from_args(args)
+    if args.head == "abmil":
+        result = _run_abmil(args, token, storage, None if args.quiet else log)
     else:
-        result = run_probe(args.store, args.dataset, args.encoder, **common)
+        if args.folds is not None or args.max_patches is not None:
+            raise InvalidOption("--folds and --max-patches apply to --head abmil only")
+        if args.eval is None:
+            raise InvalidOption("--eval SPLIT is required: the split to evaluate the probe on")
+        task = args.head or args.task
+        common: dict[str, Any] = dict(
+            train_split=args.train, eval_split=args.eval, task=task, seeds=args.seeds,
+            epochs=args.epochs, lr=args.lr, batch_size=args.batch_size or 64, device=args.device,
+            num_classes=args.num_classes, pool=args.pool, loader=args.loader, token=token,
+            log=None if args.quiet else log,
+        )
+        if storage is not None:
+            common["storage_options"] = storage
+        from featurestore.probes.run import compare_probes, run_probe
+
+        if args.compare:
+            result = compare_probes(args.store, args.dataset, args.encoder, args.compare,
+                                    compare_source=args.compare_store, **common)
+        else:
+            result = run_probe(args.store, args.dataset, args.encoder, **common)
     if args.json == "-":
         json.dump(result, sys.stdout, indent=2, allow_nan=True)
         print()
@@ -227,3 +250,18 @@ def run_command(args: argparse.Namespace) -> int:
             json.dump(result, handle, indent=2, allow_nan=True)
             handle.write("\n")
     return 0
+
+
+def _run_abmil(args: argparse.Namespace, token: str | None, storage: dict[str, Any] | None,
+               log: Any) -> dict[str, Any]:
+    from featurestore.probes.mil_run import compare_mil_probes, run_mil_probe
+
+    common: dict[str, Any] = dict(
+        train_split=args.train, eval_split=args.eval, folds=args.folds, seeds=args.seeds, epochs=args.epochs,
+        lr=args.lr, batch_size=args.batch_size or 1, max_patches=args.max_patches, device=args.device,
+        num_classes=args.num_classes, loader=args.loader, token=token, storage_options=storage, log=log,
+    )
+    if args.compare:
+        return compare_mil_probes(args.store, args.dataset, args.encoder, args.compare,
+                                  compare_source=args.compare_store, **common)
+    return run_mil_probe(args.store, args.dataset, args.encoder, **common)

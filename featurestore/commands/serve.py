@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from featurestore.commands.storeargs import ENV as STORAGE_ENV
-from featurestore.commands.storeargs import add_storage_options, storage_options, store_errors
+from featurestore.commands.storeargs import add_cache_options, add_storage_options, options_from_args, store_errors
 from featurestore.errors import InvalidOption
 
 DEFAULT_TOKEN_ENV = "FEATURESTORE_TOKEN"
@@ -28,7 +28,9 @@ def register(subparsers: Any) -> None:
         "key space and /metrics. Settings also come from FEATURESTORE_* environment variables "
         "(FEATURESTORE_TOKEN, FEATURESTORE_MAX_RESPONSE_BYTES, FEATURESTORE_STORAGE_OPTIONS, and the "
         "resource caps FEATURESTORE_MAX_REQUEST_BYTES, FEATURESTORE_MAX_INDICES, "
-        "FEATURESTORE_MAX_INFLIGHT_BYTES; all listed in docs/SERVER.md).",
+        "FEATURESTORE_MAX_INFLIGHT_BYTES; all listed in docs/SERVER.md). A browser gets a web page at "
+        "/ (catalog, precision report, feature pictures; with a token, open /?token=... once or "
+        "sign in with the form; FEATURESTORE_UI=false turns it off).",
     )
     parser.add_argument("url", help="store path or fsspec URL (s3://bucket/prefix, ...)")
     parser.add_argument("--host", default="127.0.0.1",
@@ -47,6 +49,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--no-access-log", action="store_true",
                         help="do not log one line per request")
     add_storage_options(parser)
+    add_cache_options(parser)
     parser.set_defaults(func=run)
 
 
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     os.environ["FEATURESTORE_STORE"] = args.url
     # Parsed here so a bad JSON is one line naming the flag; workers read it from the env.
-    os.environ[STORAGE_ENV] = json.dumps(storage_options(args.storage_options))
+    os.environ[STORAGE_ENV] = json.dumps(options_from_args(args))
     if args.token_env:
         token = os.environ.get(args.token_env)
         if not token:
@@ -82,9 +85,13 @@ def run(args: argparse.Namespace) -> int:
     # Build the app once here, so a wrong URL or setting is one clear error line and exit 1,
     # not a traceback per worker.
     from server.app import create_app
+    from server.settings import Settings
+    from server.web.blas import limit_blas_threads
 
     with store_errors(args.url):
-        app = create_app()
+        settings = Settings()
+        limit_blas_threads(settings.ui_blas_threads)  # this process's BLAS (the page's pictures)
+        app = create_app(settings=settings)
     common = dict(
         host=args.host,
         port=args.port,

@@ -54,8 +54,25 @@ def storage_options(text: str | None) -> dict[str, Any]:
 _JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
+def add_cache_options(parser: argparse.ArgumentParser) -> None:
+    """``--cache-dir`` / ``--cache-bytes``: the local chunk cache of verbs that read object storage."""
+    parser.add_argument("--cache-dir", default=None, metavar="DIR",
+                        help="keep whole chunks of an s3:// (gs://, az://) store in this local directory and "
+                        "read them from there (shared by the host's processes; default: $FEATURESTORE_CACHE_DIR, "
+                        "else no cache; docs/STORAGE.md)")
+    parser.add_argument("--cache-bytes", default=None, metavar="BYTES",
+                        help="size limit of --cache-dir, e.g. 20G (default: $FEATURESTORE_CACHE_BYTES, else 75%% "
+                        "of the free space there)")
+
+
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    return storage_options(getattr(args, "storage_options", None))
+    """``--storage-options`` (or its variable) with ``--cache-dir``/``--cache-bytes`` on top."""
+    options = storage_options(getattr(args, "storage_options", None))
+    for name in ("cache_dir", "cache_bytes"):
+        value = getattr(args, name, None)
+        if value is not None:
+            options[name] = value
+    return options
 
 
 @contextlib.contextmanager

@@ -115,8 +115,9 @@ def array_document(meta: SplitMetadata, name: str, rows: int) -> bytes:
                                  attributes={"featurestore": attrs})
 
 
-def commit(storage: Storage, key: str, meta: SplitMetadata) -> SplitMetadata:
-    """Lay out every complete bag of ``key`` and mark the split complete (module doc)."""
+def commit(storage: Storage, key: str, meta: SplitMetadata, extra: dict[str, Any] | None = None) -> SplitMetadata:
+    """Lay out every complete bag of ``key`` and mark the split complete (module doc); ``extra``
+    keys join the metadata's extra keys."""
     split_protocol.check_generation(storage, key, meta)
     found = collect(storage, key, meta)
     ids = sorted(found.records)
@@ -136,7 +137,7 @@ def commit(storage: Storage, key: str, meta: SplitMetadata) -> SplitMetadata:
     if labels is not None:
         spec["labels"] = {"dtype": labels.dtype.name}
     final = meta.replace(status=COMPLETE, completed=_now(), num_samples=total, bags=spec,
-                         source_dtype=source, **folded)
+                         source_dtype=source, extra={**meta.extra, **(extra or {})}, **folded)
     # Checked right before the one write that makes the split complete (as a dense commit).
     split_protocol.check_generation(storage, key, meta)
     storage.write(f"{key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": final.to_json()}))

@@ -143,14 +143,16 @@ class BagWriter:
         finally:
             split_protocol.explain_put_failure(self._puts.close, self._check_generation)
 
-    def commit(self) -> dict[str, Any]:
+    def commit(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Close this session, then lay out every complete bag of every session in id order,
         write the index and mark the split complete (featurestore.core.bag_commit). Call it once,
-        after every writer of the split has closed. Returns the split's final metadata."""
+        after every writer of the split has closed. ``extra``: metadata keys known only at the
+        end (e.g. the slides an extractor skipped), added to the split's. Returns the split's
+        final metadata."""
         if self._meta.complete:
             return self._meta.to_json()
         self.close()
-        self._meta = bag_commit.commit(self._storage, self._key, self._meta)
+        self._meta = bag_commit.commit(self._storage, self._key, self._meta, extra=extra)
         return self._meta.to_json()
 
     def __enter__(self) -> BagWriter:

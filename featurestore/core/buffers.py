@@ -61,9 +61,15 @@ class BufferPool:
     beyond is dropped (unmapped) at once. A request takes the smallest idle buffer that holds it,
     but never one more than twice its size, so a small request cannot pin a large buffer.
     Requests below ``min_pooled`` bytes use the ordinary allocator (not worth a map).
+
+    ``grow=True`` is for requests of varying size (the bags of a bag split): any idle buffer that
+    holds a request serves it, a full pool drops its smallest idle buffer for a larger returning
+    one, and new buffers are made a quarter octave larger than asked (:func:`grown_size`). The
+    pool so converges on the few largest sizes and stops mapping (and page-faulting) new memory.
     """
 
-    def __init__(self, keep: int = 2, max_free_bytes: int | None = None, min_pooled: int = 0) -> None:
+    def __init__(self, keep: int = 2, max_free_bytes: int | None = None, min_pooled: int = 0,
+                 grow: bool = False) -> None:
         if keep < 0:
             raise ValueError(f"keep must be >= 0, got {keep}")
         self._free: list[np.ndarray] = []
@@ -72,6 +78,7 @@ class BufferPool:
         self._keep = keep
         self._max_free = max_free_bytes
         self._min_pooled = min_pooled
+        self._grow = grow
 
     @property
     def free_bytes(self) -> int:
@@ -88,14 +95,14 @@ class BufferPool:
         with self._lock:
             best = -1
             for i, candidate in enumerate(self._free):
-                if nbytes <= candidate.size <= 2 * max(nbytes, PAGE) and (
+                if nbytes <= candidate.size and (self._grow or candidate.size <= 2 * max(nbytes, PAGE)) and (
                         best < 0 or candidate.size < self._free[best].size):
                     best = i
             if best >= 0:
                 buffer = self._free.pop(best)
                 self._free_bytes -= buffer.size
         if buffer is None:
-            buffer = anonymous(nbytes)
+            buffer = anonymous(grown_size(nbytes) if self._grow else nbytes)
         return np.asarray(_Lease(self, buffer, nbytes))
 
     def array(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -106,6 +113,10 @@ class BufferPool:
 
     def _give_back(self, buffer: np.ndarray) -> None:
         with self._lock:
+            if self._grow and len(self._free) >= self._keep and self._free:
+                smallest = min(range(len(self._free)), key=lambda i: self._free[i].size)
+                if self._free[smallest].size < buffer.size:
+                    self._free_bytes -= self._free.pop(smallest).size
             if len(self._free) < self._keep and (
                     self._max_free is None or self._free_bytes + buffer.size <= self._max_free):
                 self._free.append(buffer)
@@ -117,6 +128,13 @@ class BufferPool:
         with self._lock:
             self._free.clear()
             self._free_bytes = 0
+
+
+def grown_size(nbytes: int) -> int:
+    """``nbytes`` rounded up to a quarter octave (at most +25 %), at least one page."""
+    nbytes = max(int(nbytes), PAGE)
+    step = 1 << (nbytes.bit_length() - 3)
+    return -(-nbytes // step) * step
 
 
 class _Lease:

@@ -108,6 +108,15 @@ class ChunkMaps:
             old.close()
         return entry, rows
 
+    def forget(self, owner: str, chunk: int) -> None:
+        """Drop the map of one chunk (its file was found damaged and is being replaced)."""
+        with self._lock:
+            entry = self._entries.pop((owner, chunk), None)
+            if entry is not None:
+                self._bytes -= entry.nbytes
+        if entry is not None:
+            entry.close()
+
     def clear(self) -> None:
         with self._lock:
             entries = list(self._entries.values())
@@ -161,6 +170,10 @@ class ArrayMaps:
             self._seen = {c: e for c, e in self._seen.items() if e.rows is not None}
         self._seen[chunk] = entry
         return rows
+
+    def forget(self, chunk: int) -> None:
+        self._seen.pop(chunk, None)
+        shared().forget(self._owner, chunk)
 
 
 def _map(path: str, shape: tuple[int, int], check_size: Callable[[str, int], None], populate: bool) -> _Entry:

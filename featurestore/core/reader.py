@@ -9,6 +9,10 @@ Three paths behind one interface, chosen when the array is opened, all returning
   not page-cached are read with concurrent preads instead (:mod:`featurestore.core.pread`).
 * ``ranges`` (object storage / any fsspec URL, uncompressed): one byte range per run of adjacent
   requested rows, all fetched in one ``cat_ranges`` call, which s3fs and gcsfs issue concurrently.
+* ``cached`` (object storage with a chunk cache, uncompressed): the chunks a read touches are
+  fetched whole into the local cache directory (:mod:`featurestore.core.chunk_cache`), then
+  gathered from there by the local path (mmap or pread); chunks the cache cannot take (no room,
+  a full disk) are read by ranges.
 * ``zarr`` (compressed arrays): zarr-python decodes the touched chunks.
 """
 
@@ -22,6 +26,7 @@ import numpy as np
 
 from featurestore.core import checked, chunk_maps, pread
 from featurestore.core.buffers import aligned_empty
+from featurestore.core.reader_cached import CachedPath
 from featurestore.core.storage import Storage
 from featurestore.errors import (
     REPAIR_ADVICE,
@@ -32,10 +37,11 @@ from featurestore.errors import (
     ShapeMismatch,
 )
 from featurestore.format import chunks, dtypes, layout
+from featurestore.format.metadata import SplitMetadata
 from featurestore.format.wire import as_index_array, check_bounds
 
 
-class FeatureArray:
+class FeatureArray(CachedPath):
     """One stored array (``features`` or ``labels``) of a split."""
 
     def __init__(
@@ -67,8 +73,12 @@ class FeatureArray:
             self.path = "zarr"
         elif storage.local_path(self._key) is not None:
             self.path = "mmap"
+        elif (storage.chunk_cache is not None and metadata.get("status") == "complete"
+              and metadata.get("kind", "dense") == "dense"):  # bag splits' arrays: not cached (yet)
+            self.path = "cached"
         else:
             self.path = "ranges"
+        self._front = None  # this array's front on the chunk cache (CachedPath), made on first use
         # Local uncompressed arrays: which gather ("auto", "mmap", "pread") and what the page cache
         # does with pread's bytes ("keep", "drop", "direct"); docs/READS.md has the figures.
         self.local_read = _setting("FEATURESTORE_LOCAL_READ", "auto", LOCAL_READS)
@@ -130,11 +140,13 @@ class FeatureArray:
         if len(index):
             rows = out.reshape(len(index), -1).view(np.uint8)
             try:
-                self._verify(index)
                 if self.path == "mmap":
+                    self._verify(index)
                     self._gather_local(index, rows)
+                elif self.path == "cached":
+                    self._gather_cached(index, rows)
                 elif self.path == "ranges":
-                    self._gather_ranges(index, rows)
+                    self._gather_ranges_checked(index, rows, None)
                 else:
                     self._gather_zarr(index, out)
             except FileNotFoundError as error:
@@ -142,21 +154,25 @@ class FeatureArray:
         return out
 
     # ------------------------------------------------------------------ checked reads
-    def _verify(self, index: np.ndarray) -> None:
+    def _verify(self, index: np.ndarray, path: str | None = None) -> dict[int, Any]:
         """crc32c of every chunk this read touches that this process has not verified yet
-        (featurestore.core.checked has the policy and its cost)."""
+        (featurestore.core.checked has the policy and its cost). On object storage the chunks
+        checked are fetched whole: returns them, ``{chunk: bytes}``, for the caller to take this
+        read's rows from (no second request for them)."""
         mode = self.verify_reads
         if mode not in checked.VERIFY_MODES:
             raise InvalidOption(f"verify_reads must be one of {', '.join(checked.VERIFY_MODES)}, got {mode!r}")
-        if mode == "off" or self.path == "zarr":  # zarr's crc32c codec checks every decoded chunk itself
-            return
-        if mode == "auto" and self.path == "mmap" and self._resolved_cache() == "direct":
-            return
+        path = path or self.path
+        if mode == "off" or path in ("zarr", "cached"):  # zarr's codec checks itself; cached: _gather_cached
+            return {}
+        if mode == "auto" and path == "mmap" and self._resolved_cache() == "direct":
+            return {}
         pending = self._verified.pending(np.unique(index // self.chunk_rows).tolist())
         if not pending:
-            return
+            return {}
+        fresh: dict[int, Any] = {}
         payload = self.chunk_rows * self.sample_nbytes
-        if self.path == "mmap":
+        if path == "mmap":
             executor = (self.read_pool or pread.default_pool()).executor()
             try:
                 reasons = checked.check_files([self._chunk_path(c) for c in pending], payload, executor)
@@ -172,6 +188,7 @@ class FeatureArray:
                 gone = next((k for k in keys if not self._storage.exists(k)), None)
                 raise self._missing(gone) from None
             damaged = {c: r for c, blob in zip(pending, blobs) if (r := chunks.check(blob, payload)) is not None}
+            fresh = dict(zip(pending, blobs))
 
             def where(chunk: int) -> str:
                 return f"{self._storage.url}/{layout.chunk_key(self._key, chunk, self._ndim)}"
@@ -180,6 +197,7 @@ class FeatureArray:
             more = f" (and {len(damaged) - 1} more chunk(s) read by the same batch)" if len(damaged) > 1 else ""
             raise CorruptChunk(checked.damage_message(f"chunk {chunk} of {self._key} ({where(chunk)}){more}", reason))
         self._verified.add(pending)
+        return fresh
 
     def _missing(self, chunk: str | None) -> MissingChunks:
         where = f"chunk {chunk}" if chunk else "some requested rows' chunks"
@@ -264,12 +282,16 @@ class FeatureArray:
         """This array's front on the process's shared chunk maps (a forked or unpickled copy
         makes its own: the parent's maps are not in this process's bound)."""
         if self._maps is None:
-            owner = self._storage.local_path(self._key) or self._key  # one key per split, shared by reopens
+            # one key per split, shared by reopens (a cached array: its generation's cache directory)
+            owner = (self._cache_front().directory if self.path == "cached"
+                     else self._storage.local_path(self._key) or self._key)
             self._maps = chunk_maps.ArrayMaps(owner, (self.chunk_rows, self.sample_nbytes), self._chunk_path,
                                               self._check_size)
         return self._maps
 
     def _chunk_path(self, chunk: int) -> str:
+        if self.path == "cached":
+            return self._cache_front().path(chunk)
         path = self._storage.local_path(layout.chunk_key(self._key, chunk, self._ndim))
         assert path is not None
         return path
@@ -298,6 +320,31 @@ class FeatureArray:
                 rows[target : target + (stop - start)] = view[first : first + (stop - start)]
 
     # ------------------------------------------------------------------ ranges path
+    def _gather_ranges_checked(self, index: np.ndarray, rows: np.ndarray, positions: np.ndarray | None) -> None:
+        """Rows ``index`` from object storage into ``rows`` (all of it, or the rows at
+        ``positions``): the chunks this process has not checked yet are fetched whole for their
+        crc32c, and their rows taken from those bytes; the others' rows by ranged GETs."""
+        if not len(index):
+            return
+        dest = rows if positions is None else np.empty((len(index), self.sample_nbytes), np.uint8)
+        fresh = self._verify(index, path="ranges")
+        if fresh:
+            chunk_of, offset = np.divmod(index, self.chunk_rows)
+            payload = self.chunk_rows * self.sample_nbytes
+            for chunk, blob in fresh.items():
+                at = np.flatnonzero(chunk_of == chunk)
+                whole = np.frombuffer(blob, np.uint8, count=payload).reshape(self.chunk_rows, self.sample_nbytes)
+                dest[at] = whole[offset[at]]
+            rest = np.flatnonzero(~np.isin(chunk_of, list(fresh)))
+            if len(rest):
+                part = np.empty((len(rest), self.sample_nbytes), np.uint8)
+                self._gather_ranges(index[rest], part)
+                dest[rest] = part
+        else:
+            self._gather_ranges(index, dest)
+        if positions is not None:
+            rows[positions] = dest
+
     def _gather_ranges(self, index: np.ndarray, rows: np.ndarray) -> None:
         unique, inverse = np.unique(index, return_inverse=True)
         chunk_of, offset = np.divmod(unique, self.chunk_rows)
@@ -307,9 +354,24 @@ class FeatureArray:
             starts.append(int(offset[start]) * self.sample_nbytes)
             ends.append(int(offset[start] + (stop - start)) * self.sample_nbytes)
             spans.append((start, stop))
+        if len(unique) == len(index) and np.array_equal(unique, index):
+            target = rows
+        else:
+            target = np.empty((len(unique), self.sample_nbytes), np.uint8)
+
+        def sink(i: int, blob: Any) -> None:  # each range as it arrives (the copy overlaps the others)
+            start, stop = spans[i]
+            if len(blob) != (stop - start) * self.sample_nbytes:  # the object is shorter than its rows
+                raise CorruptChunk(checked.damage_message(
+                    f"chunk {self._storage.url}/{keys[i]}", f"{len(blob)} bytes where "
+                    f"{(stop - start) * self.sample_nbytes} were requested (truncated object)"))
+            target[start:stop] = np.frombuffer(blob, np.uint8).reshape(stop - start, self.sample_nbytes)
+
         try:
-            blobs = self._storage.read_ranges(keys, starts, ends)
+            self._storage.read_ranges_into(keys, starts, ends, sink)
         except FileNotFoundError:
+            raise
+        except CorruptChunk:
             raise
         except OSError:  # e.g. S3 "range not satisfiable": an object shorter than its rows?
             expected = self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES
@@ -319,16 +381,6 @@ class FeatureArray:
                     raise CorruptChunk(checked.damage_message(
                         f"chunk {self._storage.url}/{key}", f"size {size} bytes, expected {expected}")) from None
             raise
-        if len(unique) == len(index) and np.array_equal(unique, index):
-            target = rows
-        else:
-            target = np.empty((len(unique), self.sample_nbytes), np.uint8)
-        for key, (start, stop), blob in zip(keys, spans, blobs):
-            if len(blob) != (stop - start) * self.sample_nbytes:  # the object is shorter than its rows
-                raise CorruptChunk(checked.damage_message(
-                    f"chunk {self._storage.url}/{key}", f"{len(blob)} bytes where {(stop - start) * self.sample_nbytes} "
-                    "were requested (truncated object)"))
-            target[start:stop] = np.frombuffer(blob, np.uint8).reshape(stop - start, self.sample_nbytes)
         if target is not rows:
             np.take(target, inverse.reshape(-1), axis=0, out=rows)
 
@@ -349,6 +401,7 @@ class FeatureArray:
         state["_maps"] = None  # memory maps are per process: reopened lazily after unpickling
         state["_zarr"] = None
         state["read_pool"] = None  # threads are per process
+        state["_front"] = None  # the cache's front is per process (its threads, its plan)
         return state
 
 

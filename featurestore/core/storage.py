@@ -19,7 +19,7 @@ import ctypes
 import os
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from featurestore.errors import StoreNotFound
@@ -31,6 +31,8 @@ class Storage:
     """Abstract key-value view of a store root."""
 
     url: str
+    #: The local chunk cache readers of this storage use (object storage with ``cache_dir``).
+    chunk_cache: Any = None
 
     def read(self, key: str) -> bytes:  # raises FileNotFoundError
         raise NotImplementedError
@@ -38,9 +40,23 @@ class Storage:
     def read_ranges(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
         raise NotImplementedError
 
+    def read_ranges_into(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int],
+                         sink: Callable[[int, Any], None]) -> None:
+        """``sink(i, data)`` for each range ``i`` of :meth:`read_ranges`; a backend that fetches
+        concurrently calls it as each range arrives, so the caller's copy overlaps the wait for
+        the others."""
+        for i, data in enumerate(self.read_ranges(keys, starts, ends)):
+            sink(i, data)
+
     def read_many(self, keys: Sequence[str]) -> list[bytes]:
         """Whole values of many keys (concurrently where the backend can)."""
         return [self.read(k) for k in keys]
+
+    def read_whole(self, key: str, size: int, part_bytes: int) -> list[Any]:
+        """The value of ``key``, expected to hold ``size`` bytes, as consecutive buffers (a backend
+        may fetch parts of ``part_bytes`` concurrently). A longer value comes back longer than
+        ``size`` (by at least a byte), a shorter one shorter: the caller checks the size."""
+        return [self.read(key)]
 
     def write(self, key: str, *parts: bytes | memoryview) -> None:
         """Store the concatenation of ``parts`` under ``key``, atomically."""

@@ -75,6 +75,11 @@ class ObjectStorage(Storage):
         self._bucket_checked = False
         self._semaphores: dict[int, asyncio.Semaphore] = {}
         self._fallback: Storage | None = None
+        self.bytes_read = 0  # bytes of GET responses so far (benches report it per epoch)
+        if self.settings.cache_dir is not None:
+            from featurestore.core import chunk_cache
+
+            self.chunk_cache = chunk_cache.shared(self.settings.cache_dir, self.settings.cache_bytes)
         _mark_runtime()
 
     # ------------------------------------------------------------------ pickling (workers)
@@ -94,6 +99,7 @@ class ObjectStorage(Storage):
         import obstore
 
         result = self._call(lambda: obstore.get(self._store, key).bytes(), key, "GET")
+        self.bytes_read += len(result)
         return bytes(result)  # small documents: callers json-parse them, which wants bytes
 
     def read_ranges(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[Any]:
@@ -104,7 +110,15 @@ class ObjectStorage(Storage):
             return []
         return run(self._read_ranges(list(keys), list(starts), list(ends)))
 
-    async def _read_ranges(self, keys: list[str], starts: list[int], ends: list[int]) -> list[Any]:
+    def read_ranges_into(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int],
+                         sink: Callable[[int, Any], None]) -> None:
+        if _forked():
+            return self._forked_backend().read_ranges_into(keys, starts, ends, sink)
+        if keys:
+            run(self._read_ranges(list(keys), list(starts), list(ends), sink))
+
+    async def _read_ranges(self, keys: list[str], starts: list[int], ends: list[int],
+                           sink: Callable[[int, Any], None] | None = None) -> list[Any]:
         import obstore
 
         # Merge near ranges of each object, fetch every merged range at once, slice back.
@@ -120,13 +134,51 @@ class ObjectStorage(Storage):
                     data = await settled(lambda: obstore.get_range_async(self._store, key, start=lo, end=hi))
                 except Exception as exc:  # noqa: BLE001 - translated or re-raised as is
                     raise self._error(exc, key, "GET") from None
+            self.bytes_read += len(data)
             if len(data) < hi - lo:
                 raise FileNotFoundError(f"{self.shown}/{key}: {len(data)} bytes where {hi - lo} were expected")
             for i in group:
                 out[i] = data if (starts[i], ends[i]) == (lo, hi) else data[starts[i] - lo : ends[i] - lo]
+                if sink is not None:  # on the loop thread, while other requests are in flight
+                    sink(i, out[i])
+                    out[i] = b""
 
-        await asyncio.gather(*(fetch(*request) for request in requests))
+        tasks = [asyncio.ensure_future(fetch(*request)) for request in requests]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # a failed batch: no request left to write into the caller's buffer
+                task.cancel()
+            raise
         return out
+
+    def read_whole(self, key: str, size: int, part_bytes: int) -> list[Any]:
+        """One plain GET (whole objects are what object stores serve best), or concurrent ranged
+        parts of ``part_bytes`` for a larger value, the last one asking for a byte past ``size``
+        (a longer object shows it): the chunk cache's fetch."""
+        if _forked():
+            return self._forked_backend().read_whole(key, size, part_bytes)
+        if size <= part_bytes:
+            return run(self._read_many([key]))
+        count = -(-size // part_bytes)
+        bounds = [size * i // count for i in range(count)] + [size + 1]
+        return run(self._read_parts(key, bounds))
+
+    async def _read_parts(self, key: str, bounds: list[int]) -> list[Any]:
+        import obstore
+
+        semaphore = self._semaphore()
+
+        async def fetch(lo: int, hi: int) -> Any:
+            async with semaphore:
+                try:
+                    data = await settled(lambda: obstore.get_range_async(self._store, key, start=lo, end=hi))
+                except Exception as exc:  # noqa: BLE001 - translated or re-raised as is
+                    raise self._error(exc, key, "GET") from None
+            self.bytes_read += len(data)
+            return data
+
+        return list(await asyncio.gather(*(fetch(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]))))
 
     def read_many(self, keys: Sequence[str]) -> list[Any]:
         if _forked():
@@ -144,9 +196,11 @@ class ObjectStorage(Storage):
             async with semaphore:
                 try:
                     result = await settled(lambda: obstore.get_async(self._store, key))
-                    return await settled(result.bytes_async)
+                    data = await settled(result.bytes_async)
                 except Exception as exc:  # noqa: BLE001
                     raise self._error(exc, key, "GET") from None
+            self.bytes_read += len(data)
+            return data
 
         return list(await asyncio.gather(*(fetch(k) for k in keys)))
 

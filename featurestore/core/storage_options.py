@@ -19,7 +19,9 @@ featurestore's own settings ride along in the same dict (and in environment vari
 64), ``coalesce_gap`` (bytes: ranges of one object closer than this are read as one request,
 ``FEATURESTORE_OBJECT_COALESCE_GAP``, default 1 MiB), ``max_retries``
 (``FEATURESTORE_OBJECT_RETRIES``, default 5) and ``retry_timeout`` (seconds,
-``FEATURESTORE_OBJECT_RETRY_TIMEOUT``, default 30).
+``FEATURESTORE_OBJECT_RETRY_TIMEOUT``, default 30); ``cache_dir`` (a local directory for whole
+chunks, ``FEATURESTORE_CACHE_DIR``, default none: :mod:`featurestore.core.chunk_cache`) and
+``cache_bytes`` (its limit, ``FEATURESTORE_CACHE_BYTES``, e.g. ``"20G"``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ DEFAULT_RETRIES = 5
 DEFAULT_RETRY_TIMEOUT = 30.0
 
 #: featurestore's own settings (every scheme); not passed on to fsspec or obstore.
-FEATURESTORE_KEYS = ("max_concurrency", "coalesce_gap", "max_retries", "retry_timeout")
+FEATURESTORE_KEYS = ("max_concurrency", "coalesce_gap", "max_retries", "retry_timeout", "cache_dir", "cache_bytes")
 _COMMON = FEATURESTORE_KEYS
 # fsspec name -> obstore S3Config name.
 _S3 = {
@@ -79,6 +81,8 @@ class ObjectStoreSettings:
     profile: str | None = None  # AWS profile: credentials through boto3's chain
     credentials: dict[str, Any] | None = None  # explicit key/secret(/token): used as one set
     endpoint: str | None = None  # the effective endpoint (for messages), None = the cloud's own
+    cache_dir: str | None = None  # local chunk cache (core.chunk_cache), None = none
+    cache_bytes: int | None = None  # its limit, None = the default share of its disk
 
 
 def translate(url: str, options: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> ObjectStoreSettings:
@@ -100,6 +104,7 @@ def translate(url: str, options: Mapping[str, Any] | None, environ: Mapping[str,
                             "FEATURESTORE_OBJECT_RETRIES", DEFAULT_RETRIES, minimum=0)
     timeout = _seconds(url, "retry_timeout", opts.pop("retry_timeout", None), environ,
                        "FEATURESTORE_OBJECT_RETRY_TIMEOUT", DEFAULT_RETRY_TIMEOUT)
+    _cache(opts, settings, environ)
     settings.retry_config = {
         "max_retries": retries,
         "retry_timeout": timedelta(seconds=timeout),
@@ -113,6 +118,22 @@ def translate(url: str, options: Mapping[str, Any] | None, environ: Mapping[str,
     else:
         _azure(url, opts, settings)
     return settings
+
+
+def _cache(opts: dict[str, Any], settings: ObjectStoreSettings, environ: Mapping[str, str]) -> None:
+    from featurestore.core.chunk_cache import ENV_BYTES, ENV_DIR, parse_bytes
+
+    directory, source = opts.pop("cache_dir", None), "cache_dir"
+    if directory is None:
+        directory, source = environ.get(ENV_DIR) or None, ENV_DIR
+    if directory is not None and (not isinstance(directory, (str, os.PathLike)) or not str(directory)):
+        raise InvalidStorageOptions(f"{source}={directory!r} must be a directory path: fix it, or leave it out "
+                                    "for no chunk cache")
+    size, size_source = opts.pop("cache_bytes", None), "cache_bytes"
+    if size is None:
+        size, size_source = environ.get(ENV_BYTES) or None, ENV_BYTES
+    settings.cache_dir = os.fspath(directory) if directory is not None else None
+    settings.cache_bytes = parse_bytes(size, size_source) if size is not None else None
 
 
 def _s3(url: str, opts: dict[str, Any], settings: ObjectStoreSettings, environ: Mapping[str, str]) -> None:

@@ -53,7 +53,9 @@ def open_store(url: str, mode: str = "r", **storage_options: Any) -> FeatureStor
     """Open the store at ``url`` (a path or any fsspec URL).
 
     ``mode="r"`` needs an existing store; ``mode="a"`` creates the root group if it is missing.
-    ``storage_options`` go to fsspec (e.g. ``endpoint_url``, ``key``, ``secret`` for s3fs).
+    ``storage_options`` go to fsspec (e.g. ``endpoint_url``, ``key``, ``secret`` for s3fs). On
+    object storage, ``cache_dir=`` (and ``cache_bytes=``) keeps whole chunks in a local directory
+    shared by the host's processes and reads them from there (docs/STORAGE.md, "Chunk cache").
     """
     if mode not in ("r", "a"):
         raise InvalidOption(f"mode {mode!r} is not supported: use 'r' (read) or 'a' (read and write)")

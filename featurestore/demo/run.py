@@ -9,7 +9,10 @@
    against the in-RAM float32 cache it replaces (both measured);
 5. the segmentation probe under K seeds per dtype from local disk (``compare_probes``, the same
    check as ``featurestore probe --compare``), plus seed 0 of the float16 side streamed over HTTP,
-   which must give the same Jaccard as from disk.
+   which must give the same Jaccard as from disk;
+6. slide bags (:mod:`featurestore.demo.bags`): a synthetic cohort as float32 and float16 bag
+   splits, a ``BagLoader`` epoch from disk and over HTTP, and the ABMIL probe under K seeds per
+   dtype, with seed 0 from the float32 store checked against the same bags held in RAM.
 
 :func:`run_demo` returns every figure as a dict; ``featurestore/commands/demo.py`` prints the table.
 """
@@ -27,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from featurestore.demo.bags import bag_section, make_bags
 from featurestore.errors import FeatureStoreError
 
 DATASET = "pannuke"
@@ -84,10 +88,11 @@ def run_demo(
     result: dict[str, Any] = {"size": size, "plan": asdict(plan), "workdir": workdir, "store": store}
     try:
         result["threads"] = _set_threads(threads)
-        total = 7
+        total = 8
         log(f"[1/{total}] synthetic PanNuke fold: {plan.train} train + {plan.val} val images, "
-            f"{plan.image_size} px, in {data}")
+            f"{plan.image_size} px, in {data}; synthetic slide bags in the store")
         result["data"] = _make_data(data, plan)
+        result["bags_data"] = make_bags(store, size)
         for step, dtype in ((2, "float32"), (3, "float16")):
             log(f"[{step}/{total}] extract builtin:tiny-vit as {dtype} -> {DATASET}/{ENCODERS[dtype]}")
             result.setdefault("extract", {})[dtype] = _extract(data, store, dtype)
@@ -107,6 +112,10 @@ def run_demo(
             result["compare"] = _compare(store, plan, log)
             log(f"[7/{total}] seg probe streamed over HTTP: float16, seed 0")
             result["http_probe"] = _http_probe(url, plan, result["compare"], log)
+            bag_plan = result["bags_data"]["plan"]
+            log(f"[8/{total}] slide bags: BagLoader from disk and over HTTP; ABMIL probe, {plan.seeds} seeds x "
+                f"float16 and float32, {bag_plan['train']} train + {bag_plan['val']} val slides")
+            result["bags"] = bag_section(store, url, size, plan.seeds, log)
         result["baseline_jaccard"] = constant_baseline(store)
         result["memory"]["process_peak_rss"] = _peak_rss()  # after the probes, the heaviest step
         result["seconds"] = time.perf_counter() - started

@@ -139,8 +139,9 @@ class Encoder:
             self.module = self.module.to(device).eval()
         return self
 
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        """``[B, 3, H, W]`` -> ``[B, T, D]`` float tokens, or :class:`EncoderError`."""
+    def __call__(self, images: torch.Tensor, *, vectors: bool = False) -> torch.Tensor:
+        """``[B, 3, H, W]`` -> ``[B, T, D]`` float tokens, or :class:`EncoderError`; with
+        ``vectors=True`` an encoder's ``[B, D]`` embeddings pass too (slide patches, one row each)."""
         try:
             out = self.module(images)
         except FeatureStoreError:
@@ -149,10 +150,13 @@ class Encoder:
             raise EncoderError(f"encoder {self.spec} failed on a batch of shape {list(images.shape)}: "
                                f"{type(error).__name__}: {error}") from error
         tokens = _as_tokens(out, self)
-        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 3 or tokens.shape[0] != images.shape[0]:
+        ranks = (2, 3) if vectors else (3,)
+        if not isinstance(tokens, torch.Tensor) or tokens.ndim not in ranks or tokens.shape[0] != images.shape[0]:
             got = f"shape {list(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            want = "[B, T, D] tokens (batch, tokens, channels) or [B, D] embeddings" if vectors else \
+                "[B, T, D] tokens (batch, tokens, channels)"
             raise EncoderError(f"encoder {self.spec} returned {got} for {images.shape[0]} images; it must "
-                               "return [B, T, D] tokens (batch, tokens, channels)")
+                               f"return {want}")
         if not tokens.is_floating_point():
             raise EncoderError(f"encoder {self.spec} returned {tokens.dtype} tokens; it must return floats")
         return tokens

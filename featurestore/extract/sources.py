@@ -105,8 +105,17 @@ class Preprocessing:
         if self.resize is not None and tuple(x.shape[-2:]) != self.resize:
             x = F.interpolate(x[None], size=self.resize, mode="bilinear", antialias=True,
                               align_corners=False)[0]
+        return self.normalize(x), label
+
+    def normalize(self, x: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+        """``(x - mean) / std`` per channel of ``[3, H, W]`` or ``[B, 3, H, W]`` floats in 0..1, on
+        ``x``'s device (the same float32 operations wherever it runs; ``inplace`` reuses ``x``)."""
         mean, std = self._normalization
-        return (x - mean) / std, label
+        if mean.device != x.device:
+            mean, std = mean.to(x.device), std.to(x.device)
+        if inplace:
+            return x.sub_(mean).div_(std)
+        return (x - mean) / std
 
     @cached_property
     def _normalization(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,8 +13,6 @@ import threading
 import time
 from typing import Any
 
-import torch
-
 from featurestore.format import dtypes
 
 
@@ -24,7 +22,7 @@ class WriterThread(threading.Thread):
     def __init__(self, writer: Any, maxsize: int) -> None:
         super().__init__(name="featurestore-writer", daemon=True)
         self.writer = writer
-        self.queue: queue.Queue[tuple[int, torch.Tensor, Any] | None] = queue.Queue(maxsize=max(1, maxsize))
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, maxsize))
         self.error: BaseException | None = None
         self.bytes_written = 0
         self.waited = 0.0
@@ -37,15 +35,19 @@ class WriterThread(threading.Thread):
                 return
             if self.error is not None:
                 continue  # keep draining so the producer never blocks on a dead consumer
-            start, features, labels = item
             try:
-                # donate: the encoder never touches this batch again, so no defensive copy.
-                self.writer.write(start, features, labels, donate=True)
-                self.bytes_written += features.numel() * self.itemsize
+                self.bytes_written += self.write(item)
             except BaseException as error:  # handed to the main thread, which raises it
                 self.error = error
 
-    def put(self, item: tuple[int, torch.Tensor, Any]) -> None:
+    def write(self, item: Any) -> int:
+        """Hand one item to the writer; returns the bytes it stores (a subclass writes bags)."""
+        start, features, labels = item
+        # donate: the encoder never touches this batch again, so no defensive copy.
+        self.writer.write(start, features, labels, donate=True)
+        return int(features.numel()) * self.itemsize
+
+    def put(self, item: Any) -> None:
         started = time.perf_counter()
         while self.error is None:
             try:

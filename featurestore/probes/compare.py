@@ -1,8 +1,9 @@
 """Seeds and spread: summarise a metric over seeds, and compare two summaries.
 
-:func:`summarize` (mean, sample std), :func:`run_seeds` (one run per seed, every metric
-summarised) and :func:`compare_summaries` (difference, pooled std, whether it exceeds
-``SPREAD_FACTOR`` x the run-to-run spread, per-seed paired differences). Pure Python: no torch.
+:func:`seed_list_of` (a seed count or list, checked), :func:`summarize` (mean, sample std),
+:func:`run_seeds` (one run per seed, every metric summarised) and :func:`compare_summaries`
+(difference, pooled std, whether it exceeds ``SPREAD_FACTOR`` x the run-to-run spread, per-seed
+paired differences). Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from featurestore.errors import InvalidOption
 
-__all__ = ["SPREAD_FACTOR", "compare_summaries", "run_seeds", "summarize"]
+__all__ = ["SPREAD_FACTOR", "compare_summaries", "run_seeds", "seed_list_of", "summarize"]
 
 # A metric "exceeds the run-to-run spread" when |mean_A - mean_B| > SPREAD_FACTOR * pooled std.
 SPREAD_FACTOR = 2.0
@@ -88,3 +89,17 @@ def compare_summaries(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, d
             "max_abs_paired_diff": max(abs(d) for d in paired) if paired else 0.0,
         }
     return out
+
+
+def seed_list_of(seeds: int | Sequence[int]) -> list[int]:
+    """``seeds`` as a list: a count K means seeds ``0..K-1``; explicit seeds must be distinct, >= 0."""
+    if isinstance(seeds, bool):
+        raise InvalidOption(f"seeds must be a positive count or a list of seeds, but got: {seeds!r}")
+    if isinstance(seeds, int):
+        if seeds < 1:
+            raise InvalidOption(f"seeds must be a positive integer (the number of runs), but got: {seeds}")
+        return list(range(seeds))
+    seed_list = [int(s) for s in seeds]
+    if not seed_list or len(set(seed_list)) != len(seed_list) or min(seed_list) < 0:
+        raise InvalidOption(f"seeds must be a non-empty list of distinct integers >= 0, but got: {seeds!r}")
+    return seed_list

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from featurestore.errors import InvalidLabels, InvalidOption, MissingLabels, ShapeMismatch
-from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds
+from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds, seed_list_of
 
 __all__ = [
     "SplitInfo",
@@ -287,7 +287,7 @@ def _run(
     from featurestore.probes.seg import SegProbeConfig, train_seg_probe
     from featurestore.probes.train import resolve_device
 
-    seed_list = _seed_list(seeds)
+    seed_list = seed_list_of(seeds)
     for name, value in (("epochs", epochs), ("batch_size", batch_size)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise InvalidOption(f"{name} must be a positive integer, but got: {value!r}")
@@ -338,19 +338,6 @@ def _run(
         "config": asdict(config), "seconds": time.perf_counter() - started,
         **result,
     }
-
-
-def _seed_list(seeds: int | Sequence[int]) -> list[int]:
-    if isinstance(seeds, bool):
-        raise InvalidOption(f"seeds must be a positive count or a list of seeds, but got: {seeds!r}")
-    if isinstance(seeds, int):
-        if seeds < 1:
-            raise InvalidOption(f"seeds must be a positive integer (the number of runs), but got: {seeds}")
-        return list(range(seeds))
-    seed_list = [int(s) for s in seeds]
-    if not seed_list or len(set(seed_list)) != len(seed_list) or min(seed_list) < 0:
-        raise InvalidOption(f"seeds must be a non-empty list of distinct integers >= 0, but got: {seeds!r}")
-    return seed_list
 
 
 def _batches(

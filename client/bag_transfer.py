@@ -1,0 +1,220 @@
+"""Turning one batch of bags into ready ``(features, mask, coords, labels)`` on the loader's device.
+
+The bag loader's producer (:class:`client.prefetch.Producer`), the twin of
+:class:`client.transfer.Transfer` for ragged rows. A batch of B bags is laid out padded,
+``[B, P, D]`` with ``P`` the longest (subsampled) bag of the batch, or ``max_patches`` with
+``pad_to="max_patches"``; padding is zeros and ``mask`` says which rows are patches.
+
+* CUDA: the device tensors are allocated zeroed on a side stream; the bags' rows are read, at the
+  stored width, into reusable (pinned) host slots of at most ``piece_bytes`` each (several small
+  bags share a slot, a large bag spans several), and each piece is copied ``non_blocking`` into
+  its place. A slot is refilled only after the copy out of it has completed (its event), so host
+  memory is ``(threads + 1) x piece_bytes`` however long a bag is: a 100k x 2560 float16 bag
+  (512 MB) streams through 64 MiB slots. Upcast, mask and labels are made on the side stream; the
+  consumer's stream waits on the batch's event.
+* CPU: the batch handed out is a leased buffer of :class:`featurestore.core.buffers.BufferPool`;
+  rows are read straight into it at the stored dtype, or through a staging piece of at most
+  ``piece_bytes`` and upcast into it otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import weakref
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from client.bags import BagDataset
+from client.dataset import NO_LABEL
+from client.transfer import HostSlot, widen
+from featurestore.core.buffers import BufferPool, aligned_empty, grown_size
+from featurestore.core.pread import ReadPool
+from featurestore.errors import EmptyBag
+from featurestore.format import dtypes
+
+PIECE_BYTES = 64 << 20
+PAD_TO = ("longest", "max_patches")
+
+
+class Piece(NamedTuple):
+    """Rows ``start:stop`` of the ``slot``-th bag of a batch (positions in its yielded rows)."""
+
+    slot: int
+    start: int
+    stop: int
+    rows: np.ndarray | None  # the bag's stored rows to read; None: the whole bag
+
+
+def fills(pieces: Iterator[Piece], piece_rows: int) -> Iterator[list[Piece]]:
+    """Consecutive pieces grouped into slot fills of at most ``piece_rows`` rows (a piece is never
+    longer than that): several small bags share one fill, a long bag's pieces fill one each."""
+    take: list[Piece] = []
+    filled = 0
+    for piece in pieces:
+        rows = piece.stop - piece.start
+        if take and filled + rows > piece_rows:
+            yield take
+            take, filled = [], 0
+        take.append(piece)
+        filled += rows
+    if take:
+        yield take
+
+
+class BagTransfer:
+    """Reads one batch of bags and hands it over on the target device (see the module doc)."""
+
+    def __init__(self, ds: BagDataset, device: torch.device, dtype: torch.dtype, pin: bool, num_threads: int, *,
+                 max_patches: int | None, seed: int, pad_to: str = "longest", skip_empty: bool = True,
+                 piece_bytes: int = PIECE_BYTES) -> None:
+        self.ds = ds
+        self.device = device
+        self.dtype = dtype
+        self.stored = ds.torch_dtype
+        self.cuda = device.type == "cuda"
+        self.max_patches = max_patches
+        self.seed = seed
+        self.pad_to = pad_to
+        self.skip_empty = skip_empty
+        self.piece_rows = max(1, int(piece_bytes) // ds.row_nbytes)
+        self.coords_torch = torch.from_numpy(np.empty(0, ds.coords_dtype)).dtype
+        # Bags differ in length: a pool that keeps its largest buffers serves them all without
+        # mapping (and faulting in) fresh memory per bag, which made epochs 2x slower than the
+        # bare reader (measured); up to `keep` idle buffers beside the leased ones.
+        self.pool = BufferPool(keep=2, grow=True)
+        self.read_pool = ReadPool(int(os.environ.get("FEATURESTORE_READ_THREADS", "8")))
+        self._weak = weakref.finalize(self, self.read_pool.shutdown)
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device=device)
+            self.slots: queue.Queue[HostSlot] = queue.Queue()
+            for _ in range(num_threads + 1):  # every thread can fill one while the last copy runs
+                self.slots.put(HostSlot(pin))
+
+    def shutdown(self) -> None:
+        self.read_pool.shutdown()
+
+    # ------------------------------------------------------------------ the batch's layout
+    def layout(self, epoch: int, index: np.ndarray) -> tuple[list[np.ndarray | None], np.ndarray, int]:
+        """Per bag the rows it yields this epoch (None: all), their counts, and the padded length."""
+        ds = self.ds
+        rows = [ds.rows(int(i), max_patches=self.max_patches, seed=self.seed, epoch=epoch) for i in index]
+        counts = np.array([int(ds.lengths[i]) if r is None else len(r) for i, r in zip(index, rows)], np.int64)
+        if not self.skip_empty and len(counts) and int(counts.min()) == 0:
+            empty = ds.ids[int(index[int(np.argmin(counts))])]
+            raise EmptyBag(f"bag {empty!r} of {ds.dataset}/{ds.encoder}/{ds.split} has no patches (skip_empty=False): "
+                           "pass skip_empty=True to leave empty bags out of every epoch, or drop the bag from the split")
+        longest = int(counts.max()) if len(counts) else 0
+        if self.pad_to == "max_patches" and self.max_patches is not None:
+            longest = max(longest, self.max_patches)
+        return rows, counts, longest
+
+    def pieces(self, rows: list[np.ndarray | None], counts: np.ndarray) -> Iterator[Piece]:
+        """The batch's rows in pieces of at most ``piece_rows`` rows, bag by bag."""
+        for slot, (bag_rows, count) in enumerate(zip(rows, counts)):
+            for start in range(0, int(count), self.piece_rows):
+                stop = min(int(count), start + self.piece_rows)
+                if bag_rows is not None:
+                    selected: np.ndarray | None = bag_rows[start:stop]
+                elif start == 0 and stop == count:
+                    selected = None
+                else:
+                    selected = np.arange(start, stop, dtype=np.int64)
+                yield Piece(slot, start, stop, selected)
+
+    def labels(self, index: np.ndarray) -> torch.Tensor:
+        if self.ds.labels is None:
+            return torch.full((len(index),), NO_LABEL, dtype=torch.int64)
+        return widen(torch.from_numpy(np.ascontiguousarray(self.ds.labels[index])))
+
+    # ------------------------------------------------------------------ producer side (threads)
+    def produce(self, batch: tuple[int, np.ndarray], staging: dict[str, np.ndarray]) -> Any:
+        epoch, index = batch
+        self.ds.use_read_pool(self.read_pool)  # this process's reader: the loader's read threads
+        rows, counts, longest = self.layout(epoch, index)
+        if self.cuda:
+            return self._produce_cuda(index, rows, counts, longest)
+        return self._produce_cpu(index, rows, counts, longest, staging)
+
+    def _produce_cpu(self, index: np.ndarray, rows: list[np.ndarray | None], counts: np.ndarray, longest: int,
+                     staging: dict[str, np.ndarray]) -> tuple[torch.Tensor, ...]:
+        ds, b, dim = self.ds, len(index), self.ds.dim
+        coords = np.zeros((b, longest, 2), ds.coords_dtype)
+        host = self.pool.lease(b * longest * dim * self.dtype.itemsize)
+        features = torch.from_numpy(host).view(self.dtype).view(b, longest, dim)
+        if self.dtype == self.stored:
+            out = host.view(ds.numpy_dtype).reshape(b, longest, dim)
+            del host
+            for piece in self.pieces(rows, counts):  # straight into the batch handed out
+                ds.read_into(int(index[piece.slot]), piece.rows, out[piece.slot, piece.start:piece.stop],
+                             coords[piece.slot, piece.start:piece.stop])
+        else:
+            del host
+            for piece in self.pieces(rows, counts):
+                need = (piece.stop - piece.start) * ds.row_nbytes
+                if staging.get("bags") is None or staging["bags"].size < need:  # at most one piece, +25 %
+                    staging["bags"] = aligned_empty((grown_size(need),), np.uint8)
+                stored = staging["bags"][:need].view(ds.numpy_dtype).reshape(piece.stop - piece.start, dim)
+                ds.read_into(int(index[piece.slot]), piece.rows, stored, coords[piece.slot, piece.start:piece.stop])
+                features[piece.slot, piece.start:piece.stop].copy_(dtypes.to_torch(stored, ds.dtype))
+        for slot, count in enumerate(counts):
+            features[slot, int(count):].zero_()
+        mask = torch.arange(longest)[None, :] < torch.from_numpy(counts)[:, None]
+        return features, mask, torch.from_numpy(coords), self.labels(index)
+
+    def _produce_cuda(self, index: np.ndarray, rows: list[np.ndarray | None], counts: np.ndarray,
+                      longest: int) -> tuple[Any, ...]:
+        ds, b, dim = self.ds, len(index), self.ds.dim
+        row_bytes, coord_bytes = ds.row_nbytes, 2 * ds.coords_dtype.itemsize
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            raw = torch.zeros((b, longest, row_bytes), dtype=torch.uint8, device=self.device)  # padding: zeros
+            raw_coords = torch.zeros((b, longest, coord_bytes), dtype=torch.uint8, device=self.device)
+        for take in fills(self.pieces(rows, counts), self.piece_rows):
+            filled = sum(piece.stop - piece.start for piece in take)
+            slot = self.slots.get()  # never blocks for long: one more slot than threads
+            try:
+                slot.wait_copied()  # the copy out of this slot's last fill must be done first
+                slot.reserve(filled * row_bytes, filled * coord_bytes)
+                host_f = slot.features[: filled * row_bytes].numpy().view(ds.numpy_dtype).reshape(filled, dim)
+                host_c = slot.labels[: filled * coord_bytes].numpy().view(ds.coords_dtype).reshape(filled, 2)
+                at = 0
+                for piece in take:
+                    n = piece.stop - piece.start
+                    ds.read_into(int(index[piece.slot]), piece.rows, host_f[at:at + n], host_c[at:at + n])
+                    at += n
+                with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                    at = 0
+                    for piece in take:
+                        n = piece.stop - piece.start
+                        raw[piece.slot, piece.start:piece.stop].view(-1).copy_(
+                            slot.features[at * row_bytes:(at + n) * row_bytes], non_blocking=True)
+                        raw_coords[piece.slot, piece.start:piece.stop].view(-1).copy_(
+                            slot.labels[at * coord_bytes:(at + n) * coord_bytes], non_blocking=True)
+                        at += n
+                    slot.record_copied(self.stream)
+            finally:
+                self.slots.put(slot)
+        labels = self.labels(index)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            features = raw.view(self.stored).view(b, longest, dim).to(self.dtype)
+            coords = raw_coords.view(self.coords_torch).view(b, longest, 2)
+            lengths = torch.from_numpy(counts).to(self.device)
+            mask = torch.arange(longest, device=self.device)[None, :] < lengths[:, None]
+            labels = labels.to(self.device)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return features, mask, coords, labels, ready
+
+    # ------------------------------------------------------------------ consumer side
+    def finish(self, item: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.cuda:
+            return item
+        *tensors, ready = item
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(ready)  # the GPU waits, the host does not
+        for tensor in tensors:  # allocated on the side stream, used on this one
+            tensor.record_stream(stream)
+        return tuple(tensors)  # type: ignore[return-value]

@@ -1,0 +1,145 @@
+"""What every streaming loader shares: epochs, the read-ahead threads' lifetime, resumable state.
+
+:class:`StreamingLoader` is the base of :class:`client.loader.FeatureLoader` (rows of a dense
+split) and :class:`client.bag_loader.BagLoader` (bags of a bag split). A subclass says which
+batches an epoch has (:meth:`StreamingLoader._epoch_batches`), how one batch reaches the device (a
+*producer* with ``produce(batch, staging)`` on a prefetch thread and ``finish(item)`` on the
+consumer's, see :class:`client.prefetch.Prefetcher`), and which of its arguments a saved state
+must match (:meth:`StreamingLoader._identity`). The base runs the epoch: at most ``prefetch``
+batches read ahead, delivered in order, threads joined when the loop ends or breaks, and
+``state_dict`` / ``load_state_dict`` counting the batches the consumer received.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from client.prefetch import Prefetcher
+from featurestore.errors import InvalidOption
+
+
+def check_count(name: str, value: Any, low: int) -> int:
+    """``value`` as an int if it is an integer >= ``low``, else :class:`InvalidOption` naming it."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise InvalidOption(f"`{name}` must be an integer >= {low}, but got: {value!r}")
+    return int(value)
+
+
+class StreamingLoader:
+    """The epoch machinery of a loader; subclasses set ``prefetch`` and ``num_threads`` and call
+    :meth:`_init_epochs` from their ``__init__``."""
+
+    prefetch: int
+    num_threads: int
+
+    def _init_epochs(self) -> None:
+        self.epoch = 0
+        self._resume_batch = 0  # batches of `epoch` already consumed (load_state_dict)
+        self._consumed = 0
+        self._active: Prefetcher | None = None
+        self._producer: Any = None
+        self.stats: dict[str, float] = {"batches": 0, "stall_s": 0.0}
+
+    # ------------------------------------------------------------------ what subclasses provide
+    def _epoch_batches(self, skip: int) -> Iterator[Any]:
+        """The current epoch's batches after the first ``skip`` (which are not read)."""
+        raise NotImplementedError
+
+    def _make_producer(self) -> Any:
+        """The object that turns one batch into device tensors (made once, reused across epochs)."""
+        raise NotImplementedError
+
+    def _identity(self) -> dict[str, Any]:
+        """The arguments a saved state must match to be resumed by this loader."""
+        raise NotImplementedError
+
+    def _start_stats(self) -> dict[str, float]:
+        return {"batches": 0, "stall_s": 0.0}
+
+    def _epoch_ended(self) -> None:
+        """Release what the epoch in flight held besides its prefetch threads (a chunk cache's
+        read-ahead); called when the epoch ends, breaks or is stopped."""
+
+    # ------------------------------------------------------------------ epochs
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration yields (call before each epoch)."""
+        if not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise InvalidOption(f"`epoch` must be a non-negative integer, but got: {epoch!r}")
+        if int(epoch) != self.epoch:
+            self._resume_batch = 0  # a resume offset belongs to the epoch it was saved in
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._stop_epoch()  # one epoch in flight per loader
+        skip, self._resume_batch = self._resume_batch, 0
+        batches = self._epoch_batches(skip)
+        if self._producer is None:  # the CUDA stream and pinned slots are reused across epochs
+            self._producer = self._make_producer()
+        self._consumed = skip
+        self.stats = self._start_stats()
+        prefetcher = Prefetcher(batches, self._producer, self.prefetch, self.num_threads)
+        self._active = prefetcher
+        return self._run(prefetcher)
+
+    def _run(self, prefetcher: Prefetcher) -> Iterator[Any]:
+        # A generator, so `break` out of the consumer's loop finalises it at once (CPython frees
+        # it when the loop drops it) and the `finally` joins the threads: nothing leaks.
+        try:
+            for batch in prefetcher:
+                self._consumed += 1
+                self.stats["batches"] += 1
+                self.stats["stall_s"] = prefetcher.stall_s
+                yield batch
+            self._consumed = 0  # the epoch is complete: a state saved now restarts it whole
+        finally:
+            prefetcher.close()
+            if self._active is prefetcher:
+                self._active = None
+                self._epoch_ended()
+
+    def _stop_epoch(self) -> None:
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+        self._epoch_ended()
+
+    def close(self) -> None:
+        """Stop the prefetch threads of the epoch in flight, if any, and the read threads (a
+        later iteration starts them again). Iteration stops its own prefetch threads."""
+        self._stop_epoch()
+        if self._producer is not None:
+            self._producer.shutdown()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Where the consumer is: the epoch and how many of its batches it has received."""
+        return {"epoch": self.epoch, "batch": self._consumed, **self._identity()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next iteration yields exactly the batches the saved run had not received."""
+        if not isinstance(state, dict):
+            raise TypeError(f"load_state_dict takes the dict that state_dict() returned, but got: {type(state).__name__}")
+        missing = [key for key in ("epoch", "batch") if key not in state]
+        if missing:
+            raise InvalidOption(f"cannot resume: the state lacks {', '.join(map(repr, missing))} (it has "
+                                f"{sorted(state)}); pass the whole dict that loader.state_dict() returned")
+        for key in ("epoch", "batch"):
+            value = state[key]
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                raise InvalidOption(f"cannot resume: state[{key!r}] must be a non-negative integer, but got: {value!r}")
+        for key, mine in self._identity().items():
+            if key in state and state[key] != mine:
+                raise InvalidOption(f"cannot resume: the state has {key}={state[key]!r}, this loader has "
+                                    f"{key}={mine!r}; build the loader with the same arguments as the saved run")
+        self.set_epoch(int(state["epoch"]))
+        self._resume_batch = int(state["batch"])
+        self._consumed = self._resume_batch

@@ -1,0 +1,217 @@
+"""``featurestore bench extract --wsi``: does slide extraction add little to the slide reader?
+
+On synthetic pyramidal TIFF slides (featurestore.demo.slides; deflate tiles, since JPEG would
+need imagecodecs), in one run, interleaved, best of ``--repeats``:
+
+* **OpenSlide alone**: the same patches (the plans extraction makes, made once beforehand), read
+  with ``read_region`` and turned into RGB arrays in a DataLoader with the same workers and the
+  same batches: the slide reader's own ceiling;
+* **extract**: ``featurestore.extract.wsi_run.extract_slides`` into a fresh store, everything
+  included (slide plans with their thumbnails and tissue masks, patch reads, encoder, writer,
+  commit), to ``os.sync()``;
+* **encode only** (with a real encoder): the extraction's patch loader and encoder on the same
+  patches, the features dropped.
+
+Targets: with ``--encoder zero`` (no encoder work) extract patches/s >= 0.8x OpenSlide alone; with
+``--encoder builtin:vit-s14`` extract wall <= 1.1x encode only. ``--cold`` evicts the slide files
+from the page cache (posix_fadvise DONTNEED) before each timed pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from featurestore.bench.common import save_json
+
+ZERO = "python:featurestore.bench.extract:zero_encoder"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--wsi (whole-slide extraction)")
+    group.add_argument("--wsi", action="store_true", help="bench slide extraction instead (see bench/extract_wsi.py)")
+    group.add_argument("--slides", type=int, default=3, help="synthetic slides (default 3)")
+    group.add_argument("--slide-size", type=int, nargs=2, default=(12288, 9216), metavar=("W", "H"),
+                       help="level-0 size (default 12288 9216 at 0.5 um/px, levels 1/4/16: ~700 tissue "
+                       "patches of 224 px a slide)")
+    group.add_argument("--patch-size", type=int, default=224, help="patch side at 20x (default 224)")
+    group.add_argument("--tissue", default="otsu", choices=("otsu", "all"), help="tissue filter (default otsu)")
+    group.add_argument("--max-patches", type=int, default=None,
+                       help="--limit slides so about this many patches are encoded (a real encoder on a CPU)")
+    group.add_argument("--cold", action="store_true", help="evict the slides from the page cache before each pass")
+
+
+def _openslide_only(keys_batches: list[list[Any]], workers: int) -> float:
+    """Seconds to read every patch with OpenSlide alone (RGB arrays, stacked per batch)."""
+    import torch
+
+    from featurestore.extract.run import _worker_init
+    from featurestore.extract.workers import DieWithParent
+
+    # The default collate: stacked into shared memory in the worker, as extraction's own collate does.
+    loader = torch.utils.data.DataLoader(_RawReader(), batch_sampler=keys_batches, num_workers=workers,
+                                         worker_init_fn=DieWithParent(_worker_init) if workers else None)
+    start = time.perf_counter()
+    for _ in loader:
+        pass
+    return time.perf_counter() - start
+
+
+class _RawReader:
+    """``read_region`` -> RGB ``uint8 [s, s, 3]``, one handle per slide per worker."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, Any] = {}
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        import openslide
+
+        slide = self.open.get(key.path)
+        if slide is None:
+            slide = self.open[key.path] = openslide.OpenSlide(key.path)
+        region = slide.read_region((key.x, key.y), key.level, (key.read_size, key.read_size))
+        return np.asarray(region)[..., :3].copy()
+
+
+def _encode_only(opts: Any, keys_batches: list[list[Any]], workers: int) -> float:
+    import torch
+
+    from featurestore.core.device import resolve_device
+    from featurestore.extract.encoders import load_encoder
+    from featurestore.extract.run import _autocast, _worker_init, resolve_precision
+    from featurestore.extract.sources import Preprocessing
+    from featurestore.extract.workers import DieWithParent
+    from featurestore.extract.wsi_patches import PatchReader, collate_patches, to_encoder
+
+    start = time.perf_counter()
+    encoder = load_encoder(opts.encoder)
+    device = resolve_device(opts.device)
+    encoder.to(device)
+    precision = resolve_precision(opts.precision, device)
+    size = opts.patch_size
+    prep = Preprocessing(resize=(size, size), mean=encoder.mean, std=encoder.std)
+    reader = PatchReader(size)
+    loader = torch.utils.data.DataLoader(reader, batch_sampler=keys_batches, num_workers=workers,
+                                         collate_fn=collate_patches, pin_memory=device.type == "cuda",
+                                         worker_init_fn=DieWithParent(_worker_init) if workers else None)
+    with torch.inference_mode():
+        for batch in loader:
+            images = batch.images
+            if len(images) < opts.batch_size:
+                images = torch.cat([images, images.new_zeros((opts.batch_size - len(images), *images.shape[1:]))])
+            with _autocast(device, precision):
+                out = encoder(to_encoder(images, prep, device), vectors=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            del out
+    return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from featurestore.bench.cgroup import evict
+    from featurestore.demo.slides import write_slide
+    from featurestore.extract.run import default_num_workers
+    from featurestore.extract.wsi import Target, list_slides
+    from featurestore.extract.wsi_patches import PatchBatches, Patching, SlidePlanner
+    from featurestore.extract.wsi_run import SlideOptions, extract_slides
+
+    encoder = {"zero": ZERO}.get(args.encoder, args.encoder)
+    if args.encoder == "trivial":
+        encoder = ZERO  # the dense bench's default; here the zero-cost encoder is the ceiling
+    workers = args.num_workers if args.num_workers is not None else default_num_workers()
+    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-wsi-")
+    os.makedirs(work, exist_ok=True)
+    slides_dir = os.path.join(work, "slides")
+    os.makedirs(slides_dir, exist_ok=True)
+    try:
+        width, height = args.slide_size
+        for i in range(args.slides):
+            write_slide(os.path.join(slides_dir, f"slide-{i:03d}.tiff"), width=width, height=height, seed=i, blobs=8)
+        patching = Patching(Target(args.patch_size, magnification=20.0), args.tissue, 0.5)
+        refs = list_slides(slides_dir)
+        planner = SlidePlanner(refs, patching)
+        plans = [planner[i] for i in range(len(refs))]
+        limit = len(refs)
+        if args.max_patches:
+            total, limit = 0, 0
+            while limit < len(plans) and total < args.max_patches:
+                total += len(plans[limit])  # type: ignore[arg-type]
+                limit += 1
+        plans = plans[:limit]
+        batches = list(PatchBatches(plans, args.batch_size, lambda _: None))
+        patches = sum(len(b) for b in batches)
+        files = [r.path for r in refs[:limit]]
+
+        def cold() -> None:
+            if args.cold:
+                for path in files:
+                    evict(path)
+
+        times: dict[str, list[float]] = {"openslide_only_s": [], "extract_s": [], "extract_loop_s": [],
+                                         "encode_only_s": []}
+        real = encoder != ZERO
+        for repeat in range(args.repeats):
+            cold()
+            times["openslide_only_s"].append(_openslide_only(batches, workers))
+            opts = SlideOptions(images=f"wsi:{slides_dir}", encoder=encoder, store=os.path.join(work, f"store-{repeat}"),
+                                dataset="bench", split="s", patch_size=args.patch_size, tissue=args.tissue,
+                                batch_size=args.batch_size, num_workers=workers, progress=False, limit=limit,
+                                device=args.device, precision=args.precision, chunk_mb=args.chunk_mb)
+            if real:
+                cold()
+                times["encode_only_s"].append(_encode_only(opts, batches, workers))
+            cold()
+            start = time.perf_counter()
+            result = extract_slides(opts)
+            os.sync()
+            times["extract_s"].append(time.perf_counter() - start)
+            times["extract_loop_s"].append(result.seconds)  # plans, reads, encoder, bags: no start-up or commit
+            assert result.patches == patches, (result.patches, patches)
+            shutil.rmtree(os.path.join(work, f"store-{repeat}"), ignore_errors=True)
+        best = {name: min(values) for name, values in times.items() if values}
+        results: dict[str, Any] = {
+            "benchmark": "extract-wsi", "encoder": encoder, "device": args.device, "slides": limit,
+            "slide_size": [width, height], "patch_size": args.patch_size, "tissue": args.tissue,
+            "patches": patches, "batch_size": args.batch_size, "num_workers": workers, "cold": bool(args.cold),
+            "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0], "repeats": times, **best,
+            "openslide_only_patches_s": patches / best["openslide_only_s"],
+            "extract_patches_s": patches / best["extract_s"],
+            "extract_vs_openslide": best["openslide_only_s"] / best["extract_s"], "target_vs_openslide": 0.8,
+            # Each repeat's own pair (measured back to back): the spread shows the machine's noise.
+            "pair_ratios": [a / b for a, b in zip(times["openslide_only_s"], times["extract_s"])],
+            "extract_loop_vs_openslide": best["openslide_only_s"] / best["extract_loop_s"],
+        }
+        if real:
+            results.update(encode_only_patches_s=patches / best["encode_only_s"],
+                           ratio=best["extract_s"] / best["encode_only_s"], target_ratio=1.1)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"bench extract --wsi: encoder {encoder}, {limit} slides {width}x{height} -> {patches} patches of "
+          f"{args.patch_size}px at 20x (tissue {args.tissue}), batch {args.batch_size}, {workers} workers, "
+          f"{'cold' if args.cold else 'warm'} page cache; {os.cpu_count()} cores, load "
+          f"{results['load_average_1m']:.1f}; best of {args.repeats}")
+    print(f"  OpenSlide alone {results['openslide_only_patches_s']:.0f} patches/s; extract "
+          f"{results['extract_patches_s']:.0f} patches/s (plans, reads, encoder, writer, commit, to os.sync): "
+          f"{results['extract_vs_openslide']:.2f}x best of each (target >= 0.8x with --encoder zero); per repeat "
+          f"{', '.join(f'{r:.2f}' for r in results['pair_ratios'])}")
+    print(f"  extract's loop alone (no encoder load, split creation, commit or sync) {best['extract_loop_s']:.2f}s: "
+          f"{results['extract_loop_vs_openslide']:.2f}x OpenSlide alone; whole run {best['extract_s']:.2f}s")
+    if real:
+        print(f"  encode only {best['encode_only_s']:.2f}s ({results['encode_only_patches_s']:.1f} patches/s); "
+              f"extract {best['extract_s']:.2f}s: ratio {results['ratio']:.3f} (target <= 1.1)")
+    return results
+
+
+def main(args: argparse.Namespace) -> int:
+    save_json(run(args), args.json_out)
+    return 0
+
+
+__all__ = ["add_arguments", "main", "run"]

@@ -1,0 +1,121 @@
+"""The chunk cache's part of ``featurestore bench s3``: loader epochs through a local chunk cache.
+
+Figures, each a ``FeatureLoader`` epoch of the uniform shuffle (device cpu, stored dtype):
+
+* ``cache epoch 1``: a cache as large as the split, empty at the start (whole chunks come in);
+* ``cache epoch 2``: the same loader's next epoch, the cache full, its files evicted from the page
+  cache first (cold, as the local baseline);
+* ``local cold loader``: the same bytes in a local store, evicted from the page cache;
+* ``half cache epoch 1/2``: a cache of half the split's bytes, two epochs; the bytes downloaded
+  per epoch (GET responses: whole chunks plus ranged rows) are reported.
+
+Each repeat starts from a new, empty cache directory under the bench's work directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from featurestore.bench.cgroup import evict
+from featurestore.bench.common import gbps
+
+TARGETS = {"cache_epoch1_vs_ceiling": 0.6, "cache_epoch2_vs_local_cold": 0.85, "half_cache_vs_ceiling": 0.3}
+
+
+class CachedEpochs:
+    """Loader epochs over ``url`` with and without a chunk cache, and over a local copy."""
+
+    def __init__(self, url: str, options: dict[str, Any], values: np.ndarray, chunk_bytes: int, batch: int,
+                 prefetch: int, threads: int | None, workdir: str | None = None) -> None:
+        import featurestore
+
+        self.url, self.options, self.batch = url, dict(options), batch
+        self.prefetch, self.threads = prefetch, threads
+        self.n = len(values)
+        self.nbytes = values.nbytes
+        self.work = tempfile.mkdtemp(prefix="featurestore-s3cache-", dir=workdir)
+        self.local = os.path.join(self.work, "local")
+        writer = featurestore.open_store(self.local, mode="a").create_split(
+            "bench", "enc", "train", num_samples=self.n, sample_shape=values.shape[1:], dtype="float16",
+            chunk_bytes=chunk_bytes)
+        for start in range(0, self.n, batch):
+            writer.write(start, values[start : start + batch])
+        writer.commit()
+        self.downloaded: dict[str, list[float]] = {"half cache epoch 1": [], "half cache epoch 2": []}
+
+    def close(self) -> None:
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def _loader(self, source: str, options: dict[str, Any]) -> Any:
+        from client import FeatureDataset, FeatureLoader
+
+        ds = FeatureDataset(source, "bench", "enc", "train", storage_options=options)
+        return FeatureLoader(ds, batch_size=self.batch, order="shuffle", device="cpu", dtype=None,
+                             prefetch=self.prefetch, num_threads=self.threads, seed=int(time.time()))
+
+    def _epoch(self, loader: Any, epoch: int) -> float:
+        loader.set_epoch(epoch)
+        t0, seen = time.perf_counter(), 0
+        for features, _ in loader:
+            seen += features.shape[0]
+        assert seen == self.n
+        return gbps(self.nbytes, time.perf_counter() - t0)
+
+    def _cache_dir(self) -> str:
+        return tempfile.mkdtemp(prefix="cache-", dir=self.work)
+
+    def full_cache(self) -> tuple[float, float]:
+        """(epoch 1, epoch 2) through a cache as large as the split."""
+        directory = self._cache_dir()
+        loader = self._loader(self.url, {**self.options, "cache_dir": directory})
+        first = self._epoch(loader, 0)
+        _cold(directory)
+        second = self._epoch(loader, 1)
+        loader.close()
+        shutil.rmtree(directory, ignore_errors=True)
+        return first, second
+
+    def half_cache(self) -> tuple[float, float]:
+        """(epoch 1, epoch 2) through a cache of half the split; bytes downloaded recorded."""
+        directory = self._cache_dir()
+        loader = self._loader(self.url, {**self.options, "cache_dir": directory, "cache_bytes": self.nbytes // 2})
+        storage = loader.ds.array._storage
+        speeds = []
+        for epoch, name in enumerate(("half cache epoch 1", "half cache epoch 2")):
+            before = storage.bytes_read
+            speeds.append(self._epoch(loader, epoch))
+            self.downloaded[name].append((storage.bytes_read - before) / self.nbytes)
+        loader.close()
+        shutil.rmtree(directory, ignore_errors=True)
+        return speeds[0], speeds[1]
+
+    def local_cold(self) -> float:
+        loader = self._loader(self.local, {})
+        _cold(self.local)
+        speed = self._epoch(loader, 0)
+        loader.close()
+        return speed
+
+
+def _cold(path: str) -> None:
+    """Evict ``path``'s files from the page cache; the process's chunk maps go first (a page
+    still mapped is not dropped)."""
+    from featurestore.core import chunk_maps
+
+    chunk_maps.shared().clear()
+    evict(path)
+
+
+def ratios(median: dict[str, float], ceiling: float) -> dict[str, float]:
+    return {
+        "cache_epoch1_vs_ceiling": median["cache epoch 1 (empty, full-size cache)"] / ceiling,
+        "cache_epoch2_vs_local_cold": median["cache epoch 2 (filled, cold files)"] / median["local cold loader"],
+        "half_cache_vs_ceiling": median["half cache epoch 2"] / ceiling,
+        "half_cache_epoch1_vs_ceiling": median["half cache epoch 1"] / ceiling,
+    }

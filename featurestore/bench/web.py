@@ -1,0 +1,208 @@
+"""``featurestore bench web``: server time of the web page (issue 28's targets).
+
+* **Catalog**: a store of ``--splits`` splits (default 100) whose documents carry ``--dim``
+  (default 3072) channels of mean/std, as extraction writes them. ``GET /`` is timed in-process
+  (``TestClient``: the app's own time, no network) as the first view (every document parsed),
+  warm (documents unchanged: re-read and compared, not parsed) and with the documents evicted
+  from the page cache (``posix_fadvise(DONTNEED)``: re-read from disk). Target: warm < 200 ms.
+* **PCA picture**: ``GET /ui/pca/...`` of a ``[--tokens, --dim]`` float16 sample (default
+  ``[1024, 3072]``, grid 32 x 32) on as many cores as this machine has (BLAS threads), each sample
+  once (computed, not cached), then a cached repeat; the parts of one computation (read, the
+  randomized components, PNG), the computation with the BLAS threads ``featurestore serve`` sets
+  (``FEATURESTORE_UI_BLAS_THREADS``, server/web/blas.py) against the default ones, and the exact
+  SVD the randomized iteration replaces. The picture part runs last: it sets this process's BLAS
+  threads as the server does.
+  Target: < 300 ms on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from featurestore.bench.common import save_json
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("web", help="web page server time: catalog of N splits, PCA picture")
+    parser.add_argument("--splits", type=int, default=100, help="splits in the catalog store (default 100)")
+    parser.add_argument("--dim", type=int, default=3072, help="channels of every split (default 3072)")
+    parser.add_argument("--tokens", type=int, default=1024, help="patch tokens of the PCA sample (a square; default 1024)")
+    parser.add_argument("--samples", type=int, default=5, help="samples pictured, each computed once (default 5)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed catalog views per case; the median is kept")
+    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
+    parser.set_defaults(func=lambda args: _print_and_save(run(args), args.json_out))
+
+
+def build_catalog_store(path: str, splits: int, dim: int) -> None:
+    """``splits`` float16 splits of [4, 16, dim] over 5 datasets x 4 encoders x N splits."""
+    import featurestore
+
+    store = featurestore.open_store(path, mode="a")
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((4, 16, dim), dtype=np.float32)
+    for i in range(splits):
+        dataset, encoder, split = f"ds{i % 5}", f"enc{(i // 5) % 4}", f"split{i // 20:03d}"
+        meta = {"encoder": {"name": encoder, "spec": f"timm:vit_{encoder}", "weights_hash": f"{i:016x}"},
+                "preprocessing": {"resize": 224, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]},
+                "token_layout": {"tokens": "patch", "prefix_tokens": 0, "grid": [4, 4]},
+                "cache_key": f"sha256:{i:064x}"}  # fmt: skip
+        w = store.create_split(dataset, encoder, split, num_samples=4, sample_shape=(16, dim), dtype="float16",
+                               metadata=meta)  # fmt: skip
+        w.write(0, values + i)
+        w.commit()
+
+
+def build_picture_store(path: str, samples: int, tokens: int, dim: int) -> tuple[int, int]:
+    import featurestore
+
+    side = int(round(tokens**0.5))
+    if side * side != tokens:
+        raise ValueError(f"--tokens {tokens} is not a square (the picture needs a grid)")
+    store = featurestore.open_store(path, mode="a")
+    meta = {"token_layout": {"tokens": "patch", "prefix_tokens": 0, "grid": [side, side]}}
+    w = store.create_split("pictures", "enc", "train", num_samples=samples, sample_shape=(tokens, dim),
+                           dtype="float16", metadata=meta)  # fmt: skip
+    rng = np.random.default_rng(1)
+    for i in range(samples):  # a few strong directions over noise, as encoder tokens have
+        basis = rng.standard_normal((8, dim)).astype(np.float32)
+        weights = rng.standard_normal((tokens, 8)).astype(np.float32) * np.linspace(4, 0.5, 8, dtype=np.float32)
+        w.write(i, (weights @ basis + rng.standard_normal((tokens, dim), dtype=np.float32))[None])
+    w.commit()
+    return side, side
+
+
+def _blas_threads() -> int:
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return 0
+    found = [c.num_threads for c in ThreadpoolController().select(user_api="blas").lib_controllers]
+    return max(found) if found else 0
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)
+
+
+def _timed(fn: Any) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from fastapi.testclient import TestClient
+
+    from featurestore.bench.cgroup import evict
+    from server import Settings, create_app
+
+    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-web-", dir=os.environ.get("FEATURESTORE_BENCH_DIR"))
+    os.makedirs(work, exist_ok=True)
+    results: dict[str, Any] = {"benchmark": "web", "cpus": os.cpu_count(), "splits": args.splits, "dim": args.dim}
+    try:
+        catalog_path = os.path.join(work, "catalog")
+        build_catalog_store(catalog_path, args.splits, args.dim)
+        doc = os.path.join(catalog_path, "ds0", "enc0", "split000", "zarr.json")
+        results["document_bytes"] = os.path.getsize(doc)
+        with TestClient(create_app(catalog_path, Settings())) as client:
+            first, page = _timed(lambda: client.get("/"))
+            assert page.status_code == 200 and page.text.count("<tr>") >= args.splits, page.text[:500]
+            warm = [_timed(lambda: client.get("/"))[0] for _ in range(args.repeats)]
+            cold = []
+            for _ in range(max(1, args.repeats // 2)):
+                evict(catalog_path)
+                cold.append(_timed(lambda: client.get("/"))[0])
+            split_page = [_timed(lambda: client.get("/ui/splits/ds0/enc0/split000"))[0] for _ in range(args.repeats)]
+        results["catalog"] = {"first_view_ms": _ms(first), "warm_ms": _ms(statistics.median(warm)),
+                              "documents_evicted_ms": _ms(statistics.median(cold)), "page_bytes": len(page.content),
+                              "split_page_warm_ms": _ms(statistics.median(split_page))}  # fmt: skip
+
+        picture_path = os.path.join(work, "pictures")
+        grid = build_picture_store(picture_path, args.samples, args.tokens, args.dim)
+        results["picture"] = _bench_picture(picture_path, grid, args)
+        results["load_average"] = [round(v, 1) for v in os.getloadavg()]
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def _bench_picture(path: str, grid: tuple[int, int], args: argparse.Namespace) -> dict[str, Any]:
+    from fastapi.testclient import TestClient
+
+    import featurestore
+    from featurestore.format import dtypes
+    from server import Settings, create_app
+    from server.web import pictures
+    from server.web.blas import limit_blas_threads
+    from server.web.png import encode_png
+
+    default_threads = _blas_threads()
+    limited = limit_blas_threads(Settings().ui_blas_threads)  # what featurestore serve does
+    with TestClient(create_app(path, Settings())) as client:
+        client.get("/ui/pca/pictures/enc/train/0.png")  # imports, BLAS start-up: not a sample's cost
+        computed = [_timed(lambda i=i: client.get(f"/ui/pca/pictures/enc/train/{i}.png"))[0] for i in range(1, args.samples)]
+        cached = [_timed(lambda: client.get("/ui/pca/pictures/enc/train/1.png"))[0] for _ in range(args.repeats)]
+        assert client.app.state.web.figures.computed == args.samples  # type: ignore[attr-defined]
+    arr = featurestore.open_store(path).open("pictures", "enc", "train")
+    read, stored = _timed(lambda: arr.read_numpy([1])[0])
+    cast, sample = _timed(lambda: dtypes.stored_as_float32(stored, "float16"))
+    # The computation alone, with the BLAS threads the server sets and with the default ones,
+    # alternating (threadpoolctl lets this thread, the one that set the limit, change it).
+    default, one = [], []
+    for _ in range(max(3, args.samples)):
+        fit, image = _timed(lambda: pictures.pca_picture(sample, 0, grid))
+        one.append(fit)
+        if limited:
+            from threadpoolctl import threadpool_limits
+
+            with threadpool_limits(limits=default_threads, user_api="blas"):
+                default.append(_timed(lambda: pictures.pca_picture(sample, 0, grid))[0])
+    png, _ = _timed(lambda: encode_png(image))
+    centred = sample - sample.mean(axis=0)
+    exact, _ = _timed(lambda: np.linalg.svd(centred, full_matrices=False))
+    fit = statistics.median(one)
+    return {"shape": [args.tokens, args.dim], "computed_ms": _ms(statistics.median(computed)),
+            "computed_max_ms": _ms(max(computed)), "cached_ms": _ms(statistics.median(cached)),
+            "parts_ms": {"read": _ms(read), "float16->float32": _ms(cast), "components+image": _ms(fit), "png": _ms(png)},
+            "blas_threads": Settings().ui_blas_threads if limited else default_threads, "default_blas_threads": default_threads,
+            "default_threads_ms": _ms(statistics.median(default)) if default else None, "server_threads_ms": _ms(fit),
+            "exact_svd_ms": _ms(exact), "exact_over_randomized": round(exact / fit, 1) if fit else None}  # fmt: skip
+
+
+def _print_and_save(results: dict[str, Any], path: str | None) -> int:
+    c = results["catalog"]
+    print(f"featurestore bench web ({results['cpus']} CPUs; in-process server time, no network)")
+    print(f"catalog page, {results['splits']} splits of {results['dim']} channels "
+          f"({results['document_bytes'] / 1024:.0f} KiB per split document, page {c['page_bytes'] / 1024:.0f} KiB):")
+    print(f"  warm (median)           {c['warm_ms']:8.1f} ms   target < 200 ms: {'ok' if c['warm_ms'] < 200 else 'MISSED'}")
+    print(f"  documents evicted       {c['documents_evicted_ms']:8.1f} ms   (re-read from disk, parse cached)")
+    print(f"  first view              {c['first_view_ms']:8.1f} ms   (every document parsed)")
+    print(f"  one split's page (warm) {c['split_page_warm_ms']:8.1f} ms")
+    p = results["picture"]
+    print(f"PCA picture of a {p['shape'][0]}x{p['shape'][1]} float16 sample (GET /ui/pca/..., {p['blas_threads']} BLAS thread(s), as serve sets):")
+    print(f"  computed (median)       {p['computed_ms']:8.1f} ms   (max {p['computed_max_ms']:.1f}) "
+          f"target < 300 ms: {'ok' if p['computed_ms'] < 300 else 'MISSED'}")
+    print(f"  cached                  {p['cached_ms']:8.1f} ms")
+    print("  parts: " + ", ".join(f"{k} {v:.1f} ms" for k, v in p["parts_ms"].items()))
+    if p["default_threads_ms"] is not None:
+        print(f"  components + image with the default {p['default_blas_threads']} BLAS threads {p['default_threads_ms']:.1f} ms, "
+              f"with the server's {p['blas_threads']} {p['server_threads_ms']:.1f} ms "
+              f"({p['default_threads_ms'] / max(p['server_threads_ms'], 1e-9):.1f}x)")
+    print(f"  exact SVD of the same tokens ({p['blas_threads']} BLAS thread(s)) {p['exact_svd_ms']:.1f} ms = {p['exact_over_randomized']}x "
+          "the randomized components + image")
+    print(f"load average at the end: {results['load_average']} (a shared machine: ratios within a run hold)")
+    save_json(results, path)
+    return 0
+
+
+__all__ = ["build_catalog_store", "register", "run"]

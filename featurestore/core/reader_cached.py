@@ -1,0 +1,124 @@
+"""The ``cached`` read path of :class:`~featurestore.core.reader.FeatureArray`: object storage
+through the local chunk cache (:mod:`featurestore.core.chunk_cache`).
+
+A read makes the chunks it touches local (whole GETs, checked, :mod:`featurestore.core.cached_array`),
+then gathers them with the local path (mmap or pread) from the cache directory. Chunks the cache
+does not take (no room, a full disk) are read by ranged GETs, as without a cache. A cached file
+found damaged by the first-read crc32c check of this process is removed and fetched again; one
+removed by another process's eviction between the fetch and the read is fetched again too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from featurestore.core import cached_array, checked, pread
+from featurestore.errors import MissingChunks
+from featurestore.format import layout
+from featurestore.format.metadata import SplitMetadata
+
+_CACHE_ATTEMPTS = 3  # fetch-and-read rounds of a cached read before it goes to ranged GETs
+
+
+class CachedPath:
+    """The cached path's part of ``FeatureArray`` (it uses the array's local and ranged gathers)."""
+
+    # Provided by FeatureArray.
+    _front: Any
+    _verified: checked.Verified
+    _storage: Any
+    _key: str
+    _split_key: str
+    _ndim: int
+    _warm_since: float
+    chunk_rows: int
+    sample_nbytes: int
+    metadata: dict[str, Any]
+    path: str
+    verify_reads: str
+    read_pool: Any
+
+    def _chunk_path(self, chunk: int) -> str: ...
+    def _array_maps(self) -> Any: ...
+    def _gather_local(self, index: np.ndarray, rows: np.ndarray) -> None: ...
+    def _gather_ranges_checked(self, index: np.ndarray, rows: np.ndarray, positions: np.ndarray | None) -> None: ...
+
+    def _cache_front(self) -> cached_array.CachedArray:
+        if self._front is None:
+            meta = SplitMetadata.from_json(self.metadata, self._split_key)
+            nbytes = self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES
+            self._front = cached_array.front(self._storage.chunk_cache, self._storage, self._key,
+                                             chunk_nbytes=nbytes, ndim=self._ndim, meta=meta)
+        return self._front
+
+    @property
+    def chunk_cache(self) -> cached_array.CachedArray | None:
+        """This array's front on the storage's chunk cache (``cache_dir``), or None."""
+        return self._cache_front() if self.path == "cached" else None
+
+    def _gather_cached(self, index: np.ndarray, rows: np.ndarray) -> None:
+        """Make the touched chunks local (whole GETs, checked), then gather them with the local
+        path; chunks the cache does not take are read by ranges. A cached file found damaged
+        (first read per process, crc32c) is dropped and fetched again; one removed by another
+        process's eviction between the fetch and the read is fetched again."""
+        front = self._cache_front()
+        wanted = np.unique(index // self.chunk_rows).tolist()
+        for _ in range(_CACHE_ATTEMPTS):
+            fetched, absent = front.ensure(wanted)
+            self._verified.add(fetched)  # checked (size, crc32c, seal) as they came in
+            if self.verify_reads != "off":
+                damaged = self._check_cached(wanted, absent)
+                if damaged:
+                    for chunk in damaged:
+                        front.drop(chunk)
+                        self._array_maps().forget(chunk)
+                    continue
+            if absent:
+                remote = np.isin(index // self.chunk_rows, absent)
+                self._gather_ranges_checked(index[remote], rows, np.flatnonzero(remote))
+                local = np.flatnonzero(~remote)
+                if len(local):
+                    part = np.empty((len(local), self.sample_nbytes), np.uint8)
+                    if not self._local_attempt(index[local], part):
+                        continue
+                    rows[local] = part
+                return
+            if self._local_attempt(index, rows):
+                return
+        self._gather_ranges_checked(index, rows, None)  # evicted under us every time: read by ranges
+
+    def _check_cached(self, wanted: list[int], absent: list[int]) -> list[int]:
+        front = self._cache_front()
+        skip = set(absent)
+        pending = self._verified.pending([c for c in wanted if c not in skip])
+        mine = [c for c in pending if front.checked_here(c)]  # fetched by this process's threads: checked then
+        if mine:
+            self._verified.add(mine)
+            pending = [c for c in pending if not front.checked_here(c)]
+        payload = self.chunk_rows * self.sample_nbytes
+
+        paths = [self._chunk_path(c) for c in pending]
+        try:
+            reasons = checked.check_files(paths, payload, (self.read_pool or pread.default_pool()).executor())
+        except FileNotFoundError:  # evicted under us: find which, one file at a time
+            reasons = [_check_one(path, payload) for path in paths]
+        damaged = {c: r for c, r in zip(pending, reasons) if r is not None}
+        self._verified.add([c for c in pending if c not in damaged])
+        return sorted(damaged)
+
+    def _local_attempt(self, index: np.ndarray, rows: np.ndarray) -> bool:
+        try:
+            self._gather_local(index, rows)
+        except (FileNotFoundError, MissingChunks):
+            self._warm_since = float("-inf")  # a chunk file left (evicted): check page-cache residency again
+            return False
+        return True
+
+
+def _check_one(path: str, payload: int) -> str | None:
+    try:
+        return checked.check_files([path], payload)[0]
+    except FileNotFoundError:
+        return "gone"

@@ -1,0 +1,448 @@
+"""Whole-slide extraction: ``featurestore extract --images wsi:...`` -> one bag per slide.
+
+The pipeline (featurestore.extract.wsi_patches has the DataLoader side):
+
+1. slide plans (open, scale, level, tissue mask, kept grid patches) are made in DataLoader
+   workers, one slide per item, as the patch loader needs them;
+2. patches are read and preprocessed in the patch loader's workers, in batches of
+   ``--batch-size`` that run across slide boundaries;
+3. the encoder runs on the main thread; every call gets exactly ``[batch_size, 3, P, P]`` (the
+   last batch is padded with zeros), so a patch's embedding does not depend on which patches
+   share its batch: matrix kernels are picked by shape, and rows of one shape do not mix. That is
+   why a resumed run, another ``--num-workers`` and another torchrun world size give the same
+   bytes although their batches hold other patches;
+4. a slide's bag is handed to the writer thread as soon as its last patch is encoded; bags are
+   finished in slide order (a slide without tissue is an empty bag, as TRIDENT writes it).
+
+A slide that cannot be used (missing, not a slide, no resolution, too coarse for the target,
+a damaged tile) is skipped with one line naming it; the others go on. The split is committed
+with the bags that were made; ``ExtractResult.skipped`` lists the rest, and the CLI exits with
+status 3 (docs/EXTRACT.md). ``--resume`` skips the bags already complete (bag id = slide file
+stem) and redoes any slide whose bag was cut short, skipped ones included.
+
+Under torchrun, slide ``i`` of the sorted cohort belongs to rank ``i % world_size`` (the same
+partition on every resume); each rank adds its bags through its own writer session, rank 0
+commits once every rank has closed (featurestore.extract.dist).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from featurestore.core import fused_stats
+from featurestore.core.device import resolve_device
+from featurestore.errors import (
+    DatasetNotFound,
+    EncoderNotFound,
+    InvalidOption,
+    NonFiniteValues,
+    SplitExists,
+    SplitNotFound,
+)
+from featurestore.extract.bag_import import read_label_csv
+from featurestore.extract.dist import Coordinator, coordinator_from_env
+from featurestore.extract.encoders import Encoder, EncoderError, load_encoder, resolve_layout
+from featurestore.extract.plan import check_chunk_mb
+from featurestore.extract.sources import Preprocessing
+from featurestore.extract.run import (
+    _autocast,
+    _check_first_sample_fits,
+    _worker_init,
+    default_num_workers,
+    resolve_dtype,
+    resolve_precision,
+)
+from featurestore.extract.tissue import check_tissue_options
+from featurestore.extract.wsi import SlideRef, Target, list_slides
+from featurestore.extract.wsi_bags import BagAssembler
+from featurestore.extract.wsi_patches import (
+    PatchBatches,
+    PatchReader,
+    Patching,
+    SlidePlan,
+    SlidePlanner,
+    collate_patches,
+    identity,
+    to_encoder,
+)
+from featurestore.extract.workers import DieWithParent
+from featurestore.extract.writer_thread import WriterThread
+from featurestore.format.names import validate_name
+
+SLIDE_TOKENS = ("cls", "mean")
+EXIT_SKIPPED = 3  # the CLI's exit status when the split is complete but slides were skipped
+
+
+@dataclass
+class SlideOptions:
+    """Everything ``featurestore extract --images wsi:...`` takes; see docs/EXTRACT.md."""
+
+    images: str
+    encoder: str
+    store: str
+    dataset: str
+    split: str
+    encoder_name: str | None = None
+    dtype: str = "auto"
+    batch_size: int = 64
+    device: str = "auto"
+    resume: bool = False
+    overwrite: bool = False
+    chunk_mb: float = 8.0
+    precision: str = "auto"
+    tokens: str = "cls"
+    prefix_tokens: int | None = None
+    labels: str | None = None  # CSV: slide_id,label (as for featurestore import)
+    num_workers: int | None = None
+    limit: int | None = None  # the first N slides
+    magnification: float | None = None
+    mpp: float | None = None
+    slide_mpp: float | None = None
+    patch_size: int = 256
+    tissue: str = "otsu"
+    min_tissue: float = 0.5
+    mean: tuple[float, float, float] | None = None
+    std: tuple[float, float, float] | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    queue_size: int = 4
+    progress: bool = True
+    threads: int | None = None
+
+
+@dataclass
+class SlideResult:
+    status: str  # "complete" | "already-complete"
+    key: str
+    slides: int  # in the cohort
+    bags: int = 0  # bags added by this run (all ranks)
+    patches: int = 0  # patches encoded by this run (all ranks)
+    skipped: list[dict[str, str]] = field(default_factory=list)  # {"id", "path", "reason"}
+    bytes_written: int = 0
+    seconds: float = 0.0  # the encode-and-write loop (slowest rank)
+    wall_seconds: float = 0.0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class BagWriterThread(WriterThread):
+    """The writer thread for bags: items are ``(bag_id, features, coords, label, attrs)``."""
+
+    def write(self, item: Any) -> int:
+        bag_id, features, coords, label, attrs = item
+        self.writer.add_bag(bag_id, features, coords=coords, label=label, attrs=attrs)
+        return int(features.numel()) * self.itemsize
+
+
+@dataclass
+class Embedding:
+    """What one patch becomes: the CLS token, the mean of the patch tokens, or the encoder's vector."""
+
+    mode: str  # "cls" | "mean" | "vector"
+    prefix: int  # tokens before the patch grid (mean skips them)
+    tokens: int | None  # tokens per patch the encoder returns (None for vectors)
+
+    def select(self, out: torch.Tensor) -> torch.Tensor:
+        if self.mode == "vector":
+            return out
+        if self.mode == "cls":
+            return out[:, 0]
+        return out[:, self.prefix :].float().mean(dim=1)  # accumulated in float32
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokens": self.mode, "prefix_tokens": 0, "grid": None, "encoder_tokens": self.tokens,
+                "encoder_prefix_tokens": None if self.mode == "vector" else self.prefix,
+                "per_patch": {"cls": "the CLS token", "mean": "the mean of the patch tokens (float32)",
+                              "vector": "the encoder's [B, D] output"}[self.mode]}
+
+
+def _embedding(encoder: Encoder, out: torch.Tensor, patch_size: int, opts: SlideOptions) -> Embedding:
+    if out.ndim == 2:
+        return Embedding("vector", 0, None)
+    layout = resolve_layout(encoder, int(out.shape[1]), (patch_size, patch_size),
+                            "cls" if opts.tokens == "cls" else "patch", opts.prefix_tokens)
+    return Embedding(opts.tokens, int(layout.encoder_prefix_tokens or 0), int(out.shape[1]))
+
+
+def _labels(refs: list[SlideRef], labels_csv: str | None, list_csv: str | None) -> tuple[dict[str, Any] | None, list[str] | None]:
+    """Bag labels by id and class names (text labels) from ``--labels CSV``, else from a
+    ``wsi:LIST.csv`` with a ``label`` column; ``featurestore import``'s rules (bag_import)."""
+    path = labels_csv or (list_csv if any(r.label is not None for r in refs) else None)
+    if path is None:
+        return None, None
+    labels, names, _ = read_label_csv(path, [r.id for r in refs])
+    return labels, names
+
+
+@dataclass
+class _Prepared:
+    refs: list[SlideRef]
+    labels: dict[str, Any] | None
+    label_names: list[str] | None
+    patching: Patching
+    preprocessing: Preprocessing
+    encoder: Encoder
+    embedding: Embedding
+    device: torch.device
+    precision: str
+    dtype: str
+    dim: int
+    encoder_name: str
+    metadata: dict[str, Any]
+
+
+def _check_options(opts: SlideOptions) -> None:
+    validate_name(opts.dataset, "dataset")
+    validate_name(opts.split, "split")
+    if opts.batch_size < 1:
+        raise InvalidOption(f"--batch-size must be a positive integer, but got: {opts.batch_size}")
+    check_chunk_mb(opts.chunk_mb)
+    if opts.num_workers is not None and opts.num_workers < 0:
+        raise InvalidOption(f"--num-workers must be 0 (load in the main process) or more, but got: {opts.num_workers}")
+    if opts.queue_size < 1:
+        raise InvalidOption(f"--queue-size must be a positive integer, but got: {opts.queue_size}")
+    if opts.resume and opts.overwrite:
+        raise InvalidOption("--resume and --overwrite exclude each other: choose one")
+    if opts.tokens not in SLIDE_TOKENS:
+        raise InvalidOption(f"--tokens {opts.tokens!r} does not apply to slides: a bag row is one vector per patch, "
+                            "use --tokens cls (default) or mean")
+    if opts.limit is not None and opts.limit < 1:
+        raise InvalidOption(f"--limit must be a positive integer, but got: {opts.limit}")
+    check_tissue_options(opts.tissue, opts.min_tissue)
+
+
+def _prepare(opts: SlideOptions, coord: Coordinator) -> _Prepared:
+    _check_options(opts)
+    kind, _, target = opts.images.partition(":")
+    if kind != "wsi" or not target:
+        raise InvalidOption(f"slide sources are wsi:DIR, wsi:SLIDE or wsi:LIST.csv, but got: {opts.images!r}")
+    patching = Patching(Target(opts.patch_size, opts.magnification, opts.mpp, opts.slide_mpp),
+                        opts.tissue, opts.min_tissue)
+    refs = list_slides(target)[: opts.limit]
+    labels, label_names = _labels(refs, opts.labels, target if target.lower().endswith(".csv") else None)
+    encoder = load_encoder(opts.encoder)
+    encoder_name = validate_name(opts.encoder_name or encoder.default_name, "encoder name")
+    device = resolve_device(opts.device, coord.local_rank)
+    encoder.to(device)
+    precision = resolve_precision(opts.precision, device)
+    size = opts.patch_size
+    preprocessing = Preprocessing(resize=(size, size), mean=opts.mean or encoder.mean, std=opts.std or encoder.std)
+    # A white patch through the encoder: its output shape, dtype and width, before any slide or storage.
+    white = to_encoder(torch.full((1, 3, size, size), 255, dtype=torch.uint8), preprocessing, device)
+    with torch.inference_mode(), _autocast(device, precision):
+        out = encoder(white, vectors=True)
+    embedding = _embedding(encoder, out, opts.patch_size, opts)
+    sample = embedding.select(out)
+    if not bool(torch.isfinite(sample).all()):
+        raise NonFiniteValues(f"encoder {opts.encoder} returned NaN or Inf for a white patch: featurestore does "
+                              "not store non-finite values. Check the encoder (try --precision fp32)")
+    output_dtype = str(sample.dtype).removeprefix("torch.")
+    dtype = resolve_dtype(opts.dtype, output_dtype)
+    _check_first_sample_fits(sample, dtype, opts.encoder)
+    recorded = {**preprocessing.to_dict(), "resize_mode": "bilinear-antialias, rounded to uint8",
+                "patching": patching.to_dict(),
+                "read": "OpenSlide read_region at the level, transparent pixels on white"}
+    key_parts = {"weights_hash": encoder.weights_hash, "preprocessing": recorded,
+                 "tokens": embedding.to_dict(), "precision": precision, "dtype": dtype}
+    cache_key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()
+    metadata = {
+        "encoder": {"name": encoder_name, "spec": opts.encoder, "weights_hash": encoder.weights_hash,
+                    "output_dtype": output_dtype, "precision": precision},
+        "preprocessing": recorded, "token_layout": embedding.to_dict(), "cache_key": cache_key,
+        "source_dtype": output_dtype,
+        "source": {"spec": opts.images, "kind": "wsi", "slides": len(refs), "batch_size": opts.batch_size,
+                   "partition": "slide i of the sorted cohort -> rank i % world_size"},
+    }
+    if label_names is not None:
+        metadata["label_names"] = label_names
+    return _Prepared(refs, labels, label_names, patching, preprocessing, encoder, embedding, device, precision,
+                     dtype, int(sample.shape[-1]), encoder_name, metadata)
+
+
+def _create(opts: SlideOptions, prep: _Prepared, store: Any, *, resume: bool, overwrite: bool) -> Any:
+    return store.create_bag_split(
+        opts.dataset, prep.encoder_name, opts.split, dim=prep.dim, dtype=prep.dtype, metadata=prep.metadata,
+        resume=resume, overwrite=overwrite, coords_unit="px", coords_dtype="int64",
+        # Per slide (it follows each slide's scan): kept in each bag's attrs, not split-wide.
+        patch_size_level0=None, label_dtype="int64" if prep.label_names is not None else None, chunk_bytes=int(opts.chunk_mb * (1 << 20)))
+
+
+def _open_split(opts: SlideOptions, prep: _Prepared, store: Any) -> Any:
+    """The split's writer (rank 0); a complete split comes back with ``metadata.complete`` set."""
+    key = f"{opts.dataset}/{prep.encoder_name}/{opts.split}"
+    if not opts.overwrite:
+        try:
+            existing = store.split_info(opts.dataset, prep.encoder_name, opts.split)
+        except (DatasetNotFound, EncoderNotFound, SplitNotFound):
+            existing = None
+        if existing is not None:
+            if not existing.complete and not opts.resume:
+                raise SplitExists(f"split {key} exists but is incomplete (status {existing.status!r}): pass "
+                                  "--resume to continue it or --overwrite to start over")
+            return _create(opts, prep, store, resume=True, overwrite=False)
+    return _create(opts, prep, store, resume=opts.resume, overwrite=opts.overwrite)
+
+
+@dataclass
+class _Progress:
+    bags: int = 0
+    patches: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+
+def _encode_slides(opts: SlideOptions, prep: _Prepared, writer: Any, mine: list[tuple[int, SlideRef]],
+                   coord: Coordinator) -> _Progress:
+    """Plan, read, encode and add the bags of ``mine`` (cohort index, slide), in order."""
+    done = _Progress()
+    if not mine:
+        return done
+    refs = [ref for _, ref in mine]
+    workers = opts.num_workers if opts.num_workers is not None else default_num_workers(coord.world_size)
+    init = DieWithParent(_worker_init) if workers else None
+    # Planning is a small share of the work (one thumbnail per slide): one worker keeps ahead.
+    plan_loader = torch.utils.data.DataLoader(
+        SlidePlanner(refs, prep.patching), batch_size=None, num_workers=min(workers, 1), collate_fn=identity,
+        worker_init_fn=init)
+    assembler = BagAssembler(prep.dim, prep.device)
+    batches = PatchBatches(plan_loader, opts.batch_size, assembler.plan)
+    # batch_sampler: PatchBatches is iterated here, on this thread, lazily (a generator, no len).
+    loader = torch.utils.data.DataLoader(
+        PatchReader(opts.patch_size), batch_sampler=batches, num_workers=workers,  # type: ignore[arg-type]
+        collate_fn=collate_patches, pin_memory=prep.device.type == "cuda", worker_init_fn=init)
+    from tqdm import tqdm
+
+    thread = BagWriterThread(writer, opts.queue_size)
+    thread.start()
+    bar = tqdm(total=len(refs), unit="slide", desc=f"extract r{coord.rank}" if coord.world_size > 1 else "extract",
+               disable=True if not opts.progress or coord.rank != 0 else None, file=sys.stderr, dynamic_ncols=True)
+    started = time.perf_counter()
+
+    def hand_over() -> None:  # the finished slides, in order, to the writer thread
+        for slide in assembler.finished():
+            ref = refs[slide.position]
+            if slide.features is None:
+                done.skipped.append({"id": ref.id, "path": ref.path, "reason": slide.reason or ""})
+            else:
+                plan = slide.plan
+                assert isinstance(plan, SlidePlan)
+                label = None if prep.labels is None else prep.labels[ref.id]
+                thread.put((ref.id, slide.features, plan.coords, label, plan.attrs))
+                done.bags += 1
+                done.patches += len(plan)
+            bar.update(1)
+            bar.set_postfix_str(f"{done.patches / max(time.perf_counter() - started, 1e-9):.0f} patches/s",
+                                refresh=False)
+
+    try:
+        batch_iter = iter(loader)  # image workers fork here, before the warm-up thread exists
+        if prep.device.type == "cpu":
+            threading.Thread(target=fused_stats.warm_up, args=(prep.metadata["source_dtype"], prep.dtype),
+                             name="featurestore-warm-up", daemon=True).start()
+        with torch.inference_mode():
+            for batch in batch_iter:
+                for failure in batch.skipped:
+                    assembler.skip(failure.position, failure.reason)
+                if batch.keys:
+                    assembler.add(batch.keys, _encode(batch.images, prep, opts.batch_size))
+                hand_over()
+        hand_over()
+        if assembler.next != len(refs):  # every plan was recorded and every patch encoded by now
+            raise RuntimeError(f"internal error: {len(refs) - assembler.next} slides were not finished")
+        thread.finish()
+    except BaseException:
+        thread.queue.put(None)
+        thread.join()
+        raise
+    finally:
+        bar.close()
+    done.bytes_written = thread.bytes_written
+    done.seconds = time.perf_counter() - started
+    return done
+
+
+def _encode(images: torch.Tensor, prep: _Prepared, batch_size: int) -> torch.Tensor:
+    """One vector per patch of a uint8 batch: ``[n, dim]`` on the encoder's device."""
+    n = len(images)
+    if n < batch_size:  # one shape for every call: see the module docstring
+        images = torch.cat([images, images.new_zeros((batch_size - n, *images.shape[1:]))])
+    with _autocast(prep.device, prep.precision):
+        out = prep.encoder(to_encoder(images, prep.preprocessing, prep.device), vectors=True)
+    if prep.embedding.tokens is not None and (out.ndim != 3 or out.shape[1] != prep.embedding.tokens):
+        raise EncoderError(f"encoder {prep.encoder.spec} returned shape {list(out.shape)} for a batch of patches, "
+                           f"but {prep.embedding.tokens} tokens for the first one")
+    # contiguous(): a copy of the CLS rows, so a slide's pieces do not keep every [B, T, D] output alive.
+    return prep.embedding.select(out)[:n].contiguous()
+
+
+def extract_slides(opts: SlideOptions, coord: Coordinator | None = None) -> SlideResult:
+    """Run one slide extraction (or this rank's share of it); raises FeatureStoreError on bad input."""
+    coord = coord or coordinator_from_env()
+    if opts.threads is not None and opts.threads < 1:
+        raise InvalidOption(f"--threads must be a positive integer, but got: {opts.threads}")
+    threads = torch.get_num_threads()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    try:
+        return _extract(opts, coord)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _extract(opts: SlideOptions, coord: Coordinator) -> SlideResult:
+    from featurestore import open_store
+
+    started = time.perf_counter()
+    prep: _Prepared | None = None
+    error: BaseException | None = None
+    try:
+        prep = _prepare(opts, coord)
+        store = open_store(opts.store, mode="a", **opts.storage_options)
+    except BaseException as e:  # every rank must reach agree(), or the others would wait forever
+        error = e
+    coord.agree(error)
+    assert prep is not None
+    key = f"{opts.dataset}/{prep.encoder_name}/{opts.split}"
+    writer: Any = None
+    error = None
+    if coord.rank == 0:
+        try:
+            writer = _open_split(opts, prep, store)
+        except BaseException as e:
+            error = e
+    complete = coord.agree(error, payload=bool(writer.metadata.complete) if coord.rank == 0 else None)[0]
+    if complete:
+        return SlideResult("already-complete", key, len(prep.refs), metadata=writer.metadata.to_json())
+    error = None
+    progress = _Progress()
+    try:
+        if coord.rank != 0:  # attach to the split rank 0 created or resumed: a session of its own
+            writer = _create(opts, prep, store, resume=True, overwrite=False)
+        done_ids = writer.done_ids
+        mine = [(i, ref) for i, ref in enumerate(prep.refs) if coord.owns(i) and ref.id not in done_ids]
+        progress = _encode_slides(opts, prep, writer, mine, coord)
+        writer.close()
+    except BaseException as e:
+        error = e
+    totals = coord.agree(error, payload=progress)
+    skipped = sorted((s for t in totals for s in t.skipped), key=lambda s: s["id"])
+    error, meta = None, {}
+    if coord.rank == 0:
+        try:
+            meta = writer.commit(extra={"skipped": skipped})
+        except BaseException as e:
+            error = e
+    coord.agree(error)
+    return SlideResult("complete", key, len(prep.refs), sum(t.bags for t in totals), sum(t.patches for t in totals),
+                       skipped, sum(t.bytes_written for t in totals), max(t.seconds for t in totals),
+                       time.perf_counter() - started, meta)
+
+
+__all__ = ["EXIT_SKIPPED", "SlideOptions", "SlideResult", "extract_slides"]

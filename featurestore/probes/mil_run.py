@@ -1,0 +1,223 @@
+"""The ABMIL reference probe on bag splits: run under K seeds, and compare two storage dtypes.
+
+``featurestore probe STORE --head abmil`` is the command line of :func:`run_mil_probe` and
+:func:`compare_mil_probes`. Evaluation is either a second split (``eval_split``) or ``folds=K``
+stratified folds of one split (the same folds for every seed and for both sides of a comparison:
+they come from a fixed stream, :data:`FOLD_SEED`, not from the training seed). A seed's metric is
+the mean over its folds; the spread is over seeds, and the comparison is the dense probes' rule
+(:func:`featurestore.probes.compare.compare_summaries`). The results have the dense probes'
+shape, so ``featurestore.commands.probe.format_report`` prints them too.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from featurestore.errors import InvalidLabels, InvalidOption, MissingLabels, ShapeMismatch
+from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds, seed_list_of
+
+__all__ = ["FOLD_SEED", "compare_mil_probes", "open_bags", "run_mil_probe", "stratified_folds"]
+
+LOADERS = ("stream", "ram")
+# Folds are drawn once from this seed, whatever the training seeds: seed k of A and of B, and
+# every seed, see the same train/eval partition.
+FOLD_SEED = 20180212
+
+
+def open_bags(source: str, dataset: str, encoder: str, split: str, *, storage_options: dict[str, Any] | None = None,
+              token: str | None = None) -> Any:
+    """A ``client.BagDataset`` over a store path, fsspec URL or http(s) server; labels required."""
+    from client import BagDataset
+
+    http = source.startswith(("http://", "https://"))
+    ds = BagDataset(source, dataset, encoder, split, storage_options=None if http else storage_options,
+                    token=token if http else None)
+    if ds.labels is None:
+        raise MissingLabels(f"bag split {dataset}/{encoder}/{split} has no labels, so no slide-level probe can be "
+                            "trained on it; import it with --labels CSV (one label per slide)")
+    if ds.labels.dtype.kind not in "iub":
+        raise InvalidLabels(f"bag split {dataset}/{encoder}/{split} has {ds.labels.dtype} labels: the ABMIL probe "
+                            "needs integer class ids")
+    return ds
+
+
+def stratified_folds(labels: np.ndarray, k: int, seed: int = FOLD_SEED) -> list[np.ndarray]:
+    """``k`` disjoint sorted arrays of bag positions covering every bag, each class dealt round
+    robin over the folds after a seeded shuffle (so each fold holds ~1/k of every class)."""
+    labels = np.asarray(labels)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 2 or k > len(labels):
+        raise InvalidOption(f"folds must be an integer in [2, {len(labels)}] (the number of bags), but got: {k!r}")
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), k])))
+    members: list[list[int]] = [[] for _ in range(k)]
+    start = 0
+    for value in np.unique(labels):
+        bags = rng.permutation(np.flatnonzero(labels == value))
+        for j, bag in enumerate(bags):
+            members[(start + j) % k].append(int(bag))
+        start += len(bags)  # the next class continues where this one stopped: folds stay even
+    return [np.sort(np.asarray(m, np.int64)) for m in members]
+
+
+def _num_classes(datasets: Sequence[Any]) -> int:
+    for ds in datasets:
+        info = ds.metadata.get("label_info") or {}
+        if info.get("classes"):
+            return len(info["classes"])
+    top = max(int(np.max(ds.labels)) if len(ds.labels) else -1 for ds in datasets)
+    if min(int(np.min(ds.labels)) if len(ds.labels) else 0 for ds in datasets) < 0:
+        raise InvalidLabels("bag labels must be class ids >= 0")
+    return top + 1
+
+
+def run_mil_probe(
+    source: str, dataset: str, encoder: str, *, train_split: str, eval_split: str | None = None,
+    folds: int | None = None, seeds: int | Sequence[int] = 3, epochs: int | None = None, lr: float | None = None,
+    batch_size: int = 1, max_patches: int | None = None, device: str = "auto", num_classes: int | None = None,
+    loader: str = "stream", storage_options: dict[str, Any] | None = None, token: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Train the ABMIL head on ``train_split`` and score it on ``eval_split`` (or ``folds``
+    stratified folds of ``train_split``) under each seed. ``max_patches``: training bags are
+    subsampled to that many patches per epoch (evaluation always reads whole bags). ``loader``:
+    ``"stream"`` (``client.BagLoader``) or ``"ram"`` (every bag read into RAM as float32 first).
+    Returns the setup, every run's metrics and each metric's ``{"mean", "std", "values"}``."""
+    sides = _open_side(source, dataset, encoder, train_split, eval_split, folds, storage_options, token)
+    classes = num_classes if num_classes is not None else _num_classes([d for d in sides if d is not None])
+    return _run(*sides, folds=folds, num_classes=classes, seeds=seeds, epochs=epochs, lr=lr, batch_size=batch_size,
+                max_patches=max_patches, device=device, loader=loader, log=log)
+
+
+def compare_mil_probes(
+    source: str, dataset: str, encoder: str, compare_encoder: str, *, train_split: str,
+    eval_split: str | None = None, folds: int | None = None, compare_source: str | None = None,
+    seeds: int | Sequence[int] = 3, epochs: int | None = None, lr: float | None = None, batch_size: int = 1,
+    max_patches: int | None = None, device: str = "auto", num_classes: int | None = None, loader: str = "stream",
+    storage_options: dict[str, Any] | None = None, token: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """The same probe, folds, seeds and batches on ``encoder`` (A) and ``compare_encoder`` (B),
+    e.g. the same slides' features stored as float16 and as float32; B is read from
+    ``compare_source`` (default ``source``). Returns ``{"a", "b", "comparison", "rule"}``."""
+    a_sides = _open_side(source, dataset, encoder, train_split, eval_split, folds, storage_options, token)
+    b_sides = _open_side(compare_source or source, dataset, compare_encoder, train_split, eval_split, folds,
+                         storage_options, token)
+    for a_ds, b_ds in zip(a_sides, b_sides):
+        if a_ds is not None and (a_ds.ids != b_ds.ids or not np.array_equal(a_ds.labels, b_ds.labels)):
+            raise ShapeMismatch(f"{dataset}/{encoder}/{a_ds.split} and {dataset}/{compare_encoder}/{b_ds.split} hold "
+                                "different bags (ids or labels differ): compare the same slides stored twice")
+    everything = [d for d in (*a_sides, *b_sides) if d is not None]
+    classes = num_classes if num_classes is not None else _num_classes(everything)
+    options: dict[str, Any] = dict(folds=folds, num_classes=classes, seeds=seeds, epochs=epochs, lr=lr,
+                                   batch_size=batch_size, max_patches=max_patches, device=device, loader=loader,
+                                   log=log)
+    a, b = _run(*a_sides, **options), _run(*b_sides, **options)
+    return {"a": a, "b": b, "comparison": compare_summaries(a, b),
+            "rule": (f"diff = mean(A) - mean(B); std = sample std over seeds (ddof=1); pooled std = "
+                     f"sqrt((std_A^2 + std_B^2) / 2); exceeds spread = |diff| > {SPREAD_FACTOR:g} x pooled std")}
+
+
+def _open_side(source: str, dataset: str, encoder: str, train_split: str, eval_split: str | None,
+               folds: int | None, storage_options: dict[str, Any] | None, token: str | None) -> tuple[Any, Any]:
+    if (eval_split is None) == (folds is None):
+        raise InvalidOption("give either an eval split (--eval SPLIT) or a number of folds (--folds K), not both "
+                            "and not neither")
+    train = open_bags(source, dataset, encoder, train_split, storage_options=storage_options, token=token)
+    evaluate = None if eval_split is None else open_bags(source, dataset, encoder, eval_split,
+                                                         storage_options=storage_options, token=token)
+    if evaluate is not None and evaluate.dim != train.dim:
+        raise ShapeMismatch(f"{train_split} has {train.dim}-dim features but {eval_split} has {evaluate.dim}: "
+                            "train and eval splits must come from the same encoder")
+    return train, evaluate
+
+
+def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seeds: int | Sequence[int],
+         epochs: int | None, lr: float | None, batch_size: int, max_patches: int | None, device: str, loader: str,
+         log: Callable[[str], None] | None) -> dict[str, Any]:
+    from featurestore.probes.abmil import ABMILConfig, train_abmil
+    from featurestore.probes.train import resolve_device
+
+    seed_list = seed_list_of(seeds)
+    for name, value in (("epochs", epochs), ("batch_size", batch_size), ("max_patches", max_patches)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise InvalidOption(f"{name} must be a positive integer, but got: {value!r}")
+    if loader not in LOADERS:
+        raise InvalidOption(f"loader must be one of {', '.join(LOADERS)}, but got: {loader!r}")
+    if num_classes < 2:
+        raise InvalidOption(f"num_classes is {num_classes}: a probe needs at least 2 classes")
+    if lr is not None and (not isinstance(lr, (int, float)) or not 0 < lr < math.inf):
+        raise InvalidOption(f"lr must be a positive number, but got: {lr!r}")
+    torch_device = resolve_device(device)
+    config = ABMILConfig(**{k: v for k, v in (("epochs", epochs), ("lr", lr)) if v is not None})
+    # (train bags, eval bags) per fold: positions into `train` (and `evaluate` for a second split).
+    if folds is None:
+        parts = [(None, None)]
+    else:
+        fold_sets = stratified_folds(train.labels, folds)
+        parts = [(np.sort(np.concatenate([f for j, f in enumerate(fold_sets) if j != i])), fold_sets[i])
+                 for i in range(folds)]
+    make = _loaders(train, evaluate, batch_size=batch_size, max_patches=max_patches, device=torch_device,
+                    loader=loader)
+
+    def one(seed: int) -> dict[str, float]:
+        started = time.perf_counter()
+        per_fold = []
+        for train_index, eval_index in parts:
+            train_batches, eval_batches = make(seed, train_index, eval_index)
+            per_fold.append(train_abmil(train_batches, eval_batches, in_dim=train.dim, num_classes=num_classes,
+                                        seed=seed, device=torch_device, config=config))
+        metrics = {name: float(np.mean([m[name] for m in per_fold])) for name in per_fold[0]}
+        if log is not None:
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            log(f"{train.dataset}/{train.encoder} ({train.dtype}) seed {seed}: {shown}"
+                f"{f' (mean of {folds} folds)' if folds else ''} ({time.perf_counter() - started:.1f} s)")
+        return metrics
+
+    started = time.perf_counter()
+    result = run_seeds(one, seed_list)
+    # Bags per training and evaluation set (for folds: those of the first fold).
+    train_bags = train.num_bags if parts[0][0] is None else len(parts[0][0])
+    eval_bags = evaluate.num_bags if evaluate is not None else len(parts[0][1])
+    return {
+        "source": train.source, "dataset": train.dataset, "encoder": train.encoder, "dtype": train.dtype,
+        "train_split": train.split, "eval_split": evaluate.split if evaluate is not None else f"{folds} folds",
+        "folds": folds, "train_samples": train_bags, "eval_samples": eval_bags,
+        "patches": int(train.lengths.sum()), "sample_shape": ["bag", train.dim], "task": "abmil",
+        "num_classes": num_classes, "device": str(torch_device), "loader": loader, "batch_size": batch_size,
+        "max_patches": max_patches, "config": asdict(config), "seconds": time.perf_counter() - started, **result,
+    }
+
+
+def _loaders(train: Any, evaluate: Any, *, batch_size: int, max_patches: int | None, device: Any,
+             loader: str) -> Callable[[int, Any, Any], tuple[Any, Any]]:
+    """``(seed, train positions, eval positions) -> (train batches, eval batches)``."""
+    import torch
+
+    eval_ds = evaluate if evaluate is not None else train
+    if loader == "ram":
+        from featurestore.probes.bag_ram import BagTensorLoader, read_bags
+
+        held = {id(train): read_bags(train)}
+        if eval_ds is not train:
+            held[id(eval_ds)] = read_bags(eval_ds)
+
+        def ram(seed: int, train_index: Any, eval_index: Any) -> tuple[Any, Any]:
+            return (BagTensorLoader(*held[id(train)], batch_size=batch_size, shuffle=True, seed=seed,
+                                    max_patches=max_patches, bucket=batch_size > 1, indices=train_index, device=device),
+                    BagTensorLoader(*held[id(eval_ds)], batch_size=1, shuffle=False, indices=eval_index, device=device))
+
+        return ram
+    from client import BagLoader
+
+    def stream(seed: int, train_index: Any, eval_index: Any) -> tuple[Any, Any]:
+        return (BagLoader(train, batch_size=batch_size, shuffle=True, seed=seed, device=device, dtype=torch.float32,
+                          max_patches=max_patches, bucket=batch_size > 1, indices=train_index),
+                BagLoader(eval_ds, batch_size=1, shuffle=False, device=device, dtype=torch.float32,
+                          indices=eval_index))
+
+    return stream

@@ -1,0 +1,231 @@
+"""The web page's routes: ``/`` (and ``/ui``) the catalog, ``/ui/splits/{dataset}/{encoder}/{split}``
+one split, ``/ui/pca/.../{index}.png`` and ``/ui/slidemap/.../{index}.png`` pictures,
+``/ui/static/...`` the stylesheet and icon, ``/ui/login`` and ``/ui/logout`` (see ``session``).
+
+Plain ``def`` handlers (FastAPI runs them in its thread pool: store reads and pictures do not
+block the event loop). A domain error on a page is answered as an HTML page with the status code
+``server/errors.py`` gives it; on a picture, as the usual JSON error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from importlib import resources
+from typing import Annotated
+from urllib.parse import parse_qsl
+
+import numpy as np
+from fastapi import APIRouter, FastAPI, Path, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from featurestore.errors import FeatureStoreError
+from featurestore.format import wire
+from featurestore.format.names import NAME_PATTERN, validate_name
+from server.errors import NotFound, relative_to_store, status_for
+from server.state import StoreState
+from server.web import session, views
+from server.web.catalog import BAGS, Catalog, SplitRow
+from server.web.figures import Figures
+from server.web.markup import Html, h
+from server.web.png import MEDIA_TYPE
+from server.web.security import PAGE_HEADERS
+
+router = APIRouter(include_in_schema=False)
+Name = Annotated[str, Path(description=f"matches {NAME_PATTERN}")]
+STATIC_TYPES = {"style.css": "text/css; charset=utf-8", "favicon.svg": "image/svg+xml"}
+MAX_COMPARED = 3  # other encoders shown beside a split's picture
+BAGS_PER_PAGE = 100
+PICTURE_HEADERS = {"Cache-Control": "private, max-age=60", "X-Content-Type-Options": "nosniff"}
+
+
+@dataclass
+class Web:
+    state: StoreState
+    catalog: Catalog
+    figures: Figures
+    static: dict[str, bytes]
+
+
+def install(app: FastAPI, state: StoreState) -> None:
+    """Add the page to ``app`` (called by ``create_app`` unless ``FEATURESTORE_UI=false``)."""
+    app.state.web = Web(state, Catalog(state.store), Figures(state), {})
+    app.include_router(router)
+    if state.settings.token_value() is not None:
+        session.redact_access_log()
+
+
+def web_of(request: Request) -> Web:
+    web: Web = request.app.state.web
+    return web
+
+
+def _html(body: Html, status: int = 200) -> HTMLResponse:
+    return HTMLResponse(body, status_code=status, headers=PAGE_HEADERS)
+
+
+def _error_page(web: Web, error: FeatureStoreError) -> HTMLResponse:
+    return _html(views.error_page(status_for(error), _clean(web, str(error))), status_for(error))
+
+
+def _clean(web: Web, message: str) -> str:
+    """A message fit for a page: no credentials, and the store named by nothing but "the store"."""
+    return relative_to_store(wire.redact(message), web.state.private_paths)
+
+
+# ---------------------------------------------------------------------- catalog
+@router.get("/", response_class=HTMLResponse)
+@router.get("/ui", response_class=HTMLResponse)
+@router.get("/ui/", response_class=HTMLResponse)
+def catalog(request: Request) -> HTMLResponse:
+    web = web_of(request)
+    try:
+        rows = [_cleaned(web, row) for row in web.catalog.rows()]
+    except FeatureStoreError as error:
+        return _error_page(web, error)
+    return _html(views.catalog_page(rows, "Feature store"))
+
+
+def _cleaned(web: Web, row: SplitRow) -> SplitRow:
+    return row if row.error is None else replace(row, error=_clean(web, row.error))
+
+
+# ---------------------------------------------------------------------- one split
+@router.get("/ui/splits/{dataset}/{encoder}/{split}", response_class=HTMLResponse)
+def split_page(request: Request, dataset: Name, encoder: Name, split: Name,
+               sample: Annotated[int, Query(ge=0)] = 0, bag: Annotated[int, Query(ge=0)] = 0,
+               start: Annotated[int, Query(ge=0)] = 0) -> HTMLResponse:  # fmt: skip
+    web = web_of(request)
+    try:
+        key = (validate_name(dataset, "dataset"), validate_name(encoder, "encoder"), validate_name(split, "split"))
+        row = _cleaned(web, web.catalog.row(*key))
+        if row.kind == BAGS:
+            extra = _bags(web, row, bag, start)
+            json_href = _bags_json_href(request, key)
+        else:
+            extra = Html(f"<section><h2>Pictures</h2>{_dense_pictures(web, row, sample)}</section>")
+            json_href = wire.SPLIT.format(dataset=dataset, encoder=encoder, split=split)
+        stats = None if row.error else web.catalog.channel_stats(*key)
+    except FeatureStoreError as error:
+        return _error_page(web, error)
+    return _html(views.split_page(row, extra, json_href, stats))
+
+
+def _bags_json_href(request: Request, key: tuple[str, str, str]) -> str:
+    """The bag listing route where the server has it (SPEC: ``GET /v1/bags/...``), else the
+    split's own document through the raw Zarr routes."""
+    if any(getattr(r, "path", "").startswith("/v1/bags/") for r in request.app.routes):
+        return "/v1/bags/" + "/".join(key)
+    return "/zarr/" + "/".join(key) + "/zarr.json"
+
+
+def _picture(web: Web, row: SplitRow, sample: int) -> views.Picture:
+    if row.error:
+        return views.Picture(row, None, "this split cannot be read")
+    if row.status != "complete":
+        return views.Picture(row, None, f"status {row.status}: pictures need a complete split")
+    if row.kind != "dense" or web.figures.grid_of(row.metadata, row.shape[1:]) is None:
+        return views.Picture(row, None, f"samples of shape {list(row.shape[1:])} are not a patch grid "
+                             f"(token_layout {row.metadata.get('token_layout')!r})")  # fmt: skip
+    if sample >= row.shape[0]:
+        return views.Picture(row, None, f"sample {sample} is out of range (0..{row.shape[0] - 1})")
+    return views.Picture(row, "/ui/pca/" + "/".join(row.key) + f"/{sample}.png")
+
+
+def _dense_pictures(web: Web, row: SplitRow, sample: int) -> Html:
+    shown = [_picture(web, row, sample)]
+    store = web.state.store
+    for other in store.encoders(row.dataset):
+        if len(shown) > MAX_COMPARED:
+            break
+        if other != row.encoder and row.split in store.splits(row.dataset, other):
+            twin = _cleaned(web, web.catalog.row(row.dataset, other, row.split))
+            if twin.kind == "dense":
+                shown.append(_picture(web, twin, sample))
+    return views.pictures(row, min(sample, max(row.shape[0] - 1, 0)) if row.shape else 0, shown)
+
+
+def _bags(web: Web, row: SplitRow, chosen: int, start: int) -> Html:
+    if row.status != "complete":  # its bags are not laid out until commit
+        return h('<section><h2>Bags</h2><p class="muted">status {}: the bags are listed once the '
+                 "split is committed</p></section>", row.status)
+    bags = web.figures.open_bags(*row.key)
+    ids = [str(i) for i in bags.ids]
+    lengths = np.asarray(bags.lengths, np.int64)
+    labels = None if bags.labels is None else [v.item() for v in bags.labels]
+    start = min(start, max(len(ids) - 1, 0))
+    src, note = None, ""
+    if 0 <= chosen < len(ids):
+        if lengths[chosen]:
+            src = "/ui/slidemap/" + "/".join(row.key) + f"/{chosen}.png"
+            rows = web.figures.bag_rows(bags, chosen)
+            if rows is not None:
+                note = (f"{len(rows)} of {lengths[chosen]} patches shown, evenly spaced "
+                        "(FEATURESTORE_UI_MAX_SAMPLE_BYTES caps what one picture reads)")
+        else:
+            note = "this bag is empty (no patches)"
+    unit = bags.coords_unit or "no unit"
+    return views.bag_section(row, ids, lengths, labels, chosen, src, start, BAGS_PER_PAGE,
+                             note=note, coords=f"{unit}, patch size at level 0 {bags.patch_size_level0}")
+
+
+# ---------------------------------------------------------------------- pictures
+@router.get("/ui/pca/{dataset}/{encoder}/{split}/{index}.png")
+def pca_png(request: Request, dataset: Name, encoder: Name, split: Name, index: int) -> Response:
+    body = web_of(request).figures.pca_png(dataset, encoder, split, index)
+    return Response(body, media_type=MEDIA_TYPE, headers=PICTURE_HEADERS)
+
+
+@router.get("/ui/slidemap/{dataset}/{encoder}/{split}/{index}.png")
+def slide_png(request: Request, dataset: Name, encoder: Name, split: Name, index: int) -> Response:
+    for name, what in ((dataset, "dataset"), (encoder, "encoder"), (split, "split")):
+        validate_name(name, what)
+    body = web_of(request).figures.slide_png(dataset, encoder, split, index)
+    return Response(body, media_type=MEDIA_TYPE, headers=PICTURE_HEADERS)
+
+
+# ---------------------------------------------------------------------- static, sign-in
+@router.get(session.FAVICON)
+def favicon(request: Request) -> Response:
+    return static(request, "favicon.svg")
+
+
+@router.get("/ui/static/{name}")
+def static(request: Request, name: str) -> Response:
+    media = STATIC_TYPES.get(name)
+    if media is None:  # a fixed list: no path from the request ever reaches the file system
+        raise NotFound(f"no static file {name[:100]!r}")
+    files = web_of(request).static
+    if name not in files:
+        files[name] = (resources.files("server.web") / "static" / name).read_bytes()
+    return Response(files[name], media_type=media,
+                    headers={"Cache-Control": "public, max-age=3600", "X-Content-Type-Options": "nosniff"})
+
+
+@router.get(session.LOGIN, response_class=HTMLResponse)
+def login_form(next: str = "/") -> HTMLResponse:  # noqa: A002 - the form field's name
+    return _html(views.login_page(session.safe_next(next)))
+
+
+@router.post(session.LOGIN, response_class=HTMLResponse)
+async def login(request: Request) -> Response:
+    """The sign-in form's POST (``application/x-www-form-urlencoded``: ``token``, ``next``)."""
+    fields = dict(parse_qsl((await request.body()).decode("utf-8", "replace"), keep_blank_values=True))
+    target = session.safe_next(fields.get("next"))
+    expected = web_of(request).state.settings.token_value()
+    if expected is None:
+        return RedirectResponse(target, status_code=303, headers=PAGE_HEADERS)
+    if not session.matches(fields.get("token"), expected.encode("utf-8")):
+        return _html(views.login_page(target, "wrong token"), 401)
+    response = RedirectResponse(target, status_code=303, headers=PAGE_HEADERS)
+    response.headers.append("Set-Cookie", session.set_cookie(session.session_value(expected),
+                                                             secure=request.url.scheme == "https"))  # fmt: skip
+    return response
+
+
+@router.post(session.LOGOUT)
+def logout() -> Response:
+    response = RedirectResponse(session.LOGIN, status_code=303, headers=PAGE_HEADERS)
+    response.headers.append("Set-Cookie", session.clear_cookie())
+    return response
+
+

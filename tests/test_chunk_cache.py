@@ -1,0 +1,390 @@
+"""The local chunk cache of object-storage stores (core.chunk_cache, issue 27), against the
+session's SeaweedFS server (moto for a server that dies): same bytes as without it, shared by
+processes, safe against kills, other generations, damaged files and a full disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+from reader_contract import ReaderContract
+
+import featurestore
+from featurestore.core import chunk_cache
+from featurestore.core.storage_options import translate
+from featurestore.errors import InvalidStorageOptions, SplitChanged, StorageUnavailable
+
+pytest.importorskip("obstore")
+
+
+class TestSeaweedCachedReader(ReaderContract):
+    """The reader contract through a chunk cache on the real S3 server."""
+
+    dtypes = ("float16", "float32")
+
+    def location(self, request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any]]:
+        return request.getfixturevalue("seaweed_url"), dict(request.getfixturevalue("seaweed").storage_options)
+
+    def open_reader(self, url: str, options: dict[str, Any], dataset: str, encoder: str, split: str,
+                    request: pytest.FixtureRequest) -> Any:
+        cache = request.getfixturevalue("tmp_path") / "cache"
+        reader = featurestore.open_store(url, cache_dir=str(cache), **options).open(dataset, encoder, split)
+        assert reader.path == "cached"
+        return reader
+
+N, SHAPE, CHUNK_ROWS = 200, (16, 24), 16  # 13 chunks of 12 KiB (+ labels, + statistics rows)
+
+
+def _write(url: str, options: dict[str, Any], seed: int = 0, overwrite: bool = False, n: int = N,
+           shape: tuple[int, ...] = SHAPE, chunk_rows: int = CHUNK_ROWS) -> np.ndarray:
+    values = np.random.default_rng(seed).standard_normal((n, *shape)).astype(np.float16)
+    store = featurestore.open_store(url, mode="a", **options)
+    writer = store.create_split("ds", "enc", "train", num_samples=n, sample_shape=shape, dtype="float16",
+                                chunk_rows=chunk_rows, label_shape=(), label_dtype="int64", overwrite=overwrite)
+    writer.write(0, values, labels=np.arange(n) + seed)
+    writer.commit()
+    return values
+
+
+def _open(url: str, options: dict[str, Any], cache: Any, **extra: Any) -> Any:
+    return featurestore.open_store(url, cache_dir=str(cache), **options, **extra).open("ds", "enc", "train")
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+
+
+def _chunk_files(root: Any) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.isdigit())
+
+
+# ---------------------------------------------------------------------- options (no server)
+def test_cache_options_and_environment() -> None:
+    settings = translate("s3://b", {"cache_dir": "/x", "cache_bytes": "2G"}, environ={})
+    assert settings.cache_dir == "/x" and settings.cache_bytes == 2 << 30
+    env = translate("s3://b", {}, environ={"FEATURESTORE_CACHE_DIR": "/y", "FEATURESTORE_CACHE_BYTES": "512M"})
+    assert env.cache_dir == "/y" and env.cache_bytes == 512 << 20
+    assert translate("s3://b", {}, environ={}).cache_dir is None  # no cache unless asked
+    assert translate("s3://b", {"cache_dir": "/o"}, environ={"FEATURESTORE_CACHE_DIR": "/e"}).cache_dir == "/o"
+    with pytest.raises(InvalidStorageOptions) as info:
+        translate("s3://b", {}, environ={"FEATURESTORE_CACHE_BYTES": "lots"})
+    assert "FEATURESTORE_CACHE_BYTES='lots'" in str(info.value) and "\n" not in str(info.value)
+    assert chunk_cache.parse_bytes(1000, "x") == 1000 and chunk_cache.parse_bytes("1.5k", "x") == 1536
+
+
+# ---------------------------------------------------------------------- same bytes
+def test_cached_reads_are_the_uncached_bytes_in_any_order(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    plain = featurestore.open_store(seaweed_url, **options).open("ds", "enc", "train")
+    cached = _open(seaweed_url, options, tmp_path / "cache")
+    assert plain.path == "ranges" and cached.path == "cached" and cached.labels.path == "cached"
+    rng = np.random.default_rng(3)
+    orders = [rng.permutation(N)[:50], np.arange(N), np.array([5, 5, 199, 0, 5, 17]), rng.integers(0, N, 70)]
+    for index in orders:
+        got = cached.read_numpy(index)
+        assert np.array_equal(got, plain.read_numpy(index)) and np.array_equal(got, values[index])
+        assert np.array_equal(cached.labels.read_numpy(index), index)
+    stats = cached._storage.chunk_cache.stats
+    chunks = -(-N // CHUNK_ROWS)
+    assert stats["fetched"] == 2 * chunks  # features and labels, each chunk once
+    assert len(_chunk_files(tmp_path / "cache")) == 2 * chunks
+
+
+def test_loader_reads_ahead_by_plan_and_matches(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    from client import FeatureDataset, FeatureLoader
+
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    ds = FeatureDataset(seaweed_url, "ds", "enc", "train", storage_options={**options, "cache_dir": str(tmp_path)})
+    assert ds.read_path == "cached"
+    loader = FeatureLoader(ds, batch_size=32, device="cpu", dtype=None, seed=5)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        plan = loader.plan()
+        for k, (features, labels) in enumerate(loader):
+            index = plan.batch(k)
+            assert np.array_equal(features.numpy(), values[index]) and np.array_equal(labels.numpy(), index)
+    assert ds.array._storage.chunk_cache.stats["fetched"] == 2 * -(-N // CHUNK_ROWS)  # epoch 2: all local
+
+
+# ---------------------------------------------------------------------- processes
+_FILL = """
+import json, sys, zlib
+import numpy as np
+import featurestore
+url, options, cache, seed = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+array = featurestore.open_store(url, cache_dir=cache, **options).open("ds", "enc", "train")
+order = np.random.default_rng(seed).permutation(len(array))
+digest = 0
+for start in range(0, len(order), 8):
+    index = np.sort(order[start:start + 8])
+    rows = array.read_numpy(index)
+    digest ^= zlib.crc32(rows.tobytes() + index.tobytes())
+stats = array._storage.chunk_cache.stats
+print(json.dumps({"fetched": stats["fetched"], "waited": stats["waited"], "digest": digest}))
+"""
+
+
+def test_two_processes_fill_one_cache_without_duplicates(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    import zlib
+
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options, n=640, chunk_rows=32)
+    script = tmp_path / "fill.py"
+    script.write_text(_FILL)
+    cache = tmp_path / "cache"
+    procs = [subprocess.Popen([sys.executable, str(script), seaweed_url, json.dumps(options), str(cache), str(s)],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in (1, 2)]
+    results = []
+    for proc, seed in zip(procs, (1, 2)):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+        order, digest = np.random.default_rng(seed).permutation(640), 0
+        for start in range(0, 640, 8):
+            index = np.sort(order[start : start + 8])
+            digest ^= zlib.crc32(values[index].tobytes() + index.tobytes())
+        assert results[-1]["digest"] == digest  # the right bytes in each process
+    # Every chunk downloaded once between them: a process that found one downloading waited for it.
+    assert sum(r["fetched"] for r in results) == 640 // 32 == len(_chunk_files(cache))
+
+
+_FILL_FOREVER = """
+import json, sys
+import numpy as np
+import featurestore
+url, options, cache = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+array = featurestore.open_store(url, cache_dir=cache, **options).open("ds", "enc", "train")
+print("ready", flush=True)
+for chunk in range(len(array) // array.chunk_rows):
+    array.read_numpy([chunk * array.chunk_rows])
+"""
+
+
+def test_sigkill_during_a_download_leaves_nothing_that_is_read(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    """Kill a filling process when a temporary file is in the cache (a chunk half written); the
+    lock dies with it, a new reader gets every row right and the dead writer's file is removed."""
+    options = seaweed.storage_options
+    n, shape, rows = 48 * 8, (64, 128), 8  # 48 chunks of 128 KiB
+    values = _write(seaweed_url, options, n=n, shape=shape, chunk_rows=rows)
+    cache = tmp_path / "cache"
+    script = tmp_path / "fill.py"
+    script.write_text(_FILL_FOREVER)
+    seen_tmp = False
+    for _ in range(5):  # a kill has to land while a file is being written: usually the first try
+        proc = subprocess.Popen([sys.executable, str(script), seaweed_url, json.dumps(options), str(cache)],
+                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            if any(f.endswith(".tmp") for _, _, fs in os.walk(cache) for f in fs):
+                seen_tmp = True
+                break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        if seen_tmp:
+            break
+        for path in _chunk_files(cache):  # start over from an empty cache
+            os.unlink(path)
+    assert seen_tmp, "never caught a download in progress"
+    array = _open(seaweed_url, options, cache)
+    index = np.random.default_rng(0).permutation(n)
+    assert np.array_equal(array.read_numpy(index), values[index])
+    assert not [f for _, _, fs in os.walk(cache) for f in fs if f.endswith(".tmp")]  # swept: its writer is dead
+
+
+# ---------------------------------------------------------------------- generations and damage
+def test_entries_of_an_overwritten_split_are_never_used(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    options = seaweed.storage_options
+    old = _write(seaweed_url, options, seed=0)
+    early = _open(seaweed_url, options, tmp_path)
+    assert np.array_equal(early.read_numpy(np.arange(CHUNK_ROWS)), old[:CHUNK_ROWS])  # chunk 0 cached
+    new = _write(seaweed_url, options, seed=1, overwrite=True)
+    fresh = _open(seaweed_url, options, tmp_path)
+    index = np.arange(N)
+    assert np.array_equal(fresh.read_numpy(index), new[index])  # not one row of the old cache entries
+    assert np.array_equal(fresh.labels.read_numpy(index), index + 1)
+    # A reader that opened the old generation and now meets a chunk of the new one: refused.
+    with pytest.raises(SplitChanged) as info:
+        early.read_numpy([N - 1])
+    message = str(info.value)
+    assert "another generation" in message and "open it again" in message and "\n" not in message
+
+
+def test_a_damaged_cache_file_is_found_and_fetched_again(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    script = tmp_path / "fill.py"
+    script.write_text(_FILL)
+    subprocess.run([sys.executable, str(script), seaweed_url, json.dumps(options), str(tmp_path), "0"], env=_env(),
+                   check=True, capture_output=True, timeout=120)  # another process filled the cache
+    files = [p for p in _chunk_files(tmp_path) if f"{os.sep}features{os.sep}" in p]
+    victim = next(p for p in files if p.endswith(f"{os.sep}3"))
+    with open(victim, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    array = _open(seaweed_url, options, tmp_path)  # this process checks each cached file on its first read
+    before = array._storage.chunk_cache.stats["fetched"]
+    assert np.array_equal(array.read_numpy(np.arange(N)), values)
+    assert array._storage.chunk_cache.stats["fetched"] == before + 1  # that one chunk, again
+
+
+# ---------------------------------------------------------------------- room
+_FULL_DISK = """
+import json, resource, sys
+import numpy as np
+import featurestore
+url, options, cache, limit = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+array = featurestore.open_store(url, cache_dir=cache, **options).open("ds", "enc", "train")
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # no file may grow past a few KiB: EFBIG
+rows = array.read_numpy(np.arange(len(array)))
+print(json.dumps({"sum": float(rows.astype(np.float64).sum()), "stats": array._storage.chunk_cache.stats}))
+"""
+
+
+def test_a_full_cache_disk_warns_once_and_reads_by_ranges(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    """The kernel refuses the cache's writes (RLIMIT_FSIZE: EFBIG, as ENOSPC on a full disk): one
+    warning naming the directory, and every row still arrives, by ranged GETs."""
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    script = tmp_path / "full.py"
+    script.write_text(_FULL_DISK)
+    cache = tmp_path / "cache"
+    proc = subprocess.run([sys.executable, str(script), seaweed_url, json.dumps(options), str(cache), "4096"],
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["sum"] == pytest.approx(float(values.astype(np.float64).sum()))
+    assert result["stats"]["fetched"] == 0 and not _chunk_files(cache)
+    warnings = [line for line in proc.stderr.splitlines() if "is full" in line]
+    assert len(warnings) == 1 and str(cache) in warnings[0] and "ranged GETs" in warnings[0]
+
+
+def test_a_cache_smaller_than_a_chunk_reads_by_ranges(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    array = _open(seaweed_url, options, tmp_path, cache_bytes=1000)
+    assert np.array_equal(array.read_numpy(np.arange(N)[::-1]), values[::-1])
+    assert array._storage.chunk_cache.stats["fetched"] == 0 and not _chunk_files(tmp_path)
+
+
+def test_eviction_keeps_the_limit_and_what_the_plan_needs(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    chunk = CHUNK_ROWS * int(np.prod(SHAPE)) * 2 + 4
+    array = _open(seaweed_url, options, tmp_path / "c", cache_bytes=4 * chunk + 200)
+    front = array.chunk_cache
+    cache = front.cache
+    assert np.array_equal(array.read_numpy(np.arange(3 * CHUNK_ROWS)), values[: 3 * CHUNK_ROWS])  # chunks 0-2
+    # Chunks used in the last minute stay (a shuffle touches all of them): 3 and 4 cannot both come in.
+    array.read_numpy(np.arange(3 * CHUNK_ROWS, 5 * CHUNK_ROWS))
+    assert cache.stats["not_admitted"] >= 1 and cache.used_bytes() <= cache.max_bytes
+    # Long unused: 0 oldest, then 1, then 2. A plan that still needs chunk 0 keeps it; 1 goes.
+    for c, age in ((0, 3000), (1, 2000), (2, 1000)):
+        os.utime(front.path(c), (time.time() - age, time.time() - age))
+    last_use = np.full(13, -1)
+    last_use[0] = 7
+    front.plan(last_use, lambda: 2)
+    cache._no_room_until = 0.0
+    assert np.array_equal(array.read_numpy(np.arange(5 * CHUNK_ROWS, 6 * CHUNK_ROWS)), values[5 * CHUNK_ROWS : 6 * CHUNK_ROWS])
+    assert front.present(0) and not front.present(1) and front.present(5)
+    assert cache.used_bytes() <= cache.max_bytes
+    front.plan(None)
+
+
+# ---------------------------------------------------------------------- a server that goes away
+def test_server_gone_mid_epoch_with_a_cache_is_one_error(tmp_path: Any) -> None:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing",
+               "max_retries": 2, "retry_timeout": 3}
+    stopped = False
+    try:
+        import urllib.request
+
+        urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/gone-cache", method="PUT"), timeout=10)
+        url = f"s3://gone-cache/{uuid.uuid4().hex[:8]}"
+        _write(url, options)
+        array = _open(url, options, tmp_path)
+        assert array.read_numpy([0, 1]).shape == (2, *SHAPE)  # chunk 0 cached
+        server.stop()
+        stopped = True
+        start = time.monotonic()
+        assert array.read_numpy([2, 3]).shape == (2, *SHAPE)  # cached: no server needed
+        with pytest.raises(StorageUnavailable) as info:
+            array.read_numpy([5, 100, 150])
+        elapsed = time.monotonic() - start
+    finally:
+        if not stopped:
+            server.stop()
+    message = str(info.value)
+    assert "'gone-cache'" in message and "2 retries" in message and "\n" not in message
+    assert elapsed < 30
+
+
+# ---------------------------------------------------------------------- the server
+def test_the_server_reads_an_object_store_through_the_cache(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from featurestore.format import wire
+    from server.app import create_app
+    from server.settings import Settings
+
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    settings = Settings(storage_options={**options, "cache_dir": str(tmp_path / "cache")})
+    index = [150, 3, 77, 3]
+    with TestClient(create_app(seaweed_url, settings)) as client:
+        response = client.post(wire.route(wire.BATCH, dataset="ds", encoder="enc", split="train"),
+                               json={"indices": index})
+        assert response.status_code == 200, response.text
+    got = np.frombuffer(response.content, np.float16).reshape(len(index), *SHAPE)
+    assert np.array_equal(got, values[index])
+    assert len([p for p in _chunk_files(tmp_path / "cache") if f"{os.sep}features{os.sep}" in p]) == 3
+
+
+def test_cache_flags_join_the_storage_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from featurestore.commands.storeargs import add_cache_options, add_storage_options, options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_storage_options(parser)
+    add_cache_options(parser)
+    monkeypatch.setenv("FEATURESTORE_STORAGE_OPTIONS", '{"endpoint_url": "http://127.0.0.1:1"}')
+    args = parser.parse_args(["--cache-dir", "/c", "--cache-bytes", "5G"])
+    assert options_from_args(args) == {"endpoint_url": "http://127.0.0.1:1", "cache_dir": "/c", "cache_bytes": "5G"}
+    assert options_from_args(parser.parse_args([])) == {"endpoint_url": "http://127.0.0.1:1"}
+
+
+def test_forked_workers_read_through_the_cache(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    """A DataLoader worker forked after the parent used the cache (obstore is not fork-safe: the
+    child fetches through fsspec) gets the right rows and fills the same cache."""
+    import torch
+
+    from client import FeatureDataset
+
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    ds = FeatureDataset(seaweed_url, "ds", "enc", "train", storage_options={**options, "cache_dir": str(tmp_path)})
+    ds.array.read_numpy([0])  # the parent used obstore and the cache before the fork
+    loader = torch.utils.data.DataLoader(ds, batch_size=25, shuffle=False, num_workers=2,
+                                         multiprocessing_context="fork")
+    got = torch.cat([features for features, _ in loader]).numpy()
+    assert np.array_equal(got, values)
+    assert len([p for p in _chunk_files(tmp_path) if f"{os.sep}features{os.sep}" in p]) == -(-N // CHUNK_ROWS)
