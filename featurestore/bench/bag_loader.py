@@ -359,6 +359,14 @@ def throughput_rows(results: dict[str, Any]) -> dict[str, list[tuple[str, float]
 
 # ---------------------------------------------------------------------- output
 def _print_and_save(results: dict[str, Any], path: str | None) -> int:
+    print_figures(results)
+    save_json(results, path)
+    return 0
+
+
+def print_figures(results: dict[str, Any]) -> None:
+    """The figures and their targets, one line each (``bench bag-loader``, and ``bench bags``'s
+    loader rows)."""
     print(f"bag-loader bench: {results['bags']} bags, {results['patches']} patches of dim {results['dim']} "
           f"{results['dtype']}; CLAM DataLoader {results['workers']} workers, BagLoader defaults (2 threads)")
     for mode, target in (("warm", 0.95), ("cold", 0.9)):
@@ -383,8 +391,6 @@ def _print_and_save(results: dict[str, Any], path: str | None) -> int:
               f"4B = {r['4B']['bags']} bags {r['loader_bytes']['4B'] / 2**20:.1f} MiB (growth "
               f"{r['growth_bytes'] / 2**20:+.1f} MiB); bound {r['bound_bytes'] / 2**20:.0f} MiB: "
               f"{'ok' if r['ok'] else 'EXCEEDED'}")
-    save_json(results, path)
-    return 0
 
 
 def _main(argv: list[str]) -> int:

@@ -71,6 +71,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--threads", type=int, default=8, help="threads of the parallel-pread reference")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats; the median is kept")
     parser.add_argument("--skip-import", action="store_true", help="skip the import row")
+    parser.add_argument("--skip-loader", action="store_true",
+                        help="skip the BagLoader rows (bench bag-loader's epochs on this cohort)")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
     parser.set_defaults(func=lambda args: _print_and_save(run(args), args.json_out))
@@ -282,10 +284,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["ratios"]["import vs h5 read"] = results["seconds"]["TRIDENT h5 cold"] / results["import_seconds"]
             results["ratios"]["import vs its own read"] = results["import_read_seconds"] / results["import_seconds"]
         _print_rows(results)
+        if not args.skip_loader:
+            results["loader"] = loader_figures(built, lengths, args)
         return results
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def loader_figures(built: dict[str, Any], lengths: np.ndarray, args: argparse.Namespace) -> dict[str, Any]:
+    """Issue 25's loader targets on this cohort: BagLoader epochs (batch 1, warm and cold) against
+    the bare bag reader and CLAM's ``torch.load`` loop over the ``.pt`` copy, and padded batches."""
+    from featurestore.bench import bag_loader
+
+    figures = bag_loader.epoch_figures(built["paths"]["store"], *NAMES, pt_dir=built["paths"]["pt"],
+                                       workers=4, repeats=max(1, args.repeats))
+    figures.update(patches=int(lengths.sum()), dim=args.dim, dtype="float16", workers=4)
+    bag_loader.print_figures(figures)
+    return figures
 
 
 def measure(built: dict[str, Any], lengths: np.ndarray, args: argparse.Namespace) -> dict[str, Any]:

@@ -70,11 +70,16 @@ def _cold_rows(cold: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
 
 def _bags_rows(bags: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
     """Whole-bag reads, bags/s (the formats read different bytes: CLAM's .pt is float32)."""
+    from featurestore.bench.bag_loader import throughput_rows
+
     rows = bags["rows"]
-    return {f"bags, one shuffled pass over {bags['slides']} slides x {bags['dim']} features, {temperature}, bags/s": [
+    panels = {f"bags, one shuffled pass over {bags['slides']} slides x {bags['dim']} features, {temperature}, bags/s": [
         (name, rows[f"{name} {temperature}"]["bags_per_s"]) for name in ("featurestore", "TRIDENT h5", "CLAM .pt",
                                                                          "parallel pread")]
         for temperature in ("cold", "warm")}
+    if "loader" in bags:
+        panels.update(throughput_rows(bags["loader"]))
+    return panels
 
 
 def _extract_rows(extract: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
