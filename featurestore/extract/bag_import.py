@@ -5,7 +5,8 @@ per-slide feature files (featurestore.extract.slide_files). Every file's header 
 first (features dataset, one dim, coords of the features' length, a label for each slide when
 ``--labels`` is given), so a malformed file stops the import before anything is written. Then
 slides go to the bag writer one at a time (host RAM: two bags, the next is read meanwhile), in
-name order, skipping the ids already complete (``--resume``, or a re-run). A file that fails while being read (a truncated
+name order, skipping the ids already complete (``--resume``, or a re-run; a file of a kept bag
+modified since the split was created stops it with InputChanged, as for dense imports). A file that fails while being read (a truncated
 h5) stops the import with one line naming it; the bags already added are kept (the writer is
 closed, not committed), and a rerun with ``--resume`` goes on from them.
 """
@@ -21,6 +22,7 @@ import time
 from typing import Any
 
 from featurestore.errors import DatasetNotFound, EncoderNotFound, InvalidLabels, SplitExists, SplitNotFound
+from featurestore.extract.input_check import refuse_changed_inputs
 from featurestore.extract.slide_files import SlideFileError, SlideFiles
 
 __all__ = ["import_bags", "read_label_csv"]
@@ -78,6 +80,10 @@ def import_bags(opts: Any, files: SlideFiles) -> Any:
         opts.dataset, opts.encoder_name, opts.split, dim=first.dim, dtype=dtype, metadata=metadata,
         resume=resume, overwrite=opts.overwrite, label_dtype="int64" if label_names is not None else None,
         chunk_bytes=int(opts.chunk_mb * (1 << 20)), **settings)
+    if resume:  # bags kept from an earlier run must still match their files (extract.input_check)
+        kept = [i for i, slide in enumerate(files.slides) if slide.bag_id in writer.done_ids]
+        refuse_changed_inputs(lambda a, b: [s.path for s in files.slides[a:b]], [(i, i + 1) for i in kept],
+                              writer.metadata.created, key)
     if writer.metadata.complete:
         return ImportResult("already-complete", key, len(files), metadata=writer.metadata.to_json())
     imported = _copy(files, writer, labels, opts)
