@@ -53,3 +53,43 @@ def test_a_slide_rewritten_after_import_is_refused_not_kept(tmp_path: Path, caps
     assert run_import(source, tmp_path / "store", "--overwrite") == 0
     bags = open_store(str(tmp_path / "store")).open_bags("ds", "enc", "s")
     assert bags.read_numpy("b")[0][0, 0] == 7.0
+
+
+@pytest.mark.parametrize("label", [float("inf"), float("nan"), np.float32("-inf")])
+def test_a_non_finite_label_is_refused_by_add_bag_not_by_every_later_commit(tmp_path: Path, label: Any) -> None:
+    # add_bag took it, then commit failed with "Out of range float values are not JSON compliant",
+    # and every resume found the bag again in its segment: the split could never be committed.
+    store = open_store(str(tmp_path / "store"), mode="a")
+    writer = store.create_bag_split("ds", "enc", "s", dim=DIM)
+    writer.add_bag("a", np.ones((2, DIM), np.float16), label=1.0)
+    with pytest.raises(InvalidLabels, match="'b'.*finite"):
+        writer.add_bag("b", np.ones((2, DIM), np.float16), label=label)
+    writer.commit()
+    assert store.open_bags("ds", "enc", "s").ids == ["a"]
+
+
+def test_attrs_with_a_lone_surrogate_are_refused_by_add_bag(tmp_path: Path) -> None:
+    # accepted by add_bag, then UnicodeEncodeError (a traceback) at every commit
+    store = open_store(str(tmp_path / "store"), mode="a")
+    writer = store.create_bag_split("ds", "enc", "s", dim=DIM)
+    with pytest.raises(ShapeMismatch, match="attrs"):
+        writer.add_bag("a", np.ones((2, DIM), np.float16), attrs={"scanner": "Aperio\udcff"})
+    writer.add_bag("b", np.ones((2, DIM), np.float16), attrs={"scanner": "Aperio \u00e9"})
+    writer.commit()
+    assert store.open_bags("ds", "enc", "s").attrs("b") == {"scanner": "Aperio \u00e9"}
+
+
+def test_h5_attributes_of_any_type_survive_import(tmp_path: Path) -> None:
+    # A text attribute that is not UTF-8 (h5py hands it back with surrogates) crashed the import
+    # with a UnicodeEncodeError traceback; numpy scalars, arrays and bytes become JSON values.
+    source = tmp_path / "slides"
+    source.mkdir()
+    slide(source / "a.h5", 3, patch_size=np.int32(256), mpp=np.float32(0.5), flag=np.bool_(True),
+          levels=np.arange(3), names=np.array([b"x", b"y"]), raw=b"\xff\xfeab", big="x" * 100_000)
+    with h5py.File(source / "a.h5", "a") as f:
+        f["coords"].attrs["latin1"] = np.bytes_("Cr\xe9teil".encode("latin-1"))
+    assert run_import(source, tmp_path / "store") == 0
+    attrs = open_store(str(tmp_path / "store")).open_bags("ds", "enc", "s").attrs("a")["coords"]
+    assert attrs["patch_size"] == 256 and attrs["mpp"] == 0.5 and attrs["flag"] is True
+    assert attrs["levels"] == [0, 1, 2] and attrs["names"] == ["x", "y"] and len(attrs["big"]) == 100_000
+    assert attrs["raw"] == "\ufffd\ufffdab" and attrs["latin1"] == "Cr\ufffdteil"

@@ -200,6 +200,9 @@ class BagWriter:
         if value.shape != () or value.dtype.kind not in "iufb":
             raise ShapeMismatch(f"bag {bag_id!r}: label {label!r} is not one number: pass an int or float per bag")
         item: int | float = float(value) if value.dtype.kind == "f" else int(value)
+        if not np.isfinite(item):  # the index is JSON and numbers: a commit could never store it
+            raise InvalidLabels(f"bag {bag_id!r}: label {item!r} is not a finite number: give every bag a "
+                                "finite label (or leave the bag out)")
         if self.label_dtype is not None and np.asarray(item).astype(self.label_dtype) != item:
             raise DtypeMismatch(f"bag {bag_id!r}: label {item!r} does not fit the split's label_dtype {self.label_dtype}")
         return item

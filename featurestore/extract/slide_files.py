@@ -212,6 +212,9 @@ def _patch_size_level0(f: Any) -> Any:
 def _attr(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
+    if isinstance(value, str):
+        # h5py decodes text that is not UTF-8 with surrogateescape: kept as the replacement character
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     if isinstance(value, np.ndarray):
         return [_attr(v) for v in value.tolist()]
     if isinstance(value, np.generic):
