@@ -93,3 +93,50 @@ def test_h5_attributes_of_any_type_survive_import(tmp_path: Path) -> None:
     assert attrs["patch_size"] == 256 and attrs["mpp"] == 0.5 and attrs["flag"] is True
     assert attrs["levels"] == [0, 1, 2] and attrs["names"] == ["x", "y"] and len(attrs["big"]) == 100_000
     assert attrs["raw"] == "\ufffd\ufffdab" and attrs["latin1"] == "Cr\ufffdteil"
+
+
+def test_a_file_name_that_is_not_utf8_is_one_line_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a Latin-1 name (an old scanner export): UnicodeEncodeError traceback before
+    source = tmp_path / "slides"
+    source.mkdir()
+    slide(source / "a.h5", 2)
+    slide(os.fsencode(source) + b"/Cr\xe9teil-01.h5", 2)
+    assert run_import(source, tmp_path / "store") == 1
+    err = capsys.readouterr().err
+    assert "Cr\\xe9teil-01.h5" in err and "UTF-8" in err and "Traceback" not in err
+
+
+def test_a_directory_mixing_h5_and_pt_files_is_refused_not_half_imported(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # the .pt files (here a duplicate stem a.pt and a slide of its own, c.pt) were silently skipped
+    import torch
+
+    source = tmp_path / "slides"
+    source.mkdir()
+    slide(source / "a.h5", 2)
+    slide(source / "b.h5", 2)
+    torch.save(torch.zeros(3, DIM), source / "a.pt")
+    torch.save(torch.zeros(3, DIM), source / "c.pt")
+    assert run_import(source, tmp_path / "store") == 1
+    err = capsys.readouterr().err
+    assert "mixes h5 files with 2 .pt file(s)" in err and "'a.pt'" in err
+
+
+def test_labels_csv_header_spaces_and_conflicting_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "slides"
+    source.mkdir()
+    for name in "abc":
+        slide(source / f"{name}.h5", 2)
+    labels = tmp_path / "labels.csv"
+    # BOM, a space after the comma in the header and in rows, an extra slide: all fine
+    labels.write_bytes("\ufeffslide_id, label\n a , 1\nb, 0\nc,1\nnot-here,1\n".encode())
+    assert run_import(source, tmp_path / "store", "--labels", str(labels)) == 0
+    assert open_store(str(tmp_path / "store")).open_bags("ds", "enc", "s").labels.tolist() == [1, 0, 1]
+    # the same slide twice with two labels: the first one was taken silently
+    labels.write_text("slide_id,label\na,1\nb,0\nc,1\nb,1\n")
+    capsys.readouterr()
+    assert run_import(source, tmp_path / "store", "--labels", str(labels), split="t") == 1
+    assert "slide 'b' two labels ('0' and '1')" in capsys.readouterr().err
+    labels.write_text("slide_id,label\na,1\nb,nan\nc,1\n")  # text "nan" parses as a float: refused
+    assert run_import(source, tmp_path / "store", "--labels", str(labels), split="u") == 1
+    assert "not a finite number" in capsys.readouterr().err

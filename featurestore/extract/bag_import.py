@@ -133,7 +133,10 @@ def read_label_csv(path: str, bag_ids: list[str]) -> tuple[dict[str, Any], list[
             raw = f.read()
     except OSError as error:
         raise InvalidLabels(f"cannot read the labels CSV {path!r} ({error.strerror or error})") from None
-    rows = list(csv.DictReader(raw.splitlines()))
+    reader = csv.DictReader(raw.splitlines())
+    if reader.fieldnames:  # "slide_id, label" (a space after the comma) names the same columns
+        reader.fieldnames = [str(name).strip() for name in reader.fieldnames]
+    rows = list(reader)
     columns = set(rows[0]) if rows else set()
     if not {"slide_id", "label"} <= columns:
         raise InvalidLabels(f"labels CSV {path!r} needs the columns slide_id,label (it has: "
@@ -141,6 +144,9 @@ def read_label_csv(path: str, bag_ids: list[str]) -> tuple[dict[str, Any], list[
     given: dict[str, str] = {}
     for row in rows:
         slide, value = (row["slide_id"] or "").strip(), (row["label"] or "").strip()
+        if given.get(slide, value) != value:  # a slide listed twice with two labels: which is right?
+            raise InvalidLabels(f"labels CSV {path!r} gives slide {slide!r} two labels ({given[slide]!r} and "
+                                f"{value!r}): keep one row per slide")
         for name in {slide, os.path.splitext(slide)[0]}:
             given.setdefault(name, value)
     missing = [b for b in bag_ids if not given.get(b)]
