@@ -140,3 +140,40 @@ def test_labels_csv_header_spaces_and_conflicting_rows(tmp_path: Path, capsys: p
     labels.write_text("slide_id,label\na,1\nb,nan\nc,1\n")  # text "nan" parses as a float: refused
     assert run_import(source, tmp_path / "store", "--labels", str(labels), split="u") == 1
     assert "not a finite number" in capsys.readouterr().err
+
+
+def _rewrite_index_chunk(path: Path, change: Any) -> None:
+    """Rewrite an int64 index chunk with a valid crc32c: damage that checksums cannot see."""
+    import crc32c
+
+    values = np.frombuffer(path.read_bytes()[:-4], np.int64).copy()
+    change(values)
+    payload = values.tobytes()
+    path.write_bytes(payload + crc32c.crc32c(payload).to_bytes(4, "little"))
+
+
+def test_a_damaged_index_is_one_error_at_open_not_a_read_of_other_rows(tmp_path: Path) -> None:
+    from featurestore.errors import CorruptChunk
+
+    store = open_store(str(tmp_path / "store"), mode="a")
+    writer = store.create_bag_split("ds", "enc", "s", dim=DIM, chunk_bytes=64)
+    for i, n in enumerate([3, 0, 9, 5]):
+        writer.add_bag(f"b{i}", np.full((n, DIM), i, np.float16))
+    writer.commit()
+    split = tmp_path / "store" / "ds" / "enc" / "s"
+    original = (split / "offsets" / "c" / "0").read_bytes()
+    # offsets past the rows: IndexOutOfRange "index 99 ... of features" on reading bag 3 before
+    for change, problem in ((lambda v: v.__setitem__(4, 99), "from 0 to 99"),
+                            (lambda v: v.__setitem__(2, 1), "decrease at bag 1")):
+        (split / "offsets" / "c" / "0").write_bytes(original)
+        _rewrite_index_chunk(split / "offsets" / "c" / "0", change)
+        with pytest.raises(CorruptChunk, match=problem):
+            store.open_bags("ds", "enc", "s")
+    (split / "offsets" / "c" / "0").write_bytes(original)
+    assert store.open_bags("ds", "enc", "s").read_numpy("b3")[0][0, 0] == 3
+    # bag_ids gone: zarr's ArrayNotFoundError (not a FeatureStoreError: a CLI traceback) before
+    import shutil
+
+    shutil.rmtree(split / "bag_ids")
+    with pytest.raises(CorruptChunk, match="bag_ids is missing or damaged"):
+        store.open_bags("ds", "enc", "s")
