@@ -177,3 +177,15 @@ def test_a_damaged_index_is_one_error_at_open_not_a_read_of_other_rows(tmp_path:
     shutil.rmtree(split / "bag_ids")
     with pytest.raises(CorruptChunk, match="bag_ids is missing or damaged"):
         store.open_bags("ds", "enc", "s")
+
+
+def test_a_bag_import_of_h5_files_does_not_import_torch() -> None:
+    # `featurestore import DIR` of .h5 slides spent ~2.3 s of a CLI run importing torch (through
+    # the dense caches' readers and extract.run), which it never uses
+    import subprocess
+    import sys
+
+    code = ("import sys, featurestore.commands.import_, featurestore.extract.importer, featurestore.extract.bag_import; "
+            "print(sorted(m for m in ('torch', 'featurestore.extract.caches', 'featurestore.extract.run') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -32,7 +32,7 @@ def import_bags(opts: Any, files: SlideFiles) -> Any:
     """Write ``files`` as a bag split (``opts``: importer.ImportOptions); an ImportResult."""
     from featurestore import open_store
     from featurestore.extract.importer import ImportResult
-    from featurestore.extract.run import resolve_dtype
+    from featurestore.extract.plan import resolve_dtype
 
     started = time.perf_counter()
     headers = [files.header(slide) for slide in files.slides]

@@ -112,13 +112,6 @@ def resolve_precision(choice: str, device: torch.device) -> str:
     return choice
 
 
-def resolve_dtype(choice: str, output_dtype: str) -> str:
-    """``--dtype auto``: keep float16/bfloat16 outputs as they are; float32 -> float16, under the
-    writer's overflow guard (an overflow stops the run and says to use bfloat16 or float32)."""
-    keep = output_dtype if output_dtype in ("float16", "bfloat16") else "float16"
-    return keep if choice == "auto" else dtypes.check_feature_dtype(choice)
-
-
 @dataclass
 class _Prepared:
     source: ImageSource

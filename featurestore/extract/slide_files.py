@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.extract.sources import SourceError
+from featurestore.errors import SourceError
 
 H5_SUFFIXES = (".h5", ".hdf5")
 PT_SUFFIXES = (".pt", ".pth")
