@@ -39,7 +39,7 @@ from featurestore.errors import (
 from featurestore.extract.dist import Coordinator, coordinator_from_env
 from featurestore.extract.encoders import Encoder, EncoderError, TokenLayout, load_encoder, resolve_layout
 from featurestore.extract.input_check import refuse_changed_inputs_of
-from featurestore.extract.plan import check_chunk_mb, chunk_rows_for, plan_batches
+from featurestore.extract.plan import check_chunk_mb, chunk_rows_for, plan_batches, resolve_dtype
 from featurestore.extract.sources import (
     Failure,
     ImageSource,
