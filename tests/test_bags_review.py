@@ -189,3 +189,17 @@ def test_a_bag_import_of_h5_files_does_not_import_torch() -> None:
             "print(sorted(m for m in ('torch', 'featurestore.extract.caches', 'featurestore.extract.run') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_coords_that_do_not_fit_advise_a_dtype_the_split_can_have(tmp_path: Path) -> None:
+    # the advice was coords_dtype='uint64' (not a coords dtype a split can have)
+    from featurestore.errors import DtypeMismatch
+
+    store = open_store(str(tmp_path / "store"), mode="a")
+    writer = store.create_bag_split("ds", "enc", "s", dim=DIM)
+    with pytest.raises(DtypeMismatch, match="coords_dtype='int64'.*first file"):
+        writer.add_bag("a", np.ones((1, DIM), np.float16), coords=np.array([[2**63 + 5, 1]], np.uint64))
+    with pytest.raises(DtypeMismatch, match="coords_dtype='float64'"):
+        writer.add_bag("a", np.ones((1, DIM), np.float16), coords=np.array([[1.5, 1]], np.float16))
+    with pytest.raises(DtypeMismatch, match="coords_dtype='float32'"):
+        writer.add_bag("a", np.ones((1, DIM), np.float16), coords=np.array([[1.5, 1]], np.float32))
