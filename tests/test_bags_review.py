@@ -203,3 +203,17 @@ def test_coords_that_do_not_fit_advise_a_dtype_the_split_can_have(tmp_path: Path
         writer.add_bag("a", np.ones((1, DIM), np.float16), coords=np.array([[1.5, 1]], np.float16))
     with pytest.raises(DtypeMismatch, match="coords_dtype='float32'"):
         writer.add_bag("a", np.ones((1, DIM), np.float16), coords=np.array([[1.5, 1]], np.float32))
+
+
+def test_labels_csv_extension_alias_never_picks_one_of_two_labels(tmp_path: Path) -> None:
+    # rows "a.svs" and "a.tif" with two labels both stood for slide a: the first was taken silently;
+    # an exact row wins over an alias (before: whichever row came first)
+    from featurestore.extract.bag_import import read_label_csv
+
+    csv_file = tmp_path / "labels.csv"
+    csv_file.write_text("slide_id,label\na.svs,1\na.tif,0\nb.svs,1\n")
+    with pytest.raises(InvalidLabels, match="'a' matches rows 'a.svs' and 'a.tif'"):
+        read_label_csv(str(csv_file), ["a", "b"])
+    csv_file.write_text("slide_id,label\nb.svs,1\nb,0\nc.d,1\n")
+    labels, _, _ = read_label_csv(str(csv_file), ["b", "c", "c.d"])
+    assert labels == {"b": 0, "c": 1, "c.d": 1}

@@ -141,14 +141,27 @@ def read_label_csv(path: str, bag_ids: list[str]) -> tuple[dict[str, Any], list[
     if not {"slide_id", "label"} <= columns:
         raise InvalidLabels(f"labels CSV {path!r} needs the columns slide_id,label (it has: "
                             f"{', '.join(sorted(c for c in columns if c)) or 'none'})")
-    given: dict[str, str] = {}
+    exact: dict[str, str] = {}  # slide_id as written
+    stems: dict[str, dict[str, str]] = {}  # slide_id without its extension -> {label: the row's slide_id}
     for row in rows:
         slide, value = (row["slide_id"] or "").strip(), (row["label"] or "").strip()
-        if given.get(slide, value) != value:  # a slide listed twice with two labels: which is right?
-            raise InvalidLabels(f"labels CSV {path!r} gives slide {slide!r} two labels ({given[slide]!r} and "
+        if exact.get(slide, value) != value:  # a slide listed twice with two labels: which is right?
+            raise InvalidLabels(f"labels CSV {path!r} gives slide {slide!r} two labels ({exact[slide]!r} and "
                                 f"{value!r}): keep one row per slide")
-        for name in {slide, os.path.splitext(slide)[0]}:
-            given.setdefault(name, value)
+        exact[slide] = value
+        stem = os.path.splitext(slide)[0]
+        if stem != slide:
+            stems.setdefault(stem, {}).setdefault(value, slide)
+    given: dict[str, str] = {}
+    for bag in bag_ids:  # the row naming the slide exactly, else the one row naming it with an extension
+        if bag in exact:
+            given[bag] = exact[bag]
+        elif len(stems.get(bag, {})) > 1:
+            rows_of = sorted(stems[bag].values())
+            raise InvalidLabels(f"labels CSV {path!r}: slide {bag!r} matches rows {rows_of[0]!r} and {rows_of[1]!r} "
+                                "with different labels: name the slide exactly (its file name without extension)")
+        elif bag in stems:
+            given[bag] = next(iter(stems[bag]))
     missing = [b for b in bag_ids if not given.get(b)]
     if missing:
         raise InvalidLabels(f"labels CSV {path!r} has no (or an empty) label for slide {missing[0]!r}"
