@@ -191,6 +191,11 @@ class DuplicateBag(FeatureStoreError, ValueError):
     """A bag id added twice to one bag split (callers skip ``writer.done_ids``)."""
 
 
+class SourceError(FeatureStoreError, ValueError):
+    """An input (image source, feature cache, slide file) that is missing, malformed, or does not
+    match its spec (featurestore.extract: defined here so readers without torch can raise it)."""
+
+
 class WrongSplitKind(FeatureStoreError, TypeError):
     """A dense-split operation on a bag split, or a bag operation on a dense split."""
 

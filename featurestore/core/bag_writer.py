@@ -184,8 +184,12 @@ class BagWriter:
             raise DtypeMismatch(f"bag {bag_id!r}: coords of dtype {rows.dtype} are not numbers")
         cast = rows.astype(self.coords_dtype)
         if not np.array_equal(cast, rows, equal_nan=self.coords_dtype.kind == "f" and rows.dtype.kind == "f"):
+            # advise a dtype the split can have (uint64, float16 coords are not among them)
+            wanted = rows.dtype.name if rows.dtype.name in bags.COORD_DTYPES else (
+                "float64" if rows.dtype.kind == "f" else "int64")
             raise DtypeMismatch(f"bag {bag_id!r}: coords of dtype {rows.dtype} do not fit the split's coords_dtype "
-                                f"{self.coords_dtype} exactly: create the split with coords_dtype='{rows.dtype}'")
+                                f"{self.coords_dtype} exactly: create the split with coords_dtype='{wanted}' (an "
+                                "import takes it from the first file: give every file coords of one dtype)")
         return cast
 
     def _check_label(self, bag_id: str, label: Any) -> int | float | None:
@@ -202,6 +206,9 @@ class BagWriter:
         if value.shape != () or value.dtype.kind not in "iufb":
             raise ShapeMismatch(f"bag {bag_id!r}: label {label!r} is not one number: pass an int or float per bag")
         item: int | float = float(value) if value.dtype.kind == "f" else int(value)
+        if not np.isfinite(item):  # the index is JSON and numbers: a commit could never store it
+            raise InvalidLabels(f"bag {bag_id!r}: label {item!r} is not a finite number: give every bag a "
+                                "finite label (or leave the bag out)")
         if self.label_dtype is not None and np.asarray(item).astype(self.label_dtype) != item:
             raise DtypeMismatch(f"bag {bag_id!r}: label {item!r} does not fit the split's label_dtype {self.label_dtype}")
         return item

@@ -17,7 +17,7 @@ import numpy as np
 from featurestore.core.bag_commit import read_strings
 from featurestore.core.reader import FeatureArray
 from featurestore.core.storage import Storage
-from featurestore.errors import BagNotFound, IndexOutOfRange, InvalidIndices, ShapeMismatch
+from featurestore.errors import BagNotFound, CorruptChunk, IndexOutOfRange, InvalidIndices, ShapeMismatch
 from featurestore.format import bags, dtypes, layout
 from featurestore.format.metadata import SplitMetadata
 
@@ -43,11 +43,12 @@ class BagSplit:
         offsets = _whole(storage, key, bags.OFFSETS, documents[bags.OFFSETS], "int64", self.metadata)
         self.offsets: np.ndarray = offsets
         self.lengths: np.ndarray = np.diff(offsets).astype(np.int64)
-        self.ids: list[str] = read_strings(storage, f"{key}/{bags.BAG_IDS}")
+        self.ids: list[str] = _strings(storage, key, bags.BAG_IDS)
         labels_doc = documents.get(layout.LABELS)
         self.labels: np.ndarray | None = None
         if labels_doc is not None:
             self.labels = _whole(storage, key, layout.LABELS, labels_doc, labels_doc["data_type"], self.metadata)
+        _check_index(key, int(spec.get("count", 0)), offsets, len(self.features), len(self.ids), self.labels)
         self._attrs: list[str] | None = None
         self._positions: dict[str, int] | None = None
 
@@ -87,7 +88,10 @@ class BagSplit:
         """The bag's attributes (slide attributes kept by import, or ``add_bag(attrs=)``)."""
         i = self.position(i_or_id)
         if self._attrs is None:
-            self._attrs = read_strings(self._storage, f"{self.key}/{bags.BAG_ATTRS}")
+            self._attrs = _strings(self._storage, self.key, bags.BAG_ATTRS)
+            if len(self._attrs) != len(self):
+                raise CorruptChunk(f"{self.key}/{bags.BAG_ATTRS} has {len(self._attrs)} entries for {len(self)} bags: "
+                                   "the store is damaged; run `featurestore verify`, then re-import the split")
         return json.loads(self._attrs[i])
 
     def label(self, i_or_id: int | str) -> Any:
@@ -125,6 +129,32 @@ class BagSplit:
         for bfloat16), coords in the split's coords dtype."""
         features, coords = self.read_numpy(i_or_id, rows)
         return dtypes.to_torch(features, self.dtype), dtypes.to_torch(coords, self.coords_dtype)
+
+
+def _strings(storage: Storage, key: str, name: str) -> list[str]:
+    """A string index array read whole (zarr checks its crc32c); a missing or damaged one is
+    CorruptChunk naming it, not zarr's own error."""
+    try:
+        return read_strings(storage, f"{key}/{name}")
+    except Exception as error:  # zarr raises its own types (ArrayNotFoundError, checksum ValueError)
+        raise CorruptChunk(f"{key}/{name} is missing or damaged ({type(error).__name__}: {error}): run "
+                           "`featurestore verify` on the store, then re-import the split (--overwrite)") from None
+
+
+def _check_index(key: str, count: int, offsets: np.ndarray, rows: int, ids: int, labels: np.ndarray | None) -> None:
+    """The index arrays agree with each other and with the rows (one vectorised pass): a damaged
+    one read as data would send a bag's reads to another bag's rows, or past the end."""
+    problem = None
+    if len(offsets) != count + 1 or ids != count or (labels is not None and len(labels) != count):
+        problem = (f"{count} bags in the metadata, but {len(offsets)} offsets, {ids} ids"
+                   + ("" if labels is None else f", {len(labels)} labels"))
+    elif offsets[0] != 0 or offsets[-1] != rows:
+        problem = f"offsets run from {int(offsets[0])} to {int(offsets[-1])}, the features hold {rows} rows"
+    elif count and bool((np.diff(offsets) < 0).any()):
+        problem = f"offsets decrease at bag {int(np.argmax(np.diff(offsets) < 0))}"
+    if problem:
+        raise CorruptChunk(f"the index of bag split {key} is damaged ({problem}): run `featurestore verify` on "
+                           "the store, then re-import the split (--overwrite)")
 
 
 def _whole(storage: Storage, key: str, name: str, doc: dict[str, Any], logical: str,

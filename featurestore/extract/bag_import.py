@@ -5,7 +5,8 @@ per-slide feature files (featurestore.extract.slide_files). Every file's header 
 first (features dataset, one dim, coords of the features' length, a label for each slide when
 ``--labels`` is given), so a malformed file stops the import before anything is written. Then
 slides go to the bag writer one at a time (host RAM: two bags, the next is read meanwhile), in
-name order, skipping the ids already complete (``--resume``, or a re-run). A file that fails while being read (a truncated
+name order, skipping the ids already complete (``--resume``, or a re-run; a file of a kept bag
+modified since the split was created stops it with InputChanged, as for dense imports). A file that fails while being read (a truncated
 h5) stops the import with one line naming it; the bags already added are kept (the writer is
 closed, not committed), and a rerun with ``--resume`` goes on from them.
 """
@@ -21,6 +22,7 @@ import time
 from typing import Any
 
 from featurestore.errors import DatasetNotFound, EncoderNotFound, InvalidLabels, SplitExists, SplitNotFound
+from featurestore.extract.input_check import refuse_changed_inputs
 from featurestore.extract.slide_files import SlideFileError, SlideFiles
 
 __all__ = ["import_bags", "read_label_csv"]
@@ -30,7 +32,7 @@ def import_bags(opts: Any, files: SlideFiles) -> Any:
     """Write ``files`` as a bag split (``opts``: importer.ImportOptions); an ImportResult."""
     from featurestore import open_store
     from featurestore.extract.importer import ImportResult
-    from featurestore.extract.run import resolve_dtype
+    from featurestore.extract.plan import resolve_dtype
 
     started = time.perf_counter()
     headers = [files.header(slide) for slide in files.slides]
@@ -78,6 +80,10 @@ def import_bags(opts: Any, files: SlideFiles) -> Any:
         opts.dataset, opts.encoder_name, opts.split, dim=first.dim, dtype=dtype, metadata=metadata,
         resume=resume, overwrite=opts.overwrite, label_dtype="int64" if label_names is not None else None,
         chunk_bytes=int(opts.chunk_mb * (1 << 20)), **settings)
+    if resume:  # bags kept from an earlier run must still match their files (extract.input_check)
+        kept = [i for i, slide in enumerate(files.slides) if slide.bag_id in writer.done_ids]
+        refuse_changed_inputs(lambda a, b: [s.path for s in files.slides[a:b]], [(i, i + 1) for i in kept],
+                              writer.metadata.created, key)
     if writer.metadata.complete:
         return ImportResult("already-complete", key, len(files), metadata=writer.metadata.to_json())
     imported = _copy(files, writer, labels, opts)
@@ -127,16 +133,35 @@ def read_label_csv(path: str, bag_ids: list[str]) -> tuple[dict[str, Any], list[
             raw = f.read()
     except OSError as error:
         raise InvalidLabels(f"cannot read the labels CSV {path!r} ({error.strerror or error})") from None
-    rows = list(csv.DictReader(raw.splitlines()))
+    reader = csv.DictReader(raw.splitlines())
+    if reader.fieldnames:  # "slide_id, label" (a space after the comma) names the same columns
+        reader.fieldnames = [str(name).strip() for name in reader.fieldnames]
+    rows = list(reader)
     columns = set(rows[0]) if rows else set()
     if not {"slide_id", "label"} <= columns:
         raise InvalidLabels(f"labels CSV {path!r} needs the columns slide_id,label (it has: "
                             f"{', '.join(sorted(c for c in columns if c)) or 'none'})")
-    given: dict[str, str] = {}
+    exact: dict[str, str] = {}  # slide_id as written
+    stems: dict[str, dict[str, str]] = {}  # slide_id without its extension -> {label: the row's slide_id}
     for row in rows:
         slide, value = (row["slide_id"] or "").strip(), (row["label"] or "").strip()
-        for name in {slide, os.path.splitext(slide)[0]}:
-            given.setdefault(name, value)
+        if exact.get(slide, value) != value:  # a slide listed twice with two labels: which is right?
+            raise InvalidLabels(f"labels CSV {path!r} gives slide {slide!r} two labels ({exact[slide]!r} and "
+                                f"{value!r}): keep one row per slide")
+        exact[slide] = value
+        stem = os.path.splitext(slide)[0]
+        if stem != slide:
+            stems.setdefault(stem, {}).setdefault(value, slide)
+    given: dict[str, str] = {}
+    for bag in bag_ids:  # the row naming the slide exactly, else the one row naming it with an extension
+        if bag in exact:
+            given[bag] = exact[bag]
+        elif len(stems.get(bag, {})) > 1:
+            rows_of = sorted(stems[bag].values())
+            raise InvalidLabels(f"labels CSV {path!r}: slide {bag!r} matches rows {rows_of[0]!r} and {rows_of[1]!r} "
+                                "with different labels: name the slide exactly (its file name without extension)")
+        elif bag in stems:
+            given[bag] = next(iter(stems[bag]))
     missing = [b for b in bag_ids if not given.get(b)]
     if missing:
         raise InvalidLabels(f"labels CSV {path!r} has no (or an empty) label for slide {missing[0]!r}"

@@ -26,18 +26,25 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from featurestore.errors import DatasetNotFound, EncoderNotFound, ShapeMismatch, SplitExists, SplitNotFound
-from featurestore.extract.caches import ArraySource, CacheSource, open_cache, open_labels
+from featurestore.errors import (
+    DatasetNotFound,
+    EncoderNotFound,
+    ShapeMismatch,
+    SourceError,
+    SplitExists,
+    SplitNotFound,
+)
 from featurestore.extract.input_check import refuse_changed_inputs_of
-from featurestore.extract.plan import check_chunk_mb, chunk_rows_for
-from featurestore.extract.run import resolve_dtype
+from featurestore.extract.plan import check_chunk_mb, chunk_rows_for, resolve_dtype
 from featurestore.extract.slide_files import SlideFiles, find_slides
-from featurestore.extract.sources import SourceError
 from featurestore.format.names import validate_name
 
-__all__ = ["ImportOptions", "ImportResult", "import_cache", "open_cache"]
+if TYPE_CHECKING:
+    from featurestore.extract.caches import ArraySource, CacheSource
+
+__all__ = ["ImportOptions", "ImportResult", "import_cache"]
 
 # --------------------------------------------------------------------------- the import
 @dataclass
@@ -107,6 +114,10 @@ def import_cache(opts: ImportOptions) -> ImportResult:
         return import_bags(opts, SlideFiles(*slides))
     if opts.bags:
         raise SourceError(f"--bags: {opts.source!r} is not a directory of per-slide .h5 or .pt files")
+    # The dense caches' readers import torch (a .pt cache): imported here, so a bag import of
+    # .h5 files starts without it (seconds of a CLI run).
+    from featurestore.extract.caches import open_cache, open_labels
+
     started = time.perf_counter()
     source = open_cache(opts.source, opts.key, opts.labels)
     labels = open_labels(opts.labels, source)

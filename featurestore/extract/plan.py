@@ -47,3 +47,10 @@ def chunk_rows_for(sample_shape: tuple[int, ...], dtype: str, chunk_mb: float, b
         sample_nbytes *= int(size)
     rows = max(1, int(chunk_mb * (1 << 20)) // sample_nbytes)
     return batch_size if rows < batch_size else rows - rows % batch_size
+
+
+def resolve_dtype(choice: str, output_dtype: str) -> str:
+    """``--dtype auto``: keep float16/bfloat16 outputs as they are; float32 -> float16, under the
+    writer's overflow guard (an overflow stops the run and says to use bfloat16 or float32)."""
+    keep = output_dtype if output_dtype in ("float16", "bfloat16") else "float16"
+    return keep if choice == "auto" else dtypes.check_feature_dtype(choice)

@@ -39,7 +39,7 @@ from featurestore.errors import (
 from featurestore.extract.dist import Coordinator, coordinator_from_env
 from featurestore.extract.encoders import Encoder, EncoderError, TokenLayout, load_encoder, resolve_layout
 from featurestore.extract.input_check import refuse_changed_inputs_of
-from featurestore.extract.plan import check_chunk_mb, chunk_rows_for, plan_batches
+from featurestore.extract.plan import check_chunk_mb, chunk_rows_for, plan_batches, resolve_dtype
 from featurestore.extract.sources import (
     Failure,
     ImageSource,
@@ -110,13 +110,6 @@ def resolve_precision(choice: str, device: torch.device) -> str:
     if choice not in ("bf16", "fp32"):
         raise InvalidOption(f"--precision {choice!r} is not one of auto, bf16, fp32")
     return choice
-
-
-def resolve_dtype(choice: str, output_dtype: str) -> str:
-    """``--dtype auto``: keep float16/bfloat16 outputs as they are; float32 -> float16, under the
-    writer's overflow guard (an overflow stops the run and says to use bfloat16 or float32)."""
-    keep = output_dtype if output_dtype in ("float16", "bfloat16") else "float16"
-    return keep if choice == "auto" else dtypes.check_feature_dtype(choice)
 
 
 @dataclass

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from featurestore.errors import SourceError
 from featurestore.extract.h5_rows import read_rows
-from featurestore.extract.sources import SourceError
 
 H5_SUFFIXES = (".h5", ".hdf5")
 PT_SUFFIXES = (".pt", ".pth")
@@ -81,6 +81,18 @@ class SlideFiles:
         names = _files(directory, H5_SUFFIXES if kind == "h5" else PT_SUFFIXES)
         if not names:
             raise SlideFileError(f"directory {directory!r} has no per-slide {kind} files")
+        for name in names:
+            try:
+                name.encode("utf-8")
+            except UnicodeEncodeError:  # os.listdir hands undecodable bytes back as surrogates
+                shown = os.fsencode(name).decode("utf-8", "backslashreplace")
+                raise SlideFileError(f"file name '{shown}' in {directory!r} is not valid UTF-8: a bag id is the "
+                                     "file's name as text; rename the file (e.g. convmv -f latin1 -t utf8)") from None
+        other = _files(directory, PT_SUFFIXES if kind == "h5" else H5_SUFFIXES)
+        if other:
+            raise SlideFileError(f"directory {directory!r} mixes {kind} files with {len(other)} "
+                                 f"{'.pt' if kind == 'h5' else '.h5'} file(s) ({other[0]!r}, ...): one bag split is "
+                                 f"imported from one format; move the other files to a directory of their own")
         self.slides = [Slide(os.path.splitext(n)[0], os.path.join(directory, n)) for n in names]
         stems = [s.bag_id for s in self.slides]
         if len(set(stems)) != len(stems):
@@ -213,6 +225,9 @@ def _patch_size_level0(f: Any) -> Any:
 def _attr(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
+    if isinstance(value, str):
+        # h5py decodes text that is not UTF-8 with surrogateescape: kept as the replacement character
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     if isinstance(value, np.ndarray):
         return [_attr(v) for v in value.tolist()]
     if isinstance(value, np.generic):

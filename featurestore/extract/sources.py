@@ -32,14 +32,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from featurestore.errors import FeatureStoreError
+from featurestore.errors import FeatureStoreError, SourceError  # noqa: F401  (SourceError: re-exported)
 
 PANNUKE_CLASSES = ("background", "neoplastic", "inflammatory", "connective", "dead", "epithelial")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".webp")
-
-
-class SourceError(FeatureStoreError, ValueError):
-    """An image source that is missing, malformed, or does not match its spec."""
 
 
 def import_callable(target: str, what: str, error: type[FeatureStoreError] | None = None) -> Callable[..., Any]:

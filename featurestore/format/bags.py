@@ -117,9 +117,12 @@ def attrs_json(attrs: Any) -> str:
     if not isinstance(attrs, dict):
         raise ShapeMismatch(f"bag attrs must be a dict of JSON values, got {type(attrs).__name__}")
     try:
-        return json.dumps(_plain(attrs), sort_keys=True, allow_nan=False, ensure_ascii=False)
+        text = json.dumps(_plain(attrs), sort_keys=True, allow_nan=False, ensure_ascii=False)
+        text.encode("utf-8")  # a lone surrogate passes json.dumps, then fails the commit's UTF-8
     except (TypeError, ValueError) as error:
-        raise ShapeMismatch(f"bag attrs are not plain JSON ({error}): pass str/int/float/bool/list/dict values") from None
+        raise ShapeMismatch(f"bag attrs are not plain JSON ({error}): pass str/int/float/bool/list/dict values "
+                            "(text as valid unicode)") from None
+    return text
 
 
 def _plain(value: Any) -> Any:
