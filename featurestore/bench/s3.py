@@ -16,7 +16,9 @@ repeats interleaved so that every ratio compares figures taken side by side:
   at once (obstore, no featurestore code): what the ranged path is measured against;
 * the chunk cache (``cache_dir``, :mod:`featurestore.bench.s3_cache`): loader epochs 1 and 2
   through a cache as large as the split, two epochs through a half-size cache (bytes downloaded
-  per epoch), and a local cold loader over the same bytes.
+  per epoch), and a local cold loader over the same bytes; the CPU milliseconds per GB that the
+  ceiling and cache epoch 1 cost this process and the server (``/proc``), load-independent where
+  the speeds are not, and epoch 1's ratio paired per repeat.
 
 The server's volume files were just written, so its reads come from the page cache (warm). The
 server and this process share the machine's cores: on a small machine the server's CPU is part of
