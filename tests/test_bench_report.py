@@ -133,6 +133,10 @@ def test_s3_bench_runs_and_reports(tmp_path: Path, seaweed: object, capsys: pyte
     out = s3.run(report.bench_args("s3", flags))
     assert all(v > 0 for v in out["gb_per_s"].values()), out["gb_per_s"]
     assert set(out["ratios"]) >= set(s3.TARGETS)
+    # CPU per GB of the ceiling and cache epoch 1 (client only: --endpoint gives no server pid)
+    cpu = out["cpu_ms_per_gb"]
+    assert set(cpu) == {"ceiling (whole chunks, 8 GETs)", "cache epoch 1 (empty, full-size cache)"}, cpu
+    assert all(client > 0 and server is None for client, server in cpu.values()), cpu
     rows = report.throughput_rows({"benches": {"s3": {"result": out}}})
     assert any(title.startswith("S3 (SeaweedFS") for title in rows)
     assert s3._print_and_save(out, None) == 0

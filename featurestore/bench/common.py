@@ -23,6 +23,28 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
     return shapes
 
 
+class CpuClock:
+    """CPU seconds (user + system) spent so far by this process and, if given, by another one
+    (a server on the same machine, read from ``/proc``; None where that cannot be read). On a
+    machine shared with other work a run's seconds swing with the load; its CPU seconds do not."""
+
+    def __init__(self, other_pid: int | None = None) -> None:
+        self.other_pid = other_pid
+
+    def read(self) -> tuple[float, float | None]:
+        return time.process_time(), (None if self.other_pid is None else process_cpu_seconds(self.other_pid))
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``), None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def gbps(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 

@@ -16,7 +16,9 @@ repeats interleaved so that every ratio compares figures taken side by side:
   at once (obstore, no featurestore code): what the ranged path is measured against;
 * the chunk cache (``cache_dir``, :mod:`featurestore.bench.s3_cache`): loader epochs 1 and 2
   through a cache as large as the split, two epochs through a half-size cache (bytes downloaded
-  per epoch), and a local cold loader over the same bytes.
+  per epoch), and a local cold loader over the same bytes; the CPU milliseconds per GB that the
+  ceiling and cache epoch 1 cost this process and the server (``/proc``), load-independent where
+  the speeds are not, and epoch 1's ratio paired per repeat.
 
 The server's volume files were just written, so its reads come from the page cache (warm). The
 server and this process share the machine's cores: on a small machine the server's CPU is part of
@@ -34,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from featurestore.bench import s3_cache
-from featurestore.bench.common import gbps, save_json
+from featurestore.bench.common import CpuClock, gbps, save_json
 
 TARGETS = {"read_vs_ceiling": 0.5, "read_vs_zarr": 10.0, "loader_vs_ceiling": 0.5, "write_vs_put": 0.5,
            "read_vs_bare_ranges": 0.8, **s3_cache.TARGETS}
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         options = {"endpoint_url": args.endpoint}
         if args.key:
             options.update(key=args.key, secret=args.secret or "")
-        return _bench(args, options, server="endpoint " + args.endpoint)
+        return _bench(args, options, server="endpoint " + args.endpoint, server_pid=None)
     from featurestore.bench.seaweedfs import seaweed_server
 
     from featurestore.bench.seaweedfs import READ_TUNED_ARGS
@@ -85,10 +87,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with seaweed_server(args.workdir, extra_args=extra) as server:
         server.create_bucket(args.bucket)
         flags = " ".join((*READ_TUNED_ARGS, *extra))
-        return _bench(args, server.storage_options, server=f"SeaweedFS on loopback ({server.endpoint}, {flags})")
+        return _bench(args, server.storage_options, server=f"SeaweedFS on loopback ({server.endpoint}, {flags})",
+                      server_pid=server.process.pid)
 
 
-def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> dict[str, Any]:
+def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, server_pid: int | None) -> dict[str, Any]:
     import obstore
     import torch
     import zarr
@@ -159,6 +162,9 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
     slow_orders = orders[: args.slow_batches]
     out = aligned_empty((batch, *shape), np.float16)
 
+    clock = CpuClock(server_pid)
+    cpu: dict[str, list[tuple[float, float | None]]] = {}  # figure -> (client, server) CPU seconds per GB
+
     def ceiling() -> float:
         async def get_all() -> int:
             semaphore = asyncio.Semaphore(8)
@@ -170,9 +176,12 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
 
             return sum(await asyncio.gather(*(get(k) for k in chunk_keys)))
 
+        before = clock.read()
         t0 = time.perf_counter()
         got = run_async(get_all())
-        return gbps(got, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        s3_cache.record_cpu(cpu, "ceiling (whole chunks, 8 GETs)", before, clock.read(), got)
+        return gbps(got, seconds)
 
     def shuffled_reads() -> float:
         t0 = time.perf_counter()
@@ -234,7 +243,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
     cached = None
     if not args.no_cache:
         cached = s3_cache.CachedEpochs(url, fs_options, values, chunk_bytes, batch, args.prefetch,
-                                       args.loader_threads, args.workdir)
+                                       args.loader_threads, args.workdir, clock=clock, cpu=cpu)
 
         def full_cache() -> float:
             first, second = cached.full_cache()
@@ -257,6 +266,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
         methods[name]()
     for values_list in reads.values():
         values_list.clear()
+    cpu.clear()
     if cached is not None:
         for values_list in cached.downloaded.values():
             values_list.clear()
@@ -278,7 +288,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
     }
     downloaded = {}
     if cached is not None:
-        ratios.update(s3_cache.ratios(median, ceil))
+        ratios.update(s3_cache.ratios(median, ceil, reads))
         downloaded = {name: float(np.median(v)) for name, v in cached.downloaded.items()}
     try:
         store.storage.delete_tree("")
@@ -289,7 +299,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
         "chunk_rows": chunk_rows, "cache": "warm (server's volume files just written, page-cached)",
         "max_concurrency": storage.settings.max_concurrency, "coalesce_gap": storage.gap, "gb_per_s": median,
         "runs": {**reads, **writes}, "ratios": ratios, "targets": TARGETS,
-        "downloaded_per_epoch_vs_split": downloaded,
+        "downloaded_per_epoch_vs_split": downloaded, "cpu_ms_per_gb": s3_cache.cpu_medians(cpu),
     }
 
 
@@ -314,6 +324,8 @@ def _print_and_save(result: dict[str, Any], json_out: str | None) -> int:
         print(f"  {name:<40} {value:7.2f}x{verdict}")
     for name, value in result.get("downloaded_per_epoch_vs_split", {}).items():
         print(f"  {'downloaded, ' + name:<40} {value:7.2f}x the split's bytes")
+    for name, (client, server) in result.get("cpu_ms_per_gb", {}).items():
+        print(f"  {'CPU ms per GB, ' + name:<40} client {client:6.0f}" + ("" if server is None else f"  server {server:6.0f}"))
     save_json(result, json_out)
     # A missed target is a figure to report, not a failed bench: the run itself worked.
     return 0

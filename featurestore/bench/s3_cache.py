@@ -9,6 +9,11 @@ Figures, each a ``FeatureLoader`` epoch of the uniform shuffle (device cpu, stor
 * ``half cache epoch 1/2``: a cache of half the split's bytes, two epochs; the bytes downloaded
   per epoch (GET responses: whole chunks plus ranged rows) are reported.
 
+Epoch 1 and the ceiling also record the CPU seconds per GB they cost this process and the server
+(:class:`~featurestore.bench.common.CpuClock`): on a shared machine the speeds swing with the
+load, the work does not, and epoch 1's ratio is also given paired (each repeat's epoch over the
+same repeat's ceiling, then the median).
+
 Each repeat starts from a new, empty cache directory under the bench's work directory.
 """
 
@@ -23,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from featurestore.bench.cgroup import evict
-from featurestore.bench.common import gbps
+from featurestore.bench.common import CpuClock, gbps
 
 TARGETS = {"cache_epoch1_vs_ceiling": 0.6, "cache_epoch2_vs_local_cold": 0.85, "half_cache_vs_ceiling": 0.3}
 
@@ -32,9 +37,11 @@ class CachedEpochs:
     """Loader epochs over ``url`` with and without a chunk cache, and over a local copy."""
 
     def __init__(self, url: str, options: dict[str, Any], values: np.ndarray, chunk_bytes: int, batch: int,
-                 prefetch: int, threads: int | None, workdir: str | None = None) -> None:
+                 prefetch: int, threads: int | None, workdir: str | None = None, *, clock: CpuClock | None = None,
+                 cpu: dict[str, list[tuple[float, float | None]]] | None = None) -> None:
         import featurestore
 
+        self.clock, self.cpu = clock or CpuClock(), cpu if cpu is not None else {}
         self.url, self.options, self.batch = url, dict(options), batch
         self.prefetch, self.threads = prefetch, threads
         self.n = len(values)
@@ -59,13 +66,17 @@ class CachedEpochs:
         return FeatureLoader(ds, batch_size=self.batch, order="shuffle", device="cpu", dtype=None,
                              prefetch=self.prefetch, num_threads=self.threads, seed=int(time.time()))
 
-    def _epoch(self, loader: Any, epoch: int) -> float:
+    def _epoch(self, loader: Any, epoch: int, label: str | None = None) -> float:
         loader.set_epoch(epoch)
+        before = self.clock.read()
         t0, seen = time.perf_counter(), 0
         for features, _ in loader:
             seen += features.shape[0]
+        seconds = time.perf_counter() - t0
+        if label is not None:
+            record_cpu(self.cpu, label, before, self.clock.read(), self.nbytes)
         assert seen == self.n
-        return gbps(self.nbytes, time.perf_counter() - t0)
+        return gbps(self.nbytes, seconds)
 
     def _cache_dir(self) -> str:
         return tempfile.mkdtemp(prefix="cache-", dir=self.work)
@@ -74,7 +85,7 @@ class CachedEpochs:
         """(epoch 1, epoch 2) through a cache as large as the split."""
         directory = self._cache_dir()
         loader = self._loader(self.url, {**self.options, "cache_dir": directory})
-        first = self._epoch(loader, 0)
+        first = self._epoch(loader, 0, EPOCH1)
         _cold(directory)
         second = self._epoch(loader, 1)
         loader.close()
@@ -112,9 +123,34 @@ def _cold(path: str) -> None:
     evict(path)
 
 
-def ratios(median: dict[str, float], ceiling: float) -> dict[str, float]:
+EPOCH1 = "cache epoch 1 (empty, full-size cache)"
+CEILING = "ceiling (whole chunks, 8 GETs)"
+
+
+def record_cpu(cpu: dict[str, list[tuple[float, float | None]]], name: str, before: tuple[float, float | None],
+               after: tuple[float, float | None], nbytes: int) -> None:
+    """Append ``name``'s (client, server) CPU seconds per GB between two ``CpuClock.read()``s."""
+    server = None if before[1] is None or after[1] is None else (after[1] - before[1]) * 1e9 / nbytes
+    cpu.setdefault(name, []).append(((after[0] - before[0]) * 1e9 / nbytes, server))
+
+
+def cpu_medians(cpu: dict[str, list[tuple[float, float | None]]]) -> dict[str, tuple[float, float | None]]:
+    """Median (client, server) CPU milliseconds per GB of each figure."""
+    out: dict[str, tuple[float, float | None]] = {}
+    for name, values in cpu.items():
+        servers = [s for _, s in values if s is not None]
+        out[name] = (float(np.median([c for c, _ in values])) * 1e3,
+                     float(np.median(servers)) * 1e3 if servers else None)
+    return out
+
+
+def ratios(median: dict[str, float], ceiling: float, runs: dict[str, list[float]] | None = None) -> dict[str, float]:
+    paired = {}
+    if runs is not None and len(runs.get(EPOCH1, [])) == len(runs.get(CEILING, [])) > 0:
+        paired["cache_epoch1_vs_ceiling_paired"] = float(np.median(np.divide(runs[EPOCH1], runs[CEILING])))
     return {
-        "cache_epoch1_vs_ceiling": median["cache epoch 1 (empty, full-size cache)"] / ceiling,
+        **paired,
+        "cache_epoch1_vs_ceiling": median[EPOCH1] / ceiling,
         "cache_epoch2_vs_local_cold": median["cache epoch 2 (filled, cold files)"] / median["local cold loader"],
         "half_cache_vs_ceiling": median["half cache epoch 2"] / ceiling,
         "half_cache_epoch1_vs_ceiling": median["half cache epoch 1"] / ceiling,
