@@ -6,8 +6,9 @@ along rows only like a dense split's features, and an Arrow-style index: ``offse
 (bag ``i`` is rows ``offsets[i]:offsets[i + 1]``), ``bag_ids`` ``[n]`` strings, optional
 ``labels`` ``[n]``, ``bag_attrs`` ``[n]`` (one JSON document per bag), ``bag_stats`` (one
 sealed statistics row per bag) and ``chunk_seals`` (each final chunk's crc32c, sealed with the
-generation and the chunk's place, so a chunk swapped, moved or copied from another run is found). Bags are ordered by id (code point order) whoever wrote them, so
-the same bags give the same bytes whatever the number of writers and the arrival order.
+generation and the chunk's place, so a chunk swapped, moved or copied from another run is
+found). Bags are ordered by id (code point order) whoever wrote them, so the same bags give the
+same bytes whatever the number of writers and the arrival order.
 
 While a split is written, each writer session appends its bags to its own **segment**
 (``segments/<name>/``: chunks of the same geometry, and one record per chunk naming the bags
