@@ -58,15 +58,15 @@ def stored_bits(values: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def tree_bytes(root: Any, split: str = "train") -> dict[str, bytes]:
-    """Every file of a split but its group document (timestamps, generation) and bag_stats (sealed
-    with the generation)."""
+    """Every file of a split but its group document (timestamps, generation), bag_stats and
+    chunk_seals (sealed with the generation)."""
     top = os.path.join(str(root), "ds", "enc", split)
     out = {}
     for directory, _, files in os.walk(top):
         for name in files:
             path = os.path.join(directory, name)
             rel = os.path.relpath(path, top)
-            if rel != "zarr.json" and not rel.startswith("bag_stats"):
+            if rel != "zarr.json" and not rel.startswith(("bag_stats", "chunk_seals")):
                 out[rel] = open(path, "rb").read()
     return out
 

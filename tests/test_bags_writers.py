@@ -68,8 +68,9 @@ def commit(root: Path) -> dict[str, Any]:
 def split_files(root: Path) -> dict[str, bytes]:
     top = root / "ds" / "enc" / "train"
     files = {str(p.relative_to(top)): p.read_bytes() for p in sorted(top.rglob("*")) if p.is_file()}
-    # the split document and the sealed statistics carry the run's generation and timestamps
-    return {name: raw for name, raw in files.items() if name != "zarr.json" and not name.startswith("bag_stats")}
+    # the split document, the sealed statistics and chunk seals carry the run's generation and timestamps
+    return {name: raw for name, raw in files.items()
+            if name != "zarr.json" and not name.startswith(("bag_stats", "chunk_seals"))}
 
 
 def check_all(root: Path) -> None:

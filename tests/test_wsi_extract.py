@@ -80,8 +80,8 @@ def _common(cohort: Path) -> list[str]:
 
 def _files(root: Path) -> dict[str, bytes]:
     """Every file of the committed split but its zarr.json documents (timestamps, generation);
-    in the per-bag statistics rows, the generation slot (each run of a split draws its own) is
-    zeroed and the crc32c trailer that covers it dropped."""
+    in the per-bag statistics rows and the chunk seals, the generation slot (each run of a split
+    draws its own) is zeroed and the crc32c trailer that covers it dropped."""
     split = root.joinpath(*NAME)
     generation = float(int(featurestore.open_store(str(root)).split_info(*NAME).generation, 16))
     out = {}
@@ -92,6 +92,11 @@ def _files(root: Path) -> dict[str, bytes]:
                 rows = np.frombuffer(data[:-4], "<f8").copy()
                 assert (rows == generation).sum() == len(featurestore.open_store(str(root)).open_bags(*NAME).ids)
                 data = np.where(rows == generation, 0.0, rows).tobytes()
+            elif p.relative_to(split).parts[0] == "chunk_seals":  # (array, chunk, crc32c, generation) rows
+                table = np.frombuffer(data[:-4], "<u8").reshape(-1, 4).copy()
+                assert (table[:, 3] == int(generation)).all()
+                table[:, 3] = 0
+                data = table.tobytes()
             out[str(p.relative_to(split))] = data
     return out
 

@@ -5,7 +5,8 @@ all on storage: the complete bags, whoever wrote them. ``commit`` orders them by
 final ``features`` and ``coords`` chunks (a chunk whose bytes already sit in one segment chunk
 at the same place is linked, not copied: a single writer adding bags in id order rewrites
 nothing), then the index arrays (``offsets``, ``bag_ids``, ``labels``, ``bag_attrs``, sealed
-``bag_stats``), then the split document with ``status: "complete"``, and last deletes the
+``bag_stats``), then ``chunk_seals`` (every final chunk's crc32c trailer, read back, sealed with
+the generation and the chunk's place), then the split document with ``status: "complete"``, and last deletes the
 segments. A commit killed at any point leaves the split ``writing`` with its segments intact, so
 a resume or another commit redoes it; it is deterministic, so it writes the same bytes again.
 """
@@ -129,6 +130,7 @@ def commit(storage: Storage, key: str, meta: SplitMetadata, extra: dict[str, Any
     dim = int(meta.sample_shape[0])
     stats = [r.stats for _, r in entries]
     _write_index(storage, key, meta, ids, offsets, labels, [r.attrs for _, r in entries], stats)
+    _write_seals(storage, key, meta)
     total_stats = merge_rows(stats, dim)
     source = SOURCE_NAMES.get(total_stats.source_code) or meta.source_dtype or meta.logical_dtype
     folded = report(total_stats, source_dtype=source, logical_dtype=meta.logical_dtype)
@@ -229,6 +231,32 @@ def _write_index(storage: Storage, key: str, meta: SplitMetadata, ids: list[str]
         "description": "per-bag statistics rows, sealed (generation, bag index); see docs/FORMAT.md"}})
     _put_strings(storage, f"{key}/{bags.BAG_IDS}", ids)
     _put_strings(storage, f"{key}/{bags.BAG_ATTRS}", attrs)
+
+
+def generation_of(meta: SplitMetadata) -> int:
+    """The generation as ``chunk_seals`` stores it (0 for a split without one)."""
+    return 0 if meta.generation is None else int(meta.generation, 16)
+
+
+def _write_seals(storage: Storage, key: str, meta: SplitMetadata) -> None:
+    """``chunk_seals``: the crc32c trailer of every final chunk of features, coords, offsets and
+    labels (4 bytes read back from each: linked chunks were never decoded here), in
+    ``bags.SEALED_ARRAYS`` order, sealed with the generation."""
+    crcs: dict[str, list[int]] = {}
+    for name in bags.SEALED_ARRAYS:
+        try:
+            doc = layout.load_document(storage.read(f"{key}/{name}/{layout.ZARR_JSON}"))
+        except FileNotFoundError:
+            continue  # no labels
+        shape, rows = list(doc["shape"]), layout.array_chunk_rows(doc)
+        nbytes = rows * int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(doc["data_type"]).itemsize
+        keys = [layout.chunk_key(f"{key}/{name}", i, len(shape)) for i in range(layout.num_chunks(shape[0], rows))]
+        trailers = storage.read_ranges(keys, [nbytes] * len(keys), [nbytes + layout.CRC_BYTES] * len(keys))
+        crcs[name] = [int.from_bytes(t, "little") for t in trailers]
+    _put_array(storage, f"{key}/{bags.CHUNK_SEALS}", bags.seal_table(crcs, generation_of(meta)),
+               attributes={"featurestore": {"description": "one row per chunk of features, coords, offsets, "
+                                            "labels: array code, chunk index, crc32c, generation; see docs/FORMAT.md",
+                                            "arrays": list(bags.SEALED_ARRAYS)}})
 
 
 def _put_array(storage: Storage, array_key: str, values: np.ndarray, attributes: dict[str, Any] | None = None) -> None:

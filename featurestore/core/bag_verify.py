@@ -4,7 +4,9 @@ Checked, every problem listed: the array documents against the split metadata; e
 ``features``, ``coords``, ``offsets``, ``labels`` and ``bag_stats`` (size and crc32c; chunk files
 beyond the array's chunk count); ``bag_ids`` and ``bag_attrs`` decoded by zarr (whose crc32c codec
 checks their bytes); the index (offsets start at 0, never decrease and end at the row count; one
-id, label, attribute document and statistics row per bag; ids unique and in order); each
+id, label, attribute document and statistics row per bag; ids unique and in order); every
+chunk's crc32c trailer against ``chunk_seals`` (a chunk swapped, moved, or copied from another
+run keeps a valid crc32c of its own; only its place in the sealed table says it is wrong); each
 statistics row's seal; and each bag's rows against its statistics row (row count and channel
 means), streamed chunk by chunk, one bag's sums at a time.
 """
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from featurestore.core.bag_commit import read_strings
+from featurestore.core.bag_commit import generation_of, read_strings
 from featurestore.format import bags, chunks, dtypes, layout
 from featurestore.format.chunk_checks import MEAN_RTOL
 from featurestore.format.metadata import SplitMetadata, unseal
@@ -40,9 +42,12 @@ def verify_bags(store: FeatureStore, key: str, meta: SplitMetadata, result: Spli
     if spec.get("labels") is not None:
         expected[layout.LABELS] = ([n], spec["labels"]["dtype"])
     values: dict[str, np.ndarray | None] = {}
+    crcs: dict[str, list[int | None]] = {}
     for name, (shape, data_type) in expected.items():
         values[name] = _check_array(store, key, name, shape, data_type, meta, result,
-                                    keep=name not in (layout.FEATURES, bags.COORDS))
+                                    keep=name not in (layout.FEATURES, bags.COORDS), crcs=crcs)
+    if all(name in crcs for name in expected if name in bags.SEALED_ARRAYS):
+        _check_seals(store, key, meta, crcs, result)
     for name in (bags.BAG_IDS, bags.BAG_ATTRS):
         strings = _strings(store, f"{key}/{name}", n, result)
         if strings is not None and name == bags.BAG_IDS:
@@ -63,9 +68,11 @@ def verify_bags(store: FeatureStore, key: str, meta: SplitMetadata, result: Spli
 
 
 def _check_array(store: FeatureStore, key: str, name: str, shape: list[int], data_type: str,
-                 meta: SplitMetadata, result: SplitCheck, *, keep: bool) -> np.ndarray | None:
+                 meta: SplitMetadata, result: SplitCheck, *, keep: bool,
+                 crcs: dict[str, list[int | None]] | None = None) -> np.ndarray | None:
     """Check one array's document and chunks; its values when ``keep`` (index arrays), else an
-    empty marker; None when damaged."""
+    empty marker; None when damaged. ``crcs[name]`` gets each chunk's crc32c trailer (None for a
+    chunk missing or damaged)."""
     where = f"{key}/{name}/{layout.ZARR_JSON}"
     try:
         doc = layout.load_document(store.storage.read(where))
@@ -95,6 +102,9 @@ def _check_array(store: FeatureStore, key: str, name: str, shape: list[int], dat
     if extra:
         result.problems.append(f"{key}/{name}: chunk(s) {extra} beyond the array's {count} chunks")
     parts = []
+    trailers: list[int | None] = [None] * count
+    if crcs is not None:
+        crcs[name] = trailers
     for index in range(count):
         chunk = layout.chunk_key(f"{key}/{name}", index, len(shape))
         try:
@@ -108,7 +118,9 @@ def _check_array(store: FeatureStore, key: str, name: str, shape: list[int], dat
         if problem:
             result.problems.append(f"{chunk}: {problem}")
             ok = False
-        elif keep:
+            continue
+        trailers[index] = int.from_bytes(raw[-layout.CRC_BYTES :], "little")
+        if keep:
             parts.append(np.frombuffer(raw[: -layout.CRC_BYTES], numpy_dtype).reshape(rows, *shape[1:]))
     if not ok:
         return None
@@ -116,6 +128,16 @@ def _check_array(store: FeatureStore, key: str, name: str, shape: list[int], dat
         return np.empty(0)
     joined = np.concatenate(parts) if parts else np.empty((0, *shape[1:]), numpy_dtype)
     return joined[: shape[0]]
+
+
+def _check_seals(store: FeatureStore, key: str, meta: SplitMetadata, crcs: dict[str, list[int | None]],
+                 result: SplitCheck) -> None:
+    """Each chunk's crc32c trailer against the one ``chunk_seals`` holds for its place (called
+    once every sealed array's document was readable: their chunk counts size the table)."""
+    count = sum(len(crcs.get(name, ())) for name in bags.SEALED_ARRAYS)
+    table = _check_array(store, key, bags.CHUNK_SEALS, [count, bags.SEAL_COLUMNS], "uint64", meta, result, keep=True)
+    if table is not None:
+        result.problems.extend(f"{key}/{p}" for p in bags.seal_problems(table, crcs, generation_of(meta)))
 
 
 def _strings(store: FeatureStore, array_key: str, n: int, result: SplitCheck) -> list[str] | None:
