@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from featurestore.errors import DatasetNotFound, EncoderNotFound, InvalidLabels, SplitExists, SplitNotFound
+from featurestore.errors import InvalidLabels
 from featurestore.extract.input_check import refuse_changed_inputs
 from featurestore.extract.slide_files import SlideFileError, SlideFiles
 
@@ -31,7 +31,7 @@ __all__ = ["import_bags", "read_label_csv"]
 def import_bags(opts: Any, files: SlideFiles) -> Any:
     """Write ``files`` as a bag split (``opts``: importer.ImportOptions); an ImportResult."""
     from featurestore import open_store
-    from featurestore.extract.importer import ImportResult
+    from featurestore.extract.importer import ImportResult, resume_existing
     from featurestore.extract.plan import resolve_dtype
 
     started = time.perf_counter()
@@ -65,17 +65,7 @@ def import_bags(opts: Any, files: SlideFiles) -> Any:
         metadata["label_names"] = label_names
     store = open_store(opts.store, mode="a", **opts.storage_options)
     key = f"{opts.dataset}/{opts.encoder_name}/{opts.split}"
-    resume = opts.resume
-    if not opts.overwrite:
-        try:
-            existing = store.split_info(opts.dataset, opts.encoder_name, opts.split)
-        except (DatasetNotFound, EncoderNotFound, SplitNotFound):
-            existing = None
-        if existing is not None:
-            if not existing.complete and not opts.resume:
-                raise SplitExists(f"split {key} exists but is incomplete (status {existing.status!r}): "
-                                  "pass --resume to continue it or --overwrite to start over")
-            resume = True  # create_bag_split compares cache keys and settings
+    resume = resume_existing(store, opts, key)
     writer = store.create_bag_split(
         opts.dataset, opts.encoder_name, opts.split, dim=first.dim, dtype=dtype, metadata=metadata,
         resume=resume, overwrite=opts.overwrite, label_dtype="int64" if label_names is not None else None,

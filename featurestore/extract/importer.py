@@ -139,19 +139,7 @@ def import_cache(opts: ImportOptions) -> ImportResult:
     }
     store = open_store(opts.store, mode="a", **opts.storage_options)
     key = f"{opts.dataset}/{opts.encoder_name}/{opts.split}"
-    resume = opts.resume
-    if not opts.overwrite:
-        try:
-            existing = store.split_info(opts.dataset, opts.encoder_name, opts.split)
-        except (DatasetNotFound, EncoderNotFound, SplitNotFound):
-            existing = None
-        if existing is not None:
-            if not existing.complete and not opts.resume:
-                raise SplitExists(f"split {key} exists but is incomplete (status {existing.status!r}): "
-                                  "pass --resume to continue it or --overwrite to start over")
-            # create_split(resume=True) is the one place that compares cache keys and settings
-            # (CacheKeyMismatch for another cache) and re-checks a complete split's chunks.
-            resume = True
+    resume = resume_existing(store, opts, key)
     writer = store.create_split(
         opts.dataset, opts.encoder_name, opts.split, num_samples=source.num_samples,
         sample_shape=source.sample_shape, dtype=dtype,
@@ -167,6 +155,24 @@ def import_cache(opts: ImportOptions) -> ImportResult:
     imported = _copy(source, labels, writer, opts)
     meta = writer.commit()
     return ImportResult("complete", key, source.num_samples, imported, time.perf_counter() - started, meta)
+
+
+def resume_existing(store: Any, opts: Any, key: str) -> bool:
+    """Whether an import writes with ``resume=True``: asked for, or the split exists and is not
+    being overwritten (a re-run of a complete split is then a check, not a refusal). An
+    incomplete split needs ``--resume`` or ``--overwrite``. The writer (``create_split`` /
+    ``create_bag_split`` with ``resume=True``) is the one place that compares cache keys and
+    settings (CacheKeyMismatch for another cache) and re-checks what it keeps."""
+    if opts.overwrite:
+        return bool(opts.resume)
+    try:
+        existing = store.split_info(opts.dataset, opts.encoder_name, opts.split)
+    except (DatasetNotFound, EncoderNotFound, SplitNotFound):
+        return bool(opts.resume)
+    if not existing.complete and not opts.resume:
+        raise SplitExists(f"split {key} exists but is incomplete (status {existing.status!r}): "
+                          "pass --resume to continue it or --overwrite to start over")
+    return True
 
 
 def _copy(source: CacheSource, labels: ArraySource | None, writer: Any, opts: ImportOptions) -> int:

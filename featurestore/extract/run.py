@@ -49,6 +49,7 @@ from featurestore.extract.sources import (
     collate,
     open_source,
 )
+from featurestore.extract.options import RunOptions
 from featurestore.extract.workers import DieWithParent
 from featurestore.extract.writer_thread import WriterThread
 from featurestore.format import dtypes
@@ -57,36 +58,12 @@ from featurestore.format.names import validate_name
 
 
 @dataclass
-class ExtractOptions:
-    """Everything ``featurestore extract`` takes; see docs/EXTRACT.md for each option."""
+class ExtractOptions(RunOptions):
+    """Everything ``featurestore extract`` takes for image sources; see docs/EXTRACT.md."""
 
-    images: str
-    encoder: str
-    store: str
-    dataset: str
-    split: str
-    encoder_name: str | None = None
-    dtype: str = "auto"
-    batch_size: int = 64
-    device: str = "auto"
-    resume: bool = False
-    overwrite: bool = False
-    chunk_mb: float = 8.0
-    precision: str = "auto"
-    tokens: str = "patch"
-    prefix_tokens: int | None = None
-    labels: str | None = None
-    num_workers: int | None = None
-    limit: int | None = None
     crop: tuple[int, int] | None = None
     resize: tuple[int, int] | None = None
-    mean: tuple[float, float, float] | None = None
-    std: tuple[float, float, float] | None = None
     compressor: str | None = None
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    queue_size: int = 4
-    progress: bool = True
-    threads: int | None = None  # torch intra-op threads on the CPU; see docs/EXTRACT.md
     verify_chunks: bool = False  # re-read every chunk of an existing split: crc32c, seal, features vs stats
 
 

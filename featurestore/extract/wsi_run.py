@@ -73,6 +73,7 @@ from featurestore.extract.wsi_patches import (
     identity,
     to_encoder,
 )
+from featurestore.extract.options import RunOptions
 from featurestore.extract.workers import DieWithParent
 from featurestore.extract.writer_thread import WriterThread
 from featurestore.format.names import validate_name
@@ -82,39 +83,17 @@ EXIT_SKIPPED = 3  # the CLI's exit status when the split is complete but slides 
 
 
 @dataclass
-class SlideOptions:
-    """Everything ``featurestore extract --images wsi:...`` takes; see docs/EXTRACT.md."""
+class SlideOptions(RunOptions):
+    """Everything ``featurestore extract --images wsi:...`` takes; see docs/EXTRACT.md. ``labels``
+    is a CSV slide_id,label (as for featurestore import); ``limit`` the first N slides."""
 
-    images: str
-    encoder: str
-    store: str
-    dataset: str
-    split: str
-    encoder_name: str | None = None
-    dtype: str = "auto"
-    batch_size: int = 64
-    device: str = "auto"
-    resume: bool = False
-    overwrite: bool = False
-    chunk_mb: float = 8.0
-    precision: str = "auto"
-    tokens: str = "cls"
-    prefix_tokens: int | None = None
-    labels: str | None = None  # CSV: slide_id,label (as for featurestore import)
-    num_workers: int | None = None
-    limit: int | None = None  # the first N slides
+    tokens: str = "cls"  # one vector per patch: the CLS token (or "mean")
     magnification: float | None = None
     mpp: float | None = None
     slide_mpp: float | None = None
     patch_size: int = 256
     tissue: str = "otsu"
     min_tissue: float = 0.5
-    mean: tuple[float, float, float] | None = None
-    std: tuple[float, float, float] | None = None
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    queue_size: int = 4
-    progress: bool = True
-    threads: int | None = None
 
 
 @dataclass

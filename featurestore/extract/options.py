@@ -1,0 +1,40 @@
+"""What every ``featurestore extract`` run takes, dense or whole-slide (the fields both share)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RunOptions:
+    """The options of an extraction run; see docs/EXTRACT.md for each. ``ExtractOptions``
+    (extract.run) and ``SlideOptions`` (extract.wsi_run) add their source's own."""
+
+    images: str
+    encoder: str
+    store: str
+    dataset: str
+    split: str
+    encoder_name: str | None = None
+    dtype: str = "auto"
+    batch_size: int = 64
+    device: str = "auto"
+    resume: bool = False
+    overwrite: bool = False
+    chunk_mb: float = 8.0
+    precision: str = "auto"
+    tokens: str = "patch"
+    prefix_tokens: int | None = None
+    labels: str | None = None
+    num_workers: int | None = None
+    limit: int | None = None  # the first N samples (slides)
+    mean: tuple[float, float, float] | None = None
+    std: tuple[float, float, float] | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    queue_size: int = 4
+    progress: bool = True
+    threads: int | None = None  # torch intra-op threads on the CPU; see docs/EXTRACT.md
+
+
+__all__ = ["RunOptions"]
