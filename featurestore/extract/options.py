@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from featurestore.errors import InvalidOption
+from featurestore.extract.plan import check_chunk_mb
+from featurestore.format.names import validate_name
+
 
 @dataclass
 class RunOptions:
@@ -35,6 +39,20 @@ class RunOptions:
     queue_size: int = 4
     progress: bool = True
     threads: int | None = None  # torch intra-op threads on the CPU; see docs/EXTRACT.md
+
+    def check(self) -> None:
+        """The checks every run makes before it opens anything: one line naming the bad value."""
+        validate_name(self.dataset, "dataset")
+        validate_name(self.split, "split")
+        if self.batch_size < 1:
+            raise InvalidOption(f"--batch-size must be a positive integer, but got: {self.batch_size}")
+        check_chunk_mb(self.chunk_mb)
+        if self.num_workers is not None and self.num_workers < 0:
+            raise InvalidOption(f"--num-workers must be 0 (load in the main process) or more, but got: {self.num_workers}")
+        if self.queue_size < 1:
+            raise InvalidOption(f"--queue-size must be a positive integer, but got: {self.queue_size}")
+        if self.resume and self.overwrite:
+            raise InvalidOption("--resume and --overwrite exclude each other: choose one")
 
 
 __all__ = ["RunOptions"]

@@ -39,7 +39,7 @@ from featurestore.errors import (
 from featurestore.extract.dist import Coordinator, coordinator_from_env
 from featurestore.extract.encoders import Encoder, EncoderError, TokenLayout, load_encoder, resolve_layout
 from featurestore.extract.input_check import refuse_changed_inputs_of
-from featurestore.extract.plan import check_chunk_mb, chunk_rows_for, plan_batches, resolve_dtype
+from featurestore.extract.plan import chunk_rows_for, plan_batches, resolve_dtype
 from featurestore.extract.sources import (
     Failure,
     ImageSource,
@@ -110,17 +110,7 @@ def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContex
 
 
 def _prepare(opts: ExtractOptions, coord: Coordinator) -> _Prepared:
-    validate_name(opts.dataset, "dataset")
-    validate_name(opts.split, "split")
-    if opts.batch_size < 1:
-        raise InvalidOption(f"--batch-size must be a positive integer, but got: {opts.batch_size}")
-    check_chunk_mb(opts.chunk_mb)
-    if opts.num_workers is not None and opts.num_workers < 0:
-        raise InvalidOption(f"--num-workers must be 0 (load in the main process) or more, but got: {opts.num_workers}")
-    if opts.queue_size < 1:
-        raise InvalidOption(f"--queue-size must be a positive integer, but got: {opts.queue_size}")
-    if opts.resume and opts.overwrite:
-        raise InvalidOption("--resume and --overwrite exclude each other: choose one")
+    opts.check()
     source = open_source(opts.images, labels=opts.labels)
     num_samples = len(source) if opts.limit is None else min(len(source), opts.limit)
     if num_samples < 1:

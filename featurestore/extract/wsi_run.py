@@ -50,7 +50,6 @@ from featurestore.errors import (
 from featurestore.extract.bag_import import read_label_csv
 from featurestore.extract.dist import Coordinator, coordinator_from_env
 from featurestore.extract.encoders import Encoder, EncoderError, load_encoder, resolve_layout
-from featurestore.extract.plan import check_chunk_mb
 from featurestore.extract.sources import Preprocessing
 from featurestore.extract.run import (
     _autocast,
@@ -177,17 +176,7 @@ class _Prepared:
 
 
 def _check_options(opts: SlideOptions) -> None:
-    validate_name(opts.dataset, "dataset")
-    validate_name(opts.split, "split")
-    if opts.batch_size < 1:
-        raise InvalidOption(f"--batch-size must be a positive integer, but got: {opts.batch_size}")
-    check_chunk_mb(opts.chunk_mb)
-    if opts.num_workers is not None and opts.num_workers < 0:
-        raise InvalidOption(f"--num-workers must be 0 (load in the main process) or more, but got: {opts.num_workers}")
-    if opts.queue_size < 1:
-        raise InvalidOption(f"--queue-size must be a positive integer, but got: {opts.queue_size}")
-    if opts.resume and opts.overwrite:
-        raise InvalidOption("--resume and --overwrite exclude each other: choose one")
+    opts.check()
     if opts.tokens not in SLIDE_TOKENS:
         raise InvalidOption(f"--tokens {opts.tokens!r} does not apply to slides: a bag row is one vector per patch, "
                             "use --tokens cls (default) or mean")
