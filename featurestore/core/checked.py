@@ -37,17 +37,9 @@ from featurestore.format.layout import CRC_BYTES
 VERIFY_MODES = ("auto", "first", "off")
 
 
-def check_files(paths: Sequence[str], payload_bytes: int, executor: Any = None,
-                into: Sequence[tuple[int, Any] | None] | None = None) -> list[str | None]:
+def check_files(paths: Sequence[str], payload_bytes: int, executor: Any = None) -> list[str | None]:
     """Why each chunk file in ``paths`` is damaged (size or crc32c), or None, in order;
     FileNotFoundError if one is missing.
-
-    ``into`` (one entry per path, or None): ``(start, view)`` lands payload bytes ``[start, start +
-    len(view))`` of that chunk straight in ``view`` (a writable byte memoryview: the caller's
-    output rows) instead of a scratch buffer, so a read that wants those bytes gets them from
-    the same device read that is checked, with no second pass (issue 23: whole bags read cold).
-    The crc32c runs over the scratch and the view in file order; on damage the view holds the
-    damaged bytes and the caller must raise.
 
     The files are read concurrently, in ``_PIECE`` positional reads on ``executor`` (the read
     pool): on a cold store this whole-chunk read is the device read, and pieces on the pool's
@@ -72,68 +64,30 @@ def check_files(paths: Sequence[str], payload_bytes: int, executor: Any = None,
                     reasons[k] = f"size {size} bytes, expected {expected}" if size else "empty file"
             buffers = {k: _pool().lease(expected) for k in fds}
             pieces = [(k, lo) for k in fds for lo in range(0, expected, _PIECE)]
-            targets = {k: into[k] for k in fds if into is not None and into[k] is not None}
 
-            left = {k: -(-expected // _PIECE) for k in fds}  # pieces still to read, per chunk
-            lock = threading.Lock()
-
-            def read(piece: tuple[int, int]) -> None:
+            def read(piece: tuple[int, int]) -> bool:
                 k, offset = piece
-                stop = min(expected, offset + _PIECE)
-                while offset < stop:
-                    got = os.preadv(fds[k], _segments(buffers[k], targets.get(k), offset, stop), offset)
+                view = memoryview(buffers[k])[offset : min(expected, offset + _PIECE)]
+                while len(view):
+                    got = os.preadv(fds[k], [view], offset)
                     if got <= 0:  # the file shrank under us
-                        reasons[k] = "ended before its crc32c (truncated while reading)"
-                        break
-                    offset += got
-                with lock:
-                    left[k] -= 1
-                    last = left[k] == 0
-                if last and reasons[k] is None:  # the chunk's crc on the thread that read its last piece
-                    buffer = buffers[k]          # (overlaps the other chunks' reads)
-                    if _crc(buffer, targets.get(k), payload_bytes) != bytes(buffer[payload_bytes:expected]):
-                        reasons[k] = "crc32c mismatch (flipped or truncated bytes)"
+                        return False
+                    view, offset = view[got:], offset + got
+                return True
 
-            if executor is not None and len(pieces) > 1:
-                for _ in executor.map(read, pieces):
-                    pass
-            else:
-                for piece in pieces:
-                    read(piece)
+            whole = list(executor.map(read, pieces)) if executor is not None and len(pieces) > 1 \
+                else [read(piece) for piece in pieces]  # fmt: skip
+            short = {k for (k, _), ok in zip(pieces, whole) if not ok}
+            for k, buffer in buffers.items():
+                if k in short:
+                    reasons[k] = "ended before its crc32c (truncated while reading)"
+                elif _crc32c.crc32c(buffer[:payload_bytes]).to_bytes(CRC_BYTES, "little") != bytes(buffer[payload_bytes:]):
+                    reasons[k] = "crc32c mismatch (flipped or truncated bytes)"
             del buffers  # back to the pool
         finally:
             for fd in fds.values():
                 os.close(fd)
     return reasons
-
-
-def _segments(buffer: Any, target: tuple[int, Any] | None, lo: int, hi: int) -> list[Any]:
-    """The buffers that file bytes ``[lo, hi)`` of a chunk go to: the scratch ``buffer``, except
-    the payload range ``target`` sends to the caller's view."""
-    if target is None:
-        return [memoryview(buffer)[lo:hi]]
-    start, view = target
-    stop = start + len(view)
-    out = []
-    if lo < start:
-        out.append(memoryview(buffer)[lo : min(hi, start)])
-    if lo < stop and hi > start:
-        out.append(view[max(lo, start) - start : min(hi, stop) - start])
-    if hi > stop:
-        out.append(memoryview(buffer)[max(lo, stop) : hi])
-    return out
-
-
-def _crc(buffer: Any, target: tuple[int, Any] | None, payload_bytes: int) -> bytes:
-    """crc32c of a chunk's payload: the scratch ``buffer``, with ``target``'s range in its view."""
-    if target is None:
-        value = _crc32c.crc32c(buffer[:payload_bytes])
-    else:
-        start, view = target
-        value = _crc32c.crc32c(buffer[:start])
-        value = _crc32c.crc32c(view, value)
-        value = _crc32c.crc32c(buffer[start + len(view) : payload_bytes], value)
-    return int(value).to_bytes(CRC_BYTES, "little")
 
 
 _PIECE = 1 << 20  # bytes per positional read of a chunk being checked

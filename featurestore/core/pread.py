@@ -281,41 +281,6 @@ def _read_blocking(fd: int, read: _Read, path_of: Callable[[int], str]) -> None:
         read.advance(done)
 
 
-def read_spans(spans: list[tuple[int, int, Any]], *, path_of: Callable[[int], str], expected_size: int,
-               pool: ReadPool | None = None) -> None:
-    """Fill each ``(chunk, byte offset, view)`` of ``spans`` (a writable byte memoryview: a run of
-    consecutive rows of one chunk file, e.g. part of a bag) with its bytes, in ``_PIECE`` preadv
-    calls on the pool's threads: what the device or the page cache gives a contiguous read (issue
-    23: per-row gathers and faulting in fresh maps ran a whole-bag pass at ~0.5x of this).
-    Sizes are checked on open (CorruptChunk), as :func:`gather`'s."""
-    files = ChunkFiles(path_of, expected_size, direct=False)
-    try:
-        pieces = []
-        for chunk, offset, view in spans:
-            fd = files.open(chunk)
-            pieces += [(chunk, fd, offset + lo, view[lo : lo + _PIECE]) for lo in range(0, len(view), _PIECE)]
-
-        def read(piece: tuple[int, int, int, Any]) -> None:
-            chunk, fd, offset, view = piece
-            while len(view):
-                done = os.preadv(fd, [view], offset)
-                if done <= 0:
-                    raise CorruptChunk(f"chunk file {path_of(chunk)} ended before byte {offset + len(view)} "
-                                       f"(truncated while reading): {REPAIR_ADVICE}")
-                view, offset = view[done:], offset + done
-
-        if len(pieces) > 1:
-            for _ in (pool or default_pool()).executor().map(read, pieces):
-                pass
-        elif pieces:
-            read(pieces[0])
-    finally:
-        files.close()
-
-
-_PIECE = 1 << 20  # bytes per positional read of read_spans
-
-
 def gather(
     index: np.ndarray,
     rows: np.ndarray,

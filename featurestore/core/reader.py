@@ -141,9 +141,8 @@ class FeatureArray(CachedPath):
             rows = out.reshape(len(index), -1).view(np.uint8)
             try:
                 if self.path == "mmap":
-                    if not self._read_range_checked(index, rows):
-                        self._verify(index)
-                        self._gather_local(index, rows)
+                    self._verify(index)
+                    self._gather_local(index, rows)
                 elif self.path == "cached":
                     self._gather_cached(index, rows)
                 elif self.path == "ranges":
@@ -199,69 +198,6 @@ class FeatureArray(CachedPath):
             raise CorruptChunk(checked.damage_message(f"chunk {chunk} of {self._key} ({where(chunk)}){more}", reason))
         self._verified.add(pending)
         return fresh
-
-    def _read_range_checked(self, index: np.ndarray, rows: np.ndarray) -> bool:
-        """A local read of consecutive ascending rows (a bag, ``read_range``) that touches chunks
-        not checked yet: each such chunk is read once, whole, in parallel pieces, its needed rows
-        landing straight in ``rows`` and the rest in scratch, and its crc32c checked over both
-        (checked.check_files ``into``); the rows of chunks checked before are gathered as usual.
-        Checking first and gathering after read every fresh chunk twice, the second time through
-        fresh memory maps: a whole-bag pass read cold ran at ~0.5x the device (issue 23).
-        Also taken, checked or not, by ranges of at least ``_RANGE_PREAD_BYTES`` (whole bags).
-        False (nothing read) when the read is not such a range: the caller gathers it."""
-        n = len(index)
-        first = int(index[0])
-        if n < 2 or int(index[-1]) != first + n - 1 or not bool((np.diff(index) == 1).all()):
-            return False
-        mode = self.verify_reads
-        if mode not in checked.VERIFY_MODES:
-            raise InvalidOption(f"verify_reads must be one of {', '.join(checked.VERIFY_MODES)}, got {mode!r}")
-        if self.local_read not in LOCAL_READS:
-            raise InvalidOption(f"local_read must be one of {', '.join(LOCAL_READS)}, got {self.local_read!r}")
-        if mode == "off" or self._resolved_cache() == "direct":  # direct: as _verify / _gather_local
-            return False
-        lo_chunk, hi_chunk = first // self.chunk_rows, (first + n - 1) // self.chunk_rows
-        pending = self._verified.pending(list(range(lo_chunk, hi_chunk + 1)))
-        payload = self.chunk_rows * self.sample_nbytes
-        if not pending and n * self.sample_nbytes < _RANGE_PREAD_BYTES:  # small, checked: mmap or gather
-            return False
-        into = []
-        for chunk in pending:
-            start = max(first, chunk * self.chunk_rows)
-            stop = min(first + n, (chunk + 1) * self.chunk_rows)
-            part = rows[start - first : stop - first]
-            into.append(((start - chunk * self.chunk_rows) * self.sample_nbytes, memoryview(part.reshape(-1))))
-        executor = (self.read_pool or pread.default_pool()).executor()
-        try:
-            reasons = checked.check_files([self._chunk_path(c) for c in pending], payload, executor, into=into) if pending else []
-        except FileNotFoundError as error:
-            raise self._missing(error.filename) from None
-        damaged = {c: r for c, r in zip(pending, reasons) if r is not None}
-        if damaged:
-            chunk, reason = next(iter(sorted(damaged.items())))
-            more = f" (and {len(damaged) - 1} more chunk(s) read by the same batch)" if len(damaged) > 1 else ""
-            raise CorruptChunk(checked.damage_message(
-                f"chunk {chunk} of {self._key} ({self._chunk_path(chunk)}){more}", reason))
-        self._verified.add(pending)
-        # The rows of chunks checked by an earlier read (a neighbouring bag's whole-chunk read, or
-        # an earlier pass): parallel preads straight into ``rows``, from the page cache or the
-        # device, which beat the per-row gather and faulting in fresh maps (issue 23).
-        fresh = set(pending)
-        spans = []
-        for chunk in range(lo_chunk, hi_chunk + 1):
-            if chunk not in fresh:
-                start = max(first, chunk * self.chunk_rows)
-                stop = min(first + n, (chunk + 1) * self.chunk_rows)
-                spans.append((chunk, (start - chunk * self.chunk_rows) * self.sample_nbytes,
-                              memoryview(rows[start - first : stop - first].reshape(-1))))
-        if spans:
-            try:
-                pread.read_spans(spans, path_of=self._chunk_path, expected_size=payload + layout.CRC_BYTES,
-                                 pool=self.read_pool)
-            except FileNotFoundError as error:
-                raise self._missing(error.filename) from None
-            self.read_counts["pool"] += len(spans)
-        return True
 
     def _missing(self, chunk: str | None) -> MissingChunks:
         where = f"chunk {chunk}" if chunk else "some requested rows' chunks"
@@ -470,10 +406,6 @@ class FeatureArray(CachedPath):
 
 
 LOCAL_READS = ("auto", "mmap", "pread")
-# A checked range at least this long is read by parallel preads even when warm (a page-cached
-# bag: 0.08 s against 0.13 s for the pass through freshly made maps, issue 23); shorter ones
-# (loader batches) keep the mmap gather, which wins on small warm reads.
-_RANGE_PREAD_BYTES = 4 << 20
 _RECHECK_S = 2.0  # how long "this chunk is page-cached" is trusted before mincore is asked again
 
 
