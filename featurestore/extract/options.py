@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,4 +57,21 @@ class RunOptions:
             raise InvalidOption("--resume and --overwrite exclude each other: choose one")
 
 
-__all__ = ["RunOptions"]
+@contextlib.contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op CPU threads set to ``count`` for a run (None: left as they are), restored
+    after it. CPU float sums can round differently with the thread count (docs/EXTRACT.md)."""
+    if count is not None and count < 1:
+        raise InvalidOption(f"--threads must be a positive integer, but got: {count}")
+    import torch
+
+    before = torch.get_num_threads()
+    if count:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+__all__ = ["RunOptions", "torch_threads"]

@@ -49,7 +49,7 @@ from featurestore.extract.sources import (
     collate,
     open_source,
 )
-from featurestore.extract.options import RunOptions
+from featurestore.extract.options import RunOptions, torch_threads
 from featurestore.extract.workers import DieWithParent
 from featurestore.extract.writer_thread import WriterThread
 from featurestore.format import dtypes
@@ -279,15 +279,8 @@ def _encode_chunks(opts: ExtractOptions, prep: _Prepared, writer: Any, chunks: l
 def extract(opts: ExtractOptions, coord: Coordinator | None = None) -> ExtractResult:
     """Run one extraction (or this rank's share of it); raises FeatureStoreError on bad input."""
     coord = coord or coordinator_from_env()
-    if opts.threads is not None and opts.threads < 1:
-        raise InvalidOption(f"--threads must be a positive integer, but got: {opts.threads}")
-    threads = torch.get_num_threads()
-    if opts.threads:  # CPU float sums can round differently with the thread count (docs/EXTRACT.md)
-        torch.set_num_threads(opts.threads)
-    try:
+    with torch_threads(opts.threads):
         return _extract(opts, coord)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _extract(opts: ExtractOptions, coord: Coordinator) -> ExtractResult:

@@ -72,7 +72,7 @@ from featurestore.extract.wsi_patches import (
     identity,
     to_encoder,
 )
-from featurestore.extract.options import RunOptions
+from featurestore.extract.options import RunOptions, torch_threads
 from featurestore.extract.workers import DieWithParent
 from featurestore.extract.writer_thread import WriterThread
 from featurestore.format.names import validate_name
@@ -353,15 +353,8 @@ def _encode(images: torch.Tensor, prep: _Prepared, batch_size: int) -> torch.Ten
 def extract_slides(opts: SlideOptions, coord: Coordinator | None = None) -> SlideResult:
     """Run one slide extraction (or this rank's share of it); raises FeatureStoreError on bad input."""
     coord = coord or coordinator_from_env()
-    if opts.threads is not None and opts.threads < 1:
-        raise InvalidOption(f"--threads must be a positive integer, but got: {opts.threads}")
-    threads = torch.get_num_threads()
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    try:
+    with torch_threads(opts.threads):
         return _extract(opts, coord)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _extract(opts: SlideOptions, coord: Coordinator) -> SlideResult:
