@@ -300,7 +300,40 @@ def test_eviction_keeps_the_limit_and_what_the_plan_needs(seaweed_url: str, seaw
     assert np.array_equal(array.read_numpy(np.arange(5 * CHUNK_ROWS, 6 * CHUNK_ROWS)), values[5 * CHUNK_ROWS : 6 * CHUNK_ROWS])
     assert front.present(0) and not front.present(1) and front.present(5)
     assert cache.used_bytes() <= cache.max_bytes
+    # No map of this process keeps an evicted file (its pages and disk blocks) alive.
+    if os.path.exists("/proc/self/maps"):
+        with open("/proc/self/maps") as maps:
+            assert not [line for line in maps if str(tmp_path / "c") in line and "(deleted)" in line]
     front.plan(None)
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "longer", "shorter"])
+def test_a_damaged_chunk_object_is_refused_and_nothing_is_kept(seaweed_url: str, seaweed: Any, tmp_path: Any,
+                                                               damage: str) -> None:
+    """The crc32c trailer and the size are checked as the chunk streams into the cache: a damaged
+    object on the server is ``CorruptChunk`` naming it, and no file of it is left to read later."""
+    from featurestore.core.storage import open_storage
+    from featurestore.errors import CorruptChunk
+
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    storage = open_storage(seaweed_url, options)
+    key = "ds/enc/train/features/c/2/0/0"
+    raw = bytearray(storage.read(key))
+    if damage == "flipped byte":
+        raw[100] ^= 0xFF
+    elif damage == "longer":
+        raw += os.urandom(3 << 20)  # past one streamed piece: refused before the rest arrives
+    else:
+        raw = raw[:-10]
+    storage.write(key, bytes(raw))
+    array = _open(seaweed_url, options, tmp_path)
+    with pytest.raises(CorruptChunk) as info:
+        array.read_numpy([2 * CHUNK_ROWS + 1])
+    assert key in str(info.value) and ("size" in str(info.value)) == (damage != "flipped byte")
+    assert not [p for p in _chunk_files(tmp_path) if p.endswith(f"features{os.sep}2")]
+    assert not [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]
+    assert np.array_equal(array.read_numpy(np.arange(2 * CHUNK_ROWS)), values[: 2 * CHUNK_ROWS])  # the rest reads
 
 
 # ---------------------------------------------------------------------- a server that goes away

@@ -307,7 +307,7 @@ import numpy as np
 import featurestore
 from featurestore.core import storage
 
-real_stream = storage._stream
+real_stream = storage.stream_parts
 
 def paused_stream(f, parts, *, seal, writeback):
     f.write(bytes(memoryview(parts[0]).cast("B")[:100]))
@@ -315,7 +315,7 @@ def paused_stream(f, parts, *, seal, writeback):
     print("in-put", flush=True)
     time.sleep(600)
 
-storage._stream = paused_stream
+storage.stream_parts = paused_stream
 root = sys.argv[1]
 store = featurestore.open_store(root, mode="a")
 w = store.create_split("pannuke", "tiny-vit", "train", num_samples=62, sample_shape=(4, 8),

@@ -1,11 +1,13 @@
 """One array's front on the chunk cache: which chunks are local, fetching the others, the plan.
 
 A chunk a read needs and the cache does not hold is fetched whole by a fetch thread of the
-process's :class:`~featurestore.core.chunk_cache.ChunkCache` (one GET, or concurrent ranged parts
-past :data:`~featurestore.core.chunk_cache.PART_BYTES`), checked, and written into the array's
-directory of the cache. The checks before it is kept: its size, its crc32c trailer, and the seal
-of its statistics row (``chunk_stats``, fetched *after* the chunk, its GET overlapping the write):
-the row must carry the split's generation and the chunk's index. An overwrite deletes the old
+process's :class:`~featurestore.core.chunk_cache.ChunkCache` (one GET streamed into the cache file
+1 MiB at a time as it arrives, or concurrent ranged parts past
+:data:`~featurestore.core.chunk_cache.PART_BYTES`) and checked before the file is renamed into
+place: its size, its crc32c trailer (both computed as the bytes stream in), and the seal of its
+statistics row (``chunk_stats``, requested once the chunk's GET has been answered, so stored no
+earlier than the chunk; its GET overlaps the download): the row must carry the split's generation
+and the chunk's index. An overwrite deletes the old
 chunks before writing new ones, so a chunk of another generation fetched by a reader that opened
 the split earlier is caught (:class:`SplitChanged`) and nothing of it is kept.
 
@@ -127,35 +129,43 @@ class CachedArray:
                 return True
             if not self.cache.reserve(self.chunk_nbytes):
                 return False
-            try:
-                parts = self._download(chunk)
-                # The seal's GET (after the chunk's) overlaps the write of the file; checked before the rename.
-                seal = self.cache.side_submit(self._check_seal, chunk)
-            except BaseException:
-                self.cache.release(self.chunk_nbytes)
-                raise
-            stored = self.cache.store(path, parts, self.chunk_nbytes, check=seal.result)
+            seals: list[Future[None]] = []
+
+            def answered() -> None:
+                # The seal's GET starts once the chunk's GET is answered (so it reads a row stored
+                # no earlier than the chunk) and overlaps the download and the write of the file;
+                # it is checked before the rename. Started after the download, its wait kept the
+                # fetch thread from its next GET.
+                seals.append(self.cache.side_submit(self._check_seal, chunk))
+
+            stored = self.cache.store(path, lambda write: self._download(chunk, write, answered), self.chunk_nbytes,
+                                      check=lambda: seals[0].result())
             if stored:
                 self._checked.add((os.getpid(), chunk))
             return stored
         finally:
             os.close(lock_fd)  # releases the flock
 
-    def _download(self, chunk: int) -> list[Any]:
+    def _download(self, chunk: int, write: Callable[[Any], None], answered: Callable[[], None]) -> None:
+        """Stream the chunk into ``write``, checking its size and crc32c trailer on the way
+        (:class:`CorruptChunk` at the end if either is wrong: the caller keeps nothing)."""
         key = layout.chunk_key(self.array_key, chunk, self.ndim)
-        where = f"chunk {self.storage.url}/{key}"
-        parts = self.storage.read_whole(key, self.chunk_nbytes, PART_BYTES)
-        got = sum(len(p) for p in parts)
-        if got != self.chunk_nbytes:
-            raise CorruptChunk(damage_message(where, f"size {got if got <= self.chunk_nbytes else 'over'} bytes, "
-                                                     f"expected {self.chunk_nbytes}"))
-        reason = _check_crc(parts, self.chunk_nbytes - layout.CRC_BYTES)
-        if reason is not None:
-            raise CorruptChunk(damage_message(where, reason))
-        return parts
+        received = _Received(self.chunk_nbytes - layout.CRC_BYTES)
+
+        def sink(piece: Any) -> None:
+            received.add(piece)
+            if received.size > self.chunk_nbytes:  # a longer object: no need to stream the rest
+                raise CorruptChunk(damage_message(f"chunk {self.storage.url}/{key}", received.problem(self.chunk_nbytes)))
+            write(piece)
+
+        self.storage.read_whole_into(key, self.chunk_nbytes, PART_BYTES, sink, answered)
+        problem = received.problem(self.chunk_nbytes)
+        if problem is not None:
+            raise CorruptChunk(damage_message(f"chunk {self.storage.url}/{key}", problem))
 
     def _check_seal(self, chunk: int) -> None:
-        """The chunk's statistics row, fetched after the chunk, carries this generation and index."""
+        """The chunk's statistics row, requested once the chunk's GET was answered, carries this
+        generation and index."""
         meta = self.meta
         if meta is None or meta.generation is None:
             return
@@ -172,15 +182,27 @@ class CachedArray:
                                "since it was opened (nothing was cached from it); open it again")
 
 
-def _check_crc(parts: Sequence[Any], payload_bytes: int) -> str | None:
-    crc, offset, trailer = 0, 0, b""
-    for part in parts:
-        view = memoryview(part).cast("B")
-        body = max(0, min(len(view), payload_bytes - offset))
+class _Received:
+    """A chunk's bytes as they stream in: their count, the crc32c of the payload, the trailer."""
+
+    def __init__(self, payload_bytes: int) -> None:
+        self.payload_bytes = payload_bytes
+        self.size = 0
+        self.crc = 0
+        self.trailer = b""
+
+    def add(self, piece: Any) -> None:
+        view = memoryview(piece).cast("B")
+        body = max(0, min(len(view), self.payload_bytes - self.size))
         if body:
-            crc = chunk_codec.crc32c(view[:body], crc)
-        trailer += bytes(view[body:])
-        offset += len(view)
-    if chunk_codec.crc_trailer(crc) != trailer:
-        return "crc32c mismatch (flipped or truncated bytes)"
-    return None
+            self.crc = chunk_codec.crc32c(view[:body], self.crc)
+        if len(self.trailer) <= layout.CRC_BYTES:  # past that the size is wrong anyway
+            self.trailer += bytes(view[body : body + layout.CRC_BYTES + 1])
+        self.size += len(view)
+
+    def problem(self, expected: int) -> str | None:
+        if self.size != expected:
+            return f"size {self.size if self.size <= expected else 'over'} bytes, expected {expected}"
+        if chunk_codec.crc_trailer(self.crc) != self.trailer:
+            return "crc32c mismatch (flipped or truncated bytes)"
+        return None

@@ -40,10 +40,12 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from featurestore.core import chunk_maps
+from featurestore.core.storage import stream_parts
 from featurestore.errors import InvalidStorageOptions
 from featurestore.format.names import TMP_SUFFIX, tmp_name, tmp_writer_pid
 
@@ -186,35 +188,28 @@ class ChunkCache:
             if self._used is not None and not written:
                 self._used -= nbytes
 
-    def store(self, path: str, parts: Sequence[Any], nbytes: int, check: Callable[[], None] = lambda: None) -> bool:
-        """Write ``parts`` to ``path`` atomically (room reserved); False if the disk is full
-        (warned once per :data:`FULL_RETRY_S`). ``check()`` runs between the write and the
-        rename: if it raises, nothing is kept."""
+    def store(self, path: str, fill: Callable[[Callable[[Any], None]], None], nbytes: int,
+              check: Callable[[], None] = lambda: None) -> bool:
+        """Write into ``path`` atomically what ``fill(write)`` passes to ``write`` (room reserved);
+        False if the disk is full (warned once per :data:`FULL_RETRY_S`). ``check()`` runs between
+        the write and the rename. If ``fill`` or ``check`` raises, nothing is kept and the error
+        goes on; an error of the cache's own file goes on too, unless the disk is full."""
         directory = os.path.dirname(path)
         tmp = os.path.join(directory, tmp_name(os.path.basename(path), os.getpid(), uuid.uuid4().hex[:8]))
         try:
-            with open(tmp, "wb") as f:
-                for part in parts:
-                    f.write(part)
+            try:
+                f = open(tmp, "wb")
+            except OSError as error:
+                raise _CacheFileError(error) from error
+            with f:
+                fill(lambda data: _write(f, data))
+                _disk(f.flush)
             check()
-            os.replace(tmp, path)
-        except FileNotFoundError:  # its temporary file was swept (a writer in another pid namespace?)
-            self.release(nbytes)
-            return False
-        except OSError as error:
+            _disk(lambda: os.replace(tmp, path))
+        except _CacheFileError as wrapped:
             _unlink(tmp)
             self.release(nbytes)
-            if error.errno not in _FULL_ERRNOS:
-                raise
-            with self._lock:
-                self._used = None
-                first = time.monotonic() >= self._full_until
-                self._full_until = time.monotonic() + FULL_RETRY_S
-            if first:
-                warnings.warn(f"chunk cache {self.directory} is full ({error.strerror}): reading by ranged GETs "
-                              f"instead for {FULL_RETRY_S:.0f} s; free space there or lower cache_bytes "
-                              f"(now {self.max_bytes} bytes)", RuntimeWarning, stacklevel=2)
-            return False
+            return self._cache_file_failed(wrapped.error)
         except BaseException:
             _unlink(tmp)
             self.release(nbytes)
@@ -224,6 +219,22 @@ class ChunkCache:
             self.stats["fetched"] += 1
             self.stats["fetched_bytes"] += nbytes
         return True
+
+    def _cache_file_failed(self, error: OSError) -> bool:
+        """False for a full disk (warned) or a temporary file swept away meanwhile; else raises."""
+        if isinstance(error, FileNotFoundError):  # swept (a writer in another pid namespace?) or emptied by hand
+            return False
+        if error.errno not in _FULL_ERRNOS:
+            raise error
+        with self._lock:
+            self._used = None
+            first = time.monotonic() >= self._full_until
+            self._full_until = time.monotonic() + FULL_RETRY_S
+        if first:
+            warnings.warn(f"chunk cache {self.directory} is full ({error.strerror}): reading by ranged GETs "
+                          f"instead for {FULL_RETRY_S:.0f} s; free space there or lower cache_bytes "
+                          f"(now {self.max_bytes} bytes)", RuntimeWarning, stacklevel=3)
+        return False
 
     def _make_room(self, nbytes: int) -> bool:
         with self._lock:
@@ -257,6 +268,10 @@ class ChunkCache:
             if self._kept(path, mtime):
                 continue
             _unlink(path)
+            directory, name = os.path.split(path)
+            # This process's map of it would keep the file's pages and disk blocks (the array's
+            # maps are keyed by this directory, reader._array_maps).
+            chunk_maps.shared().forget(directory, int(name))
             used -= size
             self.stats["evicted"] += 1
         return used
@@ -334,6 +349,26 @@ def shared(directory: str, max_bytes: int | None) -> ChunkCache:
         if cache is None:
             cache = _shared[key] = ChunkCache(directory, max_bytes)
         return cache
+
+
+class _CacheFileError(Exception):
+    """An ``OSError`` of a cache file, told apart from those of the fill (a GET's ``FileNotFoundError``)."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _disk(operation: Callable[[], Any]) -> Any:
+    try:
+        return operation()
+    except OSError as error:
+        raise _CacheFileError(error) from error
+
+
+def _write(f: Any, data: Any) -> None:
+    # In pieces: see storage.PIECE_BYTES (a write of 2 MiB or more costs ~12x the CPU here).
+    _disk(lambda: stream_parts(f, [data]))
 
 
 def _unlink(path: str) -> None:

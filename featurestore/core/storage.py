@@ -52,11 +52,25 @@ class Storage:
         """Whole values of many keys (concurrently where the backend can)."""
         return [self.read(k) for k in keys]
 
-    def read_whole(self, key: str, size: int, part_bytes: int) -> list[Any]:
+    def read_whole(self, key: str, size: int, part_bytes: int,
+                   answered: Callable[[], None] | None = None) -> list[Any]:
         """The value of ``key``, expected to hold ``size`` bytes, as consecutive buffers (a backend
         may fetch parts of ``part_bytes`` concurrently). A longer value comes back longer than
-        ``size`` (by at least a byte), a shorter one shorter: the caller checks the size."""
-        return [self.read(key)]
+        ``size`` (by at least a byte), a shorter one shorter: the caller checks the size.
+        ``answered()`` is called once every request for the value has been answered (a backend
+        that streams calls it before the body has arrived): whatever is read after that call
+        was stored no earlier than the value that comes back."""
+        parts = [self.read(key)]
+        if answered is not None:
+            answered()
+        return parts
+
+    def read_whole_into(self, key: str, size: int, part_bytes: int, sink: Callable[[Any], None],
+                        answered: Callable[[], None] | None = None) -> None:
+        """:meth:`read_whole`, its buffers handed to ``sink`` in order (a backend that streams
+        hands pieces as they arrive, and holds no buffer of the whole value)."""
+        for part in self.read_whole(key, size, part_bytes, answered):
+            sink(part)
 
     def write(self, key: str, *parts: bytes | memoryview) -> None:
         """Store the concatenation of ``parts`` under ``key``, atomically."""
@@ -97,9 +111,12 @@ class Storage:
 # Values at least this large start their writeback as soon as they are written (below).
 WRITEBACK_MIN_BYTES = 1 << 20
 WRITEBACK_SLICE_BYTES = 32 << 20  # a 400 MB chunk starts its writeback 32 MiB at a time
-# A sealed value is checksummed and written this much at a time: the piece the crc32c just read
-# is still in the core's L2 cache when write() copies it into the page cache, so the payload
-# crosses memory once, not twice, and the first bytes reach the file at once.
+# Values are written this much at a time. A sealed value is checksummed piece by piece: the piece
+# the crc32c just read is still in the core's L2 cache when write() copies it into the page cache,
+# so the payload crosses memory once, not twice. And a write() of 2 MiB or more lets ext4 (large
+# folios, Linux 6.16+) take whole 2 MiB folios for the page cache, which cost ~12x the CPU of
+# smaller ones here (200 MB into a new file: 0.43-0.54 s in 2-8 MiB writes, 0.033-0.046 s in
+# 256 KiB-1 MiB writes, this 6.18 VM, repeated with fresh files kept and deleted).
 PIECE_BYTES = 1 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the dirty pages, do not wait
 
@@ -118,18 +135,18 @@ def _load_sync_file_range() -> Any:
 _sync_file_range = _load_sync_file_range()
 
 
-def _stream(f: Any, parts: Sequence[bytes | memoryview], *, seal: bool, writeback: bool) -> None:
-    """Write ``parts`` to the file ``f`` in pieces, then (``seal``) their crc32c trailer.
+def stream_parts(f: Any, parts: Sequence[bytes | memoryview], *, seal: bool = False, writeback: bool = False) -> None:
+    """Write ``parts`` to the file ``f`` in pieces of :data:`PIECE_BYTES`, then (``seal``) their
+    crc32c trailer.
 
     ``writeback``: start the writeback of every ``WRITEBACK_SLICE_BYTES`` as soon as they are
     written (start_writeback), and of the rest at the end."""
     crc = 0
     offset = started = 0  # bytes written; the first byte whose writeback is not started yet
-    piece_bytes = PIECE_BYTES if seal else WRITEBACK_SLICE_BYTES
     for part in parts:
         view = memoryview(part).cast("B")
-        for lo in range(0, len(view), piece_bytes):
-            piece = view[lo : lo + piece_bytes]
+        for lo in range(0, len(view), PIECE_BYTES):
+            piece = view[lo : lo + PIECE_BYTES]
             if seal:
                 crc = chunks.crc32c(piece, crc)
             f.write(piece)
@@ -209,7 +226,7 @@ class LocalStorage(Storage):
         try:
             with open(tmp, "wb") as f:
                 # several parts (the chunk and its crc) without a joined copy
-                _stream(f, parts, seal=seal,
+                stream_parts(f, parts, seal=seal,
                         writeback=self.writeback and not self.fsync and nbytes >= WRITEBACK_MIN_BYTES)
                 if self.fsync:
                     f.flush()

@@ -53,6 +53,9 @@ T = TypeVar("T")
 #: Values at least this large go up as multipart uploads, in parts of ``PART_BYTES``.
 MULTIPART_BYTES = 32 << 20
 PART_BYTES = 8 << 20
+#: A streamed GET (:meth:`ObjectStorage.read_whole_into`) hands its body on this much at a time:
+#: the size of the page-cache writes that follow (storage.PIECE_BYTES).
+STREAM_PIECE_BYTES = 1 << 20
 
 
 class ObjectStorage(Storage):
@@ -152,17 +155,48 @@ class ObjectStorage(Storage):
             raise
         return out
 
-    def read_whole(self, key: str, size: int, part_bytes: int) -> list[Any]:
+    def read_whole(self, key: str, size: int, part_bytes: int,
+                   answered: Callable[[], None] | None = None) -> list[Any]:
         """One plain GET (whole objects are what object stores serve best), or concurrent ranged
         parts of ``part_bytes`` for a larger value, the last one asking for a byte past ``size``
-        (a longer object shows it): the chunk cache's fetch."""
+        (a longer object shows it). ``answered()``: see :meth:`Storage.read_whole` (called here
+        once the whole value is in; :meth:`read_whole_into` streams)."""
         if _forked():
-            return self._forked_backend().read_whole(key, size, part_bytes)
+            return self._forked_backend().read_whole(key, size, part_bytes, answered)
         if size <= part_bytes:
-            return run(self._read_many([key]))
-        count = -(-size // part_bytes)
-        bounds = [size * i // count for i in range(count)] + [size + 1]
-        return run(self._read_parts(key, bounds))
+            parts = run(self._read_many([key]))
+        else:
+            count = -(-size // part_bytes)
+            bounds = [size * i // count for i in range(count)] + [size + 1]
+            parts = run(self._read_parts(key, bounds))
+        if answered is not None:
+            answered()
+        return parts
+
+    def read_whole_into(self, key: str, size: int, part_bytes: int, sink: Callable[[Any], None],
+                        answered: Callable[[], None] | None = None) -> None:
+        """One plain GET streamed into ``sink`` in pieces of :data:`STREAM_PIECE_BYTES` as they
+        arrive (a value past ``part_bytes``: :meth:`read_whole`'s concurrent parts), so the
+        chunk cache writes and checks the first bytes while the rest is coming and holds no buffer
+        of the whole chunk (measured against that, 18 interleaved cache epochs 1 each: 0.64x vs
+        0.58x the whole-object ceiling)."""
+        if _forked() or size > part_bytes:
+            return super().read_whole_into(key, size, part_bytes, sink, answered)
+        import obstore
+
+        result = self._call(lambda: obstore.get(self._store, key), key, "GET")
+        if answered is not None:
+            answered()
+        pieces = iter(result.stream(min_chunk_size=STREAM_PIECE_BYTES))
+        while True:
+            try:
+                piece = next(pieces)
+            except StopIteration:
+                return
+            except Exception as exc:  # noqa: BLE001 - translated (the sink's own errors pass as they are)
+                raise self._error(exc, key, "GET") from None
+            self.bytes_read += len(piece)
+            sink(piece)
 
     async def _read_parts(self, key: str, bounds: list[int]) -> list[Any]:
         import obstore
