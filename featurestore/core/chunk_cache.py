@@ -45,7 +45,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from featurestore.core import chunk_maps
-from featurestore.core.storage import stream_parts
+from featurestore.core.storage import preallocate, stream_parts
 from featurestore.errors import InvalidStorageOptions
 from featurestore.format.names import TMP_SUFFIX, tmp_name, tmp_writer_pid
 
@@ -202,6 +202,7 @@ class ChunkCache:
             except OSError as error:
                 raise _CacheFileError(error) from error
             with f:
+                _disk(lambda: preallocate(f.fileno(), nbytes))  # a full disk shows before the GET
                 fill(lambda data: _write(f, data))
                 _disk(f.flush)
             check()

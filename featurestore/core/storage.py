@@ -16,6 +16,7 @@ The writer needs exactly three guarantees from a backend, and both give them:
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import shutil
 import uuid
@@ -121,18 +122,34 @@ PIECE_BYTES = 1 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the dirty pages, do not wait
 
 
-def _load_sync_file_range() -> Any:
-    """libc's ``sync_file_range`` (Linux), or None where there is none (macOS, Windows)."""
+def _load_libc(name: str, argtypes: list[Any]) -> Any:
+    """libc's ``name`` (Linux), or None where there is none (macOS, Windows)."""
     try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (AttributeError, OSError):
         return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.argtypes = argtypes
     function.restype = ctypes.c_int
     return function
 
 
-_sync_file_range = _load_sync_file_range()
+_sync_file_range = _load_libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+# The raw fallocate(2), not posix_fallocate(3), which writes zeros where a file system has none.
+_fallocate = _load_libc("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
+_NO_ROOM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def preallocate(fd: int, nbytes: int) -> None:
+    """Reserve ``nbytes`` of disk for the new file ``fd`` (its size becomes ``nbytes``) before it
+    is written: the writes then skip ext4's delayed-allocation bookkeeping (200 MB of new files
+    in 1 MiB writes: 34 vs 50 ms of CPU, this VM) and a full disk shows before any byte is
+    fetched. Raises ``OSError`` for a full disk or quota; a file system without ``fallocate``
+    (or a system without the call) is written as it is."""
+    if _fallocate is None or _fallocate(fd, 0, 0, nbytes) == 0:
+        return
+    code = ctypes.get_errno()
+    if code in _NO_ROOM_ERRNOS:
+        raise OSError(code, os.strerror(code))
 
 
 def stream_parts(f: Any, parts: Sequence[bytes | memoryview], *, seal: bool = False, writeback: bool = False) -> None:
