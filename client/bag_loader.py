@@ -157,7 +157,7 @@ class BagLoader(StreamingLoader):
     def _make_producer(self) -> BagTransfer:
         return BagTransfer(self.ds, self.device, self.dtype, self.pin_memory, self.num_threads,
                            max_patches=self.max_patches, seed=self.seed, pad_to=self.pad_to,
-                           skip_empty=self.skip_empty, piece_bytes=self.piece_bytes)
+                           skip_empty=self.skip_empty, piece_bytes=self.piece_bytes, prefetch=self.prefetch)
 
     def _identity(self) -> dict[str, Any]:
         return {"seed": self.seed, "shuffle": self.shuffle, "batch_size": self.batch_size, "drop_last": self.drop_last,

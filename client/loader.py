@@ -153,7 +153,8 @@ class FeatureLoader(StreamingLoader):
             self._readahead = None
 
     def _make_producer(self) -> Transfer:
-        return Transfer(self.ds, self.device, self.dtype, self.pin_memory, self._mean_std, self.num_threads)
+        return Transfer(self.ds, self.device, self.dtype, self.pin_memory, self._mean_std, self.num_threads,
+                        prefetch=self.prefetch)
 
     @property
     def _transfer(self) -> Transfer | None:

@@ -31,7 +31,7 @@ class Transfer:
     """Turns one index array into a ready ``(features, labels)`` batch on the target device."""
 
     def __init__(self, ds: FeatureDataset, device: torch.device, dtype: torch.dtype,
-                 pin: bool, mean_std: tuple[np.ndarray, np.ndarray] | None, num_threads: int) -> None:
+                 pin: bool, mean_std: tuple[np.ndarray, np.ndarray] | None, num_threads: int, prefetch: int = 2) -> None:
         self.ds = ds
         self.device = device
         self.dtype = dtype
@@ -44,7 +44,7 @@ class Transfer:
             self.norm = (torch.from_numpy(mean).to(device, dtype), torch.from_numpy(inv.astype(np.float32)).to(device, dtype))
             if device.type == "cuda":  # made on this thread's stream, read on the side stream later
                 torch.cuda.synchronize(device)
-        self.pool = BufferPool(keep=2)
+        self.pool = BufferPool(keep=keep_for(prefetch))
         # The loader's own read threads (local stores): shut down with the loader; a forked
         # DataLoader worker gets its own (ReadPool is per process).
         self.read_pool = ReadPool(int(os.environ.get("FEATURESTORE_READ_THREADS", "8")))
@@ -58,6 +58,7 @@ class Transfer:
 
     def shutdown(self) -> None:
         self.read_pool.shutdown()
+        self.pool.clear()  # the idle batch buffers (leased ones go when their batches do)
 
     # ------------------------------------------------------------------ producer side (threads)
     def produce(self, index: np.ndarray, staging: dict[str, np.ndarray]) -> Any:
@@ -161,6 +162,15 @@ class HostSlot:
     def record_copied(self, stream: Any) -> None:
         self.copied = torch.cuda.Event()
         self.copied.record(stream)
+
+
+def keep_for(prefetch: int) -> int:
+    """Idle batch buffers a loader's pool keeps: as many as can be out at once (``prefetch`` in
+    production or ready, the one the consumer holds, one it reads itself when no thread has), so a
+    returning buffer is never unmapped only for a fresh one to be mapped and faulted in for the
+    next batch (first touches of fresh memory cost ~5x a copy on this VM). The pool then holds
+    what the epoch's batches held at their peak, no more; ``close()`` gives it back."""
+    return int(prefetch) + 2
 
 
 def widen(labels: torch.Tensor) -> torch.Tensor:

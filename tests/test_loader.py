@@ -341,6 +341,26 @@ def test_released_batches_are_recycled_and_kept_ones_never_overwritten(ds: Featu
         assert torch.equal(view, ref_x[8 * k + 1 : 8 * k + 3, :, 2:5])
 
 
+def test_a_second_epoch_maps_no_fresh_batch_buffer(ds: FeatureDataset, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool keeps as many idle buffers as can be out at once: a buffer coming back is never
+    unmapped only for a fresh one (first touches of new memory) to be mapped for the next batch."""
+    from featurestore.core import buffers
+
+    mapped = []
+    real = buffers.anonymous
+    monkeypatch.setattr(buffers, "anonymous", lambda nbytes: mapped.append(nbytes) or real(nbytes))
+    loader = FeatureLoader(ds, batch_size=4, shuffle=True, device="cpu", prefetch=3, num_threads=2, dtype=None)
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        before = len(mapped)
+        for _ in loader:
+            pass
+        assert epoch == 0 or len(mapped) == before, f"epoch {epoch} mapped {len(mapped) - before} fresh buffers"
+    assert 0 < len(mapped) < len(loader)
+    loader.close()
+    assert loader._producer.pool.free_bytes == 0  # close() gives the idle buffers back
+
+
 def test_batch_sampler_resume_replays_and_skips_and_gets_the_epoch(ds: FeatureDataset) -> None:
     class Seeded:
         """A sampler with its own generator, reseeded per epoch (so it replays exactly)."""
