@@ -220,6 +220,43 @@ def test_entries_of_an_overwritten_split_are_never_used(seaweed_url: str, seawee
     assert "another generation" in message and "open it again" in message and "\n" not in message
 
 
+def test_chunks_answered_before_a_generation_check_share_it(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    """One GET of the split's group document covers every chunk whose GET was answered before it
+    was requested: fetch threads finishing together wait on one check, a later chunk asks again."""
+    import threading
+
+    from featurestore.format import layout
+
+    options = seaweed.storage_options
+    _write(seaweed_url, options)
+    front = _open(seaweed_url, options, tmp_path).chunk_cache
+    documents = []
+    real_read = front.storage.read
+    front.storage.read = lambda key: (documents.append(key) if key.endswith(layout.ZARR_JSON) else None) or real_read(key)
+    answered = time.monotonic()
+    errors: list[BaseException] = []
+
+    def finish() -> None:
+        try:
+            front._generation.after(answered)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=finish) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors and len(documents) == 1
+    front._generation.after(answered)  # covered by the check that passed: no request
+    assert len(documents) == 1
+    front._generation.after(time.monotonic())  # answered after it: a new check
+    assert len(documents) == 2
+    _write(seaweed_url, options, seed=1, overwrite=True)
+    with pytest.raises(SplitChanged, match="another generation"):
+        front._generation.after(time.monotonic())
+
+
 def test_a_damaged_cache_file_is_found_and_fetched_again(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
     options = seaweed.storage_options
     values = _write(seaweed_url, options)

@@ -4,12 +4,12 @@ A chunk a read needs and the cache does not hold is fetched whole by a fetch thr
 process's :class:`~featurestore.core.chunk_cache.ChunkCache` (one GET streamed into the cache file
 1 MiB at a time as it arrives, or concurrent ranged parts past
 :data:`~featurestore.core.chunk_cache.PART_BYTES`) and checked before the file is renamed into
-place: its size, its crc32c trailer (both computed as the bytes stream in), and the seal of its
-statistics row (``chunk_stats``, requested once the chunk's GET has been answered, so stored no
-earlier than the chunk; its GET overlaps the download): the row must carry the split's generation
-and the chunk's index. An overwrite deletes the old
-chunks before writing new ones, so a chunk of another generation fetched by a reader that opened
-the split earlier is caught (:class:`SplitChanged`) and nothing of it is kept.
+place: its size and its crc32c trailer (both computed as the bytes stream in), and that the split
+is still the generation it was opened as, complete: its group document, requested after the
+chunk's GET was answered, says so (:class:`_GenerationCheck`, one GET shared by the chunks of a
+wave). An overwrite rewrites that document before it deletes the old chunks and writes new ones,
+so a chunk of another generation fetched by a reader that opened the split earlier is caught
+(:class:`SplitChanged`) and nothing of it is kept.
 
 The download of chunk ``c`` holds ``flock`` on ``<c>.lock`` (the kernel releases it if the process
 dies): another process that needs the chunk waits on the lock and then finds the file, so a host
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -31,7 +33,7 @@ from featurestore.core.chunk_cache import PART_BYTES, ChunkCache, _unlink
 from featurestore.errors import CorruptChunk, SplitChanged
 from featurestore.format import chunks as chunk_codec
 from featurestore.format import layout
-from featurestore.format.metadata import SplitMetadata, seal_problem
+from featurestore.format.metadata import COMPLETE, SplitMetadata
 
 
 def front(cache: ChunkCache, storage: Any, array_key: str, *, chunk_nbytes: int, ndim: int,
@@ -58,6 +60,7 @@ class CachedArray:
         self._last_use: np.ndarray | None = None  # per chunk: the last plan position that reads it
         self._position: Callable[[], int] = lambda: 0
         self._checked: set[tuple[int, int]] = set()  # (pid, chunk) fetched and checked by that process
+        self._generation = _GenerationCheck(self)
         os.makedirs(directory, exist_ok=True)
 
     def path(self, chunk: int) -> str:
@@ -129,26 +132,19 @@ class CachedArray:
                 return True
             if not self.cache.reserve(self.chunk_nbytes):
                 return False
-            seals: list[Future[None]] = []
-
-            def answered() -> None:
-                # The seal's GET starts once the chunk's GET is answered (so it reads a row stored
-                # no earlier than the chunk) and overlaps the download and the write of the file;
-                # it is checked before the rename. Started after the download, its wait kept the
-                # fetch thread from its next GET.
-                seals.append(self.cache.side_submit(self._check_seal, chunk))
-
-            stored = self.cache.store(path, lambda write: self._download(chunk, write, answered), self.chunk_nbytes,
-                                      check=lambda: seals[0].result())
+            answered_at: list[float] = []
+            stored = self.cache.store(path, lambda write: self._download(chunk, write, answered_at.append),
+                                      self.chunk_nbytes, check=lambda: self._generation.after(answered_at[0]))
             if stored:
                 self._checked.add((os.getpid(), chunk))
             return stored
         finally:
             os.close(lock_fd)  # releases the flock
 
-    def _download(self, chunk: int, write: Callable[[Any], None], answered: Callable[[], None]) -> None:
+    def _download(self, chunk: int, write: Callable[[Any], None], answered: Callable[[float], None]) -> None:
         """Stream the chunk into ``write``, checking its size and crc32c trailer on the way
-        (:class:`CorruptChunk` at the end if either is wrong: the caller keeps nothing)."""
+        (:class:`CorruptChunk` at the end if either is wrong: the caller keeps nothing);
+        ``answered`` gets the monotonic time its GET was answered at."""
         key = layout.chunk_key(self.array_key, chunk, self.ndim)
         received = _Received(self.chunk_nbytes - layout.CRC_BYTES)
 
@@ -158,28 +154,68 @@ class CachedArray:
                 raise CorruptChunk(damage_message(f"chunk {self.storage.url}/{key}", received.problem(self.chunk_nbytes)))
             write(piece)
 
-        self.storage.read_whole_into(key, self.chunk_nbytes, PART_BYTES, sink, answered)
+        self.storage.read_whole_into(key, self.chunk_nbytes, PART_BYTES, sink, lambda: answered(time.monotonic()))
         problem = received.problem(self.chunk_nbytes)
         if problem is not None:
             raise CorruptChunk(damage_message(f"chunk {self.storage.url}/{key}", problem))
 
-    def _check_seal(self, chunk: int) -> None:
-        """The chunk's statistics row, requested once the chunk's GET was answered, carries this
-        generation and index."""
-        meta = self.meta
+
+class _GenerationCheck:
+    """Whether the split is still the generation (complete) it was opened as, asked of its group
+    document (``zarr.json``) *after* a chunk's GET was answered, one GET for many chunks.
+
+    Why that proves the chunk: an overwrite (and a resume that repairs a complete split) rewrites
+    the group document first (status "writing"), then deletes the old chunks and writes new ones,
+    so a chunk of another generation was stored after the document changed. A document requested
+    after the chunk's GET was answered that still shows this generation, complete, was read
+    before any of that began: the chunk is this generation's. Every chunk answered before a check
+    was requested is covered by it: the fetch threads share the checks in flight (a statistics
+    row's GET per chunk cost SeaweedFS as much CPU as ~10 % of the chunk bytes here).
+    """
+
+    def __init__(self, front: CachedArray) -> None:
+        self._front = front
+        self._lock = threading.Lock()
+        self._passed = float("-inf")  # monotonic time the last passed check was requested at
+        self._pending: tuple[float, Future[None]] | None = None
+
+    def after(self, answered_at: float) -> None:
+        """Return once a check requested after ``answered_at`` passed; :class:`SplitChanged` if
+        the split changed since it was opened (nothing of the chunk is then kept)."""
+        meta = self._front.meta
         if meta is None or meta.generation is None:
-            return
-        split_key = self.array_key.rpartition("/")[0]
-        key = layout.chunk_key(f"{split_key}/{layout.CHUNK_STATS}", chunk, 2)
+            return  # a split written before generations existed: nothing to compare
+        with self._lock:
+            if self._passed >= answered_at:
+                return
+            if self._pending is None or self._pending[0] < answered_at or self._pending[1].done():
+                requested = time.monotonic()
+                self._pending = (requested, self._front.cache.side_submit(self._check, requested))
+            pending = self._pending[1]
+        pending.result()
+
+    def _check(self, requested: float) -> None:
+        front, meta = self._front, self._front.meta
+        assert meta is not None
+        split_key = front.array_key.rpartition("/")[0]
+        where = f"{split_key} at {front.storage.url}"
         try:
-            raw = self.storage.read(key)
+            doc = layout.load_document(front.storage.read(f"{split_key}/{layout.ZARR_JSON}"))
+            now = ((doc.get("attributes") or {}).get("featurestore") or {})
         except FileNotFoundError:
-            raise SplitChanged(f"{split_key}: the statistics row of chunk {chunk} is gone from {self.storage.url}: "
-                               "the split was deleted or overwritten since it was opened; open it again") from None
-        problem = chunk_codec.check(raw, len(raw) - layout.CRC_BYTES) or seal_problem(raw, meta, chunk)
-        if problem is not None:
-            raise SplitChanged(f"{split_key}: chunk {chunk} at {self.storage.url} is {problem}: the split changed "
-                               "since it was opened (nothing was cached from it); open it again")
+            raise SplitChanged(f"{where} is gone (deleted or being overwritten) since it was opened (nothing was "
+                               "cached from it); open it again") from None
+        except (ValueError, AttributeError):
+            now = {}
+        if now.get("generation") != meta.generation:
+            raise SplitChanged(f"{where} is now another generation of the split ({now.get('generation')!r}, "
+                               f"opened as {meta.generation!r}): it was overwritten since it was opened (nothing was "
+                               "cached from it); open it again")
+        if now.get("status") != COMPLETE:
+            raise SplitChanged(f"{where} is being rewritten (status {now.get('status')!r}) since it was opened "
+                               "(nothing was cached from it); open it again when it is complete")
+        with self._lock:
+            self._passed = max(self._passed, requested)
 
 
 class _Received:
