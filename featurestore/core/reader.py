@@ -37,7 +37,6 @@ from featurestore.errors import (
     ShapeMismatch,
 )
 from featurestore.format import chunks, dtypes, layout
-from featurestore.format.metadata import SplitMetadata
 from featurestore.format.wire import as_index_array, check_bounds
 
 
