@@ -116,3 +116,20 @@ def source(request: pytest.FixtureRequest) -> Source:
         url, options = request.getfixturevalue("s3_store" if request.param == "s3" else "seaweed_store")
         return Source(request.param, url, {"storage_options": options})
     return Source("http", request.getfixturevalue("http_url"))
+
+
+def fresh_maps_per_epoch(loader: Any, monkeypatch: pytest.MonkeyPatch, epochs: int = 3) -> list[int]:
+    """How many fresh batch buffers (anonymous maps) each of ``epochs`` epochs of ``loader`` mapped."""
+    from featurestore.core import buffers
+
+    mapped: list[int] = []
+    real = buffers.anonymous
+    monkeypatch.setattr(buffers, "anonymous", lambda nbytes: mapped.append(nbytes) or real(nbytes))
+    counts = []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        before = len(mapped)
+        for _ in loader:
+            pass
+        counts.append(len(mapped) - before)
+    return counts

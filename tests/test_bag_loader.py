@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from client import BagDataset, BagLoader
+from _loader_fixtures import fresh_maps_per_epoch
 from client import bag_sampling
 from client.bag_transfer import BagTransfer as BagTransferForTest
 from featurestore import open_store
@@ -171,21 +172,12 @@ def test_batch_one_yields_every_bag_as_is(bag_store: str, dtype: str) -> None:
 def test_a_second_epoch_maps_no_fresh_bag_buffer(bag_store: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Bags of every length are served from the pool's largest buffers once an epoch has grown
     them: no fresh map (and first touches of new memory) per bag."""
-    from featurestore.core import buffers
-
-    mapped = []
-    real = buffers.anonymous
-    monkeypatch.setattr(buffers, "anonymous", lambda nbytes: mapped.append(nbytes) or real(nbytes))
     ds = BagDataset(bag_store, "cohort", "enc-float16", "all")
     loader = BagLoader(ds, batch_size=1, shuffle=True, seed=3, device="cpu", dtype=None, prefetch=3, num_threads=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the cohort's empty bag
-        for epoch in range(3):
-            loader.set_epoch(epoch)
-            before = len(mapped)
-            for _ in loader:
-                pass
-            assert epoch == 0 or len(mapped) == before, f"epoch {epoch} mapped {len(mapped) - before} fresh buffers"
+        first, *later = fresh_maps_per_epoch(loader, monkeypatch)
+    assert first > 0 and later == [0, 0]
     loader.close()
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from _loader_fixtures import (  # noqa: F401  (fixtures are used by name)
+    fresh_maps_per_epoch,
     DATASET,
     ENCODER,
     NUM_SAMPLES,
@@ -344,19 +345,9 @@ def test_released_batches_are_recycled_and_kept_ones_never_overwritten(ds: Featu
 def test_a_second_epoch_maps_no_fresh_batch_buffer(ds: FeatureDataset, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pool keeps as many idle buffers as can be out at once: a buffer coming back is never
     unmapped only for a fresh one (first touches of new memory) to be mapped for the next batch."""
-    from featurestore.core import buffers
-
-    mapped = []
-    real = buffers.anonymous
-    monkeypatch.setattr(buffers, "anonymous", lambda nbytes: mapped.append(nbytes) or real(nbytes))
     loader = FeatureLoader(ds, batch_size=4, shuffle=True, device="cpu", prefetch=3, num_threads=2, dtype=None)
-    for epoch in range(3):
-        loader.set_epoch(epoch)
-        before = len(mapped)
-        for _ in loader:
-            pass
-        assert epoch == 0 or len(mapped) == before, f"epoch {epoch} mapped {len(mapped) - before} fresh buffers"
-    assert 0 < len(mapped) < len(loader)
+    first, *later = fresh_maps_per_epoch(loader, monkeypatch)
+    assert 0 < first < len(loader) and later == [0, 0]
     loader.close()
     assert loader._producer.pool.free_bytes == 0  # close() gives the idle buffers back
 
