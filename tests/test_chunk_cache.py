@@ -257,6 +257,33 @@ def test_chunks_answered_before_a_generation_check_share_it(seaweed_url: str, se
         front._generation.after(time.monotonic())
 
 
+def test_a_forked_child_does_not_wait_on_its_parents_generation_check(seaweed_url: str, seaweed: Any,
+                                                                       tmp_path: Any) -> None:
+    """A DataLoader worker forked while a check was in flight (its future never completes in the
+    child, whose threads did not come along, and its lock may be held) makes its own check."""
+    import multiprocessing
+    from concurrent.futures import Future
+
+    options = seaweed.storage_options
+    _write(seaweed_url, options)
+    front = _open(seaweed_url, options, tmp_path).chunk_cache
+    check = front._generation
+    check._pending = (time.monotonic(), Future())  # in flight at the fork, answered after it
+    answered = check._pending[0] - 1.0
+    check._lock.acquire()  # held by a parent's thread at the fork
+    try:
+        context = multiprocessing.get_context("fork")
+        child = context.Process(target=check.after, args=(answered,))
+        child.start()
+        child.join(60)
+        hung = child.is_alive()
+        if hung:
+            child.kill()
+    finally:
+        check._lock.release()
+    assert not hung and child.exitcode == 0
+
+
 def test_a_damaged_cache_file_is_found_and_fetched_again(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
     options = seaweed.storage_options
     values = _write(seaweed_url, options)

@@ -178,6 +178,7 @@ class _GenerationCheck:
         self._lock = threading.Lock()
         self._passed = float("-inf")  # monotonic time the last passed check was requested at
         self._pending: tuple[float, Future[None]] | None = None
+        self._pid = os.getpid()
 
     def after(self, answered_at: float) -> None:
         """Return once a check requested after ``answered_at`` passed; :class:`SplitChanged` if
@@ -185,6 +186,9 @@ class _GenerationCheck:
         meta = self._front.meta
         if meta is None or meta.generation is None:
             return  # a split written before generations existed: nothing to compare
+        if self._pid != os.getpid():  # forked (a DataLoader worker): the parent's check in flight,
+            # and a lock one of its threads may have held, did not come along
+            self._lock, self._pending, self._pid = threading.Lock(), None, os.getpid()
         with self._lock:
             if self._passed >= answered_at:
                 return
