@@ -166,11 +166,13 @@ class HostSlot:
 
 def keep_for(prefetch: int) -> int:
     """Idle batch buffers a loader's pool keeps: as many as can be out at once (``prefetch`` in
-    production or ready, the one the consumer holds, one it reads itself when no thread has), so a
-    returning buffer is never unmapped only for a fresh one to be mapped and faulted in for the
-    next batch (first touches of fresh memory cost ~5x a copy on this VM). The pool then holds
-    what the epoch's batches held at their peak, no more; ``close()`` gives it back."""
-    return int(prefetch) + 2
+    production or ready, the one the consumer holds, the one it takes or reads itself), plus one
+    for a buffer that comes back a moment after the next batch leased one, so a returning buffer
+    is never unmapped only for a fresh one to be mapped and faulted in for the next batch (first
+    touches of fresh memory cost ~5x a copy on this VM; with ``prefetch + 2`` a later epoch still
+    mapped 2 now and then). The pool holds at most one batch more than the epoch's peak;
+    ``close()`` gives it back."""
+    return int(prefetch) + 3
 
 
 def widen(labels: torch.Tensor) -> torch.Tensor:

@@ -176,8 +176,11 @@ def test_a_second_epoch_maps_no_fresh_bag_buffer(bag_store: str, monkeypatch: py
     loader = BagLoader(ds, batch_size=1, shuffle=True, seed=3, device="cpu", dtype=None, prefetch=3, num_threads=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the cohort's empty bag
-        first, *later = fresh_maps_per_epoch(loader, monkeypatch)
-    assert first > 0 and later == [0, 0]
+        first, *later = fresh_maps_per_epoch(loader, monkeypatch, epochs=4)
+    # Measured: 0 or 1 over the three later epochs (35-61 in the first, whose order meets ever
+    # larger bags); with 2 kept, 2-3 in each. A shuffle can bring the few largest bags out at
+    # once, hence not exactly 0.
+    assert first > 0 and sum(later) <= 2, (first, later)
     loader.close()
 
 

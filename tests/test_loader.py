@@ -346,8 +346,10 @@ def test_a_second_epoch_maps_no_fresh_batch_buffer(ds: FeatureDataset, monkeypat
     """The pool keeps as many idle buffers as can be out at once: a buffer coming back is never
     unmapped only for a fresh one (first touches of new memory) to be mapped for the next batch."""
     loader = FeatureLoader(ds, batch_size=4, shuffle=True, device="cpu", prefetch=3, num_threads=2, dtype=None)
-    first, *later = fresh_maps_per_epoch(loader, monkeypatch)
-    assert 0 < first < len(loader) and later == [0, 0]
+    first, *later = fresh_maps_per_epoch(loader, monkeypatch, epochs=4)
+    # Measured: 0 in every later epoch of 25 runs (14 in the first); with prefetch + 2 kept, 2 in
+    # one epoch of 25 runs; with 2 kept, 3-8 in each.
+    assert 0 < first < len(loader) and sum(later) <= 1, (first, later)
     loader.close()
     assert loader._producer.pool.free_bytes == 0  # close() gives the idle buffers back
 

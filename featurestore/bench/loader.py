@@ -211,9 +211,10 @@ def _rss(store: str, args: argparse.Namespace) -> dict[str, Any]:
     growth = out["4N"]["peak_anon"] - out["N"]["peak_anon"]
     elements = int(np.prod(_shape(args)))
     stored_itemsize = 4 if args.dtype == "float32" else 2
-    # docs/LOADER.md: (prefetch + 2) float32 batches handed out, plus one staging batch at the
-    # stored width for the CPU upcast, plus a constant (thread stacks, intra-op thread arenas).
-    bound = (args.prefetch + 2) * args.batch_size * elements * 4 + args.batch_size * elements * stored_itemsize
+    # docs/LOADER.md: (prefetch + 3) float32 batches handed out or idle in the pool, plus one
+    # staging batch at the stored width for the CPU upcast, plus a constant (thread stacks,
+    # intra-op thread arenas).
+    bound = (args.prefetch + 3) * args.batch_size * elements * 4 + args.batch_size * elements * stored_itemsize
     constant = 32 << 20
     out["growth_bytes"] = growth
     out["bound_bytes"] = bound
@@ -380,7 +381,7 @@ def _print_and_save(results: dict[str, Any], path: str | None) -> int:
                   f"file-backed peak {c['peak_file'] / 2**20:.1f} MiB)")
         print(f"  loader's own anonymous memory: N {r['loader_bytes']['N'] / 2**20:.1f} MiB, 4N "
               f"{r['loader_bytes']['4N'] / 2**20:.1f} MiB (growth {r['growth_bytes'] / 2**20:+.1f} MiB); bound "
-              f"(prefetch + 2) batches + staging = {r['bound_bytes'] / 2**20:.1f} MiB + 32 MiB constant: "
+              f"(prefetch + 3) batches + staging = {r['bound_bytes'] / 2**20:.1f} MiB + 32 MiB constant: "
               f"{'ok' if r['ok'] else 'EXCEEDED'}")
     g = results.get("cgroup", {})
     if "skipped" in g:
