@@ -122,8 +122,6 @@ class ObjectStorage(Storage):
 
     async def _read_ranges(self, keys: list[str], starts: list[int], ends: list[int],
                            sink: Callable[[int, Any], None] | None = None) -> list[Any]:
-        import obstore
-
         # Merge near ranges of each object, fetch every merged range at once, slice back.
         requests = plan_requests(keys, starts, ends, self.gap)
         semaphore = self._semaphore()
@@ -132,12 +130,7 @@ class ObjectStorage(Storage):
         async def fetch(key: str, lo: int, hi: int, group: list[int]) -> None:
             if hi <= lo:
                 return
-            async with semaphore:
-                try:
-                    data = await settled(lambda: obstore.get_range_async(self._store, key, start=lo, end=hi))
-                except Exception as exc:  # noqa: BLE001 - translated or re-raised as is
-                    raise self._error(exc, key, "GET") from None
-            self.bytes_read += len(data)
+            data = await self._get_range(semaphore, key, lo, hi)
             if len(data) < hi - lo:
                 raise FileNotFoundError(f"{self.shown}/{key}: {len(data)} bytes where {hi - lo} were expected")
             for i in group:
@@ -199,20 +192,22 @@ class ObjectStorage(Storage):
             sink(piece)
 
     async def _read_parts(self, key: str, bounds: list[int]) -> list[Any]:
+        semaphore = self._semaphore()
+        parts = (self._get_range(semaphore, key, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]))
+        return list(await asyncio.gather(*parts))
+
+    async def _get_range(self, semaphore: asyncio.Semaphore, key: str, lo: int, hi: int) -> Any:
+        """Bytes ``[lo, hi)`` of ``key``: one GET within the store's requests in flight, its error
+        translated, its bytes counted (a short answer is the caller's to judge)."""
         import obstore
 
-        semaphore = self._semaphore()
-
-        async def fetch(lo: int, hi: int) -> Any:
-            async with semaphore:
-                try:
-                    data = await settled(lambda: obstore.get_range_async(self._store, key, start=lo, end=hi))
-                except Exception as exc:  # noqa: BLE001 - translated or re-raised as is
-                    raise self._error(exc, key, "GET") from None
-            self.bytes_read += len(data)
-            return data
-
-        return list(await asyncio.gather(*(fetch(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]))))
+        async with semaphore:
+            try:
+                data = await settled(lambda: obstore.get_range_async(self._store, key, start=lo, end=hi))
+            except Exception as exc:  # noqa: BLE001 - translated or re-raised as is
+                raise self._error(exc, key, "GET") from None
+        self.bytes_read += len(data)
+        return data
 
     def read_many(self, keys: Sequence[str]) -> list[Any]:
         if _forked():
