@@ -93,7 +93,7 @@ def format_table(r: dict[str, Any]) -> str:
     lines.append(rule)
     lines.append("Jaccard: per-image macro Jaccard on val, mean ± std over seeds; seed k gives both dtypes the "
                  "same head init and batch order. 'exceeds' = |diff| > 2 x pooled std.")
-    lines.append("At demo scale the whole cache is a few batches, so the loader's bound of (prefetch + 2) "
+    lines.append("At demo scale the whole cache is a few batches, so the loader's bound of (prefetch + 3) "
                  "batches is as large; that bound does not grow with N, the cache does, and per-epoch "
                  "start-up dominates loader GB/s: `featurestore bench loader` measures both at scale.")
     lines.append("MIL: one BagLoader epoch of the train slides (batch 1, float32); ABMIL = gated-attention MIL "
