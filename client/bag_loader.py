@@ -29,6 +29,7 @@ import torch
 from client import bag_sampling, sampling
 from client.bag_transfer import PAD_TO, PIECE_BYTES, BagTransfer
 from client.bags import BagDataset
+from client.readahead import bag_chunks
 from client.streaming import StreamingLoader, check_count
 from featurestore.core.device import resolve_device
 from featurestore.errors import IndexOutOfRange, InvalidOption
@@ -149,6 +150,9 @@ class BagLoader(StreamingLoader):
             warnings.warn(f"{skipped} empty bag(s) of {self.ds.dataset}/{self.ds.encoder}/{self.ds.split} left out of "
                           f"epoch {epoch} (skip_empty=True; pass skip_empty=False to raise instead)", stacklevel=3)
         self._skipped = skipped
+        split = self.ds.bags
+        self._read_ahead(self.ds, lambda: [bag_chunks(split.offsets, batch, split.features.chunk_rows)
+                                           for batch in batches[skip:]], skip)
         return ((epoch, batch) for batch in batches[skip:])
 
     def _start_stats(self) -> dict[str, float]:

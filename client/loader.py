@@ -27,7 +27,7 @@ import torch
 from client import sampling
 from client.dataset import FeatureDataset
 from featurestore.core.device import resolve_device
-from client.readahead import ReadAhead, cached_fronts
+from client.readahead import row_chunks
 from client.streaming import StreamingLoader, check_count
 from client.transfer import Transfer
 from featurestore.errors import InvalidOption
@@ -117,7 +117,6 @@ class FeatureLoader(StreamingLoader):
         # A chunk cache's reads are local too (its downloads have their own threads).
         default_threads = 2 if ds.read_path in ("mmap", "cached") else 4
         self.num_threads = min(num_threads or default_threads, self.prefetch)
-        self._readahead: ReadAhead | None = None
         self._init_epochs()
 
     # ------------------------------------------------------------------ length and plan
@@ -141,16 +140,9 @@ class FeatureLoader(StreamingLoader):
             n = self.ds.num_samples
             return (sampling.sampler_batch(b, n) for b in sampling.user_batches(self.batch_sampler, self.epoch, skip))
         plan = self.plan()
-        fronts = cached_fronts(self.ds)
-        if fronts:  # a chunk cache: fetch the epoch's chunks ahead, keep what it still needs
-            self._readahead = ReadAhead(fronts, [plan.batch(k) for k in range(skip, len(plan))],
-                                        self.ds.chunk_rows, skip, lambda: self._consumed)
+        self._read_ahead(self.ds, lambda: [row_chunks(plan.batch(k), self.ds.chunk_rows) for k in range(skip, len(plan))],
+                         skip)
         return (plan.batch(k) for k in range(skip, len(plan)))
-
-    def _epoch_ended(self) -> None:
-        if self._readahead is not None:
-            self._readahead.close()
-            self._readahead = None
 
     def _make_producer(self) -> Transfer:
         return Transfer(self.ds, self.device, self.dtype, self.pin_memory, self._mean_std, self.num_threads,

@@ -32,16 +32,18 @@ _POLL_S = 0.005
 class ReadAhead:
     """Keep and read-ahead for the cached arrays of one epoch; :meth:`close` stops it."""
 
-    def __init__(self, fronts: Sequence[Any], batches: Sequence[np.ndarray], chunk_rows: int,
-                 first_position: int, position: Callable[[], int]) -> None:
+    def __init__(self, fronts: Sequence[Any], batch_chunks: Sequence[np.ndarray], first_position: int,
+                 position: Callable[[], int]) -> None:
+        """``batch_chunks``: for each batch of the epoch from ``first_position`` on, the chunks it
+        reads (:func:`row_chunks`, :func:`bag_chunks`); the fronts share their chunk geometry."""
         self._fronts = list(fronts)
         self._position = position
         self._stop = threading.Event()
-        n_chunks = 1 + max((int(b.max()) for b in batches if len(b)), default=0) // chunk_rows
+        n_chunks = 1 + max((int(c.max()) for c in batch_chunks if len(c)), default=0)
         last_use = np.full(n_chunks, -1, np.int64)
         first_use = np.full(n_chunks, np.iinfo(np.int64).max, np.int64)
-        for k, batch in enumerate(batches, start=first_position):
-            chunks = np.unique(np.asarray(batch, np.int64) // chunk_rows)
+        for k, chunks in enumerate(batch_chunks, start=first_position):
+            chunks = np.asarray(chunks, np.int64)
             last_use[chunks] = k
             first_use[chunks] = np.minimum(first_use[chunks], k)
         touched = np.flatnonzero(last_use >= 0)
@@ -84,12 +86,32 @@ class ReadAhead:
             front.plan(None)
 
 
+def row_chunks(rows: np.ndarray, chunk_rows: int) -> np.ndarray:
+    """The chunks a batch of rows reads."""
+    return np.unique(np.asarray(rows, np.int64) // chunk_rows)
+
+
+def bag_chunks(offsets: np.ndarray, bags: np.ndarray, chunk_rows: int) -> np.ndarray:
+    """The chunks a batch of bags (positions; bag ``i`` is rows ``offsets[i]:offsets[i + 1]``)
+    reads, whole bags (a ``max_patches`` draw reads a subset of their rows, almost always in the
+    same chunks)."""
+    bags = np.asarray(bags, np.int64)
+    starts, stops = offsets[bags], offsets[bags + 1]
+    full = stops > starts
+    first, last = starts[full] // chunk_rows, (stops[full] - 1) // chunk_rows
+    if not len(first):
+        return np.empty(0, np.int64)
+    return np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(first.tolist(), last.tolist())]))
+
+
 def cached_fronts(ds: Any) -> list[Any]:
-    """The chunk-cache fronts of a dataset's arrays (features, labels), [] if it reads no cache."""
+    """The chunk-cache fronts of a dataset's arrays (features and labels of a dense split,
+    features and coords of a bag split), [] if it reads no cache."""
     if getattr(ds, "read_path", None) != "cached":
         return []
-    array = ds.array
-    fronts = [array.chunk_cache]
-    if array.labels is not None and array.labels.chunk_cache is not None:
-        fronts.append(array.labels.chunk_cache)
+    if hasattr(ds, "array"):
+        arrays = [ds.array, ds.array.labels]
+    else:
+        arrays = [ds.bags.features, ds.bags.coords]
+    fronts = [a.chunk_cache for a in arrays if a is not None]
     return [f for f in fronts if f is not None]

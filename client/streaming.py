@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from client.prefetch import Prefetcher
+from client.readahead import ReadAhead, cached_fronts
 from featurestore.errors import InvalidOption
 
 
@@ -41,6 +42,7 @@ class StreamingLoader:
         self._consumed = 0
         self._active: Prefetcher | None = None
         self._producer: Any = None
+        self._readahead: ReadAhead | None = None
         self.stats: dict[str, float] = {"batches": 0, "stall_s": 0.0}
 
     # ------------------------------------------------------------------ what subclasses provide
@@ -59,9 +61,20 @@ class StreamingLoader:
     def _start_stats(self) -> dict[str, float]:
         return {"batches": 0, "stall_s": 0.0}
 
+    def _read_ahead(self, ds: Any, batch_chunks: Any, skip: int) -> None:
+        """If ``ds`` reads through a chunk cache, start fetching the epoch's chunks ahead and keep
+        what it still needs (``batch_chunks()``: the chunks of each batch from ``skip`` on, made
+        only then); stopped by :meth:`_epoch_ended`."""
+        fronts = cached_fronts(ds)
+        if fronts:
+            self._readahead = ReadAhead(fronts, batch_chunks(), skip, lambda: self._consumed)
+
     def _epoch_ended(self) -> None:
         """Release what the epoch in flight held besides its prefetch threads (a chunk cache's
         read-ahead); called when the epoch ends, breaks or is stopped."""
+        if self._readahead is not None:
+            self._readahead.close()
+            self._readahead = None
 
     # ------------------------------------------------------------------ epochs
     def set_epoch(self, epoch: int) -> None:

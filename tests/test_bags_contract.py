@@ -1,5 +1,6 @@
 """The bag contract (tests/bag_contract.py) on every store-side read path: local mmap and pread,
-``memory://`` (fsspec) and S3 (moto through fsspec, SeaweedFS through obstore), and the promise
+``memory://`` (fsspec) and S3 (moto through fsspec, SeaweedFS through obstore, with and without a
+chunk cache), and the promise
 that one bag costs one ranged read per chunk it spans, in one call, on object storage."""
 
 from __future__ import annotations
@@ -75,6 +76,24 @@ class TestSeaweedFS(BagContract):
         bags.read_numpy("empty")
         assert calls == []
         np.testing.assert_array_equal(bags.read_numpy("1")[0].view(data["1"][0].dtype), data["1"][0])
+
+
+class TestSeaweedFSCached(BagContract):
+    """Through a local chunk cache (issue 27): whole chunks fetched, checked, read locally."""
+
+    dtypes = ("float16", "float32")
+
+    def location(self, request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any]]:
+        seaweed = request.getfixturevalue("seaweed")
+        return request.getfixturevalue("seaweed_url"), dict(seaweed.storage_options)
+
+    def open_bags(self, url: str, options: dict[str, Any], request: pytest.FixtureRequest) -> Any:
+        import featurestore
+
+        cache = request.getfixturevalue("tmp_path") / "cache"
+        bags = featurestore.open_store(url, cache_dir=str(cache), **options).open_bags("ds", "enc", "bags")
+        assert bags.features.path == bags.coords.path == "cached"
+        return bags
 
 
 def test_seaweedfs_commit_copies_chunks_in_place_server_side(seaweed: Any, seaweed_url: str) -> None:

@@ -362,8 +362,21 @@ def test_eviction_keeps_the_limit_and_what_the_plan_needs(seaweed_url: str, seaw
     front.plan(last_use, lambda: 2)
     cache._no_room_until = 0.0
     assert np.array_equal(array.read_numpy(np.arange(5 * CHUNK_ROWS, 6 * CHUNK_ROWS)), values[5 * CHUNK_ROWS : 6 * CHUNK_ROWS])
+    # An evicted chunk takes its download lock along; the locks of chunks held stay.
+    assert not os.path.exists(front.path(1) + ".lock") and os.path.exists(front.path(0) + ".lock")
     assert front.present(0) and not front.present(1) and front.present(5)
     assert cache.used_bytes() <= cache.max_bytes
+    # A lock left without its chunk (a cache of an older version; a download that died) is removed
+    # by the next scan unless a download holds it.
+    import fcntl
+
+    for c in (11, 12):
+        open(front.path(c) + ".lock", "w").close()
+    with open(front.path(12) + ".lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        cache.used_bytes()
+        assert not os.path.exists(front.path(11) + ".lock") and os.path.exists(front.path(12) + ".lock")
+    assert os.path.exists(os.path.join(cache.directory, "v1", ".evict.lock"))
     # No map of this process keeps an evicted file (its pages and disk blocks) alive.
     if os.path.exists("/proc/self/maps"):
         with open("/proc/self/maps") as maps:
@@ -455,6 +468,26 @@ def test_the_server_reads_an_object_store_through_the_cache(seaweed_url: str, se
     assert len([p for p in _chunk_files(tmp_path / "cache") if f"{os.sep}features{os.sep}" in p]) == 3
 
 
+def test_the_server_serves_bags_through_the_cache(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.settings import Settings
+
+    options = seaweed.storage_options
+    bags = _write_bags(seaweed_url, options)
+    settings = Settings(storage_options={**options, "cache_dir": str(tmp_path / "cache")})
+    with TestClient(create_app(seaweed_url, settings)) as client:
+        response = client.get("/v1/bags/ds/enc/bags/slide-07")
+        assert response.status_code == 200, response.text
+    rows = len(bags["slide-07"]) * BAG_DIM * 2
+    np.testing.assert_array_equal(np.frombuffer(response.content[:rows], np.float16).reshape(-1, BAG_DIM),
+                                  bags["slide-07"])
+    cached = {os.path.basename(os.path.dirname(p)) for p in _chunk_files(tmp_path / "cache")}
+    assert {"features", "coords"} <= cached
+
+
 def test_cache_flags_join_the_storage_options(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
@@ -485,3 +518,94 @@ def test_forked_workers_read_through_the_cache(seaweed_url: str, seaweed: Any, t
     got = torch.cat([features for features, _ in loader]).numpy()
     assert np.array_equal(got, values)
     assert len([p for p in _chunk_files(tmp_path) if f"{os.sep}features{os.sep}" in p]) == -(-N // CHUNK_ROWS)
+
+
+# ---------------------------------------------------------------------- bag splits
+BAG_DIM, BAG_CHUNK_ROWS = 24, 16
+
+
+def _write_bags(url: str, options: dict[str, Any], seed: int = 0, overwrite: bool = False) -> dict[str, np.ndarray]:
+    """20 bags of 0-60 patches (some empty, several spanning chunks of 16 rows)."""
+    rng = np.random.default_rng(seed)
+    writer = featurestore.open_store(url, mode="a", **options).create_bag_split(
+        "ds", "enc", "bags", dim=BAG_DIM, dtype="float16", label_dtype="int64", overwrite=overwrite,
+        chunk_bytes=BAG_CHUNK_ROWS * BAG_DIM * 2)
+    data = {}
+    for i in range(20):
+        n = 0 if i in (3, 11) else int(rng.integers(1, 60))
+        data[f"slide-{i:02d}"] = rng.standard_normal((n, BAG_DIM)).astype(np.float16)
+        writer.add_bag(f"slide-{i:02d}", data[f"slide-{i:02d}"], coords=rng.integers(0, 9999, (n, 2)), label=i)
+    writer.commit()
+    return data
+
+
+def _epoch(loader: Any, epoch: int) -> list[tuple[np.ndarray, ...]]:
+    import warnings
+
+    loader.set_epoch(epoch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the empty bags left out
+        return [tuple(t.numpy().copy() for t in batch) for batch in loader]
+
+
+def test_bag_loader_reads_ahead_through_the_cache_and_matches(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    """A BagLoader over a bag split in object storage with a cache: the same batches as without
+    one, every features and coords chunk downloaded once (read ahead by the epoch's plan), and
+    the next epoch downloads nothing."""
+    from client import BagDataset, BagLoader
+
+    options = dict(seaweed.storage_options)
+    _write_bags(seaweed_url, options)
+    kwargs = dict(batch_size=2, shuffle=True, seed=4, device="cpu", dtype=None, max_patches=40, prefetch=1)
+    plain = BagLoader(BagDataset(seaweed_url, "ds", "enc", "bags", storage_options=options), **kwargs)
+    ds = BagDataset(seaweed_url, "ds", "enc", "bags", storage_options={**options, "cache_dir": str(tmp_path)})
+    assert ds.read_path == "cached"
+    cached = BagLoader(ds, **kwargs)
+    chunks = -(-int(ds.lengths.sum()) // BAG_CHUNK_ROWS)
+    cache = ds.bags.features.chunk_cache.cache
+    readahead = []
+    batches = []
+    cached.set_epoch(0)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for batch in cached:
+            readahead.append(cached._readahead is not None)
+            batches.append(tuple(t.numpy().copy() for t in batch))
+            if len(batches) == 1:  # the plan's read-ahead fetches chunks of batches not asked for yet
+                deadline = time.monotonic() + 30
+                while len(_chunk_files(tmp_path)) < 2 * chunks + 2 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert len(_chunk_files(tmp_path)) == 2 * chunks + 2
+    assert all(readahead) and cached._readahead is None  # running for the epoch, stopped at its end
+    for got, want in zip(batches, _epoch(plain, 0), strict=True):
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+    files = _chunk_files(tmp_path)
+    for array in ("features", "coords"):  # every chunk of each, downloaded once
+        assert len([f for f in files if os.path.basename(os.path.dirname(f)) == array]) == chunks
+    assert cache.stats["fetched"] == len(files) == 2 * chunks + 2  # and the one chunk of offsets and of labels
+    storage = ds.bags.features._storage
+    before, fetched = storage.bytes_read, cache.stats["fetched"]
+    for got, want in zip(_epoch(cached, 1), _epoch(plain, 1), strict=True):
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert cache.stats["fetched"] == fetched and storage.bytes_read == before  # all local now
+    cached.close()
+    plain.close()
+
+
+def test_a_cached_bag_reader_of_an_overwritten_split_is_refused(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    """Bag splits keep the cache's generation rule: a reader that opened the old split and meets
+    a chunk not cached yet gets ``SplitChanged``; a reader opened after gets the new bags."""
+    options = dict(seaweed.storage_options)
+    old = _write_bags(seaweed_url, options, seed=0)
+    early = featurestore.open_store(seaweed_url, cache_dir=str(tmp_path), **options).open_bags("ds", "enc", "bags")
+    np.testing.assert_array_equal(early.read_numpy("slide-00")[0], old["slide-00"])
+    new = _write_bags(seaweed_url, options, seed=1, overwrite=True)
+    fresh = featurestore.open_store(seaweed_url, cache_dir=str(tmp_path), **options).open_bags("ds", "enc", "bags")
+    for bag_id, values in new.items():
+        np.testing.assert_array_equal(fresh.read_numpy(bag_id)[0], values)
+    with pytest.raises(SplitChanged, match="another generation"):
+        early.read_numpy("slide-19")

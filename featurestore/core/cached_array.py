@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from featurestore.core.checked import damage_message
-from featurestore.core.chunk_cache import PART_BYTES, ChunkCache, _unlink
+from featurestore.core.chunk_cache import LOCK_SUFFIX, PART_BYTES, ChunkCache, _unlink
 from featurestore.errors import CorruptChunk, SplitChanged
 from featurestore.format import chunks as chunk_codec
 from featurestore.format import layout
@@ -121,7 +121,7 @@ class CachedArray:
         if not self.cache.writable():
             return False
         os.makedirs(self.directory, exist_ok=True)  # the cache may have been emptied by hand
-        lock_fd = os.open(f"{path}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        lock_fd = os.open(f"{path}{LOCK_SUFFIX}", os.O_CREAT | os.O_RDWR, 0o644)
         try:
             try:
                 fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

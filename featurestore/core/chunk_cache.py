@@ -66,6 +66,8 @@ FULL_RETRY_S = 60.0
 DEFAULT_FREE_SHARE = 0.75
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _LAYOUT = "v1"
+#: A chunk's download lock is ``<chunk>.lock`` beside it (cached_array).
+LOCK_SUFFIX = ".lock"
 _SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -269,6 +271,11 @@ class ChunkCache:
             if self._kept(path, mtime):
                 continue
             _unlink(path)
+            # And its download lock (cached_array), or one empty file per chunk ever cached would
+            # stay. A process that found the chunk gone a moment ago may hold that lock; one that
+            # comes later makes a new one: at worst the chunk is downloaded twice, each download
+            # renamed into place whole.
+            _unlink(f"{path}{LOCK_SUFFIX}")
             directory, name = os.path.split(path)
             # This process's map of it would keep the file's pages and disk blocks (the array's
             # maps are keyed by this directory, reader._array_maps).
@@ -291,8 +298,14 @@ class ChunkCache:
         temporary files of dead writers on the way (``core.leftovers``' rule)."""
         entries, used = [], 0
         for directory, _, names in os.walk(self._root):
+            present = set(names)
             for name in names:
                 path = os.path.join(directory, name)
+                stem = name.removesuffix(LOCK_SUFFIX)
+                if stem != name and stem.isdigit():  # a chunk's download lock
+                    if stem not in present:  # the chunk was evicted (or never stored)
+                        _remove_idle_lock(path)
+                    continue
                 try:
                     st = os.stat(path)
                 except FileNotFoundError:
@@ -370,6 +383,21 @@ def _disk(operation: Callable[[], Any]) -> Any:
 def _write(f: Any, data: Any) -> None:
     # In pieces: see storage.PIECE_BYTES (a write of 2 MiB or more costs ~12x the CPU here).
     _disk(lambda: stream_parts(f, [data]))
+
+
+def _remove_idle_lock(path: str) -> None:
+    """Remove a download lock no process holds (one held is a download in progress)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _unlink(path)
+    except BlockingIOError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: str) -> None:

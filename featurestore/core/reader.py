@@ -72,8 +72,7 @@ class FeatureArray(CachedPath):
             self.path = "zarr"
         elif storage.local_path(self._key) is not None:
             self.path = "mmap"
-        elif (storage.chunk_cache is not None and metadata.get("status") == "complete"
-              and metadata.get("kind", "dense") == "dense"):  # bag splits' arrays: not cached (yet)
+        elif storage.chunk_cache is not None and metadata.get("status") == "complete":
             self.path = "cached"
         else:
             self.path = "ranges"
