@@ -133,6 +133,9 @@ def test_s3_bench_runs_and_reports(tmp_path: Path, seaweed: object, capsys: pyte
     out = s3.run(report.bench_args("s3", flags))
     assert all(v > 0 for v in out["gb_per_s"].values()), out["gb_per_s"]
     assert set(out["ratios"]) >= set(s3.TARGETS)
+    from featurestore.bench import s3_bags
+
+    assert set(s3_bags.FIGURES) <= set(out["gb_per_s"]) and "bags_cache_epoch1_vs_ceiling" in out["ratios"]
     # CPU per GB of the ceiling and cache epoch 1 (client only: --endpoint gives no server pid)
     cpu = out["cpu_ms_per_gb"]
     assert set(cpu) == {"ceiling (whole chunks, 8 GETs)", "cache epoch 1 (empty, full-size cache)"}, cpu

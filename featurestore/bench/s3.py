@@ -18,7 +18,10 @@ repeats interleaved so that every ratio compares figures taken side by side:
   through a cache as large as the split, two epochs through a half-size cache (bytes downloaded
   per epoch), and a local cold loader over the same bytes; the CPU milliseconds per GB that the
   ceiling and cache epoch 1 cost this process and the server (``/proc``), load-independent where
-  the speeds are not, and epoch 1's ratio paired per repeat.
+  the speeds are not, and epoch 1's ratio paired per repeat;
+* slide bags (:mod:`featurestore.bench.s3_bags`): ``BagLoader`` epochs over a bag split without a
+  cache and through one (epochs 1 and 2), against the whole-object ceiling of its chunks and the
+  users' way (one ``.pt`` object per slide, fetched whole).
 
 The server's volume files were just written, so its reads come from the page cache (warm). The
 server and this process share the machine's cores: on a small machine the server's CPU is part of
@@ -35,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench import s3_cache
+from featurestore.bench import s3_bags, s3_cache
 from featurestore.bench.common import CpuClock, gbps, save_json
 
 TARGETS = {"read_vs_ceiling": 0.5, "read_vs_zarr": 10.0, "loader_vs_ceiling": 0.5, "write_vs_put": 0.5,
@@ -65,6 +68,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--workdir", default=None,
                         help="SeaweedFS data, cache and local copy directory (default: a temp dir, removed)")
     parser.add_argument("--no-cache", action="store_true", help="skip the chunk cache figures")
+    parser.add_argument("--bags", type=int, default=48, help="slides of the bag figures (0: skip them)")
+    parser.add_argument("--bag-median", type=int, default=2000, help="median patches per slide")
+    parser.add_argument("--bag-dim", type=int, default=1024, help="feature width of the bag split")
     parser.add_argument("--endpoint", default=None, help="use this S3 endpoint instead of starting SeaweedFS")
     parser.add_argument("--bucket", default="featurestore-bench")
     parser.add_argument("--key", default=None)
@@ -261,6 +267,21 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
             methods[name] = fn
         reads["cache epoch 2 (filled, cold files)"] = []
         reads["half cache epoch 2"] = []
+    bag_epochs = None
+    if args.bags:
+        bag_epochs = s3_bags.BagEpochs(url, fs_options, bags=args.bags, median=args.bag_median, dim=args.bag_dim,
+                                       prefetch=args.prefetch, workdir=args.workdir)
+        epochs = bag_epochs.cache_epochs
+
+        def bag_cache_epochs() -> float:
+            first, second = epochs()
+            reads[s3_bags.EPOCH2].append(second)
+            return first
+
+        for name, fn in {**bag_epochs.methods(), s3_bags.EPOCH1: bag_cache_epochs}.items():
+            reads[name] = []
+            methods[name] = fn
+        reads[s3_bags.EPOCH2] = []
     torch.set_num_threads(max(1, torch.get_num_threads()))
     for name in methods:  # one warm-up call each: connections, first-touch maps, imports
         methods[name]()
@@ -275,6 +296,8 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
             reads[name].append(fn())
     if cached is not None:
         cached.close()
+    if bag_epochs is not None:
+        bag_epochs.close()
 
     median = {name: float(np.median(v)) for name, v in {**reads, **writes}.items()}
     ceil = median["ceiling (whole chunks, 8 GETs)"]
@@ -290,6 +313,8 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
     if cached is not None:
         ratios.update(s3_cache.ratios(median, ceil, reads))
         downloaded = {name: float(np.median(v)) for name, v in cached.downloaded.items()}
+    if bag_epochs is not None:
+        ratios.update(s3_bags.ratios(median))
     try:
         store.storage.delete_tree("")
     except Exception:  # noqa: BLE001 - a scratch prefix; the server's temp dir goes anyway

@@ -1,0 +1,157 @@
+"""The bag part of ``featurestore bench s3``: a BagLoader epoch over a bag split in object storage.
+
+A cohort of slide bags (log-normal patch counts, as ``bench bag-loader``) is written twice to the
+server: as a bag split, and as one float32 ``.pt`` object per slide (CLAM's ``pt_files``, the
+users' way, kept in a bucket). Figures, each one shuffled epoch of every bag (one bag per batch,
+device cpu, stored dtype), as GB/s of the split's float16 feature bytes whatever the method moves:
+
+* ``bags ceiling``: every chunk object of the split's ``features`` and ``coords`` fetched whole,
+  8 GETs in flight (the server's limit for these bytes);
+* ``bags, .pt per slide``: each slide's object fetched whole and ``torch.load``-ed, 4 in flight
+  (a DataLoader with 4 workers);
+* ``bag loader, no cache``: ``BagLoader`` over the store (ranged GETs per chunk a bag spans);
+* ``bag loader, cache epoch 1``: through an empty chunk cache (whole chunks, read ahead by plan);
+* ``bag loader, cache epoch 2``: the same loader's next epoch, the cache's files evicted from the
+  page cache first (cold).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from featurestore.bench.bag_loader import cohort_lengths
+from featurestore.bench.common import gbps
+from featurestore.bench.s3_cache import _cold, _remove
+
+CEILING = "bags ceiling (whole chunks, 8 GETs)"
+USERS = "bags, .pt per slide (4 in flight)"
+NO_CACHE = "bag loader, no cache (ranged GETs)"
+EPOCH1 = "bag loader, cache epoch 1 (empty)"
+EPOCH2 = "bag loader, cache epoch 2 (cold files)"
+FIGURES = (CEILING, USERS, NO_CACHE, EPOCH1, EPOCH2)
+
+
+class BagEpochs:
+    """Bag epochs over ``url``: the methods above, one call each per repeat (:meth:`methods`)."""
+
+    def __init__(self, url: str, options: dict[str, Any], *, bags: int, median: int, dim: int, prefetch: int,
+                 workdir: str | None = None) -> None:
+        import torch
+
+        import featurestore
+        from featurestore.core.storage_obstore import ObjectStorage
+        from featurestore.format import layout
+
+        self.url, self.options, self.prefetch = url, dict(options), prefetch
+        self.lengths = cohort_lengths(bags, median)
+        self.work = tempfile.mkdtemp(prefix="featurestore-s3bags-", dir=workdir)
+        writer = featurestore.open_store(url, mode="a", **options).create_bag_split(
+            "bench", "enc", "bags", dim=dim, dtype="float16", overwrite=True, label_dtype="int64")
+        self.slides = ObjectStorage(f"{url}/pt_files", options)
+        block = np.random.default_rng(1).standard_normal((int(self.lengths.max()), dim), dtype=np.float32)
+        for i, n in enumerate(self.lengths):
+            features = block[: int(n)] + np.float32(i % 7)
+            coords = np.stack([np.arange(n), np.arange(n)], axis=1).astype(np.int64) * 256
+            writer.add_bag(f"slide-{i:05d}", features, coords=coords, label=i % 2)
+            buffer = io.BytesIO()
+            torch.save(torch.from_numpy(features), buffer)
+            self.slides.write(f"slide-{i:05d}.pt", buffer.getvalue())
+        writer.commit()
+        split = featurestore.open_store(url, **options).open_bags("bench", "enc", "bags")
+        self.nbytes = int(self.lengths.sum()) * dim * 2
+        self.keys = [layout.chunk_key(array._key, c, 2) for array in (split.features, split.coords)
+                     for c in range(-(-len(array) // array.chunk_rows))]
+        self.storage = split.features._storage
+        print(f"[s3] bags: {bags} slides, {int(self.lengths.sum())} patches x {dim} float16 "
+              f"({self.nbytes / 1e6:.0f} MB), median {median} patches, {len(self.keys) // 2} chunks per array")
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def methods(self) -> dict[str, Any]:
+        """Figure name -> a call that runs it once and returns GB/s (epoch 2 is recorded by epoch 1's call)."""
+        return {CEILING: self.ceiling, USERS: self.users_way, NO_CACHE: self.no_cache, EPOCH1: self.cache_epochs}
+
+    def ceiling(self) -> float:
+        import obstore
+
+        from featurestore.core.storage_obstore import run as run_async
+
+        async def get_all() -> int:
+            semaphore = asyncio.Semaphore(8)
+
+            async def get(key: str) -> int:
+                async with semaphore:
+                    result = await obstore.get_async(self.storage._store, key)
+                    return len(await result.bytes_async())
+
+            return sum(await asyncio.gather(*(get(k) for k in self.keys)))
+
+        t0 = time.perf_counter()
+        run_async(get_all())
+        return gbps(self.nbytes, time.perf_counter() - t0)
+
+    def users_way(self) -> float:
+        import torch
+
+        order = np.random.default_rng(int(time.time())).permutation(len(self.lengths))
+
+        def load(i: int) -> int:
+            data = self.slides.read(f"slide-{i:05d}.pt")
+            return torch.load(io.BytesIO(data), weights_only=True).shape[0]
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(4) as pool:
+            rows = sum(pool.map(load, order.tolist()))
+        assert rows == int(self.lengths.sum())
+        return gbps(self.nbytes, time.perf_counter() - t0)
+
+    def _loader(self, options: dict[str, Any]) -> Any:
+        from client import BagDataset, BagLoader
+
+        ds = BagDataset(self.url, "bench", "enc", "bags", storage_options=options)
+        return BagLoader(ds, batch_size=1, shuffle=True, seed=int(time.time()), device="cpu", dtype=None,
+                         prefetch=self.prefetch)
+
+    def _epoch(self, loader: Any, epoch: int) -> float:
+        loader.set_epoch(epoch)
+        t0, rows = time.perf_counter(), 0
+        for batch in loader:
+            rows += int(batch[0].shape[-2])
+        assert rows == int(self.lengths.sum())
+        return gbps(self.nbytes, time.perf_counter() - t0)
+
+    def no_cache(self) -> float:
+        loader = self._loader(self.options)
+        speed = self._epoch(loader, 0)
+        loader.close()
+        return speed
+
+    def cache_epochs(self) -> tuple[float, float]:
+        directory = tempfile.mkdtemp(prefix="cache-", dir=self.work)
+        loader = self._loader({**self.options, "cache_dir": directory})
+        first = self._epoch(loader, 0)
+        _cold(directory)
+        second = self._epoch(loader, 1)
+        loader.close()
+        _remove(directory)
+        return first, second
+
+
+def ratios(median: dict[str, float]) -> dict[str, float]:
+    return {
+        "bags_cache_epoch1_vs_ceiling": median[EPOCH1] / median[CEILING],
+        "bags_cache_epoch1_vs_pt_per_slide": median[EPOCH1] / median[USERS],
+        "bags_cache_epoch2_vs_pt_per_slide": median[EPOCH2] / median[USERS],
+        "bags_no_cache_vs_pt_per_slide": median[NO_CACHE] / median[USERS],
+    }
+
