@@ -25,14 +25,14 @@ import numpy as np
 import torch
 
 from client import bag_sampling
-from client.dataset import NO_LABEL, _is_http
+from client.dataset import NO_LABEL, OpenedPerProcess, _is_http
 from featurestore.core.protocol import BagReader
 from featurestore.errors import IndexOutOfRange, InvalidIndices, InvalidOption
 from featurestore.format import dtypes
 from featurestore.format.redact import redact_url
 
 
-class BagDataset(torch.utils.data.Dataset):
+class BagDataset(OpenedPerProcess, torch.utils.data.Dataset):
     """Map-style dataset over the bags of ``source/dataset/encoder/split``.
 
     ``ds[i] -> (features, coords, label)``: features ``[n, D]`` in the stored dtype
@@ -77,8 +77,6 @@ class BagDataset(torch.utils.data.Dataset):
         self.seed = int(seed)
         self.epoch = 0
         # Opened here so a wrong name fails now, in the main process; workers reopen.
-        self._bags: Any = None
-        self._pid = -1
         bags = self.bags
         self.num_bags = len(bags)
         self.ids: list[str] = list(bags.ids)
@@ -100,26 +98,13 @@ class BagDataset(torch.utils.data.Dataset):
     def bags(self) -> BagReader:
         """The split's bag reader (:class:`featurestore.core.protocol.BagReader`: the store's, or
         the server's through ``FeatureClient.open_bags``), opened in this process on first use."""
-        if self._bags is None or self._pid != os.getpid():
-            self._bags = self._open()
-            self._pid = os.getpid()
-        return self._bags
+        return self._reader_here()
 
-    def _open(self) -> BagReader:
-        if _is_http(self.source):
-            from client.http import FeatureClient
+    def _open_remote(self, client: Any) -> BagReader:
+        return client.open_bags(self.dataset, self.encoder, self.split)
 
-            return FeatureClient(self.source, token=self.token).open_bags(self.dataset, self.encoder, self.split)
-        import featurestore
-
-        store = featurestore.open_store(self.source, mode="r", **self.storage_options)
+    def _open_store(self, store: Any) -> BagReader:
         return store.open_bags(self.dataset, self.encoder, self.split)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_bags"] = None  # no maps, sessions or sockets cross a process boundary
-        state["_pid"] = -1
-        return state
 
     def __repr__(self) -> str:
         return (f"BagDataset({redact_url(self.source)!r}, {self.dataset!r}, {self.encoder!r}, {self.split!r}, "

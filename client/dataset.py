@@ -32,7 +32,47 @@ def _is_http(source: str) -> bool:
     return source.startswith(("http://", "https://"))
 
 
-class FeatureDataset(torch.utils.data.Dataset):
+class OpenedPerProcess:
+    """A dataset's reader, opened in the process that reads (the datasets below pickle without
+    it: a DataLoader worker opens its own, no maps, sessions or sockets cross a process boundary).
+    A subclass sets ``source``, ``storage_options`` and ``token`` and says what to open of a
+    server (``FeatureClient``) and of a store."""
+
+    source: str
+    storage_options: dict[str, Any]
+    token: str | None
+    _reader: Any = None
+    _reader_pid = -1
+
+    def _reader_here(self) -> Any:
+        if self._reader is None or self._reader_pid != os.getpid():
+            self._reader = self._open_reader()
+            self._reader_pid = os.getpid()
+        return self._reader
+
+    def _open_reader(self) -> Any:
+        if _is_http(self.source):
+            from client.http import FeatureClient
+
+            return self._open_remote(FeatureClient(self.source, token=self.token))
+        import featurestore
+
+        return self._open_store(featurestore.open_store(self.source, mode="r", **self.storage_options))
+
+    def _open_remote(self, client: Any) -> Any:
+        raise NotImplementedError
+
+    def _open_store(self, store: Any) -> Any:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_reader", None)
+        state.pop("_reader_pid", None)
+        return state
+
+
+class FeatureDataset(OpenedPerProcess, torch.utils.data.Dataset):
     """Map-style dataset over ``source/dataset/encoder/split``.
 
     ``ds[i] -> (features, label)``: features as a tensor of the stored dtype (``torch.float16``,
@@ -73,8 +113,6 @@ class FeatureDataset(torch.utils.data.Dataset):
                              "(409 otherwise); open the store URL directly to read an incomplete split")
         # Opened once here so a wrong name or URL fails now, in the main process, and so the
         # shape and metadata are known without a reader; workers reopen (see __getstate__).
-        self._array: Any = None
-        self._pid = -1
         array = self.array
         self.num_samples = int(array.shape[0])
         self.sample_shape: tuple[int, ...] = tuple(int(s) for s in array.sample_shape)
@@ -95,26 +133,13 @@ class FeatureDataset(torch.utils.data.Dataset):
     @property
     def array(self) -> Any:
         """The split's feature reader, opened in this process on first use."""
-        if self._array is None or self._pid != os.getpid():
-            self._array = self._open()
-            self._pid = os.getpid()
-        return self._array
+        return self._reader_here()
 
-    def _open(self) -> Any:
-        if _is_http(self.source):
-            from client.http import FeatureClient
+    def _open_remote(self, client: Any) -> Any:
+        return client.open(self.dataset, self.encoder, self.split)
 
-            return FeatureClient(self.source, token=self.token).open(self.dataset, self.encoder, self.split)
-        import featurestore
-
-        store = featurestore.open_store(self.source, mode="r", **self.storage_options)
+    def _open_store(self, store: Any) -> Any:
         return store.open(self.dataset, self.encoder, self.split, allow_incomplete=self.allow_incomplete)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_array"] = None  # no maps, sessions or sockets cross a process boundary
-        state["_pid"] = -1
-        return state
 
     def __repr__(self) -> str:
         return (f"FeatureDataset({redact_url(self.source)!r}, {self.dataset!r}, {self.encoder!r}, {self.split!r}, "

@@ -15,6 +15,7 @@ import numpy as np
 
 from featurestore import errors as fse
 from featurestore.format import wire
+from featurestore.format.bags import BagLookup
 
 if TYPE_CHECKING:
     from client.http import FeatureClient
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["RemoteBags"]
 
 
-class RemoteBags:
+class RemoteBags(BagLookup):
     """A bag split over HTTP: ``len``, ``ids``, ``lengths`` (int64), ``labels``, ``dim``,
     ``dtype``, ``coords_dtype``, ``coords_unit``, ``patch_size_level0``, ``metadata``, ``num_rows``,
     ``attrs(i_or_id)``, ``label(i_or_id)``, ``index(bag_id)``, ``position(i_or_id)``,
@@ -60,26 +61,8 @@ class RemoteBags:
                 f"dtype={self.dtype!r})")  # fmt: skip
 
     # ------------------------------------------------------------------ lookup
-    def index(self, bag_id: str) -> int:
-        """The position of ``bag_id`` in the split's bag order (``BagNotFound`` if none)."""
-        if self._positions is None:
-            self._positions = {bag: i for i, bag in enumerate(self.ids)}
-        try:
-            return self._positions[bag_id]
-        except (KeyError, TypeError):
-            raise fse.BagNotFound(f"no bag {bag_id!r} in {self.client.url} {'/'.join(self.key)} "
-                                  f"({len(self)} bags): see .ids for the ids it holds") from None  # fmt: skip
-
-    def position(self, bag: int | str) -> int:
-        if isinstance(bag, str):
-            return self.index(bag)
-        if isinstance(bag, (bool, float)) or not isinstance(bag, (int, np.integer)):
-            raise fse.InvalidIndices(f"a bag is an int position or a str id, got {type(bag).__name__} {bag!r}")
-        position = int(bag)
-        if not 0 <= position < len(self):
-            raise fse.IndexOutOfRange(f"bag {position} is out of range for {'/'.join(self.key)} with "
-                                      f"{len(self)} bags: use 0 <= i < {len(self)}, or a bag id")  # fmt: skip
-        return position
+    def _where(self) -> str:
+        return f"{self.client.url} {'/'.join(self.key)}"
 
     @property
     def num_rows(self) -> int:

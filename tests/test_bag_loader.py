@@ -130,7 +130,7 @@ def test_dataset_in_a_dataloader_with_workers(bag_store: str) -> None:
     ds.set_epoch(2)
     ds[0]  # the reader is open in this process: workers must reopen their own
     clone = pickle.loads(pickle.dumps(ds))
-    assert clone._bags is None and clone.epoch == 2
+    assert clone._reader is None and clone.epoch == 2
     loader = torch.utils.data.DataLoader(ds, batch_size=1, num_workers=4, shuffle=False)
     got = list(loader)
     assert len(got) == len(ds)

@@ -77,19 +77,19 @@ def test_split_without_labels_gives_placeholder(local_store: str) -> None:
 def test_pickles_without_open_reader_and_reopens_lazily(ds: FeatureDataset) -> None:
     ds[0]  # make sure this process has an open reader with maps
     state = ds.__getstate__()
-    assert state["_array"] is None
+    assert "_reader" not in state
     blob = pickle.dumps(ds)
     assert len(blob) < 20_000  # metadata and names only, no mapped chunks
     clone = pickle.loads(blob)
-    assert clone._array is None
+    assert clone._reader is None
     features, _ = clone[7]
-    assert clone._array is not None
+    assert clone._reader is not None
     assert torch.equal(features, torch.from_numpy(reference()[0][7]))
 
 
 def test_a_forked_process_reopens_its_reader(ds: FeatureDataset) -> None:
     first = ds.array
-    ds._pid = -2  # what a forked child sees: the opener's pid is not its own
+    ds._reader_pid = -2  # what a forked child sees: the opener's pid is not its own
     assert ds.array is not first
     assert ds.array is ds.array
 

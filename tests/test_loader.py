@@ -191,7 +191,7 @@ class TestSourceSuite:
         ds = self._ds(source)
         ds[0]  # this process now holds an open reader (maps, fsspec session or HTTP client)
         clone = pickle.loads(pickle.dumps(ds))
-        assert clone._array is None and clone.read_path == ds.read_path
+        assert clone._reader is None and clone.read_path == ds.read_path
         assert torch.equal(clone[3][0], _ref()[0][3])
         if source.kind == "http":
             with pytest.raises(ValueError, match="storage_options"):

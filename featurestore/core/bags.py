@@ -17,12 +17,12 @@ import numpy as np
 from featurestore.core.bag_commit import read_strings
 from featurestore.core.reader import FeatureArray
 from featurestore.core.storage import Storage
-from featurestore.errors import BagNotFound, CorruptChunk, IndexOutOfRange, InvalidIndices, ShapeMismatch
+from featurestore.errors import CorruptChunk, IndexOutOfRange, InvalidIndices, ShapeMismatch
 from featurestore.format import bags, dtypes, layout
 from featurestore.format.metadata import SplitMetadata
 
 
-class BagSplit:
+class BagSplit(bags.BagLookup):
     """The bags of one split: ``len``, ``ids``, ``lengths``, ``labels``, ``read(i_or_id)``."""
 
     def __init__(self, storage: Storage, key: str, meta: SplitMetadata,
@@ -64,25 +64,8 @@ class BagSplit:
         """Patches over all bags."""
         return int(self.offsets[-1])
 
-    def index(self, bag_id: str) -> int:
-        """The position of ``bag_id`` (:class:`BagNotFound` if the split has no such bag)."""
-        if self._positions is None:
-            self._positions = {bag: i for i, bag in enumerate(self.ids)}
-        try:
-            return self._positions[bag_id]
-        except (KeyError, TypeError):
-            sample = ", ".join(repr(b) for b in self.ids[:3]) + (", ..." if len(self) > 3 else "")
-            raise BagNotFound(f"no bag {bag_id!r} in {self.key} ({len(self)} bags: {sample or 'none'}): "
-                              "check the id (bags.ids lists them)") from None
-
-    def position(self, i_or_id: int | str) -> int:
-        if isinstance(i_or_id, str):
-            return self.index(i_or_id)
-        if isinstance(i_or_id, (bool, np.bool_)) or not isinstance(i_or_id, (int, np.integer)):
-            raise InvalidIndices(f"a bag is named by its position (int) or id (str), got {type(i_or_id).__name__}")
-        if not 0 <= int(i_or_id) < len(self):
-            raise IndexOutOfRange(f"bag position {int(i_or_id)} is outside [0, {len(self)}) of {self.key}")
-        return int(i_or_id)
+    def _where(self) -> str:
+        return self.key
 
     def attrs(self, i_or_id: int | str) -> dict[str, Any]:
         """The bag's attributes (slide attributes kept by import, or ``add_bag(attrs=)``)."""

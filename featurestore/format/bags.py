@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.errors import InvalidMetadata, InvalidOption, ShapeMismatch
+from featurestore.errors import (BagNotFound, IndexOutOfRange, InvalidIndices, InvalidMetadata, InvalidOption,
+                                 ShapeMismatch)
 from featurestore.format import layout
 
 # Arrays of a bag split (beside the dense split's FEATURES, LABELS: same names, same meaning).
@@ -281,3 +282,38 @@ def seal_problems(table: np.ndarray, crcs: dict[str, list[int | None]], generati
 
 def _chunk_name(name: str, index: int) -> str:
     return layout.chunk_key(name, index, 2 if name in ("features", COORDS) else 1)
+
+
+class BagLookup:
+    """A bag by position or by id, with the same errors in every bag reader (the store's
+    ``BagSplit``, the server's ``RemoteBags``): a reader sets ``ids`` and names itself in
+    :meth:`_where`."""
+
+    ids: list[str]
+    _positions: dict[str, int] | None = None
+
+    def _where(self) -> str:
+        raise NotImplementedError
+
+    def index(self, bag_id: str) -> int:
+        """The position of ``bag_id`` (:class:`BagNotFound` if the split has no such bag)."""
+        if self._positions is None:
+            self._positions = {bag: i for i, bag in enumerate(self.ids)}
+        try:
+            return self._positions[bag_id]
+        except (KeyError, TypeError):
+            sample = ", ".join(repr(b) for b in self.ids[:3]) + (", ..." if len(self.ids) > 3 else "")
+            raise BagNotFound(f"no bag {bag_id!r} in {self._where()} ({len(self.ids)} bags: {sample or 'none'}): "
+                              "check the id (.ids lists them)") from None
+
+    def position(self, i_or_id: int | str) -> int:
+        """The position of a bag named by its position (int) or its id (str)."""
+        if isinstance(i_or_id, str):
+            return self.index(i_or_id)
+        if isinstance(i_or_id, (bool, np.bool_, float)) or not isinstance(i_or_id, (int, np.integer)):
+            raise InvalidIndices(f"a bag is named by its position (int) or id (str), got "
+                                 f"{type(i_or_id).__name__} {i_or_id!r}")
+        if not 0 <= int(i_or_id) < len(self.ids):
+            raise IndexOutOfRange(f"bag position {int(i_or_id)} is outside [0, {len(self.ids)}) of {self._where()}: "
+                                  "use 0 <= i < the number of bags, or a bag id")
+        return int(i_or_id)
