@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from featurestore.core.checked import damage_message
-from featurestore.core.chunk_cache import LOCK_SUFFIX, PART_BYTES, ChunkCache, _unlink
+from featurestore.core.chunk_cache import LOCK_SUFFIX, PART_BYTES, ChunkCache
+from featurestore.core.storage import unlink_quietly
 from featurestore.errors import CorruptChunk, SplitChanged
 from featurestore.format import chunks as chunk_codec
 from featurestore.format import layout
@@ -112,7 +113,7 @@ class CachedArray:
     def drop(self, chunk: int) -> None:
         """Remove a cached chunk found damaged (it is fetched again on its next read)."""
         self._checked.discard((os.getpid(), chunk))
-        _unlink(self.path(chunk))
+        unlink_quietly(self.path(chunk))
 
     def _fill(self, chunk: int) -> bool:
         path = self.path(chunk)

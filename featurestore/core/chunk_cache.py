@@ -38,16 +38,15 @@ import hashlib
 import os
 import threading
 import time
-import uuid
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from featurestore.core import chunk_maps
-from featurestore.core.storage import preallocate, stream_parts
+from featurestore.core.storage import preallocate, stream_parts, temp_path, unlink_quietly
 from featurestore.errors import InvalidStorageOptions
-from featurestore.format.names import TMP_SUFFIX, tmp_name, tmp_writer_pid
+from featurestore.format.names import TMP_SUFFIX, tmp_writer_pid
 
 ENV_DIR = "FEATURESTORE_CACHE_DIR"
 ENV_BYTES = "FEATURESTORE_CACHE_BYTES"
@@ -196,8 +195,7 @@ class ChunkCache:
         False if the disk is full (warned once per :data:`FULL_RETRY_S`). ``check()`` runs between
         the write and the rename. If ``fill`` or ``check`` raises, nothing is kept and the error
         goes on; an error of the cache's own file goes on too, unless the disk is full."""
-        directory = os.path.dirname(path)
-        tmp = os.path.join(directory, tmp_name(os.path.basename(path), os.getpid(), uuid.uuid4().hex[:8]))
+        tmp = temp_path(path)
         try:
             try:
                 f = open(tmp, "wb")
@@ -210,11 +208,11 @@ class ChunkCache:
             check()
             _disk(lambda: os.replace(tmp, path))
         except _CacheFileError as wrapped:
-            _unlink(tmp)
+            unlink_quietly(tmp)
             self.release(nbytes)
             return self._cache_file_failed(wrapped.error)
         except BaseException:
-            _unlink(tmp)
+            unlink_quietly(tmp)
             self.release(nbytes)
             raise
         self.release(nbytes, written=True)
@@ -270,12 +268,12 @@ class ChunkCache:
                 break
             if self._kept(path, mtime):
                 continue
-            _unlink(path)
+            unlink_quietly(path)
             # And its download lock (cached_array), or one empty file per chunk ever cached would
             # stay. A process that found the chunk gone a moment ago may hold that lock; one that
             # comes later makes a new one: at worst the chunk is downloaded twice, each download
             # renamed into place whole.
-            _unlink(f"{path}{LOCK_SUFFIX}")
+            unlink_quietly(f"{path}{LOCK_SUFFIX}")
             directory, name = os.path.split(path)
             # This process's map of it would keep the file's pages and disk blocks (the array's
             # maps are keyed by this directory, reader._array_maps).
@@ -315,7 +313,7 @@ class ChunkCache:
 
                     pid = tmp_writer_pid(name)
                     if pid is None or not pid_alive(pid) or time.time() - st.st_mtime > 600:
-                        _unlink(path)
+                        unlink_quietly(path)
                     continue
                 if name.isdigit():
                     entries.append((st.st_mtime, st.st_size, path))
@@ -393,15 +391,8 @@ def _remove_idle_lock(path: str) -> None:
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _unlink(path)
+        unlink_quietly(path)
     except BlockingIOError:
         pass
     finally:
         os.close(fd)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -139,6 +139,21 @@ _fallocate = _load_libc("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64
 _NO_ROOM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
+def temp_path(path: str) -> str:
+    """The temporary name beside ``path`` under which it is written before its atomic rename:
+    unique per process and call, so concurrent writers never share one; the pid in it tells a
+    resume whether its writer still runs (core.leftovers)."""
+    return os.path.join(os.path.dirname(path), tmp_name(os.path.basename(path), os.getpid(), uuid.uuid4().hex[:8]))
+
+
+def unlink_quietly(path: str) -> None:
+    """Remove ``path`` if it is there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def preallocate(fd: int, nbytes: int) -> None:
     """Reserve ``nbytes`` of disk for the new file ``fd`` (its size becomes ``nbytes``) before it
     is written: the writes then skip ext4's delayed-allocation bookkeeping (200 MB of new files
@@ -236,9 +251,7 @@ class LocalStorage(Storage):
         path = self._path(key)
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
-        # The temp name is unique per process and call, so concurrent writers never share one.
-        # The pid in it tells a resume whether its writer still runs (core.leftovers).
-        tmp = os.path.join(directory, tmp_name(os.path.basename(path), os.getpid(), uuid.uuid4().hex[:8]))
+        tmp = temp_path(path)
         nbytes = sum(memoryview(p).nbytes for p in parts)
         try:
             with open(tmp, "wb") as f:
@@ -250,10 +263,7 @@ class LocalStorage(Storage):
                     os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            unlink_quietly(tmp)
             raise
 
     def copy(self, source: str, target: str) -> None:
@@ -261,7 +271,7 @@ class LocalStorage(Storage):
         # never modified in place afterwards (every write is temp + rename), so sharing it is safe.
         path = self._path(target)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = os.path.join(os.path.dirname(path), tmp_name(os.path.basename(path), os.getpid(), uuid.uuid4().hex[:8]))
+        tmp = temp_path(path)
         try:
             os.link(self._path(source), tmp)
         except OSError as error:
@@ -271,10 +281,7 @@ class LocalStorage(Storage):
         try:
             os.replace(tmp, path)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            unlink_quietly(tmp)
             raise
 
     def exists(self, key: str) -> bool:
