@@ -140,8 +140,8 @@ class FeatureLoader(StreamingLoader):
             n = self.ds.num_samples
             return (sampling.sampler_batch(b, n) for b in sampling.user_batches(self.batch_sampler, self.epoch, skip))
         plan = self.plan()
-        self._read_ahead(self.ds, lambda: [row_chunks(plan.batch(k), self.ds.chunk_rows) for k in range(skip, len(plan))],
-                         skip)
+        rows = self.ds.chunk_rows
+        self._read_ahead(self.ds, lambda: [row_chunks(plan.batch(k), rows) for k in range(skip, len(plan))], skip)
         return (plan.batch(k) for k in range(skip, len(plan)))
 
     def _make_producer(self) -> Transfer:
