@@ -257,6 +257,28 @@ def test_chunks_answered_before_a_generation_check_share_it(seaweed_url: str, se
         front._generation.after(time.monotonic())
 
 
+def test_a_splits_arrays_share_one_generation_check(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    """Features and labels (or a bag split's features and coords) are checked against one split
+    document: their chunks, fetched together, cost one request of it, not one per array."""
+    from featurestore.format import layout
+
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    array = _open(seaweed_url, options, tmp_path)
+    assert array.chunk_cache._generation is array.labels.chunk_cache._generation
+    storage = array.chunk_cache.storage
+    documents = []
+    real_read = storage.read
+    storage.read = lambda key: (documents.append(key) if key.endswith(layout.ZARR_JSON) else None) or real_read(key)
+    answered = time.monotonic()  # a features chunk and a labels chunk answered before it
+    array.chunk_cache._generation.after(answered)
+    array.labels.chunk_cache._generation.after(answered)  # covered by the features chunk's check
+    assert len(documents) == 1
+    index = np.arange(3 * CHUNK_ROWS)
+    assert np.array_equal(array.read_numpy(index), values[index])
+    assert np.array_equal(array.labels.read_numpy(index), index)
+
+
 def test_a_forked_child_does_not_wait_on_its_parents_generation_check(seaweed_url: str, seaweed: Any,
                                                                        tmp_path: Any) -> None:
     """A DataLoader worker forked while a check was in flight (its future never completes in the

@@ -61,7 +61,10 @@ class CachedArray:
         self._last_use: np.ndarray | None = None  # per chunk: the last plan position that reads it
         self._position: Callable[[], int] = lambda: 0
         self._checked: set[tuple[int, int]] = set()  # (pid, chunk) fetched and checked by that process
-        self._generation = _GenerationCheck(self)
+        # One check per split entry, shared by its arrays (features and labels, or features and
+        # coords): one request of the split's document covers the chunks of both.
+        self._generation = cache.generation_check(
+            os.path.dirname(directory), lambda: _GenerationCheck(cache, storage, array_key.rpartition("/")[0], meta))
         os.makedirs(directory, exist_ok=True)
 
     def path(self, chunk: int) -> str:
@@ -171,11 +174,12 @@ class _GenerationCheck:
     after the chunk's GET was answered that still shows this generation, complete, was read
     before any of that began: the chunk is this generation's. Every chunk answered before a check
     was requested is covered by it: the fetch threads share the checks in flight (a statistics
-    row's GET per chunk cost SeaweedFS as much CPU as ~10 % of the chunk bytes here).
+    row's GET per chunk cost SeaweedFS as much CPU as ~10 % of the chunk bytes here), and so do
+    the split's arrays (one check per split entry, :meth:`ChunkCache.generation_check`).
     """
 
-    def __init__(self, front: CachedArray) -> None:
-        self._front = front
+    def __init__(self, cache: ChunkCache, storage: Any, split_key: str, meta: SplitMetadata | None) -> None:
+        self._cache, self._storage, self._split_key, self._meta = cache, storage, split_key, meta
         self._lock = threading.Lock()
         self._passed = float("-inf")  # monotonic time the last passed check was requested at
         self._pending: tuple[float, Future[None]] | None = None
@@ -184,7 +188,7 @@ class _GenerationCheck:
     def after(self, answered_at: float) -> None:
         """Return once a check requested after ``answered_at`` passed; :class:`SplitChanged` if
         the split changed since it was opened (nothing of the chunk is then kept)."""
-        meta = self._front.meta
+        meta = self._meta
         if meta is None or meta.generation is None:
             return  # a split written before generations existed: nothing to compare
         if self._pid != os.getpid():  # forked (a DataLoader worker): the parent's check in flight,
@@ -195,17 +199,16 @@ class _GenerationCheck:
                 return
             if self._pending is None or self._pending[0] < answered_at or self._pending[1].done():
                 requested = time.monotonic()
-                self._pending = (requested, self._front.cache.side_submit(self._check, requested))
+                self._pending = (requested, self._cache.side_submit(self._check, requested))
             pending = self._pending[1]
         pending.result()
 
     def _check(self, requested: float) -> None:
-        front, meta = self._front, self._front.meta
+        meta, split_key = self._meta, self._split_key
         assert meta is not None
-        split_key = front.array_key.rpartition("/")[0]
-        where = f"{split_key} at {front.storage.url}"
+        where = f"{split_key} at {self._storage.url}"
         try:
-            doc = layout.load_document(front.storage.read(f"{split_key}/{layout.ZARR_JSON}"))
+            doc = layout.load_document(self._storage.read(f"{split_key}/{layout.ZARR_JSON}"))
             now = ((doc.get("attributes") or {}).get("featurestore") or {})
         except FileNotFoundError:
             raise SplitChanged(f"{where} is gone (deleted or being overwritten) since it was opened (nothing was "

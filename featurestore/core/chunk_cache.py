@@ -112,6 +112,8 @@ class ChunkCache:
         self._full_until = 0.0  # monotonic time until which the disk is taken as full
         self._no_room_until = 0.0  # everything held is kept by a plan: admit nothing until then
         self._arrays: dict[str, Any] = {}  # array directory -> its front (cached_array.CachedArray)
+        self._checks: dict[str, Any] = {}  # split entry directory -> its generation check
+        self._checks_lock = threading.Lock()  # not _lock: a front is made (and asks) under that one
         self._touched: dict[str, float] = {}
 
     def __repr__(self) -> str:
@@ -126,6 +128,15 @@ class ChunkCache:
             if front is None:
                 front = self._arrays[directory] = make()
         return front
+
+    def generation_check(self, directory: str, make: Callable[[], Any]) -> Any:
+        """The process's one generation check of the split entry ``directory`` (``make()``
+        builds it), shared by the split's arrays."""
+        with self._checks_lock:
+            check = self._checks.get(directory)
+            if check is None:
+                check = self._checks[directory] = make()
+        return check
 
     def entry_directory(self, store_url: str, array_key: str, generation: str | None) -> str:
         """``<dir>/v1/<hash of the store URL>/<split key>/<generation>/<array>``."""
@@ -344,7 +355,7 @@ def _after_fork_in_child() -> None:
     global _shared_lock
     _shared_lock = threading.Lock()
     for cache in _shared.values():
-        cache._lock = threading.Lock()
+        cache._lock, cache._checks_lock = threading.Lock(), threading.Lock()
         cache._inflight, cache._executor, cache._side, cache._pending = {}, None, None, 0
         cache._pid = cache._side_pid = os.getpid()
 
