@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from client import bag_sampling
-from client.dataset import NO_LABEL, OpenedPerProcess, _is_http
+from client.dataset import NO_LABEL, OpenedPerProcess, _is_http, item_index
 from featurestore.core.protocol import BagReader
-from featurestore.errors import IndexOutOfRange, InvalidIndices, InvalidOption
+from featurestore.errors import InvalidOption
 from featurestore.format import dtypes
 from featurestore.format.redact import redact_url
 
@@ -164,14 +164,4 @@ class BagDataset(OpenedPerProcess, torch.utils.data.Dataset):
         return dtypes.to_torch(features, self.dtype), torch.from_numpy(coords), self.label_of(index)
 
     def _check_index(self, index: Any) -> int:
-        if isinstance(index, torch.Tensor) and index.ndim == 0 and not index.dtype.is_floating_point \
-                and index.dtype != torch.bool:
-            index = int(index)
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
-            raise InvalidIndices(f"a bag index must be an integer, but got {index!r} ({type(index).__name__}): "
-                                 "pass an int, e.g. ds[3] (ds.ids.index(bag_id) for a bag id)")
-        index = int(index)
-        if not -self.num_bags <= index < self.num_bags:
-            raise IndexOutOfRange(f"bag index {index} is out of range for a split of {self.num_bags} bags: use "
-                                  f"0 <= index < {self.num_bags} (or a negative index down to -{self.num_bags})")
-        return index + self.num_bags if index < 0 else index
+        return item_index(index, self.num_bags, "bag", "e.g. ds[3] (ds.ids.index(bag_id) for a bag id)")

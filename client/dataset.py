@@ -32,6 +32,23 @@ def _is_http(source: str) -> bool:
     return source.startswith(("http://", "https://"))
 
 
+def item_index(index: Any, count: int, noun: str, example: str) -> int:
+    """``ds[index]``'s position among ``count`` items: an int (a 0-d integer tensor too),
+    Python-style negatives allowed; anything else is one error naming it."""
+    if isinstance(index, torch.Tensor) and index.ndim == 0 and not index.dtype.is_floating_point \
+            and index.dtype != torch.bool:
+        index = int(index)
+    if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+        # int(1.9) would read item 1 and int('3') item 3: refuse, as the server does
+        raise InvalidIndices(f"a {noun} index must be an integer, but got {index!r} ({type(index).__name__}): "
+                             f"pass an int, {example}")
+    index = int(index)
+    if not -count <= index < count:
+        raise IndexOutOfRange(f"{noun} index {index} is out of range for a split of {count} {noun}s: use "
+                              f"0 <= index < {count} (or a negative index down to -{count})")
+    return index + count if index < 0 else index
+
+
 class OpenedPerProcess:
     """A dataset's reader, opened in the process that reads (the datasets below pickle without
     it: a DataLoader worker opens its own, no maps, sessions or sockets cross a process boundary).
@@ -176,19 +193,7 @@ class FeatureDataset(OpenedPerProcess, torch.utils.data.Dataset):
                 labels.fill(NO_LABEL)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(index, torch.Tensor) and index.ndim == 0 and not index.dtype.is_floating_point \
-                and index.dtype != torch.bool:
-            index = int(index)
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
-            # int(1.9) would read row 1 and int('3') row 3: refuse, as the server does
-            raise InvalidIndices(f"a sample index must be an integer, but got {index!r} ({type(index).__name__}): "
-                                 "pass an int, e.g. ds[3]")
-        index = int(index)
-        if not -self.num_samples <= index < self.num_samples:
-            raise IndexOutOfRange(f"index {index} is out of range for a split of {self.num_samples} samples: use "
-                                  f"0 <= index < {self.num_samples} (or a negative index down to -{self.num_samples})")
-        if index < 0:  # Python-style negative indices, as for a list
-            index += self.num_samples
+        index = item_index(index, self.num_samples, "sample", "e.g. ds[3]")
         features, labels = self._read_batch(np.asarray([index], dtype=np.int64))
         return features[0], labels[0]
 
