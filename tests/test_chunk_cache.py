@@ -618,6 +618,29 @@ def test_bag_loader_reads_ahead_through_the_cache_and_matches(seaweed_url: str, 
     plain.close()
 
 
+def test_bag_dataset_in_forked_workers_reads_through_the_cache(seaweed_url: str, seaweed: Any,
+                                                               tmp_path: Any) -> None:
+    """CLAM-style: a BagDataset in a DataLoader with forked workers, the parent having used the
+    cache (and its shared generation check) first: every bag right, every chunk cached once."""
+    import torch
+
+    from client import BagDataset
+
+    options = dict(seaweed.storage_options)
+    bags = _write_bags(seaweed_url, options)
+    ds = BagDataset(seaweed_url, "ds", "enc", "bags", storage_options={**options, "cache_dir": str(tmp_path)})
+    np.testing.assert_array_equal(ds[0][0].numpy(), bags["slide-00"])  # used before the fork
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=2,
+                                         multiprocessing_context="fork")
+    for bag_id, (features, coords, label) in zip(ds.ids, loader, strict=True):
+        np.testing.assert_array_equal(features.numpy(), bags[bag_id])
+        assert len(coords) == len(bags[bag_id]) and int(label) == int(bag_id[-2:])
+    chunks = -(-int(ds.lengths.sum()) // BAG_CHUNK_ROWS)
+    files = _chunk_files(tmp_path)
+    for array in ("features", "coords"):
+        assert len([f for f in files if os.path.basename(os.path.dirname(f)) == array]) == chunks
+
+
 def test_a_cached_bag_reader_of_an_overwritten_split_is_refused(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
     """Bag splits keep the cache's generation rule: a reader that opened the old split and meets
     a chunk not cached yet gets ``SplitChanged``; a reader opened after gets the new bags."""
