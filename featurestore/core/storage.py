@@ -53,25 +53,19 @@ class Storage:
         """Whole values of many keys (concurrently where the backend can)."""
         return [self.read(k) for k in keys]
 
-    def read_whole(self, key: str, size: int, part_bytes: int,
-                   answered: Callable[[], None] | None = None) -> list[Any]:
-        """The value of ``key``, expected to hold ``size`` bytes, as consecutive buffers (a backend
-        may fetch parts of ``part_bytes`` concurrently). A longer value comes back longer than
-        ``size`` (by at least a byte), a shorter one shorter: the caller checks the size.
-        ``answered()`` is called once every request for the value has been answered (a backend
-        that streams calls it before the body has arrived): whatever is read after that call
-        was stored no earlier than the value that comes back."""
-        parts = [self.read(key)]
-        if answered is not None:
-            answered()
-        return parts
-
     def read_whole_into(self, key: str, size: int, part_bytes: int, sink: Callable[[Any], None],
                         answered: Callable[[], None] | None = None) -> None:
-        """:meth:`read_whole`, its buffers handed to ``sink`` in order (a backend that streams
-        hands pieces as they arrive, and holds no buffer of the whole value)."""
-        for part in self.read_whole(key, size, part_bytes, answered):
-            sink(part)
+        """The value of ``key``, expected to hold ``size`` bytes, handed to ``sink`` as consecutive
+        buffers (a backend may fetch parts of ``part_bytes`` concurrently, or stream pieces as they
+        arrive and hold no buffer of the whole value). A longer value comes longer than ``size``
+        (by at least a byte), a shorter one shorter: the caller checks the size. ``answered()``
+        is called once every request for the value has been answered (a backend that streams calls
+        it before the body has arrived): whatever is read after that call was stored no earlier
+        than the value that comes back."""
+        data = self.read(key)
+        if answered is not None:
+            answered()
+        sink(data)
 
     def write(self, key: str, *parts: bytes | memoryview) -> None:
         """Store the concatenation of ``parts`` under ``key``, atomically."""
@@ -257,7 +251,7 @@ class LocalStorage(Storage):
             with open(tmp, "wb") as f:
                 # several parts (the chunk and its crc) without a joined copy
                 stream_parts(f, parts, seal=seal,
-                        writeback=self.writeback and not self.fsync and nbytes >= WRITEBACK_MIN_BYTES)
+                             writeback=self.writeback and not self.fsync and nbytes >= WRITEBACK_MIN_BYTES)
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
