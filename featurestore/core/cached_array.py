@@ -152,16 +152,18 @@ class CachedArray:
         key = layout.chunk_key(self.array_key, chunk, self.ndim)
         received = _Received(self.chunk_nbytes - layout.CRC_BYTES)
 
+        def refuse(problem: str | None) -> None:
+            if problem is not None:
+                raise CorruptChunk(damage_message(f"chunk {self.storage.url}/{key}", problem))
+
         def sink(piece: Any) -> None:
             received.add(piece)
             if received.size > self.chunk_nbytes:  # a longer object: no need to stream the rest
-                raise CorruptChunk(damage_message(f"chunk {self.storage.url}/{key}", received.problem(self.chunk_nbytes)))
+                refuse(received.problem(self.chunk_nbytes))
             write(piece)
 
         self.storage.read_whole_into(key, self.chunk_nbytes, PART_BYTES, sink, lambda: answered(time.monotonic()))
-        problem = received.problem(self.chunk_nbytes)
-        if problem is not None:
-            raise CorruptChunk(damage_message(f"chunk {self.storage.url}/{key}", problem))
+        refuse(received.problem(self.chunk_nbytes))
 
 
 class _GenerationCheck:
