@@ -86,10 +86,10 @@ class CachedEpochs:
         directory = self._cache_dir()
         loader = self._loader(self.url, {**self.options, "cache_dir": directory})
         first = self._epoch(loader, 0, EPOCH1)
-        _cold(directory)
+        evict_cold(directory)
         second = self._epoch(loader, 1)
         loader.close()
-        _remove(directory)
+        remove_cache(directory)
         return first, second
 
     def half_cache(self) -> tuple[float, float]:
@@ -103,18 +103,18 @@ class CachedEpochs:
             speeds.append(self._epoch(loader, epoch))
             self.downloaded[name].append((storage.bytes_read - before) / self.nbytes)
         loader.close()
-        _remove(directory)
+        remove_cache(directory)
         return speeds[0], speeds[1]
 
     def local_cold(self) -> float:
         loader = self._loader(self.local, {})
-        _cold(self.local)
+        evict_cold(self.local)
         speed = self._epoch(loader, 0)
         loader.close()
         return speed
 
 
-def _cold(path: str) -> None:
+def evict_cold(path: str) -> None:
     """Evict ``path``'s files from the page cache; the process's chunk maps go first (a page
     still mapped is not dropped)."""
     from featurestore.core import chunk_maps
@@ -123,7 +123,29 @@ def _cold(path: str) -> None:
     evict(path)
 
 
-def _remove(directory: str) -> None:
+def fetch_whole(store: Any, keys: list[str], in_flight: int = 8) -> int:
+    """GET every object of ``keys`` whole, ``in_flight`` at a time (obstore ``store``): the
+    server's own limit for these bytes (the ceilings of ``bench s3``). Returns the bytes read."""
+    import asyncio
+
+    import obstore
+
+    from featurestore.core.storage_obstore import run as run_async
+
+    async def get_all() -> int:
+        semaphore = asyncio.Semaphore(in_flight)
+
+        async def get(key: str) -> int:
+            async with semaphore:
+                result = await obstore.get_async(store, key)
+                return len(await result.bytes_async())
+
+        return sum(await asyncio.gather(*(get(k) for k in keys)))
+
+    return run_async(get_all())
+
+
+def remove_cache(directory: str) -> None:
     """Remove a repeat's cache directory. Its files are still mapped by the process's chunk maps,
     which would keep their pages (dirty: never written back) after the unlink: repeat after repeat
     they pile up until the kernel's writeback starts, and later repeats pay for the earlier ones
