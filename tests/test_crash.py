@@ -88,8 +88,11 @@ def _wait_for(proc: subprocess.Popen[bytes], line: str, timeout: float = 60.0) -
         if remaining <= 0:
             proc.kill()
             raise AssertionError(f"no {line!r} from the writer within {timeout}s; saw {seen}")
-        ready, _, _ = select.select([fd], [], [], remaining)
-        if not ready:
+        # poll, not select(): the process may hold descriptors past 1024 (chunk maps are bounded
+        # by a quarter of RLIMIT_NOFILE, 20000 here), which select() refuses
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(remaining * 1000):
             continue
         data = os.read(fd, 65536)
         if not data:
