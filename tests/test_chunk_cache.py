@@ -654,3 +654,19 @@ def test_a_cached_bag_reader_of_an_overwritten_split_is_refused(seaweed_url: str
         np.testing.assert_array_equal(fresh.read_numpy(bag_id)[0], values)
     with pytest.raises(SplitChanged, match="another generation"):
         early.read_numpy("slide-19")
+
+
+def test_caches_of_one_process_share_its_fetch_threads(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    """A pool per cache directory left FETCH_THREADS idle threads behind for every directory a
+    process ever opened (one per repeat in ``bench s3``)."""
+    import threading
+
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    for i in range(3):
+        cached = _open(seaweed_url, options, tmp_path / f"cache{i}")
+        assert np.array_equal(cached.read_numpy(np.arange(N)), values)
+    names = [t.name for t in threading.enumerate()]
+    fetchers = [n for n in names if n.startswith("featurestore-cache_")]
+    checkers = [n for n in names if n.startswith("featurestore-cache-seal_")]
+    assert 0 < len(fetchers) <= chunk_cache.FETCH_THREADS and len(checkers) <= chunk_cache.FETCH_THREADS, names

@@ -84,7 +84,8 @@ def parse_bytes(value: Any, source: str) -> int:
 
 
 class ChunkCache:
-    """One cache directory as this process sees it (its limit, its fetch threads, its counts)."""
+    """One cache directory as this process sees it (its limit, its downloads in flight, its counts);
+    the fetch threads are the process's, shared by its caches."""
 
     def __init__(self, directory: str, max_bytes: int | None = None) -> None:
         self.directory = os.path.abspath(os.path.expanduser(directory))
@@ -105,9 +106,6 @@ class ChunkCache:
         self._pending = 0  # bytes reserved by this process's downloads not written yet
         self._lock = threading.Lock()
         self._inflight: dict[str, Future[bool]] = {}
-        self._executor: ThreadPoolExecutor | None = None
-        self._side: ThreadPoolExecutor | None = None
-        self._side_pid = os.getpid()
         self._pid = os.getpid()
         self._full_until = 0.0  # monotonic time until which the disk is taken as full
         self._no_room_until = 0.0  # everything held is kept by a plan: admit nothing until then
@@ -149,24 +147,19 @@ class ChunkCache:
         """``fn`` on a fetch thread, once per ``key`` at a time in this process."""
         with self._lock:
             if self._pid != os.getpid():  # forked: the parent's threads and downloads are not ours
-                self._executor, self._inflight, self._pid = None, {}, os.getpid()
+                self._inflight, self._pid = {}, os.getpid()
             future = self._inflight.get(key)
             if future is not None:
                 return future
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="featurestore-cache")
-            future = self._executor.submit(fn)
+            future = _pool(_FETCH_POOL).submit(fn)
             self._inflight[key] = future
         future.add_done_callback(lambda _: self._forget(key, future))
         return future
 
     def side_submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        """``fn(*args)`` on a thread of its own pool (small requests a download waits on)."""
-        with self._lock:
-            if self._side is None or self._side_pid != os.getpid():
-                self._side = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="featurestore-cache-seal")
-                self._side_pid = os.getpid()
-            return self._side.submit(fn, *args)
+        """``fn(*args)`` on a thread of another pool (small requests a download waits on: on the
+        fetch threads they could wait behind the downloads waiting on them)."""
+        return _pool(_SIDE_POOL).submit(fn, *args)
 
     def _forget(self, key: str, future: Future[bool]) -> None:
         with self._lock:
@@ -348,16 +341,34 @@ class ChunkCache:
 _shared: dict[tuple[str, int | None], ChunkCache] = {}
 _shared_lock = threading.Lock()
 
+_FETCH_POOL = "featurestore-cache"
+_SIDE_POOL = "featurestore-cache-seal"
+# The process's fetch and side threads, shared by all its caches: a pool per cache directory
+# would leave FETCH_THREADS idle threads behind for every directory the process ever opened
+# (``bench s3`` opens one per repeat: 146 threads after 10), and FETCH_THREADS is a per-process
+# bound on downloads in flight.
+_pools: dict[str, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(name: str) -> ThreadPoolExecutor:
+    with _pools_lock:
+        pool = _pools.get(name)
+        if pool is None:
+            pool = _pools[name] = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix=name)
+        return pool
+
 
 def _after_fork_in_child() -> None:
     # A forked child (a DataLoader worker) keeps the caches but none of the parent's threads,
     # downloads in flight or held locks.
-    global _shared_lock
-    _shared_lock = threading.Lock()
+    global _shared_lock, _pools_lock
+    _shared_lock, _pools_lock = threading.Lock(), threading.Lock()
+    _pools.clear()
     for cache in _shared.values():
         cache._lock, cache._checks_lock = threading.Lock(), threading.Lock()
-        cache._inflight, cache._executor, cache._side, cache._pending = {}, None, None, 0
-        cache._pid = cache._side_pid = os.getpid()
+        cache._inflight, cache._pending = {}, 0
+        cache._pid = os.getpid()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -365,7 +376,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def shared(directory: str, max_bytes: int | None) -> ChunkCache:
     """The process's one :class:`ChunkCache` for ``directory`` (every store opened with it shares
-    its fetch threads, its downloads in flight and its loaders' plans)."""
+    its downloads in flight and its loaders' plans)."""
     key = (os.path.abspath(os.path.expanduser(directory)), max_bytes)
     with _shared_lock:
         cache = _shared.get(key)
