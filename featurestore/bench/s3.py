@@ -25,7 +25,9 @@ repeats interleaved so that every ratio compares figures taken side by side:
 
 The server's volume files were just written, so its reads come from the page cache (warm). The
 server and this process share the machine's cores: on a small machine the server's CPU is part of
-the limit, which the ceiling measures too.
+the limit, which the ceiling measures too. ``--link-gbit G`` puts a link of ``G`` Gbit/s between
+them instead (:mod:`featurestore.bench.link`: root, a private network namespace), the regime of
+object storage reached over a network.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench import s3_bags, s3_cache
+from featurestore.bench import link, s3_bags, s3_cache
 from featurestore.bench.common import CpuClock, gbps, save_json
+from featurestore.errors import InvalidOption
 
 TARGETS = {"read_vs_ceiling": 0.5, "read_vs_zarr": 10.0, "loader_vs_ceiling": 0.5, "write_vs_put": 0.5,
            "read_vs_bare_ranges": 0.8, **s3_cache.TARGETS}
@@ -71,6 +74,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--bags", type=int, default=48, help="slides of the bag figures (0: skip them)")
     parser.add_argument("--bag-median", type=int, default=2000, help="median patches per slide")
     parser.add_argument("--bag-dim", type=int, default=1024, help="feature width of the bag split")
+    parser.add_argument("--link-gbit", type=float, default=None,
+                        help="put a link of this many Gbit/s between the bench and SeaweedFS (root: a private network "
+                             "namespace, tc); default: bare loopback, where both share the cores")
     parser.add_argument("--endpoint", default=None, help="use this S3 endpoint instead of starting SeaweedFS")
     parser.add_argument("--bucket", default="featurestore-bench")
     parser.add_argument("--key", default=None)
@@ -80,6 +86,15 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    link_gbit = getattr(args, "link_gbit", None)
+    if link_gbit is not None:
+        if args.endpoint:
+            raise InvalidOption(f"--link-gbit {link_gbit:g} shapes the loopback of the SeaweedFS the bench starts; "
+                                "leave it out with --endpoint (that server's own network is the link)")
+        if not link_gbit > 0:
+            raise InvalidOption(f"--link-gbit {link_gbit:g} must be a positive speed in Gbit/s, such as 10")
+        if not link.isolated():
+            return link.run_isolated(run, argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"}))
     if args.endpoint:
         options = {"endpoint_url": args.endpoint}
         if args.key:
@@ -93,7 +108,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with seaweed_server(args.workdir, extra_args=extra) as server:
         server.create_bucket(args.bucket)
         flags = " ".join((*READ_TUNED_ARGS, *extra))
-        return _bench(args, server.storage_options, server=f"SeaweedFS on loopback ({server.endpoint}, {flags})",
+        where = "on loopback"
+        if link_gbit is not None:
+            where = "over a " + link.shape(int(server.endpoint.rsplit(":", 1)[1]), link_gbit)
+        return _bench(args, server.storage_options, server=f"SeaweedFS {where} ({server.endpoint}, {flags})",
                       server_pid=server.process.pid)
 
 

@@ -1,0 +1,110 @@
+"""A network link of a set speed between ``bench s3`` and its SeaweedFS server (``--link-gbit``).
+
+On loopback nothing lies between the bench and the server but the machine's cores, which they
+share: every figure of ``bench s3``, the whole-object ceiling included, is then bound by CPU, and
+what the chunk cache adds (writing each byte into the page cache once, gathering it into batches)
+competes with the server for the same cores. A training node reaches object storage over a
+network whose speed is the limit instead (an S3 endpoint: a few Gbit/s per connection, 10-100
+per node; a MinIO on a 10 GbE LAN: 10).
+
+With ``--link-gbit G`` the bench runs in a child process inside a private network namespace
+(its own loopback, gone with the process: nothing on the host changes or is left behind), where
+the responses from the S3 port are shaped to ``G`` Gbit/s by an HTB class (``tc``). SeaweedFS's
+own traffic between its filer and volume server, and uploads, are not shaped.
+
+Needs Linux, root (``unshare(CLONE_NEWNET)`` and ``tc`` need CAP_SYS_ADMIN and CAP_NET_ADMIN)
+and iproute2's ``ip`` and ``tc``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import shutil
+import subprocess
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from featurestore.errors import InvalidOption
+
+_CLONE_NEWNET = 0x40000000
+_isolated = False
+
+
+def isolated() -> bool:
+    """Whether this process already runs in the private network namespace of :func:`run_isolated`."""
+    return _isolated
+
+
+def run_isolated(fn: Callable[[Any], Any], arg: Any) -> Any:
+    """``fn(arg)`` in a spawned child process in a private network namespace; its return value.
+    The child's output goes to this process's stdout and stderr."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise InvalidOption(f"--link-gbit needs iproute2's {' and '.join(missing)} on PATH (apt-get install "
+                            "iproute2), or leave --link-gbit out")
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads yet, nothing inherited
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_child, args=(fn, arg, sender), name="featurestore-bench-link")
+    child.start()
+    sender.close()
+    try:
+        status, value = receiver.recv()
+    except EOFError:
+        child.join()
+        raise RuntimeError(f"the bench's child process exited with code {child.exitcode} before it answered "
+                           "(see its output above)") from None
+    finally:
+        receiver.close()
+    child.join()
+    if status == "refused":
+        raise InvalidOption(value)
+    if status == "error":
+        raise RuntimeError(f"the bench failed in its child process:\n{value}")
+    return value
+
+
+def shape(port: int, gbit: float) -> str:
+    """Shape the responses from TCP ``port`` on this namespace's loopback to ``gbit`` Gbit/s;
+    a description of the link for the report."""
+    if not _isolated:
+        raise RuntimeError("shape() only runs inside run_isolated(): it changes the loopback it runs on")
+    rate_bytes = gbit * 1e9 / 8
+    burst = max(64 << 10, int(rate_bytes / 250))  # 4 ms of traffic: above a timer tick's worth at any rate
+    for command in (
+        "qdisc add dev lo root handle 1: htb default 10",
+        "class add dev lo parent 1: classid 1:10 htb rate 400gbit",  # the rest of loopback: unshaped
+        f"class add dev lo parent 1: classid 1:20 htb rate {gbit}gbit burst {burst} cburst {burst}",
+        f"filter add dev lo parent 1: protocol ip u32 match ip sport {int(port)} 0xffff flowid 1:20",
+    ):
+        subprocess.run(["tc", *command.split()], check=True, capture_output=True, text=True)
+    return f"{gbit:g} Gbit/s link (responses from the S3 port shaped by tc htb, private network namespace)"
+
+
+def _child(fn: Callable[[Any], Any], arg: Any, sender: Any) -> None:
+    global _isolated
+    try:
+        refusal = _enter_private_network()
+        if refusal is not None:
+            sender.send(("refused", refusal))
+            return
+        _isolated = True
+        sender.send(("ok", fn(arg)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent, which raises it
+        sender.send(("error", traceback.format_exc()))
+    finally:
+        sender.close()
+
+
+def _enter_private_network() -> str | None:
+    """Move this (single-threaded) process into a new network namespace with its loopback up;
+    the refusal's message if it may not."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWNET) != 0:
+        error = ctypes.get_errno()
+        return (f"--link-gbit needs root to make a private network namespace (unshare: {os.strerror(error)}): "
+                "run the bench as root, or leave --link-gbit out")
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True, capture_output=True)
+    return None

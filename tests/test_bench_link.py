@@ -1,0 +1,97 @@
+"""``bench s3 --link-gbit``: a link of a set speed between the bench and its server, in a private
+network namespace (featurestore.bench.link). Real namespaces and ``tc``; needs root."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from featurestore.bench import link
+from featurestore.cli import main
+
+PAYLOAD = 4 << 20  # 4 MiB: ~1 ms over bare loopback, 0.34 s over 0.1 Gbit/s
+
+
+def _can_isolate() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (a network namespace and tc)"
+    if shutil.which("tc") is None or shutil.which("ip") is None:
+        return "needs iproute2's tc and ip"
+    return None
+
+
+needs_isolation = pytest.mark.skipif(_can_isolate() is not None, reason=str(_can_isolate()))
+
+
+def _host_qdiscs() -> str:
+    return subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True, check=True).stdout
+
+
+def download_seconds(gbit: float | None) -> tuple[float, str, str]:
+    """Run in the isolated child: serve PAYLOAD bytes on 127.0.0.1, shape the port to ``gbit``
+    (None: unshaped), download them; (seconds, link description, this namespace's qdiscs)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", str(PAYLOAD))
+            self.end_headers()
+            self.wfile.write(bytes(PAYLOAD))
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    described = link.shape(port, gbit) if gbit is not None else ""
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as response:
+        got = len(response.read())
+    seconds = time.perf_counter() - t0
+    server.shutdown()
+    assert got == PAYLOAD
+    return seconds, described, _host_qdiscs()
+
+
+@needs_isolation
+def test_the_link_shapes_the_port_in_a_namespace_of_its_own() -> None:
+    before = _host_qdiscs()
+    bare = link.run_isolated(download_seconds, None)[0]
+    seconds, described, inside = link.run_isolated(download_seconds, 0.1)
+    expected = PAYLOAD * 8 / 0.1e9  # 0.34 s
+    assert seconds > 0.6 * expected and bare < 0.2 * expected, (seconds, bare)
+    assert "0.1 Gbit/s" in described and "htb" in inside  # shaped in the child's namespace...
+    assert _host_qdiscs() == before  # ...and the host's loopback never changed
+
+
+def test_shape_refuses_to_touch_the_loopback_it_runs_on() -> None:
+    with pytest.raises(RuntimeError, match="run_isolated"):
+        link.shape(9, 1.0)
+
+
+@needs_isolation
+def test_an_error_in_the_child_comes_back_with_its_traceback() -> None:
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        link.run_isolated(_divide, 0)
+
+
+def _divide(value: int) -> float:
+    return 1 / value
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--link-gbit", "10", "--endpoint", "http://127.0.0.1:9"], "leave it out with --endpoint"),
+    (["--link-gbit", "0"], "must be a positive speed"),
+])
+def test_bad_link_flags_are_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["bench", "s3", *argv])
+    err = capsys.readouterr().err
+    assert status != 0 and message in err and len(err.strip().splitlines()) == 1, err
