@@ -4,8 +4,8 @@ On loopback nothing lies between the bench and the server but the machine's core
 share: every figure of ``bench s3``, the whole-object ceiling included, is then bound by CPU, and
 what the chunk cache adds (writing each byte into the page cache once, gathering it into batches)
 competes with the server for the same cores. A training node reaches object storage over a
-network whose speed is the limit instead (an S3 endpoint: a few Gbit/s per connection, 10-100
-per node; a MinIO on a 10 GbE LAN: 10).
+network whose speed is the limit instead (a cloud GPU node's network: tens of Gbit/s, shared by
+its ranks; a MinIO on a 10 GbE LAN: 10).
 
 With ``--link-gbit G`` the bench runs in a child process inside a private network namespace
 (its own loopback, gone with the process: nothing on the host changes or is left behind), where
