@@ -199,3 +199,19 @@ def test_partial_state_dict_is_a_clear_error(store: str) -> None:
         loader.load_state_dict([1, 2])  # type: ignore[arg-type]
     loader.load_state_dict({"epoch": 1, "batch": 2})
     assert loader.epoch == 1 and len(list(loader)) == len(loader) - 2
+
+
+def test_check_buffers_go_once_every_chunk_is_checked(store: str) -> None:
+    """The first read of each chunk checks it whole in buffers of one process-wide pool; once all
+    chunks of the array are checked, no check is left to come and the idle buffers go."""
+    from featurestore.core import checked
+
+    ds = FeatureDataset(store, DATASET, ENCODER, "f32")
+    array = ds.array
+    assert array.num_chunks > 2
+    checked.release_buffers()
+    array.read_numpy(np.arange(array.chunk_rows + 1))  # two chunks checked, the rest still to come
+    assert checked._pool().free_bytes > 0
+    array.read_numpy(np.arange(len(array)))
+    assert checked._pool().free_bytes == 0
+    assert np.array_equal(array.read_numpy(np.arange(len(array))), reference()[0])

@@ -33,6 +33,7 @@ import numpy as np
 
 from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup, evict
 from featurestore.bench.common import save_json
+from featurestore.core import checked
 
 DATASET, ENCODER = "bench", "loader"
 
@@ -212,9 +213,13 @@ def _rss(store: str, args: argparse.Namespace) -> dict[str, Any]:
     elements = int(np.prod(_shape(args)))
     stored_itemsize = 4 if args.dtype == "float32" else 2
     # docs/LOADER.md: (prefetch + 3) float32 batches handed out or idle in the pool, plus one
-    # staging batch at the stored width for the CPU upcast, plus a constant (thread stacks,
-    # intra-op thread arenas).
-    bound = (args.prefetch + 3) * args.batch_size * elements * 4 + args.batch_size * elements * stored_itemsize
+    # staging batch per prefetch thread at the stored width for the CPU upcast, plus the buffers
+    # in which each thread checks chunks whole on their first read (checked reads: CHECK_BYTES at
+    # a time; idle ones go once every chunk is checked), plus a constant (thread stacks, intra-op
+    # thread arenas).
+    threads = int(out["N"]["num_threads"])
+    bound = (args.prefetch + 3) * args.batch_size * elements * 4 + threads * (
+        args.batch_size * elements * stored_itemsize + checked.CHECK_BYTES)
     constant = 32 << 20
     out["growth_bytes"] = growth
     out["bound_bytes"] = bound
@@ -267,6 +272,7 @@ def _child_epoch(store: str, split: str, batch_size: int, prefetch: int) -> dict
     sampler.join()
     peak = max(s[1] for s in samples) if samples else baseline
     return {"num_samples": ds.num_samples, "store_bytes": ds.num_samples * ds.sample_nbytes, "epoch_s": epoch,
+            "num_threads": loader.num_threads,
             "baseline_anon": baseline, "peak_anon": peak, "peak_file": max((s[2] for s in samples), default=0),
             "samples": samples[:: max(1, len(samples) // 400)], "checksum": checksum}
 
@@ -381,7 +387,7 @@ def _print_and_save(results: dict[str, Any], path: str | None) -> int:
                   f"file-backed peak {c['peak_file'] / 2**20:.1f} MiB)")
         print(f"  loader's own anonymous memory: N {r['loader_bytes']['N'] / 2**20:.1f} MiB, 4N "
               f"{r['loader_bytes']['4N'] / 2**20:.1f} MiB (growth {r['growth_bytes'] / 2**20:+.1f} MiB); bound "
-              f"(prefetch + 3) batches + staging = {r['bound_bytes'] / 2**20:.1f} MiB + 32 MiB constant: "
+              f"(prefetch + 3) batches + staging + check buffers = {r['bound_bytes'] / 2**20:.1f} MiB + 32 MiB constant: "
               f"{'ok' if r['ok'] else 'EXCEEDED'}")
     g = results.get("cgroup", {})
     if "skipped" in g:

@@ -46,11 +46,11 @@ def check_files(paths: Sequence[str], payload_bytes: int, executor: Any = None) 
     threads keep as many requests in flight as there are threads, where faulting a map in one
     thread per chunk kept one small read-ahead request each (a bag of a few chunks read cold ran
     at ~0.5x of the same bytes read in parallel pieces, issue 23). Buffered reads: the pages stay
-    cached for the gather that follows. Chunks are checked ``_GROUP_BYTES`` at a time, in buffers
+    cached for the gather that follows. Chunks are checked ``CHECK_BYTES`` at a time, in buffers
     of one pool, so the memory it takes is bounded whatever the number of chunks."""
     reasons: list[str | None] = [None] * len(paths)
     expected = payload_bytes + CRC_BYTES
-    per_group = max(1, _GROUP_BYTES // expected)
+    per_group = max(1, CHECK_BYTES // expected)
     for first in range(0, len(paths), per_group):
         fds: dict[int, int] = {}
         try:
@@ -91,15 +91,23 @@ def check_files(paths: Sequence[str], payload_bytes: int, executor: Any = None) 
 
 
 _PIECE = 1 << 20  # bytes per positional read of a chunk being checked
-_GROUP_BYTES = 64 << 20  # chunk bytes checked at once (the buffers they take)
+CHECK_BYTES = 64 << 20  # chunk bytes one call checks at once (the buffers it takes; one chunk if larger)
 _POOL: BufferPool | None = None
 
 
 def _pool() -> BufferPool:
     global _POOL
     if _POOL is None:
-        _POOL = BufferPool(keep=8, max_free_bytes=_GROUP_BYTES)
+        _POOL = BufferPool(keep=8, max_free_bytes=CHECK_BYTES)
     return _POOL
+
+
+def release_buffers() -> None:
+    """Unmap the idle buffers of checked reads (up to ``CHECK_BYTES``). A reader calls it once
+    every chunk of its array is checked: the first epoch is over, and a long run would otherwise
+    hold them to the end for checks that no longer come (another array's next check maps anew)."""
+    if _POOL is not None:
+        _POOL.clear()
 
 
 class Verified:
@@ -116,9 +124,15 @@ class Verified:
                 self._done, self._pid = set(), os.getpid()
             return [c for c in chunks if c not in self._done]
 
-    def add(self, chunks: Sequence[int]) -> None:
+    def add(self, chunks: Sequence[int], total: int | None = None) -> None:
+        """Record ``chunks`` as checked; once all ``total`` chunks of the array are, the
+        process's idle check buffers go (:func:`release_buffers`)."""
         with self._lock:
+            before = len(self._done)
             self._done.update(chunks)
+            finished = total is not None and before < total <= len(self._done)
+        if finished:
+            release_buffers()
 
     def __getstate__(self) -> dict[str, object]:
         return {}  # a new process verifies for itself

@@ -101,6 +101,10 @@ class FeatureArray(CachedPath):
         return self.shape[0] * self.sample_nbytes
 
     @property
+    def num_chunks(self) -> int:
+        return layout.num_chunks(self.shape[0], self.chunk_rows)
+
+    @property
     def ids(self) -> list[str] | None:
         if not self._storage.exists(f"{self._split_key}/{layout.IDS}/{layout.ZARR_JSON}"):
             return None
@@ -194,7 +198,7 @@ class FeatureArray(CachedPath):
             chunk, reason = next(iter(sorted(damaged.items())))
             more = f" (and {len(damaged) - 1} more chunk(s) read by the same batch)" if len(damaged) > 1 else ""
             raise CorruptChunk(checked.damage_message(f"chunk {chunk} of {self._key} ({where(chunk)}){more}", reason))
-        self._verified.add(pending)
+        self._verified.add(pending, self.num_chunks)
         return fresh
 
     def _missing(self, chunk: str | None) -> MissingChunks:

@@ -34,6 +34,7 @@ class CachedPath:
     _ndim: int
     _warm_since: float
     chunk_rows: int
+    num_chunks: int
     sample_nbytes: int
     metadata: dict[str, Any]
     path: str
@@ -95,7 +96,7 @@ class CachedPath:
         pending = self._verified.pending([c for c in wanted if c not in skip])
         mine = [c for c in pending if front.checked_here(c)]  # fetched by this process's threads: checked then
         if mine:
-            self._verified.add(mine)
+            self._verified.add(mine, self.num_chunks)
             pending = [c for c in pending if not front.checked_here(c)]
         payload = self.chunk_rows * self.sample_nbytes
 
@@ -105,7 +106,7 @@ class CachedPath:
         except FileNotFoundError:  # evicted under us: find which, one file at a time
             reasons = [_check_one(path, payload) for path in paths]
         damaged = {c: r for c, r in zip(pending, reasons) if r is not None}
-        self._verified.add([c for c in pending if c not in damaged])
+        self._verified.add([c for c in pending if c not in damaged], self.num_chunks)
         return sorted(damaged)
 
     def _local_attempt(self, index: np.ndarray, rows: np.ndarray) -> bool:
