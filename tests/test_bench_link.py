@@ -95,3 +95,17 @@ def test_bad_link_flags_are_one_line(argv: list[str], message: str, capsys: pyte
     status = main(["bench", "s3", *argv])
     err = capsys.readouterr().err
     assert status != 0 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@needs_isolation
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
+def test_without_the_right_to_a_namespace_it_says_so_in_one_line() -> None:
+    import sys
+
+    # Root without CAP_SYS_ADMIN: unshare(CLONE_NEWNET) is refused, as for any other user.
+    code = "from featurestore.cli import main; raise SystemExit(main(['bench', 's3', '--link-gbit', '10']))"
+    proc = subprocess.run(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable, "-c", code],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--link-gbit needs root" in lines[0] and "Operation not permitted" in lines[0], lines
