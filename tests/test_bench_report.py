@@ -138,7 +138,10 @@ def test_s3_bench_runs_and_reports(tmp_path: Path, seaweed: object, capsys: pyte
     assert set(s3_bags.FIGURES) <= set(out["gb_per_s"]) and "bags_cache_epoch1_vs_ceiling" in out["ratios"]
     # CPU per GB of the ceiling and cache epoch 1 (client only: --endpoint gives no server pid)
     cpu = out["cpu_ms_per_gb"]
-    assert set(cpu) == {"ceiling (whole chunks, 8 GETs)", "cache epoch 1 (empty, full-size cache)"}, cpu
+    from featurestore.bench import s3_cache
+
+    assert set(cpu) == {"ceiling (whole chunks, 8 GETs)", "cache epoch 1 (empty, full-size cache)", s3_cache.FILL}, cpu
+    assert s3_cache.FILL in out["gb_per_s"] and "cache_epoch1_vs_fill_ceiling" in out["ratios"]
     assert all(client > 0 and server is None for client, server in cpu.values()), cpu
     rows = report.throughput_rows({"benches": {"s3": {"result": out}}})
     assert any(title.startswith("S3 (SeaweedFS") for title in rows)

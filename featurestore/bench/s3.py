@@ -16,7 +16,8 @@ repeats interleaved so that every ratio compares figures taken side by side:
   at once (obstore, no featurestore code): what the ranged path is measured against;
 * the chunk cache (``cache_dir``, :mod:`featurestore.bench.s3_cache`): loader epochs 1 and 2
   through a cache as large as the split, two epochs through a half-size cache (bytes downloaded
-  per epoch), and a local cold loader over the same bytes; the CPU milliseconds per GB that the
+  per epoch), a local cold loader over the same bytes, and the cache fill ceiling (the chunk
+  objects streamed whole into new files: what filling any cache costs this machine); the CPU milliseconds per GB that the
   ceiling and cache epoch 1 cost this process and the server (``/proc``), load-independent where
   the speeds are not, and epoch 1's ratio paired per repeat;
 * slide bags (:mod:`featurestore.bench.s3_bags`): ``BagLoader`` epochs over a bag split without a
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 import uuid
 from typing import Any
@@ -269,8 +271,16 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
             reads["half cache epoch 2"].append(second)
             return first
 
+        def fill_ceiling() -> float:
+            before = clock.read()
+            t0 = time.perf_counter()
+            got = s3_cache.fill_whole(storage._store, chunk_keys, os.path.join(cached.work, "fill"))
+            seconds = time.perf_counter() - t0
+            s3_cache.record_cpu(cpu, s3_cache.FILL, before, clock.read(), got)
+            return gbps(got, seconds)
+
         for name, fn in (("cache epoch 1 (empty, full-size cache)", full_cache), ("half cache epoch 1", half_cache),
-                         ("local cold loader", cached.local_cold)):
+                         ("local cold loader", cached.local_cold), (s3_cache.FILL, fill_ceiling)):
             reads[name] = []
             methods[name] = fn
         reads["cache epoch 2 (filled, cold files)"] = []

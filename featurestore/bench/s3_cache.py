@@ -8,6 +8,9 @@ Figures, each a ``FeatureLoader`` epoch of the uniform shuffle (device cpu, stor
 * ``local cold loader``: the same bytes in a local store, evicted from the page cache;
 * ``half cache epoch 1/2``: a cache of half the split's bytes, two epochs; the bytes downloaded
   per epoch (GET responses: whole chunks plus ranged rows) are reported.
+* ``cache fill ceiling``: the chunk objects fetched whole, 8 at a time, each streamed into a new
+  file as it arrives (:func:`fill_whole`): what filling any cache costs this machine (the GETs
+  and the page-cache writes), against which epoch 1's own overhead shows.
 
 Epoch 1 and the ceiling also record the CPU seconds per GB they cost this process and the server
 (:class:`~featurestore.bench.common.CpuClock`): on a shared machine the speeds swing with the
@@ -145,6 +148,37 @@ def fetch_whole(store: Any, keys: list[str], in_flight: int = 8) -> int:
     return run_async(get_all())
 
 
+def fill_whole(store: Any, keys: list[str], directory: str, in_flight: int = 8) -> int:
+    """GET every object of ``keys`` whole on ``in_flight`` threads, each streamed into a new
+    preallocated file of ``directory`` in 1 MiB writes as it arrives (obstore ``store``): the
+    least that filling any chunk cache costs this machine, without featurestore's checks, locks,
+    renames or batches (the ``cache fill ceiling`` of ``bench s3``). The files are removed before
+    it returns. Returns the bytes written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import obstore
+
+    from featurestore.core.storage import PIECE_BYTES, preallocate
+
+    os.makedirs(directory, exist_ok=True)
+
+    def fill(item: tuple[int, str]) -> int:
+        number, key = item
+        result = obstore.get(store, key)
+        written = 0
+        with open(os.path.join(directory, str(number)), "wb") as f:
+            preallocate(f.fileno(), int(result.meta["size"]))
+            for piece in result.stream(min_chunk_size=PIECE_BYTES):
+                written += f.write(piece)
+        return written
+
+    try:
+        with ThreadPoolExecutor(in_flight) as pool:
+            return sum(pool.map(fill, enumerate(keys)))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def remove_cache(directory: str) -> None:
     """Remove a repeat's cache directory. Its files are still mapped by the process's chunk maps,
     which would keep their pages (dirty: never written back) after the unlink: repeat after repeat
@@ -158,6 +192,7 @@ def remove_cache(directory: str) -> None:
 
 EPOCH1 = "cache epoch 1 (empty, full-size cache)"
 CEILING = "ceiling (whole chunks, 8 GETs)"
+FILL = "cache fill ceiling (chunks into files)"
 
 
 def record_cpu(cpu: dict[str, list[tuple[float, float | None]]], name: str, before: tuple[float, float | None],
@@ -181,9 +216,11 @@ def ratios(median: dict[str, float], ceiling: float, runs: dict[str, list[float]
     paired = {}
     if runs is not None and len(runs.get(EPOCH1, [])) == len(runs.get(CEILING, [])) > 0:
         paired["cache_epoch1_vs_ceiling_paired"] = float(np.median(np.divide(runs[EPOCH1], runs[CEILING])))
+    fill = {"cache_epoch1_vs_fill_ceiling": median[EPOCH1] / median[FILL]} if FILL in median else {}
     return {
         **paired,
         "cache_epoch1_vs_ceiling": median[EPOCH1] / ceiling,
+        **fill,
         "cache_epoch2_vs_local_cold": median["cache epoch 2 (filled, cold files)"] / median["local cold loader"],
         "half_cache_vs_ceiling": median["half cache epoch 2"] / ceiling,
         "half_cache_epoch1_vs_ceiling": median["half cache epoch 1"] / ceiling,
