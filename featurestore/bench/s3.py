@@ -17,9 +17,9 @@ repeats interleaved so that every ratio compares figures taken side by side:
 * the chunk cache (``cache_dir``, :mod:`featurestore.bench.s3_cache`): loader epochs 1 and 2
   through a cache as large as the split, two epochs through a half-size cache (bytes downloaded
   per epoch), a local cold loader over the same bytes, and the cache fill ceiling (the chunk
-  objects streamed whole into new files: what filling any cache costs this machine); the CPU milliseconds per GB that the
-  ceiling and cache epoch 1 cost this process and the server (``/proc``), load-independent where
-  the speeds are not, and epoch 1's ratio paired per repeat;
+  objects streamed whole into new files: what filling any cache costs this machine); the CPU
+  milliseconds per GB that the ceilings and cache epoch 1 cost this process and the server
+  (``/proc``), load-independent where the speeds are not, and epoch 1's ratio paired per repeat;
 * slide bags (:mod:`featurestore.bench.s3_bags`): ``BagLoader`` epochs over a bag split without a
   cache and through one (epochs 1 and 2), against the whole-object ceiling of its chunks and the
   users' way (one ``.pt`` object per slide, fetched whole).

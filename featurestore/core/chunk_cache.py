@@ -345,8 +345,8 @@ _FETCH_POOL = "featurestore-cache"
 _SIDE_POOL = "featurestore-cache-seal"
 # The process's fetch and side threads, shared by all its caches: a pool per cache directory
 # would leave FETCH_THREADS idle threads behind for every directory the process ever opened
-# (``bench s3`` opens one per repeat: 146 threads after 10), and FETCH_THREADS is a per-process
-# bound on downloads in flight.
+# (a process opening one per repeat, as ``bench s3`` does, held 146 threads after ten), and
+# FETCH_THREADS is a per-process bound on downloads in flight.
 _pools: dict[str, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
