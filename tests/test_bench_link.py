@@ -15,6 +15,7 @@ import pytest
 
 from featurestore.bench import link
 from featurestore.cli import main
+from featurestore.errors import InvalidOption
 
 PAYLOAD = 4 << 20  # 4 MiB: ~1 ms over bare loopback, 0.34 s over 0.1 Gbit/s
 
@@ -85,6 +86,16 @@ def test_an_error_in_the_child_comes_back_with_its_traceback() -> None:
 
 def _divide(value: int) -> float:
     return 1 / value
+
+
+@needs_isolation
+def test_the_benchs_own_errors_come_back_as_they_are() -> None:
+    with pytest.raises(InvalidOption, match="no such thing"):
+        link.run_isolated(_refuse, "no such thing")
+
+
+def _refuse(message: str) -> None:
+    raise InvalidOption(message)
 
 
 @pytest.mark.parametrize("argv, message", [

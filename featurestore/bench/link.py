@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from featurestore.errors import InvalidOption
+from featurestore.errors import FeatureStoreError, InvalidOption
 
 _CLONE_NEWNET = 0x40000000
 _isolated = False
@@ -61,6 +61,8 @@ def run_isolated(fn: Callable[[Any], Any], arg: Any) -> Any:
     child.join()
     if status == "refused":
         raise InvalidOption(value)
+    if status == "raise":  # the bench's own one-line errors, as they would be without the link
+        raise value
     if status == "error":
         raise RuntimeError(f"the bench failed in its child process:\n{value}")
     return value
@@ -79,7 +81,10 @@ def shape(port: int, gbit: float) -> str:
         f"class add dev lo parent 1: classid 1:20 htb rate {gbit}gbit burst {burst} cburst {burst}",
         f"filter add dev lo parent 1: protocol ip u32 match ip sport {int(port)} 0xffff flowid 1:20",
     ):
-        subprocess.run(["tc", *command.split()], check=True, capture_output=True, text=True)
+        done = subprocess.run(["tc", *command.split()], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise InvalidOption(f"--link-gbit: `tc {command}` failed ({done.stderr.strip() or done.returncode}): "
+                                "this kernel may lack HTB (CONFIG_NET_SCH_HTB); leave --link-gbit out")
     return f"{gbit:g} Gbit/s link (responses from the S3 port shaped by tc htb, private network namespace)"
 
 
@@ -92,6 +97,8 @@ def _child(fn: Callable[[Any], Any], arg: Any, sender: Any) -> None:
             return
         _isolated = True
         sender.send(("ok", fn(arg)))
+    except FeatureStoreError as error:
+        sender.send(("raise", error))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent, which raises it
         sender.send(("error", traceback.format_exc()))
     finally:
