@@ -158,19 +158,19 @@ def fill_whole(store: Any, keys: list[str], directory: str, in_flight: int = 8) 
 
     import obstore
 
-    from featurestore.core.storage import PIECE_BYTES, preallocate
+    from featurestore.core.storage import PIECE_BYTES, preallocate, stream_parts
 
     os.makedirs(directory, exist_ok=True)
 
     def fill(item: tuple[int, str]) -> int:
         number, key = item
         result = obstore.get(store, key)
-        written = 0
+        size = int(result.meta["size"])
         with open(os.path.join(directory, str(number)), "wb") as f:
-            preallocate(f.fileno(), int(result.meta["size"]))
+            preallocate(f.fileno(), size)
             for piece in result.stream(min_chunk_size=PIECE_BYTES):
-                written += f.write(piece)
-        return written
+                stream_parts(f, [piece])  # the cache's own writes: pieces of at most 1 MiB
+        return size
 
     try:
         with ThreadPoolExecutor(in_flight) as pool:
