@@ -38,6 +38,7 @@ import asyncio
 import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -191,13 +192,17 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
     clock = CpuClock(server_pid)
     cpu: dict[str, list[tuple[float, float | None]]] = {}  # figure -> (client, server) CPU seconds per GB
 
-    def ceiling() -> float:
+    def with_cpu(name: str, fetch: Callable[[], int]) -> float:
+        """GB/s of ``fetch()`` (which returns the bytes it moved), its CPU per GB recorded as ``name``."""
         before = clock.read()
         t0 = time.perf_counter()
-        got = s3_cache.fetch_whole(storage._store, chunk_keys)
+        got = fetch()
         seconds = time.perf_counter() - t0
-        s3_cache.record_cpu(cpu, "ceiling (whole chunks, 8 GETs)", before, clock.read(), got)
+        s3_cache.record_cpu(cpu, name, before, clock.read(), got)
         return gbps(got, seconds)
+
+    def ceiling() -> float:
+        return with_cpu(s3_cache.CEILING, lambda: s3_cache.fetch_whole(storage._store, chunk_keys))
 
     def shuffled_reads() -> float:
         t0 = time.perf_counter()
@@ -272,12 +277,8 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
             return first
 
         def fill_ceiling() -> float:
-            before = clock.read()
-            t0 = time.perf_counter()
-            got = s3_cache.fill_whole(storage._store, chunk_keys, os.path.join(cached.work, "fill"))
-            seconds = time.perf_counter() - t0
-            s3_cache.record_cpu(cpu, s3_cache.FILL, before, clock.read(), got)
-            return gbps(got, seconds)
+            return with_cpu(s3_cache.FILL, lambda: s3_cache.fill_whole(storage._store, chunk_keys,
+                                                                       os.path.join(cached.work, "fill")))
 
         for name, fn in (("cache epoch 1 (empty, full-size cache)", full_cache), ("half cache epoch 1", half_cache),
                          ("local cold loader", cached.local_cold), (s3_cache.FILL, fill_ceiling)):
