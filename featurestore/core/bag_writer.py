@@ -31,7 +31,9 @@ from featurestore.errors import (
     DtypeMismatch,
     DuplicateBag,
     FeatureStoreError,
+    Float16Overflow,
     InvalidLabels,
+    NonFiniteValues,
     ShapeMismatch,
     SplitExists,
     SplitTakenOver,
@@ -40,6 +42,31 @@ from featurestore.errors import (
 from featurestore.format import bags, dtypes, layout
 from featurestore.format.metadata import SplitMetadata
 from featurestore.format.stats import SOURCE_CODES, RowStats, fold_rows
+
+
+def non_finite_rows(features: Any) -> str | None:
+    """Where a bag's non-finite values are, in the bag's terms ("2 NaN and 0 Inf values in 1 of
+    its 4 rows (first: row 2)"); None when every value is finite."""
+    wide = (features.detach().double().cpu().numpy() if hasattr(features, "detach")
+            else np.asarray(features).astype(np.float64))
+    finite = np.isfinite(wide)
+    if finite.all():
+        return None
+    rows = np.flatnonzero(~finite.reshape(len(wide), -1).all(axis=1))
+    return (f"{int(np.isnan(wide).sum())} NaN and {int(np.isinf(wide).sum())} Inf values in {len(rows)} of its "
+            f"{len(wide)} rows (first: row {int(rows[0])})")
+
+
+def _refused_values(bag_id: str, source: Any, error: FeatureStoreError) -> FeatureStoreError:
+    """The refusal of a bag's values (non-finite, beyond the stored dtype's range) in the bag's
+    terms: the kernel saw the bag as sample 0 of a batch of one, and its advice is extract's."""
+    if not isinstance(error, (NonFiniteValues, Float16Overflow)):
+        return type(error)(f"bag {bag_id!r}: {error}")
+    where = non_finite_rows(source)
+    if where is not None:
+        return NonFiniteValues(f"bag {bag_id!r}: {where}: featurestore does not store non-finite values; pass "
+                               "the bag's features without them, or leave the bag out")
+    return type(error)(f"bag {bag_id!r}: {str(error).replace('samples [0, 1)', f'its {len(source)} rows')}")
 
 
 class BagWriter:
@@ -104,14 +131,17 @@ class BagWriter:
         count = int(source.shape[0])
         coord_rows = self._check_coords(bag_id, coords, count)
         value = self._check_label(bag_id, label)
-        attributes = bags.attrs_json(attrs)
+        try:
+            attributes = bags.attrs_json(attrs)
+        except ShapeMismatch as error:
+            raise ShapeMismatch(f"bag {bag_id!r}: {error}") from None
         if count:
             # The bag is measured as one sample of `count` tokens: its statistics row is the
             # bag's own (per-channel moments over its rows), in one pass of the fused kernel.
             try:
                 batch = intake.prepare(source[None], self.dtype, self.dim, 0, private=False)
             except FeatureStoreError as error:
-                raise type(error)(f"bag {bag_id!r}: {error}") from None
+                raise _refused_values(bag_id, source, error) from None
             stored = batch.stored.reshape(count, self.dim)
             stats = fold_rows(batch.rows, count, SOURCE_CODES[batch.kind])
         else:
@@ -168,7 +198,8 @@ class BagWriter:
                               f"bag {bag_id!r} cannot be added to it; overwrite the split (overwrite=True, "
                               "--overwrite) to rewrite it with more bags")
         if self._closed:
-            raise WriterClosed(f"writer for {self._key} is closed: open it again with resume=True")
+            raise WriterClosed(f"writer for {self._key} is closed: open it again with "
+                               "create_bag_split(..., resume=True) (on the command line: --resume)")
 
     def _check_coords(self, bag_id: str, coords: Any, count: int) -> np.ndarray:
         if coords is None:
@@ -182,14 +213,24 @@ class BagWriter:
             return rows
         if rows.dtype.kind not in "iuf":
             raise DtypeMismatch(f"bag {bag_id!r}: coords of dtype {rows.dtype} are not numbers")
+        if rows.dtype.kind in "iu" and self.coords_dtype.kind == "i":
+            limits = np.iinfo(self.coords_dtype)
+            outside = (rows > limits.max) | (rows < limits.min) if len(rows) else np.zeros((0, 2), bool)
+            if outside.any():  # uint64 beyond int64, int64 beyond int32: no cast keeps them
+                row = int(np.argmax(outside.any(axis=1)))
+                raise DtypeMismatch(f"bag {bag_id!r}: coords row {row} ({rows[row, 0]}, {rows[row, 1]}) is beyond "
+                                    f"the split's coords_dtype {self.coords_dtype} [{limits.min}, {limits.max}]: "
+                                    "pass the bag's real coordinates (level-0 positions are far smaller)"
+                                    + ("" if self.coords_dtype == np.int64 else ", or create the split with "
+                                       "coords_dtype='int64'"))
+            return rows.astype(self.coords_dtype)
         cast = rows.astype(self.coords_dtype)
         if not np.array_equal(cast, rows, equal_nan=self.coords_dtype.kind == "f" and rows.dtype.kind == "f"):
             # advise a dtype the split can have (uint64, float16 coords are not among them)
             wanted = rows.dtype.name if rows.dtype.name in bags.COORD_DTYPES else (
                 "float64" if rows.dtype.kind == "f" else "int64")
             raise DtypeMismatch(f"bag {bag_id!r}: coords of dtype {rows.dtype} do not fit the split's coords_dtype "
-                                f"{self.coords_dtype} exactly: create the split with coords_dtype='{wanted}' (an "
-                                "import takes it from the first file: give every file coords of one dtype)")
+                                f"{self.coords_dtype} exactly: create the split with coords_dtype='{wanted}'")
         return cast
 
     def _check_label(self, bag_id: str, label: Any) -> int | float | None:
@@ -202,13 +243,25 @@ class BagWriter:
                                 "bag of a split a label, or none")
         if label is None:
             return None
-        value = dtypes.as_numpy(label)
-        if value.shape != () or value.dtype.kind not in "iufb":
-            raise ShapeMismatch(f"bag {bag_id!r}: label {label!r} is not one number: pass an int or float per bag")
-        item: int | float = float(value) if value.dtype.kind == "f" else int(value)
-        if not np.isfinite(item):  # the index is JSON and numbers: a commit could never store it
+        item: int | float
+        if isinstance(label, (int, np.integer)) and not isinstance(label, (bool, np.bool_)):
+            item = int(label)  # a Python int of any size: checked against the label dtype below
+        else:
+            value = dtypes.as_numpy(label)
+            if value.shape != () or value.dtype.kind not in "iufb":
+                raise ShapeMismatch(f"bag {bag_id!r}: label {label!r} is not one number: pass an int or float per bag")
+            item = float(value) if value.dtype.kind == "f" else int(value)
+        # the index is JSON and numbers: a commit could never store a non-finite one
+        if isinstance(item, float) and not np.isfinite(item):
             raise InvalidLabels(f"bag {bag_id!r}: label {item!r} is not a finite number: give every bag a "
                                 "finite label (or leave the bag out)")
+        # Integer labels are stored as the declared label_dtype, else as int64 (core.bag_commit):
+        # one beyond it would only fail at the commit, after every bag was written.
+        dtype = self.label_dtype if self.label_dtype is not None else np.dtype(np.int64)
+        if isinstance(item, int) and dtype.kind in "iu" and not np.iinfo(dtype).min <= item <= np.iinfo(dtype).max:
+            raise DtypeMismatch(f"bag {bag_id!r}: label {item} is beyond the split's label dtype {dtype} "
+                                f"[{np.iinfo(dtype).min}, {np.iinfo(dtype).max}]: pass a label in that range (a class "
+                                "index or a number)")
         if self.label_dtype is not None and np.asarray(item).astype(self.label_dtype) != item:
             raise DtypeMismatch(f"bag {bag_id!r}: label {item!r} does not fit the split's label_dtype {self.label_dtype}")
         return item

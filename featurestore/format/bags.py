@@ -125,12 +125,53 @@ def attrs_json(attrs: Any) -> str:
     if not isinstance(attrs, dict):
         raise ShapeMismatch(f"bag attrs must be a dict of JSON values, got {type(attrs).__name__}")
     try:
-        text = json.dumps(_plain(attrs), sort_keys=True, allow_nan=False, ensure_ascii=False)
-        text.encode("utf-8")  # a lone surrogate passes json.dumps, then fails the commit's UTF-8
-    except (TypeError, ValueError) as error:
-        raise ShapeMismatch(f"bag attrs are not plain JSON ({error}): pass str/int/float/bool/list/dict values "
-                            "(text as valid unicode)") from None
+        bad = unplain(attrs)
+        text = None if bad else json.dumps(_plain(attrs), sort_keys=True, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError) as error:  # e.g. a dict that holds itself
+        raise ShapeMismatch(f"bag attrs are not plain JSON ({type(error).__name__}: {error}): pass "
+                            "str/int/float/bool/None/list/dict values") from None
+    if bad is not None or text is None:
+        where, value = bad or ("", attrs)
+        raise ShapeMismatch(f"bag attrs are not plain JSON: attrs{where} is {describe(value)}: pass "
+                            "str/int/float/bool/None/list/dict values (text as valid unicode)")
     return text
+
+
+def unplain(value: Any, where: str = "") -> tuple[str, Any] | None:
+    """``(where, value)`` of the first value in ``value`` that ``attrs_json`` cannot store (a
+    complex number, an HDF5 reference or compound, text with a lone surrogate, ...), ``where``
+    as a subscript path (``['root']['c']``); None when every value is plain."""
+    if isinstance(value, dict):
+        for key, item in value.items():  # keys are stored as str(key)
+            found = unplain(str(key), f"{where} (a key)") or unplain(item, f"{where}[{str(key)!r}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = unplain(item, f"{where}[{i}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, np.ndarray):
+        return unplain(value.tolist(), where) if value.dtype.kind in "biufSUO" else (where, value)
+    if isinstance(value, np.generic) and value.dtype.kind in "biufSU":
+        return unplain(value.item(), where)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")  # a lone surrogate passes json.dumps, then fails the commit's UTF-8
+        except UnicodeEncodeError:
+            return where, value
+        return None
+    if value is None or isinstance(value, (bool, int, float, bytes)):
+        return None
+    return where, value
+
+
+def describe(value: Any) -> str:
+    """A value that is not plain JSON, in a few words (its type and a short repr)."""
+    text = repr(value)
+    return f"a {type(value).__name__} ({text[:60] + '...' if len(text) > 60 else text})"
 
 
 def _plain(value: Any) -> Any:
