@@ -69,16 +69,21 @@ def find_slides(directory: str, force: bool = False) -> tuple[str, str] | None:
     return None
 
 
-def _files(directory: str, suffixes: tuple[str, ...]) -> list[str]:
-    return sorted(n for n in os.listdir(directory) if n.lower().endswith(suffixes) and not n.startswith("."))
+def _files(directory: str, suffixes: tuple[str, ...], hidden: bool = False) -> list[str]:
+    """The names ending in ``suffixes``; names starting with "." only with ``hidden`` (macOS
+    writes ``._<name>.h5`` resource forks beside copied files: never slides)."""
+    return sorted(n for n in os.listdir(directory) if n.lower().endswith(suffixes) and n.startswith(".") == hidden)
 
 
 class SlideFiles:
     """The slides of one directory, in name order (the bag id is the file's stem)."""
 
     def __init__(self, directory: str, kind: str) -> None:
+        # absolute: the split's provenance must not depend on where the command ran
+        directory = os.path.abspath(directory)
         self.directory, self.kind = directory, kind
         names = _files(directory, H5_SUFFIXES if kind == "h5" else PT_SUFFIXES)
+        self.hidden = _files(directory, H5_SUFFIXES if kind == "h5" else PT_SUFFIXES, hidden=True)
         if not names:
             raise SlideFileError(f"directory {directory!r} has no per-slide {kind} files")
         for name in names:
@@ -109,12 +114,21 @@ class SlideFiles:
         if self.kind == "pt":
             features = self._load_pt(slide.path)
             return _header(slide.path, tuple(features.shape), str(features.dtype).removeprefix("torch."), None, "px")
-        with _open_h5(slide.path) as f:
-            name = _features_name(f, slide.path)
-            coords = f["coords"] if "coords" in f else None
-            unit = _unit(f)
-            return _header(slide.path, tuple(f[name].shape), f[name].dtype.name,
-                           None if coords is None else tuple(coords.shape), unit)
+        try:
+            with _open_h5(slide.path) as f:
+                name = _features_name(f, slide.path)
+                features, coords = _dataset(f, name, slide.path), _dataset(f, "coords", slide.path)
+                _check_attrs(_attrs(f, name), slide)  # refused now, not after earlier slides are written
+                if coords is not None and coords.dtype.kind not in "iuf":
+                    raise SlideFileError(f"{slide.path!r}: coords of dtype {coords.dtype} are not numbers: a per-slide "
+                                         "file's coords are [n, 2] integer pixels or float micrometres (re-create it)")
+                return _header(slide.path, tuple(features.shape), features.dtype.name,
+                               None if coords is None else tuple(coords.shape), _unit(f))
+        except SlideFileError:
+            raise
+        except (OSError, KeyError, ValueError, TypeError) as error:
+            raise SlideFileError(f"cannot read the header of {slide.path!r} ({type(error).__name__}: {error}): a "
+                                 "damaged file; re-create it (or move it out of the directory)") from None
 
     def settings(self, first: SlideHeader, slide: Slide) -> dict[str, Any]:
         """The split settings the first file gives: coordinates unit and dtype, patch size."""
@@ -134,12 +148,12 @@ class SlideFiles:
         try:
             with _open_h5(slide.path) as f:
                 name = _features_name(f, slide.path)
-                features = read_rows(f[name])  # h5py's one-chunk-at-a-time read, without its cost
-                coords = read_rows(f["coords"]) if "coords" in f else None
-                attrs: dict[str, Any] = {"source_file": os.path.basename(slide.path)}
-                for where, node in (("root", f), (name, f[name]), ("coords", f["coords"] if "coords" in f else None)):
-                    if node is not None and len(node.attrs):
-                        attrs[where] = {str(k): _attr(v) for k, v in node.attrs.items()}
+                features = read_rows(_dataset(f, name, slide.path))  # h5py's one-chunk-at-a-time read, without its cost
+                found = _dataset(f, "coords", slide.path)
+                coords = None if found is None else _coords_for_split(slide, read_rows(found), _unit(f))
+                attrs: dict[str, Any] = {"source_file": os.path.basename(slide.path), **_attrs(f, name)}
+        except SlideFileError:
+            raise
         except (OSError, KeyError, ValueError, TypeError) as error:
             raise SlideFileError(f"cannot read {slide.path!r} ({type(error).__name__}: {error}): a truncated or "
                                  "damaged file; re-create it, then rerun the import with --resume") from None
@@ -179,6 +193,73 @@ def _open_h5(path: str) -> Any:
     except OSError as error:
         raise SlideFileError(f"cannot open {path!r} as HDF5 ({' '.join(str(error).split())}): a truncated or "
                              "damaged file; re-create it, then rerun the import with --resume") from None
+
+
+def _dataset(f: Any, name: str, path: str) -> Any:
+    """The dataset ``name`` of an open h5 file (None when absent); anything else there (a group,
+    a named type) is refused naming the file."""
+    import h5py
+
+    node = f.get(name)
+    if node is None or isinstance(node, h5py.Dataset):
+        return node
+    what = "group" if isinstance(node, h5py.Group) else type(node).__name__
+    shape = "[n, 2]" if name == "coords" else "[n, dim]"
+    raise SlideFileError(f"{path!r}: {name!r} is an HDF5 {what}, not a dataset: a per-slide file holds its "
+                         f"{name} as one {shape} array (re-create the file, or move it out of the directory)")
+
+
+def _attrs(f: Any, name: str) -> dict[str, Any]:
+    """The attributes of the root, the features and the coords, as kept per bag."""
+    attrs: dict[str, Any] = {}
+    for where, node in (("root", f), (name, f.get(name)), ("coords", f.get("coords"))):
+        if node is not None and len(node.attrs):
+            attrs[where] = {str(k): _attr(v) for k, v in node.attrs.items()}
+    return attrs
+
+
+def _check_attrs(attrs: dict[str, Any], slide: Slide) -> None:
+    from featurestore.format.bags import describe, unplain
+
+    for where, values in attrs.items():
+        for key, value in values.items():
+            bad = unplain(value)
+            if bad is not None:
+                inner, found = bad
+                node = "the root group" if where == "root" else f"dataset {where!r}"
+                raise SlideFileError(
+                    f"{slide.path!r} (bag {slide.bag_id!r}): HDF5 attribute {key!r} of {node} is "
+                    f"{describe(found)}{' at ' + inner if inner else ''}, which the bag's attributes (JSON) "
+                    f"cannot hold: remove or convert it (h5py: del f[{('/' if where == 'root' else where)!r}]"
+                    f".attrs[{key!r}]), then rerun")
+
+
+def _coords_for_split(slide: Slide, coords: np.ndarray, unit: str) -> np.ndarray:
+    """Pixel coordinates as the split stores them (int64, see SlideFiles.settings), refused
+    naming the file when they are not whole numbers within int64 (uint64 ones that fit are
+    converted); micrometres are stored float32 (float64 ones rounded: well below a nanometre at a
+    slide's scale), integer ones go to the writer, which refuses any a float32 cannot hold."""
+    if unit == "um":
+        return coords.astype(np.float32) if coords.dtype == np.float64 else coords
+    if coords.dtype == np.int64 or not len(coords):
+        return coords
+    if coords.dtype.kind == "u":
+        beyond = coords > np.iinfo(np.int64).max
+        if beyond.any():
+            row = int(np.argmax(beyond.any(axis=1)))
+            raise SlideFileError(f"{slide.path!r} (bag {slide.bag_id!r}): coords row {row} ({coords[row, 0]}, "
+                                 f"{coords[row, 1]}) is beyond int64, the type of level-0 pixel coordinates: "
+                                 "damaged coords; re-create the file (or move it out of the directory)")
+        return coords.astype(np.int64)
+    if coords.dtype.kind == "f":
+        whole = np.isfinite(coords) & (coords == np.round(coords)) & (np.abs(coords) < 2.0**63)
+        if not whole.all():
+            row = int(np.argmax(~whole.all(axis=1)))
+            raise SlideFileError(f"{slide.path!r} (bag {slide.bag_id!r}): coords row {row} ({coords[row, 0]}, "
+                                 f"{coords[row, 1]}) is not a whole level-0 pixel: coordinates in micrometres need "
+                                 "the root attribute unit='um' (STAMP); re-create the file")
+        return coords.astype(np.int64)
+    return coords.astype(np.int64)
 
 
 def _features_name(f: Any, path: str) -> str:
@@ -223,6 +304,10 @@ def _patch_size_level0(f: Any) -> Any:
 
 
 def _attr(value: Any) -> Any:
+    import h5py
+
+    if isinstance(value, h5py.Empty):  # an attribute with a null dataspace: no value
+        return None
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     if isinstance(value, str):
