@@ -24,10 +24,13 @@ def register(subparsers: Any) -> None:
         "pixels, STAMP 'feats' + 'coords' in micrometres), a CLAM job directory (h5_files/, else "
         "pt_files/) or CLAM's pt_files/ (features only) becomes a bag split: one bag per file, id = "
         "file name without extension, the file's attributes kept per bag, one slide in RAM at a time; "
-        "--labels CSV gives bag labels (columns slide_id,label; text labels become class indices, "
-        "names in the metadata's label_names); --resume (or a re-run) skips the bags already complete. "
-        "A malformed file (no features dataset, coords of another length, another dim, a truncated h5) "
-        "stops the import with one line naming it; bags already imported are kept.",
+        "--labels CSV gives bag labels (columns slide_id,label, or --id-column/--label-column; text labels "
+        "become class indices, names in the metadata's label_names; the CSV's other columns, e.g. case_id, "
+        "are kept as bag attributes; a slide without a row is refused); --resume (or a re-run) skips the "
+        "bags already complete. Hidden files (names starting with '.') are left out, said in one line. "
+        "A malformed file (no features dataset, a group in its place, coords of another length, another "
+        "dim, an attribute JSON cannot hold, a truncated h5) stops the import with one line naming it; bags "
+        "already imported are kept.",
     )
     p.add_argument("source", metavar="SOURCE", help="DIR | FILE.h5 | FILE.pt | FILE.npy")
     req = p.add_argument_group("required")
@@ -39,7 +42,14 @@ def register(subparsers: Any) -> None:
                    help="storage dtype; auto: float16/bfloat16 kept, float32 -> float16 under the overflow guard")
     p.add_argument("--labels", metavar="FILE_OR_KEY",
                    help="labels [N, ...]: a .npy/.pt file, or a dataset name in the HDF5 source; "
-                   "for slide bags a CSV with columns slide_id,label")
+                   "for slide bags a UTF-8 CSV with columns slide_id,label (see --label-column)")
+    p.add_argument("--label-column", metavar="COL",
+                   help="slide bags: the --labels CSV column stored as each bag's label (default: label); the "
+                   "columns other than it and the id column become bag attributes (text, or numbers where every "
+                   "cell is a JSON number; empty cells null)")
+    p.add_argument("--id-column", metavar="COL",
+                   help="slide bags: the --labels CSV column naming the slides (default: slide_id; a name may "
+                   "carry its extension, TCGA-xx.svs)")
     p.add_argument("--bags", action="store_true",
                    help="read a directory of .pt files as one bag per file (automatic for .h5 files, "
                    "h5_files/ and pt_files/)")
@@ -71,9 +81,12 @@ def run(args: argparse.Namespace) -> int:
         split=args.split, dtype=args.dtype, labels=args.labels, key=args.key, prefix_tokens=args.prefix_tokens,
         grid=tuple(args.grid) if args.grid else None, batch_size=args.batch_size, chunk_mb=args.chunk_mb,
         resume=args.resume, overwrite=args.overwrite, storage_options=storage_options(args.storage_options),
-        progress=not args.no_progress, verify_chunks=args.verify_chunks, bags=args.bags)
+        progress=not args.no_progress, verify_chunks=args.verify_chunks, bags=args.bags,
+        label_column=args.label_column, id_column=args.id_column)
     with store_errors(args.store):
         result = import_cache(options)
+    for note in result.notes:
+        print(f"note: {note}")
     meta = result.metadata
     if meta.get("kind") == "bags":
         return _report_bags(result)

@@ -2,18 +2,18 @@
 
 Called by :func:`featurestore.extract.importer.import_cache` when the source directory holds
 per-slide feature files (featurestore.extract.slide_files). Every file's header is checked
-first (features dataset, one dim, coords of the features' length, a label for each slide when
-``--labels`` is given), so a malformed file stops the import before anything is written. Then
-slides go to the bag writer one at a time (host RAM: two bags, the next is read meanwhile), in
-name order, skipping the ids already complete (``--resume``, or a re-run; a file of a kept bag
-modified since the split was created stops it with InputChanged, as for dense imports). A file that fails while being read (a truncated
-h5) stops the import with one line naming it; the bags already added are kept (the writer is
-closed, not committed), and a rerun with ``--resume`` goes on from them.
+first (features dataset, one dim, coords of the features' length, attributes JSON can hold) and
+the ``--labels`` table read whole (featurestore.extract.label_csv: a label for each slide, the
+other columns as bag attributes), so a malformed file or table stops the import before anything
+is written. Then slides go to the bag writer one at a time (host RAM: two bags, the next is read
+meanwhile), in name order, skipping the ids already complete (``--resume``, or a re-run; a file
+of a kept bag modified since the split was created stops it with InputChanged, as for dense
+imports). A file that fails while being read (a truncated h5, NaN in its rows) stops the import
+with one line naming it; the bags already added are kept (the writer is closed, not committed).
 """
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 import os
@@ -21,11 +21,12 @@ import sys
 import time
 from typing import Any
 
-from featurestore.errors import InvalidLabels
+from featurestore.errors import DtypeMismatch, Float16Overflow, InvalidLabels, NonFiniteValues, ShapeMismatch
 from featurestore.extract.input_check import refuse_changed_inputs
+from featurestore.extract.label_csv import read_label_csv, read_label_table
 from featurestore.extract.slide_files import SlideFileError, SlideFiles
 
-__all__ = ["import_bags", "read_label_csv"]
+__all__ = ["import_bags", "read_label_csv"]  # read_label_csv: extract.label_csv's, for wsi_run
 
 
 def import_bags(opts: Any, files: SlideFiles) -> Any:
@@ -45,9 +46,18 @@ def import_bags(opts: Any, files: SlideFiles) -> Any:
             raise SlideFileError(f"{slide.path!r} has {'coords in ' + header.unit if header.coords else 'no coords'}, "
                                  f"but {files.slides[0].path!r} has {'coords in ' + first.unit if first.coords else 'no coords'}: "
                                  "one bag split has one coordinate convention")
-    labels, label_names, label_digest = (None, None, None)
+    labels, label_names, label_digest, table_attrs = None, None, None, None
+    notes = _hidden_note(files)
+    label_column, id_column = opts.label_column or "label", opts.id_column or "slide_id"
     if opts.labels:
-        labels, label_names, label_digest = read_label_csv(opts.labels, [s.bag_id for s in files.slides])
+        table = read_label_table(opts.labels, [s.bag_id for s in files.slides], label_column, id_column)
+        labels, label_names, label_digest, table_attrs = table.labels, table.names, table.digest, table.attrs
+        _refuse_reserved(opts.labels, next(iter(table.attrs.values()), {}))
+        if table.unused:
+            notes.append(f"labels CSV: {len(table.unused)} row(s) name no slide in {files.directory!r} (first: "
+                         f"{table.unused[0]!r}): left out")
+    elif opts.label_column is not None or opts.id_column is not None:
+        raise InvalidLabels("--label-column/--id-column name columns of the --labels CSV: pass --labels too")
     settings = files.settings(first, files.slides[0])
     dtype = resolve_dtype(opts.dtype, first.dtype)
     fingerprint = {"source": files.fingerprint(), "labels": label_digest}
@@ -59,7 +69,7 @@ def import_bags(opts: Any, files: SlideFiles) -> Any:
         "source_dtype": first.dtype,
         "cache_key": cache_key,
         "source": {"spec": files.spec, "format": f"slide-{files.kind}", "fingerprint": fingerprint,
-                   "num_bags": len(files), "labels": opts.labels},
+                   "num_bags": len(files), "labels": opts.labels and os.path.abspath(opts.labels)},
     }
     if label_names is not None:
         metadata["label_names"] = label_names
@@ -75,13 +85,14 @@ def import_bags(opts: Any, files: SlideFiles) -> Any:
         refuse_changed_inputs(lambda a, b: [s.path for s in files.slides[a:b]], [(i, i + 1) for i in kept],
                               writer.metadata.created, key)
     if writer.metadata.complete:
-        return ImportResult("already-complete", key, len(files), metadata=writer.metadata.to_json())
-    imported = _copy(files, writer, labels, opts)
+        return ImportResult("already-complete", key, len(files), metadata=writer.metadata.to_json(), notes=notes)
+    imported = _copy(files, writer, labels, table_attrs, opts)
     meta = writer.commit()
-    return ImportResult("complete", key, len(files), imported, time.perf_counter() - started, meta)
+    return ImportResult("complete", key, len(files), imported, time.perf_counter() - started, meta, notes)
 
 
-def _copy(files: SlideFiles, writer: Any, labels: dict[str, Any] | None, opts: Any) -> int:
+def _copy(files: SlideFiles, writer: Any, labels: dict[str, Any] | None,
+          table_attrs: dict[str, dict[str, Any]] | None, opts: Any) -> int:
     """Add the pending slides in name order; the next slide is read on a thread while this one
     is added (two slides in RAM at most)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -101,8 +112,13 @@ def _copy(files: SlideFiles, writer: Any, labels: dict[str, Any] | None, opts: A
                 ahead = reader.submit(files.read, pending[k + 1]) if k + 1 < len(pending) else None
                 if coords is not None and len(coords) != len(features):
                     raise SlideFileError(f"{slide.path!r}: coords of {len(coords)} rows for {len(features)} feature rows")
-                writer.add_bag(slide.bag_id, features, coords=coords,
-                               label=None if labels is None else labels[slide.bag_id], attrs=attrs)
+                if table_attrs is not None:
+                    attrs.update(table_attrs[slide.bag_id])
+                try:
+                    writer.add_bag(slide.bag_id, features, coords=coords,
+                                   label=None if labels is None else labels[slide.bag_id], attrs=attrs)
+                except (NonFiniteValues, Float16Overflow, DtypeMismatch, ShapeMismatch) as error:
+                    raise _refused_slide(slide, features, error) from None
                 del features, coords
                 bar.update(1)
     except BaseException:
@@ -113,60 +129,34 @@ def _copy(files: SlideFiles, writer: Any, labels: dict[str, Any] | None, opts: A
     return len(pending)
 
 
-def read_label_csv(path: str, bag_ids: list[str]) -> tuple[dict[str, Any], list[str] | None, str]:
-    """``(labels by bag id, class names or None, digest)`` from a CSV with ``slide_id`` and
-    ``label`` columns. Numbers are kept; text labels become class indices in sorted name order
-    (the names go to the split metadata as ``label_names``). A slide id may carry its file
-    extension (``TCGA-xx.svs``). Every bag needs a label."""
-    try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
-            raw = f.read()
-    except OSError as error:
-        raise InvalidLabels(f"cannot read the labels CSV {path!r} ({error.strerror or error})") from None
-    reader = csv.DictReader(raw.splitlines())
-    if reader.fieldnames:  # "slide_id, label" (a space after the comma) names the same columns
-        reader.fieldnames = [str(name).strip() for name in reader.fieldnames]
-    rows = list(reader)
-    columns = set(rows[0]) if rows else set()
-    if not {"slide_id", "label"} <= columns:
-        raise InvalidLabels(f"labels CSV {path!r} needs the columns slide_id,label (it has: "
-                            f"{', '.join(sorted(c for c in columns if c)) or 'none'})")
-    exact: dict[str, str] = {}  # slide_id as written
-    stems: dict[str, dict[str, str]] = {}  # slide_id without its extension -> {label: the row's slide_id}
-    for row in rows:
-        slide, value = (row["slide_id"] or "").strip(), (row["label"] or "").strip()
-        if exact.get(slide, value) != value:  # a slide listed twice with two labels: which is right?
-            raise InvalidLabels(f"labels CSV {path!r} gives slide {slide!r} two labels ({exact[slide]!r} and "
-                                f"{value!r}): keep one row per slide")
-        exact[slide] = value
-        stem = os.path.splitext(slide)[0]
-        if stem != slide:
-            stems.setdefault(stem, {}).setdefault(value, slide)
-    given: dict[str, str] = {}
-    for bag in bag_ids:  # the row naming the slide exactly, else the one row naming it with an extension
-        if bag in exact:
-            given[bag] = exact[bag]
-        elif len(stems.get(bag, {})) > 1:
-            rows_of = sorted(stems[bag].values())
-            raise InvalidLabels(f"labels CSV {path!r}: slide {bag!r} matches rows {rows_of[0]!r} and {rows_of[1]!r} "
-                                "with different labels: name the slide exactly (its file name without extension)")
-        elif bag in stems:
-            given[bag] = next(iter(stems[bag]))
-    missing = [b for b in bag_ids if not given.get(b)]
-    if missing:
-        raise InvalidLabels(f"labels CSV {path!r} has no (or an empty) label for slide {missing[0]!r}"
-                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                            + ": add a slide_id,label row for each slide, or move the slide out of the directory")
-    values = [given[b] for b in bag_ids]
-    names = None
-    parsed: list[Any]
-    try:
-        parsed = [int(v) for v in values]
-    except ValueError:
-        try:
-            parsed = [float(v) for v in values]
-        except ValueError:
-            names = sorted(set(values))
-            parsed = [names.index(v) for v in values]
-    digest = hashlib.sha256(raw.encode()).hexdigest()
-    return dict(zip(bag_ids, parsed)), names, digest
+# Bag attributes an import sets from the slide file: a CSV column of the same name would replace them.
+_FILE_ATTRS = ("source_file", "root", "features", "feats", "coords")
+
+
+def _refuse_reserved(path: str, columns: dict[str, Any]) -> None:
+    clash = sorted(set(columns) & set(_FILE_ATTRS))
+    if clash:
+        raise InvalidLabels(f"labels CSV {path!r} has a column {clash[0]!r}, the name of a bag attribute the import "
+                            f"takes from the slide file ({', '.join(_FILE_ATTRS)}): rename the column")
+
+
+def _hidden_note(files: SlideFiles) -> list[str]:
+    if not files.hidden:
+        return []
+    return [f"left out {len(files.hidden)} hidden file(s) in {files.directory!r} (names starting with '.', e.g. "
+            f"{files.hidden[0]!r}: macOS resource forks are named so): rename a slide's file to import it"]
+
+
+def _refused_slide(slide: Any, features: Any, error: Exception) -> Exception:
+    """A slide add_bag refused, named by its file, with the advice an import can follow."""
+    from featurestore.core.bag_writer import non_finite_rows
+
+    where = non_finite_rows(features) if isinstance(error, NonFiniteValues) else None
+    # --resume would refuse the run: the directory's files (names, sizes) are in the cache key
+    then = "then rerun with --overwrite (the split's cache key covers the directory's files)"
+    if where is not None:
+        return NonFiniteValues(f"{slide.path!r} (bag {slide.bag_id!r}): {where}: featurestore does not store "
+                               f"non-finite values; re-extract the slide's features or move the file out of the "
+                               f"directory, {then}")
+    return type(error)(f"{slide.path!r}: {error}; to import without this slide, move its file out of the "
+                       f"directory, {then}")

@@ -67,6 +67,8 @@ class ImportOptions:
     progress: bool = True
     verify_chunks: bool = False  # re-read and check every chunk of an existing split (the repair)
     bags: bool = False  # read a directory of .pt files as one bag per file (CLAM pt_files under another name)
+    label_column: str | None = None  # slide bags: the --labels CSV column stored as the label (None: "label")
+    id_column: str | None = None  # slide bags: the CSV column naming the slides (None: "slide_id")
 
 
 @dataclass
@@ -77,6 +79,7 @@ class ImportResult:
     imported: int = 0
     seconds: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # one line each: what the import left out, and why
 
 
 def _token_layout(shape: tuple[int, ...], prefix: int, grid: tuple[int, int] | None) -> dict[str, Any]:
@@ -114,6 +117,9 @@ def import_cache(opts: ImportOptions) -> ImportResult:
         return import_bags(opts, SlideFiles(*slides))
     if opts.bags:
         raise SourceError(f"--bags: {opts.source!r} is not a directory of per-slide .h5 or .pt files")
+    if opts.label_column is not None or opts.id_column is not None:
+        raise SourceError(f"--label-column/--id-column name columns of a slide-bags labels CSV, but {opts.source!r} "
+                          "is not a directory of per-slide files: leave them out")
     # The dense caches' readers import torch (a .pt cache): imported here, so a bag import of
     # .h5 files starts without it (seconds of a CLI run).
     from featurestore.extract.caches import open_cache, open_labels
