@@ -235,11 +235,11 @@ def test_label_and_id_columns_and_the_other_columns_as_bag_attributes(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     slides(tmp_path / "src", {"TCGA-01": 3, "TCGA-02": 4, "TCGA-03": 2})
     table = tmp_path / "cohort.csv"
-    table.write_text("slide,case_id,site,age,subtype,score,note\n"
-                     "TCGA-01.svs,P1,05,61,LUAD,0.5,\n"
-                     "TCGA-02,P1,05,61,LUSC,1,x\n"
-                     "TCGA-03,P2,A2,70,LUAD,2e3,\n"
-                     "TCGA-99,P9,01,50,LUAD,1,\n")
+    table.write_text("slide,case_id,site,age,subtype,score,note,huge\n"
+                     "TCGA-01.svs,P1,05,61,LUAD,0.5,,1\n"
+                     "TCGA-02,P1,05,61,LUSC,1,x,1e999\n"
+                     "TCGA-03,P2,A2,70,LUAD,2e3,,2\n"
+                     "TCGA-99,P9,01,50,LUAD,1,,3\n")
     assert run_import(tmp_path / "src", tmp_path / "store", "--labels", str(table), "--label-column", "subtype",
                       "--id-column", "slide") == 0
     out = capsys.readouterr().out
@@ -252,6 +252,7 @@ def test_label_and_id_columns_and_the_other_columns_as_bag_attributes(
     assert "subtype" not in first and "slide" not in first and first["source_file"] == "TCGA-01.h5"
     assert bags.attrs("TCGA-03")["site"] == "A2" and bags.attrs("TCGA-03")["score"] == 2000.0
     assert bags.attrs("TCGA-02")["note"] == "x"
+    assert bags.attrs("TCGA-02")["huge"] == "1e999" and bags.attrs("TCGA-01")["huge"] == "1"  # not a number JSON holds
     # another label column over the same split is another cache, not a no-op
     assert run_import(tmp_path / "src", tmp_path / "store", "--labels", str(table), "--label-column", "age",
                       "--id-column", "slide") == 1

@@ -152,7 +152,7 @@ def _refused_slide(slide: Any, features: Any, error: Exception) -> Exception:
     from featurestore.core.bag_writer import non_finite_rows
 
     where = non_finite_rows(features) if isinstance(error, NonFiniteValues) else None
-    # --resume would refuse the run: the directory's files (names, sizes) are in the cache key
+    # not --resume: the directory's files (names, sizes) are in the cache key, and they change
     then = "then rerun with --overwrite (the split's cache key covers the directory's files)"
     if where is not None:
         return NonFiniteValues(f"{slide.path!r} (bag {slide.bag_id!r}): {where}: featurestore does not store "

@@ -18,6 +18,7 @@ import csv
 import hashlib
 import io
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ def read_label_table(path: str, bag_ids: list[str], label_column: str = "label",
             raise InvalidLabels(f"labels CSV {path!r} has no column {wanted!r} (it has: "
                                 f"{', '.join(c for c in header if c) or 'none'}): name the column with {option}")
     others = [c for c in header if c and c not in (id_column, label_column)]
-    numeric = {c: all(_JSON_NUMBER.match(r[c]) for r in rows if r[c]) for c in others}
+    numeric = {c: all(_is_number(r[c]) for r in rows if r[c]) for c in others}
     table: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}  # slide id as written -> its rows
     stems: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}  # id without its extension -> rows
     for row in rows:
@@ -139,6 +140,11 @@ def _rows(path: str, raw: str) -> tuple[list[str], list[dict[str, str]]]:
                             "a guess; rename or remove one")
     rows = [{c: (line[i].strip() if i < len(line) else "") for i, c in enumerate(header) if c} for line in lines[1:]]
     return header, rows
+
+
+def _is_number(cell: str) -> bool:
+    """A JSON number JSON can store (``1e999`` is text: it would read back as null)."""
+    return bool(_JSON_NUMBER.match(cell)) and math.isfinite(float(cell))
 
 
 def _attr(cell: str, numeric: bool) -> Any:

@@ -31,6 +31,9 @@ from featurestore.extract.h5_rows import read_rows
 H5_SUFFIXES = (".h5", ".hdf5")
 PT_SUFFIXES = (".pt", ".pth")
 FEATURE_NAMES = ("features", "feats")
+# After a file is fixed: the bags already written are kept by --resume, but the split's cache key
+# covers every file's name and size (bag_import), so a file that changed size needs --overwrite.
+RERUN = "rerun the import with --resume (with --overwrite if the file's size changed)"
 
 
 class SlideFileError(SourceError):
@@ -156,7 +159,7 @@ class SlideFiles:
             raise
         except (OSError, KeyError, ValueError, TypeError) as error:
             raise SlideFileError(f"cannot read {slide.path!r} ({type(error).__name__}: {error}): a truncated or "
-                                 "damaged file; re-create it, then rerun the import with --resume") from None
+                                 f"damaged file; re-create it, then {RERUN}") from None
         return features, coords, attrs
 
     def fingerprint(self) -> str:
@@ -192,7 +195,7 @@ def _open_h5(path: str) -> Any:
         return h5py.File(path, "r")
     except OSError as error:
         raise SlideFileError(f"cannot open {path!r} as HDF5 ({' '.join(str(error).split())}): a truncated or "
-                             "damaged file; re-create it, then rerun the import with --resume") from None
+                             f"damaged file; re-create it, then {RERUN}") from None
 
 
 def _dataset(f: Any, name: str, path: str) -> Any:
