@@ -155,6 +155,10 @@ def test_ls_and_info_of_a_bag_split_name_their_sizes_labels_and_absent_fields(
     assert fields["data"] == "170.5 KiB"
     assert fields["on storage"] == "at least 10.0 MiB (bag ids and attributes not counted)"
     assert fields["chunks"].startswith("131072 patches per chunk, stored whole")
+    labels = root / "cohort" / "uni" / "small" / "labels" / "c" / "0"
+    labels.write_bytes(labels.read_bytes()[:-3])  # info still answers on a damaged split, and says so
+    code, out, _ = _cli(capsys, "info", str(root), "cohort", "uni", "small")
+    assert code == 0 and "bag labels: int64, unreadable: chunk 0 of cohort/uni/small/labels" in out, out
     code, out, _ = _cli(capsys, "info", str(root), "cohort", "uni", "plain")
     assert code == 0 and "None" not in out, out
     fields = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in out.splitlines()}

@@ -11,6 +11,8 @@ from typing import Any
 from featurestore.commands.report_line import quantization_line
 from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
 
+NOT_RECORDED = "not recorded"  # a field the split's writer did not record (never "None")
+
 
 def register(subparsers: Any) -> None:
     ls = subparsers.add_parser("ls", help="list datasets / encoders / splits with shapes, status, bytes of data "
@@ -81,9 +83,15 @@ def _bag_lines(store: Any, args: argparse.Namespace, meta: Any) -> list[tuple[st
     counted = meta.complete
     patch = spec.get("patch_size_level0")
     labels: Any = NOT_RECORDED
-    if spec.get("labels"):
-        labels = (label_counts(store.open_bags(args.dataset, args.encoder, args.split).labels, class_names(meta))
-                  if counted else f"{spec['labels'].get('dtype')}, not counted until commit")  # fmt: skip
+    if spec.get("labels") and not counted:
+        labels = f"{spec['labels'].get('dtype')}, not counted until commit"
+    elif spec.get("labels"):
+        from featurestore.errors import FeatureStoreError
+
+        try:  # info is what one runs on a damaged split too: its labels may be what is damaged
+            labels = label_counts(store.open_bags(args.dataset, args.encoder, args.split).labels, class_names(meta))
+        except FeatureStoreError as error:
+            labels = f"{spec['labels'].get('dtype')}, unreadable: {error}"  # the error says what to run
     return [
         ("kind", "bags (ragged per-slide bags; store.open_bags)"),
         ("bags", spec.get("count") if counted else "not counted until commit"),
@@ -118,9 +126,6 @@ def label_counts(labels: Any, names: list[str] | None, most: int = 20) -> str:
              for c, n in zip(classes.tolist()[:most], counts.tolist()[:most], strict=True)]
     more = f", ... {len(classes) - most} more classes" if len(classes) > most else ""
     return f"{values.dtype}, {len(classes)} classes: {', '.join(shown)}{more}"
-
-
-NOT_RECORDED = "not recorded"
 
 
 def run_info(args: argparse.Namespace) -> int:
