@@ -79,8 +79,13 @@ def _transport(max_connections: int) -> httpx.BaseTransport:
     return StdlibTransport(max_idle_per_host=max_connections, fallback=fallback)
 
 
+TOKEN_ENV = "FEATURESTORE_TOKEN"  # the server's variable; `featurestore probe` reads it too
+
+
 class FeatureClient:
     """Read a featurestore server: ``FeatureClient("http://host:8000", token=None)``.
+
+    ``token``: the bearer token; None reads ``$FEATURESTORE_TOKEN``, ``""`` sends none.
 
     One pooled ``httpx.Client`` per process (re-created after a fork, dropped when pickled, so
     the client can live inside a DataLoader's dataset). Idempotent reads are retried
@@ -128,7 +133,8 @@ class FeatureClient:
         self.backoff = float(backoff)
         self.split_change_wait_s = float(split_change_wait_s)
         self.max_connections = int(max_connections)
-        self._token = token
+        # Read once, here, so a DataLoader worker (a pickled copy) sends the token its parent had.
+        self._token = (os.environ.get(TOKEN_ENV) if token is None else token) or None
         self._external = http_client
         self._transport = transport
         self._http: httpx.Client | None = None

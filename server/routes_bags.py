@@ -10,7 +10,7 @@ the data routes' one path (:func:`server.routes_data.gathered_response`: byte ca
 budget 503, pooled zero-copy body, 409 if the split changed meanwhile).
 
 A bag id is data, never a path: it arrives percent-encoded in one segment (or several, if a
-client sent its slashes raw: the route's path converter takes the rest of the path), is decoded
+client sent its slashes raw: the route's converter takes the rest of the path, newlines included), is decoded
 exactly once, from the request's raw path (:func:`bag_id_of`), and is only ever looked up in the
 split's id index (``bags.index``); an unknown id is :class:`~featurestore.errors.BagNotFound` (404).
 """
@@ -23,6 +23,7 @@ from urllib.parse import unquote
 import numpy as np
 from fastapi import APIRouter, Query, Request
 from starlette.concurrency import run_in_threadpool
+from starlette.convertors import Convertor, register_url_convertor
 
 from featurestore.errors import IndexOutOfRange
 from featurestore.format import wire
@@ -33,6 +34,24 @@ from server.routes_features import Name, state_of
 from server.state import OpenedSplit, StoreState
 
 router = APIRouter()
+
+
+class BagIdConvertor(Convertor[str]):
+    """The rest of the path, whatever it holds. Starlette's ``path`` converter is ``.*``, and a dot
+    stops at a newline: an id with one (``%0A`` on the wire, decoded before routing) matched no
+    route at all, while every other character did."""
+
+    regex = r"[\s\S]*"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+# Registered before the routes below compile wire.BAG_ROUTE, which names this converter.
+register_url_convertor("bag_id", BagIdConvertor())
 
 _BAG: dict[int | str, dict[str, Any]] = {
     "200": {"content": {wire.BAG_MEDIA: {}},

@@ -147,6 +147,26 @@ def test_token(store_path: str) -> None:
                                           expected(store_path, "train", [1]))  # fmt: skip
 
 
+def test_token_from_the_environment(store_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without token=, the client (and the datasets over http) read FEATURESTORE_TOKEN, as
+    `featurestore probe` does; token= wins, and token="" sends none."""
+    from client import FeatureDataset
+
+    with serve_subprocess(store_path, env={"FEATURESTORE_TOKEN": "t0k3n"}) as (url, _):
+        monkeypatch.setenv("FEATURESTORE_TOKEN", "t0k3n")
+        with FeatureClient(url, retries=0) as from_env:
+            assert from_env.datasets() == ["other", "pannuke"]
+        assert len(FeatureDataset(url, *KEY)) == 40
+        for token in ("wrong", ""):
+            with pytest.raises(ClientError) as info:
+                FeatureClient(url, token=token, retries=0).datasets()
+            assert info.value.status == 401
+            assert "missing or wrong bearer token: send 'Authorization: Bearer <token>'" in str(info.value)
+        monkeypatch.setenv("FEATURESTORE_TOKEN", "wrong")
+        with FeatureClient(url, token="t0k3n", retries=0) as explicit:
+            assert explicit.datasets() == ["other", "pannuke"]
+
+
 def test_reads_over_the_byte_cap_are_split(store_path: str) -> None:
     # 64 bytes per sample and a 200-byte cap: at most 3 samples per request.
     with serve_subprocess(store_path, args=("--max-response-bytes", "200")) as (url, _):

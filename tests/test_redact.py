@@ -63,6 +63,26 @@ def test_secret_fields_of_a_quoted_options_dict_are_masked() -> None:
     assert "'endpoint_url': 'http://***@h'" in shown
 
 
+tokens = st.text(st.sampled_from(list("abcXYZ019-._~+/=")), max_size=12).map(lambda t: f"{SECRET}{t}")
+
+
+@settings(max_examples=200, deadline=None)
+@given(token=tokens, scheme=st.sampled_from(["Bearer", "bearer", "BEARER"]), after=st.sampled_from(["", " now", "'", ": x"]))
+def test_a_bearer_token_is_masked_whatever_it_holds(token: str, scheme: str, after: str) -> None:
+    for value in (token, f"token{token}", f"token.{token}", f"Token-{token}"):  # a secret that starts like the word
+        shown = redact(f"Authorization: {scheme} {value}{after}")
+        assert SECRET not in shown and shown == f"Authorization: {scheme} ***{after}", shown
+
+
+def test_the_words_bearer_and_token_without_a_secret_stay() -> None:
+    """The server's 401 message names what is missing; no secret in it, nothing to mask."""
+    for text in ("missing or wrong bearer token: send 'Authorization: Bearer <token>' (the server's FEATURESTORE_TOKEN)",
+                 "Bearer tokens are compared in constant time", "bearer authentication failed",
+                 "token= was not given", "{'token': ''}", '"secret": ""'):  # fmt: skip
+        assert redact(text) == text
+    assert redact("{'token': 'abc', 'key': ''}") == "{'token': '***', 'key': ''}"
+
+
 # ---------------------------------------------------------------------- --storage-options JSON
 @pytest.mark.parametrize("text", [
     f'{{"key": "AKIA", "secret": "{SECRET}", }}',  # trailing comma

@@ -31,8 +31,10 @@ DIM = 8
 # Ids a slide name can hold, including every trick a path could play.
 IDS = ["TCGA-A1-0001.svs", "a/b", "../../../../etc/passwd", "..", ".", "slide 1 (copy).svs", "é/ü 日本.ndpi",
        "%2e%2e%2fx", "a?b#c&d=e", "back\\slash", "zarr.json", "features/c/0/0", "/leading", "trailing/",
-       "a//b", "empty"]
-LENGTHS = [5, 3, 7, 1, 2, 4, 6, 3, 2, 1, 2, 3, 1, 2, 3, 0]  # "empty": a slide with no tissue
+       "a//b", "empty", "TCGA\n02", "\nnewline first", "newline last\n", "cr\rlf\r\n", "tab\there",
+       " leading space", "trailing space ", " ", "100%", "%", "nul\x00byte", "line\u2028separator", "a+b"]
+LENGTHS = [5, 3, 7, 1, 2, 4, 6, 3, 2, 1, 2, 3, 1, 2, 3, 0,  # "empty": a slide with no tissue
+           2, 1, 3, 2, 1, 2, 1, 1, 2, 1, 2, 1, 3]
 LONG = "long-one"  # a bag spanning several chunks
 LONG_ROWS = 150
 
@@ -296,3 +298,30 @@ def test_uvicorn_round_trip(store_path: str) -> None:
             if status == 200:  # only the bag whose id is exactly that string
                 want_f, _ = local(store_path, "train", "../../../../etc/passwd")
                 assert answer.split(b"\r\n\r\n", 1)[1][: want_f.nbytes] == want_f.tobytes()
+
+
+def test_bag_loader_epoch_over_http_reads_every_id_with_the_token_from_the_environment(
+        store_path: str, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A whole epoch of ``BagLoader`` over ``featurestore serve``: every bag, odd ids included
+    (newlines), delivered in order; the dataset's client finds its token in FEATURESTORE_TOKEN."""
+    pytest.importorskip("uvicorn")
+    torch = pytest.importorskip("torch")
+    from client import BagDataset, BagLoader
+    from featurestore.bench.serving import serve_subprocess
+
+    with serve_subprocess(store_path, env={"FEATURESTORE_TOKEN": "env-t0ken"}) as (url, _):
+        monkeypatch.setenv("FEATURESTORE_TOKEN", "env-t0ken")
+        ds = BagDataset(url, "tcga", "uni", "train")  # no token=: read from the environment
+        bags = featurestore.open_store(store_path).open_bags("tcga", "uni", "train")
+        loader = BagLoader(ds, batch_size=1, shuffle=False, device="cpu", dtype=None)
+        seen = [features[0] for features, _, _, _ in loader]
+        loader.close()
+        want = [i for i in range(len(bags)) if bags.lengths[i] > 0]  # the empty bag is skipped
+        assert len(seen) == len(want)
+        for got, i in zip(seen, want, strict=True):
+            np.testing.assert_array_equal(got.numpy(), bags.read_numpy(i)[0])
+        assert torch.is_tensor(seen[0])
+        monkeypatch.delenv("FEATURESTORE_TOKEN")
+        with pytest.raises(fse.FeatureStoreError) as info:
+            BagDataset(url, "tcga", "uni", "train")
+        assert getattr(info.value, "status", None) == 401 and "bearer token" in str(info.value)

@@ -98,16 +98,80 @@ def test_ls(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _cli(capsys, "ls", str(root))
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["SPLIT", "STATUS", "SHAPE", "DTYPE", "SIZE"]
+    assert lines[0].split() == ["SPLIT", "STATUS", "SHAPE", "DTYPE", "DATA", "ON", "STORAGE"]
     rows = {line.split()[0]: line.split()[1:4] for line in lines[1:]}
     assert rows == {
         "pannuke/tiny-vit/test": ["writing", "23x4x8", "float32"],
         "pannuke/tiny-vit/train": ["complete", "23x4x8", "float16"],
         "pannuke/tiny-vit/val": ["complete", "23x4x8", "bfloat16"],
     }
+    # train: 23 x 32 float16 + 23 int64 labels = 1656 B of data; 5 whole chunks of features,
+    # labels and statistics rows on storage (the files, counted)
+    train = next(line for line in lines if line.startswith("pannuke/tiny-vit/train"))
+    stored = sum(f.stat().st_size for f in (root / "pannuke" / "tiny-vit" / "train").rglob("*")
+                 if f.is_file() and f.name != "zarr.json")
+    assert train.split()[4:] == [*_bytes(1656).split(), *_bytes(stored).split()]
     empty = featurestore.open_store(str(root.parent / "empty"), mode="a").url
     code, out, _ = _cli(capsys, "ls", empty)
     assert code == 0 and "empty store" in out
+
+
+def _bytes(n: int) -> str:
+    from featurestore.format.sizes import bytes_text
+
+    return bytes_text(n)
+
+
+def _bag_store(root: Path) -> Path:
+    """The demo's small bag split: 2,181 patches of 32 float16 in default (8 MiB) chunks, two named
+    classes; and one imported without labels, patch size or provenance."""
+    store = featurestore.open_store(str(root), mode="a")
+    w = store.create_bag_split("cohort", "uni", "small", dim=32, dtype="float16", label_dtype="int64",
+                               metadata={"label_names": ["negative", "positive"]})  # fmt: skip
+    for i in range(20):
+        n = 110 if i < 19 else 91
+        w.add_bag(f"TCGA-{i:02d}", np.ones((n, 32), np.float32), coords=np.zeros((n, 2), np.int64),
+                  label=int(i % 4 == 0))  # fmt: skip
+    w.commit()
+    w = store.create_bag_split("cohort", "uni", "plain", dim=8)
+    w.add_bag("a", np.ones((3, 8), np.float32))
+    w.commit()
+    return root
+
+
+def test_ls_and_info_of_a_bag_split_name_their_sizes_labels_and_absent_fields(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    root = _bag_store(tmp_path / "bags")
+    code, out, _ = _cli(capsys, "ls", str(root))
+    assert code == 0
+    small = next(line for line in out.splitlines() if line.startswith("cohort/uni/small"))
+    # 2181 x (64 B features + 16 B coords) + 20 labels: 170.5 KiB of data; on storage one whole
+    # chunk each of features (8 MiB) and coords (2 MiB): 10.0 MiB, not one figure under the other's name
+    assert small.split()[-6:] == ["170.5", "KiB", "at", "least", "10.0", "MiB"], small
+    code, out, _ = _cli(capsys, "info", str(root), "cohort", "uni", "small")
+    assert code == 0
+    fields = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in out.splitlines()}
+    assert fields["bag labels"] == "int64, 2 classes: 0 negative: 15 bags, 1 positive: 5 bags"
+    assert fields["data"] == "170.5 KiB"
+    assert fields["on storage"] == "at least 10.0 MiB (bag ids and attributes not counted)"
+    assert fields["chunks"].startswith("131072 patches per chunk, stored whole")
+    labels = root / "cohort" / "uni" / "small" / "labels" / "c" / "0"
+    labels.write_bytes(labels.read_bytes()[:-3])  # info still answers on a damaged split, and says so
+    code, out, _ = _cli(capsys, "info", str(root), "cohort", "uni", "small")
+    assert code == 0 and "bag labels: int64, unreadable: chunk 0 of cohort/uni/small/labels" in out, out
+    code, out, _ = _cli(capsys, "info", str(root), "cohort", "uni", "plain")
+    assert code == 0 and "None" not in out, out
+    fields = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in out.splitlines()}
+    assert fields["coords"] == "px (int64)"  # no patch size recorded: none said
+    assert fields["bag labels"] == fields["token layout"] == fields["cache key"] == "not recorded"
+
+
+def test_label_counts_of_float_labels_and_many_classes() -> None:
+    from featurestore.commands.inspect import label_counts
+
+    assert label_counts(np.array([0.5, 2.0, np.nan]), None) == "float64: 0.5 .. 2 over 3 bags"
+    many = label_counts(np.arange(25).repeat(2), [f"c{i}" for i in range(3)], most=4)
+    assert many == "int64, 25 classes: 0 c0: 2 bags, 1 c1: 2 bags, 2 c2: 2 bags, 3: 2 bags, ... 21 more classes"
 
 
 def test_info(root: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -220,7 +220,7 @@ def test_ui_can_be_turned_off(store_path: str) -> None:
 def test_bag_split_in_catalog_and_its_page(client: TestClient) -> None:
     total = sum(len(slide(i)[0]) for i in range(len(BAG_IDS) - 1))
     catalog = client.get("/").text
-    assert f'href="{SLIDES}">slides</a></td><td>bags</td><td class="num">5 bags, [{total}, 48]</td>' in catalog
+    assert f'href="{SLIDES}">slides</a></td><td>bags</td><td class="num">5 bags, {total:,} patches, dim 48</td>' in catalog
     page = client.get(SLIDES)
     assert page.status_code == 200
     text = page.text
@@ -235,6 +235,49 @@ def test_bag_split_in_catalog_and_its_page(client: TestClient) -> None:
     assert "patch size at level 0 256" in text
     empty = sorted(BAG_IDS).index("empty-slide")
     assert "this bag is empty" in client.get(f"{SLIDES}?bag={empty}").text
+
+
+@needs_bags
+def test_sizes_say_which_they_are_and_match_the_files(client: TestClient, store_path: str) -> None:
+    """Every view shows the same two figures, named: bytes of data and bytes on storage (the chunk
+    files, counted on disk here), not one of them under the other's name."""
+    import featurestore
+    from featurestore.format.sizes import split_size
+
+    catalog = client.get("/").text
+    assert "<th>data</th><th>on storage</th>" in catalog
+    for key in (("demo", "vit-s", "slides"), ("demo", "vit-s", "train")):
+        size = split_size(featurestore.open_store(store_path).split_info(*key))
+        root = os.path.join(store_path, *key)
+        on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files
+                      if f != "zarr.json" and not os.path.relpath(d, root).startswith(("bag_ids", "bag_attrs")))
+        assert size.stored == on_disk
+        page = client.get("/ui/splits/" + "/".join(key)).text
+        assert f"<tr><th>data</th><td>{size.data_text()}</td></tr>" in page
+        assert f"<tr><th>on storage</th><td>{size.stored_text()}</td></tr>" in page
+        assert f'<td class="num">{size.data_text()}</td>' in catalog and size.stored_text(notes=False) in catalog
+    slides = client.get(SLIDES).text
+    assert "<tr><th>on storage</th><td>at least " in slides and "patches per chunk, stored whole" in slides
+
+
+@needs_bags
+def test_a_bag_split_without_optional_metadata_shows_no_none(tmp_path: object) -> None:
+    """Imported features record no token layout, preprocessing or patch size: the page leaves those
+    rows out (or says "not recorded"), never "None" or "null"."""
+    import featurestore
+
+    path = str(tmp_path) + "/store"  # type: ignore[operator]
+    w = featurestore.open_store(path, mode="a").create_bag_split("tcga", "uni", "train", dim=8, label_dtype="int64")
+    w.add_bag("TCGA-01", np.ones((3, 8), np.float32), coords=np.zeros((3, 2), np.int64), label=1)
+    w.commit()
+    with TestClient(create_app(path, Settings())) as client:
+        text = client.get("/ui/splits/tcga/uni/train").text
+        overview = text[text.index("<h2>Overview</h2>"):text.index("metadata as JSON")]
+        assert "None" not in text and "null" not in overview, overview
+        assert "token layout" not in overview and "preprocessing" not in overview
+        assert "<tr><th>shape</th><td>1 bag, 3 patches, dim 8</td></tr>" in overview
+        assert "coordinates: px" in text and "patch size at level 0" not in text
+        assert "not recorded" in overview  # the cache key, encoder spec, weights hash
 
 
 @needs_bags

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from typing import Any
 
 from featurestore.commands.report_line import quantization_line
 from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
 
+NOT_RECORDED = "not recorded"  # a field the split's writer did not record (never "None")
+
 
 def register(subparsers: Any) -> None:
-    ls = subparsers.add_parser("ls", help="list datasets / encoders / splits with shapes and status")
+    ls = subparsers.add_parser("ls", help="list datasets / encoders / splits with shapes, status, bytes of data "
+                                          "and bytes on storage")
     ls.add_argument("url", help="store path or fsspec URL (s3://bucket/prefix, memory://...)")
     add_storage_options(ls)
     ls.set_defaults(func=run_ls)
@@ -39,11 +41,9 @@ def _store(args: argparse.Namespace) -> Any:
 
 
 def _size(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
-        nbytes /= 1024
-    return ""
+    from featurestore.format.sizes import bytes_text  # one formatting for ls, info, verify and the page
+
+    return bytes_text(nbytes)
 
 
 def run_ls(args: argparse.Namespace) -> int:
@@ -53,43 +53,79 @@ def run_ls(args: argparse.Namespace) -> int:
 
 def _run_ls(args: argparse.Namespace) -> int:
     from featurestore.core.verify import iter_splits
-    from featurestore.format import dtypes
+    from featurestore.format.sizes import split_size
 
     store = _store(args)
     rows = []
     for ds, enc, sp in iter_splits(store):
         meta = store.split_info(ds, enc, sp)
         shape = [meta.num_samples, *meta.sample_shape]
-        itemsize = dtypes.storage_dtype(meta.logical_dtype).itemsize
-        nbytes = itemsize * math.prod(shape)
         text = "x".join(map(str, shape))
         if meta.is_bags:  # bag count, patch rows x dim (before the first commit: not counted yet)
             text = f"{(meta.bags or {}).get('count', 0)} bags, {text}" if meta.complete else f"bags, dim {shape[1]}"
-        rows.append((f"{ds}/{enc}/{sp}", meta.status, text, meta.logical_dtype, _size(nbytes)))
+        size = split_size(meta)  # the same two figures as info and the web page
+        rows.append((f"{ds}/{enc}/{sp}", meta.status, text, meta.logical_dtype, size.data_text(),
+                     size.stored_text(notes=False)))  # fmt: skip
     if not rows:
         print(f"{store.url}: empty store")
         return 0
-    header = ("SPLIT", "STATUS", "SHAPE", "DTYPE", "SIZE")
+    header = ("SPLIT", "STATUS", "SHAPE", "DTYPE", "DATA", "ON STORAGE")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     return 0
 
 
-def _bag_lines(meta: Any) -> list[tuple[str, Any]]:
+def _bag_lines(store: Any, args: argparse.Namespace, meta: Any) -> list[tuple[str, Any]]:
     """info's lines for a bag split, in place of the dense shape."""
     spec = meta.bags or {}
     coords = spec.get("coords") or {}
     counted = meta.complete
+    patch = spec.get("patch_size_level0")
+    labels: Any = NOT_RECORDED
+    if spec.get("labels") and not counted:
+        labels = f"{spec['labels'].get('dtype')}, not counted until commit"
+    elif spec.get("labels"):
+        from featurestore.errors import FeatureStoreError
+
+        try:  # info is what one runs on a damaged split too: its labels may be what is damaged
+            labels = label_counts(store.open_bags(args.dataset, args.encoder, args.split).labels, class_names(meta))
+        except FeatureStoreError as error:
+            labels = f"{spec['labels'].get('dtype')}, unreadable: {error}"  # the error says what to run
     return [
         ("kind", "bags (ragged per-slide bags; store.open_bags)"),
         ("bags", spec.get("count") if counted else "not counted until commit"),
         ("patches", meta.num_samples if counted else "not counted until commit"),
         ("dim", meta.sample_shape[0]),
-        ("coords", f"{coords.get('unit')} ({coords.get('dtype')}), patch size at level 0 "
-                   f"{spec.get('patch_size_level0')}"),
-        ("bag labels", spec.get("labels")),
+        ("coords", f"{coords.get('unit') or 'no unit'} ({coords.get('dtype')})"
+                   + ("" if patch is None else f", patch size at level 0 {patch}")),
+        ("bag labels", labels),
     ]
+
+
+def class_names(meta: Any) -> list[str] | None:
+    """The class names a split recorded: ``label_names`` (``featurestore import --labels`` with text
+    labels, slide extraction) or ``label_info.classes`` (image-folder sources, the demo)."""
+    extra = meta.extra or {}
+    names = extra.get("label_names") or (extra.get("label_info") or {}).get("classes")
+    return [str(name) for name in names] if isinstance(names, list) else None
+
+
+def label_counts(labels: Any, names: list[str] | None, most: int = 20) -> str:
+    """``int64, 2 classes: 0 negative: 12 bags, 1 positive: 8 bags``: each class with its name
+    (when recorded) and how many bags carry it; float labels (a regression target): their range."""
+    import numpy as np
+
+    values = np.asarray(labels)
+    if values.dtype.kind == "f":
+        finite = values[np.isfinite(values)]
+        span = f"{finite.min():.6g} .. {finite.max():.6g}" if len(finite) else "no finite value"
+        return f"{values.dtype}: {span} over {len(values)} bags"
+    classes, counts = np.unique(values, return_counts=True)
+    shown = [f"{c}{' ' + names[c] if names is not None and 0 <= c < len(names) else ''}: {n} bags"
+             for c, n in zip(classes.tolist()[:most], counts.tolist()[:most], strict=True)]
+    more = f", ... {len(classes) - most} more classes" if len(classes) > most else ""
+    return f"{values.dtype}, {len(classes)} classes: {', '.join(shown)}{more}"
 
 
 def run_info(args: argparse.Namespace) -> int:
@@ -98,6 +134,8 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def _run_info(args: argparse.Namespace) -> int:
+    from featurestore.format.sizes import split_size
+
     store = _store(args)
     meta = store.split_info(args.dataset, args.encoder, args.split)
     if args.json:
@@ -107,17 +145,22 @@ def _run_info(args: argparse.Namespace) -> int:
     # quantization, encoder and creator are free-form JSON objects inside the typed metadata
     q = meta.quantization or {}
     encoder = meta.encoder or {}
+    size = split_size(meta)
     lines = [
         ("split", f"{args.dataset}/{args.encoder}/{args.split}"),
         ("status", meta.status),
         ("shape", f"[{meta.num_samples}, {', '.join(map(str, meta.sample_shape))}]"),
         ("dtype", f"{meta.logical_dtype} (source {meta.source_dtype})"),
-        ("chunks", f"{meta.chunk_rows} {'rows' if meta.is_bags else 'samples'} per chunk, compressor {meta.compressor}"),
+        ("chunks", f"{meta.chunk_rows} {'patches' if meta.is_bags else 'samples'} per chunk, stored whole (the last "
+                   f"one padded), compressor {meta.compressor or 'none'}"),
+        ("data", size.data_text()),
+        ("on storage", size.stored_text()),
         ("labels", meta.labels.to_json() if meta.labels else None),
-        ("encoder", f"{encoder.get('name')} spec={encoder.get('spec')} weights={encoder.get('weights_hash')}"),
-        ("token layout", meta.token_layout),
-        ("preprocessing", meta.preprocessing),
-        ("cache key", meta.cache_key),
+        ("encoder", f"{encoder.get('name')} spec={encoder.get('spec') or NOT_RECORDED} "
+                    f"weights={encoder.get('weights_hash') or NOT_RECORDED}"),
+        ("token layout", NOT_RECORDED if meta.token_layout is None else meta.token_layout),
+        ("preprocessing", NOT_RECORDED if meta.preprocessing is None else meta.preprocessing),
+        ("cache key", meta.cache_key or NOT_RECORDED),
         ("generation", meta.generation),
         ("created", f"{meta.created} by featurestore {(meta.creator or {}).get('version')}"),
     ]
@@ -125,7 +168,7 @@ def _run_info(args: argparse.Namespace) -> int:
         lines.append(("quantization", quantization_line(q)))
     if meta.is_bags:
         lines = [line for line in lines if line[0] != "labels"]
-        lines[2:3] = _bag_lines(meta)
+        lines[2:3] = _bag_lines(store, args, meta)
     for name, value in lines:
         print(f"{name:>14}: {value}")
     return 0

@@ -115,7 +115,8 @@ def _side(run: dict[str, Any]) -> str:
     unit = "bags" if run["task"] == "abmil" else "samples"
     return (
         f"{run['dataset']}/{run['encoder']} stored as {run['dtype']}, features "
-        f"{run['sample_shape']}, {run['train_samples']} train + {run['eval_samples']} eval "
+        f"{run['sample_shape'] if unit == 'samples' else '[patches, %d] per bag' % run['sample_shape'][-1]}, "
+        f"{run['train_samples']} train + {run['eval_samples']} eval "
         f"{unit}, {run['seconds']:.1f} s ({run['source']})"
     )
 

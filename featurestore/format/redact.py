@@ -32,13 +32,21 @@ _SECRET_PARAM = re.compile(
     r"(?i)\b(token|access_token|secret|password|key|signature|x-amz-signature|x-amz-credential|"
     r"x-amz-security-token|sig|sas_token)=[^&\s'\"]+"
 )
-_BEARER = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]+")
+# The credential after "Bearer" is masked unless the whole word is one that names a credential
+# rather than being one: "missing or wrong bearer token: send ..." keeps its words. (A server whose
+# token is literally "token" shows it; any other value, "token2" or "token.x" too, is masked.)
+_TOKEN68 = r"[A-Za-z0-9._~+/=-]"
+_BEARER = re.compile(
+    rf"(?i)\b(bearer)\s+(?!(?:tokens?|auth|authentication|authorization|credentials?|header|scheme)"
+    rf"(?!{_TOKEN68})){_TOKEN68}+"
+)
 # "secret": "...", 'key': '...', secret=... in a dict's repr or a JSON text (a storage-options dict
-# quoted by some library's message): the value goes, the name stays.
+# quoted by some library's message): the value goes, the name stays; an empty value is no secret
+# and stays visible ("token": "" says the token is empty).
 _SECRET_FIELD = re.compile(
     r"""(?ix)(["']?\b(?:key|secret|token|password|passwd|account_key|sas_token|sas_key|client_secret|
     session_token|access_key_id|secret_access_key|aws_access_key_id|aws_secret_access_key|
-    aws_session_token|service_account_key)\b["']?\s*:\s*)(["'])(?:\\.|(?!\2).)*\2"""
+    aws_session_token|service_account_key)\b["']?\s*:\s*)(["'])(?:\\.|(?!\2).)+\2"""
 )
 
 

@@ -125,11 +125,12 @@ SAMPLES = SPLIT + "/samples"
 # Bag splits (issue 23). A bag id is data, any string a slide name holds (slashes, "..", spaces,
 # unicode): route() percent-encodes every byte of it but letters, digits, "-", "_" and "~"
 # (quote_bag_id), so no "/" or ".." segment ever reaches a URL normaliser, and the server matches
-# the rest of the path with a path converter (BAG_ROUTE) and looks the id up in the split's index;
-# an id is never joined into a storage path.
+# the rest of the path, newlines included, with its own converter (BAG_ROUTE, registered by
+# server/routes_bags.py) and looks the id up in the split's index; an id is never joined into a
+# storage path.
 BAGS = "/v1/bags/{dataset}/{encoder}/{split}"
 BAG = BAGS + "/{bag_id}"
-BAG_ROUTE = BAGS + "/{bag_id:path}"  # the server's template of BAG (FastAPI path converter)
+BAG_ROUTE = BAGS + "/{bag_id:bag_id}"  # the server's template of BAG
 # Most bags one listing page holds (about 100 bytes of JSON each: ~10 MB); ?offset= pages on.
 BAGS_PAGE = 100_000
 

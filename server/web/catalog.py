@@ -10,16 +10,14 @@ page still renders.
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from featurestore.errors import FeatureStoreError
 from featurestore.format import layout
-from featurestore.format.metadata import BAGS, DENSE, SplitMetadata, chunk_arrays
+from featurestore.format.metadata import BAGS, DENSE
+from featurestore.format.sizes import SplitSize, split_size
 
 __all__ = ["BAGS", "DENSE", "Catalog", "SplitRow", "row_from_document"]
 
@@ -33,8 +31,7 @@ class SplitRow:
     status: str = "damaged"
     shape: tuple[int, ...] = ()
     dtype: str = ""
-    size_bytes: int | None = None
-    size_note: str = ""
+    size: SplitSize = SplitSize(None, None)  # bytes of data and on storage
     generation: str | None = None
     cache_key: str | None = None
     encoder_spec: Any = None
@@ -52,50 +49,11 @@ class SplitRow:
         return "/".join(self.key)
 
 
-def storage_bytes(meta: SplitMetadata) -> tuple[int | None, str]:
-    """Bytes of the split's chunk files (features, labels, statistics rows), from its geometry:
-    exact for uncompressed splits (every chunk is full size plus its crc32c, the last one padded);
-    for compressed ones the uncompressed size, said so in the note."""
-    if meta.is_bags:
-        return bag_storage_bytes(meta)
-    chunks = meta.num_chunks
-    total, note = 0, ""
-    for name, _, nbytes in chunk_arrays(meta):
-        if nbytes is None:  # compressed features: their uncompressed size
-            nbytes = meta.chunk_rows * math.prod(meta.sample_shape) * _itemsize(meta.logical_dtype)
-            note = f"uncompressed; stored with {meta.compressor}"
-        total += chunks * (nbytes + layout.CRC_BYTES)
-    return total, note
-
-
-def bag_storage_bytes(meta: SplitMetadata) -> tuple[int | None, str]:
-    """A bag split's features and coordinates chunks (docs/FORMAT.md, "Slide bags": both chunked
-    by the same rows) plus its per-bag statistics rows and offsets; ids and attributes (strings)
-    are left out, so the figure is a floor."""
-    from featurestore.format.stats import row_length
-
-    spec = meta.bags or {}
-    count = int(spec.get("count") or 0)
-    rows, dim = meta.chunk_rows, int(meta.sample_shape[0])
-    coord_item = np.dtype(str((spec.get("coords") or {}).get("dtype") or "int64")).itemsize
-    chunk = rows * (dim * _itemsize(meta.logical_dtype) + 2 * coord_item) + 2 * layout.CRC_BYTES
-    total = meta.num_chunks * chunk + count * 8 * (row_length(dim) + 2) + (count + 1) * 8
-    note = "" if meta.compressor is None else f"uncompressed; stored with {meta.compressor}"
-    return total, ("at least; " + note if note else "at least (bag ids and attributes not counted)")
-
-
-def _itemsize(logical: str) -> int:
-    from featurestore.format import dtypes
-
-    return int(dtypes.storage_dtype(logical).itemsize)
-
-
 def row_from_document(dataset: str, encoder: str, split: str, doc: dict[str, Any]) -> SplitRow:
     """The row of a split (dense or bags) from its parsed ``zarr.json``."""
     from featurestore.core.store import check_split
 
     meta = check_split(doc, layout.split_key(dataset, encoder, split))
-    size, note = storage_bytes(meta)
     enc = meta.encoder if isinstance(meta.encoder, dict) else {}
     if meta.is_bags:  # (bags, patches over all bags, dim)
         kind, shape = BAGS, (int((meta.bags or {}).get("count") or 0), meta.num_samples, *meta.sample_shape)
@@ -106,7 +64,7 @@ def row_from_document(dataset: str, encoder: str, split: str, doc: dict[str, Any
     light = {k: v for k, v in meta.to_json().items() if k != "channel_stats"}
     return SplitRow(
         dataset, encoder, split, kind=kind, status=meta.status, shape=shape, dtype=meta.logical_dtype,
-        size_bytes=size, size_note=note, generation=meta.generation, cache_key=meta.cache_key,
+        size=split_size(meta), generation=meta.generation, cache_key=meta.cache_key,
         encoder_spec=enc.get("spec"), weights_hash=enc.get("weights_hash"),
         preprocessing=meta.preprocessing, metadata=light,
     )  # fmt: skip

@@ -163,9 +163,8 @@ def _bags(web: Web, row: SplitRow, chosen: int, start: int) -> Html:
                         "(FEATURESTORE_UI_MAX_SAMPLE_BYTES caps what one picture reads)")
         else:
             note = "this bag is empty (no patches)"
-    unit = bags.coords_unit or "no unit"
     return views.bag_section(row, ids, lengths, labels, chosen, src, start, BAGS_PER_PAGE,
-                             note=note, coords=f"{unit}, patch size at level 0 {bags.patch_size_level0}")
+                             note=note, coords=views.coords_text(bags.coords_unit, bags.patch_size_level0))
 
 
 # ---------------------------------------------------------------------- pictures

@@ -15,6 +15,7 @@ from server.web import plots
 from server.web.catalog import BAGS, SplitRow
 from server.web.markup import Html, compact_json, figure, h, join, page, size_text
 
+NOT_RECORDED = "not recorded"
 QUANTIZATION_ROWS = (
     ("values", "values measured", "d"),
     ("abs_max", "largest |value|", ".6g"),
@@ -40,7 +41,7 @@ def _shape(shape: Sequence[int]) -> str:
 def _short(value: Any, keep: int = 12) -> Html:
     """A long hash cut to ``keep`` characters; the whole value in the tooltip."""
     if value in (None, ""):
-        return h('<span class="muted">none</span>')
+        return h('<span class="muted">{}</span>', NOT_RECORDED)
     text = str(value)
     if len(text) <= keep:
         return h("<code>{}</code>", text)
@@ -52,26 +53,37 @@ def _status(status: str) -> Html:
 
 
 def _catalog_shape(row: SplitRow) -> str:
+    """A dense split's ``[N, ...]``; a bag split's counts, named (its rows are ragged)."""
     if row.kind == BAGS and len(row.shape) == 3:
-        return f"{row.shape[0]} bags, [{row.shape[1]}, {row.shape[2]}]"
+        if row.status != "complete":  # bags and patches are counted by the commit
+            return f"bags, dim {row.shape[2]}"
+        bags, patches = row.shape[0], row.shape[1]
+        return f"{bags:,} bag{'s' * (bags != 1)}, {patches:,} patch{'es' * (patches != 1)}, dim {row.shape[2]}"
     return _shape(row.shape)
 
 
-def _kind(row: SplitRow) -> str:
-    if row.kind == BAGS and len(row.shape) == 3:
-        return f"bags ({row.shape[0]} bags, {row.shape[1]} patches, dim {row.shape[2]})"
-    return row.kind
+def coords_text(unit: str | None, patch_size_level0: Any) -> str:
+    """How a bag split's coordinates read: their unit, and the patch size when it was recorded."""
+    patch = f", patch size at level 0 {patch_size_level0}" if patch_size_level0 is not None else ""
+    return f"{unit or 'no unit'}{patch}"
+
+
+def _stored(row: SplitRow) -> Html:
+    """The storage figure; what it leaves out in the tooltip."""
+    return h('<span title="{}">{}</span>', "; ".join(row.size.notes), row.size.stored_text(notes=False))
 
 
 # ---------------------------------------------------------------------- catalog
 def catalog_page(rows: Sequence[SplitRow], store_name: str) -> Html:
     if not rows:
         return page("store", h('<h1>{}</h1><p class="muted">This store holds no splits yet.</p>', store_name))
-    total = sum(r.size_bytes or 0 for r in rows)
+    data = sum(r.size.data or 0 for r in rows)
+    stored = sum(r.size.stored or 0 for r in rows)
     datasets = sorted({r.dataset for r in rows})
     encoders = sorted({(r.dataset, r.encoder) for r in rows})
-    parts = [h('<h1>{}</h1><p class="summary">{} datasets \u00b7 {} encoders \u00b7 {} splits \u00b7 {} on storage</p>',
-               store_name, len(datasets), len(encoders), len(rows), size_text(total))]
+    parts = [h('<h1>{}</h1><p class="summary">{} datasets \u00b7 {} encoders \u00b7 {} splits \u00b7 {} of data '
+               '\u00b7 {}{} on storage</p>', store_name, len(datasets), len(encoders), len(rows), size_text(data),
+               "at least " if any(r.size.floor for r in rows) else "", size_text(stored))]
     for dataset in datasets:
         parts.append(h('<section class="dataset" id="ds-{}"><h2>{}</h2>', dataset, dataset))
         for ds, encoder in encoders:
@@ -85,21 +97,21 @@ def catalog_page(rows: Sequence[SplitRow], store_name: str) -> Html:
 
 
 def _catalog_table(rows: Sequence[SplitRow]) -> Html:
-    head = Html("<thead><tr><th>split</th><th>kind</th><th>shape</th><th>dtype</th><th>size</th>"
+    head = Html("<thead><tr><th>split</th><th>kind</th><th>shape</th><th>dtype</th><th>data</th><th>on storage</th>"
                 "<th>status</th><th>generation</th><th>cache key</th><th>encoder spec</th>"
                 "<th>weights</th><th>preprocessing</th></tr></thead>")
     body = []
     for r in rows:
         if r.error:
-            body.append(h('<tr class="damaged"><td><a href="{}">{}</a></td><td colspan="10">'
+            body.append(h('<tr class="damaged"><td><a href="{}">{}</a></td><td colspan="11">'
                           '<span class="badge bad">unreadable</span> {}</td></tr>', split_href(r), r.split, r.error))
             continue
         pre = compact_json(r.preprocessing, 160) if r.preprocessing is not None else ""
         body.append(h(
-            '<tr><td><a href="{}">{}</a></td><td>{}</td><td class="num">{}</td><td>{}</td>'
-            '<td class="num" title="{}">{}</td><td>{}</td><td>{}</td><td>{}</td><td class="wrap">{}</td>'
+            '<tr><td><a href="{}">{}</a></td><td>{}</td><td class="num">{}</td><td>{}</td><td class="num">{}</td>'
+            '<td class="num">{}</td><td>{}</td><td>{}</td><td>{}</td><td class="wrap">{}</td>'
             '<td>{}</td><td class="pre" title="{}">{}</td></tr>',
-            split_href(r), r.split, r.kind, _catalog_shape(r), r.dtype, r.size_note, size_text(r.size_bytes),
+            split_href(r), r.split, r.kind, _catalog_shape(r), r.dtype, r.size.data_text(), _stored(r),
             _status(r.status), _short(r.generation, 13), _short(r.cache_key), r.encoder_spec or "",
             _short(r.weights_hash), compact_json(r.preprocessing, 2000) if pre else "", pre,
         ))  # fmt: skip
@@ -127,14 +139,17 @@ def overview(row: SplitRow) -> Html:
     enc = m.get("encoder") if isinstance(m.get("encoder"), dict) else {}
     labels = m.get("labels")
     items: list[tuple[str, Any]] = [
-        ("kind", _kind(row)),
+        ("kind", "bags (ragged per-slide bags)" if row.kind == BAGS else row.kind),
         ("status", _status(row.status)),
-        ("shape", _shape(row.shape)),
-        ("dtype", f"{row.dtype} (source {m.get('source_dtype') or 'unknown'})"),
-        ("size on storage", f"{size_text(row.size_bytes)} {row.size_note}".strip()),
+        ("shape", _catalog_shape(row)),
+        ("dtype", f"{row.dtype} (source {m.get('source_dtype') or NOT_RECORDED})"),
+        ("data", row.size.data_text()),
+        ("on storage", row.size.stored_text()),
     ]
+    # a chunk is stored whole: why a split smaller than one chunk takes more than its data
+    items.append(("chunks", f"{m.get('chunk_rows'):,} {'patches' if row.kind == BAGS else 'samples'} per chunk, "
+                  f"stored whole (the last one padded), compressor {m.get('compressor') or 'none'}"))
     if row.kind != BAGS:
-        items.append(("chunks", f"{m.get('chunk_rows')} samples per chunk, compressor {m.get('compressor') or 'none'}"))
         items.append(("labels", f"{labels.get('dtype')}, shape {_shape(labels.get('shape', [])) or '[] (one per sample)'}"
                       if isinstance(labels, dict) else "none"))
         items.append(("sample ids", "yes" if m.get("ids") else "no"))
@@ -146,9 +161,10 @@ def overview(row: SplitRow) -> Html:
         ("weights hash", h("<code>{}</code>", enc.get("weights_hash")) if enc.get("weights_hash") else _short(None)),
         ("created", f"{m.get('created')} by featurestore {(m.get('creator') or {}).get('version', '?')}"),
         ("completed", m.get("completed") or "not yet"),
-        ("token layout", h("<code>{}</code>", compact_json(m.get("token_layout")))),
-        ("preprocessing", _json_block(m.get("preprocessing"))),
     ]
+    for name, key in (("token layout", "token_layout"), ("preprocessing", "preprocessing")):
+        if m.get(key) is not None:  # a bag split of imported features has neither: no row
+            items.append((name, _json_block(m.get(key))))
     other = {k: v for k, v in enc.items() if k not in ("name", "spec", "weights_hash")}
     if other:
         items.append(("encoder details", _json_block(other)))

@@ -1,0 +1,29 @@
+"""The probe report's header line names what a sample is: a bag's features are ``[patches, D]``
+per bag (a ragged count), never a shape with the string ``'bag'`` in it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from featurestore.commands.probe import format_report
+from featurestore.probes.compare import run_seeds
+
+
+def _run(task: str, sample_shape: list[Any], unit: str) -> dict[str, Any]:
+    return {
+        **run_seeds(lambda seed: {"auc": 0.5 + seed / 10}, [0, 1]),
+        "task": task, "train_split": "train", "eval_split": "val", "num_classes": 2,
+        "config": {"epochs": 1, "lr": 1e-3}, "batch_size": 1, "device": "cpu", "loader": "bag",
+        "dataset": "cohort", "encoder": "uni", "dtype": "float16", "sample_shape": sample_shape,
+        "train_samples": 200, "eval_samples": 40, "seconds": 1.0, "source": "store",
+    }
+
+
+def test_abmil_header_says_patches_per_bag() -> None:
+    text = format_report(_run("abmil", ["bag", 1536], "bags"))
+    assert "features [patches, 1536] per bag, 200 train + 40 eval bags" in text
+    assert "'bag'" not in text
+
+
+def test_dense_header_keeps_its_shape() -> None:
+    assert "features [4, 8], 200 train + 40 eval samples" in format_report(_run("linear", [4, 8], "samples"))
