@@ -385,6 +385,59 @@ def test_slide_map_paints_each_patch() -> None:
     assert pictures.patch_step(coords) == 256
 
 
+def _painted_square_by_square(coords: np.ndarray, values: np.ndarray, patch: int, max_side: int) -> np.ndarray:
+    """The slide map as first written: each patch's square painted in order (the later one on top)."""
+    origin = coords.min(axis=0)
+    extent = coords.max(axis=0) - origin + patch
+    scale = max_side / float(extent.max())
+    width, height = (max(1, int(np.ceil(e * scale))) for e in extent)
+    image = np.full((height, width, 3), 245, np.uint8)
+    side = max(1, int(np.ceil(patch * scale)))
+    colours = pictures.VIRIDIS[(np.clip(values, 0.0, 1.0) * 255).round().astype(np.int64)]
+    for (x, y), colour in zip(((coords - origin) * scale).astype(np.int64), colours):
+        image[y : y + side, x : x + side] = colour
+    return image
+
+
+@pytest.mark.parametrize(("step", "patch", "max_side"), [(256, 256, 96), (256, 256, 500), (224, 224, 512),
+                                                          (64, 256, 300), (16, 256, 128)])  # fmt: skip
+def test_slide_map_is_the_square_by_square_picture(step: int, patch: int, max_side: int) -> None:
+    rng = np.random.default_rng(step + max_side)
+    yy, xx = np.mgrid[0:23, 0:31]
+    keep = rng.random(yy.shape) < 0.7  # holes, like tissue
+    coords = np.stack([xx[keep], yy[keep]], axis=1).astype(np.int64) * step + 1000
+    coords = coords[rng.permutation(len(coords))]  # overlapping squares: the order decides
+    values = rng.random(len(coords))
+    expected = _painted_square_by_square(coords, values, patch, max_side)
+    assert np.array_equal(pictures.slide_map(coords, values, patch=patch, max_side=max_side), expected)
+
+
+def test_slide_map_work_is_bounded_by_the_picture() -> None:
+    """300,000 patches of 4096 px on a 16 px step (each pixel under ~65,000 squares): one picture
+    within a fixed CPU budget (the process's CPU clock interrupts it), not n * side**2 pixel
+    writes (minutes)."""
+    import signal
+
+    yy, xx = np.divmod(np.arange(300_000), 600)
+    coords = np.stack([xx, yy], axis=1).astype(np.int64) * 16
+    values = (coords[:, 0] % 997) / 997.0
+
+    def over_budget(*_: object) -> None:
+        raise TimeoutError("the slide map took more than 5 s of CPU for one picture")
+
+    previous = signal.signal(signal.SIGPROF, over_budget)
+    signal.setitimer(signal.ITIMER_PROF, 5.0)
+    try:
+        image = pictures.slide_map(coords, values, patch=4096, max_side=512)
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
+    assert image.shape == (453, 512, 3)  # 13680 x 12080 level-0 px at 512 / 13680
+    assert (image != 245).any(axis=2).mean() > 0.99  # the bag covers its bounding box
+    x, y = (coords[-1] * 512 / 13680).astype(np.int64) + 1
+    assert np.array_equal(image[y, x], pictures.VIRIDIS[round(values[-1] * 255)])  # the last patch on top
+
+
 def test_plots_bin_many_channels_and_escape_titles() -> None:
     svg = plots.channel_plot(np.arange(3072.0), "<b>mean</b>")
     assert 'data-channels="3072"' in svg and "<b>" not in svg and len(svg) < 40_000
