@@ -287,6 +287,52 @@ def test_big_bags_are_drawn_from_a_bounded_sample(store_path: str) -> None:
         assert client.get(f"/ui/slidemap/demo/vit-s/slides/{bag}.png").status_code == 200
 
 
+@needs_bags
+def test_slide_map_by_saved_attention_beside_pc1(tmp_path: object) -> None:
+    import shutil
+
+    import featurestore
+    from _attention_fixtures import save_map
+
+    path = make_web_store(str(tmp_path) + "/store")  # type: ignore[operator]
+    # attention growing from left to right: the map's left patches purple, its right ones yellow
+    save_map(path, "demo", "vit-s", "slides", "abmil-att", lambda i, coords: (coords[:, 0] + 256.0) ** 3)
+    bag = sorted(BAG_IDS).index("TCGA-A1-0002")
+    pc1 = f"/ui/slidemap/demo/vit-s/slides/{bag}.png"
+    src = f"{pc1}?attention=abmil-att"
+    with TestClient(create_app(path, Settings())) as client:
+        text = client.get(f"{SLIDES}?bag={bag}").text
+        assert f'src="{pc1}"' in text and f'src="{src}"' in text  # the PC1 map and the attention map beside it
+        assert "attention <code>abmil-att</code>: ABMIL on <code>slides</code>, seed 0" in text
+        answer = client.get(src)
+        assert answer.status_code == 200 and answer.content != client.get(pc1).content
+        image = decode_png(answer.content)
+        painted = (image != 245).any(axis=2)
+        columns = np.flatnonzero(painted.any(axis=0))
+        left, right = image[painted[:, columns[0]], columns[0]], image[painted[:, columns[-1]], columns[-1]]
+        assert (left[:, 1] < 80).all() and (right[:, 1] > 180).all()  # viridis: green grows with the rank
+        empty = sorted(BAG_IDS).index("empty-slide")
+        assert client.get(f"/ui/slidemap/demo/vit-s/slides/{empty}.png?attention=abmil-att").status_code == 404
+        assert client.get(f"{pc1}?attention=nope").status_code == 404
+        assert client.get(f"{pc1}?attention=..%2Fx").status_code == 400
+    # the split overwritten (a new generation) and the old map copied back: never shown as current
+    key = os.path.join(path, "demo", "vit-s", "slides", "attention")
+    kept = str(tmp_path) + "/kept"  # type: ignore[operator]
+    shutil.copytree(key, kept)
+    w = featurestore.open_store(path, mode="a").create_bag_split("demo", "vit-s", "slides", dim=48, overwrite=True,
+                                                                 patch_size_level0=256, label_dtype="int64")
+    for i, bag_id in enumerate(BAG_IDS[:-1]):
+        w.add_bag(bag_id, *slide(i), label=i % 2)
+    w.commit()
+    shutil.copytree(kept, key)
+    with TestClient(create_app(path, Settings())) as client:
+        text = client.get(f"{SLIDES}?bag={bag}").text
+        assert f'src="{pc1}"' in text and "attention=abmil-att" not in text
+        assert "stale, not shown: saved for generation" in text and "--save-attention abmil-att" in text
+        stale = client.get(src)
+        assert stale.status_code == 409 and "stale" in stale.json()["detail"]
+
+
 # ---------------------------------------------------------------------- sign-in
 def test_pages_ask_for_the_token_and_never_echo_it(secured: TestClient) -> None:
     page = secured.get(TRAIN + "?sample=2")

@@ -142,6 +142,15 @@ def patch_step(coords: np.ndarray) -> int:
     return max(1, min(steps)) if steps else 1
 
 
+def ranks(values: np.ndarray) -> np.ndarray:
+    """Each value's rank among ``values`` mapped to [0, 1] (the smallest 0, the largest 1; ties in
+    input order): attention weights span orders of magnitude, their ranks the whole colour scale."""
+    values = np.asarray(values, np.float64).reshape(-1)
+    out = np.empty(len(values), np.float64)
+    out[np.argsort(values, kind="stable")] = np.arange(len(values), dtype=np.float64)
+    return out / max(len(values) - 1, 1)
+
+
 def slide_map(coords: np.ndarray, values: np.ndarray, *, patch: int | None = None, max_side: int = 512,
               background: int = 245) -> np.ndarray:
     """uint8 ``[h, w, 3]``: each patch (``coords`` [n, 2] level-0 x, y of its top-left corner) as a

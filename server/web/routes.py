@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from importlib import resources
-from typing import Annotated
-from urllib.parse import parse_qsl
+from typing import Annotated, Any
+from urllib.parse import parse_qsl, urlencode
 
 import numpy as np
 from fastapi import APIRouter, FastAPI, Path, Query, Request
@@ -164,8 +164,29 @@ def _bags(web: Web, row: SplitRow, chosen: int, start: int) -> Html:
         else:
             note = "this bag is empty (no patches)"
     unit = bags.coords_unit or "no unit"
+    beside = views.attention_figures(_attention(web, row, bags, chosen)) if src is not None else Html("")
     return views.bag_section(row, ids, lengths, labels, chosen, src, start, BAGS_PER_PAGE,
-                             note=note, coords=f"{unit}, patch size at level 0 {bags.patch_size_level0}")
+                             note=note, coords=f"{unit}, patch size at level 0 {bags.patch_size_level0}",
+                             beside=beside)
+
+
+def _attention(web: Web, row: SplitRow, bags: Any, chosen: int) -> list[views.AttentionFigure]:
+    """The saved attention maps of bag ``chosen``: a picture for each current map that evaluated
+    it, a line saying why not for the others (a stale map is never drawn)."""
+    shown = []
+    for name, amap, problem in web.figures.attention_maps(bags):
+        if amap is None:
+            shown.append(views.AttentionFigure(name, None, None, None, _clean(web, problem or "")))
+        elif amap.stale is not None:
+            shown.append(views.AttentionFigure(name, None, amap.lineage, None, f"stale, not shown: {amap.stale}; "
+                                               f"run the probe again with --save-attention {name}"))
+        elif int(amap.fold[chosen]) < 0:
+            shown.append(views.AttentionFigure(name, None, amap.lineage, None,
+                                               "this bag was not evaluated by that probe run"))
+        else:
+            src = "/ui/slidemap/" + "/".join(row.key) + f"/{chosen}.png?{urlencode({'attention': name})}"
+            shown.append(views.AttentionFigure(name, src, amap.lineage, int(amap.fold[chosen]), ""))
+    return shown
 
 
 # ---------------------------------------------------------------------- pictures
@@ -176,10 +197,12 @@ def pca_png(request: Request, dataset: Name, encoder: Name, split: Name, index: 
 
 
 @router.get("/ui/slidemap/{dataset}/{encoder}/{split}/{index}.png")
-def slide_png(request: Request, dataset: Name, encoder: Name, split: Name, index: int) -> Response:
-    for name, what in ((dataset, "dataset"), (encoder, "encoder"), (split, "split")):
-        validate_name(name, what)
-    body = web_of(request).figures.slide_png(dataset, encoder, split, index)
+def slide_png(request: Request, dataset: Name, encoder: Name, split: Name, index: int,
+              attention: Annotated[str | None, Query(description="an attention map's name")] = None) -> Response:
+    for name, what in ((dataset, "dataset"), (encoder, "encoder"), (split, "split"), (attention, "attention map")):
+        if name is not None:
+            validate_name(name, what)
+    body = web_of(request).figures.slide_png(dataset, encoder, split, index, attention=attention)
     return Response(body, media_type=MEDIA_TYPE, headers=PICTURE_HEADERS)
 
 
