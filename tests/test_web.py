@@ -297,6 +297,10 @@ def test_slide_map_by_saved_attention_beside_pc1(tmp_path: object) -> None:
     path = make_web_store(str(tmp_path) + "/store")  # type: ignore[operator]
     # attention growing from left to right: the map's left patches purple, its right ones yellow
     save_map(path, "demo", "vit-s", "slides", "abmil-att", lambda i, coords: (coords[:, 0] + 256.0) ** 3)
+    broken = os.path.join(path, "demo", "vit-s", "slides", "attention", "broken")
+    os.makedirs(broken)
+    with open(os.path.join(broken, "zarr.json"), "w") as f:  # a map whose lineage is damaged
+        f.write('{"zarr_format": 3, "node_type": "group", "attributes": {"featurestore": {"kind": "attention"}}}')
     bag = sorted(BAG_IDS).index("TCGA-A1-0002")
     pc1 = f"/ui/slidemap/demo/vit-s/slides/{bag}.png"
     src = f"{pc1}?attention=abmil-att"
@@ -304,6 +308,7 @@ def test_slide_map_by_saved_attention_beside_pc1(tmp_path: object) -> None:
         text = client.get(f"{SLIDES}?bag={bag}").text
         assert f'src="{pc1}"' in text and f'src="{src}"' in text  # the PC1 map and the attention map beside it
         assert "attention <code>abmil-att</code>: ABMIL on <code>slides</code>, seed 0" in text
+        assert "attention map demo/vit-s/slides/attention/broken has a damaged lineage" in text
         answer = client.get(src)
         assert answer.status_code == 200 and answer.content != client.get(pc1).content
         image = decode_png(answer.content)
@@ -318,6 +323,7 @@ def test_slide_map_by_saved_attention_beside_pc1(tmp_path: object) -> None:
     # the split overwritten (a new generation) and the old map copied back: never shown as current
     key = os.path.join(path, "demo", "vit-s", "slides", "attention")
     kept = str(tmp_path) + "/kept"  # type: ignore[operator]
+    shutil.rmtree(broken)
     shutil.copytree(key, kept)
     w = featurestore.open_store(path, mode="a").create_bag_split("demo", "vit-s", "slides", dim=48, overwrite=True,
                                                                  patch_size_level0=256, label_dtype="int64")

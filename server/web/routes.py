@@ -177,15 +177,22 @@ def _attention(web: Web, row: SplitRow, bags: Any, chosen: int) -> list[views.At
     for name, amap, problem in web.figures.attention_maps(bags):
         if amap is None:
             shown.append(views.AttentionFigure(name, None, None, None, _clean(web, problem or "")))
-        elif amap.stale is not None:
+            continue
+        if amap.stale is not None:
             shown.append(views.AttentionFigure(name, None, amap.lineage, None, f"stale, not shown: {amap.stale}; "
                                                f"run the probe again with --save-attention {name}"))
-        elif int(amap.fold[chosen]) < 0:
+            continue
+        try:
+            fold = int(amap.fold[chosen])
+        except FeatureStoreError as error:  # a damaged map: said on the page, the rest still shows
+            shown.append(views.AttentionFigure(name, None, amap.lineage, None, _clean(web, str(error))))
+            continue
+        if fold < 0:
             shown.append(views.AttentionFigure(name, None, amap.lineage, None,
                                                "this bag was not evaluated by that probe run"))
         else:
             src = "/ui/slidemap/" + "/".join(row.key) + f"/{chosen}.png?{urlencode({'attention': name})}"
-            shown.append(views.AttentionFigure(name, src, amap.lineage, int(amap.fold[chosen]), ""))
+            shown.append(views.AttentionFigure(name, src, amap.lineage, fold, ""))
     return shown
 
 
