@@ -202,3 +202,12 @@ class WrongSplitKind(FeatureStoreError, TypeError):
 
 class EmptyBag(FeatureStoreError, ValueError):
     """A bag without patches where one is needed (``BagLoader(skip_empty=False)``)."""
+
+
+class AttentionNotFound(FeatureStoreError, LookupError):
+    """An attention map name that a bag split does not hold (``--save-attention NAME`` saves one)."""
+
+
+class StaleAttention(FeatureStoreError, RuntimeError):
+    """An attention map saved for another state of its bag split (overwritten, re-committed):
+    its values no longer belong to the split's patches."""

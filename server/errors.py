@@ -75,6 +75,8 @@ STATUS: Mapping[type[BaseException], int] = {
     # a dense route on a bag split, a bag route on a dense split: no such resource there
     fse.WrongSplitKind: 404,
     fse.IncompleteSplit: 409,
+    fse.AttentionNotFound: 404,
+    fse.StaleAttention: 409,
     ResponseTooLarge: 413,
     RequestTooLarge: 413,
     Busy: 503,

@@ -101,12 +101,36 @@ def test_cli_head_abmil_compare(store: str, tmp_path: Path, capsys: pytest.Captu
     (["--encoder", ENCODERS["float32"], "--eval", "val", "--folds", "2"], "either an eval split"),
     (["--encoder", ENCODERS["float32"], "--folds", "99"], "folds must be"),
     (["--encoder", ENCODERS["float32"], "--eval", "nope"], "nope"),
+    (["--encoder", ENCODERS["float32"], "--eval", "val", "--compare", ENCODERS["float16"], "--save-attention", "a"],
+     "--save-attention keeps one run's attention"),
+    (["--encoder", ENCODERS["float32"], "--eval", "val", "--save-attention", "../a"], "'../a'"),
 ])
 def test_cli_errors_are_one_line(store: str, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["probe", store, "--head", "abmil", "--dataset", "cohort", "--train", "train", "--quiet",
                  "--epochs", "1", "--seeds", "1", "--device", "cpu", *argv])
     err = capsys.readouterr().err
     assert code == 1 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.filterwarnings("ignore:1 empty bag")
+def test_cli_save_attention(store: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import featurestore
+    from featurestore.core.bag_attention import open_attention
+
+    code = main(["probe", store, "--head", "abmil", "--dataset", "cohort", "--encoder", ENCODERS["float16"],
+                 "--train", "train", "--eval", "val", "--batch-size", "4", "--seeds", "1", "--epochs", "1",
+                 "--device", "cpu", "--quiet", "--save-attention", "cli-map"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert f"attention map 'cli-map' (seed 0, 15 bags) saved in cohort/{ENCODERS['float16']}/val/attention/cli-map" in printed
+    s = featurestore.open_store(store)
+    bags = s.open_bags("cohort", ENCODERS["float16"], "val")
+    amap = open_attention(s.storage, bags.key, "cli-map", bags.metadata)
+    assert amap.stale is None and amap.lineage["probe"]["batch_size"] == 4
+    assert (amap.fold >= 0).sum() == 15 and abs(float(amap.bag(0, bags.offsets).sum()) - 1) < 1e-5
+    code = main(["probe", store, "--head", "linear", "--dataset", "cohort", "--encoder", ENCODERS["float16"],
+                 "--train", "train", "--eval", "val", "--save-attention", "x"])
+    assert code == 1 and "apply to --head abmil only" in capsys.readouterr().err
 
 
 def test_dense_flags_refused_with_dense_heads(store: str) -> None:

@@ -330,6 +330,58 @@ def test_big_bags_are_drawn_from_a_bounded_sample(store_path: str) -> None:
         assert client.get(f"/ui/slidemap/demo/vit-s/slides/{bag}.png").status_code == 200
 
 
+@needs_bags
+def test_slide_map_by_saved_attention_beside_pc1(tmp_path: object) -> None:
+    import shutil
+
+    import featurestore
+    from _attention_fixtures import save_map
+
+    path = make_web_store(str(tmp_path) + "/store")  # type: ignore[operator]
+    # attention growing from left to right: the map's left patches purple, its right ones yellow
+    save_map(path, "demo", "vit-s", "slides", "abmil-att", lambda i, coords: (coords[:, 0] + 256.0) ** 3)
+    broken = os.path.join(path, "demo", "vit-s", "slides", "attention", "broken")
+    os.makedirs(broken)
+    with open(os.path.join(broken, "zarr.json"), "w") as f:  # a map whose lineage is damaged
+        f.write('{"zarr_format": 3, "node_type": "group", "attributes": {"featurestore": {"kind": "attention"}}}')
+    bag = sorted(BAG_IDS).index("TCGA-A1-0002")
+    pc1 = f"/ui/slidemap/demo/vit-s/slides/{bag}.png"
+    src = f"{pc1}?attention=abmil-att"
+    with TestClient(create_app(path, Settings())) as client:
+        text = client.get(f"{SLIDES}?bag={bag}").text
+        assert f'src="{pc1}"' in text and f'src="{src}"' in text  # the PC1 map and the attention map beside it
+        assert "attention <code>abmil-att</code>: ABMIL on <code>slides</code>, seed 0" in text
+        assert "attention map demo/vit-s/slides/attention/broken has a damaged lineage" in text
+        answer = client.get(src)
+        assert answer.status_code == 200 and answer.content != client.get(pc1).content
+        image = decode_png(answer.content)
+        painted = (image != 245).any(axis=2)
+        columns = np.flatnonzero(painted.any(axis=0))
+        left, right = image[painted[:, columns[0]], columns[0]], image[painted[:, columns[-1]], columns[-1]]
+        assert (left[:, 1] < 80).all() and (right[:, 1] > 180).all()  # viridis: green grows with the rank
+        empty = sorted(BAG_IDS).index("empty-slide")
+        assert client.get(f"/ui/slidemap/demo/vit-s/slides/{empty}.png?attention=abmil-att").status_code == 404
+        assert client.get(f"{pc1}?attention=nope").status_code == 404
+        assert client.get(f"{pc1}?attention=..%2Fx").status_code == 400
+    # the split overwritten (a new generation) and the old map copied back: never shown as current
+    key = os.path.join(path, "demo", "vit-s", "slides", "attention")
+    kept = str(tmp_path) + "/kept"  # type: ignore[operator]
+    shutil.rmtree(broken)
+    shutil.copytree(key, kept)
+    w = featurestore.open_store(path, mode="a").create_bag_split("demo", "vit-s", "slides", dim=48, overwrite=True,
+                                                                 patch_size_level0=256, label_dtype="int64")
+    for i, bag_id in enumerate(BAG_IDS[:-1]):
+        w.add_bag(bag_id, *slide(i), label=i % 2)
+    w.commit()
+    shutil.copytree(kept, key)
+    with TestClient(create_app(path, Settings())) as client:
+        text = client.get(f"{SLIDES}?bag={bag}").text
+        assert f'src="{pc1}"' in text and "attention=abmil-att" not in text
+        assert "stale, not shown: saved for generation" in text and "--save-attention abmil-att" in text
+        stale = client.get(src)
+        assert stale.status_code == 409 and "stale" in stale.json()["detail"]
+
+
 # ---------------------------------------------------------------------- sign-in
 def test_pages_ask_for_the_token_and_never_echo_it(secured: TestClient) -> None:
     page = secured.get(TRAIN + "?sample=2")
@@ -426,6 +478,59 @@ def test_slide_map_paints_each_patch() -> None:
     assert (image[5, 5] == pictures.VIRIDIS[0]).all() and (image[5, 40] == pictures.VIRIDIS[255]).all()
     assert (image[40, 70] == 245).all()  # no patch there: background
     assert pictures.patch_step(coords) == 256
+
+
+def _painted_square_by_square(coords: np.ndarray, values: np.ndarray, patch: int, max_side: int) -> np.ndarray:
+    """The slide map as first written: each patch's square painted in order (the later one on top)."""
+    origin = coords.min(axis=0)
+    extent = coords.max(axis=0) - origin + patch
+    scale = max_side / float(extent.max())
+    width, height = (max(1, int(np.ceil(e * scale))) for e in extent)
+    image = np.full((height, width, 3), 245, np.uint8)
+    side = max(1, int(np.ceil(patch * scale)))
+    colours = pictures.VIRIDIS[(np.clip(values, 0.0, 1.0) * 255).round().astype(np.int64)]
+    for (x, y), colour in zip(((coords - origin) * scale).astype(np.int64), colours):
+        image[y : y + side, x : x + side] = colour
+    return image
+
+
+@pytest.mark.parametrize(("step", "patch", "max_side"), [(256, 256, 96), (256, 256, 500), (224, 224, 512),
+                                                          (64, 256, 300), (16, 256, 128)])  # fmt: skip
+def test_slide_map_is_the_square_by_square_picture(step: int, patch: int, max_side: int) -> None:
+    rng = np.random.default_rng(step + max_side)
+    yy, xx = np.mgrid[0:23, 0:31]
+    keep = rng.random(yy.shape) < 0.7  # holes, like tissue
+    coords = np.stack([xx[keep], yy[keep]], axis=1).astype(np.int64) * step + 1000
+    coords = coords[rng.permutation(len(coords))]  # overlapping squares: the order decides
+    values = rng.random(len(coords))
+    expected = _painted_square_by_square(coords, values, patch, max_side)
+    assert np.array_equal(pictures.slide_map(coords, values, patch=patch, max_side=max_side), expected)
+
+
+def test_slide_map_work_is_bounded_by_the_picture() -> None:
+    """300,000 patches of 4096 px on a 16 px step (each pixel under ~65,000 squares): one picture
+    within a fixed CPU budget (the process's CPU clock interrupts it), not n * side**2 pixel
+    writes (minutes)."""
+    import signal
+
+    yy, xx = np.divmod(np.arange(300_000), 600)
+    coords = np.stack([xx, yy], axis=1).astype(np.int64) * 16
+    values = (coords[:, 0] % 997) / 997.0
+
+    def over_budget(*_: object) -> None:
+        raise TimeoutError("the slide map took more than 5 s of CPU for one picture")
+
+    previous = signal.signal(signal.SIGPROF, over_budget)
+    signal.setitimer(signal.ITIMER_PROF, 5.0)
+    try:
+        image = pictures.slide_map(coords, values, patch=4096, max_side=512)
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
+    assert image.shape == (453, 512, 3)  # 13680 x 12080 level-0 px at 512 / 13680
+    assert (image != 245).any(axis=2).mean() > 0.99  # the bag covers its bounding box
+    x, y = (coords[-1] * 512 / 13680).astype(np.int64) + 1
+    assert np.array_equal(image[y, x], pictures.VIRIDIS[round(values[-1] * 255)])  # the last patch on top
 
 
 def test_plots_bin_many_channels_and_escape_titles() -> None:

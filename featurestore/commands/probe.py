@@ -181,6 +181,9 @@ def register(subparsers: Any) -> None:
                         help="abmil: K stratified folds of the --train split instead of --eval")
     parser.add_argument("--max-patches", type=_positive_int, default=None, metavar="P",
                         help="abmil: train on a seeded random subset of P patches per bag per epoch")
+    parser.add_argument("--save-attention", metavar="NAME", default=None,
+                        help="abmil: keep the first seed's attention over every evaluated bag's patches in the "
+                        "store, beside the evaluated bag split, as map NAME (the web page's slide map shows it)")
     parser.add_argument("--compare", metavar="ENCODER",
                         help="second encoder name (B), e.g. the same features stored as float32")
     parser.add_argument("--compare-store", metavar="STORE",
@@ -221,8 +224,8 @@ def run_command(args: argparse.Namespace) -> int:
     if args.head == "abmil":
         result = _run_abmil(args, token, storage, None if args.quiet else log)
     else:
-        if args.folds is not None or args.max_patches is not None:
-            raise InvalidOption("--folds and --max-patches apply to --head abmil only")
+        if args.folds is not None or args.max_patches is not None or args.save_attention is not None:
+            raise InvalidOption("--folds, --max-patches and --save-attention apply to --head abmil only")
         if args.eval is None:
             raise InvalidOption("--eval SPLIT is required: the split to evaluate the probe on")
         task = args.head or args.task
@@ -246,6 +249,9 @@ def run_command(args: argparse.Namespace) -> int:
         print()
         return 0
     print(format_report(result))
+    if result.get("attention"):
+        saved = result["attention"]
+        print(f"attention map {saved['name']!r} (seed {saved['seed']}, {saved['bags']} bags) saved in {saved['key']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(result, handle, indent=2, allow_nan=True)
@@ -263,6 +269,9 @@ def _run_abmil(args: argparse.Namespace, token: str | None, storage: dict[str, A
         num_classes=args.num_classes, loader=args.loader, token=token, storage_options=storage, log=log,
     )
     if args.compare:
+        if args.save_attention is not None:
+            raise InvalidOption("--save-attention keeps one run's attention: drop --compare, or save it from a "
+                                "run of its own")
         return compare_mil_probes(args.store, args.dataset, args.encoder, args.compare,
                                   compare_source=args.compare_store, **common)
-    return run_mil_probe(args.store, args.dataset, args.encoder, **common)
+    return run_mil_probe(args.store, args.dataset, args.encoder, save_attention=args.save_attention, **common)

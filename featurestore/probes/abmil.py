@@ -20,7 +20,7 @@ RAM) and reports the slide-level **AUC** (binary; macro one-vs-rest for more cla
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,10 +116,13 @@ def train_abmil(
     seed: int = 0,
     device: str | torch.device = "auto",
     config: ABMILConfig | None = None,
+    attention_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> dict[str, float]:
     """Fit the gated-attention head on ``train`` batches; return ``auc`` and ``balanced_accuracy``
     on ``evaluate``. ``seed`` fixes the initialisation (the loaders' own seeds fix the order and
-    the patch subsets); the head is built before the first batch, after ``torch.manual_seed``."""
+    the patch subsets); the head is built before the first batch, after ``torch.manual_seed``.
+    ``attention_sink(attention [B, P], mask [B, P])`` sees each evaluation batch's attention
+    (featurestore.probes.attention keeps it)."""
     config = config or ABMILConfig()
     device = begin_training(num_classes, config.epochs, device, seed)
     model = GatedABMIL(in_dim, num_classes, config.hidden, config.attention, config.dropout).to(device)
@@ -137,16 +140,18 @@ def train_abmil(
             seen += 1
     if seen == 0:
         raise EmptySplit("the training loader yielded no bags; is the train split (or fold) empty?")
-    return evaluate_abmil(model, evaluate, num_classes=num_classes, device=device)
+    return evaluate_abmil(model, evaluate, num_classes=num_classes, device=device, attention_sink=attention_sink)
 
 
 @torch.no_grad()
-def evaluate_abmil(model: nn.Module, evaluate: Iterable[BagBatch], *, num_classes: int,
-                   device: torch.device) -> dict[str, Any]:
+def evaluate_abmil(model: nn.Module, evaluate: Iterable[BagBatch], *, num_classes: int, device: torch.device,
+                   attention_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, Any]:
     model.eval()
     probabilities, targets = [], []
     for features, mask, _coords, labels in evaluate:
-        logits, _ = model(features.to(device, torch.float32), mask.to(device))
+        logits, attention = model(features.to(device, torch.float32), mask.to(device))
+        if attention_sink is not None:
+            attention_sink(attention, mask)
         probabilities.append(torch.softmax(logits, dim=1).cpu())
         targets.append(_class_ids(labels, device, num_classes).cpu())
     if not targets:

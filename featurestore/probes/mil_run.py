@@ -80,17 +80,25 @@ def run_mil_probe(
     folds: int | None = None, seeds: int | Sequence[int] = 3, epochs: int | None = None, lr: float | None = None,
     batch_size: int = 1, max_patches: int | None = None, device: str = "auto", num_classes: int | None = None,
     loader: str = "stream", storage_options: dict[str, Any] | None = None, token: str | None = None,
-    log: Callable[[str], None] | None = None,
+    log: Callable[[str], None] | None = None, save_attention: str | None = None,
 ) -> dict[str, Any]:
     """Train the ABMIL head on ``train_split`` and score it on ``eval_split`` (or ``folds``
     stratified folds of ``train_split``) under each seed. ``max_patches``: training bags are
     subsampled to that many patches per epoch (evaluation always reads whole bags). ``loader``:
     ``"stream"`` (``client.BagLoader``) or ``"ram"`` (every bag read into RAM as float32 first).
-    Returns the setup, every run's metrics and each metric's ``{"mean", "std", "values"}``."""
+    Returns the setup, every run's metrics and each metric's ``{"mean", "std", "values"}``.
+    ``save_attention``: keep the first seed's attention over the evaluated bags in the store under
+    that name (featurestore.probes.attention)."""
     sides = _open_side(source, dataset, encoder, train_split, eval_split, folds, storage_options, token)
     classes = num_classes if num_classes is not None else _num_classes([d for d in sides if d is not None])
+    recorder = None
+    if save_attention is not None:
+        from featurestore.probes.attention import AttentionRecorder
+
+        recorder = AttentionRecorder(save_attention, sides[1] if sides[1] is not None else sides[0], source=source,
+                                     storage_options=storage_options, fold_seed=FOLD_SEED)
     return _run(*sides, folds=folds, num_classes=classes, seeds=seeds, epochs=epochs, lr=lr, batch_size=batch_size,
-                max_patches=max_patches, device=device, loader=loader, log=log)
+                max_patches=max_patches, device=device, loader=loader, log=log, recorder=recorder)
 
 
 def compare_mil_probes(
@@ -138,7 +146,7 @@ def _open_side(source: str, dataset: str, encoder: str, train_split: str, eval_s
 
 def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seeds: int | Sequence[int],
          epochs: int | None, lr: float | None, batch_size: int, max_patches: int | None, device: str, loader: str,
-         log: Callable[[str], None] | None) -> dict[str, Any]:
+         log: Callable[[str], None] | None, recorder: Any = None) -> dict[str, Any]:
     from featurestore.probes.abmil import ABMILConfig, train_abmil
     from featurestore.probes.train import resolve_device
 
@@ -167,10 +175,11 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
     def one(seed: int) -> dict[str, float]:
         started = time.perf_counter()
         per_fold = []
-        for train_index, eval_index in parts:
+        for fold, (train_index, eval_index) in enumerate(parts):
             train_batches, eval_batches = make(seed, train_index, eval_index)
+            sink = None if recorder is None else recorder.sink(seed, fold, eval_index)
             per_fold.append(train_abmil(train_batches, eval_batches, in_dim=train.dim, num_classes=num_classes,
-                                        seed=seed, device=torch_device, config=config))
+                                        seed=seed, device=torch_device, config=config, attention_sink=sink))
         metrics = {name: float(np.mean([m[name] for m in per_fold])) for name in per_fold[0]}
         if log is not None:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
@@ -183,7 +192,7 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
     # Bags per training and evaluation set (for folds: those of the first fold).
     train_bags = train.num_bags if parts[0][0] is None else len(parts[0][0])
     eval_bags = evaluate.num_bags if evaluate is not None else len(parts[0][1])
-    return {
+    out = {
         "source": train.source, "dataset": train.dataset, "encoder": train.encoder, "dtype": train.dtype,
         "train_split": train.split, "eval_split": evaluate.split if evaluate is not None else f"{folds} folds",
         "folds": folds, "train_samples": train_bags, "eval_samples": eval_bags,
@@ -191,6 +200,9 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
         "num_classes": num_classes, "device": str(torch_device), "loader": loader, "batch_size": batch_size,
         "max_patches": max_patches, "config": asdict(config), "seconds": time.perf_counter() - started, **result,
     }
+    if recorder is not None:
+        out["attention"] = recorder.save(out)
+    return out
 
 
 def _loaders(train: Any, evaluate: Any, *, batch_size: int, max_patches: int | None, device: Any,

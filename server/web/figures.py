@@ -20,13 +20,14 @@ import numpy as np
 
 from featurestore.format import dtypes, layout
 from featurestore.format.names import validate_name
-from featurestore.errors import WrongSplitKind
-from server.errors import BadRequest, Busy, RequestTooLarge
+from featurestore.errors import FeatureStoreError, WrongSplitKind
+from server.errors import BadRequest, Busy, NotFound, RequestTooLarge
 from server.state import StoreState
 from server.web import pictures
 from server.web.png import encode_png
 
 _OPEN_BAGS = 8  # bag splits kept open per worker (their index arrays)
+_ATTENTION_MAPS = 4  # attention maps shown beside a slide map
 
 
 class PictureTooLarge(RequestTooLarge):
@@ -169,23 +170,58 @@ class Figures:
             return None
         return np.unique(np.linspace(0, n - 1, limit).round().astype(np.int64))
 
-    def slide_png(self, dataset: str, encoder: str, split: str, index: int, max_side: int = 512) -> bytes:
-        """Bag ``index`` as a slide map: its patches at their coordinates, coloured by PC1."""
+    def attention_maps(self, bags: Any) -> list[tuple[str, Any, str | None]]:
+        """``(name, map or None, why it cannot be read)`` of each attention map saved under the
+        bag split (at most ``_ATTENTION_MAPS``); stale maps are listed, their ``stale`` says why."""
+        from featurestore.core.bag_attention import attention_names, open_attention
+
+        storage = self.state.store.storage
+        out: list[tuple[str, Any, str | None]] = []
+        for name in attention_names(storage, bags.key)[:_ATTENTION_MAPS]:
+            try:
+                out.append((name, open_attention(storage, bags.key, name, bags.metadata), None))
+            except FeatureStoreError as error:
+                out.append((name, None, str(error)))
+        return out
+
+    def slide_png(self, dataset: str, encoder: str, split: str, index: int, max_side: int = 512,
+                  attention: str | None = None) -> bytes:
+        """Bag ``index`` as a slide map: its patches at their coordinates, coloured by PC1, or by
+        the rank of their weight in attention map ``attention`` (a stale map is refused: 409)."""
         bags = self.open_bags(dataset, encoder, split)
         i = bags.position(int(index))  # IndexOutOfRange (416) outside the split
         rows = self.bag_rows(bags, i)
-        key = ("slide", bags.key, bags.metadata.get("generation"), bags.metadata.get("completed"), i, max_side)
+        key: tuple[Any, ...] = ("slide", bags.key, bags.metadata.get("generation"), bags.metadata.get("completed"), i,
+                                max_side)  # fmt: skip
+        amap = None
+        if attention is not None:
+            from featurestore.core.bag_attention import open_attention
+
+            amap = open_attention(self.state.store.storage, bags.key, attention, bags.metadata)
+            amap.check_current()  # StaleAttention (409): a map of another state of the split is never shown
+            weights_of = amap.bag
+            key += ("attention", attention, amap.lineage.get("created"))
 
         def compute() -> np.ndarray:
-            features, coords = bags.read_numpy(i, rows)
+            if amap is None:
+                features, coords = bags.read_numpy(i, rows)
+            else:
+                weights = weights_of(i, bags.offsets, rows)
+                if weights is None:
+                    raise NotFound(f"bag {bags.ids[i]!r} was not evaluated by the probe run that saved attention map "
+                                   f"{attention!r} (an empty bag, or one outside its evaluated split)")
+                coords = bags.coords.read_numpy(bags.rows_of(i, rows))
             coords = np.asarray(coords, np.float64)
             # rows written without coordinates hold -1 (NaN for float coordinates)
             placed = np.isfinite(coords).all(axis=1) & (coords >= 0).all(axis=1)
             if not placed.any():
                 return pictures.slide_map(np.zeros((0, 2)), np.zeros(0), max_side=max_side)
-            sample = dtypes.stored_as_float32(features[placed], bags.dtype)
-            components = pictures.fit_components(sample, 1)
-            values = components.unit(components.project(sample))[:, 0]
+            if amap is None:
+                sample = dtypes.stored_as_float32(features[placed], bags.dtype)
+                components = pictures.fit_components(sample, 1)
+                values = components.unit(components.project(sample))[:, 0]
+            else:
+                values = pictures.ranks(weights[placed])
             patch = bags.patch_size_level0 if bags.coords_unit == "px" else None
             return pictures.slide_map(coords[placed], values, patch=patch, max_side=max_side)
 

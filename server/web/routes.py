@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from importlib import resources
-from typing import Annotated
-from urllib.parse import parse_qsl
+from typing import Annotated, Any
+from urllib.parse import parse_qsl, urlencode
 
 import numpy as np
 from fastapi import APIRouter, FastAPI, Path, Query, Request
@@ -163,8 +163,36 @@ def _bags(web: Web, row: SplitRow, chosen: int, start: int) -> Html:
                         "(FEATURESTORE_UI_MAX_SAMPLE_BYTES caps what one picture reads)")
         else:
             note = "this bag is empty (no patches)"
+    beside = views.attention_figures(_attention(web, row, bags, chosen)) if src is not None else Html("")
     return views.bag_section(row, ids, lengths, labels, chosen, src, start, BAGS_PER_PAGE,
-                             note=note, coords=views.coords_text(bags.coords_unit, bags.patch_size_level0))
+                             note=note, coords=views.coords_text(bags.coords_unit, bags.patch_size_level0),
+                             beside=beside)
+
+
+def _attention(web: Web, row: SplitRow, bags: Any, chosen: int) -> list[views.AttentionFigure]:
+    """The saved attention maps of bag ``chosen``: a picture for each current map that evaluated
+    it, a line saying why not for the others (a stale map is never drawn)."""
+    shown = []
+    for name, amap, problem in web.figures.attention_maps(bags):
+        if amap is None:
+            shown.append(views.AttentionFigure(name, None, None, None, _clean(web, problem or "")))
+            continue
+        if amap.stale is not None:
+            shown.append(views.AttentionFigure(name, None, amap.lineage, None, f"stale, not shown: {amap.stale}; "
+                                               f"run the probe again with --save-attention {name}"))
+            continue
+        try:
+            fold = int(amap.fold[chosen])
+        except FeatureStoreError as error:  # a damaged map: said on the page, the rest still shows
+            shown.append(views.AttentionFigure(name, None, amap.lineage, None, _clean(web, str(error))))
+            continue
+        if fold < 0:
+            shown.append(views.AttentionFigure(name, None, amap.lineage, None,
+                                               "this bag was not evaluated by that probe run"))
+        else:
+            src = "/ui/slidemap/" + "/".join(row.key) + f"/{chosen}.png?{urlencode({'attention': name})}"
+            shown.append(views.AttentionFigure(name, src, amap.lineage, fold, ""))
+    return shown
 
 
 # ---------------------------------------------------------------------- pictures
@@ -175,10 +203,12 @@ def pca_png(request: Request, dataset: Name, encoder: Name, split: Name, index: 
 
 
 @router.get("/ui/slidemap/{dataset}/{encoder}/{split}/{index}.png")
-def slide_png(request: Request, dataset: Name, encoder: Name, split: Name, index: int) -> Response:
-    for name, what in ((dataset, "dataset"), (encoder, "encoder"), (split, "split")):
-        validate_name(name, what)
-    body = web_of(request).figures.slide_png(dataset, encoder, split, index)
+def slide_png(request: Request, dataset: Name, encoder: Name, split: Name, index: int,
+              attention: Annotated[str | None, Query(description="an attention map's name")] = None) -> Response:
+    for name, what in ((dataset, "dataset"), (encoder, "encoder"), (split, "split"), (attention, "attention map")):
+        if name is not None:
+            validate_name(name, what)
+    body = web_of(request).figures.slide_png(dataset, encoder, split, index, attention=attention)
     return Response(body, media_type=MEDIA_TYPE, headers=PICTURE_HEADERS)
 
 

@@ -262,7 +262,7 @@ _KNOWN = frozenset({
 # ---------------------------------------------------------------------- bags
 def bag_section(row: SplitRow, ids: Sequence[str], lengths: np.ndarray, labels: Sequence[Any] | None,
                 chosen: int, map_src: str | None, start: int, per_page: int, *, note: str = "",
-                coords: str = "") -> Html:
+                coords: str = "", beside: Html = Html("")) -> Html:
     parts = [h("<section><h2>Bags</h2>{}", plots.histogram(lengths, f"patches per bag ({len(lengths)} bags)",
                                                          "patches in a bag", cls="lengths"))]
     if len(lengths):
@@ -271,10 +271,10 @@ def bag_section(row: SplitRow, ids: Sequence[str], lengths: np.ndarray, labels: 
     if 0 <= chosen < len(ids):
         parts.append(h("<h3>slide map of bag <code>{}</code> ({} patches)</h3>", ids[chosen], int(lengths[chosen])))
         if map_src is not None:
-            parts.append(h('<figure><a href="{}"><img src="{}" alt="slide map of bag {}" class="map"></a>'
-                           "<figcaption>patches at their coordinates, coloured by the first principal "
-                           "component of their features (viridis, 1st..99th percentile). {}</figcaption></figure>",
-                           map_src, map_src, chosen, note))
+            parts.append(h('<div class="gallery"><figure><a href="{}"><img src="{}" alt="slide map of bag {}" '
+                           'class="map"></a><figcaption>patches at their coordinates, coloured by the first '
+                           "principal component of their features (viridis, 1st..99th percentile). {}"
+                           "</figcaption></figure>{}</div>", map_src, map_src, chosen, note, beside))
         elif note:
             parts.append(h('<p class="muted">{}</p>', note))
     rows = []
@@ -293,6 +293,34 @@ def bag_section(row: SplitRow, ids: Sequence[str], lengths: np.ndarray, labels: 
                    '<tbody>{}</tbody></table><p class="nav">bags {}..{} of {} {}</p></section>',
                    join(rows), start, max(start, stop - 1), len(ids), join(nav, " \u00b7 ")))
     return join(parts)
+
+
+@dataclass(frozen=True)
+class AttentionFigure:
+    """One saved attention map beside a slide map: its picture (``src``) or why there is none."""
+
+    name: str
+    src: str | None
+    lineage: dict[str, Any] | None
+    fold: int | None  # the fold that evaluated the bag
+    why_not: str
+
+
+def attention_figures(shown: Sequence[AttentionFigure]) -> Html:
+    figures = []
+    for fig in shown:
+        probe = (fig.lineage or {}).get("probe") or {}
+        run = h("ABMIL on <code>{}</code>, seed {}, {}, saved {}", probe.get("train_split"), probe.get("seed"),
+                f"held out in fold {fig.fold} of {probe['folds']}" if probe.get("folds") and fig.fold is not None
+                else f"evaluated on {probe.get('eval_split')}", (fig.lineage or {}).get("created"))
+        caption = h("<figcaption>attention <code>{}</code>: {}. Colour: the rank of each patch's weight in the "
+                    "bag (viridis: yellow most attended).</figcaption>", fig.name, run if fig.lineage else "")
+        if fig.src:
+            figures.append(h('<figure><a href="{}"><img src="{}" alt="attention map {}" class="map"></a>{}</figure>',
+                             fig.src, fig.src, fig.name, caption))
+        else:
+            figures.append(h('<figure class="none"><p class="muted">{}</p>{}</figure>', fig.why_not, caption))
+    return join(figures)
 
 
 # ---------------------------------------------------------------------- login and errors

@@ -1,0 +1,49 @@
+"""``featurestore export``: a bag split as one file per slide in TRIDENT's or CLAM's layout
+(docs/EXTRACT.md, "Export"); the writing is featurestore.extract.bag_export."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
+
+# Mirrors featurestore.extract.bag_export.FORMATS, kept here so `featurestore --help` imports nothing.
+FORMATS = ("trident", "clam-pt")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="write a bag split out as one file per slide (TRIDENT h5, CLAM pt_files/ + h5_files/)",
+        description="Write every bag of a bag split as one file per slide, in another tool's layout. "
+        "trident: OUT/<slide>.h5 with 'features' [n, D] (stored dtype; bfloat16 as float32) and 'coords' "
+        "[n, 2] (level-0 pixels), the attributes the import kept (OUT plays TRIDENT's features_<encoder>/). "
+        "clam-pt: OUT/pt_files/<slide>.pt (float32 features) and OUT/h5_files/<slide>.h5 ('features' "
+        "float32, 'coords' int32). Labels go to OUT/labels.csv (slide_id,label). `featurestore import OUT "
+        "--labels OUT/labels.csv --dtype <the split's dtype>` gives the same bags back, byte for byte.",
+    )
+    p.add_argument("store", metavar="STORE", help="store path or fsspec URL")
+    req = p.add_argument_group("required")
+    req.add_argument("--dataset", required=True)
+    req.add_argument("--encoder", required=True, help="encoder name in the store")
+    req.add_argument("--split", required=True, help="a bag split")
+    req.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
+    req.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if missing)")
+    p.add_argument("--overwrite", action="store_true", help="replace files of an earlier export in DIR")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_storage_options(p)
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from featurestore.extract.bag_export import export_bags
+
+    store = open_store_from_args(args.store, args)
+    with store_errors(args.store):
+        result = export_bags(store, args.dataset, args.encoder, args.split, fmt=args.fmt, out=args.out,
+                             overwrite=args.overwrite, progress=not args.no_progress)
+    print(f"exported {result.key}: {result.bags} bags as {result.format}, {result.files} files in {result.out} "
+          f"({result.seconds:.1f}s)", flush=True)
+    return 0

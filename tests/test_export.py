@@ -1,0 +1,210 @@
+"""``featurestore export`` (a bag split as TRIDENT / CLAM per-slide files) and ``featurestore rm``.
+
+The round trips: per-slide files -> import -> export -> import again gives the same bag ids,
+features, coordinates, attributes and labels, byte for byte."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from featurestore import open_store
+from featurestore.cli import main
+
+DIM = 16
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def slide_files(root: Path, lengths: dict[str, int], *, dtype: Any, coords_dtype: Any, attrs: dict[str, Any],
+                suffix: str = ".h5", seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for slide, n in lengths.items():
+        features = rng.standard_normal((n, DIM)).astype(dtype)
+        coords = (rng.integers(0, 5_000, (n, 2)) * 16).astype(coords_dtype)
+        with h5py.File(root / f"{slide}{suffix}", "w") as f:
+            f.create_dataset("features", data=features)
+            f.create_dataset("coords", data=coords).attrs.update({**attrs, "name": slide})
+            f["features"].attrs["encoder"] = "uni_v1"
+            f.attrs["magnification"] = 40.0
+        out[slide] = (features, coords)
+    return out
+
+
+def cli(*argv: str) -> int:
+    return main([*argv])
+
+
+def import_dir(source: Path, store: Path, split: str, *extra: str) -> None:
+    assert cli("import", str(source), "--store", str(store), "--dataset", "ds", "--encoder-name", "enc",
+               "--split", split, "--no-progress", *extra) == 0
+
+
+def export(store: Path, split: str, fmt: str, out: Path, *extra: str) -> int:
+    return cli("export", str(store), "--dataset", "ds", "--encoder", "enc", "--split", split, "--format", fmt,
+               "--out", str(out), "--no-progress", *extra)
+
+
+def assert_same_bags(store: Path, a: str, b: str) -> None:
+    s = open_store(str(store))
+    first, second = s.open_bags("ds", "enc", a), s.open_bags("ds", "enc", b)
+    assert first.ids == second.ids and first.dtype == second.dtype
+    assert first.coords_unit == second.coords_unit and first.patch_size_level0 == second.patch_size_level0
+    assert np.array_equal(first.lengths, second.lengths)
+    for i in range(len(first)):
+        (f1, c1), (f2, c2) = first.read_numpy(i), second.read_numpy(i)
+        assert f1.dtype == f2.dtype and f1.tobytes() == f2.tobytes()
+        assert c1.dtype == c2.dtype and c1.tobytes() == c2.tobytes()
+        assert first.attrs(i) == second.attrs(i)
+    assert (first.labels is None) == (second.labels is None)
+    if first.labels is not None:
+        assert first.labels.dtype == second.labels.dtype and first.labels.tobytes() == second.labels.tobytes()
+    assert first.metadata.get("label_names") == second.metadata.get("label_names")
+
+
+def test_trident_round_trip_is_bit_exact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = slide_files(tmp_path / "features_uni", {"TCGA-02": 40, "TCGA-01": 7, "empty-slide": 0, "TCGA-10": 130},
+                       dtype=np.float16, coords_dtype=np.int64,
+                       attrs={"patch_size": 256, "patch_size_level0": 512, "level0_magnification": 40,
+                              "target_magnification": 20, "overlap": 0})  # fmt: skip
+    (tmp_path / "labels.csv").write_text("slide_id,label\nTCGA-01.svs,LUAD\nTCGA-02,LUSC\nTCGA-10,LUAD\n"
+                                         "empty-slide,LUSC\n")
+    store = tmp_path / "store"
+    import_dir(tmp_path / "features_uni", store, "a", "--labels", str(tmp_path / "labels.csv"), "--chunk-mb", "0.001")
+    assert export(store, "a", "trident", tmp_path / "out") == 0
+    assert "exported ds/enc/a: 4 bags as trident, 5 files" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "out")) == ["TCGA-01.h5", "TCGA-02.h5", "TCGA-10.h5", "empty-slide.h5",
+                                                    "labels.csv"]  # fmt: skip
+    with h5py.File(tmp_path / "out" / "TCGA-02.h5") as f:  # TRIDENT's layout
+        assert f["features"].dtype == np.float16 and f["coords"].dtype == np.int64
+        np.testing.assert_array_equal(f["features"][:], data["TCGA-02"][0])
+        np.testing.assert_array_equal(f["coords"][:], data["TCGA-02"][1])
+        assert f["coords"].attrs["patch_size_level0"] == 512 and f["coords"].attrs["name"] == "TCGA-02"
+        assert f["features"].attrs["encoder"] == "uni_v1"
+    with h5py.File(tmp_path / "out" / "empty-slide.h5") as f:
+        assert f["features"].shape == (0, DIM) and f["coords"].shape == (0, 2)
+    import_dir(tmp_path / "out", store, "b", "--labels", str(tmp_path / "out" / "labels.csv"), "--chunk-mb", "0.001")
+    assert_same_bags(store, "a", "b")
+    # a second export into the same directory is refused, nothing rewritten; --overwrite replaces
+    before = (tmp_path / "out" / "TCGA-02.h5").stat().st_mtime_ns
+    assert export(store, "a", "trident", tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "already holds 5 of the files" in err and "--overwrite" in err
+    assert (tmp_path / "out" / "TCGA-02.h5").stat().st_mtime_ns == before
+    assert export(store, "a", "trident", tmp_path / "out", "--overwrite") == 0
+    assert not [n for n in os.listdir(tmp_path / "out") if n.startswith(".")]  # no temporary file left
+
+
+def test_clam_round_trip_is_bit_exact(tmp_path: Path) -> None:
+    job = tmp_path / "clam"
+    data = slide_files(job / "h5_files", {"s1": 5, "s2": 8, "s3": 1}, dtype=np.float32, coords_dtype=np.int32,
+                       attrs={"patch_size": 256, "patch_level": 0, "downsample": [1.0, 1.0],
+                              "level_dim": [40000, 30000]})  # fmt: skip
+    (job / "labels.csv").write_text("slide_id,label\ns1,0\ns2,1\ns3,1\n")
+    store = tmp_path / "store"
+    import_dir(job, store, "a", "--dtype", "float32", "--labels", str(job / "labels.csv"))
+    assert export(store, "a", "clam-pt", tmp_path / "out") == 0
+    assert sorted(os.listdir(tmp_path / "out")) == ["h5_files", "labels.csv", "pt_files"]
+    for slide, (features, coords) in data.items():
+        pt = torch.load(tmp_path / "out" / "pt_files" / f"{slide}.pt", weights_only=True)
+        assert pt.dtype == torch.float32 and torch.equal(pt, torch.from_numpy(features))
+        with h5py.File(tmp_path / "out" / "h5_files" / f"{slide}.h5") as f:
+            assert f["coords"].dtype == np.int32 and f["features"].dtype == np.float32
+            np.testing.assert_array_equal(f["coords"][:], coords)
+            assert f["coords"].attrs["patch_level"] == 0 and list(f["coords"].attrs["level_dim"]) == [40000, 30000]
+    import_dir(tmp_path / "out", store, "b", "--dtype", "float32", "--labels", str(tmp_path / "out" / "labels.csv"))
+    assert_same_bags(store, "a", "b")
+    # CLAM's pt_files alone (features only) make the same round trip
+    import_dir(tmp_path / "out" / "pt_files", store, "pt", "--dtype", "float32")
+    assert export(store, "pt", "clam-pt", tmp_path / "out-pt") == 0
+    assert sorted(os.listdir(tmp_path / "out-pt")) == ["pt_files"]
+    import_dir(tmp_path / "out-pt" / "pt_files", store, "pt2", "--dtype", "float32")
+    assert_same_bags(store, "pt", "pt2")
+
+
+def test_a_split_written_by_the_api_exports_as_trident_writes(tmp_path: Path) -> None:
+    store = open_store(str(tmp_path / "store"), mode="a")
+    w = store.create_bag_split("ds", "enc", "api", dim=DIM, dtype="bfloat16", patch_size_level0=448)
+    feats = torch.randn(6, DIM).to(torch.bfloat16)
+    w.add_bag("slide-1", feats, coords=np.arange(12).reshape(6, 2) * 448, attrs={"mpp": 0.25})
+    w.commit()
+    assert export(tmp_path / "store", "api", "trident", tmp_path / "out") == 0
+    with h5py.File(tmp_path / "out" / "slide-1.h5") as f:
+        # HDF5 has no bfloat16: float32 holds its values exactly
+        assert f["features"].dtype == np.float32 and torch.equal(torch.from_numpy(f["features"][:]), feats.float())
+        assert dict(f["coords"].attrs) == {"name": "slide-1", "patch_size_level0": 448}
+        assert f.attrs["mpp"] == 0.25
+    import_dir(tmp_path / "out", tmp_path / "store", "back", "--dtype", "bfloat16")
+    back = open_store(str(tmp_path / "store")).open_bags("ds", "enc", "back")
+    assert back.read_numpy(0)[0].tobytes() == store.open_bags("ds", "enc", "api").read_numpy(0)[0].tobytes()
+
+
+def test_export_refusals_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = open_store(str(tmp_path / "store"), mode="a")
+    w = store.create_bag_split("ds", "enc", "evil", dim=DIM)
+    w.add_bag("../escape", np.zeros((2, DIM), np.float32), coords=np.zeros((2, 2), np.int64))
+    w.commit()
+    w = store.create_split("ds", "enc", "dense", num_samples=2, sample_shape=(DIM,), dtype="float32")
+    w.write(0, np.zeros((2, DIM), np.float32))
+    w.commit()
+    for split, fmt, words in (("evil", "trident", "cannot be a file name"), ("dense", "trident", "dense split"),
+                              ("nope", "clam-pt", "nope")):  # fmt: skip
+        assert export(tmp_path / "store", split, fmt, tmp_path / "out" / "x") == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("featurestore: error:") and words in err, err
+    assert not (tmp_path / "escape.h5").exists() and not (tmp_path / "out" / "escape.h5").exists()
+
+
+# ---------------------------------------------------------------------- rm
+def _rm(store: Path, *argv: str, stdin: Any = subprocess.DEVNULL) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "featurestore.cli", "rm", str(store), *argv], stdin=stdin,
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def _two_splits(path: Path) -> None:
+    store = open_store(str(path), mode="a")
+    for split in ("train", "val"):
+        w = store.create_split("ds", "enc", split, num_samples=3, sample_shape=(4,), dtype="float16")
+        w.write(0, np.ones((3, 4), np.float32))
+        w.commit()
+
+
+def test_rm_refuses_without_yes_off_a_terminal_and_unknown_names(tmp_path: Path) -> None:
+    _two_splits(tmp_path / "store")
+    done = _rm(tmp_path / "store", "ds", "enc", "train")
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1
+    assert "refusing to remove split ds/enc/train" in done.stderr and "--yes" in done.stderr
+    assert open_store(str(tmp_path / "store")).splits("ds", "enc") == ["train", "val"]
+    for argv, words in ((("ds", "enc", "nope", "--yes"), "no split ds/enc/nope"),
+                        (("ds", "other", "train", "--yes"), "other"), (("ds", "enc", "../x", "--yes"), "../x")):
+        done = _rm(tmp_path / "store", *argv)
+        assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1 and words in done.stderr, done.stderr
+    done = _rm(tmp_path / "store", "ds", "enc", "train", "--yes")
+    assert done.returncode == 0 and "removed ds/enc/train" in done.stdout
+    store = open_store(str(tmp_path / "store"))
+    assert store.splits("ds", "enc") == ["val"] and not (tmp_path / "store" / "ds" / "enc" / "train").exists()
+    assert store.open("ds", "enc", "val").read([0, 2]).float().sum().item() == 8.0
+
+
+def test_rm_asks_on_a_terminal(tmp_path: Path) -> None:
+    _two_splits(tmp_path / "store")
+    for answer, code, left in ((b"n\n", 1, ["train", "val"]), (b"y\n", 0, ["val"])):
+        parent, child = os.openpty()
+        try:
+            os.write(parent, answer)
+            done = _rm(tmp_path / "store", "ds", "enc", "train", stdin=child)
+        finally:
+            os.close(parent)
+            os.close(child)
+        assert done.returncode == code, done.stderr
+        assert open_store(str(tmp_path / "store")).splits("ds", "enc") == left
