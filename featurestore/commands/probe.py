@@ -185,7 +185,9 @@ def register(subparsers: Any) -> None:
         "(e.g. the features stored as float32) and report each metric as mean ± std per storage "
         "dtype, the difference, and whether it exceeds 2 x the pooled run-to-run std. "
         "--head abmil trains a gated-attention MIL head on a bag split (one label per slide) and "
-        "reports slide AUC and balanced accuracy, on --eval SPLIT or --folds K. See docs/PROBES.md.",
+        "reports slide AUC and balanced accuracy, on --eval SPLIT or --folds K. Every report shows each metric's "
+        "chance baseline (the best constant prediction) and flags a metric AT CHANCE. --labels CSV --label-column "
+        "COL takes a task's labels from a table. See docs/PROBES.md.",
     )
     parser.add_argument("store", metavar="STORE",
                         help="store path, fsspec URL (s3://..., memory://...) or http(s):// server")
@@ -226,7 +228,8 @@ def register(subparsers: Any) -> None:
                         help="default 64 (dense), 1 bag (abmil; more pads to the longest bag, bucketed)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     parser.add_argument("--num-classes", type=_positive_int, default=None,
-                        help="class count (default: label_info.classes in metadata, else max label + 1)")
+                        help="class count (default: the --labels table's classes, else label_info.classes in "
+                        "metadata, else max label + 1)")
     parser.add_argument("--pool", choices=("mean", "cls"), default="mean",
                         help="linear probe pooling: mean over patch tokens, or the CLS token")
     parser.add_argument("--loader", choices=LOADERS, default="stream",
