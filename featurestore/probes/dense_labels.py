@@ -23,7 +23,7 @@ from featurestore.probes.labels import LabelTable, Matched
 
 __all__ = ["TableBatches", "dense_baselines", "table_labels"]
 
-_BLOCK = 4096  # label rows read at a time
+_BLOCK_VALUES = 1 << 22  # label values read at a time (class maps are large: 32 MiB as int64)
 
 
 def table_labels(info: Any, table: LabelTable) -> Matched:
@@ -119,5 +119,6 @@ def dense_baselines(train: Any, evaluate: Any, task: str, num_classes: int,
 
 def _label_blocks(info: Any) -> Iterator[np.ndarray]:
     labels = info.ds.array.labels
-    for start in range(0, info.num_samples, _BLOCK):
-        yield np.asarray(labels.read_range(start, min(start + _BLOCK, info.num_samples)))
+    rows = max(1, _BLOCK_VALUES // max(1, int(np.prod(info.label_shape or ()))))
+    for start in range(0, info.num_samples, rows):
+        yield np.asarray(labels.read_range(start, min(start + rows, info.num_samples)))
