@@ -12,6 +12,7 @@ produces each batch. What is particular to bags:
   (:func:`client.bag_sampling.bag_batches`) so little of a padded batch is padding.
 * ``max_patches=P`` reads a seeded uniform subset of P patches of each longer bag, per epoch
   (:func:`client.bag_sampling.subset_rows`): only those rows are read.
+* ``return_ids=True`` adds the batch's bag ids, so a batch says which slides it holds.
 * Empty bags (a slide without tissue) are left out of every epoch with ``skip_empty=True`` (one
   warning per epoch with their count; ``loader.stats["empty_skipped"]``); ``skip_empty=False``
   raises :class:`featurestore.errors.EmptyBag` when the batch holding one is read.
@@ -30,7 +31,7 @@ from client import bag_sampling, sampling
 from client.bag_transfer import PAD_TO, PIECE_BYTES, BagTransfer
 from client.bags import BagDataset
 from client.readahead import bag_chunks
-from client.streaming import StreamingLoader, check_count
+from client.streaming import StreamingLoader, channel_normalization, check_count
 from featurestore.core.device import resolve_device
 from featurestore.errors import IndexOutOfRange, InvalidOption
 
@@ -38,6 +39,9 @@ from featurestore.errors import IndexOutOfRange, InvalidOption
 class BagLoader(StreamingLoader):
     """Batches ``(features [B, P, D], mask [B, P], coords [B, P, 2], labels [B])`` of a
     :class:`BagDataset`, on ``device``; features in ``dtype`` (None: the stored dtype).
+    ``return_ids=True`` appends ``ids``, the batch's bag ids (a list of str, in batch order).
+    ``normalize=True``: ``(x - mean) / std`` per channel with the split's stored ``channel_stats``,
+    as :class:`client.loader.FeatureLoader` does; padding stays zero.
 
     ``max_patches`` defaults to the dataset's; the subset drawn for bag i in epoch e depends on
     ``(seed, e, i)`` only. ``indices`` restricts every epoch to those bags (a cross-validation
@@ -64,6 +68,8 @@ class BagLoader(StreamingLoader):
         skip_empty: bool = True,
         pad_to: str = "longest",
         indices: Sequence[int] | np.ndarray | None = None,
+        normalize: bool = False,
+        return_ids: bool = False,
         pin_memory: bool | str = "auto",
         num_threads: int | None = None,
         piece_mib: float = PIECE_BYTES / 2**20,
@@ -96,6 +102,10 @@ class BagLoader(StreamingLoader):
         self.seed = int(seed)
         self.dtype = dtype if dtype is not None else ds.torch_dtype
         self.max_patches = ds.max_patches if max_patches is None else int(max_patches)
+        if pad_to == "max_patches" and self.max_patches is None:
+            # Without it the batch would silently be padded to its longest bag, not a fixed shape.
+            raise InvalidOption("pad_to='max_patches' needs max_patches (on the loader or the dataset): pass "
+                                "max_patches=P, or pad_to='longest'")
         self.prefetch = int(prefetch)
         self.drop_last = bool(drop_last)
         self.rank, self.world_size = int(rank), int(world_size)
@@ -103,6 +113,9 @@ class BagLoader(StreamingLoader):
         self.skip_empty = bool(skip_empty)
         self.pad_to = pad_to
         self.indices = None if indices is None else self._check_indices(indices)
+        self.normalize = bool(normalize)
+        self._mean_std = channel_normalization(ds, self.normalize)
+        self.return_ids = bool(return_ids)
         self.pin_memory = self.device.type == "cuda" if pin_memory == "auto" else bool(pin_memory)
         self.piece_bytes = int(piece_mib * 2**20)
         # One bag per batch is one long read: two threads keep a local disk busy; remote reads
@@ -161,7 +174,8 @@ class BagLoader(StreamingLoader):
     def _make_producer(self) -> BagTransfer:
         return BagTransfer(self.ds, self.device, self.dtype, self.pin_memory, self.num_threads,
                            max_patches=self.max_patches, seed=self.seed, pad_to=self.pad_to,
-                           skip_empty=self.skip_empty, piece_bytes=self.piece_bytes, prefetch=self.prefetch)
+                           skip_empty=self.skip_empty, piece_bytes=self.piece_bytes, prefetch=self.prefetch,
+                           mean_std=self._mean_std, return_ids=self.return_ids)
 
     def _identity(self) -> dict[str, Any]:
         return {"seed": self.seed, "shuffle": self.shuffle, "batch_size": self.batch_size, "drop_last": self.drop_last,

@@ -10,8 +10,8 @@ The bag loader's producer (:class:`client.prefetch.Producer`), the twin of
   bags share a slot, a large bag spans several), and each piece is copied ``non_blocking`` into
   its place. A slot is refilled only after the copy out of it has completed (its event), so host
   memory is ``(threads + 1) x piece_bytes`` however long a bag is: a 100k x 2560 float16 bag
-  (512 MB) streams through 64 MiB slots. Upcast, mask and labels are made on the side stream; the
-  consumer's stream waits on the batch's event.
+  (512 MB) streams through 64 MiB slots. Upcast, normalisation, mask and labels are made on the
+  side stream; the consumer's stream waits on the batch's event.
 * CPU: the batch handed out is a leased buffer of :class:`featurestore.core.buffers.BufferPool`;
   rows are read straight into it at the stored dtype, or through a staging piece of at most
   ``piece_bytes`` and upcast into it otherwise.
@@ -30,7 +30,7 @@ import torch
 
 from client.bags import BagDataset
 from client.dataset import NO_LABEL
-from client.transfer import HostSlot, keep_for, widen
+from client.transfer import HostSlot, keep_for, norm_tensors, widen
 from featurestore.core.buffers import BufferPool, aligned_empty, grown_size
 from featurestore.core.pread import ReadPool
 from featurestore.errors import EmptyBag
@@ -70,7 +70,8 @@ class BagTransfer:
 
     def __init__(self, ds: BagDataset, device: torch.device, dtype: torch.dtype, pin: bool, num_threads: int, *,
                  max_patches: int | None, seed: int, pad_to: str = "longest", skip_empty: bool = True,
-                 piece_bytes: int = PIECE_BYTES, prefetch: int = 2) -> None:
+                 piece_bytes: int = PIECE_BYTES, prefetch: int = 2,
+                 mean_std: tuple[np.ndarray, np.ndarray] | None = None, return_ids: bool = False) -> None:
         self.ds = ds
         self.device = device
         self.dtype = dtype
@@ -80,6 +81,8 @@ class BagTransfer:
         self.seed = seed
         self.pad_to = pad_to
         self.skip_empty = skip_empty
+        self.return_ids = return_ids
+        self.norm = norm_tensors(mean_std, device, dtype)
         self.piece_rows = max(1, int(piece_bytes) // ds.row_nbytes)
         self.coords_torch = torch.from_numpy(np.empty(0, ds.coords_dtype)).dtype
         # Bags differ in length: a pool that keeps its largest buffers serves them all without
@@ -138,8 +141,8 @@ class BagTransfer:
         self.ds.use_read_pool(self.read_pool)  # this process's reader: the loader's read threads
         rows, counts, longest = self.layout(epoch, index)
         if self.cuda:
-            return self._produce_cuda(index, rows, counts, longest)
-        return self._produce_cpu(index, rows, counts, longest, staging)
+            return index, self._produce_cuda(index, rows, counts, longest)
+        return index, self._produce_cpu(index, rows, counts, longest, staging)
 
     def _produce_cpu(self, index: np.ndarray, rows: list[np.ndarray | None], counts: np.ndarray, longest: int,
                      staging: dict[str, np.ndarray]) -> tuple[torch.Tensor, ...]:
@@ -162,7 +165,9 @@ class BagTransfer:
                 stored = staging["bags"][:need].view(ds.numpy_dtype).reshape(piece.stop - piece.start, dim)
                 ds.read_into(int(index[piece.slot]), piece.rows, stored, coords[piece.slot, piece.start:piece.stop])
                 features[piece.slot, piece.start:piece.stop].copy_(dtypes.to_torch(stored, ds.dtype))
-        for slot, count in enumerate(counts):
+        if self.norm is not None:
+            features.sub_(self.norm[0]).mul_(self.norm[1])
+        for slot, count in enumerate(counts):  # after the normalisation: padding stays zero
             features[slot, int(count):].zero_()
         mask = torch.arange(longest)[None, :] < torch.from_numpy(counts)[:, None]
         return features, mask, torch.from_numpy(coords), self.labels(index)
@@ -205,18 +210,23 @@ class BagTransfer:
             coords = raw_coords.view(self.coords_torch).view(b, longest, 2)
             lengths = torch.from_numpy(counts).to(self.device)
             mask = torch.arange(longest, device=self.device)[None, :] < lengths[:, None]
+            if self.norm is not None:
+                features = features.sub_(self.norm[0]).mul_(self.norm[1]).masked_fill_(~mask[..., None], 0)
             labels = labels.to(self.device)
             ready = torch.cuda.Event()
             ready.record(self.stream)
         return features, mask, coords, labels, ready
 
     # ------------------------------------------------------------------ consumer side
-    def finish(self, item: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not self.cuda:
-            return item
-        *tensors, ready = item
-        stream = torch.cuda.current_stream(self.device)
-        stream.wait_event(ready)  # the GPU waits, the host does not
-        for tensor in tensors:  # allocated on the side stream, used on this one
-            tensor.record_stream(stream)
-        return tuple(tensors)  # type: ignore[return-value]
+    def finish(self, item: Any) -> tuple[Any, ...]:
+        index, produced = item
+        if self.cuda:
+            *tensors, ready = produced
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(ready)  # the GPU waits, the host does not
+            for tensor in tensors:  # allocated on the side stream, used on this one
+                tensor.record_stream(stream)
+            produced = tuple(tensors)
+        if self.return_ids:
+            return (*produced, [self.ds.ids[int(i)] for i in index])
+        return tuple(produced)

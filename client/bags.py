@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from client import bag_sampling
-from client.dataset import NO_LABEL, OpenedPerProcess, _is_http, item_index
+from client.dataset import NO_LABEL, OpenedPerProcess, _is_http, channel_stats_of, item_index
 from featurestore.core.protocol import BagReader
 from featurestore.errors import InvalidOption
 from featurestore.format import dtypes
@@ -109,6 +109,10 @@ class BagDataset(OpenedPerProcess, torch.utils.data.Dataset):
     def __repr__(self) -> str:
         return (f"BagDataset({redact_url(self.source)!r}, {self.dataset!r}, {self.encoder!r}, {self.split!r}, "
                 f"bags={self.num_bags}, dim={self.dim}, dtype={self.dtype!r}, max_patches={self.max_patches})")
+
+    def channel_stats(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The split's stored per-channel mean and std as float32 (``metadata["channel_stats"]``), or None."""
+        return channel_stats_of(self.metadata)
 
     # ------------------------------------------------------------------ epochs and subsets
     def set_epoch(self, epoch: int) -> None:

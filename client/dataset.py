@@ -213,7 +213,12 @@ class FeatureDataset(OpenedPerProcess, torch.utils.data.Dataset):
 
     def channel_stats(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The split's stored per-channel (last axis) mean and std as float32, or None."""
-        stats = self.metadata.get("channel_stats")
-        if not stats or stats.get("mean") is None or stats.get("std") is None:
-            return None
-        return np.asarray(stats["mean"], np.float32), np.asarray(stats["std"], np.float32)
+        return channel_stats_of(self.metadata)
+
+
+def channel_stats_of(metadata: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``metadata["channel_stats"]`` (dense and bag splits alike) as float32 mean and std, or None."""
+    stats = metadata.get("channel_stats")
+    if not stats or stats.get("mean") is None or stats.get("std") is None:
+        return None
+    return np.asarray(stats["mean"], np.float32), np.asarray(stats["std"], np.float32)

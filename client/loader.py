@@ -28,7 +28,7 @@ from client import sampling
 from client.dataset import FeatureDataset
 from featurestore.core.device import resolve_device
 from client.readahead import row_chunks
-from client.streaming import StreamingLoader, check_count
+from client.streaming import StreamingLoader, channel_normalization, check_count
 from client.transfer import Transfer
 from featurestore.errors import InvalidOption
 
@@ -105,10 +105,7 @@ class FeatureLoader(StreamingLoader):
         else:  # "auto": uniform on every backend (issue 15); "block" only when asked for
             self.order = "shuffle" if self.shuffle else "sequential"
         self.normalize = bool(normalize)
-        self._mean_std = ds.channel_stats() if self.normalize else None
-        if self.normalize and self._mean_std is None:
-            raise InvalidOption(f"normalize=True needs the split's channel_stats, and {ds.dataset}/{ds.encoder}/"
-                             f"{ds.split} has none: pass normalize=False")
+        self._mean_std = channel_normalization(ds, self.normalize)
         self.pin_memory = self.device.type == "cuda" if pin_memory == "auto" else bool(pin_memory)
         # Read-ahead: each thread has one batch's reads in flight. Locally a batch's rows are read
         # concurrently by the read pool already, so two batches keep the device queue full while

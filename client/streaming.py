@@ -29,6 +29,18 @@ def check_count(name: str, value: Any, low: int) -> int:
     return int(value)
 
 
+def channel_normalization(ds: Any, normalize: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """``normalize=`` of both loaders: the split's stored ``(mean, std)`` per channel when asked
+    (:class:`InvalidOption` naming the split when it has none), else None."""
+    if not normalize:
+        return None
+    mean_std = ds.channel_stats()
+    if mean_std is None:
+        raise InvalidOption(f"normalize=True needs the split's channel_stats, and {ds.dataset}/{ds.encoder}/"
+                            f"{ds.split} has none: pass normalize=False")
+    return mean_std
+
+
 class StreamingLoader:
     """The epoch machinery of a loader; subclasses set ``prefetch`` and ``num_threads`` and call
     :meth:`_init_epochs` from their ``__init__``."""

@@ -37,13 +37,7 @@ class Transfer:
         self.dtype = dtype
         self.stored = ds.torch_dtype
         self.cuda = device.type == "cuda"
-        self.norm: tuple[torch.Tensor, torch.Tensor] | None = None
-        if mean_std is not None:
-            mean, std = mean_std
-            inv = np.where(std > 0, 1.0 / np.where(std > 0, std, 1.0), 1.0)  # constant channels: no scaling
-            self.norm = (torch.from_numpy(mean).to(device, dtype), torch.from_numpy(inv.astype(np.float32)).to(device, dtype))
-            if device.type == "cuda":  # made on this thread's stream, read on the side stream later
-                torch.cuda.synchronize(device)
+        self.norm = norm_tensors(mean_std, device, dtype)
         self.pool = BufferPool(keep=keep_for(prefetch))
         # The loader's own read threads (local stores): shut down with the loader; a forked
         # DataLoader worker gets its own (ReadPool is per process).
@@ -173,6 +167,20 @@ def keep_for(prefetch: int) -> int:
     mapped 2 now and then). The pool holds at most one batch more than the epoch's peak;
     ``close()`` gives it back."""
     return int(prefetch) + 3
+
+
+def norm_tensors(mean_std: tuple[np.ndarray, np.ndarray] | None, device: torch.device,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(mean, 1 / std)`` on ``device`` in ``dtype`` for ``x.sub_(mean).mul_(inv)``; channels
+    with std 0 are only centred. None without statistics."""
+    if mean_std is None:
+        return None
+    mean, std = mean_std
+    inv = np.where(std > 0, 1.0 / np.where(std > 0, std, 1.0), 1.0)  # constant channels: no scaling
+    norm = (torch.from_numpy(mean).to(device, dtype), torch.from_numpy(inv.astype(np.float32)).to(device, dtype))
+    if device.type == "cuda":  # made on this thread's stream, read on the side stream later
+        torch.cuda.synchronize(device)
+    return norm
 
 
 def widen(labels: torch.Tensor) -> torch.Tensor:

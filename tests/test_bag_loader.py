@@ -329,6 +329,15 @@ def test_cuda_batches_equal_cpu_batches(bag_store: str) -> None:
     for a, b in zip(cpu, gpu):
         assert all(y.device.type == "cuda" for y in b)
         assert all(torch.equal(x, y.cpu()) for x, y in zip(a, b))
+    # Normalised on the side stream, padding zero again, ids as on the CPU.
+    options: dict[str, Any] = dict(batch_size=3, seed=1, max_patches=30, normalize=True, return_ids=True)
+    cpu = quiet(BagLoader(ds, device="cpu", **options))
+    gpu = quiet(BagLoader(ds, device="cuda", piece_mib=piece, **options))
+    assert len(cpu) == len(gpu)
+    for a, b in zip(cpu, gpu):
+        assert a[-1] == b[-1]
+        assert all(torch.allclose(x, y.cpu(), atol=1e-5) for x, y in zip(a[:4], b[:4]))
+        assert not b[0][~b[1]].any()
 
 
 # ------------------------------------------------------------------------------- object storage
@@ -383,3 +392,81 @@ def test_http_source_gives_the_local_bags_and_batches(bag_store: str, bag_server
     whole = quiet(BagLoader(local, batch_size=1, seed=3, device="cpu"))
     pieces = quiet(BagLoader(remote, batch_size=1, seed=3, device="cpu", piece_mib=piece))
     assert all(torch.equal(p, q) for x, y in zip(whole, pieces) for p, q in zip(x, y))
+
+
+# ------------------------------------------------------------------------ ids, normalize, pad_to
+
+
+@pytest.mark.parametrize(("batch_size", "bucket", "shuffle"), [(1, False, True), (3, True, True), (4, False, False)])
+def test_return_ids_names_each_batch_s_bags_in_order(bag_store: str, batch_size: int, bucket: bool,
+                                                     shuffle: bool) -> None:
+    ds = BagDataset(bag_store, "cohort", "enc-float16", "all")
+    options: dict[str, Any] = dict(batch_size=batch_size, seed=5, device="cpu", max_patches=20, bucket=bucket,
+                                   shuffle=shuffle)
+    plain = quiet(BagLoader(ds, **options), epoch=1)
+    named = quiet(BagLoader(ds, return_ids=True, **options), epoch=1)
+    plan = BagLoader(ds, **options).plan(1)
+    assert len(named) == len(plan) == len(plain)
+    for batch, without, index in zip(named, plain, plan):
+        assert len(batch) == 5
+        *tensors, ids = batch
+        assert ids == [ds.ids[int(i)] for i in index] and all(type(i) is str for i in ids)
+        assert all(torch.equal(x, y) for x, y in zip(tensors, without))
+        # The ids name the rows: each bag's features are the written slide's.
+        for b, bag_id in enumerate(ids):
+            n = int(tensors[1][b].sum())
+            rows = ds.rows(ds.ids.index(bag_id), max_patches=20, seed=5, epoch=1)
+            assert torch.equal(tensors[0][b, :n], expected(ds, ds.ids.index(bag_id), rows)[0])
+
+
+def test_return_ids_survive_a_resume(bag_store: str) -> None:
+    ds = BagDataset(bag_store, "cohort", "enc-float32", "all")
+    options: dict[str, Any] = dict(batch_size=2, seed=4, device="cpu", bucket=True, return_ids=True)
+    full = quiet(BagLoader(ds, **options), epoch=2)
+    first = BagLoader(ds, **options)
+    first.set_epoch(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        iterator = iter(first)
+        next(iterator)
+        state = first.state_dict()
+        del iterator
+        resumed = BagLoader(ds, **options)
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+    assert [b[-1] for b in rest] == [b[-1] for b in full[1:]]
+
+
+def test_return_ids_over_http(bag_store: str, bag_server: str) -> None:
+    local = BagDataset(bag_store, "cohort", "enc-float16", "all")
+    remote = BagDataset(bag_server, "cohort", "enc-float16", "all")
+    options: dict[str, Any] = dict(batch_size=3, seed=6, device="cpu", return_ids=True)
+    a, b = quiet(BagLoader(local, **options)), quiet(BagLoader(remote, **options))
+    assert [x[-1] for x in a] == [y[-1] for y in b] and len(a) == len(b) > 0
+    assert all(torch.equal(p, q) for x, y in zip(a, b) for p, q in zip(x[:4], y[:4]))
+
+
+def test_normalize_uses_the_split_s_channel_stats_and_keeps_padding_zero(bag_store: str) -> None:
+    ds = BagDataset(bag_store, "cohort", "enc-float32", "all")
+    stats = ds.metadata["channel_stats"]
+    mean, std = (torch.tensor(stats[k], dtype=torch.float32) for k in ("mean", "std"))
+    plain = quiet(BagLoader(ds, batch_size=3, seed=1, device="cpu"))
+    normed = quiet(BagLoader(ds, batch_size=3, seed=1, device="cpu", normalize=True))
+    assert len(plain) == len(normed)
+    for (f, m, c, lab), (g, m2, c2, lab2) in zip(plain, normed):
+        assert torch.equal(m, m2) and torch.equal(c, c2) and torch.equal(lab, lab2)
+        want = torch.where(m[..., None], (f - mean) / std, torch.zeros(()))
+        assert torch.allclose(g, want, atol=1e-5)
+        assert not g[~m].any()  # padding stays zeros
+    no_stats = BagDataset(bag_store, "cohort", "enc-float32", "all")
+    no_stats.metadata = {k: v for k, v in no_stats.metadata.items() if k != "channel_stats"}
+    with pytest.raises(InvalidOption, match="channel_stats"):
+        BagLoader(no_stats, device="cpu", normalize=True)
+
+
+def test_pad_to_max_patches_needs_max_patches(bag_store: str) -> None:
+    ds = BagDataset(bag_store, "cohort", "enc-float32", "all")
+    with pytest.raises(InvalidOption, match="pad_to='max_patches' needs max_patches"):
+        BagLoader(ds, batch_size=2, device="cpu", pad_to="max_patches")
+    BagLoader(BagDataset(bag_store, "cohort", "enc-float32", "all", max_patches=8), batch_size=2, device="cpu",
+              pad_to="max_patches")  # the dataset's max_patches counts

@@ -39,9 +39,26 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> str:
                      dim=DIM, chunk_bytes=64 * DIM * 4)
     import featurestore
 
-    writer = featurestore.open_store(root, mode="a").create_bag_split("cohort", "nolabels", "train", dim=DIM)
+    store = featurestore.open_store(root, mode="a")
+    writer = store.create_bag_split("cohort", "nolabels", "train", dim=DIM)
     writer.add_bag("a", np.zeros((3, DIM), np.float32))
     writer.commit()
+    classes = {"label_info": {"classes": ["negative", "positive"]}}
+    # Every slide labelled 1 (the metadata still names 2 classes), and an eval split of label 0 only.
+    for encoder, split, labels in (("onelabel", "train", [1] * 8), (ENCODERS["float32"], "val0", [0] * 6),
+                                   (ENCODERS["float16"], "val0", [0] * 6)):
+        writer = store.create_bag_split("cohort", encoder, split, dim=DIM, label_dtype="int64", metadata=classes)
+        for i, label in enumerate(labels):
+            writer.add_bag(f"slide-{i:04d}", np.random.default_rng(i).standard_normal((5, DIM)).astype(np.float32),
+                           label=label)
+        writer.commit()
+    # Features without any signal (every patch the same): the head can only predict a constant.
+    for encoder, dtype in (("flat-f32", "float32"), ("flat-f16", "float16")):
+        writer = store.create_bag_split("cohort", encoder, "train", dim=DIM, dtype=dtype, label_dtype="int64",
+                                        metadata=classes)
+        for i in range(12):
+            writer.add_bag(f"slide-{i:04d}", np.ones((4, DIM), np.float32), label=i % 2)
+        writer.commit()
     return root
 
 
@@ -170,3 +187,52 @@ def test_over_http_the_probe_trains_the_same_head(store: str) -> None:
     with serve_subprocess(store) as (url, _):
         remote = run_mil_probe(url, "cohort", ENCODERS["float16"], **options)
     assert remote["runs"] == local["runs"] and remote["source"] == url
+
+
+# ------------------------------------------------------------------------- one class, chance
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--encoder", "onelabel", "--folds", "2"], "cohort/onelabel/train holds only label 1 (8 of them)"),
+    (["--encoder", ENCODERS["float32"], "--eval", "val0"], "holds only label 0 (6 of them)"),
+    (["--encoder", ENCODERS["float32"], "--eval", "val0", "--compare", ENCODERS["float16"]], "only label 0"),
+])
+def test_one_class_is_refused_not_reported_as_nan(store: str, argv: list[str], message: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["probe", store, "--head", "abmil", "--dataset", "cohort", "--train", "train", "--quiet",
+                 "--epochs", "1", "--seeds", "1", "--device", "cpu", *argv])
+    captured = capsys.readouterr()
+    assert code == 1 and "nan" not in captured.out
+    assert message in captured.err and "AUC is undefined for one" in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+
+
+def test_a_fold_without_a_class_is_refused() -> None:
+    from featurestore.errors import InvalidLabels
+    from featurestore.probes.mil_run import fold_parts
+
+    with pytest.raises(InvalidLabels, match="fold"):
+        fold_parts(np.array([0, 0, 0, 0, 1]), np.arange(5), 3, "cohort/e/train")
+
+
+def test_a_probe_at_chance_is_flagged_and_a_learned_one_is_not(store: str) -> None:
+    flat = run_mil_probe(store, "cohort", "flat-f32", train_split="train", folds=2, seeds=2, epochs=1, device="cpu")
+    assert flat["metrics"]["auc"]["mean"] == 0.5  # one score for every slide: ties
+    assert flat["chance"]["auc"] == {"baseline": 0.5, "what": "best constant prediction", "at_chance": True}
+    assert flat["chance"]["balanced_accuracy"]["baseline"] == 0.5 and flat["chance"]["balanced_accuracy"]["at_chance"]
+    learned = run_mil_probe(store, "cohort", ENCODERS["float16"], train_split="train", folds=4, seeds=[0, 1],
+                            epochs=8, device="cpu")
+    assert not learned["chance"]["auc"]["at_chance"]
+
+
+def test_cli_says_when_abmil_is_at_chance_and_compare_is_uninformative(store: str,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["probe", store, "--head", "abmil", "--dataset", "cohort", "--train", "train", "--folds", "2",
+            "--seeds", "2", "--epochs", "1", "--device", "cpu", "--quiet"]
+    assert main([*base, "--encoder", "flat-f32"]) == 0
+    single = capsys.readouterr().out
+    assert "WARNING: AT CHANCE" in single and "chance 0.5000" in single
+    assert main([*base, "--encoder", "flat-f16", "--compare", "flat-f32"]) == 0
+    compared = capsys.readouterr().out
+    assert "uninformative" in compared and "WARNING: AT CHANCE" in compared
+    assert "The comparison is uninformative" in compared.replace("\n", " ")

@@ -35,25 +35,30 @@ HEADS = ("linear", "seg", "abmil")  # abmil: featurestore.probes.mil_run, on bag
 
 def format_report(result: dict[str, Any]) -> str:
     """The text ``featurestore probe`` prints, for a :func:`run_probe` or :func:`compare_probes` result."""
+    from featurestore.probes.chance import report_notes
+
     if "comparison" not in result:
         run = result
-        lines = [_setup_line(run), f"  {_side(run)}", ""]
-        rows = [("metric", f"{run['encoder']} ({run['dtype']})")]
-        rows += [(name, _mean_std(s)) for name, s in run["metrics"].items()]
+        lines = [_setup_line(run), f"  {_side(run)}", *_label_lines(run), ""]
+        rows = [("metric", f"{run['encoder']} ({run['dtype']})", "chance")]
+        rows += [(name, _mean_std(s), _chance(run, name)) for name, s in run["metrics"].items()]
         lines += _table(rows)
-        lines += ["", f"mean ± sample std over {len(run['seeds'])} seed(s) {run['seeds']}."]
-        lines += [line for note in _collapse_notes(run) for line in textwrap.wrap(note, width=100)]
+        lines += ["", f"mean ± sample std over {len(run['seeds'])} seed(s) {run['seeds']}; chance = the best "
+                  "constant prediction's score on the same evaluation labels."]
+        notes = report_notes(run) + _collapse_notes(run)
+        lines += [line for note in notes for line in textwrap.wrap(note, width=100)]
         return "\n".join(lines)
 
     a, b, comparison = result["a"], result["b"], result["comparison"]
-    lines = [_setup_line(a), f"  A = {_side(a)}", f"  B = {_side(b)}", ""]
-    rows = [("metric", f"A {a['dtype']}", f"B {b['dtype']}", "diff A-B", "2x pooled std",
+    lines = [_setup_line(a), f"  A = {_side(a)}", f"  B = {_side(b)}", *_label_lines(a), ""]
+    rows = [("metric", f"A {a['dtype']}", f"B {b['dtype']}", "chance", "diff A-B", "2x pooled std",
              "max |paired diff|", "exceeds spread?")]
     for name, c in comparison.items():
         rows.append((
             name,
             _mean_std(a["metrics"][name]),
             _mean_std(b["metrics"][name]),
+            _chance(a, name),
             _small(c["diff"], sign=True),
             "n/a" if c["threshold"] is None else f"{c['threshold']:.4f}",
             _small(c["max_abs_paired_diff"]),
@@ -71,6 +76,11 @@ def format_report(result: dict[str, Any]) -> str:
     ]
     if k < 2:
         notes.append("With one seed there is no spread to compare with: use --seeds 3 or more.")
+    notes += report_notes(a, "A = ") + report_notes(b, "B = ")
+    useless = [name for name, c in comparison.items() if c.get("uninformative")]
+    if useless:
+        notes.append(f"The comparison is uninformative for {', '.join(useless)}: A and B are both at chance, so "
+                     "neither probe learned the task and the verdict says nothing about the storage dtype.")
     notes += _collapse_notes(a) + _collapse_notes(b)
     lines.append("")
     lines += [line for note in notes for line in textwrap.wrap(note, width=100)]
@@ -126,7 +136,20 @@ def _mean_std(summary: dict[str, Any]) -> str:
     return f"{summary['mean']:.4f}" + ("" if std is None else f" ± {std:.4f}")
 
 
+def _chance(run: dict[str, Any], name: str) -> str:
+    c = (run.get("chance") or {}).get(name)
+    if c is None:
+        return "n/a"
+    return f"{c['baseline']:.4f}" + (" AT CHANCE" if c["at_chance"] else "")
+
+
+def _label_lines(run: dict[str, Any]) -> list[str]:
+    return [f"  {note}" for note in run.get("label_notes") or []]
+
+
 def _verdict(c: dict[str, Any]) -> str:
+    if c.get("uninformative"):
+        return "uninformative (chance)"
     if c["max_abs_paired_diff"] == 0.0:
         return "identical"
     if c["exceeds_spread"] is None:
@@ -163,7 +186,9 @@ def register(subparsers: Any) -> None:
         "(e.g. the features stored as float32) and report each metric as mean ± std per storage "
         "dtype, the difference, and whether it exceeds 2 x the pooled run-to-run std. "
         "--head abmil trains a gated-attention MIL head on a bag split (one label per slide) and "
-        "reports slide AUC and balanced accuracy, on --eval SPLIT or --folds K. See docs/PROBES.md.",
+        "reports slide AUC and balanced accuracy, on --eval SPLIT or --folds K. Every report shows each metric's "
+        "chance baseline (the best constant prediction) and flags a metric AT CHANCE. --labels CSV --label-column "
+        "COL takes a task's labels from a table. See docs/PROBES.md.",
     )
     parser.add_argument("store", metavar="STORE",
                         help="store path, fsspec URL (s3://..., memory://...) or http(s):// server")
@@ -184,6 +209,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--save-attention", metavar="NAME", default=None,
                         help="abmil: keep the first seed's attention over every evaluated bag's patches in the "
                         "store, beside the evaluated bag split, as map NAME (the web page's slide map shows it)")
+    parser.add_argument("--labels", metavar="CSV", default=None,
+                        help="take the task's labels from this table (UTF-8 CSV, one row per slide) instead of the "
+                        "stored ones; slides it does not list are left out. Bag splits, and dense splits with "
+                        "sample ids (embeddings); needs --label-column")
+    parser.add_argument("--label-column", metavar="COL", default=None,
+                        help="--labels: the column holding the task's labels (digits only: class ids; else class "
+                        "names, numbered in sorted order)")
+    parser.add_argument("--id-column", metavar="COL", default="slide_id",
+                        help="--labels: the column holding the slide ids (default slide_id)")
     parser.add_argument("--compare", metavar="ENCODER",
                         help="second encoder name (B), e.g. the same features stored as float32")
     parser.add_argument("--compare-store", metavar="STORE",
@@ -198,7 +232,8 @@ def register(subparsers: Any) -> None:
                         help="default 64 (dense), 1 bag (abmil; more pads to the longest bag, bucketed)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     parser.add_argument("--num-classes", type=_positive_int, default=None,
-                        help="class count (default: label_info.classes in metadata, else max label + 1)")
+                        help="class count (default: the --labels table's classes, else label_info.classes in "
+                        "metadata, else max label + 1)")
     parser.add_argument("--pool", choices=("mean", "cls"), default="mean",
                         help="linear probe pooling: mean over patch tokens, or the CLS token")
     parser.add_argument("--loader", choices=LOADERS, default="stream",
@@ -219,6 +254,9 @@ def run_command(args: argparse.Namespace) -> int:
 
     if args.compare_store and not args.compare:
         raise InvalidOption("--compare-store needs --compare ENCODER")
+    if (args.labels is None) != (args.label_column is None):
+        raise InvalidOption("--labels CSV and --label-column COL go together: the table and the column of the task's "
+                            "labels")
     token = args.token or os.environ.get("FEATURESTORE_TOKEN") or None
     storage = None if args.store.lower().startswith(("http://", "https://")) else options_from_args(args)
     if args.head == "abmil":
@@ -233,7 +271,7 @@ def run_command(args: argparse.Namespace) -> int:
             train_split=args.train, eval_split=args.eval, task=task, seeds=args.seeds,
             epochs=args.epochs, lr=args.lr, batch_size=args.batch_size or 64, device=args.device,
             num_classes=args.num_classes, pool=args.pool, loader=args.loader, token=token,
-            log=None if args.quiet else log,
+            log=None if args.quiet else log, labels=_label_table(args),
         )
         if storage is not None:
             common["storage_options"] = storage
@@ -267,6 +305,7 @@ def _run_abmil(args: argparse.Namespace, token: str | None, storage: dict[str, A
         train_split=args.train, eval_split=args.eval, folds=args.folds, seeds=args.seeds, epochs=args.epochs,
         lr=args.lr, batch_size=args.batch_size or 1, max_patches=args.max_patches, device=args.device,
         num_classes=args.num_classes, loader=args.loader, token=token, storage_options=storage, log=log,
+        labels=_label_table(args),
     )
     if args.compare:
         if args.save_attention is not None:
@@ -275,3 +314,11 @@ def _run_abmil(args: argparse.Namespace, token: str | None, storage: dict[str, A
         return compare_mil_probes(args.store, args.dataset, args.encoder, args.compare,
                                   compare_source=args.compare_store, **common)
     return run_mil_probe(args.store, args.dataset, args.encoder, save_attention=args.save_attention, **common)
+
+
+def _label_table(args: argparse.Namespace) -> Any:
+    if args.labels is None:
+        return None
+    from featurestore.probes.labels import read_label_table
+
+    return read_label_table(args.labels, args.label_column, args.id_column)

@@ -20,9 +20,11 @@ from typing import Any
 import numpy as np
 
 from featurestore.errors import InvalidLabels, InvalidOption, MissingLabels, ShapeMismatch
+from featurestore.probes import chance
 from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds, seed_list_of
+from featurestore.probes.labels import LabelTable
 
-__all__ = ["FOLD_SEED", "compare_mil_probes", "open_bags", "run_mil_probe", "stratified_folds"]
+__all__ = ["FOLD_SEED", "compare_mil_probes", "fold_parts", "open_bags", "run_mil_probe", "stratified_folds"]
 
 LOADERS = ("stream", "ram")
 # Folds are drawn once from this seed, whatever the training seeds: seed k of A and of B, and
@@ -31,13 +33,20 @@ FOLD_SEED = 20180212
 
 
 def open_bags(source: str, dataset: str, encoder: str, split: str, *, storage_options: dict[str, Any] | None = None,
-              token: str | None = None) -> Any:
-    """A ``client.BagDataset`` over a store path, fsspec URL or http(s) server; labels required."""
+              token: str | None = None, table: LabelTable | None = None) -> Any:
+    """A ``client.BagDataset`` over a store path, fsspec URL or http(s) server; labels required,
+    stored or from ``table`` (then ``ds.labels`` are the table's, -1 for a slide it leaves out,
+    and ``ds.labelled`` the positions it labels)."""
     from client import BagDataset
 
     http = source.startswith(("http://", "https://"))
     ds = BagDataset(source, dataset, encoder, split, storage_options=None if http else storage_options,
                     token=token if http else None)
+    if table is not None:
+        matched = table.match(ds.ids, f"{dataset}/{encoder}/{split}")
+        ds.labels, ds.labelled, ds.label_summary = matched.labels, matched.positions, matched.summary
+        return ds
+    ds.labelled, ds.label_summary = np.arange(ds.num_bags, dtype=np.int64), None
     if ds.labels is None:
         raise MissingLabels(f"bag split {dataset}/{encoder}/{split} has no labels, so no slide-level probe can be "
                             "trained on it; import it with --labels CSV (one label per slide)")
@@ -64,7 +73,26 @@ def stratified_folds(labels: np.ndarray, k: int, seed: int = FOLD_SEED) -> list[
     return [np.sort(np.asarray(m, np.int64)) for m in members]
 
 
-def _num_classes(datasets: Sequence[Any]) -> int:
+def fold_parts(labels: np.ndarray, pool: np.ndarray, k: int, name: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(train positions, eval positions)`` of each of ``k`` stratified folds of the bags at
+    ``pool`` (``labels``: theirs); refused when a fold would evaluate one class only."""
+    folds = stratified_folds(labels, k)
+    values, counts = np.unique(labels, return_counts=True)
+    for i, fold in enumerate(folds):
+        if len(np.unique(labels[fold])) < 2:
+            fewest = int(counts.min())
+            fix = f"use --folds {fewest} or fewer" if fewest >= 2 else "add slides of that class"
+            raise InvalidLabels(f"{name}: fold {i + 1} of {k} would evaluate only label {labels[fold][0]} (AUC is "
+                                f"undefined for one class): class {values[int(np.argmin(counts))]} has {fewest} "
+                                f"bag(s), fewer than the folds; {fix}")
+    fold_sets = [pool[f] for f in folds]
+    return [(np.sort(np.concatenate([f for j, f in enumerate(fold_sets) if j != i])), fold_sets[i])
+            for i in range(k)]
+
+
+def _num_classes(datasets: Sequence[Any], table: LabelTable | None = None) -> int:
+    if table is not None:
+        return table.num_classes
     for ds in datasets:
         info = ds.metadata.get("label_info") or {}
         if info.get("classes"):
@@ -80,17 +108,19 @@ def run_mil_probe(
     folds: int | None = None, seeds: int | Sequence[int] = 3, epochs: int | None = None, lr: float | None = None,
     batch_size: int = 1, max_patches: int | None = None, device: str = "auto", num_classes: int | None = None,
     loader: str = "stream", storage_options: dict[str, Any] | None = None, token: str | None = None,
-    log: Callable[[str], None] | None = None, save_attention: str | None = None,
+    log: Callable[[str], None] | None = None, labels: LabelTable | None = None,
+    save_attention: str | None = None,
 ) -> dict[str, Any]:
     """Train the ABMIL head on ``train_split`` and score it on ``eval_split`` (or ``folds``
     stratified folds of ``train_split``) under each seed. ``max_patches``: training bags are
     subsampled to that many patches per epoch (evaluation always reads whole bags). ``loader``:
     ``"stream"`` (``client.BagLoader``) or ``"ram"`` (every bag read into RAM as float32 first).
-    Returns the setup, every run's metrics and each metric's ``{"mean", "std", "values"}``.
     ``save_attention``: keep the first seed's attention over the evaluated bags in the store under
-    that name (featurestore.probes.attention)."""
-    sides = _open_side(source, dataset, encoder, train_split, eval_split, folds, storage_options, token)
-    classes = num_classes if num_classes is not None else _num_classes([d for d in sides if d is not None])
+    that name (featurestore.probes.attention). ``labels``: the task's labels from a table (:mod:`featurestore.probes.labels`) instead of the
+    stored ones; slides it does not label are left out. Returns the setup, every run's metrics,
+    each metric's ``{"mean", "std", "values"}`` and, under ``"chance"``, its chance baseline."""
+    sides = _open_side(source, dataset, encoder, train_split, eval_split, folds, storage_options, token, labels)
+    classes = num_classes if num_classes is not None else _num_classes([d for d in sides if d is not None], labels)
     recorder = None
     if save_attention is not None:
         from featurestore.probes.attention import AttentionRecorder
@@ -107,37 +137,41 @@ def compare_mil_probes(
     seeds: int | Sequence[int] = 3, epochs: int | None = None, lr: float | None = None, batch_size: int = 1,
     max_patches: int | None = None, device: str = "auto", num_classes: int | None = None, loader: str = "stream",
     storage_options: dict[str, Any] | None = None, token: str | None = None,
-    log: Callable[[str], None] | None = None,
+    log: Callable[[str], None] | None = None, labels: LabelTable | None = None,
 ) -> dict[str, Any]:
     """The same probe, folds, seeds and batches on ``encoder`` (A) and ``compare_encoder`` (B),
     e.g. the same slides' features stored as float16 and as float32; B is read from
     ``compare_source`` (default ``source``). Returns ``{"a", "b", "comparison", "rule"}``."""
-    a_sides = _open_side(source, dataset, encoder, train_split, eval_split, folds, storage_options, token)
+    a_sides = _open_side(source, dataset, encoder, train_split, eval_split, folds, storage_options, token, labels)
     b_sides = _open_side(compare_source or source, dataset, compare_encoder, train_split, eval_split, folds,
-                         storage_options, token)
+                         storage_options, token, labels)
     for a_ds, b_ds in zip(a_sides, b_sides):
         if a_ds is not None and (a_ds.ids != b_ds.ids or not np.array_equal(a_ds.labels, b_ds.labels)):
             raise ShapeMismatch(f"{dataset}/{encoder}/{a_ds.split} and {dataset}/{compare_encoder}/{b_ds.split} hold "
                                 "different bags (ids or labels differ): compare the same slides stored twice")
     everything = [d for d in (*a_sides, *b_sides) if d is not None]
-    classes = num_classes if num_classes is not None else _num_classes(everything)
+    classes = num_classes if num_classes is not None else _num_classes(everything, labels)
     options: dict[str, Any] = dict(folds=folds, num_classes=classes, seeds=seeds, epochs=epochs, lr=lr,
                                    batch_size=batch_size, max_patches=max_patches, device=device, loader=loader,
                                    log=log)
     a, b = _run(*a_sides, **options), _run(*b_sides, **options)
-    return {"a": a, "b": b, "comparison": compare_summaries(a, b),
+    comparison = compare_summaries(a, b)
+    chance.mark_comparison(comparison, a, b)
+    return {"a": a, "b": b, "comparison": comparison,
             "rule": (f"diff = mean(A) - mean(B); std = sample std over seeds (ddof=1); pooled std = "
                      f"sqrt((std_A^2 + std_B^2) / 2); exceeds spread = |diff| > {SPREAD_FACTOR:g} x pooled std")}
 
 
 def _open_side(source: str, dataset: str, encoder: str, train_split: str, eval_split: str | None,
-               folds: int | None, storage_options: dict[str, Any] | None, token: str | None) -> tuple[Any, Any]:
+               folds: int | None, storage_options: dict[str, Any] | None, token: str | None,
+               table: LabelTable | None) -> tuple[Any, Any]:
     if (eval_split is None) == (folds is None):
         raise InvalidOption("give either an eval split (--eval SPLIT) or a number of folds (--folds K), not both "
                             "and not neither")
-    train = open_bags(source, dataset, encoder, train_split, storage_options=storage_options, token=token)
+    train = open_bags(source, dataset, encoder, train_split, storage_options=storage_options, token=token,
+                      table=table)
     evaluate = None if eval_split is None else open_bags(source, dataset, encoder, eval_split,
-                                                         storage_options=storage_options, token=token)
+                                                         storage_options=storage_options, token=token, table=table)
     if evaluate is not None and evaluate.dim != train.dim:
         raise ShapeMismatch(f"{train_split} has {train.dim}-dim features but {eval_split} has {evaluate.dim}: "
                             "train and eval splits must come from the same encoder")
@@ -156,19 +190,26 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
             raise InvalidOption(f"{name} must be a positive integer, but got: {value!r}")
     if loader not in LOADERS:
         raise InvalidOption(f"loader must be one of {', '.join(LOADERS)}, but got: {loader!r}")
+    # (train bags, eval bags) per fold: positions into `train` (and `evaluate` for a second split),
+    # only those labelled; empty bags are in them but the loaders leave them out.
+    where = f"{train.dataset}/{train.encoder}"
+    chance.check_two_classes(_labels_at(train, train.labelled), f"{where}/{train.split}",
+                             "a slide-level probe needs slides of each class (--labels CSV --label-column COL "
+                             "takes another task's labels)")
+    if folds is None:
+        parts = [(train.labelled, evaluate.labelled)]
+        chance.check_two_classes(_labels_at(evaluate, evaluate.labelled), f"{where}/{evaluate.split}",
+                                 "evaluate on a split holding slides of each class, or use --folds K")
+    else:
+        parts = fold_parts(train.labels[train.labelled], train.labelled, folds, f"{where}/{train.split}")
+    eval_ds = train if evaluate is None else evaluate
+    baselines = chance.class_baselines([_labels_at(eval_ds, index) for _, index in parts])
     if num_classes < 2:
         raise InvalidOption(f"num_classes is {num_classes}: a probe needs at least 2 classes")
     if lr is not None and (not isinstance(lr, (int, float)) or not 0 < lr < math.inf):
         raise InvalidOption(f"lr must be a positive number, but got: {lr!r}")
     torch_device = resolve_device(device)
     config = ABMILConfig(**{k: v for k, v in (("epochs", epochs), ("lr", lr)) if v is not None})
-    # (train bags, eval bags) per fold: positions into `train` (and `evaluate` for a second split).
-    if folds is None:
-        parts = [(None, None)]
-    else:
-        fold_sets = stratified_folds(train.labels, folds)
-        parts = [(np.sort(np.concatenate([f for j, f in enumerate(fold_sets) if j != i])), fold_sets[i])
-                 for i in range(folds)]
     make = _loaders(train, evaluate, batch_size=batch_size, max_patches=max_patches, device=torch_device,
                     loader=loader)
 
@@ -189,20 +230,28 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
 
     started = time.perf_counter()
     result = run_seeds(one, seed_list)
+    result["chance"] = chance.assess(result["metrics"], baselines)
     # Bags per training and evaluation set (for folds: those of the first fold).
-    train_bags = train.num_bags if parts[0][0] is None else len(parts[0][0])
-    eval_bags = evaluate.num_bags if evaluate is not None else len(parts[0][1])
+    train_bags, eval_bags = len(parts[0][0]), len(parts[0][1])
+    notes = [ds.label_summary for ds in (train, evaluate) if ds is not None and ds.label_summary]
     out = {
         "source": train.source, "dataset": train.dataset, "encoder": train.encoder, "dtype": train.dtype,
         "train_split": train.split, "eval_split": evaluate.split if evaluate is not None else f"{folds} folds",
         "folds": folds, "train_samples": train_bags, "eval_samples": eval_bags,
         "patches": int(train.lengths.sum()), "sample_shape": ["bag", train.dim], "task": "abmil",
         "num_classes": num_classes, "device": str(torch_device), "loader": loader, "batch_size": batch_size,
-        "max_patches": max_patches, "config": asdict(config), "seconds": time.perf_counter() - started, **result,
+        "max_patches": max_patches, "config": asdict(config), "seconds": time.perf_counter() - started,
+        "label_notes": notes, **result,
     }
     if recorder is not None:
         out["attention"] = recorder.save(out)
     return out
+
+
+def _labels_at(ds: Any, positions: np.ndarray) -> np.ndarray:
+    """The labels of the bags at ``positions`` that the loaders yield (empty bags are left out)."""
+    positions = positions[ds.lengths[positions] > 0]
+    return np.asarray(ds.labels)[positions]
 
 
 def _loaders(train: Any, evaluate: Any, *, batch_size: int, max_patches: int | None, device: Any,

@@ -26,7 +26,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from featurestore.errors import InvalidLabels, InvalidOption, MissingLabels, ShapeMismatch
+from featurestore.probes import chance
 from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds, seed_list_of
+from featurestore.probes.labels import LabelTable
 
 __all__ = [
     "SplitInfo",
@@ -176,6 +178,7 @@ def run_probe(
     storage_options: dict[str, Any] | None = None,
     token: str | None = None,
     log: Callable[[str], None] | None = None,
+    labels: LabelTable | None = None,
 ) -> dict[str, Any]:
     """Train the reference probe on ``train_split`` under each seed and score it on ``eval_split``.
 
@@ -185,16 +188,18 @@ def run_probe(
     lr 1e-3); small splits give few optimizer steps per epoch, so raise ``epochs`` or lower
     ``batch_size`` there. ``loader``: ``"stream"``
     (``client.FeatureLoader``) or ``"ram"`` (the split read into host RAM as float32 first, the
-    classic cache). ``log`` receives one line per seed. Returns the setup, every run's metrics
-    and, under ``"metrics"``, each metric's ``{"mean", "std", "values"}`` (std over seeds,
-    ddof=1; None with one seed).
+    classic cache). ``log`` receives one line per seed. ``labels``: a task's labels from a table
+    (:mod:`featurestore.probes.labels`), matched by sample id (linear probe; samples it does not
+    label are left out). Returns the setup, every run's metrics, under ``"metrics"`` each
+    metric's ``{"mean", "std", "values"}`` (std over seeds, ddof=1; None with one seed) and
+    under ``"chance"`` its chance baseline (:mod:`featurestore.probes.chance`).
     """
     infos = [describe_split(source, dataset, encoder, split, storage_options=storage_options,
                             token=token) for split in (train_split, eval_split)]
-    task = _resolve_task(infos, task)
-    num_classes = num_classes if num_classes is not None else num_classes_of(infos)
+    task = _resolve_task(infos, task, labels)
+    num_classes = num_classes if num_classes is not None else _classes(infos, labels)
     return _run(*infos, task=task, num_classes=num_classes, seeds=seeds, epochs=epochs, lr=lr,
-                batch_size=batch_size, device=device, pool=pool, loader=loader, log=log)
+                batch_size=batch_size, device=device, pool=pool, loader=loader, log=log, table=labels)
 
 
 def compare_probes(
@@ -218,6 +223,7 @@ def compare_probes(
     storage_options: dict[str, Any] | None = None,
     token: str | None = None,
     log: Callable[[str], None] | None = None,
+    labels: LabelTable | None = None,
 ) -> dict[str, Any]:
     """Run the same probe, seeds and batches on ``encoder`` (A) and ``compare_encoder`` (B).
 
@@ -234,8 +240,8 @@ def compare_probes(
         for split in (train_split, eval_split)
     ]
     # One task and one class count for both sides, or the two metrics would not be comparable.
-    task = _resolve_task(infos, task)
-    num_classes = num_classes if num_classes is not None else num_classes_of(infos)
+    task = _resolve_task(infos, task, labels)
+    num_classes = num_classes if num_classes is not None else _classes(infos, labels)
     for a_info, b_info in zip(infos[:2], infos[2:]):
         if a_info.num_samples != b_info.num_samples:
             raise ShapeMismatch(
@@ -244,13 +250,15 @@ def compare_probes(
             )
     options: dict[str, Any] = dict(task=task, num_classes=num_classes, seeds=seeds, epochs=epochs,
                                    lr=lr, batch_size=batch_size, device=device, pool=pool, loader=loader,
-                                   log=log)
+                                   log=log, table=labels)
     a = _run(infos[0], infos[1], **options)
     b = _run(infos[2], infos[3], **options)
+    comparison = compare_summaries(a, b)
+    chance.mark_comparison(comparison, a, b)
     return {
         "a": a,
         "b": b,
-        "comparison": compare_summaries(a, b),
+        "comparison": comparison,
         "rule": (
             f"diff = mean(A) - mean(B); std = sample std over seeds (ddof=1); pooled std = "
             f"sqrt((std_A^2 + std_B^2) / 2); exceeds spread = |diff| > {SPREAD_FACTOR:g} x pooled std"
@@ -258,7 +266,11 @@ def compare_probes(
     }
 
 
-def _resolve_task(infos: Sequence[SplitInfo], task: str) -> str:
+def _resolve_task(infos: Sequence[SplitInfo], task: str, table: LabelTable | None = None) -> str:
+    if table is not None:  # one label per slide: whatever the splits store (class maps are refused later)
+        if task not in ("auto", "linear"):
+            raise InvalidOption(f"--labels gives one label per slide: task linear, not {task}")
+        return "linear"
     tasks = {detect_task(info, task) for info in infos}
     if len(tasks) > 1:
         raise ShapeMismatch(
@@ -266,6 +278,10 @@ def _resolve_task(infos: Sequence[SplitInfo], task: str) -> str:
             + ", ".join(f"{i.name} labels {list(i.label_shape or ())}" for i in infos)
         )
     return tasks.pop()
+
+
+def _classes(infos: Sequence[SplitInfo], table: LabelTable | None) -> int:
+    return table.num_classes if table is not None else num_classes_of(infos)
 
 
 def _run(
@@ -282,7 +298,9 @@ def _run(
     pool: str,
     loader: str,
     log: Callable[[str], None] | None,
+    table: LabelTable | None,
 ) -> dict[str, Any]:
+    from featurestore.probes.dense_labels import dense_baselines, table_labels
     from featurestore.probes.linear import LinearProbeConfig, train_linear_probe
     from featurestore.probes.seg import SegProbeConfig, train_seg_probe
     from featurestore.probes.train import resolve_device
@@ -293,6 +311,9 @@ def _run(
             raise InvalidOption(f"{name} must be a positive integer, but got: {value!r}")
     if loader not in LOADERS:
         raise InvalidOption(f"loader must be one of {', '.join(LOADERS)}, but got: {loader!r}")
+    # Labels first: one class is refused with what the labels hold, not only a class count.
+    matched = None if table is None else (table_labels(train, table), table_labels(evaluate, table))
+    baselines = dense_baselines(train, evaluate, task, num_classes, matched)
     if num_classes < 2:
         raise InvalidOption(f"num_classes is {num_classes}: a probe needs at least 2 classes")
     if train.sample_shape != evaluate.sample_shape:
@@ -308,7 +329,8 @@ def _run(
     overrides = {k: v for k, v in overrides.items() if v is not None}
     config: Any = (SegProbeConfig(**overrides) if task == "seg"
                    else LinearProbeConfig(pool=pool, prefix_tokens=prefix, **overrides))
-    make = _batches(train, evaluate, batch_size=batch_size, device=torch_device, loader=loader)
+    make = _batches(train, evaluate, batch_size=batch_size, device=torch_device, loader=loader,
+                    matched=matched)
 
     def one(seed: int) -> dict[str, float]:
         started = time.perf_counter()
@@ -328,24 +350,38 @@ def _run(
 
     started = time.perf_counter()
     result = run_seeds(one, seed_list)
+    result["chance"] = chance.assess(result["metrics"], baselines)
     return {
         "source": train.source, "dataset": train.dataset, "encoder": train.encoder,
         "dtype": train.dtype, "train_split": train.split, "eval_split": evaluate.split,
-        "train_samples": train.num_samples, "eval_samples": evaluate.num_samples,
+        "train_samples": train.num_samples if matched is None else len(matched[0].positions),
+        "eval_samples": evaluate.num_samples if matched is None else len(matched[1].positions),
         "sample_shape": list(train.sample_shape), "task": task, "num_classes": num_classes,
         "token_grid": None if grid is None else list(grid), "prefix_tokens_dropped": prefix,
         "device": str(torch_device), "loader": loader, "batch_size": batch_size,
         "config": asdict(config), "seconds": time.perf_counter() - started,
-        **result,
+        "label_notes": [] if matched is None else [m.summary for m in matched], **result,
     }
 
 
 def _batches(
-    train: SplitInfo, evaluate: SplitInfo, *, batch_size: int, device: Any, loader: str
+    train: SplitInfo, evaluate: SplitInfo, *, batch_size: int, device: Any, loader: str,
+    matched: Any = None,
 ) -> Callable[[int], tuple[Any, Any]]:
-    """``seed -> (train batches, eval batches)``; datasets (or RAM copies) are reused across seeds."""
+    """``seed -> (train batches, eval batches)``; datasets (or RAM copies) are reused across seeds.
+    ``matched``: a table's labels of both splits (the labelled samples only, with those labels)."""
     import torch
 
+    if matched is not None:
+        from featurestore.probes.dense_labels import TableBatches
+
+        held = [_read_all(i) if loader == "ram" else None for i in (train, evaluate)]
+        return lambda seed: (
+            TableBatches(train, matched[0], batch_size=batch_size, shuffle=True, seed=seed,
+                         device=device, held=held[0]),
+            TableBatches(evaluate, matched[1], batch_size=batch_size, shuffle=False, seed=0,
+                         device=device, held=held[1]),
+        )
     if loader == "ram":
         from featurestore.probes.train import TensorLoader
 
@@ -378,7 +414,8 @@ def _read_all(info: SplitInfo) -> tuple[Any, Any]:
 
     array = info.ds.array
     features = torch.empty((info.num_samples, *info.sample_shape), dtype=torch.float32)
-    labels = torch.from_numpy(array.labels.read_range(0, info.num_samples))
+    labels = (torch.full((info.num_samples,), -1, dtype=torch.int64) if array.labels is None
+              else torch.from_numpy(array.labels.read_range(0, info.num_samples)))
     for start in range(0, info.num_samples, 256):
         stop = min(start + 256, info.num_samples)
         features[start:stop] = array.read(list(range(start, stop))).to(torch.float32)

@@ -1,0 +1,146 @@
+"""A task's labels taken from a table at probe time (``featurestore probe --labels CSV``).
+
+A cohort is imported once; each task (tumour vs normal, a subtype, a grade) is a column of a
+table keyed by slide id, read when the probe runs, so a new task needs no re-import. The rules:
+
+- the file is UTF-8 text (a byte-order mark is accepted), comma-separated (tab for ``.tsv``), its
+  first row naming the columns (surrounding spaces ignored);
+- ``id_column`` (default ``slide_id``) names the slide; an id may carry the slide file's extension
+  (``TCGA-xx.svs`` labels bag ``TCGA-xx``), as ``featurestore import --labels`` accepts; an id
+  listed twice is refused, whatever its labels;
+- ``label_column``: if every non-empty cell is ASCII digits only (``0``, ``1``, ``12``), the
+  labels are integer class ids as written; otherwise every value is a class name, and classes
+  are numbered in sorted name order (``"1.0"``, ``"-1"`` or ``"١"`` are names, not numbers);
+- a row with an empty label cell, and a slide the table does not list, are left out of the probe
+  (one summary line says how many); a table that labels none of a split's slides is refused.
+
+Errors are one line (:class:`featurestore.errors.InvalidLabels`) naming the file and the fix.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from featurestore.errors import InvalidLabels
+
+__all__ = ["LabelTable", "Matched", "read_label_table"]
+
+_DIGITS = re.compile(r"[0-9]+")  # str.isdigit() would take any Unicode digit
+_SHOWN = 3  # ids named in a message or summary
+
+
+@dataclass(frozen=True)
+class Matched:
+    """A table's labels for one split's ids: ``labels[i]`` for position i (-1: not labelled)."""
+
+    labels: np.ndarray
+    positions: np.ndarray  # the labelled positions, ascending
+    summary: str
+
+
+@dataclass(frozen=True)
+class LabelTable:
+    path: str
+    label_column: str
+    id_column: str
+    values: dict[str, int]  # slide id as written -> class id
+    classes: list[str] | None  # class names by id (text labels); None: integer labels
+    empty: int  # rows whose label cell is empty
+    # id without its extension -> the id; None: two ids share that stem (a bag of that name is refused)
+    stems: dict[str, str | None] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes) if self.classes is not None else max(self.values.values(), default=-1) + 1
+
+    def class_name(self, value: int) -> str:
+        return self.classes[value] if self.classes is not None else str(value)
+
+    def match(self, ids: Sequence[str], where: str) -> Matched:
+        """The labels of ``ids`` (the slides of split ``where``), refused when none is labelled."""
+        keys = [i if i in self.values else self.stems.get(i) for i in ids]
+        for bag, key in zip(ids, keys):
+            if key is None and bag in self.stems:
+                twins = sorted(s for s in self.values if os.path.splitext(s)[0] == bag)
+                raise InvalidLabels(f"{self.path}: slide {bag!r} of {where} matches rows {twins[0]!r} and {twins[1]!r} "
+                                    f"of column {self.id_column!r}: name the slide exactly")
+        labels = np.array([-1 if k is None else self.values[k] for k in keys], np.int64)
+        positions = np.flatnonzero(labels >= 0)
+        if not len(positions):
+            raise InvalidLabels(
+                f"{self.path}: none of the {len(ids)} slides of {where} has a label in column "
+                f"{self.label_column!r} (ids in column {self.id_column!r} look like {_some(self.values)}, the "
+                f"split's like {_some(ids)}); pass the column holding the split's slide ids with --id-column")
+        absent = [i for i, k in zip(ids, keys) if k is None]
+        counts = np.bincount(labels[positions], minlength=self.num_classes)
+        shown = ", ".join(f"{self.class_name(c)}={int(n)}" for c, n in enumerate(counts) if n)
+        summary = (f"labels: column {self.label_column!r} of {self.path}: {len(positions)} of {len(ids)} slides of "
+                   f"{where} labelled ({shown})")
+        if absent:
+            summary += f"; {len(absent)} without a label left out ({_some(absent)})"
+        return Matched(labels, positions, summary)
+
+
+def read_label_table(path: str | os.PathLike[str], label_column: str, id_column: str = "slide_id") -> LabelTable:
+    """Read ``label_column`` keyed by ``id_column`` from the table at ``path`` (module doc: the rules)."""
+    path = os.fspath(path)
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as handle:
+            text = handle.read()
+    except UnicodeDecodeError as error:
+        raise InvalidLabels(f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+                            f"{error.start}): save the table as UTF-8 CSV") from None
+    except OSError as error:
+        raise InvalidLabels(f"cannot read the labels table {path!r} ({error.strerror or error})") from None
+    reader = csv.reader(text.splitlines(), delimiter="\t" if path.lower().endswith(".tsv") else ",")
+    header = [name.strip() for name in next(reader, [])]
+    for column, flag in ((id_column, "--id-column"), (label_column, "--label-column")):
+        if column not in header:
+            raise InvalidLabels(f"{path} has no column {column!r} ({flag}); its columns are: "
+                                f"{', '.join(repr(h) for h in header if h) or 'none'}")
+    id_at, label_at = header.index(id_column), header.index(label_column)
+    raw: dict[str, str] = {}
+    rows: dict[str, int] = {}
+    for line, row in enumerate(reader, start=2):
+        if not any(cell.strip() for cell in row):
+            continue  # a blank line
+        cells = [cell.strip() for cell in row] + [""] * len(header)
+        slide, value = cells[id_at], cells[label_at]
+        if not slide:
+            raise InvalidLabels(f"{path} line {line}: the {id_column!r} cell is empty; give every row a slide id")
+        if slide in rows:
+            raise InvalidLabels(f"{path}: slide {slide!r} is listed twice in column {id_column!r} (lines "
+                                f"{rows[slide]} and {line}); keep one row per slide")
+        rows[slide] = line
+        raw[slide] = value
+    labelled = {slide: value for slide, value in raw.items() if value}
+    if not labelled:
+        raise InvalidLabels(f"{path}: column {label_column!r} has no label in any row; pick the task's column "
+                            "with --label-column")
+    classes: list[str] | None = None
+    if all(_DIGITS.fullmatch(v) for v in labelled.values()):
+        values = {slide: int(v) for slide, v in labelled.items()}
+    else:
+        classes = sorted(set(labelled.values()))
+        number = {name: k for k, name in enumerate(classes)}
+        values = {slide: number[v] for slide, v in labelled.items()}
+    stems: dict[str, str | None] = {}
+    for slide in values:
+        stem = os.path.splitext(slide)[0]
+        if stem != slide and stem not in values:
+            stems[stem] = None if stem in stems else slide
+    return LabelTable(path=path, label_column=label_column, id_column=id_column, values=values, classes=classes,
+                      empty=len(raw) - len(labelled), stems=stems)
+
+
+def _some(ids: Any) -> str:
+    listed = list(ids)
+    shown = ", ".join(repr(i) for i in listed[:_SHOWN])
+    return shown + (", ..." if len(listed) > _SHOWN else "")

@@ -1,0 +1,238 @@
+"""A task's labels from a table at probe time (``probe --labels CSV --label-column COL``), and the
+chance baselines of the dense probes: table rules, ABMIL on bag splits, linear on dense splits
+with ids, one-line errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import featurestore
+from featurestore.cli import main
+from featurestore.demo.synthetic_bags import synthetic_slides
+from featurestore.errors import InvalidLabels, MissingLabels
+from featurestore.probes.labels import read_label_table
+from featurestore.probes.mil_run import run_mil_probe
+from featurestore.probes.run import run_probe
+
+DIM = 8
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def table(tmp_path: Path, text: str, name: str = "labels.csv", encoding: str = "utf-8") -> str:
+    path = tmp_path / name
+    path.write_bytes(text.encode(encoding))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Bag splits ``bags/train`` (24 slides) and ``bags/val`` (12); dense splits with the slides'
+    ids ``emb/train`` and ``emb/val`` (mean of each bag, stored labels), ``emb-noids/train``, and
+    ``flat/train|val`` (every sample the same features: a probe can only predict a constant)."""
+    root = str(tmp_path_factory.mktemp("labels") / "store")
+    splits = {"train": {"num": 24, "seed": 0, "min_patches": 8, "max_patches": 30},
+              "val": {"num": 12, "seed": 1, "min_patches": 8, "max_patches": 30}}
+    store = featurestore.open_store(root, mode="a")
+    for split, options in splits.items():
+        # One cohort: ids unique across the splits, as a cohort's table lists each slide once.
+        slides = [(f"{split}-{bag}", *rest) for bag, *rest in synthetic_slides(dim=DIM, tumour_share=0.5, **options)]
+        writer = store.create_bag_split("cohort", "bags", split, dim=DIM, dtype="float32", label_dtype="int64",
+                                        chunk_bytes=64 * DIM * 4)
+        for bag, features, coords, label in slides:
+            writer.add_bag(bag, features, coords=coords, label=label)
+        writer.commit()
+        ids = [s[0] for s in slides]
+        features = np.stack([s[1].mean(0) + 3 * s[3] for s in slides]).astype(np.float32)
+        labels = np.array([s[3] for s in slides], np.int64)
+        for encoder, with_ids, values in (("emb", True, features), ("emb-noids", False, features),
+                                          ("flat", True, np.ones_like(features))):
+            writer = store.create_split("cohort", encoder, split, num_samples=len(ids), sample_shape=(DIM,),
+                                        dtype="float32", label_shape=(), label_dtype="int64",
+                                        ids=ids if with_ids else None)
+            writer.write(0, values, labels=labels)
+            writer.commit()
+    return root
+
+
+def stored_table(tmp_path: Path, root: str, splits: tuple[str, ...] = ("train", "val"), names: bool = False,
+                 skip: int = 0) -> str:
+    """A table repeating the bag splits' stored labels (as names 'neg'/'pos' when ``names``),
+    leaving out every ``skip``-th slide of each split."""
+    rows = ["case,slide_id,task"]
+    for split in splits:
+        bags = featurestore.open_store(root).open_bags("cohort", "bags", split)
+        for k, (bag, label) in enumerate(zip(bags.ids, bags.labels)):
+            if skip and k % skip == 0:
+                continue
+            rows.append(f"case-{bag},{bag},{('neg', 'pos')[int(label)] if names else int(label)}")
+    return table(tmp_path, "\n".join(rows) + "\n", name=f"stored-{names}-{skip}.csv")
+
+
+# ------------------------------------------------------------------------------------ table rules
+
+
+def test_integer_labels_are_ascii_digits_only(tmp_path: Path) -> None:
+    digits = read_label_table(table(tmp_path, "slide_id,y\na,0\nb,2\nc,1\n"), "y")
+    assert digits.classes is None and digits.values == {"a": 0, "b": 2, "c": 1} and digits.num_classes == 3
+    for odd in ("1.0", "-1", "+1", "\u0661"):  # a float, signs, an Arabic-Indic digit: names, not numbers
+        named = read_label_table(table(tmp_path, f"slide_id,y\na,0\nb,{odd}\n"), "y")
+        assert named.classes == sorted(["0", odd]), odd
+    text = read_label_table(table(tmp_path, "slide_id,y\na,tumour\nb,normal\nc,tumour\n"), "y")
+    assert text.classes == ["normal", "tumour"] and text.values == {"a": 1, "b": 0, "c": 1}
+
+
+def test_utf8_with_bom_spaces_and_empty_cells(tmp_path: Path) -> None:
+    path = table(tmp_path, "\ufeffslide_id , grade\nß-1, G2\nb,\n\nc,G1\n")
+    read = read_label_table(path, "grade")
+    assert read.values == {"ß-1": 1, "c": 0} and read.empty == 1
+    matched = read.match(["c", "b", "ß-1", "z"], "cohort/e/s")
+    assert matched.labels.tolist() == [0, -1, 1, -1] and matched.positions.tolist() == [0, 2]
+    assert "2 of 4 slides of cohort/e/s labelled (G1=1, G2=1); 2 without a label left out ('b', 'z')" \
+        in matched.summary
+    tsv = read_label_table(table(tmp_path, "slide_id\tgrade\nx.svs\tG1\n", name="t.tsv"), "grade")
+    assert tsv.match(["x"], "s").labels.tolist() == [0]  # the slide file's extension is allowed
+
+
+@pytest.mark.parametrize(("text", "column", "message"), [
+    ("slide_id,label,site\na,1,x\n", "task", "has no column 'task' (--label-column); its columns are: 'slide_id', "
+                                             "'label', 'site'"),
+    ("id,label\na,1\n", "label", "has no column 'slide_id' (--id-column)"),
+    ("slide_id,label\na,1\nb,0\na,1\n", "label", "slide 'a' is listed twice in column 'slide_id' (lines 2 and 4)"),
+    ("slide_id,label\na,\nb,\n", "label", "column 'label' has no label in any row"),
+    ("slide_id,label\n,1\n", "label", "line 2: the 'slide_id' cell is empty"),
+])
+def test_bad_tables_are_one_line_errors(tmp_path: Path, text: str, column: str, message: str) -> None:
+    with pytest.raises(InvalidLabels) as error:
+        read_label_table(table(tmp_path, text), column)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_table_that_is_not_utf8_or_matches_no_slide(tmp_path: Path) -> None:
+    with pytest.raises(InvalidLabels, match="is not UTF-8 text"):
+        read_label_table(table(tmp_path, "slide_id,label\nMünchen,1\n", encoding="latin-1"), "label")
+    read = read_label_table(table(tmp_path, "slide_id,label\nTCGA-01,1\nTCGA-02,0\n"), "label")
+    with pytest.raises(InvalidLabels, match=r"none of the 2 slides of d/e/s has a label .* look like 'TCGA-01'"):
+        read.match(["slide-0000", "slide-0001"], "d/e/s")
+    twins = read_label_table(table(tmp_path, "slide_id,label\nx.svs,1\nx.tif,0\n"), "label")
+    with pytest.raises(InvalidLabels, match="matches rows 'x.svs' and 'x.tif'"):
+        twins.match(["x"], "d/e/s")
+
+
+# ------------------------------------------------------------------------------------- ABMIL
+
+
+def test_abmil_table_repeating_the_stored_labels_trains_the_same_probe(store: str, tmp_path: Path) -> None:
+    options = dict(train_split="train", eval_split="val", seeds=[0], epochs=2, device="cpu")
+    stored = run_mil_probe(store, "cohort", "bags", **options)
+    for loader in ("stream", "ram"):
+        from_table = run_mil_probe(store, "cohort", "bags", loader=loader,
+                                   labels=read_label_table(stored_table(tmp_path, store), "task"), **options)
+        assert from_table["runs"] == stored["runs"]
+    named = run_mil_probe(store, "cohort", "bags", labels=read_label_table(stored_table(tmp_path, store, names=True),
+                                                                             "task"), **options)
+    assert named["runs"] == stored["runs"]  # 'neg' < 'pos': the same class ids
+
+
+def test_abmil_leaves_out_slides_the_table_does_not_label(store: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    path = stored_table(tmp_path, store, skip=4)
+    code = main(["probe", store, "--head", "abmil", "--dataset", "cohort", "--encoder", "bags", "--train", "train",
+                 "--folds", "2", "--seeds", "1", "--epochs", "1", "--device", "cpu", "--quiet",
+                 "--labels", path, "--label-column", "task", "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "18 of 24 slides of cohort/bags/train labelled (0=6, 1=12); 6 without a label left out" in out
+    import json
+
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["train_samples"] + result["eval_samples"] == 18
+
+
+def test_abmil_on_a_bag_split_without_stored_labels(store: str, tmp_path: Path) -> None:
+    writer = featurestore.open_store(store, mode="a").create_bag_split("cohort", "unlabelled", "train", dim=DIM,
+                                                                       overwrite=True)
+    for bag, features, coords, _ in synthetic_slides(12, DIM, seed=4, min_patches=5, max_patches=9):
+        writer.add_bag(bag, features, coords=coords)
+    writer.commit()
+    with pytest.raises(MissingLabels):
+        run_mil_probe(store, "cohort", "unlabelled", train_split="train", folds=2, seeds=1, epochs=1, device="cpu")
+    path = table(tmp_path, "slide_id,task\n" + "".join(f"slide-{i:04d},{'ab'[i % 2]}\n" for i in range(12)))
+    result = run_mil_probe(store, "cohort", "unlabelled", train_split="train", folds=2, seeds=1, epochs=1,
+                           device="cpu", labels=read_label_table(path, "task"))
+    assert result["num_classes"] == 2 and result["train_samples"] == 6
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--labels", "x.csv"], "--labels CSV and --label-column COL go together"),
+    (["--label-column", "task"], "--labels CSV and --label-column COL go together"),
+    (["--labels", "{table}", "--label-column", "nope"], "has no column 'nope' (--label-column); its columns are"),
+    (["--labels", "{table}", "--label-column", "task", "--id-column", "case"], "none of the 24 slides"),
+])
+def test_cli_table_errors_are_one_line(store: str, tmp_path: Path, argv: list[str], message: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    path = stored_table(tmp_path, store)
+    argv = [a.replace("{table}", path) for a in argv]
+    code = main(["probe", store, "--head", "abmil", "--dataset", "cohort", "--encoder", "bags", "--train", "train",
+                 "--folds", "2", "--seeds", "1", "--epochs", "1", "--device", "cpu", "--quiet", *argv])
+    err = capsys.readouterr().err
+    assert code == 1 and message in err and len(err.strip().splitlines()) == 1
+
+
+# -------------------------------------------------------------------------------- dense + ids
+
+
+def test_linear_probe_over_an_embedding_split_takes_the_table(store: str, tmp_path: Path) -> None:
+    options = dict(train_split="train", eval_split="val", seeds=[0, 1], epochs=3, batch_size=8, device="cpu")
+    stored = run_probe(store, "cohort", "emb", **options)
+    for loader in ("stream", "ram"):
+        relabelled = run_probe(store, "cohort", "emb", loader=loader,
+                               labels=read_label_table(stored_table(tmp_path, store, names=True), "task"), **options)
+        assert relabelled["runs"] == stored["runs"], loader
+    partial = run_probe(store, "cohort", "emb", labels=read_label_table(stored_table(tmp_path, store, skip=3), "task"),
+                        **options)
+    assert (partial["train_samples"], partial["eval_samples"]) == (16, 8)
+    assert any("8 without a label left out" in note for note in partial["label_notes"])
+    with pytest.raises(MissingLabels, match="has no sample ids"):
+        run_probe(store, "cohort", "emb-noids", labels=read_label_table(stored_table(tmp_path, store), "task"),
+                  **options)
+
+
+def test_dense_chance_baseline_and_one_class(store: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    options = dict(train_split="train", eval_split="val", seeds=[0, 1], epochs=2, batch_size=8, device="cpu")
+    flat = run_probe(store, "cohort", "flat", **options)
+    assert flat["chance"]["balanced_accuracy"] == {"baseline": 0.5, "what": "best constant prediction",
+                                                   "at_chance": True}
+    assert flat["chance"]["macro_f1"]["baseline"] == pytest.approx(2 * 6 / 18 / 2)  # 6 of 12 in the top class
+    learned = run_probe(store, "cohort", "emb", **{**options, "epochs": 10})
+    assert not any(c["at_chance"] for c in learned["chance"].values())
+    assert main(["probe", store, "--dataset", "cohort", "--encoder", "flat", "--compare", "flat", "--train", "train",
+                 "--eval", "val", "--seeds", "2", "--epochs", "1", "--device", "cpu", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: AT CHANCE" in out and "uninformative" in out
+    one = table(tmp_path, "slide_id,task\n" + "".join(f"{split}-slide-{i:04d},x\n" for split in ("train", "val")
+                                                    for i in range(24 if split == "train" else 12)))
+    with pytest.raises(InvalidLabels, match="holds only label 0 .*AUC is undefined for one"):
+        run_probe(store, "cohort", "emb", labels=read_label_table(one, "task"), **options)
+
+
+def test_seg_baseline_is_the_best_constant_map() -> None:
+    from featurestore.probes.chance import seg_baseline
+    from featurestore.probes.seg import per_image_jaccard
+
+    masks = torch.from_numpy(np.random.default_rng(0).integers(0, 3, (5, 4, 4)))
+    masks[0] = 0  # an image of one class
+    best = max(float(per_image_jaccard(torch.full_like(masks, c), masks, 3).mean()) for c in range(3))
+    assert seg_baseline([masks[:2].numpy(), masks[2:].numpy()], 3) == pytest.approx(best)
