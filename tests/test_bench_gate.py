@@ -140,6 +140,10 @@ def test_report_without_figures_is_read_from_results(tmp_path: Path, capsys: pyt
     (json.dumps({"targets": [_target("x", "gpu", "f", ">=", 1)]}), "names bench 'gpu'"),
     (json.dumps({"targets": [_target("x", "loader", "f", ">=", 1)] * 2}), "target 'x' repeats an id"),
     (json.dumps({"targets": [{**_target("x", "extract", "f", ">=", 1), "variant": "v"}]}), "names variant 'v'"),
+    (json.dumps({"targets": [_target("x", "loader", "f", ">=", "0.9")]}), "has threshold '0.9' (a number)"),
+    (json.dumps({"variants": {"z": {"bench": "extract", "args": []}},
+                 "targets": [{**_target("x", "loader", "f", ">=", 1), "variant": "z"}]}), "not a variant of bench 'loader'"),
+    (json.dumps([1]), "not a targets file"),
     (json.dumps({"targets": []}), "no targets in it")])
 def test_bad_targets_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str,
                                       message: str) -> None:
@@ -233,10 +237,12 @@ def test_fast_benches_emit_every_target_figure(tmp_path: Path, capsys: pytest.Ca
     assert data["benches"]["extract-zero"]["args"]["encoder"] == "zero"  # the variant's flags reached the bench
 
 
-def test_http_cold_and_wsi_benches_emit_every_target_figure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_http_cold_and_encoder_variants_emit_every_target_figure(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """http, cold, and the extract variants with a real encoder or slides (builtin:vit-s14, --wsi)."""
     pytest.importorskip("torch")
     pytest.importorskip("openslide")
-    _run_gate(tmp_path, capsys, {"http", "cold", "extract-wsi"})
+    _run_gate(tmp_path, capsys, {"http", "cold", "extract-vit", "extract-wsi", "extract-wsi-vit"})
 
 
 def test_s3_bench_emits_every_target_figure(tmp_path: Path, seaweed: Any) -> None:

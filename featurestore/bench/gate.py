@@ -76,26 +76,42 @@ def load_targets(path: str | None = None) -> Targets:
     except (OSError, ValueError) as error:
         raise InvalidOption(f"--targets {path}: cannot read it as JSON ({error}); give a targets file like "
                             f"{DEFAULT_TARGETS}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("variants", {}), dict):
+        raise InvalidOption(f"--targets {path}: not a targets file (an object with 'targets' and 'variants')")
     variants = data.get("variants", {})
     for name, variant in variants.items():
         if name in BENCH_NAMES or variant.get("bench") not in BENCH_NAMES or not isinstance(variant.get("args"), list):
             raise InvalidOption(f"--targets {path}: variant {name!r} needs a name other than a bench's, a bench of "
                                 f"{','.join(BENCH_NAMES)} and an args list")
-    targets, seen = [], set()
+    targets: list[Target] = []
     for raw in data.get("targets", []):
-        missing = [k for k in FIELDS if k not in raw]
-        problem = (f"lacks {', '.join(missing)}" if missing else
-                   f"has op {raw['op']!r} (use one of {' '.join(OPS)})" if raw["op"] not in OPS else
-                   f"names bench {raw['bench']!r} (not one of {','.join(BENCH_NAMES)})" if raw["bench"] not in BENCH_NAMES
-                   else f"names variant {raw['variant']!r}, not in its variants" if raw.get("variant", None) not in
-                   (None, *variants) else "repeats an id" if raw["id"] in seen else "")
+        problem = _problem(raw, {t.id for t in targets}, variants)
         if problem:
-            raise InvalidOption(f"--targets {path}: target {raw.get('id', raw)!r} {problem}")
-        seen.add(raw["id"])
+            name = raw.get("id", raw) if isinstance(raw, dict) else raw
+            raise InvalidOption(f"--targets {path}: target {name!r} {problem}")
         targets.append(Target(**{k: raw[k] for k in FIELDS}, variant=raw.get("variant")))
     if not targets:
         raise InvalidOption(f"--targets {path}: no targets in it (a 'targets' list of objects with {', '.join(FIELDS)})")
     return Targets(targets, variants)
+
+
+def _problem(raw: Any, seen: set[str], variants: dict[str, Any]) -> str:
+    """What is wrong with one target of the file ('' when nothing)."""
+    if not isinstance(raw, dict):
+        return f"is not an object with {', '.join(FIELDS)}"
+    missing = [k for k in FIELDS if k not in raw]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    if raw["op"] not in OPS:
+        return f"has op {raw['op']!r} (use one of {' '.join(OPS)})"
+    if isinstance(raw["threshold"], bool) or not isinstance(raw["threshold"], (int, float)):
+        return f"has threshold {raw['threshold']!r} (a number)"
+    if raw["bench"] not in BENCH_NAMES:
+        return f"names bench {raw['bench']!r} (not one of {','.join(BENCH_NAMES)})"
+    variant = raw.get("variant")
+    if variant is not None and variants.get(variant, {}).get("bench") != raw["bench"]:
+        return f"names variant {variant!r}, not a variant of bench {raw['bench']!r} in its variants"
+    return "repeats an id" if raw["id"] in seen else ""
 
 
 def runs_needed(targets: list[Target], variants: dict[str, dict[str, Any]], quick: bool) -> dict[str, tuple[str, list[str] | None]]:
