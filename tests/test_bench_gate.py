@@ -53,7 +53,7 @@ def test_all_met_exits_0_with_table_and_spread(tmp_path: Path, capsys: pytest.Ca
     status, out, err = _check(capsys, rep, "--targets", targets)
     assert status == 0, out + err
     header = out.splitlines()[0].split()
-    assert header == ["target", "figure", "cache", "target", "measured", "spread", "ok"]
+    assert header == ["id", "figure", "cache", "target", "measured", "spread", "ok"]
     line = next(ln for ln in out.splitlines() if ln.startswith("ld "))
     assert "loader.loader_vs_reader" in line and ">= 0.95x" in line and "1.02x" in line
     assert "0.97x - 1.1x" in line and line.rstrip().endswith("ok")  # the spread of the per-repeat pairs
@@ -119,6 +119,14 @@ def test_only_selects_targets(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert status == 0 and "loader_vs_reader" not in out
     status, _, err = _check(capsys, rep, "--targets", targets, "--only", "st,nope")
     assert status == 1 and err.count("\n") == 1 and "unknown target id(s) nope" in err and "ld, st" in err
+
+
+def test_unreadable_result_is_not_measured(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # An older report whose result lacks a key the figures read: that target is not measured, named.
+    rep = _report(tmp_path, {"write": {"status": "ok", "result": {"shapes": [{"sample_shape": [8, 8]}]}}})
+    status, out, _ = _check(capsys, rep, "--targets", _targets(tmp_path, _target("a", "write", "float16_vs_tofile",
+                                                                                  ">=", 0.7)))
+    assert status == 1 and "not measured: figures unreadable: KeyError: 'repeats_s'" in out
 
 
 def test_report_without_figures_is_read_from_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -221,7 +229,7 @@ def _run_gate(tmp_path: Path, capsys: pytest.CaptureFixture[str], benches: set[s
     assert set(data["benches"]) == benches
     _assert_emitted(data, selected)
     # The table is printed and stored: one row per target and shape, in report.json and report.md.
-    assert data["gate"][0] == ["target", "figure", "cache", "target", "measured", "spread", "ok"]
+    assert data["gate"][0] == ["id", "figure", "cache", "target", "measured", "spread", "ok"]
     assert {row[0] for row in data["gate"][1:]} == {t.id for t in selected}
     assert "## Targets" in (out / "report.md").read_text()
     missed = {row[0] for row in data["gate"][1:] if row[-1] != "ok"}  # missed, or skipped at this size

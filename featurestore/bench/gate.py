@@ -148,7 +148,10 @@ def check(report: dict[str, Any], targets: list[Target], *, allow_missing: bool 
         if not entry.get("result"):
             rows.append(Row(t, label, status=absent + f"bench failed ({entry.get('error', '?')})", fails=not allow_missing))
             continue
-        found = entry.get("figures") if "figures" in entry else bench_figures(entry.get("bench", t.bench), entry["result"])
+        try:
+            found = entry["figures"] if "figures" in entry else bench_figures(entry.get("bench", t.bench), entry["result"])
+        except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as error:
+            found, entry = {}, {**entry, "figures_error": f"figures unreadable: {type(error).__name__}: {error}"}
         if t.figure in found:
             names = [t.figure]
         elif "[" not in t.figure:  # a per-shape figure: every shape the run measured
@@ -179,7 +182,7 @@ def _number(value: float | None, unit: str) -> str:
 
 def table(rows: list[Row]) -> list[list[str]]:
     """Header and one line per row: target id, figure, cache, target, measured, spread, ok."""
-    lines = [["target", "figure", "cache", "target", "measured", "spread", "ok"]]
+    lines = [["id", "figure", "cache", "target", "measured", "spread", "ok"]]
     for r in rows:
         spread = "-" if not r.spread else f"{_number(r.spread[0], r.target.unit)} - {_number(r.spread[1], r.target.unit)}"
         lines.append([r.target.id, r.figure, r.target.cache, r.target.text(), _number(r.measured, r.target.unit),
@@ -217,7 +220,7 @@ def add_target_flags(parser: argparse.ArgumentParser) -> None:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "check", help="check an existing bench all report.json against the speed targets (no bench is run)",
-        description="Print one table (target / figure / cache / target / measured / spread / ok) of a "
+        description="Print one table (id / figure / cache / target / measured / spread / ok) of a "
         "report.json from `featurestore bench all` against the targets file; exit 1 when a target is missed "
         "or not measured (unless --allow-missing).")
     parser.add_argument("report", help="report.json written by featurestore bench all")
