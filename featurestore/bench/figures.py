@@ -3,7 +3,7 @@
 Each bench's result is read into ``{figure: {"value": v, "spread": [low, high] or None,
 "repeats": n}}``. ``value`` is the figure as the bench reports it (best or median of its
 interleaved repeats); ``spread`` is the lowest and highest of the same ratio taken per repeat, side
-by side (None where the bench keeps one number, a latency or a stall share). A figure measured per
+by side (None where the bench keeps one number, a latency or a stall share, or ran one repeat). A figure measured per
 sample shape is named ``name[TxD]``, one per shape the run measured. ``bench all`` stores these in
 ``report.json`` (``benches.NAME.figures``); an older report without them is read from its results.
 A figure whose inputs are absent (a part the bench skipped) is simply not emitted.
@@ -18,8 +18,10 @@ Figures = dict[str, dict[str, Any]]
 
 
 def figure(value: float, pairs: Sequence[float] | None = None) -> dict[str, Any]:
+    """One figure; ``repeats``: how many per-repeat pairs the bench kept (0: one number only)."""
     pairs = [float(p) for p in pairs or () if p is not None]
-    return {"value": float(value), "spread": [min(pairs), max(pairs)] if pairs else None, "repeats": len(pairs) or 1}
+    return {"value": float(value), "spread": [min(pairs), max(pairs)] if len(pairs) > 1 else None,
+            "repeats": len(pairs)}
 
 
 def paired(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
