@@ -131,8 +131,6 @@ def register(subparsers: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    if args.wsi:  # whole-slide extraction: its own bench (featurestore.bench.extract_wsi)
-        return extract_wsi.main(args)
     results = run(args)
     save_json(results, args.json_out)
     return 0
@@ -224,6 +222,8 @@ def _write_only(store_url: str, n: int, sample_shape: tuple[int, ...], chunk_mb:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "wsi", False):  # whole-slide extraction: its own bench (featurestore.bench.extract_wsi)
+        return extract_wsi.run(args)
     from featurestore.extract.run import ExtractOptions, extract
 
     _DEVICE_SECONDS[0] = getattr(args, "device_ms", 0.0) / 1000.0

@@ -315,8 +315,13 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
     print(f"  single item ({remote.sample_nbytes / 1024:.0f} KiB): p50 {p50:.2f} ms, p99 {p99:.2f} ms")
     fc.close()
 
+    # Each repeat's own ratio (its batches' median times, side by side): the spread of the figure.
+    per = args.batches
+    paired_vs_raw = {name: [float(np.median(times["raw tcp"][r * per:(r + 1) * per])
+                                  / np.median(times[name][r * per:(r + 1) * per])) for r in range(args.repeats)]
+                     for name in ("http", "http naive client")}
     results: dict[str, Any] = {
-        "benchmark": "http", "batch_size": batch, "sample_shape": list(remote.sample_shape),
+        "benchmark": "http", "paired_vs_raw_tcp": paired_vs_raw, "batch_size": batch, "sample_shape": list(remote.sample_shape),
         "page_cache": "warm", "gb_per_s": median, "gb_per_s_best": best, "http_vs_raw_tcp": ratio,
         "http_vs_raw_tcp_gather": ratio_gather, "client_vs_bare_http_client": transports["http"] / median["http.client readinto"],
         "item_latency_ms": {"p50": p50, "p99": p99, "count": len(lat)}, "loader": loader,
@@ -379,7 +384,7 @@ def _loader_vs_client(url: str, key: tuple[str, str, str], remote: Any,
     ratio = rates["loader"] / rates["client"]
     print(f"  FeatureLoader over HTTP (uniform shuffle, {threads} threads): {rates['loader']:.2f} GB/s; "
           f"FeatureClient same batches: {rates['client']:.2f} GB/s; ratio {ratio:.2f}x (target >= 0.9x)")  # fmt: skip
-    return {"gb_per_s": rates, "loader_vs_client": ratio, "threads": threads}
+    return {"gb_per_s": rates, "loader_vs_client": ratio, "threads": threads, "per_epoch_s": per_batch}
 
 
 def _print_and_save(results: dict[str, Any], path: str | None) -> int:

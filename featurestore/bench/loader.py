@@ -223,6 +223,7 @@ def _rss(store: str, args: argparse.Namespace) -> dict[str, Any]:
     constant = 32 << 20
     out["growth_bytes"] = growth
     out["bound_bytes"] = bound
+    out["limit_bytes"] = bound + constant
     out["loader_bytes"] = {k: out[k]["peak_anon"] - out[k]["baseline_anon"] for k in ("N", "4N")}
     # "Does not grow with N": both runs stay under the same N-independent bound.
     out["ok"] = all(v <= bound + constant for v in out["loader_bytes"].values())

@@ -22,6 +22,11 @@ def render_markdown(report: dict[str, Any]) -> str:
     for name, entry in report["benches"].items():
         status = "ok" if entry["status"] == "ok" else f"**FAILED**: {entry.get('error', '')}"
         lines.append(f"| {name} | {_cell(status)} | {entry.get('seconds', 0):.1f} |")
+    if report.get("gate"):  # bench all --check: the figures against the speed targets
+        header, *rows = report["gate"]
+        lines += ["", "## Targets (docs/BENCHMARKS.md)", "", "| " + " | ".join(header) + " |",
+                  "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     for title, bars in throughput_rows(report).items():
         # How featurestore's path (first row) compares with each method: 0.8x = 80 % of its rate.
         first = bars[0][1] if bars else 0

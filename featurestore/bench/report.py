@@ -1,6 +1,7 @@
 """``featurestore bench all``: run every benchmark and write ``report.md``, ``report.json`` and plots.
 
-Each bench (``read``, ``write``, ``http``, ``loader``, ``extract``, ``s3``, ``cold``, ``bags``) is run in this process through its own
+Each bench (``read``, ``write``, ``http``, ``loader``, ``extract``, ``s3``, ``cold``, ``bags``,
+``bag_loader``) is run in this process through its own
 ``run(args)``, with the defaults of its own parser (so ``bench all`` never drifts from ``bench
 NAME``), or with the small sizes of ``--quick``. A bench that raises (or whose own check fails) is
 recorded as failed with its error in both reports, the others still run, and the command exits 1
@@ -24,14 +25,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from featurestore import __version__
+from featurestore.errors import InvalidOption
 from featurestore.bench.markdown import render_markdown
 from featurestore.bench.summary import rss_series, throughput_rows
 
-BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3", "cold", "bags")
+BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3", "cold", "bags", "bag_loader")
 
 # Small sizes for CI and a first look: each bench finishes in seconds, the figures are noisy.
 QUICK_FLAGS: dict[str, list[str]] = {
-    "read": ["--shapes", "256x384", "--gib", "0.03", "--batches", "10", "--repeats", "1", "--skip-rss"],
+    "read": ["--shapes", "256x384", "--gib", "0.03", "--batches", "10", "--repeats", "1"],
     "write": ["--shapes", "256x384", "--mb", "8", "--repeats", "1"],
     "http": ["--num-samples", "192", "--batches", "6", "--repeats", "1", "--items", "30",
              "--load-seconds", "2", "--clients", "4"],
@@ -42,30 +44,59 @@ QUICK_FLAGS: dict[str, list[str]] = {
     "cold": ["--shapes", "64x384", "--batch-sizes", "16", "--limit-mib", "512", "--store-ratio", "0.1",
              "--no-variants", "--cuda", "off"],
     "bags": ["--gib", "0.005", "--dim", "256", "--median", "100", "--max", "1000", "--min", "10"],
+    "bag_loader": ["--bags", "6", "--patches", "100", "--dim", "256", "--repeats", "1"],
 }
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "all", help="run every bench; write report.md, report.json and PNG plots",
-        description="Run the read, write, http, loader, extract, s3, cold and bags benches with their default arguments "
-        "(or small ones with --quick) and write report.md, report.json, throughput.png and rss.png "
-        "into --out. A failed bench is reported with its error and makes the exit status 1.")
+        description="Run the read, write, http, loader, extract, s3, cold, bags and bag_loader benches with their default "
+        "arguments (or small ones with --quick) and write report.md, report.json, throughput.png and rss.png "
+        "into --out. A failed bench is reported with its error and makes the exit status 1. With --check, run "
+        "the benches the speed targets need (docs/BENCHMARKS.md), print one table of figure / target / "
+        "measured / spread / ok and exit 1 when a target is missed.")
     parser.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
     parser.add_argument("--quick", action="store_true", help="small sizes: seconds per bench, noisy figures")
-    parser.add_argument("--benches", default=",".join(BENCH_NAMES),
-                        help=f"comma-separated subset of {','.join(BENCH_NAMES)} (default: all)")
+    parser.add_argument("--benches", default=None,
+                        help=f"comma-separated subset of {','.join(BENCH_NAMES)} (default: all; with --check, "
+                        "the benches and variants the selected targets need)")
+    parser.add_argument("--check", action="store_true",
+                        help="check the figures against the speed targets; exit 1 on a miss (docs/BENCHMARKS.md)")
+    from featurestore.bench.gate import add_target_flags
+
+    add_target_flags(parser)
     parser.set_defaults(func=_command)
 
 
 def _command(args: argparse.Namespace) -> int:
-    report = run(args)
+    from featurestore.bench import gate
+
+    if not args.check and (args.only or args.targets or args.allow_missing):
+        raise InvalidOption("--targets, --only and --allow-missing go with --check: add --check, or drop them")
+    rows: list[Any] = []
+    runs = None
+    if args.check:
+        targets = gate.load_targets(args.targets)
+        selected = targets.select(args.only)
+        needed = gate.runs_needed(selected, targets.variants, bool(args.quick))
+        if args.benches is not None:  # the benches asked for, plus the variants of the targets checked
+            needed = {**{n: (n, None) for n in parse_benches(args.benches)},
+                      **{k: v for k, v in needed.items() if k not in BENCH_NAMES}}
+        runs = needed
+
+        def check(report: dict[str, Any]) -> None:
+            rows.extend(gate.check(report, selected, allow_missing=args.allow_missing))
+            report["gate"] = gate.table(rows)
+
+    report = run(args, runs=runs, before_write=check if args.check else None)
     failed = [name for name, entry in report["benches"].items() if entry["status"] != "ok"]
     print(f"\n[bench all] wrote {', '.join(report['files'])} into {os.path.abspath(args.out)}")
+    status = gate.verdict(rows) if args.check else 0
     if failed:
         print(f"featurestore: error: bench(es) failed: {', '.join(failed)} (see report.md)", file=sys.stderr)
         return 1
-    return 0
+    return status
 
 
 def parse_benches(text: str) -> list[str]:
@@ -84,33 +115,45 @@ def bench_args(name: str, extra: Sequence[str] = ()) -> argparse.Namespace:
     module = importlib.import_module(f"featurestore.bench.{name}")
     parser = argparse.ArgumentParser(prog="featurestore bench")
     module.register(parser.add_subparsers(dest="bench"))
-    return parser.parse_args([name, *extra])
+    return parser.parse_args([name.replace("_", "-"), *extra])  # bag_loader's verb is bag-loader
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benches named in ``args.benches``; write the reports into ``args.out``; return the
-    report dict (also what ``report.json`` holds)."""
+def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] | None = None,
+        before_write: Any = None) -> dict[str, Any]:
+    """Run the benches named in ``args.benches`` (or ``runs``: per report entry, the bench and its
+    flags, None for its own defaults or --quick's); call ``before_write(report)``; write the
+    reports into ``args.out``; return the report dict (also what ``report.json`` holds)."""
     import importlib
 
-    names = parse_benches(getattr(args, "benches", ",".join(BENCH_NAMES)))
+    from featurestore.bench.figures import bench_figures
+
+    if runs is None:
+        runs = {n: (n, None) for n in parse_benches(getattr(args, "benches", None) or ",".join(BENCH_NAMES))}
     quick = bool(getattr(args, "quick", False))
     os.makedirs(args.out, exist_ok=True)
     report: dict[str, Any] = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": "featurestore bench all" + (" --quick" if quick else "")
-        + ("" if set(names) == set(BENCH_NAMES) else f" --benches {','.join(names)}"),
+        + ("" if list(runs) == list(BENCH_NAMES) else f" --benches {','.join(runs)}")
+        + (" --check" if before_write else ""),
         "quick": quick, "machine": machine_info(), "benches": {}, "files": [],
     }
-    for name in names:
-        print(f"\n[bench all] === {name} ===", flush=True)
-        entry: dict[str, Any] = {"status": "failed"}
+    for key, (name, flags) in runs.items():
+        print(f"\n[bench all] === {key} ===", flush=True)
+        entry: dict[str, Any] = {"status": "failed", "bench": name}
         started = time.perf_counter()
         try:
-            bench = bench_args(name, QUICK_FLAGS[name] if quick else [])
+            bench = bench_args(name, flags if flags is not None else QUICK_FLAGS[name] if quick else [])
+            if flags is not None:
+                entry["flags"] = flags
             entry["args"] = {k: v for k, v in vars(bench).items() if k not in ("func", "bench")}
             module = importlib.import_module(f"featurestore.bench.{name}")
             result = module.run(bench)
             entry["result"] = result
+            try:  # the gate's figures; a result whose keys changed is noted, not fatal
+                entry["figures"] = bench_figures(name, result)
+            except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as error:
+                entry["figures_error"] = f"figures unreadable: {type(error).__name__}: {error}"
             verdict = _verdict(module, result)
             if verdict:
                 entry.update(error=verdict, traceback=verdict)
@@ -122,7 +165,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             entry["traceback"] = traceback.format_exc()
             print(f"[bench all] {name} FAILED: {entry['error']}", file=sys.stderr, flush=True)
         entry["seconds"] = time.perf_counter() - started
-        report["benches"][name] = entry
+        report["benches"][key] = entry
+    if before_write is not None:
+        before_write(report)
     report["files"] = write_report(report, args.out)
     return report
 

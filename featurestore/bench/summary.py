@@ -28,7 +28,7 @@ def throughput_rows(report: dict[str, Any]) -> dict[str, list[tuple[str, float]]
     panels: dict[str, list[tuple[str, float]]] = {}
     for name, rows in (("read", _read_rows), ("write", _write_rows), ("http", _http_rows),
                        ("loader", _loader_rows), ("extract", _extract_rows), ("s3", _s3_rows), ("cold", _cold_rows),
-                       ("bags", _bags_rows)):
+                       ("bags", _bags_rows), ("bag_loader", _bag_loader_rows)):
         panels.update(_guarded(report, name, rows, {}))
     return panels
 
@@ -82,7 +82,15 @@ def _bags_rows(bags: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
     return panels
 
 
+def _bag_loader_rows(result: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+    from featurestore.bench.bag_loader import throughput_rows
+
+    return {f"bench bag-loader: {title}": bars for title, bars in throughput_rows(result).items()}
+
+
 def _extract_rows(extract: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+    if extract.get("benchmark") == "extract-wsi":
+        return {}
     return {"extract, images/s": [("extract", extract["extract_img_s"]),
                                   ("encode only", extract["encode_only_img_s"])]}
 

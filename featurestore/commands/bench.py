@@ -9,13 +9,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-BENCHES = ("read", "write", "http", "loader", "bag_loader", "extract", "cold", "s3", "bags", "web", "report")
+BENCHES = ("read", "write", "http", "loader", "bag_loader", "extract", "cold", "s3", "bags", "web", "report", "gate")
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="throughput and memory vs baselines (read, write, http, loader, bag-loader, extract, cold, s3, bags, web, all)",
+        help="throughput and memory vs baselines (read, write, http, loader, bag-loader, extract, cold, s3, bags, web, all, check)",
         description="Benchmarks that print figures measured side by side in one run.",
     )
     benches = parser.add_subparsers(dest="bench", metavar="BENCH")

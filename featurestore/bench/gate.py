@@ -1,0 +1,244 @@
+"""The speed gate: a report's figures against the targets file, one table, a non-zero exit on a miss.
+
+``featurestore/bench/targets.json`` lists every target: ``id``, the ``bench`` that measures it (and
+optionally a ``variant``: the same bench run with other flags, e.g. ``extract --encoder zero``),
+the ``figure`` (a key of :mod:`featurestore.bench.figures`; one without ``[TxD]`` applies to every
+sample shape the run measured), ``op`` (``>=``, ``<=``, ``<``, ``>``), ``threshold``, ``unit``,
+``cache`` (cold / warm / none) and ``what`` (the README's wording). ``bench all --check`` runs the
+benches the targets need and checks their report; ``bench check REPORT.json`` checks an existing
+one. A target whose figure is absent (bench not run, failed, or the part skipped) is "not
+measured": a miss unless ``--allow-missing``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from featurestore.bench.figures import EXTRACTORS, bench_figures
+from featurestore.errors import InvalidOption
+
+DEFAULT_TARGETS = os.path.join(os.path.dirname(__file__), "targets.json")
+OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt}
+BENCH_NAMES = tuple(EXTRACTORS)  # the benches that emit figures
+FIELDS = ("id", "bench", "figure", "op", "threshold", "unit", "cache", "what")
+
+
+@dataclass(frozen=True)
+class Target:
+    id: str
+    bench: str
+    figure: str
+    op: str
+    threshold: float
+    unit: str
+    cache: str
+    what: str
+    variant: str | None = None
+
+    @property
+    def run(self) -> str:
+        """The report entry that measures it: the bench itself, or its variant's entry."""
+        return self.variant or self.bench
+
+    def text(self) -> str:
+        return f"{self.op} {_number(self.threshold, self.unit)}"
+
+
+@dataclass
+class Targets:
+    targets: list[Target]
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def select(self, only: str | None) -> list[Target]:
+        if not only:
+            return list(self.targets)
+        ids = [part.strip() for part in only.split(",") if part.strip()]
+        known = {t.id: t for t in self.targets}
+        unknown = [i for i in ids if i not in known]
+        if unknown or not ids:
+            raise InvalidOption(f"--only {only!r}: unknown target id(s) {', '.join(unknown) or '(none given)'}; "
+                                f"the targets file names: {', '.join(known)}")
+        return [known[i] for i in dict.fromkeys(ids)]
+
+
+def load_targets(path: str | None = None) -> Targets:
+    """Parse and check the targets file (default: the one shipped in the package)."""
+    path = path or DEFAULT_TARGETS
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as error:
+        raise InvalidOption(f"--targets {path}: cannot read it as JSON ({error}); give a targets file like "
+                            f"{DEFAULT_TARGETS}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("variants", {}), dict):
+        raise InvalidOption(f"--targets {path}: not a targets file (an object with 'targets' and 'variants')")
+    variants = data.get("variants", {})
+    for name, variant in variants.items():
+        if name in BENCH_NAMES or variant.get("bench") not in BENCH_NAMES or not isinstance(variant.get("args"), list):
+            raise InvalidOption(f"--targets {path}: variant {name!r} needs a name other than a bench's, a bench of "
+                                f"{','.join(BENCH_NAMES)} and an args list")
+    targets: list[Target] = []
+    for raw in data.get("targets", []):
+        problem = _problem(raw, {t.id for t in targets}, variants)
+        if problem:
+            name = raw.get("id", raw) if isinstance(raw, dict) else raw
+            raise InvalidOption(f"--targets {path}: target {name!r} {problem}")
+        targets.append(Target(**{k: raw[k] for k in FIELDS}, variant=raw.get("variant")))
+    if not targets:
+        raise InvalidOption(f"--targets {path}: no targets in it (a 'targets' list of objects with {', '.join(FIELDS)})")
+    return Targets(targets, variants)
+
+
+def _problem(raw: Any, seen: set[str], variants: dict[str, Any]) -> str:
+    """What is wrong with one target of the file ('' when nothing)."""
+    if not isinstance(raw, dict):
+        return f"is not an object with {', '.join(FIELDS)}"
+    missing = [k for k in FIELDS if k not in raw]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    if raw["op"] not in OPS:
+        return f"has op {raw['op']!r} (use one of {' '.join(OPS)})"
+    if isinstance(raw["threshold"], bool) or not isinstance(raw["threshold"], (int, float)):
+        return f"has threshold {raw['threshold']!r} (a number)"
+    if raw["bench"] not in BENCH_NAMES:
+        return f"names bench {raw['bench']!r} (not one of {','.join(BENCH_NAMES)})"
+    variant = raw.get("variant")
+    if variant is not None and variants.get(variant, {}).get("bench") != raw["bench"]:
+        return f"names variant {variant!r}, not a variant of bench {raw['bench']!r} in its variants"
+    return "repeats an id" if raw["id"] in seen else ""
+
+
+def runs_needed(targets: list[Target], variants: dict[str, dict[str, Any]], quick: bool) -> dict[str, tuple[str, list[str] | None]]:
+    """Per report entry the targets need: ``(bench, flags)``; flags None: the bench's own (or --quick's)."""
+    runs: dict[str, tuple[str, list[str] | None]] = {b: (b, None) for b in BENCH_NAMES
+                                                      if any(t.bench == b and not t.variant for t in targets)}
+    for t in targets:
+        if t.variant:
+            v = variants[t.variant]
+            runs[t.variant] = (v["bench"], list(v.get("quick", v["args"]) if quick else v["args"]))
+    return runs
+
+
+@dataclass
+class Row:
+    target: Target
+    figure: str
+    measured: float | None = None
+    spread: list[float] | None = None
+    status: str = "not measured"
+    fails: bool = True  # False when met, or not measured under --allow-missing
+
+
+def check(report: dict[str, Any], targets: list[Target], *, allow_missing: bool = False) -> list[Row]:
+    """One row per target and measured shape; ``status``: ok, MISSED, or 'not measured: why'."""
+    rows = []
+    for t in targets:
+        entry = report.get("benches", {}).get(t.run)
+        label = f"{t.run}.{t.figure}"
+        absent = f"{'not measured (allowed)' if allow_missing else 'not measured'}: "
+        if entry is None:
+            rows.append(Row(t, label, status=absent + "bench not run", fails=not allow_missing))
+            continue
+        if not entry.get("result"):
+            rows.append(Row(t, label, status=absent + f"bench failed ({entry.get('error', '?')})", fails=not allow_missing))
+            continue
+        try:
+            found = entry["figures"] if "figures" in entry else bench_figures(entry.get("bench", t.bench), entry["result"])
+        except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as error:
+            found, entry = {}, {**entry, "figures_error": f"figures unreadable: {type(error).__name__}: {error}"}
+        if t.figure in found:
+            names = [t.figure]
+        elif "[" not in t.figure:  # a per-shape figure: every shape the run measured
+            names = sorted(k for k in found if k.startswith(t.figure + "["))
+        else:
+            names = []
+        if not names:
+            why = entry.get("figures_error") or "not in the bench's result (that part skipped?)"
+            rows.append(Row(t, label, status=absent + why, fails=not allow_missing))
+        for name in names:
+            value, spread = found[name]["value"], found[name].get("spread")
+            met = value is not None and OPS[t.op](value, t.threshold)
+            rows.append(Row(t, f"{t.run}.{name}", value, spread, "ok" if met else "MISSED", fails=not met))
+    return rows
+
+
+def missed(rows: list[Row]) -> list[str]:
+    """The ids of the targets that fail the gate (missed, or not measured without --allow-missing)."""
+    return list(dict.fromkeys(r.target.id for r in rows if r.fails))
+
+
+def _number(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    text = f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return f"{text}{unit}" if unit in ("x", "%") else f"{text} {unit}".rstrip()
+
+
+def table(rows: list[Row]) -> list[list[str]]:
+    """Header and one line per row: target id, figure, cache, target, measured, spread, ok."""
+    lines = [["id", "figure", "cache", "target", "measured", "spread", "ok"]]
+    for r in rows:
+        spread = "-" if not r.spread else f"{_number(r.spread[0], r.target.unit)} - {_number(r.spread[1], r.target.unit)}"
+        lines.append([r.target.id, r.figure, r.target.cache, r.target.text(), _number(r.measured, r.target.unit),
+                      spread, r.status])
+    return lines
+
+
+def format_table(rows: list[Row]) -> str:
+    cells = table(rows)
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
+    out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def verdict(rows: list[Row]) -> int:
+    """Print the table and the verdict; 0 when every target is met, else 1 (naming the misses)."""
+    print(format_table(rows))
+    misses = missed(rows)
+    if misses:
+        print(f"featurestore: error: {len(misses)} of {len({r.target.id for r in rows})} target(s) missed: "
+              f"{', '.join(misses)}", file=sys.stderr)
+        return 1
+    print(f"[bench gate] all {len({r.target.id for r in rows})} target(s) met")
+    return 0
+
+
+def add_target_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--targets", default=None, help=f"targets file (default: the shipped {os.path.basename(DEFAULT_TARGETS)})")
+    parser.add_argument("--only", default=None, help="comma-separated target ids to check (default: every target)")
+    parser.add_argument("--allow-missing", action="store_true",
+                        help="a target whose figure was not measured (bench skipped or not run) does not fail")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "check", help="check an existing bench all report.json against the speed targets (no bench is run)",
+        description="Print one table (id / figure / cache / target / measured / spread / ok) of a "
+        "report.json from `featurestore bench all` against the targets file; exit 1 when a target is missed "
+        "or not measured (unless --allow-missing).")
+    parser.add_argument("report", help="report.json written by featurestore bench all")
+    add_target_flags(parser)
+    parser.set_defaults(func=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    targets = load_targets(args.targets)
+    try:
+        with open(args.report, encoding="utf-8") as f:
+            report = json.load(f)
+    except (OSError, ValueError) as error:
+        raise InvalidOption(f"{args.report}: cannot read it as a bench all report.json ({error})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("benches"), dict):
+        raise InvalidOption(f"{args.report}: not a bench all report.json (no 'benches' object)")
+    return verdict(check(report, targets.select(args.only), allow_missing=args.allow_missing))
+
+
+__all__ = ["DEFAULT_TARGETS", "Row", "Target", "Targets", "check", "format_table", "load_targets", "missed",
+           "register", "runs_needed", "table", "verdict"]

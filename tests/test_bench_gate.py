@@ -1,0 +1,269 @@
+"""The speed gate (``bench all --check``, ``bench check REPORT.json``): the check logic on synthetic
+reports (exit codes, the table, directions, spread, missing figures), the shipped targets file,
+and that every target names a figure its bench really emits (real benches at their quick size).
+No timing is asserted: the figures' values are whatever this machine gives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from featurestore.bench import figures, gate, report
+from featurestore.cli import main
+
+
+def _targets(tmp_path: Path, *targets: dict[str, Any], variants: dict[str, Any] | None = None) -> str:
+    path = tmp_path / "targets.json"
+    path.write_text(json.dumps({"variants": variants or {}, "targets": list(targets)}))
+    return str(path)
+
+
+def _target(id: str, bench: str, figure: str, op: str, threshold: float, unit: str = "x") -> dict[str, Any]:
+    return {"id": id, "bench": bench, "figure": figure, "op": op, "threshold": threshold, "unit": unit,
+            "cache": "warm", "what": id}
+
+
+def _report(tmp_path: Path, benches: dict[str, Any]) -> str:
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"command": "featurestore bench all", "benches": benches}))
+    return str(path)
+
+
+def _entry(**figs: Any) -> dict[str, Any]:
+    return {"status": "ok", "result": {"any": 1}, "figures": {
+        name: (value if isinstance(value, dict) else figures.figure(value)) for name, value in figs.items()}}
+
+
+def _check(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(["bench", "check", *argv])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+TWO = (_target("ld", "loader", "loader_vs_reader", ">=", 0.95), _target("st", "loader", "stall_percent", "<", 5.0, "%"))
+
+
+def test_all_met_exits_0_with_table_and_spread(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    targets = _targets(tmp_path, *TWO)
+    rep = _report(tmp_path, {"loader": _entry(loader_vs_reader=figures.figure(1.02, [0.97, 1.1, 1.02]),
+                                              stall_percent=1.5)})
+    status, out, err = _check(capsys, rep, "--targets", targets)
+    assert status == 0, out + err
+    header = out.splitlines()[0].split()
+    assert header == ["id", "figure", "cache", "target", "measured", "spread", "ok"]
+    line = next(ln for ln in out.splitlines() if ln.startswith("ld "))
+    assert "loader.loader_vs_reader" in line and ">= 0.95x" in line and "1.02x" in line
+    assert "0.97x - 1.1x" in line and line.rstrip().endswith("ok")  # the spread of the per-repeat pairs
+    stall = next(ln for ln in out.splitlines() if ln.startswith("st "))
+    assert "< 5%" in stall and "1.5%" in stall and " - " in stall.split("1.5%")[1]  # no spread: "-"
+    assert "all 2 target(s) met" in out and err == ""
+
+
+def test_a_miss_exits_1_and_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rep = _report(tmp_path, {"loader": _entry(loader_vs_reader=0.8, stall_percent=1.0)})
+    status, out, err = _check(capsys, rep, "--targets", _targets(tmp_path, *TWO))
+    assert status == 1
+    assert "MISSED" in next(ln for ln in out.splitlines() if ln.startswith("ld "))
+    assert err.strip() == "featurestore: error: 1 of 2 target(s) missed: ld"
+
+
+@pytest.mark.parametrize(("op", "value", "met"), [
+    (">=", 1.0, True), (">=", 0.99, False), (">", 1.0, False), (">", 1.01, True),
+    ("<=", 1.0, True), ("<=", 1.01, False), ("<", 1.0, False), ("<", 0.99, True)])
+def test_direction(tmp_path: Path, capsys: pytest.CaptureFixture[str], op: str, value: float, met: bool) -> None:
+    targets = _targets(tmp_path, _target("t", "extract", "vs_encode_only", op, 1.0))
+    rep = _report(tmp_path, {"extract": _entry(vs_encode_only=value)})
+    status, out, _ = _check(capsys, rep, "--targets", targets)
+    assert status == (0 if met else 1)
+    assert ("MISSED" in out) is not met
+
+
+def test_not_measured_is_a_miss_unless_allowed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    targets = _targets(tmp_path, _target("s3r", "s3", "read_vs_ceiling", ">=", 0.5),
+                       _target("cg", "loader", "cgroup_epoch", ">=", 1.0, ""),
+                       _target("bf", "bags", "TRIDENT h5 cold", ">=", 1.5),
+                       _target("ok", "loader", "loader_vs_reader", ">=", 0.95))
+    # s3 not run (no SeaweedFS), the loader's cgroup part skipped, bags failed before a result.
+    rep = _report(tmp_path, {"loader": _entry(loader_vs_reader=1.0),
+                             "bags": {"status": "failed", "error": "RuntimeError: disk full"}})
+    status, out, err = _check(capsys, rep, "--targets", targets)
+    assert status == 1
+    rows = {ln.split()[0]: ln for ln in out.splitlines()[2:] if ln.strip() and not ln.startswith("[")}
+    assert "not measured: bench not run" in rows["s3r"]
+    assert "not measured: not in the bench's result" in rows["cg"]
+    assert "not measured: bench failed (RuntimeError: disk full)" in rows["bf"]
+    assert rows["ok"].rstrip().endswith("ok")
+    assert "3 of 4 target(s) missed: s3r, cg, bf" in err
+    status, out, err = _check(capsys, rep, "--targets", targets, "--allow-missing")
+    assert status == 0, err
+    assert out.count("not measured (allowed)") == 3
+
+
+def test_per_shape_figure_checks_every_shape_measured(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    targets = _targets(tmp_path, _target("w16", "write", "float16_vs_tofile", ">=", 0.7),
+                       _target("w16big", "write", "float16_vs_tofile[1024x3072]", ">=", 0.7))
+    rep = _report(tmp_path, {"write": _entry(**{"float16_vs_tofile[256x384]": 1.3,
+                                                "float16_vs_tofile[1024x3072]": 0.6})})
+    status, out, err = _check(capsys, rep, "--targets", targets)
+    assert status == 1 and "missed: w16, w16big" in err
+    assert "write.float16_vs_tofile[256x384]" in out and out.count("write.float16_vs_tofile[1024x3072]") == 2
+
+
+def test_only_selects_targets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rep = _report(tmp_path, {"loader": _entry(loader_vs_reader=0.5, stall_percent=1.0)})
+    targets = _targets(tmp_path, *TWO)
+    status, out, _ = _check(capsys, rep, "--targets", targets, "--only", "st")
+    assert status == 0 and "loader_vs_reader" not in out
+    status, _, err = _check(capsys, rep, "--targets", targets, "--only", "st,nope")
+    assert status == 1 and err.count("\n") == 1 and "unknown target id(s) nope" in err and "ld, st" in err
+
+
+def test_unreadable_result_is_not_measured(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # An older report whose result lacks a key the figures read: that target is not measured, named.
+    rep = _report(tmp_path, {"write": {"status": "ok", "result": {"shapes": [{"sample_shape": [8, 8]}]}}})
+    status, out, _ = _check(capsys, rep, "--targets", _targets(tmp_path, _target("a", "write", "float16_vs_tofile",
+                                                                                  ">=", 0.7)))
+    assert status == 1 and "not measured: figures unreadable: KeyError: 'repeats_s'" in out
+
+
+def test_report_without_figures_is_read_from_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A report.json from before the figures were stored: the gate reads the bench's result.
+    result = {"shapes": [{"sample_shape": [256, 384], "writer_float16_ratio": 0.75, "writer_float32_ratio": 0.4,
+                          "repeats_s": {"tofile": [1.0, 1.2], "float16": [1.25, 1.8], "float32": [2.5, 3.0]}}]}
+    rep = _report(tmp_path, {"write": {"status": "ok", "result": result}})
+    targets = _targets(tmp_path, _target("a", "write", "float16_vs_tofile", ">=", 0.7),
+                       _target("b", "write", "float32_vs_tofile", ">=", 0.5))
+    status, out, err = _check(capsys, rep, "--targets", targets)
+    assert status == 1 and err.strip().endswith("missed: b")
+    assert "0.667x - 0.8x" in next(ln for ln in out.splitlines() if ln.startswith("a "))
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{not json", "cannot read it as JSON"),
+    (json.dumps({"targets": [{"id": "x"}]}), "target 'x' lacks bench, figure, op"),
+    (json.dumps({"targets": [_target("x", "loader", "f", "==", 1)]}), "has op '=='"),
+    (json.dumps({"targets": [_target("x", "gpu", "f", ">=", 1)]}), "names bench 'gpu'"),
+    (json.dumps({"targets": [_target("x", "loader", "f", ">=", 1)] * 2}), "target 'x' repeats an id"),
+    (json.dumps({"targets": [{**_target("x", "extract", "f", ">=", 1), "variant": "v"}]}), "names variant 'v'"),
+    (json.dumps({"targets": [_target("x", "loader", "f", ">=", "0.9")]}), "has threshold '0.9' (a number)"),
+    (json.dumps({"variants": {"z": {"bench": "extract", "args": []}},
+                 "targets": [{**_target("x", "loader", "f", ">=", 1), "variant": "z"}]}), "not a variant of bench 'loader'"),
+    (json.dumps([1]), "not a targets file"),
+    (json.dumps({"targets": []}), "no targets in it")])
+def test_bad_targets_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str,
+                                      message: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    status, _, err = _check(capsys, _report(tmp_path, {}), "--targets", str(path))
+    assert status == 1 and err.count("\n") == 1 and message in err and str(path) in err
+
+
+def test_bad_report_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.json"
+    status, _, err = _check(capsys, str(missing))
+    assert status == 1 and err.count("\n") == 1 and "nope.json: cannot read it" in err
+    (tmp_path / "list.json").write_text("[]")
+    status, _, err = _check(capsys, str(tmp_path / "list.json"))
+    assert status == 1 and "not a bench all report.json" in err
+
+
+def test_target_flags_need_check(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "all", "--only", "loader-stall"]) == 1
+    assert "go with --check" in capsys.readouterr().err
+
+
+def test_shipped_targets_file() -> None:
+    from featurestore.bench import bags, s3, write
+
+    targets = gate.load_targets()
+    ids = [t.id for t in targets.targets]
+    assert len(ids) == len(set(ids)) >= 40
+    # The benches' own printed verdicts use the same thresholds as the gate.
+    by_figure = {(t.bench, t.figure): t.threshold for t in targets.targets}
+    for source, value in write.TARGETS.items():
+        assert by_figure[("write", f"{source}_vs_tofile")] == value
+    for name, value in bags.TARGETS.items():
+        assert by_figure[("bags", name)] == value
+    for name, value in s3.TARGETS.items():
+        assert by_figure[("s3", name)] == value
+    # Every variant's flags (full and quick) are its bench's own, parsed by its parser.
+    for variant in targets.variants.values():
+        for flags in (variant["args"], variant["quick"]):
+            report.bench_args(variant["bench"], flags)
+
+
+# Parts --quick skips (their figure is then absent, by design): the cgroup epoch writes a split
+# of 2.2x a 512 MiB limit, too much for a quick run.
+SKIPPED_AT_QUICK = {"loader-cgroup-epoch": lambda result: "skipped" in result["cgroup"]}
+
+
+def _assert_emitted(data: dict[str, Any], targets: list[gate.Target]) -> None:
+    """Each target's figure is among its entry's stored figures (a per-shape one: for some shape)."""
+    absent = []
+    for t in targets:
+        entry = data["benches"][t.run]
+        assert entry["status"] == "ok", (t.run, entry.get("error"))
+        names = entry["figures"]
+        if not (t.figure in names or any(k.startswith(t.figure + "[") for k in names)):
+            skipped = SKIPPED_AT_QUICK.get(t.id)
+            if not (skipped and skipped(entry["result"])):
+                absent.append((t.id, sorted(names)))
+        for name, fig in names.items():
+            assert isinstance(fig["value"], float) and fig["repeats"] >= 0, (t.run, name)
+    assert not absent, absent
+
+
+def _run_gate(tmp_path: Path, capsys: pytest.CaptureFixture[str], benches: set[str],
+              extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[gate.Target]]:
+    selected = [t for t in gate.load_targets().targets if t.run in benches]
+    out = tmp_path / "out"
+    status = main(["bench", "all", "--quick", "--check", "--out", str(out), "--only",
+                   ",".join(t.id for t in selected), *extra])
+    captured = capsys.readouterr()
+    assert status in (0, 1), captured.err[-3000:]  # met or missed: the figures are this machine's
+    assert "bench(es) failed" not in captured.err, captured.out[-3000:] + captured.err[-3000:]
+    data = json.loads((out / "report.json").read_text())
+    assert set(data["benches"]) == benches
+    _assert_emitted(data, selected)
+    # The table is printed and stored: one row per target and shape, in report.json and report.md.
+    assert data["gate"][0] == ["id", "figure", "cache", "target", "measured", "spread", "ok"]
+    assert {row[0] for row in data["gate"][1:]} == {t.id for t in selected}
+    assert "## Targets" in (out / "report.md").read_text()
+    missed = {row[0] for row in data["gate"][1:] if row[-1] != "ok"}  # missed, or skipped at this size
+    assert (status == 1) is bool(missed), (status, missed)
+    return data, selected
+
+
+def test_fast_benches_emit_every_target_figure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """loader, write, read, extract (and its zero-encoder variant), bags, bag_loader at --quick size."""
+    pytest.importorskip("torch")
+    pytest.importorskip("h5py")
+    data, _ = _run_gate(tmp_path, capsys, {"loader", "write", "read", "extract", "extract-zero", "bags", "bag_loader"})
+    assert data["benches"]["extract-zero"]["args"]["encoder"] == "zero"  # the variant's flags reached the bench
+
+
+def test_http_cold_and_encoder_variants_emit_every_target_figure(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """http, cold, and the extract variants with a real encoder or slides (builtin:vit-s14, --wsi)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("openslide")
+    _run_gate(tmp_path, capsys, {"http", "cold", "extract-vit", "extract-wsi", "extract-wsi-vit"})
+
+
+def test_s3_bench_emits_every_target_figure(tmp_path: Path, seaweed: Any) -> None:
+    """``bench s3`` at --quick size on the session's SeaweedFS (as tests/test_bench_report.py runs it)."""
+    from conftest import SEAWEED_BUCKET
+
+    from featurestore.bench import s3
+    from featurestore.bench.seaweedfs import ACCESS_KEY, SECRET_KEY
+
+    flags = [*report.QUICK_FLAGS["s3"], "--endpoint", seaweed.endpoint, "--key", ACCESS_KEY, "--secret", SECRET_KEY,
+             "--bucket", SEAWEED_BUCKET]
+    found = figures.bench_figures("s3", s3.run(report.bench_args("s3", flags)))
+    for t in gate.load_targets().targets:
+        if t.bench == "s3":
+            assert t.figure in found, (t.id, sorted(found))
+            assert found[t.figure]["repeats"] == 1  # each ratio's runs are kept per repeat (one at --quick)
