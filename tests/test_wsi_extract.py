@@ -281,3 +281,16 @@ def test_bench_extract_wsi_runs(tmp_path: Path) -> None:
                      str(tmp_path / "out.json"), timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "OpenSlide alone" in result.stdout and (tmp_path / "out.json").is_file()
+
+
+def test_an_incomplete_split_without_resume_is_the_one_line_advice(cohort: Path, tmp_path: Path) -> None:
+    """Into a split that exists but is incomplete, an extraction without --resume says so in one
+    line (it used to read the writer's metadata before the ranks agreed, while the writer was None,
+    and died with an AttributeError)."""
+    store = tmp_path / "s"
+    featurestore.open_store(str(store), mode="a").create_bag_split(*NAME, dim=128).close()
+    result = run_cli("extract", *_common(cohort), "--store", str(store), env=cli_env(), timeout=240)
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert "split cohort/slow_tiny_vit/train exists but is incomplete (status 'writing'): pass --resume" in result.stderr
+    assert featurestore.open_store(str(store)).split_status(*NAME) == "writing"

@@ -378,7 +378,8 @@ def _extract(opts: SlideOptions, coord: Coordinator) -> SlideResult:
             writer = _open_split(opts, prep, store)
         except BaseException as e:
             error = e
-    complete = coord.agree(error, payload=bool(writer.metadata.complete) if coord.rank == 0 else None)[0]
+    # The payload is built before agree() raises rank 0's error: without a writer there is none.
+    complete = coord.agree(error, payload=None if writer is None else bool(writer.metadata.complete))[0]
     if complete:
         return SlideResult("already-complete", key, len(prep.refs), metadata=writer.metadata.to_json())
     error = None
