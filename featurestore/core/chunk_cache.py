@@ -99,7 +99,9 @@ class ChunkCache:
             os.makedirs(self._root, exist_ok=True)
             _probe_write(self._root)
         except OSError as error:
-            raise CacheUnwritable(self.directory, error) from None
+            raise CacheUnwritable(f"chunk cache {self.directory} cannot be written ({error.strerror or error}): "
+                                  "reading by ranged GETs instead; pass a writable directory (--cache-dir / "
+                                  "FEATURESTORE_CACHE_DIR) to cache chunks there") from None
         used = self._scan()[1]
         if max_bytes is None:
             stat = os.statvfs(self.directory)
@@ -369,9 +371,7 @@ def _after_fork_in_child() -> None:
     global _shared_lock, _pools_lock
     _shared_lock, _pools_lock = threading.Lock(), threading.Lock()
     _pools.clear()
-    for cache in _shared.values():
-        if cache is None:
-            continue  # a directory that could not be written: no cache
+    for cache in filter(None, _shared.values()):  # None: a directory that could not be written
         cache._lock, cache._checks_lock = threading.Lock(), threading.Lock()
         cache._inflight, cache._pending = {}, 0
         cache._pid = os.getpid()
@@ -400,11 +400,6 @@ def shared(directory: str, max_bytes: int | None) -> ChunkCache | None:
 
 class CacheUnwritable(Exception):
     """The cache directory exists but no file can be created in it (read-only mount, no permission)."""
-    def __init__(self, directory: str, error: OSError) -> None:
-        super().__init__(f"chunk cache {directory} cannot be written ({error.strerror or error}): reading by ranged "
-                         "GETs instead; pass a writable directory (--cache-dir / FEATURESTORE_CACHE_DIR) to cache "
-                         "chunks there")
-        self.error = error
 
 
 def _probe_write(root: str) -> None:
