@@ -152,3 +152,46 @@ def test_overwrite_takes_the_split_over(tmp_path: Path) -> None:
     store.create_bag_split("ds", "enc", "train", dim=DIM, chunk_bytes=CHUNK_BYTES, overwrite=True)
     with pytest.raises(SplitTakenOver):
         old.add_bag("b", np.zeros((40, DIM), np.float32))  # its first full chunk checks the generation
+
+
+# Commits the split and stops once its chunks are in place (features and coords linked from the
+# segment, nothing of the index written yet), says so and waits to be SIGKILLed.
+_COMMIT_PAUSED = """
+import sys, time
+from featurestore import open_store
+from featurestore.core import bag_commit
+
+def paused(*args, **kwargs):
+    print("linked", flush=True)
+    time.sleep(600)
+
+bag_commit._write_index = paused
+store = open_store(sys.argv[1], mode="a")
+store.create_bag_split("ds", "enc", "train", dim=8, chunk_bytes=4 * 8 * 2, resume=True).commit()
+"""
+
+
+def test_sigkill_after_the_chunks_are_linked_then_resume_leaves_no_temporary_files(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bags added in id order: the commit links every segment chunk in place. Killed after that,
+    the resumed commit links each chunk again onto the same file (a rename between two names of
+    one inode does nothing), which left one temporary link per chunk inside the complete split."""
+    from featurestore.cli import main
+
+    create(tmp_path)
+    proc = child(tmp_path, "forward")
+    proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    paused = subprocess.Popen([sys.executable, "-c", _COMMIT_PAUSED, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    _kill_after(paused, "linked")
+    split = tmp_path / "ds" / "enc" / "train"
+    linked = sorted(split.glob("features/c/*/*"))
+    assert linked and all(p.stat().st_nlink == 2 for p in linked)  # the segment's files, linked
+    assert not list(split.rglob("*.tmp"))
+    commit(tmp_path)
+    check_all(tmp_path)
+    assert not list(split.rglob("*.tmp"))
+    assert main(["verify", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "ds/enc/train: ok (" in out and "leftover" not in out.lower(), out

@@ -357,6 +357,70 @@ def test_a_full_cache_disk_warns_once_and_reads_by_ranges(seaweed_url: str, seaw
     assert len(warnings) == 1 and str(cache) in warnings[0] and "ranged GETs" in warnings[0]
 
 
+@pytest.fixture(params=["new", "used before"])
+def unwritable_cache(request: pytest.FixtureRequest, tmp_path: Any) -> Any:
+    """An existing cache directory this process cannot create files in ("used before": its
+    layout directory is there too, from a run that could write). Permission bits do not stop
+    root, so as root the directories get the immutable attribute (``chattr +i``: EPERM even for
+    root); where that is refused (tmpfs, no CAP_LINUX_IMMUTABLE) a new cache falls back to /sys,
+    where the kernel refuses root's mkdir too (EPERM, or EROFS when mounted read-only)."""
+    from pathlib import Path
+
+    used = request.param == "used before"
+    cache = tmp_path / "cache"
+    (cache / "v1" if used else cache).mkdir(parents=True)
+    locked = [cache / "v1", cache] if used else [cache]
+    if os.geteuid() != 0:
+        for path in locked:
+            path.chmod(0o555)
+
+        def undo() -> None:
+            for path in locked:
+                path.chmod(0o755)
+    else:
+        def attr(flag: str) -> bool:
+            try:
+                return all(subprocess.run(["chattr", flag, str(p)], capture_output=True).returncode == 0
+                           for p in locked)
+            except FileNotFoundError:
+                return False
+
+        def undo() -> None:
+            attr("-i")
+
+        if not attr("+i"):
+            undo()
+            if used:
+                pytest.skip("cannot make a directory unwritable for root here (chattr +i refused)")
+            cache = Path("/sys")
+    try:
+        with pytest.raises(OSError):  # the premise: this process really cannot write there
+            (cache / "v1" / "probe" if used else cache / "v1").mkdir()
+        yield cache
+    finally:
+        undo()
+
+
+def test_an_unwritable_cache_dir_warns_once_and_reads_by_ranges(seaweed_url: str, seaweed: Any,
+                                                                 unwritable_cache: Any) -> None:
+    """A cache directory that exists but cannot be written (read-only mount, no permission) is one
+    warning naming it, and the store reads by ranged GETs as without a cache; it used to be a raw
+    OSError out of open_store (which the CLI took for a wrong URL)."""
+    import warnings
+
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        arrays = [_open(seaweed_url, options, unwritable_cache) for _ in range(2)]
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 1, said  # the second store of the process opens the same (no) cache
+    assert f"chunk cache {unwritable_cache} cannot be written" in said[0] and "ranged GETs" in said[0]
+    for array in arrays:
+        assert array.path == "ranges" and array._storage.chunk_cache is None
+        assert np.array_equal(array.read_numpy(np.arange(N)[::-1]), values[::-1])
+
+
 def test_a_cache_smaller_than_a_chunk_reads_by_ranges(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
     options = seaweed.storage_options
     values = _write(seaweed_url, options)

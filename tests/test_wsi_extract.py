@@ -281,3 +281,47 @@ def test_bench_extract_wsi_runs(tmp_path: Path) -> None:
                      str(tmp_path / "out.json"), timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "OpenSlide alone" in result.stdout and (tmp_path / "out.json").is_file()
+
+
+def test_an_incomplete_split_without_resume_is_the_one_line_advice(cohort: Path, tmp_path: Path) -> None:
+    """Into a split that exists but is incomplete, an extraction without --resume says so in one
+    line (it used to read the writer's metadata before the ranks agreed, while the writer was None,
+    and died with an AttributeError)."""
+    store = tmp_path / "s"
+    featurestore.open_store(str(store), mode="a").create_bag_split(*NAME, dim=128).close()
+    result = run_cli("extract", *_common(cohort), "--store", str(store), env=cli_env(), timeout=240)
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert "split cohort/slow_tiny_vit/train exists but is incomplete (status 'writing'): pass --resume" in result.stderr
+    assert featurestore.open_store(str(store)).split_status(*NAME) == "writing"
+
+
+def test_a_flipped_byte_is_repaired_by_extract_resume_verify_chunks(cohort: Path, reference: Path,
+                                                                     tmp_path: Path) -> None:
+    """The advised repair of a slide split: the slides whose bags have rows in the damaged chunk
+    are encoded again, only their chunks are written, and the split has the reference's bytes
+    (the slide skipped before stays skipped, and listed)."""
+    import shutil
+
+    store = tmp_path / "store"
+    shutil.copytree(reference, store)
+    split = store.joinpath(*NAME)
+    rows = featurestore.open_store(str(store)).open_bags(*NAME).rows_of("slide-001")
+    damaged = int(rows[len(rows) // 2]) // 16  # a chunk inside slide-001's rows only
+    raw = bytearray((split / "features" / "c" / str(damaged) / "0").read_bytes())
+    raw[5] ^= 0x10
+    (split / "features" / "c" / str(damaged) / "0").write_bytes(bytes(raw))
+    before = {p: p.stat().st_mtime_ns for p in split.rglob("*") if p.is_file()}
+    result = run_cli("extract", *_common(cohort), "--store", str(store), "--resume", "--verify-chunks",
+                     env=cli_env(), timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "1 bags of 5 slides" in result.stdout, result.stdout
+    check = run_cli("verify", str(store), timeout=120)
+    assert check.returncode == 0 and "cohort/slow_tiny_vit/train: ok (" in check.stdout, check.stdout + check.stderr
+    _same_split(reference, store)
+    written = {p.relative_to(split).as_posix() for p in split.rglob("*")
+               if p.is_file() and p.stat().st_mtime_ns != before.get(p)}
+    first, last = int(rows[0]) // 16, int(rows[-1]) // 16
+    assert written == {"zarr.json"} | {f"{a}/c/{i}/0" for a in ("features", "coords") for i in range(first, last + 1)}
+    meta = featurestore.open_store(str(store)).open_bags(*NAME).metadata
+    assert [s["id"] for s in meta["skipped"]] == ["junk"]

@@ -117,11 +117,10 @@ _SLIDE_ONLY = ("magnification", "mpp", "slide_mpp")
 def slide_options_from_args(args: argparse.Namespace) -> Any:
     from featurestore.extract.wsi_run import SlideOptions
 
-    for flag, value in (("--crop", args.crop), ("--resize", args.resize), ("--verify-chunks", args.verify_chunks),
-                        ("--compressor", args.compressor)):
+    for flag, value in (("--crop", args.crop), ("--resize", args.resize), ("--compressor", args.compressor)):
         if value:
             raise InvalidOption(f"{flag} does not apply to wsi: sources (patches are cut at --patch-size, "
-                                "chunks are checked per bag): drop it")
+                                "bag chunks are not compressed): drop it")
     return SlideOptions(
         images=args.images, encoder=args.encoder, store=args.store, dataset=args.dataset, split=args.split,
         encoder_name=args.encoder_name, dtype=args.dtype, batch_size=args.batch_size, device=args.device,
@@ -131,7 +130,7 @@ def slide_options_from_args(args: argparse.Namespace) -> Any:
         slide_mpp=args.slide_mpp, patch_size=args.patch_size, tissue=args.tissue, min_tissue=args.min_tissue,
         mean=_triple(args.mean, "--mean"), std=_triple(args.std, "--std"),
         storage_options=storage_options(args.storage_options), queue_size=args.queue_size,
-        progress=not args.no_progress, threads=args.threads)
+        progress=not args.no_progress, threads=args.threads, verify_chunks=args.verify_chunks)
 
 
 def options_from_args(args: argparse.Namespace) -> Any:

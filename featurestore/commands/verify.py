@@ -81,6 +81,10 @@ def _run_verify(args: argparse.Namespace) -> int:
               f"writer pid {temp.pid} {writer}, {temp.age_s / 60:.0f} min old)")
     print(f"{checked} complete split(s) checked, {damaged} damaged"
           + (f"; {len(found.problems)} problem(s) in the store's group documents" if found.problems else ""))
+    if damaged:
+        print("to repair a damaged split: the command that wrote it plus --resume --verify-chunks (featurestore "
+              "extract ... or featurestore import ...) rewrites its damaged chunks from the input (in a bag split, "
+              "the bags with rows in them)")
     if found.leftovers:
         total = sum(t.size for t in found.leftovers)
         print(f"{len(found.leftovers)} leftover temporary file(s), {_size(total)}: not damage; "

@@ -176,12 +176,9 @@ def _write_rows(storage: Storage, key: str, meta: SplitMetadata, found: Collecte
     sources: dict[tuple[str, str], FeatureArray] = {}
 
     def source(segment: str, name: str) -> FeatureArray:
-        """A segment's rows, read through the checked reader (each chunk's crc32c verified)."""
         if (segment, name) not in sources:
-            doc = layout.load_document(array_document(meta, name, found.rows[segment]))
-            logical = meta.logical_dtype if name == layout.FEATURES else (meta.bags or {})["coords"]["dtype"]
-            sources[(segment, name)] = FeatureArray(storage, f"{key}/{bags.SEGMENTS}/{segment}", name, doc,
-                                                    logical_dtype=logical, metadata={"status": "complete"})
+            sources[(segment, name)] = rows_reader(storage, f"{key}/{bags.SEGMENTS}/{segment}", meta, name,
+                                                   found.rows[segment])
         return sources[(segment, name)]
 
     coords_dtype = np.dtype((meta.bags or {})["coords"]["dtype"])
@@ -213,6 +210,14 @@ def _write_rows(storage: Storage, key: str, meta: SplitMetadata, found: Collecte
         for stale in (int(c) for c in storage.listdir(f"{key}/{name}/c") if c.isdigit() and int(c) >= count):
             storage.delete_tree(f"{key}/{name}/c/{stale}")
         storage.write(f"{key}/{name}/{layout.ZARR_JSON}", array_document(meta, name, total))
+
+
+def rows_reader(storage: Storage, base: str, meta: SplitMetadata, name: str, rows: int) -> FeatureArray:
+    """``features`` or ``coords`` of ``rows`` rows under ``base`` (a segment, or the split itself),
+    read through the checked reader (each chunk's crc32c verified)."""
+    doc = layout.load_document(array_document(meta, name, rows))
+    logical = meta.logical_dtype if name == layout.FEATURES else (meta.bags or {})["coords"]["dtype"]
+    return FeatureArray(storage, base, name, doc, logical_dtype=logical, metadata={"status": "complete"})
 
 
 def _write_index(storage: Storage, key: str, meta: SplitMetadata, ids: list[str], offsets: np.ndarray,
@@ -248,15 +253,21 @@ def _write_seals(storage: Storage, key: str, meta: SplitMetadata) -> None:
             doc = layout.load_document(storage.read(f"{key}/{name}/{layout.ZARR_JSON}"))
         except FileNotFoundError:
             continue  # no labels
-        shape, rows = list(doc["shape"]), layout.array_chunk_rows(doc)
-        nbytes = rows * int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(doc["data_type"]).itemsize
-        keys = [layout.chunk_key(f"{key}/{name}", i, len(shape)) for i in range(layout.num_chunks(shape[0], rows))]
-        trailers = storage.read_ranges(keys, [nbytes] * len(keys), [nbytes + layout.CRC_BYTES] * len(keys))
-        crcs[name] = [int.from_bytes(t, "little") for t in trailers]
+        crcs[name] = read_trailers(storage, f"{key}/{name}", doc, range(layout.num_chunks(
+            doc["shape"][0], layout.array_chunk_rows(doc))))
     _put_array(storage, f"{key}/{bags.CHUNK_SEALS}", bags.seal_table(crcs, generation_of(meta)),
                attributes={"featurestore": {"description": "one row per chunk of features, coords, offsets, "
                                             "labels: array code, chunk index, crc32c, generation; see docs/FORMAT.md",
                                             "arrays": list(bags.SEALED_ARRAYS)}})
+
+
+def read_trailers(storage: Storage, array_key: str, doc: dict[str, Any], indices: Any) -> list[int]:
+    """The crc32c trailers of chunks ``indices`` (4 bytes read from each)."""
+    shape, rows = list(doc["shape"]), layout.array_chunk_rows(doc)
+    nbytes = rows * int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(doc["data_type"]).itemsize
+    keys = [layout.chunk_key(array_key, i, len(shape)) for i in indices]
+    trailers = storage.read_ranges(keys, [nbytes] * len(keys), [nbytes + layout.CRC_BYTES] * len(keys))
+    return [int.from_bytes(t, "little") for t in trailers]
 
 
 def _put_array(storage: Storage, array_key: str, values: np.ndarray, attributes: dict[str, Any] | None = None) -> None:
@@ -268,12 +279,18 @@ def _put_array(storage: Storage, array_key: str, values: np.ndarray, attributes:
     storage.write(f"{array_key}/{layout.ZARR_JSON}", layout.array_document(
         shape=values.shape, chunk_rows=chunk_rows, data_type=values.dtype.name, attributes=attributes))
     for index in range(layout.num_chunks(len(values), chunk_rows)):
-        part = values[index * chunk_rows : (index + 1) * chunk_rows]
-        if len(part) < chunk_rows:  # edge chunks at full shape, padded with 0 (as zarr writes them)
-            padded = np.zeros((chunk_rows, *values.shape[1:]), values.dtype)
-            padded[: len(part)] = part
-            part = padded
-        storage.write_sealed(layout.chunk_key(array_key, index, values.ndim), chunks.encode(part, None))
+        put_index_chunk(storage, array_key, values, chunk_rows, index)
+
+
+def put_index_chunk(storage: Storage, array_key: str, values: np.ndarray, chunk_rows: int, index: int) -> None:
+    """Chunk ``index`` of a small array (one atomic put: a repair replaces single chunks this way)."""
+    values = np.ascontiguousarray(values, values.dtype.newbyteorder("<"))
+    part = values[index * chunk_rows : (index + 1) * chunk_rows]
+    if len(part) < chunk_rows:  # edge chunks at full shape, padded with 0 (as zarr writes them)
+        padded = np.zeros((chunk_rows, *values.shape[1:]), values.dtype)
+        padded[: len(part)] = part
+        part = padded
+    storage.write_sealed(layout.chunk_key(array_key, index, values.ndim), chunks.encode(part, None))
 
 
 def _put_strings(storage: Storage, array_key: str, values: list[str]) -> None:

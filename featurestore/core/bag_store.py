@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from featurestore import __version__
-from featurestore.core import bag_commit
+from featurestore.core import bag_commit, bag_repair
 from featurestore.core.bag_writer import BagWriter
 from featurestore.core.bags import BagSplit
 from featurestore.core.leftovers import remove_stale_temp_files
@@ -39,7 +39,8 @@ def create_bag_split(store: FeatureStore, dataset: str, encoder: str, split: str
                      dtype: str = "float16", metadata: dict[str, Any] | None = None,
                      resume: bool = False, overwrite: bool = False, coords_unit: str | None = "px",
                      coords_dtype: str = "int64", patch_size_level0: Any = None,
-                     label_dtype: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> BagWriter:
+                     label_dtype: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                     verify_chunks: bool = False) -> BagWriter:
     """See :meth:`featurestore.FeatureStore.create_bag_split`."""
     from featurestore.core.store import check_split
 
@@ -62,7 +63,14 @@ def create_bag_split(store: FeatureStore, dataset: str, encoder: str, split: str
         remove_stale_temp_files(storage, key)  # of killed writers only (core.leftovers)
         if meta.complete:
             storage.delete_tree(f"{key}/{bags.SEGMENTS}")  # left if a commit died after its last write
+            # Damaged chunks (sizes; every chunk read with verify_chunks): the bags they hold are
+            # added again and only their chunks rewritten (core.bag_repair).
+            repair = bag_repair.open_complete(storage, key, meta, verify_chunks=verify_chunks)
+            if repair is not None:
+                return repair
             return BagWriter(storage, key, meta, done_ids=set(bag_commit.read_strings(storage, f"{key}/{bags.BAG_IDS}")))
+        if bag_repair.REPAIR in (meta.bags or {}):  # a repair began: it goes on
+            return bag_repair.resume_repair(storage, key, meta, verify_chunks=verify_chunks)
         return BagWriter(storage, key, meta, done_ids=set(bag_commit.collect(storage, key, meta).records))
     if existing is not None:
         # As for a dense split: marked incomplete before the delete, so a delete cut short never

@@ -14,11 +14,13 @@ means), streamed chunk by chunk, one bag's sums at a time.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from featurestore.core.bag_commit import generation_of, read_strings
+from featurestore.core.storage import Storage
 from featurestore.format import bags, chunks, dtypes, layout
 from featurestore.format.chunk_checks import MEAN_RTOL
 from featurestore.format.metadata import SplitMetadata, unseal
@@ -29,7 +31,28 @@ if TYPE_CHECKING:
     from featurestore.core.verify import SplitCheck
 
 
-def verify_bags(store: FeatureStore, key: str, meta: SplitMetadata, result: SplitCheck) -> None:
+@dataclass
+class Findings:
+    """The problems a repair's check found (the two fields of a ``SplitCheck`` it fills)."""
+
+    problems: list[str] = field(default_factory=list)
+    chunks_checked: int = 0
+
+
+@dataclass
+class BagIndex:
+    """A complete bag split's index as its commit wrote it, every part checked (``read_index``)."""
+
+    ids: list[str]
+    attrs: list[str]
+    offsets: np.ndarray
+    labels: np.ndarray | None
+    stats: np.ndarray  # the sealed statistics rows
+    seals: np.ndarray  # the chunk_seals table
+
+
+def _expected(meta: SplitMetadata) -> dict[str, tuple[list[int], str]]:
+    """Each array's shape and data type, as the split metadata says."""
     spec = meta.bags or {}
     n, total, dim = int(spec["count"]), int(meta.num_samples), int(meta.sample_shape[0])
     width = row_length(dim) + (2 if meta.generation is not None else 0)
@@ -41,15 +64,99 @@ def verify_bags(store: FeatureStore, key: str, meta: SplitMetadata, result: Spli
     }
     if spec.get("labels") is not None:
         expected[layout.LABELS] = ([n], spec["labels"]["dtype"])
+    return expected
+
+
+def read_index(storage: Storage, key: str, meta: SplitMetadata) -> tuple[BagIndex | None, list[str]]:
+    """The split's index, or None with the problems when any part of it is missing, damaged or
+    inconsistent (as verify checks it; the seals of ``offsets`` and ``labels`` too). Without a
+    sound index no damaged chunk can be traced to its bags."""
+    found, expected = Findings(), _expected(meta)
+    n, total = int((meta.bags or {})["count"]), int(meta.num_samples)
+    crcs: dict[str, list[int | None]] = {name: [None] * layout.num_chunks(total, meta.chunk_rows)
+                                         for name in (layout.FEATURES, bags.COORDS)}
+    values = {name: _check_array(storage, key, name, *expected[name], meta, found, keep=True, crcs=crcs)
+              for name in expected if name not in (layout.FEATURES, bags.COORDS)}
+    count = sum(len(crcs.get(name, ())) for name in bags.SEALED_ARRAYS)
+    seals = _check_array(storage, key, bags.CHUNK_SEALS, [count, bags.SEAL_COLUMNS], "uint64", meta, found, keep=True)
+    ids, attrs = (_strings(storage, f"{key}/{name}", n, found) for name in (bags.BAG_IDS, bags.BAG_ATTRS))
+    offsets, stats = values[bags.OFFSETS], values[bags.BAG_STATS]
+    if seals is not None and all(v is not None for v in values.values()):
+        unsealed = _unsealed(seals, crcs, generation_of(meta))
+        if unsealed is None or unsealed:
+            found.problems.append(f"{key}/{bags.CHUNK_SEALS}: does not seal the index chunks found")
+    if ids is not None and ids != sorted(set(ids)):
+        found.problems.append(f"{key}/{bags.BAG_IDS}: bag ids are not unique and in id order")
+    if offsets is not None:
+        _offsets_problem(key, offsets, total, found)
+    if stats is not None and meta.generation is not None:
+        for i, sealed in enumerate(stats):
+            _, generation, at = unseal(sealed, meta)
+            if generation != meta.generation_number or at != i:
+                found.problems.append(f"{key}/{bags.BAG_STATS}: row {i} is sealed for another run or bag")
+                break
+    if found.problems or ids is None or attrs is None or offsets is None or stats is None or seals is None:
+        return None, found.problems
+    return BagIndex(ids, attrs, offsets, values.get(layout.LABELS), stats, seals), []
+
+
+def damaged_row_chunks(storage: Storage, key: str, meta: SplitMetadata, index: BagIndex, *,
+                       crc: bool) -> set[int] | None:
+    """The ``features``/``coords`` chunks to rewrite: missing, of the wrong size, beyond the count
+    and, with ``crc`` (every chunk read), damaged or not the chunk ``chunk_seals`` holds for its
+    place. None when an array document is wrong (nothing can be traced to bags then)."""
+    found, expected = Findings(), _expected(meta)
+    bad: set[int] = set()
+    crcs: dict[str, list[int | None]] = {}
+    for name in (layout.FEATURES, bags.COORDS):
+        _check_array(storage, key, name, *expected[name], meta, found, keep=False, crcs=crcs, bad=bad, read=crc)
+        if name not in crcs:
+            return None
+    if crc:
+        for name in (bags.OFFSETS, layout.LABELS):
+            if name in expected:  # checked by read_index: None, not compared again
+                rows = layout.num_chunks(expected[name][0][0], _chunk_rows(storage, f"{key}/{name}"))
+                crcs[name] = [None] * rows
+        unsealed = _unsealed(index.seals, crcs, generation_of(meta))
+        if unsealed is None:
+            return None
+        bad.update(i for _, i in unsealed)
+    return bad
+
+
+def _chunk_rows(storage: Storage, array_key: str) -> int:
+    return layout.array_chunk_rows(layout.load_document(storage.read(f"{array_key}/{layout.ZARR_JSON}")))
+
+
+def _unsealed(table: np.ndarray, crcs: dict[str, list[int | None]], generation: int) -> set[tuple[str, int]] | None:
+    """The chunks whose trailer (None: not compared) is not the one ``table`` seals for their place;
+    None when the table does not name the arrays' chunks at all."""
+    expected = bags.seal_table({k: [0 if c is None else c for c in v] for k, v in crcs.items()}, generation)
+    if table.shape != expected.shape or not np.array_equal(table[:, :2], expected[:, :2]):
+        return None
+    out = set()
+    for code, index, crc, sealed_generation in table:
+        name, index = bags.SEALED_ARRAYS[int(code)], int(index)
+        found = crcs[name][index]
+        if found is not None and (int(sealed_generation) != generation or found != int(crc)):
+            out.add((name, index))
+    return out
+
+
+def verify_bags(store: FeatureStore, key: str, meta: SplitMetadata, result: SplitCheck) -> None:
+    storage = store.storage
+    spec = meta.bags or {}
+    n, total = int(spec["count"]), int(meta.num_samples)
+    expected = _expected(meta)
     values: dict[str, np.ndarray | None] = {}
     crcs: dict[str, list[int | None]] = {}
     for name, (shape, data_type) in expected.items():
-        values[name] = _check_array(store, key, name, shape, data_type, meta, result,
+        values[name] = _check_array(storage, key, name, shape, data_type, meta, result,
                                     keep=name not in (layout.FEATURES, bags.COORDS), crcs=crcs)
     if all(name in crcs for name in expected if name in bags.SEALED_ARRAYS):
-        _check_seals(store, key, meta, crcs, result)
+        _check_seals(storage, key, meta, crcs, result)
     for name in (bags.BAG_IDS, bags.BAG_ATTRS):
-        strings = _strings(store, f"{key}/{name}", n, result)
+        strings = _strings(storage, f"{key}/{name}", n, result)
         if strings is not None and name == bags.BAG_IDS:
             if len(set(strings)) != len(strings):
                 dup = next(s for i, s in enumerate(strings) if s in strings[:i])
@@ -64,18 +171,20 @@ def verify_bags(store: FeatureStore, key: str, meta: SplitMetadata, result: Spli
     if offsets is not None and _offsets_problem(key, offsets, total, result) is None:
         stats = values.get(bags.BAG_STATS)
         if stats is not None and values.get(layout.FEATURES) is not None:
-            _check_bags(store, key, meta, offsets, stats, result)
+            _check_bags(storage, key, meta, offsets, stats, result)
 
 
-def _check_array(store: FeatureStore, key: str, name: str, shape: list[int], data_type: str,
-                 meta: SplitMetadata, result: SplitCheck, *, keep: bool,
-                 crcs: dict[str, list[int | None]] | None = None) -> np.ndarray | None:
+def _check_array(storage: Storage, key: str, name: str, shape: list[int], data_type: str,
+                 meta: SplitMetadata, result: SplitCheck | Findings, *, keep: bool,
+                 crcs: dict[str, list[int | None]] | None = None, bad: set[int] | None = None,
+                 read: bool = True) -> np.ndarray | None:
     """Check one array's document and chunks; its values when ``keep`` (index arrays), else an
     empty marker; None when damaged. ``crcs[name]`` gets each chunk's crc32c trailer (None for a
-    chunk missing or damaged)."""
+    chunk missing or damaged); ``bad`` the indices of chunks missing, damaged or beyond the
+    count. ``read=False``: chunk sizes only (a stat each, nothing read)."""
     where = f"{key}/{name}/{layout.ZARR_JSON}"
     try:
-        doc = layout.load_document(store.storage.read(where))
+        doc = layout.load_document(storage.read(where))
         found = (list(doc["shape"]), doc["data_type"], layout.is_compressed(doc))
         rows = layout.array_chunk_rows(doc)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
@@ -97,27 +206,41 @@ def _check_array(store: FeatureStore, key: str, name: str, shape: list[int], dat
     numpy_dtype = dtypes.storage_dtype(meta.logical_dtype if name == layout.FEATURES else data_type)
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * numpy_dtype.itemsize
     count = layout.num_chunks(shape[0], rows)
-    present = {int(c) for c in store.storage.listdir(f"{key}/{name}/c") if c.isdigit()}
+    present = {int(c) for c in storage.listdir(f"{key}/{name}/c") if c.isdigit()}
     extra = sorted(c for c in present if c >= count)
     if extra:
         result.problems.append(f"{key}/{name}: chunk(s) {extra} beyond the array's {count} chunks")
+        if bad is not None:
+            bad.update(extra)
     parts = []
     trailers: list[int | None] = [None] * count
     if crcs is not None:
         crcs[name] = trailers
     for index in range(count):
         chunk = layout.chunk_key(f"{key}/{name}", index, len(shape))
+        if not read:
+            size = storage.size(chunk)  # a directory (a put begun, never renamed) has another size
+            if size != rows * row_bytes + layout.CRC_BYTES:
+                result.problems.append(f"{chunk}: {'missing' if size is None else f'{size} bytes'}")
+                ok = False
+                if bad is not None:
+                    bad.add(index)
+            continue
         try:
-            raw = store.storage.read(chunk)
+            raw = storage.read(chunk)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             result.problems.append(f"{chunk}: missing")
             ok = False
+            if bad is not None:
+                bad.add(index)
             continue
         result.chunks_checked += 1
         problem = chunks.check(raw, rows * row_bytes)
         if problem:
             result.problems.append(f"{chunk}: {problem}")
             ok = False
+            if bad is not None:
+                bad.add(index)
             continue
         trailers[index] = int.from_bytes(raw[-layout.CRC_BYTES :], "little")
         if keep:
@@ -130,19 +253,19 @@ def _check_array(store: FeatureStore, key: str, name: str, shape: list[int], dat
     return joined[: shape[0]]
 
 
-def _check_seals(store: FeatureStore, key: str, meta: SplitMetadata, crcs: dict[str, list[int | None]],
+def _check_seals(storage: Storage, key: str, meta: SplitMetadata, crcs: dict[str, list[int | None]],
                  result: SplitCheck) -> None:
     """Each chunk's crc32c trailer against the one ``chunk_seals`` holds for its place (called
     once every sealed array's document was readable: their chunk counts size the table)."""
     count = sum(len(crcs.get(name, ())) for name in bags.SEALED_ARRAYS)
-    table = _check_array(store, key, bags.CHUNK_SEALS, [count, bags.SEAL_COLUMNS], "uint64", meta, result, keep=True)
+    table = _check_array(storage, key, bags.CHUNK_SEALS, [count, bags.SEAL_COLUMNS], "uint64", meta, result, keep=True)
     if table is not None:
         result.problems.extend(f"{key}/{p}" for p in bags.seal_problems(table, crcs, generation_of(meta)))
 
 
-def _strings(store: FeatureStore, array_key: str, n: int, result: SplitCheck) -> list[str] | None:
+def _strings(storage: Storage, array_key: str, n: int, result: SplitCheck) -> list[str] | None:
     try:
-        strings = read_strings(store.storage, array_key)
+        strings = read_strings(storage, array_key)
     except Exception as error:  # zarr raises its own types for a missing or damaged array
         result.problems.append(f"{array_key}: unreadable ({type(error).__name__}: {error})")
         return None
@@ -173,7 +296,7 @@ def _offsets_problem(key: str, offsets: np.ndarray, total: int, result: SplitChe
     return problem
 
 
-def _check_bags(store: FeatureStore, key: str, meta: SplitMetadata, offsets: np.ndarray,
+def _check_bags(storage: Storage, key: str, meta: SplitMetadata, offsets: np.ndarray,
                 stats: np.ndarray, result: SplitCheck) -> None:
     """Seals, then each bag's rows against its statistics row, one features chunk at a time."""
     rows, dim, total = meta.chunk_rows, int(meta.sample_shape[0]), int(meta.num_samples)
@@ -185,13 +308,13 @@ def _check_bags(store: FeatureStore, key: str, meta: SplitMetadata, offsets: np.
                                    f"(generation {int(generation or 0):x}, bag {at}): a file moved or copied")
             return
         expected_rows.append(ChunkStats.from_row(row))
-    storage = dtypes.storage_dtype(meta.logical_dtype)
+    stored = dtypes.storage_dtype(meta.logical_dtype)
     bag, sums = 0, np.zeros(dim, np.float64)
     n = len(expected_rows)
     for index in range(layout.num_chunks(total, rows)):
-        raw = store.storage.read(layout.chunk_key(f"{key}/{layout.FEATURES}", index, 2))
+        raw = storage.read(layout.chunk_key(f"{key}/{layout.FEATURES}", index, 2))
         lo, hi = index * rows, min(total, (index + 1) * rows)
-        values = dtypes.stored_as_float32(np.frombuffer(raw[: -layout.CRC_BYTES], storage), meta.logical_dtype)
+        values = dtypes.stored_as_float32(np.frombuffer(raw[: -layout.CRC_BYTES], stored), meta.logical_dtype)
         values = values.reshape(rows, dim)
         while bag < n:
             start, stop = int(offsets[bag]), int(offsets[bag + 1])

@@ -95,7 +95,13 @@ class ChunkCache:
             raise InvalidStorageOptions(f"cache_dir {self.directory!r} cannot be created ({error.strerror}): pass a "
                                         "writable directory (--cache-dir / FEATURESTORE_CACHE_DIR)") from None
         self._root = os.path.join(self.directory, _LAYOUT)
-        os.makedirs(self._root, exist_ok=True)
+        try:
+            os.makedirs(self._root, exist_ok=True)
+            _probe_write(self._root)
+        except OSError as error:
+            raise CacheUnwritable(f"chunk cache {self.directory} cannot be written ({error.strerror or error}): "
+                                  "reading by ranged GETs instead; pass a writable directory (--cache-dir / "
+                                  "FEATURESTORE_CACHE_DIR) to cache chunks there") from None
         used = self._scan()[1]
         if max_bytes is None:
             stat = os.statvfs(self.directory)
@@ -338,7 +344,7 @@ class ChunkCache:
         return self._scan()[1]
 
 
-_shared: dict[tuple[str, int | None], ChunkCache] = {}
+_shared: dict[tuple[str, int | None], ChunkCache | None] = {}  # None: a directory that cannot be written
 _shared_lock = threading.Lock()
 
 _FETCH_POOL = "featurestore-cache"
@@ -365,7 +371,7 @@ def _after_fork_in_child() -> None:
     global _shared_lock, _pools_lock
     _shared_lock, _pools_lock = threading.Lock(), threading.Lock()
     _pools.clear()
-    for cache in _shared.values():
+    for cache in filter(None, _shared.values()):  # None: a directory that could not be written
         cache._lock, cache._checks_lock = threading.Lock(), threading.Lock()
         cache._inflight, cache._pending = {}, 0
         cache._pid = os.getpid()
@@ -374,15 +380,34 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def shared(directory: str, max_bytes: int | None) -> ChunkCache:
+def shared(directory: str, max_bytes: int | None) -> ChunkCache | None:
     """The process's one :class:`ChunkCache` for ``directory`` (every store opened with it shares
-    its downloads in flight and its loaders' plans)."""
+    its downloads in flight and its loaders' plans); None, after one warning naming it, when the
+    directory exists but cannot be written: then the stores read by ranged GETs, as without a
+    cache (the process does not try it again: permissions and mounts rarely change under it)."""
     key = (os.path.abspath(os.path.expanduser(directory)), max_bytes)
     with _shared_lock:
-        cache = _shared.get(key)
-        if cache is None:
-            cache = _shared[key] = ChunkCache(directory, max_bytes)
+        if key in _shared:
+            return _shared[key]
+        try:
+            cache: ChunkCache | None = ChunkCache(directory, max_bytes)
+        except CacheUnwritable as error:
+            warnings.warn(str(error), RuntimeWarning, stacklevel=3)
+            cache = None
+        _shared[key] = cache
         return cache
+
+
+class CacheUnwritable(Exception):
+    """The cache directory exists but no file can be created in it (read-only mount, no permission)."""
+
+
+def _probe_write(root: str) -> None:
+    """Create and remove a temporary file in ``root`` (only a write shows a read-only mount or an
+    immutable directory; named as the cache's temporary files: a kill leaves one the sweep removes)."""
+    path = temp_path(os.path.join(root, ".probe"))
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    os.unlink(path)
 
 
 class _CacheFileError(Exception):

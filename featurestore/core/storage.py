@@ -274,9 +274,11 @@ class LocalStorage(Storage):
             shutil.copyfile(self._path(source), tmp)  # no hard links here (EXDEV, EPERM, some FUSE mounts)
         try:
             os.replace(tmp, path)
-        except BaseException:
+        finally:
+            # Also after a rename that succeeded: when the target already is a link to the source
+            # (a commit redone after its chunks were linked), rename() between two names of one
+            # inode does nothing (POSIX) and leaves the temporary name in place.
             unlink_quietly(tmp)
-            raise
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self._path(key))

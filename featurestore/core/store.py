@@ -157,7 +157,7 @@ class FeatureStore:
                          metadata: dict[str, Any] | None = None, resume: bool = False, overwrite: bool = False,
                          coords_unit: str | None = "px", coords_dtype: str = "int64",
                          patch_size_level0: Any = None, label_dtype: Any = None,
-                         chunk_bytes: int = 8 << 20) -> Any:
+                         chunk_bytes: int = 8 << 20, verify_chunks: bool = False) -> Any:
         """Create (or resume, or overwrite) a bag split and return its
         :class:`~featurestore.core.bag_writer.BagWriter` (``add_bag``, ``done_ids``, ``commit``).
 
@@ -165,14 +165,15 @@ class FeatureStore:
         int32, float32 or float64; ``patch_size_level0``: the patch side at level 0, if known;
         ``label_dtype``: the dtype of per-bag labels (None: inferred from the labels given).
         ``resume=True`` continues a split (every torchrun rank attaches with it after one
-        created it): ``writer.done_ids`` are the bags already complete. docs/FORMAT.md,
-        "Slide bags"."""
+        created it): ``writer.done_ids`` are the bags already complete; on a complete split, all
+        but those of damaged chunks (sizes checked; crc32c and seals too with ``verify_chunks``),
+        to be added again: ``commit()`` rewrites their chunks only. docs/FORMAT.md, "Slide bags"."""
         from featurestore.core.bag_store import create_bag_split
 
         return create_bag_split(self, dataset, encoder, split, dim=dim, dtype=dtype, metadata=metadata,
                                 resume=resume, overwrite=overwrite, coords_unit=coords_unit,
                                 coords_dtype=coords_dtype, patch_size_level0=patch_size_level0,
-                                label_dtype=label_dtype, chunk_bytes=chunk_bytes)
+                                label_dtype=label_dtype, chunk_bytes=chunk_bytes, verify_chunks=verify_chunks)
 
     def create_split(
         self,

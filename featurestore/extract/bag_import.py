@@ -79,7 +79,7 @@ def import_bags(opts: Any, files: SlideFiles) -> Any:
     writer = store.create_bag_split(
         opts.dataset, opts.encoder_name, opts.split, dim=first.dim, dtype=dtype, metadata=metadata,
         resume=resume, overwrite=opts.overwrite, label_dtype="int64" if label_names is not None else None,
-        chunk_bytes=int(opts.chunk_mb * (1 << 20)), **settings)
+        chunk_bytes=int(opts.chunk_mb * (1 << 20)), verify_chunks=opts.verify_chunks, **settings)
     if resume:  # bags kept from an earlier run must still match their files (extract.input_check)
         kept = [i for i, slide in enumerate(files.slides) if slide.bag_id in writer.done_ids]
         refuse_changed_inputs(lambda a, b: [s.path for s in files.slides[a:b]], [(i, i + 1) for i in kept],

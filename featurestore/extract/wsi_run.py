@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from featurestore.core import fused_stats
+from featurestore.core.bag_repair import RepairWriter
 from featurestore.core.device import resolve_device
 from featurestore.errors import (
     DatasetNotFound,
@@ -93,6 +94,7 @@ class SlideOptions(RunOptions):
     patch_size: int = 256
     tissue: str = "otsu"
     min_tissue: float = 0.5
+    verify_chunks: bool = False  # re-read every chunk of an existing split; the bags of damaged ones are redone
 
 
 @dataclass
@@ -233,10 +235,11 @@ def _prepare(opts: SlideOptions, coord: Coordinator) -> _Prepared:
                      dtype, int(sample.shape[-1]), encoder_name, metadata)
 
 
-def _create(opts: SlideOptions, prep: _Prepared, store: Any, *, resume: bool, overwrite: bool) -> Any:
+def _create(opts: SlideOptions, prep: _Prepared, store: Any, *, resume: bool, overwrite: bool,
+            verify_chunks: bool = False) -> Any:
     return store.create_bag_split(
         opts.dataset, prep.encoder_name, opts.split, dim=prep.dim, dtype=prep.dtype, metadata=prep.metadata,
-        resume=resume, overwrite=overwrite, coords_unit="px", coords_dtype="int64",
+        resume=resume, overwrite=overwrite, coords_unit="px", coords_dtype="int64", verify_chunks=verify_chunks,
         # Per slide (it follows each slide's scan): kept in each bag's attrs, not split-wide.
         patch_size_level0=None, label_dtype="int64" if prep.label_names is not None else None, chunk_bytes=int(opts.chunk_mb * (1 << 20)))
 
@@ -253,8 +256,8 @@ def _open_split(opts: SlideOptions, prep: _Prepared, store: Any) -> Any:
             if not existing.complete and not opts.resume:
                 raise SplitExists(f"split {key} exists but is incomplete (status {existing.status!r}): pass "
                                   "--resume to continue it or --overwrite to start over")
-            return _create(opts, prep, store, resume=True, overwrite=False)
-    return _create(opts, prep, store, resume=opts.resume, overwrite=opts.overwrite)
+            return _create(opts, prep, store, resume=True, overwrite=False, verify_chunks=opts.verify_chunks)
+    return _create(opts, prep, store, resume=opts.resume, overwrite=opts.overwrite, verify_chunks=opts.verify_chunks)
 
 
 @dataclass
@@ -378,16 +381,21 @@ def _extract(opts: SlideOptions, coord: Coordinator) -> SlideResult:
             writer = _open_split(opts, prep, store)
         except BaseException as e:
             error = e
-    complete = coord.agree(error, payload=bool(writer.metadata.complete) if coord.rank == 0 else None)[0]
+    # The payload is built before agree() raises rank 0's error: without a writer there is none.
+    complete = coord.agree(error, payload=None if writer is None else bool(writer.metadata.complete))[0]
     if complete:
         return SlideResult("already-complete", key, len(prep.refs), metadata=writer.metadata.to_json())
     error = None
     progress = _Progress()
     try:
-        if coord.rank != 0:  # attach to the split rank 0 created or resumed: a session of its own
+        if coord.rank != 0:  # attach to the split rank 0 created, resumed or checked: a session of its own
             writer = _create(opts, prep, store, resume=True, overwrite=False)
         done_ids = writer.done_ids
-        mine = [(i, ref) for i, ref in enumerate(prep.refs) if coord.owns(i) and ref.id not in done_ids]
+        # A repair (core.bag_repair) redoes the bags of damaged chunks only: not the slides skipped
+        # before, whose bags would be new ones, and the run's list of skipped slides stays.
+        repair = writer.repair_ids if isinstance(writer, RepairWriter) else None
+        mine = [(i, ref) for i, ref in enumerate(prep.refs) if coord.owns(i) and ref.id not in done_ids
+                and (repair is None or ref.id in repair)]
         progress = _encode_slides(opts, prep, writer, mine, coord)
         writer.close()
     except BaseException as e:
@@ -397,7 +405,7 @@ def _extract(opts: SlideOptions, coord: Coordinator) -> SlideResult:
     error, meta = None, {}
     if coord.rank == 0:
         try:
-            meta = writer.commit(extra={"skipped": skipped})
+            meta = writer.commit(extra=None if isinstance(writer, RepairWriter) else {"skipped": skipped})
         except BaseException as e:
             error = e
     coord.agree(error)
