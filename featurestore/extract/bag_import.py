@@ -18,11 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from typing import Any
 
 from featurestore.errors import DtypeMismatch, Float16Overflow, InvalidLabels, NonFiniteValues, ShapeMismatch
-from featurestore.extract.dist_run import SplitJob, UnitShare, run_split
+from featurestore.extract.dist_run import SplitJob, UnitShare, progress_bar, run_split
 from featurestore.extract.import_types import ImportOptions, ImportResult
 from featurestore.extract.input_check import refuse_changed_inputs
 from featurestore.extract.label_csv import read_label_table
@@ -37,7 +36,6 @@ class BagImport(SplitJob):
 
     def __init__(self, opts: ImportOptions, files: SlideFiles) -> None:
         super().__init__(opts)
-        self.encoder_name = opts.encoder_name
         self.files = files
         self.labels: dict[str, Any] | None = None
         self.table_attrs: dict[str, dict[str, Any]] | None = None
@@ -97,25 +95,12 @@ class BagImport(SplitJob):
         refuse_changed_inputs(lambda a, b: [s.path for s in slides[a:b]], [(i, i + 1) for i in kept],
                               writer.metadata.created, self.key)
 
-    def complete(self, writer: Any) -> dict[str, Any] | None:
-        return writer.metadata.to_json() if writer.metadata.complete else None
-
     def units(self, writer: Any) -> list[tuple[int, Slide]]:
         done = writer.done_ids
         return [(i, slide) for i, slide in enumerate(self.files.slides) if slide.bag_id not in done]
 
     def work(self, writer: Any, mine: list[Slide]) -> int:
         return _copy(self.files, writer, mine, self.labels, self.table_attrs, self.opts)
-
-    def idle(self) -> int:
-        return 0
-
-    def close(self, writer: Any, rank: int) -> None:
-        if rank != 0:  # rank 0 commits with its writer session
-            writer.close()
-
-    def commit(self, writer: Any, progress: list[int]) -> dict[str, Any]:
-        return writer.commit()
 
     def already_complete(self, metadata: dict[str, Any]) -> ImportResult:
         return ImportResult("already-complete", self.key, len(self.files), metadata=metadata, notes=self.notes)
@@ -135,10 +120,7 @@ def _copy(files: SlideFiles, writer: Any, pending: list[Slide], labels: dict[str
     (two slides in RAM at most)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tqdm import tqdm
-
-    bar = tqdm(total=len(pending), unit="slide", desc="import", disable=True if not opts.progress else None,
-               file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(opts, len(pending), "slide", "import")
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="featurestore-slide") as reader:
             ahead = reader.submit(files.read, pending[0]) if pending else None

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from typing import TYPE_CHECKING, Any
 
 from featurestore.errors import ShapeMismatch
-from featurestore.extract.dist_run import SplitJob, UnitShare, run_split
+from featurestore.extract.dist_run import SplitJob, UnitShare, progress_bar, run_split
 from featurestore.extract.import_types import ImportOptions, ImportResult
 from featurestore.extract.input_check import refuse_changed_inputs_of
 from featurestore.extract.plan import chunk_rows_for, resolve_dtype
@@ -48,11 +47,8 @@ def _token_layout(shape: tuple[int, ...], prefix: int, grid: tuple[int, int] | N
 class DenseImport(SplitJob):
     """The dense import as a :func:`~featurestore.extract.dist_run.run_split` job: units are chunks."""
 
-    def __init__(self, opts: ImportOptions) -> None:
-        super().__init__(opts)
-        self.encoder_name = opts.encoder_name
-        self.source: CacheSource | None = None
-        self.labels: ArraySource | None = None
+    source: CacheSource  # load() opens them
+    labels: ArraySource | None
 
     def load(self) -> None:
         # The dense caches' readers import torch (a .pt cache): imported here, so a bag import of
@@ -81,7 +77,6 @@ class DenseImport(SplitJob):
 
     def create(self, *, resume: bool, overwrite: bool) -> Any:
         opts, source, labels = self.opts, self.source, self.labels
-        assert source is not None
         return self.store.create_split(
             opts.dataset, opts.encoder_name, opts.split, num_samples=source.num_samples,
             sample_shape=source.sample_shape, dtype=self.dtype,
@@ -91,38 +86,17 @@ class DenseImport(SplitJob):
 
     def check_kept(self, writer: Any) -> None:
         source, labels = self.source, self.labels
-        assert source is not None  # rows kept from an earlier run must still match the input (extract.input_check)
+        # rows kept from an earlier run must still match the input (extract.input_check)
         refuse_changed_inputs_of(writer, lambda a, b: source.input_files(a, b) + (
             labels.input_files(a, b) if labels else []), self.key)
 
-    def complete(self, writer: Any) -> dict[str, Any] | None:
-        if not writer.metadata.complete:
-            return None
-        return self.store.split_metadata(self.opts.dataset, self.opts.encoder_name, self.opts.split)
-
-    def units(self, writer: Any) -> list[tuple[int, int]]:
-        return [(chunk, chunk) for chunk in writer.pending_chunks()]
-
     def work(self, writer: Any, mine: list[int]) -> int:
-        assert self.source is not None
         return _copy(self.source, self.labels, writer, self.opts, mine)
 
-    def idle(self) -> int:
-        return 0
-
-    def close(self, writer: Any, rank: int) -> None:
-        if rank != 0:  # every chunk is flushed as it completes; rank 0 commits with its writer
-            writer.close()
-
-    def commit(self, writer: Any, progress: list[int]) -> dict[str, Any]:
-        return writer.commit()
-
     def already_complete(self, metadata: dict[str, Any]) -> ImportResult:
-        assert self.source is not None
         return ImportResult("already-complete", self.key, self.source.num_samples, metadata=metadata)
 
     def result(self, progress: list[int], metadata: dict[str, Any], wall_seconds: float) -> ImportResult:
-        assert self.source is not None
         return ImportResult("complete", self.key, self.source.num_samples, sum(progress), wall_seconds, metadata)
 
 
@@ -135,11 +109,8 @@ def import_dense(opts: ImportOptions, share: UnitShare | None = None) -> ImportR
 def _copy(source: CacheSource, labels: ArraySource | None, writer: Any, opts: ImportOptions,
           chunks: list[int]) -> int:
     """Read and write the rows of ``chunks``, ``batch_size`` rows at a time."""
-    from tqdm import tqdm
-
     total = sum(writer.chunk_range(c)[1] - writer.chunk_range(c)[0] for c in chunks)
-    bar = tqdm(total=total, unit="sample", desc="import", disable=True if not opts.progress else None,
-               file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(opts, total, "sample", "import")
     try:
         for chunk in chunks:
             lo, hi = writer.chunk_range(chunk)

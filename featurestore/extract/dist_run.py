@@ -14,12 +14,13 @@ they encode it, not in how a run holds a split. :func:`run_split` is that one li
 4. they agree on the outcomes, rank 0 commits, they agree once more; every process returns the
    job's result, built from every process's progress.
 
-A *job* supplies the kind-specific parts (the :class:`Job` protocol). A single process is rank 0
+A *job* (a :class:`SplitJob`) supplies the kind-specific parts. A single process is rank 0
 of 1 (``dist.Coordinator``), and every step still runs in the same order.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable
 from typing import Any, Protocol, TypeVar
@@ -28,9 +29,6 @@ from featurestore.errors import DatasetNotFound, EncoderNotFound, SplitExists, S
 from featurestore.extract.dist import Coordinator
 
 U = TypeVar("U")  # a unit of work: a chunk index, a slide
-W = TypeVar("W")  # the job's writer
-P = TypeVar("P")  # one process's progress, gathered on every process
-R = TypeVar("R", covariant=True)  # the run's result
 
 
 class UnitShare(Protocol):
@@ -52,44 +50,83 @@ class RankShare:
         return [unit for position, unit in units if self.coord.owns(position)]
 
 
-class Job(Protocol[W, P, R]):
-    """The parts of a run that depend on its kind, called by :func:`run_split` in this order."""
+class SplitJob:
+    """The parts of a run that depend on its kind, called by :func:`run_split` in the order below.
+    Defaults fit a dense split (units are its chunks) written by one session per process;
+    ``opts`` has ``store``, ``storage_options``, ``dataset``, ``encoder_name``, ``split``, ``resume``
+    and ``overwrite``; an extraction sets ``encoder_name`` in :meth:`load` (the encoder's default)."""
+
+    def __init__(self, opts: Any) -> None:
+        self.opts = opts
+        self.encoder_name: str = opts.encoder_name or "?"
+        self.store: Any = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.opts.dataset}/{self.encoder_name}/{self.opts.split}"
+
+    def load(self) -> None:
+        """Every process: read what the run needs (source, encoder); nothing written yet."""
+
+    def create(self, *, resume: bool, overwrite: bool) -> Any:
+        """``store.create_split`` / ``create_bag_split`` with the job's settings: a writer."""
+        raise NotImplementedError
+
+    def check_kept(self, writer: Any) -> None:
+        """On a resume or re-run: refuse inputs changed since what the split keeps was written."""
 
     def prepare(self) -> None:
-        """Every process: read what the run needs and open the store; nothing written yet."""
+        from featurestore import open_store
 
-    def open(self) -> W:
+        self.load()
+        self.store = open_store(self.opts.store, mode="a", **self.opts.storage_options)
+
+    def open(self) -> Any:
         """Rank 0: create, resume or overwrite the split (:func:`resume_existing`'s rules)."""
+        resume = resume_existing(self.store, self.opts.dataset, self.encoder_name, self.opts.split,
+                                 resume=self.opts.resume, overwrite=self.opts.overwrite)
+        writer = self.create(resume=resume, overwrite=self.opts.overwrite)
+        if resume:
+            self.check_kept(writer)
+        return writer
 
-    def complete(self, writer: W) -> dict[str, Any] | None:
+    def complete(self, writer: Any) -> dict[str, Any] | None:
         """Rank 0: the split's metadata when :meth:`open` found it complete and intact, else None."""
+        if not writer.metadata.complete:
+            return None
+        return self.store.split_metadata(self.opts.dataset, self.encoder_name, self.opts.split)
 
-    def attach(self) -> W:
+    def attach(self) -> Any:
         """Ranks but 0: a writer session of their own on the split rank 0 opened."""
+        return self.create(resume=True, overwrite=False)
 
-    def units(self, writer: W) -> list[tuple[int, Any]]:
+    def units(self, writer: Any) -> list[tuple[int, Any]]:
         """The units still pending, each with its position in the whole run."""
+        return [(chunk, chunk) for chunk in writer.pending_chunks()]
 
-    def work(self, writer: W, mine: list[Any]) -> P:
-        """Write ``mine``; what it did is gathered on every process."""
+    def work(self, writer: Any, mine: list[Any]) -> Any:
+        """Write ``mine``; what it did (gathered on every process)."""
+        raise NotImplementedError
 
-    def idle(self) -> P:
-        """The progress of a process that failed before :meth:`work` returned."""
+    def close(self, writer: Any, rank: int) -> None:
+        """End this process's writing; rank 0 commits with its writer."""
+        if rank != 0:
+            writer.close()
 
-    def close(self, writer: W, rank: int) -> None:
-        """End this process's writing (rank 0 keeps a writer able to commit)."""
-
-    def commit(self, writer: W, progress: list[P]) -> dict[str, Any]:
+    def commit(self, writer: Any, progress: list[Any]) -> dict[str, Any]:
         """Rank 0, once every process has closed: commit the split; its metadata."""
+        return writer.commit()
 
-    def already_complete(self, metadata: dict[str, Any]) -> R:
+    def already_complete(self, metadata: dict[str, Any]) -> Any:
         """The result when the split was complete before the run."""
+        raise NotImplementedError
 
-    def result(self, progress: list[P], metadata: dict[str, Any], wall_seconds: float) -> R:
+    def result(self, progress: list[Any], metadata: dict[str, Any], wall_seconds: float) -> Any:
         """The result of a run that wrote and committed."""
+        raise NotImplementedError
 
 
-def run_split(job: Job[Any, Any, R], coord: Coordinator | None = None, share: UnitShare | None = None) -> R:
+def run_split(job: SplitJob, coord: Coordinator | None = None, share: UnitShare | None = None) -> Any:
     """Run ``job`` on this process (one of ``coord``'s ranks); ``share`` picks its units
     (default: :class:`RankShare`). Raises the first failure of any process, on every process."""
     coord = coord or Coordinator()
@@ -114,7 +151,7 @@ def run_split(job: Job[Any, Any, R], coord: Coordinator | None = None, share: Un
     if done is not None:
         return job.already_complete(done)
     error = None
-    progress = job.idle()
+    progress = None  # gathered only when every process got through
     try:
         if coord.rank != 0:
             writer = job.attach()
@@ -133,48 +170,15 @@ def run_split(job: Job[Any, Any, R], coord: Coordinator | None = None, share: Un
     return job.result(gathered, metadata, time.perf_counter() - started)
 
 
-class SplitJob:
-    """What every job shares: the store opened after the job's own preparation, and create or
-    attach by :func:`resume_existing`'s rules. A subclass implements :meth:`load` (setting
-    ``encoder_name``), :meth:`create` and the rest of :class:`Job`; ``opts`` has ``store``,
-    ``storage_options``, ``dataset``, ``split``, ``resume`` and ``overwrite``."""
+def progress_bar(opts: Any, total: int, unit: str, desc: str, coord: Coordinator | None = None) -> Any:
+    """The run's progress bar (``opts.progress``), on rank 0 only: one bar per job."""
+    from tqdm import tqdm
 
-    encoder_name: str = "?"
-
-    def __init__(self, opts: Any) -> None:
-        self.opts = opts
-        self.store: Any = None
-
-    @property
-    def key(self) -> str:
-        return f"{self.opts.dataset}/{self.encoder_name}/{self.opts.split}"
-
-    def load(self) -> None:
-        """Read what the run needs (source, encoder), before the store is opened."""
-
-    def create(self, *, resume: bool, overwrite: bool) -> Any:
-        """``store.create_split`` / ``create_bag_split`` with the job's settings."""
-        raise NotImplementedError
-
-    def check_kept(self, writer: Any) -> None:
-        """On a resume or re-run: refuse inputs changed since what the split keeps was written."""
-
-    def prepare(self) -> None:
-        from featurestore import open_store
-
-        self.load()
-        self.store = open_store(self.opts.store, mode="a", **self.opts.storage_options)
-
-    def open(self) -> Any:
-        resume = resume_existing(self.store, self.opts.dataset, self.encoder_name, self.opts.split,
-                                 resume=self.opts.resume, overwrite=self.opts.overwrite)
-        writer = self.create(resume=resume, overwrite=self.opts.overwrite)
-        if resume:
-            self.check_kept(writer)
-        return writer
-
-    def attach(self) -> Any:
-        return self.create(resume=True, overwrite=False)
+    coord = coord or Coordinator()
+    return tqdm(total=total, unit=unit, desc=f"{desc} r{coord.rank}" if coord.world_size > 1 else desc,
+                # None: tqdm shows itself on a terminal only.
+                disable=True if not opts.progress or coord.rank != 0 else None, file=sys.stderr,
+                dynamic_ncols=True)
 
 
 def resume_existing(store: Any, dataset: str, encoder_name: str, split: str, *, resume: bool,
@@ -196,4 +200,4 @@ def resume_existing(store: Any, dataset: str, encoder_name: str, split: str, *, 
     return True
 
 
-__all__ = ["Job", "RankShare", "SplitJob", "UnitShare", "resume_existing", "run_split"]
+__all__ = ["RankShare", "SplitJob", "UnitShare", "progress_bar", "resume_existing", "run_split"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -112,9 +111,6 @@ class EncodeJob(SplitJob):
         self.prep = self._prepare(self.opts, self.coord)
         self.encoder_name = self.prep.encoder_name
 
-    def idle(self) -> Progress:
-        return Progress()
-
 
 @dataclass
 class Progress:
@@ -126,15 +122,6 @@ class Progress:
     seconds: float = 0.0
     waited: float = 0.0  # the encoder blocked on the writer (full queue, final drain)
     skipped: list[dict[str, str]] = field(default_factory=list)
-
-
-def progress_bar(opts: Any, coord: Coordinator, total: int, unit: str) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit=unit, desc=f"extract r{coord.rank}" if coord.world_size > 1 else "extract",
-                # None: tqdm shows itself on a terminal only; one bar per job, on rank 0.
-                disable=True if not opts.progress or coord.rank != 0 else None, file=sys.stderr,
-                dynamic_ncols=True)
 
 
 def feed(loader: Any, thread: WriterThread, bar: Any, device: torch.device, warm: tuple[str, str],
@@ -178,4 +165,4 @@ def gathered(progress: list[Progress]) -> Progress:
 
 
 __all__ = ["EncodeJob", "Progress", "autocast", "default_num_workers", "feed", "first_sample_dtypes", "gathered",
-           "load_encoder_on", "num_workers", "progress_bar", "resolve_precision", "worker_init"]
+           "load_encoder_on", "num_workers", "resolve_precision", "worker_init"]

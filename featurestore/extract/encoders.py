@@ -19,15 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featurestore.extract.encoder_base import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    Encoder,
-    EncoderError,
-    int_pair,
-    sanitize_name,
-    weights_hash,
-)
+from featurestore.extract.encoder_base import IMAGENET_MEAN, IMAGENET_STD, Encoder, EncoderError, int_pair
+from featurestore.extract.encoder_base import sanitize_name, weights_hash
 from featurestore.extract.sources import import_callable
 
 TOKEN_MODES = ("patch", "cls", "all")
@@ -282,6 +275,3 @@ def resolve_layout(encoder: Encoder, tokens: int, image_hw: tuple[int, int], mod
         raise EncoderError(f"encoder {encoder.spec} returned only prefix tokens: use --tokens cls or all")
     return TokenLayout(mode, tokens, prefix, grid)
 
-
-__all__ = ["BUILTINS", "IMAGENET_MEAN", "IMAGENET_STD", "TOKEN_MODES", "Encoder", "EncoderError", "TinyViT", "TokenLayout",
-           "load_encoder", "resolve_layout", "sanitize_name", "weights_hash"]

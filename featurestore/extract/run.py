@@ -24,19 +24,9 @@ import torch
 
 from featurestore.errors import InvalidOption
 from featurestore.extract.dist import Coordinator, coordinator_from_env
-from featurestore.extract.dist_run import run_split
-from featurestore.extract.encode_loop import (
-    EncodeJob,
-    Progress,
-    autocast,
-    feed,
-    first_sample_dtypes,
-    gathered,
-    load_encoder_on,
-    num_workers,
-    progress_bar,
-    worker_init,
-)
+from featurestore.extract.dist_run import progress_bar, run_split
+from featurestore.extract.encode_loop import EncodeJob, Progress, autocast, feed, first_sample_dtypes, gathered
+from featurestore.extract.encode_loop import load_encoder_on, num_workers, worker_init
 from featurestore.extract.encoders import Encoder, EncoderError, TokenLayout, resolve_layout
 from featurestore.extract.input_check import refuse_changed_inputs_of
 from featurestore.extract.options import RunOptions, torch_threads
@@ -154,14 +144,6 @@ class _ImagesJob(EncodeJob):
         # rows kept from an earlier run must still match the input (extract.input_check)
         refuse_changed_inputs_of(writer, self.prep.source.input_files, self.key)
 
-    def complete(self, writer: Any) -> dict[str, Any] | None:
-        if not writer.metadata.complete:
-            return None
-        return self.store.split_metadata(self.opts.dataset, self.encoder_name, self.opts.split)
-
-    def units(self, writer: Any) -> list[tuple[int, int]]:
-        return [(chunk, chunk) for chunk in writer.pending_chunks()]
-
     def work(self, writer: Any, mine: list[int]) -> Progress:
         return _encode_chunks(self.opts, self.prep, writer, mine, self.coord)
 
@@ -170,9 +152,6 @@ class _ImagesJob(EncodeJob):
             writer.flush()  # rank 0 commits with this writer
         else:
             writer.close()
-
-    def commit(self, writer: Any, progress: list[Progress]) -> dict[str, Any]:
-        return writer.commit()
 
     def already_complete(self, metadata: dict[str, Any]) -> ExtractResult:
         return ExtractResult("already-complete", self.key, self.prep.num_samples, metadata=metadata)
@@ -197,7 +176,7 @@ def _encode_chunks(opts: ExtractOptions, prep: _Prepared, writer: Any, chunks: l
         pin_memory=prep.device.type == "cuda", worker_init_fn=DieWithParent(worker_init) if workers else None)
     thread = WriterThread(writer, opts.queue_size)
     total = sum(len(b) for b in plan)
-    bar = progress_bar(opts, coord, total, "img")
+    bar = progress_bar(opts, total, "img", "extract", coord)
     started = time.perf_counter()
 
     def step(batch: Any) -> None:

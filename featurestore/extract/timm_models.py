@@ -31,15 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from featurestore.extract.encoder_base import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    Encoder,
-    EncoderError,
-    int_pair,
-    sanitize_name,
-    weights_hash,
-)
+from featurestore.extract.encoder_base import IMAGENET_MEAN, IMAGENET_STD, Encoder, EncoderError, int_pair
+from featurestore.extract.encoder_base import sanitize_name, weights_hash
 
 __all__ = ["TimmFeatures", "load_timm", "parse_timm_spec"]
 

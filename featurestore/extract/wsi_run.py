@@ -37,9 +37,9 @@ import torch
 
 from featurestore.errors import InvalidOption
 from featurestore.extract.dist import Coordinator, coordinator_from_env
-from featurestore.extract.dist_run import run_split
+from featurestore.extract.dist_run import progress_bar, run_split
 from featurestore.extract.encode_loop import EncodeJob, Progress, autocast, feed, first_sample_dtypes, gathered
-from featurestore.extract.encode_loop import load_encoder_on, num_workers, progress_bar, worker_init
+from featurestore.extract.encode_loop import load_encoder_on, num_workers, worker_init
 from featurestore.extract.encoders import Encoder, EncoderError, resolve_layout
 from featurestore.extract.label_csv import read_label_csv
 from featurestore.extract.options import RunOptions, torch_threads
@@ -220,9 +220,6 @@ class _SlidesJob(EncodeJob):
             patch_size_level0=None, label_dtype="int64" if prep.label_names is not None else None,
             chunk_bytes=int(opts.chunk_mb * (1 << 20)))
 
-    def complete(self, writer: Any) -> dict[str, Any] | None:
-        return writer.metadata.to_json() if writer.metadata.complete else None
-
     def units(self, writer: Any) -> list[tuple[int, SlideRef]]:
         done = writer.done_ids
         return [(i, ref) for i, ref in enumerate(self.prep.refs) if ref.id not in done]
@@ -263,7 +260,7 @@ def _encode_slides(opts: SlideOptions, prep: _Prepared, writer: Any, refs: list[
         PatchReader(opts.patch_size), batch_sampler=batches, num_workers=workers,  # type: ignore[arg-type]
         collate_fn=collate_patches, pin_memory=prep.device.type == "cuda", worker_init_fn=init)
     thread = BagWriterThread(writer, opts.queue_size)
-    bar = progress_bar(opts, coord, len(refs), "slide")
+    bar = progress_bar(opts, len(refs), "slide", "extract", coord)
     started = time.perf_counter()
     done = Progress()
 
