@@ -13,8 +13,9 @@ import pytest
 
 import featurestore
 from featurestore.errors import MissingChunks
-from featurestore.extract.bag_import import import_bags
-from featurestore.extract.dense_import import import_dense
+from featurestore.extract.bag_import import BagImport
+from featurestore.extract.dense_import import DenseImport
+from featurestore.extract.dist_run import run_split
 from featurestore.extract.import_types import ImportOptions
 from featurestore.extract.slide_files import SlideFiles, find_slides
 
@@ -46,13 +47,13 @@ def test_a_dense_import_writes_only_the_chunks_its_share_picks(tmp_path: Path) -
     # A worker that takes chunks 0 and 2: the others are left, so the commit refuses.
     first = Picked({0, 2})
     with pytest.raises(MissingChunks, match="2 of 4 chunks are missing"):
-        import_dense(options(tmp_path, tmp_path / "x.npy", "s"), share=first)
+        run_split(DenseImport(options(tmp_path, tmp_path / "x.npy", "s")), share=first)
     assert first.offered == [0, 1, 2, 3]
     # A second worker resumes: only chunks 1 and 3 are still offered, and it completes the split.
     second = Picked({1, 3})
-    result = import_dense(options(tmp_path, tmp_path / "x.npy", "s", resume=True), share=second)
+    result = run_split(DenseImport(options(tmp_path, tmp_path / "x.npy", "s", resume=True)), share=second)
     assert second.offered == [1, 3] and result.status == "complete" and result.imported == 2 * ROWS
-    import_dense(options(tmp_path, tmp_path / "x.npy", "whole"))  # one process, every chunk
+    run_split(DenseImport(options(tmp_path, tmp_path / "x.npy", "whole")))  # one process, every chunk
     store = featurestore.open_store(str(tmp_path / "store"))
     shared, whole = store.open("ds", "enc", "s"), store.open("ds", "enc", "whole")
     assert np.array_equal(shared.read_numpy(np.arange(N)), whole.read_numpy(np.arange(N)))
@@ -69,7 +70,7 @@ def test_a_bag_import_adds_only_the_slides_its_share_picks(tmp_path: Path) -> No
     found = find_slides(str(slides))
     assert found is not None
     share = Picked({0, 2})
-    result = import_bags(options(tmp_path, slides, "bags"), SlideFiles(*found), share=share)
+    result = run_split(BagImport(options(tmp_path, slides, "bags"), SlideFiles(*found)), share=share)
     assert share.offered == [0, 1, 2] and result.imported == 2
     bags = featurestore.open_store(str(tmp_path / "store")).open_bags("ds", "enc", "bags")
     assert list(bags.ids) == ["a", "c"]

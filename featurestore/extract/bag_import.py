@@ -21,14 +21,14 @@ import os
 from typing import Any
 
 from featurestore.errors import DtypeMismatch, Float16Overflow, InvalidLabels, NonFiniteValues, ShapeMismatch
-from featurestore.extract.dist_run import SplitJob, UnitShare, progress_bar, run_split
+from featurestore.extract.dist_run import SplitJob, progress_bar
 from featurestore.extract.import_types import ImportOptions, ImportResult
 from featurestore.extract.input_check import refuse_changed_inputs
 from featurestore.extract.label_csv import read_label_table
 from featurestore.extract.plan import resolve_dtype
 from featurestore.extract.slide_files import Slide, SlideFileError, SlideFiles
 
-__all__ = ["BagImport", "import_bags"]
+__all__ = ["BagImport"]
 
 
 class BagImport(SplitJob):
@@ -102,16 +102,10 @@ class BagImport(SplitJob):
     def work(self, writer: Any, mine: list[Slide]) -> int:
         return _copy(self.files, writer, mine, self.labels, self.table_attrs, self.opts)
 
-    def already_complete(self, metadata: dict[str, Any]) -> ImportResult:
-        return ImportResult("already-complete", self.key, len(self.files), metadata=metadata, notes=self.notes)
-
-    def result(self, progress: list[int], metadata: dict[str, Any], wall_seconds: float) -> ImportResult:
+    def result(self, progress: list[int] | None, metadata: dict[str, Any], wall_seconds: float) -> ImportResult:
+        if progress is None:
+            return ImportResult("already-complete", self.key, len(self.files), metadata=metadata, notes=self.notes)
         return ImportResult("complete", self.key, len(self.files), sum(progress), wall_seconds, metadata, self.notes)
-
-
-def import_bags(opts: ImportOptions, files: SlideFiles, share: UnitShare | None = None) -> ImportResult:
-    """Write ``files`` as a bag split (``share``: which slides this process adds; default all)."""
-    return run_split(BagImport(opts, files), share=share)
 
 
 def _copy(files: SlideFiles, writer: Any, pending: list[Slide], labels: dict[str, Any] | None,

@@ -16,7 +16,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from featurestore.errors import ShapeMismatch
-from featurestore.extract.dist_run import SplitJob, UnitShare, progress_bar, run_split
+from featurestore.extract.dist_run import SplitJob, progress_bar
 from featurestore.extract.import_types import ImportOptions, ImportResult
 from featurestore.extract.input_check import refuse_changed_inputs_of
 from featurestore.extract.plan import chunk_rows_for, resolve_dtype
@@ -24,7 +24,7 @@ from featurestore.extract.plan import chunk_rows_for, resolve_dtype
 if TYPE_CHECKING:
     from featurestore.extract.caches import ArraySource, CacheSource
 
-__all__ = ["import_dense"]
+__all__ = ["DenseImport"]
 
 
 def _token_layout(shape: tuple[int, ...], prefix: int, grid: tuple[int, int] | None) -> dict[str, Any]:
@@ -93,17 +93,10 @@ class DenseImport(SplitJob):
     def work(self, writer: Any, mine: list[int]) -> int:
         return _copy(self.source, self.labels, writer, self.opts, mine)
 
-    def already_complete(self, metadata: dict[str, Any]) -> ImportResult:
-        return ImportResult("already-complete", self.key, self.source.num_samples, metadata=metadata)
-
-    def result(self, progress: list[int], metadata: dict[str, Any], wall_seconds: float) -> ImportResult:
+    def result(self, progress: list[int] | None, metadata: dict[str, Any], wall_seconds: float) -> ImportResult:
+        if progress is None:
+            return ImportResult("already-complete", self.key, self.source.num_samples, metadata=metadata)
         return ImportResult("complete", self.key, self.source.num_samples, sum(progress), wall_seconds, metadata)
-
-
-def import_dense(opts: ImportOptions, share: UnitShare | None = None) -> ImportResult:
-    """Bring the dense cache at ``opts.source`` in as a split (``share``: which chunks this
-    process writes; default all of them)."""
-    return run_split(DenseImport(opts), share=share)
 
 
 def _copy(source: CacheSource, labels: ArraySource | None, writer: Any, opts: ImportOptions,

@@ -117,12 +117,8 @@ class SplitJob:
         """Rank 0, once every process has closed: commit the split; its metadata."""
         return writer.commit()
 
-    def already_complete(self, metadata: dict[str, Any]) -> Any:
-        """The result when the split was complete before the run."""
-        raise NotImplementedError
-
-    def result(self, progress: list[Any], metadata: dict[str, Any], wall_seconds: float) -> Any:
-        """The result of a run that wrote and committed."""
+    def result(self, progress: list[Any] | None, metadata: dict[str, Any], wall_seconds: float) -> Any:
+        """The run's result from every process's progress; None: the split was complete before it."""
         raise NotImplementedError
 
 
@@ -149,7 +145,7 @@ def run_split(job: SplitJob, coord: Coordinator | None = None, share: UnitShare 
             error = e
     done = coord.agree(error, payload=done)[0]
     if done is not None:
-        return job.already_complete(done)
+        return job.result(None, done, time.perf_counter() - started)
     error = None
     progress = None  # gathered only when every process got through
     try:

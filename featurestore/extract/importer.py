@@ -18,8 +18,9 @@ split, one bag per slide (extract/bag_import.py, readers in extract/slide_files.
 from __future__ import annotations
 
 from featurestore.errors import SourceError
-from featurestore.extract.bag_import import import_bags
-from featurestore.extract.dense_import import import_dense
+from featurestore.extract.bag_import import BagImport
+from featurestore.extract.dense_import import DenseImport
+from featurestore.extract.dist_run import run_split
 from featurestore.extract.import_types import ImportOptions, ImportResult
 from featurestore.extract.plan import check_chunk_mb
 from featurestore.extract.slide_files import SlideFiles, find_slides
@@ -39,10 +40,10 @@ def import_cache(opts: ImportOptions) -> ImportResult:
     check_chunk_mb(opts.chunk_mb)
     slides = find_slides(opts.source, force=opts.bags)
     if slides is not None:  # per-slide files (TRIDENT, CLAM, STAMP): one bag per file
-        return import_bags(opts, SlideFiles(*slides))
+        return run_split(BagImport(opts, SlideFiles(*slides)))
     if opts.bags:
         raise SourceError(f"--bags: {opts.source!r} is not a directory of per-slide .h5 or .pt files")
     if opts.label_column is not None or opts.id_column is not None:
         raise SourceError(f"--label-column/--id-column name columns of a slide-bags labels CSV, but {opts.source!r} "
                           "is not a directory of per-slide files: leave them out")
-    return import_dense(opts)
+    return run_split(DenseImport(opts))

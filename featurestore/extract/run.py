@@ -153,10 +153,9 @@ class _ImagesJob(EncodeJob):
         else:
             writer.close()
 
-    def already_complete(self, metadata: dict[str, Any]) -> ExtractResult:
-        return ExtractResult("already-complete", self.key, self.prep.num_samples, metadata=metadata)
-
-    def result(self, progress: list[Progress], metadata: dict[str, Any], wall_seconds: float) -> ExtractResult:
+    def result(self, progress: list[Progress] | None, metadata: dict[str, Any], wall_seconds: float) -> ExtractResult:
+        if progress is None:
+            return ExtractResult("already-complete", self.key, self.prep.num_samples, metadata=metadata)
         total = gathered(progress)
         return ExtractResult("complete", self.key, self.prep.num_samples, total.items, total.bytes_written,
                              total.seconds, wall_seconds, total.waited, metadata)

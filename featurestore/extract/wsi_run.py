@@ -233,10 +233,9 @@ class _SlidesJob(EncodeJob):
     def commit(self, writer: Any, progress: list[Progress]) -> dict[str, Any]:
         return writer.commit(extra={"skipped": gathered(progress).skipped})
 
-    def already_complete(self, metadata: dict[str, Any]) -> SlideResult:
-        return SlideResult("already-complete", self.key, len(self.prep.refs), metadata=metadata)
-
-    def result(self, progress: list[Progress], metadata: dict[str, Any], wall_seconds: float) -> SlideResult:
+    def result(self, progress: list[Progress] | None, metadata: dict[str, Any], wall_seconds: float) -> SlideResult:
+        if progress is None:
+            return SlideResult("already-complete", self.key, len(self.prep.refs), metadata=metadata)
         total = gathered(progress)
         return SlideResult("complete", self.key, len(self.prep.refs), total.items, total.patches, total.skipped,
                            total.bytes_written, total.seconds, wall_seconds, metadata)
