@@ -211,7 +211,7 @@ def test_coords_that_do_not_fit_advise_a_dtype_the_split_can_have(tmp_path: Path
 def test_labels_csv_extension_alias_never_picks_one_of_two_labels(tmp_path: Path) -> None:
     # rows "a.svs" and "a.tif" with two labels both stood for slide a: the first was taken silently;
     # an exact row wins over an alias (before: whichever row came first)
-    from featurestore.extract.bag_import import read_label_csv
+    from featurestore.extract.label_csv import read_label_csv
 
     csv_file = tmp_path / "labels.csv"
     csv_file.write_text("slide_id,label\na.svs,1\na.tif,0\nb.svs,1\n")

@@ -143,7 +143,8 @@ def _encode_only(opts: Any) -> tuple[float, Any]:
 
     from featurestore.extract.encoders import load_encoder
     from featurestore.core.device import resolve_device
-    from featurestore.extract.run import _autocast, _worker_init, default_num_workers, resolve_precision
+    from featurestore.extract.encode_loop import autocast as _autocast, default_num_workers, resolve_precision
+    from featurestore.extract.encode_loop import worker_init as _worker_init
     from featurestore.extract.sources import Failure, PreparedImages, Preprocessing, collate, open_source
     from featurestore.extract.workers import DieWithParent
 

@@ -51,7 +51,7 @@ def _openslide_only(keys_batches: list[list[Any]], workers: int) -> float:
     """Seconds to read every patch with OpenSlide alone (RGB arrays, stacked per batch)."""
     import torch
 
-    from featurestore.extract.run import _worker_init
+    from featurestore.extract.encode_loop import worker_init as _worker_init
     from featurestore.extract.workers import DieWithParent
 
     # The default collate: stacked into shared memory in the worker, as extraction's own collate does.
@@ -84,7 +84,8 @@ def _encode_only(opts: Any, keys_batches: list[list[Any]], workers: int) -> floa
 
     from featurestore.core.device import resolve_device
     from featurestore.extract.encoders import load_encoder
-    from featurestore.extract.run import _autocast, _worker_init, resolve_precision
+    from featurestore.extract.encode_loop import autocast as _autocast, resolve_precision
+    from featurestore.extract.encode_loop import worker_init as _worker_init
     from featurestore.extract.sources import Preprocessing
     from featurestore.extract.workers import DieWithParent
     from featurestore.extract.wsi_patches import PatchReader, collate_patches, to_encoder
@@ -116,7 +117,7 @@ def _encode_only(opts: Any, keys_batches: list[list[Any]], workers: int) -> floa
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from featurestore.bench.cgroup import evict
     from featurestore.demo.slides import write_slide
-    from featurestore.extract.run import default_num_workers
+    from featurestore.extract.encode_loop import default_num_workers
     from featurestore.extract.wsi import Target, list_slides
     from featurestore.extract.wsi_patches import PatchBatches, Patching, SlidePlanner
     from featurestore.extract.wsi_run import SlideOptions, extract_slides

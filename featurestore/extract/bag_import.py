@@ -1,6 +1,6 @@
 """``featurestore import DIR`` for per-slide files: one bag per slide, streaming and resumable.
 
-Called by :func:`featurestore.extract.importer.import_cache` when the source directory holds
+Chosen by :func:`featurestore.extract.importer.import_cache` when the source directory holds
 per-slide feature files (featurestore.extract.slide_files). Every file's header is checked
 first (features dataset, one dim, coords of the features' length, attributes JSON can hold) and
 the ``--labels`` table read whole (featurestore.extract.label_csv: a label for each slide, the
@@ -10,6 +10,7 @@ meanwhile), in name order, skipping the ids already complete (``--resume``, or a
 of a kept bag modified since the split was created stops it with InputChanged, as for dense
 imports). A file that fails while being read (a truncated h5, NaN in its rows) stops the import
 with one line naming it; the bags already added are kept (the writer is closed, not committed).
+The run's steps (create or resume, the slides to add, commit) are extract.dist_run's.
 """
 
 from __future__ import annotations
@@ -17,92 +18,103 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
-import time
 from typing import Any
 
 from featurestore.errors import DtypeMismatch, Float16Overflow, InvalidLabels, NonFiniteValues, ShapeMismatch
+from featurestore.extract.dist_run import SplitJob, progress_bar
+from featurestore.extract.import_types import ImportOptions, ImportResult
 from featurestore.extract.input_check import refuse_changed_inputs
-from featurestore.extract.label_csv import read_label_csv, read_label_table
-from featurestore.extract.slide_files import SlideFileError, SlideFiles
+from featurestore.extract.label_csv import read_label_table
+from featurestore.extract.plan import resolve_dtype
+from featurestore.extract.slide_files import Slide, SlideFileError, SlideFiles
 
-__all__ = ["import_bags", "read_label_csv"]  # read_label_csv: extract.label_csv's, for wsi_run
-
-
-def import_bags(opts: Any, files: SlideFiles) -> Any:
-    """Write ``files`` as a bag split (``opts``: importer.ImportOptions); an ImportResult."""
-    from featurestore import open_store
-    from featurestore.extract.importer import ImportResult, resume_existing
-    from featurestore.extract.plan import resolve_dtype
-
-    started = time.perf_counter()
-    headers = [files.header(slide) for slide in files.slides]
-    first = headers[0]
-    for slide, header in zip(files.slides, headers):
-        if header.dim != first.dim:
-            raise SlideFileError(f"{slide.path!r} has features of dim {header.dim}, but {files.slides[0].path!r} has "
-                                 f"{first.dim}: one bag split holds one encoder's features (split the directory)")
-        if header.coords != first.coords or header.unit != first.unit:
-            raise SlideFileError(f"{slide.path!r} has {'coords in ' + header.unit if header.coords else 'no coords'}, "
-                                 f"but {files.slides[0].path!r} has {'coords in ' + first.unit if first.coords else 'no coords'}: "
-                                 "one bag split has one coordinate convention")
-    labels, label_names, label_digest, table_attrs = None, None, None, None
-    notes = _hidden_note(files)
-    label_column, id_column = opts.label_column or "label", opts.id_column or "slide_id"
-    if opts.labels:
-        table = read_label_table(opts.labels, [s.bag_id for s in files.slides], label_column, id_column)
-        labels, label_names, label_digest, table_attrs = table.labels, table.names, table.digest, table.attrs
-        _refuse_reserved(opts.labels, next(iter(table.attrs.values()), {}))
-        if table.unused:
-            notes.append(f"labels CSV: {len(table.unused)} row(s) name no slide in {files.directory!r} (first: "
-                         f"{table.unused[0]!r}): left out")
-    elif opts.label_column is not None or opts.id_column is not None:
-        raise InvalidLabels("--label-column/--id-column name columns of the --labels CSV: pass --labels too")
-    settings = files.settings(first, files.slides[0])
-    dtype = resolve_dtype(opts.dtype, first.dtype)
-    fingerprint = {"source": files.fingerprint(), "labels": label_digest}
-    cache_key = hashlib.sha256(json.dumps({"import-bags": fingerprint, "dtype": dtype, **settings},
-                                          sort_keys=True).encode()).hexdigest()
-    metadata: dict[str, Any] = {
-        "encoder": {"name": opts.encoder_name, "spec": f"import:{files.spec}", "weights_hash": None,
-                    "output_dtype": first.dtype, "precision": None},
-        "source_dtype": first.dtype,
-        "cache_key": cache_key,
-        "source": {"spec": files.spec, "format": f"slide-{files.kind}", "fingerprint": fingerprint,
-                   "num_bags": len(files), "labels": opts.labels and os.path.abspath(opts.labels)},
-    }
-    if label_names is not None:
-        metadata["label_names"] = label_names
-    store = open_store(opts.store, mode="a", **opts.storage_options)
-    key = f"{opts.dataset}/{opts.encoder_name}/{opts.split}"
-    resume = resume_existing(store, opts, key)
-    writer = store.create_bag_split(
-        opts.dataset, opts.encoder_name, opts.split, dim=first.dim, dtype=dtype, metadata=metadata,
-        resume=resume, overwrite=opts.overwrite, label_dtype="int64" if label_names is not None else None,
-        chunk_bytes=int(opts.chunk_mb * (1 << 20)), verify_chunks=opts.verify_chunks, **settings)
-    if resume:  # bags kept from an earlier run must still match their files (extract.input_check)
-        kept = [i for i, slide in enumerate(files.slides) if slide.bag_id in writer.done_ids]
-        refuse_changed_inputs(lambda a, b: [s.path for s in files.slides[a:b]], [(i, i + 1) for i in kept],
-                              writer.metadata.created, key)
-    if writer.metadata.complete:
-        return ImportResult("already-complete", key, len(files), metadata=writer.metadata.to_json(), notes=notes)
-    imported = _copy(files, writer, labels, table_attrs, opts)
-    meta = writer.commit()
-    return ImportResult("complete", key, len(files), imported, time.perf_counter() - started, meta, notes)
+__all__ = ["BagImport"]
 
 
-def _copy(files: SlideFiles, writer: Any, labels: dict[str, Any] | None,
-          table_attrs: dict[str, dict[str, Any]] | None, opts: Any) -> int:
-    """Add the pending slides in name order; the next slide is read on a thread while this one
-    is added (two slides in RAM at most)."""
+class BagImport(SplitJob):
+    """The bag import as a :func:`~featurestore.extract.dist_run.run_split` job: units are slides."""
+
+    def __init__(self, opts: ImportOptions, files: SlideFiles) -> None:
+        super().__init__(opts)
+        self.files = files
+        self.labels: dict[str, Any] | None = None
+        self.table_attrs: dict[str, dict[str, Any]] | None = None
+        self.notes = _hidden_note(files)
+
+    def load(self) -> None:
+        opts, files = self.opts, self.files
+        headers = [files.header(slide) for slide in files.slides]
+        first = headers[0]
+        for slide, header in zip(files.slides, headers):
+            if header.dim != first.dim:
+                raise SlideFileError(f"{slide.path!r} has features of dim {header.dim}, but {files.slides[0].path!r} "
+                                     f"has {first.dim}: one bag split holds one encoder's features (split the directory)")
+            if header.coords != first.coords or header.unit != first.unit:
+                raise SlideFileError(f"{slide.path!r} has {'coords in ' + header.unit if header.coords else 'no coords'}, "
+                                     f"but {files.slides[0].path!r} has {'coords in ' + first.unit if first.coords else 'no coords'}: "
+                                     "one bag split has one coordinate convention")
+        label_names, label_digest = None, None
+        if opts.labels:
+            table = read_label_table(opts.labels, [s.bag_id for s in files.slides], opts.label_column or "label",
+                                     opts.id_column or "slide_id")
+            self.labels, label_names, label_digest, self.table_attrs = table.labels, table.names, table.digest, table.attrs
+            _refuse_reserved(opts.labels, next(iter(table.attrs.values()), {}))
+            if table.unused:
+                self.notes.append(f"labels CSV: {len(table.unused)} row(s) name no slide in {files.directory!r} "
+                                  f"(first: {table.unused[0]!r}): left out")
+        elif opts.label_column is not None or opts.id_column is not None:
+            raise InvalidLabels("--label-column/--id-column name columns of the --labels CSV: pass --labels too")
+        self.settings = files.settings(first, files.slides[0])
+        self.dim, self.dtype = first.dim, resolve_dtype(opts.dtype, first.dtype)
+        self.label_dtype = "int64" if label_names is not None else None
+        fingerprint = {"source": files.fingerprint(), "labels": label_digest}
+        cache_key = hashlib.sha256(json.dumps({"import-bags": fingerprint, "dtype": self.dtype, **self.settings},
+                                              sort_keys=True).encode()).hexdigest()
+        self.metadata: dict[str, Any] = {
+            "encoder": {"name": opts.encoder_name, "spec": f"import:{files.spec}", "weights_hash": None,
+                        "output_dtype": first.dtype, "precision": None},
+            "source_dtype": first.dtype,
+            "cache_key": cache_key,
+            "source": {"spec": files.spec, "format": f"slide-{files.kind}", "fingerprint": fingerprint,
+                       "num_bags": len(files), "labels": opts.labels and os.path.abspath(opts.labels)},
+        }
+        if label_names is not None:
+            self.metadata["label_names"] = label_names
+
+    def create(self, *, resume: bool, overwrite: bool) -> Any:
+        opts = self.opts
+        return self.store.create_bag_split(
+            opts.dataset, opts.encoder_name, opts.split, dim=self.dim, dtype=self.dtype, metadata=self.metadata,
+            resume=resume, overwrite=overwrite, label_dtype=self.label_dtype,
+            chunk_bytes=int(opts.chunk_mb * (1 << 20)), verify_chunks=opts.verify_chunks, **self.settings)
+
+    def check_kept(self, writer: Any) -> None:
+        # bags kept from an earlier run must still match their files (extract.input_check)
+        slides = self.files.slides
+        kept = [i for i, slide in enumerate(slides) if slide.bag_id in writer.done_ids]
+        refuse_changed_inputs(lambda a, b: [s.path for s in slides[a:b]], [(i, i + 1) for i in kept],
+                              writer.metadata.created, self.key)
+
+    def units(self, writer: Any) -> list[tuple[int, Slide]]:
+        done = writer.done_ids
+        return [(i, slide) for i, slide in enumerate(self.files.slides) if slide.bag_id not in done]
+
+    def work(self, writer: Any, mine: list[Slide]) -> int:
+        return _copy(self.files, writer, mine, self.labels, self.table_attrs, self.opts)
+
+    def result(self, progress: list[int] | None, metadata: dict[str, Any], wall_seconds: float) -> ImportResult:
+        if progress is None:
+            return ImportResult("already-complete", self.key, len(self.files), metadata=metadata, notes=self.notes)
+        return ImportResult("complete", self.key, len(self.files), sum(progress), wall_seconds, metadata, self.notes)
+
+
+def _copy(files: SlideFiles, writer: Any, pending: list[Slide], labels: dict[str, Any] | None,
+          table_attrs: dict[str, dict[str, Any]] | None, opts: ImportOptions) -> int:
+    """Add ``pending`` in name order; the next slide is read on a thread while this one is added
+    (two slides in RAM at most)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tqdm import tqdm
-
-    done = writer.done_ids
-    pending = [s for s in files.slides if s.bag_id not in done]
-    bar = tqdm(total=len(pending), unit="slide", desc="import", disable=True if not opts.progress else None,
-               file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(opts, len(pending), "slide", "import")
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="featurestore-slide") as reader:
             ahead = reader.submit(files.read, pending[0]) if pending else None

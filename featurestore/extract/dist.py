@@ -3,7 +3,8 @@
 Under ``torchrun --nproc-per-node K featurestore extract ...`` every rank runs the same command.
 Rank 0 creates (or resumes) the split, the others attach to it with ``resume=True``; rank ``r``
 encodes and writes the chunks ``i`` with ``i % K == r``; after every rank has closed its writer,
-rank 0 commits. The split's quantization report and channel statistics are folded from per-chunk
+rank 0 commits (those steps are featurestore.extract.dist_run's; this module is how the ranks
+agree). The split's quantization report and channel statistics are folded from per-chunk
 rows on storage (``featurestore.format.stats``), so they come out the same as a one-process run's.
 
 Each step ends with :meth:`Coordinator.agree`, an all-gather of every rank's outcome: a rank that

@@ -1,22 +1,16 @@
 """Encoders for extraction: ``builtin:`` (tiny-vit, vit-s14, vit-l14), ``python:``, ``torchhub:``,
-``hf:`` and ``timm:`` specs.
+``hf:`` and ``timm:`` specs, and the token layout of their output.
 
-``timm:`` specs live in :mod:`featurestore.extract.timm_models`.
-
-Every encoder is wrapped in :class:`Encoder`, which runs it on ``[B, 3, H, W]`` float images and
-returns ``[B, T, D]`` tokens, refusing anything else with one clear message. The wrapper also
-carries what the split's metadata needs: the weights hash (sha256 over the state dict, tensors in
-sorted-name order, each with its name, dtype and shape), the count of prefix tokens (CLS and
-register tokens before the patch grid) and the patch size, when the encoder tells.
+``timm:`` specs live in :mod:`featurestore.extract.timm_models`; the :class:`Encoder` wrapper every
+spec loads into, its error and the weights hash in :mod:`featurestore.extract.encoder_base`
+(re-exported here).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,16 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featurestore.errors import FeatureStoreError
+from featurestore.extract.encoder_base import IMAGENET_MEAN, IMAGENET_STD, Encoder, EncoderError, int_pair
+from featurestore.extract.encoder_base import sanitize_name, weights_hash
 from featurestore.extract.sources import import_callable
 
 TOKEN_MODES = ("patch", "cls", "all")
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-class EncoderError(FeatureStoreError, ValueError):
-    """An encoder spec that does not load, or an encoder whose output is not ``[B, T, D]``."""
 
 
 # --------------------------------------------------------------------------- builtin: ViTs
@@ -120,65 +109,6 @@ BUILTINS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
-# --------------------------------------------------------------------------- wrapper
-@dataclass
-class Encoder:
-    """A loaded encoder and what the split's metadata records about it."""
-
-    module: Callable[[torch.Tensor], Any]
-    spec: str
-    default_name: str
-    weights_hash: str
-    prefix_tokens: int | None = None
-    patch_size: tuple[int, int] | None = None
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
-
-    def to(self, device: torch.device) -> Encoder:
-        if isinstance(self.module, nn.Module):
-            self.module = self.module.to(device).eval()
-        return self
-
-    def __call__(self, images: torch.Tensor, *, vectors: bool = False) -> torch.Tensor:
-        """``[B, 3, H, W]`` -> ``[B, T, D]`` float tokens, or :class:`EncoderError`; with
-        ``vectors=True`` an encoder's ``[B, D]`` embeddings pass too (slide patches, one row each)."""
-        try:
-            out = self.module(images)
-        except FeatureStoreError:
-            raise
-        except Exception as error:  # the user's forward failed: one line, with the input shape
-            raise EncoderError(f"encoder {self.spec} failed on a batch of shape {list(images.shape)}: "
-                               f"{type(error).__name__}: {error}") from error
-        tokens = _as_tokens(out, self)
-        ranks = (2, 3) if vectors else (3,)
-        if not isinstance(tokens, torch.Tensor) or tokens.ndim not in ranks or tokens.shape[0] != images.shape[0]:
-            got = f"shape {list(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-            want = "[B, T, D] tokens (batch, tokens, channels) or [B, D] embeddings" if vectors else \
-                "[B, T, D] tokens (batch, tokens, channels)"
-            raise EncoderError(f"encoder {self.spec} returned {got} for {images.shape[0]} images; it must "
-                               f"return {want}")
-        if not tokens.is_floating_point():
-            raise EncoderError(f"encoder {self.spec} returned {tokens.dtype} tokens; it must return floats")
-        return tokens
-
-
-def _as_tokens(out: Any, encoder: Encoder) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "last_hidden_state"):  # transformers ModelOutput
-        return out.last_hidden_state
-    if isinstance(out, dict) and "x_norm_patchtokens" in out:  # DINOv2 forward_features
-        parts = [out["x_norm_clstoken"][:, None]]
-        if out.get("x_norm_regtokens") is not None:
-            parts.append(out["x_norm_regtokens"])
-        parts.append(out["x_norm_patchtokens"])
-        encoder.prefix_tokens = sum(p.shape[1] for p in parts[:-1])
-        return torch.cat(parts, 1)
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    return out
-
-
 class _ForwardFeatures(nn.Module):
     """Calls ``forward_features`` (DINOv2 / timm hub models return all tokens there)."""
 
@@ -200,32 +130,6 @@ class _HFModel(nn.Module):
         return self.model(pixel_values=x).last_hidden_state
 
 
-def weights_hash(module: Any, fallback: str) -> str:
-    """sha256 over the state dict (sorted names; name, dtype, shape and raw bytes of each).
-
-    A plain callable has no weights; its hash covers ``fallback`` (the spec and qualified name),
-    so two different callables never share a cache key.
-    """
-    h = hashlib.sha256()
-    if not isinstance(module, nn.Module):
-        h.update(f"callable|{fallback}".encode())
-        return h.hexdigest()
-    for name, tensor in sorted(module.state_dict().items()):
-        t = tensor.detach().cpu().contiguous().reshape(-1)
-        h.update(f"{name}|{t.dtype}|{tuple(tensor.shape)}\n".encode())
-        if t.numel():
-            h.update(t.view(torch.uint8).numpy().data)
-    return h.hexdigest()
-
-
-def _int_pair(value: Any) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    if isinstance(value, (tuple, list)):
-        return int(value[0]), int(value[-1])
-    return int(value), int(value)
-
-
 def _module_hints(module: Any) -> tuple[int | None, tuple[int, int] | None]:
     """Prefix tokens and patch size from the attributes common encoders expose (timm, DINOv2)."""
     prefix = getattr(module, "num_prefix_tokens", None)
@@ -236,13 +140,7 @@ def _module_hints(module: Any) -> tuple[int | None, tuple[int, int] | None]:
     patch = getattr(module, "patch_size", None)
     if patch is None and hasattr(module, "patch_embed"):
         patch = getattr(module.patch_embed, "patch_size", None)
-    return (int(prefix) if prefix is not None else None), _int_pair(patch)
-
-
-def sanitize_name(text: str) -> str:
-    """A valid store name from an arbitrary string (used for default encoder names)."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:128]
-    return name or "encoder"
+    return (int(prefix) if prefix is not None else None), int_pair(patch)
 
 
 def load_encoder(spec: str) -> Encoder:
@@ -317,7 +215,7 @@ def _load_hf(spec: str, rest: str) -> Encoder:
         pass
     name = os.path.basename(rest.rstrip("/")) if os.path.isdir(rest) else rest
     return Encoder(_HFModel(model).eval(), spec, sanitize_name(name), weights_hash(model, spec), prefix,
-                   _int_pair(getattr(config, "patch_size", None)), mean, std)
+                   int_pair(getattr(config, "patch_size", None)), mean, std)
 
 
 # --------------------------------------------------------------------------- token layout
@@ -376,3 +274,4 @@ def resolve_layout(encoder: Encoder, tokens: int, image_hw: tuple[int, int], mod
     if mode == "patch" and prefix == tokens:
         raise EncoderError(f"encoder {encoder.spec} returned only prefix tokens: use --tokens cls or all")
     return TokenLayout(mode, tokens, prefix, grid)
+

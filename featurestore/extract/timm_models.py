@@ -31,15 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from featurestore.extract.encoders import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    Encoder,
-    EncoderError,
-    _int_pair,
-    sanitize_name,
-    weights_hash,
-)
+from featurestore.extract.encoder_base import IMAGENET_MEAN, IMAGENET_STD, Encoder, EncoderError, int_pair
+from featurestore.extract.encoder_base import sanitize_name, weights_hash
 
 __all__ = ["TimmFeatures", "load_timm", "parse_timm_spec"]
 
@@ -90,7 +83,7 @@ class TimmFeatures(nn.Module):
         # A fixed-size ViT refuses other image sizes deep inside; say which option fixes it.
         fixed = patch_embed is not None and not getattr(patch_embed, "dynamic_img_size", False) \
             and getattr(patch_embed, "strict_img_size", False)
-        self.fixed_size = _int_pair(getattr(patch_embed, "img_size", None)) if fixed else None
+        self.fixed_size = int_pair(getattr(patch_embed, "img_size", None)) if fixed else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fixed_size is not None and tuple(x.shape[-2:]) != self.fixed_size:
@@ -146,11 +139,11 @@ def load_timm(spec: str, rest: str) -> Encoder:
         mean, std = IMAGENET_MEAN, IMAGENET_STD
     prefix = getattr(model, "num_prefix_tokens", None)
     patch_embed = getattr(model, "patch_embed", None)
-    patch = _int_pair(getattr(patch_embed, "patch_size", None)) if patch_embed is not None else None
+    patch = int_pair(getattr(patch_embed, "patch_size", None)) if patch_embed is not None else None
     if patch_embed is None:  # a CNN: every token is a grid cell, the stride sets the grid
         prefix = 0
         reduction = (getattr(model, "feature_info", None) or [{}])[-1].get("reduction")
-        patch = _int_pair(reduction)
+        patch = int_pair(reduction)
     default_name = name.rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1]
     return Encoder(TimmFeatures(model, spec).eval(), spec, sanitize_name(default_name), weights_hash(model, spec),
                    int(prefix) if prefix is not None else None, patch,

@@ -22,44 +22,29 @@ stem) and redoes any slide whose bag was cut short, skipped ones included.
 
 Under torchrun, slide ``i`` of the sorted cohort belongs to rank ``i % world_size`` (the same
 partition on every resume); each rank adds its bags through its own writer session, rank 0
-commits once every rank has closed (featurestore.extract.dist).
+commits once every rank has closed (the run's steps are featurestore.extract.dist_run's).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from featurestore.core import fused_stats
 from featurestore.core.bag_repair import RepairWriter
-from featurestore.core.device import resolve_device
-from featurestore.errors import (
-    DatasetNotFound,
-    EncoderNotFound,
-    InvalidOption,
-    NonFiniteValues,
-    SplitExists,
-    SplitNotFound,
-)
-from featurestore.extract.bag_import import read_label_csv
+from featurestore.errors import InvalidOption
 from featurestore.extract.dist import Coordinator, coordinator_from_env
-from featurestore.extract.encoders import Encoder, EncoderError, load_encoder, resolve_layout
+from featurestore.extract.dist_run import progress_bar, run_split
+from featurestore.extract.encode_loop import EncodeJob, Progress, autocast, feed, first_sample_dtypes, gathered
+from featurestore.extract.encode_loop import load_encoder_on, num_workers, worker_init
+from featurestore.extract.encoders import Encoder, EncoderError, resolve_layout
+from featurestore.extract.label_csv import read_label_csv
+from featurestore.extract.options import RunOptions, torch_threads
 from featurestore.extract.sources import Preprocessing
-from featurestore.extract.run import (
-    _autocast,
-    _check_first_sample_fits,
-    _worker_init,
-    default_num_workers,
-    resolve_dtype,
-    resolve_precision,
-)
 from featurestore.extract.tissue import check_tissue_options
 from featurestore.extract.wsi import SlideRef, Target, list_slides
 from featurestore.extract.wsi_bags import BagAssembler
@@ -73,10 +58,8 @@ from featurestore.extract.wsi_patches import (
     identity,
     to_encoder,
 )
-from featurestore.extract.options import RunOptions, torch_threads
 from featurestore.extract.workers import DieWithParent
 from featurestore.extract.writer_thread import WriterThread
-from featurestore.format.names import validate_name
 
 SLIDE_TOKENS = ("cls", "mean")
 EXIT_SKIPPED = 3  # the CLI's exit status when the split is complete but slides were skipped
@@ -196,25 +179,16 @@ def _prepare(opts: SlideOptions, coord: Coordinator) -> _Prepared:
                         opts.tissue, opts.min_tissue)
     refs = list_slides(target)[: opts.limit]
     labels, label_names = _labels(refs, opts.labels, target if target.lower().endswith(".csv") else None)
-    encoder = load_encoder(opts.encoder)
-    encoder_name = validate_name(opts.encoder_name or encoder.default_name, "encoder name")
-    device = resolve_device(opts.device, coord.local_rank)
-    encoder.to(device)
-    precision = resolve_precision(opts.precision, device)
+    encoder, encoder_name, device, precision = load_encoder_on(opts, coord)
     size = opts.patch_size
     preprocessing = Preprocessing(resize=(size, size), mean=opts.mean or encoder.mean, std=opts.std or encoder.std)
     # A white patch through the encoder: its output shape, dtype and width, before any slide or storage.
     white = to_encoder(torch.full((1, 3, size, size), 255, dtype=torch.uint8), preprocessing, device)
-    with torch.inference_mode(), _autocast(device, precision):
+    with torch.inference_mode(), autocast(device, precision):
         out = encoder(white, vectors=True)
     embedding = _embedding(encoder, out, opts.patch_size, opts)
     sample = embedding.select(out)
-    if not bool(torch.isfinite(sample).all()):
-        raise NonFiniteValues(f"encoder {opts.encoder} returned NaN or Inf for a white patch: featurestore does "
-                              "not store non-finite values. Check the encoder (try --precision fp32)")
-    output_dtype = str(sample.dtype).removeprefix("torch.")
-    dtype = resolve_dtype(opts.dtype, output_dtype)
-    _check_first_sample_fits(sample, dtype, opts.encoder)
+    output_dtype, dtype = first_sample_dtypes(sample, opts, "a white patch", "Check the encoder (try --precision fp32)")
     recorded = {**preprocessing.to_dict(), "resize_mode": "bilinear-antialias, rounded to uint8",
                 "patching": patching.to_dict(),
                 "read": "OpenSlide read_region at the level, transparent pixels on white"}
@@ -235,49 +209,53 @@ def _prepare(opts: SlideOptions, coord: Coordinator) -> _Prepared:
                      dtype, int(sample.shape[-1]), encoder_name, metadata)
 
 
-def _create(opts: SlideOptions, prep: _Prepared, store: Any, *, resume: bool, overwrite: bool,
-            verify_chunks: bool = False) -> Any:
-    return store.create_bag_split(
-        opts.dataset, prep.encoder_name, opts.split, dim=prep.dim, dtype=prep.dtype, metadata=prep.metadata,
-        resume=resume, overwrite=overwrite, coords_unit="px", coords_dtype="int64", verify_chunks=verify_chunks,
-        # Per slide (it follows each slide's scan): kept in each bag's attrs, not split-wide.
-        patch_size_level0=None, label_dtype="int64" if prep.label_names is not None else None, chunk_bytes=int(opts.chunk_mb * (1 << 20)))
+class _SlidesJob(EncodeJob):
+    """Slide extraction as a :func:`~featurestore.extract.dist_run.run_split` job: units are slides,
+    each added as one bag by the process that encodes it (a writer session of its own)."""
+
+    def create(self, *, resume: bool, overwrite: bool) -> Any:
+        opts, prep = self.opts, self.prep
+        return self.store.create_bag_split(
+            opts.dataset, prep.encoder_name, opts.split, dim=prep.dim, dtype=prep.dtype, metadata=prep.metadata,
+            resume=resume, overwrite=overwrite, coords_unit="px", coords_dtype="int64",
+            # Per slide (it follows each slide's scan): kept in each bag's attrs, not split-wide.
+            patch_size_level0=None, label_dtype="int64" if prep.label_names is not None else None,
+            chunk_bytes=int(opts.chunk_mb * (1 << 20)), verify_chunks=opts.verify_chunks)
+
+    def units(self, writer: Any) -> list[tuple[int, SlideRef]]:
+        done = writer.done_ids
+        # A repair (core.bag_repair) redoes the bags of damaged chunks only: not the slides skipped
+        # before, whose bags would be new ones, and the run's list of skipped slides stays.
+        repair = writer.repair_ids if isinstance(writer, RepairWriter) else None
+        return [(i, ref) for i, ref in enumerate(self.prep.refs)
+                if ref.id not in done and (repair is None or ref.id in repair)]
+
+    def work(self, writer: Any, mine: list[SlideRef]) -> Progress:
+        return _encode_slides(self.opts, self.prep, writer, mine, self.coord)
+
+    def close(self, writer: Any, rank: int) -> None:
+        writer.close()
+
+    def commit(self, writer: Any, progress: list[Progress]) -> dict[str, Any]:
+        if isinstance(writer, RepairWriter):
+            return writer.commit(extra=None)
+        return writer.commit(extra={"skipped": gathered(progress).skipped})
+
+    def result(self, progress: list[Progress] | None, metadata: dict[str, Any], wall_seconds: float) -> SlideResult:
+        if progress is None:
+            return SlideResult("already-complete", self.key, len(self.prep.refs), metadata=metadata)
+        total = gathered(progress)
+        return SlideResult("complete", self.key, len(self.prep.refs), total.items, total.patches, total.skipped,
+                           total.bytes_written, total.seconds, wall_seconds, metadata)
 
 
-def _open_split(opts: SlideOptions, prep: _Prepared, store: Any) -> Any:
-    """The split's writer (rank 0); a complete split comes back with ``metadata.complete`` set."""
-    key = f"{opts.dataset}/{prep.encoder_name}/{opts.split}"
-    if not opts.overwrite:
-        try:
-            existing = store.split_info(opts.dataset, prep.encoder_name, opts.split)
-        except (DatasetNotFound, EncoderNotFound, SplitNotFound):
-            existing = None
-        if existing is not None:
-            if not existing.complete and not opts.resume:
-                raise SplitExists(f"split {key} exists but is incomplete (status {existing.status!r}): pass "
-                                  "--resume to continue it or --overwrite to start over")
-            return _create(opts, prep, store, resume=True, overwrite=False, verify_chunks=opts.verify_chunks)
-    return _create(opts, prep, store, resume=opts.resume, overwrite=opts.overwrite, verify_chunks=opts.verify_chunks)
-
-
-@dataclass
-class _Progress:
-    bags: int = 0
-    patches: int = 0
-    bytes_written: int = 0
-    seconds: float = 0.0
-    skipped: list[dict[str, str]] = field(default_factory=list)
-
-
-def _encode_slides(opts: SlideOptions, prep: _Prepared, writer: Any, mine: list[tuple[int, SlideRef]],
-                   coord: Coordinator) -> _Progress:
-    """Plan, read, encode and add the bags of ``mine`` (cohort index, slide), in order."""
-    done = _Progress()
-    if not mine:
-        return done
-    refs = [ref for _, ref in mine]
-    workers = opts.num_workers if opts.num_workers is not None else default_num_workers(coord.world_size)
-    init = DieWithParent(_worker_init) if workers else None
+def _encode_slides(opts: SlideOptions, prep: _Prepared, writer: Any, refs: list[SlideRef],
+                   coord: Coordinator) -> Progress:
+    """Plan, read, encode and add the bags of ``refs``, in order."""
+    if not refs:
+        return Progress()
+    workers = num_workers(opts, coord)
+    init = DieWithParent(worker_init) if workers else None
     # Planning is a small share of the work (one thumbnail per slide): one worker keeps ahead.
     plan_loader = torch.utils.data.DataLoader(
         SlidePlanner(refs, prep.patching), batch_size=None, num_workers=min(workers, 1), collate_fn=identity,
@@ -288,13 +266,10 @@ def _encode_slides(opts: SlideOptions, prep: _Prepared, writer: Any, mine: list[
     loader = torch.utils.data.DataLoader(
         PatchReader(opts.patch_size), batch_sampler=batches, num_workers=workers,  # type: ignore[arg-type]
         collate_fn=collate_patches, pin_memory=prep.device.type == "cuda", worker_init_fn=init)
-    from tqdm import tqdm
-
     thread = BagWriterThread(writer, opts.queue_size)
-    thread.start()
-    bar = tqdm(total=len(refs), unit="slide", desc=f"extract r{coord.rank}" if coord.world_size > 1 else "extract",
-               disable=True if not opts.progress or coord.rank != 0 else None, file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(opts, len(refs), "slide", "extract", coord)
     started = time.perf_counter()
+    done = Progress()
 
     def hand_over() -> None:  # the finished slides, in order, to the writer thread
         for slide in assembler.finished():
@@ -306,37 +281,24 @@ def _encode_slides(opts: SlideOptions, prep: _Prepared, writer: Any, mine: list[
                 assert isinstance(plan, SlidePlan)
                 label = None if prep.labels is None else prep.labels[ref.id]
                 thread.put((ref.id, slide.features, plan.coords, label, plan.attrs))
-                done.bags += 1
+                done.items += 1
                 done.patches += len(plan)
             bar.update(1)
-            bar.set_postfix_str(f"{done.patches / max(time.perf_counter() - started, 1e-9):.0f} patches/s",
-                                refresh=False)
+            bar.set_postfix_str(f"{done.patches / max(time.perf_counter() - started, 1e-9):.0f} patches/s", refresh=False)
 
-    try:
-        batch_iter = iter(loader)  # image workers fork here, before the warm-up thread exists
-        if prep.device.type == "cpu":
-            threading.Thread(target=fused_stats.warm_up, args=(prep.metadata["source_dtype"], prep.dtype),
-                             name="featurestore-warm-up", daemon=True).start()
-        with torch.inference_mode():
-            for batch in batch_iter:
-                for failure in batch.skipped:
-                    assembler.skip(failure.position, failure.reason)
-                if batch.keys:
-                    assembler.add(batch.keys, _encode(batch.images, prep, opts.batch_size))
-                hand_over()
+    def step(batch: Any) -> None:
+        for failure in batch.skipped:
+            assembler.skip(failure.position, failure.reason)
+        if batch.keys:
+            assembler.add(batch.keys, _encode(batch.images, prep, opts.batch_size))
+        hand_over()
+
+    def last() -> None:
         hand_over()
         if assembler.next != len(refs):  # every plan was recorded and every patch encoded by now
             raise RuntimeError(f"internal error: {len(refs) - assembler.next} slides were not finished")
-        thread.finish()
-    except BaseException:
-        thread.queue.put(None)
-        thread.join()
-        raise
-    finally:
-        bar.close()
-    done.bytes_written = thread.bytes_written
-    done.seconds = time.perf_counter() - started
-    return done
+
+    return feed(loader, thread, bar, prep.device, (prep.metadata["source_dtype"], prep.dtype), step, last, done)
 
 
 def _encode(images: torch.Tensor, prep: _Prepared, batch_size: int) -> torch.Tensor:
@@ -344,7 +306,7 @@ def _encode(images: torch.Tensor, prep: _Prepared, batch_size: int) -> torch.Ten
     n = len(images)
     if n < batch_size:  # one shape for every call: see the module docstring
         images = torch.cat([images, images.new_zeros((batch_size - n, *images.shape[1:]))])
-    with _autocast(prep.device, prep.precision):
+    with autocast(prep.device, prep.precision):
         out = prep.encoder(to_encoder(images, prep.preprocessing, prep.device), vectors=True)
     if prep.embedding.tokens is not None and (out.ndim != 3 or out.shape[1] != prep.embedding.tokens):
         raise EncoderError(f"encoder {prep.encoder.spec} returned shape {list(out.shape)} for a batch of patches, "
@@ -357,61 +319,7 @@ def extract_slides(opts: SlideOptions, coord: Coordinator | None = None) -> Slid
     """Run one slide extraction (or this rank's share of it); raises FeatureStoreError on bad input."""
     coord = coord or coordinator_from_env()
     with torch_threads(opts.threads):
-        return _extract(opts, coord)
-
-
-def _extract(opts: SlideOptions, coord: Coordinator) -> SlideResult:
-    from featurestore import open_store
-
-    started = time.perf_counter()
-    prep: _Prepared | None = None
-    error: BaseException | None = None
-    try:
-        prep = _prepare(opts, coord)
-        store = open_store(opts.store, mode="a", **opts.storage_options)
-    except BaseException as e:  # every rank must reach agree(), or the others would wait forever
-        error = e
-    coord.agree(error)
-    assert prep is not None
-    key = f"{opts.dataset}/{prep.encoder_name}/{opts.split}"
-    writer: Any = None
-    error = None
-    if coord.rank == 0:
-        try:
-            writer = _open_split(opts, prep, store)
-        except BaseException as e:
-            error = e
-    # The payload is built before agree() raises rank 0's error: without a writer there is none.
-    complete = coord.agree(error, payload=None if writer is None else bool(writer.metadata.complete))[0]
-    if complete:
-        return SlideResult("already-complete", key, len(prep.refs), metadata=writer.metadata.to_json())
-    error = None
-    progress = _Progress()
-    try:
-        if coord.rank != 0:  # attach to the split rank 0 created, resumed or checked: a session of its own
-            writer = _create(opts, prep, store, resume=True, overwrite=False)
-        done_ids = writer.done_ids
-        # A repair (core.bag_repair) redoes the bags of damaged chunks only: not the slides skipped
-        # before, whose bags would be new ones, and the run's list of skipped slides stays.
-        repair = writer.repair_ids if isinstance(writer, RepairWriter) else None
-        mine = [(i, ref) for i, ref in enumerate(prep.refs) if coord.owns(i) and ref.id not in done_ids
-                and (repair is None or ref.id in repair)]
-        progress = _encode_slides(opts, prep, writer, mine, coord)
-        writer.close()
-    except BaseException as e:
-        error = e
-    totals = coord.agree(error, payload=progress)
-    skipped = sorted((s for t in totals for s in t.skipped), key=lambda s: s["id"])
-    error, meta = None, {}
-    if coord.rank == 0:
-        try:
-            meta = writer.commit(extra=None if isinstance(writer, RepairWriter) else {"skipped": skipped})
-        except BaseException as e:
-            error = e
-    coord.agree(error)
-    return SlideResult("complete", key, len(prep.refs), sum(t.bags for t in totals), sum(t.patches for t in totals),
-                       skipped, sum(t.bytes_written for t in totals), max(t.seconds for t in totals),
-                       time.perf_counter() - started, meta)
+        return run_split(_SlidesJob(opts, coord, _prepare), coord)
 
 
 __all__ = ["EXIT_SKIPPED", "SlideOptions", "SlideResult", "extract_slides"]

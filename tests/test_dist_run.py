@@ -1,0 +1,107 @@
+"""The run template every extraction and import shares (extract.dist_run): the units a process
+does come from its UnitShare, not from the loop; and extract's modules import one another
+without circles (lazy imports included)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import featurestore
+from featurestore.errors import MissingChunks
+from featurestore.extract.bag_import import BagImport
+from featurestore.extract.dense_import import DenseImport
+from featurestore.extract.dist_run import run_split
+from featurestore.extract.import_types import ImportOptions
+from featurestore.extract.slide_files import SlideFiles, find_slides
+
+N, D = 40, 8
+ROWS = 10  # --chunk-mb below makes chunks of 10 float16 rows of 8: 4 chunks
+
+
+class Picked:
+    """A share that takes the units whose position is in ``positions``, and records what it saw."""
+
+    def __init__(self, positions: set[int]) -> None:
+        self.positions = positions
+        self.offered: list[int] = []
+
+    def select(self, units: Iterable[tuple[int, object]]) -> list[object]:
+        units = list(units)
+        self.offered = [position for position, _ in units]
+        return [unit for position, unit in units if position in self.positions]
+
+
+def options(tmp_path: Path, source: Path, split: str, **kw: object) -> ImportOptions:
+    return ImportOptions(source=str(source), store=str(tmp_path / "store"), dataset="ds", encoder_name="enc",
+                         split=split, progress=False, chunk_mb=ROWS * D * 2 / (1 << 20), **kw)  # type: ignore[arg-type]
+
+
+def test_a_dense_import_writes_only_the_chunks_its_share_picks(tmp_path: Path) -> None:
+    x = np.random.default_rng(0).standard_normal((N, D)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    # A worker that takes chunks 0 and 2: the others are left, so the commit refuses.
+    first = Picked({0, 2})
+    with pytest.raises(MissingChunks, match="2 of 4 chunks are missing"):
+        run_split(DenseImport(options(tmp_path, tmp_path / "x.npy", "s")), share=first)
+    assert first.offered == [0, 1, 2, 3]
+    # A second worker resumes: only chunks 1 and 3 are still offered, and it completes the split.
+    second = Picked({1, 3})
+    result = run_split(DenseImport(options(tmp_path, tmp_path / "x.npy", "s", resume=True)), share=second)
+    assert second.offered == [1, 3] and result.status == "complete" and result.imported == 2 * ROWS
+    run_split(DenseImport(options(tmp_path, tmp_path / "x.npy", "whole")))  # one process, every chunk
+    store = featurestore.open_store(str(tmp_path / "store"))
+    shared, whole = store.open("ds", "enc", "s"), store.open("ds", "enc", "whole")
+    assert np.array_equal(shared.read_numpy(np.arange(N)), whole.read_numpy(np.arange(N)))
+    assert shared.metadata["quantization"] == whole.metadata["quantization"]
+
+
+def test_a_bag_import_adds_only_the_slides_its_share_picks(tmp_path: Path) -> None:
+    import torch
+
+    slides = tmp_path / "pt_files"
+    slides.mkdir()
+    for i, name in enumerate(("a", "b", "c")):
+        torch.save(torch.full((3 + i, D), float(i)), slides / f"{name}.pt")
+    found = find_slides(str(slides))
+    assert found is not None
+    share = Picked({0, 2})
+    result = run_split(BagImport(options(tmp_path, slides, "bags"), SlideFiles(*found)), share=share)
+    assert share.offered == [0, 1, 2] and result.imported == 2
+    bags = featurestore.open_store(str(tmp_path / "store")).open_bags("ds", "enc", "bags")
+    assert list(bags.ids) == ["a", "c"]
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Modules of ``package`` that ``path`` imports anywhere (inside functions too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n.startswith(package + "."))
+    return found
+
+
+def test_extract_modules_import_one_another_without_circles() -> None:
+    package = "featurestore.extract"
+    root = Path(featurestore.__file__).parent / "extract"
+    modules = {f"{package}.{p.stem}": p for p in root.glob("*.py") if p.stem != "__init__"}
+    graph = {name: _imports(path, package) & set(modules) - {name} for name, path in modules.items()}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in graph[start] - seen:
+            seen.add(nxt)
+            if nxt == goal or reaches(nxt, goal, seen):
+                return True
+        return False
+
+    circles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if reaches(b, a, set()))
+    assert circles == []
