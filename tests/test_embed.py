@@ -239,12 +239,12 @@ def test_stale_after_the_source_is_overwritten(tmp_path: Path) -> None:
     from server.app import create_app
 
     with TestClient(create_app(str(tmp_path))) as client:
-        response = client.get("/v1/ds/slide/train/batch", params={"start": 0, "stop": 2})
+        response = client.get("/v1/features/ds/slide/train/batch", params={"start": 0, "stop": 2})
         assert response.status_code == 200
         assert response.headers["X-Featurestore-Stale"].startswith("source ds/uni/train generation changed")
-        fresh = client.get("/v1/ds/uni/train/bags")
-        assert "X-Featurestore-Stale" not in fresh.headers
-    page = None
+        page = client.get("/ui/splits/ds/slide/train")
+        assert page.status_code == 200
+        assert "derived from" in page.text and "STALE: source ds/uni/train generation changed" in page.text
     # --resume recomputes every row from the new source (a stale row is never kept)
     result = cli("embed", str(tmp_path), "--dataset", "ds", "--encoder", "uni", "--split", "train",
                  "--slide-encoder", "mean", "--encoder-name", "slide", "--resume")
@@ -253,7 +253,10 @@ def test_stale_after_the_source_is_overwritten(tmp_path: Path) -> None:
     values, ids, _ = read_split(tmp_path)
     assert np.array_equal(values, np.stack([(new[i].astype(np.float64).mean(0)).astype(np.float32) for i in ids]))
     assert cli("verify", str(tmp_path)).returncode == 0
-    assert page is None
+    with TestClient(create_app(str(tmp_path))) as client:
+        response = client.get("/v1/features/ds/slide/train/batch", params={"start": 0, "stop": 2})
+        assert response.status_code == 200 and "X-Featurestore-Stale" not in response.headers
+        assert "(current)" in client.get("/ui/splits/ds/slide/train").text
 
 
 def test_sigkill_then_resume_is_byte_identical(tmp_path: Path) -> None:
@@ -300,3 +303,32 @@ def test_info_json_and_help(tmp_path: Path) -> None:
     run_embed(tmp_path)
     meta = json.loads(cli("info", str(tmp_path), "ds", "slide", "train", "--json").stdout)
     assert meta["ids"] is True and meta["lineage"]["source"]["split"] == "train"
+
+
+def test_torchrun_two_ranks_equal_one_process(tmp_path: Path) -> None:
+    bags = {f"s-{i:02d}": (2 + i, i % 2, f"p{i // 3}") for i in range(7)}
+    make_bags(tmp_path / "single", bags=bags)
+    make_bags(tmp_path / "multi", bags=bags)
+    args = ["--dataset", "ds", "--encoder", "uni", "--split", "train", "--slide-encoder",
+            "python:_embed_encoders:recorder", "--encoder-name", "rec", "--device", "cpu"]
+    assert cli("embed", str(tmp_path / "single"), *args).returncode == 0
+    log = tmp_path / "calls.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--module", "featurestore.cli", "embed", str(tmp_path / "multi"), *args],
+        env=cli_env(FS_EMBED_LOG=str(log)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 0, stderr[-3000:]
+    assert stdout.count("ds/rec/train: 7 rows (7 computed by this run)") == 1  # rank 0 reports
+    assert len(log.read_text().splitlines()) == 7 + 2  # every row once, plus one size probe per rank
+    for root in ("single", "multi"):
+        assert featurestore.open_store(str(tmp_path / root)).split_status("ds", "rec", "train") == "complete"
+    for chunk in range(7):
+        rel = Path("ds", "rec", "train", "features", "c", str(chunk), "0")
+        assert (tmp_path / "single" / rel).read_bytes() == (tmp_path / "multi" / rel).read_bytes()

@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
         autocast=args.autocast, storage_options=storage_options(args.storage_options))
     with store_errors(args.store):
         result = embed(opts)
+    if result.rank != 0:
+        return 0
     if result.status == "already-complete":
         print(f"{result.key}: already complete ({result.num_rows} rows); --overwrite to recompute")
     else:

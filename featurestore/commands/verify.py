@@ -63,7 +63,7 @@ def _run_verify(args: argparse.Namespace) -> int:
     found = verify_store(store, *(args.names or [None, None, None]))
     for problem in found.problems:
         print(f"DAMAGED {problem}")
-    damaged = checked = 0
+    damaged = checked = stale = 0
     for result in found.checks:
         if result.status == "writing":
             print(f"{result.key}: incomplete (status {result.status!r}), not checked")
@@ -75,15 +75,31 @@ def _run_verify(args: argparse.Namespace) -> int:
                 print(f"DAMAGED {problem}")
         else:
             print(f"{result.key}: ok ({result.chunks_checked} chunks)")
+        reason = _stale(store, result.key)
+        if reason is not None:
+            stale += 1
+            print(f"STALE {result.key}: {reason}: compute it again (featurestore embed ... --resume)")
     for temp in found.leftovers:
         writer = "running" if temp.writer_alive else "not running"
         print(f"LEFTOVER {temp.key}: temporary file of an unfinished write ({_size(temp.size)}, "
               f"writer pid {temp.pid} {writer}, {temp.age_s / 60:.0f} min old)")
     print(f"{checked} complete split(s) checked, {damaged} damaged"
+          + (f", {stale} stale (their source changed since they were computed)" if stale else "")
           + (f"; {len(found.problems)} problem(s) in the store's group documents" if found.problems else ""))
     if found.leftovers:
         total = sum(t.size for t in found.leftovers)
         print(f"{len(found.leftovers)} leftover temporary file(s), {_size(total)}: not damage; "
               "resuming the split (extract/import --resume) removes those of writers no longer running")
-    return EXIT_DAMAGED if damaged or found.problems else EXIT_CLEAN
+    return EXIT_DAMAGED if damaged or stale or found.problems else EXIT_CLEAN
+
+
+def _stale(store: Any, key: str) -> str | None:
+    """Why the derived split ``key`` (dataset/encoder/split) is stale, or None (featurestore.core.lineage)."""
+    from featurestore.core.lineage import stale_reason
+
+    try:
+        metadata = store.split_metadata(*key.split("/"))
+    except FeatureStoreError:  # unreadable metadata is already reported as damage
+        return None
+    return stale_reason(store, metadata)
 

@@ -88,6 +88,7 @@ class EmbedResult:
     seconds: float = 0.0
     recomputed_stale: str | None = None  # the reason, when a stale target was recomputed whole
     metadata: dict[str, Any] = field(default_factory=dict)
+    rank: int = 0  # the torchrun rank that returns it (the command reports on rank 0 only)
 
 
 def chunk_rows_for(num_rows: int, dim: int, dtype: str) -> int:
@@ -212,7 +213,7 @@ def embed(opts: EmbedOptions, coord: Coordinator | None = None) -> EmbedResult:
             error = e
     done = coord.agree(error, payload=writer is None if coord.rank == 0 else None)[0]
     if done:
-        return EmbedResult("already-complete", key, len(prep.rows),
+        return EmbedResult("already-complete", key, len(prep.rows), rank=coord.rank,
                            metadata=store.split_metadata(opts.dataset, opts.encoder_name, opts.target_split))
     error, computed = None, 0
     try:
@@ -234,7 +235,8 @@ def embed(opts: EmbedOptions, coord: Coordinator | None = None) -> EmbedResult:
         except BaseException as e:
             error = e
     coord.agree(error)
-    return EmbedResult("complete", key, len(prep.rows), sum(counts), time.perf_counter() - started, stale, meta)
+    return EmbedResult("complete", key, len(prep.rows), sum(counts), time.perf_counter() - started, stale, meta,
+                       coord.rank)
 
 
 def _compute(prep: _Prepared, writer: Any, chunks: list[int]) -> int:
