@@ -1,6 +1,6 @@
-"""``featurestore verify``: check a store, exit 0 (clean), 1 (damaged) or 2 (nothing checked).
+"""``featurestore verify``: check a store, exit 0 (clean), 1 (damaged or stale) or 2 (nothing checked).
 
-The exit status tells a script what happened: 1 only when damage was found; 2 when what was
+The exit status tells a script what happened: 1 only when damage (or a stale derived split) was found; 2 when what was
 asked could not be checked at all (no such dataset, encoder or split, a bad name, a store that
 is missing or unreachable), like argparse's own usage errors. A clean status never stands for
 "found nothing to check" where something was named.
@@ -30,8 +30,9 @@ def register(subparsers: Any) -> None:
         "every chunk's crc32c is also the one chunk_seals holds for its place, so a chunk swapped, "
         "moved or copied from another run is found (docs/FORMAT.md, 'Slide bags'). Every problem is "
         "listed. Incomplete splits are listed, not counted as damage; temporary files left by killed "
-        "writers are listed as leftovers (a resume removes them). Exit status 0 if clean, 1 if "
-        "anything is damaged, 2 if nothing could be checked (no such dataset, encoder or split; "
+        "writers are listed as leftovers (a resume removes them). A derived split (featurestore embed) whose "
+        "source was rewritten or removed since it was computed is listed as STALE. Exit status 0 if clean, 1 if "
+        "anything is damaged or stale, 2 if nothing could be checked (no such dataset, encoder or split; "
         "a missing or unreachable store).",
     )
     verify.add_argument("url")

@@ -11,12 +11,14 @@ featurestore.core.lineage) is recomputed whole, never resumed.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from featurestore.core import fused_stats
 from featurestore.core import lineage as core_lineage
 from featurestore.embed import rows as row_plan
 from featurestore.embed import slide_encoders
@@ -216,6 +218,9 @@ def embed(opts: EmbedOptions, coord: Coordinator | None = None) -> EmbedResult:
         return EmbedResult("already-complete", key, len(prep.rows), rank=coord.rank,
                            metadata=store.split_metadata(opts.dataset, opts.encoder_name, opts.target_split))
     error, computed = None, 0
+    # The writer's statistics kernel compiles (or loads) while the first rows are computed.
+    threading.Thread(target=fused_stats.warm_up, args=("float32", opts.dtype), name="featurestore-warm-up",
+                     daemon=True).start()
     try:
         if coord.rank != 0:  # attach to the split rank 0 created or resumed
             writer = _create(opts, prep, store, resume=True, overwrite=False)
