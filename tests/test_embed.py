@@ -78,10 +78,14 @@ def read_split(root: Path, encoder: str = "slide", split: str = "train") -> tupl
     return arr.read_numpy(np.arange(len(arr))), arr.ids, labels
 
 
+@pytest.mark.parametrize("kernel", ["numba", "numpy"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_mean_is_the_float32_rounding_of_the_float64_mean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                          dtype: str) -> None:
+                                                          dtype: str, kernel: str) -> None:
     monkeypatch.setattr(pooling, "PIECE_BYTES", 4 * DIM * 2)  # several pieces per bag: the read-ahead path
+    monkeypatch.setattr(pooling, "BLOCK_BYTES", 3 * DIM * 8)  # and several blocks per piece (numpy)
+    monkeypatch.setenv("FEATURESTORE_EMBED_KERNEL", "1" if kernel == "numba" else "0")
+    assert (pooling.kernel_for("mean", dtype) is not None) == (kernel == "numba")
     made = make_bags(tmp_path, dtype)
     result = run_embed(tmp_path)
     assert result.status == "complete" and result.computed == len(BAGS)
@@ -92,12 +96,15 @@ def test_mean_is_the_float32_rounding_of_the_float64_mean(tmp_path: Path, monkey
     assert values.dtype == np.float32 and np.array_equal(values, reference)
 
 
-def test_max_pooling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kernel", ["numba", "numpy"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_max_pooling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: str, dtype: str) -> None:
     monkeypatch.setattr(pooling, "PIECE_BYTES", 3 * DIM * 2)
-    made = make_bags(tmp_path, "float16")
-    run_embed(tmp_path, "max", encoder_name="slidemax", dtype="float16")
+    monkeypatch.setenv("FEATURESTORE_EMBED_KERNEL", "1" if kernel == "numba" else "0")
+    made = make_bags(tmp_path, dtype)
+    run_embed(tmp_path, "max", encoder_name="slidemax")
     values, ids, _ = read_split(tmp_path, "slidemax")
-    assert np.array_equal(values.astype(np.float32), np.stack([made[i].max(0) for i in ids]))
+    assert values.dtype == np.float32 and np.array_equal(values, np.stack([made[i].max(0) for i in ids]))
 
 
 def test_python_encoder_gets_float32_features_int64_coords_and_patch_size(tmp_path: Path,

@@ -1,8 +1,9 @@
 """Mean and max pooling of a row's patches in numpy, reading bags into reused buffers.
 
 Each bag is read with ``bags.read_numpy`` in pieces of at most ~4 MiB into one of two reused
-buffers, while a reader thread fills the other (numpy releases the GIL in the gather and in the
-reductions, so reading and reducing overlap). Mean sums in float64 (float16, bfloat16 and float32
+buffers, while a reader thread fills the other (the gather and the reductions release the GIL,
+so reading and reducing overlap). Each piece is reduced by a numba kernel in one pass
+(featurestore.embed.kernel), else by numpy in cache-sized blocks. Mean sums in float64 (float16, bfloat16 and float32
 values are exact in float64, and a float64 sum of up to millions of them is far below float32's
 rounding step), so the float32 mean is the float32 rounding of the float64 mean. Max is exact in
 float32 (every stored value is a float32 value).
@@ -10,6 +11,7 @@ float32 (every stored value is a float32 value).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -50,6 +52,7 @@ class Pooler:
         self.partial = np.empty(self.dim, np.float64)
         self.partial32 = np.empty(self.dim, np.float32)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="featurestore-embed-read")
+        self._kernel = kernel_for(how, bags.dtype)
 
     def close(self) -> None:
         self._reader.shutdown(wait=True)
@@ -115,6 +118,9 @@ class Pooler:
         return out
 
     def _reduce(self, raw: np.ndarray, acc: np.ndarray) -> None:
+        if self._kernel is not None:  # one pass, in registers (featurestore.embed.kernel)
+            self._kernel(raw.view(np.uint16) if raw.dtype == np.float16 else raw, acc)
+            return
         for start in range(0, len(raw), self.block_rows):
             block = raw[start:start + self.block_rows]
             if self.how == "mean":
@@ -125,6 +131,22 @@ class Pooler:
             else:
                 np.maximum.reduce(self._as_float32(block), axis=0, out=self.partial32)
                 np.maximum(acc, self.partial32, out=acc)
+
+
+def kernel_for(how: str, logical: str) -> Any:
+    """The numba kernel of ``how`` over stored ``logical`` rows, compiled (or loaded from numba's
+    cache) now; None without numba, or with ``FEATURESTORE_EMBED_KERNEL=0``: numpy then."""
+    if os.environ.get("FEATURESTORE_EMBED_KERNEL", "1") == "0":
+        return None
+    try:
+        from featurestore.embed.kernel import KERNELS
+    except ImportError:
+        return None
+    kernel = KERNELS[(how, logical)]
+    storage = dtypes.storage_dtype(logical)
+    sample = np.zeros((1, 1), np.uint16 if storage.itemsize == 2 else np.float32)
+    kernel(sample, np.zeros(1, np.float64 if how == "mean" else np.float32))
+    return kernel
 
 
 def gather(bags: Any, row: Row, positions: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
