@@ -339,3 +339,25 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path: Path) -> None:
     for chunk in range(7):
         rel = Path("ds", "rec", "train", "features", "c", str(chunk), "0")
         assert (tmp_path / "single" / rel).read_bytes() == (tmp_path / "multi" / rel).read_bytes()
+
+
+def test_output_shapes_and_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(TESTS))
+    made = make_bags(tmp_path, "float32")
+    run_embed(tmp_path, "python:_embed_encoders:flat", encoder_name="flat")  # [E] is accepted
+    values, ids, _ = read_split(tmp_path, "flat")
+    np.testing.assert_allclose(values, np.stack([made[i].mean(0) for i in ids]), rtol=1e-6, atol=1e-6)
+    meta = featurestore.open_store(str(tmp_path)).split_metadata("ds", "flat", "train")
+    assert meta["lineage"]["slide_encoder"]["weights_hash"] is None  # no weights, nothing to hash
+    with pytest.raises(InvalidOption, match="--autocast bfloat16 applies to python: slide encoders"):
+        run_embed(tmp_path, "mean", autocast="bfloat16", encoder_name="m2")
+    with pytest.raises(InvalidOption, match="--max-patches must be a positive integer, got 0"):
+        run_embed(tmp_path, "mean", max_patches=0, encoder_name="m2")
+    with pytest.raises(InvalidOption, match="would replace the bag split itself"):
+        run_embed(tmp_path, "mean", encoder_name="uni")
+    # a re-run of a complete, current split is a no-op; another spec under its name is refused
+    assert run_embed(tmp_path, "python:_embed_encoders:flat", encoder_name="flat").status == "already-complete"
+    from featurestore.errors import CacheKeyMismatch
+
+    with pytest.raises(CacheKeyMismatch):
+        run_embed(tmp_path, "max", encoder_name="flat")

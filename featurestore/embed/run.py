@@ -178,9 +178,10 @@ def _open_target(opts: EmbedOptions, prep: _Prepared, store: Any) -> tuple[Any, 
         existing = store.split_metadata(opts.dataset, opts.encoder_name, opts.target_split)
     except (DatasetNotFound, EncoderNotFound, SplitNotFound):
         return _create(opts, prep, store, resume=False, overwrite=False), None
-    stale = core_lineage.stale_reason(store, existing) if lineage.of(existing) is not None else None
+    stale = core_lineage.stale_reason(store, existing)  # None for a split that is not derived
     if stale is not None:
-        # Its rows describe another source: none may be kept, whatever --resume says.
+        # Its rows describe another source (or a lineage no longer readable): none may be kept,
+        # whatever --resume says.
         print(f"featurestore embed: {key} is stale ({stale}): recomputing every row", file=sys.stderr)
         return _create(opts, prep, store, resume=False, overwrite=True), stale
     if existing.get("status") != "complete" and not opts.resume:
