@@ -24,7 +24,7 @@ from fastapi import APIRouter, Header, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from featurestore.errors import CorruptChunk, IndexOutOfRange, MissingChunks
-from featurestore.format import wire
+from featurestore.format import lineage, wire
 from server.errors import BadRequest, NotFound, RequestTooLarge, ResponseTooLarge
 from server.responses import ArrayResponse
 from server.routes_features import Name, state_of
@@ -95,7 +95,9 @@ def gathered_response(state: StoreState, entry: OpenedSplit, nbytes: int, parts:
     """The one path of every data response: reserve ``nbytes`` against the in-flight budget,
     lease a pooled buffer per part, ``fill`` them with the store's reader, confirm the split did
     not change meanwhile (409), and wrap the buffers, no copy; the reservation is given back when
-    the last byte left (or on any failure before)."""
+    the last byte left (or on any failure before). A derived split whose source changed since it
+    was computed is answered with ``X-Featurestore-Stale`` (featurestore.core.lineage)."""
+    stale = state.stale_reason(entry)  # before the reservation: nothing to give back if it raises
     state.reserve(nbytes)
     try:
         outs = [state.buffer(shape, numpy_dtype) for shape, numpy_dtype, *_ in parts]
@@ -113,10 +115,13 @@ def gathered_response(state: StoreState, entry: OpenedSplit, nbytes: int, parts:
         raise
     body = [(out[0] if single else out, dtype, shape_header, dtype_header)
             for out, (_, _, dtype, shape_header, dtype_header) in zip(outs, parts, strict=True)]  # fmt: skip
-    return ArrayResponse(body, media_type=media_type, npy=npy,
-                         chunk_bytes=state.settings.send_chunk_bytes,
-                         send_timeout_s=state.settings.send_timeout_s,
-                         on_sent=lambda: state.release(nbytes))  # fmt: skip
+    response = ArrayResponse(body, media_type=media_type, npy=npy,
+                             chunk_bytes=state.settings.send_chunk_bytes,
+                             send_timeout_s=state.settings.send_timeout_s,
+                             on_sent=lambda: state.release(nbytes))  # fmt: skip
+    if stale is not None:  # a derived split whose source changed since (featurestore.core.lineage)
+        response.headers[lineage.STALE_HEADER] = stale
+    return response
 
 
 def _respond(state: StoreState, entry: OpenedSplit, arrays: list[Any], index: np.ndarray, *,

@@ -65,6 +65,9 @@ class OpenedSplit:
     changed: float | None = None
     # "dense" (array: a FeatureArray) or "bags" (array: the store's Bags reader, issue 23).
     kind: str = "dense"
+    # A derived split's staleness (featurestore.core.lineage) and when it was last checked.
+    stale: str | None = None
+    stale_checked: float | None = None
 
     @property
     def cache_key(self) -> tuple[str, str, str, str]:
@@ -195,6 +198,21 @@ class StoreState:
             if self._splits.get(entry.cache_key) is entry:
                 del self._splits[entry.cache_key]
         return True
+
+    def stale_reason(self, entry: OpenedSplit) -> str | None:
+        """Why the derived split of ``entry`` no longer describes its source (the data routes'
+        ``X-Featurestore-Stale`` header), or None. Its source's document is re-read on every
+        request locally and at most every ``metadata_ttl_s`` seconds on object storage."""
+        from featurestore.core.lineage import stale_reason
+        from featurestore.format import lineage
+
+        metadata = entry.array.metadata
+        if lineage.KEY not in metadata:
+            return None
+        now = time.monotonic()
+        if self.local or entry.stale_checked is None or now - entry.stale_checked >= self.settings.metadata_ttl_s:
+            entry.stale, entry.stale_checked = stale_reason(self.store, metadata), now
+        return entry.stale
 
     # ------------------------------------------------------------------ buffers
     def buffer(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:

@@ -29,6 +29,9 @@ FORBIDDEN = {
                "featurestore.bench"],
     "featurestore.extract": ["client", "server", "fastapi", "featurestore.probes", "featurestore.demo",
                              "featurestore.bench"],
+    # torch only for python: slide encoders, when one is loaded
+    "featurestore.embed": ["torch", "client", "server", "fastapi", "featurestore.probes", "featurestore.demo",
+                           "featurestore.bench"],
 }
 
 CHILD = r"""

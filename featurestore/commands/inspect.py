@@ -64,7 +64,8 @@ def _run_ls(args: argparse.Namespace) -> int:
         if meta.is_bags:  # bag count, patch rows x dim (before the first commit: not counted yet)
             text = f"{(meta.bags or {}).get('count', 0)} bags, {text}" if meta.complete else f"bags, dim {shape[1]}"
         size = split_size(meta)  # the same two figures as info and the web page
-        rows.append((f"{ds}/{enc}/{sp}", meta.status, text, meta.logical_dtype, size.data_text(),
+        status = meta.status + (" STALE" if lineage_line(store, meta)[1] else "")
+        rows.append((f"{ds}/{enc}/{sp}", status, text, meta.logical_dtype, size.data_text(),
                      size.stored_text(notes=False)))  # fmt: skip
     if not rows:
         print(f"{store.url}: empty store")
@@ -74,6 +75,22 @@ def _run_ls(args: argparse.Namespace) -> int:
     for row in [header, *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     return 0
+
+
+def lineage_line(store: Any, meta: Any) -> tuple[str | None, str | None]:
+    """``(info's lineage line, the stale reason)`` of a derived split; ``(None, None)`` for others."""
+    from featurestore.core.lineage import stale_reason
+    from featurestore.format import lineage
+
+    doc = meta.extra.get(lineage.KEY) if meta.extra else None
+    if doc is None:
+        return None, None
+    reason = stale_reason(store, meta.to_json())
+    try:
+        text = lineage.describe(lineage.of(meta.to_json()) or {})
+    except Exception:  # a damaged lineage: the reason says so
+        text = "damaged"
+    return f"{text}; " + (f"STALE: {reason}" if reason else "current"), reason
 
 
 def _bag_lines(store: Any, args: argparse.Namespace, meta: Any) -> list[tuple[str, Any]]:
@@ -166,6 +183,9 @@ def _run_info(args: argparse.Namespace) -> int:
     ]
     if q:
         lines.append(("quantization", quantization_line(q)))
+    derived, _ = lineage_line(store, meta)
+    if derived is not None:
+        lines.append(("derived from", derived))
     if meta.is_bags:
         lines = [line for line in lines if line[0] != "labels"]
         lines[2:3] = _bag_lines(store, args, meta)

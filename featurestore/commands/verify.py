@@ -1,6 +1,6 @@
-"""``featurestore verify``: check a store, exit 0 (clean), 1 (damaged) or 2 (nothing checked).
+"""``featurestore verify``: check a store, exit 0 (clean), 1 (damaged or stale) or 2 (nothing checked).
 
-The exit status tells a script what happened: 1 only when damage was found; 2 when what was
+The exit status tells a script what happened: 1 only when damage (or a stale derived split) was found; 2 when what was
 asked could not be checked at all (no such dataset, encoder or split, a bad name, a store that
 is missing or unreachable), like argparse's own usage errors. A clean status never stands for
 "found nothing to check" where something was named.
@@ -30,8 +30,9 @@ def register(subparsers: Any) -> None:
         "every chunk's crc32c is also the one chunk_seals holds for its place, so a chunk swapped, "
         "moved or copied from another run is found (docs/FORMAT.md, 'Slide bags'). Every problem is "
         "listed. Incomplete splits are listed, not counted as damage; temporary files left by killed "
-        "writers are listed as leftovers (a resume removes them). Exit status 0 if clean, 1 if "
-        "anything is damaged, 2 if nothing could be checked (no such dataset, encoder or split; "
+        "writers are listed as leftovers (a resume removes them). A derived split (featurestore embed) whose "
+        "source was rewritten or removed since it was computed is listed as STALE. Exit status 0 if clean, 1 if "
+        "anything is damaged or stale, 2 if nothing could be checked (no such dataset, encoder or split; "
         "a missing or unreachable store).",
     )
     verify.add_argument("url")
@@ -63,7 +64,7 @@ def _run_verify(args: argparse.Namespace) -> int:
     found = verify_store(store, *(args.names or [None, None, None]))
     for problem in found.problems:
         print(f"DAMAGED {problem}")
-    damaged = checked = 0
+    damaged = checked = stale = 0
     for result in found.checks:
         if result.status == "writing":
             print(f"{result.key}: incomplete (status {result.status!r}), not checked")
@@ -75,11 +76,16 @@ def _run_verify(args: argparse.Namespace) -> int:
                 print(f"DAMAGED {problem}")
         else:
             print(f"{result.key}: ok ({result.chunks_checked} chunks)")
+        reason = _stale(store, result.key)
+        if reason is not None:
+            stale += 1
+            print(f"STALE {result.key}: {reason}: compute it again (featurestore embed ... --resume)")
     for temp in found.leftovers:
         writer = "running" if temp.writer_alive else "not running"
         print(f"LEFTOVER {temp.key}: temporary file of an unfinished write ({_size(temp.size)}, "
               f"writer pid {temp.pid} {writer}, {temp.age_s / 60:.0f} min old)")
     print(f"{checked} complete split(s) checked, {damaged} damaged"
+          + (f", {stale} stale (their source changed since they were computed)" if stale else "")
           + (f"; {len(found.problems)} problem(s) in the store's group documents" if found.problems else ""))
     if damaged:
         print("to repair a damaged split: the command that wrote it plus --resume --verify-chunks (featurestore "
@@ -89,5 +95,16 @@ def _run_verify(args: argparse.Namespace) -> int:
         total = sum(t.size for t in found.leftovers)
         print(f"{len(found.leftovers)} leftover temporary file(s), {_size(total)}: not damage; "
               "resuming the split (extract/import --resume) removes those of writers no longer running")
-    return EXIT_DAMAGED if damaged or found.problems else EXIT_CLEAN
+    return EXIT_DAMAGED if damaged or stale or found.problems else EXIT_CLEAN
+
+
+def _stale(store: Any, key: str) -> str | None:
+    """Why the derived split ``key`` (dataset/encoder/split) is stale, or None (featurestore.core.lineage)."""
+    from featurestore.core.lineage import stale_reason
+
+    try:
+        metadata = store.split_metadata(*key.split("/"))
+    except FeatureStoreError:  # unreadable metadata is already reported as damage
+        return None
+    return stale_reason(store, metadata)
 

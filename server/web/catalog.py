@@ -11,7 +11,7 @@ page still renders.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from featurestore.errors import FeatureStoreError
@@ -39,6 +39,8 @@ class SplitRow:
     preprocessing: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    # A derived split (``featurestore embed``): why it no longer describes its source, or None.
+    stale: str | None = None
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -103,14 +105,24 @@ class Catalog:
         with self._lock:
             cached = self._rows.get(key)
         if cached is not None and cached[0] == raw:
-            return cached[1]
+            return self._with_staleness(cached[1])
         try:
             row = row_from_document(*key, layout.load_document(raw))
         except (FeatureStoreError, ValueError, TypeError, AttributeError) as error:
             row = SplitRow(*key, error=f"{type(error).__name__}: {error}")
         with self._lock:
             self._rows[key] = (raw, row)
-        return row
+        return self._with_staleness(row)
+
+    def _with_staleness(self, row: SplitRow) -> SplitRow:
+        """The row with its staleness checked now: it depends on the source split's document, not
+        on this one's, so it is never cached with the row."""
+        from featurestore.core.lineage import stale_reason
+        from featurestore.format import lineage
+
+        if row.error or lineage.KEY not in row.metadata:
+            return row
+        return replace(row, stale=stale_reason(self.store, row.metadata))
 
     def channel_stats(self, dataset: str, encoder: str, split: str) -> Any:
         """The split's ``channel_stats`` (per-channel mean and std), read now."""

@@ -11,6 +11,8 @@ from urllib.parse import quote, urlencode
 
 import numpy as np
 
+from featurestore.errors import InvalidMetadata
+from featurestore.format import lineage
 from server.web import plots
 from server.web.catalog import BAGS, SplitRow
 from server.web.markup import Html, compact_json, figure, h, join, page, size_text
@@ -162,6 +164,8 @@ def overview(row: SplitRow) -> Html:
         ("created", f"{m.get('created')} by featurestore {(m.get('creator') or {}).get('version', '?')}"),
         ("completed", m.get("completed") or "not yet"),
     ]
+    if m.get("lineage") is not None:
+        items.append(("derived from", _lineage(row)))
     for name, key in (("token layout", "token_layout"), ("preprocessing", "preprocessing")):
         if m.get(key) is not None:  # a bag split of imported features has neither: no row
             items.append((name, _json_block(m.get(key))))
@@ -169,6 +173,17 @@ def overview(row: SplitRow) -> Html:
     if other:
         items.append(("encoder details", _json_block(other)))
     return _pairs(items)
+
+
+def _lineage(row: SplitRow) -> Html:
+    """The derived split's source and how it was computed, and whether it is still current."""
+    try:
+        text = lineage.describe(lineage.of(row.metadata) or {})
+    except InvalidMetadata as error:
+        text = str(error)
+    if row.stale:
+        return h('{} <span class="error">STALE: {}</span>', text, row.stale)
+    return h("{} (current)", text)
 
 
 def quantization(report: Any) -> Html:
@@ -255,7 +270,7 @@ _KNOWN = frozenset({
     "format", "format_version", "status", "dataset", "encoder_name", "split", "num_samples", "sample_shape",
     "logical_dtype", "source_dtype", "chunk_rows", "compressor", "labels", "ids", "encoder", "preprocessing",
     "token_layout", "cache_key", "quantization", "channel_stats", "creator", "created", "completed", "generation",
-    "kind", "bags",
+    "kind", "bags", "lineage",
 })  # fmt: skip
 
 

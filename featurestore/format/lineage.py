@@ -1,0 +1,116 @@
+"""Lineage of a derived split (``featurestore embed``): where its rows come from, and when they no
+longer describe their source (no I/O here; docs/FORMAT.md, "Lineage of derived splits").
+
+A split computed from another split (slide or patient embeddings pooled from a bag split) records
+its source in the split metadata under ``lineage``:
+
+    {"kind": "embedding", "version": 1,
+     "source": {"dataset", "encoder", "split", "kind", "generation", "completed", "num_bags", "num_rows"},
+     "slide_encoder": {"spec", "weights_hash", "output_dim"},
+     "autocast", "max_patches", "seed", "group_by", "empty_bags", "skipped"}
+
+The derived split is **stale** when its source is gone or is no longer the one it was computed
+from: another generation (overwritten), or the same generation committed again with other counts.
+:func:`stale_reason` is the one rule; ``featurestore.core.lineage`` reads the source's current
+metadata for it, and ``verify``, ``ls``/``info``, the web page, the server and ``embed --resume``
+all ask there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from featurestore.errors import InvalidMetadata
+
+KEY = "lineage"  # the split metadata key
+KIND = "embedding"
+VERSION = 1
+# The response header that says a derived split read over HTTP is stale (its value: the reason).
+STALE_HEADER = "X-Featurestore-Stale"
+# What a derived split records of its source's metadata; all must still hold for it to be current.
+SOURCE_FIELDS = ("generation", "completed", "num_bags", "num_rows")
+
+
+def source_state(metadata: dict[str, Any]) -> dict[str, Any]:
+    """What a derived split records of its source split's metadata (``SOURCE_FIELDS`` + kind)."""
+    bags = metadata.get("bags") or {}
+    return {"kind": metadata.get("kind", "dense"), "generation": metadata.get("generation"),
+            "completed": metadata.get("completed"), "num_bags": int(bags.get("count", 0)),
+            "num_rows": int(metadata.get("num_samples", 0))}
+
+
+def build(*, dataset: str, encoder: str, split: str, source_metadata: dict[str, Any],
+          slide_encoder: dict[str, Any], autocast: str | None, max_patches: int | None, seed: int,
+          group_by: str | None, empty_bags: str, skipped: list[str]) -> dict[str, Any]:
+    """The ``lineage`` document of a derived split."""
+    return {"kind": KIND, "version": VERSION,
+            "source": {"dataset": dataset, "encoder": encoder, "split": split, **source_state(source_metadata)},
+            "slide_encoder": slide_encoder, "autocast": autocast, "max_patches": max_patches, "seed": seed,
+            "group_by": group_by, "empty_bags": empty_bags, "skipped": list(skipped)}
+
+
+def cache_key(doc: dict[str, Any], dtype: str) -> str:
+    """The derived split's cache key: a resume with another source generation, encoder, autocast,
+    subset, grouping or dtype is another computation (``CacheKeyMismatch`` at ``create_split``)."""
+    return hashlib.sha256(json.dumps({"lineage": doc, "dtype": dtype}, sort_keys=True).encode()).hexdigest()
+
+
+def of(metadata: dict[str, Any]) -> dict[str, Any] | None:
+    """The split's lineage document, checked, or None for a split that records none."""
+    doc = metadata.get(KEY)
+    if doc is None:
+        return None
+    where = "/".join(str(metadata.get(k)) for k in ("dataset", "encoder_name", "split"))
+    try:
+        if doc["kind"] != KIND or doc["version"] != VERSION:
+            raise ValueError(f"kind {doc['kind']!r} version {doc['version']!r}")
+        source = doc["source"]
+        for name in ("dataset", "encoder", "split", *SOURCE_FIELDS):
+            source[name]  # noqa: B018 - presence
+    except (KeyError, TypeError, ValueError) as error:
+        raise InvalidMetadata(f"split {where} has a damaged lineage ({type(error).__name__}: {error}): "
+                              "compute it again (featurestore embed ... --overwrite)") from None
+    return dict(doc)
+
+
+def source_key(doc: dict[str, Any]) -> str:
+    source = doc["source"]
+    return f"{source['dataset']}/{source['encoder']}/{source['split']}"
+
+
+def stale_reason(doc: dict[str, Any], source_metadata: dict[str, Any] | None) -> str | None:
+    """Why a derived split (its lineage ``doc``) no longer describes its source, whose current
+    metadata is ``source_metadata`` (None: the source is gone), or None when it is current.
+    The text is ASCII (it travels in an HTTP header)."""
+    key, saved = source_key(doc), doc["source"]
+    if source_metadata is None:
+        return f"source {key} is gone"
+    if source_metadata.get("status") != "complete":
+        return f"source {key} is being rewritten (status {source_metadata.get('status')})"
+    now = source_state(source_metadata)
+    if saved["generation"] != now["generation"]:
+        return f"source {key} generation changed ({saved['generation']} -> {now['generation']})"
+    for name in ("num_bags", "num_rows", "completed"):
+        if saved[name] != now[name]:
+            return (f"source {key} changed ({saved['num_bags']} bags / {saved['num_rows']} patches committed "
+                    f"{saved['completed']}, now {now['num_bags']} / {now['num_rows']} committed {now['completed']})")
+    return None
+
+
+def describe(doc: dict[str, Any]) -> str:
+    """One line for ``info`` and the web page: the source and how the rows were computed."""
+    source, enc = doc["source"], doc.get("slide_encoder") or {}
+    parts = [f"{source_key(doc)} (generation {source['generation']})", f"slide encoder {enc.get('spec')}"]
+    if enc.get("weights_hash"):
+        parts.append(f"weights {enc['weights_hash'][:16]}")
+    if doc.get("autocast"):
+        parts.append(f"autocast {doc['autocast']}")
+    if doc.get("max_patches"):
+        parts.append(f"max {doc['max_patches']} patches, seed {doc.get('seed')}")
+    if doc.get("group_by"):
+        parts.append(f"grouped by {doc['group_by']}")
+    if doc.get("skipped"):
+        parts.append(f"{len(doc['skipped'])} empty bag(s) skipped")
+    return ", ".join(parts)
