@@ -4,20 +4,29 @@ through the local chunk cache (:mod:`featurestore.core.chunk_cache`).
 A read makes the chunks it touches local (whole GETs, checked, :mod:`featurestore.core.cached_array`),
 then gathers them with the local path (mmap or pread) from the cache directory. Chunks the cache
 does not take (no room, a full disk) are read by ranged GETs, as without a cache. A cached file
-found damaged by the first-read crc32c check of this process is removed and fetched again; one
-removed by another process's eviction between the fetch and the read is fetched again too.
+found damaged by the first-read check of this process is removed and fetched again; one removed by
+another process's eviction between the fetch and the read is fetched again too.
+
+The first-read check of a file this process did not fetch itself is its crc32c against its own
+trailer *and* against the split's seal for its position: a file replaced by another chunk's (its
+own crc32c valid) is not the chunk its path promises. A bag split's arrays: the trailer against
+``chunk_seals``; a dense split's features: the chunk against its sealed statistics row (row count,
+channel means: :mod:`featurestore.format.chunk_checks`), one small GET per chunk. A dense split's
+labels have no seal of their own: their check is the crc32c alone (docs/READS.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from featurestore.core import cached_array, checked, pread
 from featurestore.errors import MissingChunks
-from featurestore.format import layout
-from featurestore.format.metadata import SplitMetadata
+from featurestore.format import chunks, layout
+from featurestore.format.chunk_checks import features_match_stats
+from featurestore.format.metadata import SplitMetadata, seal_problem
 
 _CACHE_ATTEMPTS = 3  # fetch-and-read rounds of a cached read before it goes to ranged GETs
 
@@ -40,11 +49,14 @@ class CachedPath:
     path: str
     verify_reads: str
     read_pool: Any
+    name: str
+    seals: tuple[Any, str] | None
 
     def _chunk_path(self, chunk: int) -> str: ...
     def _array_maps(self) -> Any: ...
     def _gather_local(self, index: np.ndarray, rows: np.ndarray) -> None: ...
-    def _gather_ranges_checked(self, index: np.ndarray, rows: np.ndarray, positions: np.ndarray | None) -> None: ...
+    # (RangesPath's, through FeatureArray: declared, not defined, so no stub shadows it)
+    _gather_ranges_checked: Callable[[np.ndarray, np.ndarray, np.ndarray | None], None]
 
     def _cache_front(self) -> cached_array.CachedArray:
         if self._front is None:
@@ -101,25 +113,69 @@ class CachedPath:
         payload = self.chunk_rows * self.sample_nbytes
 
         paths = [self._chunk_path(c) for c in pending]
+        sealed = self._sealed(pending) if pending else None
         try:
-            reasons = checked.check_files(paths, payload, (self.read_pool or pread.default_pool()).executor())
-        except FileNotFoundError:  # evicted under us: find which, one file at a time
-            reasons = [_check_one(path, payload) for path in paths]
+            reasons = checked.check_files(paths, payload, (self.read_pool or pread.default_pool()).executor(),
+                                          sealed)
+        except (FileNotFoundError, IsADirectoryError):  # evicted (or damaged) under us: one file at a time
+            reasons = [_check_one(path, payload, k, sealed) for k, path in enumerate(paths)]
         damaged = {c: r for c, r in zip(pending, reasons) if r is not None}
         self._verified.add([c for c in pending if c not in damaged], self.num_chunks)
         return sorted(damaged)
 
+    def _sealed(self, pending: list[int]) -> Callable[[int, memoryview], str | None] | None:
+        """Whether the cached file of ``pending[k]`` is the chunk the split sealed for that
+        position (``inspect`` of :func:`checked.check_files`), or None where nothing is sealed."""
+        payload = self.chunk_rows * self.sample_nbytes
+        if self.seals is not None:  # a bag split's array: its chunk_seals column
+            table, name = self.seals
+            crcs = table.crcs(name)
+            if crcs is None:  # written before chunk_seals existed
+                return None
+
+            def against_seal(k: int, chunk: memoryview) -> str | None:
+                found, at = int.from_bytes(chunk[payload:], "little"), pending[k]
+                want = int(crcs[at]) if at < len(crcs) else None
+                if found == want:
+                    return None
+                return (f"crc32c {found:08x}, but the split's chunk_seals sealed "
+                        f"{'nothing' if want is None else f'{want:08x}'} for chunk {at}: another chunk's file")
+            return against_seal
+        meta = SplitMetadata.from_json(self.metadata, self._split_key)
+        if self.name != layout.FEATURES or meta.is_bags:
+            return None
+        keys = [layout.chunk_key(f"{self._split_key}/{layout.CHUNK_STATS}", c, 2) for c in pending]
+        try:
+            blobs = self._storage.read_many(keys)
+        except FileNotFoundError:
+            return None
+        # A statistics row that is not itself this generation's row for the chunk proves nothing
+        # about the file (the generation check judges the split): such chunks keep the crc check.
+        rows = {k: np.frombuffer(blob[: -layout.CRC_BYTES], np.float64)
+                for k, blob in enumerate(blobs)
+                if chunks.check(blob, len(blob) - layout.CRC_BYTES) is None
+                and seal_problem(blob, meta, pending[k]) is None}
+
+        def against_stats(k: int, chunk: memoryview) -> str | None:
+            if k not in rows:
+                return None
+            problem = features_match_stats(chunk, meta, pending[k], rows[k])
+            return None if problem is None else f"not chunk {pending[k]} of the split: {problem}"
+        return against_stats
+
     def _local_attempt(self, index: np.ndarray, rows: np.ndarray) -> bool:
         try:
             self._gather_local(index, rows)
-        except (FileNotFoundError, MissingChunks):
+        except (FileNotFoundError, IsADirectoryError, MissingChunks):
             self._warm_since = float("-inf")  # a chunk file left (evicted): check page-cache residency again
             return False
         return True
 
 
-def _check_one(path: str, payload: int) -> str | None:
+def _check_one(path: str, payload: int, k: int, sealed: Callable[[int, memoryview], str | None] | None
+               ) -> str | None:
+    inspect = None if sealed is None else (lambda _, chunk: sealed(k, chunk))
     try:
-        return checked.check_files([path], payload)[0]
-    except FileNotFoundError:
+        return checked.check_files([path], payload, None, inspect)[0]
+    except (FileNotFoundError, IsADirectoryError):
         return "gone"
