@@ -23,7 +23,7 @@ import numpy as np
 from fastapi import APIRouter, Header, Query, Request
 from starlette.concurrency import run_in_threadpool
 
-from featurestore.errors import CorruptChunk, IndexOutOfRange, MissingChunks
+from featurestore.errors import CorruptChunk, IndexOutOfRange, MissingChunks, SplitChanged
 from featurestore.format import wire
 from server.errors import BadRequest, NotFound, RequestTooLarge, ResponseTooLarge
 from server.responses import ArrayResponse
@@ -101,7 +101,7 @@ def gathered_response(state: StoreState, entry: OpenedSplit, nbytes: int, parts:
         outs = [state.buffer(shape, numpy_dtype) for shape, numpy_dtype, *_ in parts]
         try:
             fill(outs)
-        except (MissingChunks, CorruptChunk, FileNotFoundError):
+        except (MissingChunks, CorruptChunk, FileNotFoundError, SplitChanged):
             # Missing or damaged chunks mean a damaged store (500) only if the split is still the
             # one that was opened: an overwrite deletes and rewrites them, and a read caught in it
             # is the retryable 409 (issue 26.9).
@@ -113,10 +113,13 @@ def gathered_response(state: StoreState, entry: OpenedSplit, nbytes: int, parts:
         raise
     body = [(out[0] if single else out, dtype, shape_header, dtype_header)
             for out, (_, _, dtype, shape_header, dtype_header) in zip(outs, parts, strict=True)]  # fmt: skip
-    return ArrayResponse(body, media_type=media_type, npy=npy,
-                         chunk_bytes=state.settings.send_chunk_bytes,
-                         send_timeout_s=state.settings.send_timeout_s,
-                         on_sent=lambda: state.release(nbytes))  # fmt: skip
+    response = ArrayResponse(body, media_type=media_type, npy=npy,
+                             chunk_bytes=state.settings.send_chunk_bytes,
+                             send_timeout_s=state.settings.send_timeout_s,
+                             on_sent=lambda: state.release(nbytes))  # fmt: skip
+    if entry.generation is not None:  # the client refuses bytes of another generation than it opened
+        response.headers[wire.GENERATION_HEADER] = entry.generation
+    return response
 
 
 def _respond(state: StoreState, entry: OpenedSplit, arrays: list[Any], index: np.ndarray, *,

@@ -70,6 +70,12 @@ class OpenedSplit:
     def cache_key(self) -> tuple[str, str, str, str]:
         return (*self.key, self.kind)
 
+    @property
+    def generation(self) -> str | None:
+        """The generation the opened split's bytes are from (each data response says it)."""
+        value = self.array.metadata.get("generation")
+        return None if value is None else str(value)
+
 
 class StoreState:
     """The store opened read-only, plus an LRU of opened splits checked for staleness."""
