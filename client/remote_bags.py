@@ -78,7 +78,11 @@ class RemoteBags(BagLookup):
         """One bag's slide attributes (all bags' fetched on first use, one listing request)."""
         position = self.position(bag)
         if self._attrs is None:
-            self._attrs = self.client.bags(*self.key, attrs=True).attrs or [{} for _ in self.ids]
+            listing = self.client.bags(*self.key, attrs=True)
+            if listing.generation != self.listing.generation:
+                raise fse.SplitChanged(f"{self._where()}: the split is now generation {listing.generation!r}, this "
+                                       f"reader opened {self.listing.generation!r}: it was overwritten since; open it again")
+            self._attrs = listing.attrs or [{} for _ in self.ids]
         return dict(self._attrs[position])
 
     # ------------------------------------------------------------------ reads

@@ -96,6 +96,8 @@ def test_local_bag_reader_opened_before_an_overwrite(tmp_path: Any, monkeypatch:
         _one_generation_or_changed(lambda: early.read_numpy(bag_id), old[bag_id], changes)
     assert changes, "every bag of the old generation came back after the overwrite"
     assert "another generation" in changes[0]
+    with pytest.raises(SplitChanged, match="ds/enc/bags"):  # nor the new generation's attributes
+        early.attrs("slide-05")
 
 
 @pytest.mark.parametrize("local_read", ["mmap", "pread"])
@@ -199,7 +201,7 @@ def test_http_readers_refuse_another_generation(tmp_path: Any) -> None:
         features, labels = np.empty((2, DIM), np.float32), np.empty(2, np.int64)
         for read in (lambda: bags.read_numpy("slide-01", rows=slice(0, 1)), lambda: bags.read_numpy(2, rows=[0]),
                      lambda: dense.read_numpy([3, 40]), lambda: dense.labels.read_numpy([3]),
-                     lambda: dense.read_into([1, 2], features, labels)):
+                     lambda: dense.read_into([1, 2], features, labels), lambda: bags.attrs(0)):
             with pytest.raises(SplitChanged, match="ds/enc/"):
                 read()
         # By name, the client opens the split again and reads the new generation.

@@ -13,6 +13,7 @@ file is also checked against ``chunk_seals`` (:class:`SealTable`).
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import numpy as np
@@ -76,7 +77,10 @@ class BagSplit(bags.BagLookup):
         """The bag's attributes (slide attributes kept by import, or ``add_bag(attrs=)``)."""
         i = self.position(i_or_id)
         if self._attrs is None:
-            self._attrs = _strings(self._storage, self.key, bags.BAG_ATTRS)
+            since = time.monotonic()
+            attrs = _strings(self._storage, self.key, bags.BAG_ATTRS)
+            self.features._generation().after(since)  # the opened generation's, not a later one's
+            self._attrs = attrs
             if len(self._attrs) != len(self):
                 raise CorruptChunk(f"{self.key}/{bags.BAG_ATTRS} has {len(self._attrs)} entries for {len(self)} bags: "
                                    "the store is damaged; run `featurestore verify`, then re-import the split")
