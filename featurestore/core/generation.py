@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from featurestore.errors import SplitChanged
+from featurestore.errors import FeatureStoreError, SplitChanged
 from featurestore.format import layout
 from featurestore.format.metadata import COMPLETE
 
@@ -121,6 +121,8 @@ class GenerationCheck:
             self._after(time.monotonic())
         except SplitChanged as error:
             return error
+        except (OSError, FeatureStoreError):  # the document unreadable now: the read's own error stands
+            return None
         return None
 
     # ------------------------------------------------------------------ the document
@@ -144,14 +146,14 @@ class GenerationCheck:
         assert path is not None
         try:
             st = os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None
         if _key(st) == self._stat:
             return _SAME
         try:  # the bytes parsed are those of the file stat-ed (fstat on the same descriptor)
             with open(path, "rb") as f:
                 key, raw = _key(os.fstat(f.fileno())), f.read()
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None
         now = _attributes(raw)
         if self._matches(now):
