@@ -217,9 +217,10 @@ _READ_IN_A_NEW_PROCESS = textwrap.dedent("""
     store = featurestore.open_store(url, cache_dir=cache, **options)
     if kind == "bags":
         bags = store.open_bags("ds", "enc", "bags")
-        out = {bag_id: bags.read_numpy(bag_id)[0].tolist() for bag_id in bags.ids}
+        out = {bag_id: [part.tolist() for part in bags.read_numpy(bag_id)] for bag_id in bags.ids}
     else:
-        out = store.open("ds", "enc", "dense").read_numpy(np.arange(160)).tolist()
+        dense = store.open("ds", "enc", "dense")
+        out = [dense.read_numpy(np.arange(160)).tolist(), dense.labels.read_numpy(np.arange(160)).tolist()]
     print(json.dumps(out))
 """)
 
@@ -240,18 +241,19 @@ def _cache_files(root: Any, array: str) -> list[str]:
     return sorted(found, key=lambda p: int(os.path.basename(p)))
 
 
-@pytest.mark.parametrize("kind", ["dense", "bags"])
+@pytest.mark.parametrize(("kind", "array"), [("dense", "features"), ("dense", "labels"), ("bags", "features"),
+                                             ("bags", "coords")])
 def test_a_cached_file_swapped_for_another_chunk_is_fetched_again(seaweed_url: str, seaweed: Any, tmp_path: Any,
-                                                                   kind: str) -> None:
+                                                                   kind: str, array: str) -> None:
     options = dict(seaweed.storage_options)
     cache = tmp_path / "cache"
     if kind == "bags":
         data = _write_bags(seaweed_url, options, seed=1)
-        expected: Any = {bag_id: features.tolist() for bag_id, (features, _) in data.items()}
+        expected: Any = {bag_id: [f.tolist(), c.tolist()] for bag_id, (f, c) in data.items()}
     else:
-        expected = _write_dense(seaweed_url, options, seed=1).tolist()
+        expected = [_write_dense(seaweed_url, options, seed=1).tolist(), list(range(1000, 1160))]
     assert _read_in_a_new_process(seaweed_url, cache, options, kind) == expected  # fills the cache
-    files = _cache_files(cache, "features")
+    files = _cache_files(cache, array)
     assert len(files) >= 3
     shutil.copyfile(files[1], files[0])  # chunk 1's file, its own crc32c valid, at chunk 0's path
     assert _read_in_a_new_process(seaweed_url, cache, options, kind) == expected

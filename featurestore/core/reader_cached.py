@@ -9,14 +9,15 @@ another process's eviction between the fetch and the read is fetched again too.
 
 The first-read check of a file this process did not fetch itself is its crc32c against its own
 trailer *and* against the split's seal for its position: a file replaced by another chunk's (its
-own crc32c valid) is not the chunk its path promises. A bag split's arrays: the trailer against
-``chunk_seals``; a dense split's features: the chunk against its sealed statistics row (row count,
-channel means: :mod:`featurestore.format.chunk_checks`), one small GET per chunk. A dense split's
-labels have no seal of their own: their check is the crc32c alone (docs/READS.md).
+own crc32c valid) is not the chunk its path promises. A bag split's features and coords: the
+trailer against ``chunk_seals`` (no request); any other array (a dense split's features and
+labels): against the trailer of the object at that position on storage, of the opened generation
+(4 bytes per chunk, one batch of ranged GETs, then the generation check). docs/READS.md.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,9 +25,8 @@ import numpy as np
 
 from featurestore.core import cached_array, checked, pread
 from featurestore.errors import MissingChunks
-from featurestore.format import chunks, layout
-from featurestore.format.chunk_checks import features_match_stats
-from featurestore.format.metadata import SplitMetadata, seal_problem
+from featurestore.format import layout
+from featurestore.format.metadata import SplitMetadata
 
 _CACHE_ATTEMPTS = 3  # fetch-and-read rounds of a cached read before it goes to ranged GETs
 
@@ -49,8 +49,8 @@ class CachedPath:
     path: str
     verify_reads: str
     read_pool: Any
-    name: str
     seals: tuple[Any, str] | None
+    _generation: Callable[[], Any]
 
     def _chunk_path(self, chunk: int) -> str: ...
     def _array_maps(self) -> Any: ...
@@ -141,27 +141,24 @@ class CachedPath:
                 return (f"crc32c {found:08x}, but the split's chunk_seals sealed "
                         f"{'nothing' if want is None else f'{want:08x}'} for chunk {at}: another chunk's file")
             return against_seal
-        meta = SplitMetadata.from_json(self.metadata, self._split_key)
-        if self.name != layout.FEATURES or meta.is_bags:
-            return None
-        keys = [layout.chunk_key(f"{self._split_key}/{layout.CHUNK_STATS}", c, 2) for c in pending]
+        # Elsewhere (a dense split's features and labels, a bag split's index arrays): the crc32c
+        # trailer of the object at that position on storage, this generation's (checked after),
+        # 4 bytes per chunk in one batch of ranged GETs.
+        keys = [layout.chunk_key(self._key, c, self._ndim) for c in pending]
         try:
-            blobs = self._storage.read_many(keys)
+            trailers = self._storage.read_ranges(keys, [payload] * len(keys), [payload + layout.CRC_BYTES] * len(keys))
         except FileNotFoundError:
-            return None
-        # A statistics row that is not itself this generation's row for the chunk proves nothing
-        # about the file (the generation check judges the split): such chunks keep the crc check.
-        rows = {k: np.frombuffer(blob[: -layout.CRC_BYTES], np.float64)
-                for k, blob in enumerate(blobs)
-                if chunks.check(blob, len(blob) - layout.CRC_BYTES) is None
-                and seal_problem(blob, meta, pending[k]) is None}
+            return None  # a chunk gone from storage: its read says so
+        self._generation().after(time.monotonic())
+        sealed_crcs = [bytes(t) for t in trailers]
 
-        def against_stats(k: int, chunk: memoryview) -> str | None:
-            if k not in rows:
+        def against_storage(k: int, chunk: memoryview) -> str | None:
+            found, want = bytes(chunk[payload:]), sealed_crcs[k]
+            if found == want:
                 return None
-            problem = features_match_stats(chunk, meta, pending[k], rows[k])
-            return None if problem is None else f"not chunk {pending[k]} of the split: {problem}"
-        return against_stats
+            return (f"crc32c {found[::-1].hex()}, but the store holds {want[::-1].hex()} for chunk {pending[k]}: "
+                    "another chunk's file")
+        return against_storage
 
     def _local_attempt(self, index: np.ndarray, rows: np.ndarray) -> bool:
         try:
