@@ -120,6 +120,23 @@ def test_local_dense_batches_never_mix_generations(tmp_path: Any, monkeypatch: p
     np.testing.assert_array_equal(fresh.read_numpy(index), new[index])
 
 
+def test_compressed_reads_never_mix_generations(tmp_path: Any) -> None:
+    """The zarr path (compressed arrays) checks after each read too."""
+    url = str(tmp_path / "store")
+    store = featurestore.open_store(url, mode="a")
+    for seed in (1, 2):
+        writer = store.create_split("ds", "enc", "z", num_samples=64, sample_shape=(DIM,), dtype="float32",
+                                    chunk_rows=CHUNK_ROWS, compressor="zstd", overwrite=True)
+        writer.write(0, np.full((64, DIM), seed, np.float32))
+        writer.commit()
+        if seed == 1:
+            early = featurestore.open_store(url).open("ds", "enc", "z")
+            assert early.path == "zarr"
+            np.testing.assert_array_equal(early.read_numpy([0, 40]), np.ones((2, DIM)))
+    with pytest.raises(SplitChanged, match="ds/enc/z"):
+        early.read_numpy([0, 40])
+
+
 def test_a_chunk_gone_under_an_overwrite_is_split_changed_not_damage(tmp_path: Any) -> None:
     """The overwrite's delete caught between two reads: the reader says the split changed (not
     MissingChunks "damaged store")."""
