@@ -75,6 +75,8 @@ STATUS: Mapping[type[BaseException], int] = {
     # a dense route on a bag split, a bag route on a dense split: no such resource there
     fse.WrongSplitKind: 404,
     fse.IncompleteSplit: 409,
+    # overwritten while this request read it (a data route answers the retryable 409 instead)
+    fse.SplitChanged: 409,
     ResponseTooLarge: 413,
     RequestTooLarge: 413,
     Busy: 503,
