@@ -294,4 +294,17 @@ def test_a_directory_at_a_cached_chunk_path_is_a_damaged_entry(seaweed_url: str,
             for _ in range(2):
                 np.testing.assert_array_equal(reader.read_numpy(np.arange(160)), values)
     assert os.path.isfile(files[2])  # removed and fetched again
+    # One that cannot be removed (immutable): its chunk is read by ranges, the others from the cache.
+    os.unlink(files[3])
+    os.makedirs(os.path.join(files[3], "inner"))
+    if subprocess.run(["chattr", "+i", files[3]], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here: the unremovable case needs an immutable directory")
+    try:
+        with caplog.at_level(logging.WARNING, logger="featurestore"):
+            third = featurestore.open_store(seaweed_url, cache_dir=str(cache), **options).open("ds", "enc", "dense")
+            for _ in range(2):
+                np.testing.assert_array_equal(third.read_numpy(np.arange(160)), values)
+        assert os.path.isdir(files[3])
+    finally:
+        subprocess.run(["chattr", "-i", files[3]], check=True)
     assert len([r for r in caplog.records if "not a chunk file" in r.getMessage()]) <= 1
