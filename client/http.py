@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 
 from client._stdlib_transport import StdlibTransport
-from client.remote import RemoteFeatureArray
+from client.remote import RemoteFeatureArray, check_generation, reopening
 from client.remote_bags import RemoteBags
 from featurestore import errors as fse
 from featurestore.format import wire
@@ -331,6 +331,7 @@ class FeatureClient:
             bags = self._bags[key] = RemoteBags(self, key, self.bags(dataset, encoder, split))
         return bags
 
+    @reopening
     def read_bag(self, dataset: str, encoder: str, split: str, bag: int | str, rows: Any = None
                  ) -> tuple[Any, Any]:  # fmt: skip
         """One bag, by id (``str``) or position (``int``): ``(features [n, D] torch tensor in the
@@ -338,6 +339,7 @@ class FeatureClient:
         indices. A bag above the server's byte cap is fetched in row ranges, into one tensor."""
         return self.open_bags(dataset, encoder, split).read(bag, rows=rows)
 
+    @reopening
     def read_bag_numpy(self, dataset: str, encoder: str, split: str, bag: int | str, rows: Any = None,
                        out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         """:meth:`read_bag` as numpy (bfloat16 as uint16 bits), the features into ``out`` if
@@ -345,12 +347,15 @@ class FeatureClient:
         return self.open_bags(dataset, encoder, split).read_numpy(bag, rows=rows, out=out)
 
     def fetch_bag(self, path: str, features: np.ndarray, coords: np.ndarray, dtype: str, coords_dtype: str, *,
-                  params: dict[str, str] | None = None, indices: np.ndarray | None = None) -> None:  # fmt: skip
+                  params: dict[str, str] | None = None, indices: np.ndarray | None = None,
+                  generation: str | None = None) -> None:  # fmt: skip
         """One :data:`wire.BAG` response (features, then coordinates) streamed into ``features``
-        and ``coords``; rows ``params`` (``start``/``stop``) by GET, or ``indices`` by POST."""
+        and ``coords``; rows ``params`` (``start``/``stop``) by GET, or ``indices`` by POST;
+        ``generation``: the split's as the caller opened it (another one is SplitChanged)."""
         parts = [(features, dtype, wire.SHAPE_HEADER, wire.DTYPE_HEADER),
                  (coords, coords_dtype, wire.COORDS_SHAPE_HEADER, wire.COORDS_DTYPE_HEADER)]
-        self._fetch_parts("GET" if indices is None else "POST", path, parts, params=params, indices=indices)
+        self._fetch_parts("GET" if indices is None else "POST", path, parts, params=params, indices=indices,
+                          generation=generation)
 
     def _array(self, dataset: str, encoder: str, split: str, labels: bool) -> RemoteFeatureArray:
         arr = self.open(dataset, encoder, split)
@@ -361,16 +366,19 @@ class FeatureClient:
             return arr.labels
         return arr
 
+    @reopening
     def read_numpy(self, dataset: str, encoder: str, split: str, indices: Any, *,
                    labels: bool = False, out: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
         """Rows ``indices`` in the storage dtype (uint16 bits for bfloat16); no torch needed."""
         return self._array(dataset, encoder, split, labels).read_numpy(indices, out=out)
 
+    @reopening
     def read(self, dataset: str, encoder: str, split: str, indices: Any, *,
              labels: bool = False) -> Any:  # fmt: skip
         """Rows ``indices`` as a torch tensor of the stored dtype (torch.bfloat16 for bfloat16)."""
         return self._array(dataset, encoder, split, labels).read(indices)
 
+    @reopening
     def read_samples(self, dataset: str, encoder: str, split: str, indices: Any
                      ) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
         """Features and labels (None without labels) of ``indices``, in one request."""
@@ -383,25 +391,28 @@ class FeatureClient:
         arr.read_into(index, features, labels)
         return features, labels
 
+    @reopening
     def read_range(self, dataset: str, encoder: str, split: str, start: int, stop: int, *,
                    labels: bool = False) -> np.ndarray:  # fmt: skip
         return self._array(dataset, encoder, split, labels).read_range(start, stop)
 
+    @reopening
     def item(self, dataset: str, encoder: str, split: str, index: int, *,
              labels: bool = False) -> np.ndarray:  # fmt: skip
         """One sample (storage dtype), via the single-item route."""
         arr = self._array(dataset, encoder, split, labels)
         out = np.empty(arr.sample_shape, arr.numpy_dtype)
         path = wire.route(wire.ITEM, **arr.route, index=int(index))
-        return self.fetch_into("GET", path, out, arr.dtype, params=arr.params)
+        return self.fetch_into("GET", path, out, arr.dtype, params=arr.params, generation=arr.structure.generation)
 
     def fetch_into(self, method: str, path: str, out: np.ndarray, dtype: str, *,
-                   params: dict[str, str] | None = None,
-                   indices: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+                   params: dict[str, str] | None = None, indices: np.ndarray | None = None,
+                   generation: str | None = None) -> np.ndarray:  # fmt: skip
         """One data response (``X-Shape`` must be ``out.shape``, ``X-Dtype`` ``dtype``) streamed
-        straight into ``out``; ``indices`` go as a raw int64 body (:data:`wire.INDICES`)."""
+        straight into ``out``; ``indices`` go as a raw int64 body (:data:`wire.INDICES`);
+        ``generation``: the split's as the caller opened it (another one is SplitChanged)."""
         parts = [(out, dtype, wire.SHAPE_HEADER, wire.DTYPE_HEADER)]
-        return self._fetch_parts(method, path, parts, params=params, indices=indices)[0]
+        return self._fetch_parts(method, path, parts, params=params, indices=indices, generation=generation)[0]
 
     def fetch_samples(self, arr: RemoteFeatureArray, index: np.ndarray, features: np.ndarray,
                       labels: np.ndarray) -> None:  # fmt: skip
@@ -409,17 +420,20 @@ class FeatureClient:
         assert arr.labels is not None
         parts = [(features, arr.dtype, wire.SHAPE_HEADER, wire.DTYPE_HEADER),
                  (labels, arr.labels.dtype, wire.LABELS_SHAPE_HEADER, wire.LABELS_DTYPE_HEADER)]
-        self._fetch_parts("POST", wire.route(wire.SAMPLES, **arr.route), parts, indices=index)
+        self._fetch_parts("POST", wire.route(wire.SAMPLES, **arr.route), parts, indices=index,
+                          generation=arr.structure.generation)
 
     def _fetch_parts(self, method: str, path: str,
                      parts: list[tuple[np.ndarray, str, str, str]], *,
-                     params: dict[str, str] | None = None,
-                     indices: np.ndarray | None = None) -> list[np.ndarray]:  # fmt: skip
+                     params: dict[str, str] | None = None, indices: np.ndarray | None = None,
+                     generation: str | None = None) -> list[np.ndarray]:  # fmt: skip
         """Stream one response into ``parts`` (arrays back to back, each described by its own
-        shape/dtype headers): no intermediate body buffer."""
+        shape/dtype headers): no intermediate body buffer. A response from another generation of
+        the split than ``generation`` (the caller's) is :class:`SplitChanged`, its body unread."""
         targets = [out.reshape(-1).view(np.uint8).data for out, *_ in parts]
 
         def fill(response: httpx.Response) -> list[np.ndarray]:
+            check_generation(response.headers, generation, self.url + path)
             for out, dtype, shape_header, dtype_header in parts:
                 try:
                     shape = wire.parse_shape(response.headers.get(shape_header, ""))

@@ -3,11 +3,13 @@ local :class:`featurestore.FeatureArray`, so datasets and loaders treat both sou
 
 Everything it knows about the split comes from one :class:`~featurestore.format.wire.SplitStructure`
 (one ``GET .../arrays``); every byte it reads comes through :meth:`FeatureClient.fetch_into` /
-:meth:`FeatureClient.fetch_samples`, the client's public data calls.
+:meth:`FeatureClient.fetch_samples`, the client's public data calls, each response checked to be
+of the generation the structure named (``SplitChanged`` if the split was overwritten since).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,7 +20,42 @@ from featurestore.format import wire
 if TYPE_CHECKING:
     from client.http import FeatureClient
 
-__all__ = ["RemoteFeatureArray"]
+__all__ = ["RemoteFeatureArray", "check_generation", "reopening"]
+
+REOPENS = 3  # tries of a by-name read whose split keeps being overwritten under it
+
+
+def reopening(method: Any) -> Any:
+    """A by-name read (``fc.read_numpy(dataset, encoder, split, ...)``) reads the split as it is
+    now: when it was overwritten since the client cached its structure (SplitChanged), the split
+    is opened again and the read done again, whole (no rows of two generations). A reader the
+    caller holds (``fc.open(...)``) raises SplitChanged instead: its offsets and lengths are the
+    old generation's."""
+
+    @functools.wraps(method)
+    def call(self: Any, dataset: str, encoder: str, split: str, *args: Any, **kwargs: Any) -> Any:
+        for attempt in range(REOPENS):
+            try:
+                return method(self, dataset, encoder, split, *args, **kwargs)
+            except fse.SplitChanged:
+                self._layouts.pop((dataset, encoder, split), None)
+                self._bags.pop((dataset, encoder, split), None)
+                if attempt == REOPENS - 1:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    return call
+
+
+def check_generation(headers: Any, generation: str | None, where: str) -> None:
+    """Refuse (SplitChanged) a data response from another generation of the split than the one
+    the reader opened (``generation``, from its structure or listing): the server answers from
+    the split as it is now, and rows of an overwritten split must not pass for the old ones."""
+    served = headers.get(wire.GENERATION_HEADER)
+    if generation is not None and served is not None and served != generation:
+        raise fse.SplitChanged(wire.redact(
+            f"{where} answered from generation {served!r} of the split, this reader opened {generation!r}: "
+            "the split was overwritten since it was opened; open it again"))
 
 
 class RemoteFeatureArray:
@@ -51,8 +88,10 @@ class RemoteFeatureArray:
         self.params: dict[str, str] = {"labels": "true"} if labels else {}
         self._ids: list[str] | None = None
         self.labels: RemoteFeatureArray | None = None
+        self.features_array: RemoteFeatureArray = self  # the labels' own: the one the client caches
         if not labels and structure.labels is not None:
             self.labels = RemoteFeatureArray(client, key, structure, labels=True)
+            self.labels.features_array = self
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -107,9 +146,19 @@ class RemoteFeatureArray:
         index = self._index(indices)
         out = self._out(out, len(index), self.sample_shape, self.numpy_dtype)
         rows = max(1, self.max_response_bytes // max(self.sample_nbytes, 1))
-        for start in range(0, len(index), rows):
-            self._read_piece(index[start : start + rows], out[start : start + rows])
+        try:
+            for start in range(0, len(index), rows):
+                self._read_piece(index[start : start + rows], out[start : start + rows])
+        except fse.SplitChanged:
+            self._forget()
+            raise
         return out
+
+    def _forget(self) -> None:
+        """The split was overwritten: the client's next ``open`` of it asks for its structure again."""
+        layouts = getattr(self.client, "_layouts", {})
+        if layouts.get(self.key) in (self, self.features_array):
+            del layouts[self.key]
 
     def read_into(self, indices: Any, features: np.ndarray,
                   labels: np.ndarray | None = None) -> None:  # fmt: skip
@@ -126,9 +175,13 @@ class RemoteFeatureArray:
         labels = self._out(labels, len(index), lab.sample_shape, lab.numpy_dtype)
         per_row = self.sample_nbytes + lab.sample_nbytes
         rows = max(1, self.max_response_bytes // max(per_row, 1))
-        for start in range(0, len(index), rows):
-            piece = slice(start, start + rows)
-            self.client.fetch_samples(self, index[piece], features[piece], labels[piece])
+        try:
+            for start in range(0, len(index), rows):
+                piece = slice(start, start + rows)
+                self.client.fetch_samples(self, index[piece], features[piece], labels[piece])
+        except fse.SplitChanged:
+            self._forget()
+            raise
 
     def _read_piece(self, index: np.ndarray, out: np.ndarray) -> None:
         if not len(index):
@@ -140,7 +193,7 @@ class RemoteFeatureArray:
         if len(index) == 1 or (int(index[-1]) - first == len(index) - 1
                                and bool(np.all(np.diff(index) == 1))):  # fmt: skip
             params = {**self.params, "start": str(first), "stop": str(first + len(index))}
-            self.client.fetch_into("GET", batch, out, self.dtype, params=params)
+            self.client.fetch_into("GET", batch, out, self.dtype, params=params, generation=self.structure.generation)
         else:
             self.client.fetch_into("POST", batch, out, self.dtype, params=self.params,
-                                   indices=index)  # fmt: skip
+                                   indices=index, generation=self.structure.generation)  # fmt: skip

@@ -4,7 +4,9 @@
 Everything it knows about the split comes from one :class:`~featurestore.format.wire.BagsListing`
 (``GET /v1/bags/...``, all pages, fetched once); every byte it reads comes through
 :meth:`FeatureClient.fetch_bag`, one request per bag, or several for a bag larger than the server's
-byte cap (row ranges, each written in place into the one output pair).
+byte cap (row ranges, each written in place into the one output pair). Each response must be of
+the generation the listing named: a bag of a split overwritten since is ``SplitChanged``, never
+another generation's rows under this listing's lengths.
 """
 
 from __future__ import annotations
@@ -76,7 +78,11 @@ class RemoteBags(BagLookup):
         """One bag's slide attributes (all bags' fetched on first use, one listing request)."""
         position = self.position(bag)
         if self._attrs is None:
-            self._attrs = self.client.bags(*self.key, attrs=True).attrs or [{} for _ in self.ids]
+            listing = self.client.bags(*self.key, attrs=True)
+            if listing.generation != self.listing.generation:
+                raise fse.SplitChanged(f"{self._where()}: the split is now generation {listing.generation!r}, this "
+                                       f"reader opened {self.listing.generation!r}: it was overwritten since; open it again")
+            self._attrs = listing.attrs or [{} for _ in self.ids]
         return dict(self._attrs[position])
 
     # ------------------------------------------------------------------ reads
@@ -101,16 +107,26 @@ class RemoteBags(BagLookup):
         # Pieces that fit the server's byte cap, each one request written in place.
         step = max(1, self.listing.max_response_bytes // max(self.listing.row_nbytes, 1))
         path = wire.route(wire.BAG, **self.route, bag_id=bag_id)
+        try:
+            self._fetch(path, selection, count, step, features, coords)
+        except fse.SplitChanged:  # the client's next open_bags of it asks for its listing again
+            cached = getattr(self.client, "_bags", {})
+            if cached.get(self.key) is self:
+                del cached[self.key]
+            raise
+        return features, coords
+
+    def _fetch(self, path: str, selection: slice | np.ndarray, count: int, step: int, features: np.ndarray,
+               coords: np.ndarray) -> None:
         for lo in range(0, count, step):  # an empty bag: nothing to ask for
             hi = min(count, lo + step)
             if isinstance(selection, slice):
                 params = {"start": str(selection.start + lo), "stop": str(selection.start + hi)}
                 self.client.fetch_bag(path, features[lo:hi], coords[lo:hi], self.dtype, self.coords_dtype,
-                                      params=params)  # fmt: skip
+                                      params=params, generation=self.listing.generation)  # fmt: skip
             else:
                 self.client.fetch_bag(path, features[lo:hi], coords[lo:hi], self.dtype, self.coords_dtype,
-                                      indices=selection[lo:hi])  # fmt: skip
-        return features, coords
+                                      indices=selection[lo:hi], generation=self.listing.generation)  # fmt: skip
 
     def _outs(self, out: np.ndarray | None, count: int) -> tuple[np.ndarray, np.ndarray]:
         coords = np.empty((count, 2), wire.storage_dtype(self.coords_dtype))

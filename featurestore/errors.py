@@ -105,8 +105,8 @@ class CorruptChunk(FeatureStoreError, IOError):
 
 
 class SplitChanged(FeatureStoreError, RuntimeError):
-    """A split was overwritten or deleted while a reader that opened it earlier still reads it
-    (a chunk of another generation reached the chunk cache's seal check)."""
+    """A split was overwritten or deleted while a reader that opened it earlier still reads it:
+    the read would need rows of another generation (docs/READS.md, "Generations"). Open it again."""
 
 
 class MissingChunks(FeatureStoreError, RuntimeError):

@@ -77,6 +77,8 @@ STATUS: Mapping[type[BaseException], int] = {
     fse.IncompleteSplit: 409,
     fse.AttentionNotFound: 404,
     fse.StaleAttention: 409,
+    # overwritten while this request read it (a data route answers the retryable 409 instead)
+    fse.SplitChanged: 409,
     ResponseTooLarge: 413,
     RequestTooLarge: 413,
     Busy: 503,

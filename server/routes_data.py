@@ -23,7 +23,7 @@ import numpy as np
 from fastapi import APIRouter, Header, Query, Request
 from starlette.concurrency import run_in_threadpool
 
-from featurestore.errors import CorruptChunk, IndexOutOfRange, MissingChunks
+from featurestore.errors import CorruptChunk, IndexOutOfRange, MissingChunks, SplitChanged
 from featurestore.format import lineage, wire
 from server.errors import BadRequest, NotFound, RequestTooLarge, ResponseTooLarge
 from server.responses import ArrayResponse
@@ -103,7 +103,7 @@ def gathered_response(state: StoreState, entry: OpenedSplit, nbytes: int, parts:
         outs = [state.buffer(shape, numpy_dtype) for shape, numpy_dtype, *_ in parts]
         try:
             fill(outs)
-        except (MissingChunks, CorruptChunk, FileNotFoundError):
+        except (MissingChunks, CorruptChunk, FileNotFoundError, SplitChanged):
             # Missing or damaged chunks mean a damaged store (500) only if the split is still the
             # one that was opened: an overwrite deletes and rewrites them, and a read caught in it
             # is the retryable 409 (issue 26.9).
@@ -121,6 +121,8 @@ def gathered_response(state: StoreState, entry: OpenedSplit, nbytes: int, parts:
                              on_sent=lambda: state.release(nbytes))  # fmt: skip
     if stale is not None:  # a derived split whose source changed since (featurestore.core.lineage)
         response.headers[lineage.STALE_HEADER] = stale
+    if entry.generation is not None:  # the client refuses bytes of another generation than it opened
+        response.headers[wire.GENERATION_HEADER] = entry.generation
     return response
 
 

@@ -9,6 +9,11 @@ between (an overwrite started, a re-extraction committed) is answered with 409, 
 ever mixes two generations. On object storage each re-read is a round trip, so the document is
 re-checked at most every ``metadata_ttl_s`` seconds (default 1 s) and only before the gather.
 
+The store's readers check the generation themselves (featurestore.core.generation): a read on
+object storage caught in an overwrite raises SplitChanged, answered with the same retryable 409.
+Every data response names the generation of the opened split (``OpenedSplit.generation``, the
+``X-Featurestore-Generation`` header): a client compares it with the one it opened.
+
 Overwrites (issue 26.9): a split this worker has served complete and that is now incomplete (an
 overwrite is writing it), missing (the overwrite deleted it and has not written it again yet),
 or whose chunks vanished or changed under a read (a MissingChunks/CorruptChunk/FileNotFoundError
@@ -72,6 +77,12 @@ class OpenedSplit:
     @property
     def cache_key(self) -> tuple[str, str, str, str]:
         return (*self.key, self.kind)
+
+    @property
+    def generation(self) -> str | None:
+        """The generation the opened split's bytes are from (each data response says it)."""
+        value = self.array.metadata.get("generation")
+        return None if value is None else str(value)
 
 
 class StoreState:

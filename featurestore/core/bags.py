@@ -4,17 +4,21 @@ The index (``offsets``, ``bag_ids``, ``labels``) is read once when the split is 
 small arrays: no scan of the rows). One bag is rows ``offsets[i]:offsets[i + 1]`` of ``features``
 and ``coords``, read by :class:`featurestore.core.reader.FeatureArray` like any dense rows: memory
 map or concurrent preads locally, one ranged read per chunk the bag spans on object storage, each
-chunk's crc32c checked on its first read per process (featurestore.core.checked).
+chunk's crc32c checked on its first read per process (featurestore.core.checked). Every read
+is of the generation the split was opened as, or ``SplitChanged`` (featurestore.core.generation):
+the offsets read at open never meet another generation's rows. Through the chunk cache, a cached
+file is also checked against ``chunk_seals`` (:class:`SealTable`).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import numpy as np
 
-from featurestore.core.bag_commit import read_strings
+from featurestore.core.bag_commit import generation_of, read_strings
 from featurestore.core.reader import FeatureArray
 from featurestore.core.storage import Storage
 from featurestore.errors import CorruptChunk, IndexOutOfRange, InvalidIndices, ShapeMismatch
@@ -40,6 +44,8 @@ class BagSplit(bags.BagLookup):
                                      logical_dtype=self.dtype, metadata=self.metadata)
         self.coords = FeatureArray(storage, key, bags.COORDS, documents[bags.COORDS],
                                    logical_dtype=self.coords_dtype, metadata=self.metadata)
+        seals = SealTable(storage, key, meta)
+        self.features.seals, self.coords.seals = (seals, layout.FEATURES), (seals, bags.COORDS)
         offsets = _whole(storage, key, bags.OFFSETS, documents[bags.OFFSETS], "int64", self.metadata)
         self.offsets: np.ndarray = offsets
         self.lengths: np.ndarray = np.diff(offsets).astype(np.int64)
@@ -71,7 +77,10 @@ class BagSplit(bags.BagLookup):
         """The bag's attributes (slide attributes kept by import, or ``add_bag(attrs=)``)."""
         i = self.position(i_or_id)
         if self._attrs is None:
-            self._attrs = _strings(self._storage, self.key, bags.BAG_ATTRS)
+            since = time.monotonic()
+            attrs = _strings(self._storage, self.key, bags.BAG_ATTRS)
+            self.features._generation().after(since)  # the opened generation's, not a later one's
+            self._attrs = attrs
             if len(self._attrs) != len(self):
                 raise CorruptChunk(f"{self.key}/{bags.BAG_ATTRS} has {len(self._attrs)} entries for {len(self)} bags: "
                                    "the store is damaged; run `featurestore verify`, then re-import the split")
@@ -104,14 +113,49 @@ class BagSplit(bags.BagLookup):
         index = self.rows_of(i_or_id, rows)
         if out is not None and (out.shape != (len(index), self.dim) or not out.flags.c_contiguous):
             raise ShapeMismatch(f"out has shape {out.shape}; this bag read needs a C-contiguous ({len(index)}, {self.dim}) array")
-        features = self.features.read_numpy(index, out=out)
-        return features, self.coords.read_numpy(index)
+        with self.features._generation().deferred():  # features and coords: one check
+            features = self.features.read_numpy(index, out=out)
+            return features, self.coords.read_numpy(index)
 
     def read(self, i_or_id: int | str, rows: Any = None) -> tuple[Any, Any]:
         """``(features, coords)`` as torch tensors: features in the stored dtype (torch.bfloat16
         for bfloat16), coords in the split's coords dtype."""
         features, coords = self.read_numpy(i_or_id, rows)
         return dtypes.to_torch(features, self.dtype), dtypes.to_torch(coords, self.coords_dtype)
+
+
+class SealTable:
+    """A bag split's ``chunk_seals``, read on first use (the chunk cache's check of a file it did
+    not fetch itself): each sealed array's crc32c per chunk index."""
+
+    def __init__(self, storage: Storage, key: str, meta: SplitMetadata) -> None:
+        self._storage, self._key, self._meta = storage, key, meta
+        self._columns: dict[str, np.ndarray] | None = None
+
+    def crcs(self, name: str) -> np.ndarray | None:
+        """The crc32c sealed for each chunk of array ``name``, or None where nothing is sealed
+        (a split committed before ``chunk_seals`` existed, or a table not this generation's:
+        ``featurestore verify`` reports that one)."""
+        if self._columns is None:
+            self._columns = self._load()
+        return self._columns.get(name)
+
+    def _load(self) -> dict[str, np.ndarray]:
+        try:
+            doc = layout.load_document(self._storage.read(f"{self._key}/{bags.CHUNK_SEALS}/{layout.ZARR_JSON}"))
+        except FileNotFoundError:
+            return {}
+        table = _whole(self._storage, self._key, bags.CHUNK_SEALS, doc, "uint64", self._meta.to_json())
+        if table.ndim != 2 or table.shape[1] != bags.SEAL_COLUMNS or \
+                bool((table[:, 3] != generation_of(self._meta)).any()):  # fmt: skip
+            return {}
+        columns = {}
+        for code, name in enumerate(bags.SEALED_ARRAYS):
+            rows = table[table[:, 0] == code]
+            crcs = np.full(int(rows[:, 1].max()) + 1 if len(rows) else 0, -1, np.int64)
+            crcs[rows[:, 1].astype(np.int64)] = rows[:, 2].astype(np.int64)
+            columns[name] = crcs
+        return columns
 
 
 def _strings(storage: Storage, key: str, name: str) -> list[str]:

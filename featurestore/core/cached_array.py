@@ -6,10 +6,15 @@ process's :class:`~featurestore.core.chunk_cache.ChunkCache` (one GET streamed i
 :data:`~featurestore.core.chunk_cache.PART_BYTES`) and checked before the file is renamed into
 place: its size and its crc32c trailer (both computed as the bytes stream in), and that the split
 is still the generation it was opened as, complete: its group document, requested after the
-chunk's GET was answered, says so (:class:`_GenerationCheck`, one GET shared by the chunks of a
-wave). An overwrite rewrites that document before it deletes the old chunks and writes new ones,
-so a chunk of another generation fetched by a reader that opened the split earlier is caught
-(:class:`SplitChanged`) and nothing of it is kept.
+chunk's GET was answered, says so (:mod:`featurestore.core.generation`, the check every read path
+shares: one GET covers the chunks of a wave, and the split's arrays). An overwrite rewrites that
+document before it deletes the old chunks and writes new ones, so a chunk of another generation
+fetched by a reader that opened the split earlier is caught (``SplitChanged``) and nothing of it
+is kept.
+
+A cache entry that is not a regular file (a directory left at a chunk's path) is a damaged entry:
+removed when it is the cache's own (a real directory or a link inside the entry's directory) and
+fetched again, else the chunk is read by ranges; one warning per process.
 
 The download of chunk ``c`` holds ``flock`` on ``<c>.lock`` (the kernel releases it if the process
 dies): another process that needs the chunk waits on the lock and then finds the file, so a host
@@ -19,8 +24,10 @@ downloads each chunk once. Threads of one process share one download (a future p
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
-import threading
+import shutil
+import stat
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -28,13 +35,17 @@ from typing import Any
 
 import numpy as np
 
+from featurestore.core import generation
 from featurestore.core.checked import damage_message
 from featurestore.core.chunk_cache import LOCK_SUFFIX, PART_BYTES, ChunkCache
 from featurestore.core.storage import unlink_quietly
-from featurestore.errors import CorruptChunk, SplitChanged
+from featurestore.errors import CorruptChunk
 from featurestore.format import chunks as chunk_codec
 from featurestore.format import layout
 from featurestore.format.metadata import COMPLETE, SplitMetadata
+
+_log = logging.getLogger(__name__)
+_warned_odd_entry = False
 
 
 def front(cache: ChunkCache, storage: Any, array_key: str, *, chunk_nbytes: int, ndim: int,
@@ -61,10 +72,10 @@ class CachedArray:
         self._last_use: np.ndarray | None = None  # per chunk: the last plan position that reads it
         self._position: Callable[[], int] = lambda: 0
         self._checked: set[tuple[int, int]] = set()  # (pid, chunk) fetched and checked by that process
-        # One check per split entry, shared by its arrays (features and labels, or features and
-        # coords): one request of the split's document covers the chunks of both.
-        self._generation = cache.generation_check(
-            os.path.dirname(directory), lambda: _GenerationCheck(cache, storage, array_key.rpartition("/")[0], meta))
+        # The process's one check of this generation of the split, shared by its arrays (features
+        # and labels, or features and coords) and its ranged reads: one document GET covers all.
+        self._generation = generation.for_split(storage, array_key.rpartition("/")[0], {
+            "generation": meta.generation if meta is not None else None, "status": COMPLETE})
         os.makedirs(directory, exist_ok=True)
 
     def path(self, chunk: int) -> str:
@@ -86,11 +97,48 @@ class CachedArray:
     def present(self, chunk: int) -> bool:
         path = self.path(chunk)
         try:
-            os.stat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            self._clear(path)
             return False
         self.cache.touch(path)
         return True
+
+    def _here(self, chunk: int) -> bool | None:
+        """True: the chunk's file is here; None: nothing is (fetch it); False: an entry that is
+        no chunk file and cannot be removed (the caller reads the chunk by ranges)."""
+        if self.present(chunk):
+            return True
+        return False if os.path.lexists(self.path(chunk)) else None
+
+    def _clear(self, path: str) -> bool:
+        """Remove what is at a chunk's path when it is not a regular file (a damaged entry);
+        False if that is not possible (then the chunk is read by ranges)."""
+        global _warned_odd_entry
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):
+                return True
+            # Only the cache's own: a real directory here (rmtree never follows links out of it),
+            # or any other non-file entry, itself unlinked.
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            problem = None
+        except FileNotFoundError:
+            return True
+        except OSError as error:
+            problem = error
+        if not _warned_odd_entry:
+            _warned_odd_entry = True
+            _log.warning("chunk cache: %s was not a chunk file (%s); %s", path,
+                         "a directory or other entry" if problem is None else problem,
+                         "removed, the chunk is fetched again" if problem is None
+                         else "the chunk is read from storage by ranges instead")
+        return problem is None
 
     def prefetch(self, chunks: Sequence[int]) -> list[Future[bool]]:
         """Start fetching ``chunks`` that are not here (no wait); their futures."""
@@ -116,12 +164,14 @@ class CachedArray:
     def drop(self, chunk: int) -> None:
         """Remove a cached chunk found damaged (it is fetched again on its next read)."""
         self._checked.discard((os.getpid(), chunk))
+        if not self._clear(self.path(chunk)):
+            return
         unlink_quietly(self.path(chunk))
 
     def _fill(self, chunk: int) -> bool:
         path = self.path(chunk)
-        if os.path.exists(path):
-            return True
+        if (here := self._here(chunk)) is not None:
+            return here
         if not self.cache.writable():
             return False
         os.makedirs(self.directory, exist_ok=True)  # the cache may have been emptied by hand
@@ -132,8 +182,8 @@ class CachedArray:
             except BlockingIOError:  # another process is downloading it: wait for its file
                 self.cache.stats["waited"] += 1
                 fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            if os.path.exists(path):
-                return True
+            if (here := self._here(chunk)) is not None:
+                return here
             if not self.cache.reserve(self.chunk_nbytes):
                 return False
             answered_at: list[float] = []
@@ -164,68 +214,6 @@ class CachedArray:
 
         self.storage.read_whole_into(key, self.chunk_nbytes, PART_BYTES, sink, lambda: answered(time.monotonic()))
         refuse(received.problem(self.chunk_nbytes))
-
-
-class _GenerationCheck:
-    """Whether the split is still the generation (complete) it was opened as, asked of its group
-    document (``zarr.json``) *after* a chunk's GET was answered, one GET for many chunks.
-
-    Why that proves the chunk: an overwrite (and a resume that repairs a complete split) rewrites
-    the group document first (status "writing"), then deletes the old chunks and writes new ones,
-    so a chunk of another generation was stored after the document changed. A document requested
-    after the chunk's GET was answered that still shows this generation, complete, was read
-    before any of that began: the chunk is this generation's. Every chunk answered before a check
-    was requested is covered by it: the fetch threads share the checks in flight (a statistics
-    row's GET per chunk cost SeaweedFS as much CPU as ~10 % of the chunk bytes here), and so do
-    the split's arrays (one check per split entry, :meth:`ChunkCache.generation_check`).
-    """
-
-    def __init__(self, cache: ChunkCache, storage: Any, split_key: str, meta: SplitMetadata | None) -> None:
-        self._cache, self._storage, self._split_key, self._meta = cache, storage, split_key, meta
-        self._lock = threading.Lock()
-        self._passed = float("-inf")  # monotonic time the last passed check was requested at
-        self._pending: tuple[float, Future[None]] | None = None
-        self._pid = os.getpid()
-
-    def after(self, answered_at: float) -> None:
-        """Return once a check requested after ``answered_at`` passed; :class:`SplitChanged` if
-        the split changed since it was opened (nothing of the chunk is then kept)."""
-        meta = self._meta
-        if meta is None or meta.generation is None:
-            return  # a split written before generations existed: nothing to compare
-        if self._pid != os.getpid():  # forked (a DataLoader worker): the parent's check in flight,
-            # and a lock one of its threads may have held, did not come along
-            self._lock, self._pending, self._pid = threading.Lock(), None, os.getpid()
-        with self._lock:
-            if self._passed >= answered_at:
-                return
-            if self._pending is None or self._pending[0] < answered_at or self._pending[1].done():
-                requested = time.monotonic()
-                self._pending = (requested, self._cache.side_submit(self._check, requested))
-            pending = self._pending[1]
-        pending.result()
-
-    def _check(self, requested: float) -> None:
-        meta, split_key = self._meta, self._split_key
-        assert meta is not None
-        where = f"{split_key} at {self._storage.url}"
-        try:
-            doc = layout.load_document(self._storage.read(f"{split_key}/{layout.ZARR_JSON}"))
-            now = ((doc.get("attributes") or {}).get("featurestore") or {})
-        except FileNotFoundError:
-            raise SplitChanged(f"{where} is gone (deleted or being overwritten) since it was opened (nothing was "
-                               "cached from it); open it again") from None
-        except (ValueError, AttributeError):
-            now = {}
-        if now.get("generation") != meta.generation:
-            raise SplitChanged(f"{where} is now another generation of the split ({now.get('generation')!r}, "
-                               f"opened as {meta.generation!r}): it was overwritten since it was opened (nothing was "
-                               "cached from it); open it again")
-        if now.get("status") != COMPLETE:
-            raise SplitChanged(f"{where} is being rewritten (status {now.get('status')!r}) since it was opened "
-                               "(nothing was cached from it); open it again when it is complete")
-        with self._lock:
-            self._passed = max(self._passed, requested)
 
 
 class _Received:

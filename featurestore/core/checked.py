@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import crc32c as _crc32c
@@ -37,9 +37,12 @@ from featurestore.format.layout import CRC_BYTES
 VERIFY_MODES = ("auto", "first", "off")
 
 
-def check_files(paths: Sequence[str], payload_bytes: int, executor: Any = None) -> list[str | None]:
+def check_files(paths: Sequence[str], payload_bytes: int, executor: Any = None,
+                inspect: Callable[[int, memoryview], str | None] | None = None) -> list[str | None]:
     """Why each chunk file in ``paths`` is damaged (size or crc32c), or None, in order;
-    FileNotFoundError if one is missing.
+    FileNotFoundError if one is missing. ``inspect(k, chunk)``, given, is asked about each file
+    whose crc32c is right (``chunk``: its bytes, trailer included): whether it is the chunk its
+    position holds (the chunk cache checks a file against the split's seal for that position).
 
     The files are read concurrently, in ``_PIECE`` positional reads on ``executor`` (the read
     pool): on a cold store this whole-chunk read is the device read, and pieces on the pool's
@@ -83,6 +86,8 @@ def check_files(paths: Sequence[str], payload_bytes: int, executor: Any = None) 
                     reasons[k] = "ended before its crc32c (truncated while reading)"
                 elif _crc32c.crc32c(buffer[:payload_bytes]).to_bytes(CRC_BYTES, "little") != bytes(buffer[payload_bytes:]):
                     reasons[k] = "crc32c mismatch (flipped or truncated bytes)"
+                elif inspect is not None:
+                    reasons[k] = inspect(k, memoryview(buffer)[:expected])
             del buffers  # back to the pool
         finally:
             for fd in fds.values():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -34,11 +35,14 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages faul
 
 
 class _Entry:
-    __slots__ = ("path", "inode", "mapped", "rows", "nbytes")
+    __slots__ = ("path", "inode", "mapped", "rows", "nbytes", "opened")
 
     def __init__(self, path: str, inode: int, mapped: mmap.mmap, rows: np.ndarray) -> None:
         self.path, self.inode, self.mapped, self.rows = path, inode, mapped, rows
         self.nbytes = len(mapped)
+        # When the file was opened (monotonic): a generation check requested after it proves the
+        # map is of the generation its reader opened (featurestore.core.generation).
+        self.opened = time.monotonic()
 
     def close(self) -> None:
         mapped, self.rows, self.mapped = self.mapped, None, None  # type: ignore[assignment]
@@ -158,18 +162,22 @@ class ArrayMaps:
 
     def rows(self, chunk: int, populate: bool = False, inode: int | None = None) -> np.ndarray:
         """Rows of ``chunk`` (see :meth:`ChunkMaps.entry`); the file's size is checked every time."""
+        return self.view(chunk, populate, inode)[0]
+
+    def view(self, chunk: int, populate: bool = False, inode: int | None = None) -> tuple[np.ndarray, float]:
+        """:meth:`rows`, and when the mapped file was opened (monotonic)."""
         entry = self._seen.get(chunk)
         if entry is not None and inode is None:
             rows = entry.checked_rows()
             if rows is not None:
-                return rows
+                return rows, entry.opened
         maps = shared()
         entry, rows = maps.entry(self._owner, chunk, self._path_of, shape=self._shape,
                                  check_size=self._check_size, populate=populate, inode=inode)
         if len(self._seen) >= 2 * maps.max_maps:
             self._seen = {c: e for c, e in self._seen.items() if e.rows is not None}
         self._seen[chunk] = entry
-        return rows
+        return rows, entry.opened
 
     def forget(self, chunk: int) -> None:
         self._seen.pop(chunk, None)

@@ -14,6 +14,11 @@ Three paths behind one interface, chosen when the array is opened, all returning
   gathered from there by the local path (mmap or pread); chunks the cache cannot take (no room,
   a full disk) are read by ranges.
 * ``zarr`` (compressed arrays): zarr-python decodes the touched chunks.
+
+Every path returns rows of the generation the array was opened as, or raises ``SplitChanged``
+naming the split (featurestore.core.generation: one check shared by every path); a chunk found
+missing or damaged is first asked whether the split changed, so an overwrite is never reported
+as a damaged store.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core import checked, chunk_maps, pread
+from featurestore.core import checked, chunk_maps, generation, pread
 from featurestore.core.buffers import aligned_empty
 from featurestore.core.reader_cached import CachedPath
+from featurestore.core.reader_ranges import RangesPath, _runs
 from featurestore.core.storage import Storage
 from featurestore.errors import (
     REPAIR_ADVICE,
@@ -40,7 +46,7 @@ from featurestore.format import chunks, dtypes, layout
 from featurestore.format.wire import as_index_array, check_bounds
 
 
-class FeatureArray(CachedPath):
+class FeatureArray(CachedPath, RangesPath):
     """One stored array (``features`` or ``labels``) of a split."""
 
     def __init__(
@@ -91,6 +97,10 @@ class FeatureArray(CachedPath):
         self._pid = os.getpid()
         self._zarr: Any = None
         self._maps: chunk_maps.ArrayMaps | None = None
+        self._gen: generation.GenerationCheck | None = None
+        # A bag split's chunk_seals for this array (featurestore.core.bags.SealTable, name): the
+        # cached path checks a cached file against its position's seal.
+        self.seals: tuple[Any, str] | None = None
 
     # ------------------------------------------------------------------ sizes
     def __len__(self) -> int:
@@ -144,16 +154,30 @@ class FeatureArray(CachedPath):
             try:
                 if self.path == "mmap":
                     self._verify(index)
-                    self._gather_local(index, rows)
+                    # after the files this read opened (none: maps already checked)
+                    self._generation().after(self._gather_local(index, rows))
                 elif self.path == "cached":
                     self._gather_cached(index, rows)
                 elif self.path == "ranges":
                     self._gather_ranges_checked(index, rows, None)
                 else:
+                    since = time.monotonic()
                     self._gather_zarr(index, out)
-            except FileNotFoundError as error:
+                    self._generation().after(since)
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError, MissingChunks, CorruptChunk) as error:
+                # An overwrite deletes and rewrites chunks: that is SplitChanged, not damage.
+                if (changed := self._generation().changed()) is not None:
+                    raise changed from None
+                if isinstance(error, (MissingChunks, CorruptChunk)):
+                    raise
                 raise self._missing(error.filename) from None
         return out
+
+    def _generation(self) -> generation.GenerationCheck:
+        """The process's check that the split is still the generation this array was opened as."""
+        if self._gen is None:
+            self._gen = generation.for_split(self._storage, self._split_key, self.metadata)
+        return self._gen
 
     # ------------------------------------------------------------------ checked reads
     def _verify(self, index: np.ndarray, path: str | None = None) -> dict[int, Any]:
@@ -221,7 +245,9 @@ class FeatureArray(CachedPath):
             raise CorruptChunk(f"chunk file {path} has {size} bytes, expected {expected} (truncated or "
                                f"overwritten): {REPAIR_ADVICE}")
 
-    def _gather_local(self, index: np.ndarray, rows: np.ndarray) -> None:
+    def _gather_local(self, index: np.ndarray, rows: np.ndarray) -> float:
+        """Rows ``index`` from local chunk files into ``rows``; returns by when the files it
+        read were opened (monotonic; -inf: only maps whose generation was checked already)."""
         mode = self.local_read
         if mode not in LOCAL_READS:
             raise InvalidOption(f"local_read must be one of {', '.join(LOCAL_READS)}, got {mode!r}")
@@ -229,14 +255,15 @@ class FeatureArray(CachedPath):
             self._warm, self._maps = None, None
             self._pid = os.getpid()
         if mode == "mmap" or (mode == "auto" and self._cached(index)):
-            self._gather_mmap(index, rows, populate=mode == "mmap")
+            opened = self._gather_mmap(index, rows, populate=mode == "mmap")
             self.read_counts["mmap"] += 1
-            return
+            return opened
         counts = pread.gather(index, rows, chunk_rows=self.chunk_rows, path_of=self._chunk_path,
                               expected_size=self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES,
                               pool=self.read_pool, cache=self._resolved_cache())
         self.read_counts["inline"] += counts["inline"]
         self.read_counts["pool"] += counts["pool"]
+        return time.monotonic()  # every descriptor was opened by this gather
 
     def _resolved_cache(self) -> str:
         if self.cache != "auto":
@@ -285,8 +312,10 @@ class FeatureArray(CachedPath):
         makes its own: the parent's maps are not in this process's bound)."""
         if self._maps is None:
             # one key per split, shared by reopens (a cached array: its generation's cache directory)
+            # (a local array: its generation too, so a reader of a new generation never gets a map
+            # an older one's reader made)
             owner = (self._cache_front().directory if self.path == "cached"
-                     else self._storage.local_path(self._key) or self._key)
+                     else f"{self._storage.local_path(self._key) or self._key}@{self.metadata.get('generation')}")
             self._maps = chunk_maps.ArrayMaps(owner, (self.chunk_rows, self.sample_nbytes), self._chunk_path,
                                               self._check_size)
         return self._maps
@@ -298,7 +327,7 @@ class FeatureArray(CachedPath):
         assert path is not None
         return path
 
-    def _gather_mmap(self, index: np.ndarray, rows: np.ndarray, populate: bool = True) -> None:
+    def _gather_mmap(self, index: np.ndarray, rows: np.ndarray, populate: bool = True) -> float:
         # Rows are visited in ascending storage order and each is copied to its own output slot:
         # sequential source addresses keep the page walk and prefetchers on one chunk at a time
         # (measured on shuffled batches: ~11-12 GB/s, as np.memmap's gather, against 8-10 in the
@@ -309,82 +338,18 @@ class FeatureArray(CachedPath):
         order = np.argsort(index, kind="stable")
         chunk_of, offset = np.divmod(index[order], self.chunk_rows)
         chunk_list, offset_list, order_list = chunk_of.tolist(), offset.tolist(), order.tolist()
-        maps, current = self._array_maps(), -1
+        maps, current, newest = self._array_maps(), -1, float("-inf")
         for start, stop in _runs(chunk_of, offset, order):
             chunk = chunk_list[start]
             if chunk != current:
-                view = maps.rows(chunk, populate)
-                current = chunk
+                view, opened = maps.view(chunk, populate)
+                newest, current = max(newest, opened), chunk
             first, target = offset_list[start], order_list[start]
             if stop - start == 1:
                 rows[target] = view[first]
             else:
                 rows[target : target + (stop - start)] = view[first : first + (stop - start)]
-
-    # ------------------------------------------------------------------ ranges path
-    def _gather_ranges_checked(self, index: np.ndarray, rows: np.ndarray, positions: np.ndarray | None) -> None:
-        """Rows ``index`` from object storage into ``rows`` (all of it, or the rows at
-        ``positions``): the chunks this process has not checked yet are fetched whole for their
-        crc32c, and their rows taken from those bytes; the others' rows by ranged GETs."""
-        if not len(index):
-            return
-        dest = rows if positions is None else np.empty((len(index), self.sample_nbytes), np.uint8)
-        fresh = self._verify(index, path="ranges")
-        if fresh:
-            chunk_of, offset = np.divmod(index, self.chunk_rows)
-            payload = self.chunk_rows * self.sample_nbytes
-            for chunk, blob in fresh.items():
-                at = np.flatnonzero(chunk_of == chunk)
-                whole = np.frombuffer(blob, np.uint8, count=payload).reshape(self.chunk_rows, self.sample_nbytes)
-                dest[at] = whole[offset[at]]
-            rest = np.flatnonzero(~np.isin(chunk_of, list(fresh)))
-            if len(rest):
-                part = np.empty((len(rest), self.sample_nbytes), np.uint8)
-                self._gather_ranges(index[rest], part)
-                dest[rest] = part
-        else:
-            self._gather_ranges(index, dest)
-        if positions is not None:
-            rows[positions] = dest
-
-    def _gather_ranges(self, index: np.ndarray, rows: np.ndarray) -> None:
-        unique, inverse = np.unique(index, return_inverse=True)
-        chunk_of, offset = np.divmod(unique, self.chunk_rows)
-        keys, starts, ends, spans = [], [], [], []
-        for start, stop in _runs(chunk_of, offset):
-            keys.append(layout.chunk_key(self._key, int(chunk_of[start]), self._ndim))
-            starts.append(int(offset[start]) * self.sample_nbytes)
-            ends.append(int(offset[start] + (stop - start)) * self.sample_nbytes)
-            spans.append((start, stop))
-        if len(unique) == len(index) and np.array_equal(unique, index):
-            target = rows
-        else:
-            target = np.empty((len(unique), self.sample_nbytes), np.uint8)
-
-        def sink(i: int, blob: Any) -> None:  # each range as it arrives (the copy overlaps the others)
-            start, stop = spans[i]
-            if len(blob) != (stop - start) * self.sample_nbytes:  # the object is shorter than its rows
-                raise CorruptChunk(checked.damage_message(
-                    f"chunk {self._storage.url}/{keys[i]}", f"{len(blob)} bytes where "
-                    f"{(stop - start) * self.sample_nbytes} were requested (truncated object)"))
-            target[start:stop] = np.frombuffer(blob, np.uint8).reshape(stop - start, self.sample_nbytes)
-
-        try:
-            self._storage.read_ranges_into(keys, starts, ends, sink)
-        except FileNotFoundError:
-            raise
-        except CorruptChunk:
-            raise
-        except OSError:  # e.g. S3 "range not satisfiable": an object shorter than its rows?
-            expected = self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES
-            for key in dict.fromkeys(keys):
-                size = self._storage.size(key)
-                if size is not None and size != expected:
-                    raise CorruptChunk(checked.damage_message(
-                        f"chunk {self._storage.url}/{key}", f"size {size} bytes, expected {expected}")) from None
-            raise
-        if target is not rows:
-            np.take(target, inverse.reshape(-1), axis=0, out=rows)
+        return newest
 
     # ------------------------------------------------------------------ zarr path
     def _gather_zarr(self, index: np.ndarray, out: np.ndarray) -> None:
@@ -404,6 +369,7 @@ class FeatureArray(CachedPath):
         state["_zarr"] = None
         state["read_pool"] = None  # threads are per process
         state["_front"] = None  # the cache's front is per process (its threads, its plan)
+        state["_gen"] = None  # the process's own check (its lock, its last document)
         return state
 
 
@@ -417,16 +383,3 @@ def _setting(name: str, default: str, allowed: tuple[str, ...]) -> str:
         raise InvalidOption(f"{name}={value!r} is not one of {', '.join(allowed)}: unset it or pick one of those")
     return value
 
-
-def _runs(chunk_of: np.ndarray, offset: np.ndarray, target: np.ndarray | None = None) -> list[tuple[int, int]]:
-    """[start, stop) positions of maximal runs where rows are consecutive within one chunk (and,
-    given ``target``, land in consecutive output rows)."""
-    n = len(chunk_of)
-    if n == 0:
-        return []
-    step = (np.diff(chunk_of) != 0) | (np.diff(offset) != 1)
-    if target is not None:
-        step |= np.diff(target) != 1
-    breaks = np.flatnonzero(step) + 1
-    bounds = np.concatenate(([0], breaks, [n]))
-    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))

@@ -4,12 +4,21 @@ through the local chunk cache (:mod:`featurestore.core.chunk_cache`).
 A read makes the chunks it touches local (whole GETs, checked, :mod:`featurestore.core.cached_array`),
 then gathers them with the local path (mmap or pread) from the cache directory. Chunks the cache
 does not take (no room, a full disk) are read by ranged GETs, as without a cache. A cached file
-found damaged by the first-read crc32c check of this process is removed and fetched again; one
-removed by another process's eviction between the fetch and the read is fetched again too.
+found damaged by the first-read check of this process is removed and fetched again; one removed by
+another process's eviction between the fetch and the read is fetched again too.
+
+The first-read check of a file this process did not fetch itself is its crc32c against its own
+trailer *and* against the split's seal for its position: a file replaced by another chunk's (its
+own crc32c valid) is not the chunk its path promises. A bag split's features and coords: the
+trailer against ``chunk_seals`` (no request); any other array (a dense split's features and
+labels): against the trailer of the object at that position on storage, of the opened generation
+(4 bytes per chunk, one batch of ranged GETs, then the generation check). docs/READS.md.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,11 +49,14 @@ class CachedPath:
     path: str
     verify_reads: str
     read_pool: Any
+    seals: tuple[Any, str] | None
+    _generation: Callable[[], Any]
 
     def _chunk_path(self, chunk: int) -> str: ...
     def _array_maps(self) -> Any: ...
     def _gather_local(self, index: np.ndarray, rows: np.ndarray) -> None: ...
-    def _gather_ranges_checked(self, index: np.ndarray, rows: np.ndarray, positions: np.ndarray | None) -> None: ...
+    # (RangesPath's, through FeatureArray: declared, not defined, so no stub shadows it)
+    _gather_ranges_checked: Callable[[np.ndarray, np.ndarray, np.ndarray | None], None]
 
     def _cache_front(self) -> cached_array.CachedArray:
         if self._front is None:
@@ -101,25 +113,66 @@ class CachedPath:
         payload = self.chunk_rows * self.sample_nbytes
 
         paths = [self._chunk_path(c) for c in pending]
+        sealed = self._sealed(pending) if pending else None
         try:
-            reasons = checked.check_files(paths, payload, (self.read_pool or pread.default_pool()).executor())
-        except FileNotFoundError:  # evicted under us: find which, one file at a time
-            reasons = [_check_one(path, payload) for path in paths]
+            reasons = checked.check_files(paths, payload, (self.read_pool or pread.default_pool()).executor(),
+                                          sealed)
+        except (FileNotFoundError, IsADirectoryError):  # evicted (or damaged) under us: one file at a time
+            reasons = [_check_one(path, payload, k, sealed) for k, path in enumerate(paths)]
         damaged = {c: r for c, r in zip(pending, reasons) if r is not None}
         self._verified.add([c for c in pending if c not in damaged], self.num_chunks)
         return sorted(damaged)
 
+    def _sealed(self, pending: list[int]) -> Callable[[int, memoryview], str | None] | None:
+        """Whether the cached file of ``pending[k]`` is the chunk the split sealed for that
+        position (``inspect`` of :func:`checked.check_files`), or None where nothing is sealed."""
+        payload = self.chunk_rows * self.sample_nbytes
+        if self.seals is not None:  # a bag split's array: its chunk_seals column
+            table, name = self.seals
+            crcs = table.crcs(name)
+            if crcs is None:  # written before chunk_seals existed
+                return None
+
+            def against_seal(k: int, chunk: memoryview) -> str | None:
+                found, at = int.from_bytes(chunk[payload:], "little"), pending[k]
+                want = int(crcs[at]) if at < len(crcs) else None
+                if found == want:
+                    return None
+                return (f"crc32c {found:08x}, but the split's chunk_seals sealed "
+                        f"{'nothing' if want is None else f'{want:08x}'} for chunk {at}: another chunk's file")
+            return against_seal
+        # Elsewhere (a dense split's features and labels, a bag split's index arrays): the crc32c
+        # trailer of the object at that position on storage, this generation's (checked after),
+        # 4 bytes per chunk in one batch of ranged GETs.
+        keys = [layout.chunk_key(self._key, c, self._ndim) for c in pending]
+        try:
+            trailers = self._storage.read_ranges(keys, [payload] * len(keys), [payload + layout.CRC_BYTES] * len(keys))
+        except FileNotFoundError:
+            return None  # a chunk gone from storage: its read says so
+        self._generation().after(time.monotonic())
+        sealed_crcs = [bytes(t) for t in trailers]
+
+        def against_storage(k: int, chunk: memoryview) -> str | None:
+            found, want = bytes(chunk[payload:]), sealed_crcs[k]
+            if found == want:
+                return None
+            return (f"crc32c {found[::-1].hex()}, but the store holds {want[::-1].hex()} for chunk {pending[k]}: "
+                    "another chunk's file")
+        return against_storage
+
     def _local_attempt(self, index: np.ndarray, rows: np.ndarray) -> bool:
         try:
             self._gather_local(index, rows)
-        except (FileNotFoundError, MissingChunks):
+        except (FileNotFoundError, IsADirectoryError, MissingChunks):
             self._warm_since = float("-inf")  # a chunk file left (evicted): check page-cache residency again
             return False
         return True
 
 
-def _check_one(path: str, payload: int) -> str | None:
+def _check_one(path: str, payload: int, k: int, sealed: Callable[[int, memoryview], str | None] | None
+               ) -> str | None:
+    inspect = None if sealed is None else (lambda _, chunk: sealed(k, chunk))
     try:
-        return checked.check_files([path], payload)[0]
-    except FileNotFoundError:
+        return checked.check_files([path], payload, None, inspect)[0]
+    except (FileNotFoundError, IsADirectoryError):
         return "gone"

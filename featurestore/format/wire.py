@@ -55,6 +55,7 @@ __all__ = [
     "DATASETS",
     "DTYPE_HEADER",
     "ENCODERS",
+    "GENERATION_HEADER",
     "HEALTHZ",
     "IDS",
     "INDICES",
@@ -109,6 +110,12 @@ SAMPLES_MEDIA = "application/x-featurestore-samples"
 BAG_MEDIA = "application/x-featurestore-bag"
 COORDS_SHAPE_HEADER = "X-Coords-Shape"
 COORDS_DTYPE_HEADER = "X-Coords-Dtype"
+# Every data response (rows, samples, one bag) names the generation of the split its bytes are
+# from (absent for a split written before generations existed). The server answers from the split
+# as it is now; a client compares this with the generation its listing or structure named and
+# raises SplitChanged on a mismatch, so it never takes rows of another generation as those it
+# planned for (docs/READS.md, "Generations").
+GENERATION_HEADER = "X-Featurestore-Generation"
 
 # Route templates (FastAPI path syntax), used verbatim by the server's routers and, filled in by
 # route(), by the client.

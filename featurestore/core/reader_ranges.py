@@ -1,0 +1,117 @@
+"""The ``ranges`` read path of :class:`~featurestore.core.reader.FeatureArray`: rows of an
+uncompressed array on object storage (or any fsspec URL) by ranged GETs.
+
+One byte range per run of adjacent requested rows, all fetched in one ``read_ranges_into`` call
+(issued concurrently); the chunks this process has not checked yet are fetched whole instead, for
+their crc32c (featurestore.core.checked), and their rows taken from those bytes. After the ranges
+of a read call were answered, one re-read of the split's document proves they were all of the
+generation the reader opened (featurestore.core.generation): never rows of two generations.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from featurestore.core import checked
+from featurestore.errors import CorruptChunk
+from featurestore.format import layout
+
+
+class RangesPath:
+    """The ranged path's part of ``FeatureArray``."""
+
+    # Provided by FeatureArray.
+    _storage: Any
+    _key: str
+    _ndim: int
+    chunk_rows: int
+    sample_nbytes: int
+
+    # FeatureArray's (declared, not defined: no stub may shadow them in the method order)
+    _verify: Callable[..., dict[int, Any]]
+    _generation: Callable[[], Any]
+
+    def _gather_ranges_checked(self, index: np.ndarray, rows: np.ndarray, positions: np.ndarray | None) -> None:
+        """Rows ``index`` from object storage into ``rows`` (all of it, or the rows at
+        ``positions``): the chunks this process has not checked yet are fetched whole for their
+        crc32c, and their rows taken from those bytes; the others' rows by ranged GETs."""
+        if not len(index):
+            return
+        dest = rows if positions is None else np.empty((len(index), self.sample_nbytes), np.uint8)
+        fresh = self._verify(index, path="ranges")
+        if fresh:
+            chunk_of, offset = np.divmod(index, self.chunk_rows)
+            payload = self.chunk_rows * self.sample_nbytes
+            for chunk, blob in fresh.items():
+                at = np.flatnonzero(chunk_of == chunk)
+                whole = np.frombuffer(blob, np.uint8, count=payload).reshape(self.chunk_rows, self.sample_nbytes)
+                dest[at] = whole[offset[at]]
+            rest = np.flatnonzero(~np.isin(chunk_of, list(fresh)))
+            if len(rest):
+                part = np.empty((len(rest), self.sample_nbytes), np.uint8)
+                self._gather_ranges(index[rest], part)
+                dest[rest] = part
+        else:
+            self._gather_ranges(index, dest)
+        # Every range was answered by now: a check of the split's document requested after this
+        # proves they were all the opened generation's (featurestore.core.generation).
+        self._generation().after(time.monotonic())
+        if positions is not None:
+            rows[positions] = dest
+
+    def _gather_ranges(self, index: np.ndarray, rows: np.ndarray) -> None:
+        unique, inverse = np.unique(index, return_inverse=True)
+        chunk_of, offset = np.divmod(unique, self.chunk_rows)
+        keys, starts, ends, spans = [], [], [], []
+        for start, stop in _runs(chunk_of, offset):
+            keys.append(layout.chunk_key(self._key, int(chunk_of[start]), self._ndim))
+            starts.append(int(offset[start]) * self.sample_nbytes)
+            ends.append(int(offset[start] + (stop - start)) * self.sample_nbytes)
+            spans.append((start, stop))
+        if len(unique) == len(index) and np.array_equal(unique, index):
+            target = rows
+        else:
+            target = np.empty((len(unique), self.sample_nbytes), np.uint8)
+
+        def sink(i: int, blob: Any) -> None:  # each range as it arrives (the copy overlaps the others)
+            start, stop = spans[i]
+            if len(blob) != (stop - start) * self.sample_nbytes:  # the object is shorter than its rows
+                raise CorruptChunk(checked.damage_message(
+                    f"chunk {self._storage.url}/{keys[i]}", f"{len(blob)} bytes where "
+                    f"{(stop - start) * self.sample_nbytes} were requested (truncated object)"))
+            target[start:stop] = np.frombuffer(blob, np.uint8).reshape(stop - start, self.sample_nbytes)
+
+        try:
+            self._storage.read_ranges_into(keys, starts, ends, sink)
+        except FileNotFoundError:
+            raise
+        except CorruptChunk:
+            raise
+        except OSError:  # e.g. S3 "range not satisfiable": an object shorter than its rows?
+            expected = self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES
+            for key in dict.fromkeys(keys):
+                size = self._storage.size(key)
+                if size is not None and size != expected:
+                    raise CorruptChunk(checked.damage_message(
+                        f"chunk {self._storage.url}/{key}", f"size {size} bytes, expected {expected}")) from None
+            raise
+        if target is not rows:
+            np.take(target, inverse.reshape(-1), axis=0, out=rows)
+
+
+def _runs(chunk_of: np.ndarray, offset: np.ndarray, target: np.ndarray | None = None) -> list[tuple[int, int]]:
+    """[start, stop) positions of maximal runs where rows are consecutive within one chunk (and,
+    given ``target``, land in consecutive output rows)."""
+    n = len(chunk_of)
+    if n == 0:
+        return []
+    step = (np.diff(chunk_of) != 0) | (np.diff(offset) != 1)
+    if target is not None:
+        step |= np.diff(target) != 1
+    breaks = np.flatnonzero(step) + 1
+    bounds = np.concatenate(([0], breaks, [n]))
+    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
