@@ -383,6 +383,12 @@ class FeatureClient:
         arr.read_into(index, features, labels)
         return features, labels
 
+    def read_ids(self, dataset: str, encoder: str, split: str, ids: Any) -> tuple[np.ndarray, np.ndarray | None]:
+        """Features and labels (None without labels) of the samples named by ``ids``, in one request."""
+        from client.by_id import read_ids
+
+        return read_ids(self, dataset, encoder, split, ids)
+
     def read_range(self, dataset: str, encoder: str, split: str, start: int, stop: int, *,
                    labels: bool = False) -> np.ndarray:  # fmt: skip
         return self._array(dataset, encoder, split, labels).read_range(start, stop)

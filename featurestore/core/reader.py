@@ -34,9 +34,10 @@ from featurestore.errors import (
     IndexOutOfRange,
     InvalidOption,
     MissingChunks,
+    SampleNotFound,
     ShapeMismatch,
 )
-from featurestore.format import chunks, dtypes, layout
+from featurestore.format import chunks, dtypes, layout, sample_ids
 from featurestore.format.wire import as_index_array, check_bounds
 
 
@@ -91,6 +92,7 @@ class FeatureArray(CachedPath):
         self._pid = os.getpid()
         self._zarr: Any = None
         self._maps: chunk_maps.ArrayMaps | None = None
+        self._id_table: dict[str, int] | None = None
 
     # ------------------------------------------------------------------ sizes
     def __len__(self) -> int:
@@ -112,6 +114,16 @@ class FeatureArray(CachedPath):
 
         array = zarr.open_array(store=self._storage.zarr_store(), path=f"{self._split_key}/{layout.IDS}", mode="r")
         return [str(v) for v in array[:]]
+
+    def positions_of(self, ids: Any) -> np.ndarray:
+        """int64 positions of the samples named by ``ids`` (any order, repeats allowed); an unknown
+        id is :class:`SampleNotFound` naming it."""
+        if self._id_table is None:
+            held = self.ids
+            if held is None:
+                raise SampleNotFound(f"split {self._split_key} has no sample ids: read it by position")
+            self._id_table = sample_ids.id_positions(held)
+        return sample_ids.positions_of(ids, self._id_table, f"split {self._split_key}")
 
     def __repr__(self) -> str:
         return f"FeatureArray({self._key!r}, shape={self.shape}, dtype={self.dtype!r}, path={self.path!r})"
