@@ -63,11 +63,32 @@ def test_read_ids_over_http(store_path: str, server_url: str) -> None:
         assert labels is not None and labels.tolist() == [1, 0, 0, 1]
         with pytest.raises(fse.SampleNotFound, match="no sample 'nope'"):
             fc.read_ids("cohort", "slide-mean", "all", [IDS[0], "nope"])
+        with pytest.raises(fse.SampleNotFound, match="has no sample ids"):
+            fc.read_ids("cohort", "noids", "all", ["a"])
         empty, no_labels = fc.read_ids("cohort", "slide-mean", "all", [])
         assert empty.shape == (0, E) and no_labels is not None and no_labels.shape == (0,)
         response = fc.http.post(server_url + "/v1/features/cohort/slide-mean/all/by-id", content=b'{"ids": [1]}',
                                 headers={"Content-Type": "application/json"})
         assert response.status_code == 400 and "list of strings" in response.text
+
+
+def _by_id_requests(fc: FeatureClient, url: str) -> float:
+    lines = [line for line in fc.http.get(url + "/metrics").text.splitlines()
+             if line.startswith("featurestore_http_requests_total") and "/by-id" in line]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def test_read_ids_is_one_request_and_pieces_over_the_byte_cap(store_path: str) -> None:
+    arr = featurestore.open_store(store_path).open("cohort", "slide-mean", "all")
+    wanted = IDS[::-1]
+    # 48 + 8 bytes per sample and a 200-byte cap: 3 samples per answer, so 7 requests for 21 ids.
+    for cap, requests in (("1048576", 1), ("200", 7)):
+        with serve_subprocess(store_path, args=("--max-response-bytes", cap)) as (url, _):
+            with FeatureClient(url, retries=0) as fc:
+                features, labels = fc.read_ids("cohort", "slide-mean", "all", wanted)
+                assert _by_id_requests(fc, url) == requests
+        assert np.array_equal(features, arr.read_numpy(list(range(len(IDS)))[::-1]))
+        assert labels is not None and labels.tolist() == [k % 2 for k in range(len(IDS))][::-1]
 
 
 @pytest.mark.parametrize("where", ["local", "http"])

@@ -179,3 +179,93 @@ def test_cli_linear_folds_group_by(store: str, tmp_path: Path, capsys: pytest.Ca
                  "--group-by", "case_id", "--quiet", "--device", "cpu"])
     err = capsys.readouterr().err
     assert code != 0 and "--folds 30 or fewer" in err and len(err.strip().splitlines()) == 1
+    base = ["probe", store, "--dataset", "cohort", "--encoder", "mean", "--train", "all", "--quiet"]
+    for extra, message in ((["--eval", "all", "--group-by", "case_id"], "--group-by groups the samples of --folds K"),
+                           (["--folds", "3", "--groups", "x.csv"], "--groups CSV gives the column of --group-by"),
+                           (["--head", "abmil", "--folds", "3", "--group-by", "case_id", "--groups", "x.csv"],
+                            "--groups CSV applies to the linear head"),
+                           (["--folds", "3", "--eval", "all"], "not both")):
+        code = main(base + extra)
+        err = capsys.readouterr().err
+        assert code != 0 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_grouping_stops_a_patient_fingerprint_from_leaking(tmp_path: Path) -> None:
+    """Slides of a patient share a fingerprint and the patient's label is random: with the
+    patient's other slides in training (ungrouped folds) the probe scores high by recognising the
+    patient; with grouped folds it has nothing to go on."""
+    rng = np.random.default_rng(5)
+    patients, dim = 24, 64
+    ids, cases, rows, labels = [], [], [], []
+    for p in range(patients):
+        print_, label = rng.normal(0, 1, dim), p % 2
+        for s in range(3):
+            ids.append(f"P{p:02d}-S{s}")
+            cases.append(f"P{p:02d}")
+            rows.append(print_ + rng.normal(0, 0.1, dim))
+            labels.append(label)
+    root = str(tmp_path / "store")
+    w = featurestore.open_store(root, mode="a").create_split(
+        "leak", "emb", "all", num_samples=len(ids), sample_shape=(dim,), dtype="float32", label_shape=(),
+        label_dtype="int64", ids=ids)
+    w.write(0, np.asarray(rows, np.float32), np.asarray(labels, np.int64))
+    w.commit()
+    table = tmp_path / "cases.csv"
+    table.write_text("slide_id,case_id\n" + "".join(f"{i},{c}\n" for i, c in zip(ids, cases)))
+    options = dict(train_split="all", folds=4, seeds=2, batch_size=8, device="cpu")
+    leaky = run_probe(root, "leak", "emb", **options)
+    grouped = run_probe(root, "leak", "emb", group_by=GroupSpec("case_id", str(table)), **options)
+    assert leaky["metrics"]["auc"]["mean"] > 0.9 and not leaky["chance"]["auc"]["at_chance"]
+    assert grouped["metrics"]["auc"]["mean"] < 0.75 and grouped["chance"]["auc"]["at_chance"]
+
+
+def test_abmil_grouping_stops_a_patient_fingerprint_from_leaking(tmp_path: Path) -> None:
+    """The same on a bag split, the groups from the bags' ``case_id`` attribute."""
+    rng = np.random.default_rng(5)
+    root = str(tmp_path / "store")
+    writer = featurestore.open_store(root, mode="a").create_bag_split("leak", "bags", "all", dim=32, dtype="float32",
+                                                                        label_dtype="int64")
+    for p in range(12):
+        print_ = rng.normal(0, 1, 32)
+        for s in range(3):
+            patches = (print_ + rng.normal(0, 0.1, (4, 32))).astype(np.float32)
+            writer.add_bag(f"P{p:02d}-S{s}", patches, label=p % 2, attrs={"case_id": f"P{p:02d}"})
+    writer.commit()
+    options = dict(train_split="all", folds=3, seeds=1, epochs=4, device="cpu", loader="ram")
+    leaky = run_mil_probe(root, "leak", "bags", **options)
+    grouped = run_mil_probe(root, "leak", "bags", group_by="case_id", **options)
+    assert leaky["metrics"]["auc"]["mean"] > 0.9
+    assert grouped["metrics"]["auc"]["mean"] < 0.75
+
+
+def test_linear_auc_is_binary_or_macro_one_vs_rest() -> None:
+    from featurestore.probes.auc import roc_auc
+    from featurestore.probes.linear import evaluate_linear_probe
+
+    scores = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 3.0], [1.0, 2.0, 0.0], [0.0, 0.5, 0.4],
+                           [0.2, 0.0, 1.0]])
+    target = torch.tensor([0, 1, 2, 0, 1, 2])
+    identity = torch.nn.Identity()  # the "model" returns the scores as its logits
+    metrics = evaluate_linear_probe(identity, [(scores, target)], num_classes=3, device=torch.device("cpu"))
+    prob = torch.softmax(scores, 1).double().numpy()
+    expected = np.mean([roc_auc(prob[:, c], target.numpy() == c) for c in range(3)])
+    assert metrics["auc"] == pytest.approx(expected) and 0.5 < metrics["auc"] < 1.0
+    binary = evaluate_linear_probe(identity, [(scores[:, :2], torch.tensor([0, 1, 1, 0, 1, 0]))], num_classes=2,
+                                   device=torch.device("cpu"))
+    two = torch.softmax(scores[:, :2], 1)[:, 1].double().numpy()
+    assert binary["auc"] == pytest.approx(roc_auc(two, np.array([0, 1, 1, 0, 1, 0]) == 1))
+    assert list(binary) == ["auc", "balanced_accuracy", "macro_f1"]
+
+
+def test_a_labels_table_with_grouped_folds(store: str, tmp_path: Path) -> None:
+    from featurestore.probes.labels import read_label_table
+
+    slides = _cohort()
+    path = tmp_path / "task.csv"  # the planted label as names, one slide of each patient left out
+    path.write_text("slide_id,task\n" + "".join(f"{s},{('neg', 'pos')[y]}\n" for s, _, _, y in slides
+                                                if not s.endswith("-S0")))
+    result = run_probe(store, "cohort", "mean", train_split="all", folds=3, group_by=GroupSpec("case_id"), seeds=1,
+                       batch_size=16, device="cpu", labels=read_label_table(str(path), "task"))
+    left = sum(1 for s in slides if s[0].endswith("-S0"))
+    assert result["train_samples"] + result["eval_samples"] == len(slides) - left
+    assert result["metrics"]["auc"]["mean"] >= 0.9 and "without a label left out" in result["label_notes"][0]
