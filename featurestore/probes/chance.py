@@ -124,5 +124,6 @@ def report_notes(run: Mapping[str, Any], side: str = "") -> list[str]:
     shown = "; ".join(f"{name} {run['metrics'][name]['mean']:.4f} vs chance {c['baseline']:.4f}" for name, c in low)
     who = f"{side}{run['encoder']} ({run['dtype']})"
     return [f"WARNING: AT CHANCE: {who}: {shown}. The probe did no better than always predicting one "
-            f"class (within {SPREAD_FACTOR:g} x the seed spread, or the folds' standard error): these features, labels or settings taught it "
-            "nothing. Check the labels, train longer (--epochs) or with another --lr before reading this number."]
+            f"class (within {SPREAD_FACTOR:g} x the seed spread, or the folds' standard error): these features, "
+            "labels or settings taught it nothing. Check the labels, train longer (--epochs) or with another --lr "
+            "before reading this number."]

@@ -169,8 +169,9 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
         chance.check_two_classes(_labels_at(evaluate, evaluate.labelled), f"{where}/{evaluate.split}",
                                  "evaluate on a split holding slides of each class, or use --folds K")
     else:
-        groups = None if group_by is None else bag_groups(train.bags, train.labelled, group_by, f"{where}/{train.split}")
-        parts = fold_parts(train.labels[train.labelled], train.labelled, folds, f"{where}/{train.split}", groups,
+        name = f"{where}/{train.split}"
+        groups = None if group_by is None else bag_groups(train.bags, train.labelled, group_by, name)
+        parts = fold_parts(train.labels[train.labelled], train.labelled, folds, name, groups,
                            group_name=group_by or "group")
     eval_ds = train if evaluate is None else evaluate
     baselines = chance.class_baselines([_labels_at(eval_ds, index) for _, index in parts])
