@@ -51,8 +51,8 @@ def _cohort(patients: int = 30, seed: int = 0) -> list[tuple[str, str, np.ndarra
 def store(tmp_path_factory: pytest.TempPathFactory) -> str:
     """``cohort/bags/all`` (bag attribute ``case_id``); dense embeddings of its slides (the bag
     means, computed here): ``mean/all`` (lineage -> the bag split), ``mean16/all`` (the same as
-    float16), ``nolineage/all`` and ``random/all`` (noise features, labels drawn per patient
-    independently of them)."""
+    float16), ``nolineage/all``, ``random/all`` (noise features, labels drawn per patient
+    independently of them) and ``patients/all`` (one row per case, lineage grouped by case_id)."""
     root = str(tmp_path_factory.mktemp("emb") / "store")
     store = featurestore.open_store(root, mode="a")
     slides = _cohort()
@@ -64,7 +64,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> str:
     ids = [s[0] for s in slides]
     means = np.stack([s[2].mean(0) for s in slides]).astype(np.float32)
     labels = np.array([s[3] for s in slides], np.int64)
-    lineage = {"lineage": {"dataset": "cohort", "encoder": "bags", "split": "all"}}
+    # as featurestore embed records its source (format.lineage)
+    lineage = {"lineage": {"kind": "embedding", "version": 1, "group_by": None,
+                           "source": {"dataset": "cohort", "encoder": "bags", "split": "all", "kind": "bags"}}}
     rng = np.random.default_rng(3)
     noise = rng.normal(0, 1, means.shape).astype(np.float32)
     by_case = {case: int(rng.integers(0, 2)) for case in sorted({s[1] for s in slides})}
@@ -77,6 +79,13 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> str:
                                label_shape=(), label_dtype="int64", ids=ids, metadata=meta)
         w.write(0, values, lab)
         w.commit()
+    cases = sorted({s[1] for s in slides})
+    per_case = np.stack([means[[s[1] == c for s in slides]].mean(0) for c in cases]).astype(np.float32)
+    grouped = {"lineage": {**lineage["lineage"], "group_by": "case_id"}}
+    w = store.create_split("cohort", "patients", "all", num_samples=len(cases), sample_shape=(DIM,), dtype="float32",
+                           label_shape=(), label_dtype="int64", ids=cases, metadata=grouped)
+    w.write(0, per_case, np.array([int(c[-2:]) % 2 for c in cases], np.int64))
+    w.commit()
     return root
 
 
@@ -151,6 +160,17 @@ def test_groups_table_gives_the_same_folds_as_the_lineage(store: str, tmp_path: 
     assert by_lineage["runs"] == by_table["runs"]
     with pytest.raises(InvalidOption, match="records no source bag split.*--groups CSV"):
         run_probe(store, "cohort", "nolineage", group_by=GroupSpec("case_id"), **options)
+
+
+def test_patient_embeddings_are_their_own_groups(store: str) -> None:
+    from featurestore.probes.groups import dense_groups
+    from featurestore.probes.run import describe_split
+
+    info = describe_split(store, "cohort", "patients", "all")
+    assert dense_groups(info, GroupSpec("case_id")) == info.ds.array.ids
+    result = run_probe(store, "cohort", "patients", train_split="all", folds=3, group_by=GroupSpec("case_id"),
+                       seeds=1, batch_size=8, device="cpu")
+    assert result["metrics"]["auc"]["mean"] >= 0.9
 
 
 def test_compare_two_embedding_splits_with_grouped_folds(store: str) -> None:

@@ -5,7 +5,7 @@
   other columns, ``case_id`` say, as bag attributes): :func:`bag_groups`;
 - dense splits with sample ids (slide embeddings): a table ``--groups CSV`` with the id column and
   ``COLUMN``, or, without a table, the attributes of the bag split the embeddings were derived from,
-  named by the split's metadata (``lineage``, or ``source``: ``{"dataset", "encoder", "split"}``;
+  named by the split's metadata (``lineage``, as ``featurestore embed`` records it: :func:`lineage_of`;
   when that derivation already grouped by ``COLUMN`` (``group_by``), each id is its own group):
   :func:`dense_groups`.
 
@@ -52,11 +52,18 @@ def bag_groups(bags: Any, positions: Sequence[int], column: str, where: str) -> 
 
 
 def lineage_of(metadata: dict[str, Any]) -> dict[str, Any] | None:
-    """The source split a derived split names in its metadata, or None."""
+    """The source split a derived split names in its metadata (``dataset``, ``encoder``, ``split``
+    and the derivation's ``group_by``), or None. ``featurestore embed`` writes
+    ``{"lineage": {"source": {"dataset", "encoder", "split", ...}, "group_by", ...}}``; a flat
+    ``lineage`` (or ``source``) holding the three names is read too."""
     for key in LINEAGE_KEYS:
-        value = metadata.get(key)
-        if isinstance(value, dict) and all(isinstance(value.get(k), str) for k in ("dataset", "encoder", "split")):
-            return value
+        doc = metadata.get(key)
+        if not isinstance(doc, dict):
+            continue
+        source = doc.get("source") if isinstance(doc.get("source"), dict) else doc
+        if all(isinstance(source.get(k), str) for k in ("dataset", "encoder", "split")):
+            return {"dataset": source["dataset"], "encoder": source["encoder"], "split": source["split"],
+                    "group_by": doc.get("group_by")}
     return None
 
 
