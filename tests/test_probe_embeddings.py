@@ -195,6 +195,10 @@ def test_cli_linear_folds_group_by(store: str, tmp_path: Path, capsys: pytest.Ca
                  "--device", "cpu", "--quiet"])
     out = capsys.readouterr().out
     assert code == 0 and "linear probe (AUC, balanced accuracy, macro-F1)" in out and "grouped by case_id" in out
+    code = main(["probe", store, "--dataset", "cohort", "--encoder", "patients", "--train", "all", "--folds", "3",
+                 "--group-by", "case_id", "--seeds", "2", "--batch-size", "8", "--device", "cpu", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0 and "1.0000 ± 0.0000" in out and "predicts a constant" not in out, out
     code = main(["probe", store, "--dataset", "cohort", "--encoder", "mean", "--train", "all", "--folds", "40",
                  "--group-by", "case_id", "--quiet", "--device", "cpu"])
     err = capsys.readouterr().err

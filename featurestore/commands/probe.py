@@ -101,7 +101,10 @@ def _collapse_notes(run: dict[str, Any]) -> list[str]:
     # prediction (e.g. background everywhere), and a comparison of two such runs says nothing.
     if len(run["seeds"]) < 2:
         return []
-    flat = [name for name, s in run["metrics"].items() if s["std"] == 0.0]
+    # A metric above the best constant prediction's score is no constant prediction: on a small
+    # cohort with fixed folds a learned probe often gives the same thresholded metric every seed.
+    above = {name for name, c in (run.get("chance") or {}).items() if not c["at_chance"]}
+    flat = [name for name, s in run["metrics"].items() if s["std"] == 0.0 and name not in above]
     if not flat:
         return []
     return [
