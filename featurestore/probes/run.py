@@ -3,7 +3,8 @@
 The public entry points (``featurestore probe`` is their command line):
 
 - :func:`run_probe`: train the reference probe for one encoder's split under K seeds and score it
-  on another split -> mean ± std per metric;
+  on another split, or (linear) on K folds of it, grouped by patient if asked
+  (:mod:`featurestore.probes.dense_folds`) -> mean ± std per metric;
 - :func:`compare_probes`: the same for two encoder names holding the same images (e.g. the
   features stored as float16 and as float32), plus, per metric, the difference and whether it
   exceeds the run-to-run spread (:func:`featurestore.probes.compare.compare_summaries`).
@@ -11,7 +12,7 @@ The public entry points (``featurestore probe`` is their command line):
 The probes themselves train from any iterable of ``(features, labels)`` batches, so they run the
 same on ``client.FeatureLoader`` (streaming from a store, local or over HTTP) and on an in-RAM
 :class:`~featurestore.probes.train.TensorLoader`:
-:func:`~featurestore.probes.linear.train_linear_probe` (macro-F1, balanced accuracy) and
+:func:`~featurestore.probes.linear.train_linear_probe` (AUC, balanced accuracy, macro-F1) and
 :func:`~featurestore.probes.seg.train_seg_probe` (per-image macro Jaccard). Metric definitions
 and how to read a comparison: ``docs/PROBES.md``. Torch and the client are imported inside the
 functions, so importing this module (and ``featurestore --help``) stays cheap.
@@ -333,15 +334,15 @@ def _run(
     if loader not in LOADERS:
         raise InvalidOption(f"loader must be one of {', '.join(LOADERS)}, but got: {loader!r}")
     # Labels first: one class is refused with what the labels hold, not only a class count.
-    k, spec, storage_options, token = folds
-    if k is not None and task != "linear":
+    n_folds, spec, storage_options, token = folds
+    if n_folds is not None and task != "linear":
         raise InvalidOption(f"--folds K applies to the linear and abmil heads, not to task {task}")
-    if k is None:
+    if n_folds is None:
         matched = None if table is None else (table_labels(train, table), table_labels(evaluate, table))
         baselines = dense_baselines(train, evaluate, task, num_classes, matched)
         pairs: list[Any] = [matched]
     else:
-        pairs, baselines = fold_pairs(train, None if table is None else table_labels(train, table), k, spec,
+        pairs, baselines = fold_pairs(train, None if table is None else table_labels(train, table), n_folds, spec,
                                       storage_options=storage_options, token=token)
         matched = pairs[0]
     if num_classes < 2:
@@ -359,7 +360,7 @@ def _run(
     overrides = {k: v for k, v in overrides.items() if v is not None}
     config: Any = (SegProbeConfig(**overrides) if task == "seg"
                    else LinearProbeConfig(pool=pool, prefix_tokens=prefix, **overrides))
-    held = None if loader != "ram" or k is None else read_all(train)
+    held = None if loader != "ram" or n_folds is None else read_all(train)
     makes = [_batches(train, evaluate, batch_size=batch_size, device=torch_device, loader=loader,
                       matched=pair, held=held) for pair in pairs]
 
@@ -381,7 +382,7 @@ def _run(
         if log is not None:
             shown = ", ".join(f"{name} {v:.4f}" for name, v in metrics.items())
             log(f"{train.dataset}/{train.encoder} ({train.dtype}) seed {seed}: {shown}"
-                f"{f' (mean of {k} folds)' if k else ''} ({time.perf_counter() - started:.1f} s)")
+                f"{f' (mean of {n_folds} folds)' if n_folds else ''} ({time.perf_counter() - started:.1f} s)")
         return metrics
 
     started = time.perf_counter()
@@ -390,7 +391,7 @@ def _run(
     return {
         "source": train.source, "dataset": train.dataset, "encoder": train.encoder,
         "dtype": train.dtype, "train_split": train.split,
-        "eval_split": evaluate.split if k is None else f"{k} folds", "folds": k,
+        "eval_split": evaluate.split if n_folds is None else f"{n_folds} folds", "folds": n_folds,
         "group_by": None if spec is None else spec.column,
         "train_samples": train.num_samples if matched is None else len(matched[0].positions),
         "eval_samples": evaluate.num_samples if matched is None else len(matched[1].positions),
