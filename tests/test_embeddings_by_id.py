@@ -103,3 +103,8 @@ def test_a_loader_epoch_over_an_embedding_split(where: str, store_path: str, ser
         assert torch.equal(labels, (features[:, 0] // E).long() % 2)
         seen += (features[:, 0] // E).long().tolist()
     assert sorted(seen) == list(range(len(IDS)))
+    rows = []
+    for features, labels in torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True):
+        assert features.shape[1:] == (E,) and labels.dtype == torch.int64
+        rows += (features[:, 0] // E).long().tolist()
+    assert sorted(rows) == list(range(len(IDS)))

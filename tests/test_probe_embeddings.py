@@ -168,7 +168,7 @@ def test_patient_embeddings_are_their_own_groups(store: str) -> None:
 
     info = describe_split(store, "cohort", "patients", "all")
     assert dense_groups(info, GroupSpec("case_id")) == info.ds.array.ids
-    result = run_probe(store, "cohort", "patients", train_split="all", folds=3, group_by=GroupSpec("case_id"),
+    result = run_probe(store, "cohort", "patients", train_split="all", folds=3, group_by="case_id",
                        seeds=1, batch_size=8, device="cpu")
     assert result["metrics"]["auc"]["mean"] >= 0.9
 

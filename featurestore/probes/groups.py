@@ -35,6 +35,11 @@ class GroupSpec:
     table: str | None = None
     id_column: str = "slide_id"
 
+    @classmethod
+    def of(cls, value: GroupSpec | str | None) -> GroupSpec | None:
+        """A spec from a spec, a column name (groups from the lineage) or None."""
+        return cls(value) if isinstance(value, str) else value
+
 
 def bag_groups(bags: Any, positions: Sequence[int], column: str, where: str) -> list[str]:
     """The ``column`` attribute of the bags at ``positions`` of a bag reader (``ds.bags``)."""

@@ -182,11 +182,11 @@ def run_probe(
     log: Callable[[str], None] | None = None,
     labels: LabelTable | None = None,
     folds: int | None = None,
-    group_by: GroupSpec | None = None,
+    group_by: GroupSpec | str | None = None,
 ) -> dict[str, Any]:
     """Train the reference probe on ``train_split`` under each seed and score it on ``eval_split``,
-    or (linear probe) on ``folds`` stratified folds of ``train_split``, grouped by ``group_by``
-    (:mod:`featurestore.probes.groups`; the folds of :mod:`featurestore.probes.folds`).
+    or (linear probe) on ``folds`` stratified folds of ``train_split``, grouped by ``group_by`` (a
+    column: groups from the lineage, or a :class:`~featurestore.probes.groups.GroupSpec` with a table).
 
     ``source``: store path, fsspec URL (with ``storage_options``) or ``http(s)://`` server (with
     ``token``). ``seeds``: a count K (seeds ``0..K-1``) or explicit seeds. ``epochs`` and ``lr``:
@@ -232,7 +232,7 @@ def compare_probes(
     log: Callable[[str], None] | None = None,
     labels: LabelTable | None = None,
     folds: int | None = None,
-    group_by: GroupSpec | None = None,
+    group_by: GroupSpec | str | None = None,
 ) -> dict[str, Any]:
     """Run the same probe, seeds, folds and batches on ``encoder`` (A) and ``compare_encoder`` (B).
 
@@ -276,7 +276,7 @@ def compare_probes(
     }
 
 
-def _splits(train_split: str, eval_split: str | None, folds: int | None, group_by: GroupSpec | None) -> list[str]:
+def _splits(train_split: str, eval_split: str | None, folds: int | None, group_by: Any) -> list[str]:
     if (eval_split is None) == (folds is None):
         raise InvalidOption("give either an eval split (--eval SPLIT) or a number of folds (--folds K), not both and "
                             "not neither")
@@ -318,7 +318,7 @@ def _run(
     loader: str,
     log: Callable[[str], None] | None,
     table: LabelTable | None,
-    folds: tuple[int | None, GroupSpec | None, dict[str, Any] | None, str | None] = (None, None, None, None),
+    folds: tuple[int | None, GroupSpec | str | None, dict[str, Any] | None, str | None] = (None, None, None, None),
 ) -> dict[str, Any]:
     """``folds``: ``(K, grouping, storage_options, token)``; K None: train on ``train``, score on ``evaluate``."""
     from featurestore.probes.dense_folds import fold_pairs
@@ -335,6 +335,7 @@ def _run(
         raise InvalidOption(f"loader must be one of {', '.join(LOADERS)}, but got: {loader!r}")
     # Labels first: one class is refused with what the labels hold, not only a class count.
     n_folds, spec, storage_options, token = folds
+    spec = GroupSpec.of(spec)
     if n_folds is not None and task != "linear":
         raise InvalidOption(f"--folds K applies to the linear and abmil heads, not to task {task}")
     if n_folds is None:
