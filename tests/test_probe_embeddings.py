@@ -131,8 +131,13 @@ def test_folds_refused_in_one_line_for_too_few_groups() -> None:
         fold_parts(labels, np.arange(6), 4, "cohort", cases, group_name="case_id")
     labels = np.array([0, 0, 0, 0, 1, 1])  # class 1 lives in one patient only
     cases = ["a", "a", "b", "c", "d", "d"]
-    with pytest.raises(InvalidLabels, match="class 1 has 1 case_id group"):
+    with pytest.raises(InvalidLabels, match="class 1 has 1 case_id group.*would train without it"):
         fold_parts(labels, np.arange(6), 2, "cohort", cases, group_name="case_id")
+    labels = np.array([0, 0, 1, 1, 0, 0, 1, 1, 0, 1])  # class 1 in 2 patients: 2 folds at most
+    cases = ["a", "a", "b", "b", "c", "c", "d", "d", "e", "b"]
+    with pytest.raises(InvalidLabels, match="class 1 has 2 case_id group.*use --folds 2 or fewer"):
+        fold_parts(labels, np.arange(10), 3, "cohort", cases, group_name="case_id")
+    assert len(fold_parts(labels, np.arange(10), 2, "cohort", cases, group_name="case_id")) == 2
 
 
 # ------------------------------------------------------------------------------- the probe

@@ -73,21 +73,23 @@ def fold_parts(labels: np.ndarray, pool: np.ndarray, k: int, name: str, groups: 
     (``labels``, ``groups``: theirs); refused when a fold would evaluate one class only."""
     labels = np.asarray(labels).reshape(-1)
     folds = grouped_folds(labels, groups, k, group_name=group_name)
+    values = np.unique(labels)
+    if groups is None:
+        counts = [int((labels == v).sum()) for v in values]
+        unit = "sample(s)"
+    else:
+        keyed = np.asarray([str(g) for g in groups], dtype=object)
+        counts = [len(set(keyed[labels == v])) for v in values]
+        unit = f"{group_name} group(s)"
+    fewest, rare = int(min(counts)), values[int(np.argmin(counts))]
+    if fewest < 2:  # its one group is held out once, and that fold trains without the class
+        raise InvalidLabels(f"{name}: class {rare} has {fewest} {unit}: a fold would train without it; add samples "
+                            "of that class (in other groups) or leave it out (--labels)")
     for i, fold in enumerate(folds):
         if len(np.unique(labels[fold])) < 2:
-            values = np.unique(labels)
-            if groups is None:
-                counts = [int((labels == v).sum()) for v in values]
-                unit = "sample(s)"
-            else:
-                keyed = np.asarray([str(g) for g in groups], dtype=object)
-                counts = [len(set(keyed[labels == v])) for v in values]
-                unit = f"{group_name} group(s)"
-            fewest = int(min(counts))
-            fix = f"use --folds {fewest} or fewer" if fewest >= 2 else "add samples of that class"
             raise InvalidLabels(f"{name}: fold {i + 1} of {k} would evaluate only label {labels[fold][0]} (AUC is "
-                                f"undefined for one class): class {values[int(np.argmin(counts))]} has {fewest} "
-                                f"{unit}, fewer than the folds; {fix}")
+                                f"undefined for one class): class {rare} has {fewest} {unit}, fewer than the "
+                                f"folds; use --folds {fewest} or fewer")
     fold_sets = [pool[f] for f in folds]
     return [(np.sort(np.concatenate([f for j, f in enumerate(fold_sets) if j != i])), fold_sets[i])
             for i in range(k)]
