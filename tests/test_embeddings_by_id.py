@@ -65,6 +65,10 @@ def test_read_ids_over_http(store_path: str, server_url: str) -> None:
             fc.read_ids("cohort", "slide-mean", "all", [IDS[0], "nope"])
         with pytest.raises(fse.SampleNotFound, match="has no sample ids"):
             fc.read_ids("cohort", "noids", "all", ["a"])
+        remote = fc.open("cohort", "slide-mean", "all")  # the local reader's helper, over HTTP
+        assert remote.positions_of([IDS[3], IDS[1]]).tolist() == [3, 1]
+        with pytest.raises(fse.SampleNotFound, match="no sample 'nope'"):
+            remote.positions_of(["nope"])
         empty, no_labels = fc.read_ids("cohort", "slide-mean", "all", [])
         assert empty.shape == (0, E) and no_labels is not None and no_labels.shape == (0,)
         response = fc.http.post(server_url + "/v1/features/cohort/slide-mean/all/by-id", content=b'{"ids": [1]}',
