@@ -149,6 +149,7 @@ def test_planted_signal_found_with_grouped_folds_from_the_lineage(store: str) ->
     assert list(result["metrics"]) == ["auc", "balanced_accuracy", "macro_f1"]
     assert result["metrics"]["auc"]["mean"] >= 0.9
     assert result["folds"] == 5 and result["group_by"] == "case_id" and result["eval_split"] == "5 folds"
+    assert result["label_notes"] == []  # stored labels: no table line (nor a blank one) in the report
     assert not result["chance"]["auc"]["at_chance"] and result["chance"]["auc"]["baseline"] == 0.5
 
 

@@ -400,7 +400,7 @@ def _run(
         "token_grid": None if grid is None else list(grid), "prefix_tokens_dropped": prefix,
         "device": str(torch_device), "loader": loader, "batch_size": batch_size,
         "config": asdict(config), "seconds": time.perf_counter() - started,
-        "label_notes": [] if matched is None else [m.summary for m in matched], **result,
+        "label_notes": [] if matched is None else [m.summary for m in matched if m.summary], **result,
     }
 
 
