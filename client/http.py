@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 
 from client._stdlib_transport import StdlibTransport
+from client.framing import fill_views
 from client.remote import RemoteFeatureArray, check_generation, reopening
 from client.remote_bags import RemoteBags
 from featurestore import errors as fse
@@ -391,6 +392,12 @@ class FeatureClient:
         arr.read_into(index, features, labels)
         return features, labels
 
+    def read_ids(self, dataset: str, encoder: str, split: str, ids: Any) -> tuple[np.ndarray, np.ndarray | None]:
+        """Features and labels (None without labels) of the samples named by ``ids``, in one request."""
+        from client.by_id import read_ids
+
+        return read_ids(self, dataset, encoder, split, ids)
+
     @reopening
     def read_range(self, dataset: str, encoder: str, split: str, start: int, stop: int, *,
                    labels: bool = False) -> np.ndarray:  # fmt: skip
@@ -453,7 +460,7 @@ class FeatureClient:
                 for target in targets:
                     readinto(target)  # straight from the socket into the output arrays
                 return [out for out, *_ in parts]
-            _fill_views(response.iter_bytes() if encoded else response.iter_raw(), targets)
+            fill_views(response.iter_bytes() if encoded else response.iter_raw(), targets)
             return [out for out, *_ in parts]
 
         headers = {"Accept": wire.OCTET_STREAM, "Accept-Encoding": "identity"}
@@ -464,23 +471,3 @@ class FeatureClient:
         result: list[np.ndarray] = self._send(method, path, stream_into=fill, **kwargs)
         return result
 
-
-def _fill_views(chunks: Iterator[bytes], targets: list[memoryview]) -> None:
-    """Copy a body arriving in ``chunks`` into ``targets`` back to back; exact length."""
-    total = sum(t.nbytes for t in targets)
-    which, filled, seen = 0, 0, 0
-    for chunk in chunks:
-        view = memoryview(chunk)
-        seen += view.nbytes
-        if seen > total:
-            raise httpx.RemoteProtocolError("response body longer than its shape headers say")
-        while view.nbytes:
-            target = targets[which]
-            take = min(view.nbytes, target.nbytes - filled)
-            target[filled : filled + take] = view[:take]
-            filled += take
-            view = view[take:]
-            if filled == target.nbytes and which + 1 < len(targets):
-                which, filled = which + 1, 0
-    if seen != total:
-        raise httpx.RemoteProtocolError(f"body of {seen} bytes, expected {total}")

@@ -111,6 +111,17 @@ class RemoteFeatureArray:
             self._ids = [str(i) for i in self.client.get_json(wire.route(wire.IDS, **self.route))["ids"]]
         return self._ids
 
+    def positions_of(self, ids: Any) -> np.ndarray:
+        """int64 positions of sample ``ids``, as ``FeatureArray.positions_of`` (the ids fetched once)."""
+        from featurestore.format import sample_ids
+
+        if self.ids is None:
+            raise fse.SampleNotFound(f"split {'/'.join(self.key)} has no sample ids: read it by position")
+        table = self.__dict__.get("_id_table")
+        if table is None:
+            table = self._id_table = sample_ids.id_positions(self.ids)
+        return sample_ids.positions_of(ids, table, f"split {'/'.join(self.key)} at {self.client.url}")
+
     # ------------------------------------------------------------------ reads
     def read(self, indices: Any) -> Any:
         from featurestore.format.dtypes import to_torch

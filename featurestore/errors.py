@@ -187,6 +187,13 @@ class BagNotFound(FeatureStoreError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class SampleNotFound(FeatureStoreError, KeyError):
+    """A sample id that a dense split's ids do not hold (``positions_of``, ``read_ids``)."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep the one clear line
+        return str(self.args[0]) if self.args else ""
+
+
 class DuplicateBag(FeatureStoreError, ValueError):
     """A bag id added twice to one bag split (callers skip ``writer.done_ids``)."""
 

@@ -72,6 +72,7 @@ STATUS: Mapping[type[BaseException], int] = {
     fse.EncoderNotFound: 404,
     fse.SplitNotFound: 404,
     fse.BagNotFound: 404,
+    fse.SampleNotFound: 404,
     # a dense route on a bag split, a bag route on a dense split: no such resource there
     fse.WrongSplitKind: 404,
     fse.IncompleteSplit: 409,

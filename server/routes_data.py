@@ -277,3 +277,41 @@ async def samples(request: Request, dataset: Name, encoder: Name, split: Name) -
     ``X-Dtype``), then the labels' (``X-Labels-Shape``, ``X-Labels-Dtype``; absent, and no bytes,
     when the split has none)."""
     return await _indexed(request, dataset, encoder, split, False, None, samples=True)
+
+
+# ------------------------------------------------------------------ samples by id
+
+
+_IDS_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["ids"], "properties": {"ids": {"type": "array", "items": {"type": "string"}}}}}}}}
+
+
+def parse_ids(body: bytes, max_indices: int) -> list[str]:
+    """A by-id body ``{"ids": [<str>, ...]}``, counted before it is parsed."""
+    if body.count(b",") + 1 > max_indices:
+        raise RequestTooLarge(f"more than {max_indices} ids (FEATURESTORE_MAX_INDICES): split the request")
+    try:
+        doc = json.loads(body, object_pairs_hook=_unique_keys)
+    except (_DuplicateKey, RecursionError, ValueError, UnicodeDecodeError):
+        doc = None
+    if not isinstance(doc, dict) or set(doc) != {"ids"} or not isinstance(doc["ids"], list) \
+            or any(type(v) is not str for v in doc["ids"]):
+        raise BadRequest('body must be JSON {"ids": [<sample id>, ...]}: a list of strings')
+    return doc["ids"]
+
+
+@router.post(wire.BY_ID, tags=["features"], response_class=ArrayResponse, status_code=200,
+             responses=_SAMPLES, openapi_extra=_IDS_BODY)  # fmt: skip
+async def samples_by_id(request: Request, dataset: Name, encoder: Name, split: Name) -> ArrayResponse:
+    """Features and labels of the samples named by ``ids`` (a split with sample ids, e.g. slide
+    embeddings), in the order asked, framed as ``/samples`` answers; an unknown id is a 404."""
+    state = state_of(request)
+    body = await request.body()  # capped by server/limits.py while it arrives
+
+    def work() -> ArrayResponse:
+        entry = state.open_split(dataset, encoder, split)
+        index = entry.array.positions_of(parse_ids(body, state.settings.max_indices))
+        arrays = [entry.array] + ([entry.array.labels] if entry.array.labels is not None else [])
+        return _respond(state, entry, arrays, index, media_type=wire.SAMPLES_MEDIA)
+
+    return await run_in_threadpool(work)

@@ -95,32 +95,39 @@ def test_two_writers_fill_one_split_with_the_bytes_of_one(tmp_path: Path) -> Non
     check_all(tmp_path / "two")
 
 
-def _kill_after(proc: subprocess.Popen[str], line: str, count: int = 1) -> None:
+def _kill_after(proc: subprocess.Popen[str], line: str, count: int = 1) -> list[str]:
+    """SIGKILL ``proc`` once it printed ``line`` ``count`` times; every line it printed before it
+    died (it may have printed more between the last one read here and the signal)."""
     assert proc.stdout is not None
     seen = 0
+    printed = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         text = proc.stdout.readline()
         assert text, "the child ended early"
+        printed.append(text)
         if text.startswith(line):
             seen += 1
             if seen == count:
                 break
     os.kill(proc.pid, signal.SIGKILL)
+    printed.extend(proc.stdout.read().splitlines(keepends=True))
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
+    return printed
 
 
 @pytest.mark.parametrize("after", [1, 17, 39])
 def test_sigkill_while_adding_bags_then_resume(tmp_path: Path, after: int) -> None:
     create(tmp_path)
-    _kill_after(child(tmp_path, "forward"), "added", after)
+    printed = _kill_after(child(tmp_path, "forward"), "added", after)
+    added = {text.split()[1] for text in printed if text.startswith("added")}
     store = open_store(str(tmp_path), mode="a")
     assert store.split_status("ds", "enc", "train") == "writing"
     writer = store.create_bag_split("ds", "enc", "train", dim=DIM, chunk_bytes=CHUNK_BYTES, resume=True)
     kept = writer.done_ids
     writer.close()
-    assert kept <= {f"slide-{i:02d}" for i in range(after)}  # never a bag it had not finished adding
+    assert kept <= added  # never a bag it had not finished adding (printed after add_bag returned)
     proc = child(tmp_path, "forward")
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0

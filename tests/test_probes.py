@@ -330,7 +330,7 @@ def test_linear_task_is_detected_and_learns_through_the_store(store_path: str) -
     result = compare_probes(store_path, DATASET, "lin16", "lin32", train_split="train",
                             eval_split="val", seeds=2, epochs=5, batch_size=32, device="cpu")
     assert result["a"]["task"] == "linear" and result["a"]["num_classes"] == LIN_CLASSES
-    assert set(result["comparison"]) == {"macro_f1", "balanced_accuracy"}
+    assert set(result["comparison"]) == {"auc", "balanced_accuracy", "macro_f1"}
     for side in ("a", "b"):
         assert result[side]["metrics"]["macro_f1"]["mean"] > 0.9
 

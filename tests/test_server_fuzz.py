@@ -130,6 +130,20 @@ def test_post_batch_never_fails(client: TestClient, ds: str, split: str, body: A
     _check(response)
 
 
+sample_ids = st.one_of(st.sampled_from(["img-000", "img-001", "img-039", "img-999", "", "é"]), st.text(max_size=8))
+id_bodies = st.one_of(st.fixed_dictionaries({"ids": st.lists(sample_ids, max_size=60)}),
+                      st.fixed_dictionaries({"ids": st.lists(json_values, max_size=5)}), json_values)
+
+
+@FUZZ
+@given(ds=st.sampled_from(["pannuke", "nope", ".."]), split=st.one_of(st.sampled_from(["train", "bags"]), names),
+       body=id_bodies, raw=st.one_of(st.none(), st.binary(max_size=30)))  # fmt: skip
+def test_post_by_id_never_fails(client: TestClient, ds: str, split: str, body: Any, raw: bytes | None) -> None:
+    path = f"/v1/features/{_seg(ds)}/tiny/{_seg(split)}/by-id"
+    content = raw if raw is not None else json.dumps(body, allow_nan=True).encode()
+    _check(client.post(path, content=content, headers={"content-type": "application/json"}))
+
+
 @FUZZ
 @given(parts=st.lists(names, min_size=0, max_size=6), hdrs=headers,
        prefix=st.sampled_from(["", "pannuke/tiny/train/features/", "pannuke/tiny/train/features/c/"]))  # fmt: skip
@@ -181,6 +195,6 @@ def test_every_openapi_route_is_covered(client: TestClient) -> None:
              "/v1/features/{dataset}/{encoder}/{split}/arrays", "/v1/features/{dataset}/{encoder}/{split}/ids",
              "/v1/features/{dataset}/{encoder}/{split}/items/{index}",
              "/v1/features/{dataset}/{encoder}/{split}/batch", "/v1/features/{dataset}/{encoder}/{split}/samples",
-             "/zarr/{key}", "/metrics", "/v1/bags/{dataset}/{encoder}/{split}",
+             "/v1/features/{dataset}/{encoder}/{split}/by-id", "/zarr/{key}", "/metrics", "/v1/bags/{dataset}/{encoder}/{split}",
              "/v1/bags/{dataset}/{encoder}/{split}/{bag_id}"}  # fmt: skip
     assert set(client.get("/openapi.json").json()["paths"]) == known

@@ -25,7 +25,7 @@ METRIC_TITLES = {
     "macro_f1": "macro-F1",
     "balanced_accuracy": "balanced accuracy",
     "jaccard": "per-image macro Jaccard",
-    "auc": "slide AUC",
+    "auc": "AUC",
 }
 HEADS = ("linear", "seg", "abmil")  # abmil: featurestore.probes.mil_run, on bag splits
 
@@ -101,7 +101,10 @@ def _collapse_notes(run: dict[str, Any]) -> list[str]:
     # prediction (e.g. background everywhere), and a comparison of two such runs says nothing.
     if len(run["seeds"]) < 2:
         return []
-    flat = [name for name, s in run["metrics"].items() if s["std"] == 0.0]
+    # A metric above the best constant prediction's score is no constant prediction: on a small
+    # cohort with fixed folds a learned probe often gives the same thresholded metric every seed.
+    above = {name for name, c in (run.get("chance") or {}).items() if not c["at_chance"]}
+    flat = [name for name, s in run["metrics"].items() if s["std"] == 0.0 and name not in above]
     if not flat:
         return []
     return [
@@ -112,10 +115,12 @@ def _collapse_notes(run: dict[str, Any]) -> list[str]:
 
 
 def _setup_line(run: dict[str, Any]) -> str:
-    title = ", ".join(METRIC_TITLES.get(m, m) for m in run["metrics"])
+    titles = {**METRIC_TITLES, "auc": "slide AUC"} if run["task"] == "abmil" else METRIC_TITLES
+    title = ", ".join(titles.get(m, m) for m in run["metrics"])
+    grouped = f", grouped by {run['group_by']}" if run.get("group_by") else ""
     return (
         f"{run['task']} probe ({title}): train on '{run['train_split']}', evaluate on "
-        f"'{run['eval_split']}'; {run['num_classes']} classes; {run['config']['epochs']} epochs, "
+        f"'{run['eval_split']}'{grouped}; {run['num_classes']} classes; {run['config']['epochs']} epochs, "
         f"lr {run['config']['lr']:g}, batch {run['batch_size']}, device {run['device']}, "
         f"{run['loader']} loader"
     )
@@ -186,7 +191,10 @@ def register(subparsers: Any) -> None:
         "(e.g. the features stored as float32) and report each metric as mean ± std per storage "
         "dtype, the difference, and whether it exceeds 2 x the pooled run-to-run std. "
         "--head abmil trains a gated-attention MIL head on a bag split (one label per slide) and "
-        "reports slide AUC and balanced accuracy, on --eval SPLIT or --folds K. Every report shows each metric's "
+        "reports slide AUC and balanced accuracy, on --eval SPLIT or --folds K. The linear head reports AUC (binary, "
+        "or macro one-vs-rest), balanced accuracy and macro-F1; on a slide-embedding split [n, E] (featurestore embed) "
+        "it is the logistic-regression probe. --folds K --group-by COLUMN keeps each group (a patient's slides) in "
+        "one fold, stratified by label. Every report shows each metric's "
         "chance baseline (the best constant prediction) and flags a metric AT CHANCE. --labels CSV --label-column "
         "COL takes a task's labels from a table. See docs/PROBES.md.",
     )
@@ -195,15 +203,23 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--encoder", required=True, help="encoder name in the store (A)")
     parser.add_argument("--train", required=True, metavar="SPLIT", help="split to train on")
-    parser.add_argument("--eval", metavar="SPLIT", help="split to evaluate on (required, except with --head abmil "
-                        "--folds K)")
+    parser.add_argument("--eval", metavar="SPLIT", help="split to evaluate on (required, except with --folds K)")
     parser.add_argument("--task", choices=TASKS, default="auto",
                         help="auto: class maps [H, W] -> seg, one class id per sample -> linear")
     parser.add_argument("--head", choices=HEADS, default=None,
                         help="linear or seg: the dense probes (same as --task); abmil: gated-attention MIL "
                         "(Ilse et al. 2018) on a bag split, slide-level AUC and balanced accuracy")
     parser.add_argument("--folds", type=_positive_int, default=None, metavar="K",
-                        help="abmil: K stratified folds of the --train split instead of --eval")
+                        help="linear or abmil: K stratified folds of the --train split instead of --eval (the same "
+                        "folds for every seed); a seed's metric is the mean over the folds")
+    parser.add_argument("--group-by", metavar="COLUMN", default=None,
+                        help="--folds: keep every group (e.g. case_id: a patient's slides) in one fold. abmil: the "
+                        "bags' attribute COLUMN (import keeps a --labels CSV's other columns as attributes); linear "
+                        "over a split with ids: --groups CSV, else the attributes of the bag split it was derived "
+                        "from (metadata 'lineage')")
+    parser.add_argument("--groups", metavar="CSV", default=None,
+                        help="--group-by: a table (UTF-8 CSV) with the --id-column and COLUMN giving each sample's "
+                        "group (linear head on a dense split with ids)")
     parser.add_argument("--max-patches", type=_positive_int, default=None, metavar="P",
                         help="abmil: train on a seeded random subset of P patches per bag per epoch")
     parser.add_argument("--save-attention", metavar="NAME", default=None,
@@ -217,7 +233,7 @@ def register(subparsers: Any) -> None:
                         help="--labels: the column holding the task's labels (digits only: class ids; else class "
                         "names, numbered in sorted order)")
     parser.add_argument("--id-column", metavar="COL", default="slide_id",
-                        help="--labels: the column holding the slide ids (default slide_id)")
+                        help="--labels, --groups: the column holding the slide ids (default slide_id)")
     parser.add_argument("--compare", metavar="ENCODER",
                         help="second encoder name (B), e.g. the same features stored as float32")
     parser.add_argument("--compare-store", metavar="STORE",
@@ -259,19 +275,27 @@ def run_command(args: argparse.Namespace) -> int:
                             "labels")
     token = args.token or os.environ.get("FEATURESTORE_TOKEN") or None
     storage = None if args.store.lower().startswith(("http://", "https://")) else options_from_args(args)
+    if args.groups is not None and args.group_by is None:
+        raise InvalidOption("--groups CSV gives the column of --group-by COLUMN: add --group-by")
     if args.head == "abmil":
+        if args.groups is not None:
+            raise InvalidOption("--groups CSV applies to the linear head: a bag split's groups are its bags' "
+                                "attributes (--group-by COLUMN)")
         result = _run_abmil(args, token, storage, None if args.quiet else log)
     else:
-        if args.folds is not None or args.max_patches is not None or args.save_attention is not None:
-            raise InvalidOption("--folds, --max-patches and --save-attention apply to --head abmil only")
-        if args.eval is None:
-            raise InvalidOption("--eval SPLIT is required: the split to evaluate the probe on")
+        if args.max_patches is not None or args.save_attention is not None:
+            raise InvalidOption("--max-patches and --save-attention apply to --head abmil only")
+        if args.eval is None and args.folds is None:
+            raise InvalidOption("--eval SPLIT or --folds K is required: the split (or folds) to evaluate the probe on")
+        from featurestore.probes.groups import GroupSpec
+
         task = args.head or args.task
         common: dict[str, Any] = dict(
             train_split=args.train, eval_split=args.eval, task=task, seeds=args.seeds,
             epochs=args.epochs, lr=args.lr, batch_size=args.batch_size or 64, device=args.device,
             num_classes=args.num_classes, pool=args.pool, loader=args.loader, token=token,
-            log=None if args.quiet else log, labels=_label_table(args),
+            log=None if args.quiet else log, labels=_label_table(args), folds=args.folds,
+            group_by=None if args.group_by is None else GroupSpec(args.group_by, args.groups, args.id_column),
         )
         if storage is not None:
             common["storage_options"] = storage
@@ -305,7 +329,7 @@ def _run_abmil(args: argparse.Namespace, token: str | None, storage: dict[str, A
         train_split=args.train, eval_split=args.eval, folds=args.folds, seeds=args.seeds, epochs=args.epochs,
         lr=args.lr, batch_size=args.batch_size or 1, max_patches=args.max_patches, device=args.device,
         num_classes=args.num_classes, loader=args.loader, token=token, storage_options=storage, log=log,
-        labels=_label_table(args),
+        labels=_label_table(args), group_by=args.group_by,
     )
     if args.compare:
         if args.save_attention is not None:

@@ -40,9 +40,10 @@ from featurestore.errors import (
     IndexOutOfRange,
     InvalidOption,
     MissingChunks,
+    SampleNotFound,
     ShapeMismatch,
 )
-from featurestore.format import chunks, dtypes, layout
+from featurestore.format import chunks, dtypes, layout, sample_ids
 from featurestore.format.wire import as_index_array, check_bounds
 
 
@@ -101,6 +102,7 @@ class FeatureArray(CachedPath, RangesPath):
         # A bag split's chunk_seals for this array (featurestore.core.bags.SealTable, name): the
         # cached path checks a cached file against its position's seal.
         self.seals: tuple[Any, str] | None = None
+        self._id_table: dict[str, int] | None = None
 
     # ------------------------------------------------------------------ sizes
     def __len__(self) -> int:
@@ -122,6 +124,16 @@ class FeatureArray(CachedPath, RangesPath):
 
         array = zarr.open_array(store=self._storage.zarr_store(), path=f"{self._split_key}/{layout.IDS}", mode="r")
         return [str(v) for v in array[:]]
+
+    def positions_of(self, ids: Any) -> np.ndarray:
+        """int64 positions of the samples named by ``ids`` (any order, repeats allowed); an unknown
+        id is :class:`SampleNotFound` naming it."""
+        if self._id_table is None:
+            held = self.ids
+            if held is None:
+                raise SampleNotFound(f"split {self._split_key} has no sample ids: read it by position")
+            self._id_table = sample_ids.id_positions(held)
+        return sample_ids.positions_of(ids, self._id_table, f"split {self._split_key}")
 
     def __repr__(self) -> str:
         return f"FeatureArray({self._key!r}, shape={self.shape}, dtype={self.dtype!r}, path={self.path!r})"

@@ -48,6 +48,7 @@ __all__ = [
     "BAG_MEDIA",
     "BAG_ROUTE",
     "BATCH",
+    "BY_ID",
     "COORDS_DTYPE_HEADER",
     "COORDS_SHAPE_HEADER",
     "BagsListing",
@@ -129,6 +130,9 @@ IDS = SPLIT + "/ids"
 ITEM = SPLIT + "/items/{index}"
 BATCH = SPLIT + "/batch"
 SAMPLES = SPLIT + "/samples"
+# Samples named by id (POST JSON {"ids": [...]}): answered in the SAMPLES framing, rows in the order
+# asked; an id the split does not hold is a 404 naming it (SampleNotFound).
+BY_ID = SPLIT + "/by-id"
 # Bag splits (issue 23). A bag id is data, any string a slide name holds (slashes, "..", spaces,
 # unicode): route() percent-encodes every byte of it but letters, digits, "-", "_" and "~"
 # (quote_bag_id), so no "/" or ".." segment ever reaches a URL normaliser, and the server matches

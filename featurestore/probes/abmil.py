@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from featurestore.errors import EmptySplit, InvalidLabels
+from featurestore.probes.auc import roc_auc, slide_auc
 from featurestore.probes.linear import balanced_accuracy, confusion_matrix
 from featurestore.probes.train import adamw, begin_training, check_class_ids, epochs_of, set_cosine_lr
 
@@ -70,38 +71,6 @@ class GatedABMIL(nn.Module):
         attention = torch.softmax(scores, dim=1)
         pooled = torch.bmm(attention.unsqueeze(1), h).squeeze(1)
         return self.classifier(pooled), attention
-
-
-# ----------------------------------------------------------------------------------- metrics
-
-
-def roc_auc(scores: np.ndarray, target: np.ndarray) -> float:
-    """Area under the ROC curve of ``scores`` for ``target`` in {0, 1} (Mann-Whitney U with tied
-    scores at their mean rank, as scikit-learn's ``roc_auc_score``); NaN with a single class."""
-    scores = np.asarray(scores, np.float64)
-    target = np.asarray(target).astype(bool)
-    positives, negatives = int(target.sum()), int((~target).sum())
-    if positives == 0 or negatives == 0:
-        return float("nan")
-    order = np.argsort(scores, kind="mergesort")
-    ranks = np.empty(len(scores), np.float64)
-    sorted_scores = scores[order]
-    # Mean rank (1-based) of each run of equal scores.
-    starts = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])
-    ends = np.r_[starts[1:], len(scores)]
-    mean_rank = (starts + ends + 1) / 2.0
-    ranks[order] = np.repeat(mean_rank, ends - starts)
-    return float((ranks[target].sum() - positives * (positives + 1) / 2.0) / (positives * negatives))
-
-
-def slide_auc(probabilities: np.ndarray, target: np.ndarray, num_classes: int) -> float:
-    """Binary: AUC of the positive class's probability. More classes: the mean of the
-    one-vs-rest AUCs over the classes present in ``target`` (with at least one negative)."""
-    if num_classes == 2:
-        return roc_auc(probabilities[:, 1], target == 1)
-    values = [roc_auc(probabilities[:, c], target == c) for c in range(num_classes)]
-    values = [v for v in values if not np.isnan(v)]
-    return float(np.mean(values)) if values else float("nan")
 
 
 # ------------------------------------------------------------------------------ training

@@ -32,8 +32,8 @@ __all__ = ["AttentionRecorder"]
 
 _CHUNK_BYTES = 8 << 20
 # Settings of the probe run kept in a map's lineage (the rest of the run's result is metrics).
-_PROBE_KEYS = ("dataset", "encoder", "dtype", "train_split", "eval_split", "folds", "task", "num_classes", "device",
-               "loader", "batch_size", "max_patches", "config", "seeds")
+_PROBE_KEYS = ("dataset", "encoder", "dtype", "train_split", "eval_split", "folds", "group_by", "task", "num_classes",
+               "device", "loader", "batch_size", "max_patches", "config", "seeds")
 
 
 class AttentionRecorder:

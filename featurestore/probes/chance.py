@@ -3,7 +3,10 @@
 Every probe report shows, per metric, the score of the best *constant* prediction on the same
 evaluation labels (the chance baseline) and flags a metric that is not above it: its mean over
 seeds lies within ``SPREAD_FACTOR`` x the seed spread of the baseline (with one seed: not above it
-at all). A comparison of two storage dtypes whose probes are both at chance compares noise, so it
+at all). With K folds the spread is the larger of the seed spread and the folds' standard error
+(std over the folds / sqrt(K), averaged over seeds): on a small cohort the held-out slides, not the
+seed, are what moves the metric, and a probe of independent labels scatters around chance by that
+much. A comparison of two storage dtypes whose probes are both at chance compares noise, so it
 is marked uninformative. The baselines:
 
 - slide AUC (``auc``): 0.5, what any constant score (or a random one) gets;
@@ -79,11 +82,21 @@ def at_chance(summary: Mapping[str, Any], baseline: float) -> bool:
     return bool(summary["mean"] - baseline <= SPREAD_FACTOR * (summary["std"] or 0.0))
 
 
-def assess(metrics: Mapping[str, Mapping[str, Any]], baselines: Mapping[str, float]) -> dict[str, dict[str, Any]]:
-    """``{metric: {"baseline", "what", "at_chance"}}`` for the metrics a run reports."""
-    return {name: {"baseline": float(baselines[name]), "what": CONSTANT,
-                   "at_chance": at_chance(summary, float(baselines[name]))}
-            for name, summary in metrics.items() if name in baselines}
+def assess(metrics: Mapping[str, Mapping[str, Any]], baselines: Mapping[str, float],
+           folds: Sequence[Sequence[Mapping[str, float]]] | None = None) -> dict[str, dict[str, Any]]:
+    """``{metric: {"baseline", "what", "at_chance"}}`` for the metrics a run reports; ``folds``:
+    each seed's per-fold metrics (the spread is then at least their standard error)."""
+    out = {}
+    for name, summary in metrics.items():
+        if name not in baselines:
+            continue
+        spread = summary["std"] or 0.0
+        if folds and len(folds[0]) > 1:
+            errors = [np.std([f[name] for f in per_seed], ddof=1) / np.sqrt(len(per_seed)) for per_seed in folds]
+            spread = max(spread, float(np.mean(errors)))
+        out[name] = {"baseline": float(baselines[name]), "what": CONSTANT,
+                     "at_chance": at_chance({"mean": summary["mean"], "std": spread}, float(baselines[name]))}
+    return out
 
 
 def mark_comparison(comparison: dict[str, dict[str, Any]], a: Mapping[str, Any], b: Mapping[str, Any]) -> None:
@@ -111,5 +124,6 @@ def report_notes(run: Mapping[str, Any], side: str = "") -> list[str]:
     shown = "; ".join(f"{name} {run['metrics'][name]['mean']:.4f} vs chance {c['baseline']:.4f}" for name, c in low)
     who = f"{side}{run['encoder']} ({run['dtype']})"
     return [f"WARNING: AT CHANCE: {who}: {shown}. The probe did no better than always predicting one "
-            f"class (within {SPREAD_FACTOR:g} x the seed spread): these features, labels or settings taught it "
-            "nothing. Check the labels, train longer (--epochs) or with another --lr before reading this number."]
+            f"class (within {SPREAD_FACTOR:g} x the seed spread, or the folds' standard error): these features, "
+            "labels or settings taught it nothing. Check the labels, train longer (--epochs) or with another --lr "
+            "before reading this number."]

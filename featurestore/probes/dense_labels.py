@@ -6,6 +6,7 @@
   table's labels: a ``FeatureLoader`` over a batch sampler of those rows (the same uniform
   shuffle as ``FeatureLoader(order="shuffle")``, so a table that repeats the stored labels trains
   the same probe), or an in-RAM :class:`~featurestore.probes.train.TensorLoader`;
+- :func:`stored_labels`, :func:`read_all`: a split's stored class ids; the whole split in RAM;
 - :func:`dense_baselines`: the chance baselines of a dense probe's metrics on its evaluation
   labels (:mod:`featurestore.probes.chance`), with the one-class refusal for the linear probe.
 """
@@ -21,7 +22,7 @@ from featurestore.errors import InvalidLabels, MissingLabels
 from featurestore.probes import chance
 from featurestore.probes.labels import LabelTable, Matched
 
-__all__ = ["TableBatches", "dense_baselines", "table_labels"]
+__all__ = ["TableBatches", "dense_baselines", "read_all", "stored_labels", "table_labels"]
 
 _BLOCK_VALUES = 1 << 22  # label values read at a time (class maps are large: 32 MiB as int64)
 
@@ -122,3 +123,31 @@ def _label_blocks(info: Any) -> Iterator[np.ndarray]:
     rows = max(1, _BLOCK_VALUES // max(1, int(np.prod(info.label_shape or ()))))
     for start in range(0, info.num_samples, rows):
         yield np.asarray(labels.read_range(start, min(start + rows, info.num_samples)))
+
+
+def stored_labels(info: Any) -> np.ndarray:
+    """The stored class ids of every sample of ``info`` (one per sample), as int64."""
+    if info.label_shape is None:
+        raise MissingLabels(f"split {info.name} has no labels: store them, or give --labels CSV --label-column COL")
+    values = np.concatenate([np.empty(0, np.int64), *(b.reshape(-1) for b in _label_blocks(info))])
+    if len(values) != info.num_samples:
+        raise InvalidLabels(f"split {info.name} has labels of shape {list(info.label_shape)}: folds need one class id "
+                            "per sample")
+    return values.astype(np.int64)
+
+
+def read_all(info: Any) -> tuple[Any, Any]:
+    """The whole split as float32 features + labels in host RAM (``loader="ram"``).
+
+    This is the cache featurestore replaces; it is here to show that streaming trains the same probe.
+    """
+    import torch
+
+    array = info.ds.array
+    features = torch.empty((info.num_samples, *info.sample_shape), dtype=torch.float32)
+    labels = (torch.full((info.num_samples,), -1, dtype=torch.int64) if array.labels is None
+              else torch.from_numpy(array.labels.read_range(0, info.num_samples)))
+    for start in range(0, info.num_samples, 256):
+        stop = min(start + 256, info.num_samples)
+        features[start:stop] = array.read(list(range(start, stop))).to(torch.float32)
+    return features, labels

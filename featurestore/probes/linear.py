@@ -1,8 +1,11 @@
 """The linear probe on pooled tokens (training helpers: :mod:`featurestore.probes.train`).
 
 - :func:`train_linear_probe` fits a linear classifier on mean-pooled patch tokens (or the CLS
-  token) from any iterable of ``(features, labels)`` batches and reports macro-F1 and balanced
-  accuracy, computed from a confusion matrix in torch (:func:`macro_f1`, :func:`balanced_accuracy`).
+  token) from any iterable of ``(features, labels)`` batches and reports AUC (binary, or the macro
+  mean of one-vs-rest AUCs over K classes: :func:`featurestore.probes.auc.slide_auc`, as the ABMIL
+  head reports it), balanced accuracy and macro-F1, the last two from a confusion matrix in torch
+  (:func:`macro_f1`, :func:`balanced_accuracy`). On ``[n, E]`` slide embeddings it is the
+  logistic-regression probe (a linear layer trained with cross-entropy).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from torch import nn
 
 from featurestore.errors import EmptySplit, InvalidLabels, InvalidOption, ShapeMismatch
+from featurestore.probes.auc import slide_auc
 from featurestore.probes.train import Batch, adamw, begin_training, check_class_ids, epochs_of, set_cosine_lr
 
 if TYPE_CHECKING:
@@ -136,7 +140,7 @@ def train_linear_probe(
     device: str | torch.device = "auto",
     config: LinearProbeConfig | None = None,
 ) -> dict[str, float]:
-    """Fit a linear probe on ``train`` batches; return macro-F1 and balanced accuracy on ``evaluate``.
+    """Fit a linear probe on ``train`` batches; return AUC, balanced accuracy and macro-F1 on ``evaluate``.
 
     Features of any float dtype are upcast to float32 on ``device``; labels are class ids.
     ``seed`` fixes the initialisation (the loader's own seed fixes the shuffle), so on CPU two
@@ -180,15 +184,19 @@ def evaluate_linear_probe(
 ) -> dict[str, float]:
     model.eval()
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
-    seen = 0
+    probabilities, targets = [], []
     for features, labels in evaluate:
         pooled = pool_tokens(features.to(device, torch.float32), pool, prefix_tokens)
-        pred = model(pooled).argmax(dim=1)
-        confusion += confusion_matrix(_class_ids(labels, device, num_classes), pred, num_classes)
-        seen += pooled.shape[0]
-    if seen == 0:
+        logits = model(pooled)
+        target = _class_ids(labels, device, num_classes)
+        confusion += confusion_matrix(target, logits.argmax(dim=1), num_classes)
+        probabilities.append(torch.softmax(logits, dim=1).cpu())
+        targets.append(target.cpu())
+    if not targets:
         raise EmptySplit("the evaluation loader yielded no batches; is the eval split empty?")
-    return {"macro_f1": macro_f1(confusion.cpu()), "balanced_accuracy": balanced_accuracy(confusion.cpu())}
+    auc = slide_auc(torch.cat(probabilities).double().numpy(), torch.cat(targets).numpy(), num_classes)
+    return {"auc": auc, "balanced_accuracy": balanced_accuracy(confusion.cpu()),
+            "macro_f1": macro_f1(confusion.cpu())}
 
 
 def _class_ids(labels: Tensor, device: torch.device, num_classes: int) -> Tensor:

@@ -22,14 +22,13 @@ import numpy as np
 from featurestore.errors import InvalidLabels, InvalidOption, MissingLabels, ShapeMismatch
 from featurestore.probes import chance
 from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds, seed_list_of
+from featurestore.probes.folds import FOLD_SEED, fold_parts, stratified_folds
+from featurestore.probes.groups import bag_groups
 from featurestore.probes.labels import LabelTable
 
 __all__ = ["FOLD_SEED", "compare_mil_probes", "fold_parts", "open_bags", "run_mil_probe", "stratified_folds"]
 
 LOADERS = ("stream", "ram")
-# Folds are drawn once from this seed, whatever the training seeds: seed k of A and of B, and
-# every seed, see the same train/eval partition.
-FOLD_SEED = 20180212
 
 
 def open_bags(source: str, dataset: str, encoder: str, split: str, *, storage_options: dict[str, Any] | None = None,
@@ -56,40 +55,6 @@ def open_bags(source: str, dataset: str, encoder: str, split: str, *, storage_op
     return ds
 
 
-def stratified_folds(labels: np.ndarray, k: int, seed: int = FOLD_SEED) -> list[np.ndarray]:
-    """``k`` disjoint sorted arrays of bag positions covering every bag, each class dealt round
-    robin over the folds after a seeded shuffle (so each fold holds ~1/k of every class)."""
-    labels = np.asarray(labels)
-    if not isinstance(k, int) or isinstance(k, bool) or k < 2 or k > len(labels):
-        raise InvalidOption(f"folds must be an integer in [2, {len(labels)}] (the number of bags), but got: {k!r}")
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), k])))
-    members: list[list[int]] = [[] for _ in range(k)]
-    start = 0
-    for value in np.unique(labels):
-        bags = rng.permutation(np.flatnonzero(labels == value))
-        for j, bag in enumerate(bags):
-            members[(start + j) % k].append(int(bag))
-        start += len(bags)  # the next class continues where this one stopped: folds stay even
-    return [np.sort(np.asarray(m, np.int64)) for m in members]
-
-
-def fold_parts(labels: np.ndarray, pool: np.ndarray, k: int, name: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``(train positions, eval positions)`` of each of ``k`` stratified folds of the bags at
-    ``pool`` (``labels``: theirs); refused when a fold would evaluate one class only."""
-    folds = stratified_folds(labels, k)
-    values, counts = np.unique(labels, return_counts=True)
-    for i, fold in enumerate(folds):
-        if len(np.unique(labels[fold])) < 2:
-            fewest = int(counts.min())
-            fix = f"use --folds {fewest} or fewer" if fewest >= 2 else "add slides of that class"
-            raise InvalidLabels(f"{name}: fold {i + 1} of {k} would evaluate only label {labels[fold][0]} (AUC is "
-                                f"undefined for one class): class {values[int(np.argmin(counts))]} has {fewest} "
-                                f"bag(s), fewer than the folds; {fix}")
-    fold_sets = [pool[f] for f in folds]
-    return [(np.sort(np.concatenate([f for j, f in enumerate(fold_sets) if j != i])), fold_sets[i])
-            for i in range(k)]
-
-
 def _num_classes(datasets: Sequence[Any], table: LabelTable | None = None) -> int:
     if table is not None:
         return table.num_classes
@@ -109,7 +74,7 @@ def run_mil_probe(
     batch_size: int = 1, max_patches: int | None = None, device: str = "auto", num_classes: int | None = None,
     loader: str = "stream", storage_options: dict[str, Any] | None = None, token: str | None = None,
     log: Callable[[str], None] | None = None, labels: LabelTable | None = None,
-    save_attention: str | None = None,
+    save_attention: str | None = None, group_by: str | None = None,
 ) -> dict[str, Any]:
     """Train the ABMIL head on ``train_split`` and score it on ``eval_split`` (or ``folds``
     stratified folds of ``train_split``) under each seed. ``max_patches``: training bags are
@@ -117,7 +82,8 @@ def run_mil_probe(
     ``"stream"`` (``client.BagLoader``) or ``"ram"`` (every bag read into RAM as float32 first).
     ``save_attention``: keep the first seed's attention over the evaluated bags in the store under
     that name (featurestore.probes.attention). ``labels``: the task's labels from a table (:mod:`featurestore.probes.labels`) instead of the
-    stored ones; slides it does not label are left out. Returns the setup, every run's metrics,
+    stored ones; slides it does not label are left out. ``group_by``: with ``folds``, the bag attribute
+    (``case_id``) whose bags stay in one fold. Returns the setup, every run's metrics,
     each metric's ``{"mean", "std", "values"}`` and, under ``"chance"``, its chance baseline."""
     sides = _open_side(source, dataset, encoder, train_split, eval_split, folds, storage_options, token, labels)
     classes = num_classes if num_classes is not None else _num_classes([d for d in sides if d is not None], labels)
@@ -128,7 +94,7 @@ def run_mil_probe(
         recorder = AttentionRecorder(save_attention, sides[1] if sides[1] is not None else sides[0], source=source,
                                      storage_options=storage_options, fold_seed=FOLD_SEED)
     return _run(*sides, folds=folds, num_classes=classes, seeds=seeds, epochs=epochs, lr=lr, batch_size=batch_size,
-                max_patches=max_patches, device=device, loader=loader, log=log, recorder=recorder)
+                max_patches=max_patches, device=device, loader=loader, log=log, recorder=recorder, group_by=group_by)
 
 
 def compare_mil_probes(
@@ -137,7 +103,7 @@ def compare_mil_probes(
     seeds: int | Sequence[int] = 3, epochs: int | None = None, lr: float | None = None, batch_size: int = 1,
     max_patches: int | None = None, device: str = "auto", num_classes: int | None = None, loader: str = "stream",
     storage_options: dict[str, Any] | None = None, token: str | None = None,
-    log: Callable[[str], None] | None = None, labels: LabelTable | None = None,
+    log: Callable[[str], None] | None = None, labels: LabelTable | None = None, group_by: str | None = None,
 ) -> dict[str, Any]:
     """The same probe, folds, seeds and batches on ``encoder`` (A) and ``compare_encoder`` (B),
     e.g. the same slides' features stored as float16 and as float32; B is read from
@@ -153,7 +119,7 @@ def compare_mil_probes(
     classes = num_classes if num_classes is not None else _num_classes(everything, labels)
     options: dict[str, Any] = dict(folds=folds, num_classes=classes, seeds=seeds, epochs=epochs, lr=lr,
                                    batch_size=batch_size, max_patches=max_patches, device=device, loader=loader,
-                                   log=log)
+                                   log=log, group_by=group_by)
     a, b = _run(*a_sides, **options), _run(*b_sides, **options)
     comparison = compare_summaries(a, b)
     chance.mark_comparison(comparison, a, b)
@@ -180,7 +146,7 @@ def _open_side(source: str, dataset: str, encoder: str, train_split: str, eval_s
 
 def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seeds: int | Sequence[int],
          epochs: int | None, lr: float | None, batch_size: int, max_patches: int | None, device: str, loader: str,
-         log: Callable[[str], None] | None, recorder: Any = None) -> dict[str, Any]:
+         log: Callable[[str], None] | None, recorder: Any = None, group_by: str | None = None) -> dict[str, Any]:
     from featurestore.probes.abmil import ABMILConfig, train_abmil
     from featurestore.probes.train import resolve_device
 
@@ -196,12 +162,17 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
     chance.check_two_classes(_labels_at(train, train.labelled), f"{where}/{train.split}",
                              "a slide-level probe needs slides of each class (--labels CSV --label-column COL "
                              "takes another task's labels)")
+    if group_by is not None and folds is None:
+        raise InvalidOption("--group-by groups the bags of --folds K: add --folds K, or drop --group-by")
     if folds is None:
         parts = [(train.labelled, evaluate.labelled)]
         chance.check_two_classes(_labels_at(evaluate, evaluate.labelled), f"{where}/{evaluate.split}",
                                  "evaluate on a split holding slides of each class, or use --folds K")
     else:
-        parts = fold_parts(train.labels[train.labelled], train.labelled, folds, f"{where}/{train.split}")
+        name = f"{where}/{train.split}"
+        groups = None if group_by is None else bag_groups(train.bags, train.labelled, group_by, name)
+        parts = fold_parts(train.labels[train.labelled], train.labelled, folds, name, groups,
+                           group_name=group_by or "group")
     eval_ds = train if evaluate is None else evaluate
     baselines = chance.class_baselines([_labels_at(eval_ds, index) for _, index in parts])
     if num_classes < 2:
@@ -213,9 +184,12 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
     make = _loaders(train, evaluate, batch_size=batch_size, max_patches=max_patches, device=torch_device,
                     loader=loader)
 
+    fold_runs: list[list[dict[str, float]]] = []
+
     def one(seed: int) -> dict[str, float]:
         started = time.perf_counter()
-        per_fold = []
+        per_fold: list[dict[str, float]] = []
+        fold_runs.append(per_fold)
         for fold, (train_index, eval_index) in enumerate(parts):
             train_batches, eval_batches = make(seed, train_index, eval_index)
             sink = None if recorder is None else recorder.sink(seed, fold, eval_index)
@@ -230,14 +204,14 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
 
     started = time.perf_counter()
     result = run_seeds(one, seed_list)
-    result["chance"] = chance.assess(result["metrics"], baselines)
+    result["chance"] = chance.assess(result["metrics"], baselines, fold_runs)
     # Bags per training and evaluation set (for folds: those of the first fold).
     train_bags, eval_bags = len(parts[0][0]), len(parts[0][1])
     notes = [ds.label_summary for ds in (train, evaluate) if ds is not None and ds.label_summary]
     out = {
         "source": train.source, "dataset": train.dataset, "encoder": train.encoder, "dtype": train.dtype,
         "train_split": train.split, "eval_split": evaluate.split if evaluate is not None else f"{folds} folds",
-        "folds": folds, "train_samples": train_bags, "eval_samples": eval_bags,
+        "folds": folds, "group_by": group_by, "train_samples": train_bags, "eval_samples": eval_bags,
         "patches": int(train.lengths.sum()), "sample_shape": ["bag", train.dim], "task": "abmil",
         "num_classes": num_classes, "device": str(torch_device), "loader": loader, "batch_size": batch_size,
         "max_patches": max_patches, "config": asdict(config), "seconds": time.perf_counter() - started,

@@ -3,7 +3,8 @@
 The public entry points (``featurestore probe`` is their command line):
 
 - :func:`run_probe`: train the reference probe for one encoder's split under K seeds and score it
-  on another split -> mean ± std per metric;
+  on another split, or (linear) on K folds of it, grouped by patient if asked
+  (:mod:`featurestore.probes.dense_folds`) -> mean ± std per metric;
 - :func:`compare_probes`: the same for two encoder names holding the same images (e.g. the
   features stored as float16 and as float32), plus, per metric, the difference and whether it
   exceeds the run-to-run spread (:func:`featurestore.probes.compare.compare_summaries`).
@@ -11,7 +12,7 @@ The public entry points (``featurestore probe`` is their command line):
 The probes themselves train from any iterable of ``(features, labels)`` batches, so they run the
 same on ``client.FeatureLoader`` (streaming from a store, local or over HTTP) and on an in-RAM
 :class:`~featurestore.probes.train.TensorLoader`:
-:func:`~featurestore.probes.linear.train_linear_probe` (macro-F1, balanced accuracy) and
+:func:`~featurestore.probes.linear.train_linear_probe` (AUC, balanced accuracy, macro-F1) and
 :func:`~featurestore.probes.seg.train_seg_probe` (per-image macro Jaccard). Metric definitions
 and how to read a comparison: ``docs/PROBES.md``. Torch and the client are imported inside the
 functions, so importing this module (and ``featurestore --help``) stays cheap.
@@ -28,6 +29,7 @@ from typing import Any
 from featurestore.errors import InvalidLabels, InvalidOption, MissingLabels, ShapeMismatch
 from featurestore.probes import chance
 from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds, seed_list_of
+from featurestore.probes.groups import GroupSpec
 from featurestore.probes.labels import LabelTable
 
 __all__ = [
@@ -165,7 +167,7 @@ def run_probe(
     encoder: str,
     *,
     train_split: str,
-    eval_split: str,
+    eval_split: str | None = None,
     task: str = "auto",
     seeds: int | Sequence[int] = 3,
     epochs: int | None = None,
@@ -179,8 +181,12 @@ def run_probe(
     token: str | None = None,
     log: Callable[[str], None] | None = None,
     labels: LabelTable | None = None,
+    folds: int | None = None,
+    group_by: GroupSpec | str | None = None,
 ) -> dict[str, Any]:
-    """Train the reference probe on ``train_split`` under each seed and score it on ``eval_split``.
+    """Train the reference probe on ``train_split`` under each seed and score it on ``eval_split``,
+    or (linear probe) on ``folds`` stratified folds of ``train_split``, grouped by ``group_by`` (a
+    column: groups from the lineage, or a :class:`~featurestore.probes.groups.GroupSpec` with a table).
 
     ``source``: store path, fsspec URL (with ``storage_options``) or ``http(s)://`` server (with
     ``token``). ``seeds``: a count K (seeds ``0..K-1``) or explicit seeds. ``epochs`` and ``lr``:
@@ -194,12 +200,13 @@ def run_probe(
     metric's ``{"mean", "std", "values"}`` (std over seeds, ddof=1; None with one seed) and
     under ``"chance"`` its chance baseline (:mod:`featurestore.probes.chance`).
     """
-    infos = [describe_split(source, dataset, encoder, split, storage_options=storage_options,
-                            token=token) for split in (train_split, eval_split)]
+    infos = [describe_split(source, dataset, encoder, split, storage_options=storage_options, token=token)
+             for split in _splits(train_split, eval_split, folds, group_by)]
     task = _resolve_task(infos, task, labels)
     num_classes = num_classes if num_classes is not None else _classes(infos, labels)
-    return _run(*infos, task=task, num_classes=num_classes, seeds=seeds, epochs=epochs, lr=lr,
-                batch_size=batch_size, device=device, pool=pool, loader=loader, log=log, table=labels)
+    return _run(infos[0], infos[-1], task=task, num_classes=num_classes, seeds=seeds, epochs=epochs, lr=lr,
+                batch_size=batch_size, device=device, pool=pool, loader=loader, log=log, table=labels,
+                folds=(folds, group_by, storage_options, token))
 
 
 def compare_probes(
@@ -209,7 +216,7 @@ def compare_probes(
     compare_encoder: str,
     *,
     train_split: str,
-    eval_split: str,
+    eval_split: str | None = None,
     compare_source: str | None = None,
     task: str = "auto",
     seeds: int | Sequence[int] = 3,
@@ -224,8 +231,10 @@ def compare_probes(
     token: str | None = None,
     log: Callable[[str], None] | None = None,
     labels: LabelTable | None = None,
+    folds: int | None = None,
+    group_by: GroupSpec | str | None = None,
 ) -> dict[str, Any]:
-    """Run the same probe, seeds and batches on ``encoder`` (A) and ``compare_encoder`` (B).
+    """Run the same probe, seeds, folds and batches on ``encoder`` (A) and ``compare_encoder`` (B).
 
     B is read from ``compare_source`` (default: ``source``), so a store can also be compared with
     its copy served over HTTP. Seed k gives A and B the same initialisation and batch order, so
@@ -234,10 +243,11 @@ def compare_probes(
     are those of :func:`compare_summaries`.
     """
     compare_source = compare_source or source
+    splits = _splits(train_split, eval_split, folds, group_by) * (2 if eval_split is None else 1)
     infos = [
         describe_split(src, dataset, enc, split, storage_options=storage_options, token=token)
         for src, enc in ((source, encoder), (compare_source, compare_encoder))
-        for split in (train_split, eval_split)
+        for split in splits
     ]
     # One task and one class count for both sides, or the two metrics would not be comparable.
     task = _resolve_task(infos, task, labels)
@@ -250,7 +260,7 @@ def compare_probes(
             )
     options: dict[str, Any] = dict(task=task, num_classes=num_classes, seeds=seeds, epochs=epochs,
                                    lr=lr, batch_size=batch_size, device=device, pool=pool, loader=loader,
-                                   log=log, table=labels)
+                                   log=log, table=labels, folds=(folds, group_by, storage_options, token))
     a = _run(infos[0], infos[1], **options)
     b = _run(infos[2], infos[3], **options)
     comparison = compare_summaries(a, b)
@@ -264,6 +274,15 @@ def compare_probes(
             f"sqrt((std_A^2 + std_B^2) / 2); exceeds spread = |diff| > {SPREAD_FACTOR:g} x pooled std"
         ),
     }
+
+
+def _splits(train_split: str, eval_split: str | None, folds: int | None, group_by: Any) -> list[str]:
+    if (eval_split is None) == (folds is None):
+        raise InvalidOption("give either an eval split (--eval SPLIT) or a number of folds (--folds K), not both and "
+                            "not neither")
+    if group_by is not None and folds is None:
+        raise InvalidOption("--group-by groups the samples of --folds K: add --folds K, or drop --group-by")
+    return [train_split] if eval_split is None else [train_split, eval_split]
 
 
 def _resolve_task(infos: Sequence[SplitInfo], task: str, table: LabelTable | None = None) -> str:
@@ -299,8 +318,11 @@ def _run(
     loader: str,
     log: Callable[[str], None] | None,
     table: LabelTable | None,
+    folds: tuple[int | None, GroupSpec | str | None, dict[str, Any] | None, str | None] = (None, None, None, None),
 ) -> dict[str, Any]:
-    from featurestore.probes.dense_labels import dense_baselines, table_labels
+    """``folds``: ``(K, grouping, storage_options, token)``; K None: train on ``train``, score on ``evaluate``."""
+    from featurestore.probes.dense_folds import fold_pairs
+    from featurestore.probes.dense_labels import dense_baselines, read_all, table_labels
     from featurestore.probes.linear import LinearProbeConfig, train_linear_probe
     from featurestore.probes.seg import SegProbeConfig, train_seg_probe
     from featurestore.probes.train import resolve_device
@@ -312,8 +334,18 @@ def _run(
     if loader not in LOADERS:
         raise InvalidOption(f"loader must be one of {', '.join(LOADERS)}, but got: {loader!r}")
     # Labels first: one class is refused with what the labels hold, not only a class count.
-    matched = None if table is None else (table_labels(train, table), table_labels(evaluate, table))
-    baselines = dense_baselines(train, evaluate, task, num_classes, matched)
+    n_folds, spec, storage_options, token = folds
+    spec = GroupSpec.of(spec)
+    if n_folds is not None and task != "linear":
+        raise InvalidOption(f"--folds K applies to the linear and abmil heads, not to task {task}")
+    if n_folds is None:
+        matched = None if table is None else (table_labels(train, table), table_labels(evaluate, table))
+        baselines = dense_baselines(train, evaluate, task, num_classes, matched)
+        pairs: list[Any] = [matched]
+    else:
+        pairs, baselines = fold_pairs(train, None if table is None else table_labels(train, table), n_folds, spec,
+                                      storage_options=storage_options, token=token)
+        matched = pairs[0]
     if num_classes < 2:
         raise InvalidOption(f"num_classes is {num_classes}: a probe needs at least 2 classes")
     if train.sample_shape != evaluate.sample_shape:
@@ -329,64 +361,75 @@ def _run(
     overrides = {k: v for k, v in overrides.items() if v is not None}
     config: Any = (SegProbeConfig(**overrides) if task == "seg"
                    else LinearProbeConfig(pool=pool, prefix_tokens=prefix, **overrides))
-    make = _batches(train, evaluate, batch_size=batch_size, device=torch_device, loader=loader,
-                    matched=matched)
+    held = None if loader != "ram" or n_folds is None else read_all(train)
+    makes = [_batches(train, evaluate, batch_size=batch_size, device=torch_device, loader=loader,
+                      matched=pair, held=held) for pair in pairs]
+
+    fold_runs: list[list[dict[str, float]]] = []
 
     def one(seed: int) -> dict[str, float]:
         started = time.perf_counter()
-        train_batches, eval_batches = make(seed)
-        if task == "seg":
-            metrics = train_seg_probe(train_batches, eval_batches, num_classes=num_classes,
-                                      grid=grid, prefix_tokens=prefix, seed=seed,
-                                      device=torch_device, config=config)
-        else:
-            metrics = train_linear_probe(train_batches, eval_batches, num_classes=num_classes,
-                                         seed=seed, device=torch_device, config=config)
+        per_fold: list[dict[str, float]] = []
+        fold_runs.append(per_fold)
+        for make in makes:
+            train_batches, eval_batches = make(seed)
+            if task == "seg":
+                per_fold.append(train_seg_probe(train_batches, eval_batches, num_classes=num_classes, grid=grid,
+                                                prefix_tokens=prefix, seed=seed, device=torch_device, config=config))
+            else:
+                per_fold.append(train_linear_probe(train_batches, eval_batches, num_classes=num_classes,
+                                                   seed=seed, device=torch_device, config=config))
+        metrics = {name: math.fsum(m[name] for m in per_fold) / len(per_fold) for name in per_fold[0]}
         if log is not None:
-            shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-            log(f"{train.dataset}/{train.encoder} ({train.dtype}) seed {seed}: {shown} "
-                f"({time.perf_counter() - started:.1f} s)")
+            shown = ", ".join(f"{name} {v:.4f}" for name, v in metrics.items())
+            log(f"{train.dataset}/{train.encoder} ({train.dtype}) seed {seed}: {shown}"
+                f"{f' (mean of {n_folds} folds)' if n_folds else ''} ({time.perf_counter() - started:.1f} s)")
         return metrics
 
     started = time.perf_counter()
     result = run_seeds(one, seed_list)
-    result["chance"] = chance.assess(result["metrics"], baselines)
+    result["chance"] = chance.assess(result["metrics"], baselines, fold_runs)
     return {
         "source": train.source, "dataset": train.dataset, "encoder": train.encoder,
-        "dtype": train.dtype, "train_split": train.split, "eval_split": evaluate.split,
+        "dtype": train.dtype, "train_split": train.split,
+        "eval_split": evaluate.split if n_folds is None else f"{n_folds} folds", "folds": n_folds,
+        "group_by": None if spec is None else spec.column,
         "train_samples": train.num_samples if matched is None else len(matched[0].positions),
         "eval_samples": evaluate.num_samples if matched is None else len(matched[1].positions),
         "sample_shape": list(train.sample_shape), "task": task, "num_classes": num_classes,
         "token_grid": None if grid is None else list(grid), "prefix_tokens_dropped": prefix,
         "device": str(torch_device), "loader": loader, "batch_size": batch_size,
         "config": asdict(config), "seconds": time.perf_counter() - started,
-        "label_notes": [] if matched is None else [m.summary for m in matched], **result,
+        "label_notes": [] if matched is None else [m.summary for m in matched if m.summary], **result,
     }
 
 
 def _batches(
     train: SplitInfo, evaluate: SplitInfo, *, batch_size: int, device: Any, loader: str,
-    matched: Any = None,
+    matched: Any = None, held: Any = None,
 ) -> Callable[[int], tuple[Any, Any]]:
     """``seed -> (train batches, eval batches)``; datasets (or RAM copies) are reused across seeds.
-    ``matched``: a table's labels of both splits (the labelled samples only, with those labels)."""
+    ``matched``: a table's labels of both splits (the labelled samples only, with those labels), or
+    a fold's train and eval samples. ``held``: the split already in RAM (folds of one split)."""
     import torch
+
+    from featurestore.probes.dense_labels import read_all
 
     if matched is not None:
         from featurestore.probes.dense_labels import TableBatches
 
-        held = [_read_all(i) if loader == "ram" else None for i in (train, evaluate)]
+        rams = [held or (read_all(i) if loader == "ram" else None) for i in (train, evaluate)]
         return lambda seed: (
             TableBatches(train, matched[0], batch_size=batch_size, shuffle=True, seed=seed,
-                         device=device, held=held[0]),
+                         device=device, held=rams[0]),
             TableBatches(evaluate, matched[1], batch_size=batch_size, shuffle=False, seed=0,
-                         device=device, held=held[1]),
+                         device=device, held=rams[1]),
         )
     if loader == "ram":
         from featurestore.probes.train import TensorLoader
 
-        train_x, train_y = _read_all(train)
-        eval_x, eval_y = _read_all(evaluate)
+        train_x, train_y = read_all(train)
+        eval_x, eval_y = read_all(evaluate)
         return lambda seed: (
             TensorLoader(train_x, train_y, batch_size=batch_size, shuffle=True, seed=seed,
                          device=device),
@@ -404,19 +447,3 @@ def _batches(
                       dtype=torch.float32),
     )
 
-
-def _read_all(info: SplitInfo) -> tuple[Any, Any]:
-    """The whole split as float32 features + labels in host RAM (``loader="ram"``).
-
-    This is the cache featurestore replaces; it is here to show that streaming trains the same probe.
-    """
-    import torch
-
-    array = info.ds.array
-    features = torch.empty((info.num_samples, *info.sample_shape), dtype=torch.float32)
-    labels = (torch.full((info.num_samples,), -1, dtype=torch.int64) if array.labels is None
-              else torch.from_numpy(array.labels.read_range(0, info.num_samples)))
-    for start in range(0, info.num_samples, 256):
-        stop = min(start + 256, info.num_samples)
-        features[start:stop] = array.read(list(range(start, stop))).to(torch.float32)
-    return features, labels

@@ -1,0 +1,70 @@
+"""``FeatureClient.read_ids``: a dense split's samples named by id, in one request (``wire.BY_ID``).
+
+The answer has the ``/samples`` framing (features' bytes, then the labels' when the split has
+them, each described by its own shape and dtype headers), streamed into arrays allocated from the
+split's structure (``client.open``, cached).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from client.framing import fill_views
+from featurestore import errors as fse
+from featurestore.format import wire
+
+if TYPE_CHECKING:
+    from client.http import FeatureClient
+
+__all__ = ["read_ids"]
+
+
+def read_ids(client: FeatureClient, dataset: str, encoder: str, split: str, ids: Any
+             ) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
+    """``(features [n, ...] in the storage dtype, labels [n, ...] or None)`` of ``ids``, in their order."""
+    if isinstance(ids, (str, bytes)):
+        raise fse.InvalidIndices(f"ids must be a list of sample ids, not one {type(ids).__name__}: pass [{ids!r}]")
+    ids = list(ids)
+    bad = next((i for i in ids if not isinstance(i, str)), None)
+    if bad is not None:
+        raise fse.InvalidIndices(f"a sample id is a str, but got {type(bad).__name__} {bad!r}; use read_samples "
+                                 "for positions")
+    arr = client.open(dataset, encoder, split)
+    features = np.empty((len(ids), *arr.sample_shape), arr.numpy_dtype)
+    labels = None if arr.labels is None else np.empty((len(ids), *arr.labels.sample_shape), arr.labels.numpy_dtype)
+    path = wire.route(wire.BY_ID, dataset=dataset, encoder=encoder, split=split)
+    url = client.url + path
+    headers = {"Accept": wire.OCTET_STREAM, "Accept-Encoding": "identity", "Content-Type": "application/json"}
+    per_row = arr.sample_nbytes + (arr.labels.sample_nbytes if arr.labels is not None else 0)
+    rows = max(1, arr.max_response_bytes // max(per_row, 1))  # more ids than one answer may hold: pieces
+    for start in range(0, max(len(ids), 1), rows):
+        piece = slice(start, start + rows)
+        parts = [(features[piece], arr.dtype, wire.SHAPE_HEADER, wire.DTYPE_HEADER)]
+        if labels is not None:
+            parts.append((labels[piece], arr.labels.dtype, wire.LABELS_SHAPE_HEADER, wire.LABELS_DTYPE_HEADER))
+        body = json.dumps({"ids": ids[piece]}).encode()
+        client._send("POST", path, stream_into=_filler(parts, url), headers=headers, content=body)
+    return features, labels
+
+
+def _filler(parts: list[tuple[np.ndarray, str, str, str]], url: str) -> Any:
+    """The ``stream_into`` of one by-id answer: headers checked, body into ``parts``' arrays."""
+
+    def fill(response: Any) -> None:
+        for out, dtype, shape_header, dtype_header in parts:
+            try:
+                shape = wire.parse_shape(response.headers.get(shape_header, ""))
+            except wire.WireFormatError as error:
+                raise fse.ShapeMismatch(f"{url}: {error}") from None
+            got = response.headers.get(dtype_header)
+            if shape != out.shape or got != dtype:
+                raise fse.ShapeMismatch(f"{url} answered {shape_header} {shape} {dtype_header} {got}, expected "
+                                        f"{out.shape} {dtype}")
+        targets = [out.reshape(-1).view(np.uint8).data for out, *_ in parts]
+        encoded = response.headers.get("content-encoding", "identity") != "identity"
+        fill_views(response.iter_bytes() if encoded else response.iter_raw(), targets)
+
+    return fill

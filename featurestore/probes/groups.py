@@ -1,0 +1,144 @@
+"""Which group (patient, site) each sample of a probe belongs to, for grouped folds
+(``featurestore probe --folds K --group-by COLUMN``).
+
+- bag splits: the bag attribute ``COLUMN`` (``featurestore import --labels CSV`` keeps the CSV's
+  other columns, ``case_id`` say, as bag attributes): :func:`bag_groups`;
+- dense splits with sample ids (slide embeddings): a table ``--groups CSV`` with the id column and
+  ``COLUMN``, or, without a table, the attributes of the bag split the embeddings were derived from,
+  named by the split's metadata (``lineage``, as ``featurestore embed`` records it: :func:`lineage_of`;
+  when that derivation already grouped by ``COLUMN`` (``group_by``), each id is its own group):
+  :func:`dense_groups`.
+
+Every failure is one line naming the sample, the column or the file, and the fix.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from featurestore.errors import InvalidLabels, InvalidOption
+
+__all__ = ["GroupSpec", "bag_groups", "dense_groups", "lineage_of", "read_group_table"]
+
+LINEAGE_KEYS = ("lineage", "source")
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """``--group-by COLUMN`` [``--groups CSV`` keyed by ``--id-column``]."""
+
+    column: str
+    table: str | None = None
+    id_column: str = "slide_id"
+
+    @classmethod
+    def of(cls, value: GroupSpec | str | None) -> GroupSpec | None:
+        """A spec from a spec, a column name (groups from the lineage) or None."""
+        return cls(value) if isinstance(value, str) else value
+
+
+def bag_groups(bags: Any, positions: Sequence[int], column: str, where: str) -> list[str]:
+    """The ``column`` attribute of the bags at ``positions`` of a bag reader (``ds.bags``)."""
+    out = []
+    for i in positions:
+        attrs = bags.attrs(int(i))
+        value = attrs.get(column)
+        if value is None or str(value) == "":
+            bag = bags.ids[int(i)]
+            raise InvalidLabels(f"{where}: bag {bag!r} has no attribute {column!r} for --group-by (its attributes: "
+                                f"{', '.join(repr(k) for k in attrs) or 'none'}); import the slides with a --labels "
+                                "CSV holding that column, or pick another --group-by")
+        out.append(str(value))
+    return out
+
+
+def lineage_of(metadata: dict[str, Any]) -> dict[str, Any] | None:
+    """The source split a derived split names in its metadata (``dataset``, ``encoder``, ``split``
+    and the derivation's ``group_by``), or None. ``featurestore embed`` writes
+    ``{"lineage": {"source": {"dataset", "encoder", "split", ...}, "group_by", ...}}``; a flat
+    ``lineage`` (or ``source``) holding the three names is read too."""
+    for key in LINEAGE_KEYS:
+        doc = metadata.get(key)
+        if not isinstance(doc, dict):
+            continue
+        source = doc.get("source") if isinstance(doc.get("source"), dict) else doc
+        if all(isinstance(source.get(k), str) for k in ("dataset", "encoder", "split")):
+            return {"dataset": source["dataset"], "encoder": source["encoder"], "split": source["split"],
+                    "group_by": doc.get("group_by")}
+    return None
+
+
+def dense_groups(info: Any, spec: GroupSpec, *, storage_options: dict[str, Any] | None = None,
+                 token: str | None = None) -> list[str]:
+    """The group of every sample of a dense split (``info``: a ``SplitInfo``), by its ids."""
+    ids = info.ds.array.ids
+    if ids is None:
+        raise InvalidOption(f"split {info.name} has no sample ids, so its samples cannot be grouped by "
+                            f"{spec.column!r}: --group-by needs a split with ids (featurestore embed)")
+    if spec.table is not None:
+        table = read_group_table(spec.table, spec.column, spec.id_column)
+        missing = [i for i in ids if i not in table]
+        if missing:
+            raise InvalidLabels(f"{spec.table}: sample {missing[0]!r} of {info.name} has no row in column "
+                                f"{spec.id_column!r} ({len(missing)} of {len(ids)} missing); give every sample its "
+                                f"{spec.column!r}")
+        return [table[i] for i in ids]
+    source = lineage_of(info.metadata)
+    if source is None:
+        raise InvalidOption(f"split {info.name} records no source bag split (metadata 'lineage'), so the "
+                            f"{spec.column!r} of its samples is unknown: give --groups CSV with columns "
+                            f"{spec.id_column!r} and {spec.column!r}")
+    if source.get("group_by") == spec.column:
+        return list(ids)  # the embeddings are already one per group: each id is its group
+    from client import BagDataset
+
+    http = info.source.startswith(("http://", "https://"))
+    bags = BagDataset(info.source, source["dataset"], source["encoder"], source["split"],
+                      storage_options=None if http else storage_options, token=token if http else None).bags
+    where = f"{source['dataset']}/{source['encoder']}/{source['split']} (the source of {info.name})"
+    positions = []
+    for sample in ids:
+        try:
+            positions.append(bags.position(sample))
+        except LookupError:
+            raise InvalidLabels(f"sample {sample!r} of {info.name} is no bag of {where}: give --groups CSV with "
+                                f"columns {spec.id_column!r} and {spec.column!r}") from None
+    return bag_groups(bags, positions, spec.column, where)
+
+
+def read_group_table(path: str, column: str, id_column: str) -> dict[str, str]:
+    """``{id: group}`` from a UTF-8 CSV (tab for ``.tsv``); an id listed twice or a row without a
+    group is refused."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as handle:
+            rows = list(csv.reader(handle, delimiter="\t" if path.lower().endswith(".tsv") else ","))
+    except UnicodeDecodeError as error:
+        raise InvalidLabels(f"{path} is not UTF-8 text (offset {error.start}): save the table as UTF-8 CSV") from None
+    except OSError as error:
+        raise InvalidLabels(f"cannot read the groups table {path!r} ({error.strerror or error})") from None
+    header = [name.strip() for name in (rows[0] if rows else [])]
+    for name, flag in ((id_column, "--id-column"), (column, "--group-by")):
+        if name not in header:
+            raise InvalidLabels(f"{path} has no column {name!r} ({flag}); its columns are: "
+                                f"{', '.join(repr(h) for h in header if h) or 'none'}")
+    at_id, at_group = header.index(id_column), header.index(column)
+    groups: dict[str, str] = {}
+    stems: dict[str, str] = {}
+    for line, row in enumerate(rows[1:], start=2):
+        if not any(cell.strip() for cell in row):
+            continue
+        cells = [cell.strip() for cell in row] + [""] * len(header)
+        sample, group = cells[at_id], cells[at_group]
+        if sample in groups:
+            raise InvalidLabels(f"{path}: {sample!r} is listed twice in column {id_column!r} (line {line}); keep "
+                                "one row per sample")
+        if not sample or not group:
+            raise InvalidLabels(f"{path} line {line}: the {id_column if not sample else column!r} cell is empty; "
+                                "give every row an id and a group")
+        groups[sample] = group
+        stems.setdefault(os.path.splitext(sample)[0], group)  # "TCGA-xx.svs" names slide "TCGA-xx"
+    return {**stems, **groups}
