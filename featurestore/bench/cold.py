@@ -26,8 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -36,8 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup, evict
-from featurestore.bench.common import gbps, parse_shapes, save_json
+from featurestore.bench import harness
+from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup
+from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
 
 BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
 VARIANTS = {"FeatureArray.read [mmap]": ("mmap", "keep"), "FeatureArray.read [pread, drop]": ("pread", "drop"),
@@ -120,18 +119,17 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, limit: int,
         methods += ["FeatureLoader -> cuda", "pinned H2D"]
     config = {"base": base, "shape": list(shape), "n": n, "batch_size": batch_size, "methods": methods,
               "repeats": args.repeats, "prefetch": args.prefetch, "slow_seconds": args.slow_seconds}
-    command = [sys.executable, "-m", "featurestore.bench.cold", "_child", json.dumps(config)]
     out: dict[str, Any] = {"sample_shape": list(shape), "num_samples": n, "batch_size": batch_size,
                            "chunk_rows": args.chunk_rows, "store_bytes": n * sample_bytes}
     try:
         with MemoryCgroup(limit) as group:
-            done = group.run(command)
+            done = harness.child_process("cold:measure", config, cgroup=group)
             out["cgroup"] = f"v{group.version}" if group.version else "systemd-run scope"
             out["oom_kills"] = group.oom_kills()
     except CgroupUnavailable as error:
         print(f"  no memory cgroup ({error}): cold figures rely on eviction (posix_fadvise DONTNEED) alone")
         out["cgroup"] = f"none ({error}); evicted with posix_fadvise(DONTNEED) before each method"
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        done = harness.child_process("cold:measure", config)
     out["returncode"] = done.returncode
     if done.returncode != 0:
         print(f"  child failed (rc {done.returncode}): {done.stderr[-1500:]}")
@@ -186,7 +184,8 @@ def _peak() -> int:
     return 0
 
 
-def _child(config: dict[str, Any]) -> dict[str, Any]:
+def measure(config: dict[str, Any]) -> dict[str, Any]:
+    """(The child, in the cgroup.) Every method, interleaved, each after an eviction."""
     import torch
 
     import featurestore
@@ -274,35 +273,35 @@ def _child(config: dict[str, Any]) -> dict[str, Any]:
            "FeatureArray.read": reader(None, None), "FeatureLoader": loader("cpu"),
            "FeatureLoader -> cuda": loader("cuda"), "pinned H2D": pinned_h2d}
     fns.update({name: reader(*mode) for name, mode in VARIANTS.items()})
-    rates: dict[str, list[float]] = {}
     peaks: dict[str, int] = {}
     errors: dict[str, str] = {}
-    for _ in range(config["repeats"]):
-        for name in config["methods"]:
-            evict(store_dir)
-            evict(raw_path)
-            _peak_reset()
+
+    def method(name: str) -> Method:
+        def rate() -> float:
             start = time.perf_counter()
             try:
                 nbytes = fns[name]()
             except Exception as error:  # one broken row (a CUDA setup, say) must not hide the others
                 errors[name] = f"{type(error).__name__}: {error}"
-                continue
-            rates.setdefault(name, []).append(gbps(nbytes, time.perf_counter() - start))
-            peaks[name] = max(peaks.get(name, 0), _peak())
+                return float("nan")
+            return gbps(nbytes, time.perf_counter() - start)
+
+        def setup() -> None:
+            harness.evict(store_dir, raw_path)
+            _peak_reset()
+        return Method(name, rate, setup, lambda: peaks.__setitem__(name, max(peaks.get(name, 0), _peak())))
+
+    times = interleaved([method(name) for name in config["methods"]], config["repeats"])
+    rates = {name: [r for r in values if r == r] for name, values in times.items()}
     # Same bytes: the reader's and the loader's first batch against the raw file.
     array = featurestore.open_store(store_dir).open("bench", "enc", "train")
     same = bool(np.array_equal(array.read_numpy(batches[0]).view(np.uint16), memmap[batches[0]].view(np.uint16)))
     rows = {name: {"gb_per_s": float(np.median(r)), "all_gb_per_s": r, "peak_rss": peaks[name]}
-            for name, r in rates.items()}
+            for name, r in rates.items() if r}
     return {"rows": rows, "repeats": config["repeats"], "same_bytes": same, "errors": errors}
 
 
 def _print_and_save(results: dict[str, Any], path: str | None) -> int:
-    save_json(results, path)
+    harness.save_json(results, path)
     failed = [s for s in results.get("shapes", []) if s.get("returncode") != 0 or s.get("errors")]
     return 1 if failed else 0
-
-
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "_child":
-    print(json.dumps(_child(json.loads(sys.argv[2]))))

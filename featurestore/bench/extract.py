@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench import extract_wsi
-from featurestore.bench.common import save_json
+from featurestore.bench import extract_wsi, harness
+from featurestore.bench.harness import Method, interleaved
 
 # Seconds the trivial encoder waits per batch (``--device-ms``); set by ``run`` in this process,
 # which is where extraction calls the encoder.
@@ -131,8 +131,7 @@ def register(subparsers: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    results = run(args)
-    save_json(results, args.json_out)
+    harness.save_json(run(args), args.json_out)
     return 0
 
 
@@ -240,32 +239,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             images[lo : lo + 64] = rng.integers(0, 256, images[lo : lo + 64].shape, dtype=np.uint8)
         images.flush()
         del images
-        times: dict[str, list[float]] = {"encode_only_s": [], "extract_s": [], "tofile_s": [], "write_only_s": []}
-        waits = []
-        nbytes = 0
-        sample_shape: tuple[int, ...] = ()
-        first = None
-        for repeat in range(args.repeats):  # interleaved: a slow moment hits every method alike
-            opts = ExtractOptions(images=f"npy:{images_path}", encoder=spec,
-                                  store=os.path.join(work, f"store-{repeat}"), dataset="bench", split="s",
-                                  batch_size=args.batch_size, chunk_mb=args.chunk_mb,
-                                  num_workers=args.num_workers, progress=False,
-                                  device=getattr(args, "device", "auto"), precision=getattr(args, "precision", "auto"))
-            seconds, first = _encode_only(opts)
-            times["encode_only_s"].append(seconds)
-            start = time.perf_counter()
+        opts = ExtractOptions(images=f"npy:{images_path}", encoder=spec, store=os.path.join(work, "store"),
+                              dataset="bench", split="s", batch_size=args.batch_size, chunk_mb=args.chunk_mb,
+                              num_workers=args.num_workers, progress=False, device=getattr(args, "device", "auto"),
+                              precision=getattr(args, "precision", "auto"))
+        waits: list[float] = []
+        state: dict[str, Any] = {}
+
+        def encode_only() -> float:
+            seconds, state["first"] = _encode_only(opts)
+            return seconds
+
+        def run_extract() -> None:
             result = extract(opts)
             os.sync()  # the same finish line as tofile's
-            times["extract_s"].append(time.perf_counter() - start)
             waits.append(result.writer_wait_seconds)
-            sample_shape = tuple(result.metadata["sample_shape"])
-            nbytes = args.n * int(np.prod(sample_shape)) * 2
-            times["tofile_s"].append(_tofile(os.path.join(work, f"raw-{repeat}"), nbytes))
-            times["write_only_s"].append(_write_only(os.path.join(work, f"write-{repeat}"), args.n, sample_shape,
-                                                     args.chunk_mb))
-            shutil.rmtree(os.path.join(work, f"store-{repeat}"), ignore_errors=True)
-            shutil.rmtree(os.path.join(work, f"write-{repeat}"), ignore_errors=True)
+            state["shape"] = tuple(result.metadata["sample_shape"])
+
+        def stored_bytes() -> int:
+            return args.n * int(np.prod(state["shape"])) * 2
+
+        def clean() -> None:
+            for path in ("store", "write"):
+                shutil.rmtree(os.path.join(work, path), ignore_errors=True)
             os.sync()
+
+        # Interleaved: a slow moment hits every method alike.
+        times = interleaved([Method("encode_only_s", encode_only), Method("extract_s", run_extract),
+                             Method("tofile_s", lambda: _tofile(os.path.join(work, "raw"), stored_bytes())),
+                             Method("write_only_s", lambda: _write_only(os.path.join(work, "write"), args.n,
+                                                                        state["shape"], args.chunk_mb), teardown=clean)],
+                            args.repeats)
+        sample_shape, first = state["shape"], state["first"]
+        nbytes = stored_bytes()
         best = {name: min(values) for name, values in times.items()}
         encode, extracted, write, tofile = best["encode_only_s"], best["extract_s"], best["write_only_s"], best["tofile_s"]
         results = {
@@ -280,7 +286,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "extract_write_mb_s": nbytes / extracted / 1e6, "write_only_mb_s": nbytes / write / 1e6,
             "tofile_mb_s": nbytes / tofile / 1e6,
             "encode_only_img_s": args.n / encode, "extract_img_s": args.n / extracted,
-            "repeats": times,
+            "repeats": dict(times),
         }
         if first is not None and first.device.type != "cpu":
             results["device_vs_cpu_stats"] = compare_device_stats(first.float())

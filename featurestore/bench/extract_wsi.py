@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.common import save_json
+from featurestore.bench import harness
+from featurestore.bench.harness import Method, interleaved
 
 ZERO = "python:featurestore.bench.extract:zero_encoder"
 
@@ -114,7 +115,6 @@ def _encode_only(opts: Any, keys_batches: list[list[Any]], workers: int) -> floa
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from featurestore.bench.cgroup import evict
     from featurestore.demo.slides import write_slide
     from featurestore.extract.run import default_num_workers
     from featurestore.extract.wsi import Target, list_slides
@@ -148,32 +148,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         patches = sum(len(b) for b in batches)
         files = [r.path for r in refs[:limit]]
 
-        def cold() -> None:
+        def cold() -> None:  # --cold: the slides leave the page cache before each pass
             if args.cold:
-                for path in files:
-                    evict(path)
+                harness.evict(*files)
 
-        times: dict[str, list[float]] = {"openslide_only_s": [], "extract_s": [], "extract_loop_s": [],
-                                         "encode_only_s": []}
         real = encoder != ZERO
-        for repeat in range(args.repeats):
-            cold()
-            times["openslide_only_s"].append(_openslide_only(batches, workers))
-            opts = SlideOptions(images=f"wsi:{slides_dir}", encoder=encoder, store=os.path.join(work, f"store-{repeat}"),
-                                dataset="bench", split="s", patch_size=args.patch_size, tissue=args.tissue,
-                                batch_size=args.batch_size, num_workers=workers, progress=False, limit=limit,
-                                device=args.device, precision=args.precision, chunk_mb=args.chunk_mb)
-            if real:
-                cold()
-                times["encode_only_s"].append(_encode_only(opts, batches, workers))
-            cold()
-            start = time.perf_counter()
+        opts = SlideOptions(images=f"wsi:{slides_dir}", encoder=encoder, store=os.path.join(work, "store"),
+                            dataset="bench", split="s", patch_size=args.patch_size, tissue=args.tissue,
+                            batch_size=args.batch_size, num_workers=workers, progress=False, limit=limit,
+                            device=args.device, precision=args.precision, chunk_mb=args.chunk_mb)
+        loop: list[float] = []
+
+        def extract() -> None:
             result = extract_slides(opts)
             os.sync()
-            times["extract_s"].append(time.perf_counter() - start)
-            times["extract_loop_s"].append(result.seconds)  # plans, reads, encoder, bags: no start-up or commit
+            loop.append(result.seconds)  # plans, reads, encoder, bags: no start-up or commit
             assert result.patches == patches, (result.patches, patches)
-            shutil.rmtree(os.path.join(work, f"store-{repeat}"), ignore_errors=True)
+
+        methods = [Method("openslide_only_s", lambda: _openslide_only(batches, workers), cold)]
+        if real:
+            methods.append(Method("encode_only_s", lambda: _encode_only(opts, batches, workers), cold))
+        methods.append(Method("extract_s", extract, cold,
+                              lambda: shutil.rmtree(os.path.join(work, "store"), ignore_errors=True)))
+        times = interleaved(methods, args.repeats)
+        times["extract_loop_s"] = loop
         best = {name: min(values) for name, values in times.items() if values}
         results: dict[str, Any] = {
             "benchmark": "extract-wsi", "encoder": encoder, "device": args.device, "slides": limit,
@@ -209,9 +207,4 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def main(args: argparse.Namespace) -> int:
-    save_json(run(args), args.json_out)
-    return 0
-
-
-__all__ = ["add_arguments", "main", "run"]
+__all__ = ["add_arguments", "run"]

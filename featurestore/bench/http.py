@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.common import drop_into, gbps, save_json
+from featurestore.bench import harness
+from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.bench.serving import SHAPE, build_store, free_port, load_test, process_rss, serve_subprocess
 
 __all__ = ["SHAPE", "build_store", "free_port", "load_test", "process_rss", "register", "serve_subprocess"]
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             build_store(path, args.num_samples)
             key = ("bench", "enc", "train")
         if os.path.isdir(path):
-            drop_into(path)  # page-cached, so every method measures transport, not disk
+            harness.warm(path)  # page-cached, so every method measures transport, not disk
         with serve_subprocess(path, args=("--workers", str(args.workers))) as (url, proc):
             results = _measure(url, proc, path, key, args)
     finally:
@@ -250,31 +251,32 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
     # conditions and a scheduling hiccup does not decide the ratio. The read-ahead client is
     # timed over groups of batches (its requests overlap), interleaved with the same groups read
     # by raw TCP.
-    times: dict[str, list[float]] = {name: [] for name in methods}
+    rng = np.random.default_rng(0)
+    current: list[Any] = [None]
+
+    def draw(count: int) -> Any:
+        def order(_: int, methods: list[Method]) -> list[Method]:
+            orders = [rng.choice(n, size=batch, replace=n < batch) for _ in range(count)]
+            current[0] = orders[0] if count == 1 else orders
+            return methods
+        return order
+
+    def read_ahead_group() -> float:
+        return harness.timed(lambda: ahead(current[0], outs)) / group
+
+    def raw_group() -> float:
+        return harness.timed(lambda: [raw.read(o, out, gather=False) for o in current[0]]) / group
+
     group = max(4, 2 * depth)
-    times[f"http read-ahead {depth}"] = []
-    times["raw tcp (groups)"] = []
     try:
         for fn in methods.values():
             fn(np.arange(batch) % n)  # warm-up: connections, caches
         ahead([np.arange(batch) % n] * depth, outs)
-        for repeat in range(args.repeats):
-            rng = np.random.default_rng(repeat)
-            for _ in range(args.batches):
-                order = rng.choice(n, size=batch, replace=n < batch)
-                for name, fn in methods.items():
-                    start = time.perf_counter()
-                    fn(order)
-                    times[name].append(time.perf_counter() - start)
-            for _ in range(max(1, args.batches // group)):
-                orders = [rng.choice(n, size=batch, replace=n < batch) for _ in range(group)]
-                start = time.perf_counter()
-                ahead(orders, outs)
-                times[f"http read-ahead {depth}"].append((time.perf_counter() - start) / group)
-                start = time.perf_counter()
-                for order in orders:
-                    raw.read(order, out, gather=False)
-                times["raw tcp (groups)"].append((time.perf_counter() - start) / group)
+        times = interleaved([Method(name, lambda fn=fn: fn(current[0])) for name, fn in methods.items()],
+                            args.repeats * args.batches, order=draw(1))
+        times.update(interleaved([Method(f"http read-ahead {depth}", read_ahead_group),
+                                  Method("raw tcp (groups)", raw_group)],
+                                 args.repeats * max(1, args.batches // group), order=draw(group)))
     finally:
         raw.close()
         naive.close()
@@ -388,6 +390,6 @@ def _loader_vs_client(url: str, key: tuple[str, str, str], remote: Any,
 
 
 def _print_and_save(results: dict[str, Any], path: str | None) -> int:
-    save_json(results, path)
+    harness.save_json(results, path)
     load = results.get("load")
     return 1 if load and (load["errors"] or load["mismatches"]) else 0

@@ -44,7 +44,8 @@ from typing import Any
 import numpy as np
 
 from featurestore.bench import link, s3_bags, s3_cache
-from featurestore.bench.common import CpuClock, gbps, save_json
+from featurestore.bench.harness import Method, gbps, interleaved, save_json
+from featurestore.bench.s3_cache import CpuClock
 from featurestore.errors import InvalidOption
 
 TARGETS = {"read_vs_ceiling": 0.5, "read_vs_zarr": 10.0, "loader_vs_ceiling": 0.5, "write_vs_put": 0.5,
@@ -167,7 +168,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
 
             async def put(i: int, rows: np.ndarray) -> None:
                 async with semaphore:
-                    await obstore.put_async(plain._store, f"c/{i}", memoryview(np.ascontiguousarray(rows)).cast("B"))
+                    await obstore.put_async(plain.obstore, f"c/{i}", memoryview(np.ascontiguousarray(rows)).cast("B"))
 
             await asyncio.gather(*(put(i, rows) for i, rows in enumerate(chunks)))
 
@@ -175,15 +176,13 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
         run_async(put_all())
         return gbps(nbytes, time.perf_counter() - t0)
 
-    writes: dict[str, list[float]] = {"featurestore write": [], "plain concurrent put": []}
-    for _ in range(args.repeats):
-        writes["plain concurrent put"].append(write_plain())
-        writes["featurestore write"].append(write_featurestore())
+    writes = interleaved([Method("plain concurrent put", write_plain), Method("featurestore write", write_featurestore)],
+                         args.repeats)
 
     array = featurestore.open_store(url, **fs_options).open("bench", "enc", "train")
     assert np.array_equal(array.read_numpy(np.arange(0, n, max(1, n // 50))), values[:: max(1, n // 50)])
-    storage = array._storage  # the ObjectStorage the reader uses
-    chunk_keys = [layout.chunk_key(f"bench/enc/train/{layout.FEATURES}", i, 1 + len(shape)) for i in range(len(chunks))]
+    storage = array.storage  # the ObjectStorage the reader uses
+    chunk_keys = array.chunk_keys()
     rng = np.random.default_rng(1)
     orders = [rng.choice(n, size=batch, replace=False) for _ in range(args.batches)]
     slow_orders = orders[: args.slow_batches]
@@ -202,7 +201,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
         return gbps(got, seconds)
 
     def ceiling() -> float:
-        return with_cpu(s3_cache.CEILING, lambda: s3_cache.fetch_whole(storage._store, chunk_keys))
+        return with_cpu(s3_cache.CEILING, lambda: s3_cache.fetch_whole(storage.obstore, chunk_keys))
 
     def shuffled_reads() -> float:
         t0 = time.perf_counter()
@@ -246,7 +245,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
             async def get(row: int) -> None:
                 chunk, offset = divmod(int(row), chunk_rows)
                 async with semaphore:
-                    await obstore.get_range_async(storage._store, chunk_keys[chunk], start=offset * sample_bytes,
+                    await obstore.get_range_async(storage.obstore, chunk_keys[chunk], start=offset * sample_bytes,
                                                   end=(offset + 1) * sample_bytes)
 
             await asyncio.gather(*(get(row) for row in idx))
@@ -277,7 +276,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
             return first
 
         def fill_ceiling() -> float:
-            return with_cpu(s3_cache.FILL, lambda: s3_cache.fill_whole(storage._store, chunk_keys,
+            return with_cpu(s3_cache.FILL, lambda: s3_cache.fill_whole(storage.obstore, chunk_keys,
                                                                        os.path.join(cached.work, "fill")))
 
         for name, fn in (("cache epoch 1 (empty, full-size cache)", full_cache), ("half cache epoch 1", half_cache),
@@ -296,17 +295,12 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
             methods[name] = fn
         reads[s3_bags.EPOCH2] = bag_epoch2
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    for name in methods:  # one warm-up call each: connections, first-touch maps, imports
-        methods[name]()
-    for values_list in reads.values():
+    timed = [Method(name, fn) for name, fn in methods.items()]
+    interleaved(timed, 1)  # one warm-up call each: connections, first-touch maps, imports; then forgotten
+    for values_list in [*reads.values(), *(cached.downloaded.values() if cached is not None else ())]:
         values_list.clear()
     cpu.clear()
-    if cached is not None:
-        for values_list in cached.downloaded.values():
-            values_list.clear()
-    for _ in range(args.repeats):
-        for name, fn in methods.items():
-            reads[name].append(fn())
+    reads.update(interleaved(timed, args.repeats))
     if cached is not None:
         cached.close()
     if bag_epochs is not None:

@@ -26,8 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.bag_loader import cohort_lengths
-from featurestore.bench.common import gbps
+from featurestore.bench.harness import gbps
 from featurestore.bench.s3_cache import evict_cold, fetch_whole, remove_cache
 
 CEILING = "bags ceiling (whole chunks, 8 GETs)"
@@ -47,28 +46,24 @@ class BagEpochs:
 
         import featurestore
         from featurestore.core.storage_obstore import ObjectStorage
-        from featurestore.format import layout
+        from featurestore.demo.synthetic_bags import bag_lengths, io_bags
 
         self.url, self.options, self.prefetch = url, dict(options), prefetch
-        self.lengths = cohort_lengths(bags, median)
+        self.lengths = bag_lengths(median, count=bags)
         self.work = tempfile.mkdtemp(prefix="featurestore-s3bags-", dir=workdir)
         writer = featurestore.open_store(url, mode="a", **options).create_bag_split(
             "bench", "enc", "bags", dim=dim, dtype="float16", overwrite=True, label_dtype="int64")
         self.slides = ObjectStorage(f"{url}/pt_files", options)
-        block = np.random.default_rng(1).standard_normal((int(self.lengths.max()), dim), dtype=np.float32)
-        for i, n in enumerate(self.lengths):
-            features = block[: int(n)] + np.float32(i % 7)
-            coords = np.stack([np.arange(n), np.arange(n)], axis=1).astype(np.int64) * 256
-            writer.add_bag(f"slide-{i:05d}", features, coords=coords, label=i % 2)
+        for bag_id, features, coords, label in io_bags(self.lengths, dim):
+            writer.add_bag(bag_id, features, coords=coords, label=label)
             buffer = io.BytesIO()
             torch.save(torch.from_numpy(features), buffer)
-            self.slides.write(f"slide-{i:05d}.pt", buffer.getvalue())
+            self.slides.write(f"{bag_id}.pt", buffer.getvalue())
         writer.commit()
         split = featurestore.open_store(url, **options).open_bags("bench", "enc", "bags")
         self.nbytes = int(self.lengths.sum()) * dim * 2
-        self.keys = [layout.chunk_key(array._key, c, 2) for array in (split.features, split.coords)
-                     for c in range(-(-len(array) // array.chunk_rows))]
-        self.storage = split.features._storage
+        self.keys = split.features.chunk_keys() + split.coords.chunk_keys()
+        self.storage = split.features.storage
         print(f"[s3] bags: {bags} slides, {int(self.lengths.sum())} patches x {dim} float16 "
               f"({self.nbytes / 1e6:.0f} MB), median {median} patches, {len(self.keys) // 2} chunks per array")
 
@@ -89,7 +84,7 @@ class BagEpochs:
 
     def ceiling(self) -> float:
         t0 = time.perf_counter()
-        fetch_whole(self.storage._store, self.keys)
+        fetch_whole(self.storage.obstore, self.keys)
         return gbps(self.nbytes, time.perf_counter() - t0)
 
     def users_way(self) -> float:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.common import save_json
+from featurestore.bench.harness import save_json
 
 
 def register(subparsers: Any) -> None:
