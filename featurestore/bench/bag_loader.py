@@ -26,6 +26,7 @@ import numpy as np
 
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
+from featurestore.bench.summary import finish
 
 DATASET, ENCODER = "bench", "bags"
 
@@ -46,7 +47,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--skip-rss", action="store_true", help="skip the B vs 4B subprocesses")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: _print_and_save(run(args), args.json_out))
+    parser.set_defaults(func=lambda args: finish("bag_loader", run(args), args.json_out))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -134,8 +135,8 @@ def epoch_figures(store: str, dataset: str, encoder: str, split: str, *, pt_dir:
             interleaved(methods, 1)  # warm-up: maps, buffers, worker imports
         else:  # each epoch a fresh process that evicts first; this one's maps would keep pages resident
             harness.unmap()
-            methods = [Method(name, lambda name=name: harness.child("bag_loader:cold_epoch", {**spec, "method": name}))
-                       for name in runs]
+            methods = [Method(name, lambda name=name: harness.child("bag_loader:cold_epoch", {**spec, "method": name}),
+                              own=True) for name in runs]
         times = interleaved(methods, repeats)
         best = {name: times.best(name) for name in runs}
         figures: dict[str, Any] = {f"{name}_s": best[name] for name in runs}
@@ -256,45 +257,3 @@ def rss_epoch(config: dict[str, Any]) -> dict[str, Any]:
             "largest_bag_stored_bytes": int(ds.lengths.max()) * ds.row_nbytes}
 
 
-# ---------------------------------------------------------------------- output
-def throughput_rows(results: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
-    """Report panels: per title, ``(method, GB/s of stored bytes)``, featurestore first; from
-    :func:`run`'s result or :func:`epoch_figures`'."""
-    panels: dict[str, list[tuple[str, float]]] = {}
-    for mode in ("warm", "cold"):
-        f = results.get(mode)
-        if f:
-            rows = [("BagLoader", f["loader_gbps"]), ("bare reader", f["reader_gbps"]),
-                    ("BagLoader -> f32", f["loader_f32_gbps"])]
-            panels[f"bag loader, batch 1, {mode}, GB/s"] = rows + ([("CLAM torch.load .pt", f["clam_gbps"])]
-                                                                   if "clam_gbps" in f else [])
-    p = results.get("padded")
-    if p:
-        nbytes = p["loader_gbps"] * p["loader_s"]
-        panels[f"bag loader, batch {p['batch_size']} padded, GB/s"] = [
-            ("BagLoader", p["loader_gbps"]), ("reader + pad", nbytes / p["reader_s"])]
-    return panels
-
-
-def _print_and_save(results: dict[str, Any], path: str | None) -> int:
-    print_figures(results)
-    harness.save_json(results, path)
-    return 0
-
-
-def print_figures(results: dict[str, Any]) -> None:
-    """The figures and their targets (``bench bag-loader``, and ``bench bags``'s loader rows)."""
-    print(f"bag-loader bench: {results['bags']} bags, {results['patches']} patches of dim {results['dim']} "
-          f"{results['dtype']}; CLAM DataLoader {results['workers']} workers, BagLoader defaults (2 threads)")
-    for title, rows in throughput_rows(results).items():
-        harness.print_rows("  " + title, dict(rows), rows[0][0])
-    ratios = {f"{mode} {name}": results[mode][name] for mode in ("warm", "cold") if results.get(mode)
-              for name in ("loader_vs_reader", "loader_vs_reader_median", "loader_vs_clam") if name in results[mode]}
-    ratios[f"padded, batch {results['padded']['batch_size']}: padded_vs_reader"] = results["padded"]["padded_vs_reader"]
-    harness.verdicts(ratios, {"warm loader_vs_reader": 0.95, "cold loader_vs_reader": 0.9, "warm loader_vs_clam": 1.5,
-                              "cold loader_vs_clam": 1.5})
-    r = results.get("rss")
-    if r:
-        print(f"  peak loader anon RSS, float32 epoch: B = {r['B']['bags']} bags {r['loader_bytes']['B'] / 2**20:.1f} MiB, "
-              f"4B = {r['4B']['bags']} bags {r['loader_bytes']['4B'] / 2**20:.1f} MiB; bound "
-              f"{r['bound_bytes'] / 2**20:.0f} MiB: {'ok' if r['ok'] else 'EXCEEDED'}")

@@ -24,6 +24,7 @@ import numpy as np
 
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
+from featurestore.bench.summary import finish
 
 TARGETS = {"TRIDENT h5 cold": 1.5, "TRIDENT h5 warm": 1.5, "CLAM .pt cold": 1.5, "CLAM .pt warm": 1.0,
            "parallel pread cold": 0.85, "import vs h5 read": 0.7}
@@ -51,7 +52,7 @@ def register(subparsers: Any) -> None:
                         help="skip the BagLoader rows (bench bag-loader's epochs on this cohort)")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: _print_and_save(run(args), args.json_out))
+    parser.set_defaults(func=lambda args: finish("bags", run(args), args.json_out))
 
 
 def build(work: str, lengths: np.ndarray, dim: int) -> dict[str, Any]:
@@ -177,21 +178,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results = measure(built, lengths, args)
         results["sizes"] = {k: _size(v) for k, v in built["paths"].items()}
         if not args.skip_import:
-            times = interleaved([Method("read", lambda: time_import_read(built)),
-                                 Method("import", lambda: time_import(built, work))], args.repeats)
+            times = interleaved([Method("read", lambda: time_import_read(built), own=True),
+                                 Method("import", lambda: time_import(built, work), own=True)], args.repeats)
             results["import_seconds"], results["import_read_seconds"] = times.median("import"), times.median("read")
             results["all_import_seconds"], results["all_import_read_seconds"] = times["import"], times["read"]
             # The target's base: the h5 files read whole with h5py (the TRIDENT h5 cold pass).
             results["ratios"]["import vs h5 read"] = results["seconds"]["TRIDENT h5 cold"] / results["import_seconds"]
             results["ratios"]["import vs its own read"] = results["import_read_seconds"] / results["import_seconds"]
-        _print_rows(results)
         if not args.skip_loader:
             from featurestore.bench import bag_loader
 
             figures = bag_loader.epoch_figures(built["paths"]["store"], *NAMES, pt_dir=built["paths"]["pt"],
                                                workers=4, repeats=max(1, args.repeats))
             figures.update(patches=int(lengths.sum()), dim=args.dim, dtype="float16", workers=4)
-            bag_loader.print_figures(figures)
             results["loader"] = figures
         return results
     finally:
@@ -215,7 +214,7 @@ def measure(built: dict[str, Any], lengths: np.ndarray, args: argparse.Namespace
             harness.evict(*paths.values())
             if temperature == "warm":
                 harness.warm(paths[WHERE[name]])
-        return Method(f"{name} {temperature}", run, setup)
+        return Method(f"{name} {temperature}", run, setup, own=True)
 
     def order(repeat: int, methods: list[Method]) -> list[Method]:
         # featurestore and the pread reference back to back, in turn first (the disk's state, and
@@ -234,24 +233,6 @@ def measure(built: dict[str, Any], lengths: np.ndarray, args: argparse.Namespace
     return {"benchmark": "bags", "slides": len(lengths), "dim": args.dim, "patches": int(lengths.sum()),
             "median_patches": int(np.median(lengths)), "max_patches": int(lengths.max()), "repeats": args.repeats,
             "bytes_read": nbytes, "seconds": seconds, "rows": rows, "ratios": ratios, "targets": TARGETS}
-
-
-def _print_rows(results: dict[str, Any]) -> None:
-    harness.print_rows(f"  one shuffled pass reading every bag whole, median of {results['repeats']} interleaved "
-                       "repeat(s); cold = evicted before each pass; bags/s",
-                       {key: row["bags_per_s"] for key, row in results["rows"].items()},
-                       extra={key: f"  {row['gb_per_s']:6.2f} GB/s" for key, row in results["rows"].items()},
-                       unit="bags/s")
-    if "import_seconds" in results:
-        print(f"  import of the h5 directory (cold, to os.sync) {results['import_seconds']:.2f} s; its own reading "
-              f"of the files alone {results['import_read_seconds']:.2f} s")
-    print("  featurestore / baseline (pass time; CLAM .pt reads float32, twice the bytes, and no coordinates):")
-    harness.verdicts(results["ratios"], TARGETS)
-
-
-def _print_and_save(results: dict[str, Any], path: str | None) -> int:
-    harness.save_json(results, path)
-    return 0
 
 
 __all__ = ["register", "run"]

@@ -1,20 +1,5 @@
-"""``featurestore bench extract --wsi``: does slide extraction add little to the slide reader?
-
-On synthetic pyramidal TIFF slides (featurestore.demo.slides; deflate tiles, since JPEG would
-need imagecodecs), in one run, interleaved, best of ``--repeats``:
-
-* **OpenSlide alone**: the same patches (the plans extraction makes, made once beforehand), read
-  with ``read_region`` and turned into RGB arrays in a DataLoader with the same workers and the
-  same batches: the slide reader's own ceiling;
-* **extract**: ``featurestore.extract.wsi_run.extract_slides`` into a fresh store, everything
-  included (slide plans with their thumbnails and tissue masks, patch reads, encoder, writer,
-  commit), to ``os.sync()``;
-* **encode only** (with a real encoder): the extraction's patch loader and encoder on the same
-  patches, the features dropped.
-
-Targets: with ``--encoder zero`` (no encoder work) extract patches/s >= 0.8x OpenSlide alone; with
-``--encoder builtin:vit-s14`` extract wall <= 1.1x encode only. ``--cold`` evicts the slide files
-from the page cache (posix_fadvise DONTNEED) before each timed pass.
+"""``featurestore bench extract --wsi``: slide extraction against OpenSlide alone reading the same
+patches (and against encoding alone with a real encoder); docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -165,9 +150,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             loop.append(result.seconds)  # plans, reads, encoder, bags: no start-up or commit
             assert result.patches == patches, (result.patches, patches)
 
-        methods = [Method("openslide_only_s", lambda: _openslide_only(batches, workers), cold)]
+        methods = [Method("openslide_only_s", lambda: _openslide_only(batches, workers), cold, own=True)]
         if real:
-            methods.append(Method("encode_only_s", lambda: _encode_only(opts, batches, workers), cold))
+            methods.append(Method("encode_only_s", lambda: _encode_only(opts, batches, workers), cold, own=True))
         methods.append(Method("extract_s", extract, cold,
                               lambda: shutil.rmtree(os.path.join(work, "store"), ignore_errors=True)))
         times = interleaved(methods, args.repeats)
@@ -191,19 +176,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"bench extract --wsi: encoder {encoder}, {limit} slides {width}x{height} -> {patches} patches of "
-          f"{args.patch_size}px at 20x (tissue {args.tissue}), batch {args.batch_size}, {workers} workers, "
-          f"{'cold' if args.cold else 'warm'} page cache; {os.cpu_count()} cores, load "
-          f"{results['load_average_1m']:.1f}; best of {args.repeats}")
-    print(f"  OpenSlide alone {results['openslide_only_patches_s']:.0f} patches/s; extract "
-          f"{results['extract_patches_s']:.0f} patches/s (plans, reads, encoder, writer, commit, to os.sync): "
-          f"{results['extract_vs_openslide']:.2f}x best of each (target >= 0.8x with --encoder zero); per repeat "
-          f"{', '.join(f'{r:.2f}' for r in results['pair_ratios'])}")
-    print(f"  extract's loop alone (no encoder load, split creation, commit or sync) {best['extract_loop_s']:.2f}s: "
-          f"{results['extract_loop_vs_openslide']:.2f}x OpenSlide alone; whole run {best['extract_s']:.2f}s")
-    if real:
-        print(f"  encode only {best['encode_only_s']:.2f}s ({results['encode_only_patches_s']:.1f} patches/s); "
-              f"extract {best['extract_s']:.2f}s: ratio {results['ratio']:.3f} (target <= 1.1)")
     return results
 
 

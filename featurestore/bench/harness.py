@@ -1,4 +1,4 @@
-"""What every bench shares: methods timed side by side, cold runs, child processes, one printout.
+"""What every bench shares: methods timed side by side, cold runs, child processes, split writing.
 
 * :class:`Method` and :func:`interleaved`: each repeat runs every method once, in turn (so a slow
   moment of a shared machine hits all of them alike); :class:`Times` keeps every repeat, and gives
@@ -7,7 +7,9 @@
   a memory limit comes from :class:`featurestore.bench.cgroup.MemoryCgroup`.
 * :func:`child`: ``featurestore.bench.MODULE:FUNCTION(config)`` in a fresh interpreter (optionally
   inside a cgroup), its JSON result back: the one protocol of every bench's subprocesses.
-* :func:`print_rows`: one table of methods, their rates and ratios to a reference.
+
+What a bench prints, and what `bench all` reports, is read from its result by
+:mod:`featurestore.bench.summary`.
 """
 
 from __future__ import annotations
@@ -29,19 +31,20 @@ import numpy as np
 from featurestore.bench.cgroup import evict
 
 __all__ = ["Method", "RssPeak", "Times", "child", "child_process", "evict", "gbps", "interleaved", "parse_shapes",
-           "print_rows", "rss_anon_bytes", "save_json", "stop_process", "timed", "unmap", "verdicts", "warm"]
+           "rss_anon_bytes", "save_json", "stop_process", "timed", "unmap", "warm", "write_split"]
 
 
 @dataclass
 class Method:
-    """One way of doing the measured work. ``run()`` is timed; it may return its own measurement
-    (a child's seconds, a rate), which is kept instead of the elapsed seconds. ``setup`` and
-    ``teardown`` run untimed around every call (an eviction, a fresh output directory)."""
+    """One way of doing the measured work. ``run()`` is timed; with ``own``, it returns its own
+    measurement instead (a child's seconds, a rate), which is kept in place of the elapsed seconds.
+    ``setup`` and ``teardown`` run untimed around every call (an eviction, a fresh directory)."""
 
     name: str
     run: Callable[[], Any]
     setup: Callable[[], Any] | None = None
     teardown: Callable[[], Any] | None = None
+    own: bool = False
 
     def once(self) -> float:
         if self.setup:
@@ -51,11 +54,11 @@ class Method:
         elapsed = time.perf_counter() - start
         if self.teardown:
             self.teardown()
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else elapsed
+        return float(value) if self.own else elapsed
 
 
 class Times(dict[str, list[float]]):
-    """Per method, its value in each repeat (seconds, unless its ``run`` returned a measurement)."""
+    """Per method, its value in each repeat (seconds, or its own measurement: ``Method.own``)."""
 
     def median(self, name: str) -> float:
         return float(statistics.median(self[name]))
@@ -108,6 +111,26 @@ def warm(*paths: str) -> None:
             with open(name, "rb", buffering=0) as f:
                 while f.readinto(buffer):
                     pass
+
+
+def write_split(path: str, n: int, shape: tuple[int, ...], *, dtype: str = "float16", rows: int = 256,
+                names: tuple[str, str, str] = ("bench", "enc", "train"), chunk_bytes: int | None = None,
+                slabs: Callable[[int, np.ndarray], Any] | None = None) -> None:
+    """A split of ``n`` samples written ``rows`` at a time (never all in RAM): one random block,
+    shifted per slab (content does not matter to I/O; generating it would). Each slab (float16
+    for a float16 split, else float32) is also handed to ``slabs(start, values)``."""
+    import featurestore
+
+    writer = featurestore.open_store(path, mode="a").create_split(
+        *names, num_samples=n, sample_shape=shape, dtype=dtype, chunk_bytes=chunk_bytes, overwrite=True)
+    block = np.random.default_rng(0).standard_normal((min(rows, n), *shape), dtype=np.float32)
+    block = block.astype(np.float16) if dtype == "float16" else block
+    for k, start in enumerate(range(0, n, rows)):
+        values = block[: min(rows, n - start)] + block.dtype.type(k % 64)
+        writer.write(start, values)
+        if slabs:
+            slabs(start, values)
+    writer.commit()
 
 
 # ---------------------------------------------------------------------- child processes
@@ -219,32 +242,6 @@ def stop_process(process: subprocess.Popen[Any], grace: float) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-
-
-def print_rows(title: str, rates: dict[str, float], reference: str | None = None, unit: str = "GB/s",
-               extra: dict[str, str] | None = None) -> None:
-    """``title``, then one line per method: its rate, and its ratio to ``reference``'s."""
-    print(title)
-    base = rates.get(reference) if reference else None
-    for name, rate in rates.items():
-        ratio = f"  {rate / base:6.2f}x {reference}" if base else ""
-        print(f"  {name:<36} {rate:9.3f} {unit}{ratio}{(extra or {}).get(name, '')}")
-
-
-def verdicts(ratios: dict[str, float], targets: dict[str, float]) -> None:
-    """One line per ratio, with its target (>=) where it has one."""
-    for name, value in ratios.items():
-        target = targets.get(name)
-        verdict = "" if target is None else f"  (target >= {target}x: {'ok' if value >= target else 'MISSED'})"
-        print(f"  {name:<40} {value:7.2f}x{verdict}")
-
-
-def median_rates(nbytes: float, times: Times) -> dict[str, float]:
-    return {name: gbps(nbytes, times.median(name)) for name in times if times[name]}
-
-
-def paired_median(times: Times, numerator: str, denominator: str) -> float:
-    return float(np.median(times.pairs(numerator, denominator)))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,5 @@
-"""``featurestore bench loader``: FeatureLoader against the bare reader, and its memory bound.
-
-One run measures, on a synthetic local store (memory-mapped path):
-
-1. throughput to a CPU consumer that does nothing, loader vs ``FeatureArray.read`` on the same
-   shuffled batches, page cache warm (target: loader >= 0.95x the reader);
-2. stall: a consumer that sleeps as long per step as one bare read takes; the time it waits in
-   ``next()`` as a share of the epoch (target: < 5 %);
-3. peak anonymous RSS of an epoch over N and 4N samples, each in a fresh subprocess, sampled over
-   time (target: does not grow with N; file-backed pages of the memory maps are the page cache,
-   reclaimable, and are reported separately);
-4. an epoch over a store >= 2x a memory cgroup's limit completes, while loading the same split into
-   a RAM tensor under that limit is killed (cgroup v2 or v1, whichever is writable here; skipped
-   with the reason otherwise);
-5. with CUDA: host-to-device GB/s from pinned vs pageable buffers, and the loader to the GPU.
+"""``featurestore bench loader``: FeatureLoader against the bare reader, its stall, its memory bound,
+an epoch under a memory cgroup, and host-to-device GB/s (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -31,6 +18,7 @@ import numpy as np
 from featurestore.bench import harness
 from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup
 from featurestore.bench.harness import Method, interleaved
+from featurestore.bench.summary import finish
 from featurestore.core import checked
 
 DATASET, ENCODER = "bench", "loader"
@@ -50,7 +38,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--skip-cgroup", action="store_true", help="skip the memory cgroup run")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: _print_and_save(run(args), args.json_out))
+    parser.set_defaults(func=lambda args: finish("loader", run(args), args.json_out))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,15 +75,7 @@ def _make_split(store: str, split: str, n: int, shape: tuple[int, ...], dtype: s
             and fs.split_status(DATASET, ENCODER, split) == "complete" \
             and fs.split_metadata(DATASET, ENCODER, split)["num_samples"] == n:
         return n
-    writer = fs.create_split(DATASET, ENCODER, split, num_samples=n, sample_shape=shape, dtype=dtype, overwrite=True)
-    rng = np.random.default_rng(0)
-    block = 256
-    # A few random blocks, reused with a shift: content does not matter to I/O, generation does.
-    pool = [rng.standard_normal((block, *shape), dtype=np.float32) for _ in range(4)]
-    for k, start in enumerate(range(0, n, block)):
-        rows = min(block, n - start)
-        writer.write(start, pool[k % 4][:rows] + np.float32(k % 7))
-    writer.commit()
+    harness.write_split(store, n, shape, dtype=dtype, names=(DATASET, ENCODER, split))
     return n
 
 
@@ -317,44 +297,3 @@ def _cuda(store: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------------- output
-def _print_and_save(results: dict[str, Any], path: str | None) -> int:
-    t = results["throughput"]
-    print(f"loader bench: {results['num_samples']} samples of {results['sample_shape']} {results['dtype']}, "
-          f"batch {results['batch_size']}, prefetch {results['prefetch']}")
-    print(f"  throughput (CPU consumer, same shuffled batches, stored dtype): reader {t['reader_gbps']:.2f} GB/s, "
-          f"loader {t['loader_gbps']:.2f} GB/s ({t['loader_vs_reader']:.2f}x)")
-    print(f"  with float32 upcast on the CPU: reader+.float() {t['reader_float32_gbps']:.2f} GB/s, loader "
-          f"{t['loader_float32_gbps']:.2f} GB/s ({t['loader_vs_reader_float32']:.2f}x); target >= 0.95x: "
-          f"{'ok' if t['ok'] else 'MISSED'}")
-    s = results["stall"]
-    print(f"  stall over {s['batches']} batches with a {s['consumer_step_s'] * 1e3:.1f} ms consumer step: {s['stall_s'] * 1e3:.1f} ms of "
-          f"{s['epoch_s']:.2f} s = {100 * s['stall_fraction']:.2f}% (target < 5%: {'ok' if s['ok'] else 'MISSED'})")
-    r = results.get("rss")
-    if r:
-        for label in ("N", "4N"):
-            c = r[label]
-            print(f"  peak anonymous RSS, {label} = {c['num_samples']} samples ({c['store_bytes'] / 2**20:.0f} MiB): "
-                  f"{c['peak_anon'] / 2**20:.1f} MiB (after imports {c['baseline_anon'] / 2**20:.1f} MiB; "
-                  f"file-backed peak {c['peak_file'] / 2**20:.1f} MiB)")
-        print(f"  loader's own anonymous memory: N {r['loader_bytes']['N'] / 2**20:.1f} MiB, 4N "
-              f"{r['loader_bytes']['4N'] / 2**20:.1f} MiB (growth {r['growth_bytes'] / 2**20:+.1f} MiB); bound "
-              f"(prefetch + 3) batches + staging + check buffers = {r['bound_bytes'] / 2**20:.1f} MiB + 32 MiB constant: "
-              f"{'ok' if r['ok'] else 'EXCEEDED'}")
-    g = results.get("cgroup", {})
-    if "skipped" in g:
-        print(f"  cgroup epoch: skipped ({g['skipped']})")
-    elif g:
-        print(f"  cgroup limit {g['limit_bytes'] / 2**20:.0f} MiB, store {g['store_bytes'] / 2**20:.0f} MiB: loader epoch "
-              f"{'completed' if g['loader_returncode'] == 0 else 'FAILED rc=' + str(g['loader_returncode'])}"
-              + (f" in {g['loader_s']:.1f} s (peak anon {g['loader_peak_anon'] / 2**20:.0f} MiB)"
-                 if g['loader_returncode'] == 0 else "")
-              + f"; RAM tensor {'killed (OOM)' if g['ram_killed'] else 'NOT killed, rc=' + str(g['ram_returncode'])}")
-    c = results.get("cuda", {})
-    if "skipped" in c:
-        print(f"  CUDA: skipped ({c['skipped']})")
-    elif c:
-        print(f"  CUDA {c['device']}: H2D pinned {c['h2d_pinned_gbps']:.1f} GB/s, pageable {c['h2d_pageable_gbps']:.1f} "
-              f"GB/s; loader to GPU {c['loader_to_gpu_gbps']:.2f} GB/s")
-    harness.save_json(results, path)
-    return 0

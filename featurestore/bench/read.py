@@ -21,6 +21,7 @@ import numpy as np
 
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved
+from featurestore.bench.summary import finish
 
 
 def register(subparsers: Any) -> None:
@@ -33,7 +34,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--skip-rss", action="store_true", help="skip the N vs 4N RSS subprocesses")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: _print_and_save(run(args), args.json_out))
+    parser.set_defaults(func=lambda args: finish("read", run(args), args.json_out))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -49,23 +50,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
     return results
-
-
-def _write_split(path: str, n: int, shape: tuple[int, ...], slabs: Any = None) -> None:
-    """A float16 split of ``n`` random samples, written in slabs (never all in RAM); each slab
-    is also handed to ``slabs(start, values)``."""
-    import featurestore
-
-    rng = np.random.default_rng(0)
-    writer = featurestore.open_store(path, mode="a").create_split("bench", "enc", "train", num_samples=n,
-                                                                 sample_shape=shape, dtype="float16")
-    step = max(1, (64 << 20) // (int(np.prod(shape)) * 2))
-    for start in range(0, n, step):
-        values = rng.standard_normal((min(step, n - start), *shape), dtype=np.float32).astype(np.float16)
-        writer.write(start, values)
-        if slabs:
-            slabs(start, values)
-    writer.commit()
 
 
 def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
@@ -90,7 +74,8 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
             for j, sample in enumerate(values):
                 h5.create_dataset(str(start + j), data=sample)
                 torch.save(torch.from_numpy(sample.copy()), os.path.join(base, "pt", f"{start + j}.pt"))
-        _write_split(os.path.join(base, "store"), n, shape, copies)
+        harness.write_split(os.path.join(base, "store"), n, shape, rows=max(1, (64 << 20) // sample_bytes),
+                            slabs=copies)
 
     store = featurestore.open_store(os.path.join(base, "store"))
     array = store.open("bench", "enc", "train")
@@ -122,7 +107,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
             for order in orders[1:]:
                 fns[name](order)
             return gbps(batches * args.batch_size * sample_bytes, time.perf_counter() - start)
-        return Method(name, rate)
+        return Method(name, rate, own=True)
 
     def order(r: int, methods: list[Method]) -> list[Method]:
         repeat[0] = r
@@ -134,11 +119,6 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
     paired = rates.pairs("featurestore", "np.memmap gather")  # run back to back in each repeat
     rows = {name: {"gb_per_s": rate, "vs_memmap": rate / best["np.memmap gather"]} for name, rate in best.items()}
     verify = _first_pass_cost(store, n, sample_bytes)
-    harness.print_rows(f"  page-cache WARM, best of the repeats; featurestore / np.memmap paired per repeat: median "
-                       f"{float(np.median(paired)):.2f}x (runs {', '.join(f'{r:.2f}' for r in paired)}; target >= 1.0x)",
-                       best, "np.memmap gather")
-    print(f"  checked reads (warm): a first sequential pass with crc32c verification {verify['checked_gbps']:.2f} GB/s "
-          f"vs {verify['unchecked_gbps']:.2f} GB/s without = {verify['ratio']:.2f}x (first epoch only)")
     shutil.rmtree(base, ignore_errors=True)
     return {"sample_shape": list(shape), "num_samples": n, "read": rows, "paired_vs_memmap": paired,
             "median_paired_vs_memmap": float(np.median(paired)), "verify": verify}
@@ -180,17 +160,12 @@ def _bench_rss(work: str, args: argparse.Namespace) -> dict[str, Any]:
     for n in (n_small, 4 * n_small):
         path = os.path.join(work, f"rss-{n}")
         shutil.rmtree(path, ignore_errors=True)
-        _write_split(path, n, shape)
+        harness.write_split(path, n, shape)
         out[str(n)] = figures = harness.child("read:rss_epoch", path)
         print(f"  N={n:>6} ({n * sample_bytes / 2**30:.2f} GiB): reader anon RSS peak "
               f"{figures['peak_anon'] / 2**20:.1f} MiB (baseline {figures['baseline_anon'] / 2**20:.1f} MiB)")
         shutil.rmtree(path, ignore_errors=True)
     return out
-
-
-def _print_and_save(results: dict[str, Any], path: str | None) -> int:
-    harness.save_json(results, path)
-    return 0
 
 
 __all__ = ["register", "run"]

@@ -1,18 +1,6 @@
-"""The bag part of ``featurestore bench s3``: a BagLoader epoch over a bag split in object storage.
-
-A cohort of slide bags (log-normal patch counts, as ``bench bag-loader``) is written twice to the
-server: as a bag split, and as one float32 ``.pt`` object per slide (CLAM's ``pt_files``, the
-users' way, kept in a bucket). Figures, each one shuffled epoch of every bag (one bag per batch,
-device cpu, stored dtype), as GB/s of the split's float16 feature bytes whatever the method moves:
-
-* ``bags ceiling``: every chunk object of the split's ``features`` and ``coords`` fetched whole,
-  8 GETs in flight (the server's limit for these bytes);
-* ``bags, .pt per slide``: each slide's object fetched whole and ``torch.load``-ed, 4 in flight
-  (a DataLoader with 4 workers);
-* ``bag loader, no cache``: ``BagLoader`` over the store (ranged GETs per chunk a bag spans);
-* ``bag loader, cache epoch 1``: through an empty chunk cache (whole chunks, read ahead by plan);
-* ``bag loader, cache epoch 2``: the same loader's next epoch, the cache's files evicted from the
-  page cache first (cold).
+"""The bag part of ``featurestore bench s3``: BagLoader epochs over a bag split in object storage,
+without and through a chunk cache, against the chunks' whole-object ceiling and one ``.pt`` object
+per slide; GB/s of the split's float16 feature bytes.
 """
 
 from __future__ import annotations

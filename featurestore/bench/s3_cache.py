@@ -1,23 +1,5 @@
-"""The chunk cache's part of ``featurestore bench s3``: loader epochs through a local chunk cache.
-
-Figures, each a ``FeatureLoader`` epoch of the uniform shuffle (device cpu, stored dtype):
-
-* ``cache epoch 1``: a cache as large as the split, empty at the start (whole chunks come in);
-* ``cache epoch 2``: the same loader's next epoch, the cache full, its files evicted from the page
-  cache first (cold, as the local baseline);
-* ``local cold loader``: the same bytes in a local store, evicted from the page cache;
-* ``half cache epoch 1/2``: a cache of half the split's bytes, two epochs; the bytes downloaded
-  per epoch (GET responses: whole chunks plus ranged rows) are reported.
-* ``cache fill ceiling``: the chunk objects fetched whole, 8 at a time, each streamed into a new
-  file as it arrives (:func:`fill_whole`): what filling any cache costs this machine (the GETs
-  and the page-cache writes), against which epoch 1's own overhead shows.
-
-Epoch 1 and the ceiling also record the CPU seconds per GB they cost this process and the server
-(:class:`CpuClock`): on a shared machine the speeds swing with the
-load, the work does not, and epoch 1's ratio is also given paired (each repeat's epoch over the
-same repeat's ceiling, then the median).
-
-Each repeat starts from a new, empty cache directory under the bench's work directory.
+"""The chunk cache's part of ``featurestore bench s3``: loader epochs through a local chunk cache
+(full and half size, epoch 2 cold), a local cold loader, the cache fill ceiling, CPU per GB.
 """
 
 from __future__ import annotations
