@@ -274,10 +274,10 @@ def notes(report: dict[str, Any]) -> list[str]:
 def print_result(bench: str, result: dict[str, Any]) -> None:
     """What ``featurestore bench NAME`` prints at its end: the report's rows and notes of its result."""
     report = {"benches": {bench: {"result": result}}}
-    for title, bars in throughput_rows(report).items():
-        print(f"[{bench}] {title}")
+    for title, bars in throughput_rows(report).items():  # as report.md's tables: featurestore's rate / each
+        print(f"[{bench}] {title}; {bars[0][0]} / method:")
         for name, rate in bars:
-            print(f"  {name:<40} {rate:9.3f}  {rate / bars[0][1] if bars[0][1] else 0:6.2f}x {bars[0][0]}")
+            print(f"  {name:<40} {rate:9.3f}  {bars[0][1] / rate if rate else float('nan'):6.2f}x")
     for line in notes(report):
         print(line)
     for where, error in report.get("render_errors", {}).items():
