@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench import link, s3_bags, s3_cache
+from featurestore.bench import harness, link, s3_bags, s3_cache
 from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.bench.s3_cache import CpuClock
 from featurestore.bench.summary import finish
@@ -179,11 +179,11 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
     def ceiling() -> float:
         return with_cpu(s3_cache.CEILING, lambda: s3_cache.fetch_whole(storage.obstore, chunk_keys))
 
-    def shuffled_reads() -> float:
-        t0 = time.perf_counter()
-        for idx in orders:
-            array.read_numpy(idx, out=out)
-        return gbps(len(orders) * batch * sample_bytes, time.perf_counter() - t0)
+    def batches(read: Callable[[np.ndarray], Any], which: list[np.ndarray]) -> Callable[[], float]:
+        """GB/s of ``read(idx)`` over the shuffled batches ``which``."""
+        return lambda: gbps(len(which) * batch * sample_bytes, harness.timed(lambda: [read(idx) for idx in which]))
+
+    shuffled_reads = batches(lambda idx: array.read_numpy(idx, out=out), orders)
 
     ds = FeatureDataset(url, "bench", "enc", "train", storage_options=fs_options)
 
@@ -199,37 +199,23 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
     zarr_array = zarr.open_array(store=FsspecStore.from_url(url, storage_options=_s3fs_options(options), read_only=True),
                                  path="bench/enc/train/features", mode="r")
 
-    def zarr_python() -> float:
-        t0 = time.perf_counter()
-        for idx in slow_orders:
-            zarr_array.get_orthogonal_selection((np.sort(idx),))
-        return gbps(len(slow_orders) * batch * sample_bytes, time.perf_counter() - t0)
+    zarr_python = batches(lambda idx: zarr_array.get_orthogonal_selection((np.sort(idx),)), slow_orders)
+    fsspec_array = featurestore.FeatureStore(FsspecStorage(url, _s3fs_options(options)), mode="r").open(
+        "bench", "enc", "train")
+    fsspec_path = batches(lambda idx: fsspec_array.read_numpy(idx, out=out), slow_orders)
 
-    fsspec_storage = FsspecStorage(url, _s3fs_options(options))
-    fsspec_array = featurestore.FeatureStore(fsspec_storage, mode="r").open("bench", "enc", "train")
+    async def batch_ranges(idx: np.ndarray) -> None:  # one ranged GET per row, all of a batch at once
+        semaphore = asyncio.Semaphore(storage.settings.max_concurrency)
 
-    def fsspec_path() -> float:
-        t0 = time.perf_counter()
-        for idx in slow_orders:
-            fsspec_array.read_numpy(idx, out=out)
-        return gbps(len(slow_orders) * batch * sample_bytes, time.perf_counter() - t0)
+        async def get(row: int) -> None:
+            chunk, offset = divmod(int(row), chunk_rows)
+            async with semaphore:
+                await obstore.get_range_async(storage.obstore, chunk_keys[chunk], start=offset * sample_bytes,
+                                              end=(offset + 1) * sample_bytes)
 
-    def bare_ranges() -> float:
-        async def batch_ranges(idx: np.ndarray) -> None:
-            semaphore = asyncio.Semaphore(storage.settings.max_concurrency)
+        await asyncio.gather(*(get(row) for row in idx))
 
-            async def get(row: int) -> None:
-                chunk, offset = divmod(int(row), chunk_rows)
-                async with semaphore:
-                    await obstore.get_range_async(storage.obstore, chunk_keys[chunk], start=offset * sample_bytes,
-                                                  end=(offset + 1) * sample_bytes)
-
-            await asyncio.gather(*(get(row) for row in idx))
-
-        t0 = time.perf_counter()
-        for idx in orders:
-            run_async(batch_ranges(idx))
-        return gbps(len(orders) * batch * sample_bytes, time.perf_counter() - t0)
+    bare_ranges = batches(lambda idx: run_async(batch_ranges(idx)), orders)
 
     reads: dict[str, list[float]] = {"featurestore shuffled batches": [], "ceiling (whole chunks, 8 GETs)": [],
                                      "bare ranged GETs (one per row)": [],
