@@ -145,5 +145,7 @@ def test_s3_bench_runs_and_reports(tmp_path: Path, seaweed: object, capsys: pyte
     assert all(client > 0 and server is None for client, server in cpu.values()), cpu
     rows = report.throughput_rows({"benches": {"s3": {"result": out}}})
     assert any(title.startswith("S3 (SeaweedFS") for title in rows)
-    assert s3._print_and_save(out, None) == 0
+    from featurestore.bench.summary import finish
+
+    assert finish("s3", out, None) == 0
     assert "read_vs_ceiling" in capsys.readouterr().out

@@ -14,10 +14,11 @@ import time
 from typing import Any
 
 
-def evict(path: str) -> None:
-    """Drop the clean pages of every file under ``path`` (or of the file ``path``) from the page
+def evict(*paths: str) -> None:
+    """Drop the clean pages of every file under ``paths`` (files or directories) from the page
     cache, so the next reader reads them from the device. Dirty pages are written first."""
-    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    files = [f for p in paths for f in ([p] if os.path.isfile(p) else
+                                        [os.path.join(d, n) for d, _, fs in os.walk(p) for n in fs])]
     for name in files:
         fd = os.open(name, os.O_RDONLY)
         try:

@@ -1,23 +1,6 @@
-"""``featurestore bench cold``: shuffled epochs over a store larger than RAM, at the device's speed?
+"""``featurestore bench cold``: shuffled epochs over a store larger than a memory cgroup, page cache cold.
 
-For each sample shape (default the seed's ``[1024, 3072]`` float16 and ``[256, 384]``, 64-row
-chunks), a store and a raw file of the same bytes are written, then one child process runs inside a
-memory cgroup whose limit is a third of the store (v2 or v1; where no cgroup can be made the run
-says so and relies on eviction alone). Before every method the files are evicted from the page
-cache (``fdatasync`` + ``POSIX_FADV_DONTNEED``), so every figure is **page-cache cold**. Methods,
-interleaved in each repeat, each one full shuffled epoch (the same permutation):
-
-* ``device limit``: every chunk file read whole, sequentially, in 8 MiB reads (4 files at a time);
-* ``pread reference``: 8 threads, one ``os.preadv`` per sample into a preallocated buffer;
-* ``np.memmap gather``: ``memmap[batch]`` over the raw file (page-fault bound and slow when cold:
-  measured over the batches it reads in ``--slow-seconds``, as is the forced-mmap reader row);
-* ``FeatureArray.read``: the reader with its defaults (and, unless ``--no-variants``, the mmap
-  gather and the pread path with ``cache="drop"`` / ``"direct"`` forced);
-* ``FeatureLoader``: one epoch, ``shuffle=True``, ``device="cpu"``, stored dtype;
-* with CUDA: pinned host-to-device GB/s and one cold ``FeatureLoader`` epoch to ``cuda``.
-
-GB/s, ratios against the device limit, the pread reference and np.memmap, and each method's peak
-RSS (VmHWM, reset before each method: resident file pages of maps count too).
+What it measures: docs/BENCHMARKS.md, "What each bench measures".
 """
 
 from __future__ import annotations
@@ -26,8 +9,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -36,8 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup, evict
-from featurestore.bench.common import gbps, parse_shapes, save_json
+from featurestore.bench import harness
+from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup
+from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
+from featurestore.bench.summary import finish
 
 BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
 VARIANTS = {"FeatureArray.read [mmap]": ("mmap", "keep"), "FeatureArray.read [pread, drop]": ("pread", "drop"),
@@ -61,7 +44,7 @@ def register(subparsers: Any) -> None:
                         help="CUDA rows (pinned H2D, loader epoch to the GPU); auto: when a GPU is present")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: _print_and_save(run(args), args.json_out))
+    parser.set_defaults(func=lambda args: finish("cold", run(args), args.json_out, failed))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -84,23 +67,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def _build(base: str, shape: tuple[int, ...], n: int, chunk_rows: int) -> None:
-    """A float16 store and a raw file of the same bytes; generated in slabs (never all in RAM)."""
-    import featurestore
-
-    sample_bytes = int(np.prod(shape)) * 2
-    store = featurestore.open_store(os.path.join(base, "store"), mode="a")
-    writer = store.create_split("bench", "enc", "train", num_samples=n, sample_shape=shape, dtype="float16",
-                                chunk_bytes=chunk_rows * sample_bytes)
-    seed = np.random.default_rng(0).standard_normal((chunk_rows, *shape), dtype=np.float32).astype(np.float16)
-    with open(os.path.join(base, "raw.f16"), "wb") as raw:
-        for k, start in enumerate(range(0, n, chunk_rows)):
-            values = seed[: min(chunk_rows, n - start)] + np.float16(k % 64)  # distinct rows, cheap
-            values.tofile(raw)
-            writer.write(start, values)
-    writer.commit()
-
-
 def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, limit: int,
                  args: argparse.Namespace) -> dict[str, Any]:
     sample_bytes = int(np.prod(shape)) * 2
@@ -112,7 +78,9 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, limit: int,
     print(f"\n[cold] samples [{label}] float16, N={n} ({n * sample_bytes / 2**30:.2f} GiB, {args.chunk_rows}-row chunks), "
           f"batches of {batch_size}, memory limit {limit >> 20} MiB")
     start = time.perf_counter()
-    _build(base, shape, n, args.chunk_rows)
+    with open(os.path.join(base, "raw.f16"), "wb") as raw:  # the store and a raw file of the same bytes
+        harness.write_split(os.path.join(base, "store"), n, shape, rows=args.chunk_rows,
+                            chunk_bytes=args.chunk_rows * sample_bytes, slabs=lambda _, values: values.tofile(raw))
     print(f"  built in {time.perf_counter() - start:.1f} s")
     methods = list(BASE_METHODS) + ([] if args.no_variants else list(VARIANTS))
     cuda = args.cuda == "on" or (args.cuda == "auto" and _has_cuda())
@@ -120,18 +88,17 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, limit: int,
         methods += ["FeatureLoader -> cuda", "pinned H2D"]
     config = {"base": base, "shape": list(shape), "n": n, "batch_size": batch_size, "methods": methods,
               "repeats": args.repeats, "prefetch": args.prefetch, "slow_seconds": args.slow_seconds}
-    command = [sys.executable, "-m", "featurestore.bench.cold", "_child", json.dumps(config)]
     out: dict[str, Any] = {"sample_shape": list(shape), "num_samples": n, "batch_size": batch_size,
                            "chunk_rows": args.chunk_rows, "store_bytes": n * sample_bytes}
     try:
         with MemoryCgroup(limit) as group:
-            done = group.run(command)
+            done = harness.child_process("cold:measure", config, cgroup=group)
             out["cgroup"] = f"v{group.version}" if group.version else "systemd-run scope"
             out["oom_kills"] = group.oom_kills()
     except CgroupUnavailable as error:
         print(f"  no memory cgroup ({error}): cold figures rely on eviction (posix_fadvise DONTNEED) alone")
         out["cgroup"] = f"none ({error}); evicted with posix_fadvise(DONTNEED) before each method"
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        done = harness.child_process("cold:measure", config)
     out["returncode"] = done.returncode
     if done.returncode != 0:
         print(f"  child failed (rc {done.returncode}): {done.stderr[-1500:]}")
@@ -140,24 +107,8 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, limit: int,
         return out
     child = json.loads(done.stdout.strip().splitlines()[-1])
     out.update(child)
-    _print_rows(out)
     shutil.rmtree(base, ignore_errors=True)
     return out
-
-
-def _print_rows(out: dict[str, Any]) -> None:
-    rows = out["rows"]
-    device, ref, mm = (rows[k]["gb_per_s"] for k in ("device limit", "pread reference", "np.memmap gather"))
-    print(f"  page-cache COLD, median of {out['repeats']} interleaved repeat(s); memory cgroup: {out['cgroup']}")
-    for name, row in rows.items():
-        extra = f"   peak RSS {row['peak_rss'] / 2**20:7.0f} MiB" if row.get("peak_rss") else ""
-        print(f"  {name:<34} {row['gb_per_s']:6.2f} GB/s  {row['gb_per_s'] / device:5.2f}x device  "
-              f"{row['gb_per_s'] / ref:5.2f}x pread ref  {row['gb_per_s'] / mm:5.2f}x memmap{extra}")
-    for name, error in out.get("errors", {}).items():
-        print(f"  {name:<34} FAILED: {error}")
-    loader = rows["FeatureLoader"]["gb_per_s"]
-    print(f"  targets: loader >= 0.85x pread ref: {loader / ref:.2f}x; loader >= 3x memmap: {loader / mm:.2f}x; "
-          f"same bytes on every path: {out['same_bytes']}")
 
 
 # ---------------------------------------------------------------------- the child (in the cgroup)
@@ -186,7 +137,8 @@ def _peak() -> int:
     return 0
 
 
-def _child(config: dict[str, Any]) -> dict[str, Any]:
+def measure(config: dict[str, Any]) -> dict[str, Any]:
+    """(The child, in the cgroup.) Every method, interleaved, each after an eviction."""
     import torch
 
     import featurestore
@@ -274,35 +226,35 @@ def _child(config: dict[str, Any]) -> dict[str, Any]:
            "FeatureArray.read": reader(None, None), "FeatureLoader": loader("cpu"),
            "FeatureLoader -> cuda": loader("cuda"), "pinned H2D": pinned_h2d}
     fns.update({name: reader(*mode) for name, mode in VARIANTS.items()})
-    rates: dict[str, list[float]] = {}
     peaks: dict[str, int] = {}
     errors: dict[str, str] = {}
-    for _ in range(config["repeats"]):
-        for name in config["methods"]:
-            evict(store_dir)
-            evict(raw_path)
-            _peak_reset()
+
+    def method(name: str) -> Method:
+        def rate() -> float:
             start = time.perf_counter()
             try:
                 nbytes = fns[name]()
             except Exception as error:  # one broken row (a CUDA setup, say) must not hide the others
                 errors[name] = f"{type(error).__name__}: {error}"
-                continue
-            rates.setdefault(name, []).append(gbps(nbytes, time.perf_counter() - start))
-            peaks[name] = max(peaks.get(name, 0), _peak())
+                return float("nan")
+            return gbps(nbytes, time.perf_counter() - start)
+
+        def setup() -> None:
+            harness.evict(store_dir, raw_path)
+            _peak_reset()
+        return Method(name, rate, setup, lambda: peaks.__setitem__(name, max(peaks.get(name, 0), _peak())), own=True)
+
+    times = interleaved([method(name) for name in config["methods"]], config["repeats"])
+    rates = {name: [r for r in values if r == r] for name, values in times.items()}
     # Same bytes: the reader's and the loader's first batch against the raw file.
     array = featurestore.open_store(store_dir).open("bench", "enc", "train")
     same = bool(np.array_equal(array.read_numpy(batches[0]).view(np.uint16), memmap[batches[0]].view(np.uint16)))
     rows = {name: {"gb_per_s": float(np.median(r)), "all_gb_per_s": r, "peak_rss": peaks[name]}
-            for name, r in rates.items()}
+            for name, r in rates.items() if r}
     return {"rows": rows, "repeats": config["repeats"], "same_bytes": same, "errors": errors}
 
 
-def _print_and_save(results: dict[str, Any], path: str | None) -> int:
-    save_json(results, path)
-    failed = [s for s in results.get("shapes", []) if s.get("returncode") != 0 or s.get("errors")]
-    return 1 if failed else 0
-
-
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "_child":
-    print(json.dumps(_child(json.loads(sys.argv[2]))))
+def failed(results: dict[str, Any]) -> str | None:
+    bad = [f"[{'x'.join(map(str, s['sample_shape']))}]" for s in results.get("shapes", [])
+           if s.get("returncode") != 0 or s.get("errors")]
+    return f"a child or a method failed for {', '.join(bad)}" if bad else None

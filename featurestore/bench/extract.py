@@ -1,31 +1,7 @@
-"""``featurestore bench extract``: are writes hidden behind encoding?
+"""``featurestore bench extract``: extraction wall time against encoding alone and numpy ``tofile``.
 
-In one run, on the same images and the same trivial encoder (a patch embedding + LayerNorm, so
-the encoder is cheap and storage has the most chance to show):
-
-* **encode only**: the extraction's own DataLoader, batch plan and encoder, results copied to the
-  host and dropped;
-* **extract**: ``featurestore.extract.run.extract`` into a fresh local store (float16, overflow
-  guard, quantization report, chunk writes on the writer thread, commit);
-* **write only**: ``create_split`` + ``write`` + ``commit`` of the same number of bytes from
-  memory, to ``os.sync()``, for the store's raw write MB/s.
-
-Target: extract wall time <= 1.05x encode-only. Repeats are interleaved and the best of each is
-kept, because a shared machine is noisy.
-
-``--encoder zero`` is a zero-cost encoder (it returns one precomputed tensor): the pipeline's own
-ceiling (image loading, the writer's checks, cast and statistics, the chunk puts), compared with
-numpy ``tofile`` of the same stored bytes, both timed to ``os.sync()`` (target >= 0.6x).
-``--encoder builtin:vit-s14`` is a real encoder's cost on any host (a ViT-S/14 with seeded
-random weights, no download). ``--encoder timm:...`` and ``--device cuda`` measure a real
-encoder on a GPU; there the bench also runs the writer's statistics of one batch on the GPU and
-on the CPU and prints how far they are apart (bytes and maxima must be identical; sums within the
-tolerance docs/EXTRACT.md states).
-
-On a CPU-only host the encoder, the image workers and the writer's quantization all share the
-same cores, so the ratio there measures CPU contention as much as overlap. ``--device-ms`` adds
-a wait per batch to the trivial encoder, during which the host CPU is free, as it is while an
-accelerator computes: the ratio then shows whether the writes hide behind device time.
+What it measures: docs/BENCHMARKS.md, "What each bench measures"; ``--wsi`` is
+:mod:`featurestore.bench.extract_wsi`.
 """
 
 from __future__ import annotations
@@ -40,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from featurestore.bench import extract_wsi
-from featurestore.bench.common import save_json
+from featurestore.bench.harness import Method, interleaved
+from featurestore.bench.summary import finish
 
 # Seconds the trivial encoder waits per batch (``--device-ms``); set by ``run`` in this process,
 # which is where extraction calls the encoder.
@@ -127,13 +104,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
     extract_wsi.add_arguments(parser)
-    parser.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    results = run(args)
-    save_json(results, args.json_out)
-    return 0
+    parser.set_defaults(func=lambda args: finish("extract", run(args), args.json_out))
 
 
 def _encode_only(opts: Any) -> tuple[float, Any]:
@@ -241,32 +212,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             images[lo : lo + 64] = rng.integers(0, 256, images[lo : lo + 64].shape, dtype=np.uint8)
         images.flush()
         del images
-        times: dict[str, list[float]] = {"encode_only_s": [], "extract_s": [], "tofile_s": [], "write_only_s": []}
-        waits = []
-        nbytes = 0
-        sample_shape: tuple[int, ...] = ()
-        first = None
-        for repeat in range(args.repeats):  # interleaved: a slow moment hits every method alike
-            opts = ExtractOptions(images=f"npy:{images_path}", encoder=spec,
-                                  store=os.path.join(work, f"store-{repeat}"), dataset="bench", split="s",
-                                  batch_size=args.batch_size, chunk_mb=args.chunk_mb,
-                                  num_workers=args.num_workers, progress=False,
-                                  device=getattr(args, "device", "auto"), precision=getattr(args, "precision", "auto"))
-            seconds, first = _encode_only(opts)
-            times["encode_only_s"].append(seconds)
-            start = time.perf_counter()
+        opts = ExtractOptions(images=f"npy:{images_path}", encoder=spec, store=os.path.join(work, "store"),
+                              dataset="bench", split="s", batch_size=args.batch_size, chunk_mb=args.chunk_mb,
+                              num_workers=args.num_workers, progress=False, device=getattr(args, "device", "auto"),
+                              precision=getattr(args, "precision", "auto"))
+        waits: list[float] = []
+        state: dict[str, Any] = {}
+
+        def encode_only() -> float:
+            seconds, state["first"] = _encode_only(opts)
+            return seconds
+
+        def run_extract() -> None:
             result = extract(opts)
             os.sync()  # the same finish line as tofile's
-            times["extract_s"].append(time.perf_counter() - start)
             waits.append(result.writer_wait_seconds)
-            sample_shape = tuple(result.metadata["sample_shape"])
-            nbytes = args.n * int(np.prod(sample_shape)) * 2
-            times["tofile_s"].append(_tofile(os.path.join(work, f"raw-{repeat}"), nbytes))
-            times["write_only_s"].append(_write_only(os.path.join(work, f"write-{repeat}"), args.n, sample_shape,
-                                                     args.chunk_mb))
-            shutil.rmtree(os.path.join(work, f"store-{repeat}"), ignore_errors=True)
-            shutil.rmtree(os.path.join(work, f"write-{repeat}"), ignore_errors=True)
+            state["shape"] = tuple(result.metadata["sample_shape"])
+
+        def stored_bytes() -> int:
+            return args.n * int(np.prod(state["shape"])) * 2
+
+        def clean() -> None:
+            for path in ("store", "write"):
+                shutil.rmtree(os.path.join(work, path), ignore_errors=True)
             os.sync()
+
+        # Interleaved: a slow moment hits every method alike.
+        times = interleaved([Method("encode_only_s", encode_only, own=True), Method("extract_s", run_extract),
+                             Method("tofile_s", lambda: _tofile(os.path.join(work, "raw"), stored_bytes()), own=True),
+                             Method("write_only_s", lambda: _write_only(os.path.join(work, "write"), args.n,
+                                                                        state["shape"], args.chunk_mb), teardown=clean, own=True)],
+                            args.repeats)
+        sample_shape, first = state["shape"], state["first"]
+        nbytes = stored_bytes()
         best = {name: min(values) for name, values in times.items()}
         encode, extracted, write, tofile = best["encode_only_s"], best["extract_s"], best["write_only_s"], best["tofile_s"]
         results = {
@@ -281,7 +259,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "extract_write_mb_s": nbytes / extracted / 1e6, "write_only_mb_s": nbytes / write / 1e6,
             "tofile_mb_s": nbytes / tofile / 1e6,
             "encode_only_img_s": args.n / encode, "extract_img_s": args.n / extracted,
-            "repeats": times,
+            "repeats": dict(times),
         }
         if first is not None and first.device.type != "cpu":
             results["device_vs_cpu_stats"] = compare_device_stats(first.float())
@@ -289,19 +267,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _DEVICE_SECONDS[0] = 0.0
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"bench extract: encoder {spec} on {results['device']}, {args.n} images {args.image_size}px -> "
-          f"{results['sample_shape']} float16, {nbytes / 1e6:.0f} MB; device wait {results['device_ms']:g} ms/64 "
-          f"images; {os.cpu_count()} cores, load {results['load_average_1m']:.1f}; best of {args.repeats}")
-    print(f"  encode only {encode:.2f}s ({results['encode_only_img_s']:.0f} img/s); extract {extracted:.2f}s "
-          f"({results['extract_img_s']:.0f} img/s, to os.sync): ratio {results['ratio']:.3f} "
-          f"({'no target: the encoder does no work' if 'zero_encoder' in spec else 'target <= 1.05'})")
-    print(f"  extract {results['extract_write_mb_s']:.0f} MB/s vs numpy tofile of the same bytes "
-          f"{results['tofile_mb_s']:.0f} MB/s (to os.sync): {results['extract_vs_tofile']:.2f}x "
-          "(target >= 0.6x with --encoder zero)")
-    print(f"  the encoder waited {results['writer_wait_s']:.2f}s for the writer (full queue + final drain); "
-          f"write only (create_split+write+commit, float32 input, to os.sync) {results['write_only_mb_s']:.0f} MB/s")
-    if "device_vs_cpu_stats" in results:
-        print(f"  statistics of one batch, {results['device']} vs cpu: {results['device_vs_cpu_stats']}")
     return results
 
 

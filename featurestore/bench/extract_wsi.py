@@ -1,20 +1,5 @@
-"""``featurestore bench extract --wsi``: does slide extraction add little to the slide reader?
-
-On synthetic pyramidal TIFF slides (featurestore.demo.slides; deflate tiles, since JPEG would
-need imagecodecs), in one run, interleaved, best of ``--repeats``:
-
-* **OpenSlide alone**: the same patches (the plans extraction makes, made once beforehand), read
-  with ``read_region`` and turned into RGB arrays in a DataLoader with the same workers and the
-  same batches: the slide reader's own ceiling;
-* **extract**: ``featurestore.extract.wsi_run.extract_slides`` into a fresh store, everything
-  included (slide plans with their thumbnails and tissue masks, patch reads, encoder, writer,
-  commit), to ``os.sync()``;
-* **encode only** (with a real encoder): the extraction's patch loader and encoder on the same
-  patches, the features dropped.
-
-Targets: with ``--encoder zero`` (no encoder work) extract patches/s >= 0.8x OpenSlide alone; with
-``--encoder builtin:vit-s14`` extract wall <= 1.1x encode only. ``--cold`` evicts the slide files
-from the page cache (posix_fadvise DONTNEED) before each timed pass.
+"""``featurestore bench extract --wsi``: slide extraction against OpenSlide alone reading the same
+patches (and against encoding alone with a real encoder); docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -28,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.common import save_json
+from featurestore.bench import harness
+from featurestore.bench.harness import Method, interleaved
 
 ZERO = "python:featurestore.bench.extract:zero_encoder"
 
@@ -115,7 +101,6 @@ def _encode_only(opts: Any, keys_batches: list[list[Any]], workers: int) -> floa
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from featurestore.bench.cgroup import evict
     from featurestore.demo.slides import write_slide
     from featurestore.extract.encode_loop import default_num_workers
     from featurestore.extract.wsi import Target, list_slides
@@ -149,32 +134,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         patches = sum(len(b) for b in batches)
         files = [r.path for r in refs[:limit]]
 
-        def cold() -> None:
+        def cold() -> None:  # --cold: the slides leave the page cache before each pass
             if args.cold:
-                for path in files:
-                    evict(path)
+                harness.evict(*files)
 
-        times: dict[str, list[float]] = {"openslide_only_s": [], "extract_s": [], "extract_loop_s": [],
-                                         "encode_only_s": []}
         real = encoder != ZERO
-        for repeat in range(args.repeats):
-            cold()
-            times["openslide_only_s"].append(_openslide_only(batches, workers))
-            opts = SlideOptions(images=f"wsi:{slides_dir}", encoder=encoder, store=os.path.join(work, f"store-{repeat}"),
-                                dataset="bench", split="s", patch_size=args.patch_size, tissue=args.tissue,
-                                batch_size=args.batch_size, num_workers=workers, progress=False, limit=limit,
-                                device=args.device, precision=args.precision, chunk_mb=args.chunk_mb)
-            if real:
-                cold()
-                times["encode_only_s"].append(_encode_only(opts, batches, workers))
-            cold()
-            start = time.perf_counter()
+        opts = SlideOptions(images=f"wsi:{slides_dir}", encoder=encoder, store=os.path.join(work, "store"),
+                            dataset="bench", split="s", patch_size=args.patch_size, tissue=args.tissue,
+                            batch_size=args.batch_size, num_workers=workers, progress=False, limit=limit,
+                            device=args.device, precision=args.precision, chunk_mb=args.chunk_mb)
+        loop: list[float] = []
+
+        def extract() -> None:
             result = extract_slides(opts)
             os.sync()
-            times["extract_s"].append(time.perf_counter() - start)
-            times["extract_loop_s"].append(result.seconds)  # plans, reads, encoder, bags: no start-up or commit
+            loop.append(result.seconds)  # plans, reads, encoder, bags: no start-up or commit
             assert result.patches == patches, (result.patches, patches)
-            shutil.rmtree(os.path.join(work, f"store-{repeat}"), ignore_errors=True)
+
+        methods = [Method("openslide_only_s", lambda: _openslide_only(batches, workers), cold, own=True)]
+        if real:
+            methods.append(Method("encode_only_s", lambda: _encode_only(opts, batches, workers), cold, own=True))
+        methods.append(Method("extract_s", extract, cold,
+                              lambda: shutil.rmtree(os.path.join(work, "store"), ignore_errors=True)))
+        times = interleaved(methods, args.repeats)
+        times["extract_loop_s"] = loop
         best = {name: min(values) for name, values in times.items() if values}
         results: dict[str, Any] = {
             "benchmark": "extract-wsi", "encoder": encoder, "device": args.device, "slides": limit,
@@ -194,25 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"bench extract --wsi: encoder {encoder}, {limit} slides {width}x{height} -> {patches} patches of "
-          f"{args.patch_size}px at 20x (tissue {args.tissue}), batch {args.batch_size}, {workers} workers, "
-          f"{'cold' if args.cold else 'warm'} page cache; {os.cpu_count()} cores, load "
-          f"{results['load_average_1m']:.1f}; best of {args.repeats}")
-    print(f"  OpenSlide alone {results['openslide_only_patches_s']:.0f} patches/s; extract "
-          f"{results['extract_patches_s']:.0f} patches/s (plans, reads, encoder, writer, commit, to os.sync): "
-          f"{results['extract_vs_openslide']:.2f}x best of each (target >= 0.8x with --encoder zero); per repeat "
-          f"{', '.join(f'{r:.2f}' for r in results['pair_ratios'])}")
-    print(f"  extract's loop alone (no encoder load, split creation, commit or sync) {best['extract_loop_s']:.2f}s: "
-          f"{results['extract_loop_vs_openslide']:.2f}x OpenSlide alone; whole run {best['extract_s']:.2f}s")
-    if real:
-        print(f"  encode only {best['encode_only_s']:.2f}s ({results['encode_only_patches_s']:.1f} patches/s); "
-              f"extract {best['extract_s']:.2f}s: ratio {results['ratio']:.3f} (target <= 1.1)")
     return results
 
 
-def main(args: argparse.Namespace) -> int:
-    save_json(run(args), args.json_out)
-    return 0
-
-
-__all__ = ["add_arguments", "main", "run"]
+__all__ = ["add_arguments", "run"]

@@ -1,26 +1,6 @@
 """``featurestore bench http``: the HTTP path against raw loopback TCP, latency, and a load test.
 
-In one run, on the same page-cached store of ``[256, 384]`` float16 samples, shuffled batches of
-64 samples (12 MiB each) are fetched by each method in turn, batch after batch, and each method is
-rated by its median batch time (the machine is noisy; this way all see the same load):
-
-* ``http``: ``featurestore serve`` (uvicorn, a separate process) and :class:`client.FeatureClient`
-  reading each batch in place into one reused buffer (its transport: ``http.client`` readinto);
-* ``http httpx-stream``: the same client on httpx's own transport, streaming into the buffer;
-* ``http.client readinto``: a bare standard-library keep-alive connection, ``readinto`` the buffer
-  (no client logic at all: the floor of any Python HTTP client here);
-* ``http naive client``: the same server, ``httpx.post(...).content`` + ``np.frombuffer``;
-* ``raw tcp``: a separate process streaming the *same bytes* over a plain loopback socket
-  (``sendall`` of a pre-gathered batch, ``recv_into`` a reused buffer): the transport ceiling;
-* ``raw tcp + gather``: the same socket, but the process gathers each shuffled batch with the
-  store's reader first, as the server must: the fair "HTTP costs nothing" ceiling.
-
-Then the same client with ``--read-ahead`` requests in flight (timed over groups of batches
-against raw TCP on the same groups), FeatureLoader over HTTP (uniform shuffle) against
-FeatureClient on the same batches, single-item latency (p50/p99 over ``/items/{i}``) and, unless
-``--load-seconds 0``, the load
-test: ``--clients`` threads, each with its own client, of mixed random requests, every payload
-compared with a local read, server RSS printed at start and end.
+What it measures: docs/BENCHMARKS.md, "What each bench measures".
 """
 
 from __future__ import annotations
@@ -38,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.common import drop_into, gbps, save_json
+from featurestore.bench import harness
+from featurestore.bench.harness import Method, gbps, interleaved
+from featurestore.bench.summary import finish
 from featurestore.bench.serving import SHAPE, build_store, free_port, load_test, process_rss, serve_subprocess
 
 __all__ = ["SHAPE", "build_store", "free_port", "load_test", "process_rss", "register", "serve_subprocess"]
@@ -61,7 +43,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--workers", type=int, default=1, help="server worker processes (featurestore serve --workers)")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: temp, removed)")
     parser.add_argument("--json", dest="json_out", default=None, help="also write results here")
-    parser.set_defaults(func=lambda args: _print_and_save(run(args), args.json_out))
+    parser.set_defaults(func=lambda args: finish("http", run(args), args.json_out, failed))
 
 
 # ---------------------------------------------------------------------- raw TCP baseline
@@ -139,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             build_store(path, args.num_samples)
             key = ("bench", "enc", "train")
         if os.path.isdir(path):
-            drop_into(path)  # page-cached, so every method measures transport, not disk
+            harness.warm(path)  # page-cached, so every method measures transport, not disk
         with serve_subprocess(path, args=("--workers", str(args.workers))) as (url, proc):
             results = _measure(url, proc, path, key, args)
     finally:
@@ -242,39 +224,37 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
         "raw tcp": lambda idx: raw.read(idx, out, gather=False),
         "raw tcp + gather": lambda idx: raw.read(idx, out, gather=True),
     }
-    print(f"[http] {n} samples of {list(remote.sample_shape)} {remote.dtype}, shuffled batches of "
-          f"{batch} ({batch_bytes / 2**20:.1f} MiB), page cache warm, {args.repeats} x {args.batches} "
-          "batches per method, alternating; GB/s from the median batch time (and the best)")  # fmt: skip
     # Methods alternate batch by batch, and each is rated by its median batch time: on a shared
     # machine the load changes from second to second, and this way every method sees the same
     # conditions and a scheduling hiccup does not decide the ratio. The read-ahead client is
     # timed over groups of batches (its requests overlap), interleaved with the same groups read
     # by raw TCP.
-    times: dict[str, list[float]] = {name: [] for name in methods}
+    rng = np.random.default_rng(0)
+    current: list[Any] = [None]
+
+    def draw(count: int) -> Any:
+        def order(_: int, methods: list[Method]) -> list[Method]:
+            orders = [rng.choice(n, size=batch, replace=n < batch) for _ in range(count)]
+            current[0] = orders[0] if count == 1 else orders
+            return methods
+        return order
+
+    def read_ahead_group() -> float:
+        return harness.timed(lambda: ahead(current[0], outs)) / group
+
+    def raw_group() -> float:
+        return harness.timed(lambda: [raw.read(o, out, gather=False) for o in current[0]]) / group
+
     group = max(4, 2 * depth)
-    times[f"http read-ahead {depth}"] = []
-    times["raw tcp (groups)"] = []
     try:
         for fn in methods.values():
             fn(np.arange(batch) % n)  # warm-up: connections, caches
         ahead([np.arange(batch) % n] * depth, outs)
-        for repeat in range(args.repeats):
-            rng = np.random.default_rng(repeat)
-            for _ in range(args.batches):
-                order = rng.choice(n, size=batch, replace=n < batch)
-                for name, fn in methods.items():
-                    start = time.perf_counter()
-                    fn(order)
-                    times[name].append(time.perf_counter() - start)
-            for _ in range(max(1, args.batches // group)):
-                orders = [rng.choice(n, size=batch, replace=n < batch) for _ in range(group)]
-                start = time.perf_counter()
-                ahead(orders, outs)
-                times[f"http read-ahead {depth}"].append((time.perf_counter() - start) / group)
-                start = time.perf_counter()
-                for order in orders:
-                    raw.read(order, out, gather=False)
-                times["raw tcp (groups)"].append((time.perf_counter() - start) / group)
+        times = interleaved([Method(name, lambda fn=fn: fn(current[0])) for name, fn in methods.items()],
+                            args.repeats * args.batches, order=draw(1))
+        times.update(interleaved([Method(f"http read-ahead {depth}", read_ahead_group, own=True),
+                                  Method("raw tcp (groups)", raw_group, own=True)],
+                                 args.repeats * max(1, args.batches // group), order=draw(group)))
     finally:
         raw.close()
         naive.close()
@@ -283,25 +263,6 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
         fc_httpx.close()
     median = {name: gbps(batch_bytes, float(np.median(values))) for name, values in times.items()}
     best = {name: gbps(batch_bytes, float(np.min(values))) for name, values in times.items()}
-    wire_median, wire_best = median["raw tcp"], best["raw tcp"]
-    for name in times:
-        base = "raw tcp (groups)" if name.startswith("http read-ahead") else "raw tcp"
-        print(f"  {name:<22} median {median[name]:6.2f} GB/s ({median[name] / median[base]:5.2f}x raw tcp)"
-              f"   best {best[name]:6.2f} GB/s ({best[name] / best[base]:5.2f}x)")  # fmt: skip
-    ratio = median["http"] / wire_median
-    ratio_gather = median["http"] / median["raw tcp + gather"]
-    transports = {name: median[name] for name in ("http", "http httpx-stream", "http.client readinto")}
-    print(f"  FeatureClient vs raw tcp: median {ratio:.2f}x, best {best['http'] / wire_best:.2f}x; "
-          f"vs raw tcp + gather {ratio_gather:.2f}x (target >= 0.6x)")  # fmt: skip
-    print(f"  read-ahead {depth} vs raw tcp: median "
-          f"{median[f'http read-ahead {depth}'] / median['raw tcp (groups)']:.2f}x, best "
-          f"{best[f'http read-ahead {depth}'] / best['raw tcp (groups)']:.2f}x")  # fmt: skip
-    print(f"  naive httpx .content vs raw tcp: {median['http naive client'] / wire_median:.2f}x "
-          "(target >= 0.25x)")  # fmt: skip
-    print(f"  FeatureClient (http.client transport) vs bare http.client readinto: "
-          f"{transports['http'] / median['http.client readinto']:.2f}x; vs httpx streaming into the "
-          f"buffer: {transports['http'] / median['http httpx-stream']:.2f}x")  # fmt: skip
-
     loader = _loader_vs_client(url, key, remote, args)
 
     rng = np.random.default_rng(99)
@@ -312,7 +273,6 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
         latencies.append(time.perf_counter() - start)
     lat = np.array(latencies[10:]) * 1e3
     p50, p99 = float(np.percentile(lat, 50)), float(np.percentile(lat, 99))
-    print(f"  single item ({remote.sample_nbytes / 1024:.0f} KiB): p50 {p50:.2f} ms, p99 {p99:.2f} ms")
     fc.close()
 
     # Each repeat's own ratio (its batches' median times, side by side): the spread of the figure.
@@ -322,23 +282,15 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
                      for name in ("http", "http naive client")}
     results: dict[str, Any] = {
         "benchmark": "http", "paired_vs_raw_tcp": paired_vs_raw, "batch_size": batch, "sample_shape": list(remote.sample_shape),
-        "page_cache": "warm", "gb_per_s": median, "gb_per_s_best": best, "http_vs_raw_tcp": ratio,
-        "http_vs_raw_tcp_gather": ratio_gather, "client_vs_bare_http_client": transports["http"] / median["http.client readinto"],
+        "page_cache": "warm", "gb_per_s": median, "gb_per_s_best": best, "http_vs_raw_tcp": median["http"] / median["raw tcp"],
+        "http_vs_raw_tcp_gather": median["http"] / median["raw tcp + gather"],
+        "read_ahead_vs_raw_tcp": median[f"http read-ahead {depth}"] / median["raw tcp (groups)"],
+        "client_vs_bare_http_client": median["http"] / median["http.client readinto"],
         "item_latency_ms": {"p50": p50, "p99": p99, "count": len(lat)}, "loader": loader,
     }  # fmt: skip
     if args.load_seconds > 0:
-        print(f"[http] load test: {args.clients} clients, {args.load_seconds:.0f} s of mixed "
-              "random requests, every payload checked")  # fmt: skip
         load = load_test(url, path, key, clients=args.clients, seconds=args.load_seconds,
                          server_pid=proc.pid)  # fmt: skip
-        print(f"  {load['requests']} requests ({load['requests_per_s']:.0f}/s, "
-              f"{load['gb_per_s']:.2f} GB/s), errors {load['errors']}, payload mismatches "
-              f"{load['mismatches']}; server RSS {load['server_rss_start'] / 2**20:.0f} MiB at "
-              f"start, {load['server_rss_end'] / 2**20:.0f} MiB at end (anonymous: "
-              f"{load['server_rss_anon_start'] / 2**20:.0f} -> {load['server_rss_anon_end'] / 2**20:.0f}"
-              " MiB; the rest is the store's page cache mapped in)")  # fmt: skip
-        for failure in load["failures"][:5]:
-            print(f"    {failure}")
         results["load"] = load
     return results
 
@@ -361,33 +313,36 @@ def _loader_vs_client(url: str, key: tuple[str, str, str], remote: Any,
     features = np.empty((batch, *remote.sample_shape), remote.numpy_dtype)
     labels = None if remote.labels is None else np.empty((batch, *remote.labels.sample_shape),
                                                          remote.labels.numpy_dtype)  # fmt: skip
-    per_batch: dict[str, list[float]] = {"loader": [], "client": []}
-    batches = n // batch
-    for epoch in range(args.repeats + 1):
-        loader.set_epoch(epoch)
+    batches, epoch = n // batch, [0]
+
+    def loader_epoch() -> float:
+        loader.set_epoch(epoch[0])
         start = time.perf_counter()
         count = sum(1 for _ in loader)
-        if epoch:  # the first epoch warms connections and threads
-            per_batch["loader"].append((time.perf_counter() - start) / max(count, 1))
-        order = np.random.default_rng(epoch).permutation(n)
-        start = time.perf_counter()
+        return (time.perf_counter() - start) / max(count, 1)
+
+    def client_epoch() -> None:
+        order = np.random.default_rng(epoch[0]).permutation(n)
         for k in range(batches):
-            index = order[k * batch : (k + 1) * batch]
-            if labels is None:
-                remote.read_numpy(index, out=features)
-            else:
-                remote.read_into(index, features, labels)
-        if epoch:
-            per_batch["client"].append((time.perf_counter() - start) / max(batches, 1))
+            index = order[k * batch: (k + 1) * batch]
+            remote.read_numpy(index, out=features) if labels is None else remote.read_into(index, features, labels)
+
+    def next_epoch(r: int, methods: list[Method]) -> list[Method]:
+        epoch[0] = r + 1
+        return methods
+
+    # Epochs alternate; the warm-up epoch warms connections and threads. Seconds per batch.
+    per_batch = interleaved([Method("loader", loader_epoch, own=True), Method("client", client_epoch)], args.repeats,
+                            warmup=1, order=next_epoch)
+    per_batch["client"] = [s / max(batches, 1) for s in per_batch["client"]]
     nbytes = features.nbytes + (0 if labels is None else labels.nbytes)
     rates = {name: gbps(nbytes, float(np.median(v))) for name, v in per_batch.items()}
     ratio = rates["loader"] / rates["client"]
-    print(f"  FeatureLoader over HTTP (uniform shuffle, {threads} threads): {rates['loader']:.2f} GB/s; "
-          f"FeatureClient same batches: {rates['client']:.2f} GB/s; ratio {ratio:.2f}x (target >= 0.9x)")  # fmt: skip
-    return {"gb_per_s": rates, "loader_vs_client": ratio, "threads": threads, "per_epoch_s": per_batch}
+    return {"gb_per_s": rates, "loader_vs_client": ratio, "threads": threads, "per_epoch_s": dict(per_batch)}
 
 
-def _print_and_save(results: dict[str, Any], path: str | None) -> int:
-    save_json(results, path)
+def failed(results: dict[str, Any]) -> str | None:
     load = results.get("load")
-    return 1 if load and (load["errors"] or load["mismatches"]) else 0
+    if load and (load["errors"] or load["mismatches"]):
+        return f"load test {load['errors']} errors, {load['mismatches']} mismatches"
+    return None

@@ -1,18 +1,5 @@
-"""``featurestore bench loader``: FeatureLoader against the bare reader, and its memory bound.
-
-One run measures, on a synthetic local store (memory-mapped path):
-
-1. throughput to a CPU consumer that does nothing, loader vs ``FeatureArray.read`` on the same
-   shuffled batches, page cache warm (target: loader >= 0.95x the reader);
-2. stall: a consumer that sleeps as long per step as one bare read takes; the time it waits in
-   ``next()`` as a share of the epoch (target: < 5 %);
-3. peak anonymous RSS of an epoch over N and 4N samples, each in a fresh subprocess, sampled over
-   time (target: does not grow with N; file-backed pages of the memory maps are the page cache,
-   reclaimable, and are reported separately);
-4. an epoch over a store >= 2x a memory cgroup's limit completes, while loading the same split into
-   a RAM tensor under that limit is killed (cgroup v2 or v1, whichever is writable here; skipped
-   with the reason otherwise);
-5. with CUDA: host-to-device GB/s from pinned vs pageable buffers, and the loader to the GPU.
+"""``featurestore bench loader``: FeatureLoader against the bare reader, its stall, its memory bound,
+an epoch under a memory cgroup, and host-to-device GB/s (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -22,17 +9,16 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
 import numpy as np
 
-from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup, evict
-from featurestore.bench.common import save_json
+from featurestore.bench import harness
+from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup
+from featurestore.bench.harness import Method, interleaved
+from featurestore.bench.summary import finish
 from featurestore.core import checked
 
 DATASET, ENCODER = "bench", "loader"
@@ -52,7 +38,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--skip-cgroup", action="store_true", help="skip the memory cgroup run")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: _print_and_save(run(args), args.json_out))
+    parser.set_defaults(func=lambda args: finish("loader", run(args), args.json_out))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -89,26 +75,12 @@ def _make_split(store: str, split: str, n: int, shape: tuple[int, ...], dtype: s
             and fs.split_status(DATASET, ENCODER, split) == "complete" \
             and fs.split_metadata(DATASET, ENCODER, split)["num_samples"] == n:
         return n
-    writer = fs.create_split(DATASET, ENCODER, split, num_samples=n, sample_shape=shape, dtype=dtype, overwrite=True)
-    rng = np.random.default_rng(0)
-    block = 256
-    # A few random blocks, reused with a shift: content does not matter to I/O, generation does.
-    pool = [rng.standard_normal((block, *shape), dtype=np.float32) for _ in range(4)]
-    for k, start in enumerate(range(0, n, block)):
-        rows = min(block, n - start)
-        writer.write(start, pool[k % 4][:rows] + np.float32(k % 7))
-    writer.commit()
+    harness.write_split(store, n, shape, dtype=dtype, names=(DATASET, ENCODER, split))
     return n
 
 
 def _split_dir(store: str, split: str) -> str:
     return os.path.join(store, DATASET, ENCODER, split)
-
-
-def _warm(path: str) -> None:
-    from featurestore.bench.common import drop_into
-
-    drop_into(path)
 
 
 # ---------------------------------------------------------------------- 1. throughput
@@ -119,38 +91,29 @@ def _throughput(store: str, args: argparse.Namespace) -> dict[str, Any]:
     array = ds.array
     batches = list(FeatureLoader(ds, batch_size=args.batch_size, device="cpu", order="shuffle", seed=1).plan())
     nbytes = sum(len(b) for b in batches) * ds.sample_nbytes
-    _warm(_split_dir(store, "n4"))
+    harness.warm(_split_dir(store, "n4"))
 
     import torch
 
-    def reader(upcast: bool) -> float:
-        start = time.perf_counter()
+    def reader(upcast: bool) -> None:
         for index in batches:
             batch = array.read(index)
             if upcast:
                 batch = batch.to(torch.float32)
-        return time.perf_counter() - start
 
     # One loader per dtype, reused across epochs as a training loop does: its recycled buffers
     # and threads are set up by the warm-up epoch, like the reader's maps are by its first pass.
     loaders = {dtype: FeatureLoader(ds, batch_sampler=batches, device="cpu", dtype=dtype, prefetch=args.prefetch)
                for dtype in (None, torch.float32)}
 
-    def loader(dtype: Any) -> float:
-        start = time.perf_counter()
+    def loader(dtype: Any) -> None:
         for _ in loaders[dtype]:
             pass
-        return time.perf_counter() - start
 
-    times: dict[str, list[float]] = {"reader": [], "loader": [], "reader_f32": [], "loader_f32": []}
-    reader(False)
-    loader(None)
-    loader(torch.float32)
-    for _ in range(max(1, args.repeats)):  # interleaved, so drift hits all four alike
-        times["reader"].append(reader(False))
-        times["loader"].append(loader(None))
-        times["reader_f32"].append(reader(True))
-        times["loader_f32"].append(loader(torch.float32))
+    methods = [Method("reader", lambda: reader(False)), Method("loader", lambda: loader(None)),
+               Method("reader_f32", lambda: reader(True)), Method("loader_f32", lambda: loader(torch.float32))]
+    # Interleaved, so drift hits all four alike; the warm-up sets up the loaders' buffers and threads.
+    times = interleaved(methods, max(1, args.repeats), warmup=1)
     best = {k: min(v) for k, v in times.items()}
     out = {
         "batches": len(batches),
@@ -162,7 +125,7 @@ def _throughput(store: str, args: argparse.Namespace) -> dict[str, Any]:
         "loader_float32_gbps": nbytes / best["loader_f32"] / 1e9,
         "loader_vs_reader_float32": best["reader_f32"] / best["loader_f32"],
         "reader_s_per_batch": best["reader"] / len(batches),
-        "times_s": times,
+        "times_s": dict(times),
     }
     out["ok"] = out["loader_vs_reader"] >= 0.95 and out["loader_vs_reader_float32"] >= 0.95
     return out
@@ -173,7 +136,7 @@ def _stall(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
     from client import FeatureDataset, FeatureLoader
 
     ds = FeatureDataset(store, DATASET, ENCODER, split)
-    _warm(_split_dir(store, split))
+    harness.warm(_split_dir(store, split))
     loader = FeatureLoader(ds, batch_size=args.batch_size, device="cpu", dtype=None, order="shuffle", seed=2,
                            prefetch=args.prefetch)
     for _ in loader:  # warm-up epoch (page tables of the maps, recycled buffers)
@@ -197,18 +160,9 @@ def _stall(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- 3. RSS, N vs 4N
-def _child(mode: str, store: str, split: str, batch_size: int, prefetch: int) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "featurestore.bench.loader", mode, store, split, str(batch_size),
-                           str(prefetch)], capture_output=True, text=True, check=False)
-
-
 def _rss(store: str, args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for label, split in (("N", "n"), ("4N", "n4")):
-        proc = _child("_epoch", store, split, args.batch_size, args.prefetch)
-        if proc.returncode != 0:
-            raise RuntimeError(f"RSS child for {label} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-        out[label] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out: dict[str, Any] = {label: harness.child("loader:epoch", _spec(store, split, args))
+                           for label, split in (("N", "n"), ("4N", "n4"))}
     growth = out["4N"]["peak_anon"] - out["N"]["peak_anon"]
     elements = int(np.prod(_shape(args)))
     stored_itemsize = 4 if args.dtype == "float32" else 2
@@ -234,61 +188,39 @@ def _shape(args: argparse.Namespace) -> tuple[int, ...]:
     return tuple(int(v) for v in str(args.shape).lower().split("x"))
 
 
-def _status_kib(fields: tuple[str, ...]) -> dict[str, int]:
-    values = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key = line.split(":", 1)[0]
-            if key in fields:
-                values[key] = int(line.split()[1]) * 1024
-    return values
+def _spec(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
+    return {"store": store, "split": split, "batch_size": args.batch_size, "prefetch": args.prefetch}
 
 
-def _child_epoch(store: str, split: str, batch_size: int, prefetch: int) -> dict[str, Any]:
-    """One epoch to a CPU consumer in float32, RSS sampled every 5 ms (runs in a fresh process)."""
+def epoch(spec: dict[str, Any]) -> dict[str, Any]:
+    """(A child.) One epoch to a CPU consumer in float32, RSS sampled every 5 ms."""
     import torch
 
     from client import FeatureDataset, FeatureLoader
 
-    ds = FeatureDataset(store, DATASET, ENCODER, split)
-    loader = FeatureLoader(ds, batch_size=batch_size, device="cpu", dtype=torch.float32, prefetch=prefetch)
-    samples: list[tuple[float, int, int]] = []
-    stop = threading.Event()
-    t0 = time.perf_counter()
-
-    def sample() -> None:
-        while not stop.is_set():
-            v = _status_kib(("RssAnon", "RssFile"))
-            samples.append((time.perf_counter() - t0, v.get("RssAnon", 0), v.get("RssFile", 0)))
-            time.sleep(0.005)
-
-    baseline = _status_kib(("RssAnon",)).get("RssAnon", 0)
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    ds = FeatureDataset(spec["store"], DATASET, ENCODER, spec["split"])
+    loader = FeatureLoader(ds, batch_size=spec["batch_size"], device="cpu", dtype=torch.float32,
+                           prefetch=spec["prefetch"])
     checksum = 0.0
-    for features, _ in loader:
-        checksum += float(features[:, 0, 0].sum())  # touch the batch, as a consumer would
-    epoch = time.perf_counter() - t0
-    stop.set()
-    sampler.join()
-    peak = max(s[1] for s in samples) if samples else baseline
-    return {"num_samples": ds.num_samples, "store_bytes": ds.num_samples * ds.sample_nbytes, "epoch_s": epoch,
-            "num_threads": loader.num_threads,
-            "baseline_anon": baseline, "peak_anon": peak, "peak_file": max((s[2] for s in samples), default=0),
-            "samples": samples[:: max(1, len(samples) // 400)], "checksum": checksum}
+    with harness.RssPeak() as rss:
+        for features, _ in loader:
+            checksum += float(features[:, 0, 0].sum())  # touch the batch, as a consumer would
+    return {"num_samples": ds.num_samples, "store_bytes": ds.num_samples * ds.sample_nbytes, "epoch_s": rss.seconds,
+            "num_threads": loader.num_threads, "baseline_anon": rss.baseline, "peak_anon": rss.peak,
+            "peak_file": rss.peak_file, "samples": rss.samples[:: max(1, len(rss.samples) // 400)],
+            "checksum": checksum}
 
 
-def _child_ram(store: str, split: str) -> dict[str, Any]:
-    """The baseline the product replaces: the whole split as one float32 tensor in RAM."""
+def ram_tensor(spec: dict[str, Any]) -> dict[str, Any]:
+    """(A child.) The baseline the loader replaces: the whole split as one float32 tensor in RAM."""
     import torch
 
     from client import FeatureDataset
 
-    ds = FeatureDataset(store, DATASET, ENCODER, split)
+    ds = FeatureDataset(spec["store"], DATASET, ENCODER, spec["split"])
     ram = torch.empty((ds.num_samples, *ds.sample_shape), dtype=torch.float32)
-    step = 256
-    for start in range(0, ds.num_samples, step):
-        stop = min(ds.num_samples, start + step)
+    for start in range(0, ds.num_samples, 256):
+        stop = min(ds.num_samples, start + 256)
         ram[start:stop] = ds.array.read(np.arange(start, stop)).to(torch.float32)
     return {"loaded_bytes": ram.numel() * 4}
 
@@ -302,10 +234,9 @@ def _cgroup_epoch(store: str, shape: tuple[int, ...], args: argparse.Namespace) 
     out: dict[str, Any] = {"limit_bytes": limit, "store_bytes": rows * sample_bytes, "num_samples": rows}
     try:
         with MemoryCgroup(limit) as group:
-            evict(_split_dir(store, "big"))  # the child must fault every page in, under the limit
+            harness.evict(_split_dir(store, "big"))  # the child must fault every page in, under the limit
             start = time.perf_counter()
-            loader = group.run([sys.executable, "-m", "featurestore.bench.loader", "_epoch", store, "big",
-                                str(args.batch_size), str(args.prefetch)])
+            loader = harness.child_process("loader:epoch", _spec(store, "big", args), cgroup=group)
             out["loader_s"] = time.perf_counter() - start
             out["loader_returncode"] = loader.returncode
             if loader.returncode == 0:
@@ -314,7 +245,7 @@ def _cgroup_epoch(store: str, shape: tuple[int, ...], args: argparse.Namespace) 
                 out["loader_rss_samples"] = child["samples"]
             else:
                 out["loader_stderr"] = loader.stderr[-2000:]
-            ram = group.run([sys.executable, "-m", "featurestore.bench.loader", "_ram", store, "big", "0", "0"])
+            ram = harness.child_process("loader:ram_tensor", _spec(store, "big", args), cgroup=group)
             out["ram_returncode"] = ram.returncode
             out["ram_killed"] = ram.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
             out["oom_kills"] = group.oom_kills()
@@ -351,7 +282,7 @@ def _cuda(store: str, args: argparse.Namespace) -> dict[str, Any]:
         end.synchronize()
         out[f"h2d_{name}_gbps"] = 10 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9
     ds = FeatureDataset(store, DATASET, ENCODER, "n")
-    _warm(_split_dir(store, "n"))
+    harness.warm(_split_dir(store, "n"))
     loader = FeatureLoader(ds, batch_size=args.batch_size, device="cuda", prefetch=args.prefetch)
     for _ in loader:  # warm-up epoch: CUDA context, pinned slots, allocator
         pass
@@ -366,61 +297,3 @@ def _cuda(store: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------------- output
-def _print_and_save(results: dict[str, Any], path: str | None) -> int:
-    t = results["throughput"]
-    print(f"loader bench: {results['num_samples']} samples of {results['sample_shape']} {results['dtype']}, "
-          f"batch {results['batch_size']}, prefetch {results['prefetch']}")
-    print(f"  throughput (CPU consumer, same shuffled batches, stored dtype): reader {t['reader_gbps']:.2f} GB/s, "
-          f"loader {t['loader_gbps']:.2f} GB/s ({t['loader_vs_reader']:.2f}x)")
-    print(f"  with float32 upcast on the CPU: reader+.float() {t['reader_float32_gbps']:.2f} GB/s, loader "
-          f"{t['loader_float32_gbps']:.2f} GB/s ({t['loader_vs_reader_float32']:.2f}x); target >= 0.95x: "
-          f"{'ok' if t['ok'] else 'MISSED'}")
-    s = results["stall"]
-    print(f"  stall over {s['batches']} batches with a {s['consumer_step_s'] * 1e3:.1f} ms consumer step: {s['stall_s'] * 1e3:.1f} ms of "
-          f"{s['epoch_s']:.2f} s = {100 * s['stall_fraction']:.2f}% (target < 5%: {'ok' if s['ok'] else 'MISSED'})")
-    r = results.get("rss")
-    if r:
-        for label in ("N", "4N"):
-            c = r[label]
-            print(f"  peak anonymous RSS, {label} = {c['num_samples']} samples ({c['store_bytes'] / 2**20:.0f} MiB): "
-                  f"{c['peak_anon'] / 2**20:.1f} MiB (after imports {c['baseline_anon'] / 2**20:.1f} MiB; "
-                  f"file-backed peak {c['peak_file'] / 2**20:.1f} MiB)")
-        print(f"  loader's own anonymous memory: N {r['loader_bytes']['N'] / 2**20:.1f} MiB, 4N "
-              f"{r['loader_bytes']['4N'] / 2**20:.1f} MiB (growth {r['growth_bytes'] / 2**20:+.1f} MiB); bound "
-              f"(prefetch + 3) batches + staging + check buffers = {r['bound_bytes'] / 2**20:.1f} MiB + 32 MiB constant: "
-              f"{'ok' if r['ok'] else 'EXCEEDED'}")
-    g = results.get("cgroup", {})
-    if "skipped" in g:
-        print(f"  cgroup epoch: skipped ({g['skipped']})")
-    elif g:
-        print(f"  cgroup limit {g['limit_bytes'] / 2**20:.0f} MiB, store {g['store_bytes'] / 2**20:.0f} MiB: loader epoch "
-              f"{'completed' if g['loader_returncode'] == 0 else 'FAILED rc=' + str(g['loader_returncode'])}"
-              + (f" in {g['loader_s']:.1f} s (peak anon {g['loader_peak_anon'] / 2**20:.0f} MiB)"
-                 if g['loader_returncode'] == 0 else "")
-              + f"; RAM tensor {'killed (OOM)' if g['ram_killed'] else 'NOT killed, rc=' + str(g['ram_returncode'])}")
-    c = results.get("cuda", {})
-    if "skipped" in c:
-        print(f"  CUDA: skipped ({c['skipped']})")
-    elif c:
-        print(f"  CUDA {c['device']}: H2D pinned {c['h2d_pinned_gbps']:.1f} GB/s, pageable {c['h2d_pageable_gbps']:.1f} "
-              f"GB/s; loader to GPU {c['loader_to_gpu_gbps']:.2f} GB/s")
-    save_json(results, path)
-    return 0
-
-
-def _main(argv: list[str]) -> int:
-    """Entry of the measurement subprocesses (``python -m featurestore.bench.loader MODE ...``)."""
-    mode, store, split, batch_size, prefetch = argv[:5]
-    if mode == "_epoch":
-        result = _child_epoch(store, split, int(batch_size), int(prefetch))
-    elif mode == "_ram":
-        result = _child_ram(store, split)
-    else:
-        raise SystemExit(f"unknown mode {mode!r}: this entry point is for featurestore bench loader's subprocesses")
-    print(json.dumps(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -27,7 +27,7 @@ from typing import Any
 from featurestore import __version__
 from featurestore.errors import InvalidOption
 from featurestore.bench.markdown import render_markdown
-from featurestore.bench.summary import rss_series, throughput_rows
+from featurestore.bench.summary import print_result, rss_series, throughput_rows
 
 BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3", "cold", "bags", "bag_loader")
 
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
                 entry["figures"] = bench_figures(name, result)
             except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as error:
                 entry["figures_error"] = f"figures unreadable: {type(error).__name__}: {error}"
-            verdict = _verdict(module, result)
+            verdict = _verdict(module, name, result)
             if verdict:
                 entry.update(error=verdict, traceback=verdict)
                 print(f"[bench all] {name} FAILED: {verdict}", file=sys.stderr, flush=True)
@@ -172,17 +172,13 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
     return report
 
 
-def _verdict(module: Any, result: dict[str, Any]) -> str | None:
-    """The bench's own exit status, as ``featurestore bench NAME`` would give it (e.g. the http
-    load test saw errors or wrong payloads): None when it passed. Its summary printer also prints
-    the figures the loader bench shows outside ``run``."""
-    printer = getattr(module, "_print_and_save", None)
-    status = printer(result, None) if printer is not None else 0
-    if not status:
-        return None
-    load = result.get("load") or {}
-    detail = f": load test {load.get('errors')} errors, {load.get('mismatches')} mismatches" if load else ""
-    return f"the bench reported failure (exit status {status}){detail}"
+def _verdict(module: Any, name: str, result: dict[str, Any]) -> str | None:
+    """Print the bench's rows and notes as ``featurestore bench NAME`` does; its own verdict (e.g.
+    the http load test saw errors or wrong payloads), None when it passed."""
+    print_result(name, result)
+    failed = getattr(module, "failed", None)
+    why = failed(result) if failed is not None else None
+    return f"the bench reported failure: {why}" if why else None
 
 
 def machine_info() -> dict[str, Any]:

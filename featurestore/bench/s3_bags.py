@@ -1,18 +1,6 @@
-"""The bag part of ``featurestore bench s3``: a BagLoader epoch over a bag split in object storage.
-
-A cohort of slide bags (log-normal patch counts, as ``bench bag-loader``) is written twice to the
-server: as a bag split, and as one float32 ``.pt`` object per slide (CLAM's ``pt_files``, the
-users' way, kept in a bucket). Figures, each one shuffled epoch of every bag (one bag per batch,
-device cpu, stored dtype), as GB/s of the split's float16 feature bytes whatever the method moves:
-
-* ``bags ceiling``: every chunk object of the split's ``features`` and ``coords`` fetched whole,
-  8 GETs in flight (the server's limit for these bytes);
-* ``bags, .pt per slide``: each slide's object fetched whole and ``torch.load``-ed, 4 in flight
-  (a DataLoader with 4 workers);
-* ``bag loader, no cache``: ``BagLoader`` over the store (ranged GETs per chunk a bag spans);
-* ``bag loader, cache epoch 1``: through an empty chunk cache (whole chunks, read ahead by plan);
-* ``bag loader, cache epoch 2``: the same loader's next epoch, the cache's files evicted from the
-  page cache first (cold).
+"""The bag part of ``featurestore bench s3``: BagLoader epochs over a bag split in object storage,
+without and through a chunk cache, against the chunks' whole-object ceiling and one ``.pt`` object
+per slide; GB/s of the split's float16 feature bytes.
 """
 
 from __future__ import annotations
@@ -26,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.bag_loader import cohort_lengths
-from featurestore.bench.common import gbps
+from featurestore.bench.harness import gbps
 from featurestore.bench.s3_cache import evict_cold, fetch_whole, remove_cache
 
 CEILING = "bags ceiling (whole chunks, 8 GETs)"
@@ -47,28 +34,24 @@ class BagEpochs:
 
         import featurestore
         from featurestore.core.storage_obstore import ObjectStorage
-        from featurestore.format import layout
+        from featurestore.demo.synthetic_bags import bag_lengths, io_bags
 
         self.url, self.options, self.prefetch = url, dict(options), prefetch
-        self.lengths = cohort_lengths(bags, median)
+        self.lengths = bag_lengths(median, count=bags)
         self.work = tempfile.mkdtemp(prefix="featurestore-s3bags-", dir=workdir)
         writer = featurestore.open_store(url, mode="a", **options).create_bag_split(
             "bench", "enc", "bags", dim=dim, dtype="float16", overwrite=True, label_dtype="int64")
         self.slides = ObjectStorage(f"{url}/pt_files", options)
-        block = np.random.default_rng(1).standard_normal((int(self.lengths.max()), dim), dtype=np.float32)
-        for i, n in enumerate(self.lengths):
-            features = block[: int(n)] + np.float32(i % 7)
-            coords = np.stack([np.arange(n), np.arange(n)], axis=1).astype(np.int64) * 256
-            writer.add_bag(f"slide-{i:05d}", features, coords=coords, label=i % 2)
+        for bag_id, features, coords, label in io_bags(self.lengths, dim):
+            writer.add_bag(bag_id, features, coords=coords, label=label)
             buffer = io.BytesIO()
             torch.save(torch.from_numpy(features), buffer)
-            self.slides.write(f"slide-{i:05d}.pt", buffer.getvalue())
+            self.slides.write(f"{bag_id}.pt", buffer.getvalue())
         writer.commit()
         split = featurestore.open_store(url, **options).open_bags("bench", "enc", "bags")
         self.nbytes = int(self.lengths.sum()) * dim * 2
-        self.keys = [layout.chunk_key(array._key, c, 2) for array in (split.features, split.coords)
-                     for c in range(-(-len(array) // array.chunk_rows))]
-        self.storage = split.features._storage
+        self.keys = split.features.chunk_keys() + split.coords.chunk_keys()
+        self.storage = split.features.storage
         print(f"[s3] bags: {bags} slides, {int(self.lengths.sum())} patches x {dim} float16 "
               f"({self.nbytes / 1e6:.0f} MB), median {median} patches, {len(self.keys) // 2} chunks per array")
 
@@ -89,7 +72,7 @@ class BagEpochs:
 
     def ceiling(self) -> float:
         t0 = time.perf_counter()
-        fetch_whole(self.storage._store, self.keys)
+        fetch_whole(self.storage.obstore, self.keys)
         return gbps(self.nbytes, time.perf_counter() - t0)
 
     def users_way(self) -> float:

@@ -1,23 +1,5 @@
-"""The chunk cache's part of ``featurestore bench s3``: loader epochs through a local chunk cache.
-
-Figures, each a ``FeatureLoader`` epoch of the uniform shuffle (device cpu, stored dtype):
-
-* ``cache epoch 1``: a cache as large as the split, empty at the start (whole chunks come in);
-* ``cache epoch 2``: the same loader's next epoch, the cache full, its files evicted from the page
-  cache first (cold, as the local baseline);
-* ``local cold loader``: the same bytes in a local store, evicted from the page cache;
-* ``half cache epoch 1/2``: a cache of half the split's bytes, two epochs; the bytes downloaded
-  per epoch (GET responses: whole chunks plus ranged rows) are reported.
-* ``cache fill ceiling``: the chunk objects fetched whole, 8 at a time, each streamed into a new
-  file as it arrives (:func:`fill_whole`): what filling any cache costs this machine (the GETs
-  and the page-cache writes), against which epoch 1's own overhead shows.
-
-Epoch 1 and the ceiling also record the CPU seconds per GB they cost this process and the server
-(:class:`~featurestore.bench.common.CpuClock`): on a shared machine the speeds swing with the
-load, the work does not, and epoch 1's ratio is also given paired (each repeat's epoch over the
-same repeat's ceiling, then the median).
-
-Each repeat starts from a new, empty cache directory under the bench's work directory.
+"""The chunk cache's part of ``featurestore bench s3``: loader epochs through a local chunk cache
+(full and half size, epoch 2 cold), a local cold loader, the cache fill ceiling, CPU per GB.
 """
 
 from __future__ import annotations
@@ -30,10 +12,29 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.cgroup import evict
-from featurestore.bench.common import CpuClock, gbps
+from featurestore.bench import harness
+from featurestore.bench.harness import gbps
 
 TARGETS = {"cache_epoch1_vs_ceiling": 0.6, "cache_epoch2_vs_local_cold": 0.85, "half_cache_vs_ceiling": 0.3}
+
+
+class CpuClock:
+    """CPU seconds (user + system) of this process so far and, if given, of another one (the
+    server, from ``/proc``; None where unreadable): on a shared machine a run's seconds swing with
+    the load, its CPU seconds do not."""
+
+    def __init__(self, other_pid: int | None = None) -> None:
+        self.other_pid = other_pid
+
+    def read(self) -> tuple[float, float | None]:
+        if self.other_pid is None:
+            return time.process_time(), None
+        try:
+            with open(f"/proc/{self.other_pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return time.process_time(), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return time.process_time(), None
 
 
 class CachedEpochs:
@@ -99,7 +100,7 @@ class CachedEpochs:
         """(epoch 1, epoch 2) through a cache of half the split; bytes downloaded recorded."""
         directory = self._cache_dir()
         loader = self._loader(self.url, {**self.options, "cache_dir": directory, "cache_bytes": self.nbytes // 2})
-        storage = loader.ds.array._storage
+        storage = loader.ds.array.storage
         speeds = []
         for epoch, name in enumerate(("half cache epoch 1", "half cache epoch 2")):
             before = storage.bytes_read
@@ -120,10 +121,8 @@ class CachedEpochs:
 def evict_cold(path: str) -> None:
     """Evict ``path``'s files from the page cache; the process's chunk maps go first (a page
     still mapped is not dropped)."""
-    from featurestore.core import chunk_maps
-
-    chunk_maps.shared().clear()
-    evict(path)
+    harness.unmap()
+    harness.evict(path)
 
 
 def fetch_whole(store: Any, keys: list[str], in_flight: int = 8) -> int:
@@ -184,9 +183,7 @@ def remove_cache(directory: str) -> None:
     which would keep their pages (dirty: never written back) after the unlink: repeat after repeat
     they pile up until the kernel's writeback starts, and later repeats pay for the earlier ones
     (measured: epoch 1 at 2.2-3.2 s of client CPU per GB from the sixth repeat on, 1 s before)."""
-    from featurestore.core import chunk_maps
-
-    chunk_maps.shared().clear()
+    harness.unmap()
     shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.common import gbps, stop_process
+from featurestore.bench.harness import gbps, stop_process
 
 SHAPE = (256, 384)
 

@@ -1,18 +1,25 @@
-"""What a ``bench all`` report holds, as rows and series: GB/s per bench and RSS over an epoch.
+"""One reading of every bench's result: its rows (rates per method) and its notes (the other figures).
 
-Shared by the plots and the markdown of :mod:`featurestore.bench.report`; a bench that failed or
-was skipped yields no rows instead of stopping the report.
+``featurestore bench NAME`` prints them (:func:`print_result`) and ``bench all`` puts the same rows
+and notes into ``report.md`` and the plots (:mod:`featurestore.bench.report`); a result whose keys
+changed is noted in the report instead of stopping it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
+
+Panels = dict[str, list[tuple[str, float]]]
+
+
+def _label(shape: list[int]) -> str:
+    return "x".join(map(str, shape))
 
 
 def _guarded(report: dict[str, Any], name: str, fn: Any, default: Any) -> Any:
-    """``fn(result of bench name)``; a result whose keys changed under the report is noted in
-    ``render_errors`` (shown in report.md) instead of taking the other benches' figures down."""
+    """``fn(result of bench name)``; a result whose keys changed is noted in ``render_errors``."""
     result = report["benches"].get(name, {}).get("result")
     if not result:
         return default
@@ -23,87 +30,274 @@ def _guarded(report: dict[str, Any], name: str, fn: Any, default: Any) -> Any:
         return default
 
 
-def throughput_rows(report: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
-    """Per panel title: ``(method, rate)`` pairs, featurestore first. Rates: GB/s (img/s for extract)."""
-    panels: dict[str, list[tuple[str, float]]] = {}
-    for name, rows in (("read", _read_rows), ("write", _write_rows), ("http", _http_rows),
-                       ("loader", _loader_rows), ("extract", _extract_rows), ("s3", _s3_rows), ("cold", _cold_rows),
-                       ("bags", _bags_rows), ("bag_loader", _bag_loader_rows)):
-        panels.update(_guarded(report, name, rows, {}))
-    return panels
+# ---------------------------------------------------------------------- rows: rates per method
+def _read_rows(read: dict[str, Any]) -> Panels:
+    return {f"read [{_label(s['sample_shape'])}] float16, GB/s": [(m, r["gb_per_s"]) for m, r in s["read"].items()]
+            for s in read["shapes"]}
 
 
-def _read_rows(read: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
-    return {f"read [{'x'.join(map(str, shape['sample_shape']))}] float16, GB/s":
-            [(m, r["gb_per_s"]) for m, r in shape["read"].items()] for shape in read["shapes"]}
+def _write_rows(write: dict[str, Any]) -> Panels:
+    return {f"write [{_label(s['sample_shape'])}] float16 stored, to os.sync, GB/s": [
+        ("writer, f16 input", s["writer_float16_gb_per_s"]), ("writer, f32 input", s["writer_float32_gb_per_s"]),
+        ("numpy tofile", s["tofile_gb_per_s"])] for s in write["shapes"]}
 
 
-def _write_rows(write: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
-    return {f"write [{'x'.join(map(str, shape['sample_shape']))}] float16 stored, to os.sync, GB/s": [
-        ("writer, f16 input", shape["writer_float16_gb_per_s"]), ("writer, f32 input", shape["writer_float32_gb_per_s"]),
-        ("numpy tofile", shape["tofile_gb_per_s"])] for shape in write["shapes"]}
-
-
-def _http_rows(http: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+def _http_rows(http: dict[str, Any]) -> Panels:
     return {"http batches, GB/s": list(http["gb_per_s"].items())}
 
 
-def _loader_rows(loader: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+def _loader_rows(loader: dict[str, Any]) -> Panels:
     t = loader["throughput"]
     return {"loader (CPU consumer), GB/s": [
         ("loader", t["loader_gbps"]), ("bare reader", t["reader_gbps"]),
         ("loader -> f32", t["loader_float32_gbps"]), ("reader + .float()", t["reader_float32_gbps"])]}
 
 
-def _cold_rows(cold: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+def _cold_rows(cold: dict[str, Any]) -> Panels:
     panels = {}
     for shape in cold["shapes"]:
-        if "rows" not in shape:
-            continue
-        rows = shape["rows"]
+        rows = shape.get("rows") or {}
         first = [k for k in ("FeatureLoader", "FeatureArray.read") if k in rows]
-        names = first + [k for k in rows if k not in first]
-        panels[f"cold [{'x'.join(map(str, shape['sample_shape']))}] float16 (page cache cold), GB/s"] = [
-            (name, rows[name]["gb_per_s"]) for name in names]
+        if rows:
+            panels[f"cold [{_label(shape['sample_shape'])}] float16 (page cache cold), GB/s"] = [
+                (name, rows[name]["gb_per_s"]) for name in first + [k for k in rows if k not in first]]
     return panels
 
 
-def _bags_rows(bags: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+def _bags_rows(bags: dict[str, Any]) -> Panels:
     """Whole-bag reads, bags/s (the formats read different bytes: CLAM's .pt is float32)."""
-    from featurestore.bench.bag_loader import throughput_rows
-
     rows = bags["rows"]
     panels = {f"bags, one shuffled pass over {bags['slides']} slides x {bags['dim']} features, {temperature}, bags/s": [
         (name, rows[f"{name} {temperature}"]["bags_per_s"]) for name in ("featurestore", "TRIDENT h5", "CLAM .pt",
                                                                          "parallel pread")]
         for temperature in ("cold", "warm")}
-    if "loader" in bags:
-        panels.update(throughput_rows(bags["loader"]))
+    return {**panels, **(_bag_loader_rows(bags["loader"]) if "loader" in bags else {})}
+
+
+def _bag_loader_rows(results: dict[str, Any]) -> Panels:
+    panels: Panels = {}
+    for mode in ("warm", "cold"):
+        f = results.get(mode)
+        if f:
+            rows = [("BagLoader", f["loader_gbps"]), ("bare reader", f["reader_gbps"]),
+                    ("BagLoader -> f32", f["loader_f32_gbps"])]
+            panels[f"bag loader, batch 1, {mode}, GB/s"] = rows + ([("CLAM torch.load .pt", f["clam_gbps"])]
+                                                                   if "clam_gbps" in f else [])
+    p = results.get("padded")
+    if p:
+        panels[f"bag loader, padded, batch {p['batch_size']}, GB/s"] = [
+            ("BagLoader", p["loader_gbps"]), ("reader + pad", p["loader_gbps"] * p["loader_s"] / p["reader_s"])]
     return panels
 
 
-def _bag_loader_rows(result: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
-    from featurestore.bench.bag_loader import throughput_rows
-
-    return {f"bench bag-loader: {title}": bars for title, bars in throughput_rows(result).items()}
-
-
-def _extract_rows(extract: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+def _extract_rows(extract: dict[str, Any]) -> Panels:
     if extract.get("benchmark") == "extract-wsi":
-        return {}
+        rows = [("extract", extract["extract_patches_s"]), ("OpenSlide alone", extract["openslide_only_patches_s"])]
+        if "encode_only_patches_s" in extract:
+            rows.append(("encode only", extract["encode_only_patches_s"]))
+        return {"slide extraction, patches/s": rows}
     return {"extract, images/s": [("extract", extract["extract_img_s"]),
                                   ("encode only", extract["encode_only_img_s"])]}
 
 
-def _s3_rows(s3: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+def _s3_rows(s3: dict[str, Any]) -> Panels:
     rates = s3["gb_per_s"]
-    reads = ["featurestore shuffled batches", "ceiling (whole chunks, 8 GETs)", "FeatureLoader epoch (uniform shuffle)",
-             "zarr-python FsspecStore", "featurestore via fsspec (before)"]
-    return {"S3 (SeaweedFS, loopback) reads, GB/s": [(name, rates[name]) for name in reads],
-            "S3 (SeaweedFS, loopback) writes, GB/s": [(name, rates[name]) for name in
-                                                      ("featurestore write", "plain concurrent put")]}
+    writes = ("featurestore write", "plain concurrent put")
+    return {"S3 (SeaweedFS, loopback) reads, GB/s": [(k, v) for k, v in rates.items() if k not in writes],
+            "S3 (SeaweedFS, loopback) writes, GB/s": [(name, rates[name]) for name in writes]}
 
 
+ROWS: dict[str, Callable[[dict[str, Any]], Panels]] = {
+    "read": _read_rows, "write": _write_rows, "http": _http_rows, "loader": _loader_rows, "extract": _extract_rows,
+    "s3": _s3_rows, "cold": _cold_rows, "bags": _bags_rows, "bag_loader": _bag_loader_rows}
+
+
+def throughput_rows(report: dict[str, Any]) -> Panels:
+    """Per panel title: ``(method, rate)`` pairs, featurestore first, of every bench in the report."""
+    panels: Panels = {}
+    for name in report["benches"]:
+        bench = report["benches"][name].get("bench", name)
+        if bench in ROWS:  # a variant's panels are titled with its entry's name
+            rows = _guarded(report, name, ROWS[bench], {})
+            panels.update({(title if name == bench else f"{name}: {title}"): bars for title, bars in rows.items()})
+    return panels
+
+
+# ---------------------------------------------------------------------- notes: the other figures
+def _ratios(ratios: dict[str, float], targets: dict[str, float]) -> str:
+    return "; ".join(f"{name} {value:.2f}x" + (f" (target >= {targets[name]}x)" if name in targets else "")
+                     for name, value in ratios.items())
+
+
+def _read_notes(read: dict[str, Any]) -> list[str]:
+    lines = [f"- read [{_label(s['sample_shape'])}] (warm): featurestore / np.memmap paired per repeat, median "
+             f"{s['median_paired_vs_memmap']:.2f}x (target >= 1.0x; runs {', '.join(f'{r:.2f}' for r in s['paired_vs_memmap'])}); "
+             f"first pass with crc32c checks {s['verify']['ratio']:.2f}x the unchecked one" for s in read["shapes"]]
+    return lines + [f"- read, N={n}: reader peak anonymous RSS {r['peak_anon'] / 2**20:.1f} MiB (after imports "
+                    f"{r['baseline_anon'] / 2**20:.1f})" for n, r in (read.get("rss") or {}).items()]
+
+
+def _write_notes(write: dict[str, Any]) -> list[str]:
+    targets = write.get("targets", {"float16": 0.7, "float32": 0.5})
+    return [f"- write [{_label(s['sample_shape'])}] / numpy tofile (to os.sync, median of {len(s['repeats_s']['tofile'])}): "
+            f"float16 input {s['writer_float16_ratio']:.2f}x (target >= {targets['float16']}x), float32 input "
+            f"{s['writer_float32_ratio']:.2f}x (target >= {targets['float32']}x)" for s in write["shapes"]]
+
+
+def _http_notes(http: dict[str, Any]) -> list[str]:
+    lat, loader = http["item_latency_ms"], http.get("loader") or {}
+    lines = [f"- http (median batch times) vs raw tcp {http['http_vs_raw_tcp']:.2f}x (target >= 0.6x), vs raw tcp + "
+             f"gather {http['http_vs_raw_tcp_gather']:.2f}x, vs bare http.client {http.get('client_vs_bare_http_client', 0):.2f}x; "
+             f"single item p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms"]
+    if "read_ahead_vs_raw_tcp" in http:
+        lines.append(f"- read-ahead client / raw tcp (groups) {http['read_ahead_vs_raw_tcp']:.2f}x; naive httpx "
+                     f".content / raw tcp {http['gb_per_s']['http naive client'] / http['gb_per_s']['raw tcp']:.2f}x "
+                     "(target >= 0.25x)")
+    if loader:
+        lines.append(f"- FeatureLoader over HTTP / FeatureClient, same batches: {loader['loader_vs_client']:.2f}x (target >= 0.9x)")
+    if http.get("load"):
+        load = http["load"]
+        lines.append(f"- http load test: {load['requests']} requests ({load['requests_per_s']:.0f}/s), errors "
+                     f"{load['errors']}, payload mismatches {load['mismatches']}; server anonymous RSS "
+                     f"{load['server_rss_anon_start'] / 2**20:.0f} -> {load['server_rss_anon_end'] / 2**20:.0f} MiB")
+        lines += [f"  - {failure}" for failure in load["failures"][:5]]
+    return lines
+
+
+def _loader_notes(loader: dict[str, Any]) -> list[str]:
+    s, t = loader["stall"], loader["throughput"]
+    lines = [f"- loader / bare reader (best of interleaved epochs): {t['loader_vs_reader']:.2f}x, to float32 "
+             f"{t['loader_vs_reader_float32']:.2f}x (target >= 0.95x); stall {100 * s['stall_fraction']:.2f}% of "
+             f"{s['batches']} batches with a {s['consumer_step_s'] * 1e3:.1f} ms consumer step (target < 5%)"]
+    r = loader.get("rss")
+    if r:
+        lines.append(f"- loader's own anonymous memory: N {r['loader_bytes']['N'] / 2**20:.1f} MiB, 4N "
+                     f"{r['loader_bytes']['4N'] / 2**20:.1f} MiB; bound {r['bound_bytes'] / 2**20:.1f} MiB + 32 MiB: "
+                     f"{'ok' if r['ok'] else 'EXCEEDED'}")
+    cg = loader.get("cgroup") or {}
+    if "skipped" in cg:
+        lines.append(f"- cgroup epoch: skipped ({cg['skipped']})")
+    elif cg:
+        lines.append(f"- cgroup limit {cg['limit_bytes'] / 2**20:.0f} MiB, store {cg['store_bytes'] / 2**20:.0f} MiB: "
+                     f"loader rc {cg['loader_returncode']}, RAM tensor killed: {cg['ram_killed']}")
+    return lines
+
+
+def _cold_notes(cold: dict[str, Any]) -> list[str]:
+    lines = []
+    for shape in cold["shapes"]:
+        label = _label(shape["sample_shape"])
+        if "rows" not in shape:
+            lines.append(f"- cold [{label}]: child failed (rc {shape.get('returncode')}): {shape.get('stderr', '')[-300:]}")
+            continue
+        gb = {k: v["gb_per_s"] for k, v in shape["rows"].items()}
+        loader, ref, mm = gb["FeatureLoader"], gb["pread reference"], gb["np.memmap gather"]
+        lines.append(f"- cold [{label}], {shape['chunk_rows']}-row chunks, store {shape['store_bytes'] / 2**30:.2f} GiB, "
+                     f"memory cgroup {cold['limit_bytes'] >> 20} MiB ({shape['cgroup']}), median of {shape['repeats']}: "
+                     f"loader {loader / ref:.2f}x the parallel-pread reference (target >= 0.85x), {loader / mm:.2f}x "
+                     f"np.memmap (target >= 3x), {loader / gb['device limit']:.2f}x the device limit; loader peak RSS "
+                     f"{shape['rows']['FeatureLoader']['peak_rss'] / 2**20:.0f} MiB; same bytes: {shape['same_bytes']}")
+        lines += [f"  - {name} FAILED: {error}" for name, error in shape.get("errors", {}).items()]
+    return lines
+
+
+def _bags_notes(bags: dict[str, Any]) -> list[str]:
+    note = "" if "import vs h5 read" in bags["ratios"] else "; import not measured"
+    lines = [f"- bags: {bags['slides']} slides (median {bags['median_patches']}, max {bags['max_patches']} patches, "
+             f"dim {bags['dim']}, featurestore {bags['sizes']['store'] / 2**30:.2f} GiB), featurestore / baseline pass "
+             "time (CLAM .pt reads float32 features only: twice the bytes): " + _ratios(bags["ratios"], bags["targets"]) + note]
+    return lines + (_bag_loader_notes(bags["loader"]) if "loader" in bags else [])
+
+
+def _bag_loader_notes(results: dict[str, Any]) -> list[str]:
+    lines = [f"- bag loader, batch 1, {mode}: loader / reader {f['loader_vs_reader']:.2f}x best (target >= {target}x), "
+             f"{f['loader_vs_reader_median']:.2f}x median" + (f"; to float32 / CLAM's loop {f['loader_vs_clam']:.2f}x "
+                                                              "(target >= 1.5x)" if "loader_vs_clam" in f else "")
+             for mode, target in (("warm", 0.95), ("cold", 0.9)) if (f := results.get(mode))]
+    p, r = results["padded"], results.get("rss")
+    lines.append(f"- bag loader, padded, batch {p['batch_size']}, max_patches {p['max_patches']}: "
+                 f"{p['padded_vs_reader']:.2f}x the reader + pad (target >= 0.9x)")
+    if r:
+        lines.append(f"- bag loader anonymous RSS, float32 epoch: B = {r['B']['bags']} bags {r['loader_bytes']['B'] / 2**20:.1f} "
+                     f"MiB, 4B {r['loader_bytes']['4B'] / 2**20:.1f} MiB; bound {r['bound_bytes'] / 2**20:.0f} MiB: "
+                     f"{'ok' if r['ok'] else 'EXCEEDED'}")
+    return lines
+
+
+def _extract_notes(extract: dict[str, Any]) -> list[str]:
+    if extract.get("benchmark") == "extract-wsi":
+        pairs = ", ".join(f"{r:.2f}" for r in extract["pair_ratios"])
+        return [f"- slide extraction / OpenSlide alone {extract['extract_vs_openslide']:.2f}x best of each (target >= 0.8x "
+                f"with --encoder zero; per repeat {pairs}); extract's loop alone {extract['extract_loop_vs_openslide']:.2f}x"
+                + (f"; wall / encode only {extract['ratio']:.3f} (target <= 1.1)" if "ratio" in extract else "")]
+    return [f"- extract wall time / encode-only {extract['ratio']:.3f} (target <= {extract.get('target_ratio', 1.05)}); "
+            f"write only {extract['write_only_mb_s']:.0f} MB/s"
+            + (f"; extract / numpy tofile of the same bytes {extract['extract_vs_tofile']:.2f}x (target >= 0.6x with "
+               f"--encoder zero); the encoder waited {extract['writer_wait_s']:.2f} s for the writer"
+               if "extract_vs_tofile" in extract else "")]
+
+
+def _s3_notes(s3: dict[str, Any]) -> list[str]:
+    lines = [f"- s3 ({s3['server']}; {s3['cache']}): " + _ratios(s3["ratios"], s3.get("targets", {}))]
+    lines += [f"- downloaded, {name}: {value:.2f}x the split's bytes"
+              for name, value in s3.get("downloaded_per_epoch_vs_split", {}).items()]
+    return lines + [f"- CPU ms per GB, {name}: client {client:.0f}" + ("" if server is None else f", server {server:.0f}")
+                    for name, (client, server) in s3.get("cpu_ms_per_gb", {}).items()]
+
+
+def _web_notes(web: dict[str, Any]) -> list[str]:
+    c, p = web["catalog"], web["picture"]
+    return [f"- catalog page, {web['splits']} splits of {web['dim']} channels: warm {c['warm_ms']:.1f} ms (target < 200 ms), "
+            f"documents evicted {c['documents_evicted_ms']:.1f} ms, first view {c['first_view_ms']:.1f} ms, one split's "
+            f"page {c['split_page_warm_ms']:.1f} ms",
+            f"- PCA picture of {p['shape'][0]}x{p['shape'][1]} float16, {p['blas_threads']} BLAS thread(s): computed "
+            f"{p['computed_ms']:.1f} ms median (target < 300 ms), cached {p['cached_ms']:.1f} ms; parts "
+            + ", ".join(f"{k} {v:.1f} ms" for k, v in p["parts_ms"].items())
+            + f"; the default {p['default_blas_threads']} BLAS threads {p['default_threads_ms']} ms; exact SVD "
+            f"{p['exact_svd_ms']:.1f} ms = {p['exact_over_randomized']}x"]
+
+
+NOTES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "read": _read_notes, "write": _write_notes, "http": _http_notes, "loader": _loader_notes, "extract": _extract_notes,
+    "s3": _s3_notes, "cold": _cold_notes, "bags": _bags_notes, "bag_loader": _bag_loader_notes, "web": _web_notes}
+
+
+def notes(report: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for name in report["benches"]:
+        bench = report["benches"][name].get("bench", name)
+        if bench in NOTES:
+            lines += _guarded(report, name, NOTES[bench], [])
+    return lines
+
+
+def print_result(bench: str, result: dict[str, Any]) -> None:
+    """What ``featurestore bench NAME`` prints at its end: the report's rows and notes of its result."""
+    report = {"benches": {bench: {"result": result}}}
+    for title, bars in throughput_rows(report).items():  # as report.md's tables: featurestore's rate / each
+        print(f"[{bench}] {title}; {bars[0][0]} / method:")
+        for name, rate in bars:
+            print(f"  {name:<40} {rate:9.3f}  {bars[0][1] / rate if rate else float('nan'):6.2f}x")
+    for line in notes(report):
+        print(line)
+    for where, error in report.get("render_errors", {}).items():
+        print(f"(could not read {where}: {error})")
+
+
+def finish(bench: str, result: dict[str, Any], json_out: str | None,
+           failed: Callable[[dict[str, Any]], str | None] | None = None) -> int:
+    """The end of ``featurestore bench NAME``: print, write ``--json``; 1 when ``failed(result)`` says why."""
+    from featurestore.bench.harness import save_json
+
+    print_result(bench, result)
+    save_json(result, json_out)
+    why = failed(result) if failed else None
+    if why:
+        print(f"featurestore: error: bench {bench} failed: {why}")
+    return 1 if why else 0
+
+
+# ---------------------------------------------------------------------- the loader's RSS over an epoch
 def rss_series(report: dict[str, Any]) -> list[dict[str, Any]]:
     """From the loader bench: per run (N, 4N), time (s), anonymous RSS (MiB) and the float32 cache (MiB)."""
     series: list[dict[str, Any]] = _guarded(report, "loader", _rss_series, [])
@@ -116,14 +310,9 @@ def _rss_series(loader: dict[str, Any]) -> list[dict[str, Any]]:
     series = []
     for label in ("N", "4N"):
         run = rss.get(label)
-        if not run or not run.get("samples"):
-            continue
-        series.append({
-            "label": f"{label} = {run['num_samples']} samples",
-            "t": [s[0] for s in run["samples"]],
-            "anon_mib": [s[1] / 2**20 for s in run["samples"]],
-            "peak_anon_mib": run["peak_anon"] / 2**20,
-            "baseline_mib": run["baseline_anon"] / 2**20,
-            "cache_mib": run["num_samples"] * elements * 4 / 2**20,
-        })
+        if run and run.get("samples"):
+            series.append({"label": f"{label} = {run['num_samples']} samples", "t": [s[0] for s in run["samples"]],
+                           "anon_mib": [s[1] / 2**20 for s in run["samples"]], "peak_anon_mib": run["peak_anon"] / 2**20,
+                           "baseline_mib": run["baseline_anon"] / 2**20,
+                           "cache_mib": run["num_samples"] * elements * 4 / 2**20})
     return series

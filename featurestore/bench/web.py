@@ -1,18 +1,5 @@
-"""``featurestore bench web``: server time of the web page (issue 28's targets).
-
-* **Catalog**: a store of ``--splits`` splits (default 100) whose documents carry ``--dim``
-  (default 3072) channels of mean/std, as extraction writes them. ``GET /`` is timed in-process
-  (``TestClient``: the app's own time, no network) as the first view (every document parsed),
-  warm (documents unchanged: re-read and compared, not parsed) and with the documents evicted
-  from the page cache (``posix_fadvise(DONTNEED)``: re-read from disk). Target: warm < 200 ms.
-* **PCA picture**: ``GET /ui/pca/...`` of a ``[--tokens, --dim]`` float16 sample (default
-  ``[1024, 3072]``, grid 32 x 32) on as many cores as this machine has (BLAS threads), each sample
-  once (computed, not cached), then a cached repeat; the parts of one computation (read, the
-  randomized components, PNG), the computation with the BLAS threads ``featurestore serve`` sets
-  (``FEATURESTORE_UI_BLAS_THREADS``, server/web/blas.py) against the default ones, and the exact
-  SVD the randomized iteration replaces. The picture part runs last: it sets this process's BLAS
-  threads as the server does.
-  Target: < 300 ms on 2 cores.
+"""``featurestore bench web``: server time of the web page, the catalog of N splits and the PCA
+picture (docs/BENCHMARKS.md, docs/SERVER.md).
 """
 
 from __future__ import annotations
@@ -27,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.common import save_json
+from featurestore.bench.summary import finish
 
 
 def register(subparsers: Any) -> None:
@@ -39,7 +26,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed catalog views per case; the median is kept")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: _print_and_save(run(args), args.json_out))
+    parser.set_defaults(func=lambda args: finish("web", run(args), args.json_out))
 
 
 def build_catalog_store(path: str, splits: int, dim: int) -> None:
@@ -177,32 +164,6 @@ def _bench_picture(path: str, grid: tuple[int, int], args: argparse.Namespace) -
             "blas_threads": Settings().ui_blas_threads if limited else default_threads, "default_blas_threads": default_threads,
             "default_threads_ms": _ms(statistics.median(default)) if default else None, "server_threads_ms": _ms(fit),
             "exact_svd_ms": _ms(exact), "exact_over_randomized": round(exact / fit, 1) if fit else None}  # fmt: skip
-
-
-def _print_and_save(results: dict[str, Any], path: str | None) -> int:
-    c = results["catalog"]
-    print(f"featurestore bench web ({results['cpus']} CPUs; in-process server time, no network)")
-    print(f"catalog page, {results['splits']} splits of {results['dim']} channels "
-          f"({results['document_bytes'] / 1024:.0f} KiB per split document, page {c['page_bytes'] / 1024:.0f} KiB):")
-    print(f"  warm (median)           {c['warm_ms']:8.1f} ms   target < 200 ms: {'ok' if c['warm_ms'] < 200 else 'MISSED'}")
-    print(f"  documents evicted       {c['documents_evicted_ms']:8.1f} ms   (re-read from disk, parse cached)")
-    print(f"  first view              {c['first_view_ms']:8.1f} ms   (every document parsed)")
-    print(f"  one split's page (warm) {c['split_page_warm_ms']:8.1f} ms")
-    p = results["picture"]
-    print(f"PCA picture of a {p['shape'][0]}x{p['shape'][1]} float16 sample (GET /ui/pca/..., {p['blas_threads']} BLAS thread(s), as serve sets):")
-    print(f"  computed (median)       {p['computed_ms']:8.1f} ms   (max {p['computed_max_ms']:.1f}) "
-          f"target < 300 ms: {'ok' if p['computed_ms'] < 300 else 'MISSED'}")
-    print(f"  cached                  {p['cached_ms']:8.1f} ms")
-    print("  parts: " + ", ".join(f"{k} {v:.1f} ms" for k, v in p["parts_ms"].items()))
-    if p["default_threads_ms"] is not None:
-        print(f"  components + image with the default {p['default_blas_threads']} BLAS threads {p['default_threads_ms']:.1f} ms, "
-              f"with the server's {p['blas_threads']} {p['server_threads_ms']:.1f} ms "
-              f"({p['default_threads_ms'] / max(p['server_threads_ms'], 1e-9):.1f}x)")
-    print(f"  exact SVD of the same tokens ({p['blas_threads']} BLAS thread(s)) {p['exact_svd_ms']:.1f} ms = {p['exact_over_randomized']}x "
-          "the randomized components + image")
-    print(f"load average at the end: {results['load_average']} (a shared machine: ratios within a run hold)")
-    save_json(results, path)
-    return 0
 
 
 __all__ = ["build_catalog_store", "register", "run"]

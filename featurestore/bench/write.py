@@ -1,19 +1,5 @@
-"""``featurestore bench write``: the writer against numpy ``tofile`` of the same bytes.
-
-For each sample shape, in one run, interleaved, each side timed from its first byte to
-``os.sync()`` returning (so both pay the disk, not only the page cache):
-
-* **tofile**: the float16 bytes, ``ndarray.tofile`` into one file;
-* **writer, float16 input**: ``create_split`` + ``write`` (batches of ``--batch-size``) +
-  ``commit`` of the same float16 values (copied by the writer, as for any caller that may reuse
-  its array; ``donate=True`` would skip that copy);
-* **writer, float32 input stored float16**: the float32 source of those values, cast, checked
-  and measured by the writer (the common case: encoders under autocast return float32).
-
-The figure is each writer's throughput as a ratio of tofile's (median of ``--repeats``, each
-repeat in another of the six orders of the three, after ``--warmup`` untimed rounds): the disk's
-own write speed swings between runs, the ratio much less. Page cache: warm for the source arrays
-(in RAM), every written file is new and evicted from the page cache after its timing.
+"""``featurestore bench write``: the writer (float16 and float32 input) against numpy ``tofile`` of the
+same bytes, both timed to ``os.sync()`` (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -29,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.cgroup import evict
-from featurestore.bench.common import gbps, parse_shapes, save_json
+from featurestore.bench import harness
+from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
+from featurestore.bench.summary import finish
 from featurestore.extract.plan import chunk_rows_for
 
 TARGETS = {"float16": 0.7, "float32": 0.5}
@@ -52,13 +39,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    results = run(args)
-    save_json(results, args.json_out)
-    return 0
+    parser.set_defaults(func=lambda args: finish("write", run(args), args.json_out))
 
 
 def _tofile(path: str, values: np.ndarray) -> float:
@@ -89,46 +70,47 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
     nbytes = n * sample_bytes
     source32 = np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32)
     source16 = source32.astype(np.float16)
-    times: dict[str, list[float]] = {"tofile": [], "float16": [], "float32": []}
-    # Every order of the three in turn, not rotations of one: a rotation keeps who follows whom,
-    # and the method right after tofile's 2 GB measured 1.4-1.6x slower, whichever it was (it
-    # had made float16 input look slower than float32 input at [1024, 3072]).
-    orders = list(itertools.permutations(times))
-    for repeat in range(-args.warmup, args.repeats):
-        paths = []
-        for method in orders[repeat % len(orders)]:
-            path = os.path.join(work, f"{method}-{repeat}")
-            paths.append(path)
-            if method == "tofile":
-                seconds = _tofile(path, source16)
-            else:
-                seconds = _writer(path, source16 if method == "float16" else source32, args.batch_size, args.chunk_mb)
-            if repeat >= 0:  # warm-up rounds: first touches of memory and disk, not timed
-                times[method].append(seconds)
-            # Untimed: the written (clean) pages leave the page cache, so the next method does
-            # not pay for reclaiming them (the last of a round measured up to 3.5x slower).
-            evict(path)
-        # Deleted after the round, not between methods: a method that followed a 2 GB delete
+    written: list[str] = []
+
+    def method(name: str) -> Method:
+        def run() -> float:
+            path = os.path.join(work, f"{name}-{len(written)}")
+            written.append(path)
+            if name == "tofile":
+                return _tofile(path, source16)
+            return _writer(path, source16 if name == "float16" else source32, args.batch_size, args.chunk_mb)
+        # Untimed: the written (clean) pages leave the page cache, so the next method does not pay
+        # for reclaiming them (the last of a round measured up to 3.5x slower).
+        return Method(name, run, teardown=lambda: harness.evict(written[-1]), own=True)
+
+    def order(repeat: int, methods: list[Method]) -> tuple[Method, ...]:
+        # Deleted between rounds, not between methods: a method that followed a 2 GB delete
         # measured up to 2.4x slower (the file system reclaiming the freed blocks), whichever it was.
-        for path in paths:
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
-        os.sync()  # the deletes' writeback stays out of the next round
+        _remove(written)
+        # Every order of the three in turn, not rotations of one: a rotation keeps who follows whom,
+        # and the method right after tofile's 2 GB measured 1.4-1.6x slower, whichever it was.
+        return list(itertools.permutations(methods))[repeat % 6]
+
+    times = interleaved([method(name) for name in ("tofile", "float16", "float32")], args.repeats,
+                        warmup=args.warmup, order=order)
+    _remove(written)
     median = {m: statistics.median(t) for m, t in times.items()}
     out = {
         "sample_shape": list(shape), "num_samples": n, "bytes": nbytes,
         "tofile_gb_per_s": gbps(nbytes, median["tofile"]),
-        "repeats_s": times,
+        "repeats_s": dict(times),
     }
-    label = "x".join(map(str, shape))
-    print(f"[write] [{label}] float16 stored, N={n} ({nbytes / 1e6:.0f} MB), batches of {args.batch_size}; "
-          f"tofile {out['tofile_gb_per_s']:.2f} GB/s (to os.sync)")
     for source in ("float16", "float32"):
-        ratio = median["tofile"] / median[source]
         out[f"writer_{source}_gb_per_s"] = gbps(nbytes, median[source])
-        out[f"writer_{source}_ratio"] = ratio
-        print(f"  writer, {source} input: {out[f'writer_{source}_gb_per_s']:.2f} GB/s = {ratio:.2f}x tofile "
-              f"(target >= {TARGETS[source]}x)")
+        out[f"writer_{source}_ratio"] = median["tofile"] / median[source]
     return out
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+    paths.clear()
+    os.sync()  # the deletes' writeback stays out of the next round
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -117,6 +117,16 @@ class FeatureArray(CachedPath, RangesPath):
         return layout.num_chunks(self.shape[0], self.chunk_rows)
 
     @property
+    def storage(self) -> Any:
+        """The storage this array reads through (on object storage its ``bytes_read`` counts the
+        bytes of GET responses, and ``obstore`` is its client: tools and benches use both)."""
+        return self._storage
+
+    def chunk_keys(self) -> list[str]:
+        """The storage keys of this array's chunk objects, in order (to fetch them whole)."""
+        return [layout.chunk_key(self._key, c, len(self.shape)) for c in range(self.num_chunks)]
+
+    @property
     def ids(self) -> list[str] | None:
         if not self._storage.exists(f"{self._split_key}/{layout.IDS}/{layout.ZARR_JSON}"):
             return None

@@ -86,6 +86,11 @@ class ObjectStorage(Storage):
         _mark_runtime()
 
     # ------------------------------------------------------------------ pickling (workers)
+    @property
+    def obstore(self) -> Any:
+        """The obstore client this storage uses (for tools that issue their own requests)."""
+        return self._store
+
     def __getstate__(self) -> dict[str, Any]:
         return {"url": self.url, "storage_options": self.storage_options}
 

@@ -235,7 +235,7 @@ def _memory(store: str) -> dict[str, Any]:
     import torch
 
     from client import FeatureDataset, FeatureLoader
-    from featurestore.bench.common import rss_anon_bytes
+    from featurestore.bench.harness import rss_anon_bytes
 
     dsets = [FeatureDataset(store, DATASET, ENCODERS["float16"], s) for s in ("train", "val")]
     before = rss_anon_bytes()

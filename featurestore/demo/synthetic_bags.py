@@ -1,6 +1,13 @@
-"""Synthetic slide bags with a slide-level label a MIL head can learn, for tests, demo and bench.
+"""Synthetic slide bags, the one cohort builder of the tests, the demo and the benches.
 
-Each slide is a bag of patch features ``[n, dim]`` (n drawn between ``min_patches`` and
+* :func:`bag_lengths`: patches per slide, log-normal (a long tail, as real cohorts), by count or
+  by a byte budget with one slide at the maximum;
+* :func:`io_bags`: cheap bags of given lengths (content does not matter to I/O): features cut from
+  one random block, shifted per bag, on a grid of level-0 coordinates;
+* :func:`synthetic_slides`: bags with a slide-level label a MIL head can learn (below);
+* :func:`write_bag_splits`: such slides written as bag splits, once per storage dtype.
+
+Each of :func:`synthetic_slides`'s slides is a bag of patch features ``[n, dim]`` (n drawn between ``min_patches`` and
 ``max_patches``) on a grid of level-0 pixel coordinates (256 px patches). Patch features are
 standard normal around one of a few "tissue" centres; a *positive* slide (label 1) also holds a
 small share of "tumour" patches shifted along a fixed direction, the way a metastasis is a few
@@ -17,6 +24,39 @@ from typing import Any
 import numpy as np
 
 PATCH_PX = 256
+
+
+def bag_lengths(median: int, *, count: int | None = None, gib: float | None = None, dim: int = 0,
+                sigma: float = 0.6, low: int = 16, high: int | None = None, seed: int = 0) -> np.ndarray:
+    """Patches per slide, log-normal around ``median`` (``sigma``), clipped to ``[low, high]``
+    (``high`` default: 8x the median). ``count`` slides; or, with ``gib``, slides until ``gib``
+    GiB of float16 ``dim``-wide features, one of them (anywhere in the cohort) at ``high``."""
+    rng = np.random.default_rng(seed)
+    high = high if high is not None else 8 * median
+    if count is not None:
+        return np.clip(np.rint(median * np.exp(sigma * rng.standard_normal(count))), low, high).astype(np.int64)
+    budget = int((gib or 0) * (1 << 30)) // (dim * 2)
+    lengths = [high]
+    while sum(lengths) < budget:
+        lengths.append(int(np.clip(rng.lognormal(np.log(median), sigma), low, high)))
+    return np.asarray(lengths, dtype=np.int64)[rng.permutation(len(lengths))]
+
+
+def grid_coords(n: int) -> np.ndarray:
+    """Level-0 pixel coordinates ``int64 [n, 2]`` of ``n`` patches on a square grid."""
+    side = int(np.ceil(np.sqrt(max(n, 1))))
+    k = np.arange(n, dtype=np.int64)
+    return np.stack([(k % side) * PATCH_PX, (k // side) * PATCH_PX], axis=1)
+
+
+def io_bags(lengths: np.ndarray, dim: int, *, seed: int = 1) -> Iterator[tuple[str, np.ndarray, np.ndarray, int]]:
+    """``(slide id, features float32 [n, dim], coords, label)`` per length: rows of one random
+    block, shifted per bag (distinct bags, cheap to make); labels alternate 0/1."""
+    block = np.random.default_rng(seed).standard_normal((min(4096, int(max(lengths, default=1))), dim),
+                                                        dtype=np.float32)
+    for i, n in enumerate(lengths):
+        features = block[np.arange(int(n)) % len(block)] + np.float32(i % 7)
+        yield f"slide-{i:05d}", features, grid_coords(int(n)), i % 2
 
 
 def synthetic_slides(num: int, dim: int, *, seed: int = 0, min_patches: int = 20, max_patches: int = 200,
@@ -67,4 +107,4 @@ def write_bag_splits(store_url: str | os.PathLike[str], dataset: str, encoders: 
     return {"patches_per_dtype": patches, "splits": list(splits), "encoders": dict(encoders)}
 
 
-__all__ = ["PATCH_PX", "synthetic_slides", "write_bag_splits"]
+__all__ = ["PATCH_PX", "bag_lengths", "grid_coords", "io_bags", "synthetic_slides", "write_bag_splits"]

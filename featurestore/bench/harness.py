@@ -1,0 +1,248 @@
+"""What every bench shares: methods timed side by side, cold runs, child processes, split writing.
+
+* :class:`Method` and :func:`interleaved`: each repeat runs every method once, in turn (so a slow
+  moment of a shared machine hits all of them alike); :class:`Times` keeps every repeat, and gives
+  the median, the best and the per-repeat pairs of two methods (a figure's spread).
+* :func:`evict` (``posix_fadvise(DONTNEED)``: cold) and :func:`warm` (read once: page-cached);
+  a memory limit comes from :class:`featurestore.bench.cgroup.MemoryCgroup`.
+* :func:`child`: ``featurestore.bench.MODULE:FUNCTION(config)`` in a fresh interpreter (optionally
+  inside a cgroup), its JSON result back: the one protocol of every bench's subprocesses.
+
+What a bench prints, and what `bench all` reports, is read from its result by
+:mod:`featurestore.bench.summary`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from featurestore.bench.cgroup import evict
+
+__all__ = ["Method", "RssPeak", "Times", "child", "child_process", "evict", "gbps", "interleaved", "parse_shapes",
+           "rss_anon_bytes", "save_json", "stop_process", "timed", "unmap", "warm", "write_split"]
+
+
+@dataclass
+class Method:
+    """One way of doing the measured work. ``run()`` is timed; with ``own``, it returns its own
+    measurement instead (a child's seconds, a rate), which is kept in place of the elapsed seconds.
+    ``setup`` and ``teardown`` run untimed around every call (an eviction, a fresh directory)."""
+
+    name: str
+    run: Callable[[], Any]
+    setup: Callable[[], Any] | None = None
+    teardown: Callable[[], Any] | None = None
+    own: bool = False
+
+    def once(self) -> float:
+        if self.setup:
+            self.setup()
+        start = time.perf_counter()
+        value = self.run()
+        elapsed = time.perf_counter() - start
+        if self.teardown:
+            self.teardown()
+        return float(value) if self.own else elapsed
+
+
+class Times(dict[str, list[float]]):
+    """Per method, its value in each repeat (seconds, or its own measurement: ``Method.own``)."""
+
+    def median(self, name: str) -> float:
+        return float(statistics.median(self[name]))
+
+    def best(self, name: str) -> float:
+        """The smallest value: the best time (for rates, use ``max(times[name])``)."""
+        return float(min(self[name]))
+
+    def medians(self) -> dict[str, float]:
+        return {name: self.median(name) for name in self if self[name]}
+
+    def pairs(self, numerator: str, denominator: str) -> list[float]:
+        """``numerator[i] / denominator[i]`` per repeat, the two measured back to back."""
+        return [a / b for a, b in zip(self[numerator], self[denominator]) if b]
+
+
+def interleaved(methods: Sequence[Method], repeats: int, *, warmup: int = 0,
+                order: Callable[[int, list[Method]], Iterable[Method]] | None = None) -> Times:
+    """Run ``warmup`` untimed rounds, then ``repeats`` rounds of every method once, each round in
+    ``order(round, methods)`` (default: as given)."""
+    times = Times({m.name: [] for m in methods})
+    for repeat in range(-warmup, max(1, repeats)):
+        for method in (order(repeat, list(methods)) if order else methods):
+            value = method.once()
+            if repeat >= 0:
+                times[method.name].append(value)
+    return times
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds of one call of ``fn``."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def unmap() -> None:
+    """Close this process's maps of chunk files: a page still mapped is not dropped by :func:`evict`."""
+    from featurestore.core import chunk_maps
+
+    chunk_maps.shared().clear()
+
+
+def warm(*paths: str) -> None:
+    """Read every file under ``paths`` once, so later reads come from the page cache."""
+    buffer = bytearray(8 << 20)
+    for path in paths:
+        files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+        for name in files:
+            with open(name, "rb", buffering=0) as f:
+                while f.readinto(buffer):
+                    pass
+
+
+def write_split(path: str, n: int, shape: tuple[int, ...], *, dtype: str = "float16", rows: int = 256,
+                names: tuple[str, str, str] = ("bench", "enc", "train"), chunk_bytes: int | None = None,
+                slabs: Callable[[int, np.ndarray], Any] | None = None) -> None:
+    """A split of ``n`` samples written ``rows`` at a time (never all in RAM): one random block,
+    shifted per slab (content does not matter to I/O; generating it would). Each slab (float16
+    for a float16 split, else float32) is also handed to ``slabs(start, values)``."""
+    import featurestore
+
+    writer = featurestore.open_store(path, mode="a").create_split(
+        *names, num_samples=n, sample_shape=shape, dtype=dtype, chunk_bytes=chunk_bytes, overwrite=True)
+    block = np.random.default_rng(0).standard_normal((min(rows, n), *shape), dtype=np.float32)
+    block = block.astype(np.float16) if dtype == "float16" else block
+    for k, start in enumerate(range(0, n, rows)):
+        values = block[: min(rows, n - start)] + block.dtype.type(k % 64)
+        writer.write(start, values)
+        if slabs:
+            slabs(start, values)
+    writer.commit()
+
+
+# ---------------------------------------------------------------------- child processes
+def child_process(function: str, config: Any, *, cgroup: Any = None) -> subprocess.CompletedProcess[str]:
+    """Run ``featurestore.bench.MODULE:FUNCTION(config)`` in a fresh interpreter (inside ``cgroup``,
+    a :class:`~featurestore.bench.cgroup.MemoryCgroup`, if given); its stdout's last line is the
+    JSON of the return value. The completed process, whatever its exit status."""
+    command = [sys.executable, "-m", "featurestore.bench.harness", function, json.dumps(config)]
+    if cgroup is not None:
+        return cgroup.run(command)  # type: ignore[no-any-return]
+    return subprocess.run(command, capture_output=True, text=True, check=False)
+
+
+def child(function: str, config: Any, *, cgroup: Any = None) -> Any:
+    """:func:`child_process`'s result; raises with the child's stderr when it failed."""
+    done = child_process(function, config, cgroup=cgroup)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench child {function} failed (exit status {done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _child_main(function: str, config: str) -> None:
+    module, name = function.split(":")
+    result = getattr(importlib.import_module(f"featurestore.bench.{module}"), name)(json.loads(config))
+    print(json.dumps(result))
+
+
+# ---------------------------------------------------------------------- memory
+def rss_anon_bytes() -> int:
+    """This process's anonymous resident memory (RssAnon), the part a page cache cannot reclaim."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class RssPeak:
+    """Anonymous (and file-backed) RSS sampled every 5 ms on a thread while the block runs:
+    ``baseline``, ``peak``, ``peak_file`` and ``samples`` ``(seconds, anon, file)``."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+
+    def __enter__(self) -> RssPeak:
+        self.baseline = rss_anon_bytes()
+        self.t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter() - self.t0, rss_anon_bytes(), _status_bytes("RssFile")))
+            time.sleep(0.005)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.seconds = time.perf_counter() - self.t0
+        self.peak = max([self.baseline, *(s[1] for s in self.samples)])
+        self.peak_file = max((s[2] for s in self.samples), default=0)
+
+
+# ---------------------------------------------------------------------- small helpers
+def gbps(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """``"256x384,1024x1536"`` -> [(256, 384), (1024, 1536)]."""
+    shapes = []
+    for part in text.split(","):
+        try:
+            shapes.append(tuple(int(v) for v in part.strip().lower().split("x")))
+        except ValueError:
+            raise ValueError(f"bad shape {part!r} in {text!r}: write shapes as TxD, e.g. 256x384,1024x1536") from None
+    return shapes
+
+
+def save_json(results: dict[str, Any], path: str | None) -> None:
+    """Write a bench's results to ``path`` (its ``--json``), if one was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2, default=lambda v: v.item() if hasattr(v, "item") else str(v))
+
+
+def stop_process(process: subprocess.Popen[Any], grace: float) -> None:
+    """SIGTERM a server child, SIGKILL it after ``grace`` seconds if still running; reaped."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,58 @@
+"""The benches' harness (featurestore/bench/harness.py) and the one synthetic cohort builder: the
+repeat loop, its order and warm-up, per-repeat pairs, eviction, the child protocol's failures."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from featurestore.bench import harness
+from featurestore.bench.harness import Method, interleaved
+from featurestore.demo.synthetic_bags import bag_lengths, io_bags
+
+
+def test_interleaved_runs_every_method_once_per_repeat_in_the_order_given() -> None:
+    calls: list[str] = []
+    methods = [Method("a", lambda: calls.append("a")), Method("b", lambda: 2.5, teardown=lambda: calls.append("b-"), own=True),
+               Method("c", lambda: 7)]
+    times = interleaved(methods, 3, warmup=1, order=lambda r, ms: ms[::-1] if r % 2 else ms)
+    # warm-up round (-1: reversed), then rounds 0, 1, 2: warm-up values are not kept
+    assert calls == ["b-", "a", "a", "b-", "b-", "a", "a", "b-"]
+    assert len(times["a"]) == 3 and all(t >= 0 for t in times["a"])
+    assert times["b"] == [2.5, 2.5, 2.5]  # a run that returns its own measurement keeps it
+    assert all(t < 1 for t in times["c"])  # a return value is not a measurement unless the method says so
+    assert times.median("b") == 2.5 and times.pairs("b", "b") == [1.0, 1.0, 1.0]
+
+
+def test_pairs_are_per_repeat_ratios() -> None:
+    times = harness.Times({"x": [1.0, 2.0, 4.0], "y": [2.0, 2.0, 2.0]})
+    assert times.pairs("x", "y") == [0.5, 1.0, 2.0]
+    assert times.best("x") == 1.0 and times.medians() == {"x": 2.0, "y": 2.0}
+
+
+def test_evict_and_warm_take_files_and_directories(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    for name in ("d/a", "b"):
+        (tmp_path / name).write_bytes(os.urandom(1 << 16))
+    harness.warm(str(tmp_path / "d"), str(tmp_path / "b"))
+    harness.evict(str(tmp_path / "d"), str(tmp_path / "b"))  # no error; the pages' residency is the kernel's
+
+
+def test_a_failing_child_raises_with_its_stderr() -> None:
+    with pytest.raises(RuntimeError, match="(?s)bench child nope:missing failed.*ModuleNotFoundError"):
+        harness.child("nope:missing", {})
+
+
+def test_bag_lengths_by_count_and_by_budget() -> None:
+    counted = bag_lengths(100, count=50, seed=3)
+    assert len(counted) == 50 and counted.min() >= 16 and counted.max() <= 800
+    assert np.array_equal(counted, bag_lengths(100, count=50, seed=3))  # deterministic
+    budget = bag_lengths(200, gib=0.01, dim=64, sigma=0.8, low=10, high=5000)
+    assert budget.sum() >= int(0.01 * (1 << 30)) // 128 and budget.max() == 5000 and budget.min() >= 10
+    bags = list(io_bags(np.array([3, 0, 5]), 8))
+    assert [b[0] for b in bags] == ["slide-00000", "slide-00001", "slide-00002"]
+    assert [b[1].shape for b in bags] == [(3, 8), (0, 8), (5, 8)] and bags[2][2].shape == (5, 2)
+    assert [b[3] for b in bags] == [0, 1, 0]
