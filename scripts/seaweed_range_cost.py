@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import obstore
 
-from featurestore.bench.seaweedfs import seaweed_server
+from featurestore.testing.seaweedfs import seaweed_server
 from featurestore.core.storage_obstore import run
 
 ROW = 192 << 10

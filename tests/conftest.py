@@ -100,10 +100,10 @@ SEAWEED_BUCKET = "featurestore-tests"
 
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The session's SeaweedFS server (``featurestore.bench.seaweedfs.SeaweedServer``) with the
+    """The session's SeaweedFS server (``featurestore.testing.seaweedfs.SeaweedServer``) with the
     shared test bucket created."""
     pytest.importorskip("obstore")
-    from featurestore.bench.seaweedfs import SeaweedUnavailable, seaweed_server
+    from featurestore.testing.seaweedfs import SeaweedUnavailable, seaweed_server
 
     context = seaweed_server(str(tmp_path_factory.mktemp("seaweedfs")))
     try:

@@ -258,7 +258,7 @@ def test_s3_bench_emits_every_target_figure(tmp_path: Path, seaweed: Any) -> Non
     from conftest import SEAWEED_BUCKET
 
     from featurestore.bench import s3
-    from featurestore.bench.seaweedfs import ACCESS_KEY, SECRET_KEY
+    from featurestore.testing.seaweedfs import ACCESS_KEY, SECRET_KEY
 
     flags = [*report.QUICK_FLAGS["s3"], "--endpoint", seaweed.endpoint, "--key", ACCESS_KEY, "--secret", SECRET_KEY,
              "--bucket", SEAWEED_BUCKET]

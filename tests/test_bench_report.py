@@ -124,7 +124,7 @@ def test_s3_bench_runs_and_reports(tmp_path: Path, seaweed: object, capsys: pyte
     so no second server starts): every figure is measured and lands in the report."""
     from conftest import SEAWEED_BUCKET
 
-    from featurestore.bench.seaweedfs import ACCESS_KEY, SECRET_KEY
+    from featurestore.testing.seaweedfs import ACCESS_KEY, SECRET_KEY
 
     flags = [*report.QUICK_FLAGS["s3"], "--endpoint", seaweed.endpoint, "--key", ACCESS_KEY,  # type: ignore[attr-defined]
              "--secret", SECRET_KEY, "--bucket", SEAWEED_BUCKET]

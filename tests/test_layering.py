@@ -20,18 +20,18 @@ REPO = Path(__file__).resolve().parents[1]
 # layer -> packages it must not pull in when all its modules are imported
 FORBIDDEN = {
     "featurestore.format": ["torch", "client", "server", "fastapi", "featurestore.core",
-                            "featurestore.extract", "featurestore.probes", "featurestore.bench"],
+                            "featurestore.extract", "featurestore.probes", "featurestore.bench", "featurestore.testing"],
     "featurestore.core": ["torch", "client", "server", "fastapi", "featurestore.extract",
-                          "featurestore.probes", "featurestore.demo", "featurestore.bench"],
+                          "featurestore.probes", "featurestore.demo", "featurestore.bench", "featurestore.testing"],
     "client": ["server", "fastapi", "uvicorn", "featurestore.extract", "featurestore.probes",
-               "featurestore.demo", "featurestore.bench"],
+               "featurestore.demo", "featurestore.bench", "featurestore.testing"],
     "server": ["torch", "client", "featurestore.extract", "featurestore.probes", "featurestore.demo",
-               "featurestore.bench"],
+               "featurestore.bench", "featurestore.testing"],
     "featurestore.extract": ["client", "server", "fastapi", "featurestore.probes", "featurestore.demo",
-                             "featurestore.bench"],
+                             "featurestore.bench", "featurestore.testing"],
     # torch only for python: slide encoders, when one is loaded
     "featurestore.embed": ["torch", "client", "server", "fastapi", "featurestore.probes", "featurestore.demo",
-                           "featurestore.bench"],
+                           "featurestore.bench", "featurestore.testing"],
 }
 
 CHILD = r"""

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import featurestore
-from featurestore.bench.serving import serve_subprocess
+from featurestore.testing.serving import serve_subprocess
 
 ONE_ROW = (1024,)  # float16: 2 KiB rows, one per chunk file
 ONE_ROW_N = 1500  # per split; two splits, so 3000 chunk files against a limit of 256 descriptors

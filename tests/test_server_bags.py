@@ -274,7 +274,7 @@ def _raw_get(url: str, target: str) -> bytes:
 
 def test_uvicorn_round_trip(store_path: str) -> None:
     pytest.importorskip("uvicorn")
-    from featurestore.bench.serving import serve_subprocess
+    from featurestore.testing.serving import serve_subprocess
 
     with serve_subprocess(store_path) as (url, _):
         with FeatureClient(url) as fc:
@@ -307,7 +307,7 @@ def test_bag_loader_epoch_over_http_reads_every_id_with_the_token_from_the_envir
     pytest.importorskip("uvicorn")
     torch = pytest.importorskip("torch")
     from client import BagDataset, BagLoader
-    from featurestore.bench.serving import serve_subprocess
+    from featurestore.testing.serving import serve_subprocess
 
     with serve_subprocess(store_path, env={"FEATURESTORE_TOKEN": "env-t0ken"}) as (url, _):
         monkeypatch.setenv("FEATURESTORE_TOKEN", "env-t0ken")

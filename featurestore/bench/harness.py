@@ -31,7 +31,7 @@ import numpy as np
 from featurestore.bench.cgroup import evict
 
 __all__ = ["Method", "RssPeak", "Times", "child", "child_process", "evict", "gbps", "interleaved", "parse_shapes",
-           "rss_anon_bytes", "save_json", "stop_process", "timed", "unmap", "warm", "write_split"]
+           "rss_anon_bytes", "save_json", "timed", "unmap", "warm", "write_split"]
 
 
 @dataclass
@@ -230,18 +230,6 @@ def save_json(results: dict[str, Any], path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=2, default=lambda v: v.item() if hasattr(v, "item") else str(v))
-
-
-def stop_process(process: subprocess.Popen[Any], grace: float) -> None:
-    """SIGTERM a server child, SIGKILL it after ``grace`` seconds if still running; reaped."""
-    if process.poll() is not None:
-        return
-    process.terminate()
-    try:
-        process.wait(grace)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 if __name__ == "__main__":

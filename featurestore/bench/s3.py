@@ -79,9 +79,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.key:
             options.update(key=args.key, secret=args.secret or "")
         return _bench(args, options, server="endpoint " + args.endpoint, server_pid=None)
-    from featurestore.bench.seaweedfs import seaweed_server
+    from featurestore.testing.seaweedfs import seaweed_server
 
-    from featurestore.bench.seaweedfs import READ_TUNED_ARGS
+    from featurestore.testing.seaweedfs import READ_TUNED_ARGS
 
     extra = tuple(args.weed_args.split())
     with seaweed_server(args.workdir, extra_args=extra) as server:

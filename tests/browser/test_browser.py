@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from cdp import Browser, find_chromium  # noqa: E402
 from _web_fixtures import XSS, make_web_store  # noqa: E402
 
-from featurestore.bench.serving import serve_subprocess  # noqa: E402
+from featurestore.testing.serving import serve_subprocess  # noqa: E402
 
 TOKEN = "browser-test-token-0123456789"
 

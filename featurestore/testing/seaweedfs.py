@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from featurestore.bench.harness import stop_process
+from featurestore.testing import stop_process
 
 #: Credentials handed to clients; SeaweedFS without IAM config accepts any pair.
 ACCESS_KEY = "featurestore"
