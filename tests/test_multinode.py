@@ -1,7 +1,8 @@
 """Two "nodes" on loopback: two separate ``torchrun --nnodes 2`` launches meeting at a c10d
 rendezvous, each with its own chunk cache directory, against SeaweedFS over s3://.
 
-* ``featurestore extract`` into one split: the chunks are the bytes a single process writes.
+* ``featurestore extract`` into one split, of images and of slides: the chunks are the bytes a
+  single process writes.
 * ``examples/ddp_abmil.py``: DDP ABMIL from s3:// through the chunk cache; each rank sees its
   shard of bags, the shards of an epoch are disjoint and cover every bag, and the ranks end with
   the same weights.
@@ -32,7 +33,7 @@ from featurestore.extract.run import ExtractOptions, extract
 
 ROOT = Path(__file__).resolve().parents[1]
 SPLIT = ("pannuke", "logged_tiny_vit", "fold1")
-pytestmark = pytest.mark.slow  # two torchrun launches each: tens of seconds on a small machine
+# Each test with two torchrun launches takes tens of seconds on a small machine: marked slow.
 
 
 def two_nodes(args: list[str], tmp_path: Path, env: dict[str, str], timeout: float = 300) -> list[str]:
@@ -65,6 +66,7 @@ def two_nodes(args: list[str], tmp_path: Path, env: dict[str, str], timeout: flo
     return [stdout for stdout, _ in outputs]
 
 
+@pytest.mark.slow
 def test_two_node_extraction_into_s3_equals_one_process(seaweed_url: str, seaweed: Any, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
@@ -110,6 +112,74 @@ def test_two_node_extraction_into_s3_equals_one_process(seaweed_url: str, seawee
         assert remote.read(key) == path.read_bytes(), key
 
 
+
+def download(remote: ObjectStorage, prefix: str, dest: Path) -> None:
+    """Copy every object under ``prefix`` to ``dest`` (a local store to compare file by file)."""
+    for name in remote.listdir(prefix):
+        key = f"{prefix}/{name}" if prefix else name
+        if remote.listdir(key):
+            download(remote, key, dest / name)
+            continue
+        try:
+            data = remote.read(key)
+        except FileNotFoundError:
+            continue  # SeaweedFS lists the directories of deleted objects (the committed segments)
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / name).write_bytes(data)
+
+
+def test_two_writer_sessions_commit_a_bag_split_on_s3_with_a_chunk_cache(seaweed_url: str, seaweed: Any,
+                                                                           tmp_path: Path) -> None:
+    """Two writers of one bag split (two ranks, on two nodes) with a chunk cache configured, as
+    ``FEATURESTORE_CACHE_DIR`` on a node sets it: the commit copies the rows of bags interleaved
+    between the segments and reads them back exactly. It used to read the segments through the
+    chunk cache, which wants a split's metadata, and failed with "segments/... is not a
+    featurestore split"."""
+    options = {**seaweed.storage_options, "cache_dir": str(tmp_path / "cache")}
+    store = featurestore.open_store(seaweed_url, mode="a", **options)
+    rng = np.random.default_rng(0)
+    bags = {f"b{i}": rng.standard_normal((int(rng.integers(3, 20)), 4)).astype(np.float32) for i in range(6)}
+    first = store.create_bag_split("d", "e", "s", dim=4, dtype="float32", chunk_bytes=8 * 4 * 4)
+    second = store.create_bag_split("d", "e", "s", dim=4, dtype="float32", chunk_bytes=8 * 4 * 4, resume=True)
+    for i, (bag_id, features) in enumerate(bags.items()):  # b0, b2, b4 in one segment, the others in the other
+        (first if i % 2 == 0 else second).add_bag(bag_id, features, coords=np.zeros((len(features), 2), np.int64))
+    second.close()
+    first.commit()
+    split = featurestore.open_store(seaweed_url, mode="r", **options).open_bags("d", "e", "s")
+    assert list(split.ids) == sorted(bags)
+    for i, bag_id in enumerate(split.ids):
+        assert np.array_equal(split.read_numpy(bag_id)[0], bags[bag_id]), bag_id
+
+
+@pytest.mark.slow
+def test_two_node_slide_extraction_into_s3_equals_one_process(seaweed_url: str, seaweed: Any, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slide i goes to global rank i % 2, whichever node holds it: the bag split is one process's."""
+    pytest.importorskip("openslide")
+    pytest.importorskip("tifffile")
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.delenv("FSX_SLEEP", raising=False)
+    from test_wsi_extract import NAME, _common, _opts, _same_split
+
+    from featurestore.demo.slides import write_cohort, write_slide
+    from featurestore.extract.wsi_run import extract_slides
+
+    cohort = tmp_path / "cohort"
+    write_cohort(cohort, 2, width=2048, height=1536, mpp=0.5)
+    write_slide(cohort / "blank.tiff", width=1024, height=768, blobs=0)  # an empty bag
+    reference = tmp_path / "reference"
+    assert extract_slides(_opts(cohort, reference), Coordinator()).status == "complete"
+
+    options = dict(seaweed.storage_options)
+    stdouts = two_nodes(["--module", "featurestore.cli", "extract", *_common(cohort), "--store", seaweed_url,
+                         "--num-workers", "0", "--storage-options", json.dumps(options)], tmp_path, cli_env())
+    assert sum(out.count("extracted cohort/") for out in stdouts) == 1
+    assert sum("3 bags of 3 slides" in out for out in stdouts) == 1
+    copy = tmp_path / "copy"
+    download(ObjectStorage(seaweed_url, options), "", copy)
+    _same_split(reference, copy)  # every file, byte for byte (the generation seals masked), and metadata
+
+
 NUM_BAGS, DIM = 10, 8
 
 
@@ -127,6 +197,7 @@ def write_bags(url: str, options: dict[str, Any]) -> dict[str, int]:
     return labels
 
 
+@pytest.mark.slow
 def test_ddp_abmil_over_two_nodes_shards_bags_and_agrees(seaweed_url: str, seaweed: Any, tmp_path: Path) -> None:
     options = dict(seaweed.storage_options)
     labels = write_bags(seaweed_url, options)
