@@ -55,6 +55,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    if "RANK" not in os.environ:
+        sys.exit("ddp_abmil.py: run it under torchrun (e.g. torchrun --nproc-per-node 2 examples/ddp_abmil.py ...)")
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -87,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 Path(args.ids_dir, f"rank{rank}-epoch{epoch}.txt").write_text("".join(f"{i}\n" for i in seen))
         if args.save:
             torch.save({k: v.cpu() for k, v in model.state_dict().items()}, Path(args.save, f"rank{rank}.pt"))
-        print(json.dumps({"rank": rank, "world_size": world_size, "bags_per_epoch": len(loader),
+        print(json.dumps({"rank": rank, "world_size": world_size, "batches_per_epoch": len(loader),
                           "losses": losses, "finite": all(math.isfinite(x) for x in losses)}), flush=True)
     finally:
         dist.destroy_process_group()
