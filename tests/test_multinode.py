@@ -6,6 +6,9 @@ rendezvous, each with its own chunk cache directory, against SeaweedFS over s3:/
 * ``examples/ddp_abmil.py``: DDP ABMIL from s3:// through the chunk cache; each rank sees its
   shard of bags, the shards of an epoch are disjoint and cover every bag, and the ranks end with
   the same weights.
+* Two bag writer sessions committing on s3:// with a chunk cache configured (core, no torchrun).
+
+Each test with two torchrun launches takes tens of seconds on a small machine: marked slow.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from featurestore.extract.run import ExtractOptions, extract
 
 ROOT = Path(__file__).resolve().parents[1]
 SPLIT = ("pannuke", "logged_tiny_vit", "fold1")
-# Each test with two torchrun launches takes tens of seconds on a small machine: marked slow.
 
 
 def two_nodes(args: list[str], tmp_path: Path, env: dict[str, str], timeout: float = 300) -> list[str]:
@@ -42,27 +44,35 @@ def two_nodes(args: list[str], tmp_path: Path, env: dict[str, str], timeout: flo
     Returns each launch's stdout; fails with both stderr tails when either exits non-zero."""
     port = free_ports(1)[0]
     run_id = uuid.uuid4().hex[:8]
-    procs = []
+    procs, logs = [], []
     for node in range(2):
         cache = tmp_path / f"node{node}-cache"
         cache.mkdir()
-        # A new session per launch, so a hang can be killed whole (agent and its worker).
+        # Output to files, not pipes: a launch blocked on a full pipe would stall the other at
+        # its next collective. A new session per launch, so a hang can be killed whole.
+        out, err = (tmp_path / f"node{node}.out").open("w+"), (tmp_path / f"node{node}.err").open("w+")
+        logs.append((out, err))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, *args],
-            env={**env, "FEATURESTORE_CACHE_DIR": str(cache)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, start_new_session=True))
-    outputs = []
+            env={**env, "FEATURESTORE_CACHE_DIR": str(cache)}, stdout=out, stderr=err, text=True,
+            start_new_session=True))
     try:
         for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout))
+            proc.wait(timeout=timeout)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-    for proc, (_, stderr) in zip(procs, outputs):
-        assert proc.returncode == 0, "\n---\n".join(err[-2500:] for _, err in outputs)
+                proc.wait()
+    outputs = []
+    for out, err in logs:
+        out.seek(0)
+        err.seek(0)
+        outputs.append((out.read(), err.read()))
+        out.close()
+        err.close()
+    assert all(proc.returncode == 0 for proc in procs), "\n---\n".join(err[-2500:] for _, err in outputs)
     return [stdout for stdout, _ in outputs]
 
 
