@@ -217,7 +217,13 @@ def rows_reader(storage: Storage, base: str, meta: SplitMetadata, name: str, row
     read through the checked reader (each chunk's crc32c verified)."""
     doc = layout.load_document(array_document(meta, name, rows))
     logical = meta.logical_dtype if name == layout.FEATURES else (meta.bags or {})["coords"]["dtype"]
-    return FeatureArray(storage, base, name, doc, logical_dtype=logical, metadata={"status": "complete"})
+    array = FeatureArray(storage, base, name, doc, logical_dtype=logical, metadata={"status": "complete"})
+    if array.path == "cached":
+        # Each row is read once to be laid out, and segments are deleted at commit: the chunk
+        # cache would only fill with dead chunks (and it keys a split's chunks by the split's
+        # metadata, which a segment has not). Ranged reads, crc32c-checked, as without a cache.
+        array.path = "ranges"
+    return array
 
 
 def _write_index(storage: Storage, key: str, meta: SplitMetadata, ids: list[str], offsets: np.ndarray,
