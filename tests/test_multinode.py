@@ -28,7 +28,7 @@ import torch
 from test_extract import cli_env
 
 import featurestore
-from featurestore.bench.seaweedfs import free_ports
+from featurestore.testing.seaweedfs import free_ports
 from featurestore.core.storage_obstore import ObjectStorage
 from featurestore.demo.synthetic import make_synthetic_pannuke
 from featurestore.extract.dist import Coordinator
