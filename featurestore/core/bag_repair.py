@@ -36,6 +36,7 @@ from featurestore.core import bag_commit, split_protocol
 from featurestore.core.bag_verify import BagIndex, damaged_row_chunks, read_index
 from featurestore.core.bag_writer import BagWriter
 from featurestore.core.chunk_puts import ChunkPuts
+from featurestore.core.seals import put_index_chunk, read_trailers
 from featurestore.core.storage import Storage
 from featurestore.errors import CorruptChunk, IncompleteSplit, InputChanged, SplitExists
 from featurestore.format import bags, dtypes, layout
@@ -228,7 +229,7 @@ def _replace_rows(storage: Storage, array_key: str, old: np.ndarray, new: np.nda
     rows = layout.array_chunk_rows(layout.load_document(storage.read(f"{array_key}/{layout.ZARR_JSON}")))
     changed = [r for r in range(len(old)) if old[r].tobytes() != new[r].tobytes()]  # NaN rows compare too
     for chunk in sorted({r // rows for r in changed}):
-        bag_commit.put_index_chunk(storage, array_key, new, rows, chunk)
+        put_index_chunk(storage, array_key, new, rows, chunk)
 
 
 def _reseal(storage: Storage, key: str, meta: SplitMetadata, table: np.ndarray, chunks: list[int]) -> None:
@@ -238,7 +239,7 @@ def _reseal(storage: Storage, key: str, meta: SplitMetadata, table: np.ndarray, 
     for code, name in enumerate(bags.SEALED_ARRAYS[:2]):  # features, coords
         doc = layout.load_document(storage.read(f"{key}/{name}/{layout.ZARR_JSON}"))
         rows = np.flatnonzero(sealed[:, 0] == code)
-        for chunk, crc in zip(chunks, bag_commit.read_trailers(storage, f"{key}/{name}", doc, chunks)):
+        for chunk, crc in zip(chunks, read_trailers(storage, f"{key}/{name}", doc, chunks)):
             sealed[rows[chunk], 2] = crc
     _replace_rows(storage, f"{key}/{bags.CHUNK_SEALS}", table, sealed)
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core import intake, split_protocol
+from featurestore.core import intake, seals, split_protocol
 from featurestore.core.batch import Prepared
 from featurestore.core.buffers import BufferPool
 from featurestore.core.chunk_puts import ChunkPuts
@@ -201,6 +201,10 @@ class SplitWriter:
                 "still be running) or resume, then commit"
             )
         final = self._final_report(self._meta)
+        # chunk_seals last before the document: each chunk's crc32c trailer at its place, read
+        # back (4 bytes a chunk), so a chunk later swapped or moved is found (format.seals).
+        self._check_generation()
+        seals.write_seals(self._storage, self._key, self._meta, (layout.FEATURES, layout.LABELS))
         meta = self._meta.replace(status=COMPLETE, completed=_now(), **final)
         # Checked again right before the one write that makes the split complete: an overwrite
         # that started while the statistics were read must not be marked complete by this writer.
