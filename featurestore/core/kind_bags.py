@@ -17,8 +17,7 @@ import numpy as np
 from featurestore import __version__
 from featurestore.core import bag_commit, bag_repair, bag_verify
 from featurestore.core.bag_writer import BagWriter
-from featurestore.core.kind_dense import check_chunk_bytes
-from featurestore.core.split_kind import Findings, SplitKind
+from featurestore.core.split_kind import Findings, SplitKind, check_chunk_bytes
 from featurestore.core.storage import Storage
 from featurestore.errors import ShapeMismatch, SplitSettingsMismatch
 from featurestore.format import bags, dtypes

@@ -18,7 +18,7 @@ import numpy as np
 from featurestore import __version__
 from featurestore.core import dense_verify, lifecycle, seals
 from featurestore.core.present import present_chunks
-from featurestore.core.split_kind import Findings, SplitKind
+from featurestore.core.split_kind import Findings, SplitKind, check_chunk_bytes
 from featurestore.core.storage import Storage
 from featurestore.core.writer import SplitWriter
 from featurestore.errors import DtypeMismatch, InvalidOption, ShapeMismatch, SplitSettingsMismatch
@@ -102,14 +102,6 @@ class DenseKind(SplitKind[SplitWriter]):
 
     def verify(self, storage: Storage, key: str, meta: SplitMetadata, found: Findings) -> None:
         dense_verify.verify_dense(storage, key, meta, found)
-
-
-def check_chunk_bytes(chunk_bytes: Any, default: int = 8 << 20) -> int:
-    """The one ``chunk_bytes`` check of every kind (None: ``default``)."""
-    chunk_bytes = default if chunk_bytes is None else chunk_bytes
-    if not isinstance(chunk_bytes, (int, np.integer)) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
-        raise InvalidOption(f"chunk_bytes must be a positive int (e.g. 8 << 20), got {chunk_bytes!r}")
-    return int(chunk_bytes)
 
 
 def writer(storage: Storage, key: str, meta: SplitMetadata, done: set[int]) -> SplitWriter:

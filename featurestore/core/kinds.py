@@ -17,18 +17,18 @@ from featurestore.format.metadata import SplitMetadata
 
 __all__ = ["BAG_KIND", "DENSE_KIND", "BagKind", "DenseKind", "kind_of", "register"]
 
-_KINDS: dict[str, SplitKind[Any]] = {DENSE_KIND.name: DENSE_KIND, BAG_KIND.name: BAG_KIND}
+REGISTRY: dict[str, SplitKind[Any]] = {DENSE_KIND.name: DENSE_KIND, BAG_KIND.name: BAG_KIND}
 
 
 def register(kind: SplitKind[Any]) -> None:
     """Make ``kind`` the one that handles splits whose metadata names ``kind.name``."""
-    _KINDS[kind.name] = kind
+    REGISTRY[kind.name] = kind
 
 
 def kind_of(meta: SplitMetadata) -> SplitKind[Any]:
     try:
-        return _KINDS[meta.kind]
+        return REGISTRY[meta.kind]
     except KeyError:
         raise InvalidMetadata(f"split {meta.dataset}/{meta.encoder_name}/{meta.split} is of kind {meta.kind!r}, "
-                              f"which this featurestore does not know (it knows {', '.join(_KINDS)}): upgrade "
+                              f"which this featurestore does not know (it knows {', '.join(REGISTRY)}): upgrade "
                               "featurestore") from None

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Generic, Protocol, TypeVar
 
+import numpy as np
+
 from featurestore.core.storage import Storage
+from featurestore.errors import InvalidOption
 from featurestore.format.metadata import SplitMetadata
 
 W = TypeVar("W", covariant=True)
@@ -48,3 +51,11 @@ class SplitKind(Generic[W]):
     def verify(self, storage: Storage, key: str, meta: SplitMetadata, found: Findings) -> None:
         """``featurestore verify`` on a complete split of this kind: every problem into ``found``."""
         raise NotImplementedError
+
+
+def check_chunk_bytes(chunk_bytes: Any, default: int = 8 << 20) -> int:
+    """The one ``chunk_bytes`` check of every kind (None: ``default``)."""
+    chunk_bytes = default if chunk_bytes is None else chunk_bytes
+    if not isinstance(chunk_bytes, (int, np.integer)) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
+        raise InvalidOption(f"chunk_bytes must be a positive int (e.g. 8 << 20), got {chunk_bytes!r}")
+    return int(chunk_bytes)
