@@ -13,13 +13,12 @@ a resume or another commit redoes it; it is deterministic, so it writes the same
 
 from __future__ import annotations
 
-import datetime as _dt
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from featurestore.core import split_protocol
+from featurestore.core import lifecycle, split_protocol
 from featurestore.core.chunk_puts import ChunkPuts
 from featurestore.core.present import present_chunks
 from featurestore.core.reader import FeatureArray
@@ -27,7 +26,7 @@ from featurestore.core.seals import put_array, write_seals
 from featurestore.core.storage import Storage
 from featurestore.errors import InvalidLabels
 from featurestore.format import bags, chunks, dtypes, layout
-from featurestore.format.metadata import COMPLETE, SplitMetadata, seal
+from featurestore.format.metadata import SplitMetadata, seal
 from featurestore.format.stats import SOURCE_NAMES, merge_rows, report, row_length
 
 __all__ = ["Collected", "collect", "commit"]
@@ -115,24 +114,25 @@ def commit(storage: Storage, key: str, meta: SplitMetadata, extra: dict[str, Any
     total = int(offsets[-1])
     labels = _labels(meta, ids, [r.label for _, r in entries])
     _write_rows(storage, key, meta, found, entries, offsets, total)
-    dim = int(meta.sample_shape[0])
     stats = [r.stats for _, r in entries]
     _write_index(storage, key, meta, ids, offsets, labels, [r.attrs for _, r in entries], stats)
     write_seals(storage, key, meta, bags.SEALED_ARRAYS)
-    total_stats = merge_rows(stats, dim)
-    source = SOURCE_NAMES.get(total_stats.source_code) or meta.source_dtype or meta.logical_dtype
-    folded = report(total_stats, source_dtype=source, logical_dtype=meta.logical_dtype)
     spec = dict(meta.bags or {})
     spec["count"] = len(ids)
     if labels is not None:
         spec["labels"] = {"dtype": labels.dtype.name}
-    final = meta.replace(status=COMPLETE, completed=_now(), num_samples=total, bags=spec,
-                         source_dtype=source, extra={**meta.extra, **(extra or {})}, **folded)
-    # Checked right before the one write that makes the split complete (as a dense commit).
-    split_protocol.check_generation(storage, key, meta)
-    storage.write(f"{key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": final.to_json()}))
+    final = lifecycle.mark_complete(storage, key, meta, num_samples=total, bags=spec,
+                                    extra={**meta.extra, **(extra or {})}, **folded_report(meta, stats))
     storage.delete_tree(f"{key}/{bags.SEGMENTS}")
     return final
+
+
+def folded_report(meta: SplitMetadata, rows: list[np.ndarray]) -> dict[str, Any]:
+    """The quantization report, channel statistics and source dtype folded from the bags'
+    statistics rows (unsealed)."""
+    total = merge_rows(rows, int(meta.sample_shape[0]))
+    source = SOURCE_NAMES.get(total.source_code) or meta.source_dtype or meta.logical_dtype
+    return {**report(total, source_dtype=source, logical_dtype=meta.logical_dtype), "source_dtype": source}
 
 
 def _labels(meta: SplitMetadata, ids: list[str], values: list[Any]) -> np.ndarray | None:
@@ -245,8 +245,3 @@ def read_strings(storage: Storage, array_key: str) -> list[str]:
 
     array = zarr.open_array(store=storage.zarr_store(), path=array_key, mode="r")
     return [str(v) for v in array[:]] if array.shape[0] else []
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-

@@ -27,12 +27,11 @@ each one atomic put.
 
 from __future__ import annotations
 
-import datetime as _dt
 from typing import Any
 
 import numpy as np
 
-from featurestore.core import bag_commit, split_protocol
+from featurestore.core import bag_commit, lifecycle, split_protocol
 from featurestore.core.bag_verify import BagIndex, damaged_row_chunks, read_index
 from featurestore.core.bag_writer import BagWriter
 from featurestore.core.chunk_puts import ChunkPuts
@@ -40,8 +39,7 @@ from featurestore.core.seals import put_index_chunk, read_trailers
 from featurestore.core.storage import Storage
 from featurestore.errors import CorruptChunk, IncompleteSplit, InputChanged, SplitExists
 from featurestore.format import bags, dtypes, layout
-from featurestore.format.metadata import COMPLETE, WRITING, SplitMetadata, seal, unseal
-from featurestore.format.stats import SOURCE_NAMES, merge_rows, report
+from featurestore.format.metadata import SplitMetadata, seal, unseal
 
 __all__ = ["REPAIR", "RepairWriter", "commit_repair", "open_complete", "resume_repair"]
 
@@ -81,12 +79,10 @@ def open_complete(storage: Storage, key: str, meta: SplitMetadata, *, verify_chu
     if bad is not None and not bad:
         return None
     if index is None or bad is None:  # nothing traces a chunk to its bags: every bag again
-        writing = meta.replace(status=WRITING, completed=None)
-        _write_document(storage, key, writing)
+        writing = lifecycle.mark_writing(storage, key, meta)
         return BagWriter(storage, key, writing, done_ids=set())
     redo = bags_in_chunks(index, bad, meta.chunk_rows)
-    writing = meta.replace(status=WRITING, completed=None, bags={**(meta.bags or {}), REPAIR: sorted(redo)})
-    _write_document(storage, key, writing)
+    writing = lifecycle.mark_writing(storage, key, meta, bags={**(meta.bags or {}), REPAIR: sorted(redo)})
     return RepairWriter(storage, key, writing, done_ids=set(index.ids) - redo, repair_ids=redo)
 
 
@@ -101,7 +97,7 @@ def resume_repair(storage: Storage, key: str, meta: SplitMetadata, *, verify_chu
         if more:
             redo |= more
             meta = meta.replace(bags={**(meta.bags or {}), REPAIR: sorted(redo)})
-            _write_document(storage, key, meta)
+            lifecycle.write_split_document(storage, key, meta)
     added = set(bag_commit.collect(storage, key, meta).records) & redo
     return RepairWriter(storage, key, meta, done_ids=(set(index.ids) - redo) | added, repair_ids=redo)
 
@@ -147,13 +143,8 @@ def commit_repair(storage: Storage, key: str, meta: SplitMetadata, extra: dict[s
             storage.delete_tree(f"{key}/{name}/c/{stale}")
     _replace_rows(storage, f"{key}/{bags.BAG_STATS}", index.stats, stats)
     _reseal(storage, key, meta, index.seals, sorted(chunks))
-    total_stats = merge_rows([unseal(row, meta)[0] for row in stats], int(meta.sample_shape[0]))
-    source = SOURCE_NAMES.get(total_stats.source_code) or meta.source_dtype or meta.logical_dtype
-    folded = report(total_stats, source_dtype=source, logical_dtype=meta.logical_dtype)
-    final = meta.replace(status=COMPLETE, completed=_now(), bags=spec, source_dtype=source,
-                         extra={**meta.extra, **(extra or {})}, **folded)
-    split_protocol.check_generation(storage, key, meta)
-    _write_document(storage, key, final)
+    final = lifecycle.mark_complete(storage, key, meta, bags=spec, extra={**meta.extra, **(extra or {})},
+                                    **bag_commit.folded_report(meta, [unseal(row, meta)[0] for row in stats]))
     storage.delete_tree(f"{key}/{bags.SEGMENTS}")
     return final
 
@@ -242,11 +233,3 @@ def _reseal(storage: Storage, key: str, meta: SplitMetadata, table: np.ndarray, 
         for chunk, crc in zip(chunks, read_trailers(storage, f"{key}/{name}", doc, chunks)):
             sealed[rows[chunk], 2] = crc
     _replace_rows(storage, f"{key}/{bags.CHUNK_SEALS}", table, sealed)
-
-
-def _write_document(storage: Storage, key: str, meta: SplitMetadata) -> None:
-    storage.write(f"{key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": meta.to_json()}))
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

@@ -19,17 +19,17 @@ The steps, and why they come in this order (docs/FORMAT.md, "Writing protocol"):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+import datetime as _dt
+from typing import Any, TypeVar
 
+from featurestore.core import split_protocol
 from featurestore.core.leftovers import remove_stale_temp_files
+from featurestore.core.split_kind import SplitKind
 from featurestore.core.storage import Storage
 from featurestore.errors import (CacheKeyMismatch, InvalidOption, NotAFeatureStore, ReadOnlyStore, SplitExists,
                                  SplitNotFound, WrongSplitKind)
 from featurestore.format import layout
-from featurestore.format.metadata import WRITING, SplitMetadata
-
-if TYPE_CHECKING:
-    from featurestore.core.kinds import SplitKind
+from featurestore.format.metadata import COMPLETE, WRITING, SplitMetadata
 
 W = TypeVar("W")
 
@@ -97,6 +97,17 @@ def mark_writing(storage: Storage, key: str, meta: SplitMetadata, **changes: Any
     writing = meta.replace(status=WRITING, completed=None, **changes)
     write_split_document(storage, key, writing)
     return writing
+
+
+def mark_complete(storage: Storage, key: str, meta: SplitMetadata, **changes: Any) -> SplitMetadata:
+    """``meta`` complete (with ``changes``: its report, its counts), on storage: the one write that
+    makes a split complete, preceded by the generation check (an overwrite that started while the
+    commit ran must not be marked complete by it)."""
+    final = meta.replace(status=COMPLETE, completed=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                         **changes)
+    split_protocol.check_generation(storage, key, meta)
+    write_split_document(storage, key, final)
+    return final
 
 
 def write_split_document(storage: Storage, key: str, meta: SplitMetadata) -> None:

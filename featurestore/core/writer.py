@@ -27,14 +27,13 @@ report) are featurestore.core.split_protocol.
 
 from __future__ import annotations
 
-import datetime as _dt
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from featurestore.core import intake, seals, split_protocol
+from featurestore.core import intake, lifecycle, seals, split_protocol
 from featurestore.core.batch import Prepared
 from featurestore.core.buffers import BufferPool
 from featurestore.core.chunk_puts import ChunkPuts
@@ -48,7 +47,7 @@ from featurestore.errors import (
     WriterClosed,
 )
 from featurestore.format import dtypes, layout
-from featurestore.format.metadata import COMPLETE, SplitMetadata, seal
+from featurestore.format.metadata import SplitMetadata, seal
 from featurestore.format.stats import SOURCE_CODES, RowStats, fold_rows
 
 
@@ -205,11 +204,11 @@ class SplitWriter:
         # back (4 bytes a chunk), so a chunk later swapped or moved is found (format.seals).
         self._check_generation()
         seals.write_seals(self._storage, self._key, self._meta, (layout.FEATURES, layout.LABELS))
-        meta = self._meta.replace(status=COMPLETE, completed=_now(), **final)
-        # Checked again right before the one write that makes the split complete: an overwrite
-        # that started while the statistics were read must not be marked complete by this writer.
-        self._check_generation()
-        self._storage.write(f"{self._key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": meta.to_json()}))
+        try:
+            meta = lifecycle.mark_complete(self._storage, self._key, self._meta, **final)
+        except SplitTakenOver:
+            self._closed = True
+            raise
         self._meta = meta
         self._closed = True
         self._puts.close()
@@ -343,7 +342,3 @@ class SplitWriter:
         except SplitTakenOver:
             self._closed = True
             raise
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

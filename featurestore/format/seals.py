@@ -13,10 +13,11 @@ seals ``features`` (0) and ``labels`` (3), a bag split ``features``, ``coords``,
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
 from featurestore.format import layout
-from featurestore.format.metadata import SplitMetadata
 
 CHUNK_SEALS = "chunk_seals"
 # Arrays whose chunks ``chunk_seals`` names, by code (its first column), in its row order.
@@ -24,7 +25,14 @@ SEALED_ARRAYS = (layout.FEATURES, "coords", "offsets", layout.LABELS)
 SEAL_COLUMNS = 4  # array code, chunk index, crc32c, generation
 
 
-def generation_of(meta: SplitMetadata) -> int:
+class Generational(Protocol):
+    """A split's metadata (format.metadata imports this module, so it is not named here)."""
+
+    @property
+    def generation(self) -> str | None: ...
+
+
+def generation_of(meta: Generational) -> int:
     """The generation as ``chunk_seals`` stores it (0 for a split without one)."""
     return 0 if meta.generation is None else int(meta.generation, 16)
 
