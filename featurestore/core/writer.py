@@ -6,7 +6,8 @@ all of its rows. Writers that share a split must give each chunk's rows to one p
 (``featurestore extract`` under torchrun gives chunk ``i`` to rank ``i % world_size``). Every
 chunk is its own key, written with one atomic put, so disjoint writers never touch the same
 bytes; the split's metadata is written by ``create_split`` (once, before the others attach with
-``resume=True``) and by the one ``commit()`` at the end.
+``resume=True``) and by the one ``commit()`` at the end, which writes ``chunk_seals`` (each
+chunk's crc32c at its place, featurestore.core.seals) right before it.
 
 For chunk ``i`` the writer stores, in this order, the labels chunk, the statistics row and the
 features chunk. The features chunk comes last, so its presence with a valid crc32c means the
