@@ -137,3 +137,13 @@ def test_sealed_crc_refuses_a_table_without_the_chunk(tmp_path: Path) -> None:
     meta = store.split_info(*TOP)
     with pytest.raises(CorruptChunk, match="does not seal chunk 7 of labels"):
         seals.sealed_crc(store.storage, "/".join(TOP), meta, "labels", 7)
+
+
+def test_a_compressed_split_is_sealed_by_its_stored_trailers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    top = write(tmp_path, compressor="zstd")
+    store = open_store(str(tmp_path))
+    meta = store.split_info(*TOP)
+    for index in range(meta.num_chunks):
+        raw = (top / "features" / "c" / str(index) / "0" / "0").read_bytes()
+        assert seals.sealed_crc(store.storage, "/".join(TOP), meta, "features", index) == int.from_bytes(raw[-4:], "little")
+    assert verify(tmp_path, capsys) == (0, [])

@@ -41,10 +41,7 @@ OPEN_WITH = {"dense": "store.open(...)", "bags": "store.open_bags(...)"}
 def open_writer(storage: Storage, url: str, mode: str, key: str, kind: SplitKind[W], wanted: SplitMetadata, *,
                 resume: bool, overwrite: bool, verify_chunks: bool, **create: Any) -> W:
     """The writer of split ``key`` (module doc); ``create`` goes to ``kind.create`` on a new split."""
-    if mode != "a":
-        raise ReadOnlyStore(f"store {url} is open read-only: open_store(url, mode='a') to write")
-    if resume and overwrite:
-        raise InvalidOption("resume=True and overwrite=True exclude each other: choose one")
+    check_request(url, mode, resume=resume, overwrite=overwrite)
     existing = read_document(storage, url, f"{key}/{layout.ZARR_JSON}")
     if existing is not None and not overwrite:
         if not resume:
@@ -65,6 +62,14 @@ def open_writer(storage: Storage, url: str, mode: str, key: str, kind: SplitKind
     ensure_group(storage, f"{dataset}/{encoder}", {"featurestore": {"kind": "encoder"}})
     write_split_document(storage, key, wanted)
     return kind.create(storage, key, wanted, **create)
+
+
+def check_request(url: str, mode: str, *, resume: bool, overwrite: bool) -> None:
+    """What is refused before anything else (a door calls it before it builds the metadata)."""
+    if mode != "a":
+        raise ReadOnlyStore(f"store {url} is open read-only: open_store(url, mode='a') to write")
+    if resume and overwrite:
+        raise InvalidOption("resume=True and overwrite=True exclude each other: choose one")
 
 
 def check_same(meta: SplitMetadata, wanted: SplitMetadata, key: str) -> None:

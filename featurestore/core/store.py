@@ -169,6 +169,7 @@ class FeatureStore:
         created it): ``writer.done_ids`` are the bags already complete; on a complete split, all
         but those of damaged chunks (sizes checked; crc32c and seals too with ``verify_chunks``),
         to be added again: ``commit()`` rewrites their chunks only. docs/FORMAT.md, "Slide bags"."""
+        lifecycle.check_request(self.url, self.mode, resume=resume, overwrite=overwrite)
         key = self._split_key(dataset, encoder, split)
         wanted = BAG_KIND.new_metadata(dataset, encoder, split, dim=dim, dtype=dtype, metadata=metadata,
                                        coords_unit=coords_unit, coords_dtype=coords_dtype,
@@ -195,6 +196,7 @@ class FeatureStore:
         crc32c and seals too with ``verify_chunks=True``) and reopens it for the missing or
         damaged ones. The steps are featurestore.core.lifecycle's, shared by every kind.
         """
+        lifecycle.check_request(self.url, self.mode, resume=resume, overwrite=overwrite)
         key = self._split_key(dataset, encoder, split)
         wanted = DENSE_KIND.new_metadata(dataset, encoder, split, num_samples=num_samples, sample_shape=sample_shape,
                                          dtype=dtype, label_shape=label_shape, label_dtype=label_dtype,
