@@ -12,14 +12,14 @@ import pytest
 
 from featurestore import open_store
 from featurestore.core import kinds, lifecycle, seals
-from featurestore.core.array_check import Expected, check_array
+from featurestore.core.array_check import Expected, check_array, check_seals
 from featurestore.core.split_kind import Findings, SplitKind
 from featurestore.core.storage import Storage
 from featurestore.core.verify import verify_store
 from featurestore.errors import ReadOnlyStore, SplitExists, WrongSplitKind
 from featurestore.format import layout, metadata
 from featurestore.format.metadata import COMPLETE, SplitMetadata
-from featurestore.format.seals import generation_of, seal_problems
+from featurestore.format.seals import generation_of
 
 KEY = "ds/enc/toy"
 
@@ -61,9 +61,8 @@ class ToyKind(SplitKind[ToyWriter]):
         crcs: dict[str, list[int | None]] = {}
         check_array(storage, key, layout.FEATURES, Expected([meta.num_samples], "int64", np.dtype(np.int64)),
                     found, crcs=crcs)
-        table = seals.read_table(storage, key)
-        if table is not None and layout.FEATURES in crcs:
-            found.problems.extend(f"{key}/{p}" for p in seal_problems(table, crcs, generation_of(meta), {layout.FEATURES: 1}))
+        if layout.FEATURES in crcs:
+            check_seals(storage, key, generation_of(meta), crcs, found, {layout.FEATURES: 1})
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import numpy as np
 from featurestore.core.split_kind import Findings
 from featurestore.core.storage import Storage
 from featurestore.format import chunks, layout
+from featurestore.format.seals import CHUNK_SEALS, SEAL_COLUMNS, SEALED_ARRAYS, seal_problems
 
 
 @dataclass(frozen=True)
@@ -147,3 +148,19 @@ def check_array(storage: Storage, key: str, name: str, expected: Expected, found
         return np.empty(0)
     joined = np.concatenate(parts) if parts else np.empty((0, *expected.shape[1:]), expected.stored)
     return joined[: expected.shape[0]]
+
+
+def seals_expected(count: int) -> Expected:
+    """``chunk_seals`` sealing ``count`` chunks."""
+    return Expected([count, SEAL_COLUMNS], "uint64", np.dtype(np.uint64))
+
+
+def check_seals(storage: Storage, key: str, generation: int, crcs: dict[str, list[int | None]], found: Findings,
+                ndims: dict[str, int] | None = None) -> None:
+    """Each chunk's crc32c trailer in ``crcs`` (from :func:`check_array`; every sealed array's
+    document was readable, so their chunk counts size the table) against the one ``chunk_seals``
+    holds for its place; ``ndims`` names the chunks (format.seals.seal_problems)."""
+    count = sum(len(crcs.get(name, ())) for name in SEALED_ARRAYS)
+    table = check_array(storage, key, CHUNK_SEALS, seals_expected(count), found, keep=True)
+    if table is not None:
+        found.problems.extend(f"{key}/{p}" for p in seal_problems(table, crcs, generation, ndims))

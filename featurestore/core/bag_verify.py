@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from featurestore.core.bag_commit import read_strings
-from featurestore.core.array_check import Expected, check_array
+from featurestore.core.array_check import Expected, check_array, check_seals, seals_expected
 from featurestore.core.split_kind import Findings
 from featurestore.core.storage import Storage
 from featurestore.format import bags, dtypes, layout
@@ -69,10 +69,6 @@ def _expected(meta: SplitMetadata) -> dict[str, Expected]:
     return expected
 
 
-def _seals_expected(count: int) -> Expected:
-    return Expected([count, bags.SEAL_COLUMNS], "uint64", np.dtype(np.uint64))
-
-
 def read_index(storage: Storage, key: str, meta: SplitMetadata) -> tuple[BagIndex | None, list[str]]:
     """The split's index, or None with the problems when any part of it is missing, damaged or
     inconsistent (as verify checks it; the seals of ``offsets`` and ``labels`` too). Without a
@@ -84,7 +80,7 @@ def read_index(storage: Storage, key: str, meta: SplitMetadata) -> tuple[BagInde
     values = {name: check_array(storage, key, name, expected[name], found, keep=True, crcs=crcs)
               for name in expected if name not in (layout.FEATURES, bags.COORDS)}
     count = sum(len(crcs.get(name, ())) for name in bags.SEALED_ARRAYS)
-    seals = check_array(storage, key, bags.CHUNK_SEALS, _seals_expected(count), found, keep=True)
+    seals = check_array(storage, key, bags.CHUNK_SEALS, seals_expected(count), found, keep=True)
     ids, attrs = (_strings(storage, f"{key}/{name}", n, found) for name in (bags.BAG_IDS, bags.BAG_ATTRS))
     offsets, stats = values[bags.OFFSETS], values[bags.BAG_STATS]
     if seals is not None and all(v is not None for v in values.values()):
@@ -144,7 +140,7 @@ def verify_bags(storage: Storage, key: str, meta: SplitMetadata, result: Finding
         values[name] = check_array(storage, key, name, spec_of, result,
                                    keep=name not in (layout.FEATURES, bags.COORDS), crcs=crcs)
     if all(name in crcs for name in expected if name in bags.SEALED_ARRAYS):
-        _check_seals(storage, key, meta, crcs, result)
+        check_seals(storage, key, generation_of(meta), crcs, result)
     for name in (bags.BAG_IDS, bags.BAG_ATTRS):
         strings = _strings(storage, f"{key}/{name}", n, result)
         if strings is not None and name == bags.BAG_IDS:
@@ -162,16 +158,6 @@ def verify_bags(storage: Storage, key: str, meta: SplitMetadata, result: Finding
         stats = values.get(bags.BAG_STATS)
         if stats is not None and values.get(layout.FEATURES) is not None:
             _check_bags(storage, key, meta, offsets, stats, result)
-
-
-def _check_seals(storage: Storage, key: str, meta: SplitMetadata, crcs: dict[str, list[int | None]],
-                 result: Findings) -> None:
-    """Each chunk's crc32c trailer against the one ``chunk_seals`` holds for its place (called
-    once every sealed array's document was readable: their chunk counts size the table)."""
-    count = sum(len(crcs.get(name, ())) for name in bags.SEALED_ARRAYS)
-    table = check_array(storage, key, bags.CHUNK_SEALS, _seals_expected(count), result, keep=True)
-    if table is not None:
-        result.problems.extend(f"{key}/{p}" for p in bags.seal_problems(table, crcs, generation_of(meta)))
 
 
 def _strings(storage: Storage, array_key: str, n: int, result: Findings) -> list[str] | None:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from featurestore.core.array_check import Expected, check_array
+from featurestore.core.array_check import Expected, check_array, check_seals
 from featurestore.core.split_kind import Findings
 from featurestore.core.storage import Storage
 from featurestore.format import dtypes, layout
 from featurestore.format.chunk_checks import features_match_stats
 from featurestore.format.metadata import SplitMetadata, seal_problem, stats_row_length
-from featurestore.format.seals import CHUNK_SEALS, SEAL_COLUMNS, SEALED_ARRAYS, generation_of, seal_problems
+from featurestore.format.seals import CHUNK_SEALS, SEALED_ARRAYS, generation_of
 
 
 def expected_arrays(meta: SplitMetadata) -> dict[str, Expected]:
@@ -60,9 +60,5 @@ def verify_dense(storage: Storage, key: str, meta: SplitMetadata, found: Finding
         found.problems.append(f"{key}/{layout.IDS}/{layout.ZARR_JSON}: missing (the split metadata says it has ids)")
     if not storage.exists(f"{key}/{CHUNK_SEALS}/{layout.ZARR_JSON}"):
         return  # committed before chunk_seals existed: the statistics rows are its seal
-    count = sum(layout.num_chunks(meta.num_samples, meta.chunk_rows) for name in expected if name in SEALED_ARRAYS)
-    table = check_array(storage, key, CHUNK_SEALS, Expected([count, SEAL_COLUMNS], "uint64", np.dtype(np.uint64)),
-                        found, keep=True)
-    if table is not None and all(name in crcs for name in expected if name in SEALED_ARRAYS):
-        ndims = {name: len(spec.shape) for name, spec in expected.items()}
-        found.problems.extend(f"{key}/{p}" for p in seal_problems(table, crcs, generation_of(meta), ndims))
+    if all(name in crcs for name in expected if name in SEALED_ARRAYS):
+        check_seals(storage, key, generation_of(meta), crcs, found, {name: len(e.shape) for name, e in expected.items()})
