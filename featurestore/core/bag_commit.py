@@ -13,24 +13,24 @@ a resume or another commit redoes it; it is deterministic, so it writes the same
 
 from __future__ import annotations
 
-import datetime as _dt
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from featurestore.core import split_protocol
+from featurestore.core import lifecycle, split_protocol
 from featurestore.core.chunk_puts import ChunkPuts
+from featurestore.core.present import present_chunks
 from featurestore.core.reader import FeatureArray
+from featurestore.core.seals import put_array, write_seals
 from featurestore.core.storage import Storage
 from featurestore.errors import InvalidLabels
 from featurestore.format import bags, chunks, dtypes, layout
-from featurestore.format.metadata import COMPLETE, SplitMetadata, seal
+from featurestore.format.metadata import SplitMetadata, seal
 from featurestore.format.stats import SOURCE_NAMES, merge_rows, report, row_length
 
 __all__ = ["Collected", "collect", "commit"]
 
-INDEX_CHUNK_BYTES = 8 << 20
 STRING_CHUNK = 65536
 
 
@@ -52,7 +52,7 @@ def collect(storage: Storage, key: str, meta: SplitMetadata) -> Collected:
     out.segments = [s for s in storage.listdir(f"{key}/{bags.SEGMENTS}") if not s.startswith(".")]
     for segment in out.segments:
         base = f"{key}/{bags.SEGMENTS}/{segment}"
-        present = _present_chunks(storage, base, meta)
+        present = present_chunks(storage, base, [(name, 2, _payload(meta, name)) for name in (layout.FEATURES, bags.COORDS)])
         out.rows[segment] = (max(present) + 1) * rows if present else 0
         indices = sorted(int(n) for n in storage.listdir(f"{base}/{bags.RECORDS}/c") if n.isdigit())
         keys = [layout.chunk_key(f"{base}/{bags.RECORDS}", i, 1) for i in indices]
@@ -69,19 +69,6 @@ def collect(storage: Storage, key: str, meta: SplitMetadata) -> Collected:
                     continue
                 out.records[record.bag_id] = (segment, record)
     return out
-
-
-def _present_chunks(storage: Storage, base: str, meta: SplitMetadata) -> set[int]:
-    """Segment chunks whose features and coords are both on storage (locally, at full size:
-    ``c/<i>/`` exists from the moment a put starts, the file only once it is renamed)."""
-    present: set[int] | None = None
-    local = storage.local_path(base) is not None
-    for name, nbytes in ((layout.FEATURES, _payload(meta, layout.FEATURES)), (bags.COORDS, _payload(meta, bags.COORDS))):
-        names = {int(n) for n in storage.listdir(f"{base}/{name}/c") if n.isdigit()}
-        if local:
-            names = {i for i in names if storage.size(layout.chunk_key(f"{base}/{name}", i, 2)) == nbytes + layout.CRC_BYTES}
-        present = names if present is None else present & names
-    return present or set()
 
 
 def _payload(meta: SplitMetadata, name: str) -> int:
@@ -127,24 +114,25 @@ def commit(storage: Storage, key: str, meta: SplitMetadata, extra: dict[str, Any
     total = int(offsets[-1])
     labels = _labels(meta, ids, [r.label for _, r in entries])
     _write_rows(storage, key, meta, found, entries, offsets, total)
-    dim = int(meta.sample_shape[0])
     stats = [r.stats for _, r in entries]
     _write_index(storage, key, meta, ids, offsets, labels, [r.attrs for _, r in entries], stats)
-    _write_seals(storage, key, meta)
-    total_stats = merge_rows(stats, dim)
-    source = SOURCE_NAMES.get(total_stats.source_code) or meta.source_dtype or meta.logical_dtype
-    folded = report(total_stats, source_dtype=source, logical_dtype=meta.logical_dtype)
+    write_seals(storage, key, meta, bags.SEALED_ARRAYS)
     spec = dict(meta.bags or {})
     spec["count"] = len(ids)
     if labels is not None:
         spec["labels"] = {"dtype": labels.dtype.name}
-    final = meta.replace(status=COMPLETE, completed=_now(), num_samples=total, bags=spec,
-                         source_dtype=source, extra={**meta.extra, **(extra or {})}, **folded)
-    # Checked right before the one write that makes the split complete (as a dense commit).
-    split_protocol.check_generation(storage, key, meta)
-    storage.write(f"{key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": final.to_json()}))
+    final = lifecycle.mark_complete(storage, key, meta, num_samples=total, bags=spec,
+                                    extra={**meta.extra, **(extra or {})}, **folded_report(meta, stats))
     storage.delete_tree(f"{key}/{bags.SEGMENTS}")
     return final
+
+
+def folded_report(meta: SplitMetadata, rows: list[np.ndarray]) -> dict[str, Any]:
+    """The quantization report, channel statistics and source dtype folded from the bags'
+    statistics rows (unsealed)."""
+    total = merge_rows(rows, int(meta.sample_shape[0]))
+    source = SOURCE_NAMES.get(total.source_code) or meta.source_dtype or meta.logical_dtype
+    return {**report(total, source_dtype=source, logical_dtype=meta.logical_dtype), "source_dtype": source}
 
 
 def _labels(meta: SplitMetadata, ids: list[str], values: list[Any]) -> np.ndarray | None:
@@ -229,74 +217,19 @@ def rows_reader(storage: Storage, base: str, meta: SplitMetadata, name: str, row
 def _write_index(storage: Storage, key: str, meta: SplitMetadata, ids: list[str], offsets: np.ndarray,
                  labels: np.ndarray | None, attrs: list[str], stats: list[np.ndarray]) -> None:
     n = len(ids)
-    _put_array(storage, f"{key}/{bags.OFFSETS}", offsets, attributes={"featurestore": {
+    put_array(storage, f"{key}/{bags.OFFSETS}", offsets, attributes={"featurestore": {
         "description": "bag i is rows offsets[i]:offsets[i+1] of features and coords"}})
     storage.delete_tree(f"{key}/{layout.LABELS}")
     if labels is not None:
-        _put_array(storage, f"{key}/{layout.LABELS}", labels)
+        put_array(storage, f"{key}/{layout.LABELS}", labels)
     width = row_length(int(meta.sample_shape[0])) + (2 if meta.generation is not None else 0)
     sealed = np.zeros((n, width), np.float64)
     for i, row in enumerate(stats):
         sealed[i] = seal(row, meta, i)
-    _put_array(storage, f"{key}/{bags.BAG_STATS}", sealed, attributes={"featurestore": {
+    put_array(storage, f"{key}/{bags.BAG_STATS}", sealed, attributes={"featurestore": {
         "description": "per-bag statistics rows, sealed (generation, bag index); see docs/FORMAT.md"}})
     _put_strings(storage, f"{key}/{bags.BAG_IDS}", ids)
     _put_strings(storage, f"{key}/{bags.BAG_ATTRS}", attrs)
-
-
-def generation_of(meta: SplitMetadata) -> int:
-    """The generation as ``chunk_seals`` stores it (0 for a split without one)."""
-    return 0 if meta.generation is None else int(meta.generation, 16)
-
-
-def _write_seals(storage: Storage, key: str, meta: SplitMetadata) -> None:
-    """``chunk_seals``: the crc32c trailer of every final chunk of features, coords, offsets and
-    labels (4 bytes read back from each: linked chunks were never decoded here), in
-    ``bags.SEALED_ARRAYS`` order, sealed with the generation."""
-    crcs: dict[str, list[int]] = {}
-    for name in bags.SEALED_ARRAYS:
-        try:
-            doc = layout.load_document(storage.read(f"{key}/{name}/{layout.ZARR_JSON}"))
-        except FileNotFoundError:
-            continue  # no labels
-        crcs[name] = read_trailers(storage, f"{key}/{name}", doc, range(layout.num_chunks(
-            doc["shape"][0], layout.array_chunk_rows(doc))))
-    _put_array(storage, f"{key}/{bags.CHUNK_SEALS}", bags.seal_table(crcs, generation_of(meta)),
-               attributes={"featurestore": {"description": "one row per chunk of features, coords, offsets, "
-                                            "labels: array code, chunk index, crc32c, generation; see docs/FORMAT.md",
-                                            "arrays": list(bags.SEALED_ARRAYS)}})
-
-
-def read_trailers(storage: Storage, array_key: str, doc: dict[str, Any], indices: Any) -> list[int]:
-    """The crc32c trailers of chunks ``indices`` (4 bytes read from each)."""
-    shape, rows = list(doc["shape"]), layout.array_chunk_rows(doc)
-    nbytes = rows * int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(doc["data_type"]).itemsize
-    keys = [layout.chunk_key(array_key, i, len(shape)) for i in indices]
-    trailers = storage.read_ranges(keys, [nbytes] * len(keys), [nbytes + layout.CRC_BYTES] * len(keys))
-    return [int.from_bytes(t, "little") for t in trailers]
-
-
-def _put_array(storage: Storage, array_key: str, values: np.ndarray, attributes: dict[str, Any] | None = None) -> None:
-    """A small array in featurestore's own chunk encoding (raw little-endian rows + crc32c)."""
-    values = np.ascontiguousarray(values, values.dtype.newbyteorder("<"))
-    row_bytes = max(1, values[:1].nbytes if len(values) else values.dtype.itemsize * int(np.prod(values.shape[1:])))
-    chunk_rows = max(1, min(max(1, len(values)), INDEX_CHUNK_BYTES // row_bytes))
-    storage.delete_tree(array_key)
-    storage.write(f"{array_key}/{layout.ZARR_JSON}", layout.array_document(
-        shape=values.shape, chunk_rows=chunk_rows, data_type=values.dtype.name, attributes=attributes))
-    for index in range(layout.num_chunks(len(values), chunk_rows)):
-        put_index_chunk(storage, array_key, values, chunk_rows, index)
-
-
-def put_index_chunk(storage: Storage, array_key: str, values: np.ndarray, chunk_rows: int, index: int) -> None:
-    """Chunk ``index`` of a small array (one atomic put: a repair replaces single chunks this way)."""
-    values = np.ascontiguousarray(values, values.dtype.newbyteorder("<"))
-    part = values[index * chunk_rows : (index + 1) * chunk_rows]
-    if len(part) < chunk_rows:  # edge chunks at full shape, padded with 0 (as zarr writes them)
-        padded = np.zeros((chunk_rows, *values.shape[1:]), values.dtype)
-        padded[: len(part)] = part
-        part = padded
-    storage.write_sealed(layout.chunk_key(array_key, index, values.ndim), chunks.encode(part, None))
 
 
 def _put_strings(storage: Storage, array_key: str, values: list[str]) -> None:
@@ -318,8 +251,3 @@ def read_strings(storage: Storage, array_key: str) -> list[str]:
 
     array = zarr.open_array(store=storage.zarr_store(), path=array_key, mode="r")
     return [str(v) for v in array[:]] if array.shape[0] else []
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-

@@ -27,20 +27,19 @@ each one atomic put.
 
 from __future__ import annotations
 
-import datetime as _dt
 from typing import Any
 
 import numpy as np
 
-from featurestore.core import bag_commit, split_protocol
+from featurestore.core import bag_commit, lifecycle, split_protocol
 from featurestore.core.bag_verify import BagIndex, damaged_row_chunks, read_index
 from featurestore.core.bag_writer import BagWriter
 from featurestore.core.chunk_puts import ChunkPuts
+from featurestore.core.seals import put_index_chunk, read_trailers
 from featurestore.core.storage import Storage
 from featurestore.errors import CorruptChunk, IncompleteSplit, InputChanged, SplitExists
 from featurestore.format import bags, dtypes, layout
-from featurestore.format.metadata import COMPLETE, WRITING, SplitMetadata, seal, unseal
-from featurestore.format.stats import SOURCE_NAMES, merge_rows, report
+from featurestore.format.metadata import SplitMetadata, seal, unseal
 
 __all__ = ["REPAIR", "RepairWriter", "commit_repair", "open_complete", "resume_repair"]
 
@@ -80,12 +79,10 @@ def open_complete(storage: Storage, key: str, meta: SplitMetadata, *, verify_chu
     if bad is not None and not bad:
         return None
     if index is None or bad is None:  # nothing traces a chunk to its bags: every bag again
-        writing = meta.replace(status=WRITING, completed=None)
-        _write_document(storage, key, writing)
+        writing = lifecycle.mark_writing(storage, key, meta)
         return BagWriter(storage, key, writing, done_ids=set())
     redo = bags_in_chunks(index, bad, meta.chunk_rows)
-    writing = meta.replace(status=WRITING, completed=None, bags={**(meta.bags or {}), REPAIR: sorted(redo)})
-    _write_document(storage, key, writing)
+    writing = lifecycle.mark_writing(storage, key, meta, bags={**(meta.bags or {}), REPAIR: sorted(redo)})
     return RepairWriter(storage, key, writing, done_ids=set(index.ids) - redo, repair_ids=redo)
 
 
@@ -100,7 +97,7 @@ def resume_repair(storage: Storage, key: str, meta: SplitMetadata, *, verify_chu
         if more:
             redo |= more
             meta = meta.replace(bags={**(meta.bags or {}), REPAIR: sorted(redo)})
-            _write_document(storage, key, meta)
+            lifecycle.write_split_document(storage, key, meta)
     added = set(bag_commit.collect(storage, key, meta).records) & redo
     return RepairWriter(storage, key, meta, done_ids=(set(index.ids) - redo) | added, repair_ids=redo)
 
@@ -146,13 +143,8 @@ def commit_repair(storage: Storage, key: str, meta: SplitMetadata, extra: dict[s
             storage.delete_tree(f"{key}/{name}/c/{stale}")
     _replace_rows(storage, f"{key}/{bags.BAG_STATS}", index.stats, stats)
     _reseal(storage, key, meta, index.seals, sorted(chunks))
-    total_stats = merge_rows([unseal(row, meta)[0] for row in stats], int(meta.sample_shape[0]))
-    source = SOURCE_NAMES.get(total_stats.source_code) or meta.source_dtype or meta.logical_dtype
-    folded = report(total_stats, source_dtype=source, logical_dtype=meta.logical_dtype)
-    final = meta.replace(status=COMPLETE, completed=_now(), bags=spec, source_dtype=source,
-                         extra={**meta.extra, **(extra or {})}, **folded)
-    split_protocol.check_generation(storage, key, meta)
-    _write_document(storage, key, final)
+    final = lifecycle.mark_complete(storage, key, meta, bags=spec, extra={**meta.extra, **(extra or {})},
+                                    **bag_commit.folded_report(meta, [unseal(row, meta)[0] for row in stats]))
     storage.delete_tree(f"{key}/{bags.SEGMENTS}")
     return final
 
@@ -228,7 +220,7 @@ def _replace_rows(storage: Storage, array_key: str, old: np.ndarray, new: np.nda
     rows = layout.array_chunk_rows(layout.load_document(storage.read(f"{array_key}/{layout.ZARR_JSON}")))
     changed = [r for r in range(len(old)) if old[r].tobytes() != new[r].tobytes()]  # NaN rows compare too
     for chunk in sorted({r // rows for r in changed}):
-        bag_commit.put_index_chunk(storage, array_key, new, rows, chunk)
+        put_index_chunk(storage, array_key, new, rows, chunk)
 
 
 def _reseal(storage: Storage, key: str, meta: SplitMetadata, table: np.ndarray, chunks: list[int]) -> None:
@@ -238,14 +230,6 @@ def _reseal(storage: Storage, key: str, meta: SplitMetadata, table: np.ndarray, 
     for code, name in enumerate(bags.SEALED_ARRAYS[:2]):  # features, coords
         doc = layout.load_document(storage.read(f"{key}/{name}/{layout.ZARR_JSON}"))
         rows = np.flatnonzero(sealed[:, 0] == code)
-        for chunk, crc in zip(chunks, bag_commit.read_trailers(storage, f"{key}/{name}", doc, chunks)):
+        for chunk, crc in zip(chunks, read_trailers(storage, f"{key}/{name}", doc, chunks)):
             sealed[rows[chunk], 2] = crc
     _replace_rows(storage, f"{key}/{bags.CHUNK_SEALS}", table, sealed)
-
-
-def _write_document(storage: Storage, key: str, meta: SplitMetadata) -> None:
-    storage.write(f"{key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": meta.to_json()}))
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

@@ -15,24 +15,23 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from featurestore.core.bag_commit import generation_of, read_strings
+from featurestore.core.bag_commit import read_strings
+from featurestore.core.array_check import Expected, check_array, check_seals, seals_expected
+from featurestore.core.split_kind import Findings
 from featurestore.core.storage import Storage
-from featurestore.format import bags, chunks, dtypes, layout
+from featurestore.format import bags, dtypes, layout
 from featurestore.format.chunk_checks import MEAN_RTOL
 from featurestore.format.metadata import SplitMetadata, unseal
+from featurestore.format.seals import generation_of, unsealed
 from featurestore.format.stats import ChunkStats, row_length
 
-if TYPE_CHECKING:
-    from featurestore.core.store import FeatureStore
-    from featurestore.core.verify import SplitCheck
 
 
 @dataclass
-class Findings:
+class _Found:
     """The problems a repair's check found (the two fields of a ``SplitCheck`` it fills)."""
 
     problems: list[str] = field(default_factory=list)
@@ -51,19 +50,22 @@ class BagIndex:
     seals: np.ndarray  # the chunk_seals table
 
 
-def _expected(meta: SplitMetadata) -> dict[str, tuple[list[int], str]]:
-    """Each array's shape and data type, as the split metadata says."""
+def _expected(meta: SplitMetadata) -> dict[str, Expected]:
+    """Each array as the split metadata describes it."""
     spec = meta.bags or {}
-    n, total, dim = int(spec["count"]), int(meta.num_samples), int(meta.sample_shape[0])
+    n, total, dim, rows = int(spec["count"]), int(meta.num_samples), int(meta.sample_shape[0]), meta.chunk_rows
     width = row_length(dim) + (2 if meta.generation is not None else 0)
-    expected: dict[str, tuple[list[int], str]] = {
-        layout.FEATURES: ([total, dim], dtypes.zarr_data_type(meta.logical_dtype)),
-        bags.COORDS: ([total, 2], spec["coords"]["dtype"]),
-        bags.OFFSETS: ([n + 1], "int64"),
-        bags.BAG_STATS: ([n, width], "float64"),
+    coords = spec["coords"]["dtype"]
+    expected = {
+        layout.FEATURES: Expected([total, dim], dtypes.zarr_data_type(meta.logical_dtype),
+                                  dtypes.storage_dtype(meta.logical_dtype), rows),
+        bags.COORDS: Expected([total, 2], coords, np.dtype(coords), rows),
+        bags.OFFSETS: Expected([n + 1], "int64", np.dtype(np.int64)),
+        bags.BAG_STATS: Expected([n, width], "float64", np.dtype(np.float64)),
     }
     if spec.get("labels") is not None:
-        expected[layout.LABELS] = ([n], spec["labels"]["dtype"])
+        label = spec["labels"]["dtype"]
+        expected[layout.LABELS] = Expected([n], label, np.dtype(label))
     return expected
 
 
@@ -71,19 +73,19 @@ def read_index(storage: Storage, key: str, meta: SplitMetadata) -> tuple[BagInde
     """The split's index, or None with the problems when any part of it is missing, damaged or
     inconsistent (as verify checks it; the seals of ``offsets`` and ``labels`` too). Without a
     sound index no damaged chunk can be traced to its bags."""
-    found, expected = Findings(), _expected(meta)
+    found, expected = _Found(), _expected(meta)
     n, total = int((meta.bags or {})["count"]), int(meta.num_samples)
     crcs: dict[str, list[int | None]] = {name: [None] * layout.num_chunks(total, meta.chunk_rows)
                                          for name in (layout.FEATURES, bags.COORDS)}
-    values = {name: _check_array(storage, key, name, *expected[name], meta, found, keep=True, crcs=crcs)
+    values = {name: check_array(storage, key, name, expected[name], found, keep=True, crcs=crcs)
               for name in expected if name not in (layout.FEATURES, bags.COORDS)}
     count = sum(len(crcs.get(name, ())) for name in bags.SEALED_ARRAYS)
-    seals = _check_array(storage, key, bags.CHUNK_SEALS, [count, bags.SEAL_COLUMNS], "uint64", meta, found, keep=True)
+    seals = check_array(storage, key, bags.CHUNK_SEALS, seals_expected(count), found, keep=True)
     ids, attrs = (_strings(storage, f"{key}/{name}", n, found) for name in (bags.BAG_IDS, bags.BAG_ATTRS))
     offsets, stats = values[bags.OFFSETS], values[bags.BAG_STATS]
     if seals is not None and all(v is not None for v in values.values()):
-        unsealed = _unsealed(seals, crcs, generation_of(meta))
-        if unsealed is None or unsealed:
+        wrong = unsealed(seals, crcs, generation_of(meta))
+        if wrong is None or wrong:
             found.problems.append(f"{key}/{bags.CHUNK_SEALS}: does not seal the index chunks found")
     if ids is not None and ids != sorted(set(ids)):
         found.problems.append(f"{key}/{bags.BAG_IDS}: bag ids are not unique and in id order")
@@ -105,22 +107,22 @@ def damaged_row_chunks(storage: Storage, key: str, meta: SplitMetadata, index: B
     """The ``features``/``coords`` chunks to rewrite: missing, of the wrong size, beyond the count
     and, with ``crc`` (every chunk read), damaged or not the chunk ``chunk_seals`` holds for its
     place. None when an array document is wrong (nothing can be traced to bags then)."""
-    found, expected = Findings(), _expected(meta)
+    found, expected = _Found(), _expected(meta)
     bad: set[int] = set()
     crcs: dict[str, list[int | None]] = {}
     for name in (layout.FEATURES, bags.COORDS):
-        _check_array(storage, key, name, *expected[name], meta, found, keep=False, crcs=crcs, bad=bad, read=crc)
+        check_array(storage, key, name, expected[name], found, crcs=crcs, bad=bad, read=crc)
         if name not in crcs:
             return None
     if crc:
         for name in (bags.OFFSETS, layout.LABELS):
             if name in expected:  # checked by read_index: None, not compared again
-                rows = layout.num_chunks(expected[name][0][0], _chunk_rows(storage, f"{key}/{name}"))
+                rows = layout.num_chunks(expected[name].shape[0], _chunk_rows(storage, f"{key}/{name}"))
                 crcs[name] = [None] * rows
-        unsealed = _unsealed(index.seals, crcs, generation_of(meta))
-        if unsealed is None:
+        wrong = unsealed(index.seals, crcs, generation_of(meta))
+        if wrong is None:
             return None
-        bad.update(i for _, i in unsealed)
+        bad.update(i for _, i in wrong)
     return bad
 
 
@@ -128,33 +130,17 @@ def _chunk_rows(storage: Storage, array_key: str) -> int:
     return layout.array_chunk_rows(layout.load_document(storage.read(f"{array_key}/{layout.ZARR_JSON}")))
 
 
-def _unsealed(table: np.ndarray, crcs: dict[str, list[int | None]], generation: int) -> set[tuple[str, int]] | None:
-    """The chunks whose trailer (None: not compared) is not the one ``table`` seals for their place;
-    None when the table does not name the arrays' chunks at all."""
-    expected = bags.seal_table({k: [0 if c is None else c for c in v] for k, v in crcs.items()}, generation)
-    if table.shape != expected.shape or not np.array_equal(table[:, :2], expected[:, :2]):
-        return None
-    out = set()
-    for code, index, crc, sealed_generation in table:
-        name, index = bags.SEALED_ARRAYS[int(code)], int(index)
-        found = crcs[name][index]
-        if found is not None and (int(sealed_generation) != generation or found != int(crc)):
-            out.add((name, index))
-    return out
-
-
-def verify_bags(store: FeatureStore, key: str, meta: SplitMetadata, result: SplitCheck) -> None:
-    storage = store.storage
+def verify_bags(storage: Storage, key: str, meta: SplitMetadata, result: Findings) -> None:
     spec = meta.bags or {}
     n, total = int(spec["count"]), int(meta.num_samples)
     expected = _expected(meta)
     values: dict[str, np.ndarray | None] = {}
     crcs: dict[str, list[int | None]] = {}
-    for name, (shape, data_type) in expected.items():
-        values[name] = _check_array(storage, key, name, shape, data_type, meta, result,
-                                    keep=name not in (layout.FEATURES, bags.COORDS), crcs=crcs)
+    for name, spec_of in expected.items():
+        values[name] = check_array(storage, key, name, spec_of, result,
+                                   keep=name not in (layout.FEATURES, bags.COORDS), crcs=crcs)
     if all(name in crcs for name in expected if name in bags.SEALED_ARRAYS):
-        _check_seals(storage, key, meta, crcs, result)
+        check_seals(storage, key, generation_of(meta), crcs, result)
     for name in (bags.BAG_IDS, bags.BAG_ATTRS):
         strings = _strings(storage, f"{key}/{name}", n, result)
         if strings is not None and name == bags.BAG_IDS:
@@ -174,96 +160,7 @@ def verify_bags(store: FeatureStore, key: str, meta: SplitMetadata, result: Spli
             _check_bags(storage, key, meta, offsets, stats, result)
 
 
-def _check_array(storage: Storage, key: str, name: str, shape: list[int], data_type: str,
-                 meta: SplitMetadata, result: SplitCheck | Findings, *, keep: bool,
-                 crcs: dict[str, list[int | None]] | None = None, bad: set[int] | None = None,
-                 read: bool = True) -> np.ndarray | None:
-    """Check one array's document and chunks; its values when ``keep`` (index arrays), else an
-    empty marker; None when damaged. ``crcs[name]`` gets each chunk's crc32c trailer (None for a
-    chunk missing or damaged); ``bad`` the indices of chunks missing, damaged or beyond the
-    count. ``read=False``: chunk sizes only (a stat each, nothing read)."""
-    where = f"{key}/{name}/{layout.ZARR_JSON}"
-    try:
-        doc = layout.load_document(storage.read(where))
-        found = (list(doc["shape"]), doc["data_type"], layout.is_compressed(doc))
-        rows = layout.array_chunk_rows(doc)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        result.problems.append(f"{where}: missing")
-        return None
-    except (ValueError, KeyError, TypeError, IndexError) as error:
-        result.problems.append(f"{where}: damaged ({type(error).__name__}: {error})")
-        return None
-    ok = True
-    for what, got, want in zip(("shape", "data type", "compressed"), found, (shape, data_type, False)):
-        if got != want:
-            result.problems.append(f"{where}: {what} {got!r}, but the split metadata says {want!r}")
-            ok = False
-    if name in (layout.FEATURES, bags.COORDS) and rows != meta.chunk_rows:
-        result.problems.append(f"{where}: chunk rows {rows}, but the split metadata says {meta.chunk_rows}")
-        ok = False
-    if not ok:
-        return None
-    numpy_dtype = dtypes.storage_dtype(meta.logical_dtype if name == layout.FEATURES else data_type)
-    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * numpy_dtype.itemsize
-    count = layout.num_chunks(shape[0], rows)
-    present = {int(c) for c in storage.listdir(f"{key}/{name}/c") if c.isdigit()}
-    extra = sorted(c for c in present if c >= count)
-    if extra:
-        result.problems.append(f"{key}/{name}: chunk(s) {extra} beyond the array's {count} chunks")
-        if bad is not None:
-            bad.update(extra)
-    parts = []
-    trailers: list[int | None] = [None] * count
-    if crcs is not None:
-        crcs[name] = trailers
-    for index in range(count):
-        chunk = layout.chunk_key(f"{key}/{name}", index, len(shape))
-        if not read:
-            size = storage.size(chunk)  # a directory (a put begun, never renamed) has another size
-            if size != rows * row_bytes + layout.CRC_BYTES:
-                result.problems.append(f"{chunk}: {'missing' if size is None else f'{size} bytes'}")
-                ok = False
-                if bad is not None:
-                    bad.add(index)
-            continue
-        try:
-            raw = storage.read(chunk)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            result.problems.append(f"{chunk}: missing")
-            ok = False
-            if bad is not None:
-                bad.add(index)
-            continue
-        result.chunks_checked += 1
-        problem = chunks.check(raw, rows * row_bytes)
-        if problem:
-            result.problems.append(f"{chunk}: {problem}")
-            ok = False
-            if bad is not None:
-                bad.add(index)
-            continue
-        trailers[index] = int.from_bytes(raw[-layout.CRC_BYTES :], "little")
-        if keep:
-            parts.append(np.frombuffer(raw[: -layout.CRC_BYTES], numpy_dtype).reshape(rows, *shape[1:]))
-    if not ok:
-        return None
-    if not keep:
-        return np.empty(0)
-    joined = np.concatenate(parts) if parts else np.empty((0, *shape[1:]), numpy_dtype)
-    return joined[: shape[0]]
-
-
-def _check_seals(storage: Storage, key: str, meta: SplitMetadata, crcs: dict[str, list[int | None]],
-                 result: SplitCheck) -> None:
-    """Each chunk's crc32c trailer against the one ``chunk_seals`` holds for its place (called
-    once every sealed array's document was readable: their chunk counts size the table)."""
-    count = sum(len(crcs.get(name, ())) for name in bags.SEALED_ARRAYS)
-    table = _check_array(storage, key, bags.CHUNK_SEALS, [count, bags.SEAL_COLUMNS], "uint64", meta, result, keep=True)
-    if table is not None:
-        result.problems.extend(f"{key}/{p}" for p in bags.seal_problems(table, crcs, generation_of(meta)))
-
-
-def _strings(storage: Storage, array_key: str, n: int, result: SplitCheck) -> list[str] | None:
+def _strings(storage: Storage, array_key: str, n: int, result: Findings) -> list[str] | None:
     try:
         strings = read_strings(storage, array_key)
     except Exception as error:  # zarr raises its own types for a missing or damaged array
@@ -283,7 +180,7 @@ def _is_json_object(text: str) -> bool:
         return False
 
 
-def _offsets_problem(key: str, offsets: np.ndarray, total: int, result: SplitCheck) -> str | None:
+def _offsets_problem(key: str, offsets: np.ndarray, total: int, result: Findings) -> str | None:
     problem = None
     if len(offsets) == 0 or offsets[0] != 0:
         problem = "does not start at 0"
@@ -297,7 +194,7 @@ def _offsets_problem(key: str, offsets: np.ndarray, total: int, result: SplitChe
 
 
 def _check_bags(storage: Storage, key: str, meta: SplitMetadata, offsets: np.ndarray,
-                stats: np.ndarray, result: SplitCheck) -> None:
+                stats: np.ndarray, result: Findings) -> None:
     """Seals, then each bag's rows against its statistics row, one features chunk at a time."""
     rows, dim, total = meta.chunk_rows, int(meta.sample_shape[0]), int(meta.num_samples)
     expected_rows: list[ChunkStats] = []
@@ -330,7 +227,7 @@ def _check_bags(storage: Storage, key: str, meta: SplitMetadata, offsets: np.nda
         bag += 1
 
 
-def _bag_matches(key: str, bag: int, count: int, sums: np.ndarray, stats: ChunkStats, result: SplitCheck) -> None:
+def _bag_matches(key: str, bag: int, count: int, sums: np.ndarray, stats: ChunkStats, result: Findings) -> None:
     if stats.values != count * stats.channels:
         result.problems.append(f"{key}: bag {bag} has {count} rows, its statistics row counts "
                                f"{stats.values // max(1, stats.channels)}")

@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from featurestore.core.present import present_chunks
 from featurestore.core.storage import Storage
 from featurestore.errors import SplitTakenOver
 from featurestore.format import layout
-from featurestore.format.metadata import SplitMetadata, unseal
+from featurestore.format.metadata import SplitMetadata, chunk_arrays, unseal
 from featurestore.format.stats import SOURCE_NAMES, merge_rows, report
 
 __all__ = ["absent_chunks", "check_generation", "explain_put_failure", "sealed_report"]
@@ -57,24 +58,12 @@ def explain_put_failure(check: Callable[[], None], generation_check: Callable[[]
 
 
 def absent_chunks(storage: Storage, key: str, meta: SplitMetadata, others: list[int]) -> list[int]:
-    """Which of the chunks ``others`` (not put by this writer) are not done on storage."""
+    """Which of the chunks ``others`` (not put by this writer) are not done on storage: not all
+    of their arrays present (core.present: locally, each file at its full size)."""
     if not others:
         return []
-    feature_dir = f"{key}/{layout.FEATURES}/c"
-    stats_dir = f"{key}/{layout.CHUNK_STATS}/c"
-    present = set(storage.listdir(feature_dir)) & set(storage.listdir(stats_dir))
-    if meta.labels is not None:
-        present &= set(storage.listdir(f"{key}/{layout.LABELS}/c"))
-    absent = [i for i in others if str(i) not in present]
-    if storage.local_path(key) is not None:
-        # Locally, features/c/<i>/ is a directory from the moment a writer starts chunk i
-        # (makedirs, then the atomic rename of the file); a writer killed in between leaves
-        # it empty. The features chunk is written last, so its file is the proof of a done
-        # chunk. Object stores have no empty directories: their listing is the proof.
-        ndim = 1 + len(meta.sample_shape)
-        absent += [i for i in others if str(i) in present and not storage.exists(
-            layout.chunk_key(f"{key}/{layout.FEATURES}", i, ndim))]
-    return sorted(absent)
+    present = present_chunks(storage, key, chunk_arrays(meta), among=others)
+    return sorted(i for i in others if i not in present)
 
 
 def sealed_report(storage: Storage, key: str, meta: SplitMetadata, indices: Iterable[int], *,

@@ -5,42 +5,26 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numpy as np
-
-from featurestore import __version__
-from featurestore.core.leftovers import remove_stale_temp_files
+from featurestore.core import lifecycle
+from featurestore.core.bag_writer import BagWriter
+from featurestore.core.bags import BagSplit
+from featurestore.core.kinds import BAG_KIND, DENSE_KIND
+from featurestore.core.lifecycle import check_split
 from featurestore.core.reader import FeatureArray
 from featurestore.core.storage import Storage, open_storage
 from featurestore.core.writer import SplitWriter
 from featurestore.errors import (
-    CacheKeyMismatch,
-    WrongSplitKind,
     DatasetNotFound,
-    DtypeMismatch,
     EncoderNotFound,
     FeatureStoreError,
     IncompleteSplit,
     InvalidOption,
     NotAFeatureStore,
-    ReadOnlyStore,
-    ShapeMismatch,
-    SplitExists,
     SplitNotFound,
-    SplitSettingsMismatch,
     StoreNotFound,
 )
-from featurestore.format import chunks, dtypes, layout
-from featurestore.format.chunk_checks import features_match_stats
-from featurestore.format.metadata import (
-    WRITING,
-    LabelSpec,
-    Provenance,
-    SplitMetadata,
-    check_version,
-    chunk_arrays,
-    seal_problem,
-    stats_row_length,
-)
+from featurestore.format import bags, layout
+from featurestore.format.metadata import BAGS, DENSE, Provenance, SplitMetadata, check_version
 from featurestore.format.names import validate_name
 from featurestore.format.redact import redact_url
 
@@ -125,9 +109,7 @@ class FeatureStore:
     def open(self, dataset: str, encoder: str, split: str, allow_incomplete: bool = False) -> FeatureArray:
         meta = self.split_info(dataset, encoder, split)
         key = self._split_key(dataset, encoder, split)
-        if meta.is_bags:
-            raise WrongSplitKind(f"split {key} is a bag split (ragged per-slide bags): open it with "
-                                 "store.open_bags(...)")
+        lifecycle.check_kind(meta, DENSE, key)
         if not meta.complete and not allow_incomplete:
             raise IncompleteSplit(
                 f"split {key} is not complete (status {meta.status!r}): its writer is still "
@@ -145,19 +127,38 @@ class FeatureStore:
         return FeatureArray(self.storage, key, layout.FEATURES, features_doc,
                             logical_dtype=meta.logical_dtype, metadata=user_meta, labels=labels)
 
-    def open_bags(self, dataset: str, encoder: str, split: str, allow_incomplete: bool = False) -> Any:
+    def open_bags(self, dataset: str, encoder: str, split: str, allow_incomplete: bool = False) -> BagSplit:
         """A bag split for reading (:class:`featurestore.core.bags.BagSplit`): ``len``, ``ids``,
         ``lengths``, ``labels``, ``read(i_or_id)``; docs/CORE-API.md."""
-        from featurestore.core.bag_store import open_bags
-
-        return open_bags(self, dataset, encoder, split, allow_incomplete=allow_incomplete)
+        meta = self.split_info(dataset, encoder, split)
+        key = self._split_key(dataset, encoder, split)
+        lifecycle.check_kind(meta, BAGS, key)
+        if not meta.complete and not allow_incomplete:
+            raise IncompleteSplit(f"bag split {key} is not complete (status {meta.status!r}): its writer is still "
+                                  "running or died. Resume it (featurestore import ... --resume, or "
+                                  "create_bag_split(..., resume=True) then commit())")
+        names = [layout.FEATURES, bags.COORDS, bags.OFFSETS]
+        if (meta.bags or {}).get("labels") is not None:
+            names.append(layout.LABELS)
+        self._require_inside(dataset, encoder, split, *names, bags.BAG_IDS, bags.BAG_ATTRS)
+        documents: dict[str, dict[str, Any]] = {}
+        for name in names:
+            doc = self._read_document(f"{key}/{name}/{layout.ZARR_JSON}")
+            if doc is not None:
+                documents[name] = doc
+            elif not meta.complete:
+                raise IncompleteSplit(f"bag split {key} has never been committed: nothing to read yet; "
+                                      "commit it (writer.commit()) first")
+            else:
+                self._array_document(f"{key}/{name}")  # raises, naming the missing array
+        return BagSplit(self.storage, key, meta, documents)
 
     # ------------------------------------------------------------------ writing
     def create_bag_split(self, dataset: str, encoder: str, split: str, *, dim: int, dtype: str = "float16",
                          metadata: dict[str, Any] | None = None, resume: bool = False, overwrite: bool = False,
                          coords_unit: str | None = "px", coords_dtype: str = "int64",
                          patch_size_level0: Any = None, label_dtype: Any = None,
-                         chunk_bytes: int = 8 << 20, verify_chunks: bool = False) -> Any:
+                         chunk_bytes: int = 8 << 20, verify_chunks: bool = False) -> BagWriter:
         """Create (or resume, or overwrite) a bag split and return its
         :class:`~featurestore.core.bag_writer.BagWriter` (``add_bag``, ``done_ids``, ``commit``).
 
@@ -168,34 +169,22 @@ class FeatureStore:
         created it): ``writer.done_ids`` are the bags already complete; on a complete split, all
         but those of damaged chunks (sizes checked; crc32c and seals too with ``verify_chunks``),
         to be added again: ``commit()`` rewrites their chunks only. docs/FORMAT.md, "Slide bags"."""
-        from featurestore.core.bag_store import create_bag_split
+        lifecycle.check_request(self.url, self.mode, resume=resume, overwrite=overwrite)
+        key = self._split_key(dataset, encoder, split)
+        wanted = BAG_KIND.new_metadata(dataset, encoder, split, dim=dim, dtype=dtype, metadata=metadata,
+                                       coords_unit=coords_unit, coords_dtype=coords_dtype,
+                                       patch_size_level0=patch_size_level0, label_dtype=label_dtype,
+                                       chunk_bytes=chunk_bytes)
+        return lifecycle.open_writer(self.storage, self.url, self.mode, key, BAG_KIND, wanted, resume=resume,
+                                     overwrite=overwrite, verify_chunks=verify_chunks)
 
-        return create_bag_split(self, dataset, encoder, split, dim=dim, dtype=dtype, metadata=metadata,
-                                resume=resume, overwrite=overwrite, coords_unit=coords_unit,
-                                coords_dtype=coords_dtype, patch_size_level0=patch_size_level0,
-                                label_dtype=label_dtype, chunk_bytes=chunk_bytes, verify_chunks=verify_chunks)
-
-    def create_split(
-        self,
-        dataset: str,
-        encoder: str,
-        split: str,
-        *,
-        num_samples: int,
-        sample_shape: tuple[int, ...] | list[int],
-        dtype: str = "float16",
-        label_shape: tuple[int, ...] | list[int] = (),
-        label_dtype: Any = None,
-        metadata: dict[str, Any] | None = None,
-        chunk_bytes: int | None = None,
-        chunk_rows: int | None = None,
-        resume: bool = False,
-        overwrite: bool = False,
-        compressor: str | None = None,
-        ids: list[str] | None = None,
-        provenance: Provenance | None = None,
-        verify_chunks: bool = False,
-    ) -> SplitWriter:
+    def create_split(self, dataset: str, encoder: str, split: str, *, num_samples: int,
+                     sample_shape: tuple[int, ...] | list[int], dtype: str = "float16",
+                     label_shape: tuple[int, ...] | list[int] = (), label_dtype: Any = None,
+                     metadata: dict[str, Any] | None = None, chunk_bytes: int | None = None,
+                     chunk_rows: int | None = None, resume: bool = False, overwrite: bool = False,
+                     compressor: str | None = None, ids: list[str] | None = None,
+                     provenance: Provenance | None = None, verify_chunks: bool = False) -> SplitWriter:
         """Create (or resume, or overwrite) a split and return its :class:`SplitWriter`.
 
         The chunk size is ``chunk_rows`` samples, or as many samples as fit in ``chunk_bytes``
@@ -204,161 +193,19 @@ class FeatureStore:
         generation). Resuming a split whose ``cache_key`` differs raises
         :class:`CacheKeyMismatch`; one whose geometry, compressor or chunk size differs raises
         :class:`SplitSettingsMismatch`. Resuming a complete split re-checks its chunks (sizes;
-        crc32c too with ``verify_chunks=True``) and reopens it for the missing or damaged ones.
+        crc32c and seals too with ``verify_chunks=True``) and reopens it for the missing or
+        damaged ones. The steps are featurestore.core.lifecycle's, shared by every kind.
         """
-        if self.mode != "a":
-            raise ReadOnlyStore(f"store {self.url} is open read-only: open_store(url, mode='a') to write")
+        lifecycle.check_request(self.url, self.mode, resume=resume, overwrite=overwrite)
         key = self._split_key(dataset, encoder, split)
-        if resume and overwrite:
-            raise InvalidOption("resume=True and overwrite=True exclude each other: choose one")
-        wanted = self._new_metadata(dataset, encoder, split, num_samples, sample_shape, dtype,
-                                    label_shape, label_dtype, metadata, chunk_bytes, chunk_rows,
-                                    compressor, ids, provenance)
-        label_np = np.dtype(wanted.labels.dtype) if wanted.labels is not None else None
-        existing = self._read_document(f"{key}/{layout.ZARR_JSON}")
-        if existing is not None and not overwrite:
-            if not resume:
-                raise SplitExists(
-                    f"split {key} already exists at {self.url}: pass resume=True to continue it "
-                    "(--resume) or overwrite=True to replace it (--overwrite)"
-                )
-            meta = check_split(existing, key)
-            check_resumable(meta, wanted, key)
-            remove_stale_temp_files(self.storage, key)  # of killed writers only (core.leftovers)
-            if meta.complete:
-                done = self._valid_chunks(key, meta, crc=verify_chunks)
-                if len(done) == meta.num_chunks:
-                    return SplitWriter(self.storage, key, meta, done_chunks=done, label_dtype=label_np)
-                # Damaged: it must not read as complete while its chunks are rewritten.
-                meta = meta.replace(status=WRITING, completed=None)
-                self._write_split_document(key, meta)
-                return SplitWriter(self.storage, key, meta, done_chunks=done, label_dtype=label_np)
-            # The array documents may be missing if the creating process died right after the
-            # group; writing them again is idempotent (same geometry, checked above).
-            self._write_arrays(key, meta, ids)
-            done = self._valid_chunks(key, meta)
-            return SplitWriter(self.storage, key, meta, done_chunks=done, label_dtype=label_np)
-        if existing is not None:
-            # Mark the old split incomplete before deleting it: a delete cut short (SIGKILL, a
-            # lost connection) must not leave a split that reads as complete with chunks gone.
-            # It keeps its own metadata (cache key and generation included), so a later resume
-            # cannot mix its surviving chunks with another encoder's.
-            stale = dict((existing.get("attributes") or {}).get("featurestore") or {})
-            stale["status"] = WRITING
-            self.storage.write(f"{key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": stale}))
-            self.storage.delete_tree(key)
-        self._ensure_group(dataset, {"featurestore": {"kind": "dataset"}})
-        self._ensure_group(f"{dataset}/{encoder}", {"featurestore": {"kind": "encoder"}})
-        # The split's group (status "writing", a new generation) goes first: a creation cut short
-        # is visible as an incomplete split, never as a complete one, and a writer of the
-        # replaced split sees the generation change at its next chunk.
-        self._write_split_document(key, wanted)
-        self._write_arrays(key, wanted, ids)
-        return SplitWriter(self.storage, key, wanted, done_chunks=set(), label_dtype=label_np)
+        wanted = DENSE_KIND.new_metadata(dataset, encoder, split, num_samples=num_samples, sample_shape=sample_shape,
+                                         dtype=dtype, label_shape=label_shape, label_dtype=label_dtype,
+                                         metadata=metadata, chunk_bytes=chunk_bytes, chunk_rows=chunk_rows,
+                                         compressor=compressor, ids=ids, provenance=provenance)
+        return lifecycle.open_writer(self.storage, self.url, self.mode, key, DENSE_KIND, wanted, resume=resume,
+                                     overwrite=overwrite, verify_chunks=verify_chunks, ids=ids)
 
     # ------------------------------------------------------------------ internals
-    def _new_metadata(self, dataset: str, encoder: str, split: str, num_samples: int,
-                      sample_shape: Any, dtype: str, label_shape: Any, label_dtype: Any,
-                      metadata: dict[str, Any] | None, chunk_bytes: int | None,
-                      chunk_rows: int | None, compressor: str | None,
-                      ids: list[str] | None, provenance: Provenance | None) -> SplitMetadata:
-        dtypes.check_feature_dtype(dtype)
-        if not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
-            raise ShapeMismatch(f"num_samples must be a positive int, got {num_samples!r}")
-        shape = tuple(int(s) for s in sample_shape)
-        if not shape or any(s < 1 for s in shape):
-            raise ShapeMismatch(f"sample_shape must have at least one positive axis (e.g. (tokens, dim)), got {tuple(sample_shape)!r}")
-        if chunk_rows is not None and chunk_bytes is not None:
-            raise InvalidOption(f"chunk_rows={chunk_rows!r} and chunk_bytes={chunk_bytes!r} exclude each other: give one")
-        if chunk_rows is None:
-            chunk_bytes = 8 << 20 if chunk_bytes is None else chunk_bytes
-            if not isinstance(chunk_bytes, (int, np.integer)) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
-                raise InvalidOption(f"chunk_bytes must be a positive int (e.g. 8 << 20), got {chunk_bytes!r}")
-            sample_nbytes = int(np.prod(shape)) * dtypes.storage_dtype(dtype).itemsize
-            chunk_rows = layout.chunk_rows_for(sample_nbytes, chunk_bytes, int(num_samples))
-        elif not isinstance(chunk_rows, (int, np.integer)) or isinstance(chunk_rows, bool) or chunk_rows < 1:
-            raise InvalidOption(f"chunk_rows must be a positive int, got {chunk_rows!r}")
-        else:
-            chunk_rows = min(int(chunk_rows), int(num_samples))
-        if ids is not None and len(ids) != num_samples:
-            raise ShapeMismatch(f"ids has {len(ids)} entries for {num_samples} samples: pass one id per sample")
-        labels = None
-        if label_dtype is not None:
-            label_np = np.dtype(label_dtype)
-            if label_np.kind not in "iufb":
-                raise DtypeMismatch(f"label_dtype {label_np} is not numeric: use e.g. 'int64' or 'uint8'")
-            labels = LabelSpec(tuple(int(s) for s in label_shape), label_np.name)
-        return SplitMetadata.new(
-            dataset=dataset, encoder_name=encoder, split=split, num_samples=int(num_samples),
-            sample_shape=shape, logical_dtype=dtype, chunk_rows=int(chunk_rows), compressor=compressor,
-            labels=labels, ids=ids is not None, user=metadata, provenance=provenance,
-            creator_version=__version__)
-
-    def _write_split_document(self, key: str, meta: SplitMetadata) -> None:
-        self.storage.write(f"{key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": meta.to_json()}))
-
-    def _write_arrays(self, key: str, meta: SplitMetadata, ids: list[str] | None) -> None:
-        n, rows = meta.num_samples, meta.chunk_rows
-        logical = meta.logical_dtype
-        attrs = {"featurestore": {"logical_dtype": logical}}
-        self.storage.write(f"{key}/{layout.FEATURES}/{layout.ZARR_JSON}", layout.array_document(
-            shape=(n, *meta.sample_shape), chunk_rows=rows, data_type=dtypes.zarr_data_type(logical),
-            compressor=meta.compressor, attributes=attrs))
-        if meta.labels is not None:
-            self.storage.write(f"{key}/{layout.LABELS}/{layout.ZARR_JSON}", layout.array_document(
-                shape=(n, *meta.labels.shape), chunk_rows=rows, data_type=meta.labels.dtype,
-                attributes={"featurestore": {"logical_dtype": meta.labels.dtype}}))
-        self.storage.write(f"{key}/{layout.CHUNK_STATS}/{layout.ZARR_JSON}", layout.array_document(
-            shape=(meta.num_chunks, stats_row_length(meta)), chunk_rows=1, data_type="float64",
-            attributes={"featurestore": {"description": "per-chunk partial sums; see docs/FORMAT.md"}}))
-        if ids is not None:
-            import zarr
-
-            array = zarr.create_array(store=self.storage.zarr_store(read_only=False),
-                                      name=f"{key}/{layout.IDS}", shape=(n,), dtype=str,
-                                      chunks=(max(1, min(n, 65536)),), overwrite=True)
-            array[:] = np.asarray([str(i) for i in ids], dtype=object)
-
-    def _valid_chunks(self, key: str, meta: SplitMetadata, crc: bool = True) -> set[int]:
-        """Chunks whose features, statistics row and labels are all present with the right size
-        (and valid crc32c unless ``crc=False``), whose statistics row carries this split's
-        generation and the chunk's own index, and (with ``crc``, which reads the features)
-        whose features are the ones that row describes: a swapped or moved chunk file with a
-        valid crc32c of its own is rewritten too (format.chunk_checks, as `verify` checks)."""
-        valid: set[int] | None = None
-        stats_rows: dict[int, np.ndarray] = {}
-        # Statistics rows first: each features chunk is then checked against its row.
-        for name, ndim, nbytes in sorted(chunk_arrays(meta), key=lambda a: a[0] != layout.CHUNK_STATS):
-            present = {int(n) for n in self.storage.listdir(f"{key}/{name}/c") if n.isdigit()}
-            good = set()
-            for index in sorted(present if valid is None else present & valid):
-                if index >= meta.num_chunks:
-                    continue
-                chunk = layout.chunk_key(f"{key}/{name}", index, ndim)
-                if not crc and nbytes is not None and name != layout.CHUNK_STATS:
-                    # Sizes only (a stat per chunk, no read); a directory has another size.
-                    size = self.storage.size(chunk)
-                    if size == nbytes + layout.CRC_BYTES:
-                        good.add(index)
-                    continue
-                try:
-                    raw = self.storage.read(chunk)
-                except (FileNotFoundError, IsADirectoryError):
-                    # c/<i>/ exists locally from the moment a writer starts chunk i (makedirs,
-                    # then the atomic rename): another rank mid-write, or one killed there.
-                    continue
-                if chunks.check(raw, nbytes) is not None:
-                    continue
-                if name == layout.CHUNK_STATS:
-                    if seal_problem(raw, meta, index) is not None:
-                        continue  # another run's chunk (overwrite raced) or a moved file
-                    stats_rows[index] = np.frombuffer(raw[: -layout.CRC_BYTES], np.float64)
-                elif name == layout.FEATURES and features_match_stats(raw, meta, index, stats_rows[index]):
-                    continue  # a swapped or moved features file: its rows belong elsewhere
-                good.add(index)
-            valid = good
-        return valid or set()
-
     def _split_key(self, dataset: str, encoder: str, split: str) -> str:
         return layout.split_key(validate_name(dataset, "dataset"), validate_name(encoder, "encoder"),
                                 validate_name(split, "split"))
@@ -411,25 +258,17 @@ class FeatureStore:
                     f"available: {', '.join(self._groups(dataset)) or 'none'}"
                 )
 
-    def _ensure_group(self, key: str, attributes: dict[str, Any]) -> None:
-        if not self.storage.exists(f"{key}/{layout.ZARR_JSON}"):
-            self.storage.write(f"{key}/{layout.ZARR_JSON}", layout.group_document(attributes))
-
     def _read_document(self, key: str) -> dict[str, Any] | None:
-        try:
-            raw = self.storage.read(key)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            return None
-        try:
-            return layout.load_document(raw)
-        except ValueError as error:
-            raise NotAFeatureStore(f"{self.url}/{key} is not valid JSON ({error}): the store is damaged") from None
+        return lifecycle.read_document(self.storage, self.url, key)
 
     def _array_document(self, key: str) -> dict[str, Any]:
         doc = self._read_document(f"{key}/{layout.ZARR_JSON}")
         if doc is None or doc.get("node_type") != "array":
             raise SplitNotFound(f"array {key} is missing at {self.url}: the split is damaged; rewrite it with overwrite=True")
         return doc
+
+
+__all__ = ["FeatureStore", "check_root", "check_split", "open_store"]
 
 
 def check_root(doc: dict[str, Any], url: str) -> None:
@@ -440,39 +279,6 @@ def check_root(doc: dict[str, Any], url: str) -> None:
             "directory, or use an empty location for a new store"
         )
     check_version(info.get("version"), url)
-
-
-def check_split(doc: dict[str, Any], key: str) -> SplitMetadata:
-    if doc.get("node_type") != "group":
-        raise SplitNotFound(f"{key} is not a featurestore split (its zarr.json is not a group)")
-    return SplitMetadata.from_json((doc.get("attributes") or {}).get("featurestore"), key)
-
-
-def check_resumable(meta: SplitMetadata, wanted: SplitMetadata, key: str) -> None:
-    """The one check that a run may continue (or re-run into) an existing split."""
-    if meta.is_bags:
-        raise WrongSplitKind(f"split {key} is a bag split, not a dense split: use another split name, "
-                             "or overwrite=True (--overwrite) to replace it")
-    old, new = meta.cache_key, wanted.cache_key
-    if old and new and old != new:
-        raise CacheKeyMismatch(
-            f"split {key} was written with cache key {old}, this run has {new} (another encoder, "
-            "weights, preprocessing, dtype or input): use overwrite=True (--overwrite) to replace it, "
-            "or another split name"
-        )
-    for name in ("num_samples", "sample_shape", "logical_dtype", "labels"):
-        if getattr(meta, name) != getattr(wanted, name):
-            raise ShapeMismatch(
-                f"cannot resume {key}: its {name} is {getattr(meta, name)!r}, this run asks for "
-                f"{getattr(wanted, name)!r}; use overwrite=True (--overwrite) to replace it"
-            )
-    for name, flag in (("compressor", "--compressor"), ("chunk_rows", "--chunk-mb")):
-        if getattr(meta, name) != getattr(wanted, name):
-            raise SplitSettingsMismatch(
-                f"split {key} ({meta.status}) was written with {name} {getattr(meta, name)!r}, this run "
-                f"asks for {getattr(wanted, name)!r} ({flag}): run with the split's own setting, or "
-                "--overwrite to rewrite it with the new one"
-            )
 
 
 def _is_name(name: str) -> bool:

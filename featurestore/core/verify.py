@@ -4,15 +4,11 @@ What is checked (docs/FORMAT.md, "Guarantees"):
 
 * every dataset, encoder and split directory has its group ``zarr.json``, and every split's
   metadata parses;
-* for each complete split, the ``features``, ``labels`` and ``chunk_stats`` array documents exist,
-  parse, and agree with the split metadata (shape = ``num_samples`` x ``sample_shape``, chunk
-  rows, data type, compression);
-* every chunk of every array is a file of the right size with a valid crc32c;
-* every statistics row carries the split's generation and its own chunk index (the seal), and
-  its row count and per-channel means match the features chunk beside it, so a chunk file moved,
-  swapped or left by another run of the split is found even though its own crc32c is valid;
 * a directory under a reserved name (featurestore.format.names) is reported: readers skip it;
-* a bag split: its own checks (featurestore.core.bag_verify).
+* each complete split by its kind (featurestore.core.kinds: a dense split in
+  featurestore.core.dense_verify, a bag split in featurestore.core.bag_verify), every array
+  through the one array checker (featurestore.core.array_check: documents against the split
+  metadata, every chunk's size and crc32c) and every chunk against its seals.
 
 Every problem is listed; nothing stops at the first one. Temporary files of writers killed
 mid-put are listed apart, as leftovers (featurestore.core.leftovers): not damage, since nothing
@@ -24,17 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
-
+from featurestore.core.kinds import kind_of
 from featurestore.core.leftovers import TempFile, find_temp_files
 from featurestore.core.store import FeatureStore
 from featurestore.errors import DatasetNotFound, EncoderNotFound, FeatureStoreError, SplitNotFound
-from featurestore.format import chunks, dtypes, layout
-from featurestore.format.metadata import SplitMetadata, chunk_arrays, seal_problem, stats_row_length
-from featurestore.format.chunk_checks import features_match_stats
+from featurestore.format import layout
 from featurestore.format.names import reserved_reason, validate_name
+
 
 @dataclass
 class SplitCheck:
@@ -120,90 +113,9 @@ def verify_split(store: FeatureStore, dataset: str, encoder: str, split: str) ->
     except FeatureStoreError as error:
         return SplitCheck(key=key, status="unreadable", problems=[f"{key}/{layout.ZARR_JSON}: {error}"])
     result = SplitCheck(key=key, status=meta.status)
-    if not meta.complete:
-        return result
-    if meta.is_bags:
-        from featurestore.core.bag_verify import verify_bags
-
-        verify_bags(store, key, meta, result)
-        return result
-    _check_documents(store, key, meta, result.problems)
-    stats_rows: dict[int, np.ndarray] = {}
-    # Statistics rows first: each features chunk is then checked against its row.
-    for name, ndim, nbytes in sorted(chunk_arrays(meta), key=lambda a: a[0] != layout.CHUNK_STATS):
-        present = {n for n in store.storage.listdir(f"{key}/{name}/c") if n.isdigit()}
-        extra = sorted(int(n) for n in present if int(n) >= meta.num_chunks)
-        if extra:
-            result.problems.append(f"{key}/{name}: chunk(s) {extra} beyond the split's {meta.num_chunks} chunks")
-        for index in range(meta.num_chunks):
-            chunk = layout.chunk_key(f"{key}/{name}", index, ndim)
-            try:
-                raw = store.storage.read(chunk)
-            except (FileNotFoundError, NotADirectoryError):
-                result.problems.append(f"{chunk}: missing")
-                continue
-            except IsADirectoryError:
-                result.problems.append(f"{chunk}: is a directory, not a chunk file")
-                continue
-            result.chunks_checked += 1
-            problem = chunks.check(raw, nbytes)
-            if problem is None and name == layout.CHUNK_STATS:
-                problem = seal_problem(raw, meta, index)
-                if problem is None:
-                    stats_rows[index] = np.frombuffer(raw[: -layout.CRC_BYTES], np.float64)
-            elif problem is None and name == layout.FEATURES and index in stats_rows:
-                problem = features_match_stats(raw, meta, index, stats_rows[index])
-            if problem:
-                result.problems.append(f"{chunk}: {problem}")
+    if meta.complete:
+        kind_of(meta).verify(store.storage, key, meta, result)
     return result
-
-
-def _check_documents(store: FeatureStore, key: str, meta: SplitMetadata, problems: list[str]) -> None:
-    """The array documents against the split metadata."""
-    expected: list[tuple[str, list[int], int, str, bool]] = [
-        (layout.FEATURES, [meta.num_samples, *meta.sample_shape], meta.chunk_rows,
-         dtypes.zarr_data_type(meta.logical_dtype), meta.compressor is not None),
-        (layout.CHUNK_STATS, [meta.num_chunks, stats_row_length(meta)], 1, "float64", False),
-    ]
-    if meta.labels is not None:
-        expected.append((layout.LABELS, [meta.num_samples, *meta.labels.shape], meta.chunk_rows,
-                         meta.labels.dtype, False))
-    for name, shape, rows, data_type, compressed in expected:
-        where = f"{key}/{name}/{layout.ZARR_JSON}"
-        doc = _document(store, where, problems)
-        if doc is None:
-            continue
-        if doc.get("node_type") != "array":
-            problems.append(f"{where}: not an array document")
-            continue
-        try:
-            found = (list(doc["shape"]), layout.array_chunk_rows(doc), doc["data_type"], layout.is_compressed(doc))
-        except (KeyError, TypeError, IndexError, ValueError) as error:
-            problems.append(f"{where}: damaged ({type(error).__name__}: {error})")
-            continue
-        for what, got, want in zip(("shape", "chunk rows", "data type", "compressed"), found,
-                                   (shape, rows, data_type, compressed)):
-            if got != want:
-                problems.append(f"{where}: {what} {got!r}, but the split metadata says {want!r}")
-    if meta.ids and not store.storage.exists(f"{key}/{layout.IDS}/{layout.ZARR_JSON}"):
-        problems.append(f"{key}/{layout.IDS}/{layout.ZARR_JSON}: missing (the split metadata says it has ids)")
-
-
-def _document(store: FeatureStore, where: str, problems: list[str]) -> dict[str, Any] | None:
-    try:
-        raw = store.storage.read(where)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        problems.append(f"{where}: missing")
-        return None
-    try:
-        doc = layout.load_document(raw)
-    except ValueError as error:
-        problems.append(f"{where}: not valid JSON ({error})")
-        return None
-    if not isinstance(doc, dict):
-        problems.append(f"{where}: not a JSON object")
-        return None
-    return doc
 
 
 def _children(store: FeatureStore, prefix: str, problems: list[str]) -> list[str]:

@@ -6,7 +6,8 @@ all of its rows. Writers that share a split must give each chunk's rows to one p
 (``featurestore extract`` under torchrun gives chunk ``i`` to rank ``i % world_size``). Every
 chunk is its own key, written with one atomic put, so disjoint writers never touch the same
 bytes; the split's metadata is written by ``create_split`` (once, before the others attach with
-``resume=True``) and by the one ``commit()`` at the end.
+``resume=True``) and by the one ``commit()`` at the end, which writes ``chunk_seals`` (each
+chunk's crc32c at its place, featurestore.core.seals) right before it.
 
 For chunk ``i`` the writer stores, in this order, the labels chunk, the statistics row and the
 features chunk. The features chunk comes last, so its presence with a valid crc32c means the
@@ -27,14 +28,13 @@ report) are featurestore.core.split_protocol.
 
 from __future__ import annotations
 
-import datetime as _dt
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from featurestore.core import intake, split_protocol
+from featurestore.core import intake, lifecycle, seals, split_protocol
 from featurestore.core.batch import Prepared
 from featurestore.core.buffers import BufferPool
 from featurestore.core.chunk_puts import ChunkPuts
@@ -48,7 +48,7 @@ from featurestore.errors import (
     WriterClosed,
 )
 from featurestore.format import dtypes, layout
-from featurestore.format.metadata import COMPLETE, SplitMetadata, seal
+from featurestore.format.metadata import SplitMetadata, seal
 from featurestore.format.stats import SOURCE_CODES, RowStats, fold_rows
 
 
@@ -201,11 +201,15 @@ class SplitWriter:
                 "still be running) or resume, then commit"
             )
         final = self._final_report(self._meta)
-        meta = self._meta.replace(status=COMPLETE, completed=_now(), **final)
-        # Checked again right before the one write that makes the split complete: an overwrite
-        # that started while the statistics were read must not be marked complete by this writer.
+        # chunk_seals last before the document: each chunk's crc32c trailer at its place, read
+        # back (4 bytes a chunk), so a chunk later swapped or moved is found (format.seals).
         self._check_generation()
-        self._storage.write(f"{self._key}/{layout.ZARR_JSON}", layout.group_document({"featurestore": meta.to_json()}))
+        seals.write_seals(self._storage, self._key, self._meta, (layout.FEATURES, layout.LABELS))
+        try:
+            meta = lifecycle.mark_complete(self._storage, self._key, self._meta, **final)
+        except SplitTakenOver:
+            self._closed = True
+            raise
         self._meta = meta
         self._closed = True
         self._puts.close()
@@ -339,7 +343,3 @@ class SplitWriter:
         except SplitTakenOver:
             self._closed = True
             raise
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

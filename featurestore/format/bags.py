@@ -31,7 +31,8 @@ import numpy as np
 
 from featurestore.errors import (BagNotFound, IndexOutOfRange, InvalidIndices, InvalidMetadata, InvalidOption,
                                  ShapeMismatch)
-from featurestore.format import layout
+# The chunk_seals table is every kind's now (format.seals); its names stay importable from here.
+from featurestore.format.seals import CHUNK_SEALS, SEAL_COLUMNS, SEALED_ARRAYS, seal_problems, seal_table  # noqa: F401
 
 # Arrays of a bag split (beside the dense split's FEATURES, LABELS: same names, same meaning).
 COORDS = "coords"
@@ -39,10 +40,6 @@ OFFSETS = "offsets"
 BAG_IDS = "bag_ids"
 BAG_ATTRS = "bag_attrs"
 BAG_STATS = "bag_stats"
-CHUNK_SEALS = "chunk_seals"
-# Arrays whose chunks ``chunk_seals`` names, by code (its first column), in its row order.
-SEALED_ARRAYS = ("features", COORDS, OFFSETS, "labels")
-SEAL_COLUMNS = 4  # array code, chunk index, crc32c, generation
 SEGMENTS = "segments"
 RECORDS = "records"
 
@@ -283,46 +280,6 @@ def in_place(parts: list[Piece], chunk: int, chunk_rows: int, total_rows: int,
     if filled.get((first.segment, index), chunk_rows) != rows:
         return None
     return first.segment, index
-
-
-def seal_table(crcs: dict[str, list[int]], generation: int) -> np.ndarray:
-    """``chunk_seals``: one uint64 row ``(array code, chunk index, crc32c, generation)`` per chunk
-    of each array in ``crcs`` (its chunks' crc32c trailers in index order), arrays in
-    ``SEALED_ARRAYS`` order."""
-    rows = [(code, index, crc, generation) for code, name in enumerate(SEALED_ARRAYS)
-            for index, crc in enumerate(crcs.get(name, ()))]
-    return np.asarray(rows, np.uint64).reshape(len(rows), SEAL_COLUMNS)
-
-
-def seal_problems(table: np.ndarray, crcs: dict[str, list[int | None]], generation: int) -> list[str]:
-    """Why the chunks found (``crcs``: each array's chunk trailers in index order, None for a chunk
-    already reported damaged) are not the ones ``table`` sealed: one line per chunk, named as
-    ``<array>/c/<index>``, relative to the split."""
-    expected = seal_table({k: [0 if c is None else c for c in v] for k, v in crcs.items()}, generation)
-    if table.shape != expected.shape or not np.array_equal(table[:, :2], expected[:, :2]):
-        return [f"{CHUNK_SEALS}: names {len(table)} chunks, the split's arrays have {len(expected)} "
-                "(a table from another split or run)"]
-    owner = {int(crc): (SEALED_ARRAYS[int(code)], int(index)) for code, index, crc, _ in table}
-    problems = []
-    for (code, index, crc, sealed_generation), want in zip(table, expected):
-        name, index = SEALED_ARRAYS[int(code)], int(index)
-        found = crcs[name][index]
-        if found is None:
-            continue
-        where = _chunk_name(name, index)
-        if int(sealed_generation) != generation:
-            problems.append(f"{CHUNK_SEALS}: row for {where} is sealed for generation {int(sealed_generation):x}, "
-                            f"the split's is {generation:x}: a file copied from another run")
-        elif found != int(crc):
-            other = owner.get(found)
-            hint = (f"it holds {_chunk_name(*other)}'s bytes: chunks swapped or moved" if other
-                    else "a chunk rewritten with a valid crc32c or copied from another run of the split")
-            problems.append(f"{where}: crc32c {found:08x}, but the commit sealed {int(crc):08x} for it ({hint})")
-    return problems
-
-
-def _chunk_name(name: str, index: int) -> str:
-    return layout.chunk_key(name, index, 2 if name in ("features", COORDS) else 1)
 
 
 class BagLookup:

@@ -79,6 +79,8 @@ def split_size(meta: SplitMetadata) -> SplitSize:
         if nbytes is None:  # compressed features: their uncompressed size
             nbytes = meta.chunk_rows * math.prod(meta.sample_shape) * itemsize
         stored += meta.num_chunks * (nbytes + layout.CRC_BYTES)
+    if meta.complete:  # chunk_seals: a row per features and labels chunk (none before it existed)
+        stored += _index_bytes(meta.num_chunks * (2 if meta.labels is not None else 1), 4 * 8)
     return _size(meta, data, stored, "sample ids not counted" if meta.ids else "")
 
 
