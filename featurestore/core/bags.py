@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core.bag_commit import generation_of, read_strings
+from featurestore.core.bag_commit import read_strings
+from featurestore.format.seals import generation_of
 from featurestore.core.reader import FeatureArray
 from featurestore.core.storage import Storage
 from featurestore.errors import CorruptChunk, IndexOutOfRange, InvalidIndices, ShapeMismatch
