@@ -305,7 +305,7 @@ class FeatureClient:
             self._layouts[key] = arr
         return arr
 
-    # ------------------------------------------------------------------ bag splits (issue 23)
+    # ------------------------------------------------------------------ bag splits
     def bags(self, dataset: str, encoder: str, split: str, *, attrs: bool = False) -> wire.BagsListing:
         """The bag split's listing (every page): ``ids``, ``lengths`` (int64 patches per bag),
         ``labels`` (or None), ``dim``, ``dtype``, ``coords_dtype``, ``coords_unit``,

@@ -102,7 +102,7 @@ class FeatureLoader(StreamingLoader):
             self.order = "batch_sampler"
         elif order != "auto":
             self.order = order
-        else:  # "auto": uniform on every backend (issue 15); "block" only when asked for
+        else:  # "auto": uniform on every backend; "block" only when asked for
             self.order = "shuffle" if self.shuffle else "sequential"
         self.normalize = bool(normalize)
         self._mean_std = channel_normalization(ds, self.normalize)

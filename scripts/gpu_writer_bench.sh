@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14 on a GPU box, one command (a few minutes on an H100): the writer's CUDA statistics
+# The writer on a GPU box, one command (a few minutes on an H100): the writer's CUDA statistics
 # test, extraction wall vs encode-only for timm ViT-S/14 and ViT-L/14 (random weights, 224 px,
 # float32 features stored float16) with the GPU's statistics of one batch against the CPU's, the
 # zero-cost-encoder ceiling and the writer vs numpy tofile. Figures go to stdout and $OUT/*.json.

@@ -114,7 +114,7 @@ def error_response(status: int, detail: object, error: str, headers: dict[str, s
 def relative_to_store(message: str, private_paths: Sequence[str]) -> str:
     """``message`` with the store's own location taken out: keys inside it become relative
     (``ds/enc/split/features/c/3/0/0``), the root itself "the store". Callers of a server must not
-    learn where its store lives (issue 26.14); the server's log keeps the full message."""
+    learn where its store lives; the server's log keeps the full message."""
     for root in private_paths:  # longest first: a root inside another is not cut in half
         message = message.replace(root + "/", "").replace(root, "the store")
     return message

@@ -1,4 +1,4 @@
-"""Request-body cap, enforced before a byte of the body is parsed (issue 12.6).
+"""Request-body cap, enforced before a byte of the body is parsed.
 
 A pure-ASGI middleware: a declared ``Content-Length`` over ``FEATURESTORE_MAX_REQUEST_BYTES`` is
 answered 413 at once, without reading the body; a body without a length (chunked) is counted as

@@ -1,4 +1,4 @@
-"""Bag-split routes (issue 23): the listing of a bag split and one bag's features + coordinates.
+"""Bag-split routes: the listing of a bag split and one bag's features + coordinates.
 
 ``GET /v1/bags/{dataset}/{encoder}/{split}`` answers :class:`~featurestore.format.wire.BagsListing`
 (ids, lengths, labels, dim, dtypes, coordinate unit, the byte cap; pages of at most

@@ -106,7 +106,7 @@ def gathered_response(state: StoreState, entry: OpenedSplit, nbytes: int, parts:
         except (MissingChunks, CorruptChunk, FileNotFoundError, SplitChanged):
             # Missing or damaged chunks mean a damaged store (500) only if the split is still the
             # one that was opened: an overwrite deletes and rewrites them, and a read caught in it
-            # is the retryable 409 (issue 26.9).
+            # is the retryable 409.
             state.check_unchanged(entry)
             raise
         state.confirm(entry)  # the split did not change while we read it

@@ -3,7 +3,7 @@ routes are in ``server/routes_data.py``.
 
 Handlers are plain ``def`` (FastAPI runs them in its thread pool, where blocking store reads do
 not stall the event loop), except ``/healthz``, which answers on the event loop itself so that
-it keeps answering while every pool thread is busy (issue 12.6). They raise domain errors only;
+it keeps answering while every pool thread is busy. They raise domain errors only;
 ``server/errors.py`` turns those into status codes. Route strings come from
 ``featurestore/format/wire.py``, the one wire contract.
 """

@@ -115,7 +115,7 @@ class Settings(BaseSettings):
         return self.token.get_secret_value().strip() or None
 
     def empty_token_warning(self) -> str | None:
-        """A loud warning when FEATURESTORE_TOKEN is set but empty (issue 12.11): that looks like
+        """A loud warning when FEATURESTORE_TOKEN is set but empty: that looks like
         auth is on while the server is open to anyone. Not refused, because compose files pass
         ``FEATURESTORE_TOKEN: ${FEATURESTORE_TOKEN:-}`` to mean "no token" on purpose."""
         if self.token is not None and not self.token.get_secret_value().strip():

@@ -1,7 +1,7 @@
 """What one server worker holds: the opened store, a cache of opened splits that notices when a
 split changes on storage, the response buffer pool, and the budget of response bytes in flight.
 
-Staleness (issue 12.2): an opened split is kept with the exact bytes of its metadata document
+Staleness: an opened split is kept with the exact bytes of its metadata document
 (the split group's ``zarr.json``, which a writer rewrites on create/overwrite/commit and which
 holds the split's generation). On a local store the document is re-read on every request (a
 page-cached read of a few KiB, ~10-20 us) and once more after the gather: a split that changed in
@@ -14,7 +14,7 @@ object storage caught in an overwrite raises SplitChanged, answered with the sam
 Every data response names the generation of the opened split (``OpenedSplit.generation``, the
 ``X-Featurestore-Generation`` header): a client compares it with the one it opened.
 
-Overwrites (issue 26.9): a split this worker has served complete and that is now incomplete (an
+Overwrites: a split this worker has served complete and that is now incomplete (an
 overwrite is writing it), missing (the overwrite deleted it and has not written it again yet),
 or whose chunks vanished or changed under a read (a MissingChunks/CorruptChunk/FileNotFoundError
 while its document changed) is answered 409 with ``Retry-After`` ("the split changed while
@@ -68,7 +68,7 @@ class OpenedSplit:
     checked: float
     # When this worker first saw the split changed under this entry (None: not yet).
     changed: float | None = None
-    # "dense" (array: a FeatureArray) or "bags" (array: the store's Bags reader, issue 23).
+    # "dense" (array: a FeatureArray) or "bags" (array: the store's Bags reader).
     kind: str = "dense"
     # A derived split's staleness (featurestore.core.lineage) and when it was last checked.
     stale: str | None = None

@@ -79,7 +79,7 @@ class TestSeaweedFS(BagContract):
 
 
 class TestSeaweedFSCached(BagContract):
-    """Through a local chunk cache (issue 27): whole chunks fetched, checked, read locally."""
+    """Through a local chunk cache: whole chunks fetched, checked, read locally."""
 
     dtypes = ("float16", "float32")
 

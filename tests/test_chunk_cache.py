@@ -1,4 +1,4 @@
-"""The local chunk cache of object-storage stores (core.chunk_cache, issue 27), against the
+"""The local chunk cache of object-storage stores (core.chunk_cache), against the
 session's SeaweedFS server (moto for a server that dies): same bytes as without it, shared by
 processes, safe against kills, other generations, damaged files and a full disk."""
 

@@ -1,6 +1,5 @@
 """Static checks of docker/: the compose files' structure, the server's and the extraction job's
-command lines (accepted by the CLI's own parser), and the Dockerfile's contract (SPEC.md,
-issues 4 and 7). Fast and docker-free; tests/docker/run.sh builds and runs all of it for real.
+command lines (accepted by the CLI's own parser), and the Dockerfile's contract (SPEC.md). Fast and docker-free; tests/docker/run.sh builds and runs all of it for real.
 """
 
 from __future__ import annotations

@@ -347,7 +347,7 @@ def _age(paths: list[Path], minutes: float) -> None:
 
 
 def test_temp_files_of_killed_writers_are_reported_and_resume_removes_only_stale_ones(tmp_path: Path) -> None:
-    """Issue 26.13: a writer SIGKILLed in the middle of a put leaves its temporary file, which
+    """A writer SIGKILLed in the middle of a put leaves its temporary file, which
     neither resume removed nor verify reported. verify lists it (a leftover, not damage); a
     resume removes it once its writer is gone from this host and it is 10 minutes old, and
     never the temporary file of a writer that is still running."""

@@ -151,7 +151,7 @@ def test_cuda_statistics_match_the_cpu(logical: str) -> None:
 @pytest.mark.parametrize("logical", ["bfloat16", "float32"])
 @pytest.mark.parametrize("source", ["float32", "float64"])
 def test_torch_and_numpy_agree_on_values_whose_squares_leave_float32(logical: str, source: str) -> None:
-    """Issue 26.10: values near bfloat16's largest, and tiny ones, squared in float32 overflowed to
+    """Values near bfloat16's largest, and tiny ones, squared in float32 overflowed to
     inf (or underflowed to 0) on the torch path; both paths now square them in float64."""
     x = _features(6, seed=5) * 1e-3
     x[0, 1, 2], x[1, 0, 0], x[2, 3, 4], x[5, 7, 1] = 3.0e38, -1e22, 1e-30, 1e20

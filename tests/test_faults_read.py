@@ -1,4 +1,4 @@
-"""Checked reads (issue 12.4): damaged chunks are refused with their name, locally and on S3.
+"""Checked reads: damaged chunks are refused with their name, locally and on S3.
 
 Each case damages one chunk of a complete split the way a disk or a careless copy would (a
 flipped byte, a truncated chunk, a deleted chunk) and reads rows of it. Before checked reads the

@@ -1,4 +1,4 @@
-"""Issue 12, server side, on a real ``featurestore serve`` process (raw sockets where a client must
+"""The server side, on a real ``featurestore serve`` process (raw sockets where a client must
 misbehave): a changed split is noticed (12.2), resources stay bounded (12.6), malformed Range
 headers (12.7), no credential in any message (12.8), the 12.11 server items."""
 

@@ -1,4 +1,4 @@
-"""Fault injection on the write side (issue 12: items 1, 3, 5, 9, 10, 11-CLI), on real processes.
+"""Fault injection on the write side, on real processes.
 
 Each test reproduces one reported failure: two ``featurestore extract`` processes racing on one
 split, damaged documents and swapped chunk files under ``featurestore verify``, a damaged complete
@@ -78,7 +78,7 @@ def _one_line_error(result: subprocess.CompletedProcess[str]) -> str:
 
 # ----------------------------------------------------------------------------- 12.1 generation
 def test_concurrent_overwrite_stops_the_writer_it_replaced(fold: Path, reference: Path, tmp_path: Path) -> None:
-    """Issue 12.1: a slow extract A, then an --overwrite B with another encoder into the same split.
+    """A slow extract A, then an --overwrite B with another encoder into the same split.
     Before: both exited 0 and the complete split mixed A's and B's rows, `verify` said ok."""
     store = tmp_path / "store"
     chunks = _split_dir(store) / "features" / "c"
@@ -197,7 +197,7 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_verify_checks_documents_against_each_other_and_the_chunks(damage: str, reference: Path, tmp_path: Path) -> None:
-    """Issue 12.3: each of these passed `verify` (ok, or "0 checked", exit 0) or crashed it."""
+    """Each of these passed `verify` (ok, or "0 checked", exit 0) or crashed it."""
     store = _copy(reference, tmp_path)
     assert _verify(store).returncode == 0
     apply, expected = DAMAGE[damage]
@@ -222,7 +222,7 @@ def test_verify_lists_every_problem(reference: Path, tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- 12.5 resume repair
 def test_resume_repairs_a_damaged_complete_split(fold: Path, reference: Path, tmp_path: Path) -> None:
-    """Issue 12.5: before, `--resume` said "already complete ... nothing to do"."""
+    """Before, `--resume` said "already complete ... nothing to do"."""
     store = _copy(reference, tmp_path)
     split = _split_dir(store)
     (split / "features/c/1/0/0").unlink()
@@ -247,7 +247,7 @@ def test_resume_repairs_a_damaged_complete_split(fold: Path, reference: Path, tm
 
 
 def test_the_advised_repair_repairs_flipped_bytes_and_swapped_chunks(fold: Path, reference: Path, tmp_path: Path) -> None:
-    """Issue 26.7: CorruptChunk advised "--resume", which said "nothing to do" on a complete split;
+    """CorruptChunk advised "--resume", which said "nothing to do" on a complete split;
     and two swapped features chunks (each crc32c valid) survived every resume. The advice now names
     --resume --verify-chunks, which re-reads every chunk against its statistics row too."""
     from featurestore.errors import REPAIR_ADVICE, CorruptChunk
@@ -272,7 +272,7 @@ def test_the_advised_repair_repairs_flipped_bytes_and_swapped_chunks(fold: Path,
 # ----------------------------------------------------------------------------- 12.9 storage options
 def test_every_store_verb_takes_storage_options(reference: Path, s3_bucket: str,
                                                 s3_storage_options: dict[str, Any]) -> None:
-    """Issue 12.9: ls/info/verify had no --storage-options and ignored the environment."""
+    """ls/info/verify had no --storage-options and ignored the environment."""
     url = f"s3://{s3_bucket}/store"
     import fsspec
 
@@ -297,7 +297,7 @@ def test_every_store_verb_takes_storage_options(reference: Path, s3_bucket: str,
 
 # ----------------------------------------------------------------------------- 12.10 first batch
 def test_float16_overflow_in_the_first_batch_leaves_the_store_untouched(fold: Path, tmp_path: Path) -> None:
-    """Issue 12.10: NaN in sample 0 left nothing behind, an overflow left a `writing` split."""
+    """NaN in sample 0 left nothing behind, an overflow left a `writing` split."""
     store = tmp_path / "store"
     line = _one_line_error(_extract(fold, store, encoder="overflow_encoder"))
     assert "65504" in line and "--dtype bfloat16" in line
@@ -330,7 +330,7 @@ def test_info_json_into_a_closed_pipe_is_quiet(reference: Path, tmp_path: Path) 
                                                         ("--chunk-mb", "1", "chunk_rows")])
 def test_rerun_into_a_complete_split_with_other_settings_is_refused(fold: Path, reference: Path, tmp_path: Path,
                                                                     flag: str, value: str, setting: str) -> None:
-    """Issue 12.11: before, it printed "already complete ... nothing to do" and kept the old split."""
+    """Before, it printed "already complete ... nothing to do" and kept the old split."""
     store = _copy(reference, tmp_path)
     before = (_split_dir(store) / layout.ZARR_JSON).read_bytes()
     line = _one_line_error(_extract(fold, store, flag, value))

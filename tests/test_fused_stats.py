@@ -276,7 +276,7 @@ def test_warm_up_loads_the_kernel_a_batch_will_use_and_never_raises(monkeypatch:
 @pytest.mark.parametrize("stored", ["bfloat16", "float32"])
 @pytest.mark.parametrize("source", ["float32", "bfloat16", "float64"])
 def test_wide_values_are_summed_in_float64_as_the_numpy_reference(source: str, stored: str) -> None:
-    """Issue 26.10: bfloat16/float32 values reach 3.4e38; their squares overflowed (and below ~1e-19
+    """Bfloat16/float32 values reach 3.4e38; their squares overflowed (and below ~1e-19
     underflowed) the kernel's float32 group sums. Now both paths square them in float64, in the
     same order: the same bits, finite, right."""
     x = _features(4, 37, 70) * np.float32(1e-3)

@@ -141,7 +141,7 @@ def test_resume_reads_only_the_missing_chunks(tmp_path: Path) -> None:
 
 
 def test_import_repairs_flipped_bytes_and_swapped_chunks_with_verify_chunks(tmp_path: Path) -> None:
-    """Issue 26.7: `import` had no --verify-chunks, so the advised repair did not exist for it."""
+    """`import` had no --verify-chunks, so the advised repair did not exist for it."""
     x = feats(7).numpy()
     np.save(tmp_path / "x.npy", x)
     small = {"dtype": "float32", "chunk_mb": 8 * T * D * 4 / (1 << 20)}  # 8 rows per chunk, 5 chunks

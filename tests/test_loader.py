@@ -128,7 +128,7 @@ class TestSourceSuite:
         _check_reproducible(self._ds(source), "auto")
 
     def test_shuffle_true_is_a_uniform_permutation_on_every_source(self, source: Source) -> None:
-        # Issue 15.3: no silent switch to the chunk-local block order on S3 or HTTP.
+        # No silent switch to the chunk-local block order on S3 or HTTP.
         ds = self._ds(source)
         loader = FeatureLoader(ds, batch_size=16, shuffle=True, seed=3, device="cpu")
         assert loader.order == "shuffle"

@@ -255,7 +255,7 @@ def test_server_gone_mid_epoch_retries_then_one_line(tmp_path: Any) -> None:
     assert elapsed < 20
 
 
-# ---------------------------------------------------------------------- exit after reads (issue 26.11)
+# ---------------------------------------------------------------------- exit after reads
 _READ_AND_EXIT = """
 import json, sys
 from client.dataset import FeatureDataset

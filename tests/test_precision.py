@@ -312,7 +312,7 @@ def test_bfloat16_never_rounds_to_inf(tmp_path: Path) -> None:
         w.commit()
 
 
-# ---------------------------------------------------------------------- extreme values (issue 26.10)
+# ---------------------------------------------------------------------- extreme values
 @pytest.fixture(params=["fused", "torch", "numpy"])
 def stats_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each of the writer's statistics paths: the numba kernel, torch passes, numpy passes."""
@@ -342,7 +342,7 @@ def _reference_report(x: np.ndarray, decoded: np.ndarray) -> dict[str, float]:
                                         ("float16", 6.5e4), ("bfloat16", 1e-30), ("bfloat16", 1e-38)])
 def test_report_is_right_for_any_value_the_stored_dtype_holds(tmp_path: Path, stats_path: str, dtype: str,
                                                               big: float) -> None:
-    """Issue 26.10: with one bfloat16 value of 1e20 rel_rms_error was 0.0 (source**2 overflowed
+    """With one bfloat16 value of 1e20 rel_rms_error was 0.0 (source**2 overflowed
     float32), one >= 1e22 made commit() raise "Out of range float values are not JSON compliant"
     (error**2 did) and left the split writing. Values far below 1 squared to 0 the same way."""
     store = _store(tmp_path)
@@ -360,7 +360,7 @@ def test_report_is_right_for_any_value_the_stored_dtype_holds(tmp_path: Path, st
 
 
 def test_float64_source_is_recorded_and_measured_as_float64(tmp_path: Path, stats_path: str) -> None:
-    """Issue 26.10: a float64 source was reported against its float32 rounding (float64 -> float32
+    """A float64 source was reported against its float32 rounding (float64 -> float32
     read "exact"). The source dtype is float64 and the error is the float64 -> stored one."""
     store = _store(tmp_path)
     x = float32_source(12, scale=30.0).astype(np.float64) * (1 + 1e-9)  # not float32 values
@@ -409,7 +409,7 @@ def test_a_report_figure_that_is_not_finite_is_stored_as_null() -> None:
 
 
 def test_a_float64_cache_is_imported_as_float64(tmp_path: Path) -> None:
-    """Issue 26.10: `featurestore import` of a float64 cache reported "float32 -> float32 (exact)":
+    """`featurestore import` of a float64 cache reported "float32 -> float32 (exact)":
     it rounded the rows itself and declared float32. The report now says float64 -> stored."""
     from featurestore.extract.importer import ImportOptions, import_cache
 

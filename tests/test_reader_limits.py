@@ -1,4 +1,4 @@
-"""The local reader's own limits (issues 1 and 3), with real processes.
+"""The local reader's own limits, with real processes.
 
 * Descriptors and memory maps stay bounded whatever the chunk count: splits of one-row chunks
   (what ``featurestore import`` makes for ``[1024, 3072]`` float16) are read in full, shuffled and

@@ -1,4 +1,4 @@
-"""Local reads built for cold data (issue 13): every path gives the same bytes, warm and cold, in
+"""Local reads built for cold data: every path gives the same bytes, warm and cold, in
 the loader and in DataLoader workers; a chunk deleted or truncated mid-epoch fails with its name;
 a failing read thread never leaves the loader waiting; the loader's read threads stop with it.
 

@@ -1,5 +1,5 @@
-"""Secrets never reach a message (issue 26.5) and bad store settings are one line, not a
-panic or a traceback (issue 26.12). The redactor is property-tested: whatever a password holds,
+"""Secrets never reach a message and bad store settings are one line, not a
+panic or a traceback. The redactor is property-tested: whatever a password holds,
 ``@ : / ? #`` included, none of it survives ``redact`` or ``redact_url``."""
 
 from __future__ import annotations

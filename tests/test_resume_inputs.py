@@ -1,4 +1,4 @@
-"""Issue 26.2: a resume or re-run after the input changed kept the old rows and said complete.
+"""A resume or re-run after the input changed kept the old rows and said complete.
 
 The cache key fingerprints 18 sampled rows, so an input rewritten in place with those rows kept
 passed it: ``import --resume`` finished the split from the new content on top of the chunks made

@@ -1,4 +1,4 @@
-"""Bag splits over HTTP (issue 23): ``GET /v1/bags/...`` listing and one bag per request, through
+"""Bag splits over HTTP: ``GET /v1/bags/...`` listing and one bag per request, through
 ``TestClient(create_app(...))`` and, once, through ``featurestore serve`` (uvicorn) on loopback.
 
 Bag ids are data: every id below (slashes, ``..``, percent signs, spaces, unicode, names of files

@@ -53,7 +53,7 @@ headers = st.fixed_dictionaries(
 )  # fmt: skip
 
 
-# A bag split beside the dense ones (issue 23), with ids a path could trip over.
+# A bag split beside the dense ones, with ids a path could trip over.
 BAG_IDS = ["s0", "a/b", "..", "é x", "%2e", "empty"]
 
 

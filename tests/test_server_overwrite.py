@@ -1,4 +1,4 @@
-"""A split overwritten while a real ``featurestore serve`` process serves it (issue 26.9), on a local
+"""A split overwritten while a real ``featurestore serve`` process serves it, on a local
 store and on S3 (the SeaweedFS fixture): raw readers see only 200 or the retryable 409 (never a
 404 or a 500 "the store is damaged"), and ``FeatureClient`` reads straight through it."""
 

@@ -248,7 +248,7 @@ def test_verify_object_storage(memory_url: str, capsys: pytest.CaptureFixture[st
 
 @pytest.mark.parametrize("position", [0, 1, 2], ids=["dataset", "encoder", "split"])
 def test_verify_unknown_name_is_an_error_not_a_clean_store(root: Path, position: int) -> None:
-    """Issue 26.8: a typo in the dataset printed "0 complete split(s) checked, 0 damaged" with exit
+    """A typo in the dataset printed "0 complete split(s) checked, 0 damaged" with exit
     0; one in the encoder or split was reported as damage (exit 1). Both are one line naming the
     name and the known ones, with verify's "nothing checked" status 2."""
     names = list(SPLIT)
@@ -280,7 +280,7 @@ def test_verify_names_a_split_without_its_group_document(root: Path, capsys: pyt
 
 def test_verify_reports_a_reserved_name_directory_on_object_storage(seaweed: Any, seaweed_url: str,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 26.8: on S3 a split called zarr.json was written (beside its encoder's document) and
+    """On S3 a split called zarr.json was written (beside its encoder's document) and
     served, but verify skipped it. The name is refused now; one an older version wrote is
     reported, since readers never see it."""
     options = json.dumps(seaweed.storage_options)

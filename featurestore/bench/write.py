@@ -30,7 +30,7 @@ def register(subparsers: Any) -> None:
                         help="stored float16 MB per shape and method (default 384; at least --min-batches batches)")
     parser.add_argument("--min-batches", type=int, default=5,
                         help="at least this many batches per shape, so the writer's pipeline runs (default 5: "
-                             "320 samples of [1024, 3072], 2 GB, as in issue 14)")
+                             "320 samples of [1024, 3072], 2 GB: the seed workload's shape)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--chunk-mb", type=float, default=8.0, help="writer chunk size in MiB (default 8)")
     parser.add_argument("--repeats", type=int, default=3,

@@ -1,6 +1,6 @@
 """Checked reads: a chunk's size and crc32c are verified the first time a process reads it.
 
-A flipped byte on disk or in a bucket used to be served as data (issue 12.4). Every chunk ends in
+A flipped byte on disk or in a bucket used to be served as data. Every chunk ends in
 the crc32c of its payload (docs/FORMAT.md); checking it needs the whole chunk, so it is done once
 per chunk per process, on the first read that touches the chunk, and remembered (a forked worker
 starts over). ``verify_reads`` (``FEATURESTORE_VERIFY_READS``) picks when:
@@ -48,7 +48,7 @@ def check_files(paths: Sequence[str], payload_bytes: int, executor: Any = None,
     pool): on a cold store this whole-chunk read is the device read, and pieces on the pool's
     threads keep as many requests in flight as there are threads, where faulting a map in one
     thread per chunk kept one small read-ahead request each (a bag of a few chunks read cold ran
-    at ~0.5x of the same bytes read in parallel pieces, issue 23). Buffered reads: the pages stay
+    at ~0.5x of the same bytes read in parallel pieces). Buffered reads: the pages stay
     cached for the gather that follows. Chunks are checked ``CHECK_BYTES`` at a time, in buffers
     of one pool, so the memory it takes is bounded whatever the number of chunks."""
     reasons: list[str | None] = [None] * len(paths)

@@ -1,7 +1,7 @@
 """A bounded local cache of whole chunks of object-storage arrays, shared by one host's processes.
 
 A shuffled epoch over object storage costs one ranged GET per row; whole chunk objects come at
-several times the bytes per second (issue 27, docs/STORAGE.md "Chunk cache"). With ``cache_dir``
+several times the bytes per second (docs/STORAGE.md "Chunk cache"). With ``cache_dir``
 set (storage option, ``--cache-dir``, ``FEATURESTORE_CACHE_DIR``), a chunk a read needs is fetched
 whole (one GET, or concurrent ranged parts past :data:`PART_BYTES`), checked, written into the
 directory and read from there by the local read path (mmap or pread), so later epochs run at

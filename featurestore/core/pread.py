@@ -2,7 +2,7 @@
 
 A page fault on a memory map reads one small piece at a time, one fault after another, so a
 shuffled epoch over a store larger than RAM ran at ~0.3x of what the disk gives to concurrent
-reads (issue 13). Here a gather is a list of ``os.preadv`` calls, one per run of rows that are
+reads. Here a gather is a list of ``os.preadv`` calls, one per run of rows that are
 adjacent in a chunk file (a scatter read: each row goes straight to its own output slot), issued
 concurrently from a small thread pool (``preadv`` releases the GIL), so the device queue stays full.
 

@@ -4,7 +4,7 @@ TRIDENT writes each slide's ``features`` in h5 chunks of one row ``(1, D)`` (BAG
 such a dataset one chunk at a time, through HDF5's chunk cache, holding the GIL all along: a
 60k-patch slide is 60k small reads, and nothing else in the process runs meanwhile (``featurestore
 import`` read a 2 GiB TRIDENT directory at 0.19 GB/s cold, and its writer, on another thread,
-waited for the GIL: the import took twice the read alone, issue 23). An unfiltered dataset's chunks
+waited for the GIL: the import took twice the read alone). An unfiltered dataset's chunks
 are the raw rows at known file offsets (``H5Dchunk_iter``), mostly back to back: they are read here
 as one ``preadv`` per run of adjacent chunks, which releases the GIL.
 

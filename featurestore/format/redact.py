@@ -1,5 +1,5 @@
 """Credential redaction: the one mechanism behind every message, repr and log line that may quote a
-URL or a storage option (issues 12.8 and 26.5). No I/O.
+URL or a storage option. No I/O.
 
 Two entry points:
 

@@ -10,8 +10,8 @@ Besides the headers, this module holds everything else both sides must agree on:
 templates, the structure of an opened split (:class:`SplitStructure`, what ``GET .../arrays``
 answers: shapes, dtypes, chunking, labels/ids presence and the metadata, so opening a remote split
 is one request), the error body, the one index normaliser and bounds check, the binary framing
-of a features+labels batch (:data:`SAMPLES`, issue 16), and the bag routes of a bag split (issue
-23): the listing (:class:`BagsListing`), one bag's features+coords framing (:data:`BAG_MEDIA`) and
+of a features+labels batch (:data:`SAMPLES`), and the bag routes of a bag split: the
+listing (:class:`BagsListing`), one bag's features+coords framing (:data:`BAG_MEDIA`) and
 the encoding of a bag id into a URL (:func:`quote_bag_id`).
 
 It is one module on purpose (over the ~400-line guide, since the bag routes joined it): the
@@ -133,7 +133,7 @@ SAMPLES = SPLIT + "/samples"
 # Samples named by id (POST JSON {"ids": [...]}): answered in the SAMPLES framing, rows in the order
 # asked; an id the split does not hold is a 404 naming it (SampleNotFound).
 BY_ID = SPLIT + "/by-id"
-# Bag splits (issue 23). A bag id is data, any string a slide name holds (slashes, "..", spaces,
+# Bag splits. A bag id is data, any string a slide name holds (slashes, "..", spaces,
 # unicode): route() percent-encodes every byte of it but letters, digits, "-", "_" and "~"
 # (quote_bag_id), so no "/" or ".." segment ever reaches a URL normaliser, and the server matches
 # the rest of the path, newlines included, with its own converter (BAG_ROUTE, registered by
@@ -424,7 +424,7 @@ class SplitStructure:
 
     @property
     def generation(self) -> str | None:
-        """The split's generation id (issue 12.1), when its writer recorded one."""
+        """The split's generation id, when its writer recorded one."""
         value = self.metadata.get("generation")
         return None if value is None else str(value)
 
