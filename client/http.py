@@ -108,7 +108,7 @@ class FeatureClient(Transport):
                 structure = wire.SplitStructure.from_json(doc)
             except wire.WireFormatError as error:
                 raise make_error(f"{self.url} answered a bad split structure: {error}",
-                                  status=200, detail=None, url=self.url) from None  # fmt: skip
+                                 status=200, detail=None, url=self.url) from None  # fmt: skip
             arr = RemoteFeatureArray(self, key, structure)
             self._layouts[key] = arr
         return arr
@@ -128,7 +128,7 @@ class FeatureClient(Transport):
                 listing = page if listing is None else listing.extend(page)
             except wire.WireFormatError as error:
                 raise make_error(f"{self.url}{path} answered a bad bag listing: {error}",
-                                  status=200, detail=None, url=self.url + path) from None  # fmt: skip
+                                 status=200, detail=None, url=self.url + path) from None  # fmt: skip
         return listing
 
     def open_bags(self, dataset: str, encoder: str, split: str) -> RemoteBags:
@@ -160,7 +160,7 @@ class FeatureClient(Transport):
         if labels:
             if arr.labels is None:
                 raise make_error(f"split {dataset}/{encoder}/{split} has no labels",
-                                  status=None, detail=None, url=self.url)
+                                 status=None, detail=None, url=self.url)
             return arr.labels
         return arr
 

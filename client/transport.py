@@ -64,7 +64,7 @@ def _error_class(name: str | None) -> type[ClientError]:
 
 
 def make_error(message: str, *, status: int | None, detail: Any, url: str,
-                name: str | None = None) -> ClientError:  # fmt: skip
+               name: str | None = None) -> ClientError:  # fmt: skip
     # Attributes are set after construction: some mixed-in builtins (OSError) refuse kwargs.
     error = _error_class(name)(message)
     error.status, error.detail, error.url = status, detail, url
@@ -260,7 +260,7 @@ class Transport:
         parts = [(features, arr.dtype, wire.SHAPE_HEADER, wire.DTYPE_HEADER),
                  (labels, arr.labels.dtype, wire.LABELS_SHAPE_HEADER, wire.LABELS_DTYPE_HEADER)]
         self.fetch_parts("POST", wire.route(wire.SAMPLES, **arr.route), parts, indices=index,
-                          generation=arr.structure.generation)
+                         generation=arr.structure.generation)
 
     def fetch_parts(self, method: str, path: str,
                     parts: list[tuple[np.ndarray, str, str, str]], *,
@@ -278,7 +278,7 @@ class Transport:
                     shape = wire.parse_shape(response.headers.get(shape_header, ""))
                 except wire.WireFormatError as error:
                     raise make_error(str(error), status=response.status_code, detail=None,
-                                      url=self.url + path) from None  # fmt: skip
+                                     url=self.url + path) from None  # fmt: skip
                 got = response.headers.get(dtype_header)
                 if shape != out.shape or got != dtype:
                     raise make_error(
@@ -315,4 +315,4 @@ class Transport:
         parts = [(features, dtype, wire.SHAPE_HEADER, wire.DTYPE_HEADER),
                  (coords, coords_dtype, wire.COORDS_SHAPE_HEADER, wire.COORDS_DTYPE_HEADER)]
         self.fetch_parts("GET" if indices is None else "POST", path, parts, params=params, indices=indices,
-                          generation=generation)
+                         generation=generation)
