@@ -16,7 +16,7 @@ _WHERE = {
     "BagDataset": "client.bags",
     "BagLoader": "client.bag_loader",
     "FeatureClient": "client.http",
-    "ClientError": "client.http",
+    "ClientError": "client.transport",
     "FeatureDataset": "client.dataset",
     "FeatureLoader": "client.loader",
     "RemoteFeatureArray": "client.remote",

@@ -31,8 +31,8 @@ from client import bag_sampling, sampling
 from client.bag_transfer import PAD_TO, PIECE_BYTES, BagTransfer
 from client.bags import BagDataset
 from client.readahead import bag_chunks
-from client.streaming import StreamingLoader, channel_normalization, check_count
-from featurestore.core.device import resolve_device
+from client.loader_options import check_count, check_loader_options
+from client.streaming import StreamingLoader, channel_normalization
 from featurestore.errors import IndexOutOfRange, InvalidOption
 
 
@@ -76,31 +76,21 @@ class BagLoader(StreamingLoader):
     ) -> None:
         if not isinstance(ds, BagDataset):
             raise TypeError(f"ds must be a client.BagDataset, but got: {type(ds).__name__}")
-        for name, value, low in (("batch_size", batch_size, 1), ("prefetch", prefetch, 1), ("seed", seed, 0),
-                                 ("world_size", world_size, 1), ("rank", rank, 0)):
-            check_count(name, value, low)
-        if rank >= world_size:
-            raise InvalidOption(f"`rank` must be in [0, world_size={world_size}), but got: {rank!r}")
+        options = check_loader_options(ds, batch_size=batch_size, prefetch=prefetch, seed=seed, rank=rank,
+                                       world_size=world_size, device=device, dtype=dtype, pin_memory=pin_memory,
+                                       num_threads=num_threads)  # fmt: skip
         if max_patches is not None:
             check_count("max_patches", max_patches, 1)
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise InvalidOption(f"`dtype` must be a floating torch dtype or None (keep the stored dtype), but got: {dtype!r}")
         if pad_to not in PAD_TO:
             raise InvalidOption(f"`pad_to` must be one of {', '.join(PAD_TO)}, but got: {pad_to!r}")
-        if pin_memory not in ("auto", True, False):
-            raise InvalidOption(f"`pin_memory` must be 'auto', True or False, but got: {pin_memory!r}")
-        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
-            raise InvalidOption(f"`num_threads` must be a positive integer or None, but got: {num_threads!r}")
         if not isinstance(piece_mib, (int, float)) or isinstance(piece_mib, bool) or not piece_mib > 0:
             raise InvalidOption(f"`piece_mib` must be a positive number, but got: {piece_mib!r}")
-        self.device = resolve_device(device)
-        if self.device.type not in ("cuda", "cpu"):
-            raise InvalidOption(f"`device` must be a CUDA device or 'cpu', but got: {str(device)!r}")
+        self.device = options.device
         self.ds = ds
         self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
-        self.dtype = dtype if dtype is not None else ds.torch_dtype
+        self.dtype = options.dtype
         self.max_patches = ds.max_patches if max_patches is None else int(max_patches)
         if pad_to == "max_patches" and self.max_patches is None:
             # Without it the batch would silently be padded to its longest bag, not a fixed shape.
@@ -116,7 +106,7 @@ class BagLoader(StreamingLoader):
         self.normalize = bool(normalize)
         self._mean_std = channel_normalization(ds, self.normalize)
         self.return_ids = bool(return_ids)
-        self.pin_memory = self.device.type == "cuda" if pin_memory == "auto" else bool(pin_memory)
+        self.pin_memory = options.pin_memory
         self.piece_bytes = int(piece_mib * 2**20)
         # One bag per batch is one long read: two threads keep a local disk busy; remote reads
         # are latency bound. Never more than `prefetch` batches in flight (the memory bound).

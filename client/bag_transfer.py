@@ -1,7 +1,8 @@
 """Turning one batch of bags into ready ``(features, mask, coords, labels)`` on the loader's device.
 
 The bag loader's producer (:class:`client.prefetch.Producer`), the twin of
-:class:`client.transfer.Transfer` for ragged rows. A batch of B bags is laid out padded,
+:class:`client.transfer.Transfer` for ragged rows; both are a :class:`client.stager.DeviceStager`
+(slots, side stream, buffer pool, read threads, hand-over). A batch of B bags is laid out padded,
 ``[B, P, D]`` with ``P`` the longest (subsampled) bag of the batch, or ``max_patches`` with
 ``pad_to="max_patches"``; padding is zeros and ``mask`` says which rows are patches.
 
@@ -19,9 +20,6 @@ The bag loader's producer (:class:`client.prefetch.Producer`), the twin of
 
 from __future__ import annotations
 
-import os
-import queue
-import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -30,9 +28,8 @@ import torch
 
 from client.bags import BagDataset
 from client.dataset import NO_LABEL
-from client.transfer import HostSlot, keep_for, norm_tensors, widen
-from featurestore.core.buffers import BufferPool, aligned_empty, grown_size
-from featurestore.core.pread import ReadPool
+from client.stager import DeviceStager, widen
+from featurestore.core.buffers import aligned_empty, grown_size
 from featurestore.errors import EmptyBag
 from featurestore.format import dtypes
 
@@ -65,42 +62,27 @@ def fills(pieces: Iterator[Piece], piece_rows: int) -> Iterator[list[Piece]]:
         yield take
 
 
-class BagTransfer:
+class BagTransfer(DeviceStager):
     """Reads one batch of bags and hands it over on the target device (see the module doc)."""
 
     def __init__(self, ds: BagDataset, device: torch.device, dtype: torch.dtype, pin: bool, num_threads: int, *,
                  max_patches: int | None, seed: int, pad_to: str = "longest", skip_empty: bool = True,
                  piece_bytes: int = PIECE_BYTES, prefetch: int = 2,
                  mean_std: tuple[np.ndarray, np.ndarray] | None = None, return_ids: bool = False) -> None:
+        # Bags differ in length: a pool that keeps its largest buffers (grow=True) serves them all
+        # without mapping (and faulting in) fresh memory per bag, which made epochs 2x slower than
+        # the bare reader (measured). It keeps as many as can be out at once (keep_for): with 2, a
+        # warm epoch of 48 bags still mapped 13 fresh buffers.
+        super().__init__(device, dtype, pin, mean_std, num_threads, prefetch=prefetch, grow=True)
         self.ds = ds
-        self.device = device
-        self.dtype = dtype
         self.stored = ds.torch_dtype
-        self.cuda = device.type == "cuda"
         self.max_patches = max_patches
         self.seed = seed
         self.pad_to = pad_to
         self.skip_empty = skip_empty
         self.return_ids = return_ids
-        self.norm = norm_tensors(mean_std, device, dtype)
         self.piece_rows = max(1, int(piece_bytes) // ds.row_nbytes)
         self.coords_torch = torch.from_numpy(np.empty(0, ds.coords_dtype)).dtype
-        # Bags differ in length: a pool that keeps its largest buffers serves them all without
-        # mapping (and faulting in) fresh memory per bag, which made epochs 2x slower than the
-        # bare reader (measured). It keeps as many as can be out at once (keep_for): with 2, a
-        # warm epoch of 48 bags still mapped 13 fresh buffers.
-        self.pool = BufferPool(keep=keep_for(prefetch), grow=True)
-        self.read_pool = ReadPool(int(os.environ.get("FEATURESTORE_READ_THREADS", "8")))
-        self._weak = weakref.finalize(self, self.read_pool.shutdown)
-        if self.cuda:
-            self.stream = torch.cuda.Stream(device=device)
-            self.slots: queue.Queue[HostSlot] = queue.Queue()
-            for _ in range(num_threads + 1):  # every thread can fill one while the last copy runs
-                self.slots.put(HostSlot(pin))
-
-    def shutdown(self) -> None:
-        self.read_pool.shutdown()
-        self.pool.clear()  # the idle batch buffers (leased ones go when their batches do)
 
     # ------------------------------------------------------------------ the batch's layout
     def layout(self, epoch: int, index: np.ndarray) -> tuple[list[np.ndarray | None], np.ndarray, int]:
@@ -181,9 +163,7 @@ class BagTransfer:
             raw_coords = torch.zeros((b, longest, coord_bytes), dtype=torch.uint8, device=self.device)
         for take in fills(self.pieces(rows, counts), self.piece_rows):
             filled = sum(piece.stop - piece.start for piece in take)
-            slot = self.slots.get()  # never blocks for long: one more slot than threads
-            try:
-                slot.wait_copied()  # the copy out of this slot's last fill must be done first
+            with self.slot() as slot:  # the copy out of this slot's last fill is done
                 slot.reserve(filled * row_bytes, filled * coord_bytes)
                 host_f = slot.features[: filled * row_bytes].numpy().view(ds.numpy_dtype).reshape(filled, dim)
                 host_c = slot.labels[: filled * coord_bytes].numpy().view(ds.coords_dtype).reshape(filled, 2)
@@ -202,8 +182,6 @@ class BagTransfer:
                             slot.labels[at * coord_bytes:(at + n) * coord_bytes], non_blocking=True)
                         at += n
                     slot.record_copied(self.stream)
-            finally:
-                self.slots.put(slot)
         labels = self.labels(index)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             features = raw.view(self.stored).view(b, longest, dim).to(self.dtype)
@@ -213,8 +191,7 @@ class BagTransfer:
             if self.norm is not None:
                 features = features.sub_(self.norm[0]).mul_(self.norm[1]).masked_fill_(~mask[..., None], 0)
             labels = labels.to(self.device)
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
+            ready = self.ready_event()
         return features, mask, coords, labels, ready
 
     # ------------------------------------------------------------------ consumer side
@@ -222,11 +199,7 @@ class BagTransfer:
         index, produced = item
         if self.cuda:
             *tensors, ready = produced
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(ready)  # the GPU waits, the host does not
-            for tensor in tensors:  # allocated on the side stream, used on this one
-                tensor.record_stream(stream)
-            produced = tuple(tensors)
+            produced = self.hand_over(tuple(tensors), ready)
         if self.return_ids:
             return (*produced, [self.ds.ids[int(i)] for i in index])
         return tuple(produced)

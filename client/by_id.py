@@ -7,12 +7,10 @@ split's structure (``client.open``, cached).
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from client.framing import fill_views
 from featurestore import errors as fse
 from featurestore.format import wire
 
@@ -36,8 +34,6 @@ def read_ids(client: FeatureClient, dataset: str, encoder: str, split: str, ids:
     features = np.empty((len(ids), *arr.sample_shape), arr.numpy_dtype)
     labels = None if arr.labels is None else np.empty((len(ids), *arr.labels.sample_shape), arr.labels.numpy_dtype)
     path = wire.route(wire.BY_ID, dataset=dataset, encoder=encoder, split=split)
-    url = client.url + path
-    headers = {"Accept": wire.OCTET_STREAM, "Accept-Encoding": "identity", "Content-Type": "application/json"}
     per_row = arr.sample_nbytes + (arr.labels.sample_nbytes if arr.labels is not None else 0)
     rows = max(1, arr.max_response_bytes // max(per_row, 1))  # more ids than one answer may hold: pieces
     for start in range(0, max(len(ids), 1), rows):
@@ -45,26 +41,6 @@ def read_ids(client: FeatureClient, dataset: str, encoder: str, split: str, ids:
         parts = [(features[piece], arr.dtype, wire.SHAPE_HEADER, wire.DTYPE_HEADER)]
         if labels is not None:
             parts.append((labels[piece], arr.labels.dtype, wire.LABELS_SHAPE_HEADER, wire.LABELS_DTYPE_HEADER))
-        body = json.dumps({"ids": ids[piece]}).encode()
-        client._send("POST", path, stream_into=_filler(parts, url), headers=headers, content=body)
+        client.fetch_parts("POST", path, parts, json_body={"ids": ids[piece]})
     return features, labels
 
-
-def _filler(parts: list[tuple[np.ndarray, str, str, str]], url: str) -> Any:
-    """The ``stream_into`` of one by-id answer: headers checked, body into ``parts``' arrays."""
-
-    def fill(response: Any) -> None:
-        for out, dtype, shape_header, dtype_header in parts:
-            try:
-                shape = wire.parse_shape(response.headers.get(shape_header, ""))
-            except wire.WireFormatError as error:
-                raise fse.ShapeMismatch(f"{url}: {error}") from None
-            got = response.headers.get(dtype_header)
-            if shape != out.shape or got != dtype:
-                raise fse.ShapeMismatch(f"{url} answered {shape_header} {shape} {dtype_header} {got}, expected "
-                                        f"{out.shape} {dtype}")
-        targets = [out.reshape(-1).view(np.uint8).data for out, *_ in parts]
-        encoded = response.headers.get("content-encoding", "identity") != "identity"
-        fill_views(response.iter_bytes() if encoded else response.iter_raw(), targets)
-
-    return fill

@@ -26,9 +26,9 @@ import torch
 
 from client import sampling
 from client.dataset import FeatureDataset
-from featurestore.core.device import resolve_device
 from client.readahead import row_chunks
-from client.streaming import StreamingLoader, channel_normalization, check_count
+from client.loader_options import check_loader_options
+from client.streaming import StreamingLoader, channel_normalization
 from client.transfer import Transfer
 from featurestore.errors import InvalidOption
 
@@ -70,30 +70,20 @@ class FeatureLoader(StreamingLoader):
     ) -> None:
         if not isinstance(ds, FeatureDataset):
             raise TypeError(f"ds must be a client.FeatureDataset, but got: {type(ds).__name__}")
-        for name, value, low in (("batch_size", batch_size, 1), ("prefetch", prefetch, 1), ("seed", seed, 0),
-                                 ("world_size", world_size, 1), ("rank", rank, 0)):
-            check_count(name, value, low)
-        if rank >= world_size:
-            raise InvalidOption(f"`rank` must be in [0, world_size={world_size}), but got: {rank!r}")
         if order not in ("auto", *sampling.ORDERS):
             raise InvalidOption(f"`order` must be one of auto, {', '.join(sampling.ORDERS)}, but got: {order!r}")
         if batch_sampler is not None and world_size != 1:
             raise InvalidOption("a batch_sampler is used as given on every rank: leave rank/world_size at "
-                             "their defaults and partition inside the sampler (e.g. with DistributedSampler)")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise InvalidOption(f"`dtype` must be a floating torch dtype or None (keep the stored dtype), but got: {dtype!r}")
-        if pin_memory not in ("auto", True, False):
-            raise InvalidOption(f"`pin_memory` must be 'auto', True or False, but got: {pin_memory!r}")
-        self.device = resolve_device(device)
-        if self.device.type not in ("cuda", "cpu"):
-            raise InvalidOption(f"`device` must be a CUDA device or 'cpu', but got: {str(device)!r}")
-        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
-            raise InvalidOption(f"`num_threads` must be a positive integer or None, but got: {num_threads!r}")
+                                "their defaults and partition inside the sampler (e.g. with DistributedSampler)")
+        options = check_loader_options(ds, batch_size=batch_size, prefetch=prefetch, seed=seed, rank=rank,
+                                       world_size=world_size, device=device, dtype=dtype, pin_memory=pin_memory,
+                                       num_threads=num_threads)  # fmt: skip
+        self.device = options.device
         self.ds = ds
         self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
-        self.dtype = dtype if dtype is not None else ds.torch_dtype
+        self.dtype = options.dtype
         self.prefetch = int(prefetch)
         self.drop_last = bool(drop_last)
         self.batch_sampler = batch_sampler
@@ -106,7 +96,7 @@ class FeatureLoader(StreamingLoader):
             self.order = "shuffle" if self.shuffle else "sequential"
         self.normalize = bool(normalize)
         self._mean_std = channel_normalization(ds, self.normalize)
-        self.pin_memory = self.device.type == "cuda" if pin_memory == "auto" else bool(pin_memory)
+        self.pin_memory = options.pin_memory
         # Read-ahead: each thread has one batch's reads in flight. Locally a batch's rows are read
         # concurrently by the read pool already, so two batches keep the device queue full while
         # the consumer works; remote reads are latency bound, so more batches are requested at

@@ -17,7 +17,7 @@ import numpy as np
 
 from featurestore import errors as fse
 from featurestore.format import wire
-from featurestore.format.bags import BagLookup
+from featurestore.format.bags import BagLookup, check_out, select_rows, selected_count
 
 if TYPE_CHECKING:
     from client.http import FeatureClient
@@ -32,8 +32,10 @@ class RemoteBags(BagLookup):
     ``read(i_or_id, rows=None)`` (torch) and ``read_numpy(i_or_id, rows=None, out=None)`` (numpy;
     bfloat16 as uint16 bits; ``out``: the features' buffer), as the local reader has them.
 
-    ``rows``: None (the whole bag), a ``slice`` of patches (step 1), or a 1-D sequence of patch
-    indices (any order, duplicates allowed; sent as one ``POST`` body).
+    ``rows``: which patches, by the rule every bag reader shares
+    (:func:`~featurestore.format.bags.select_rows`): None (the whole bag), a slice (a step-1 slice
+    is asked for by ``GET ?start=&stop=``), or positions within the bag (any order, duplicates
+    allowed; sent as one ``POST`` body).
     """
 
     def __init__(self, client: FeatureClient, key: tuple[str, str, str], listing: wire.BagsListing) -> None:
@@ -101,9 +103,13 @@ class RemoteBags(BagLookup):
         position = self.position(bag)
         length = int(self.lengths[position])
         bag_id = self.ids[position]
-        selection = _selection(rows, length, bag_id)
-        count = selection.stop - selection.start if isinstance(selection, slice) else len(selection)
-        features, coords = self._outs(out, count)
+        selection = select_rows(rows, length, bag_id)
+        count = selected_count(selection)
+        coords = np.empty((count, 2), wire.storage_dtype(self.coords_dtype))
+        if out is None:
+            out = np.empty((count, self.dim), self.numpy_dtype)
+        check_out(out, count, self.dim, self.numpy_dtype)
+        features = out
         # Pieces that fit the server's byte cap, each one request written in place.
         step = max(1, self.listing.max_response_bytes // max(self.listing.row_nbytes, 1))
         path = wire.route(wire.BAG, **self.route, bag_id=bag_id)
@@ -127,28 +133,3 @@ class RemoteBags(BagLookup):
             else:
                 self.client.fetch_bag(path, features[lo:hi], coords[lo:hi], self.dtype, self.coords_dtype,
                                       indices=selection[lo:hi], generation=self.listing.generation)  # fmt: skip
-
-    def _outs(self, out: np.ndarray | None, count: int) -> tuple[np.ndarray, np.ndarray]:
-        coords = np.empty((count, 2), wire.storage_dtype(self.coords_dtype))
-        if out is None:
-            return np.empty((count, self.dim), self.numpy_dtype), coords
-        if out.shape != (count, self.dim) or out.dtype != self.numpy_dtype or not out.flags.c_contiguous:
-            raise fse.ShapeMismatch(f"out has shape {out.shape} and dtype {out.dtype}; this bag read needs a "
-                                    f"C-contiguous ({count}, {self.dim}) array of {self.numpy_dtype}")  # fmt: skip
-        return out, coords
-
-
-def _selection(rows: Any, length: int, bag_id: str) -> slice | np.ndarray:
-    """``rows`` as a checked ``slice(start, stop)`` or an int64 index array."""
-    if rows is None:
-        return slice(0, length)
-    if isinstance(rows, range):
-        rows = slice(rows.start, rows.stop, rows.step) if rows.step == 1 else np.asarray(rows)
-    if isinstance(rows, slice):
-        start, stop, step = rows.indices(length)
-        if step != 1:
-            return np.arange(start, stop, step, dtype=np.int64)
-        return slice(start, max(start, stop))
-    index = wire.as_index_array(rows)
-    wire.check_bounds(index, length, f"bag {bag_id!r}")
-    return index

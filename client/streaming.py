@@ -22,13 +22,6 @@ from client.readahead import ReadAhead, cached_fronts
 from featurestore.errors import InvalidOption
 
 
-def check_count(name: str, value: Any, low: int) -> int:
-    """``value`` as an int if it is an integer >= ``low``, else :class:`InvalidOption` naming it."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-        raise InvalidOption(f"`{name}` must be an integer >= {low}, but got: {value!r}")
-    return int(value)
-
-
 def channel_normalization(ds: Any, normalize: bool) -> tuple[np.ndarray, np.ndarray] | None:
     """``normalize=`` of both loaders: the split's stored ``(mean, std)`` per channel when asked
     (:class:`InvalidOption` naming the split when it has none), else None."""

@@ -9,50 +9,32 @@
   then converted, when ``dtype`` differs from the stored dtype). Batches live in leased buffers of
   :class:`featurestore.core.buffers.BufferPool` that return only when the consumer drops the last
   view of them, because a probe may keep its batches (``torch.cat`` of all features).
+
+Slots, side stream, buffer pool, read threads and the hand-over are :class:`client.stager.DeviceStager`'s,
+shared with :class:`client.bag_transfer.BagTransfer`.
 """
 
 from __future__ import annotations
 
-import os
-import queue
-import weakref
 from typing import Any
 
 import numpy as np
 import torch
 
 from client.dataset import FeatureDataset
-from featurestore.core.buffers import BufferPool, aligned_empty
-from featurestore.core.pread import ReadPool
+from client.stager import DeviceStager, widen
+from featurestore.core.buffers import aligned_empty
 from featurestore.format import dtypes
 
 
-class Transfer:
+class Transfer(DeviceStager):
     """Turns one index array into a ready ``(features, labels)`` batch on the target device."""
 
     def __init__(self, ds: FeatureDataset, device: torch.device, dtype: torch.dtype,
                  pin: bool, mean_std: tuple[np.ndarray, np.ndarray] | None, num_threads: int, prefetch: int = 2) -> None:
+        super().__init__(device, dtype, pin, mean_std, num_threads, prefetch=prefetch)
         self.ds = ds
-        self.device = device
-        self.dtype = dtype
         self.stored = ds.torch_dtype
-        self.cuda = device.type == "cuda"
-        self.norm = norm_tensors(mean_std, device, dtype)
-        self.pool = BufferPool(keep=keep_for(prefetch))
-        # The loader's own read threads (local stores): shut down with the loader; a forked
-        # DataLoader worker gets its own (ReadPool is per process).
-        self.read_pool = ReadPool(int(os.environ.get("FEATURESTORE_READ_THREADS", "8")))
-        self._weak = weakref.finalize(self, self.read_pool.shutdown)
-        if self.cuda:
-            self.stream = torch.cuda.Stream(device=device)
-            # T threads + 1: every thread can read while the previous copy is still in flight.
-            self.slots: queue.Queue[HostSlot] = queue.Queue()
-            for _ in range(num_threads + 1):
-                self.slots.put(HostSlot(pin))
-
-    def shutdown(self) -> None:
-        self.read_pool.shutdown()
-        self.pool.clear()  # the idle batch buffers (leased ones go when their batches do)
 
     # ------------------------------------------------------------------ producer side (threads)
     def produce(self, index: np.ndarray, staging: dict[str, np.ndarray]) -> Any:
@@ -88,9 +70,7 @@ class Transfer:
 
     def _produce_cuda(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, Any]:
         ds, b = self.ds, len(index)
-        slot = self.slots.get()  # never blocks for long: one more slot than threads
-        try:
-            slot.wait_copied()  # the copy out of this slot's last batch must be done first
+        with self.slot() as slot:  # the copy out of this slot's last batch is done
             host_f, host_l = slot.views(ds, b)
             ds.read_into(index, host_f, host_l)
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
@@ -102,10 +82,7 @@ class Transfer:
                     features = features.sub_(self.norm[0]).mul_(self.norm[1])
                 label_dtype = torch.from_numpy(host_l[:0]).dtype
                 labels = widen(raw_l.view(label_dtype).view(b, *ds.label_shape))
-                ready = torch.cuda.Event()
-                ready.record(self.stream)
-        finally:
-            self.slots.put(slot)
+                ready = self.ready_event()
         return features, labels, ready
 
     # ------------------------------------------------------------------ consumer side
@@ -113,78 +90,5 @@ class Transfer:
         if not self.cuda:
             return item
         features, labels, ready = item
-        stream = torch.cuda.current_stream(self.device)
-        stream.wait_event(ready)  # the GPU waits, the host does not
-        # Allocated on the side stream, used on this one: keep the allocator from handing the
-        # memory out again before this stream's work on it is done.
-        features.record_stream(stream)
-        labels.record_stream(stream)
+        features, labels = self.hand_over((features, labels), ready)
         return features, labels
-
-
-class HostSlot:
-    """One reusable host buffer (pinned when asked) for a batch's features and labels (a bag
-    batch's features and coordinates: :mod:`client.bag_transfer`)."""
-
-    def __init__(self, pin: bool) -> None:
-        self.pin = pin
-        self.features = torch.empty(0, dtype=torch.uint8)
-        self.labels = torch.empty(0, dtype=torch.uint8)
-        self.copied: Any = None
-
-    def _grown(self, buffer: torch.Tensor, need: int) -> torch.Tensor:
-        if buffer.numel() >= need:
-            return buffer
-        return torch.empty(need, dtype=torch.uint8, pin_memory=self.pin)
-
-    def reserve(self, features_nbytes: int, labels_nbytes: int) -> None:
-        """Grow the buffers to hold at least these many bytes (they never shrink)."""
-        self.features = self._grown(self.features, features_nbytes)
-        self.labels = self._grown(self.labels, labels_nbytes)
-
-    def views(self, ds: FeatureDataset, b: int) -> tuple[np.ndarray, np.ndarray]:
-        self.reserve(b * ds.sample_nbytes, b * ds.label_nbytes)
-        f = self.features[: b * ds.sample_nbytes].numpy().view(ds.numpy_dtype).reshape(b, *ds.sample_shape)
-        lab = self.labels[: b * ds.label_nbytes].numpy().view(ds.label_numpy_dtype).reshape(b, *ds.label_shape)
-        return f, lab
-
-    def wait_copied(self) -> None:
-        if self.copied is not None:
-            self.copied.synchronize()
-            self.copied = None
-
-    def record_copied(self, stream: Any) -> None:
-        self.copied = torch.cuda.Event()
-        self.copied.record(stream)
-
-
-def keep_for(prefetch: int) -> int:
-    """Idle batch buffers a loader's pool keeps: as many as can be out at once (``prefetch`` in
-    production or ready, the one the consumer holds, the one it takes or reads itself), plus one
-    for a buffer that comes back a moment after the next batch leased one, so a returning buffer
-    is never unmapped only for a fresh one to be mapped and faulted in for the next batch (first
-    touches of fresh memory cost ~5x a copy on this VM; with ``prefetch + 2`` a later epoch still
-    mapped 2 now and then). The pool holds at most one batch more than the epoch's peak;
-    ``close()`` gives it back."""
-    return int(prefetch) + 3
-
-
-def norm_tensors(mean_std: tuple[np.ndarray, np.ndarray] | None, device: torch.device,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(mean, 1 / std)`` on ``device`` in ``dtype`` for ``x.sub_(mean).mul_(inv)``; channels
-    with std 0 are only centred. None without statistics."""
-    if mean_std is None:
-        return None
-    mean, std = mean_std
-    inv = np.where(std > 0, 1.0 / np.where(std > 0, std, 1.0), 1.0)  # constant channels: no scaling
-    norm = (torch.from_numpy(mean).to(device, dtype), torch.from_numpy(inv.astype(np.float32)).to(device, dtype))
-    if device.type == "cuda":  # made on this thread's stream, read on the side stream later
-        torch.cuda.synchronize(device)
-    return norm
-
-
-def widen(labels: torch.Tensor) -> torch.Tensor:
-    """Integer and bool labels to int64 (what losses index with); float labels as they are."""
-    if labels.dtype.is_floating_point or labels.dtype == torch.int64:
-        return labels
-    return labels.to(torch.int64)

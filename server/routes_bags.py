@@ -120,12 +120,11 @@ def bag_response(state: StoreState, entry: OpenedSplit, bag_id: str, rows: slice
     bags = entry.array
     position = bags.index(bag_id)  # the id is looked up, never joined into a path (BagNotFound: 404)
     length = int(bags.lengths[position])
-    if isinstance(rows, slice):
-        if not 0 <= rows.start <= rows.stop <= length:
-            raise IndexOutOfRange(f"rows {rows.start}:{rows.stop} are outside bag {bag_id!r} of {length} "
-                                  f"patches: use 0 <= start <= stop <= {length}")  # fmt: skip
-        rows = np.arange(rows.start, rows.stop, dtype=np.int64)
-    index = bags.rows_of(position, rows)  # rows of the split's features/coords arrays
+    # ?start=&stop= are wire parameters, not a Python slice: out of the bag is an error, not clipped.
+    if isinstance(rows, slice) and not 0 <= rows.start <= rows.stop <= length:
+        raise IndexOutOfRange(f"rows {rows.start}:{rows.stop} are outside bag {bag_id!r} of {length} "
+                              f"patches: use 0 <= start <= stop <= {length}")  # fmt: skip
+    index = bags.rows_of(position, rows)  # the one bag-selection rule (format.bags.select_rows)
     features, coords = bags.features, bags.coords
     per_row = int(features.sample_nbytes) + int(coords.sample_nbytes)
     nbytes = check_size(state, len(index), per_row, unit="patches",

@@ -7,8 +7,12 @@ read path. Every test writes a bag split with the real writer (bags added out of
 empty, one spanning several chunks, ids that look like paths or markup) and compares what is
 read with values computed by numpy/torch alone.
 
+The ``rows`` tests pin the one bag-selection rule (``featurestore.format.bags.select_rows``), so
+every bag reader takes and refuses the same selections with the same errors, as the dense readers
+do in tests/reader_contract.py.
+
 Subclasses: tests/test_bags_contract.py (local mmap and pread, ``memory://``, S3 on moto and on
-SeaweedFS).
+SeaweedFS), tests/test_bags_contract_http.py (``RemoteBags``, with and without a byte cap).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 
 import featurestore
 from featurestore.core.protocol import BagReader
-from featurestore.errors import BagNotFound, IndexOutOfRange
+from featurestore.errors import BagNotFound, IndexOutOfRange, InvalidIndices, ShapeMismatch
 
 DIM = 6
 CHUNK_ROWS = 8
@@ -126,3 +130,76 @@ class BagContract:
     def test_attrs(self, written: Any) -> None:
         bags, data, _ = written
         assert bags.attrs("a/b") == {"index": data["a/b"][2], "id": "a/b"}
+
+    # ------------------------------------------------------------------ rows: the one selection rule
+    def test_rows_in_every_order(self, written: Any) -> None:
+        bags, data, _ = written
+        bits, coords, _ = data["../x"]
+        rng = np.random.default_rng(5)
+        orders: dict[str, Any] = {
+            "sequential": np.arange(37),
+            "reversed": np.arange(37)[::-1].copy(),
+            "shuffled": rng.permutation(37),
+            "duplicates": np.array([5, 5, 0, 36, 5, 17, 0, 36, 36]),
+            "chunk edges": np.array([7, 8, 35, 36, 15, 16]),
+            "single": [36],
+            "scalar": 12,
+        }
+        for order, rows in orders.items():
+            features, got_coords = self._read(bags, "../x", rows=rows)
+            flat = np.atleast_1d(np.asarray(rows))
+            assert features.shape == (len(flat), DIM), order
+            assert np.array_equal(features.view(bits.dtype), bits[flat]), order
+            assert np.array_equal(got_coords, coords[flat]), order
+
+    def test_rows_index_types(self, written: Any) -> None:
+        bags, data, _ = written
+        bits, coords, _ = data["ünï-切片"]
+        rows = [9, 2, 11]
+        for given in (rows, tuple(rows), np.array(rows, np.int32), np.array(rows, np.uint64), torch.tensor(rows)):
+            features, got_coords = self._read(bags, "ünï-切片", rows=given)
+            assert np.array_equal(features.view(bits.dtype), bits[rows]), type(given)
+            assert np.array_equal(got_coords, coords[rows]), type(given)
+
+    def test_rows_slices_and_ranges_select_as_python_does(self, written: Any) -> None:
+        bags, data, _ = written
+        bits, coords, _ = data["../x"]
+        everything = np.arange(37)
+        for rows in (slice(None), slice(3, 30), slice(0, 1000), slice(-5, None), slice(30, 3),
+                     slice(1, 36, 4), slice(None, None, -3), range(2, 20), range(20, 2, -2)):
+            want = everything[rows] if isinstance(rows, slice) else np.asarray(rows, np.int64)
+            features, got_coords = self._read(bags, "../x", rows=rows)
+            assert features.shape == (len(want), DIM), rows
+            assert np.array_equal(features.view(bits.dtype), bits[want]), rows
+            assert np.array_equal(got_coords, coords[want]), rows
+
+    def test_rows_empty(self, written: Any) -> None:
+        bags, _, _ = written
+        for which, rows in (("../x", []), ("../x", np.array([], np.int64)), ("empty", []), ("empty", slice(0, 5))):
+            features, coords = self._read(bags, which, rows=rows)
+            assert features.shape == (0, DIM) and coords.shape == (0, 2), (which, rows)
+
+    def test_rows_out_of_range_name_the_position(self, written: Any) -> None:
+        bags, _, _ = written
+        for bad in (37, 137, -1):
+            with pytest.raises(IndexOutOfRange, match=str(bad)):
+                self._read(bags, "../x", rows=[0, bad])
+        with pytest.raises(IndexOutOfRange, match="0"):
+            self._read(bags, "empty", rows=[0])
+
+    def test_rows_that_are_not_positions_are_refused(self, written: Any) -> None:
+        bags, _, _ = written
+        for bad in ([1.9], [[0, 1]], ["3"], np.array([True, False])):
+            with pytest.raises(InvalidIndices):
+                self._read(bags, "../x", rows=bad)
+
+    def test_wrong_out_is_refused(self, written: Any) -> None:
+        bags, _, _ = written
+        rows = np.array([3, 1, 3])
+        storage_dtype = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}[bags.dtype]
+        for out in (np.empty((2, DIM), storage_dtype), np.empty((3, DIM + 1), storage_dtype),
+                    np.empty((3, DIM), np.float64), np.empty((DIM, 3), storage_dtype).T):
+            with pytest.raises(ShapeMismatch):
+                self._read(bags, "../x", rows=rows, out=out)
+        with pytest.raises(ShapeMismatch):
+            self._read(bags, "zeta", out=np.empty((2, DIM), storage_dtype))

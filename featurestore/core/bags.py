@@ -22,7 +22,7 @@ from featurestore.core.bag_commit import read_strings
 from featurestore.format.seals import generation_of
 from featurestore.core.reader import FeatureArray
 from featurestore.core.storage import Storage
-from featurestore.errors import CorruptChunk, IndexOutOfRange, InvalidIndices, ShapeMismatch
+from featurestore.errors import CorruptChunk
 from featurestore.format import bags, dtypes, layout
 from featurestore.format.metadata import SplitMetadata
 
@@ -92,28 +92,24 @@ class BagSplit(bags.BagLookup):
 
     # ------------------------------------------------------------------ reads
     def rows_of(self, i_or_id: int | str, rows: Any = None) -> np.ndarray:
-        """Row positions in ``features``/``coords`` of the bag (or of its ``rows`` subset)."""
+        """Row positions in ``features``/``coords`` of the bag (or of its ``rows``, by the one
+        rule of :func:`featurestore.format.bags.select_rows`)."""
         i = self.position(i_or_id)
         start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
-        if rows is None:
-            return np.arange(start, stop, dtype=np.int64)
-        subset = np.asarray(rows)
-        if subset.ndim != 1 or (subset.size and subset.dtype.kind not in "iu"):
-            raise InvalidIndices(f"rows must be a 1-D integer array of positions within the bag, got {subset.dtype} {subset.shape}")
-        subset = subset.astype(np.int64, copy=False)
-        if subset.size and (subset.min() < 0 or subset.max() >= stop - start):
-            raise IndexOutOfRange(f"rows [{int(subset.min())}, {int(subset.max())}] are outside bag "
-                                  f"{self.ids[i]!r} of {stop - start} rows")
-        return start + subset
+        selection = bags.select_rows(rows, stop - start, self.ids[i])
+        if isinstance(selection, slice):
+            return np.arange(start + selection.start, start + selection.stop, dtype=np.int64)
+        return start + selection
 
     def read_numpy(self, i_or_id: int | str, rows: Any = None, out: np.ndarray | None = None
                    ) -> tuple[np.ndarray, np.ndarray]:
         """``(features [n, dim], coords [n, 2])`` of one bag in the storage dtypes (bfloat16 as its
-        uint16 bits); ``rows``: positions within the bag (e.g. a sorted sample for max_patches);
-        ``out``: a C-contiguous ``[n, dim]`` buffer for the features (pinned memory)."""
+        uint16 bits); ``rows``: which patches (:func:`~featurestore.format.bags.select_rows`: None,
+        a slice, or positions within the bag); ``out``: a C-contiguous ``[n, dim]`` buffer of the
+        storage dtype for the features (pinned memory)."""
         index = self.rows_of(i_or_id, rows)
-        if out is not None and (out.shape != (len(index), self.dim) or not out.flags.c_contiguous):
-            raise ShapeMismatch(f"out has shape {out.shape}; this bag read needs a C-contiguous ({len(index)}, {self.dim}) array")
+        if out is not None:
+            bags.check_out(out, len(index), self.dim, self.features.numpy_dtype)
         with self.features._generation().deferred():  # features and coords: one check
             features = self.features.read_numpy(index, out=out)
             return features, self.coords.read_numpy(index)

@@ -31,6 +31,7 @@ import numpy as np
 
 from featurestore.errors import (BagNotFound, IndexOutOfRange, InvalidIndices, InvalidMetadata, InvalidOption,
                                  ShapeMismatch)
+from featurestore.format import layout, wire
 # The chunk_seals table is every kind's now (format.seals); its names stay importable from here.
 from featurestore.format.seals import CHUNK_SEALS, SEAL_COLUMNS, SEALED_ARRAYS, seal_problems, seal_table  # noqa: F401
 
@@ -315,3 +316,42 @@ class BagLookup:
             raise IndexOutOfRange(f"bag position {int(i_or_id)} is outside [0, {len(self.ids)}) of {self._where()}: "
                                   "use 0 <= i < the number of bags, or a bag id")
         return int(i_or_id)
+
+
+def select_rows(rows: Any, length: int, bag: str) -> slice | np.ndarray:
+    """The one rule for a bag's ``rows`` (every bag reader and the server's bag routes): which
+    patches of a bag of ``length`` patches, as a ``slice(start, stop)`` of step 1 or an int64
+    array of positions within the bag.
+
+    - ``None``: the whole bag;
+    - a ``slice`` or ``range``: what it selects of the bag's patches as a Python sequence
+      (bounds clipped, negative bounds from the end, any step);
+    - anything else is patch positions, normalised as every reader's indices are
+      (:func:`wire.as_index_array`: a 1-D integer list, tuple, numpy or torch array; a scalar is
+      one row): any order, duplicates allowed, each in ``[0, length)`` (a negative position is
+      ``IndexOutOfRange``, never counted from the end).
+    """
+    if rows is None:
+        return slice(0, length)
+    if isinstance(rows, range):
+        rows = slice(rows.start, rows.stop, rows.step)
+    if isinstance(rows, slice):
+        start, stop, step = rows.indices(length)
+        if step != 1:
+            return np.arange(start, stop, step, dtype=np.int64)
+        return slice(start, max(start, stop))
+    index = wire.as_index_array(rows)
+    wire.check_bounds(index, length, f"bag {bag!r}")
+    return index
+
+
+def selected_count(selection: slice | np.ndarray) -> int:
+    """How many patches a :func:`select_rows` selection reads."""
+    return selection.stop - selection.start if isinstance(selection, slice) else len(selection)
+
+
+def check_out(out: np.ndarray, count: int, dim: int, numpy_dtype: Any) -> None:
+    """``out`` of a bag read: a C-contiguous ``[count, dim]`` array of the storage dtype."""
+    if out.shape != (count, dim) or out.dtype != numpy_dtype or not out.flags.c_contiguous:
+        raise ShapeMismatch(f"out has shape {out.shape} and dtype {out.dtype}; this bag read needs a "
+                            f"C-contiguous ({count}, {dim}) array of {np.dtype(numpy_dtype)}")
