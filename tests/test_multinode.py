@@ -29,6 +29,7 @@ from test_extract import cli_env
 
 import featurestore
 from featurestore.testing.seaweedfs import free_ports
+from featurestore.core.storage import LocalStorage
 from featurestore.core.storage_obstore import ObjectStorage
 from featurestore.demo.synthetic import make_synthetic_pannuke
 from featurestore.extract.dist import Coordinator
@@ -111,10 +112,17 @@ def test_two_node_extraction_into_s3_equals_one_process(seaweed_url: str, seawee
     for field in ("quantization", "channel_stats", "cache_key", "encoder", "chunk_rows"):
         assert a.metadata[field] == b.metadata[field], field
     remote = ObjectStorage(seaweed_url, options)
-    # chunk_stats rows end with the split's own generation seal, so they differ between any two
-    # splits; their fold (quantization, channel_stats) is compared above.
+    # chunk_stats rows end with the split's own generation seal, and chunk_seals rows carry it,
+    # so both differ between any two splits: the stats' fold (quantization, channel_stats) is
+    # compared above, the seals' places and crc32c values below.
     chunks = sorted(p for p in (single / Path(*SPLIT)).rglob("*")
-                    if p.is_file() and "c" in p.parts and "chunk_stats" not in p.parts)
+                    if p.is_file() and "c" in p.parts and not {"chunk_stats", "chunk_seals"} & set(p.parts))
+    from featurestore.core.seals import read_table
+
+    seals_a = read_table(LocalStorage(str(single)), "/".join(SPLIT))
+    seals_b = read_table(remote, "/".join(SPLIT))
+    assert seals_a is not None and seals_b is not None
+    assert np.array_equal(seals_a[:, :3], seals_b[:, :3])  # array, chunk, crc32c; not the generation
     rows = a.metadata["chunk_rows"]
     assert len([p for p in chunks if "features" in p.parts]) == -(-14 // rows) >= 4
     for path in chunks:  # every features, labels and ids chunk, byte for byte
