@@ -46,7 +46,7 @@ class BagEpochs:
         import torch
 
         import featurestore
-        from featurestore.core.storage_obstore import ObjectStorage
+        from featurestore.core.storage.obstore import ObjectStorage
         from featurestore.format import layout
 
         self.url, self.options, self.prefetch = url, dict(options), prefetch
