@@ -349,6 +349,7 @@ class ObjectStorage(Storage):
     def _error(self, exc: BaseException, key: str, op: str) -> BaseException:
         return storage_error(exc, key, op, shown=self.shown, bucket=self.bucket, settings=self.settings)
 
+
 # ---------------------------------------------------------------------- fork safety
 _runtime_pid: int | None = None
 
