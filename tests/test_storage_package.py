@@ -61,3 +61,14 @@ def test_a_pickled_cached_storage_opens_the_same_cache(tmp_path: Path) -> None:
 def test_a_local_store_has_no_cache(tmp_path: Path) -> None:
     storage = open_storage(str(tmp_path / "root"))
     assert type(storage) is LocalStorage and chunk_cache_of(storage) is None
+
+
+def test_the_wrapper_passes_every_interface_method_to_its_backend() -> None:
+    """A method added to the interface must be passed on by the wrapper too: inherited, it would
+    run the interface's default instead of the backend's own (an object store's atomic copy, say)."""
+    from featurestore.core.storage.base import Storage
+
+    interface = [n for n, v in vars(Storage).items() if callable(v) and not n.startswith("_")]
+    assert "write_sealed" in interface and "read_whole_into" in interface
+    missing = [n for n in interface if n not in vars(CachedStorage)]
+    assert not missing, f"CachedStorage does not pass on {missing}: add them to featurestore/core/storage/cached.py"

@@ -34,6 +34,7 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Sto
     scheme = url.split("://", 1)[0].lower()
     check_protocols(url, scheme)
     if scheme in OBJECT_SCHEMES and os.environ.get("FEATURESTORE_OBJECT_BACKEND", "obstore") != "fsspec":
+        # Imported here: asyncio and the obstore backend would cost every local command ~0.1 s.
         from featurestore.core.storage.obstore import ObjectStorage
 
         backend = ObjectStorage(url, storage_options)
