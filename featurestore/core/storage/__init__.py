@@ -10,7 +10,7 @@ Layers inside the package, each importing only the ones below it:
 * :mod:`.factory`: :func:`open_storage`, a backend for a URL, wrapped in the cache when asked.
 
 This ``__init__`` only re-exports the names the rest of featurestore uses; no module of the
-package imports it.
+package takes a name from it (each imports the submodule it needs).
 """
 
 from featurestore.core.storage.base import Storage
