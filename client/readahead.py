@@ -1,14 +1,14 @@
 """Read-ahead by plan: a loader's epoch order tells the chunk cache what to fetch and what to keep.
 
 For a split read through a local chunk cache (object storage with ``cache_dir``,
-:mod:`featurestore.core.chunk_cache`), a :class:`FeatureLoader` knows every batch of the epoch
+:mod:`featurestore.core.storage.chunk_cache`), a :class:`FeatureLoader` knows every batch of the epoch
 before it starts. From that plan:
 
 * **keep**: each chunk's last batch in the epoch is handed to the cache, which does not evict a
   chunk the epoch still needs (:meth:`CachedArray.plan`);
 * **read ahead**: a thread walks the batches in order and starts the download of each chunk at its
   first use, ahead of the consumer, so a batch finds its chunks local instead of waiting on a
-  first touch. It is bounded twice: at most :data:`~featurestore.core.chunk_cache.FETCH_THREADS`
+  first touch. It is bounded twice: at most :data:`~featurestore.core.storage.chunk_cache.FETCH_THREADS`
   downloads in flight, and at most half the cache's bytes fetched ahead of the consumer's batch
   (read-ahead never pushes out what the next batches read).
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core.chunk_cache import FETCH_THREADS
+from featurestore.core.storage.chunk_cache import FETCH_THREADS
 
 _POLL_S = 0.005
 

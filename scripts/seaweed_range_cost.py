@@ -25,7 +25,7 @@ import numpy as np
 import obstore
 
 from featurestore.testing.seaweedfs import seaweed_server
-from featurestore.core.storage_obstore import run
+from featurestore.core.storage.io_loop import run
 
 ROW = 192 << 10
 SIZES = {"192K": ROW, "1M": 1 << 20, "4M": 4 << 20, "8M chunk (42 rows + crc)": 42 * ROW + 4}

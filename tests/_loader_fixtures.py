@@ -99,7 +99,7 @@ def seaweed_store(request: pytest.FixtureRequest) -> Iterator[tuple[str, dict[st
     """The reference store written by the writer itself to the session's SeaweedFS (conftest)."""
     from conftest import SEAWEED_BUCKET
 
-    from featurestore.core.storage_obstore import ObjectStorage
+    from featurestore.core.storage.obstore import ObjectStorage
 
     options = dict(request.getfixturevalue("seaweed").storage_options)
     url = f"s3://{SEAWEED_BUCKET}/loader-{uuid.uuid4().hex[:10]}"

@@ -120,7 +120,7 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 @pytest.fixture
 def seaweed_url(seaweed: Any) -> Iterator[str]:
     """A fresh, empty store root in the shared SeaweedFS bucket; its keys are deleted afterwards."""
-    from featurestore.core.storage_obstore import ObjectStorage
+    from featurestore.core.storage.obstore import ObjectStorage
 
     url = f"s3://{SEAWEED_BUCKET}/stores/{uuid.uuid4().hex[:12]}"
     yield url

@@ -1,4 +1,4 @@
-"""The local chunk cache of object-storage stores (core.chunk_cache), against the
+"""The local chunk cache of object-storage stores (core.storage.chunk_cache), against the
 session's SeaweedFS server (moto for a server that dies): same bytes as without it, shared by
 processes, safe against kills, other generations, damaged files and a full disk."""
 
@@ -18,8 +18,9 @@ import pytest
 from reader_contract import ReaderContract
 
 import featurestore
-from featurestore.core import chunk_cache
-from featurestore.core.storage_options import translate
+from featurestore.core.storage import chunk_cache
+from featurestore.core.storage.cached import chunk_cache_of
+from featurestore.core.storage.options import parse_bytes, translate
 from featurestore.errors import InvalidStorageOptions, SplitChanged, StorageUnavailable
 
 pytest.importorskip("obstore")
@@ -77,7 +78,7 @@ def test_cache_options_and_environment() -> None:
     with pytest.raises(InvalidStorageOptions) as info:
         translate("s3://b", {}, environ={"FEATURESTORE_CACHE_BYTES": "lots"})
     assert "FEATURESTORE_CACHE_BYTES='lots'" in str(info.value) and "\n" not in str(info.value)
-    assert chunk_cache.parse_bytes(1000, "x") == 1000 and chunk_cache.parse_bytes("1.5k", "x") == 1536
+    assert parse_bytes(1000, "x") == 1000 and parse_bytes("1.5k", "x") == 1536
 
 
 # ---------------------------------------------------------------------- same bytes
@@ -93,7 +94,7 @@ def test_cached_reads_are_the_uncached_bytes_in_any_order(seaweed_url: str, seaw
         got = cached.read_numpy(index)
         assert np.array_equal(got, plain.read_numpy(index)) and np.array_equal(got, values[index])
         assert np.array_equal(cached.labels.read_numpy(index), index)
-    stats = cached._storage.chunk_cache.stats
+    stats = cached._storage.cache.stats
     chunks = -(-N // CHUNK_ROWS)
     assert stats["fetched"] == 2 * chunks  # features and labels, each chunk once
     assert len(_chunk_files(tmp_path / "cache")) == 2 * chunks
@@ -113,7 +114,7 @@ def test_loader_reads_ahead_by_plan_and_matches(seaweed_url: str, seaweed: Any, 
         for k, (features, labels) in enumerate(loader):
             index = plan.batch(k)
             assert np.array_equal(features.numpy(), values[index]) and np.array_equal(labels.numpy(), index)
-    assert ds.array._storage.chunk_cache.stats["fetched"] == 2 * -(-N // CHUNK_ROWS)  # epoch 2: all local
+    assert ds.array._storage.cache.stats["fetched"] == 2 * -(-N // CHUNK_ROWS)  # epoch 2: all local
 
 
 # ---------------------------------------------------------------------- processes
@@ -129,7 +130,7 @@ for start in range(0, len(order), 8):
     index = np.sort(order[start:start + 8])
     rows = array.read_numpy(index)
     digest ^= zlib.crc32(rows.tobytes() + index.tobytes())
-stats = array._storage.chunk_cache.stats
+stats = array._storage.cache.stats
 print(json.dumps({"fetched": stats["fetched"], "waited": stats["waited"], "digest": digest}))
 """
 
@@ -321,9 +322,9 @@ def test_a_damaged_cache_file_is_found_and_fetched_again(seaweed_url: str, seawe
         f.seek(100)
         f.write(bytes([byte[0] ^ 0xFF]))
     array = _open(seaweed_url, options, tmp_path)  # this process checks each cached file on its first read
-    before = array._storage.chunk_cache.stats["fetched"]
+    before = array._storage.cache.stats["fetched"]
     assert np.array_equal(array.read_numpy(np.arange(N)), values)
-    assert array._storage.chunk_cache.stats["fetched"] == before + 1  # that one chunk, again
+    assert array._storage.cache.stats["fetched"] == before + 1  # that one chunk, again
 
 
 # ---------------------------------------------------------------------- room
@@ -335,7 +336,7 @@ url, options, cache, limit = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], 
 array = featurestore.open_store(url, cache_dir=cache, **options).open("ds", "enc", "train")
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # no file may grow past a few KiB: EFBIG
 rows = array.read_numpy(np.arange(len(array)))
-print(json.dumps({"sum": float(rows.astype(np.float64).sum()), "stats": array._storage.chunk_cache.stats}))
+print(json.dumps({"sum": float(rows.astype(np.float64).sum()), "stats": array._storage.cache.stats}))
 """
 
 
@@ -417,7 +418,7 @@ def test_an_unwritable_cache_dir_warns_once_and_reads_by_ranges(seaweed_url: str
     assert len(said) == 1, said  # the second store of the process opens the same (no) cache
     assert f"chunk cache {unwritable_cache} cannot be written" in said[0] and "ranged GETs" in said[0]
     for array in arrays:
-        assert array.path == "ranges" and array._storage.chunk_cache is None
+        assert array.path == "ranges" and chunk_cache_of(array._storage) is None
         assert np.array_equal(array.read_numpy(np.arange(N)[::-1]), values[::-1])
 
 
@@ -426,7 +427,7 @@ def test_a_cache_smaller_than_a_chunk_reads_by_ranges(seaweed_url: str, seaweed:
     values = _write(seaweed_url, options)
     array = _open(seaweed_url, options, tmp_path, cache_bytes=1000)
     assert np.array_equal(array.read_numpy(np.arange(N)[::-1]), values[::-1])
-    assert array._storage.chunk_cache.stats["fetched"] == 0 and not _chunk_files(tmp_path)
+    assert array._storage.cache.stats["fetched"] == 0 and not _chunk_files(tmp_path)
 
 
 def test_eviction_keeps_the_limit_and_what_the_plan_needs(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
@@ -732,5 +733,4 @@ def test_caches_of_one_process_share_its_fetch_threads(seaweed_url: str, seaweed
         assert np.array_equal(cached.read_numpy(np.arange(N)), values)
     names = [t.name for t in threading.enumerate()]
     fetchers = [n for n in names if n.startswith("featurestore-cache_")]
-    checkers = [n for n in names if n.startswith("featurestore-cache-seal_")]
-    assert 0 < len(fetchers) <= chunk_cache.FETCH_THREADS and len(checkers) <= chunk_cache.FETCH_THREADS, names
+    assert 0 < len(fetchers) <= chunk_cache.FETCH_THREADS, names

@@ -268,7 +268,7 @@ def _object_files(url: str, options: dict[str, Any], comparable: bool = True) ->
     """Every object of the split except its group document, by key (as ``_files`` for a directory)."""
     import obstore
 
-    from featurestore.core.storage_obstore import ObjectStorage
+    from featurestore.core.storage.obstore import ObjectStorage
 
     storage = ObjectStorage(url, options)
     prefix = "/".join(SPLIT)
@@ -308,9 +308,9 @@ PAUSED_WRITER = r"""
 import sys, time
 import numpy as np
 import featurestore
-from featurestore.core import storage
+from featurestore.core.storage import files
 
-real_stream = storage.stream_parts
+real_stream = files.stream_parts
 
 def paused_stream(f, parts, *, seal, writeback):
     f.write(bytes(memoryview(parts[0]).cast("B")[:100]))
@@ -318,7 +318,7 @@ def paused_stream(f, parts, *, seal, writeback):
     print("in-put", flush=True)
     time.sleep(600)
 
-storage.stream_parts = paused_stream
+files.stream_parts = paused_stream
 root = sys.argv[1]
 store = featurestore.open_store(root, mode="a")
 w = store.create_split("pannuke", "tiny-vit", "train", num_samples=62, sample_shape=(4, 8),

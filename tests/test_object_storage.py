@@ -15,7 +15,7 @@ import pytest
 from reader_contract import ReaderContract
 
 import featurestore
-from featurestore.core.storage_options import translate
+from featurestore.core.storage.options import translate
 from featurestore.errors import BucketNotFound, InvalidStorageOptions, StorageAccessDenied, StorageUnavailable
 
 pytest.importorskip("obstore")
@@ -67,7 +67,7 @@ def test_bad_environment_settings_name_the_variable(environ: dict[str, str], nee
 
 
 def test_plan_requests_coalescing_boundaries() -> None:
-    from featurestore.core.storage_obstore import plan_requests
+    from featurestore.core.storage.obstore_client import plan_requests
 
     def plan(ranges: list[tuple[str, int, int]], gap: int) -> list[tuple[str, int, int, list[int]]]:
         return plan_requests([r[0] for r in ranges], [r[1] for r in ranges], [r[2] for r in ranges], gap)
@@ -128,7 +128,7 @@ class TestSeaweedReaderCompressed(TestSeaweedReader):
 
 
 def _storage(url: str, options: dict[str, Any]) -> Any:
-    from featurestore.core.storage_obstore import ObjectStorage
+    from featurestore.core.storage.obstore import ObjectStorage
 
     return ObjectStorage(url, options)
 

@@ -20,7 +20,7 @@ import featurestore  # noqa: E402
 from featurestore import errors as fse  # noqa: E402
 from featurestore.cli import main  # noqa: E402
 from featurestore.commands.storeargs import storage_options  # noqa: E402
-from featurestore.core.storage_options import translate  # noqa: E402
+from featurestore.core.storage.options import translate  # noqa: E402
 from featurestore.extract.plan import check_chunk_mb  # noqa: E402
 from featurestore.format.redact import redact, redact_url  # noqa: E402
 
@@ -165,7 +165,9 @@ def test_reprs_of_stores_and_datasets_mask_the_password(tmp_path: object) -> Non
         ds = FeatureDataset(url.replace("http://", f"http://alice:p@ss{SECRET}@"), "pannuke", "tiny", "train")
         assert SECRET not in repr(ds) and "alice" not in repr(ds), repr(ds)
         assert "http://***@127.0.0.1" in repr(ds)
-    storage = featurestore.core.storage_obstore.ObjectStorage(
+    from featurestore.core.storage.obstore import ObjectStorage
+
+    storage = ObjectStorage(
         "s3://bucket/x", {"endpoint_url": f"http://alice:{SECRET}@127.0.0.1:1", "key": "k", "secret": "s"})
     assert SECRET not in repr(storage) and SECRET not in str(storage.settings.endpoint)
 

@@ -17,7 +17,7 @@ from typing import Any
 import crc32c
 import pytest
 
-from featurestore.core import storage as storage_module
+from featurestore.core.storage import files as storage_files
 from featurestore.core.storage import LocalStorage, Storage, open_storage
 from featurestore.format import chunks
 
@@ -95,20 +95,20 @@ class TestLocalStorage(StorageContract):
 def _record_writeback(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
     """Record each ``sync_file_range`` call (offset, length, flags), still making the real one."""
     calls: list[tuple[int, int, int]] = []
-    real = storage_module._sync_file_range
+    real = storage_files._sync_file_range
 
     def record(fd: int, offset: int, length: int, flags: int) -> int:
         calls.append((offset, length, flags))
         return real(fd, offset, length, flags) if real is not None else 0
 
-    monkeypatch.setattr(storage_module, "_sync_file_range", record)
+    monkeypatch.setattr(storage_files, "_sync_file_range", record)
     return calls
 
 
 def test_a_large_value_starts_its_writeback_slice_by_slice(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storage_module, "WRITEBACK_MIN_BYTES", 1000)
-    monkeypatch.setattr(storage_module, "WRITEBACK_SLICE_BYTES", 4096)
-    monkeypatch.setattr(storage_module, "PIECE_BYTES", 4096)  # every write goes in pieces (2 MiB ones cost ~12x)
+    monkeypatch.setattr(storage_files, "WRITEBACK_MIN_BYTES", 1000)
+    monkeypatch.setattr(storage_files, "WRITEBACK_SLICE_BYTES", 4096)
+    monkeypatch.setattr(storage_files, "PIECE_BYTES", 4096)  # every write goes in pieces (2 MiB ones cost ~12x)
     calls = _record_writeback(monkeypatch)
     payload, crc = os.urandom(3 * 4096 + 100), b"crc!"
     storage = LocalStorage(str(tmp_path))
@@ -122,9 +122,9 @@ def test_a_large_value_starts_its_writeback_slice_by_slice(tmp_path: Any, monkey
 
 def test_a_sealed_value_is_checksummed_piece_by_piece_as_it_is_written(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storage_module, "WRITEBACK_MIN_BYTES", 1000)
-    monkeypatch.setattr(storage_module, "WRITEBACK_SLICE_BYTES", 4096)
-    monkeypatch.setattr(storage_module, "PIECE_BYTES", 1000)  # pieces that do not divide the slices
+    monkeypatch.setattr(storage_files, "WRITEBACK_MIN_BYTES", 1000)
+    monkeypatch.setattr(storage_files, "WRITEBACK_SLICE_BYTES", 4096)
+    monkeypatch.setattr(storage_files, "PIECE_BYTES", 1000)  # pieces that do not divide the slices
     calls = _record_writeback(monkeypatch)
     payload = os.urandom(2 * 4096 + 7)
     storage = LocalStorage(str(tmp_path))
@@ -138,7 +138,7 @@ def test_a_sealed_value_is_checksummed_piece_by_piece_as_it_is_written(
 @pytest.mark.parametrize("how", ["FEATURESTORE_WRITEBACK=0", "FEATURESTORE_FSYNC=1"])
 def test_writeback_stays_off_when_switched_off_or_fsync_waits_anyway(
         how: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storage_module, "WRITEBACK_MIN_BYTES", 1000)
+    monkeypatch.setattr(storage_files, "WRITEBACK_MIN_BYTES", 1000)
     name, value = how.split("=")
     monkeypatch.setenv(name, value)
     calls = _record_writeback(monkeypatch)
@@ -148,8 +148,8 @@ def test_writeback_stays_off_when_switched_off_or_fsync_waits_anyway(
 
 
 def test_writes_work_where_there_is_no_sync_file_range(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storage_module, "WRITEBACK_MIN_BYTES", 1000)
-    monkeypatch.setattr(storage_module, "_sync_file_range", None)  # macOS, Windows
+    monkeypatch.setattr(storage_files, "WRITEBACK_MIN_BYTES", 1000)
+    monkeypatch.setattr(storage_files, "_sync_file_range", None)  # macOS, Windows
     storage = LocalStorage(str(tmp_path))
     storage.write("k", b"z" * 5000, b"tail")
     assert storage.read("k") == b"z" * 5000 + b"tail"
@@ -157,12 +157,12 @@ def test_writes_work_where_there_is_no_sync_file_range(tmp_path: Any, monkeypatc
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
 def test_the_kernel_accepts_the_writeback_request(tmp_path: Any) -> None:
-    assert storage_module._sync_file_range is not None
+    assert storage_files._sync_file_range is not None
     with open(tmp_path / "f", "wb") as f:
         f.write(b"w" * 65536)
         f.flush()
-        assert storage_module.start_writeback(f.fileno(), 0, 65536)
-        assert not storage_module.start_writeback(-1)  # a bad descriptor: False, not an exception
+        assert storage_files.start_writeback(f.fileno(), 0, 65536)
+        assert not storage_files.start_writeback(-1)  # a bad descriptor: False, not an exception
 
 
 class TestMemoryStorage(StorageContract):

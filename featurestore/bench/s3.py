@@ -104,8 +104,8 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
     from client import FeatureDataset, FeatureLoader
     from featurestore.core.reader import aligned_empty
     from featurestore.core.storage import FsspecStorage
-    from featurestore.core.storage_obstore import ObjectStorage
-    from featurestore.core.storage_obstore import run as run_async
+    from featurestore.core.storage.obstore import ObjectStorage
+    from featurestore.core.storage.io_loop import run as run_async
     from featurestore.format import layout
 
     shape = tuple(int(v) for v in args.shape.lower().split("x"))
@@ -299,7 +299,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
 
 def _s3fs_options(options: dict[str, Any]) -> dict[str, Any]:
     """The same server for s3fs (the baselines): featurestore's own keys removed."""
-    from featurestore.core.storage_options import FEATURESTORE_KEYS
+    from featurestore.core.storage.options import FEATURESTORE_KEYS
 
     return {k: v for k, v in options.items() if k not in FEATURESTORE_KEYS}
 

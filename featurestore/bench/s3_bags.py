@@ -33,7 +33,7 @@ class BagEpochs:
         import torch
 
         import featurestore
-        from featurestore.core.storage_obstore import ObjectStorage
+        from featurestore.core.storage.obstore import ObjectStorage
         from featurestore.demo.synthetic_bags import bag_lengths, io_bags
 
         self.url, self.options, self.prefetch = url, dict(options), prefetch

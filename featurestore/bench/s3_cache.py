@@ -132,7 +132,7 @@ def fetch_whole(store: Any, keys: list[str], in_flight: int = 8) -> int:
 
     import obstore
 
-    from featurestore.core.storage_obstore import run as run_async
+    from featurestore.core.storage.io_loop import run as run_async
 
     async def get_all() -> int:
         semaphore = asyncio.Semaphore(in_flight)
@@ -157,7 +157,7 @@ def fill_whole(store: Any, keys: list[str], directory: str, in_flight: int = 8) 
 
     import obstore
 
-    from featurestore.core.storage import PIECE_BYTES, preallocate, stream_parts
+    from featurestore.core.storage.files import PIECE_BYTES, preallocate, stream_parts
 
     os.makedirs(directory, exist_ok=True)
 

@@ -1,9 +1,9 @@
 """One array's front on the chunk cache: which chunks are local, fetching the others, the plan.
 
 A chunk a read needs and the cache does not hold is fetched whole by a fetch thread of the
-process's :class:`~featurestore.core.chunk_cache.ChunkCache` (one GET streamed into the cache file
+process's :class:`~featurestore.core.storage.chunk_cache.ChunkCache` (one GET streamed into the cache file
 1 MiB at a time as it arrives, or concurrent ranged parts past
-:data:`~featurestore.core.chunk_cache.PART_BYTES`) and checked before the file is renamed into
+:data:`~featurestore.core.storage.chunk_cache.PART_BYTES`) and checked before the file is renamed into
 place: its size and its crc32c trailer (both computed as the bytes stream in), and that the split
 is still the generation it was opened as, complete: its group document, requested after the
 chunk's GET was answered, says so (:mod:`featurestore.core.generation`, the check every read path
@@ -37,8 +37,8 @@ import numpy as np
 
 from featurestore.core import generation
 from featurestore.core.checked import damage_message
-from featurestore.core.chunk_cache import LOCK_SUFFIX, PART_BYTES, ChunkCache
-from featurestore.core.storage import unlink_quietly
+from featurestore.core.storage.chunk_cache import LOCK_SUFFIX, PART_BYTES, ChunkCache
+from featurestore.core.storage.files import unlink_quietly
 from featurestore.errors import CorruptChunk
 from featurestore.format import chunks as chunk_codec
 from featurestore.format import layout

@@ -1,7 +1,7 @@
 """Temporary files left by killed writers: found (``verify`` reports them), removed by a resume.
 
 A local put writes ``.<name>.<pid>.<hex>.tmp`` beside its target and renames it
-(featurestore.core.storage); a writer killed between the two (SIGKILL, the OOM killer, a lost
+(featurestore.core.storage.local); a writer killed between the two (SIGKILL, the OOM killer, a lost
 node) leaves the temporary file. Nothing reads it (every listing skips ``*.tmp``), but it holds
 disk space, up to a chunk per writer and kill. Object storage leaves none: a PUT (multipart
 included) is atomic and creates no temporary object, so there is nothing to list there.
@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from featurestore.core.storage import Storage
+from featurestore.core.storage.process import pid_alive
 from featurestore.format.names import TMP_SUFFIX, tmp_writer_pid
 
 STALE_AFTER_S = 600.0
@@ -88,15 +89,3 @@ def remove_stale_temp_files(storage: Storage, prefix: str, after_s: float = STAL
         removed.append(temp)
     return removed
 
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host (in this pid namespace)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: alive
-    return True

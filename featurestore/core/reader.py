@@ -10,7 +10,7 @@ Three paths behind one interface, chosen when the array is opened, all returning
 * ``ranges`` (object storage / any fsspec URL, uncompressed): one byte range per run of adjacent
   requested rows, all fetched in one ``cat_ranges`` call, which s3fs and gcsfs issue concurrently.
 * ``cached`` (object storage with a chunk cache, uncompressed): the chunks a read touches are
-  fetched whole into the local cache directory (:mod:`featurestore.core.chunk_cache`), then
+  fetched whole into the local cache directory (:mod:`featurestore.core.storage.chunk_cache`), then
   gathered from there by the local path (mmap or pread); chunks the cache cannot take (no room,
   a full disk) are read by ranges.
 * ``zarr`` (compressed arrays): zarr-python decodes the touched chunks.
@@ -34,6 +34,7 @@ from featurestore.core.buffers import aligned_empty
 from featurestore.core.reader_cached import CachedPath
 from featurestore.core.reader_ranges import RangesPath, _runs
 from featurestore.core.storage import Storage
+from featurestore.core.storage.cached import chunk_cache_of
 from featurestore.errors import (
     REPAIR_ADVICE,
     CorruptChunk,
@@ -79,7 +80,7 @@ class FeatureArray(CachedPath, RangesPath):
             self.path = "zarr"
         elif storage.local_path(self._key) is not None:
             self.path = "mmap"
-        elif storage.chunk_cache is not None and metadata.get("status") == "complete":
+        elif chunk_cache_of(storage) is not None and metadata.get("status") == "complete":
             self.path = "cached"
         else:
             self.path = "ranges"

@@ -1,5 +1,5 @@
 """The ``cached`` read path of :class:`~featurestore.core.reader.FeatureArray`: object storage
-through the local chunk cache (:mod:`featurestore.core.chunk_cache`).
+through the local chunk cache (:mod:`featurestore.core.storage.chunk_cache`).
 
 A read makes the chunks it touches local (whole GETs, checked, :mod:`featurestore.core.cached_array`),
 then gathers them with the local path (mmap or pread) from the cache directory. Chunks the cache
@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from featurestore.core import cached_array, checked, pread
+from featurestore.core.storage.cached import chunk_cache_of
 from featurestore.errors import MissingChunks
 from featurestore.format import layout
 from featurestore.format.metadata import SplitMetadata
@@ -62,7 +63,9 @@ class CachedPath:
         if self._front is None:
             meta = SplitMetadata.from_json(self.metadata, self._split_key)
             nbytes = self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES
-            self._front = cached_array.front(self._storage.chunk_cache, self._storage, self._key,
+            cache = chunk_cache_of(self._storage)
+            assert cache is not None  # the "cached" path is chosen only for a storage with one
+            self._front = cached_array.front(cache, self._storage, self._key,
                                              chunk_nbytes=nbytes, ndim=self._ndim, meta=meta)
         return self._front
 

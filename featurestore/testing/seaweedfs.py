@@ -79,7 +79,7 @@ class SeaweedServer:
         """A plain obstore S3Store on ``bucket`` (credentials fixed: AWS_* variables ignored)."""
         from obstore.store import S3Store
 
-        from featurestore.core.storage_options import StaticCredentials
+        from featurestore.core.storage.options import StaticCredentials
 
         credentials = StaticCredentials({"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY,
                                          "token": None, "expires_at": None})
