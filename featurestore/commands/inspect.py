@@ -30,11 +30,6 @@ def register(subparsers: Any) -> None:
     add_storage_options(info)
     info.set_defaults(func=run_info)
 
-    # verify has its own module (its exit statuses, its leftovers); registered here, after info
-    from featurestore.commands import verify
-
-    verify.register(subparsers)
-
 
 def _store(args: argparse.Namespace) -> Any:
     return open_store_from_args(args.url, args)

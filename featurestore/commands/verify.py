@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any
 
-from featurestore.commands.inspect import _size
+from featurestore.format.sizes import bytes_text as _size
 from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
 from featurestore.errors import FeatureStoreError, InvalidOption
 
