@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from featurestore import __version__
+from featurestore.core import quantize_int8
 from featurestore.core.leftovers import remove_stale_temp_files
 from featurestore.core.reader import FeatureArray
 from featurestore.core.storage import Storage, open_storage
@@ -29,7 +30,7 @@ from featurestore.errors import (
     SplitSettingsMismatch,
     StoreNotFound,
 )
-from featurestore.format import chunks, dtypes, layout
+from featurestore.format import chunks, dtypes, int8, layout
 from featurestore.format.chunk_checks import features_match_stats
 from featurestore.format.metadata import (
     WRITING,
@@ -276,6 +277,7 @@ class FeatureStore:
                 raise InvalidOption(f"chunk_bytes must be a positive int (e.g. 8 << 20), got {chunk_bytes!r}")
             sample_nbytes = int(np.prod(shape)) * dtypes.storage_dtype(dtype).itemsize
             chunk_rows = layout.chunk_rows_for(sample_nbytes, chunk_bytes, int(num_samples))
+            chunk_rows = int8.chunk_rows(dtype, chunk_rows, int(num_samples))
         elif not isinstance(chunk_rows, (int, np.integer)) or isinstance(chunk_rows, bool) or chunk_rows < 1:
             raise InvalidOption(f"chunk_rows must be a positive int, got {chunk_rows!r}")
         else:
@@ -308,6 +310,7 @@ class FeatureStore:
             self.storage.write(f"{key}/{layout.LABELS}/{layout.ZARR_JSON}", layout.array_document(
                 shape=(n, *meta.labels.shape), chunk_rows=rows, data_type=meta.labels.dtype,
                 attributes={"featurestore": {"logical_dtype": meta.labels.dtype}}))
+        quantize_int8.write_scales_document(self.storage, key, meta)
         self.storage.write(f"{key}/{layout.CHUNK_STATS}/{layout.ZARR_JSON}", layout.array_document(
             shape=(meta.num_chunks, stats_row_length(meta)), chunk_rows=1, data_type="float64",
             attributes={"featurestore": {"description": "per-chunk partial sums; see docs/FORMAT.md"}}))

@@ -120,7 +120,8 @@ class SplitMetadata:
             creator={"name": "featurestore", "version": creator_version},
             created=_now(), generation=new_generation(), extra=user,
             kind=DENSE if bags is None else BAGS, bags=bags,
-            format_version=layout.FORMAT_VERSION if bags is None else layout.BAGS_FORMAT_VERSION,
+            format_version=(layout.INT8_FORMAT_VERSION if dtypes.is_int8(logical_dtype) else
+                            layout.FORMAT_VERSION if bags is None else layout.BAGS_FORMAT_VERSION),
         )
         meta.validate()
         try:  # metadata must be plain JSON: fail here, not at commit

@@ -1,0 +1,226 @@
+"""int8 splits: the scheme's bound for every element, the report, plain Zarr, old readers refused,
+resume after SIGKILL byte-identical, local and SeaweedFS equal, bad input refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import featurestore
+from featurestore.errors import DtypeMismatch, NonFiniteValues, UnsupportedFormatVersion
+from featurestore.format import int8, layout
+
+from _core_helpers import comparable_chunk_file
+
+SPLIT = ("ds", "enc", "train")
+
+
+def vit_like(n: int, tokens: int = 6, dim: int = 32, seed: int = 0) -> np.ndarray:
+    """Gaussian tokens, two channels with massive activations, a high-norm prefix token, an
+    all-zero channel and a constant one."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, tokens, dim)).astype(np.float32)
+    x[:, :, [3, 11]] *= 100.0
+    x[:, 0] *= 20.0
+    x[:, :, 5] = 0.0
+    x[:, :, 6] = -2.5
+    return x
+
+
+def write(url: str, x: np.ndarray, dtype: str = "int8", chunk_rows: int | None = 16,
+          chunk_bytes: int | None = None, **options: Any) -> Any:
+    store = featurestore.open_store(url, mode="a", **options)
+    writer = store.create_split(*SPLIT, num_samples=len(x), sample_shape=x.shape[1:], dtype=dtype,
+                                chunk_rows=chunk_rows, chunk_bytes=chunk_bytes)
+    for lo in range(0, len(x), 7):  # batches that cut across chunks
+        writer.write(lo, x[lo:lo + 7])
+    writer.commit()
+    return store
+
+
+# ---------------------------------------------------------------------- the scheme's bound
+@st.composite
+def chunks_of_values(draw: Any) -> np.ndarray:
+    rows = draw(st.integers(1, 40))
+    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    magnitude = draw(st.sampled_from([1e-40, 1e-30, 1e-6, 1.0, 1e4, 1e30, 3e38]))
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, *shape)) * magnitude
+    flat = x.reshape(rows, -1)
+    if draw(st.booleans()):  # a channel with massive activations
+        flat[:, draw(st.integers(0, flat.shape[1] - 1))] *= 1000.0 if magnitude < 1e34 else 1.0
+    if draw(st.booleans()):
+        flat[:, draw(st.integers(0, flat.shape[1] - 1))] = 0.0
+    if draw(st.booleans()):
+        flat[:, draw(st.integers(0, flat.shape[1] - 1))] = draw(st.floats(-1e6, 1e6, width=32))
+    return np.clip(x, -3.4e38, 3.4e38).astype(np.float32)
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunks_of_values())
+def test_every_element_within_the_schemes_bound(x: np.ndarray) -> None:
+    codes, scales, saturated = int8.encode(x)
+    assert codes.dtype == np.int8 and codes.shape == x.shape and scales.shape == x.shape[1:]
+    assert scales.dtype == np.float32 and codes.min(initial=0) >= -127
+    back = int8.decode(codes, scales)
+    error = np.abs(back.astype(np.float64) - x.astype(np.float64))
+    assert np.all(error <= int8.error_bound(scales)), float((error - int8.error_bound(scales)).max())
+    assert saturated == 0 or float(scales.max()) < 1.2e-38  # only a scale below float32's normal range
+    assert np.all(back[:, np.all(x == 0, axis=0)] == 0)  # all-zero positions come back zero
+    out = np.empty(x.shape, np.float32)  # the readers' vectorized path gives the same values
+    int8.dequantize_into(codes, np.zeros(len(x), np.int64), scales[None], out)
+    assert np.array_equal(out, back)
+
+
+# ---------------------------------------------------------------------- dense splits
+def test_report_reads_and_bytes_against_float16(tmp_path: Path) -> None:
+    x = vit_like(256)
+    # chunk sizes in bytes: int8 chunks grow to MIN_CHUNK_ROWS rows (here 2 chunks, float16 8)
+    store = write(str(tmp_path / "i8"), x, chunk_rows=None, chunk_bytes=32 * 6 * 32)
+    write(str(tmp_path / "f16"), x, dtype="float16", chunk_rows=None, chunk_bytes=32 * 6 * 32 * 2)
+    assert store.open(*SPLIT).chunk_rows == int8.MIN_CHUNK_ROWS
+    meta = store.split_metadata(*SPLIT)
+    assert meta["format_version"] == layout.INT8_FORMAT_VERSION and meta["logical_dtype"] == "int8"
+    q = meta["quantization"]
+    assert q["stored_dtype"] == "int8" and not q["exact"]
+    assert q["saturation_count"] == 0 and q["nan_count"] == 0
+    array = store.open(*SPLIT)
+    back = array.read_numpy(np.arange(len(x)), dtype="float32")
+    rel_rms = np.sqrt(((back - x) ** 2).sum() / (x ** 2).sum())
+    assert q["rel_rms_error"] == pytest.approx(rel_rms, rel=1e-4) and rel_rms <= 0.01
+    assert q["max_abs_error"] == pytest.approx(np.abs(back - x).max(), rel=1e-6)
+    assert q["abs_max"] == pytest.approx(np.abs(x).max())
+    # every element within the bound of its chunk's scale
+    scales = array.scales.table()
+    bound = int8.error_bound(scales)[np.arange(len(x)) // array.chunk_rows]
+    assert np.all(np.abs(back - x) <= bound)
+    # shuffled rows and float16 give the same values; no dtype: the stored codes
+    index = np.random.default_rng(1).permutation(len(x))[:37]
+    assert np.array_equal(array.read_numpy(index, dtype="float32"), back[index])
+    out16 = np.empty((37, *x.shape[1:]), np.float16)
+    assert array.read_numpy(index, out=out16, dtype="float16") is out16
+    assert np.array_equal(out16, back[index].astype(np.float16))
+    assert array.read_numpy(index).dtype == np.int8
+    with pytest.raises(DtypeMismatch, match="int64"):
+        array.read_numpy(index, dtype="int64")
+    # the channel statistics describe the values back
+    assert np.allclose(meta["channel_stats"]["mean"], back.reshape(-1, x.shape[-1]).mean(axis=0), atol=1e-3)
+    # bytes on storage, scales included, against the float16 split of the same features
+    def size(root: Path, *arrays: str) -> int:
+        return sum(f.stat().st_size for a in arrays for f in (root / "ds/enc/train" / a / "c").rglob("*") if f.is_file())
+    ratio = size(tmp_path / "i8", "features", "scales") / size(tmp_path / "f16", "features")
+    assert ratio <= 0.52, ratio
+
+
+def test_plain_zarr_reads_codes_and_scales(tmp_path: Path) -> None:
+    import zarr
+
+    x = vit_like(50)
+    store = write(str(tmp_path / "s"), x)
+    group = zarr.open_group(str(tmp_path / "s/ds/enc/train"), mode="r")
+    codes, scales = group["features"][:], group["scales"][:]
+    assert codes.dtype == np.int8 and scales.dtype == np.float32 and scales.shape == (4, 6, 32)
+    # the formula of docs/FORMAT.md
+    values = codes * scales[np.arange(len(codes)) // group["features"].chunks[0]]
+    assert np.array_equal(values, store.open(*SPLIT).read_numpy(np.arange(50), dtype="float32"))
+
+
+def test_an_older_reader_refuses_an_int8_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write(str(tmp_path / "s"), vit_like(20))
+    write(str(tmp_path / "f"), vit_like(20), dtype="float16")
+    assert featurestore.open_store(str(tmp_path / "f")).split_metadata(*SPLIT)["format_version"] == 1
+    monkeypatch.setattr(layout, "READ_FORMAT_VERSION", layout.BAGS_FORMAT_VERSION)
+    featurestore.open_store(str(tmp_path / "f")).open(*SPLIT)  # float16 splits keep version 1
+    with pytest.raises(UnsupportedFormatVersion, match="version 3"):
+        featurestore.open_store(str(tmp_path / "s")).open(*SPLIT)
+
+
+def test_non_finite_and_out_of_range_values_are_refused(tmp_path: Path) -> None:
+    store = featurestore.open_store(str(tmp_path), mode="a")
+    writer = store.create_split(*SPLIT, num_samples=8, sample_shape=(4,), dtype="int8", chunk_rows=4)
+    for bad, error in ((np.inf, NonFiniteValues), (np.nan, NonFiniteValues)):
+        x = np.ones((4, 4), np.float32)
+        x[1, 2] = bad
+        with pytest.raises(error, match="non-finite"):
+            writer.write(0, x)
+    with pytest.raises(NonFiniteValues, match="float32"):
+        writer.write(0, np.full((4, 4), 1e39))
+    writer.write(0, np.full((4, 4), 7e4, np.float32))  # float16's range does not bound int8: scales are float32
+    assert writer.report()["quantization"]["abs_max"] == pytest.approx(7e4)
+
+
+def test_bag_splits_refuse_int8_with_one_line(tmp_path: Path) -> None:
+    store = featurestore.open_store(str(tmp_path), mode="a")
+    with pytest.raises(DtypeMismatch, match="dense splits only"):
+        store.create_bag_split(*SPLIT, dim=8, dtype="int8")
+
+
+def test_seaweedfs_equals_local(tmp_path: Path, seaweed_url: str, seaweed: Any) -> None:
+    x = vit_like(45)
+    local = write(str(tmp_path / "s"), x).open(*SPLIT)
+    remote = write(seaweed_url, x, **seaweed.storage_options).open(*SPLIT)
+    index = np.random.default_rng(2).permutation(45)
+    assert np.array_equal(remote.read_numpy(index), local.read_numpy(index))
+    assert np.array_equal(remote.read_numpy(index, dtype="float32"), local.read_numpy(index, dtype="float32"))
+
+
+# ---------------------------------------------------------------------- crash safety
+WRITER = r"""
+import sys, time
+import numpy as np
+import featurestore
+sys.path.insert(0, sys.argv[3])
+from test_int8 import vit_like
+root, resume = sys.argv[1], sys.argv[2] == "resume"
+x = vit_like(70)
+w = featurestore.open_store(root, mode="a").create_split("ds", "enc", "train", num_samples=70,
+        sample_shape=(6, 32), dtype="int8", chunk_rows=8, resume=resume)
+print("pending", *w.pending_chunks(), flush=True)
+for lo in range(0, 70, 5):
+    w.write(lo, x[lo:lo + 5])
+    w.flush()
+    print("progress", lo, flush=True)
+    if lo == 30 and not resume:
+        time.sleep(60)
+w.commit()
+print("done", flush=True)
+"""
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    base = root / "ds/enc/train"
+    return {str(p.relative_to(base)): comparable_chunk_file(str(p.relative_to(base)), p.read_bytes())
+            for p in sorted(base.rglob("*")) if p.is_file() and "/c/" in str(p)}
+
+
+def _run(root: Path, mode: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", WRITER, str(root), mode, str(Path(__file__).parent)],
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def test_sigkill_then_resume_is_byte_identical(tmp_path: Path) -> None:
+    reference = tmp_path / "ref"
+    write(str(reference), vit_like(70), chunk_rows=8)
+    killed = _run(tmp_path / "s", "fresh")
+    assert killed.stdout is not None
+    for line in killed.stdout:
+        if line.startswith("progress 30"):
+            break
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert featurestore.open_store(str(tmp_path / "s")).split_status(*SPLIT) == "writing"
+    resumed = _run(tmp_path / "s", "resume")
+    out, _ = resumed.communicate(timeout=300)
+    pending = [int(v) for v in out.splitlines()[0].split()[1:]]
+    assert out.splitlines()[-1] == "done" and 0 not in pending and 8 in pending
+    assert _files(tmp_path / "s") == _files(reference)
