@@ -224,3 +224,29 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path: Path) -> None:
     pending = [int(v) for v in out.splitlines()[0].split()[1:]]
     assert out.splitlines()[-1] == "done" and 0 not in pending and 8 in pending
     assert _files(tmp_path / "s") == _files(reference)
+
+
+# ---------------------------------------------------------------------- the CLI
+def test_extract_and_import_with_dtype_int8(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from featurestore.cli import main
+
+    images = np.random.default_rng(0).integers(0, 256, (10, 32, 32, 3), dtype=np.uint8)
+    np.save(tmp_path / "x.npy", images)
+    common = ["--images", f"npy:{tmp_path / 'x.npy'}", "--encoder", "builtin:tiny-vit", "--store",
+              str(tmp_path / "s"), "--dataset", "toy", "--batch-size", "4", "--num-workers", "0", "--no-progress"]
+    assert main(["extract", *common, "--split", "i8", "--dtype", "int8"]) == 0
+    assert main(["extract", *common, "--split", "f32", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "float32 -> int8" in out and "extracted toy/tiny-vit/i8" in out
+    store = featurestore.open_store(str(tmp_path / "s"))
+    i8, f32 = store.open("toy", "tiny-vit", "i8"), store.open("toy", "tiny-vit", "f32")
+    x, back = f32.read_numpy(np.arange(10)), i8.read_numpy(np.arange(10), dtype="float32")
+    rel_rms = float(np.sqrt(((back - x) ** 2).sum() / (x ** 2).sum()))
+    assert rel_rms <= 0.01 and i8.metadata["quantization"]["rel_rms_error"] == pytest.approx(rel_rms, rel=1e-3)
+    # a dense cache imported as int8 gives the same codes as the extraction
+    np.save(tmp_path / "cache.npy", x)
+    assert main(["import", str(tmp_path / "cache.npy"), "--store", str(tmp_path / "s"), "--dataset", "toy",
+                 "--encoder-name", "tiny-vit", "--split", "imported", "--dtype", "int8", "--no-progress"]) == 0
+    imported = store.open("toy", "tiny-vit", "imported")
+    assert imported.chunk_rows == i8.chunk_rows == 10
+    assert np.array_equal(imported.read_numpy(np.arange(10)), i8.read_numpy(np.arange(10)))
