@@ -250,3 +250,20 @@ def test_extract_and_import_with_dtype_int8(tmp_path: Path, capsys: pytest.Captu
     imported = store.open("toy", "tiny-vit", "imported")
     assert imported.chunk_rows == i8.chunk_rows == 10
     assert np.array_equal(imported.read_numpy(np.arange(10)), i8.read_numpy(np.arange(10)))
+
+
+def test_a_lost_scales_row_is_damage_verify_finds_and_resume_rewrites(tmp_path: Path) -> None:
+    from featurestore.cli import main
+
+    x = vit_like(40)
+    write(str(tmp_path / "s"), x, chunk_rows=16)
+    (tmp_path / "s/ds/enc/train/scales/c/1/0/0").unlink()
+    assert main(["verify", str(tmp_path / "s")]) != 0
+    writer = featurestore.open_store(str(tmp_path / "s"), mode="a").create_split(
+        *SPLIT, num_samples=40, sample_shape=x.shape[1:], dtype="int8", chunk_rows=16, resume=True)
+    assert writer.pending_chunks() == [1]
+    writer.write(16, x[16:32])
+    writer.commit()
+    assert main(["verify", str(tmp_path / "s")]) == 0
+    back = featurestore.open_store(str(tmp_path / "s")).open(*SPLIT).read_numpy(np.arange(40), dtype="float32")
+    assert np.sqrt(((back - x) ** 2).sum() / (x ** 2).sum()) <= 0.01
