@@ -267,3 +267,23 @@ def test_a_lost_scales_row_is_damage_verify_finds_and_resume_rewrites(tmp_path: 
     assert main(["verify", str(tmp_path / "s")]) == 0
     back = featurestore.open_store(str(tmp_path / "s")).open(*SPLIT).read_numpy(np.arange(40), dtype="float32")
     assert np.sqrt(((back - x) ** 2).sum() / (x ** 2).sum()) <= 0.01
+
+
+def test_writers_of_disjoint_chunks_equal_one_writer(tmp_path: Path) -> None:
+    """The torchrun rule (chunk i to rank i % 2): scales are per chunk, so each rank's chunks are
+    the one writer's, byte for byte."""
+    x = vit_like(70)
+    write(str(tmp_path / "one"), x, chunk_rows=8)
+    store = featurestore.open_store(str(tmp_path / "two"), mode="a")
+    create = dict(num_samples=70, sample_shape=x.shape[1:], dtype="int8", chunk_rows=8)
+    store.create_split(*SPLIT, **create).close()
+    ranks = [store.create_split(*SPLIT, **create, resume=True) for _ in (0, 1)]
+    for rank, writer in enumerate(ranks):
+        for i in range(rank, writer.num_chunks, 2):
+            lo, hi = writer.chunk_range(i)
+            writer.write(lo, x[lo:hi])
+        writer.close()
+    ranks[0].commit()
+    assert _files(tmp_path / "two") == _files(tmp_path / "one")
+    q1 = featurestore.open_store(str(tmp_path / "one")).split_metadata(*SPLIT)["quantization"]
+    assert store.split_metadata(*SPLIT)["quantization"] == q1
