@@ -159,10 +159,62 @@ def test_non_finite_and_out_of_range_values_are_refused(tmp_path: Path) -> None:
     assert writer.report()["quantization"]["abs_max"] == pytest.approx(7e4)
 
 
-def test_bag_splits_refuse_int8_with_one_line(tmp_path: Path) -> None:
-    store = featurestore.open_store(str(tmp_path), mode="a")
-    with pytest.raises(DtypeMismatch, match="dense splits only"):
-        store.create_bag_split(*SPLIT, dim=8, dtype="int8")
+def bag_values(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, n in (("s-03", 50), ("s-01", 7), ("s-02", 0), ("s-04", 300), ("s-00", 1)):
+        x = rng.standard_normal((n, 16)).astype(np.float32)
+        x[:, 2] *= 100.0  # a channel with massive activations
+        x[:, 5] = 0.0
+        out[name] = x
+    return out
+
+
+def write_bags(url: str, values: dict[str, np.ndarray], **options: Any) -> Any:
+    store = featurestore.open_store(url, mode="a", **options)
+    writer = store.create_bag_split(*SPLIT, dim=16, dtype="int8", chunk_bytes=64 * 16)
+    for name, x in values.items():
+        writer.add_bag(name, x)
+    writer.commit()
+    return store
+
+
+def test_bag_split_round_trip_plain_zarr_and_report(tmp_path: Path) -> None:
+    import zarr
+
+    from featurestore.cli import main
+
+    values = bag_values()
+    store = write_bags(str(tmp_path / "s"), values)
+    meta = store.split_metadata(*SPLIT)
+    assert meta["format_version"] == layout.INT8_FORMAT_VERSION
+    q = meta["quantization"]
+    assert q["stored_dtype"] == "int8" and q["saturation_count"] == 0 and q["rel_rms_error"] <= 0.01
+    split = store.open_bags(*SPLIT)
+    for name, x in values.items():
+        codes, _ = split.read_numpy(name)
+        back, _ = split.read_numpy(name, dtype="float32")
+        assert codes.dtype == np.int8 and back.dtype == np.float32
+        scale = split.scales[split.position(name)]
+        assert np.all(np.abs(back - x) <= int8.error_bound(scale))  # per (bag, channel)
+        half, _ = split.read_numpy(name, dtype="float16")
+        assert np.array_equal(half, back.astype(np.float16))
+    # plain zarr: bag i's values are features[offsets[i]:offsets[i+1]] * scales[i]
+    group = zarr.open_group(str(tmp_path / "s/ds/enc/train"), mode="r")
+    offsets, scales = group["offsets"][:], group["scales"][:]
+    everything = group["features"][:] * np.repeat(scales, np.diff(offsets), axis=0)
+    for i, name in enumerate(split.ids):
+        assert np.array_equal(everything[offsets[i]:offsets[i + 1]], split.read_numpy(name, dtype="float32")[0])
+    assert main(["verify", str(tmp_path / "s")]) == 0
+
+
+def test_bag_split_on_seaweedfs_equals_local(tmp_path: Path, seaweed_url: str, seaweed: Any) -> None:
+    values = bag_values(1)
+    local = write_bags(str(tmp_path / "s"), values).open_bags(*SPLIT)
+    remote = write_bags(seaweed_url, values, **seaweed.storage_options).open_bags(*SPLIT)
+    for name in values:
+        assert np.array_equal(remote.read_numpy(name)[0], local.read_numpy(name)[0])
+        assert np.array_equal(remote.read_numpy(name, dtype="float32")[0], local.read_numpy(name, dtype="float32")[0])
 
 
 def test_seaweedfs_equals_local(tmp_path: Path, seaweed_url: str, seaweed: Any) -> None:
@@ -197,10 +249,10 @@ print("done", flush=True)
 """
 
 
-def _files(root: Path) -> dict[str, bytes]:
+def _files(root: Path, arrays: tuple[str, ...] = ("features", "scales", "chunk_stats")) -> dict[str, bytes]:
     base = root / "ds/enc/train"
     return {str(p.relative_to(base)): comparable_chunk_file(str(p.relative_to(base)), p.read_bytes())
-            for p in sorted(base.rglob("*")) if p.is_file() and "/c/" in str(p)}
+            for a in arrays for p in sorted((base / a).rglob("*")) if p.is_file() and "/c/" in str(p)}
 
 
 def _run(root: Path, mode: str) -> subprocess.Popen[str]:
@@ -287,3 +339,41 @@ def test_writers_of_disjoint_chunks_equal_one_writer(tmp_path: Path) -> None:
     assert _files(tmp_path / "two") == _files(tmp_path / "one")
     q1 = featurestore.open_store(str(tmp_path / "one")).split_metadata(*SPLIT)["quantization"]
     assert store.split_metadata(*SPLIT)["quantization"] == q1
+
+
+BAG_WRITER = r"""
+import sys, time
+import featurestore
+sys.path.insert(0, sys.argv[3])
+from test_int8 import SPLIT, bag_values
+root, resume = sys.argv[1], sys.argv[2] == "resume"
+w = featurestore.open_store(root, mode="a").create_bag_split(*SPLIT, dim=16, dtype="int8",
+        chunk_bytes=64 * 16, resume=resume)
+print("done", *sorted(w.done_ids), flush=True)
+for name, x in bag_values().items():
+    if name in w.done_ids:
+        continue
+    w.add_bag(name, x)
+    if name == "s-04" and not resume:
+        w.close()  # its chunks and records on storage, then killed before the commit
+        print("added", flush=True)
+        time.sleep(60)
+w.commit()
+print("committed", flush=True)
+"""
+
+
+def test_bag_writer_sigkill_then_resume_is_byte_identical(tmp_path: Path) -> None:
+    write_bags(str(tmp_path / "ref"), bag_values())
+    killed = subprocess.Popen([sys.executable, "-c", BAG_WRITER, str(tmp_path / "s"), "fresh", str(Path(__file__).parent)],
+                              stdout=subprocess.PIPE, text=True)
+    assert killed.stdout is not None
+    assert killed.stdout.readline().startswith("done") and killed.stdout.readline() == "added\n"
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    resumed = subprocess.run([sys.executable, "-c", BAG_WRITER, str(tmp_path / "s"), "resume", str(Path(__file__).parent)],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.splitlines()[0] == "done s-01 s-02 s-03 s-04"  # s-00 was never added
+    arrays = ("features", "scales", "offsets")
+    assert _files(tmp_path / "s", arrays) == _files(tmp_path / "ref", arrays)

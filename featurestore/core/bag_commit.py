@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core import split_protocol
+from featurestore.core import quantize_int8, split_protocol
 from featurestore.core.chunk_puts import ChunkPuts
 from featurestore.core.reader import FeatureArray
 from featurestore.core.storage import Storage
@@ -130,6 +130,9 @@ def commit(storage: Storage, key: str, meta: SplitMetadata, extra: dict[str, Any
     dim = int(meta.sample_shape[0])
     stats = [r.stats for _, r in entries]
     _write_index(storage, key, meta, ids, offsets, labels, [r.attrs for _, r in entries], stats)
+    if dtypes.is_int8(meta.logical_dtype):  # bag i's values: features[offsets[i]:offsets[i+1]] * scales[i]
+        _put_array(storage, f"{key}/{layout.SCALES}", quantize_int8.bag_scales([r for _, r in entries], dim),
+                   attributes={"featurestore": {"description": "int8 scales, one row per bag; see docs/FORMAT.md"}})
     _write_seals(storage, key, meta)
     total_stats = merge_rows(stats, dim)
     source = SOURCE_NAMES.get(total_stats.source_code) or meta.source_dtype or meta.logical_dtype

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from featurestore import __version__
-from featurestore.core import bag_commit, bag_repair, quantize_int8
+from featurestore.core import bag_commit, bag_repair
 from featurestore.core.bag_writer import BagWriter
 from featurestore.core.bags import BagSplit
 from featurestore.core.leftovers import remove_stale_temp_files
@@ -89,7 +89,6 @@ def new_metadata(dataset: str, encoder: str, split: str, *, dim: int, dtype: str
                  metadata: dict[str, Any] | None, coords_unit: str | None, coords_dtype: str,
                  patch_size_level0: Any, label_dtype: Any, chunk_bytes: int) -> SplitMetadata:
     dtypes.check_feature_dtype(dtype)
-    quantize_int8.refuse_bags(dtype)
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 1:
         raise ShapeMismatch(f"dim must be a positive int (the encoder's feature width, e.g. 1536), got {dim!r}")
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes < 1:
@@ -142,6 +141,8 @@ def open_bags(store: FeatureStore, dataset: str, encoder: str, split: str,
     names = [layout.FEATURES, bags.COORDS, bags.OFFSETS]
     if (meta.bags or {}).get("labels") is not None:
         names.append(layout.LABELS)
+    if dtypes.is_int8(meta.logical_dtype):
+        names.append(layout.SCALES)
     store._require_inside(dataset, encoder, split, *names, bags.BAG_IDS, bags.BAG_ATTRS)
     documents: dict[str, dict[str, Any]] = {}
     for name in names:

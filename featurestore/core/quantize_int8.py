@@ -41,12 +41,33 @@ def encode_chunk(values: np.ndarray, rows: RowStats, tokens: int, source_code: i
     return codes, scales[None], stats
 
 
-def refuse_bags(logical: str) -> None:
-    """Bag splits lay chunks out again at commit (id order), which per-chunk scales do not follow
-    yet: refused with one line rather than written wrong."""
-    if dtypes.is_int8(logical):
-        raise DtypeMismatch("dtype 'int8' is offered for dense splits only so far: create the bag "
-                            "split with dtype='float16' (or bfloat16/float32)")
+def encode_bag(values: np.ndarray, rows: RowStats, source_code: int) -> tuple[np.ndarray, np.ndarray, ChunkStats]:
+    """A bag's float32 rows ``[n, dim]`` -> (int8 codes, its scales ``[dim]``, its statistics
+    row). Bag splits scale per (bag, channel), not per chunk: a commit lays bags out in id order
+    across chunks, and a bag's codes and scales move with it."""
+    codes, scales, saturated = int8.encode(values)
+    back = int8.decode(codes, scales)
+    dim = values.shape[-1]
+    measured = row_stats_numpy(values[None], back[None], "float32", False, dim)
+    measured.abs_max[:] = rows.abs_max
+    stats = fold_rows(measured, len(values), source_code)
+    stats.overflow_count = saturated
+    return codes, scales, stats
+
+
+def bag_scales(records: list[Any], dim: int) -> np.ndarray:
+    """The ``scales`` index array of an int8 bag split: one float32 row per bag, in id order."""
+    return np.stack([r.scales for r in records]) if records else np.zeros((0, dim), np.float32)
+
+
+def bag_scales_of(storage: Storage, key: str, meta: Any) -> np.ndarray | None:
+    """An int8 bag split's ``scales`` [num_bags, dim] read whole (None for other dtypes)."""
+    if not dtypes.is_int8(meta.logical_dtype):
+        return None
+    import zarr
+
+    return np.asarray(zarr.open_array(store=storage.zarr_store(), path=f"{key}/{layout.SCALES}", mode="r")[:],
+                      dtype=np.float64)
 
 
 def scales_document(meta: Any) -> bytes:

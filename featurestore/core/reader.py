@@ -103,7 +103,9 @@ class FeatureArray(CachedPath, RangesPath):
         # cached path checks a cached file against its position's seal.
         self.seals: tuple[Any, str] | None = None
         self._id_table: dict[str, int] | None = None
-        self.scales = quantize_int8.ScalesTable(storage, split_key) if dtypes.is_int8(logical_dtype) else None
+        # int8 dense splits: scales per chunk (a bag split's are per bag: core.bags dequantizes)
+        self.scales = (quantize_int8.ScalesTable(storage, split_key)
+                       if dtypes.is_int8(logical_dtype) and "kind" not in metadata else None)
 
     # ------------------------------------------------------------------ sizes
     def __len__(self) -> int:
