@@ -377,3 +377,27 @@ def test_bag_writer_sigkill_then_resume_is_byte_identical(tmp_path: Path) -> Non
     assert resumed.stdout.splitlines()[0] == "done s-01 s-02 s-03 s-04"  # s-00 was never added
     arrays = ("features", "scales", "offsets")
     assert _files(tmp_path / "s", arrays) == _files(tmp_path / "ref", arrays)
+
+
+def test_import_of_a_bag_cache_with_dtype_int8(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import h5py
+
+    from featurestore.cli import main
+
+    rng = np.random.default_rng(3)
+    (tmp_path / "feats").mkdir()
+    data = {}
+    for slide, n in {"B": 40, "A": 130, "C": 0}.items():
+        x = rng.standard_normal((n, 16)).astype(np.float32)
+        x[:, 4] *= 200.0
+        data[slide] = x
+        with h5py.File(tmp_path / "feats" / f"{slide}.h5", "w") as f:
+            f.create_dataset("features", data=x)
+            f.create_dataset("coords", data=np.zeros((n, 2), np.int64))
+    assert main(["import", str(tmp_path / "feats"), "--store", str(tmp_path / "s"), "--dataset", "ds",
+                 "--encoder-name", "enc", "--split", "train", "--dtype", "int8", "--no-progress"]) == 0
+    assert "170 patches x 16 int8" in capsys.readouterr().out
+    split = featurestore.open_store(str(tmp_path / "s")).open_bags(*SPLIT)
+    for slide, x in data.items():
+        back, _ = split.read_numpy(slide, dtype="float32")
+        assert np.all(np.abs(back - x) <= int8.error_bound(split.scales[split.position(slide)]))
