@@ -1,10 +1,12 @@
-"""int8 splits in the store: the writer's chunk encoding and the readers' scales table.
+"""int8 splits in the store: the writers' encoding and the readers' scales.
 
-The writer buffers an int8 split's rows as float32 (checked like any other dtype: NaN/Inf and
-float64 beyond float32 refused), then :func:`encode_chunk` turns each finished chunk into codes,
-its scales row and its statistics row (errors of the values back against the float32 rows,
-saturation counted). Readers load the small ``scales`` table once (:class:`ScalesTable`) and
-dequantize gathered codes into the caller's buffer (format.int8). The scheme is format.int8's.
+The dense writer buffers an int8 split's rows as float32 (checked like any other dtype: NaN/Inf
+and float64 beyond float32 refused), then :func:`encode_chunk` turns each finished chunk into
+codes, its scales row and its statistics row (errors of the values back against the float32
+rows, saturation counted). The bag writer encodes each whole bag (:func:`encode_bag`, scales per
+bag and channel) and its commit writes the ``scales`` index array (:func:`bag_scales`). Readers
+load the small scales once (:class:`ScalesTable`; ``core.bags`` its own) and dequantize gathered
+codes into the caller's buffer (format.int8). The scheme is format.int8's.
 """
 
 from __future__ import annotations

@@ -9,8 +9,11 @@ others' precision alone; per chunk, so the writer quantizes each chunk from its 
 pass, resumable chunk by chunk, byte-identical whatever the batches). Every element is within
 ``scale / 2`` of its source (plus float32 rounding of the division and the product).
 
-No I/O: ``core.writer`` calls :func:`encode` on each finished chunk, the readers call
-:func:`dequantize_into`. numpy only.
+Bag splits apply the same codes per (bag, channel) instead of per (chunk, position): a commit
+moves bags across chunks, their scales move with them (docs/FORMAT.md).
+
+No I/O: ``core.quantize_int8`` calls :func:`encode` on each finished chunk or bag, the readers
+call :func:`dequantize_into`. numpy only.
 """
 
 from __future__ import annotations
