@@ -82,6 +82,29 @@ def test_every_element_within_the_schemes_bound(x: np.ndarray) -> None:
     assert np.array_equal(out, back)
 
 
+@settings(max_examples=12, deadline=None)
+@given(chunks_of_values(), st.integers(1, 17), st.integers(1, 9))
+def test_a_written_split_is_within_the_bound_for_every_element(x: np.ndarray, chunk_rows: int, batch: int) -> None:
+    """Through the writer: any chunk geometry and batch cut, edge chunks padded, every element of
+    the split read back within the bound of its own chunk's scale."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        store = featurestore.open_store(root, mode="a")
+        writer = store.create_split(*SPLIT, num_samples=len(x), sample_shape=x.shape[1:], dtype="int8",
+                                    chunk_rows=chunk_rows)
+        for lo in range(0, len(x), batch):
+            writer.write(lo, x[lo:lo + batch])
+        writer.commit()
+        array = store.open(*SPLIT)
+        back = array.read_numpy(np.arange(len(x)), dtype="float32")
+        scales = array.scales.table()[np.arange(len(x)) // array.chunk_rows]
+        error = np.abs(back.astype(np.float64) - x.astype(np.float64))
+        assert np.all(error <= int8.error_bound(scales))
+        tiny = float(scales[scales > 0].min(initial=np.inf)) < 1.2e-38  # saturation needs such a scale
+        assert store.split_metadata(*SPLIT)["quantization"]["saturation_count"] == 0 or tiny
+
+
 # ---------------------------------------------------------------------- dense splits
 def test_report_reads_and_bytes_against_float16(tmp_path: Path) -> None:
     x = vit_like(256)
