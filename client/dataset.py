@@ -71,10 +71,10 @@ class OpenedPerProcess:
         if _is_http(self.source):
             from client.http import FeatureClient
 
-            return self._open_remote(FeatureClient(self.source, token=self.token))
+            return _not_int8(self._open_remote(FeatureClient(self.source, token=self.token)))
         import featurestore
 
-        return self._open_store(featurestore.open_store(self.source, mode="r", **self.storage_options))
+        return _not_int8(self._open_store(featurestore.open_store(self.source, mode="r", **self.storage_options)))
 
     def _open_remote(self, client: Any) -> Any:
         raise NotImplementedError
@@ -222,3 +222,15 @@ def channel_stats_of(metadata: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] 
     if not stats or stats.get("mean") is None or stats.get("std") is None:
         return None
     return np.asarray(stats["mean"], np.float32), np.asarray(stats["std"], np.float32)
+
+
+def _not_int8(reader: Any) -> Any:
+    """The datasets and loaders hand out stored values as features: int8 codes are not values
+    (they need their scales), so an int8 split is refused until the loaders dequantize."""
+    if getattr(reader, "dtype", None) == "int8":
+        from featurestore.errors import DtypeMismatch
+
+        raise DtypeMismatch(f"{reader!r} is an int8 split, which the datasets and loaders do not read yet: read it "
+                            "with FeatureArray.read_numpy(indices, dtype='float32') (or BagSplit.read_numpy(bag, "
+                            "dtype='float32')), or store the features as float16")
+    return reader

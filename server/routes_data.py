@@ -23,7 +23,7 @@ import numpy as np
 from fastapi import APIRouter, Header, Query, Request
 from starlette.concurrency import run_in_threadpool
 
-from featurestore.errors import CorruptChunk, IndexOutOfRange, MissingChunks, SplitChanged
+from featurestore.errors import CorruptChunk, DtypeMismatch, IndexOutOfRange, MissingChunks, SplitChanged
 from featurestore.format import lineage, wire
 from server.errors import BadRequest, NotFound, RequestTooLarge, ResponseTooLarge
 from server.responses import ArrayResponse
@@ -97,6 +97,9 @@ def gathered_response(state: StoreState, entry: OpenedSplit, nbytes: int, parts:
     not change meanwhile (409), and wrap the buffers, no copy; the reservation is given back when
     the last byte left (or on any failure before). A derived split whose source changed since it
     was computed is answered with ``X-Featurestore-Stale`` (featurestore.core.lineage)."""
+    if getattr(entry.array, "dtype", None) == "int8":  # codes without their scales are not values
+        raise DtypeMismatch(f"split {'/'.join(entry.key)} is stored as int8, which the server does not serve yet: "
+                            "read it from the store with read_numpy(..., dtype='float32'), or store it as float16")
     stale = state.stale_reason(entry)  # before the reservation: nothing to give back if it raises
     state.reserve(nbytes)
     try:

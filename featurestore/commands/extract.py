@@ -54,8 +54,9 @@ def register(subparsers: Any) -> None:
     req.add_argument("--dataset", required=True, metavar="NAME")
     req.add_argument("--split", required=True, metavar="NAME")
     p.add_argument("--encoder-name", metavar="NAME", help="name of the encoder in the store (default: from SPEC)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
-                   help="storage dtype; auto: the encoder's float16/bfloat16, else float16 under the overflow guard")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32", "int8"),
+                   help="storage dtype; auto: the encoder's float16/bfloat16, else float16 under the overflow guard; "
+                        "int8: half float16's bytes, ~0.5%% relative RMS error (docs/FORMAT.md)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     mode = p.add_mutually_exclusive_group()

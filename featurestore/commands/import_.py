@@ -38,8 +38,9 @@ def register(subparsers: Any) -> None:
     req.add_argument("--dataset", required=True)
     req.add_argument("--encoder-name", required=True, help="encoder name in the store")
     req.add_argument("--split", required=True)
-    p.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
-                   help="storage dtype; auto: float16/bfloat16 kept, float32 -> float16 under the overflow guard")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32", "int8"),
+                   help="storage dtype; auto: float16/bfloat16 kept, float32 -> float16 under the overflow guard; "
+                        "int8: half float16's bytes, ~0.5%% relative RMS error (docs/FORMAT.md)")
     p.add_argument("--labels", metavar="FILE_OR_KEY",
                    help="labels [N, ...]: a .npy/.pt file, or a dataset name in the HDF5 source; "
                    "for slide bags a UTF-8 CSV with columns slide_id,label (see --label-column)")

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core import lifecycle, split_protocol
+from featurestore.core import lifecycle, quantize_int8, split_protocol
 from featurestore.core.chunk_puts import ChunkPuts
 from featurestore.core.present import present_chunks
 from featurestore.core.reader import FeatureArray
@@ -116,6 +116,10 @@ def commit(storage: Storage, key: str, meta: SplitMetadata, extra: dict[str, Any
     _write_rows(storage, key, meta, found, entries, offsets, total)
     stats = [r.stats for _, r in entries]
     _write_index(storage, key, meta, ids, offsets, labels, [r.attrs for _, r in entries], stats)
+    if dtypes.is_int8(meta.logical_dtype):  # bag i: features[offsets[i]:offsets[i+1]] * scales[i]
+        put_array(storage, f"{key}/{layout.SCALES}",
+                  quantize_int8.bag_scales([r for _, r in entries], int(meta.sample_shape[0])),
+                  attributes={"featurestore": {"description": "int8 scales, one row per bag; see docs/FORMAT.md"}})
     write_seals(storage, key, meta, bags.SEALED_ARRAYS)
     spec = dict(meta.bags or {})
     spec["count"] = len(ids)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from featurestore.core import quantize_int8
 from featurestore.core.bag_commit import read_strings
 from featurestore.core.array_check import Expected, check_array, check_seals, seals_expected
 from featurestore.core.split_kind import Findings
@@ -206,6 +207,7 @@ def _check_bags(storage: Storage, key: str, meta: SplitMetadata, offsets: np.nda
             return
         expected_rows.append(ChunkStats.from_row(row))
     stored = dtypes.storage_dtype(meta.logical_dtype)
+    scales = quantize_int8.bag_scales_of(storage, key, meta)  # int8: sums of codes times the bag's scales
     bag, sums = 0, np.zeros(dim, np.float64)
     n = len(expected_rows)
     for index in range(layout.num_chunks(total, rows)):
@@ -220,7 +222,7 @@ def _check_bags(storage: Storage, key: str, meta: SplitMetadata, offsets: np.nda
                 sums += values[a - lo : b - lo].sum(axis=0, dtype=np.float64)
             if stop > hi:
                 break
-            _bag_matches(key, bag, stop - start, sums, expected_rows[bag], result)
+            _bag_matches(key, bag, stop - start, sums if scales is None else sums * scales[bag], expected_rows[bag], result)
             bag, sums = bag + 1, np.zeros(dim, np.float64)
     while bag < n:  # empty bags at the end
         _bag_matches(key, bag, int(offsets[bag + 1] - offsets[bag]), sums, expected_rows[bag], result)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core import bag_commit, intake, split_protocol
+from featurestore.core import bag_commit, intake, quantize_int8, split_protocol
 from featurestore.core.buffers import BufferPool
 from featurestore.core.chunk_puts import ChunkPuts
 from featurestore.core.storage import Storage
@@ -139,13 +139,17 @@ class BagWriter:
             # The bag is measured as one sample of `count` tokens: its statistics row is the
             # bag's own (per-channel moments over its rows), in one pass of the fused kernel.
             try:
-                batch = intake.prepare(source[None], self.dtype, self.dim, 0, private=False)
+                batch = intake.prepare(source[None], quantize_int8.working_dtype(self.dtype), self.dim, 0,
+                                       private=False)
             except FeatureStoreError as error:
                 raise _refused_values(bag_id, source, error) from None
             stored = batch.stored.reshape(count, self.dim)
             stats = fold_rows(batch.rows, count, SOURCE_CODES[batch.kind])
+            if dtypes.is_int8(self.dtype):  # one scale per channel over the bag's rows
+                stored, scales, stats = quantize_int8.encode_bag(stored, batch.rows, SOURCE_CODES[batch.kind])
         else:
             stored, stats = None, fold_rows(RowStats.zeros(0, self.dim), 1, 0)
+            scales = np.zeros(self.dim, np.float32)
         start = self._chunk * self.chunk_rows + self._fill
         done = 0
         while done < count:
@@ -157,7 +161,8 @@ class BagWriter:
             self._coords[self._fill : self._fill + take] = coord_rows[done : done + take]
             self._fill += take
             done += take
-        self._pending.append(bags.BagRecord(bag_id, start, count, value, attributes, stats.to_row()))
+        self._pending.append(bags.BagRecord(bag_id, start, count, value, attributes, stats.to_row(),
+                                            scales if dtypes.is_int8(self.dtype) else None))
         self._added.add(bag_id)
         self._labelled = value is not None
 

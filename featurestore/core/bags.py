@@ -18,11 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from featurestore.core import quantize_int8
 from featurestore.core.bag_commit import read_strings
 from featurestore.format.seals import generation_of
 from featurestore.core.reader import FeatureArray
 from featurestore.core.storage import Storage
-from featurestore.errors import CorruptChunk
+from featurestore.errors import CorruptChunk, ShapeMismatch
 from featurestore.format import bags, dtypes, layout
 from featurestore.format.metadata import SplitMetadata
 
@@ -58,6 +59,9 @@ class BagSplit(bags.BagLookup):
         _check_index(key, int(spec.get("count", 0)), offsets, len(self.features), len(self.ids), self.labels)
         self._attrs: list[str] | None = None
         self._positions: dict[str, int] | None = None
+        self.scales: np.ndarray | None = None  # int8: float32 [num_bags, dim], bag i's row per channel
+        if dtypes.is_int8(self.dtype):
+            self.scales = _whole(storage, key, layout.SCALES, documents[layout.SCALES], "float32", self.metadata)
 
     # ------------------------------------------------------------------ index
     def __len__(self) -> int:
@@ -101,12 +105,15 @@ class BagSplit(bags.BagLookup):
             return np.arange(start + selection.start, start + selection.stop, dtype=np.int64)
         return start + selection
 
-    def read_numpy(self, i_or_id: int | str, rows: Any = None, out: np.ndarray | None = None
-                   ) -> tuple[np.ndarray, np.ndarray]:
+    def read_numpy(self, i_or_id: int | str, rows: Any = None, out: np.ndarray | None = None,
+                   dtype: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``(features [n, dim], coords [n, 2])`` of one bag in the storage dtypes (bfloat16 as its
-        uint16 bits); ``rows``: which patches (:func:`~featurestore.format.bags.select_rows`: None,
-        a slice, or positions within the bag); ``out``: a C-contiguous ``[n, dim]`` buffer of the
-        storage dtype for the features (pinned memory)."""
+        uint16 bits, int8 codes: values are ``codes * self.scales[i]``), or features as ``dtype``
+        ("float32"/"float16", an int8 bag dequantized into ``out``); ``rows``: which patches
+        (:func:`~featurestore.format.bags.select_rows`: None, a slice, or positions within the bag);
+        ``out``: a C-contiguous ``[n, dim]`` buffer for the features (pinned memory)."""
+        if quantize_int8.check_read_dtype(dtype, self.dtype) is not None:
+            return self._read_as(i_or_id, rows, out, str(dtype))
         index = self.rows_of(i_or_id, rows)
         if out is not None:
             bags.check_out(out, len(index), self.dim, self.features.numpy_dtype)
@@ -114,9 +121,26 @@ class BagSplit(bags.BagLookup):
             features = self.features.read_numpy(index, out=out)
             return features, self.coords.read_numpy(index)
 
+    def _read_as(self, i_or_id: int | str, rows: Any, out: np.ndarray | None, want: str) -> tuple[np.ndarray, np.ndarray]:
+        count = len(self.rows_of(i_or_id, rows))
+        if out is None:
+            out = np.empty((count, self.dim), want)
+        elif out.shape != (count, self.dim) or out.dtype != np.dtype(want) or not out.flags.c_contiguous:
+            raise ShapeMismatch(f"out has shape {out.shape} and dtype {out.dtype}; this bag read needs a "
+                                f"C-contiguous ({count}, {self.dim}) array of {want}")
+        stored, coords = self.read_numpy(i_or_id, rows)
+        if self.scales is not None:
+            np.multiply(stored, self.scales[self.position(i_or_id)], out=out, casting="same_kind")
+        else:
+            out[...] = dtypes.stored_as_float32(stored, self.dtype)
+        return out, coords
+
     def read(self, i_or_id: int | str, rows: Any = None) -> tuple[Any, Any]:
         """``(features, coords)`` as torch tensors: features in the stored dtype (torch.bfloat16
-        for bfloat16), coords in the split's coords dtype."""
+        for bfloat16; float32 values for int8), coords in the split's coords dtype."""
+        if self.scales is not None:
+            features, coords = self.read_numpy(i_or_id, rows, dtype="float32")
+            return dtypes.to_torch(features, "float32"), dtypes.to_torch(coords, self.coords_dtype)
         features, coords = self.read_numpy(i_or_id, rows)
         return dtypes.to_torch(features, self.dtype), dtypes.to_torch(coords, self.coords_dtype)
 

@@ -35,6 +35,8 @@ def expected_arrays(meta: SplitMetadata) -> dict[str, Expected]:
     }
     if meta.labels is not None:
         out[layout.LABELS] = Expected([n, *meta.labels.shape], meta.labels.dtype, np.dtype(meta.labels.dtype), rows)
+    if dtypes.is_int8(meta.logical_dtype):  # one float32 scales row per chunk: its codes are nothing without it
+        out[layout.SCALES] = Expected([meta.num_chunks, *meta.sample_shape], "float32", np.dtype(np.float32), 1)
     return out
 
 

@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 
 from featurestore import __version__
-from featurestore.core import dense_verify, lifecycle, seals
+from featurestore.core import dense_verify, lifecycle, quantize_int8, seals
 from featurestore.core.present import present_chunks
 from featurestore.core.split_kind import Findings, SplitKind, check_chunk_bytes
 from featurestore.core.storage import Storage
 from featurestore.core.writer import SplitWriter
 from featurestore.errors import DtypeMismatch, InvalidOption, ShapeMismatch, SplitSettingsMismatch
-from featurestore.format import chunks, dtypes, layout
+from featurestore.format import chunks, dtypes, int8, layout
 from featurestore.format.chunk_checks import features_match_stats
 from featurestore.format.metadata import (DENSE, LabelSpec, Provenance, SplitMetadata, chunk_arrays, seal_problem,
                                           stats_row_length)
@@ -47,6 +47,7 @@ class DenseKind(SplitKind[SplitWriter]):
         if chunk_rows is None:
             sample_nbytes = int(np.prod(shape)) * dtypes.storage_dtype(dtype).itemsize
             chunk_rows = layout.chunk_rows_for(sample_nbytes, check_chunk_bytes(chunk_bytes), int(num_samples))
+            chunk_rows = int8.chunk_rows(dtype, chunk_rows, int(num_samples))
         elif not isinstance(chunk_rows, (int, np.integer)) or isinstance(chunk_rows, bool) or chunk_rows < 1:
             raise InvalidOption(f"chunk_rows must be a positive int, got {chunk_rows!r}")
         else:
@@ -120,6 +121,7 @@ def write_arrays(storage: Storage, key: str, meta: SplitMetadata, ids: list[str]
         storage.write(f"{key}/{layout.LABELS}/{layout.ZARR_JSON}", layout.array_document(
             shape=(n, *meta.labels.shape), chunk_rows=rows, data_type=meta.labels.dtype,
             attributes={"featurestore": {"logical_dtype": meta.labels.dtype}}))
+    quantize_int8.write_scales_document(storage, key, meta)
     storage.write(f"{key}/{layout.CHUNK_STATS}/{layout.ZARR_JSON}", layout.array_document(
         shape=(meta.num_chunks, stats_row_length(meta)), chunk_rows=1, data_type="float64",
         attributes={"featurestore": {"description": "per-chunk partial sums; see docs/FORMAT.md"}}))

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core import checked, chunk_maps, generation, pread
+from featurestore.core import checked, chunk_maps, generation, pread, quantize_int8
 from featurestore.core.buffers import aligned_empty
 from featurestore.core.reader_cached import CachedPath
 from featurestore.core.reader_ranges import RangesPath, _runs
@@ -104,6 +104,9 @@ class FeatureArray(CachedPath, RangesPath):
         # cached path checks a cached file against its position's seal.
         self.seals: tuple[Any, str] | None = None
         self._id_table: dict[str, int] | None = None
+        # int8 dense splits: scales per chunk (a bag split's are per bag: core.bags dequantizes)
+        self.scales = (quantize_int8.ScalesTable(storage, split_key)
+                       if dtypes.is_int8(logical_dtype) and "kind" not in metadata else None)
 
     # ------------------------------------------------------------------ sizes
     def __len__(self) -> int:
@@ -151,7 +154,10 @@ class FeatureArray(CachedPath, RangesPath):
 
     # ------------------------------------------------------------------ reads
     def read(self, indices: Any) -> Any:
-        """Rows ``indices`` as a torch tensor of the stored dtype (torch.bfloat16 for bfloat16)."""
+        """Rows ``indices`` as a torch tensor of the stored dtype (torch.bfloat16 for bfloat16;
+        float32 values for an int8 split, whose stored codes are not features)."""
+        if self.scales is not None:
+            return dtypes.to_torch(self.read_numpy(indices, dtype="float32"), "float32")
         return dtypes.to_torch(self.read_numpy(indices), self.dtype)
 
     def read_range(self, start: int, stop: int) -> np.ndarray:
@@ -159,10 +165,15 @@ class FeatureArray(CachedPath, RangesPath):
             raise IndexOutOfRange(f"range [{start}, {stop}) is outside [0, {len(self)}]: use 0 <= start <= stop <= {len(self)}")
         return self.read_numpy(np.arange(start, stop, dtype=np.int64))
 
-    def read_numpy(self, indices: Any, out: np.ndarray | None = None) -> np.ndarray:
+    def read_numpy(self, indices: Any, out: np.ndarray | None = None, dtype: str | None = None) -> np.ndarray:
         """Rows ``indices`` (any order, duplicates allowed) in the storage dtype (uint16 bits for
-        bfloat16). ``out``, if given, must be a C-contiguous array of that shape and dtype; make
-        it with :func:`aligned_empty` for full copy speed."""
+        bfloat16, int8 codes for int8: values are ``codes * self.scales.table()[row // chunk_rows]``),
+        or as ``dtype`` ("float32" or "float16": an int8 split dequantized into ``out``).
+        ``out``, if given, must be a C-contiguous array of that shape and dtype; make it with
+        :func:`aligned_empty` for full copy speed."""
+        want = quantize_int8.check_read_dtype(dtype, self.dtype)
+        if want is not None and (self.scales is not None or np.dtype(want) != self.numpy_dtype):
+            return self._read_as(indices, out, want)
         index = self._normalize(indices)
         shape = (len(index), *self.sample_shape)
         if out is None:
@@ -194,6 +205,20 @@ class FeatureArray(CachedPath, RangesPath):
                 if isinstance(error, (MissingChunks, CorruptChunk)):
                     raise
                 raise self._missing(error.filename) from None
+        return out
+
+    def _read_as(self, indices: Any, out: np.ndarray | None, want: str) -> np.ndarray:
+        index = self._normalize(indices)
+        shape = (len(index), *self.sample_shape)
+        if out is None:
+            out = aligned_empty(shape, np.dtype(want))
+        elif out.shape != shape or out.dtype != np.dtype(want) or not out.flags.c_contiguous:
+            raise ShapeMismatch(f"out has shape {out.shape} and dtype {out.dtype}; this read needs a "
+                                f"C-contiguous {shape} array of {want}")
+        stored = self.read_numpy(index)
+        if self.scales is not None:
+            return self.scales.dequantize(stored, index, self.chunk_rows, out)
+        out[...] = dtypes.stored_as_float32(stored, self.dtype)
         return out
 
     def _generation(self) -> generation.GenerationCheck:

@@ -23,7 +23,7 @@ from featurestore.errors import (
     SplitNotFound,
     StoreNotFound,
 )
-from featurestore.format import bags, layout
+from featurestore.format import bags, dtypes, layout
 from featurestore.format.metadata import BAGS, DENSE, Provenance, SplitMetadata, check_version
 from featurestore.format.names import validate_name
 from featurestore.format.redact import redact_url
@@ -140,6 +140,8 @@ class FeatureStore:
         names = [layout.FEATURES, bags.COORDS, bags.OFFSETS]
         if (meta.bags or {}).get("labels") is not None:
             names.append(layout.LABELS)
+        if dtypes.is_int8(meta.logical_dtype):
+            names.append(layout.SCALES)
         self._require_inside(dataset, encoder, split, *names, bags.BAG_IDS, bags.BAG_ATTRS)
         documents: dict[str, dict[str, Any]] = {}
         for name in names:

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core import intake, lifecycle, seals, split_protocol
+from featurestore.core import intake, lifecycle, quantize_int8, seals, split_protocol
 from featurestore.core.batch import Prepared
 from featurestore.core.buffers import BufferPool
 from featurestore.core.chunk_puts import ChunkPuts
@@ -89,7 +89,9 @@ class SplitWriter:
         self.channels = self.sample_shape[-1]
         self.label_shape: tuple[int, ...] | None = metadata.labels.shape if metadata.labels else None
         self._label_dtype = label_dtype
-        self._storage_dtype = dtypes.storage_dtype(self.dtype)
+        # int8: rows wait as float32 until their chunk is complete (scales are per chunk)
+        self._work_dtype = quantize_int8.working_dtype(self.dtype)
+        self._storage_dtype = dtypes.storage_dtype(self._work_dtype)
         self._done = set(done_chunks)  # valid on storage (found there, or put by this writer)
         self._submitted = set(done_chunks)  # handed to the put pool (or found on storage)
         self._buffers: dict[int, _Buffer] = {}
@@ -152,7 +154,7 @@ class SplitWriter:
         self._scatter(int(start), batch, label_rows, copy=batch.aliases_source and not donate)
 
     def _prepare(self, source: Any, start: int, *, private: bool) -> Prepared:
-        return intake.prepare(source, self.dtype, self.channels, start, private=private,
+        return intake.prepare(source, self._work_dtype, self.channels, start, private=private,
                               allocate=self._pool.array)
 
     def flush(self) -> None:
@@ -299,7 +301,12 @@ class SplitWriter:
         )
 
     def _write_chunk(self, index: int, buffer: _Buffer) -> None:
-        stats = fold_rows(buffer.rows, self._tokens, buffer.source_code)
+        data, scales = buffer.data, None
+        if self._work_dtype != self.dtype:
+            data, scales, stats = quantize_int8.encode_chunk(
+                data, buffer.rows, self._tokens, buffer.source_code, self.channels)
+        else:
+            stats = fold_rows(buffer.rows, self._tokens, buffer.source_code)
         # One small read per chunk: a writer whose split was overwritten (another generation)
         # stops here instead of writing its rows into the other run's split.
         self._check_generation()
@@ -307,7 +314,9 @@ class SplitWriter:
         if buffer.labels is not None:
             puts.append((layout.LABELS, self._pad(buffer.labels), None))
         puts.append((layout.CHUNK_STATS, seal(stats.to_row(), self._meta, index)[None, :], None))
-        puts.append((layout.FEATURES, self._pad(buffer.data), self.compressor))
+        if scales is not None:
+            puts.append((layout.SCALES, scales, None))
+        puts.append((layout.FEATURES, self._pad(data), self.compressor))
         self._submitted.add(index)
         self._puts.submit(index, puts)
 

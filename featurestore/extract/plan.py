@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from featurestore.errors import InvalidOption
-from featurestore.format import dtypes
+from featurestore.format import dtypes, int8
 
 MAX_CHUNK_MB = 1 << 20  # 1 TiB: far past any useful chunk, and where int(chunk_mb << 20) stays exact
 
@@ -45,7 +45,7 @@ def chunk_rows_for(sample_shape: tuple[int, ...], dtype: str, chunk_mb: float, b
     sample_nbytes = dtypes.storage_dtype(dtype).itemsize
     for size in sample_shape:
         sample_nbytes *= int(size)
-    rows = max(1, int(chunk_mb * (1 << 20)) // sample_nbytes)
+    rows = int8.chunk_rows(dtype, max(1, int(chunk_mb * (1 << 20)) // sample_nbytes), int8.MIN_CHUNK_ROWS)
     return batch_size if rows < batch_size else rows - rows % batch_size
 
 

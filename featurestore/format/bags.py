@@ -200,6 +200,7 @@ class BagRecord:
     label: int | float | None
     attrs: str  # canonical JSON (attrs_json)
     stats: np.ndarray  # the bag's statistics row (format.stats.row_length(dim) float64)
+    scales: np.ndarray | None = None  # int8 splits: the bag's float32 scale per channel
 
     def chunks(self, chunk_rows: int) -> range:
         """The segment chunks this bag's rows lie in."""
@@ -212,7 +213,9 @@ def encode_records(records: list[BagRecord], filled: int) -> np.ndarray:
     """A segment chunk's record (bags ending in it; ``filled``: rows the chunk holds) as bytes."""
     doc = {"filled": int(filled), "bags": [
         {"id": r.bag_id, "start": int(r.start), "length": int(r.length), "label": r.label,
-         "attrs": r.attrs, "stats": base64.b64encode(np.ascontiguousarray(r.stats, "<f8").tobytes()).decode()}
+         "attrs": r.attrs, "stats": base64.b64encode(np.ascontiguousarray(r.stats, "<f8").tobytes()).decode(),
+         **({} if r.scales is None else
+            {"scales": base64.b64encode(np.ascontiguousarray(r.scales, "<f4").tobytes()).decode()})}
         for r in records]}
     return np.frombuffer(json.dumps(doc, ensure_ascii=False, allow_nan=False).encode(), np.uint8)
 
@@ -222,7 +225,9 @@ def decode_records(payload: bytes) -> tuple[int, list[BagRecord]]:
     try:
         doc = json.loads(bytes(payload))
         out = [BagRecord(str(b["id"]), int(b["start"]), int(b["length"]), b["label"], str(b["attrs"]),
-                         np.frombuffer(base64.b64decode(b["stats"]), "<f8").astype(np.float64))
+                         np.frombuffer(base64.b64decode(b["stats"]), "<f8").astype(np.float64),
+                         np.frombuffer(base64.b64decode(b["scales"]), "<f4").astype(np.float32)
+                         if "scales" in b else None)
                for b in doc["bags"]]
         return int(doc["filled"]), out
     except (KeyError, TypeError, ValueError) as error:

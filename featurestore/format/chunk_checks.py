@@ -36,6 +36,8 @@ def features_match_stats(raw: bytes, meta: SplitMetadata, index: int, sealed_row
     stats = ChunkStats.from_row(unseal(sealed_row, meta)[0])
     if stats.rows != count:
         return f"its statistics row counts {stats.rows} samples, the chunk holds {count}"
+    if dtypes.is_int8(meta.logical_dtype):
+        return None  # codes without their scales row say nothing of the channel means
     channels = meta.sample_shape[-1]
     stored = values[: count * per_row]
     mean = dtypes.stored_as_float32(stored, meta.logical_dtype).reshape(-1, channels).mean(axis=0, dtype=np.float64)

@@ -15,14 +15,18 @@ import numpy as np
 
 from featurestore.errors import DtypeMismatch
 
-FEATURE_DTYPES = ("float32", "float16", "bfloat16")
+FEATURE_DTYPES = ("float32", "float16", "bfloat16", "int8")
+# int8 splits hold codes plus a float32 ``scales`` array (docs/FORMAT.md "int8"): the codes alone
+# are not the features, so every path that turns stored values into features asks ``is_int8``.
+INT8 = "int8"
 FLOAT16_MAX = 65504.0
 # float32 values at or beyond this magnitude round (to nearest even) to Inf in bfloat16: it is
 # halfway between bfloat16's largest finite value (0x7F7F, ~3.3895e38) and 2**128.
 BFLOAT16_ROUNDS_TO_INF = float(np.array(0x7F7F8000, np.uint32).view(np.float32))
 
-_STORAGE = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
-_ZARR_NAME = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
+_STORAGE = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
+            "int8": np.dtype("i1")}
+_ZARR_NAME = {"float32": "float32", "float16": "float16", "bfloat16": "uint16", "int8": "int8"}
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -32,6 +36,10 @@ def check_feature_dtype(dtype: str) -> str:
             f"unsupported feature dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}"
         )
     return dtype
+
+
+def is_int8(logical: str) -> bool:
+    return logical == INT8
 
 
 def storage_dtype(logical: str) -> np.dtype:

@@ -18,9 +18,13 @@ FORMAT_NAME = "featurestore"
 # ``kind: "bags"``, docs/FORMAT.md "Slide bags"); only bag splits are written as version 2, so a
 # version-1 reader still reads the root and every dense split, and refuses a bag split with
 # UnsupportedFormatVersion instead of misreading it.
+# Version 3 adds int8 splits (int8 codes in ``features`` plus a float32 ``scales`` array): only
+# they are written as version 3, so an older reader refuses them instead of reading codes as
+# features.
 FORMAT_VERSION = 1
 BAGS_FORMAT_VERSION = 2
-READ_FORMAT_VERSION = 2  # the newest version this code reads
+INT8_FORMAT_VERSION = 3
+READ_FORMAT_VERSION = 3  # the newest version this code reads
 ZARR_JSON = "zarr.json"
 CRC_BYTES = 4
 
@@ -30,6 +34,9 @@ IDS = "ids"
 # One row of float64 partial sums per feature chunk (featurestore.format.stats), chunked like the
 # features so each chunk's owner writes its own row: the reports of several writers then merge.
 CHUNK_STATS = "chunk_stats"
+# int8 splits only: float32 [num_chunks, *sample_shape], one row per features chunk, chunked one
+# row per chunk; features chunk i's values are ``codes * scales[i]`` (docs/FORMAT.md "int8").
+SCALES = "scales"
 
 
 def split_key(dataset: str, encoder: str, split: str) -> str:

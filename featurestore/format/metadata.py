@@ -120,7 +120,8 @@ class SplitMetadata:
             creator={"name": "featurestore", "version": creator_version},
             created=_now(), generation=new_generation(), extra=user,
             kind=DENSE if bags is None else BAGS, bags=bags,
-            format_version=layout.FORMAT_VERSION if bags is None else layout.BAGS_FORMAT_VERSION,
+            format_version=(layout.INT8_FORMAT_VERSION if dtypes.is_int8(logical_dtype) else
+                            layout.FORMAT_VERSION if bags is None else layout.BAGS_FORMAT_VERSION),
         )
         meta.validate()
         try:  # metadata must be plain JSON: fail here, not at commit
@@ -258,7 +259,7 @@ def stats_row_length(meta: SplitMetadata) -> int:
 
 def chunk_arrays(meta: SplitMetadata) -> list[tuple[str, int, int | None]]:
     """(array name, ndim, payload bytes of one chunk or None when compressed) for every chunked
-    array of a split: features, labels if any, statistics rows."""
+    array of a split: features, labels if any, statistics rows, int8 scales rows."""
     rows, shape = meta.chunk_rows, meta.sample_shape
     itemsize = dtypes.storage_dtype(meta.logical_dtype).itemsize
     arrays: list[tuple[str, int, int | None]] = [
@@ -269,6 +270,8 @@ def chunk_arrays(meta: SplitMetadata) -> list[tuple[str, int, int | None]]:
         nbytes = rows * int(np.prod(label_shape, dtype=np.int64)) * np.dtype(meta.labels.dtype).itemsize
         arrays.append((layout.LABELS, 1 + len(label_shape), nbytes))
     arrays.append((layout.CHUNK_STATS, 2, 8 * stats_row_length(meta)))
+    if dtypes.is_int8(meta.logical_dtype):  # a chunk's codes are nothing without its scales row
+        arrays.append((layout.SCALES, 1 + len(shape), 4 * int(np.prod(shape))))
     return arrays
 
 

@@ -300,6 +300,8 @@ def report(total: ChunkStats, *, source_dtype: str, logical_dtype: str) -> dict[
         "nan_count": total.nan_count,
         "inf_count": total.inf_count,
     }
+    if logical_dtype == "int8":  # codes clipped at +-127: 0 unless a scale fell below float32's range
+        quantization["saturation_count"] = total.overflow_count
     quantization = {key: _json_number(value) for key, value in quantization.items()}
     channel_stats = {
         "axis": -1,

@@ -1,0 +1,119 @@
+"""int8 splits in the store: the writers' encoding and the readers' scales.
+
+The dense writer buffers an int8 split's rows as float32 (checked like any other dtype: NaN/Inf
+and float64 beyond float32 refused), then :func:`encode_chunk` turns each finished chunk into
+codes, its scales row and its statistics row (errors of the values back against the float32
+rows, saturation counted). The bag writer encodes each whole bag (:func:`encode_bag`, scales per
+bag and channel) and its commit writes the ``scales`` index array (:func:`bag_scales`). Readers
+load the small scales once (:class:`ScalesTable`; ``core.bags`` its own) and dequantize gathered
+codes into the caller's buffer (format.int8). The scheme is format.int8's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from featurestore.core.storage import Storage
+from featurestore.errors import DtypeMismatch
+from featurestore.format import dtypes, int8, layout
+from featurestore.format.stats import ChunkStats, RowStats, fold_rows, row_stats_numpy
+
+READ_DTYPES = ("float32", "float16")
+
+
+def working_dtype(logical: str) -> str:
+    """The dtype a writer buffers rows in before its chunk is written."""
+    return "float32" if dtypes.is_int8(logical) else logical
+
+
+def encode_chunk(values: np.ndarray, rows: RowStats, tokens: int, source_code: int,
+                 channels: int) -> tuple[np.ndarray, np.ndarray, ChunkStats]:
+    """A finished chunk's float32 rows -> (int8 codes, scales row [1, *S], statistics row).
+
+    The statistics describe the values back (channel moments) and their error against the rows
+    written; the per-sample source abs max is the one measured on the way in."""
+    codes, scales, saturated = int8.encode(values)
+    back = int8.decode(codes, scales)
+    measured = row_stats_numpy(values, back, "float32", False, channels)
+    measured.abs_max[:] = rows.abs_max
+    stats = fold_rows(measured, tokens, source_code)
+    stats.overflow_count = saturated
+    return codes, scales[None], stats
+
+
+def encode_bag(values: np.ndarray, rows: RowStats, source_code: int) -> tuple[np.ndarray, np.ndarray, ChunkStats]:
+    """A bag's float32 rows ``[n, dim]`` -> (int8 codes, its scales ``[dim]``, its statistics
+    row). Bag splits scale per (bag, channel), not per chunk: a commit lays bags out in id order
+    across chunks, and a bag's codes and scales move with it."""
+    codes, scales, saturated = int8.encode(values)
+    back = int8.decode(codes, scales)
+    dim = values.shape[-1]
+    measured = row_stats_numpy(values[None], back[None], "float32", False, dim)
+    measured.abs_max[:] = rows.abs_max
+    stats = fold_rows(measured, len(values), source_code)
+    stats.overflow_count = saturated
+    return codes, scales, stats
+
+
+def bag_scales(records: list[Any], dim: int) -> np.ndarray:
+    """The ``scales`` index array of an int8 bag split: one float32 row per bag, in id order."""
+    return np.stack([r.scales for r in records]) if records else np.zeros((0, dim), np.float32)
+
+
+def bag_scales_of(storage: Storage, key: str, meta: Any) -> np.ndarray | None:
+    """An int8 bag split's ``scales`` [num_bags, dim] read whole (None for other dtypes)."""
+    if not dtypes.is_int8(meta.logical_dtype):
+        return None
+    import zarr
+
+    return np.asarray(zarr.open_array(store=storage.zarr_store(), path=f"{key}/{layout.SCALES}", mode="r")[:],
+                      dtype=np.float64)
+
+
+def scales_document(meta: Any) -> bytes:
+    """The ``scales`` array's zarr.json: float32 [num_chunks, *sample_shape], one row a chunk."""
+    return layout.array_document(
+        shape=(meta.num_chunks, *meta.sample_shape), chunk_rows=1, data_type="float32",
+        attributes={"featurestore": {"description": "int8 scales: features[r] * scales[r // chunk_rows]; "
+                                                    "see docs/FORMAT.md"}})
+
+
+def write_scales_document(storage: Storage, key: str, meta: Any) -> None:
+    if dtypes.is_int8(meta.logical_dtype):
+        storage.write(f"{key}/{layout.SCALES}/{layout.ZARR_JSON}", scales_document(meta))
+
+
+def check_read_dtype(dtype: str | None, logical: str) -> str | None:
+    """``read_numpy(dtype=)``: None (the stored values: int8 codes for int8), float32 or float16."""
+    if dtype is None:
+        return None
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in READ_DTYPES:
+        raise DtypeMismatch(f"read dtype {dtype!r} is not offered: use None (stored values, {logical}), "
+                            f"{' or '.join(READ_DTYPES)}")
+    return name
+
+
+class ScalesTable:
+    """An int8 split's whole ``scales`` array, read once (it is [num_chunks, *S] float32, small)."""
+
+    def __init__(self, storage: Storage, split_key: str) -> None:
+        self._storage = storage
+        self._key = f"{split_key}/{layout.SCALES}"
+        self._table: np.ndarray | None = None
+
+    def table(self) -> np.ndarray:
+        if self._table is None:
+            import zarr
+
+            array = zarr.open_array(store=self._storage.zarr_store(), path=self._key, mode="r")
+            self._table = np.ascontiguousarray(array[:], dtype=np.float32)
+        return self._table
+
+    def dequantize(self, codes: np.ndarray, index: np.ndarray, chunk_rows: int, out: np.ndarray) -> np.ndarray:
+        return int8.dequantize_into(codes, index // chunk_rows, self.table(), out)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_table": None}
