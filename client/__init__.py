@@ -13,7 +13,7 @@ __all__ = ["BagDataset", "BagLoader", "ClientError", "FeatureClient", "FeatureDa
            "RemoteFeatureArray"]
 
 _WHERE = {
-    "BagDataset": "client.bags",
+    "BagDataset": "client.bag_dataset",
     "BagLoader": "client.bag_loader",
     "FeatureClient": "client.http",
     "ClientError": "client.transport",

@@ -29,7 +29,7 @@ import torch
 
 from client import bag_sampling, sampling
 from client.bag_transfer import PAD_TO, PIECE_BYTES, BagTransfer
-from client.bags import BagDataset
+from client.bag_dataset import BagDataset
 from client.readahead import bag_chunks
 from client.loader_options import check_count, check_loader_options
 from client.streaming import StreamingLoader, channel_normalization

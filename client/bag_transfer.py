@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from client.bags import BagDataset
+from client.bag_dataset import BagDataset
 from client.dataset import NO_LABEL
 from client.stager import DeviceStager, widen
 from featurestore.core.buffers import aligned_empty, grown_size
@@ -166,7 +166,7 @@ class BagTransfer(DeviceStager):
             with self.slot() as slot:  # the copy out of this slot's last fill is done
                 slot.reserve(filled * row_bytes, filled * coord_bytes)
                 host_f = slot.features[: filled * row_bytes].numpy().view(ds.numpy_dtype).reshape(filled, dim)
-                host_c = slot.labels[: filled * coord_bytes].numpy().view(ds.coords_dtype).reshape(filled, 2)
+                host_c = slot.second[: filled * coord_bytes].numpy().view(ds.coords_dtype).reshape(filled, 2)
                 at = 0
                 for piece in take:
                     n = piece.stop - piece.start
@@ -179,7 +179,7 @@ class BagTransfer(DeviceStager):
                         raw[piece.slot, piece.start:piece.stop].view(-1).copy_(
                             slot.features[at * row_bytes:(at + n) * row_bytes], non_blocking=True)
                         raw_coords[piece.slot, piece.start:piece.stop].view(-1).copy_(
-                            slot.labels[at * coord_bytes:(at + n) * coord_bytes], non_blocking=True)
+                            slot.second[at * coord_bytes:(at + n) * coord_bytes], non_blocking=True)
                         at += n
                     slot.record_copied(self.stream)
         labels = self.labels(index)

@@ -231,6 +231,6 @@ def _not_int8(reader: Any) -> Any:
         from featurestore.errors import DtypeMismatch
 
         raise DtypeMismatch(f"{reader!r} is an int8 split, which the datasets and loaders do not read yet: read it "
-                            "with FeatureArray.read_numpy(indices, dtype='float32') (or BagSplit.read_numpy(bag, "
+                            "with FeatureArray.read_numpy(indices, dtype='float32') (or BagArray.read_numpy(bag, "
                             "dtype='float32')), or store the features as float16")
     return reader

@@ -21,11 +21,11 @@ import httpx
 import numpy as np
 
 from client.remote import RemoteFeatureArray, reopening
-from client.remote_bags import RemoteBags
+from client.remote_bag_array import RemoteBagArray
 from client.transport import TOKEN_ENV, ClientError, Transport, make_error
 from featurestore.format import wire
 
-__all__ = ["TOKEN_ENV", "ClientError", "FeatureClient", "RemoteBags", "RemoteFeatureArray"]
+__all__ = ["TOKEN_ENV", "ClientError", "FeatureClient", "RemoteBagArray", "RemoteFeatureArray"]
 
 
 class FeatureClient(Transport):
@@ -64,7 +64,7 @@ class FeatureClient(Transport):
                          split_change_wait_s=split_change_wait_s, max_connections=max_connections,
                          transport=transport, http_client=http_client)  # fmt: skip
         self._layouts: dict[tuple[str, str, str], RemoteFeatureArray] = {}
-        self._bags: dict[tuple[str, str, str], RemoteBags] = {}
+        self._bags: dict[tuple[str, str, str], RemoteBagArray] = {}
 
     def __repr__(self) -> str:
         return f"FeatureClient({self.url!r}, token={'***' if self._token else None})"
@@ -131,13 +131,13 @@ class FeatureClient(Transport):
                                  status=200, detail=None, url=self.url + path) from None  # fmt: skip
         return listing
 
-    def open_bags(self, dataset: str, encoder: str, split: str) -> RemoteBags:
-        """The bag split as a :class:`RemoteBags` (the local bag reader's interface): its
+    def open_bags(self, dataset: str, encoder: str, split: str) -> RemoteBagArray:
+        """The bag split as a :class:`RemoteBagArray` (the local bag reader's interface): its
         listing is fetched once and cached."""
         key = (dataset, encoder, split)
         bags = self._bags.get(key)
         if bags is None:
-            bags = self._bags[key] = RemoteBags(self, key, self.bags(dataset, encoder, split))
+            bags = self._bags[key] = RemoteBagArray(self, key, self.bags(dataset, encoder, split))
         return bags
 
     @reopening

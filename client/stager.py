@@ -78,13 +78,14 @@ class DeviceStager:
 
 
 class HostSlot:
-    """One reusable host buffer (pinned when asked) for a batch's features and labels (a bag
-    batch's features and coordinates: :mod:`client.bag_transfer`)."""
+    """Two reusable host buffers (pinned when asked) for a batch: ``features``, and ``second``,
+    the batch's second array (a dense batch's labels, a bag batch's coordinates:
+    :mod:`client.bag_transfer`)."""
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
         self.features = torch.empty(0, dtype=torch.uint8)
-        self.labels = torch.empty(0, dtype=torch.uint8)
+        self.second = torch.empty(0, dtype=torch.uint8)
         self.copied: Any = None
 
     def _grown(self, buffer: torch.Tensor, need: int) -> torch.Tensor:
@@ -92,15 +93,15 @@ class HostSlot:
             return buffer
         return torch.empty(need, dtype=torch.uint8, pin_memory=self.pin)
 
-    def reserve(self, features_nbytes: int, labels_nbytes: int) -> None:
+    def reserve(self, features_nbytes: int, second_nbytes: int) -> None:
         """Grow the buffers to hold at least these many bytes (they never shrink)."""
         self.features = self._grown(self.features, features_nbytes)
-        self.labels = self._grown(self.labels, labels_nbytes)
+        self.second = self._grown(self.second, second_nbytes)
 
     def views(self, ds: Any, b: int) -> tuple[np.ndarray, np.ndarray]:
         self.reserve(b * ds.sample_nbytes, b * ds.label_nbytes)
         f = self.features[: b * ds.sample_nbytes].numpy().view(ds.numpy_dtype).reshape(b, *ds.sample_shape)
-        lab = self.labels[: b * ds.label_nbytes].numpy().view(ds.label_numpy_dtype).reshape(b, *ds.label_shape)
+        lab = self.second[: b * ds.label_nbytes].numpy().view(ds.label_numpy_dtype).reshape(b, *ds.label_shape)
         return f, lab
 
     def wait_copied(self) -> None:

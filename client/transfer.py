@@ -75,7 +75,7 @@ class Transfer(DeviceStager):
             ds.read_into(index, host_f, host_l)
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 raw_f = slot.features[: host_f.nbytes].to(self.device, non_blocking=True)
-                raw_l = slot.labels[: host_l.nbytes].to(self.device, non_blocking=True)
+                raw_l = slot.second[: host_l.nbytes].to(self.device, non_blocking=True)
                 slot.record_copied(self.stream)
                 features = raw_f.view(self.stored).view(b, *ds.sample_shape).to(self.dtype)
                 if self.norm is not None:

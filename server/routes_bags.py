@@ -83,7 +83,7 @@ def bag_id_of(request: Request, dataset: str, encoder: str, split: str, decoded:
 def listing(entry: OpenedSplit, max_response_bytes: int, offset: int, limit: int,
             attrs: bool) -> wire.BagsListing:  # fmt: skip
     """Bags ``offset .. offset + limit`` of an opened bag split, as the wire listing."""
-    bags = entry.array
+    bags = entry.reader
     count = len(bags)
     stop = min(count, offset + limit)
     labels = bags.labels
@@ -117,7 +117,7 @@ def bags_listing(
 
 def bag_response(state: StoreState, entry: OpenedSplit, bag_id: str, rows: slice | np.ndarray) -> ArrayResponse:
     """Rows ``rows`` of bag ``bag_id``: features then coordinates, through the one data path."""
-    bags = entry.array
+    bags = entry.reader
     position = bags.index(bag_id)  # the id is looked up, never joined into a path (BagNotFound: 404)
     length = int(bags.lengths[position])
     # ?start=&stop= are wire parameters, not a Python slice: out of the bag is an error, not clipped.
@@ -155,7 +155,7 @@ def bag(
     state = state_of(request)
     bag_id = bag_id_of(request, dataset, encoder, split, bag_id)
     entry = state.open_split(dataset, encoder, split, kind="bags")
-    length = int(entry.array.lengths[entry.array.index(bag_id)])
+    length = int(entry.reader.lengths[entry.reader.index(bag_id)])
     first, last = 0 if start is None else start, length if stop is None else stop
     if first > last:
         raise BadRequest(f"start={first} is after stop={last}")
@@ -173,7 +173,7 @@ async def bag_rows(request: Request, dataset: Name, encoder: Name, split: Name, 
 
     def work() -> ArrayResponse:
         entry = state.open_split(dataset, encoder, split, kind="bags")
-        length = int(entry.array.lengths[entry.array.index(bag_id)])
+        length = int(entry.reader.lengths[entry.reader.index(bag_id)])
         rows = parse_indices(body, request.headers.get("content-type", ""), length,
                              state.settings.max_indices, f"bag {bag_id!r}")  # fmt: skip
         return bag_response(state, entry, bag_id, rows)

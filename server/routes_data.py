@@ -56,7 +56,7 @@ _INDEX_BODY = {
 
 
 def _pick(entry: OpenedSplit, labels: bool) -> Any:
-    arr = entry.array
+    arr = entry.reader
     if not labels:
         return arr
     if arr.labels is None:
@@ -97,7 +97,7 @@ def gathered_response(state: StoreState, entry: OpenedSplit, nbytes: int, parts:
     not change meanwhile (409), and wrap the buffers, no copy; the reservation is given back when
     the last byte left (or on any failure before). A derived split whose source changed since it
     was computed is answered with ``X-Featurestore-Stale`` (featurestore.core.lineage)."""
-    if getattr(entry.array, "dtype", None) == "int8":  # codes without their scales are not values
+    if getattr(entry.reader, "dtype", None) == "int8":  # codes without their scales are not values
         raise DtypeMismatch(f"split {'/'.join(entry.key)} is stored as int8, which the server does not serve yet: "
                             "read it from the store with read_numpy(..., dtype='float32'), or store it as float16")
     stale = state.stale_reason(entry)  # before the reservation: nothing to give back if it raises
@@ -253,7 +253,7 @@ async def _indexed(request: Request, dataset: str, encoder: str, split: str, lab
     def work() -> ArrayResponse:
         entry = state.open_split(dataset, encoder, split)
         if samples:
-            arrays = [entry.array] + ([entry.array.labels] if entry.array.labels is not None else [])
+            arrays = [entry.reader] + ([entry.reader.labels] if entry.reader.labels is not None else [])
         else:
             arrays = [_pick(entry, labels)]
         index = parse_indices(body, request.headers.get("content-type", ""), len(arrays[0]),
@@ -313,8 +313,8 @@ async def samples_by_id(request: Request, dataset: Name, encoder: Name, split: N
 
     def work() -> ArrayResponse:
         entry = state.open_split(dataset, encoder, split)
-        index = entry.array.positions_of(parse_ids(body, state.settings.max_indices))
-        arrays = [entry.array] + ([entry.array.labels] if entry.array.labels is not None else [])
+        index = entry.reader.positions_of(parse_ids(body, state.settings.max_indices))
+        arrays = [entry.reader] + ([entry.reader.labels] if entry.reader.labels is not None else [])
         return _respond(state, entry, arrays, index, media_type=wire.SAMPLES_MEDIA)
 
     return await run_in_threadpool(work)

@@ -60,15 +60,16 @@ def _private_paths(*roots: str) -> tuple[str, ...]:
 
 @dataclass
 class OpenedSplit:
-    """One cache entry: the opened array and the metadata bytes it was opened from."""
+    """One cache entry: the opened reader (a FeatureArray or a BagArray) and the metadata bytes
+    it was opened from."""
 
     key: tuple[str, str, str]
-    array: Any
+    reader: Any
     document: bytes
     checked: float
     # When this worker first saw the split changed under this entry (None: not yet).
     changed: float | None = None
-    # "dense" (array: a FeatureArray) or "bags" (array: the store's Bags reader).
+    # "dense" (reader: a FeatureArray) or "bags" (reader: a BagArray).
     kind: str = "dense"
     # A derived split's staleness (featurestore.core.lineage) and when it was last checked.
     stale: str | None = None
@@ -81,7 +82,7 @@ class OpenedSplit:
     @property
     def generation(self) -> str | None:
         """The generation the opened split's bytes are from (each data response says it)."""
-        value = self.array.metadata.get("generation")
+        value = self.reader.metadata.get("generation")
         return None if value is None else str(value)
 
 
@@ -171,7 +172,7 @@ class StoreState:
         return entry
 
     def open(self, dataset: str, encoder: str, split: str) -> Any:
-        return self.open_split(dataset, encoder, split).array
+        return self.open_split(dataset, encoder, split).reader
 
     def confirm(self, entry: OpenedSplit) -> None:
         """After a gather: refuse (409) if the split changed while it was read (local stores)."""
@@ -217,7 +218,7 @@ class StoreState:
         from featurestore.core.lineage import stale_reason
         from featurestore.format import lineage
 
-        metadata = entry.array.metadata
+        metadata = entry.reader.metadata
         if lineage.KEY not in metadata:
             return None
         now = time.monotonic()

@@ -12,7 +12,7 @@ every bag reader takes and refuses the same selections with the same errors, as 
 do in tests/reader_contract.py.
 
 Subclasses: tests/test_bags_contract.py (local mmap and pread, ``memory://``, S3 on moto and on
-SeaweedFS), tests/test_bags_contract_http.py (``RemoteBags``, with and without a byte cap).
+SeaweedFS), tests/test_bags_contract_http.py (``RemoteBagArray``, with and without a byte cap).
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pickle
 import warnings
-from pathlib import Path
 from typing import Any
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""The bag contract (tests/bag_contract.py) for ``RemoteBags``: the same bag reads as the local and
+"""The bag contract (tests/bag_contract.py) for ``RemoteBagArray``: the same bag reads as the local and
 object-storage bag readers, through the HTTP server (``FeatureClient.open_bags``).
 
 Served in-process (``TestClient(create_app(store))`` handed to ``FeatureClient``), once with a byte

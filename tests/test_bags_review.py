@@ -18,7 +18,7 @@ import pytest
 
 from featurestore import open_store
 from featurestore.cli import main
-from featurestore.errors import FeatureStoreError, InvalidLabels, ShapeMismatch
+from featurestore.errors import InvalidLabels, ShapeMismatch
 
 DIM = 8
 

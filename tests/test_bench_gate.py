@@ -176,7 +176,7 @@ def test_target_flags_need_check(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_shipped_targets_file() -> None:
-    from featurestore.bench import bags, s3, write
+    from featurestore.bench import bag_reads as bags, s3, write
 
     targets = gate.load_targets()
     ids = [t.id for t in targets.targets]

@@ -79,11 +79,11 @@ def test_failed_bench_is_reported_and_exits_1(tmp_path: Path, monkeypatch: pytes
 
 @pytest.mark.parametrize("name", report.BENCH_NAMES)
 def test_args_come_from_each_bench_parser(name: str) -> None:
-    import importlib
+    from featurestore.bench import bench_module
 
     full = report.bench_args(name)
     quick = report.bench_args(name, report.QUICK_FLAGS[name])
-    assert callable(getattr(importlib.import_module(f"featurestore.bench.{name}"), "run"))
+    assert callable(getattr(bench_module(name), "run"))
     assert full.workdir is None and quick.workdir is None
     assert vars(full) != vars(quick)  # --quick changes sizes, and only through real flags
 

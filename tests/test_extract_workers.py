@@ -6,7 +6,6 @@ to init and blocked on a pipe write for good; each resume of a preempted job add
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -177,7 +177,7 @@ def test_two_node_slide_extraction_into_s3_equals_one_process(seaweed_url: str, 
     pytest.importorskip("tifffile")
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     monkeypatch.delenv("FSX_SLEEP", raising=False)
-    from test_wsi_extract import NAME, _common, _opts, _same_split
+    from test_wsi_extract import _common, _opts, _same_split
 
     from featurestore.demo.slides import write_cohort, write_slide
     from featurestore.extract.wsi_run import extract_slides

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 

@@ -22,7 +22,7 @@ from server import Settings, create_app  # noqa: E402
 from server.routes_zarr import parse_range, validate_key  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _server_fixtures import SHAPES, expected, make_store  # noqa: E402
+from _server_fixtures import expected, make_store  # noqa: E402
 
 BASE = "/v1/features/pannuke/tiny"
 

@@ -28,6 +28,7 @@ from featurestore import __version__
 from featurestore.errors import InvalidOption
 from featurestore.bench.markdown import render_markdown
 from featurestore.bench.summary import print_result, rss_series, throughput_rows
+from featurestore.bench import bench_module
 
 BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3", "cold", "bags", "bag_loader")
 
@@ -110,9 +111,8 @@ def parse_benches(text: str) -> list[str]:
 
 def bench_args(name: str, extra: Sequence[str] = ()) -> argparse.Namespace:
     """The bench's own parser, parsed from ``extra`` flags only: its defaults, not a copy of them."""
-    import importlib
 
-    module = importlib.import_module(f"featurestore.bench.{name}")
+    module = bench_module(name)
     parser = argparse.ArgumentParser(prog="featurestore bench")
     module.register(parser.add_subparsers(dest="bench"))
     return parser.parse_args([name.replace("_", "-"), *extra])  # bag_loader's verb is bag-loader
@@ -123,7 +123,6 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
     """Run the benches named in ``args.benches`` (or ``runs``: per report entry, the bench and its
     flags, None for its own defaults or --quick's); call ``before_write(report)``; write the
     reports into ``args.out``; return the report dict (also what ``report.json`` holds)."""
-    import importlib
 
     from featurestore.bench.figures import bench_figures
 
@@ -147,7 +146,7 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
             if flags is not None:
                 entry["flags"] = flags
             entry["args"] = {k: v for k, v in vars(bench).items() if k not in ("func", "bench")}
-            module = importlib.import_module(f"featurestore.bench.{name}")
+            module = bench_module(name)
             result = module.run(bench)
             entry["result"] = result
             try:  # the gate's figures; a result whose keys changed is noted, not fatal

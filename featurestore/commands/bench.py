@@ -6,8 +6,8 @@ and writes ``report.md``, ``report.json`` and plots (``featurestore/bench/report
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+from featurestore.bench import bench_module
 
 BENCHES = ("read", "write", "http", "loader", "bag_loader", "extract", "cold", "s3", "bags", "web", "report", "gate")
 
@@ -21,5 +21,5 @@ def register(subparsers: Any) -> None:
     benches = parser.add_subparsers(dest="bench", metavar="BENCH")
     benches.required = True
     for name in BENCHES:
-        module = importlib.import_module(f"featurestore.bench.{name}")
+        module = bench_module(name)
         module.register(benches)

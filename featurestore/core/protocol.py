@@ -63,7 +63,7 @@ class ArrayReader(Protocol):
 class BagReader(Protocol):
     """The bags of one bag split (docs/FORMAT.md, "Slide bags").
 
-    Implemented by :class:`featurestore.core.bags.BagSplit` (local and object storage); an HTTP
+    Implemented by :class:`featurestore.core.bag_array.BagArray` (local and object storage); an HTTP
     reader implements the same members, so a bag loader works on either. ``tests/bag_contract.py``
     is the contract suite. A bag is named by its position in ``ids`` (int) or its id (str); an
     unknown id raises :class:`~featurestore.errors.BagNotFound`, a position outside ``[0, len)``

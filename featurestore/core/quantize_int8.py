@@ -5,7 +5,7 @@ and float64 beyond float32 refused), then :func:`encode_chunk` turns each finish
 codes, its scales row and its statistics row (errors of the values back against the float32
 rows, saturation counted). The bag writer encodes each whole bag (:func:`encode_bag`, scales per
 bag and channel) and its commit writes the ``scales`` index array (:func:`bag_scales`). Readers
-load the small scales once (:class:`ScalesTable`; ``core.bags`` its own) and dequantize gathered
+load the small scales once (:class:`ScalesTable`; ``core.bag_array`` its own) and dequantize gathered
 codes into the caller's buffer (format.int8). The scheme is format.int8's.
 """
 

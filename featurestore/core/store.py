@@ -7,7 +7,7 @@ from typing import Any
 
 from featurestore.core import lifecycle
 from featurestore.core.bag_writer import BagWriter
-from featurestore.core.bags import BagSplit
+from featurestore.core.bag_array import BagArray
 from featurestore.core.kinds import BAG_KIND, DENSE_KIND
 from featurestore.core.lifecycle import check_split
 from featurestore.core.reader import FeatureArray
@@ -127,8 +127,8 @@ class FeatureStore:
         return FeatureArray(self.storage, key, layout.FEATURES, features_doc,
                             logical_dtype=meta.logical_dtype, metadata=user_meta, labels=labels)
 
-    def open_bags(self, dataset: str, encoder: str, split: str, allow_incomplete: bool = False) -> BagSplit:
-        """A bag split for reading (:class:`featurestore.core.bags.BagSplit`): ``len``, ``ids``,
+    def open_bags(self, dataset: str, encoder: str, split: str, allow_incomplete: bool = False) -> BagArray:
+        """A bag split for reading (:class:`featurestore.core.bag_array.BagArray`): ``len``, ``ids``,
         ``lengths``, ``labels``, ``read(i_or_id)``; docs/CORE-API.md."""
         meta = self.split_info(dataset, encoder, split)
         key = self._split_key(dataset, encoder, split)
@@ -153,7 +153,7 @@ class FeatureStore:
                                       "commit it (writer.commit()) first")
             else:
                 self._array_document(f"{key}/{name}")  # raises, naming the missing array
-        return BagSplit(self.storage, key, meta, documents)
+        return BagArray(self.storage, key, meta, documents)
 
     # ------------------------------------------------------------------ writing
     def create_bag_split(self, dataset: str, encoder: str, split: str, *, dim: int, dtype: str = "float16",

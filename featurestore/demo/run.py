@@ -10,7 +10,7 @@
 5. the segmentation probe under K seeds per dtype from local disk (``compare_probes``, the same
    check as ``featurestore probe --compare``), plus seed 0 of the float16 side streamed over HTTP,
    which must give the same Jaccard as from disk;
-6. slide bags (:mod:`featurestore.demo.bags`): a synthetic cohort as float32 and float16 bag
+6. slide bags (:mod:`featurestore.demo.bag_section`): a synthetic cohort as float32 and float16 bag
    splits, a ``BagLoader`` epoch from disk and over HTTP, and the ABMIL probe under K seeds per
    dtype, with seed 0 from the float32 store checked against the same bags held in RAM.
 
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from featurestore.demo.bags import bag_section, make_bags
+from featurestore.demo.bag_section import bag_section, make_bags
 from featurestore.errors import FeatureStoreError
 
 DATASET = "pannuke"

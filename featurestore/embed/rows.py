@@ -28,7 +28,7 @@ class Row:
 
 
 def plan(bags: Any, group_by: str | None, key: str) -> list[Row]:
-    """The rows of ``bags`` (a BagSplit), one per bag or one per ``group_by`` value."""
+    """The rows of ``bags`` (a BagArray), one per bag or one per ``group_by`` value."""
     labels = bags.labels
     if group_by is None:
         return [Row(bag_id, (i,), None if labels is None else labels[i].item()) for i, bag_id in enumerate(bags.ids)]

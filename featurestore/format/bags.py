@@ -31,7 +31,7 @@ import numpy as np
 
 from featurestore.errors import (BagNotFound, IndexOutOfRange, InvalidIndices, InvalidMetadata, InvalidOption,
                                  ShapeMismatch)
-from featurestore.format import layout, wire
+from featurestore.format import wire
 # The chunk_seals table is every kind's now (format.seals); its names stay importable from here.
 from featurestore.format.seals import CHUNK_SEALS, SEAL_COLUMNS, SEALED_ARRAYS, seal_problems, seal_table  # noqa: F401
 
@@ -290,7 +290,7 @@ def in_place(parts: list[Piece], chunk: int, chunk_rows: int, total_rows: int,
 
 class BagLookup:
     """A bag by position or by id, with the same errors in every bag reader (the store's
-    ``BagSplit``, the server's ``RemoteBags``): a reader sets ``ids`` and names itself in
+    ``BagArray``, the server's ``RemoteBagArray``): a reader sets ``ids`` and names itself in
     :meth:`_where`."""
 
     ids: list[str]

@@ -113,7 +113,7 @@ class Figures:
             entry = self.state.open_split(dataset, encoder, split)
         except WrongSplitKind as error:  # a bag split: its pictures are slide maps
             raise BadRequest(str(error)) from None
-        arr = entry.array
+        arr = entry.reader
         layout = self.grid_of(arr.metadata, arr.sample_shape)
         if layout is None:
             raise BadRequest(f"split {dataset}/{encoder}/{split} has samples of shape {list(arr.sample_shape)} "

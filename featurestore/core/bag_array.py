@@ -1,4 +1,4 @@
-"""BagSplit: the read side of a bag split (``store.open_bags``), over the dense reader's paths.
+"""BagArray: the read side of a bag split (``store.open_bags``), over the dense reader's paths.
 
 The index (``offsets``, ``bag_ids``, ``labels``) is read once when the split is opened (a few
 small arrays: no scan of the rows). One bag is rows ``offsets[i]:offsets[i + 1]`` of ``features``
@@ -28,7 +28,7 @@ from featurestore.format import bags, dtypes, layout
 from featurestore.format.metadata import SplitMetadata
 
 
-class BagSplit(bags.BagLookup):
+class BagArray(bags.BagLookup):
     """The bags of one split: ``len``, ``ids``, ``lengths``, ``labels``, ``read(i_or_id)``."""
 
     def __init__(self, storage: Storage, key: str, meta: SplitMetadata,
@@ -68,7 +68,7 @@ class BagSplit(bags.BagLookup):
         return len(self.ids)
 
     def __repr__(self) -> str:
-        return f"BagSplit({self.key!r}, bags={len(self)}, rows={int(self.offsets[-1])}, dim={self.dim}, dtype={self.dtype!r})"
+        return f"BagArray({self.key!r}, bags={len(self)}, rows={int(self.offsets[-1])}, dim={self.dim}, dtype={self.dtype!r})"
 
     @property
     def num_rows(self) -> int:
@@ -210,3 +210,6 @@ def _whole(storage: Storage, key: str, name: str, doc: dict[str, Any], logical: 
     """A small index array read whole, through the checked reader."""
     array = FeatureArray(storage, key, name, doc, logical_dtype=logical, metadata=metadata)
     return array.read_numpy(np.arange(len(array), dtype=np.int64)).copy()
+
+
+BagSplit = BagArray  # the name before the reader family was named as one (deprecated)

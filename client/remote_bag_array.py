@@ -1,4 +1,4 @@
-"""``RemoteBags``: a bag split on a server, with the interface of the store's local bag reader
+"""``RemoteBagArray``: a bag split on a server, with the interface of the store's local bag reader
 (``store.open_bags(...)``), so a ``BagDataset`` treats a store path and a server URL alike.
 
 Everything it knows about the split comes from one :class:`~featurestore.format.wire.BagsListing`
@@ -22,10 +22,10 @@ from featurestore.format.bags import BagLookup, check_out, select_rows, selected
 if TYPE_CHECKING:
     from client.http import FeatureClient
 
-__all__ = ["RemoteBags"]
+__all__ = ["RemoteBagArray"]
 
 
-class RemoteBags(BagLookup):
+class RemoteBagArray(BagLookup):
     """A bag split over HTTP: ``len``, ``ids``, ``lengths`` (int64), ``labels``, ``dim``,
     ``dtype``, ``coords_dtype``, ``coords_unit``, ``patch_size_level0``, ``metadata``, ``num_rows``,
     ``attrs(i_or_id)``, ``label(i_or_id)``, ``index(bag_id)``, ``position(i_or_id)``,
@@ -61,7 +61,7 @@ class RemoteBags(BagLookup):
         return len(self.ids)
 
     def __repr__(self) -> str:
-        return (f"RemoteBags({self.client.url!r}, {'/'.join(self.key)}, bags={len(self)}, dim={self.dim}, "
+        return (f"RemoteBagArray({self.client.url!r}, {'/'.join(self.key)}, bags={len(self)}, dim={self.dim}, "
                 f"dtype={self.dtype!r})")  # fmt: skip
 
     # ------------------------------------------------------------------ lookup
@@ -133,3 +133,6 @@ class RemoteBags(BagLookup):
             else:
                 self.client.fetch_bag(path, features[lo:hi], coords[lo:hi], self.dtype, self.coords_dtype,
                                       indices=selection[lo:hi], generation=self.listing.generation)  # fmt: skip
+
+
+RemoteBags = RemoteBagArray  # the name before the reader family was named as one (deprecated)

@@ -206,7 +206,7 @@ def measure(built: dict[str, Any], lengths: np.ndarray, args: argparse.Namespace
 
     def method(name: str, temperature: str) -> Method:
         def run() -> float:
-            result = harness.child("bags:one_pass", {**config, "method": name, "temperature": temperature})
+            result = harness.child("bag_reads:one_pass", {**config, "method": name, "temperature": temperature})
             nbytes[name] = result["bytes"]
             return float(result["seconds"])
 
