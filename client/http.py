@@ -24,6 +24,7 @@ from client.remote import RemoteFeatureArray, reopening
 from client.remote_bag_array import RemoteBagArray
 from client.transport import TOKEN_ENV, ClientError, Transport, make_error
 from featurestore.format import wire
+from featurestore.format.bag_listing import BagsListing
 
 __all__ = ["TOKEN_ENV", "ClientError", "FeatureClient", "RemoteBagArray", "RemoteFeatureArray"]
 
@@ -114,17 +115,17 @@ class FeatureClient(Transport):
         return arr
 
     # ------------------------------------------------------------------ bag splits
-    def bags(self, dataset: str, encoder: str, split: str, *, attrs: bool = False) -> wire.BagsListing:
+    def bags(self, dataset: str, encoder: str, split: str, *, attrs: bool = False) -> BagsListing:
         """The bag split's listing (every page): ``ids``, ``lengths`` (int64 patches per bag),
         ``labels`` (or None), ``dim``, ``dtype``, ``coords_dtype``, ``coords_unit``,
         ``metadata``; with ``attrs=True`` also each bag's slide attributes."""
         path = wire.route(wire.BAGS, dataset=dataset, encoder=encoder, split=split)
         params = {"attrs": "true"} if attrs else {}
-        listing: wire.BagsListing | None = None
+        listing: BagsListing | None = None
         while listing is None or listing.next_offset is not None:
             offset = 0 if listing is None else listing.next_offset
             try:
-                page = wire.BagsListing.from_json(self.get_json(path, {**params, "offset": str(offset)}))
+                page = BagsListing.from_json(self.get_json(path, {**params, "offset": str(offset)}))
                 listing = page if listing is None else listing.extend(page)
             except wire.WireFormatError as error:
                 raise make_error(f"{self.url}{path} answered a bad bag listing: {error}",

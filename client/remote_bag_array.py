@@ -1,7 +1,7 @@
 """``RemoteBagArray``: a bag split on a server, with the interface of the store's local bag reader
 (``store.open_bags(...)``), so a ``BagDataset`` treats a store path and a server URL alike.
 
-Everything it knows about the split comes from one :class:`~featurestore.format.wire.BagsListing`
+Everything it knows about the split comes from one :class:`~featurestore.format.BagsListing`
 (``GET /v1/bags/...``, all pages, fetched once); every byte it reads comes through
 :meth:`FeatureClient.fetch_bag`, one request per bag, or several for a bag larger than the server's
 byte cap (row ranges, each written in place into the one output pair). Each response must be of
@@ -17,6 +17,7 @@ import numpy as np
 
 from featurestore import errors as fse
 from featurestore.format import wire
+from featurestore.format.bag_listing import BagsListing
 from featurestore.format.bags import BagLookup, check_out, select_rows, selected_count
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class RemoteBagArray(BagLookup):
     allowed; sent as one ``POST`` body).
     """
 
-    def __init__(self, client: FeatureClient, key: tuple[str, str, str], listing: wire.BagsListing) -> None:
+    def __init__(self, client: FeatureClient, key: tuple[str, str, str], listing: BagsListing) -> None:
         self.client = client
         self.key = key
         self.listing = listing

@@ -1,6 +1,6 @@
 """Bag-split routes: the listing of a bag split and one bag's features + coordinates.
 
-``GET /v1/bags/{dataset}/{encoder}/{split}`` answers :class:`~featurestore.format.wire.BagsListing`
+``GET /v1/bags/{dataset}/{encoder}/{split}`` answers :class:`~featurestore.format.bag_listing.BagsListing`
 (ids, lengths, labels, dim, dtypes, coordinate unit, the byte cap; pages of at most
 :data:`~featurestore.format.wire.BAGS_PAGE` bags, ``?offset=`` for the next). ``GET .../{bag_id}``
 answers one bag in the :data:`~featurestore.format.wire.BAG_MEDIA` framing (features, then
@@ -27,9 +27,16 @@ from starlette.convertors import Convertor, register_url_convertor
 
 from featurestore.errors import IndexOutOfRange
 from featurestore.format import wire
+from featurestore.format.bag_listing import BagsListing
 from server.errors import BadRequest
 from server.responses import ArrayResponse
-from server.routes_data import _INDEX_BODY, Part, check_size, gathered_response, parse_indices
+from server.routes_data import (
+    _INDEX_BODY,
+    Part,
+    check_size,
+    gathered_response,
+    parse_indices,
+)
 from server.routes_features import Name, state_of
 from server.state import OpenedSplit, StoreState
 
@@ -81,13 +88,13 @@ def bag_id_of(request: Request, dataset: str, encoder: str, split: str, decoded:
 
 
 def listing(entry: OpenedSplit, max_response_bytes: int, offset: int, limit: int,
-            attrs: bool) -> wire.BagsListing:  # fmt: skip
+            attrs: bool) -> BagsListing:  # fmt: skip
     """Bags ``offset .. offset + limit`` of an opened bag split, as the wire listing."""
     bags = entry.reader
     count = len(bags)
     stop = min(count, offset + limit)
     labels = bags.labels
-    return wire.BagsListing(
+    return BagsListing(
         ids=list(bags.ids[offset:stop]),
         lengths=np.asarray(bags.lengths[offset:stop], dtype=np.int64),
         labels=None if labels is None else np.asarray(labels[offset:stop]).tolist(),

@@ -23,6 +23,7 @@ import featurestore  # noqa: E402
 from client import FeatureClient  # noqa: E402
 from featurestore import errors as fse  # noqa: E402
 from featurestore.format import wire  # noqa: E402
+from featurestore.format.bag_listing import BagsListing
 from server import Settings, create_app  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -111,7 +112,7 @@ def test_listing(app_client: TestClient, store_path: str) -> None:
     assert (doc["dim"], doc["dtype"], doc["coords_dtype"], doc["coords_unit"]) == (DIM, "float16", "int64", "px")
     assert doc["count"] == len(IDS) + 1 and doc["next_offset"] is None and "attrs" not in doc
     assert doc["max_response_bytes"] == Settings().max_response_bytes
-    listing = wire.BagsListing.from_json(doc)
+    listing = BagsListing.from_json(doc)
     assert listing.lengths.dtype == np.int64 and listing.generation == bags.metadata.get("generation")
 
 

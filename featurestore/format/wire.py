@@ -24,12 +24,10 @@ and ``import client`` must not pull in the server stack.
 
 from __future__ import annotations
 
-import ast
 import math
 import re
-import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -39,6 +37,14 @@ from featurestore.errors import IndexOutOfRange, InvalidIndices
 from featurestore.format.dtypes import storage_dtype
 from featurestore.format.names import validate_name
 from featurestore.format.redact import redact
+from featurestore.format.wire_npy import (  # noqa: F401
+    NPY,
+    NPY_MAGIC,
+    WireFormatError,
+    npy_header,
+    parse_npy_header,
+    wants_npy,
+)
 
 __all__ = [
     "ARRAYS",
@@ -51,7 +57,6 @@ __all__ = [
     "BY_ID",
     "COORDS_DTYPE_HEADER",
     "COORDS_SHAPE_HEADER",
-    "BagsListing",
     "quote_bag_id",
     "DATASETS",
     "DTYPE_HEADER",
@@ -99,7 +104,6 @@ DTYPE_HEADER = "X-Dtype"
 LABELS_SHAPE_HEADER = "X-Labels-Shape"
 LABELS_DTYPE_HEADER = "X-Labels-Dtype"
 OCTET_STREAM = "application/octet-stream"
-NPY = "application/x-npy"
 # A request body of raw little-endian int64 indices (no JSON to parse on either side).
 INDICES = "application/x-featurestore-indices"
 # The features+labels framing: the features' bytes (X-Shape/X-Dtype), then, only if the split has
@@ -145,17 +149,8 @@ BAG_ROUTE = BAGS + "/{bag_id:bag_id}"  # the server's template of BAG
 # Most bags one listing page holds (about 100 bytes of JSON each: ~10 MB); ?offset= pages on.
 BAGS_PAGE = 100_000
 
-# https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html: magic, version 1.0,
-# little-endian uint16 header length, header padded with spaces and a newline so that the data
-# starts on a 64-byte boundary (numpy's ARRAY_ALIGN).
-NPY_MAGIC = b"\x93NUMPY"
-_NPY_ALIGN = 64
 _MAX_DIMS = 32  # numpy's own limit (NPY_MAXDIMS) in numpy < 2; plenty for features
 _SHAPE_RE = re.compile(r"(?:0|[1-9][0-9]{0,18})(?:,(?:0|[1-9][0-9]{0,18}))*")
-
-
-class WireFormatError(ValueError):
-    """A header or payload that does not follow this contract."""
 
 
 def wire_dtype(logical: str) -> np.dtype:
@@ -221,76 +216,6 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 def expected_nbytes(shape: Iterable[int], dtype: np.dtype) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
-
-
-def wants_npy(accept: str | None) -> bool:
-    """True when an ``Accept`` header names ``application/x-npy`` (with a non-zero q)."""
-    if not accept:
-        return False
-    for item in accept.split(","):
-        media, _, params = item.strip().partition(";")
-        if media.strip().lower() != NPY:
-            continue
-        q = 1.0
-        for param in params.split(";"):
-            key, _, value = param.partition("=")
-            if key.strip().lower() == "q":
-                try:
-                    q = float(value)
-                except ValueError:
-                    q = 0.0
-        return q > 0
-    return False
-
-
-def npy_header(shape: Iterable[int], dtype: np.dtype) -> bytes:
-    """The NPY 1.0 preamble for a C-order array; the raw bytes follow it unchanged."""
-    descr = np.lib.format.dtype_to_descr(np.dtype(dtype))
-    dims = tuple(int(d) for d in shape)
-    shape_repr = f"({dims[0]},)" if len(dims) == 1 else repr(dims)
-    text = f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': {shape_repr}, }}"
-    # magic (6) + version (2) + length (2) + text + padding + "\n" is a multiple of 64.
-    unpadded = len(NPY_MAGIC) + 2 + 2 + len(text) + 1
-    padding = -unpadded % _NPY_ALIGN
-    encoded = (text + " " * padding + "\n").encode("latin-1")
-    if len(encoded) > 0xFFFF:  # pragma: no cover - needs thousands of dimensions
-        raise WireFormatError("npy header too long for format 1.0")
-    return NPY_MAGIC + b"\x01\x00" + struct.pack("<H", len(encoded)) + encoded
-
-
-def parse_npy_header(data: bytes | memoryview) -> tuple[int, tuple[int, ...], np.dtype]:
-    """Parse an NPY 1.0/2.0 preamble: ``(data_offset, shape, dtype)``.
-
-    Only C-order headers are accepted (the server never sends Fortran order). Uses
-    ``ast.literal_eval``, which evaluates literals only, never code.
-    """
-    head = bytes(data[:12])
-    if len(head) < 10 or head[:6] != NPY_MAGIC:
-        raise WireFormatError("not an .npy payload (bad magic)")
-    major = head[6]
-    if major == 1:
-        length, start = struct.unpack("<H", head[8:10])[0], 10
-    elif major in (2, 3):
-        if len(head) < 12:
-            raise WireFormatError("truncated .npy header")
-        length, start = struct.unpack("<I", head[8:12])[0], 12
-    else:
-        raise WireFormatError(f"unsupported .npy format version {major}")
-    raw = bytes(data[start : start + length])
-    if len(raw) != length:
-        raise WireFormatError("truncated .npy header")
-    try:
-        header = ast.literal_eval(raw.decode("latin-1"))
-        dtype = np.lib.format.descr_to_dtype(header["descr"])
-        shape = tuple(int(d) for d in header["shape"])
-        fortran = bool(header["fortran_order"])
-    except (ValueError, SyntaxError, KeyError, TypeError) as error:
-        raise WireFormatError(f"bad .npy header: {error}") from error
-    if fortran:
-        raise WireFormatError(".npy payload in Fortran order is not supported")
-    if any(d < 0 for d in shape):
-        raise WireFormatError(f"bad .npy shape {shape}")
-    return start + length, shape, dtype
 
 
 def json_safe(value: Any) -> Any:
@@ -456,92 +381,6 @@ class SplitStructure:
             if isinstance(error, WireFormatError):
                 raise
             raise WireFormatError(f"bad split structure: {error!r}") from error
-
-
-@dataclass(frozen=True)
-class BagsListing:
-    """What ``GET`` :data:`BAGS` answers: a bag split's bags (one page of them) and what a client
-    needs to read one (dtypes, dim, the byte cap) in one request.
-
-    ``ids``, ``lengths`` (patches per bag, int64), ``labels`` (or None) and ``attrs`` (per-bag
-    slide attributes, only when asked for with ``?attrs=true``) hold the bags
-    ``offset .. offset + len(ids)`` of ``count``; :meth:`extend` joins pages.
-    """
-
-    ids: list[str]
-    lengths: np.ndarray
-    labels: list[Any] | None
-    dim: int
-    dtype: str
-    coords_dtype: str
-    coords_unit: str | None
-    max_response_bytes: int
-    count: int
-    offset: int = 0
-    attrs: list[dict[str, Any]] | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def generation(self) -> str | None:
-        value = self.metadata.get("generation")
-        return None if value is None else str(value)
-
-    @property
-    def next_offset(self) -> int | None:
-        """Where the next page starts, or None on the last page."""
-        end = self.offset + len(self.ids)
-        return end if end < self.count else None
-
-    @property
-    def row_nbytes(self) -> int:
-        """Bytes of one patch on the wire: its features and its coordinates."""
-        return self.dim * storage_dtype(self.dtype).itemsize + 2 * storage_dtype(self.coords_dtype).itemsize
-
-    def to_json(self) -> dict[str, Any]:
-        doc = {
-            "count": self.count, "offset": self.offset, "next_offset": self.next_offset,
-            "ids": list(self.ids), "lengths": [int(n) for n in self.lengths],
-            "labels": None if self.labels is None else json_safe(list(self.labels)),
-            "dim": self.dim, "dtype": self.dtype, "coords_dtype": self.coords_dtype,
-            "coords_unit": self.coords_unit, "max_response_bytes": self.max_response_bytes,
-            "generation": self.generation, "metadata": json_safe(self.metadata),
-        }  # fmt: skip
-        if self.attrs is not None:
-            doc["attrs"] = json_safe(self.attrs)
-        return doc
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> BagsListing:
-        try:
-            ids = [str(i) for i in doc["ids"]]
-            lengths = np.asarray(doc["lengths"], dtype=np.int64).reshape(-1)
-            labels, attrs = doc.get("labels"), doc.get("attrs")
-            listing = cls(
-                ids=ids, lengths=lengths, labels=None if labels is None else list(labels),
-                dim=int(doc["dim"]), dtype=str(doc["dtype"]), coords_dtype=str(doc["coords_dtype"]),
-                coords_unit=None if doc.get("coords_unit") is None else str(doc["coords_unit"]),
-                max_response_bytes=int(doc["max_response_bytes"]),
-                count=int(doc["count"]), offset=int(doc.get("offset", 0)),
-                attrs=None if attrs is None else [dict(a) for a in attrs],
-                metadata=dict(doc.get("metadata") or {}),
-            )  # fmt: skip
-        except (KeyError, TypeError, ValueError) as error:
-            raise WireFormatError(f"bad bag listing: {error!r}") from error
-        wire_dtype(listing.dtype)
-        wire_dtype(listing.coords_dtype)
-        sizes = {len(ids), len(lengths)} | ({len(listing.labels)} if listing.labels is not None else set())
-        if len(sizes) != 1 or listing.offset + len(ids) > listing.count or (lengths < 0).any():
-            raise WireFormatError("bad bag listing: ids, lengths and labels disagree in number")
-        return listing
-
-    def extend(self, page: BagsListing) -> BagsListing:
-        """This listing followed by the next ``page`` (refused if the split changed meanwhile)."""
-        if page.offset != self.offset + len(self.ids) or page.generation != self.generation:
-            raise WireFormatError("the bag split changed between listing pages: list it again")
-        labels = None if self.labels is None or page.labels is None else self.labels + page.labels
-        attrs = None if self.attrs is None or page.attrs is None else self.attrs + page.attrs
-        return replace(self, ids=self.ids + page.ids, lengths=np.concatenate([self.lengths, page.lengths]),
-                       labels=labels, attrs=attrs)  # fmt: skip
 
 
 # ---------------------------------------------------------------------- errors
