@@ -1,7 +1,7 @@
 """``RemoteBagArray``: a bag split on a server, with the interface of the store's local bag reader
 (``store.open_bags(...)``), so a ``BagDataset`` treats a store path and a server URL alike.
 
-Everything it knows about the split comes from one :class:`~featurestore.format.BagsListing`
+Everything it knows about the split comes from one :class:`~featurestore.format.bag_listing.BagsListing`
 (``GET /v1/bags/...``, all pages, fetched once); every byte it reads comes through
 :meth:`FeatureClient.fetch_bag`, one request per bag, or several for a bag larger than the server's
 byte cap (row ranges, each written in place into the one output pair). Each response must be of
