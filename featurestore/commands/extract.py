@@ -98,6 +98,11 @@ def register(subparsers: Any) -> None:
                         help="otsu: Otsu threshold of a thumbnail's saturation (default); all: every patch")
     slides.add_argument("--min-tissue", type=float, default=0.5, metavar="F",
                         help="keep a patch when this fraction of it is tissue (default 0.5)")
+    slides.add_argument("--coords-from", default=None, metavar="D/E/S",
+                        help="cut each slide at the coordinates of that bag split (another encoder's), row for "
+                        "row, instead of the grid and tissue mask: the bags align; same --patch-size and scale")
+    slides.add_argument("--coords-store", default=None, metavar="URL",
+                        help="the store of --coords-from, when not --store (same storage options)")
     add_storage_options(p)
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch CPU threads (pin it to get byte-identical CPU runs; torchrun uses 1)")
@@ -112,7 +117,7 @@ def is_slides(args: argparse.Namespace) -> bool:
     return str(args.images).startswith("wsi:")
 
 
-_SLIDE_ONLY = ("magnification", "mpp", "slide_mpp")
+_SLIDE_ONLY = ("magnification", "mpp", "slide_mpp", "coords_from", "coords_store")
 
 
 def slide_options_from_args(args: argparse.Namespace) -> Any:
@@ -131,7 +136,8 @@ def slide_options_from_args(args: argparse.Namespace) -> Any:
         slide_mpp=args.slide_mpp, patch_size=args.patch_size, tissue=args.tissue, min_tissue=args.min_tissue,
         mean=_triple(args.mean, "--mean"), std=_triple(args.std, "--std"),
         storage_options=storage_options(args.storage_options), queue_size=args.queue_size,
-        progress=not args.no_progress, threads=args.threads, verify_chunks=args.verify_chunks)
+        progress=not args.no_progress, threads=args.threads, verify_chunks=args.verify_chunks,
+        coords_from=args.coords_from, coords_store=args.coords_store)
 
 
 def options_from_args(args: argparse.Namespace) -> Any:

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from featurestore.errors import FeatureStoreError
+from featurestore.extract.coords_from import FixedGrid, fixed_coords
 from featurestore.extract.sources import Preprocessing
 from featurestore.extract.tissue import patch_fractions, read_thumbnail, tissue_mask
 from featurestore.extract.wsi import Geometry, SlideRef, Target, geometry, grid, open_slide, read_rgb
@@ -95,8 +96,9 @@ class Patching:
                 "coords": "level-0 px of the top-left corner, (x, y)"}
 
 
-def plan_slide(position: int, ref: SlideRef, patching: Patching) -> SlidePlan:
-    """Open one slide and cut it (raises SlideError / FeatureStoreError on a bad slide)."""
+def plan_slide(position: int, ref: SlideRef, patching: Patching, fixed: FixedGrid | None = None) -> SlidePlan:
+    """Open one slide and cut it (raises SlideError / FeatureStoreError on a bad slide); ``fixed``:
+    the patches of another split's bag instead of the grid and tissue mask (extract.coords_from)."""
     slide = open_slide(ref.path)
     try:
         geo = geometry(slide.properties, slide.dimensions, tuple(slide.level_downsamples), patching.target,
@@ -105,7 +107,10 @@ def plan_slide(position: int, ref: SlideRef, patching: Patching) -> SlidePlan:
         attrs: dict[str, Any] = {"path": ref.path, "vendor": slide.properties.get("openslide.vendor"),
                                  "file_bytes": os.path.getsize(ref.path), **geo.attrs(),
                                  "grid_patches": len(coords), "tissue": patching.tissue}
-        if patching.tissue == "otsu" and len(coords):
+        if fixed is not None:
+            coords = fixed_coords(fixed, ref, geo.patch_size_level0, geo.width, geo.height)
+            attrs.update(tissue=None, coords_from=fixed.source)
+        elif patching.tissue == "otsu" and len(coords):
             thumb, scale = read_thumbnail(slide, geo.patch_size_level0, ref.path)
             mask, threshold = tissue_mask(thumb, geo.patch_size_level0 * scale[0])
             keep = patch_fractions(mask, coords, geo.patch_size_level0, scale) >= patching.min_tissue
@@ -119,9 +124,10 @@ def plan_slide(position: int, ref: SlideRef, patching: Patching) -> SlidePlan:
 class SlidePlanner(torch.utils.data.Dataset):  # type: ignore[type-arg]
     """Item ``i``: the plan of ``refs[i]`` (its position in the run is ``i``), or a Skipped."""
 
-    def __init__(self, refs: list[SlideRef], patching: Patching) -> None:
+    def __init__(self, refs: list[SlideRef], patching: Patching, fixed: dict[str, FixedGrid] | None = None) -> None:
         self.refs = refs
         self.patching = patching
+        self.fixed = fixed  # by slide id: --coords-from
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -129,7 +135,7 @@ class SlidePlanner(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __getitem__(self, position: int) -> SlidePlan | Skipped:
         ref = self.refs[position]
         try:
-            return plan_slide(position, ref, self.patching)
+            return plan_slide(position, ref, self.patching, None if self.fixed is None else self.fixed[ref.id])
         except FeatureStoreError as error:
             return Skipped(position, ref, str(error))
         except Exception as error:  # OpenSlide's or a codec's failure on a damaged slide

@@ -37,6 +37,7 @@ import torch
 
 from featurestore.core.bag_repair import RepairWriter
 from featurestore.errors import InvalidOption
+from featurestore.extract.coords_from import SourceGrid, load_source
 from featurestore.extract.dist import Coordinator, coordinator_from_env
 from featurestore.extract.dist_run import progress_bar, run_split
 from featurestore.extract.encode_loop import EncodeJob, Progress, autocast, feed, first_sample_dtypes, gathered
@@ -78,6 +79,8 @@ class SlideOptions(RunOptions):
     tissue: str = "otsu"
     min_tissue: float = 0.5
     verify_chunks: bool = False  # re-read every chunk of an existing split; the bags of damaged ones are redone
+    coords_from: str | None = None  # D/E/S: cut at that bag split's coordinates (extract.coords_from)
+    coords_store: str | None = None  # its store, when not --store
 
 
 @dataclass
@@ -158,6 +161,7 @@ class _Prepared:
     dim: int
     encoder_name: str
     metadata: dict[str, Any]
+    grid: SourceGrid | None = None  # --coords-from
 
 
 def _check_options(opts: SlideOptions) -> None:
@@ -179,6 +183,12 @@ def _prepare(opts: SlideOptions, coord: Coordinator) -> _Prepared:
                         opts.tissue, opts.min_tissue)
     refs = list_slides(target)[: opts.limit]
     labels, label_names = _labels(refs, opts.labels, target if target.lower().endswith(".csv") else None)
+    grid = None
+    if opts.coords_from is not None:
+        grid = load_source(opts.coords_from, opts.store, opts.coords_store, opts.storage_options, refs,
+                           patching.target)
+    elif opts.coords_store is not None:
+        raise InvalidOption("--coords-store names the store of --coords-from: give --coords-from D/E/S too")
     encoder, encoder_name, device, precision = load_encoder_on(opts, coord)
     size = opts.patch_size
     preprocessing = Preprocessing(resize=(size, size), mean=opts.mean or encoder.mean, std=opts.std or encoder.std)
@@ -205,8 +215,10 @@ def _prepare(opts: SlideOptions, coord: Coordinator) -> _Prepared:
     }
     if label_names is not None:
         metadata["label_names"] = label_names
+    if grid is not None:
+        metadata["coords_from"] = grid.lineage
     return _Prepared(refs, labels, label_names, patching, preprocessing, encoder, embedding, device, precision,
-                     dtype, int(sample.shape[-1]), encoder_name, metadata)
+                     dtype, int(sample.shape[-1]), encoder_name, metadata, grid)
 
 
 class _SlidesJob(EncodeJob):
@@ -258,7 +270,7 @@ def _encode_slides(opts: SlideOptions, prep: _Prepared, writer: Any, refs: list[
     init = DieWithParent(worker_init) if workers else None
     # Planning is a small share of the work (one thumbnail per slide): one worker keeps ahead.
     plan_loader = torch.utils.data.DataLoader(
-        SlidePlanner(refs, prep.patching), batch_size=None, num_workers=min(workers, 1), collate_fn=identity,
+        SlidePlanner(refs, prep.patching, None if prep.grid is None else prep.grid.slides), batch_size=None, num_workers=min(workers, 1), collate_fn=identity,
         worker_init_fn=init)
     assembler = BagAssembler(prep.dim, prep.device)
     batches = PatchBatches(plan_loader, opts.batch_size, assembler.plan)
