@@ -21,7 +21,7 @@ from test_wsi_extract import NAME, _common, _opts
 
 import featurestore
 from featurestore.demo.slides import write_slide
-from featurestore.errors import InvalidOption
+from featurestore.errors import CacheKeyMismatch, InvalidOption
 from featurestore.extract.dist import Coordinator
 from featurestore.extract.wsi_run import extract_slides
 
@@ -51,6 +51,9 @@ def test_second_encoder_gets_the_first_splits_coords_row_for_row(cohort: Path, r
     assert isinstance(first.metadata["generation"], str)
     assert result.metadata["coords_from"] == second.metadata["coords_from"] == {
         "dataset": NAME[0], "encoder": NAME[1], "split": NAME[2], "generation": first.metadata["generation"]}
+    # The source is part of the cache key: a re-run that would cut its own grid is refused.
+    with pytest.raises(CacheKeyMismatch, match="cache key"):
+        extract_slides(_opts(cohort, reference, encoder=VECTOR, encoder_name="vec", tissue="all"), Coordinator())
     # The patches are read where the coords say: the features equal this encoder's own run on the
     # source's grid settings (Otsu), which cuts the same patches.
     own = tmp_path / "own"

@@ -204,6 +204,8 @@ def _prepare(opts: SlideOptions, coord: Coordinator) -> _Prepared:
                 "read": "OpenSlide read_region at the level, transparent pixels on white"}
     key_parts = {"weights_hash": encoder.weights_hash, "preprocessing": recorded,
                  "tokens": embedding.to_dict(), "precision": precision, "dtype": dtype}
+    if grid is not None:  # other patches, other rows: a resume or re-run must cut at the same source
+        key_parts["coords_from"] = {k: grid.lineage[k] for k in ("dataset", "encoder", "split", "generation")}
     cache_key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()
     metadata = {
         "encoder": {"name": encoder_name, "spec": opts.encoder, "weights_hash": encoder.weights_hash,
