@@ -99,6 +99,10 @@ def format_table(r: dict[str, Any]) -> str:
     lines.append("MIL: one BagLoader epoch of the train slides (batch 1, float32); ABMIL = gated-attention MIL "
                  "(featurestore probe --head abmil), slide AUC on val, mean ± std over seeds; the float32 store and "
                  "the same bags in RAM must train the same head.")
+    cohort = r["bags"]["cohort"]
+    lines.append(f"Cohort: {cohort['table']} (slide_id, grade, case_id) is the ABMIL probe's task (--labels), "
+                 f"its attention saved in the store; attention map: {cohort['attention']['path']}. Mean embeddings: "
+                 "featurestore embed --slide-encoder mean, then the linear probe, slide AUC on val.")
     lines.append("Measure, never assume: `featurestore probe STORE --compare ENCODER` runs this check on "
                  "your own features.")
     if r.get("kept"):
@@ -125,4 +129,21 @@ def _bag_rows(bags: dict[str, Any]) -> list[tuple[str, str, str]]:
         (f"ABMIL slide AUC, {len(cmp['a']['seeds'])} seeds", ms(b), ms(a)),
         ("ABMIL AUC exceeds spread?", "", verdict),
         ("ABMIL from store = from RAM (seed 0)", "yes" if bags["parity"]["identical"] else "NO", ""),
+        *_cohort_rows(bags["cohort"]),
+    ]
+
+
+def _cohort_rows(cohort: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The clinical table's task with its attention picture, and mean embeddings + linear probe."""
+    linear = cohort["linear"]
+    a, b = linear["a"]["metrics"]["auc"], linear["b"]["metrics"]["auc"]  # a = float16, b = float32
+    task = cohort["task"]["metrics"]["auc"]
+
+    def ms(s: dict[str, Any]) -> str:
+        return f"{s['mean']:.4f}" + ("" if s["std"] is None else f" ± {s['std']:.4f}")
+
+    return [
+        (f"mean embedding + linear probe AUC, {len(linear['a']['seeds'])} seeds", ms(b), ms(a)),
+        ("ABMIL AUC, clinical.csv grade (seed 0)", f"{task['mean']:.4f}", ""),
+        ("attention map of one val slide (PNG)", cohort["attention"]["slide"], ""),
     ]
