@@ -112,7 +112,8 @@ def test_keep_leaves_data_and_store_even_on_failure(tmp_path: Path, monkeypatch:
         run_demo(str(kept), size="small", keep=True, log=lambda line: None)
     assert (kept / "data" / "train" / "images.npy").is_file()
 
-    # Without --keep a directory the demo created is removed, failure or not.
+    # Without --keep a directory the demo created is removed when the demo fails (a finished one
+    # keeps its outputs there: the clinical table and the attention picture).
     gone = tmp_path / "gone"
     with pytest.raises(FeatureStoreError):
         run_demo(str(gone), size="small", log=lambda line: None)

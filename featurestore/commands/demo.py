@@ -16,13 +16,16 @@ def register(subparsers: Any) -> None:
         help="the whole pipeline end to end on built-in data (synthetic PanNuke, tiny ViT)",
         description="Make a synthetic PanNuke-style fold, extract builtin:tiny-vit features as "
         "float32 and float16, serve the store on loopback, train the segmentation probe streaming "
-        "from disk and over HTTP, and print one summary table. --size small runs in well under a "
+        "from disk and over HTTP, then the slide-bag section (ABMIL per dtype, the demo's own clinical "
+        "table as a --labels task with one attention map written to DIR/attention_<slide>.png, mean "
+        "embeddings + linear probe), and print one summary table. --size small runs in well under a "
         "minute (CI); the default in a few minutes on 2 CPU cores.",
     )
     parser.add_argument("--workdir", default=None, metavar="DIR",
-                        help="where the fold and the store go (default: a temporary directory)")
+                        help="where the fold, the store and the outputs (clinical.csv, the attention PNG) go "
+                        "(default: a temporary directory)")
     parser.add_argument("--size", choices=SIZE_NAMES, default="default", help="small (CI) or default")
-    parser.add_argument("--keep", action="store_true", help="keep the fold and the store afterwards")
+    parser.add_argument("--keep", action="store_true", help="keep the fold and the store afterwards (the outputs are always kept)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: all cores, 1 if the machine is oversubscribed)")
     parser.set_defaults(func=run)
