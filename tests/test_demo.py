@@ -7,6 +7,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -17,6 +18,7 @@ from featurestore.cli import main  # noqa: E402
 from featurestore.commands.demo import format_table  # noqa: E402
 from featurestore.demo.run import ENCODERS, run_demo  # noqa: E402
 from featurestore.errors import FeatureStoreError  # noqa: E402
+from server.web.png import decode_png  # noqa: E402
 
 # How far above the constant predictor the probe must land: the small demo measures ~0.04-0.08
 # above it; a probe that learned nothing sits at +0.00.
@@ -67,16 +69,34 @@ def test_small_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     for side in ("a", "b"):
         assert bags["compare"][side]["metrics"]["auc"]["mean"] > 0.75, bags["compare"][side]["metrics"]
     assert bags["parity"]["identical"], bags["parity"]
+    # The cohort workflow: the demo's own table is the ABMIL probe's task, one attention map is a
+    # PNG in the workdir, and mean embeddings of both dtypes go through the linear probe.
+    cohort = bags["cohort"]
+    assert cohort["task"]["metrics"]["auc"]["mean"] > 0.75, cohort["task"]["metrics"]
+    picture = Path(cohort["attention"]["path"])
+    assert picture.parent == workdir and picture.name == f"attention_{cohort['attention']['slide']}.png"
+    image = decode_png(picture.read_bytes())
+    assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3 and image.shape[0] > 8
+    assert len(np.unique(image.reshape(-1, 3), axis=0)) > 2  # patches coloured by rank, not a blank picture
+    linear = cohort["linear"]
+    assert {linear["a"]["dtype"], linear["b"]["dtype"]} == {"float16", "float32"}
+    for side in ("a", "b"):
+        assert len(linear[side]["metrics"]["auc"]["values"]) == 3
+        assert linear[side]["metrics"]["auc"]["mean"] > 0.6, linear[side]["metrics"]
 
     table = format_table(result)
-    assert "ABMIL slide AUC, 2 seeds" in table and "ABMIL from store = from RAM (seed 0)  yes" in table
+    assert "ABMIL slide AUC, 2 seeds" in table and re.search(r"ABMIL from store = from RAM \(seed 0\)\s+yes", table)
+    assert re.search(r"mean embedding \+ linear probe AUC, 3 seeds\s+0\.\d{4} ± 0\.\d{4}\s+0\.\d{4} ± 0\.\d{4}",
+                     table), table
+    assert re.search(r"ABMIL AUC, clinical\.csv grade \(seed 0\)\s+0\.\d{4}", table), table
+    assert f"attention map: {picture}" in table
     assert "float32" in table and "float16" in table
     assert re.search(r"Jaccard, 2 seeds, local\s+0\.\d{4} ± 0\.\d{4}\s+0\.\d{4} ± 0\.\d{4}", table), table
     assert "exceeds run-to-run spread?" in table
     assert "MiB" in table and "img/s" in table and "GB/s" in table
 
-    # Cleaned: the demo's data and store are gone, the user's file is not.
-    assert sorted(os.listdir(workdir)) == ["mine.txt"]
+    # Cleaned: the demo's data and store are gone, its outputs and the user's file are not.
+    assert sorted(os.listdir(workdir)) == sorted([picture.name, "clinical.csv", "mine.txt"])
     assert not result["kept"]
 
 
@@ -92,7 +112,8 @@ def test_keep_leaves_data_and_store_even_on_failure(tmp_path: Path, monkeypatch:
         run_demo(str(kept), size="small", keep=True, log=lambda line: None)
     assert (kept / "data" / "train" / "images.npy").is_file()
 
-    # Without --keep a directory the demo created is removed, failure or not.
+    # Without --keep a directory the demo created is removed when the demo fails (a finished one
+    # keeps its outputs there: the clinical table and the attention picture).
     gone = tmp_path / "gone"
     with pytest.raises(FeatureStoreError):
         run_demo(str(gone), size="small", log=lambda line: None)

@@ -16,13 +16,16 @@ def register(subparsers: Any) -> None:
         help="the whole pipeline end to end on built-in data (synthetic PanNuke, tiny ViT)",
         description="Make a synthetic PanNuke-style fold, extract builtin:tiny-vit features as "
         "float32 and float16, serve the store on loopback, train the segmentation probe streaming "
-        "from disk and over HTTP, and print one summary table. --size small runs in well under a "
+        "from disk and over HTTP, then the slide-bag section (ABMIL per dtype, the demo's own clinical "
+        "table as a --labels task with one attention map written to DIR/attention_<slide>.png, mean "
+        "embeddings + linear probe), and print one summary table. --size small runs in well under a "
         "minute (CI); the default in a few minutes on 2 CPU cores.",
     )
     parser.add_argument("--workdir", default=None, metavar="DIR",
-                        help="where the fold and the store go (default: a temporary directory)")
+                        help="where the fold, the store and the outputs (clinical.csv, the attention PNG) go "
+                        "(default: a temporary directory)")
     parser.add_argument("--size", choices=SIZE_NAMES, default="default", help="small (CI) or default")
-    parser.add_argument("--keep", action="store_true", help="keep the fold and the store afterwards")
+    parser.add_argument("--keep", action="store_true", help="keep the fold and the store afterwards (the outputs are always kept)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: all cores, 1 if the machine is oversubscribed)")
     parser.set_defaults(func=run)
@@ -99,6 +102,10 @@ def format_table(r: dict[str, Any]) -> str:
     lines.append("MIL: one BagLoader epoch of the train slides (batch 1, float32); ABMIL = gated-attention MIL "
                  "(featurestore probe --head abmil), slide AUC on val, mean ± std over seeds; the float32 store and "
                  "the same bags in RAM must train the same head.")
+    cohort = r["bags"]["cohort"]
+    lines.append(f"Cohort: {cohort['table']} (slide_id, grade, case_id) is the ABMIL probe's task (--labels), "
+                 f"its attention saved in the store; attention map: {cohort['attention']['path']}. Mean embeddings: "
+                 "featurestore embed --slide-encoder mean, then the linear probe, slide AUC on val.")
     lines.append("Measure, never assume: `featurestore probe STORE --compare ENCODER` runs this check on "
                  "your own features.")
     if r.get("kept"):
@@ -125,4 +132,21 @@ def _bag_rows(bags: dict[str, Any]) -> list[tuple[str, str, str]]:
         (f"ABMIL slide AUC, {len(cmp['a']['seeds'])} seeds", ms(b), ms(a)),
         ("ABMIL AUC exceeds spread?", "", verdict),
         ("ABMIL from store = from RAM (seed 0)", "yes" if bags["parity"]["identical"] else "NO", ""),
+        *_cohort_rows(bags["cohort"]),
+    ]
+
+
+def _cohort_rows(cohort: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The clinical table's task with its attention picture, and mean embeddings + linear probe."""
+    linear = cohort["linear"]
+    a, b = linear["a"]["metrics"]["auc"], linear["b"]["metrics"]["auc"]  # a = float16, b = float32
+    task = cohort["task"]["metrics"]["auc"]
+
+    def ms(s: dict[str, Any]) -> str:
+        return f"{s['mean']:.4f}" + ("" if s["std"] is None else f" ± {s['std']:.4f}")
+
+    return [
+        (f"mean embedding + linear probe AUC, {len(linear['a']['seeds'])} seeds", ms(b), ms(a)),
+        ("ABMIL AUC, clinical.csv grade (seed 0)", f"{task['mean']:.4f}", ""),
+        ("attention map of one val slide (PNG)", cohort["attention"]["slide"], ""),
     ]

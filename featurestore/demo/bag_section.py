@@ -6,18 +6,31 @@
 2. :func:`bag_section` streams one ``BagLoader`` epoch from disk and over HTTP, trains the ABMIL
    probe under K seeds per dtype (``compare_mil_probes``, the same check as ``featurestore probe
    --head abmil --compare``), and checks that seed 0 from the float32 store equals seed 0 from the
-   same bags held in RAM (the parity the probe's test pins).
+   same bags held in RAM (the parity the probe's test pins);
+3. the cohort workflow: a clinical table of its own (:func:`write_clinical_table`: a second task,
+   the slides' grade as text, and a case id grouping two slides per patient) is the ABMIL probe's
+   task (``--labels``), whose attention over the val slides is saved in the store and drawn for one
+   slide by the web page's own picture code into ``<workdir>/attention_<slide>.png``; and mean
+   slide embeddings (``featurestore embed --slide-encoder mean``) of both dtypes, scored by the
+   linear probe beside ABMIL.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from featurestore.demo.synthetic_bags import PATCH_PX
+
 DATASET = "slides"
 ENCODERS = {"float32": "mil-fp32", "float16": "mil-fp16"}
+TABLE, TASK, CASE = "clinical.csv", "grade", "case_id"
+GRADES = ("low", "high")  # by the synthetic label: "high" slides carry the planted tumour patches
+ATTENTION = "demo"
+LINEAR_SEEDS = 3
 
 
 @dataclass(frozen=True)
@@ -49,7 +62,8 @@ def make_bags(store: str, size: str) -> dict[str, Any]:
     return {"plan": asdict(plan), "seconds": time.perf_counter() - began, **counts}
 
 
-def bag_section(store: str, url: str, size: str, seeds: int, log: Callable[[str], None]) -> dict[str, Any]:
+def bag_section(store: str, url: str, size: str, seeds: int, log: Callable[[str], None], workdir: str
+                ) -> dict[str, Any]:
     import warnings
 
     from featurestore.probes.mil_run import compare_mil_probes, run_mil_probe
@@ -64,9 +78,97 @@ def bag_section(store: str, url: str, size: str, seeds: int, log: Callable[[str]
                                             device="auto", log=lambda line: log(f"      {line}"))
         ram = run_mil_probe(store, DATASET, ENCODERS["float32"], train_split="train", eval_split="val", seeds=[0],
                             epochs=plan.epochs, device="auto", loader="ram")
-    stream = out["compare"]["b"]["runs"][0]
+        stream = out["compare"]["b"]["runs"][0]
+        out["cohort"] = cohort_section(store, workdir, size, log)
     out["parity"] = {"stream": stream, "ram": ram["runs"][0], "identical": stream == ram["runs"][0]}
     return out
+
+
+def write_clinical_table(path: str, size: str) -> str:
+    """The demo's own clinical table (CSV: slide_id, grade, case_id). Train and val slides share
+    ids (``slide-0000`` ...) and the label pattern (odd ids positive), so one row per id labels both
+    splits; two consecutive slides make one case."""
+    import csv
+
+    plan = BAG_SIZES[size]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["slide_id", TASK, CASE])
+        for i in range(max(plan.train, plan.val)):
+            writer.writerow([f"slide-{i:04d}", GRADES[i % 2], f"case-{i // 2:04d}"])
+    return path
+
+
+def cohort_section(store: str, workdir: str, size: str, log: Callable[[str], None]) -> dict[str, Any]:
+    """The table's task under ABMIL with its attention drawn for one slide; mean embeddings under
+    the linear probe, per dtype."""
+    from featurestore.probes.labels import read_label_table
+    from featurestore.probes.mil_run import run_mil_probe
+
+    plan = BAG_SIZES[size]
+    table_path = write_clinical_table(os.path.join(workdir, TABLE), size)
+    table = read_label_table(table_path, TASK, "slide_id")
+    began = time.perf_counter()
+    task = run_mil_probe(store, DATASET, ENCODERS["float32"], train_split="train", eval_split="val", seeds=[0],
+                         epochs=plan.epochs, device="auto", labels=table, save_attention=ATTENTION)
+    picture = _draw_attention(store, workdir, table)
+    log(f"      {TASK} from {table_path}: ABMIL AUC {task['metrics']['auc']['mean']:.4f} (seed 0); attention map "
+        f"{ATTENTION!r} of {picture['slide']} -> {picture['path']}")
+    out: dict[str, Any] = {"table": table_path, "task": task, "attention": picture,
+                           "task_seconds": time.perf_counter() - began}
+    out["embeddings"] = _mean_embeddings(store)
+    from featurestore.probes.run import compare_probes
+
+    out["linear"] = compare_probes(store, DATASET, _mean_name(ENCODERS["float16"]), _mean_name(ENCODERS["float32"]),
+                                   train_split="train", eval_split="val", seeds=LINEAR_SEEDS, batch_size=8,
+                                   device="auto")
+    return out
+
+
+def _draw_attention(store: str, workdir: str, table: Any) -> dict[str, Any]:
+    """The web page's attention picture of the first evaluated "high" val slide, as a PNG file."""
+    import numpy as np
+
+    import featurestore
+    from featurestore.core.bag_attention import open_attention
+    from server.web import pictures
+    from server.web.png import encode_png
+
+    opened = featurestore.open_store(store)
+    bags = opened.open_bags(DATASET, ENCODERS["float32"], "val")
+    amap = open_attention(opened.storage, bags.key, ATTENTION, bags.metadata)
+    high = table.classes.index("high")  # text labels: class ids by the table's own order
+    for i, bag_id in enumerate(bags.ids):
+        weights = amap.bag(i, bags.offsets)
+        if weights is not None and table.values.get(bag_id) == high:
+            break
+    else:  # the val split holds several non-empty "high" slides, all evaluated
+        raise AssertionError("the probe evaluated no 'high' val slide")
+    coords = bags.coords.read_numpy(bags.rows_of(i)).astype(np.float64)
+    image = pictures.slide_map(coords, pictures.ranks(weights), patch=PATCH_PX)
+    path = os.path.join(workdir, f"attention_{bag_id}.png")
+    with open(path, "wb") as f:
+        f.write(encode_png(image))
+    return {"slide": bag_id, "path": path, "shape": list(image.shape), "patches": len(weights)}
+
+
+def _mean_name(encoder: str) -> str:
+    return f"{encoder}-mean"
+
+
+def _mean_embeddings(store: str) -> dict[str, Any]:
+    """``featurestore embed --slide-encoder mean`` over both dtypes' train and val bags, stored in
+    the bags' dtype (the val split's empty slide skipped: it has no patches to average)."""
+    from featurestore.embed.run import EmbedOptions, embed
+
+    began, rows = time.perf_counter(), 0
+    for dtype, encoder in ENCODERS.items():  # each embedding stored in its bags' dtype
+        for split in ("train", "val"):
+            result = embed(EmbedOptions(store=store, dataset=DATASET, encoder=encoder, split=split, slide_encoder="mean",
+                                        encoder_name=_mean_name(encoder), dtype=dtype, empty_bags="skip",
+                                        device="cpu"))
+            rows += result.num_rows
+    return {"rows": rows, "seconds": time.perf_counter() - began}
 
 
 def _epoch(source: str) -> dict[str, Any]:
@@ -85,4 +187,4 @@ def _epoch(source: str) -> dict[str, Any]:
             "gb_per_s": patches * ds.row_nbytes / seconds / 1e9}
 
 
-__all__ = ["BAG_SIZES", "DATASET", "ENCODERS", "bag_section", "make_bags"]
+__all__ = ["BAG_SIZES", "DATASET", "ENCODERS", "bag_section", "cohort_section", "make_bags", "write_clinical_table"]

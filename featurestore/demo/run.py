@@ -12,7 +12,9 @@
    which must give the same Jaccard as from disk;
 6. slide bags (:mod:`featurestore.demo.bag_section`): a synthetic cohort as float32 and float16 bag
    splits, a ``BagLoader`` epoch from disk and over HTTP, and the ABMIL probe under K seeds per
-   dtype, with seed 0 from the float32 store checked against the same bags held in RAM.
+   dtype, with seed 0 from the float32 store checked against the same bags held in RAM; a
+   clinical table's second task under ABMIL with one slide's attention map drawn to a PNG in the
+   workdir, and mean slide embeddings under the linear probe beside ABMIL.
 
 :func:`run_demo` returns every figure as a dict; ``featurestore/commands/demo.py`` prints the table.
 """
@@ -67,7 +69,8 @@ def run_demo(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the demo; return its figures. ``workdir``: where data and store go (default: a temp
-    dir); everything the demo wrote there is removed at the end unless ``keep``."""
+    dir); the data and store are removed at the end unless ``keep`` (the clinical table and the
+    attention picture stay; a failed run removes a workdir it created)."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {', '.join(SIZES)}, but got: {size!r}")
     plan = SIZES[size]
@@ -86,6 +89,7 @@ def run_demo(
     threads_before = torch.get_num_threads()  # restored at the end: run_demo may run inside a caller
     started = time.perf_counter()
     result: dict[str, Any] = {"size": size, "plan": asdict(plan), "workdir": workdir, "store": store}
+    finished = False
     try:
         result["threads"] = _set_threads(threads)
         total = 8
@@ -114,15 +118,19 @@ def run_demo(
             result["http_probe"] = _http_probe(url, plan, result["compare"], log)
             bag_plan = result["bags_data"]["plan"]
             log(f"[8/{total}] slide bags: BagLoader from disk and over HTTP; ABMIL probe, {plan.seeds} seeds x "
-                f"float16 and float32, {bag_plan['train']} train + {bag_plan['val']} val slides")
-            result["bags"] = bag_section(store, url, size, plan.seeds, log)
+                f"float16 and float32, {bag_plan['train']} train + {bag_plan['val']} val slides; a clinical table's "
+                "task with one attention map; mean embeddings + linear probe")
+            result["bags"] = bag_section(store, url, size, plan.seeds, log, workdir)
         result["baseline_jaccard"] = constant_baseline(store)
         result["memory"]["process_peak_rss"] = _peak_rss()  # after the probes, the heaviest step
         result["seconds"] = time.perf_counter() - started
+        finished = True
     finally:
         torch.set_num_threads(threads_before)
         if not keep:
-            if created:
+            # A finished demo leaves its outputs (the clinical table, the attention picture) in
+            # workdir and removes the data and store; a failed one removes a workdir it created.
+            if created and not finished:
                 shutil.rmtree(workdir, ignore_errors=True)
             else:
                 for path in (data, store):
