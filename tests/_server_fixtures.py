@@ -11,6 +11,7 @@ Values are a function of the row index, so any payload can be checked against ``
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import numpy as np
@@ -132,3 +133,14 @@ def _response(status: int, body: bytes, headers: dict[str, str] | None = None) -
 
 def response(status: int, body: bytes, headers: dict[str, str] | None = None) -> bytes:
     return _response(status, body, headers)
+
+
+def raw_get(url: str, target: str) -> bytes:
+    """Send ``target`` byte for byte to a running server (no client-side normalisation of ``..``)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data

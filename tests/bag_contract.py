@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from reader_contract import expected_bits
 
 import featurestore
 from featurestore.core.protocol import BagReader
@@ -31,14 +32,6 @@ DIM = 6
 CHUNK_ROWS = 8
 # id -> rows; "../x" spans 5 chunks, "empty" has none; written in this (non-id) order
 LENGTHS = {"zeta": 3, "../x": 37, "empty": 0, "a/b": 8, "<script>alert(1)</script>": 5, "ünï-切片": 12, "1": 1}
-
-
-def expected_bits(values: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "float32":
-        return values.view(np.uint32)
-    if dtype == "float16":
-        return values.astype(np.float16).view(np.uint16)
-    return torch.from_numpy(values).bfloat16().view(torch.int16).numpy().view(np.uint16)
 
 
 class BagContract:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,18 +22,11 @@ from featurestore.probes.mil_run import run_mil_probe, stratified_folds
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _attention_fixtures import save_map  # noqa: E402
+from _probe_fixtures import one_torch_thread  # noqa: E402, F401  (autouse: one torch thread per test)
 
 DIM = 16
 VAL = {"num": 16, "seed": 1, "min_patches": 20, "max_patches": 80, "empty": 1}
 TRAIN = {"num": 32, "seed": 0, "min_patches": 20, "max_patches": 80}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()  # small ops: two spinning OpenMP threads on 2 loaded cores are slower
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from reader_contract import expected_bits as stored_bits
 
 from featurestore import open_store
 from featurestore.errors import (
@@ -47,14 +48,6 @@ def write(root: Any, data: dict[str, Any], *, dtype: str = "float16", order: lis
         features, coords = data[bag_id]
         writer.add_bag(bag_id, features, coords=coords, label=len(bag_id) % 3, attrs={"name": bag_id, "mpp": 0.25})
     return writer.commit()
-
-
-def stored_bits(values: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "float32":
-        return values.view(np.uint32)
-    if dtype == "float16":
-        return values.astype(np.float16).view(np.uint16)
-    return torch.from_numpy(values).bfloat16().view(torch.int16).numpy().view(np.uint16)
 
 
 def tree_bytes(root: Any, split: str = "train") -> dict[str, bytes]:

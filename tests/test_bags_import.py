@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from _import_fixtures import h5_slides
 
 from featurestore import open_store
 from featurestore.cli import main
@@ -23,20 +24,7 @@ DIM = 16
 
 def trident_dir(root: Path, lengths: dict[str, int], dtype: Any = np.float16, seed: int = 0) -> dict[str, Any]:
     """One h5 per slide as TRIDENT writes it: features (h5 chunks of one row), coords int64 + attrs."""
-    rng = np.random.default_rng(seed)
-    root.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for slide, n in lengths.items():
-        features = rng.standard_normal((n, DIM)).astype(dtype)
-        coords = rng.integers(0, 50_000, (n, 2)).astype(np.int64)
-        with h5py.File(root / f"{slide}.h5", "w") as f:
-            f.create_dataset("features", data=features, chunks=(1, DIM) if n else None)
-            ds = f.create_dataset("coords", data=coords)
-            ds.attrs.update({"patch_size": 256, "patch_size_level0": 512, "level0_magnification": 40,
-                             "target_magnification": 20, "name": slide})
-            f["features"].attrs["encoder"] = "uni_v1"
-        out[slide] = (features, coords)
-    return out
+    return h5_slides(root, lengths, DIM, dtype=dtype, seed=seed, trident=True)
 
 
 def run_import(source: Path, store: Path, *extra: str, split: str = "train") -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _moto_helpers import own_moto_bucket
 from reader_contract import ReaderContract
 
 import featurestore
@@ -502,32 +503,17 @@ def test_a_damaged_chunk_object_is_refused_and_nothing_is_kept(seaweed_url: str,
 
 # ---------------------------------------------------------------------- a server that goes away
 def test_server_gone_mid_epoch_with_a_cache_is_one_error(tmp_path: Any) -> None:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing",
-               "max_retries": 2, "retry_timeout": 3}
-    stopped = False
-    try:
-        import urllib.request
-
-        urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/gone-cache", method="PUT"), timeout=10)
+    with own_moto_bucket("gone-cache") as (options, stop):
         url = f"s3://gone-cache/{uuid.uuid4().hex[:8]}"
         _write(url, options)
         array = _open(url, options, tmp_path)
         assert array.read_numpy([0, 1]).shape == (2, *SHAPE)  # chunk 0 cached
-        server.stop()
-        stopped = True
+        stop()
         start = time.monotonic()
         assert array.read_numpy([2, 3]).shape == (2, *SHAPE)  # cached: no server needed
         with pytest.raises(StorageUnavailable) as info:
             array.read_numpy([5, 100, 150])
         elapsed = time.monotonic() - start
-    finally:
-        if not stopped:
-            server.stop()
     message = str(info.value)
     assert "'gone-cache'" in message and "2 retries" in message and "\n" not in message
     assert elapsed < 30

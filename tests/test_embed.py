@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _core_helpers import comparable_chunk_file
+from _dist_helpers import torchrun_cli
 
 import featurestore
 from featurestore.embed import pooling
@@ -320,18 +321,9 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path: Path) -> None:
             "python:_embed_encoders:recorder", "--encoder-name", "rec", "--device", "cpu"]
     assert cli("embed", str(tmp_path / "single"), *args).returncode == 0
     log = tmp_path / "calls.log"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--module", "featurestore.cli", "embed", str(tmp_path / "multi"), *args],
-        env=cli_env(FS_EMBED_LOG=str(log)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=240)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-    assert process.returncode == 0, stderr[-3000:]
+    process = torchrun_cli("embed", str(tmp_path / "multi"), *args, env=cli_env(FS_EMBED_LOG=str(log)))
+    stdout = process.stdout
+    assert process.returncode == 0, process.stderr[-3000:]
     assert stdout.count("ds/rec/train: 7 rows (7 computed by this run)") == 1  # rank 0 reports
     assert len(log.read_text().splitlines()) == 7 + 2  # every row once, plus one size probe per rank
     for root in ("single", "multi"):

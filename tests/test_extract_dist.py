@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _dist_helpers import torchrun_cli
 from test_extract import cli_env
 
 import featurestore
@@ -35,22 +32,13 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path: Path, monkeypatch: pytes
                            threads=1), Coordinator())
 
     log = tmp_path / "encoded.log"
-    # --standalone: a local rendezvous on a free port. A new session, so a hang can be killed whole.
-    process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--module", "featurestore.cli", "extract", "--images", f"pannuke:{fold}",
-         "--encoder", "python:test_extract:logged_tiny_vit", "--store", str(tmp_path / "multi"),
-         "--dataset", SPLIT[0], "--split", SPLIT[2], "--batch-size", "2", "--num-workers", "0",
-         "--chunk-mb", str(chunk_mb)],
-        env=cli_env(FSX_LOG=str(log)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=240)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-    assert process.returncode == 0, stderr[-3000:]
+    process = torchrun_cli(
+        "extract", "--images", f"pannuke:{fold}",
+        "--encoder", "python:test_extract:logged_tiny_vit", "--store", str(tmp_path / "multi"),
+        "--dataset", SPLIT[0], "--split", SPLIT[2], "--batch-size", "2", "--num-workers", "0",
+        "--chunk-mb", str(chunk_mb), env=cli_env(FSX_LOG=str(log)))
+    stdout = process.stdout
+    assert process.returncode == 0, process.stderr[-3000:]
     # One report, from rank 0 only.
     assert stdout.count("quantization:") == 1 and stdout.count("extracted pannuke/") == 1
     # Every sample was encoded once over both ranks (plus one probe sample per rank).

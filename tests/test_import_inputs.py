@@ -10,6 +10,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
+from _import_fixtures import h5_slides
 
 from featurestore import open_store
 from featurestore.cli import main
@@ -20,17 +21,7 @@ DIM = 8
 
 def slides(root: Path, lengths: dict[str, int], coords_dtype: Any = np.int64, seed: int = 0) -> dict[str, Any]:
     """One TRIDENT-like h5 per slide (features float16, coords [n, 2])."""
-    rng = np.random.default_rng(seed)
-    root.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for slide, n in lengths.items():
-        features = rng.standard_normal((n, DIM)).astype(np.float16)
-        coords = rng.integers(0, 50_000, (n, 2)).astype(coords_dtype)
-        with h5py.File(root / f"{slide}.h5", "w") as f:
-            f["features"], f["coords"] = features, coords
-            f["coords"].attrs["patch_size_level0"] = 512
-        out[slide] = (features, coords)
-    return out
+    return h5_slides(root, lengths, DIM, coords_dtype=coords_dtype, seed=seed)
 
 
 def run_import(source: Path | str, store: Path, *extra: str, split: str = "s") -> int:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _moto_helpers import own_moto_bucket
 from reader_contract import ReaderContract
 
 import featurestore
@@ -221,19 +222,7 @@ def test_no_credentials_at_all_says_so(seaweed: Any, monkeypatch: pytest.MonkeyP
 def test_server_gone_mid_epoch_retries_then_one_line(tmp_path: Any) -> None:
     """moto on its own port: read a batch, stop the server, the next batch retries then fails
     with the URL and bucket in one line, within the retry budget."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing",
-               "max_retries": 2, "retry_timeout": 3}
-    stopped = False
-    try:
-        import urllib.request
-
-        # CreateBucket: moto takes it unsigned.
-        urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/gone-bucket", method="PUT"), timeout=10)
+    with own_moto_bucket("gone-bucket") as (options, stop):
         url = "s3://gone-bucket/store"
         store = featurestore.open_store(url, mode="a", **options)
         writer = store.create_split("d", "e", "s", num_samples=40, sample_shape=(8,), dtype="float32", chunk_bytes=5 * 32)
@@ -241,15 +230,11 @@ def test_server_gone_mid_epoch_retries_then_one_line(tmp_path: Any) -> None:
         writer.commit()
         array = featurestore.open_store(url, **options).open("d", "e", "s")
         assert array.read_numpy([3, 1, 39]).sum() > 0
-        server.stop()
-        stopped = True
+        stop()
         start = time.monotonic()
         with pytest.raises(StorageUnavailable) as info:
             array.read_numpy([5, 20, 30])
         elapsed = time.monotonic() - start
-    finally:
-        if not stopped:
-            server.stop()
     message = str(info.value)
     assert url in message and "'gone-bucket'" in message and "2 retries" in message and "\n" not in message
     assert elapsed < 20

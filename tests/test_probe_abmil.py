@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _probe_fixtures import one_torch_thread  # noqa: F401  (autouse: one torch thread per test)
 
 from featurestore.cli import main
 from featurestore.demo.synthetic_bags import write_bag_splits
@@ -18,16 +18,6 @@ from featurestore.probes.mil_run import compare_mil_probes, run_mil_probe, strat
 
 DIM = 16
 ENCODERS = {"float32": "abmil-f32", "float16": "abmil-f16"}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Bag steps are small ops: on a loaded 2-core runner two OpenMP threads spin-wait on each other
-    # (measured: 24 s vs 0.3 s for the same probe), as tests/test_probes.py notes for its heads.
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")

@@ -4,31 +4,23 @@ head's grouped folds, a planted signal found and independent labels flagged at c
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _probe_fixtures import one_torch_thread  # noqa: F401  (autouse: one torch thread per test)
 
 import featurestore
 from featurestore.cli import main
 from featurestore.errors import InvalidLabels, InvalidOption
 from featurestore.probes.folds import fold_parts, grouped_folds, stratified_folds
+from featurestore.probes.groups import GroupSpec
 from featurestore.probes.mil_run import run_mil_probe
 from featurestore.probes.run import compare_probes, run_probe
-from featurestore.probes.groups import GroupSpec
 
 DIM = 16
 BLOCK = slice(0, 4)  # the channels a label-1 slide carries shifted
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def _cohort(patients: int = 30, seed: int = 0) -> list[tuple[str, str, np.ndarray, int]]:

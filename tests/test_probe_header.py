@@ -3,10 +3,11 @@ per bag (a ragged count), never a shape with the string ``'bag'`` in it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from featurestore.commands.probe import format_report
-from featurestore.probes.compare import run_seeds
+from featurestore.probes.compare import run_seeds, seed_line
 
 
 def _run(task: str, sample_shape: list[Any], unit: str) -> dict[str, Any]:
@@ -27,3 +28,10 @@ def test_abmil_header_says_patches_per_bag() -> None:
 
 def test_dense_header_keeps_its_shape() -> None:
     assert "features [4, 8], 200 train + 40 eval samples" in format_report(_run("linear", [4, 8], "samples"))
+
+
+def test_seed_line_is_one_wording_for_both_heads() -> None:
+    split = SimpleNamespace(dataset="cohort", encoder="uni", dtype="float16")
+    assert seed_line(split, 2, {"auc": 0.81234, "acc": 0.5}, 5, 3.14) == (
+        "cohort/uni (float16) seed 2: auc 0.8123, acc 0.5000 (mean of 5 folds) (3.1 s)")
+    assert seed_line(split, 0, {"auc": 1.0}, None, 0.0) == "cohort/uni (float16) seed 0: auc 1.0000 (0.0 s)"

@@ -4,12 +4,12 @@ with ids, one-line errors."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _probe_fixtures import one_torch_thread  # noqa: F401  (autouse: one torch thread per test)
 
 import featurestore
 from featurestore.cli import main
@@ -20,14 +20,6 @@ from featurestore.probes.mil_run import run_mil_probe
 from featurestore.probes.run import run_probe
 
 DIM = 8
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def table(tmp_path: Path, text: str, name: str = "labels.csv", encoding: str = "utf-8") -> str:

@@ -8,7 +8,6 @@ that exist inside the store) must round-trip to its own bag and never reach the 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +26,7 @@ from featurestore.format.bag_listing import BagsListing
 from server import Settings, create_app  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _server_fixtures import raw_get  # noqa: E402
 
 DIM = 8
 # Ids a slide name can hold, including every trick a path could play.
@@ -263,16 +263,6 @@ def test_token(store_path: str) -> None:
 
 
 # ---------------------------------------------------------------------- real uvicorn
-def _raw_get(url: str, target: str) -> bytes:
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    return data
-
-
 def test_uvicorn_round_trip(store_path: str) -> None:
     pytest.importorskip("uvicorn")
     from featurestore.testing.serving import serve_subprocess
@@ -292,7 +282,7 @@ def test_uvicorn_round_trip(store_path: str) -> None:
         for target in ("/v1/bags/tcga/uni/train/../../../../etc/passwd",
                        "/v1/bags/tcga/uni/train/%2E%2E%2F%2E%2E%2F%2E%2E%2F%2E%2E%2Fetc%2Fpasswd",
                        "/v1/bags/tcga/uni/../../../etc/passwd"):
-            answer = _raw_get(url, target)
+            answer = raw_get(url, target)
             assert b"root:" not in answer
             status = int(answer.split(b" ", 2)[1])
             assert status in (200, 400, 404), answer[:300]

@@ -19,7 +19,7 @@ import featurestore  # noqa: E402
 from featurestore.bench.http import load_test, process_rss, serve_subprocess  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _server_fixtures import expected, make_store  # noqa: E402
+from _server_fixtures import expected, make_store, raw_get  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +31,6 @@ def store_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 def server(store_path: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     with serve_subprocess(store_path) as running:
         yield running
-
-
-def _raw_get(url: str, target: str) -> bytes:
-    """Send ``target`` byte for byte (no client-side normalisation of ``..``)."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    return data
 
 
 def test_zarr_python_opens_the_store_through_the_server(server: tuple[str, object], store_path: str) -> None:
@@ -67,7 +56,7 @@ def test_zarr_python_opens_the_store_through_the_server(server: tuple[str, objec
 )  # fmt: skip
 def test_traversal_is_refused_on_the_wire(server: tuple[str, object], target: str) -> None:
     url, _ = server
-    answer = _raw_get(url, target)
+    answer = raw_get(url, target)
     status = int(answer.split(b" ", 2)[1])
     assert status in (400, 404), answer[:300]
     assert b"root:" not in answer
@@ -86,7 +75,7 @@ def test_server_survives_garbage(server: tuple[str, subprocess.Popen[bytes]]) ->
             except OSError:
                 pass
     assert proc.poll() is None
-    assert b"200 OK" in _raw_get(url, "/healthz")
+    assert b"200 OK" in raw_get(url, "/healthz")
 
 
 def test_load_16_clients_no_errors(server: tuple[str, subprocess.Popen[bytes]], store_path: str) -> None:

@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,25 +11,17 @@ import pytest
 pytest.importorskip("openslide")
 pytest.importorskip("tifffile")
 
+from _dist_helpers import torchrun_cli  # noqa: E402
 from test_extract import cli_env  # noqa: E402
 
 from featurestore.demo.slides import write_cohort  # noqa: E402
 
 
 def _torchrun(cohort: Path, store: Path) -> subprocess.CompletedProcess[str]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--module", "featurestore.cli", "extract", "--images", f"wsi:{cohort}", "--encoder", "builtin:tiny-vit",
-         "--store", str(store), "--dataset", "cohort", "--split", "train", "--patch-size", "64",
-         "--batch-size", "16", "--threads", "1", "--num-workers", "0", "--no-progress"],
-        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=240)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return torchrun_cli(
+        "extract", "--images", f"wsi:{cohort}", "--encoder", "builtin:tiny-vit",
+        "--store", str(store), "--dataset", "cohort", "--split", "train", "--patch-size", "64",
+        "--batch-size", "16", "--threads", "1", "--num-workers", "0", "--no-progress", env=cli_env())
 
 
 def test_a_torchrun_rerun_of_a_complete_slide_split_succeeds_on_every_rank(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ pytest.importorskip("openslide")
 pytest.importorskip("tifffile")
 
 import torch  # noqa: E402
+from _dist_helpers import torchrun_cli  # noqa: E402
 from test_extract import cli_env, run_cli  # noqa: E402
 
 import featurestore  # noqa: E402
@@ -258,17 +259,9 @@ def test_sigkill_then_resume_is_byte_identical(cohort: Path, reference: Path, tm
 
 def test_torchrun_two_ranks_equal_one_process(cohort: Path, reference: Path, tmp_path: Path) -> None:
     """Slide i goes to rank i % 2; each rank adds its bags in its own writer session."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--module", "featurestore.cli", "extract", *_common(cohort), "--store", str(tmp_path / "multi"),
-         "--num-workers", "0"],
-        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=240)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
+    process = torchrun_cli("extract", *_common(cohort), "--store", str(tmp_path / "multi"), "--num-workers", "0",
+                           env=cli_env())
+    stdout, stderr = process.stdout, process.stderr
     # torchrun reports a rank's non-zero exit as a failure: exit 3 (slides skipped) shows up as 1.
     assert stdout.count("extracted cohort/") == 1 and "4 bags of 5 slides" in stdout, stderr[-3000:]
     _same_split(reference, tmp_path / "multi")

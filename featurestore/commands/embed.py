@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from featurestore.commands.storeargs import add_storage_options, storage_options, store_errors
+from featurestore.commands.storeargs import add_split_source, add_storage_options, storage_options, store_errors
 
 
 def register(subparsers: Any) -> None:
@@ -30,11 +30,7 @@ def register(subparsers: Any) -> None:
         "--resume recomputes it whole. Resumable (--resume keeps the chunks written) and torchrun-aware "
         "(rows partitioned by rank).",
     )
-    p.add_argument("store", metavar="STORE", help="store path or fsspec URL")
-    req = p.add_argument_group("required")
-    req.add_argument("--dataset", required=True)
-    req.add_argument("--encoder", required=True, help="the bag split's encoder name")
-    req.add_argument("--split", required=True, help="the bag split")
+    req = add_split_source(p, encoder_help="the bag split's encoder name", split_help="the bag split")
     req.add_argument("--slide-encoder", required=True, metavar="SPEC", help="mean | max | python:MODULE:FACTORY")
     req.add_argument("--encoder-name", required=True, help="encoder name of the embedding split")
     p.add_argument("--out-split", default=None, help="the embedding split's name (default: --split)")

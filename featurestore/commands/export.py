@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
+from featurestore.commands.storeargs import add_split_source, add_storage_options, open_store_from_args, store_errors
 
 # Mirrors featurestore.extract.bag_export.FORMATS, kept here so `featurestore --help` imports nothing.
 FORMATS = ("trident", "clam-pt")
@@ -23,11 +23,7 @@ def register(subparsers: Any) -> None:
         "float32, 'coords' int32). Labels go to OUT/labels.csv (slide_id,label). `featurestore import OUT "
         "--labels OUT/labels.csv --dtype <the split's dtype>` gives the same bags back, byte for byte.",
     )
-    p.add_argument("store", metavar="STORE", help="store path or fsspec URL")
-    req = p.add_argument_group("required")
-    req.add_argument("--dataset", required=True)
-    req.add_argument("--encoder", required=True, help="encoder name in the store")
-    req.add_argument("--split", required=True, help="a bag split")
+    req = add_split_source(p, encoder_help="encoder name in the store", split_help="a bag split")
     req.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
     req.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if missing)")
     p.add_argument("--overwrite", action="store_true", help="replace files of an earlier export in DIR")

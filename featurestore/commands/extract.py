@@ -10,10 +10,11 @@ the extraction machinery are imported inside ``run`` so ``featurestore --help`` 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from featurestore.commands.report_line import quantization_line
-from featurestore.commands.storeargs import add_storage_options, storage_options, store_errors
+from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, storage_options, store_errors
 from featurestore.errors import InvalidOption
 
 
@@ -59,13 +60,7 @@ def register(subparsers: Any) -> None:
                         "int8: half float16's bytes, ~0.5%% relative RMS error (docs/FORMAT.md)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--resume", action="store_true", help="continue an incomplete split from its valid chunks")
-    mode.add_argument("--overwrite", action="store_true", help="replace an existing split")
-    p.add_argument("--verify-chunks", action="store_true",
-                   help="with --resume (or a re-run): re-read every chunk, check its crc32c, its seal and its "
-                   "features against their statistics row (as `featurestore verify` does), and rewrite "
-                   "each damaged or misplaced one from the input; the repair for CorruptChunk / MissingChunks")
+    add_rewrite_options(p)
     p.add_argument("--chunk-mb", type=float, default=8.0,
                    help="chunk size target in MiB (default 8), rounded to whole batches of --batch-size")
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
@@ -206,16 +201,10 @@ def format_slide_report(result: Any) -> list[str]:
 def run_slides(args: argparse.Namespace) -> int:
     import sys
 
-    from featurestore.extract.dist import coordinator_from_env
     from featurestore.extract.wsi_run import EXIT_SKIPPED, extract_slides
 
     opts = slide_options_from_args(args)
-    coord = coordinator_from_env()
-    try:
-        with store_errors(opts.store):
-            result = extract_slides(opts, coord)
-    finally:
-        coord.shutdown()
+    coord, result = _on_this_rank(opts.store, lambda coord: extract_slides(opts, coord))
     if coord.rank != 0:
         return 0
     for skipped in result.skipped:
@@ -225,19 +214,26 @@ def run_slides(args: argparse.Namespace) -> int:
     return EXIT_SKIPPED if result.skipped else 0
 
 
-def run(args: argparse.Namespace) -> int:
+def _on_this_rank(store: str, job: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """``job(coordinator)`` on this torchrun rank (or the one process), a storage failure as one
+    line; the coordinator is shut down however the job ends. Returns (coordinator, result)."""
     from featurestore.extract.dist import coordinator_from_env
+
+    coord = coordinator_from_env()
+    try:
+        with store_errors(store):
+            return coord, job(coord)
+    finally:
+        coord.shutdown()
+
+
+def run(args: argparse.Namespace) -> int:
     from featurestore.extract.run import extract
 
     if is_slides(args):
         return run_slides(args)
     opts = options_from_args(args)
-    coord = coordinator_from_env()
-    try:
-        with store_errors(opts.store):
-            result = extract(opts, coord)
-    finally:
-        coord.shutdown()
+    coord, result = _on_this_rank(opts.store, lambda coord: extract(opts, coord))
     if coord.rank == 0:
         for line in format_report(result):
             print(line, flush=True)

@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from featurestore.commands.report_line import quantization_line
-from featurestore.commands.storeargs import add_storage_options, storage_options, store_errors
+from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, storage_options, store_errors
 
 
 def register(subparsers: Any) -> None:
@@ -59,13 +59,7 @@ def register(subparsers: Any) -> None:
                    help="CLS/register tokens before the patch grid in each sample (default 0)")
     p.add_argument("--grid", type=int, nargs=2, metavar=("H", "W"),
                    help="patch grid of the samples (default: square, when the patch tokens make one)")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--resume", action="store_true", help="continue an incomplete split from its valid chunks")
-    mode.add_argument("--overwrite", action="store_true", help="replace an existing split")
-    p.add_argument("--verify-chunks", action="store_true",
-                   help="with --resume (or a re-run): re-read every chunk, check its crc32c, its seal and its "
-                   "features against their statistics row (as `featurestore verify` does), and rewrite "
-                   "each damaged or misplaced one from the input; the repair for CorruptChunk / MissingChunks")
+    add_rewrite_options(p)
     p.add_argument("--batch-size", type=int, default=256, help="rows read and written at a time (default 256)")
     p.add_argument("--chunk-mb", type=float, default=8.0, help="chunk size target in MiB (default 8)")
     add_storage_options(p)
@@ -90,31 +84,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     meta = result.metadata
     if meta.get("kind") == "bags":
-        return _report_bags(result)
+        what = (f"{meta['bags']['count']} bags, {meta['num_samples']} patches x {meta['sample_shape'][0]} "
+                f"{meta.get('logical_dtype')}")
+        return _report(result, "bag split", what, "bags")
     shape = "x".join(str(s) for s in [result.num_samples, *meta.get("sample_shape", [])])
-    if result.status == "already-complete":
-        print(f"split {result.key} is already complete with the same cache key ({shape} "
-              f"{meta.get('logical_dtype')}): nothing to do (--overwrite to redo it)")
-        return 0
-    q = meta.get("quantization") or {}
-    if q:
-        print(f"quantization: {quantization_line(q)}")
-    print(f"imported {result.key}: {shape} {meta.get('logical_dtype')}, {result.imported} samples written in "
-          f"{result.seconds:.1f}s, status {meta.get('status')}", flush=True)
-    return 0
+    return _report(result, "split", f"{shape} {meta.get('logical_dtype')}", "samples")
 
 
-def _report_bags(result: Any) -> int:
+def _report(result: Any, kind: str, what: str, units: str) -> int:
+    """The import's lines, dense or bags alike: nothing to do, or the quantization and what was written."""
     meta = result.metadata
-    what = (f"{meta['bags']['count']} bags, {meta['num_samples']} patches x {meta['sample_shape'][0]} "
-            f"{meta.get('logical_dtype')}")
     if result.status == "already-complete":
-        print(f"bag split {result.key} is already complete with the same cache key ({what}): nothing "
+        print(f"{kind} {result.key} is already complete with the same cache key ({what}): nothing "
               "to do (--overwrite to redo it)")
         return 0
     q = meta.get("quantization") or {}
     if q:
         print(f"quantization: {quantization_line(q)}")
-    print(f"imported {result.key}: {what}, {result.imported} bags written in {result.seconds:.1f}s, "
+    print(f"imported {result.key}: {what}, {result.imported} {units} written in {result.seconds:.1f}s, "
           f"status {meta.get('status')}", flush=True)
     return 0

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from featurestore.commands.report_line import quantization_line
-from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
+from featurestore.commands.storeargs import add_split_names, add_storage_options, open_store_from_args, store_errors
 
 NOT_RECORDED = "not recorded"  # a field the split's writer did not record (never "None")
 
@@ -23,9 +23,7 @@ def register(subparsers: Any) -> None:
 
     info = subparsers.add_parser("info", help="show one split's metadata")
     info.add_argument("url")
-    info.add_argument("dataset")
-    info.add_argument("encoder")
-    info.add_argument("split")
+    add_split_names(info)
     info.add_argument("--json", action="store_true", help="print the full metadata as JSON")
     add_storage_options(info)
     info.set_defaults(func=run_info)

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
+from featurestore.commands.storeargs import add_split_names, add_storage_options, open_store_from_args, store_errors
 
 
 def register(subparsers: Any) -> None:
@@ -19,9 +19,7 @@ def register(subparsers: Any) -> None:
         "exist is refused. The split is marked incomplete before its files go, so a removal cut short "
         "never leaves a split that reads as complete.")
     p.add_argument("store", metavar="STORE", help="store path or fsspec URL")
-    p.add_argument("dataset")
-    p.add_argument("encoder")
-    p.add_argument("split")
+    add_split_names(p)
     p.add_argument("--yes", action="store_true", help="remove without asking")
     add_storage_options(p)
     p.set_defaults(func=run)

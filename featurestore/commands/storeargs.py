@@ -54,6 +54,35 @@ def storage_options(text: str | None) -> dict[str, Any]:
 _JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
+def add_split_names(parser: argparse.ArgumentParser) -> None:
+    """``DATASET ENCODER SPLIT``: the positionals that name one split of the store before them."""
+    for name in ("dataset", "encoder", "split"):
+        parser.add_argument(name)
+
+
+def add_split_source(parser: argparse.ArgumentParser, encoder_help: str, split_help: str) -> Any:
+    """``STORE`` and the required ``--dataset``/``--encoder``/``--split`` of a verb that reads one
+    split; returns the "required" group for the verb's own required options."""
+    parser.add_argument("store", metavar="STORE", help="store path or fsspec URL")
+    required = parser.add_argument_group("required")
+    required.add_argument("--dataset", required=True)
+    required.add_argument("--encoder", required=True, help=encoder_help)
+    required.add_argument("--split", required=True, help=split_help)
+    return required
+
+
+def add_rewrite_options(parser: argparse.ArgumentParser) -> None:
+    """``--resume`` or ``--overwrite``, and ``--verify-chunks``: what a writing verb does with a split
+    already there (one wording, as both verbs share the writer's resume and repair)."""
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue an incomplete split from its valid chunks")
+    mode.add_argument("--overwrite", action="store_true", help="replace an existing split")
+    parser.add_argument("--verify-chunks", action="store_true",
+                        help="with --resume (or a re-run): re-read every chunk, check its crc32c, its seal and its "
+                        "features against their statistics row (as `featurestore verify` does), and rewrite "
+                        "each damaged or misplaced one from the input; the repair for CorruptChunk / MissingChunks")
+
+
 def add_cache_options(parser: argparse.ArgumentParser) -> None:
     """``--cache-dir`` / ``--cache-bytes``: the local chunk cache of verbs that read object storage."""
     parser.add_argument("--cache-dir", default=None, metavar="DIR",

@@ -36,7 +36,6 @@ from featurestore.errors import (
     NonFiniteValues,
     ShapeMismatch,
     SplitExists,
-    SplitTakenOver,
     WriterClosed,
 )
 from featurestore.format import bags, dtypes, layout
@@ -69,7 +68,7 @@ def _refused_values(bag_id: str, source: Any, error: FeatureStoreError) -> Featu
     return type(error)(f"bag {bag_id!r}: {str(error).replace('samples [0, 1)', f'its {len(source)} rows')}")
 
 
-class BagWriter:
+class BagWriter(split_protocol.SplitSession):
     """Adds bags to one bag split; see the module doc and docs/CORE-API.md."""
 
     def __init__(self, storage: Storage, key: str, metadata: SplitMetadata, *, done_ids: set[str]) -> None:
@@ -99,14 +98,6 @@ class BagWriter:
         self._labelled: bool | None = None  # whether this session's bags carry labels (the first says)
 
     # ------------------------------------------------------------------ public API
-    @property
-    def metadata(self) -> SplitMetadata:
-        return self._meta
-
-    @property
-    def generation(self) -> str | None:
-        return self._meta.generation
-
     @property
     def done_ids(self) -> set[str]:
         """Bags already complete (found on storage when this writer opened, or added by it)."""
@@ -189,12 +180,6 @@ class BagWriter:
         self.close()
         self._meta = bag_commit.commit(self._storage, self._key, self._meta, extra=extra)
         return self._meta.to_json()
-
-    def __enter__(self) -> BagWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ input checks
     def _check_open(self, bag_id: str) -> None:
@@ -294,11 +279,3 @@ class BagWriter:
         self._fill = 0
         self._pending = []
         self._features, self._coords = self._new_buffers()
-
-    def _check_generation(self) -> None:
-        try:
-            split_protocol.check_generation(self._storage, self._key, self._meta)
-        except SplitTakenOver:
-            self._closed = True
-            raise
-

@@ -10,7 +10,7 @@ another run or for another chunk, and folds them into the quantization report.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from featurestore.format import layout
 from featurestore.format.metadata import SplitMetadata, chunk_arrays, unseal
 from featurestore.format.stats import SOURCE_NAMES, merge_rows, report
 
-__all__ = ["absent_chunks", "check_generation", "explain_put_failure", "sealed_report"]
+__all__ = ["SplitSession", "absent_chunks", "check_generation", "explain_put_failure", "sealed_report"]
 
 
 def check_generation(storage: Storage, key: str, meta: SplitMetadata) -> None:
@@ -39,6 +39,47 @@ def check_generation(storage: Storage, key: str, meta: SplitMetadata) -> None:
             f"{current!r}, this writer's {meta.generation!r}: an --overwrite started "
             "after this run): this run stopped without writing further. Let the other run "
             "finish, or rerun with --overwrite")
+
+
+_Session = TypeVar("_Session", bound="SplitSession")
+
+
+class SplitSession:
+    """What the dense and the bag writer share: the split's metadata and generation, ``with``
+    (closing on exit), and the generation check that stops a writer whose split an --overwrite
+    has since taken over. A subclass sets ``_storage``, ``_key``, ``_meta``, ``_closed`` and
+    defines ``close``."""
+
+    _storage: Storage
+    _key: str
+    _meta: SplitMetadata
+    _closed: bool
+
+    @property
+    def metadata(self) -> SplitMetadata:
+        return self._meta
+
+    @property
+    def generation(self) -> str | None:
+        """The split generation this writer writes (see docs/FORMAT.md, "Generation")."""
+        return self._meta.generation
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Session) -> _Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_generation(self) -> None:
+        """Refuse to go on when the split on storage is no longer this writer's generation."""
+        try:
+            check_generation(self._storage, self._key, self._meta)
+        except SplitTakenOver:
+            self._closed = True
+            raise
 
 
 def explain_put_failure(check: Callable[[], None], generation_check: Callable[[], None]) -> None:

@@ -65,7 +65,7 @@ class _Buffer:
     source_code: int = 0  # stats.SOURCE_CODES of the values written into this chunk
 
 
-class SplitWriter:
+class SplitWriter(split_protocol.SplitSession):
     """Created by :meth:`featurestore.FeatureStore.create_split`; see docs/FORMAT.md."""
 
     def __init__(
@@ -106,15 +106,6 @@ class SplitWriter:
         self._closed = False
 
     # ------------------------------------------------------------------ public API
-    @property
-    def metadata(self) -> SplitMetadata:
-        return self._meta
-
-    @property
-    def generation(self) -> str | None:
-        """The split generation this writer writes (see docs/FORMAT.md, "Generation")."""
-        return self._meta.generation
-
     def pending_chunks(self) -> list[int]:
         """Chunks this writer has not seen valid on storage nor written itself."""
         return [i for i in range(self.num_chunks) if i not in self._submitted]
@@ -221,12 +212,6 @@ class SplitWriter:
         """The quantization report and channel statistics of the chunks on storage so far."""
         self._puts.wait()
         return self._final_report(self._meta, only=sorted(self._done))
-
-    def __enter__(self) -> SplitWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ input checks
     def _check_labels(self, labels: Any, count: int) -> np.ndarray | None:
@@ -344,11 +329,3 @@ class SplitWriter:
 
     def _put_failures(self, check: Callable[[], None]) -> None:
         split_protocol.explain_put_failure(check, self._check_generation)
-
-    def _check_generation(self) -> None:
-        """Refuse to go on when the split on storage is no longer this writer's generation."""
-        try:
-            split_protocol.check_generation(self._storage, self._key, self._meta)
-        except SplitTakenOver:
-            self._closed = True
-            raise

@@ -15,25 +15,12 @@ from typing import Any
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
+
+# The float32 <-> uint32 bit casts of the fused quantize kernel: one definition of the IEEE bit view.
+from featurestore.core.fused_kernel import bits_f32 as _bits_f32
+from featurestore.core.fused_kernel import f32_bits as _f32_bits
 
 jit = numba.njit(nogil=True, cache=True, error_model="numpy")
-
-
-@intrinsic
-def _f32_bits(typingctx: Any, x: Any) -> Any:
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.uint32(types.float32), codegen
-
-
-@intrinsic
-def _bits_f32(typingctx: Any, x: Any) -> Any:
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.uint32), codegen
 
 
 @numba.njit(inline="always")

@@ -1,9 +1,9 @@
 """Seeds and spread: summarise a metric over seeds, and compare two summaries.
 
 :func:`seed_list_of` (a seed count or list, checked), :func:`summarize` (mean, sample std),
-:func:`run_seeds` (one run per seed, every metric summarised) and :func:`compare_summaries`
-(difference, pooled std, whether it exceeds ``SPREAD_FACTOR`` x the run-to-run spread, per-seed
-paired differences). Pure Python: no torch.
+:func:`run_seeds` (one run per seed, every metric summarised), :func:`seed_line` (a seed's log
+line) and :func:`compare_summaries` (difference, pooled std, whether it exceeds ``SPREAD_FACTOR``
+x the run-to-run spread, per-seed paired differences). Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from featurestore.errors import InvalidOption
 
-__all__ = ["SPREAD_FACTOR", "compare_summaries", "run_seeds", "seed_list_of", "summarize"]
+__all__ = ["SPREAD_FACTOR", "compare_summaries", "run_seeds", "seed_line", "seed_list_of", "summarize"]
 
 # A metric "exceeds the run-to-run spread" when |mean_A - mean_B| > SPREAD_FACTOR * pooled std.
 SPREAD_FACTOR = 2.0
@@ -35,6 +35,14 @@ def summarize(values: Sequence[float]) -> dict[str, Any]:
         else None
     )
     return {"mean": mean, "std": std, "values": data}
+
+
+def seed_line(split: Any, seed: int, metrics: Mapping[str, float], folds: int | None, seconds: float) -> str:
+    """The log line of one seed's run of a probe on ``split`` (its dataset, encoder and dtype): the
+    metrics, the folds they are the mean of, the time taken. One wording for every probe head."""
+    shown = ", ".join(f"{name} {v:.4f}" for name, v in metrics.items())
+    return (f"{split.dataset}/{split.encoder} ({split.dtype}) seed {seed}: {shown}"
+            f"{f' (mean of {folds} folds)' if folds else ''} ({seconds:.1f} s)")
 
 
 def run_seeds(run_one: Callable[[int], Mapping[str, float]], seeds: Sequence[int]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from featurestore.errors import InvalidLabels, InvalidOption
+from featurestore.probes.labels import column_indices
 
 __all__ = ["GroupSpec", "bag_groups", "dense_groups", "lineage_of", "read_group_table"]
 
@@ -121,11 +122,7 @@ def read_group_table(path: str, column: str, id_column: str) -> dict[str, str]:
     except OSError as error:
         raise InvalidLabels(f"cannot read the groups table {path!r} ({error.strerror or error})") from None
     header = [name.strip() for name in (rows[0] if rows else [])]
-    for name, flag in ((id_column, "--id-column"), (column, "--group-by")):
-        if name not in header:
-            raise InvalidLabels(f"{path} has no column {name!r} ({flag}); its columns are: "
-                                f"{', '.join(repr(h) for h in header if h) or 'none'}")
-    at_id, at_group = header.index(id_column), header.index(column)
+    at_id, at_group = column_indices(path, header, ((id_column, "--id-column"), (column, "--group-by")))
     groups: dict[str, str] = {}
     stems: dict[str, str] = {}
     for line, row in enumerate(rows[1:], start=2):

@@ -88,6 +88,16 @@ class LabelTable:
         return Matched(labels, positions, summary)
 
 
+def column_indices(path: str, header: list[str], columns: Sequence[tuple[str, str]]) -> list[int]:
+    """Where each (column, the flag that named it) stands in a table's ``header``; a missing one is
+    refused naming the flag and the columns there are."""
+    for column, flag in columns:
+        if column not in header:
+            raise InvalidLabels(f"{path} has no column {column!r} ({flag}); its columns are: "
+                                f"{', '.join(repr(h) for h in header if h) or 'none'}")
+    return [header.index(column) for column, _ in columns]
+
+
 def read_label_table(path: str | os.PathLike[str], label_column: str, id_column: str = "slide_id") -> LabelTable:
     """Read ``label_column`` keyed by ``id_column`` from the table at ``path`` (module doc: the rules)."""
     path = os.fspath(path)
@@ -101,11 +111,7 @@ def read_label_table(path: str | os.PathLike[str], label_column: str, id_column:
         raise InvalidLabels(f"cannot read the labels table {path!r} ({error.strerror or error})") from None
     reader = csv.reader(text.splitlines(), delimiter="\t" if path.lower().endswith(".tsv") else ",")
     header = [name.strip() for name in next(reader, [])]
-    for column, flag in ((id_column, "--id-column"), (label_column, "--label-column")):
-        if column not in header:
-            raise InvalidLabels(f"{path} has no column {column!r} ({flag}); its columns are: "
-                                f"{', '.join(repr(h) for h in header if h) or 'none'}")
-    id_at, label_at = header.index(id_column), header.index(label_column)
+    id_at, label_at = column_indices(path, header, ((id_column, "--id-column"), (label_column, "--label-column")))
     raw: dict[str, str] = {}
     rows: dict[str, int] = {}
     for line, row in enumerate(reader, start=2):

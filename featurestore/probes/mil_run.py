@@ -21,7 +21,7 @@ import numpy as np
 
 from featurestore.errors import InvalidLabels, InvalidOption, MissingLabels, ShapeMismatch
 from featurestore.probes import chance
-from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds, seed_list_of
+from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds, seed_line, seed_list_of
 from featurestore.probes.folds import FOLD_SEED, fold_parts, stratified_folds
 from featurestore.probes.groups import bag_groups
 from featurestore.probes.labels import LabelTable
@@ -197,9 +197,7 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
                                         seed=seed, device=torch_device, config=config, attention_sink=sink))
         metrics = {name: float(np.mean([m[name] for m in per_fold])) for name in per_fold[0]}
         if log is not None:
-            shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-            log(f"{train.dataset}/{train.encoder} ({train.dtype}) seed {seed}: {shown}"
-                f"{f' (mean of {folds} folds)' if folds else ''} ({time.perf_counter() - started:.1f} s)")
+            log(seed_line(train, seed, metrics, folds, time.perf_counter() - started))
         return metrics
 
     started = time.perf_counter()

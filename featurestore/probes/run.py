@@ -28,7 +28,7 @@ from typing import Any
 
 from featurestore.errors import InvalidLabels, InvalidOption, MissingLabels, ShapeMismatch
 from featurestore.probes import chance
-from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds, seed_list_of
+from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds, seed_line, seed_list_of
 from featurestore.probes.groups import GroupSpec
 from featurestore.probes.labels import LabelTable
 
@@ -381,9 +381,7 @@ def _run(
                                                    seed=seed, device=torch_device, config=config))
         metrics = {name: math.fsum(m[name] for m in per_fold) / len(per_fold) for name in per_fold[0]}
         if log is not None:
-            shown = ", ".join(f"{name} {v:.4f}" for name, v in metrics.items())
-            log(f"{train.dataset}/{train.encoder} ({train.dtype}) seed {seed}: {shown}"
-                f"{f' (mean of {n_folds} folds)' if n_folds else ''} ({time.perf_counter() - started:.1f} s)")
+            log(seed_line(train, seed, metrics, n_folds, time.perf_counter() - started))
         return metrics
 
     started = time.perf_counter()
