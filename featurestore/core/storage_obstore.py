@@ -241,6 +241,39 @@ class ObjectStorage(Storage):
         else:
             self._call(lambda: obstore.put(self._store, key, payload, use_multipart=False), key, "PUT")
 
+    # ------------------------------------------------------------------ conditional writes
+    # Claims (core.claims) rest on the server's own checks: PUT with If-None-Match: * (create)
+    # and If-Match: <etag> (replace). A server that ignores them is found by claims.probe.
+    def put_if_absent(self, key: str, data: bytes) -> str | None:
+        import obstore
+        from obstore.exceptions import AlreadyExistsError
+
+        try:
+            result = obstore.put(self._store, key, data, mode="create", use_multipart=False)
+        except AlreadyExistsError:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(exc, key, "PUT") from None
+        return str(result["e_tag"])
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        import obstore
+
+        result = self._call(lambda: obstore.get(self._store, key), key, "GET")
+        return bytes(result.bytes()), str(result.meta["e_tag"])
+
+    def replace_if(self, key: str, data: bytes, token: str) -> str | None:
+        import obstore
+        from obstore.exceptions import NotFoundError, PreconditionError
+
+        try:
+            result = obstore.put(self._store, key, data, mode={"e_tag": token}, use_multipart=False)
+        except (PreconditionError, NotFoundError, FileNotFoundError):
+            return None
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(exc, key, "PUT") from None
+        return str(result["e_tag"])
+
     # ------------------------------------------------------------------ metadata
     def copy(self, source: str, target: str) -> None:
         """A server-side copy (S3 CopyObject): atomic, and no bytes pass through this host."""

@@ -1,0 +1,317 @@
+"""``--worker``: independent processes claim a split's slides on the store (core.claims,
+extract.workers_share), against real servers (SeaweedFS, moto) and real processes (SIGKILL,
+SIGSTOP past the lease)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from test_bags_import import trident_dir
+from test_extract import cli_env, run_cli
+
+from featurestore.core import claims
+from featurestore.core.storage import LocalStorage
+from featurestore.errors import ConditionalWritesUnsupported
+from featurestore.extract.encoders import TinyViT
+from featurestore.format import bags as bag_format
+from featurestore.format import chunks
+
+NAME = ("ds", "enc", "train")
+CALLS = "FSW_CALLS"  # the file the logging encoder appends a line to per call
+
+
+class _Logged(TinyViT):
+    """tiny-vit that appends ``pid batch-size sha`` per call to $FSW_CALLS, then sleeps $FSW_SLEEP."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        digest = hashlib.sha256(x.detach().cpu().numpy().tobytes()).hexdigest()[:16]
+        with open(os.environ[CALLS], "a") as f:
+            f.write(f"{os.getpid()} {len(x)} {digest}\n")
+        time.sleep(float(os.environ.get("FSW_SLEEP", "0")))
+        return super().forward(x)
+
+
+def logged_vit() -> torch.nn.Module:
+    return _Logged()
+
+
+def other_vit() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return TinyViT()
+
+
+# ----------------------------------------------------------------------------- helpers
+def _store_args(url: str, options: dict[str, Any] | None) -> list[str]:
+    return ["--store", url, *(["--storage-options", json.dumps(options)] if options else [])]
+
+
+def _import_cmd(source: Path, url: str, options: dict[str, Any] | None, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "featurestore.cli", "import", str(source), *_store_args(url, options),
+            "--dataset", NAME[0], "--encoder-name", NAME[1], "--split", NAME[2], "--no-progress",
+            "--chunk-mb", str(16 * 16 * 2 / 2**20), *extra]
+
+
+def _wsi_cmd(cohort: Path, url: str, options: dict[str, Any] | None, *extra: str,
+             encoder: str = "python:test_workers:logged_vit") -> list[str]:
+    return [sys.executable, "-m", "featurestore.cli", "extract", "--images", f"wsi:{cohort}", "--encoder", encoder,
+            "--encoder-name", NAME[1], *_store_args(url, options), "--dataset", NAME[0], "--split", NAME[2],
+            "--patch-size", "64", "--batch-size", "128", "--threads", "1", "--num-workers", "0",
+            "--chunk-mb", str(16 * 128 * 2 / 2**20), "--no-progress", *extra]
+
+
+def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+
+
+def _wait(proc: subprocess.Popen[bytes], log: Path, timeout: float = 240) -> str:
+    rc = proc.wait(timeout=timeout)
+    text = log.read_text()
+    assert rc in (0, 3), text
+    return text
+
+
+def _split_files(storage: Any, key: str) -> dict[str, bytes]:
+    """Every object of a committed split but its zarr.json (which holds times and a generation)."""
+    out: dict[str, bytes] = {}
+
+    def walk(prefix: str) -> None:
+        for name in storage.listdir(prefix):
+            path = f"{prefix}/{name}"
+            if storage.size(path) is not None and name != "zarr.json":
+                out[path[len(key):]] = bytes(storage.read(path))
+            elif name != "zarr.json":
+                walk(path)
+
+    walk(key)
+    return out
+
+
+def _storage(url: str, options: dict[str, Any] | None) -> Any:
+    from featurestore.core.storage import open_storage
+
+    return open_storage(url, options or {})
+
+
+def _calls(path: Path) -> list[tuple[int, int, str]]:
+    if not path.exists():
+        return []
+    rows = [line.split() for line in path.read_text().splitlines()]
+    return [(int(p), int(n), d) for p, n, d in rows if int(n) > 1]  # n == 1: the white patch at start
+
+
+def _bag_ids_in_segments(storage: Any, key: str) -> list[str]:
+    """Every bag record in every segment (a bag added twice appears twice)."""
+    ids = []
+    base = f"{key}/{bag_format.SEGMENTS}"
+    for segment in storage.listdir(base):
+        if segment.startswith("."):
+            continue
+        for index in storage.listdir(f"{base}/{segment}/{bag_format.RECORDS}/c"):
+            raw = storage.read(f"{base}/{segment}/{bag_format.RECORDS}/c/{index}")
+            assert chunks.check(raw, None) is None
+            ids += [r.bag_id for r in bag_format.decode_records(raw[:-4])[1]]
+    return ids
+
+
+# ----------------------------------------------------------------------------- the primitive
+@pytest.mark.parametrize("backend", ["local", "seaweedfs", "moto"])
+def test_conditional_writes_enforced(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    if backend == "local":
+        storage: Any = LocalStorage(str(tmp_path))
+    elif backend == "seaweedfs":
+        storage = _storage(request.getfixturevalue("seaweed_url"), request.getfixturevalue("seaweed").storage_options)
+    else:
+        from featurestore.core.storage_obstore import ObjectStorage
+
+        bucket = request.getfixturevalue("s3_bucket")
+        storage = ObjectStorage(f"s3://{bucket}/x", dict(request.getfixturevalue("s3_storage_options")))
+    first = storage.put_if_absent("c/a.json", b"one")
+    assert first is not None and storage.put_if_absent("c/a.json", b"two") is None
+    data, token = storage.read_versioned("c/a.json")
+    assert data == b"one" and token == first
+    second = storage.replace_if("c/a.json", b"three", token)
+    assert second is not None and second != token
+    assert storage.replace_if("c/a.json", b"four", token) is None  # a stale token loses
+    assert storage.read_versioned("c/a.json")[0] == b"three"
+    claims.probe(storage, "split")  # the probe passes on a server that enforces them
+
+
+def test_two_takers_of_an_expired_claim_one_wins(tmp_path: Path) -> None:
+    storage = LocalStorage(str(tmp_path))
+    a = claims.ClaimBoard(storage, "s", lease=1, max_attempts=3, worker=claims.WorkerId(pid=1))
+    b = claims.ClaimBoard(storage, "s", lease=1, max_attempts=3, worker=claims.WorkerId(pid=2))
+    c = claims.ClaimBoard(storage, "s", lease=1, max_attempts=3, worker=claims.WorkerId(pid=3))
+    held, _ = a.claim("x")
+    assert held is not None and b.claim("x")[0] is None
+    time.sleep(1.2)  # a's lease runs out
+    # b and c both read the same expired record; only the first replace can win.
+    _, token = storage.read_versioned("s/segments/.claims/x.json")
+    won_b, _ = b.claim("x")
+    assert won_b is not None and won_b.record["taken_from"] == a.worker.name
+    assert storage.replace_if("s/segments/.claims/x.json", b"{}", token) is None
+    assert c.claim("x")[0] is None
+    assert not a.renew(held)  # the stale holder cannot renew
+
+
+def test_worker_refused_where_conditional_writes_are_missing(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    trident_dir(source, {"a": 3, "b": 4})
+    proc = subprocess.run(_import_cmd(source, "memory://fsw-none", None, "--worker"), env=cli_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "create-if-absent" in lines[0], proc.stderr
+    with pytest.raises(ConditionalWritesUnsupported):
+        from featurestore.core.storage import open_storage
+
+        claims.probe(open_storage("memory://fsw-none2"), "s")
+
+
+# ----------------------------------------------------------------------------- imports
+def test_import_workers_killed_and_late_match_one_process(tmp_path: Path, seaweed: Any, seaweed_url: str) -> None:
+    source = tmp_path / "src"
+    trident_dir(source, {f"s{i:02d}": 20 + 7 * i for i in range(12)})
+    options = dict(seaweed.storage_options)
+    env = cli_env()
+    single = run_cli(*_import_cmd(source, str(tmp_path / "single"), None)[3:], env=env, timeout=240)
+    assert single.returncode == 0, single.stderr
+    cmd = _import_cmd(source, seaweed_url, options, "--worker", "--lease-seconds", "3")
+    w1 = _start(cmd, env, tmp_path / "w1.log")
+    w2 = _start(cmd, env, tmp_path / "w2.log")
+    storage = _storage(seaweed_url, options)
+    key = "/".join(NAME)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # w1 has claimed a slide: kill it
+        records = claims.read_records(storage, key) if storage.size(f"{key}/zarr.json") else {}
+        if any(r.get("pid") == w1.pid for r in records.values()):
+            break
+        time.sleep(0.05)
+    w1.send_signal(signal.SIGKILL)
+    w1.wait()
+    w3 = _start(cmd, env, tmp_path / "w3.log")  # started late
+    outs = [_wait(w2, tmp_path / "w2.log"), _wait(w3, tmp_path / "w3.log")]
+    assert sum("imported ds/enc/train: 12 bags" in o for o in outs) == 1, outs  # exactly one commit
+    got = _split_files(storage, key)
+    want = _split_files(LocalStorage(str(tmp_path / "single")), key)
+    assert got.keys() == want.keys() and all(got[k] == want[k] for k in want)
+
+
+# ----------------------------------------------------------------------------- slides
+@pytest.fixture(scope="module")
+def cohort(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("openslide")
+    from featurestore.demo.slides import write_cohort
+
+    root = tmp_path_factory.mktemp("fsw-cohort")
+    write_cohort(root, 5, width=768, height=512, mpp=0.5)
+    return root
+
+
+def test_extract_workers_killed_mid_slide_and_late(tmp_path: Path, cohort: Path, seaweed: Any,
+                                                   seaweed_url: str) -> None:
+    options = dict(seaweed.storage_options)
+    calls = tmp_path / "calls.txt"
+    env = cli_env(**{CALLS: str(calls), "FSW_SLEEP": "1.5"})
+    single = run_cli(*_wsi_cmd(cohort, str(tmp_path / "single"), None)[3:],
+                     env=cli_env(**{CALLS: str(tmp_path / "single-calls.txt")}), timeout=300)
+    assert single.returncode == 0, single.stdout + single.stderr
+    slides = len(_calls(tmp_path / "single-calls.txt"))  # one batch per slide
+    assert slides == 5
+    cmd = _wsi_cmd(cohort, seaweed_url, options, "--worker", "--lease-seconds", "4")
+    w1 = _start(cmd, env, tmp_path / "w1.log")
+    w2 = _start(cmd, env, tmp_path / "w2.log")
+    deadline = time.time() + 180
+    while time.time() < deadline and not any(p == w1.pid for p, _, _ in _calls(calls)):
+        time.sleep(0.05)
+    w1.send_signal(signal.SIGKILL)  # mid-slide: its encoder call has begun and sleeps
+    w1.wait()
+    w3 = _start(cmd, env, tmp_path / "w3.log")
+    outs = [_wait(w2, tmp_path / "w2.log", 300), _wait(w3, tmp_path / "w3.log", 300)]
+    assert sum("committed" in o or "bags" in o and "worker:" not in o for o in outs) >= 1, outs
+    storage = _storage(seaweed_url, options)
+    key = "/".join(NAME)
+    got = _split_files(storage, key)
+    want = _split_files(LocalStorage(str(tmp_path / "single")), key)
+    assert got.keys() == want.keys() and all(got[k] == want[k] for k in want)
+    digests = [d for _, _, d in _calls(calls)]
+    assert set(digests) == {d for _, _, d in _calls(tmp_path / "single-calls.txt")}
+    twice = [d for d in set(digests) if digests.count(d) > 1]
+    assert len(digests) <= slides + 1 and len(twice) <= 1, digests  # only the killed slide again
+
+
+def test_sigstop_past_lease_adds_no_second_copy(tmp_path: Path, cohort: Path, seaweed: Any, seaweed_url: str) -> None:
+    options = dict(seaweed.storage_options)
+    calls = tmp_path / "calls.txt"
+    env = cli_env(**{CALLS: str(calls), "FSW_SLEEP": "1"})
+    cmd = _wsi_cmd(cohort, seaweed_url, options, "--worker", "--lease-seconds", "3", "--no-commit")
+    w1 = _start(cmd, env, tmp_path / "w1.log")
+    deadline = time.time() + 180
+    while time.time() < deadline and not _calls(calls):
+        time.sleep(0.02)
+    w1.send_signal(signal.SIGSTOP)  # inside its first slide's encoder call
+    time.sleep(4.5)  # past the lease
+    w2 = _start(cmd, env, tmp_path / "w2.log")
+    _wait(w2, tmp_path / "w2.log", 300)  # it takes the stopped worker's slide over and does them all
+    w1.send_signal(signal.SIGCONT)
+    _wait(w1, tmp_path / "w1.log", 120)
+    storage = _storage(seaweed_url, options)
+    key = "/".join(NAME)
+    ids = _bag_ids_in_segments(storage, key)
+    assert sorted(ids) == sorted(set(ids)) and len(ids) == 5, ids
+    status = subprocess.run([sys.executable, "-m", "featurestore.cli", "status", seaweed_url, *NAME,
+                             "--storage-options", json.dumps(options)], env=env, capture_output=True, text=True)
+    assert "slides done 5, claimed 0, failed 0, left 0 (of 5)" in status.stdout, status.stdout + status.stderr
+    commit = subprocess.run([sys.executable, "-m", "featurestore.cli", "commit", seaweed_url, *NAME,
+                             "--storage-options", json.dumps(options)], env=env, capture_output=True, text=True)
+    assert commit.returncode == 0 and "committed ds/enc/train: 5 bags" in commit.stdout, commit.stderr
+
+
+def test_other_encoder_spec_refused_in_one_line(tmp_path: Path, cohort: Path) -> None:
+    store = tmp_path / "store"
+    env = cli_env(**{CALLS: str(tmp_path / "calls.txt")})
+    first = run_cli(*_wsi_cmd(cohort, str(store), None, "--worker", "--no-commit", "--limit", "1")[3:], env=env,
+                    timeout=300)
+    assert first.returncode == 0, first.stderr
+    other = run_cli(*_wsi_cmd(cohort, str(store), None, "--worker", "--limit", "1",
+                              encoder="python:test_workers:other_vit")[3:], env=env, timeout=300)
+    assert other.returncode != 0
+    lines = other.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cache key" in lines[0].lower(), other.stderr
+
+
+def test_failing_slide_recorded_failed_after_k_attempts(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    data = trident_dir(source, {"a": 30, "b": 30, "c": 30})
+    # A file whose header reads but whose rows do not: garbage in one gzip chunk fails its inflate.
+    bad = source / "b.h5"
+    with h5py.File(bad, "w") as f:
+        f.create_dataset("features", data=data["b"][0], chunks=(1, 16), compression="gzip")
+        f["coords"] = data["b"][1]
+    with h5py.File(bad, "r") as f:
+        info = f["features"].id.get_chunk_info(15)
+    raw = bytearray(bad.read_bytes())
+    raw[info.byte_offset : info.byte_offset + info.size] = b"\xff" * info.size
+    bad.write_bytes(bytes(raw))
+    store = tmp_path / "store"
+    proc = run_cli(*_import_cmd(source, str(store), None, "--worker", "--max-attempts", "2")[3:], timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("slide 'b' failed") == 2, proc.stdout
+    import featurestore
+
+    meta = featurestore.open_store(str(store)).split_info(*NAME)
+    assert meta.complete and [f["id"] for f in meta.extra["failed"]] == ["b"]
+    assert meta.extra["failed"][0]["attempts"] == 2
+    assert featurestore.open_store(str(store)).open_bags(*NAME).ids == ["a", "c"]
+    np.testing.assert_equal(len(meta.extra["failed"][0]["errors"]), 2)
