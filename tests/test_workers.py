@@ -53,8 +53,12 @@ def logged_vit() -> torch.nn.Module:
 
 
 def other_vit() -> torch.nn.Module:
-    torch.manual_seed(1)
-    return TinyViT()
+    """Another encoder: tiny-vit with other weights (so another cache key)."""
+    module = TinyViT()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(1.5)
+    return module
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -337,3 +341,55 @@ def test_failing_slide_recorded_failed_after_k_attempts(tmp_path: Path) -> None:
     assert meta.extra["failed"][0]["attempts"] == 2
     assert featurestore.open_store(str(store)).open_bags(*NAME).ids == ["a", "c"]
     np.testing.assert_equal(len(meta.extra["failed"][0]["errors"]), 2)
+
+
+def test_object_server_restarted_mid_run_workers_retry_and_finish(tmp_path: Path) -> None:
+    """SeaweedFS stopped (SIGTERM) while two workers import, started again on the same ports and
+    directory a few seconds later: the workers wait it out and the split is whole."""
+    pytest.importorskip("obstore")
+    from featurestore.bench.common import stop_process
+    from featurestore.bench.seaweedfs import SeaweedUnavailable, _ready, seaweed_server
+
+    source = tmp_path / "src"
+    trident_dir(source, {f"s{i:02d}": 20 + i for i in range(16)})
+    single = run_cli(*_import_cmd(source, str(tmp_path / "single"), None)[3:], timeout=240)
+    assert single.returncode == 0, single.stderr
+    try:
+        context = seaweed_server(str(tmp_path / "weed"))
+        server = context.__enter__()
+    except SeaweedUnavailable as exc:
+        pytest.skip(f"SeaweedFS cannot run here: {exc}")
+    restarted = None
+    try:
+        server.create_bucket("fsw-restart")
+        url, options = "s3://fsw-restart/store", dict(server.storage_options)
+        storage = _storage(url, options)
+        key = "/".join(NAME)
+        # two workers with short leases; the server goes while they are mid-run
+        cmd = _import_cmd(source, url, options, "--worker", "--lease-seconds", "6")
+        workers = [_start(cmd, cli_env(), tmp_path / f"w{i}.log") for i in range(2)]
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            records = claims.read_records(storage, key) if storage.size(f"{key}/zarr.json") else {}
+            if any(r.get("state") == claims.DONE for r in records.values()):
+                break
+            time.sleep(0.05)
+        stop_process(server.process, grace=5)
+        time.sleep(3)
+        log = open(tmp_path / "weed-again.log", "wb")
+        restarted = subprocess.Popen(server.process.args, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while not _ready(server.endpoint) and time.time() < deadline:
+            time.sleep(0.2)
+        outs = [_wait(w, tmp_path / f"w{i}.log", 300) for i, w in enumerate(workers)]
+        assert sum("imported ds/enc/train: 16 bags" in o for o in outs) == 1, outs
+        assert any("storage unavailable" in o for o in outs), outs  # the outage was met, and waited out
+        got = _split_files(storage, key)
+        want = _split_files(LocalStorage(str(tmp_path / "single")), key)
+        assert got.keys() == want.keys()
+        assert [k for k in want if got[k] != want[k]] == []
+    finally:
+        if restarted is not None:
+            stop_process(restarted, grace=5)
+        context.__exit__(None, None, None)

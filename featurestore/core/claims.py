@@ -140,6 +140,11 @@ class ClaimBoard:
             current = json.loads(raw)
         except FileNotFoundError:  # deleted by a commit meanwhile: the split is done
             return None, {"state": DONE}
+        mine = current.get("worker") == self.worker.name and current.get("state") == WORKING
+        if mine:  # this worker's own claim, left by an attempt the storage cut short: go on with it
+            again = {**current, "renewed": time.time()}
+            token = self.storage.replace_if(key, json.dumps(again).encode(), seen)
+            return (Claim(unit, token, again), None) if token is not None else (None, {"state": WORKING})
         if not expired(current):
             return None, current
         attempts = int(current.get("attempts", 0)) + (current.get("state") == WORKING)

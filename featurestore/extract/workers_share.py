@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from featurestore.core import claims
-from featurestore.errors import FeatureStoreError, InvalidOption
+from featurestore.errors import FeatureStoreError, InvalidOption, StorageUnavailable, StoreUnreachable
 
 __all__ = ["ClaimLost", "ClaimShare", "WorkerOptions", "commit_extra"]
 
@@ -156,17 +156,25 @@ class ClaimShare:
         while pending:
             waiting: list[Any] = []
             for unit in pending:
-                # Committed meanwhile (by the last worker): its claims went with the segments, and a
-                # new claim would redo a slide of a complete split.
-                if job.split_complete():
-                    return job.merge(parts)
-                uid = job.unit_id(unit)
-                claim, standing = board.claim(uid)
-                if claim is None:
-                    if standing is not None and standing.get("state") == claims.WORKING:
-                        waiting.append(unit)
+                try:
+                    # Committed meanwhile (by the last worker): its claims went with the segments,
+                    # and a new claim would redo a slide of a complete split.
+                    if job.split_complete():
+                        return job.merge(parts)
+                    claim, standing = board.claim(job.unit_id(unit))
+                    if claim is None:
+                        if standing is not None and standing.get("state") == claims.WORKING:
+                            waiting.append(unit)
+                        continue
+                    part = self._one(job, writer, board, claim, unit)
+                except (StorageUnavailable, StoreUnreachable) as error:
+                    # The server is away (restarting, a network cut): not the slide's fault. The
+                    # claim, if taken, is this worker's to take again (ClaimBoard.claim).
+                    print(f"featurestore worker: storage unavailable ({str(error).splitlines()[0]}); retrying",
+                          flush=True)
+                    time.sleep(min(5.0, board.lease / 3))
+                    waiting.append(unit)
                     continue
-                part = self._one(job, writer, board, claim, unit)
                 if part is _RETRY:
                     waiting.append(unit)  # released after a failed attempt: any worker may try again
                 elif part is not None:
@@ -193,6 +201,8 @@ class ClaimShare:
                 job.close(session, 1)
             except ClaimLost:
                 return None
+            except (StorageUnavailable, StoreUnreachable):
+                raise
             except Exception as error:  # noqa: BLE001 - one slide's failure is recorded, not fatal
                 try:
                     session.close()
