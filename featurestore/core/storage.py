@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from featurestore.core import storage_conditional
 from featurestore.errors import ConditionalWritesUnsupported, StoreNotFound
 from featurestore.format import chunks, layout
 from featurestore.format.names import TMP_SUFFIX, tmp_name
@@ -38,20 +39,19 @@ class Storage:
     def read(self, key: str) -> bytes:  # raises FileNotFoundError
         raise NotImplementedError
 
-    # Conditional writes: the store's own atomic primitive, which claims (core.claims) build on.
-    # A *token* names one version of a key; it changes with every write.
+    # Conditional writes, the primitive of --worker claims (core.claims); a token names one version
+    # of a key and changes with every write. Backends: core.storage_conditional.
     def put_if_absent(self, key: str, data: bytes) -> str | None:
         """Create ``key`` holding ``data`` unless it exists: the new version's token, or None."""
         raise ConditionalWritesUnsupported(f"{self.url}: this backend has no create-if-absent write; "
                                            "use a local/NFS path or s3://, gs://, az:// (obstore)")
 
     def read_versioned(self, key: str) -> tuple[bytes, str]:
-        """``key``'s bytes and the token of that version (FileNotFoundError when absent)."""
+        """``key``'s bytes and its version's token (FileNotFoundError when absent)."""
         raise ConditionalWritesUnsupported(f"{self.url}: this backend has no versioned read")
 
     def replace_if(self, key: str, data: bytes, token: str) -> str | None:
-        """Overwrite ``key`` only while its version is still ``token``: the new token, or None
-        when another write came first (or the key is gone)."""
+        """Overwrite ``key`` only while its version is ``token``: the new token, else None."""
         raise ConditionalWritesUnsupported(f"{self.url}: this backend has no conditional replace")
 
     def read_ranges(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
@@ -314,60 +314,19 @@ class LocalStorage(Storage):
     def delete_tree(self, prefix: str) -> None:
         shutil.rmtree(self._path(prefix), ignore_errors=True)
 
-    # Conditional writes. Create: a finished temp file hard-linked to the name (link fails when
-    # the name exists, on local disks and NFS alike), so a reader never sees a half-written one.
-    # Replace: the check and the rename run under a POSIX record lock (lockf: released when the
-    # process dies, honoured over NFS) on one lock file per directory; a token is inode+mtime.
     def put_if_absent(self, key: str, data: bytes) -> str | None:
-        path = self._path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = temp_path(path)
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.link(tmp, path)
-        except FileExistsError:
-            return None
-        finally:
-            unlink_quietly(tmp)
-        return _token(os.stat(path))
+        return storage_conditional.local_put_if_absent(self._path(key), data)
 
     def read_versioned(self, key: str) -> tuple[bytes, str]:
-        with open(self._path(key), "rb") as f:
-            return f.read(), _token(os.fstat(f.fileno()))
+        return storage_conditional.local_read_versioned(self._path(key))
 
     def replace_if(self, key: str, data: bytes, token: str) -> str | None:
-        import fcntl
-
-        path = self._path(key)
-        fd = os.open(os.path.join(os.path.dirname(path), ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX)
-            try:
-                if _token(os.stat(path)) != token:
-                    return None
-            except FileNotFoundError:
-                return None
-            tmp = temp_path(path)
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, path)
-            except BaseException:
-                unlink_quietly(tmp)
-                raise
-            return _token(os.stat(path))
-        finally:
-            os.close(fd)  # releases the lock
+        return storage_conditional.local_replace_if(self._path(key), data, token)
 
     def zarr_store(self, read_only: bool = True) -> Any:
         from zarr.storage import LocalStore
 
         return LocalStore(self.root, read_only=read_only)
-
-
-def _token(st: os.stat_result) -> str:
-    return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
 
 
 class FsspecStorage(Storage):

@@ -42,6 +42,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from featurestore.core import storage_conditional
 from featurestore.core.io_loop import run, settled
 from featurestore.core.storage import Storage
 from featurestore.core.storage_options import FEATURESTORE_KEYS, ObjectStoreSettings, StaticCredentials, translate
@@ -242,37 +243,15 @@ class ObjectStorage(Storage):
             self._call(lambda: obstore.put(self._store, key, payload, use_multipart=False), key, "PUT")
 
     # ------------------------------------------------------------------ conditional writes
-    # Claims (core.claims) rest on the server's own checks: PUT with If-None-Match: * (create)
-    # and If-Match: <etag> (replace). A server that ignores them is found by claims.probe.
+    # (--worker claims; core.storage_conditional: If-None-Match / If-Match PUTs)
     def put_if_absent(self, key: str, data: bytes) -> str | None:
-        import obstore
-        from obstore.exceptions import AlreadyExistsError
-
-        try:
-            result = obstore.put(self._store, key, data, mode="create", use_multipart=False)
-        except AlreadyExistsError:
-            return None
-        except Exception as exc:  # noqa: BLE001
-            raise self._error(exc, key, "PUT") from None
-        return str(result["e_tag"])
+        return storage_conditional.object_put(self._store, key, data, "create", self._error)
 
     def read_versioned(self, key: str) -> tuple[bytes, str]:
-        import obstore
-
-        result = self._call(lambda: obstore.get(self._store, key), key, "GET")
-        return bytes(result.bytes()), str(result.meta["e_tag"])
+        return storage_conditional.object_read_versioned(self._store, key, self._error)
 
     def replace_if(self, key: str, data: bytes, token: str) -> str | None:
-        import obstore
-        from obstore.exceptions import NotFoundError, PreconditionError
-
-        try:
-            result = obstore.put(self._store, key, data, mode={"e_tag": token}, use_multipart=False)
-        except (PreconditionError, NotFoundError, FileNotFoundError):
-            return None
-        except Exception as exc:  # noqa: BLE001
-            raise self._error(exc, key, "PUT") from None
-        return str(result["e_tag"])
+        return storage_conditional.object_put(self._store, key, data, {"e_tag": token}, self._error)
 
     # ------------------------------------------------------------------ metadata
     def copy(self, source: str, target: str) -> None:
