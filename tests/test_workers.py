@@ -393,3 +393,40 @@ def test_object_server_restarted_mid_run_workers_retry_and_finish(tmp_path: Path
         if restarted is not None:
             stop_process(restarted, grace=5)
         context.__exit__(None, None, None)
+
+
+def test_status_and_web_page_show_a_split_being_written(tmp_path: Path) -> None:
+    """Two slides done by a worker that ran with --no-commit, one held by a worker that died (its
+    lease not yet out), one failed: `featurestore status` and the split's web page say so."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from server import Settings, create_app
+
+    source = tmp_path / "src"
+    trident_dir(source, {"a": 5, "b": 6, "c": 7, "d": 8})
+    store = tmp_path / "store"
+    key = "/".join(NAME)
+    storage = LocalStorage(str(store))
+    # A worker elsewhere holds "c" (live lease), and "d" failed its attempts: the worker below does a and b.
+    board = claims.ClaimBoard(storage, key, lease=600, max_attempts=1, worker=claims.WorkerId(host="node7", pid=42))
+    held, _ = board.claim("c")
+    failed, _ = board.claim("d")
+    assert held is not None and failed is not None and board.fail(failed, "corrupt") == claims.FAILED
+    proc = subprocess.Popen(_import_cmd(source, str(store), None, "--worker", "--no-commit"), env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and sum(r.get("state") == claims.DONE for r in claims.read_records(storage, key).values()) < 2:
+        time.sleep(0.1)
+    proc.kill()  # it would wait for "c" to be done
+    proc.wait()
+    status = run_cli("status", str(store), *NAME)
+    assert status.returncode == 0, status.stderr
+    assert "slides done 2, claimed 1, failed 1, left 1 (of 4)" in status.stdout, status.stdout
+    assert "claimed 'c' by node7 pid 42" in status.stdout and "failed: d" in status.stdout
+    refused = run_cli("commit", str(store), *NAME)
+    assert refused.returncode != 0 and "still claimed by live workers" in refused.stderr
+    with TestClient(create_app(str(store), Settings())) as client:
+        page = client.get("/ui/splits/" + key)
+    assert page.status_code == 200
+    assert "slides done 2, claimed 1, failed 1, left 1" in page.text and "node7" in page.text

@@ -25,19 +25,12 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def split_total(extra: dict[str, Any]) -> int | None:
-    """The slides of the run, as the split's metadata records them (wsi extraction, bag import)."""
-    source = extra.get("source") or {}
-    total = source.get("slides", source.get("num_bags"))
-    return int(total) if total is not None else None
-
-
 def _when(seconds: float | None) -> str:
     return _dt.datetime.fromtimestamp(seconds or 0, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def run(args: argparse.Namespace) -> int:
-    from featurestore.core.claim_status import progress
+    from featurestore.core.claim_status import progress, run_total
     from featurestore.format import layout
 
     store = open_store_from_args(args.store, args)
@@ -50,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"split {key}: complete, {count} {'bags' if meta.bags else 'samples'}"
                   + (f", {len(failed)} slide(s) failed: {', '.join(f['id'] for f in failed)}" if failed else ""))
             return 0
-        state = progress(store.storage, key, split_total(meta.extra))
+        state = progress(store.storage, key, run_total(meta.extra))
     left = "?" if state["left"] is None else state["left"]
     print(f"split {key}: {meta.status}; slides done {state['done']}, claimed {len(state['claimed'])}, "
           f"failed {len(state['failed'])}, left {left} (of {state['total'] or '?'}); "

@@ -9,7 +9,14 @@ from typing import Any
 from featurestore.core import claims
 from featurestore.core.storage import Storage
 
-__all__ = ["progress"]
+__all__ = ["progress", "run_total"]
+
+
+def run_total(extra: dict[str, Any]) -> int | None:
+    """The slides of the run, as the split's metadata records them (wsi extraction, bag import)."""
+    source = extra.get("source") or {}
+    total = source.get("slides", source.get("num_bags"))
+    return int(total) if total is not None else None
 
 
 def progress(storage: Storage, split_key: str, total: int | None, now: float | None = None) -> dict[str, Any]:
