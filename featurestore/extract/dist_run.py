@@ -138,7 +138,12 @@ class SplitJob:
         return True
 
     def split_complete(self) -> bool:
-        return bool(self.store.split_info(self.opts.dataset, self.encoder_name, self.opts.split).complete)
+        """Whether the split is committed: one read of its document (asked before every claim)."""
+        from featurestore.format import layout
+        from featurestore.format.metadata import COMPLETE
+
+        doc = layout.load_document(self.store.storage.read(f"{self.split_key()}/{layout.ZARR_JSON}"))
+        return bool(((doc.get("attributes") or {}).get("featurestore") or {}).get("status") == COMPLETE)
 
     def unit_id(self, unit: Any) -> str:
         """The bag id a unit becomes (what its claim is named after)."""
