@@ -30,7 +30,8 @@ import numpy as np
 def claim_overhead(storage: object, units: int) -> float:
     from featurestore.core import claims
 
-    board = claims.ClaimBoard(storage, f"bench/{uuid.uuid4().hex[:8]}", lease=120, max_attempts=3)  # type: ignore[arg-type]
+    key = f"bench/{uuid.uuid4().hex[:8]}"
+    board = claims.ClaimBoard(storage, key, lease=120, max_attempts=3)  # type: ignore[arg-type]
     started = time.perf_counter()
     for i in range(units):
         claim, _ = board.claim(f"slide-{i:05d}")

@@ -416,7 +416,8 @@ def test_status_and_web_page_show_a_split_being_written(tmp_path: Path) -> None:
     proc = subprocess.Popen(_import_cmd(source, str(store), None, "--worker", "--no-commit"), env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
-    while time.time() < deadline and sum(r.get("state") == claims.DONE for r in claims.read_records(storage, key).values()) < 2:
+    done = lambda: sum(r.get("state") == claims.DONE for r in claims.read_records(storage, key).values())  # noqa: E731
+    while time.time() < deadline and done() < 2:
         time.sleep(0.1)
     proc.kill()  # it would wait for "c" to be done
     proc.wait()

@@ -41,8 +41,10 @@ def run(args: argparse.Namespace) -> int:
             raise SplitExists(f"split {key} is already complete: nothing to commit")
         live = [c for c in progress(store.storage, key, None)["claimed"] if not c["expired"]]
         if live:
-            raise InvalidOption(f"split {key}: {len(live)} slide(s) still claimed by live workers (e.g. {live[0]['id']!r} "
-                                f"by {live[0]['host']} pid {live[0]['pid']}): wait for them (featurestore status)")
+            first = live[0]
+            raise InvalidOption(f"split {key}: {len(live)} slide(s) still claimed by live workers "
+                                f"(e.g. {first['id']!r} "
+                                f"by {first['host']} pid {first['pid']}): wait for them (featurestore status)")
         board = claims.ClaimBoard(store.storage, key, lease=120, max_attempts=1)
         claim, _ = board.claim("_commit", special=True)
         if claim is None:

@@ -168,7 +168,8 @@ class ClaimBoard:
     def renew(self, claim: Claim) -> bool:
         """Extend the lease; False when the claim is no longer this worker's."""
         record = {**claim.record, "renewed": time.time()}
-        token = self.storage.replace_if(self._name(claim.unit, claim.record.get("special", False)), json.dumps(record).encode(), claim.token)
+        key = self._name(claim.unit, claim.record.get("special", False))
+        token = self.storage.replace_if(key, json.dumps(record).encode(), claim.token)
         if token is None:
             return False
         claim.token, claim.record = token, record
@@ -187,7 +188,8 @@ class ClaimBoard:
 
     def _end(self, claim: Claim, state: str, **extra: Any) -> bool:
         record = {**claim.record, "state": state, "renewed": time.time(), **extra}
-        token = self.storage.replace_if(self._name(claim.unit, claim.record.get("special", False)), json.dumps(record).encode(), claim.token)
+        key = self._name(claim.unit, claim.record.get("special", False))
+        token = self.storage.replace_if(key, json.dumps(record).encode(), claim.token)
         if token is not None:
             claim.token, claim.record = token, record
         return token is not None

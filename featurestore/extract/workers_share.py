@@ -209,7 +209,8 @@ class ClaimShare:
                 except Exception:  # noqa: BLE001
                     pass
                 line = f"{type(error).__name__}: {error}".splitlines()[0]
-                state = board.fail(claim, line)
+                with renewer.lock:  # one conditional write of the claim at a time
+                    state = board.fail(claim, line)
                 print(f"featurestore worker: slide {uid!r} failed ({line}); "
                       f"{'recorded as failed' if state == claims.FAILED else 'released for another attempt'}",
                       flush=True)
