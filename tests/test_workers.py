@@ -117,6 +117,16 @@ def _split_files(storage: Any, key: str) -> dict[str, bytes]:
     return out
 
 
+def _assert_same_split(got: Any, want: Any, key: str) -> None:
+    """Every object of the one-process split ``want`` (but its zarr.json and the generation-sealed
+    arrays) has the same bytes in ``got``, read by name; and ``got`` has no other bags."""
+    wanted = _split_files(want, key)
+    differ = [k for k, v in wanted.items() if bytes(got.read(key + k)) != v]
+    assert differ == []
+    assert json.loads(got.read(f"{key}/zarr.json"))["attributes"]["featurestore"]["bags"]["count"] == \
+        json.loads(want.read(f"{key}/zarr.json"))["attributes"]["featurestore"]["bags"]["count"]
+
+
 def _storage(url: str, options: dict[str, Any] | None) -> Any:
     from featurestore.core.storage import open_storage
 
@@ -223,10 +233,7 @@ def test_import_workers_killed_and_late_match_one_process(tmp_path: Path, seawee
     w3 = _start(cmd, env, tmp_path / "w3.log")  # started late
     outs = [_wait(w2, tmp_path / "w2.log"), _wait(w3, tmp_path / "w3.log")]
     assert sum("imported ds/enc/train: 12 bags" in o for o in outs) == 1, outs  # exactly one commit
-    got = _split_files(storage, key)
-    want = _split_files(LocalStorage(str(tmp_path / "single")), key)
-    assert got.keys() == want.keys()
-    assert [k for k in want if got[k] != want[k]] == []
+    _assert_same_split(storage, LocalStorage(str(tmp_path / "single")), key)
 
 
 # ----------------------------------------------------------------------------- slides
@@ -263,10 +270,7 @@ def test_extract_workers_killed_mid_slide_and_late(tmp_path: Path, cohort: Path,
     assert sum("committed" in o or "bags" in o and "worker:" not in o for o in outs) >= 1, outs
     storage = _storage(seaweed_url, options)
     key = "/".join(NAME)
-    got = _split_files(storage, key)
-    want = _split_files(LocalStorage(str(tmp_path / "single")), key)
-    assert got.keys() == want.keys()
-    assert [k for k in want if got[k] != want[k]] == []
+    _assert_same_split(storage, LocalStorage(str(tmp_path / "single")), key)
     made = _calls(calls)
     encoded = Counter(d for _, ds in made for d in ds)
     killed = [Counter(ds) for p, ds in made if p == w1.pid]
@@ -366,7 +370,7 @@ def test_object_server_restarted_mid_run_workers_retry_and_finish(tmp_path: Path
         storage = _storage(url, options)
         key = "/".join(NAME)
         # two workers with short leases; the server goes while they are mid-run
-        cmd = _import_cmd(source, url, options, "--worker", "--lease-seconds", "6")
+        cmd = _import_cmd(source, url, options, "--worker", "--lease-seconds", "6", "--debug")
         workers = [_start(cmd, cli_env(), tmp_path / f"w{i}.log") for i in range(2)]
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -385,10 +389,7 @@ def test_object_server_restarted_mid_run_workers_retry_and_finish(tmp_path: Path
         outs = [_wait(w, tmp_path / f"w{i}.log", 300) for i, w in enumerate(workers)]
         assert sum("imported ds/enc/train: 16 bags" in o for o in outs) == 1, outs
         assert any("storage unavailable" in o for o in outs), outs  # the outage was met, and waited out
-        got = _split_files(storage, key)
-        want = _split_files(LocalStorage(str(tmp_path / "single")), key)
-        assert got.keys() == want.keys()
-        assert [k for k in want if got[k] != want[k]] == []
+        _assert_same_split(storage, LocalStorage(str(tmp_path / "single")), key)
     finally:
         if restarted is not None:
             stop_process(restarted, grace=5)

@@ -107,6 +107,27 @@ def commit_extra(storage: Any, split_key: str) -> dict[str, Any]:
 
 
 _RETRY = object()
+_OUTAGES = (StorageUnavailable, StoreUnreachable)
+
+
+class _Outage:
+    """How long the storage has been away: a worker waits out an outage (a server restart, a
+    network cut) for ``patience`` seconds, then gives up with the storage's error."""
+
+    def __init__(self, lease: float) -> None:
+        self.patience = max(300.0, 3 * lease)
+        self.since: float | None = None
+
+    def wait(self, error: BaseException, pause: float) -> None:
+        now = time.time()
+        self.since = self.since or now
+        if now - self.since > self.patience:
+            raise error
+        print(f"featurestore worker: storage unavailable ({str(error).splitlines()[0]}); retrying", flush=True)
+        time.sleep(pause)
+
+    def over(self) -> None:
+        self.since = None
 
 
 class ClaimShare:
@@ -117,6 +138,7 @@ class ClaimShare:
         self.options = options
         self.board: claims.ClaimBoard | None = None
         self.committed = False
+        self.cohort: set[str] = set()  # every slide of the run (bag ids)
 
     def select(self, units: Any) -> list[Any]:  # the UnitShare protocol: every unit is claimable
         return [unit for _, unit in units]
@@ -133,6 +155,14 @@ class ClaimShare:
         if job.opts.overwrite:
             raise InvalidOption("--worker resumes the split it shares with other workers: leave out --overwrite")
         board = self._board(job)
+        outage = _Outage(board.lease)
+        while True:
+            try:
+                return self._open(job, board)
+            except _OUTAGES as error:
+                outage.wait(error, min(5.0, board.lease / 3))
+
+    def _open(self, job: Any, board: claims.ClaimBoard) -> Any:
         claims.probe(job.store.storage, job.split_key())
         deadline = None
         while True:
@@ -152,7 +182,9 @@ class ClaimShare:
     def work(self, job: Any, writer: Any) -> Any:
         board = self._board(job)
         pending = [unit for _, unit in job.units(writer)]
+        self.cohort = set(writer.done_ids) | {job.unit_id(unit) for unit in pending}
         parts: list[Any] = []
+        outage = _Outage(board.lease)
         while pending:
             waiting: list[Any] = []
             for unit in pending:
@@ -167,12 +199,11 @@ class ClaimShare:
                             waiting.append(unit)
                         continue
                     part = self._one(job, writer, board, claim, unit)
-                except (StorageUnavailable, StoreUnreachable) as error:
-                    # The server is away (restarting, a network cut): not the slide's fault. The
-                    # claim, if taken, is this worker's to take again (ClaimBoard.claim).
-                    print(f"featurestore worker: storage unavailable ({str(error).splitlines()[0]}); retrying",
-                          flush=True)
-                    time.sleep(min(5.0, board.lease / 3))
+                    outage.over()
+                except _OUTAGES as error:
+                    # The server is away: not the slide's fault. The claim, if taken, is this
+                    # worker's to take again (ClaimBoard.claim).
+                    outage.wait(error, min(5.0, board.lease / 3))
                     waiting.append(unit)
                     continue
                 if part is _RETRY:
@@ -201,7 +232,7 @@ class ClaimShare:
                 job.close(session, 1)
             except ClaimLost:
                 return None
-            except (StorageUnavailable, StoreUnreachable):
+            except _OUTAGES:
                 raise
             except Exception as error:  # noqa: BLE001 - one slide's failure is recorded, not fatal
                 try:
@@ -225,12 +256,29 @@ class ClaimShare:
             writer.close()
             return {}
         board = self._board(job)
+        outage = _Outage(board.lease)
+        while True:  # a commit cut short is redone whole: it writes the same bytes again
+            try:
+                return self._commit(job, writer, board, progress)
+            except _OUTAGES as error:
+                outage.wait(error, min(5.0, board.lease / 3))
+
+    def _commit(self, job: Any, writer: Any, board: claims.ClaimBoard, progress: list[Any]) -> dict[str, Any]:
         claim, _ = board.claim("_commit", special=True)
         if claim is None:
             writer.close()
             return {}  # another worker commits (or did)
         with _Renewer(board, claim):
             extra = commit_extra(job.store.storage, job.split_key())
+            # Every slide's bag must be found complete (or the slide failed) before the commit lays
+            # out what it finds: a store that lists too little (a server just restarted) would
+            # otherwise give a split short of bags.
+            fresh = job.attach()
+            fresh.close()
+            missing = sorted(self.cohort - fresh.done_ids - {f["id"] for f in extra.get("failed", [])})
+            if missing:
+                raise StorageUnavailable(f"split {job.key}: the bags of {len(missing)} done slide(s) are not found "
+                                         f"on the store (first: {missing[0]!r}): it lists too little")
             metadata = job.commit(_WithExtra(writer, extra), progress)
         self.committed = True
         return metadata
