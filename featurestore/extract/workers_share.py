@@ -265,9 +265,11 @@ class ClaimShare:
 
     def _commit(self, job: Any, writer: Any, board: claims.ClaimBoard, progress: list[Any]) -> dict[str, Any]:
         claim, _ = board.claim("_commit", special=True)
-        if claim is None:
+        # Another worker commits, or did: its commit removed the claims (the _commit one too) only
+        # after marking the split complete, so a claim won then finds the split complete.
+        if claim is None or job.split_complete():
             writer.close()
-            return {}  # another worker commits (or did)
+            return {}
         with _Renewer(board, claim):
             extra = commit_extra(job.store.storage, job.split_key())
             # Every slide's bag must be found complete (or the slide failed) before the commit lays
