@@ -29,7 +29,8 @@ OPTIONAL_MODULES = {"torch": "torch", "torchvision": "torch", "timm": "timm", "f
                     "transformers": "hf", "httpx": "client", "obstore": "s3"}
 
 # Order is the order of `featurestore --help`.
-COMMAND_MODULES = ("extract", "import_", "export", "embed", "inspect", "verify", "rm", "serve", "probe", "bench", "demo")
+COMMAND_MODULES = ("extract", "import_", "export", "embed", "inspect", "verify", "rm", "status", "commit", "serve",
+                   "probe", "bench", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

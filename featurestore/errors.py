@@ -218,3 +218,8 @@ class AttentionNotFound(FeatureStoreError, LookupError):
 class StaleAttention(FeatureStoreError, RuntimeError):
     """An attention map saved for another state of its bag split (overwritten, re-committed):
     its values no longer belong to the split's patches."""
+
+
+class ConditionalWritesUnsupported(FeatureStoreError, RuntimeError):
+    """``--worker`` needs create-if-absent and compare-and-swap writes, and this storage (or the
+    server behind it) does not enforce them: claims could race (docs/EXTRACT.md, "Cluster workers")."""

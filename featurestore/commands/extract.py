@@ -15,6 +15,7 @@ from typing import Any
 
 from featurestore.commands.report_line import quantization_line
 from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, storage_options, store_errors
+from featurestore.commands.workerargs import add_worker_options, worker_options
 from featurestore.errors import InvalidOption
 
 
@@ -103,6 +104,7 @@ def register(subparsers: Any) -> None:
                    help="torch CPU threads (pin it to get byte-identical CPU runs; torchrun uses 1)")
     p.add_argument("--queue-size", type=int, default=4, help="batches in flight to the writer thread")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_worker_options(p)
     # SUPPRESS: do not reset a `featurestore --debug extract ...` given before the verb.
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     p.set_defaults(func=run)
@@ -132,7 +134,7 @@ def slide_options_from_args(args: argparse.Namespace) -> Any:
         mean=_triple(args.mean, "--mean"), std=_triple(args.std, "--std"),
         storage_options=storage_options(args.storage_options), queue_size=args.queue_size,
         progress=not args.no_progress, threads=args.threads, verify_chunks=args.verify_chunks,
-        coords_from=args.coords_from, coords_store=args.coords_store)
+        coords_from=args.coords_from, coords_store=args.coords_store, worker=worker_options(args))
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
@@ -207,6 +209,10 @@ def run_slides(args: argparse.Namespace) -> int:
     coord, result = _on_this_rank(opts.store, lambda coord: extract_slides(opts, coord))
     if coord.rank != 0:
         return 0
+    if not result.metadata:  # --worker that did not commit
+        print(f"worker: {result.bags} bag(s) added to {result.key}; not committed by this worker (another "
+              "worker commits, or `featurestore commit`; `featurestore status` shows progress)", flush=True)
+        return 0
     for skipped in result.skipped:
         print(f"skipped slide {skipped['id']}: {skipped['reason']}", file=sys.stderr, flush=True)
     for line in format_slide_report(result):
@@ -232,6 +238,9 @@ def run(args: argparse.Namespace) -> int:
 
     if is_slides(args):
         return run_slides(args)
+    if args.worker:
+        raise InvalidOption(f"--worker shares the slides of a wsi: source, but got --images {args.images!r}: "
+                            "use torchrun for image folders")
     opts = options_from_args(args)
     coord, result = _on_this_rank(opts.store, lambda coord: extract(opts, coord))
     if coord.rank == 0:

@@ -10,6 +10,7 @@ from typing import Any
 
 from featurestore.commands.report_line import quantization_line
 from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, storage_options, store_errors
+from featurestore.commands.workerargs import add_worker_options, worker_options
 
 
 def register(subparsers: Any) -> None:
@@ -64,6 +65,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--chunk-mb", type=float, default=8.0, help="chunk size target in MiB (default 8)")
     add_storage_options(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_worker_options(p)
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     p.set_defaults(func=run)
 
@@ -77,12 +79,16 @@ def run(args: argparse.Namespace) -> int:
         grid=tuple(args.grid) if args.grid else None, batch_size=args.batch_size, chunk_mb=args.chunk_mb,
         resume=args.resume, overwrite=args.overwrite, storage_options=storage_options(args.storage_options),
         progress=not args.no_progress, verify_chunks=args.verify_chunks, bags=args.bags,
-        label_column=args.label_column, id_column=args.id_column)
+        label_column=args.label_column, id_column=args.id_column, worker=worker_options(args))
     with store_errors(args.store):
         result = import_cache(options)
     for note in result.notes:
         print(f"note: {note}")
     meta = result.metadata
+    if not meta:  # --worker that did not commit
+        print(f"worker: {result.imported} bag(s) added to {result.key}; not committed by this worker (another "
+              "worker commits, or `featurestore commit`; `featurestore status` shows progress)", flush=True)
+        return 0
     if meta.get("kind") == "bags":
         what = (f"{meta['bags']['count']} bags, {meta['num_samples']} patches x {meta['sample_shape'][0]} "
                 f"{meta.get('logical_dtype')}")

@@ -103,6 +103,12 @@ class BagWriter(split_protocol.SplitSession):
         """Bags already complete (found on storage when this writer opened, or added by it)."""
         return self._done | self._added
 
+    def session(self) -> BagWriter:
+        """Another writer session on the same split (a segment of its own), without re-reading
+        the segments: ``--worker`` closes one session per slide, so each bag is complete on
+        storage before its claim is marked done (featurestore.extract.workers_share)."""
+        return BagWriter(self._storage, self._key, self._meta, done_ids=set())
+
     def add_bag(self, bag_id: str, features: Any, coords: Any = None, label: Any = None,
                 attrs: dict[str, Any] | None = None) -> None:
         """Add one bag: ``features`` [n, dim] (torch tensor on any device, or array-like; n may be

@@ -99,6 +99,9 @@ class BagImport(SplitJob):
         done = writer.done_ids
         return [(i, slide) for i, slide in enumerate(self.files.slides) if slide.bag_id not in done]
 
+    def unit_id(self, unit: Slide) -> str:
+        return unit.bag_id
+
     def work(self, writer: Any, mine: list[Slide]) -> int:
         return _copy(self.files, writer, mine, self.labels, self.table_attrs, self.opts)
 

@@ -33,7 +33,10 @@ U = TypeVar("U")  # a unit of work: a chunk index, a slide
 
 class UnitShare(Protocol):
     """Which of the pending units this process does. Every process of a run must pick a
-    disjoint share, and the shares together must cover every unit the commit needs."""
+    disjoint share, and the shares together must cover every unit the commit needs. A share may
+    also take over steps of the run with methods of the same names as :class:`SplitJob`'s:
+    ``open(job)``, ``work(job, writer)`` (pick units as it goes) and ``commit(job, writer,
+    progress)`` (the claim-based share of ``--worker`` does: extract.workers_share)."""
 
     def select(self, units: Iterable[tuple[int, U]]) -> list[U]:
         """``units``: (position in the whole run, unit) of every unit still pending."""
@@ -121,6 +124,39 @@ class SplitJob:
         """The run's result from every process's progress; None: the split was complete before it."""
         raise NotImplementedError
 
+    # What a claim-based share (extract.workers_share, ``--worker``) asks of a job of bags.
+    def split_key(self) -> str:
+        from featurestore.format import layout
+
+        return layout.split_key(self.opts.dataset, self.encoder_name, self.opts.split)
+
+    def split_exists(self) -> bool:
+        try:
+            self.store.split_info(self.opts.dataset, self.encoder_name, self.opts.split)
+        except (DatasetNotFound, EncoderNotFound, SplitNotFound):
+            return False
+        return True
+
+    def split_complete(self) -> bool:
+        """Whether the split is committed: one read of its document (asked before every claim)."""
+        from featurestore.format import layout
+        from featurestore.format.metadata import COMPLETE
+
+        doc = layout.load_document(self.store.storage.read(f"{self.split_key()}/{layout.ZARR_JSON}"))
+        return bool(((doc.get("attributes") or {}).get("featurestore") or {}).get("status") == COMPLETE)
+
+    def unit_id(self, unit: Any) -> str:
+        """The bag id a unit becomes (what its claim is named after)."""
+        raise NotImplementedError
+
+    def unit_record(self, part: Any) -> dict[str, Any]:
+        """What a unit's done claim keeps of its progress (e.g. why a slide was skipped)."""
+        return {}
+
+    def merge(self, parts: list[Any]) -> Any:
+        """One process's progress from its units' progress."""
+        return sum(parts)
+
 
 def run_split(job: SplitJob, coord: Coordinator | None = None, share: UnitShare | None = None) -> Any:
     """Run ``job`` on this process (one of ``coord``'s ranks); ``share`` picks its units
@@ -139,7 +175,7 @@ def run_split(job: SplitJob, coord: Coordinator | None = None, share: UnitShare 
     error = None
     if coord.rank == 0:
         try:
-            writer = job.open()
+            writer = share.open(job) if hasattr(share, "open") else job.open()
             done = job.complete(writer)
         except BaseException as e:
             error = e
@@ -151,7 +187,10 @@ def run_split(job: SplitJob, coord: Coordinator | None = None, share: UnitShare 
     try:
         if coord.rank != 0:
             writer = job.attach()
-        progress = job.work(writer, share.select(job.units(writer)))
+        if hasattr(share, "work"):
+            progress = share.work(job, writer)
+        else:
+            progress = job.work(writer, share.select(job.units(writer)))
         job.close(writer, coord.rank)
     except BaseException as e:
         error = e
@@ -159,7 +198,7 @@ def run_split(job: SplitJob, coord: Coordinator | None = None, share: UnitShare 
     error, metadata = None, {}
     if coord.rank == 0:
         try:
-            metadata = job.commit(writer, gathered)
+            metadata = share.commit(job, writer, gathered) if hasattr(share, "commit") else job.commit(writer, gathered)
         except BaseException as e:
             error = e
     coord.agree(error)

@@ -29,6 +29,7 @@ class ImportOptions:
     bags: bool = False  # read a directory of .pt files as one bag per file (CLAM pt_files under another name)
     label_column: str | None = None  # slide bags: the --labels CSV column stored as the label (None: "label")
     id_column: str | None = None  # slide bags: the CSV column naming the slides (None: "slide_id")
+    worker: Any = None  # extract.workers_share.WorkerOptions: claim slides beside other workers (--worker)
 
 
 @dataclass

@@ -40,7 +40,14 @@ def import_cache(opts: ImportOptions) -> ImportResult:
     check_chunk_mb(opts.chunk_mb)
     slides = find_slides(opts.source, force=opts.bags)
     if slides is not None:  # per-slide files (TRIDENT, CLAM, STAMP): one bag per file
+        if opts.worker is not None:
+            from featurestore.extract.workers_share import ClaimShare
+
+            return run_split(BagImport(opts, SlideFiles(*slides)), share=ClaimShare(opts.worker))
         return run_split(BagImport(opts, SlideFiles(*slides)))
+    if opts.worker is not None:
+        raise SourceError(f"--worker shares the slides of a bag split, but {opts.source!r} is not a directory of "
+                          "per-slide files: import it without --worker")
     if opts.bags:
         raise SourceError(f"--bags: {opts.source!r} is not a directory of per-slide .h5 or .pt files")
     if opts.label_column is not None or opts.id_column is not None:

@@ -81,6 +81,7 @@ class SlideOptions(RunOptions):
     verify_chunks: bool = False  # re-read every chunk of an existing split; the bags of damaged ones are redone
     coords_from: str | None = None  # D/E/S: cut at that bag split's coordinates (extract.coords_from)
     coords_store: str | None = None  # its store, when not --store
+    worker: Any = None  # extract.workers_share.WorkerOptions: claim slides beside other workers (--worker)
 
 
 @dataclass
@@ -244,6 +245,15 @@ class _SlidesJob(EncodeJob):
         return [(i, ref) for i, ref in enumerate(self.prep.refs)
                 if ref.id not in done and (repair is None or ref.id in repair)]
 
+    def unit_id(self, unit: SlideRef) -> str:
+        return unit.id
+
+    def unit_record(self, part: Progress) -> dict[str, Any]:
+        return {"skipped": part.skipped[0]} if part.skipped else {}
+
+    def merge(self, parts: list[Progress]) -> Progress:
+        return gathered(parts) if parts else Progress()
+
     def work(self, writer: Any, mine: list[SlideRef]) -> Progress:
         return _encode_slides(self.opts, self.prep, writer, mine, self.coord)
 
@@ -333,7 +343,17 @@ def extract_slides(opts: SlideOptions, coord: Coordinator | None = None) -> Slid
     """Run one slide extraction (or this rank's share of it); raises FeatureStoreError on bad input."""
     coord = coord or coordinator_from_env()
     with torch_threads(opts.threads):
-        return run_split(_SlidesJob(opts, coord, _prepare), coord)
+        return run_split(_SlidesJob(opts, coord, _prepare), coord, _share(opts.worker, coord))
+
+
+def _share(worker: Any, coord: Coordinator) -> Any:
+    if worker is None:
+        return None
+    if coord.world_size > 1:
+        raise InvalidOption("--worker runs independent processes that claim slides: do not start it under torchrun")
+    from featurestore.extract.workers_share import ClaimShare
+
+    return ClaimShare(worker)
 
 
 __all__ = ["EXIT_SKIPPED", "SlideOptions", "SlideResult", "extract_slides"]

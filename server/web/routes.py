@@ -26,7 +26,7 @@ from server.state import StoreState
 from server.web import session, views
 from server.web.catalog import BAGS, Catalog, SplitRow
 from server.web.figures import Figures
-from server.web.markup import Html, h
+from server.web.markup import Html, h, join
 from server.web.png import MEDIA_TYPE
 from server.web.security import PAGE_HEADERS
 
@@ -144,10 +144,26 @@ def _dense_pictures(web: Web, row: SplitRow, sample: int) -> Html:
     return views.pictures(row, min(sample, max(row.shape[0] - 1, 0)) if row.shape else 0, shown)
 
 
+def _workers(web: Web, row: SplitRow) -> Html:
+    """A split being written by ``--worker`` processes: slides done, claimed, failed, left."""
+    from featurestore.core.claim_status import progress, run_total
+    from featurestore.format import layout
+
+    state = progress(web.state.store.storage, layout.split_key(*row.key), run_total(row.metadata))
+    if not (state["done"] or state["claimed"] or state["failed"]):
+        return Html("")
+    eta = "" if state["eta_seconds"] is None else f"; about {state['eta_seconds']:.0f} s to finish"
+    claimed = join(h("<li>{} by {} pid {}, lease age {} s{}</li>", c["id"], c["host"], c["pid"], c["lease_age"],
+                     " (expired)" if c["expired"] else "") for c in state["claimed"])
+    return h('<section><h2>Workers</h2><p id="worker-progress">slides done {}, claimed {}, failed {}, left {}{}</p>'
+             "<ul>{}</ul></section>", state["done"], len(state["claimed"]), len(state["failed"]),
+             "?" if state["left"] is None else state["left"], eta, claimed)
+
+
 def _bags(web: Web, row: SplitRow, chosen: int, start: int) -> Html:
     if row.status != "complete":  # its bags are not laid out until commit
         return h('<section><h2>Bags</h2><p class="muted">status {}: the bags are listed once the '
-                 "split is committed</p></section>", row.status)
+                 "split is committed</p></section>{}", row.status, _workers(web, row))
     bags = web.figures.open_bags(*row.key)
     ids = [str(i) for i in bags.ids]
     lengths = np.asarray(bags.lengths, np.int64)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from featurestore.errors import ConditionalWritesUnsupported
 from featurestore.format import chunks
 
 
@@ -31,6 +32,21 @@ class Storage:
 
     def read(self, key: str) -> bytes:  # raises FileNotFoundError
         raise NotImplementedError
+
+    # Conditional writes, the primitive of --worker claims (core.claims); a token names one version
+    # of a key and changes with every write. Backends: core.storage.conditional.
+    def put_if_absent(self, key: str, data: bytes) -> str | None:
+        """Create ``key`` holding ``data`` unless it exists: the new version's token, or None."""
+        raise ConditionalWritesUnsupported(f"{self.url}: this backend has no create-if-absent write; "
+                                           "use a local/NFS path or s3://, gs://, az:// (obstore)")
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        """``key``'s bytes and its version's token (FileNotFoundError when absent)."""
+        raise ConditionalWritesUnsupported(f"{self.url}: this backend has no versioned read")
+
+    def replace_if(self, key: str, data: bytes, token: str) -> str | None:
+        """Overwrite ``key`` only while its version is ``token``: the new token, else None."""
+        raise ConditionalWritesUnsupported(f"{self.url}: this backend has no conditional replace")
 
     def read_ranges(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
         raise NotImplementedError

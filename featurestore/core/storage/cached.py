@@ -78,6 +78,15 @@ class CachedStorage(Storage):
     def delete_tree(self, prefix: str) -> None:
         self.backend.delete_tree(prefix)
 
+    def put_if_absent(self, key: str, data: bytes) -> str | None:
+        return self.backend.put_if_absent(key, data)
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        return self.backend.read_versioned(key)
+
+    def replace_if(self, key: str, data: bytes, token: str) -> str | None:
+        return self.backend.replace_if(key, data, token)
+
     def local_path(self, key: str) -> str | None:
         return self.backend.local_path(key)
 

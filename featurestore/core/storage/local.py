@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Sequence
 from typing import Any
 
-from featurestore.core.storage import files
+from featurestore.core.storage import conditional, files
 from featurestore.core.storage.base import Storage
 from featurestore.format.names import TMP_SUFFIX
 
@@ -107,6 +107,15 @@ class LocalStorage(Storage):
 
     def delete_tree(self, prefix: str) -> None:
         shutil.rmtree(self._path(prefix), ignore_errors=True)
+
+    def put_if_absent(self, key: str, data: bytes) -> str | None:
+        return conditional.local_put_if_absent(self._path(key), data)
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        return conditional.local_read_versioned(self._path(key))
+
+    def replace_if(self, key: str, data: bytes, token: str) -> str | None:
+        return conditional.local_replace_if(self._path(key), data, token)
 
     def zarr_store(self, read_only: bool = True) -> Any:
         from zarr.storage import LocalStore

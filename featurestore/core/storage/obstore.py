@@ -41,6 +41,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from featurestore.core.storage import conditional
 from featurestore.core.storage.base import Storage
 from featurestore.core.storage.io_loop import run, settled
 from featurestore.core.storage.obstore_client import bucket_and_prefix, build_store, plan_requests, storage_error
@@ -241,6 +242,17 @@ class ObjectStorage(Storage):
                        key, "PUT")  # fmt: skip
         else:
             self._call(lambda: obstore.put(self._store, key, payload, use_multipart=False), key, "PUT")
+
+    # ------------------------------------------------------------------ conditional writes
+    # (--worker claims; core.storage.conditional: If-None-Match / If-Match PUTs)
+    def put_if_absent(self, key: str, data: bytes) -> str | None:
+        return conditional.object_put(self._store, key, data, "create", self._error)
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        return conditional.object_read_versioned(self._store, key, self._error)
+
+    def replace_if(self, key: str, data: bytes, token: str) -> str | None:
+        return conditional.object_put(self._store, key, data, {"e_tag": token}, self._error)
 
     # ------------------------------------------------------------------ metadata
     def copy(self, source: str, target: str) -> None:

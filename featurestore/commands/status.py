@@ -1,0 +1,59 @@
+"""``featurestore status STORE DATASET ENCODER SPLIT``: how far a split is, and for one being written
+by ``--worker`` processes: slides done, claimed (by which worker, lease age), failed, left, and
+an estimated time to finish (docs/EXTRACT.md, "Cluster workers")."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+from typing import Any
+
+from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "status", help="progress of a split (slides done, claimed, failed, left, time to finish)",
+        description="Show a split's status. For a bag split being written by --worker processes: the slides "
+        "done, claimed (worker host/pid/start, lease age), failed and left, and an estimated time to finish "
+        "from the pace of the done slides.")
+    p.add_argument("store", metavar="STORE", help="store path or URL")
+    p.add_argument("dataset")
+    p.add_argument("encoder")
+    p.add_argument("split")
+    add_storage_options(p)
+    p.set_defaults(func=run)
+
+
+def _when(seconds: float | None) -> str:
+    return _dt.datetime.fromtimestamp(seconds or 0, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def run(args: argparse.Namespace) -> int:
+    from featurestore.core.claim_status import progress, run_total
+    from featurestore.format import layout
+
+    store = open_store_from_args(args.store, args)
+    with store_errors(args.store):
+        meta = store.split_info(args.dataset, args.encoder, args.split)
+        key = layout.split_key(args.dataset, args.encoder, args.split)
+        if meta.complete:
+            count = (meta.bags or {}).get("count", meta.num_samples)
+            failed = meta.extra.get("failed") or []
+            print(f"split {key}: complete, {count} {'bags' if meta.bags else 'samples'}"
+                  + (f", {len(failed)} slide(s) failed: {', '.join(f['id'] for f in failed)}" if failed else ""))
+            return 0
+        state = progress(store.storage, key, run_total(meta.extra))
+    left = "?" if state["left"] is None else state["left"]
+    print(f"split {key}: {meta.status}; slides done {state['done']}, claimed {len(state['claimed'])}, "
+          f"failed {len(state['failed'])}, left {left} (of {state['total'] or '?'}); "
+          f"{state['workers']} worker(s) seen")
+    for c in state["claimed"]:
+        print(f"  claimed {c['id']!r} by {c['host']} pid {c['pid']} (worker started {_when(c['started'])}), "
+              f"lease age {c['lease_age']:.0f}s of {c['lease']:.0f}s{' EXPIRED' if c['expired'] else ''}, "
+              f"attempt {c['attempt']}")
+    if state["failed"]:
+        print(f"  failed: {', '.join(state['failed'])}")
+    if state["eta_seconds"] is not None:
+        print(f"  estimated time to finish: {state['eta_seconds']:.0f}s")
+    return 0

@@ -1,0 +1,45 @@
+"""Progress of a split written by ``--worker`` processes, from its claims (featurestore.core.claims):
+what ``featurestore status`` prints and the web page's split page shows."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from featurestore.core import claims
+from featurestore.core.storage import Storage
+
+__all__ = ["progress", "run_total"]
+
+
+def run_total(extra: dict[str, Any]) -> int | None:
+    """The slides of the run, as the split's metadata records them (wsi extraction, bag import)."""
+    source = extra.get("source") or {}
+    total = source.get("slides", source.get("num_bags"))
+    return int(total) if total is not None else None
+
+
+def progress(storage: Storage, split_key: str, total: int | None, now: float | None = None) -> dict[str, Any]:
+    """Counts (done, claimed, failed, left), the live claims (worker, host, pid, start, lease age)
+    and an estimated time to finish from the pace of the done slides (None until two are done).
+    ``total``: slides in the run (None: unknown, left is then None)."""
+    now = now or time.time()
+    records = claims.read_records(storage, split_key)
+    done = [r for r in records.values() if r.get("state") == claims.DONE]
+    failed = sorted(u for u, r in records.items() if r.get("state") == claims.FAILED)
+    claimed = []
+    for unit, r in sorted(records.items()):
+        if r.get("state") == claims.WORKING:
+            age = now - float(r.get("renewed", now))
+            claimed.append({"id": unit, "worker": r.get("worker"), "host": r.get("host"), "pid": r.get("pid"),
+                            "started": r.get("started"), "lease_age": round(age, 1), "lease": r.get("lease"),
+                            "expired": claims.expired(r, now), "attempt": r.get("attempts")})
+    left = None if total is None else max(total - len(done) - len(failed), 0)
+    eta = None
+    times = sorted(float(r.get("renewed", 0)) for r in done)
+    if left is not None and len(times) >= 2 and times[-1] > times[0]:
+        rate = (len(times) - 1) / (times[-1] - times[0])  # slides per second, all workers together
+        eta = left / rate
+    workers = sorted({r.get("worker") for r in records.values() if r.get("worker")})
+    return {"done": len(done), "claimed": claimed, "failed": failed, "left": left, "total": total,
+            "eta_seconds": eta, "workers": len(workers)}

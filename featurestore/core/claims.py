@@ -1,0 +1,195 @@
+"""Claims: which worker does which unit (slide) of a split, on the store's own atomic writes.
+
+``featurestore extract/import --worker`` runs any number of independent processes on one split;
+nothing coordinates them but objects under ``<split>/segments/.claims/`` (a name ``collect``
+skips and a commit deletes with the segments). Each unit has one claim object, a small JSON
+record ``{"unit", "state", "worker", "host", "pid", "started", "claimed", "renewed", "lease",
+"attempts", "errors", ...}``:
+
+* **claim**: ``put_if_absent`` (local: link of a finished file; S3/GCS/Azure: PUT If-None-Match).
+  Exactly one worker creates it; the others see it taken.
+* **renew**: every ``lease/3`` the holder rewrites its own record with ``replace_if`` the token
+  it last wrote (local: inode+mtime under a lock; object stores: If-Match etag). A record taken
+  over by someone else has another token, so a stale holder's renew fails and it stops.
+* **take over**: a record in state ``working`` whose ``renewed`` is older than its lease (its
+  worker died or stopped), or ``released`` (an attempt failed), is replaced with ``replace_if``
+  the token read: of two takers, one wins.
+* **finish**: ``done`` (the bag is complete on storage) or, after ``max_attempts`` failed
+  attempts, ``failed`` with the errors: never retried, listed in the committed split's metadata.
+
+Clocks: lease ages compare the holder's clock (``renewed``) with the reader's, so hosts must agree
+within a fraction of the lease (NTP does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote, unquote
+
+from featurestore.core.storage import Storage
+from featurestore.errors import ConditionalWritesUnsupported
+
+__all__ = ["Claim", "ClaimBoard", "WorkerId", "claims_prefix", "probe", "read_records"]
+
+WORKING, RELEASED, DONE, FAILED = "working", "released", "done", "failed"
+SUFFIX = ".json"
+
+
+def claims_prefix(split_key: str) -> str:
+    return f"{split_key}/segments/.claims"
+
+
+@dataclass(frozen=True)
+class WorkerId:
+    """Who holds a claim: host, pid and start time (a restarted pid is another worker)."""
+
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    started: float = field(default_factory=time.time)
+    nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}/{self.pid}/{self.nonce}"
+
+
+@dataclass
+class Claim:
+    """A unit this worker holds: the token of the record it last wrote."""
+
+    unit: str
+    token: str
+    record: dict[str, Any]
+
+
+def probe(storage: Storage, split_key: str) -> None:
+    """Refuse a backend that does not enforce create-if-absent: the same probe object created
+    twice must fail the second time (some S3-compatible servers ignore If-None-Match). The probe
+    objects lie with the claims, and go with them at commit."""
+    key = f"{claims_prefix(split_key)}/_probe-{uuid.uuid4().hex}"
+    if storage.put_if_absent(key, b"1") is None:
+        raise ConditionalWritesUnsupported(f"{storage.url}: a new probe object {key!r} was reported as existing")
+    if storage.put_if_absent(key, b"2") is not None:
+        raise ConditionalWritesUnsupported(
+            f"{storage.url}: the server accepted a second create of {key!r} (it ignores If-None-Match), so "
+            "claims could race: run --worker against a server that enforces conditional writes "
+            "(AWS S3, GCS, Azure, SeaweedFS, MinIO; docs/EXTRACT.md) or use torchrun")
+
+
+def _key(prefix: str, unit: str) -> str:
+    return f"{prefix}/{quote(unit, safe='')}{SUFFIX}"
+
+
+def read_records(storage: Storage, split_key: str) -> dict[str, dict[str, Any]]:
+    """Every unit's claim record (unit -> record), e.g. for ``featurestore status``."""
+    prefix = claims_prefix(split_key)
+    names = [n for n in storage.listdir(prefix) if n.endswith(SUFFIX) and not n.startswith("_")]
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        try:
+            out[unquote(name[: -len(SUFFIX)])] = json.loads(storage.read(f"{prefix}/{name}"))
+        except (FileNotFoundError, ValueError):
+            continue
+    return out
+
+
+def expired(record: dict[str, Any], now: float | None = None) -> bool:
+    """A claim nobody holds any more: released, or working with its lease run out."""
+    if record.get("state") == RELEASED:
+        return True
+    if record.get("state") != WORKING:
+        return False
+    return (now or time.time()) - float(record.get("renewed", 0)) > float(record.get("lease", 0))
+
+
+class ClaimBoard:
+    """One worker's view of a split's claims (module doc)."""
+
+    def __init__(self, storage: Storage, split_key: str, *, lease: float, max_attempts: int,
+                 worker: WorkerId | None = None) -> None:
+        self.storage = storage
+        self.prefix = claims_prefix(split_key)
+        self.lease = float(lease)
+        self.max_attempts = int(max_attempts)
+        self.worker = worker or WorkerId()
+
+    def _record(self, unit: str, state: str, attempts: int, errors: list[str], **extra: Any) -> dict[str, Any]:
+        now = time.time()
+        w = self.worker
+        return {"unit": unit, "state": state, "worker": w.name, "host": w.host, "pid": w.pid,
+                "started": w.started, "claimed": now, "renewed": now, "lease": self.lease,
+                "attempts": attempts, "errors": errors, **extra}
+
+    def claim(self, unit: str, *, special: bool = False) -> tuple[Claim | None, dict[str, Any] | None]:
+        """Try to take ``unit``: (the claim, None) when this worker now holds it, else (None, the
+        record that stands: done, failed, or held by a live worker). ``special``: a step of the
+        run rather than a slide (``create``, ``commit``), named apart from every bag id."""
+        key = self._name(unit, special)
+        record = self._record(unit, WORKING, 1, [], **({"special": True} if special else {}))
+        token = self.storage.put_if_absent(key, json.dumps(record).encode())
+        if token is not None:
+            return Claim(unit, token, record), None
+        try:
+            raw, seen = self.storage.read_versioned(key)
+            current = json.loads(raw)
+        except FileNotFoundError:  # deleted by a commit meanwhile: the split is done
+            return None, {"state": DONE}
+        mine = current.get("worker") == self.worker.name and current.get("state") == WORKING
+        if mine:  # this worker's own claim, left by an attempt the storage cut short: go on with it
+            again = {**current, "renewed": time.time()}
+            token = self.storage.replace_if(key, json.dumps(again).encode(), seen)
+            return (Claim(unit, token, again), None) if token is not None else (None, {"state": WORKING})
+        if not expired(current):
+            return None, current
+        attempts = int(current.get("attempts", 0)) + (current.get("state") == WORKING)
+        errors = list(current.get("errors", []))
+        if current.get("state") == WORKING:  # its worker vanished mid-unit: that was an attempt too
+            errors.append(f"{current.get('worker')}: lease of {current.get('lease')} s ran out")
+        if attempts >= self.max_attempts:
+            failed = self._record(unit, FAILED, attempts, errors)
+            self.storage.replace_if(key, json.dumps(failed).encode(), seen)
+            return None, failed
+        record = self._record(unit, WORKING, attempts + 1, errors, taken_from=current.get("worker"),
+                              **({"special": True} if special else {}))
+        token = self.storage.replace_if(key, json.dumps(record).encode(), seen)
+        if token is None:  # another taker won
+            return None, {"state": WORKING}
+        return Claim(unit, token, record), None
+
+    def _name(self, unit: str, special: bool) -> str:
+        return f"{self.prefix}/_{unit}.lock" if special else _key(self.prefix, unit)
+
+    def renew(self, claim: Claim) -> bool:
+        """Extend the lease; False when the claim is no longer this worker's."""
+        record = {**claim.record, "renewed": time.time()}
+        key = self._name(claim.unit, claim.record.get("special", False))
+        token = self.storage.replace_if(key, json.dumps(record).encode(), claim.token)
+        if token is None:
+            return False
+        claim.token, claim.record = token, record
+        return True
+
+    def finish(self, claim: Claim, **extra: Any) -> bool:
+        """The unit's bag is complete on storage: mark it done (``extra``: e.g. why it was skipped)."""
+        return self._end(claim, DONE, **extra)
+
+    def fail(self, claim: Claim, error: str) -> str | None:
+        """This attempt failed: released for another try, or ``failed`` after ``max_attempts``;
+        the state written (None: the claim was no longer this worker's)."""
+        errors = [*claim.record.get("errors", []), f"{self.worker.name}: {error}"]
+        state = FAILED if int(claim.record.get("attempts", 1)) >= self.max_attempts else RELEASED
+        return state if self._end(claim, state, errors=errors) else None
+
+    def _end(self, claim: Claim, state: str, **extra: Any) -> bool:
+        record = {**claim.record, "state": state, "renewed": time.time(), **extra}
+        key = self._name(claim.unit, claim.record.get("special", False))
+        token = self.storage.replace_if(key, json.dumps(record).encode(), claim.token)
+        if token is not None:
+            claim.token, claim.record = token, record
+        return token is not None

@@ -1,0 +1,305 @@
+"""``--worker``: independent processes share a bag split's slides by claims (featurestore.core.claims).
+
+The run is :func:`featurestore.extract.dist_run.run_split`'s, with a :class:`ClaimShare` in the
+place of torchrun's fixed partition. Every worker is rank 0 of its own one-process run:
+
+1. **open**: probe that the storage enforces create-if-absent (else one line, never a race), then
+   create the split or attach to it (``resume``): the first creator holds a ``_create`` claim so
+   two workers starting together do not both create it; a different cache key is refused by the
+   writer as for any resume;
+2. **work**: walk the pending slides; claim one (``put_if_absent``), encode it, add its bag through
+   a writer session of its own and close it (the bag is complete on storage), mark the claim
+   done; a thread renews the lease every third of it. The bag is only added while the claim
+   still renews: a worker stopped past its lease (SIGSTOP, a paused VM) whose slide was taken
+   over adds nothing. A slide that raises is released for another attempt, and after
+   ``max_attempts`` recorded as failed. Slides held by live workers are revisited until every
+   slide is done or failed;
+3. **commit**: the worker that wins the ``_commit`` claim commits, listing the failed slides in
+   the split's metadata; the others return. ``--no-commit`` leaves it to
+   ``featurestore commit``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from featurestore.core import claims
+from featurestore.errors import FeatureStoreError, InvalidOption, StorageUnavailable, StoreUnreachable
+
+__all__ = ["ClaimLost", "ClaimShare", "WorkerOptions", "commit_extra"]
+
+
+@dataclass
+class WorkerOptions:
+    lease_seconds: float = 120.0
+    max_attempts: int = 3
+    commit: bool = True
+
+    def check(self) -> None:
+        if not self.lease_seconds >= 1:
+            raise InvalidOption(f"--lease-seconds must be at least 1, but got: {self.lease_seconds}")
+        if self.max_attempts < 1:
+            raise InvalidOption(f"--max-attempts must be a positive integer, but got: {self.max_attempts}")
+
+
+class ClaimLost(FeatureStoreError, RuntimeError):
+    """This worker's claim on a slide was taken over (its lease ran out): its bag is not added."""
+
+
+class _Renewer:
+    """Renews a claim every third of its lease on a thread, until stopped or the claim is lost."""
+
+    def __init__(self, board: claims.ClaimBoard, claim: claims.Claim) -> None:
+        self.board, self.claim = board, claim
+        self.lock = threading.Lock()  # one conditional write of this claim at a time
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="featurestore-lease", daemon=True)
+
+    def __enter__(self) -> _Renewer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def renew(self) -> bool:
+        with self.lock:
+            if not self.lost:
+                try:
+                    self.lost = not self.board.renew(self.claim)
+                except Exception:  # noqa: BLE001 - a server away for a moment: the next renew retries
+                    return False
+            return not self.lost
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.board.lease / 3) and not self.lost:
+            self.renew()
+
+
+class _Guarded:
+    """A writer session that adds a bag only while this worker still holds the slide's claim."""
+
+    def __init__(self, writer: Any, renewer: _Renewer) -> None:
+        self._writer, self._renewer = writer, renewer
+
+    def add_bag(self, bag_id: str, *args: Any, **kwargs: Any) -> None:
+        if not self._renewer.renew():
+            raise ClaimLost(f"bag {bag_id!r}: this worker's claim was taken over (its lease ran out): not added")
+        self._writer.add_bag(bag_id, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._writer, name)
+
+
+def commit_extra(storage: Any, split_key: str) -> dict[str, Any]:
+    """What the claims tell a commit: ``failed`` (the slides recorded as failed, with their
+    errors; only when there are some) and ``skipped`` (every worker's skipped slides, by id)."""
+    records = claims.read_records(storage, split_key)
+    failed = [{"id": unit, "attempts": r.get("attempts"), "errors": r.get("errors", [])}
+              for unit, r in sorted(records.items()) if r.get("state") == claims.FAILED]
+    skipped = [r["skipped"] for _, r in sorted(records.items()) if r.get("state") == claims.DONE and r.get("skipped")]
+    return {"skipped": skipped, **({"failed": failed} if failed else {})}
+
+
+_RETRY = object()
+_OUTAGES = (StorageUnavailable, StoreUnreachable)
+
+
+class _Outage:
+    """How long the storage has been away: a worker waits out an outage (a server restart, a
+    network cut) for ``patience`` seconds, then gives up with the storage's error."""
+
+    def __init__(self, lease: float) -> None:
+        self.patience = max(300.0, 3 * lease)
+        self.since: float | None = None
+
+    def wait(self, error: BaseException, pause: float) -> None:
+        now = time.time()
+        self.since = self.since or now
+        if now - self.since > self.patience:
+            raise error
+        print(f"featurestore worker: storage unavailable ({str(error).splitlines()[0]}); retrying", flush=True)
+        time.sleep(pause)
+
+    def over(self) -> None:
+        self.since = None
+
+
+class ClaimShare:
+    """The hooks :func:`~featurestore.extract.dist_run.run_split` calls in ``--worker`` mode."""
+
+    def __init__(self, options: WorkerOptions) -> None:
+        options.check()
+        self.options = options
+        self.board: claims.ClaimBoard | None = None
+        self.committed = False
+        self.cohort: set[str] = set()  # every slide of the run (bag ids)
+
+    def select(self, units: Any) -> list[Any]:  # the UnitShare protocol: every unit is claimable
+        return [unit for _, unit in units]
+
+    def _board(self, job: Any) -> claims.ClaimBoard:
+        if self.board is None:
+            store = job.store
+            self.board = claims.ClaimBoard(store.storage, job.split_key(), lease=self.options.lease_seconds,
+                                           max_attempts=self.options.max_attempts)
+        return self.board
+
+    def open(self, job: Any) -> Any:
+        job.opts.resume = True
+        if job.opts.overwrite:
+            raise InvalidOption("--worker resumes the split it shares with other workers: leave out --overwrite")
+        board = self._board(job)
+        outage = _Outage(board.lease)
+        while True:
+            try:
+                return self._open(job, board)
+            except _OUTAGES as error:
+                outage.wait(error, min(5.0, board.lease / 3))
+
+    def _open(self, job: Any, board: claims.ClaimBoard) -> Any:
+        claims.probe(job.store.storage, job.split_key())
+        deadline = None
+        while True:
+            if job.split_exists():
+                return job.open()
+            claim, _ = board.claim("_create", special=True)
+            if claim is not None:
+                writer = job.open()
+                board.finish(claim)
+                return writer
+            deadline = deadline or time.time() + 2 * board.lease
+            if time.time() > deadline:
+                raise FeatureStoreError(f"split {job.key}: another worker claimed its creation "
+                                        f"{2 * board.lease:.0f} s ago and it still does not exist")
+            time.sleep(min(1.0, board.lease / 3))
+
+    def work(self, job: Any, writer: Any) -> Any:
+        board = self._board(job)
+        pending = [unit for _, unit in job.units(writer)]
+        self.cohort = set(writer.done_ids) | {job.unit_id(unit) for unit in pending}
+        parts: list[Any] = []
+        outage = _Outage(board.lease)
+        while pending:
+            waiting: list[Any] = []
+            for unit in pending:
+                try:
+                    # Committed meanwhile (by the last worker): its claims went with the segments,
+                    # and a new claim would redo a slide of a complete split.
+                    if job.split_complete():
+                        return job.merge(parts)
+                    claim, standing = board.claim(job.unit_id(unit))
+                    if claim is None:
+                        if standing is not None and standing.get("state") == claims.WORKING:
+                            waiting.append(unit)
+                        continue
+                    part = self._one(job, writer, board, claim, unit)
+                    outage.over()
+                except _OUTAGES as error:
+                    # The server is away: not the slide's fault. The claim, if taken, is this
+                    # worker's to take again (ClaimBoard.claim).
+                    outage.wait(error, min(5.0, board.lease / 3))
+                    waiting.append(unit)
+                    continue
+                if part is _RETRY:
+                    waiting.append(unit)  # released after a failed attempt: any worker may try again
+                elif part is not None:
+                    parts.append(part)
+            pending = waiting
+            if pending:
+                time.sleep(min(2.0, board.lease / 3))
+        return job.merge(parts)
+
+    def _one(self, job: Any, writer: Any, board: claims.ClaimBoard, claim: claims.Claim, unit: Any) -> Any:
+        """Encode and add one claimed slide; its progress (None: lost, failed or already complete)."""
+        uid = claim.unit
+        if claim.record.get("taken_from"):  # its worker may have died after the bag was complete
+            fresh = job.attach()
+            fresh.close()
+            if uid in fresh.done_ids:
+                board.finish(claim)
+                return None
+        session = writer.session()
+        with _Renewer(board, claim) as renewer:
+            guarded = _Guarded(session, renewer)
+            try:
+                part = job.work(guarded, [unit])
+                job.close(session, 1)
+            except ClaimLost:
+                return None
+            except _OUTAGES:
+                raise
+            except Exception as error:  # noqa: BLE001 - one slide's failure is recorded, not fatal
+                try:
+                    session.close()
+                except Exception:  # noqa: BLE001
+                    pass
+                line = f"{type(error).__name__}: {error}".splitlines()[0]
+                with renewer.lock:  # one conditional write of the claim at a time
+                    state = board.fail(claim, line)
+                print(f"featurestore worker: slide {uid!r} failed ({line}); "
+                      f"{'recorded as failed' if state == claims.FAILED else 'released for another attempt'}",
+                      flush=True)
+                return _RETRY if state == claims.RELEASED else None
+            with renewer.lock:
+                if renewer.lost or not board.finish(claim, **job.unit_record(part)):
+                    return None
+        return part
+
+    def commit(self, job: Any, writer: Any, progress: list[Any]) -> dict[str, Any]:
+        if not self.options.commit:
+            writer.close()
+            return {}
+        board = self._board(job)
+        outage = _Outage(board.lease)
+        while True:  # a commit cut short is redone whole: it writes the same bytes again
+            try:
+                return self._commit(job, writer, board, progress)
+            except _OUTAGES as error:
+                outage.wait(error, min(5.0, board.lease / 3))
+
+    def _commit(self, job: Any, writer: Any, board: claims.ClaimBoard, progress: list[Any]) -> dict[str, Any]:
+        claim, _ = board.claim("_commit", special=True)
+        # Another worker commits, or did: its commit removed the claims (the _commit one too) only
+        # after marking the split complete, so a claim won then finds the split complete.
+        if claim is None or job.split_complete():
+            writer.close()
+            return {}
+        with _Renewer(board, claim):
+            extra = commit_extra(job.store.storage, job.split_key())
+            # Every slide's bag must be found complete (or the slide failed) before the commit lays
+            # out what it finds: a store that lists too little (a server just restarted) would
+            # otherwise give a split short of bags.
+            fresh = job.attach()
+            fresh.close()
+            missing = sorted(self.cohort - fresh.done_ids - {f["id"] for f in extra.get("failed", [])})
+            if missing:
+                raise StorageUnavailable(f"split {job.key}: the bags of {len(missing)} done slide(s) are not found "
+                                         f"on the store (first: {missing[0]!r}): it lists too little")
+            metadata = job.commit(_WithExtra(writer, extra), progress)
+        self.committed = True
+        return metadata
+
+
+class _WithExtra:
+    """A writer whose commit adds ``extra`` (the failed slides) to the split's metadata."""
+
+    def __init__(self, writer: Any, extra: dict[str, Any]) -> None:
+        self._writer, self._extra = writer, extra
+
+    def commit(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``extra`` as the job gives it, its ``skipped`` (one worker's) replaced by every worker's."""
+        extra = dict(extra or {})
+        if "skipped" in extra:
+            extra["skipped"] = self._extra["skipped"]
+        if "failed" in self._extra:
+            extra["failed"] = self._extra["failed"]
+        return self._writer.commit(extra=extra)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._writer, name)
