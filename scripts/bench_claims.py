@@ -71,8 +71,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--wsi", type=int, default=8)
     args = parser.parse_args()
-    from featurestore.bench.seaweedfs import seaweed_server
-    from featurestore.core.storage_obstore import ObjectStorage
+    from featurestore.testing.seaweedfs import seaweed_server
+    from featurestore.core.storage.obstore import ObjectStorage
 
     with tempfile.TemporaryDirectory() as tmp, seaweed_server(os.path.join(tmp, "weed")) as server:
         server.create_bucket("bench-claims")

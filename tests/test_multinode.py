@@ -30,7 +30,7 @@ from test_extract import cli_env
 import featurestore
 from featurestore.testing.seaweedfs import free_ports
 from featurestore.core.storage import LocalStorage
-from featurestore.core.storage_obstore import ObjectStorage
+from featurestore.core.storage.obstore import ObjectStorage
 from featurestore.demo.synthetic import make_synthetic_pannuke
 from featurestore.extract.dist import Coordinator
 from featurestore.extract.run import ExtractOptions, extract

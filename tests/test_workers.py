@@ -163,7 +163,7 @@ def test_conditional_writes_enforced(backend: str, tmp_path: Path, request: pyte
     elif backend == "seaweedfs":
         storage = _storage(request.getfixturevalue("seaweed_url"), request.getfixturevalue("seaweed").storage_options)
     else:
-        from featurestore.core.storage_obstore import ObjectStorage
+        from featurestore.core.storage.obstore import ObjectStorage
 
         bucket = request.getfixturevalue("s3_bucket")
         storage = ObjectStorage(f"s3://{bucket}/x", dict(request.getfixturevalue("s3_storage_options")))
@@ -351,8 +351,8 @@ def test_object_server_restarted_mid_run_workers_retry_and_finish(tmp_path: Path
     """SeaweedFS stopped (SIGTERM) while two workers import, started again on the same ports and
     directory a few seconds later: the workers wait it out and the split is whole."""
     pytest.importorskip("obstore")
-    from featurestore.bench.common import stop_process
-    from featurestore.bench.seaweedfs import SeaweedUnavailable, _ready, seaweed_server
+    from featurestore.testing import stop_process
+    from featurestore.testing.seaweedfs import SeaweedUnavailable, _ready, seaweed_server
 
     source = tmp_path / "src"
     trident_dir(source, {f"s{i:02d}": 20 + i for i in range(16)})
