@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
+from featurestore.commands.storeargs import add_split_names, add_storage_options, open_store_from_args, store_errors
 
 
 def register(subparsers: Any) -> None:
@@ -17,9 +17,7 @@ def register(subparsers: Any) -> None:
         "worker died). Refused while a live worker still holds a slide; slides recorded as failed are listed "
         "in the split's metadata ('failed').")
     p.add_argument("store", metavar="STORE", help="store path or URL")
-    p.add_argument("dataset")
-    p.add_argument("encoder")
-    p.add_argument("split")
+    add_split_names(p)
     add_storage_options(p)
     p.set_defaults(func=run)
 

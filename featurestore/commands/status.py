@@ -8,7 +8,7 @@ import argparse
 import datetime as _dt
 from typing import Any
 
-from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
+from featurestore.commands.storeargs import add_split_names, add_storage_options, open_store_from_args, store_errors
 
 
 def register(subparsers: Any) -> None:
@@ -18,9 +18,7 @@ def register(subparsers: Any) -> None:
         "done, claimed (worker host/pid/start, lease age), failed and left, and an estimated time to finish "
         "from the pace of the done slides.")
     p.add_argument("store", metavar="STORE", help="store path or URL")
-    p.add_argument("dataset")
-    p.add_argument("encoder")
-    p.add_argument("split")
+    add_split_names(p)
     add_storage_options(p)
     p.set_defaults(func=run)
 
