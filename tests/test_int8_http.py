@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient  # noqa: E402
+from fastapi.testclient import TestClient
 
-import featurestore  # noqa: E402
-from client import FeatureClient  # noqa: E402
-from featurestore import errors as fse  # noqa: E402
-from featurestore.format import wire  # noqa: E402
-from server import Settings, create_app  # noqa: E402
+import featurestore
+from client import FeatureClient
+from featurestore import errors as fse
+from featurestore.format import wire
+from server import Settings, create_app
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_int8 import bag_values, vit_like  # noqa: E402
+from test_int8 import bag_values, vit_like
 
 DENSE = ("ds", "enc", "i8")
 BAGS = ("ds", "enc", "i8bags")
@@ -100,11 +100,9 @@ def test_int8_dense_and_bag_splits_read_the_same_from_every_source(
     want_dense, want_bags = dense_reads(store.open(*DENSE)), bag_reads(store.open_bags(*BAGS))
     assert want_dense[0].dtype == np.int8 and want_dense[4].dtype == np.float32  # codes, then values
     write_all(seaweed_url, **seaweed.storage_options)
-    sources = {
-        "s3": featurestore.open_store(seaweed_url, **seaweed.storage_options),
-        "s3+cache": featurestore.open_store(seaweed_url, cache_dir=str(tmp_path / "cache"), **seaweed.storage_options),
-    }
-    for name, source in sources.items():
+    for path, options in (("ranges", {}), ("cached", {"cache_dir": str(tmp_path / "cache")})):
+        source = featurestore.open_store(seaweed_url, **options, **seaweed.storage_options)
+        assert source.open(*DENSE).path == path  # ranged GETs, or chunks through the chunk cache
         same(dense_reads(source.open(*DENSE)), want_dense)
         same(bag_reads(source.open_bags(*BAGS)), want_bags)
     for client in (FeatureClient("http://testserver", http_client=testclient), FeatureClient(served)):
