@@ -2,9 +2,11 @@
 local :class:`featurestore.FeatureArray`, so datasets and loaders treat both sources alike.
 
 Everything it knows about the split comes from one :class:`~featurestore.format.wire.SplitStructure`
-(one ``GET .../arrays``); every byte it reads comes through :meth:`FeatureClient.fetch_into` /
+(one ``GET .../arrays``); every byte it reads comes through :meth:`FeatureClient.fetch_parts` /
 :meth:`FeatureClient.fetch_samples`, the client's public data calls, each response checked to be
-of the generation the structure named (``SplitChanged`` if the split was overwritten since).
+of the generation the structure named (``SplitChanged`` if the split was overwritten since). An
+int8 split's codes come with their chunks' scales (``?dtype=int8``) and are dequantized here as
+the local reader does (``format.int8``).
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ response's bytes against the in-flight budget (wait, or 503 with Retry-After), g
 into a pooled buffer with the store's reader, confirm the split did not change meanwhile (409),
 then hand the buffers to :class:`~server.responses.ArrayResponse`, which sends them without
 copying and gives the reservation back when the last byte left (or the client went away).
+``?dtype=`` picks what the features part holds (:func:`requested`, ``wire.served_dtype``): float32
+or float16 values (an int8 split dequantized by the store's reader, its default), or an int8
+split's codes followed by their chunks' scales as one more part.
 
 Index lists come as raw little-endian int64 (``Content-Type: application/x-featurestore-indices``,
 no parsing at all) or JSON ``{"indices": [...]}``; either is capped in bytes
