@@ -30,6 +30,8 @@ BAGS = ("ds", "enc", "i8bags")
 HALF = ("ds", "enc", "f16")
 X = vit_like(75, seed=3)
 DTYPES = (None, "float32", "float16")
+LABELLED = ("ds", "enc", "i8labels")  # int8 with labels and sample ids
+IDS = [f"slide-{i:03d}" for i in range(len(X))]
 
 
 def write_all(url: str, **options: Any) -> None:
@@ -50,6 +52,11 @@ def write_all(url: str, **options: Any) -> None:
 def local(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = str(tmp_path_factory.mktemp("int8http") / "store")
     write_all(root)
+    writer = featurestore.open_store(root, mode="a").create_split(
+        *LABELLED, num_samples=len(X), sample_shape=X.shape[1:], dtype="int8", chunk_rows=16,
+        label_shape=(), label_dtype="int64", ids=IDS)
+    writer.write(0, X, np.arange(len(X), dtype=np.int64) % 3)
+    writer.commit()
     return root
 
 
@@ -195,3 +202,17 @@ def test_the_routes_answer_values_by_default_and_refuse_a_bad_dtype_in_one_line(
         client.open(*DENSE).read_numpy([0], dtype="float64")
     with pytest.raises(fse.DtypeMismatch, match="float64"):
         client.open_bags(*BAGS).read_numpy("s-01", dtype="float64")
+
+
+def test_features_and_labels_and_reads_by_id_of_an_int8_split(testclient: TestClient, local: str) -> None:
+    """``read_samples`` (features and labels in one request: the codes' scales ride along) and
+    ``read_ids`` answer the stored codes and the labels, as a local read of those rows does."""
+    array = featurestore.open_store(local).open(*LABELLED)
+    client = FeatureClient("http://testserver", http_client=testclient)
+    index = np.array([74, 0, 31, 31, 16])
+    features, labels = client.read_samples(*LABELLED, index)
+    assert features.dtype == np.int8 and np.array_equal(features, array.read_numpy(index))
+    assert labels is not None and np.array_equal(labels, array.labels.read_numpy(index))
+    features, labels = client.read_ids(*LABELLED, [IDS[i] for i in index])
+    assert np.array_equal(features, array.read_numpy(index)) and np.array_equal(labels, array.labels.read_numpy(index))
+    assert np.array_equal(client.open(*LABELLED).read_numpy(index, dtype="float32"), array.read_numpy(index, dtype="float32"))
