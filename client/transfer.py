@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from client import dequantize
 from client.dataset import FeatureDataset
 from client.stager import DeviceStager, widen
 from featurestore.core.buffers import aligned_empty
@@ -48,7 +49,7 @@ class Transfer(DeviceStager):
         ds, b = self.ds, len(index)
         labels_np = np.empty((b, *ds.label_shape), ds.label_numpy_dtype)
         shape = (b, *ds.sample_shape)
-        if self.dtype == self.stored:
+        if self.dtype == self.stored and not ds.quantized:
             # Straight into the buffer handed out: one copy, as the bare reader does.
             host = self.pool.lease(b * ds.sample_nbytes)
             features = torch.from_numpy(host).view(self.stored).view(shape)
@@ -63,7 +64,10 @@ class Transfer(DeviceStager):
             host = self.pool.lease(b * (ds.sample_nbytes // ds.numpy_dtype.itemsize) * self.dtype.itemsize)
             features = torch.from_numpy(host).view(self.dtype).view(shape)
             del host
-            features.copy_(dtypes.to_torch(stored, ds.dtype))  # exact upcast, into a recycled buffer
+            if ds.quantized:  # codes times their chunks' scales, into the recycled buffer
+                dequantize.into(stored, index // ds.chunk_rows, ds.scales(), features)
+            else:
+                features.copy_(dtypes.to_torch(stored, ds.dtype))  # exact upcast, into a recycled buffer
         if self.norm is not None:
             features.sub_(self.norm[0]).mul_(self.norm[1])
         return features, widen(torch.from_numpy(labels_np))
@@ -72,18 +76,39 @@ class Transfer(DeviceStager):
         ds, b = self.ds, len(index)
         with self.slot() as slot:  # the copy out of this slot's last batch is done
             host_f, host_l = slot.views(ds, b)
+            scales_nbytes = self._stage_scales(slot, index) if ds.quantized else 0
             ds.read_into(index, host_f, host_l)
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 raw_f = slot.features[: host_f.nbytes].to(self.device, non_blocking=True)
                 raw_l = slot.second[: host_l.nbytes].to(self.device, non_blocking=True)
+                raw_s = slot.scales[:scales_nbytes].to(self.device, non_blocking=True) if scales_nbytes else None
                 slot.record_copied(self.stream)
-                features = raw_f.view(self.stored).view(b, *ds.sample_shape).to(self.dtype)
+                if raw_s is not None:  # the upcast inside the multiply by the scales
+                    place = raw_s[: b * 8].view(torch.int64)
+                    scales = raw_s[b * 8:].view(torch.float32).view(-1, *ds.sample_shape)
+                    codes = raw_f.view(torch.int8).view(b, *ds.sample_shape)
+                    features = dequantize.on_device(codes, scales, place, self.dtype)
+                else:
+                    features = raw_f.view(self.stored).view(b, *ds.sample_shape).to(self.dtype)
                 if self.norm is not None:
                     features = features.sub_(self.norm[0]).mul_(self.norm[1])
                 label_dtype = torch.from_numpy(host_l[:0]).dtype
                 labels = widen(raw_l.view(label_dtype).view(b, *ds.label_shape))
                 ready = self.ready_event()
         return features, labels, ready
+
+    def _stage_scales(self, slot: Any, index: np.ndarray) -> int:
+        """Into the slot's third buffer: each row's place (int64) among the batch's scale rows,
+        then those rows (float32, each chunk's once). Returns the bytes to copy."""
+        needed, place = dequantize.batch_scales(index // self.ds.chunk_rows)
+        table = self.ds.scales()
+        row_bytes = table[0].nbytes if len(table) else 0
+        nbytes = place.nbytes + len(needed) * row_bytes
+        slot.reserve_scales(nbytes)
+        slot.scales[: place.nbytes].numpy().view(np.int64)[:] = place
+        rows = slot.scales[place.nbytes:nbytes].numpy().view(np.float32).reshape(len(needed), *table.shape[1:])
+        np.take(table, needed, axis=0, out=rows)
+        return nbytes
 
     # ------------------------------------------------------------------ consumer side
     def finish(self, item: Any) -> tuple[torch.Tensor, torch.Tensor]:
