@@ -183,8 +183,8 @@ class BagDataset(OpenedPerProcess, torch.utils.data.Dataset):
         coords = np.empty((n, 2), self.coords_dtype)
         if n:
             self.read_into(index, rows, features, coords)
-        return dtypes.to_torch(features, features.dtype.name if self.quantized else self.dtype), \
-            torch.from_numpy(coords), self.label_of(index)
+        values = torch.from_numpy(features) if self.quantized else dtypes.to_torch(features, self.dtype)
+        return values, torch.from_numpy(coords), self.label_of(index)
 
     def _check_index(self, index: Any) -> int:
         return item_index(index, self.num_bags, "bag", "e.g. ds[3] (ds.ids.index(bag_id) for a bag id)")
