@@ -16,6 +16,7 @@ shared with :class:`client.bag_transfer.BagTransfer`.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,8 @@ class Transfer(DeviceStager):
         super().__init__(device, dtype, pin, mean_std, num_threads, prefetch=prefetch)
         self.ds = ds
         self.stored = ds.torch_dtype
+        self._scales: dequantize.ChunkScales | None = None  # an int8 split's, on CUDA
+        self._scales_lock = threading.Lock()
 
     # ------------------------------------------------------------------ producer side (threads)
     def produce(self, index: np.ndarray, staging: dict[str, np.ndarray]) -> Any:
@@ -76,18 +79,18 @@ class Transfer(DeviceStager):
         ds, b = self.ds, len(index)
         with self.slot() as slot:  # the copy out of this slot's last batch is done
             host_f, host_l = slot.views(ds, b)
-            scales_nbytes = self._stage_scales(slot, index) if ds.quantized else 0
+            scales = self._chunk_scales() if ds.quantized else None
+            groups = index // ds.chunk_rows
+            scales_nbytes = scales.stage(slot, groups) if scales is not None else 0
             ds.read_into(index, host_f, host_l)
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 raw_f = slot.features[: host_f.nbytes].to(self.device, non_blocking=True)
                 raw_l = slot.second[: host_l.nbytes].to(self.device, non_blocking=True)
                 raw_s = slot.scales[:scales_nbytes].to(self.device, non_blocking=True) if scales_nbytes else None
                 slot.record_copied(self.stream)
-                if raw_s is not None:  # the upcast inside the multiply by the scales
-                    place = raw_s[: b * 8].view(torch.int64)
-                    scales = raw_s[b * 8:].view(torch.float32).view(-1, *ds.sample_shape)
+                if scales is not None and raw_s is not None:  # the upcast inside the multiply by the scales
                     codes = raw_f.view(torch.int8).view(b, *ds.sample_shape)
-                    features = dequantize.on_device(codes, scales, place, self.dtype)
+                    features = scales.multiply(codes, raw_s, groups, self.dtype)
                 else:
                     features = raw_f.view(self.stored).view(b, *ds.sample_shape).to(self.dtype)
                 if self.norm is not None:
@@ -97,18 +100,12 @@ class Transfer(DeviceStager):
                 ready = self.ready_event()
         return features, labels, ready
 
-    def _stage_scales(self, slot: Any, index: np.ndarray) -> int:
-        """Into the slot's third buffer: each row's place (int64) among the batch's scale rows,
-        then those rows (float32, each chunk's once). Returns the bytes to copy."""
-        needed, place = dequantize.batch_scales(index // self.ds.chunk_rows)
-        table = self.ds.scales()
-        row_bytes = table[0].nbytes if len(table) else 0
-        nbytes = place.nbytes + len(needed) * row_bytes
-        slot.reserve_scales(nbytes)
-        slot.scales[: place.nbytes].numpy().view(np.int64)[:] = place
-        rows = slot.scales[place.nbytes:nbytes].numpy().view(np.float32).reshape(len(needed), *table.shape[1:])
-        np.take(table, needed, axis=0, out=rows)
-        return nbytes
+    def _chunk_scales(self) -> dequantize.ChunkScales:
+        """The split's scales for the CUDA path, made by the first batch's thread (read once)."""
+        with self._scales_lock:
+            if self._scales is None:
+                self._scales = dequantize.ChunkScales(self.ds.scales(), self.device, self.stream)
+            return self._scales
 
     # ------------------------------------------------------------------ consumer side
     def finish(self, item: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -225,7 +225,11 @@ def same(gpu: torch.Tensor, cpu: torch.Tensor, normalized: bool) -> bool:
 @pytest.mark.cuda
 @pytest.mark.parametrize("order", ["shuffle", "sequential"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_cuda_int8_feature_batches_equal_the_stores_read(local_store: str, order: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("table_on_device", [True, False])
+def test_cuda_int8_feature_batches_equal_the_stores_read(local_store: str, monkeypatch: pytest.MonkeyPatch, order: str,
+                                                          dtype: torch.dtype, table_on_device: bool) -> None:
+    if not table_on_device:  # the scale rows each batch needs cross in its host slot instead
+        monkeypatch.setattr(dequantize, "DEVICE_TABLE_BYTES", 0)
     ds = FeatureDataset(local_store, *SPLIT)
     for normalize in (False, True):
         gpu = FeatureLoader(ds, batch_size=32, order=order, seed=4, device="cuda", dtype=dtype, prefetch=3,
@@ -238,6 +242,7 @@ def test_cuda_int8_feature_batches_equal_the_stores_read(local_store: str, order
                 assert torch.equal(f.cpu(), expected_rows(local_store, gpu.plan().batch(k), dtype))
             assert same(f.cpu(), cpu[k][0], normalize) and torch.equal(y.cpu(), cpu[k][1])
         assert all(slot.scales.is_pinned() for slot in list(gpu._transfer.slots.queue))  # type: ignore[union-attr]
+        assert (gpu._transfer._scales.device_table is not None) == table_on_device  # type: ignore[union-attr]
 
 
 @cuda_only
