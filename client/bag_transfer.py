@@ -16,6 +16,9 @@ The bag loader's producer (:class:`client.prefetch.Producer`), the twin of
 * CPU: the batch handed out is a leased buffer of :class:`featurestore.core.buffers.BufferPool`;
   rows are read straight into it at the stored dtype, or through a staging piece of at most
   ``piece_bytes`` and upcast into it otherwise.
+* int8: the codes travel as any stored rows; each piece is multiplied by its bag's scales into the
+  batch (CPU), or the batch's ``B x D`` scales go to the device and one multiply upcasts and
+  scales there (:mod:`client.dequantize`).
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ def batch_scales(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return needed, place.astype(np.int64).reshape(-1)
 
 
-def on_device(codes: torch.Tensor, scales: torch.Tensor, place: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def on_device(codes: torch.Tensor, scales: torch.Tensor, place: torch.Tensor | None,
+              dtype: torch.dtype) -> torch.Tensor:
     """Codes ``[n, *S]`` (int8) times their scales on the codes' device, in ``dtype``.
 
     ``scales``: ``[u, *S]`` float32 with ``place`` ``[n]`` each row's among them (one row: all
@@ -101,7 +102,8 @@ class ChunkScales:
             np.take(self.table, needed, axis=0, out=rows)
         return nbytes
 
-    def multiply(self, codes: torch.Tensor, staged: torch.Tensor, groups: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    def multiply(self, codes: torch.Tensor, staged: torch.Tensor, groups: np.ndarray,
+                 dtype: torch.dtype) -> torch.Tensor:
         """``codes`` (on the device) times their scales, from ``staged`` (what :meth:`stage` wrote,
         copied to the device) and the batch's chunks ``groups`` (on the host)."""
         b = len(groups)

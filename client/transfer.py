@@ -10,6 +10,9 @@
   :class:`featurestore.core.buffers.BufferPool` that return only when the consumer drops the last
   view of them, because a probe may keep its batches (``torch.cat`` of all features).
 
+An int8 split's codes travel at their width and are multiplied by their scales where the batch is
+made, into the batch on the CPU, on the side stream on CUDA (:mod:`client.dequantize`).
+
 Slots, side stream, buffer pool, read threads and the hand-over are :class:`client.stager.DeviceStager`'s,
 shared with :class:`client.bag_transfer.BagTransfer`.
 """

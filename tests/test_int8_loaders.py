@@ -121,9 +121,11 @@ def test_dataset_items_dtype_none_and_normalize(local_store: str) -> None:
     ds = FeatureDataset(local_store, *SPLIT)
     array = featurestore.open_store(local_store).open(*SPLIT)
     features, _ = ds[17]
-    assert features.dtype == torch.float32 and torch.equal(features, torch.from_numpy(array.read_numpy([17], dtype="float32")[0]))
+    assert features.dtype == torch.float32
+    assert torch.equal(features, torch.from_numpy(array.read_numpy([17], dtype="float32")[0]))
     items = ds.__getitems__([5, 140, 5])
-    assert torch.equal(torch.stack([f for f, _ in items]), torch.from_numpy(array.read_numpy([5, 140, 5], dtype="float32")))
+    want = torch.from_numpy(array.read_numpy([5, 140, 5], dtype="float32"))
+    assert torch.equal(torch.stack([f for f, _ in items]), want)
     default = next(iter(FeatureLoader(ds, batch_size=8, shuffle=False, device="cpu", dtype=None)))[0]
     assert default.dtype == torch.float32  # dtype=None: the values' dtype, not int8 codes
     mean, std = ds.channel_stats()  # type: ignore[misc]
@@ -180,7 +182,8 @@ def test_bag_loader_batches_equal_the_stores_dequantized_read(source: tuple[str,
 def test_bag_dataset_items_and_normalize(local_store: str) -> None:
     ds = BagDataset(local_store, "ds", "enc", "bags")
     features, _, _ = ds[ds.ids.index("s-04")]
-    assert features.dtype == torch.float32 and torch.equal(features, expected_bag(local_store, "s-04", None, torch.float32))
+    assert features.dtype == torch.float32
+    assert torch.equal(features, expected_bag(local_store, "s-04", None, torch.float32))
     assert ds[ds.ids.index("s-02")][0].shape == (0, 16)
     mean, std = ds.channel_stats()  # type: ignore[misc]
     inv = torch.from_numpy(np.where(std > 0, 1.0 / np.where(std > 0, std, 1.0), 1.0).astype(np.float32))
@@ -234,7 +237,8 @@ def test_cuda_int8_feature_batches_equal_the_stores_read(local_store: str, monke
     for normalize in (False, True):
         gpu = FeatureLoader(ds, batch_size=32, order=order, seed=4, device="cuda", dtype=dtype, prefetch=3,
                             normalize=normalize)
-        cpu = list(FeatureLoader(ds, batch_size=32, order=order, seed=4, device="cpu", dtype=dtype, normalize=normalize))
+        cpu = list(FeatureLoader(ds, batch_size=32, order=order, seed=4, device="cpu", dtype=dtype,
+                                 normalize=normalize))
         for k, (f, y) in enumerate(gpu):
             assert f.is_cuda and f.dtype == dtype and y.dtype == torch.int64
             f.mul_(1)  # consumer work on the current stream, ordered after the copy by the event
