@@ -26,9 +26,9 @@ import torch
 from featurestore.format import int8
 
 BLOCK_BYTES = 1 << 20  # float32 scales gathered per block of a shuffled batch (stays in cache)
-# A dense split's whole scales table is kept on the device up to this size (4 / chunk_rows of the
-# codes' bytes: ~8 GiB of 128-row chunks): a shuffled batch then sends 8 bytes a row, not a
-# float32 scales row per chunk it touches (up to 4x its codes' bytes).
+# A dense split's whole scales table is kept on the device up to this size (it is 4 / chunk_rows
+# of the codes' bytes: a split of up to ~8 GiB of codes in 128-row chunks): a shuffled batch then
+# sends 8 bytes a row, not a float32 scales row per chunk it touches (up to 4x its codes' bytes).
 DEVICE_TABLE_BYTES = 256 << 20
 NUMPY_OUT = (torch.float32, torch.float16)  # dtypes format.int8 writes into directly
 
@@ -110,6 +110,6 @@ class ChunkScales:
         place = staged[: b * 8].view(torch.int64)
         if self.device_table is None:
             return on_device(codes, staged[b * 8:].view(torch.float32).view(-1, *self.table.shape[1:]), place, dtype)
-        if groups.min() == groups.max():  # one chunk: its row broadcast, no gather
+        if b and groups.min() == groups.max():  # one chunk: its row broadcast, no gather
             return on_device(codes, self.device_table[int(groups[0])], None, dtype)
         return on_device(codes, self.device_table, place, dtype)
