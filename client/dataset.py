@@ -71,7 +71,9 @@ class OpenedPerProcess:
         if _is_http(self.source):
             from client.http import FeatureClient
 
-            return _not_int8_over_http(self._open_remote(FeatureClient(self.source, token=self.token)))
+            from client.remote_values import values_over_http
+
+            return values_over_http(self._open_remote(FeatureClient(self.source, token=self.token)))
         import featurestore
 
         return self._open_store(featurestore.open_store(self.source, mode="r", **self.storage_options))
@@ -248,15 +250,3 @@ def channel_stats_of(metadata: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] 
     if not stats or stats.get("mean") is None or stats.get("std") is None:
         return None
     return np.asarray(stats["mean"], np.float32), np.asarray(stats["std"], np.float32)
-
-
-def _not_int8_over_http(reader: Any) -> Any:
-    """int8 codes are not values (they need their scales), and the HTTP readers do not hand out
-    the scales yet: an int8 split served over HTTP is refused, read from the store it is dequantized."""
-    if getattr(reader, "dtype", None) == "int8":
-        from featurestore.errors import DtypeMismatch
-
-        raise DtypeMismatch(f"{reader!r} is an int8 split, which the datasets and loaders do not read over HTTP "
-                            "yet: open the store's path or s3:// URL instead of the server's, or store the "
-                            "features as float16")
-    return reader

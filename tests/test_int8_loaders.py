@@ -1,7 +1,7 @@
 """int8 splits through the datasets and loaders: every batch equals the store's own dequantizing
 read (``read_numpy(dtype="float32")``, ``"float16"``) bit for bit, dense and bags, shuffled and
 sequential, locally and on SeaweedFS (ranged reads and the chunk cache), on the CPU and on CUDA;
-over HTTP the datasets refuse an int8 split in one line until the HTTP readers carry the scales."""
+and over HTTP (codes and their scales rows on the wire, dequantized as they arrive)."""
 
 from __future__ import annotations
 
@@ -204,14 +204,26 @@ def test_bag_probe_reads_values_not_codes(local_store: str) -> None:
 
 
 # ---------------------------------------------------------------------- HTTP: refused until it carries scales
-def test_http_datasets_refuse_an_int8_split_in_one_line(local_store: str) -> None:
+def test_http_datasets_and_loaders_read_the_values_the_store_reads(local_store: str) -> None:
+    """Over HTTP the codes travel with their scales rows and are dequantized as they arrive: every
+    batch equals the store's own loader's, dense and bags, float32 and float16 out."""
     from featurestore.bench.http import serve_subprocess
 
     with serve_subprocess(local_store) as (url, _):
-        for make in (lambda: FeatureDataset(url, *SPLIT), lambda: BagDataset(url, "ds", "enc", "bags")):
-            with pytest.raises(DtypeMismatch, match="int8 split.*not read over HTTP yet") as refused:
-                make()
-            assert "\n" not in str(refused.value)
+        remote, local = FeatureDataset(url, *SPLIT), FeatureDataset(local_store, *SPLIT)
+        assert remote.dtype == "float32" and not remote.quantized and "\n" not in repr(remote.array)
+        assert torch.equal(remote[3][0], local[3][0])
+        for dtype in (torch.float32, torch.float16):
+            a = list(FeatureLoader(remote, batch_size=32, shuffle=True, seed=1, device="cpu", dtype=dtype))
+            b = list(FeatureLoader(local, batch_size=32, shuffle=True, seed=1, device="cpu", dtype=dtype))
+            assert len(a) == len(b) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
+                                            for x, y in zip(a, b))
+            bags = [BagLoader(BagDataset(s, "ds", "enc", "bags"), batch_size=2, shuffle=True, seed=2, device="cpu", dtype=dtype)
+                    for s in (url, local_store)]
+            c, d = (list(loader) for loader in bags)
+            assert len(c) == len(d) > 0
+            for x, y in zip(c, d):
+                assert all(torch.equal(p, q) for p, q in zip(x, y) if isinstance(p, torch.Tensor))
 
 
 # ---------------------------------------------------------------------- CUDA
