@@ -13,6 +13,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from featurestore.commands.parsers import add_debug_option, add_verb
 from featurestore.commands.report_line import quantization_line
 from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, storage_options, store_errors
 from featurestore.commands.workerargs import add_worker_options, worker_options
@@ -37,15 +38,16 @@ def _triple(values: list[float] | None, flag: str) -> tuple[float, float, float]
     return (values[0], values[1], values[2])
 
 
+DESCRIPTION = """\
+Encode an image source with a frozen encoder and write the features (and labels) into a split of a store.
+Resumable (--resume), several processes under torchrun. A wsi: source (whole-slide images through OpenSlide)
+writes a bag split, one bag per slide; a slide that cannot be used is skipped with one line naming it, and the
+exit status is then 3.
+"""
+
+
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "extract",
-        help="encode images with a frozen encoder into a split",
-        description="Encode an image source with a frozen encoder and write the features (and labels) "
-        "into a split of a store. Resumable (--resume), several processes under torchrun. A wsi: source "
-        "(whole-slide images through OpenSlide) writes a bag split, one bag per slide; a slide that "
-        "cannot be used is skipped with one line naming it, and the exit status is then 3.",
-    )
+    p = add_verb(subparsers, "extract", run, "encode images with a frozen encoder into a split", DESCRIPTION)
     req = p.add_argument_group("required")
     req.add_argument("--images", required=True, metavar="SOURCE",
                      help="npy:IMAGES.npy | pannuke:DIR | folder:DIR | python:MODULE:FACTORY | "
@@ -105,9 +107,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--queue-size", type=int, default=4, help="batches in flight to the writer thread")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_worker_options(p)
-    # SUPPRESS: do not reset a `featurestore --debug extract ...` given before the verb.
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-    p.set_defaults(func=run)
+    add_debug_option(p)
 
 
 def is_slides(args: argparse.Namespace) -> bool:
