@@ -157,47 +157,39 @@ def options_from_args(args: argparse.Namespace) -> Any:
         progress=not args.no_progress, threads=args.threads, verify_chunks=args.verify_chunks)
 
 
+def _closing_lines(result: Any, already: str, extracted: Callable[[float], str]) -> list[str]:
+    """The quantization line, then ``already`` (a split complete before this run) or
+    ``extracted(seconds)``, the run's own line (``seconds`` of the encode loop, never 0)."""
+    q = result.metadata.get("quantization") or {}
+    lines = [f"quantization: {quantization_line(q)}"] if q else []
+    if result.status == "already-complete":
+        return [*lines, f"{already}: nothing to do (--overwrite to redo it)"]
+    return [*lines, extracted(max(result.seconds, 1e-9))]
+
+
 def format_report(result: Any) -> list[str]:
     """The closing lines: quantization report, then one summary line."""
     meta = result.metadata
-    q = meta.get("quantization") or {}
-    lines = []
-    if q:
-        lines.append(f"quantization: {quantization_line(q)}")
     shape = "x".join(str(s) for s in [result.num_samples, *meta.get("sample_shape", [])])
-    if result.status == "already-complete":
-        lines.append(f"split {result.key} is already complete with the same cache key ({shape} "
-                     f"{meta.get('logical_dtype')}): nothing to do (--overwrite to redo it)")
-        return lines
-    secs = max(result.seconds, 1e-9)
-    lines.append(
-        f"extracted {result.key}: {shape} {meta.get('logical_dtype')}, {result.encoded} samples encoded "
+    return _closing_lines(
+        result, f"split {result.key} is already complete with the same cache key ({shape} {meta.get('logical_dtype')})",
+        lambda secs: f"extracted {result.key}: {shape} {meta.get('logical_dtype')}, {result.encoded} samples encoded "
         f"in {result.seconds:.1f}s ({result.encoded / secs:.1f} img/s, "
         f"{result.bytes_written / secs / 1e6:.3g} MB/s written; {result.wall_seconds:.1f}s in all), "
         f"status {meta.get('status')}")
-    return lines
 
 
 def format_slide_report(result: Any) -> list[str]:
     """The closing lines of a slide extraction (skipped slides go to stderr, one line each)."""
     meta = result.metadata
-    lines = []
-    q = meta.get("quantization") or {}
-    if q:
-        lines.append(f"quantization: {quantization_line(q)}")
     bags = meta.get("bags") or {}
-    if result.status == "already-complete":
-        lines.append(f"bag split {result.key} is already complete with the same cache key ({bags.get('count')} bags, "
-                     f"{meta.get('num_samples')} patches, {meta.get('logical_dtype')}): nothing to do "
-                     "(--overwrite to redo it)")
-        return lines
-    secs = max(result.seconds, 1e-9)
-    lines.append(
-        f"extracted {result.key}: {result.bags} bags of {result.slides} slides, {result.patches} patches encoded in "
-        f"{result.seconds:.1f}s ({result.patches / secs:.1f} patches/s; {result.wall_seconds:.1f}s in all), "
+    return _closing_lines(
+        result, f"bag split {result.key} is already complete with the same cache key ({bags.get('count')} bags, "
+        f"{meta.get('num_samples')} patches, {meta.get('logical_dtype')})",
+        lambda secs: f"extracted {result.key}: {result.bags} bags of {result.slides} slides, {result.patches} patches "
+        f"encoded in {result.seconds:.1f}s ({result.patches / secs:.1f} patches/s; {result.wall_seconds:.1f}s in all), "
         f"{len(result.skipped)} skipped; split: {bags.get('count')} bags, {meta.get('num_samples')} patches, "
         f"{meta.get('logical_dtype')}, status {meta.get('status')}")
-    return lines
 
 
 def run_slides(args: argparse.Namespace) -> int:
