@@ -147,6 +147,12 @@ class ScriptedHTTPServer:
     def close(self) -> None:
         self.sock.close()
 
+    def __enter__(self) -> ScriptedHTTPServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def _response(status: int, body: bytes, headers: dict[str, str] | None = None) -> bytes:
     lines = [f"HTTP/1.1 {status} X", f"Content-Length: {len(body)}", "Content-Type: application/json"]
