@@ -16,6 +16,7 @@ import hmac
 from starlette.responses import HTMLResponse, RedirectResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from server.asgi import HttpMiddleware
 from server.errors import Unauthorized, render_error
 from server.web import session
 from server.web.views import login_page
@@ -24,9 +25,9 @@ from server.web.security import PAGE_HEADERS
 OPEN_PATHS = frozenset({"/healthz"})
 
 
-class BearerAuthMiddleware:
+class BearerAuthMiddleware(HttpMiddleware):
     def __init__(self, app: ASGIApp, token: str, pages: bool = True) -> None:
-        self.app = app
+        super().__init__(app)
         self._pages = pages  # whether the web page is served (FEATURESTORE_UI)
         self._expected = token.encode("utf-8")
         self._session = session.session_value(token).encode("ascii")
@@ -44,10 +45,7 @@ class BearerAuthMiddleware:
             return cookie is not None and hmac.compare_digest(cookie, self._session)
         return False
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         page = self._pages and session.is_page(path)
         if page and scope.get("method") == "GET" and b"token=" in scope.get("query_string", b""):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.asgi import HttpMiddleware
 from server.errors import RequestTooLarge, render_error
 
 
@@ -21,15 +22,12 @@ def _too_large(cap: int) -> RequestTooLarge:
     )
 
 
-class BodyLimitMiddleware:
+class BodyLimitMiddleware(HttpMiddleware):
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:

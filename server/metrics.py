@@ -16,6 +16,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.asgi import HttpMiddleware
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -52,15 +54,12 @@ class Metrics:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-class MetricsMiddleware:
+class MetricsMiddleware(HttpMiddleware):
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         status = 500
         length = 0

@@ -1,4 +1,5 @@
-"""Per-slide h5 feature files, as the extractors users import from write them."""
+"""Per-slide h5 feature files, as the extractors users import from write them; a bag split writer
+with its first bag, for the tests of what add_bag refuses."""
 
 from __future__ import annotations
 
@@ -33,3 +34,14 @@ def h5_slides(root: Path, lengths: dict[str, int], dim: int, dtype: Any = np.flo
                 f["coords"].attrs["patch_size_level0"] = 512
         out[slide] = (features, coords)
     return out
+
+
+def writer_after_one_bag(root: Path, dim: int, label: Any) -> tuple[Any, Any]:
+    """The store at ``root`` and the writer of its new bag split ds/enc/s (``dim`` channels), which
+    holds bag "a" (two rows of ones) with ``label``."""
+    from featurestore import open_store
+
+    store = open_store(str(root), mode="a")
+    writer = store.create_bag_split("ds", "enc", "s", dim=dim)
+    writer.add_bag("a", np.ones((2, dim), np.float16), label=label)
+    return store, writer

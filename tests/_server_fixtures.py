@@ -12,9 +12,11 @@ Values are a function of the row index, so any payload can be checked against ``
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import pytest
 
 SHAPES: dict[str, tuple[int, tuple[int, ...], str]] = {
     "train": (40, (4, 8), "float16"),
@@ -67,6 +69,27 @@ def expected(path: str, split: str, indices: Any, labels: bool = False) -> np.nd
     target = arr.labels if labels else arr
     assert target is not None
     return target.read_numpy(np.asarray(indices, dtype=np.int64))
+
+
+def served_store(make: Callable[[str], str], name: str, client: str = "client") -> tuple[Any, Any]:
+    """The two module-scoped fixtures of a test module that serves one store: ``store_path``, the
+    store ``make`` writes into a fresh directory, and ``client`` (the name given), a TestClient of
+    the app over it with the default settings. Bind both: ``store_path, client = served_store(...)``."""
+
+    @pytest.fixture(scope="module", name="store_path")
+    def store_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+        return make(str(tmp_path_factory.mktemp(name) / "store"))
+
+    @pytest.fixture(scope="module", name=client)
+    def app_client(store_path: str) -> Iterator[Any]:
+        from fastapi.testclient import TestClient
+
+        from server import Settings, create_app
+
+        with TestClient(create_app(store_path, Settings())) as test_client:
+            yield test_client
+
+    return store_path, app_client
 
 
 class ScriptedHTTPServer:
@@ -123,6 +146,12 @@ class ScriptedHTTPServer:
 
     def close(self) -> None:
         self.sock.close()
+
+    def __enter__(self) -> ScriptedHTTPServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _response(status: int, body: bytes, headers: dict[str, str] | None = None) -> bytes:

@@ -66,6 +66,29 @@ def quiet(loader: BagLoader, epoch: int = 0) -> list[tuple[torch.Tensor, ...]]:
         return list(loader)
 
 
+def state_after(ds: BagDataset, options: dict[str, Any], epoch: int, batches: int) -> dict[str, Any]:
+    """The state_dict of a loader stopped after its first ``batches`` batches of ``epoch``."""
+    loader = BagLoader(ds, **options)
+    loader.set_epoch(epoch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        iterator = iter(loader)
+        for _ in range(batches):
+            next(iterator)
+        state = loader.state_dict()
+        del iterator
+    return state
+
+
+def resumed_from(ds: BagDataset, options: dict[str, Any], state: dict[str, Any]) -> list[tuple[torch.Tensor, ...]]:
+    """The batches a new loader yields after ``load_state_dict(state)``."""
+    loader = BagLoader(ds, **options)
+    loader.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return list(loader)
+
+
 # ------------------------------------------------------------------------------------ dataset
 
 
@@ -262,21 +285,9 @@ def test_state_dict_resume_yields_exactly_the_remaining_bags(bag_store: str) -> 
     ds = BagDataset(bag_store, "cohort", "enc-float32", "all")
     options: dict[str, Any] = dict(batch_size=2, seed=4, device="cpu", max_patches=15, bucket=True)
     full = quiet(BagLoader(ds, **options), epoch=3)
-    first = BagLoader(ds, **options)
-    first.set_epoch(3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        iterator = iter(first)
-        for _ in range(2):
-            next(iterator)
-    state = first.state_dict()
-    del iterator
+    state = state_after(ds, options, epoch=3, batches=2)
     assert state["epoch"] == 3 and state["batch"] == 2
-    resumed = BagLoader(ds, **options)
-    resumed.load_state_dict(state)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        rest = list(resumed)
+    rest = resumed_from(ds, options, state)
     assert len(rest) == len(full) - 2
     for a, b in zip(full[2:], rest):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -422,17 +433,7 @@ def test_return_ids_survive_a_resume(bag_store: str) -> None:
     ds = BagDataset(bag_store, "cohort", "enc-float32", "all")
     options: dict[str, Any] = dict(batch_size=2, seed=4, device="cpu", bucket=True, return_ids=True)
     full = quiet(BagLoader(ds, **options), epoch=2)
-    first = BagLoader(ds, **options)
-    first.set_epoch(2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        iterator = iter(first)
-        next(iterator)
-        state = first.state_dict()
-        del iterator
-        resumed = BagLoader(ds, **options)
-        resumed.load_state_dict(state)
-        rest = list(resumed)
+    rest = resumed_from(ds, options, state_after(ds, options, epoch=2, batches=1))
     assert [b[-1] for b in rest] == [b[-1] for b in full[1:]]
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
+from _import_fixtures import writer_after_one_bag
 
 from featurestore import open_store
 from featurestore.cli import main
@@ -59,9 +60,7 @@ def test_a_slide_rewritten_after_import_is_refused_not_kept(tmp_path: Path, caps
 def test_a_non_finite_label_is_refused_by_add_bag_not_by_every_later_commit(tmp_path: Path, label: Any) -> None:
     # add_bag took it, then commit failed with "Out of range float values are not JSON compliant",
     # and every resume found the bag again in its segment: the split could never be committed.
-    store = open_store(str(tmp_path / "store"), mode="a")
-    writer = store.create_bag_split("ds", "enc", "s", dim=DIM)
-    writer.add_bag("a", np.ones((2, DIM), np.float16), label=1.0)
+    store, writer = writer_after_one_bag(tmp_path / "store", DIM, label=1.0)
     with pytest.raises(InvalidLabels, match="'b'.*finite"):
         writer.add_bag("b", np.ones((2, DIM), np.float16), label=label)
     writer.commit()

@@ -226,70 +226,53 @@ def test_connection_errors_are_retried_with_backoff() -> None:
 
 def test_5xx_is_retried_then_succeeds() -> None:
     ok = json.dumps({"datasets": ["a"]}).encode()
-    server = ScriptedHTTPServer([response(503, b'{"detail": "busy"}'), response(500, b"oops"), response(200, ok)])
-    try:
+    busy = response(503, b'{"detail": "busy"}')
+    with ScriptedHTTPServer([busy, response(500, b"oops"), response(200, ok)]) as server:
         assert FeatureClient(server.url, retries=2, backoff=0.01).datasets() == ["a"]
         assert len(server.requests) == 3
-    finally:
-        server.close()
 
 
 def test_5xx_after_all_retries_is_a_client_error() -> None:
-    server = ScriptedHTTPServer([response(503, b'{"detail": "busy"}')] * 2)
-    try:
+    with ScriptedHTTPServer([response(503, b'{"detail": "busy"}')] * 2) as server:
         with pytest.raises(ClientError) as info:
             FeatureClient(server.url, retries=1, backoff=0.01).datasets()
         assert info.value.status == 503 and info.value.detail == "busy"
-    finally:
-        server.close()
 
 
 def test_split_being_rewritten_409_is_retried_within_its_bound() -> None:
     ok = json.dumps({"datasets": ["a"]}).encode()
     changed = response(409, b'{"detail": "split a/b/c is being rewritten: retry", "error": "IncompleteSplit"}',
                        {"Retry-After": "1"})  # fmt: skip
-    server = ScriptedHTTPServer([changed, changed, response(200, ok)])
-    try:  # retries=0: a rewrite is not a failure, it has its own bound
+    # retries=0: a rewrite is not a failure, it has its own bound
+    with ScriptedHTTPServer([changed, changed, response(200, ok)]) as server:
         assert FeatureClient(server.url, retries=0, backoff=0.01).datasets() == ["a"]
         assert len(server.requests) == 3
-    finally:
-        server.close()
-    server = ScriptedHTTPServer([changed] * 50)
-    try:  # the bound: then the 409 itself
+    with ScriptedHTTPServer([changed] * 50) as server:  # the bound: then the 409 itself
         with pytest.raises(fse.IncompleteSplit) as info:
             FeatureClient(server.url, backoff=0.01, split_change_wait_s=0.2).datasets()
         assert info.value.status == 409 and info.value.retry_after == 1.0
         assert 2 <= len(server.requests) < 50
-    finally:
-        server.close()
-    server = ScriptedHTTPServer([response(409, b'{"detail": "not complete", "error": "IncompleteSplit"}')] * 3)
-    try:  # no Retry-After (a split that never was complete here): raised at once
+    # no Retry-After (a split that never was complete here): raised at once
+    not_complete = response(409, b'{"detail": "not complete", "error": "IncompleteSplit"}')
+    with ScriptedHTTPServer([not_complete] * 3) as server:
         with pytest.raises(fse.IncompleteSplit):
             FeatureClient(server.url, backoff=0.01).datasets()
         assert len(server.requests) == 1
-    finally:
-        server.close()
 
 
 def test_4xx_is_not_retried() -> None:
-    server = ScriptedHTTPServer([response(404, b'{"detail": "gone", "error": "DatasetNotFound"}')] * 3)
-    try:
+    with ScriptedHTTPServer([response(404, b'{"detail": "gone", "error": "DatasetNotFound"}')] * 3) as server:
         with pytest.raises(fse.DatasetNotFound):
             FeatureClient(server.url, retries=3, backoff=0.01).encoders("x")
         assert len(server.requests) == 1
-    finally:
-        server.close()
 
 
 def test_stale_keep_alive_connection_is_replaced() -> None:
     ok = json.dumps({"datasets": ["a"]}).encode()
-    server = ScriptedHTTPServer([response(200, ok)] * 3, close_after=True)
-    try:
+    with ScriptedHTTPServer([response(200, ok)] * 3, close_after=True) as server:
         client = FeatureClient(server.url, retries=0)
         for _ in range(3):  # each pooled socket was closed by the server after its answer
             assert client.datasets() == ["a"]
-    finally:
-        server.close()
 
 
 def test_chunked_and_close_delimited_bodies() -> None:
@@ -299,18 +282,12 @@ def test_chunked_and_close_delimited_bodies() -> None:
                + b"\r\n0\r\n\r\n")  # fmt: skip
     close_delimited = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + body
     interim = b"HTTP/1.1 100 Continue\r\n\r\n" + response(200, body)
-    server = ScriptedHTTPServer([chunked, interim, close_delimited], close_after=False)
-    try:
+    with ScriptedHTTPServer([chunked, interim, close_delimited], close_after=False) as server:
         client = FeatureClient(server.url, retries=0)
         assert client.datasets() == ["x", "y"]
         assert client.datasets() == ["x", "y"]
-    finally:
-        server.close()
-    server = ScriptedHTTPServer([close_delimited], close_after=True)
-    try:
+    with ScriptedHTTPServer([close_delimited], close_after=True) as server:
         assert FeatureClient(server.url, retries=0).datasets() == ["x", "y"]
-    finally:
-        server.close()
 
 
 def test_truncated_data_body_is_an_error_not_garbage() -> None:
@@ -319,15 +296,12 @@ def test_truncated_data_body_is_an_error_not_garbage() -> None:
     layout = {"features": {"shape": [40, 4, 8], "dtype": "float16", "storage_dtype": "float16",
                            "sample_nbytes": 64, "chunk_rows": 5},
               "labels": None, "has_ids": False, "max_response_bytes": 1 << 20, "metadata": {}}  # fmt: skip
-    server = ScriptedHTTPServer(  # one request opens the split, the next reads
+    with ScriptedHTTPServer(  # one request opens the split, the next reads
         [response(200, json.dumps(layout).encode()), head.encode() + b"\x00" * 10],
         close_after=True,
-    )
-    try:
+    ) as server:
         with pytest.raises(ClientError, match="attempts"):
             FeatureClient(server.url, retries=0).open(*KEY).read_numpy([1])
-    finally:
-        server.close()
 
 
 def test_bad_arguments() -> None:

@@ -267,12 +267,17 @@ def test_stale_after_the_source_is_overwritten(tmp_path: Path) -> None:
         assert "(current)" in client.get("/ui/splits/ds/slide/train").text
 
 
-def test_sigkill_then_resume_is_byte_identical(tmp_path: Path) -> None:
-    bags = {f"s-{i:02d}": (3 + i, i % 2, f"p{i // 2}") for i in range(10)}
-    make_bags(tmp_path / "reference", bags=bags)
-    make_bags(tmp_path / "store", bags=bags)
-    args = ["--dataset", "ds", "--encoder", "uni", "--split", "train", "--slide-encoder",
+def twin_stores(tmp_path: Path, names: tuple[str, str], bags: dict[str, tuple[int, Any, str]]) -> list[str]:
+    """The same bags in two stores under tmp_path, and the `embed` arguments of the recorder encoder
+    that each test runs on both (one store as the reference, the other as the run under test)."""
+    for name in names:
+        make_bags(tmp_path / name, bags=bags)
+    return ["--dataset", "ds", "--encoder", "uni", "--split", "train", "--slide-encoder",
             "python:_embed_encoders:recorder", "--encoder-name", "rec", "--device", "cpu"]
+
+
+def test_sigkill_then_resume_is_byte_identical(tmp_path: Path) -> None:
+    args = twin_stores(tmp_path, ("reference", "store"), {f"s-{i:02d}": (3 + i, i % 2, f"p{i // 2}") for i in range(10)})
     assert cli("embed", str(tmp_path / "reference"), *args).returncode == 0
     chunks = tmp_path / "store" / "ds" / "rec" / "train" / "features" / "c"
     process = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "embed", str(tmp_path / "store"), *args],
@@ -314,11 +319,7 @@ def test_info_json_and_help(tmp_path: Path) -> None:
 
 
 def test_torchrun_two_ranks_equal_one_process(tmp_path: Path) -> None:
-    bags = {f"s-{i:02d}": (2 + i, i % 2, f"p{i // 3}") for i in range(7)}
-    make_bags(tmp_path / "single", bags=bags)
-    make_bags(tmp_path / "multi", bags=bags)
-    args = ["--dataset", "ds", "--encoder", "uni", "--split", "train", "--slide-encoder",
-            "python:_embed_encoders:recorder", "--encoder-name", "rec", "--device", "cpu"]
+    args = twin_stores(tmp_path, ("single", "multi"), {f"s-{i:02d}": (2 + i, i % 2, f"p{i // 3}") for i in range(7)})
     assert cli("embed", str(tmp_path / "single"), *args).returncode == 0
     log = tmp_path / "calls.log"
     process = torchrun_cli("embed", str(tmp_path / "multi"), *args, env=cli_env(FS_EMBED_LOG=str(log)))

@@ -81,16 +81,21 @@ def few_maps(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(chunk_maps, "_SHARED", chunk_maps.ChunkMaps(3, 1 << 40))
 
 
+@pytest.fixture
+def local_url(request: pytest.FixtureRequest, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, few_maps: None) -> str:
+    """A local store's URL, read with FEATURESTORE_LOCAL_READ = the test's parameter (``indirect``)
+    and a map cache of 3 maps."""
+    monkeypatch.setenv("FEATURESTORE_LOCAL_READ", request.param)
+    return str(tmp_path / "store")
+
+
 # ---------------------------------------------------------------------- local
-@pytest.mark.parametrize("local_read", ["mmap", "pread", "auto"])
-def test_local_bag_reader_opened_before_an_overwrite(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
-                                                     few_maps: None, local_read: str) -> None:
-    monkeypatch.setenv("FEATURESTORE_LOCAL_READ", local_read)
-    url = str(tmp_path / "store")
-    old = _write_bags(url, {}, seed=1)
-    early = featurestore.open_store(url).open_bags("ds", "enc", "bags")
+@pytest.mark.parametrize("local_url", ["mmap", "pread", "auto"], indirect=True)
+def test_local_bag_reader_opened_before_an_overwrite(local_url: str) -> None:
+    old = _write_bags(local_url, {}, seed=1)
+    early = featurestore.open_store(local_url).open_bags("ds", "enc", "bags")
     np.testing.assert_array_equal(early.read_numpy("slide-00")[0], old["slide-00"][0])
-    _write_bags(url, {}, seed=2, overwrite=True)  # other lengths: the old offsets point anywhere
+    _write_bags(local_url, {}, seed=2, overwrite=True)  # other lengths: the old offsets point anywhere
     changes: list[str] = []
     for bag_id in reversed(list(old)):  # far from the chunks read before the overwrite
         _one_generation_or_changed(lambda: early.read_numpy(bag_id), old[bag_id], changes)
@@ -100,22 +105,19 @@ def test_local_bag_reader_opened_before_an_overwrite(tmp_path: Any, monkeypatch:
         early.attrs("slide-05")
 
 
-@pytest.mark.parametrize("local_read", ["mmap", "pread"])
-def test_local_dense_batches_never_mix_generations(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
-                                                   few_maps: None, local_read: str) -> None:
-    monkeypatch.setenv("FEATURESTORE_LOCAL_READ", local_read)
-    url = str(tmp_path / "store")
-    old = _write_dense(url, {}, seed=1)
-    early = featurestore.open_store(url).open("ds", "enc", "dense")
+@pytest.mark.parametrize("local_url", ["mmap", "pread"], indirect=True)
+def test_local_dense_batches_never_mix_generations(local_url: str) -> None:
+    old = _write_dense(local_url, {}, seed=1)
+    early = featurestore.open_store(local_url).open("ds", "enc", "dense")
     np.testing.assert_array_equal(early.read_numpy([0, 1, 2]), old[[0, 1, 2]])  # chunk 0 mapped
-    _write_dense(url, {}, seed=2, overwrite=True)
+    _write_dense(local_url, {}, seed=2, overwrite=True)
     changes: list[str] = []
     index = np.array([0, 1, 17, 40, 150])  # chunk 0 (open before) and chunks opened after
     _one_generation_or_changed(lambda: early.read_numpy(index), old[index], changes)
     _one_generation_or_changed(lambda: early.labels.read_numpy(index), index + 1000, changes)
     assert len(changes) == 2
     # A reader opened now reads the new generation only (no map of the old one is shared with it).
-    fresh = featurestore.open_store(url).open("ds", "enc", "dense")
+    fresh = featurestore.open_store(local_url).open("ds", "enc", "dense")
     new = (2000 + np.arange(160 * DIM).reshape(160, DIM) // DIM).astype(np.float32)
     np.testing.assert_array_equal(fresh.read_numpy(index), new[index])
 

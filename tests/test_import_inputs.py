@@ -10,7 +10,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from _import_fixtures import h5_slides
+from _import_fixtures import h5_slides, writer_after_one_bag
 
 from featurestore import open_store
 from featurestore.cli import main
@@ -53,9 +53,7 @@ def test_a_csv_label_beyond_int64_is_refused_before_anything_is_written(
 
 @pytest.mark.parametrize("label", [2**63, np.uint64(2**63), -(2**63) - 1, 2**70])
 def test_add_bag_refuses_an_integer_label_the_commit_cannot_store(tmp_path: Path, label: Any) -> None:
-    store = open_store(str(tmp_path / "store"), mode="a")
-    writer = store.create_bag_split("ds", "enc", "s", dim=DIM)
-    writer.add_bag("a", np.ones((2, DIM), np.float16), label=3)
+    store, writer = writer_after_one_bag(tmp_path / "store", DIM, label=3)
     with pytest.raises(DtypeMismatch, match="bag 'b': label .* beyond the split's label dtype int64"):
         writer.add_bag("b", np.ones((2, DIM), np.float16), label=label)
     writer.add_bag("c", np.ones((2, DIM), np.float16), label=2**63 - 1)

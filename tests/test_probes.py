@@ -221,6 +221,22 @@ def test_seg_probe_learns_classes_encoded_in_tokens_and_drops_prefix_tokens() ->
     assert again == metrics  # fixed seed, CPU: bit-identical
 
 
+def test_each_probe_refuses_the_other_probes_labels_in_one_line() -> None:
+    x, _ = linear_data(8, seed=0)
+    masks = [(x, torch.zeros(8, 2, 2, dtype=torch.int64))]
+    with pytest.raises(InvalidLabels, match=r"linear probe needs one class id per sample, but got labels of shape "
+                       r"\(8, 2, 2\); use the seg probe for masks"):
+        train_linear_probe(masks, masks, num_classes=LIN_CLASSES, device="cpu", config=LinearProbeConfig(epochs=1))
+    x, y = seg_data(8, seed=0)
+    ids = [(x, y[:, 0, 0])]
+    with pytest.raises(InvalidLabels, match=r"seg probe needs class maps \[B, H, W\], but got labels of shape "
+                       r"\(8,\); use the linear probe"):
+        train_seg_probe(ids, ids, num_classes=SEG_CLASSES, grid=GRID, device="cpu", config=SMALL_SEG)
+    column = [(x, y.unsqueeze(1))]  # [B, 1, H, W]: the singleton dimension is dropped
+    assert "jaccard" in train_seg_probe(column, column, num_classes=SEG_CLASSES, grid=GRID, device="cpu",
+                                        config=SegProbeConfig(epochs=1, dim=32, depth=1, heads=2))
+
+
 def test_seg_probe_rejects_a_grid_that_does_not_match_the_tokens() -> None:
     x, y = seg_data(8, seed=0)
     batches = [(x, y)]

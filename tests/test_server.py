@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -22,20 +21,12 @@ from server import Settings, create_app  # noqa: E402
 from server.routes_zarr import parse_range, validate_key  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _server_fixtures import expected, make_store  # noqa: E402
+from _server_fixtures import expected, make_store, served_store  # noqa: E402
 
 BASE = "/v1/features/pannuke/tiny"
 
 
-@pytest.fixture(scope="module")
-def store_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_store(str(tmp_path_factory.mktemp("server") / "store"))
-
-
-@pytest.fixture(scope="module")
-def client(store_path: str) -> Iterator[TestClient]:
-    with TestClient(create_app(store_path, Settings())) as test_client:
-        yield test_client
+store_path, client = served_store(make_store, "server")
 
 
 def _array(response: Any) -> np.ndarray:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,7 @@ from featurestore.format.bag_listing import BagsListing
 from server import Settings, create_app  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _server_fixtures import raw_get  # noqa: E402
+from _server_fixtures import raw_get, served_store  # noqa: E402
 
 DIM = 8
 # Ids a slide name can hold, including every trick a path could play.
@@ -71,15 +70,7 @@ def local(path: str, split: str, bag: int | str) -> tuple[np.ndarray, np.ndarray
     return featurestore.open_store(path).open_bags("tcga", "uni", split).read_numpy(bag)
 
 
-@pytest.fixture(scope="module")
-def store_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_bag_store(str(tmp_path_factory.mktemp("bags") / "store"))
-
-
-@pytest.fixture(scope="module")
-def app_client(store_path: str) -> Iterator[TestClient]:
-    with TestClient(create_app(store_path, Settings())) as test_client:
-        yield test_client
+store_path, app_client = served_store(make_bag_store, "bags", client="app_client")
 
 
 @pytest.fixture(scope="module")

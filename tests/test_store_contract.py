@@ -351,17 +351,23 @@ class TestStoreContract:
         assert folded["channel_stats"] == meta["channel_stats"]
 
 
+def _local_split(root: str, seed: int, dtype: str, chunk_bytes: int) -> tuple[featurestore.FeatureStore, np.ndarray]:
+    """The store at ``root`` with split d/e/s committed: N rows of ``float32_source(N, seed)`` as ``dtype``."""
+    store = featurestore.open_store(root, mode="a")
+    x = float32_source(N, seed=seed)
+    w = store.create_split("d", "e", "s", num_samples=N, sample_shape=SAMPLE_SHAPE, dtype=dtype,
+                           chunk_bytes=chunk_bytes)
+    write_shuffled(w, x)
+    w.commit()
+    return store, x
+
+
 def test_local_mmap_and_ranges_paths_agree(tmp_path: Any) -> None:
     """The same local bytes through the mmap path and the fsspec range path (file://)."""
     from featurestore.core.storage import FsspecStorage
 
     root = str(tmp_path / "store")
-    store = featurestore.open_store(root, mode="a")
-    x = float32_source(N, seed=11)
-    w = store.create_split("d", "e", "s", num_samples=N, sample_shape=SAMPLE_SHAPE, dtype="float16",
-                           chunk_bytes=ROWS * 64)
-    write_shuffled(w, x)
-    w.commit()
+    store, x = _local_split(root, seed=11, dtype="float16", chunk_bytes=ROWS * 64)
     mapped = store.open("d", "e", "s")
     ranged = featurestore.FeatureStore(FsspecStorage(f"file://{root}"), mode="r").open("d", "e", "s")
     assert (mapped.path, ranged.path) == ("mmap", "ranges")
@@ -375,12 +381,7 @@ def test_reader_survives_pickle_and_fork(tmp_path: Any) -> None:
     """DataLoader workers get the array by pickling or fork: each process maps its own chunks."""
     import pickle
 
-    store = featurestore.open_store(str(tmp_path / "store"), mode="a")
-    x = float32_source(N, seed=12)
-    w = store.create_split("d", "e", "s", num_samples=N, sample_shape=SAMPLE_SHAPE, dtype="float32",
-                           chunk_bytes=ROWS * 128)
-    write_shuffled(w, x)
-    w.commit()
+    store, x = _local_split(str(tmp_path / "store"), seed=12, dtype="float32", chunk_bytes=ROWS * 128)
     arr = store.open("d", "e", "s")
     index = np.array([22, 3, 3, 9])
     np.testing.assert_array_equal(arr.read_numpy(index), x[index])  # maps opened in the parent

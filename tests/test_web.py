@@ -24,6 +24,7 @@ from server.web.png import decode_png, encode_png  # noqa: E402
 from server.web.session import COOKIE, RedactAccessLog, safe_next, session_value  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _server_fixtures import served_store  # noqa: E402
 from _web_fixtures import BAG_IDS, GRID, SAMPLES, XSS, make_web_store, regions, slide  # noqa: E402
 
 HAS_BAGS = int(hasattr(__import__("featurestore").FeatureStore, "open_bags"))
@@ -34,15 +35,7 @@ TOKEN = "s3cret-Token_for-tests"
 TRAIN = "/ui/splits/demo/vit-s/train"
 
 
-@pytest.fixture(scope="module")
-def store_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_web_store(str(tmp_path_factory.mktemp("web") / "store"))
-
-
-@pytest.fixture(scope="module")
-def client(store_path: str) -> Iterator[TestClient]:
-    with TestClient(create_app(store_path, Settings())) as test_client:
-        yield test_client
+store_path, client = served_store(make_web_store, "web")
 
 
 @pytest.fixture()

@@ -7,19 +7,21 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from featurestore.commands.parsers import add_verb
 from featurestore.commands.storeargs import add_split_names, add_storage_options, open_store_from_args, store_errors
 
 
+DESCRIPTION = """\
+Commit a bag split whose --worker processes ran with --no-commit (or whose committing worker died). Refused
+while a live worker still holds a slide; slides recorded as failed are listed in the split's metadata
+('failed').
+"""
+
+
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "commit", help="commit a bag split written by --worker processes",
-        description="Commit a bag split whose --worker processes ran with --no-commit (or whose committing "
-        "worker died). Refused while a live worker still holds a slide; slides recorded as failed are listed "
-        "in the split's metadata ('failed').")
-    p.add_argument("store", metavar="STORE", help="store path or URL")
-    add_split_names(p)
+    p = add_verb(subparsers, "commit", run, "commit a bag split written by --worker processes", DESCRIPTION)
+    add_split_names(p, store=True)
     add_storage_options(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

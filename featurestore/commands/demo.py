@@ -7,20 +7,23 @@ import argparse
 import sys
 from typing import Any
 
+from featurestore.commands.parsers import add_verb
+
 SIZE_NAMES = ("small", "default")  # mirrors featurestore.demo.run.SIZES; no import at --help time
 
 
+HELP = "the whole pipeline end to end on built-in data (synthetic PanNuke, tiny ViT)"
+DESCRIPTION = """\
+Make a synthetic PanNuke-style fold, extract builtin:tiny-vit features as float32 and float16, serve the store
+on loopback, train the segmentation probe streaming from disk and over HTTP, then the slide-bag section (ABMIL
+per dtype, the demo's own clinical table as a --labels task with one attention map written to
+DIR/attention_<slide>.png, mean embeddings + linear probe), and print one summary table. --size small runs in
+well under a minute (CI); the default in a few minutes on 2 CPU cores.
+"""
+
+
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "demo",
-        help="the whole pipeline end to end on built-in data (synthetic PanNuke, tiny ViT)",
-        description="Make a synthetic PanNuke-style fold, extract builtin:tiny-vit features as "
-        "float32 and float16, serve the store on loopback, train the segmentation probe streaming "
-        "from disk and over HTTP, then the slide-bag section (ABMIL per dtype, the demo's own clinical "
-        "table as a --labels task with one attention map written to DIR/attention_<slide>.png, mean "
-        "embeddings + linear probe), and print one summary table. --size small runs in well under a "
-        "minute (CI); the default in a few minutes on 2 CPU cores.",
-    )
+    parser = add_verb(subparsers, "demo", run, HELP, DESCRIPTION)
     parser.add_argument("--workdir", default=None, metavar="DIR",
                         help="where the fold, the store and the outputs (clinical.csv, the attention PNG) go "
                         "(default: a temporary directory)")
@@ -28,7 +31,6 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--keep", action="store_true", help="keep the fold and the store afterwards (the outputs are always kept)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: all cores, 1 if the machine is oversubscribed)")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

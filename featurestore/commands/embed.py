@@ -9,27 +9,29 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from featurestore.commands.parsers import add_verb
 from featurestore.commands.storeargs import add_split_source, add_storage_options, storage_options, store_errors
 
 
+HELP = "slide or patient embeddings of a bag split (mean, max or a torch slide encoder), with lineage"
+DESCRIPTION = """\
+Compute one embedding per bag (slide) of a bag split, or per group of bags (--group-by case_id: one per
+patient), and write them as a dense split DATASET/ENCODER_NAME/OUT_SPLIT of shape [rows, E] with ids (bag ids
+or group values, sorted) and the bags' labels. --slide-encoder mean or max pools the patches in
+float64/float32 (mean: the float32 rounding of the exact mean); python:MODULE:FACTORY calls FACTORY() for a
+torch module, called as forward(features [1, N, D] float32, coords [1, N, 2] int64, patch_size_level0=int) ->
+[1, E] or [E], under --autocast; its featurestore_requires attribute (input_dim, patch_size_level0,
+magnification, coords_unit) is checked against the bag split. A group's slides are concatenated with each
+later slide's x shifted by the running max x + patch size of the ones before. The split records its lineage
+(source split and generation, slide encoder, weights hash, autocast, --max-patches and --seed, grouping); once
+the source is rewritten it is reported stale (ls, info, verify, the server) and a re-run or --resume
+recomputes it whole. Resumable (--resume keeps the chunks written) and torchrun-aware (rows partitioned by
+rank).
+"""
+
+
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "embed",
-        help="slide or patient embeddings of a bag split (mean, max or a torch slide encoder), with lineage",
-        description="Compute one embedding per bag (slide) of a bag split, or per group of bags (--group-by "
-        "case_id: one per patient), and write them as a dense split DATASET/ENCODER_NAME/OUT_SPLIT of shape "
-        "[rows, E] with ids (bag ids or group values, sorted) and the bags' labels. --slide-encoder mean or max "
-        "pools the patches in float64/float32 (mean: the float32 rounding of the exact mean); "
-        "python:MODULE:FACTORY calls FACTORY() for a torch module, called as forward(features [1, N, D] "
-        "float32, coords [1, N, 2] int64, patch_size_level0=int) -> [1, E] or [E], under --autocast; "
-        "its featurestore_requires attribute (input_dim, patch_size_level0, magnification, coords_unit) is "
-        "checked against the bag split. A group's slides are concatenated with each later slide's x shifted "
-        "by the running max x + patch size of the ones before. The split records its lineage (source split "
-        "and generation, slide encoder, weights hash, autocast, --max-patches and --seed, grouping); once "
-        "the source is rewritten it is reported stale (ls, info, verify, the server) and a re-run or "
-        "--resume recomputes it whole. Resumable (--resume keeps the chunks written) and torchrun-aware "
-        "(rows partitioned by rank).",
-    )
+    p = add_verb(subparsers, "embed", run, HELP, DESCRIPTION)
     req = add_split_source(p, encoder_help="the bag split's encoder name", split_help="the bag split")
     req.add_argument("--slide-encoder", required=True, metavar="SPEC", help="mean | max | python:MODULE:FACTORY")
     req.add_argument("--encoder-name", required=True, help="encoder name of the embedding split")
@@ -49,7 +51,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--autocast", default="none", choices=("none", "bfloat16", "float16"),
                    help="autocast dtype of a python: slide encoder (recorded; default none: float32)")
     add_storage_options(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,31 +6,33 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from featurestore.commands.parsers import add_debug_option, add_verb
 from featurestore.commands.storeargs import add_split_source, add_storage_options, open_store_from_args, store_errors
 
 # Mirrors featurestore.extract.bag_export.FORMATS, kept here so `featurestore --help` imports nothing.
 FORMATS = ("trident", "clam-pt")
 
 
+HELP = "write a bag split out as one file per slide (TRIDENT h5, CLAM pt_files/ + h5_files/)"
+DESCRIPTION = """\
+Write every bag of a bag split as one file per slide, in another tool's layout. trident: OUT/<slide>.h5 with
+'features' [n, D] (stored dtype; bfloat16 as float32) and 'coords' [n, 2] (level-0 pixels), the attributes the
+import kept (OUT plays TRIDENT's features_<encoder>/). clam-pt: OUT/pt_files/<slide>.pt (float32 features) and
+OUT/h5_files/<slide>.h5 ('features' float32, 'coords' int32). Labels go to OUT/labels.csv (slide_id,label).
+`featurestore import OUT --labels OUT/labels.csv --dtype <the split's dtype>` gives the same bags back, byte
+for byte.
+"""
+
+
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "export",
-        help="write a bag split out as one file per slide (TRIDENT h5, CLAM pt_files/ + h5_files/)",
-        description="Write every bag of a bag split as one file per slide, in another tool's layout. "
-        "trident: OUT/<slide>.h5 with 'features' [n, D] (stored dtype; bfloat16 as float32) and 'coords' "
-        "[n, 2] (level-0 pixels), the attributes the import kept (OUT plays TRIDENT's features_<encoder>/). "
-        "clam-pt: OUT/pt_files/<slide>.pt (float32 features) and OUT/h5_files/<slide>.h5 ('features' "
-        "float32, 'coords' int32). Labels go to OUT/labels.csv (slide_id,label). `featurestore import OUT "
-        "--labels OUT/labels.csv --dtype <the split's dtype>` gives the same bags back, byte for byte.",
-    )
+    p = add_verb(subparsers, "export", run, HELP, DESCRIPTION)
     req = add_split_source(p, encoder_help="encoder name in the store", split_help="a bag split")
     req.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
     req.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if missing)")
     p.add_argument("--overwrite", action="store_true", help="replace files of an earlier export in DIR")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_storage_options(p)
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-    p.set_defaults(func=run)
+    add_debug_option(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from featurestore.commands.parsers import add_debug_option, add_verb
 from featurestore.commands.report_line import quantization_line
 from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, storage_options, store_errors
 from featurestore.commands.workerargs import add_worker_options, worker_options
@@ -37,15 +38,16 @@ def _triple(values: list[float] | None, flag: str) -> tuple[float, float, float]
     return (values[0], values[1], values[2])
 
 
+DESCRIPTION = """\
+Encode an image source with a frozen encoder and write the features (and labels) into a split of a store.
+Resumable (--resume), several processes under torchrun. A wsi: source (whole-slide images through OpenSlide)
+writes a bag split, one bag per slide; a slide that cannot be used is skipped with one line naming it, and the
+exit status is then 3.
+"""
+
+
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "extract",
-        help="encode images with a frozen encoder into a split",
-        description="Encode an image source with a frozen encoder and write the features (and labels) "
-        "into a split of a store. Resumable (--resume), several processes under torchrun. A wsi: source "
-        "(whole-slide images through OpenSlide) writes a bag split, one bag per slide; a slide that "
-        "cannot be used is skipped with one line naming it, and the exit status is then 3.",
-    )
+    p = add_verb(subparsers, "extract", run, "encode images with a frozen encoder into a split", DESCRIPTION)
     req = p.add_argument_group("required")
     req.add_argument("--images", required=True, metavar="SOURCE",
                      help="npy:IMAGES.npy | pannuke:DIR | folder:DIR | python:MODULE:FACTORY | "
@@ -105,9 +107,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--queue-size", type=int, default=4, help="batches in flight to the writer thread")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_worker_options(p)
-    # SUPPRESS: do not reset a `featurestore --debug extract ...` given before the verb.
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-    p.set_defaults(func=run)
+    add_debug_option(p)
 
 
 def is_slides(args: argparse.Namespace) -> bool:
@@ -157,47 +157,39 @@ def options_from_args(args: argparse.Namespace) -> Any:
         progress=not args.no_progress, threads=args.threads, verify_chunks=args.verify_chunks)
 
 
+def _closing_lines(result: Any, already: str, extracted: Callable[[float], str]) -> list[str]:
+    """The quantization line, then ``already`` (a split complete before this run) or
+    ``extracted(seconds)``, the run's own line (``seconds`` of the encode loop, never 0)."""
+    q = result.metadata.get("quantization") or {}
+    lines = [f"quantization: {quantization_line(q)}"] if q else []
+    if result.status == "already-complete":
+        return [*lines, f"{already}: nothing to do (--overwrite to redo it)"]
+    return [*lines, extracted(max(result.seconds, 1e-9))]
+
+
 def format_report(result: Any) -> list[str]:
     """The closing lines: quantization report, then one summary line."""
     meta = result.metadata
-    q = meta.get("quantization") or {}
-    lines = []
-    if q:
-        lines.append(f"quantization: {quantization_line(q)}")
     shape = "x".join(str(s) for s in [result.num_samples, *meta.get("sample_shape", [])])
-    if result.status == "already-complete":
-        lines.append(f"split {result.key} is already complete with the same cache key ({shape} "
-                     f"{meta.get('logical_dtype')}): nothing to do (--overwrite to redo it)")
-        return lines
-    secs = max(result.seconds, 1e-9)
-    lines.append(
-        f"extracted {result.key}: {shape} {meta.get('logical_dtype')}, {result.encoded} samples encoded "
+    return _closing_lines(
+        result, f"split {result.key} is already complete with the same cache key ({shape} {meta.get('logical_dtype')})",
+        lambda secs: f"extracted {result.key}: {shape} {meta.get('logical_dtype')}, {result.encoded} samples encoded "
         f"in {result.seconds:.1f}s ({result.encoded / secs:.1f} img/s, "
         f"{result.bytes_written / secs / 1e6:.3g} MB/s written; {result.wall_seconds:.1f}s in all), "
         f"status {meta.get('status')}")
-    return lines
 
 
 def format_slide_report(result: Any) -> list[str]:
     """The closing lines of a slide extraction (skipped slides go to stderr, one line each)."""
     meta = result.metadata
-    lines = []
-    q = meta.get("quantization") or {}
-    if q:
-        lines.append(f"quantization: {quantization_line(q)}")
     bags = meta.get("bags") or {}
-    if result.status == "already-complete":
-        lines.append(f"bag split {result.key} is already complete with the same cache key ({bags.get('count')} bags, "
-                     f"{meta.get('num_samples')} patches, {meta.get('logical_dtype')}): nothing to do "
-                     "(--overwrite to redo it)")
-        return lines
-    secs = max(result.seconds, 1e-9)
-    lines.append(
-        f"extracted {result.key}: {result.bags} bags of {result.slides} slides, {result.patches} patches encoded in "
-        f"{result.seconds:.1f}s ({result.patches / secs:.1f} patches/s; {result.wall_seconds:.1f}s in all), "
+    return _closing_lines(
+        result, f"bag split {result.key} is already complete with the same cache key ({bags.get('count')} bags, "
+        f"{meta.get('num_samples')} patches, {meta.get('logical_dtype')})",
+        lambda secs: f"extracted {result.key}: {result.bags} bags of {result.slides} slides, {result.patches} patches "
+        f"encoded in {result.seconds:.1f}s ({result.patches / secs:.1f} patches/s; {result.wall_seconds:.1f}s in all), "
         f"{len(result.skipped)} skipped; split: {bags.get('count')} bags, {meta.get('num_samples')} patches, "
         f"{meta.get('logical_dtype')}, status {meta.get('status')}")
-    return lines
 
 
 def run_slides(args: argparse.Namespace) -> int:

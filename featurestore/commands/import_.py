@@ -8,31 +8,31 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from featurestore.commands.parsers import add_debug_option, add_verb
 from featurestore.commands.report_line import quantization_line
 from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, storage_options, store_errors
 from featurestore.commands.workerargs import add_worker_options, worker_options
 
 
+DESCRIPTION = """\
+Write an existing feature cache into a split of a store, streaming (one batch in RAM) and resumable: a
+directory of one .pt/.npy file per sample, an HDF5 file (one [N, ...] dataset or one dataset per sample), or a
+[N, ...] torch tensor / .npy file. Same precision policy (--dtype) and quantization report as extract. Slide
+bags: a directory of per-slide .h5 files (TRIDENT/CLAM 'features' + 'coords' in level-0 pixels, STAMP 'feats'
++ 'coords' in micrometres), a CLAM job directory (h5_files/, else pt_files/) or CLAM's pt_files/ (features
+only) becomes a bag split: one bag per file, id = file name without extension, the file's attributes kept per
+bag, one slide in RAM at a time; --labels CSV gives bag labels (columns slide_id,label, or
+--id-column/--label-column; text labels become class indices, names in the metadata's label_names; the CSV's
+other columns, e.g. case_id, are kept as bag attributes; a slide without a row is refused); --resume (or a
+re-run) skips the bags already complete. Hidden files (names starting with '.') are left out, said in one
+line. A malformed file (no features dataset, a group in its place, coords of another length, another dim, an
+attribute JSON cannot hold, a truncated h5) stops the import with one line naming it; bags already imported
+are kept.
+"""
+
+
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "import",
-        help="bring an existing feature cache in as a split",
-        description="Write an existing feature cache into a split of a store, streaming (one batch in "
-        "RAM) and resumable: a directory of one .pt/.npy file per sample, an HDF5 file (one [N, ...] "
-        "dataset or one dataset per sample), or a [N, ...] torch tensor / .npy file. Same precision "
-        "policy (--dtype) and quantization report as extract. "
-        "Slide bags: a directory of per-slide .h5 files (TRIDENT/CLAM 'features' + 'coords' in level-0 "
-        "pixels, STAMP 'feats' + 'coords' in micrometres), a CLAM job directory (h5_files/, else "
-        "pt_files/) or CLAM's pt_files/ (features only) becomes a bag split: one bag per file, id = "
-        "file name without extension, the file's attributes kept per bag, one slide in RAM at a time; "
-        "--labels CSV gives bag labels (columns slide_id,label, or --id-column/--label-column; text labels "
-        "become class indices, names in the metadata's label_names; the CSV's other columns, e.g. case_id, "
-        "are kept as bag attributes; a slide without a row is refused); --resume (or a re-run) skips the "
-        "bags already complete. Hidden files (names starting with '.') are left out, said in one line. "
-        "A malformed file (no features dataset, a group in its place, coords of another length, another "
-        "dim, an attribute JSON cannot hold, a truncated h5) stops the import with one line naming it; bags "
-        "already imported are kept.",
-    )
+    p = add_verb(subparsers, "import", run, "bring an existing feature cache in as a split", DESCRIPTION)
     p.add_argument("source", metavar="SOURCE", help="DIR | FILE.h5 | FILE.pt | FILE.npy")
     req = p.add_argument_group("required")
     req.add_argument("--store", required=True, metavar="URL", help="store path or fsspec URL")
@@ -66,8 +66,7 @@ def register(subparsers: Any) -> None:
     add_storage_options(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_worker_options(p)
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-    p.set_defaults(func=run)
+    add_debug_option(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,24 +9,23 @@ import sys
 from typing import Any
 
 from featurestore.commands.report_line import quantization_line
+from featurestore.commands.parsers import add_verb
 from featurestore.commands.storeargs import add_split_names, add_storage_options, open_store_from_args, store_errors
 
 NOT_RECORDED = "not recorded"  # a field the split's writer did not record (never "None")
 
 
 def register(subparsers: Any) -> None:
-    ls = subparsers.add_parser("ls", help="list datasets / encoders / splits with shapes, status, bytes of data "
-                                          "and bytes on storage")
+    ls = add_verb(subparsers, "ls", run_ls, "list datasets / encoders / splits with shapes, status, bytes of data "
+                  "and bytes on storage")
     ls.add_argument("url", help="store path or fsspec URL (s3://bucket/prefix, memory://...)")
     add_storage_options(ls)
-    ls.set_defaults(func=run_ls)
 
-    info = subparsers.add_parser("info", help="show one split's metadata")
+    info = add_verb(subparsers, "info", run_info, "show one split's metadata")
     info.add_argument("url")
     add_split_names(info)
     info.add_argument("--json", action="store_true", help="print the full metadata as JSON")
     add_storage_options(info)
-    info.set_defaults(func=run_info)
 
 
 def _store(args: argparse.Namespace) -> Any:

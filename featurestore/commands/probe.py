@@ -15,6 +15,7 @@ import sys
 import textwrap
 from typing import Any
 
+from featurestore.commands.parsers import add_verb
 from featurestore.commands.storeargs import add_cache_options, add_storage_options, options_from_args
 from featurestore.errors import InvalidOption
 
@@ -180,24 +181,26 @@ def _positive_int(text: str) -> int:
     return value
 
 
+HELP = (
+    "train a reference probe on a split; --compare checks whether the storage dtype "
+    "moves the metric"
+)
+DESCRIPTION = """\
+Train the reference probe (linear on pooled tokens, or a segmentation head on the token grid) on one split and
+evaluate it on another, under K seeds. With --compare ENCODER, run the same seeds on a second encoder name
+holding the same images (e.g. the features stored as float32) and report each metric as mean ± std per storage
+dtype, the difference, and whether it exceeds 2 x the pooled run-to-run std. --head abmil trains a
+gated-attention MIL head on a bag split (one label per slide) and reports slide AUC and balanced accuracy, on
+--eval SPLIT or --folds K. The linear head reports AUC (binary, or macro one-vs-rest), balanced accuracy and
+macro-F1; on a slide-embedding split [n, E] (featurestore embed) it is the logistic-regression probe. --folds
+K --group-by COLUMN keeps each group (a patient's slides) in one fold, stratified by label. Every report shows
+each metric's chance baseline (the best constant prediction) and flags a metric AT CHANCE. --labels CSV
+--label-column COL takes a task's labels from a table. See docs/PROBES.md.
+"""
+
+
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "probe",
-        help="train a reference probe on a split; --compare checks whether the storage dtype "
-        "moves the metric",
-        description="Train the reference probe (linear on pooled tokens, or a segmentation head "
-        "on the token grid) on one split and evaluate it on another, under K seeds. With "
-        "--compare ENCODER, run the same seeds on a second encoder name holding the same images "
-        "(e.g. the features stored as float32) and report each metric as mean ± std per storage "
-        "dtype, the difference, and whether it exceeds 2 x the pooled run-to-run std. "
-        "--head abmil trains a gated-attention MIL head on a bag split (one label per slide) and "
-        "reports slide AUC and balanced accuracy, on --eval SPLIT or --folds K. The linear head reports AUC (binary, "
-        "or macro one-vs-rest), balanced accuracy and macro-F1; on a slide-embedding split [n, E] (featurestore embed) "
-        "it is the logistic-regression probe. --folds K --group-by COLUMN keeps each group (a patient's slides) in "
-        "one fold, stratified by label. Every report shows each metric's "
-        "chance baseline (the best constant prediction) and flags a metric AT CHANCE. --labels CSV --label-column "
-        "COL takes a task's labels from a table. See docs/PROBES.md.",
-    )
+    parser = add_verb(subparsers, "probe", run_command, HELP, DESCRIPTION)
     parser.add_argument("store", metavar="STORE",
                         help="store path, fsspec URL (s3://..., memory://...) or http(s):// server")
     parser.add_argument("--dataset", required=True)
@@ -261,7 +264,6 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--quiet", action="store_true", help="no per-seed progress on stderr")
     add_storage_options(parser)
     add_cache_options(parser)
-    parser.set_defaults(func=run_command)
 
 
 def run_command(args: argparse.Namespace) -> int:

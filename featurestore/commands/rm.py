@@ -8,21 +8,22 @@ import json
 import sys
 from typing import Any
 
+from featurestore.commands.parsers import add_verb
 from featurestore.commands.storeargs import add_split_names, add_storage_options, open_store_from_args, store_errors
 
 
+DESCRIPTION = """\
+Remove one split (dense or bags) and everything under it. On a terminal it asks y/N first; elsewhere (a
+script, a pipe) it refuses unless --yes is given. A name that does not exist is refused. The split is marked
+incomplete before its files go, so a removal cut short never leaves a split that reads as complete.
+"""
+
+
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "rm", help="remove one split from a store",
-        description="Remove one split (dense or bags) and everything under it. On a terminal it asks "
-        "y/N first; elsewhere (a script, a pipe) it refuses unless --yes is given. A name that does not "
-        "exist is refused. The split is marked incomplete before its files go, so a removal cut short "
-        "never leaves a split that reads as complete.")
-    p.add_argument("store", metavar="STORE", help="store path or fsspec URL")
-    add_split_names(p)
+    p = add_verb(subparsers, "rm", run, "remove one split from a store", DESCRIPTION)
+    add_split_names(p, store=True)
     p.add_argument("--yes", action="store_true", help="remove without asking")
     add_storage_options(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ import json
 import os
 from typing import Any
 
+from featurestore.commands.parsers import add_verb
 from featurestore.commands.storeargs import ENV as STORAGE_ENV
 from featurestore.commands.storeargs import add_cache_options, add_storage_options, options_from_args, store_errors
 from featurestore.errors import InvalidOption
@@ -20,18 +21,19 @@ from featurestore.errors import InvalidOption
 DEFAULT_TOKEN_ENV = "FEATURESTORE_TOKEN"
 
 
+HELP = "serve a store over HTTP (read-only; routes in docs/SERVER.md)"
+DESCRIPTION = """\
+Serve a store over HTTP: listings, metadata, feature batches, the raw Zarr key space and /metrics. Settings
+also come from FEATURESTORE_* environment variables (FEATURESTORE_TOKEN, FEATURESTORE_MAX_RESPONSE_BYTES,
+FEATURESTORE_STORAGE_OPTIONS, and the resource caps FEATURESTORE_MAX_REQUEST_BYTES, FEATURESTORE_MAX_INDICES,
+FEATURESTORE_MAX_INFLIGHT_BYTES; all listed in docs/SERVER.md). A browser gets a web page at / (catalog,
+precision report, feature pictures; with a token, open /?token=... once or sign in with the form;
+FEATURESTORE_UI=false turns it off).
+"""
+
+
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "serve",
-        help="serve a store over HTTP (read-only; routes in docs/SERVER.md)",
-        description="Serve a store over HTTP: listings, metadata, feature batches, the raw Zarr "
-        "key space and /metrics. Settings also come from FEATURESTORE_* environment variables "
-        "(FEATURESTORE_TOKEN, FEATURESTORE_MAX_RESPONSE_BYTES, FEATURESTORE_STORAGE_OPTIONS, and the "
-        "resource caps FEATURESTORE_MAX_REQUEST_BYTES, FEATURESTORE_MAX_INDICES, "
-        "FEATURESTORE_MAX_INFLIGHT_BYTES; all listed in docs/SERVER.md). A browser gets a web page at "
-        "/ (catalog, precision report, feature pictures; with a token, open /?token=... once or "
-        "sign in with the form; FEATURESTORE_UI=false turns it off).",
-    )
+    parser = add_verb(subparsers, "serve", run, HELP, DESCRIPTION)
     parser.add_argument("url", help="store path or fsspec URL (s3://bucket/prefix, ...)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="interface to bind (default 127.0.0.1; 0.0.0.0 in a container)")
@@ -50,7 +52,6 @@ def register(subparsers: Any) -> None:
                         help="do not log one line per request")
     add_storage_options(parser)
     add_cache_options(parser)
-    parser.set_defaults(func=run)
 
 
 def _check(args: argparse.Namespace) -> None:

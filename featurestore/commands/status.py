@@ -8,19 +8,21 @@ import argparse
 import datetime as _dt
 from typing import Any
 
+from featurestore.commands.parsers import add_verb
 from featurestore.commands.storeargs import add_split_names, add_storage_options, open_store_from_args, store_errors
 
 
+HELP = "progress of a split (slides done, claimed, failed, left, time to finish)"
+DESCRIPTION = """\
+Show a split's status. For a bag split being written by --worker processes: the slides done, claimed (worker
+host/pid/start, lease age), failed and left, and an estimated time to finish from the pace of the done slides.
+"""
+
+
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "status", help="progress of a split (slides done, claimed, failed, left, time to finish)",
-        description="Show a split's status. For a bag split being written by --worker processes: the slides "
-        "done, claimed (worker host/pid/start, lease age), failed and left, and an estimated time to finish "
-        "from the pace of the done slides.")
-    p.add_argument("store", metavar="STORE", help="store path or URL")
-    add_split_names(p)
+    p = add_verb(subparsers, "status", run, HELP, DESCRIPTION)
+    add_split_names(p, store=True)
     add_storage_options(p)
-    p.set_defaults(func=run)
 
 
 def _when(seconds: float | None) -> str:

@@ -54,8 +54,11 @@ def storage_options(text: str | None) -> dict[str, Any]:
 _JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
-def add_split_names(parser: argparse.ArgumentParser) -> None:
-    """``DATASET ENCODER SPLIT``: the positionals that name one split of the store before them."""
+def add_split_names(parser: argparse.ArgumentParser, store: bool = False) -> None:
+    """``DATASET ENCODER SPLIT``: the positionals that name one split of the store before them
+    (``STORE``, added here with ``store=True``)."""
+    if store:
+        parser.add_argument("store", metavar="STORE", help="store path or fsspec URL")
     for name in ("dataset", "encoder", "split"):
         parser.add_argument(name)
 

@@ -13,34 +13,34 @@ import sys
 from typing import Any
 
 from featurestore.format.sizes import bytes_text as _size
+from featurestore.commands.parsers import add_verb
 from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
 from featurestore.errors import FeatureStoreError, InvalidOption
 
 EXIT_CLEAN, EXIT_DAMAGED, EXIT_NOT_CHECKED = 0, 1, 2
 
 
+HELP = "check the documents and every chunk of complete splits; exit 1 on damage"
+DESCRIPTION = """\
+Check the store: every group has its zarr.json, each complete split's array documents agree with its metadata
+(shape, chunking, dtype), every chunk is present with the right size and crc32c, and every statistics row
+carries the split's generation and its own chunk index and matches its features chunk (docs/FORMAT.md,
+'Guarantees'); every chunk's crc32c is also the one chunk_seals holds for its place (bag splits, and dense
+splits committed with the table), so a chunk swapped, moved or copied from another run is found
+(docs/FORMAT.md, 'Chunk seals'). Every problem is listed. Incomplete splits are listed, not counted as damage;
+temporary files left by killed writers are listed as leftovers (a resume removes them). A derived split
+(featurestore embed) whose source was rewritten or removed since it was computed is listed as STALE. Exit
+status 0 if clean, 1 if anything is damaged or stale, 2 if nothing could be checked (no such dataset, encoder
+or split; a missing or unreachable store).
+"""
+
+
 def register(subparsers: Any) -> None:
-    verify = subparsers.add_parser(
-        "verify",
-        help="check the documents and every chunk of complete splits; exit 1 on damage",
-        description="Check the store: every group has its zarr.json, each complete split's array "
-        "documents agree with its metadata (shape, chunking, dtype), every chunk is present with the "
-        "right size and crc32c, and every statistics row carries the split's generation and its own "
-        "chunk index and matches its features chunk (docs/FORMAT.md, 'Guarantees'); every chunk's "
-        "crc32c is also the one chunk_seals holds for its place (bag splits, and dense splits "
-        "committed with the table), so a chunk swapped, moved or copied from another run is found "
-        "(docs/FORMAT.md, 'Chunk seals'). Every problem is "
-        "listed. Incomplete splits are listed, not counted as damage; temporary files left by killed "
-        "writers are listed as leftovers (a resume removes them). A derived split (featurestore embed) whose "
-        "source was rewritten or removed since it was computed is listed as STALE. Exit status 0 if clean, 1 if "
-        "anything is damaged or stale, 2 if nothing could be checked (no such dataset, encoder or split; "
-        "a missing or unreachable store).",
-    )
+    verify = add_verb(subparsers, "verify", run_verify, HELP, DESCRIPTION)
     verify.add_argument("url")
     verify.add_argument("names", nargs="*", metavar="DATASET ENCODER SPLIT",
                         help="optionally restrict to one dataset, encoder and split")
     add_storage_options(verify)
-    verify.set_defaults(func=run_verify)
 
 
 def run_verify(args: argparse.Namespace) -> int:

@@ -234,13 +234,7 @@ def embed(opts: EmbedOptions, coord: Coordinator | None = None) -> EmbedResult:
     except BaseException as e:
         error = e
     counts = coord.agree(error, payload=computed)
-    error, meta = None, {}
-    if coord.rank == 0:
-        try:
-            meta = writer.commit()
-        except BaseException as e:
-            error = e
-    coord.agree(error)
+    meta = coord.on_rank_zero(lambda: writer.commit(), default={})
     return EmbedResult("complete", key, len(prep.rows), sum(counts), time.perf_counter() - started, stale, meta,
                        coord.rank)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+from collections.abc import Callable
 from typing import Any
 
 from featurestore.errors import FeatureStoreError
@@ -40,6 +41,18 @@ class Coordinator:
 
     def owns(self, chunk: int) -> bool:
         return chunk % self.world_size == self.rank
+
+    def on_rank_zero(self, step: Callable[[], Any], default: Any = None) -> Any:
+        """``step()`` on rank 0 only (the commit), then :meth:`agree` on its outcome, so that a
+        failure there stops every rank. Its result on rank 0, ``default`` on the others."""
+        error, result = None, default
+        if self.rank == 0:
+            try:
+                result = step()
+            except BaseException as e:
+                error = e
+        self.agree(error)
+        return result
 
     def shutdown(self) -> None:
         pass

@@ -195,13 +195,9 @@ def run_split(job: SplitJob, coord: Coordinator | None = None, share: UnitShare 
     except BaseException as e:
         error = e
     gathered = coord.agree(error, payload=progress)
-    error, metadata = None, {}
-    if coord.rank == 0:
-        try:
-            metadata = share.commit(job, writer, gathered) if hasattr(share, "commit") else job.commit(writer, gathered)
-        except BaseException as e:
-            error = e
-    coord.agree(error)
+    metadata = coord.on_rank_zero(
+        lambda: share.commit(job, writer, gathered) if hasattr(share, "commit") else job.commit(writer, gathered),
+        default={})
     return job.result(gathered, metadata, time.perf_counter() - started)
 
 

@@ -18,18 +18,21 @@ is marked uninformative. The baselines:
   (``featurestore.probes.seg.per_image_jaccard`` of that prediction).
 
 :func:`check_two_classes` refuses labels of one class before any training: AUC is undefined
-there and every other metric is trivially perfect. numpy only, no torch.
+there and every other metric is trivially perfect. :func:`run_fold_seeds` runs a probe's seeds
+(each the mean over its folds) and judges the result against the baselines. numpy only, no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from featurestore.errors import InvalidLabels
-from featurestore.probes.compare import SPREAD_FACTOR
+from featurestore.probes.compare import SPREAD_FACTOR, run_seeds, seed_line
 
 __all__ = ["assess", "check_two_classes", "class_baselines", "mark_comparison", "report_notes", "seg_baseline"]
 
@@ -127,3 +130,29 @@ def report_notes(run: Mapping[str, Any], side: str = "") -> list[str]:
             f"class (within {SPREAD_FACTOR:g} x the seed spread, or the folds' standard error): these features, "
             "labels or settings taught it nothing. Check the labels, train longer (--epochs) or with another --lr "
             "before reading this number."]
+
+
+def run_fold_seeds(train_fold: Callable[[int, int], Mapping[str, float]], folds: int, seeds: Sequence[int],
+                   baselines: Mapping[str, float], log: Callable[[str], None] | None, split: Any,
+                   shown_folds: int | None) -> dict[str, Any]:
+    """:func:`~featurestore.probes.compare.run_seeds` of a probe trained ``folds`` times per seed
+    (``train_fold(seed, fold)``; one "fold" with an evaluation split): a seed's metrics are the mean
+    over its folds, its :func:`~featurestore.probes.compare.seed_line` (on ``split``, "mean of
+    ``shown_folds`` folds") goes to ``log``, and ``"chance"`` holds :func:`assess` of the result
+    with the per-fold metrics."""
+    fold_runs: list[list[dict[str, float]]] = []
+
+    def one(seed: int) -> dict[str, float]:
+        started = time.perf_counter()
+        per_fold: list[dict[str, float]] = []
+        fold_runs.append(per_fold)
+        for fold in range(folds):
+            per_fold.append(dict(train_fold(seed, fold)))
+        metrics = {name: math.fsum(m[name] for m in per_fold) / len(per_fold) for name in per_fold[0]}
+        if log is not None:
+            log(seed_line(split, seed, metrics, shown_folds, time.perf_counter() - started))
+        return metrics
+
+    result = run_seeds(one, seeds)
+    result["chance"] = assess(result["metrics"], baselines, fold_runs)
+    return result

@@ -19,7 +19,7 @@ from torch import nn
 
 from featurestore.errors import EmptySplit, InvalidLabels, InvalidOption, ShapeMismatch
 from featurestore.probes.auc import slide_auc
-from featurestore.probes.train import Batch, adamw, begin_training, check_class_ids, epochs_of, set_cosine_lr
+from featurestore.probes.train import Batch, adamw, begin_training, class_targets, epochs_of, set_cosine_lr
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -200,14 +200,7 @@ def evaluate_linear_probe(
 
 
 def _class_ids(labels: Tensor, device: torch.device, num_classes: int) -> Tensor:
-    labels = labels.to(device)
-    if labels.ndim == 2 and labels.shape[1] == 1:
-        labels = labels[:, 0]
-    if labels.ndim != 1:
-        raise InvalidLabels(
-            f"the linear probe needs one class id per sample, but got labels of shape "
-            f"{tuple(labels.shape)}; use the seg probe for masks"
-        )
-    return check_class_ids(labels.long(), num_classes)
+    return class_targets(labels, 1, device, num_classes, "the linear probe needs one class id per sample",
+                         "use the seg probe for masks")
 
 

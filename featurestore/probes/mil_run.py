@@ -21,7 +21,7 @@ import numpy as np
 
 from featurestore.errors import InvalidLabels, InvalidOption, MissingLabels, ShapeMismatch
 from featurestore.probes import chance
-from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds, seed_line, seed_list_of
+from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, seed_list_of
 from featurestore.probes.folds import FOLD_SEED, fold_parts, stratified_folds
 from featurestore.probes.groups import bag_groups
 from featurestore.probes.labels import LabelTable
@@ -184,25 +184,15 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
     make = _loaders(train, evaluate, batch_size=batch_size, max_patches=max_patches, device=torch_device,
                     loader=loader)
 
-    fold_runs: list[list[dict[str, float]]] = []
-
-    def one(seed: int) -> dict[str, float]:
-        started = time.perf_counter()
-        per_fold: list[dict[str, float]] = []
-        fold_runs.append(per_fold)
-        for fold, (train_index, eval_index) in enumerate(parts):
-            train_batches, eval_batches = make(seed, train_index, eval_index)
-            sink = None if recorder is None else recorder.sink(seed, fold, eval_index)
-            per_fold.append(train_abmil(train_batches, eval_batches, in_dim=train.dim, num_classes=num_classes,
-                                        seed=seed, device=torch_device, config=config, attention_sink=sink))
-        metrics = {name: float(np.mean([m[name] for m in per_fold])) for name in per_fold[0]}
-        if log is not None:
-            log(seed_line(train, seed, metrics, folds, time.perf_counter() - started))
-        return metrics
+    def train_fold(seed: int, fold: int) -> dict[str, float]:
+        train_index, eval_index = parts[fold]
+        train_batches, eval_batches = make(seed, train_index, eval_index)
+        sink = None if recorder is None else recorder.sink(seed, fold, eval_index)
+        return train_abmil(train_batches, eval_batches, in_dim=train.dim, num_classes=num_classes,
+                           seed=seed, device=torch_device, config=config, attention_sink=sink)
 
     started = time.perf_counter()
-    result = run_seeds(one, seed_list)
-    result["chance"] = chance.assess(result["metrics"], baselines, fold_runs)
+    result = chance.run_fold_seeds(train_fold, len(parts), seed_list, baselines, log, train, folds)
     # Bags per training and evaluation set (for folds: those of the first fold).
     train_bags, eval_bags = len(parts[0][0]), len(parts[0][1])
     notes = [ds.label_summary for ds in (train, evaluate) if ds is not None and ds.label_summary]

@@ -28,7 +28,7 @@ from typing import Any
 
 from featurestore.errors import InvalidLabels, InvalidOption, MissingLabels, ShapeMismatch
 from featurestore.probes import chance
-from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, run_seeds, seed_line, seed_list_of
+from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, seed_list_of
 from featurestore.probes.groups import GroupSpec
 from featurestore.probes.labels import LabelTable
 
@@ -365,28 +365,16 @@ def _run(
     makes = [_batches(train, evaluate, batch_size=batch_size, device=torch_device, loader=loader,
                       matched=pair, held=held) for pair in pairs]
 
-    fold_runs: list[list[dict[str, float]]] = []
-
-    def one(seed: int) -> dict[str, float]:
-        started = time.perf_counter()
-        per_fold: list[dict[str, float]] = []
-        fold_runs.append(per_fold)
-        for make in makes:
-            train_batches, eval_batches = make(seed)
-            if task == "seg":
-                per_fold.append(train_seg_probe(train_batches, eval_batches, num_classes=num_classes, grid=grid,
-                                                prefix_tokens=prefix, seed=seed, device=torch_device, config=config))
-            else:
-                per_fold.append(train_linear_probe(train_batches, eval_batches, num_classes=num_classes,
-                                                   seed=seed, device=torch_device, config=config))
-        metrics = {name: math.fsum(m[name] for m in per_fold) / len(per_fold) for name in per_fold[0]}
-        if log is not None:
-            log(seed_line(train, seed, metrics, n_folds, time.perf_counter() - started))
-        return metrics
+    def train_fold(seed: int, fold: int) -> dict[str, float]:
+        train_batches, eval_batches = makes[fold](seed)
+        if task == "seg":
+            return train_seg_probe(train_batches, eval_batches, num_classes=num_classes, grid=grid,
+                                   prefix_tokens=prefix, seed=seed, device=torch_device, config=config)
+        return train_linear_probe(train_batches, eval_batches, num_classes=num_classes,
+                                  seed=seed, device=torch_device, config=config)
 
     started = time.perf_counter()
-    result = run_seeds(one, seed_list)
-    result["chance"] = chance.assess(result["metrics"], baselines, fold_runs)
+    result = chance.run_fold_seeds(train_fold, len(makes), seed_list, baselines, log, train, n_folds)
     return {
         "source": train.source, "dataset": train.dataset, "encoder": train.encoder,
         "dtype": train.dtype, "train_split": train.split,

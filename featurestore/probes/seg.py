@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featurestore.errors import EmptySplit, InvalidLabels, ShapeMismatch
-from featurestore.probes.train import adamw, begin_training, check_class_ids, epochs_of, set_cosine_lr
+from featurestore.errors import EmptySplit, ShapeMismatch
+from featurestore.probes.train import adamw, begin_training, class_targets, epochs_of, set_cosine_lr
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -252,11 +252,5 @@ def _is_square(n: int) -> bool:
 
 
 def _masks(masks: Tensor, device: torch.device, num_classes: int) -> Tensor:
-    if masks.ndim == 4 and masks.shape[1] == 1:
-        masks = masks[:, 0]
-    if masks.ndim != 3:
-        raise InvalidLabels(
-            f"the seg probe needs class maps [B, H, W], but got labels of shape "
-            f"{tuple(masks.shape)}; use the linear probe for one class id per sample"
-        )
-    return check_class_ids(masks.to(device).long(), num_classes)
+    return class_targets(masks, 3, device, num_classes, "the seg probe needs class maps [B, H, W]",
+                         "use the linear probe for one class id per sample")

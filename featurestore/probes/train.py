@@ -141,6 +141,18 @@ def set_cosine_lr(optimizer: torch.optim.Optimizer, base_lr: float, epoch: int, 
         group["lr"] = cosine_lr(base_lr, epoch, epochs)
 
 
+def class_targets(labels: Tensor, ndim: int, device: torch.device, num_classes: int, needs: str,
+                  instead: str) -> Tensor:
+    """``labels`` as int64 class ids of ``ndim`` dimensions on ``device`` (a singleton dimension 1
+    dropped), checked by :func:`check_class_ids`; labels of another shape are one
+    :class:`InvalidLabels` line: ``needs`` (what the probe takes), the shape, ``instead`` (the probe for it)."""
+    if labels.ndim == ndim + 1 and labels.shape[1] == 1:
+        labels = labels[:, 0]
+    if labels.ndim != ndim:
+        raise InvalidLabels(f"{needs}, but got labels of shape {tuple(labels.shape)}; {instead}")
+    return check_class_ids(labels.to(device).long(), num_classes)
+
+
 def check_class_ids(labels: Tensor, num_classes: int) -> Tensor:
     """``labels`` if every id lies in ``[0, num_classes)``, else :class:`InvalidLabels` naming the bad id.
 

@@ -21,21 +21,9 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 MODE=${FEATURESTORE_BROWSER_TESTS:-0}
 STRICT=0; if [ "$MODE" = 1 ]; then STRICT=1; fi
 SHOTS=${FEATURESTORE_BROWSER_SHOTS:-/tmp/featurestore-browser-shots}
-STEP="start"
-T0=$(date +%s)
 
-step() { STEP="$*"; printf '\n==> [%4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
-info() { printf '    %s\n' "$*"; }
-fail() { printf 'FAIL: %s: %s\n' "$STEP" "$*" >&2; exit 1; }
-skip() {
-  if [ "$STRICT" = 1 ]; then
-    printf 'FAIL: %s: %s (FEATURESTORE_BROWSER_TESTS=1, so this is a failure)\n' "$STEP" "$*" >&2
-    exit 1
-  fi
-  printf 'skipped: %s: %s (set FEATURESTORE_BROWSER_TESTS=1 to make this a failure)\n' "$STEP" "$*"
-  exit 0
-}
-trap 'rc=$?; printf "FAIL: %s: command exited %s at line %s: %s\n" "$STEP" "$rc" "$LINENO" "$BASH_COMMAND" >&2' ERR
+STRICT_VAR=FEATURESTORE_BROWSER_TESTS
+. "$REPO/tests/steps.sh"  # step, info, fail, skip, find_python; STEP, T0; the ERR trap
 
 # ---------------------------------------------------------------------------------------------
 step "preflight: chromium, host python"
@@ -49,11 +37,7 @@ if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null;
 fi
 BROWSER=$(command -v chromium || command -v chromium-browser)
 info "browser: $BROWSER ($("$BROWSER" --version 2>/dev/null | head -1))"
-if [ -n "${FEATURESTORE_BROWSER_PYTHON:-}" ]; then PY=$FEATURESTORE_BROWSER_PYTHON
-elif [ -x "$REPO/.venv/bin/python" ]; then PY=$REPO/.venv/bin/python
-else PY=python3; fi
-"$PY" -c 'import featurestore, server, uvicorn, websockets.sync.client, pytest' 2>/dev/null \
-  || fail "python $PY cannot import featurestore, server, uvicorn, websockets and pytest (pip install -e '.[dev]')"
+find_python PY FEATURESTORE_BROWSER_PYTHON featurestore server uvicorn websockets.sync.client pytest
 info "python: $PY"
 
 # ---------------------------------------------------------------------------------------------

@@ -46,25 +46,13 @@ DOCKER=/usr/bin/docker             # Debian's CLI, matching the engine (another 
 DATASET=pannuke-synthetic
 SPLIT=fold1
 
-STEP="start"
-T0=$(date +%s)
 D=""
 ENGINE_PID=""
 HTTP_PID=""
 COMPOSE_UP=0
 
-step() { STEP="$*"; printf '\n==> [%4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
-info() { printf '    %s\n' "$*"; }
-fail() { printf 'FAIL: %s: %s\n' "$STEP" "$*" >&2; exit 1; }
-skip() {
-  if [ "$STRICT" = 1 ]; then
-    printf 'FAIL: %s: %s (FEATURESTORE_DOCKER_TESTS=1, so this is a failure)\n' "$STEP" "$*" >&2
-    exit 1
-  fi
-  printf 'skipped: %s: %s (set FEATURESTORE_DOCKER_TESTS=1 to make this a failure)\n' "$STEP" "$*"
-  exit 0
-}
-trap 'rc=$?; printf "FAIL: %s: command exited %s at line %s: %s\n" "$STEP" "$rc" "$LINENO" "$BASH_COMMAND" >&2' ERR
+STRICT_VAR=FEATURESTORE_DOCKER_TESTS
+. "$REPO/tests/steps.sh"  # step, info, fail, skip, find_python; STEP, T0; the ERR trap
 
 compose() {
   docker-compose -p "$PROJECT" -f "$REPO/docker/compose.yaml" -f "$REPO/docker/compose.test.yaml" "$@"
@@ -182,11 +170,7 @@ if [ -n "$missing" ]; then
   fi
 fi
 info "$($DOCKER --version); $(docker-compose --version)"
-if [ -n "${FEATURESTORE_DOCKER_PYTHON:-}" ]; then HOSTPY=$FEATURESTORE_DOCKER_PYTHON
-elif [ -x "$REPO/.venv/bin/python" ]; then HOSTPY=$REPO/.venv/bin/python
-else HOSTPY=python3; fi
-"$HOSTPY" -c 'import featurestore, s3fs, numpy' 2>/dev/null \
-  || fail "host python $HOSTPY cannot import featurestore, s3fs and numpy (pip install -e '.[dev]')"
+find_python HOSTPY FEATURESTORE_DOCKER_PYTHON featurestore s3fs numpy
 info "host python: $HOSTPY"
 avail_mb=$(df -Pm /tmp | awk 'NR==2 {print $4}')
 [ "$avail_mb" -gt 6000 ] || fail "only ${avail_mb} MB free under /tmp; the engine and images need about 6 GB"

@@ -1,0 +1,28 @@
+"""A verb's sub-parser, made one way by every module in ``featurestore/commands``.
+
+:func:`add_verb` is the opening of each ``register(subparsers)``: the verb's name, its one-line
+help (``featurestore --help``), its description (``featurestore VERB --help``) and the function
+``featurestore.cli`` runs (``func``). The verb's long description is a module constant written as
+plain text (argparse folds its white space and wraps it to the terminal), so that ``register``
+reads as the list of its arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+
+def add_verb(subparsers: Any, name: str, run: Callable[[argparse.Namespace], int], help: str,
+             description: str | None = None) -> argparse.ArgumentParser:
+    """The sub-parser of verb ``name``; ``featurestore VERB`` calls ``run(args)`` for the exit status."""
+    parser = subparsers.add_parser(name, help=help, description=description)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def add_debug_option(parser: argparse.ArgumentParser) -> None:
+    """``--debug`` after the verb (``featurestore extract ... --debug``), as before it."""
+    # SUPPRESS: the verb's default must not reset a `featurestore --debug extract ...` given before the verb.
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
