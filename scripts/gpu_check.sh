@@ -2,19 +2,10 @@
 # The GPU checks of one device session (a few minutes on an H100/H200): the CUDA tests of the
 # loaders, the device statistics and the probes, then scripts/gpu_probe_check.py (ABMIL CPU vs
 # CUDA, the DDP example with nccl). On an offline GPU box, wheels for what it lacks go in .whl/
-# (zarr, numcodecs, crc32c, fastapi, ...): they are installed into /tmp/site first.
+# (scripts/gpu_env.sh).
 # Usage: OUT=dir bash scripts/gpu_check.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-gpu-out}"
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:$PWD"
-else
-  export PYTHONPATH="$PWD"
-fi
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, numpy; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'numpy', numpy.__version__)"
 timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs \
