@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -20,30 +18,30 @@ import numpy as np
 
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved
-from featurestore.bench.summary import finish
-from featurestore.testing.serving import SHAPE, build_store, free_port, load_test, process_rss, serve_subprocess
+from featurestore.testing.serving import (
+    SHAPE,
+    build_store,
+    free_port,
+    load_test,
+    process_rss,
+    serve_subprocess,
+)
 
 __all__ = ["SHAPE", "build_store", "free_port", "load_test", "process_rss", "register", "serve_subprocess"]
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "http", help="HTTP server + client vs raw loopback TCP; item latency; load test"
-    )
-    parser.add_argument("--store", default=None,
-                        help="serve this store (its first split) instead of building one")  # fmt: skip
+    parser = harness.add_bench(subparsers, "http", "HTTP server + client vs raw loopback TCP; item latency; load test",
+                               repeats=3)
+    parser.add_argument("--store", default=None, help="serve this store (its first split) instead of building one")
     parser.add_argument("--num-samples", type=int, default=1024, help="samples in the built store")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--batches", type=int, default=30, help="timed batches per method/repeat")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of --batches batches")
+    parser.add_argument("--batches", type=int, default=30, help="timed batches per method and repeat")
     parser.add_argument("--items", type=int, default=300, help="single-item requests timed")
     parser.add_argument("--load-seconds", type=float, default=30.0, help="0 skips the load test")
     parser.add_argument("--clients", type=int, default=16, help="load-test concurrent clients")
     parser.add_argument("--read-ahead", type=int, default=2, help="requests in flight for the read-ahead client")
     parser.add_argument("--workers", type=int, default=1, help="server worker processes (featurestore serve --workers)")
-    parser.add_argument("--workdir", default=None, help="scratch directory (default: temp, removed)")
-    parser.add_argument("--json", dest="json_out", default=None, help="also write results here")
-    parser.set_defaults(func=lambda args: finish("http", run(args), args.json_out, failed))
 
 
 # ---------------------------------------------------------------------- raw TCP baseline
@@ -104,30 +102,23 @@ class RawTCP:
 
 # ---------------------------------------------------------------------- the benchmark
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-http-")
-    os.makedirs(work, exist_ok=True)
-    try:
-        if args.store:
+    with harness.scratch(args, "http") as work:
+        path, key = args.store, ("bench", "enc", "train")
+        if path:
             import featurestore
 
-            store = featurestore.open_store(args.store)
-            ds = store.datasets()[0]
-            enc = store.encoders(ds)[0]
-            key = (ds, enc, store.splits(ds, enc)[0])
-            path = args.store
+            store = featurestore.open_store(path)
+            dataset = store.datasets()[0]
+            encoder = store.encoders(dataset)[0]
+            key = (dataset, encoder, store.splits(dataset, encoder)[0])
         else:
             path = os.path.join(work, "store")
             print(f"[http] building {args.num_samples} samples of {list(SHAPE)} float16 ...")
             build_store(path, args.num_samples)
-            key = ("bench", "enc", "train")
         if os.path.isdir(path):
             harness.warm(path)  # page-cached, so every method measures transport, not disk
         with serve_subprocess(path, args=("--workers", str(args.workers))) as (url, proc):
-            results = _measure(url, proc, path, key, args)
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
-    return results
+            return _measure(url, proc, path, key, args)
 
 
 class StdlibReadinto:

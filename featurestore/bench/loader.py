@@ -7,9 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
-import tempfile
 import time
 from typing import Any
 
@@ -18,50 +16,40 @@ import numpy as np
 from featurestore.bench import harness
 from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup
 from featurestore.bench.harness import Method, interleaved
-from featurestore.bench.summary import finish
 from featurestore.core import checked
 
 DATASET, ENCODER = "bench", "loader"
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("loader", help="FeatureLoader vs bare reader: throughput, stall, RSS N vs 4N, "
-                                   "epoch under a memory cgroup, H2D GB/s")
+    parser = harness.add_bench(subparsers, "loader", "FeatureLoader vs bare reader: throughput, stall, RSS N vs 4N, "
+                               "epoch under a memory cgroup, H2D GB/s", repeats=7, keep="best")
     parser.add_argument("--shape", default="256x384", help="sample shape TxD (default 256x384)")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     parser.add_argument("--num-samples", type=int, default=1024, help="N (the RSS run also uses 4N)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--prefetch", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7, help="interleaved throughput repeats; best kept")
     parser.add_argument("--cgroup-limit-mib", type=int, default=512, help="memory limit of the cgroup run")
     parser.add_argument("--skip-rss", action="store_true", help="skip the N vs 4N subprocesses")
     parser.add_argument("--skip-cgroup", action="store_true", help="skip the memory cgroup run")
-    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
-    parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: finish("loader", run(args), args.json_out))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    shape = tuple(int(v) for v in str(args.shape).lower().split("x"))
-    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-loader-")
-    os.makedirs(work, exist_ok=True)
-    store = os.path.join(work, "store")
+    shape = harness.parse_shapes(args.shape)[0]
     n = int(args.num_samples)
     results: dict[str, Any] = {"benchmark": "loader", "sample_shape": list(shape), "dtype": args.dtype,
                                "batch_size": args.batch_size, "prefetch": args.prefetch, "num_samples": n}
-    try:
+    with harness.scratch(args, "loader") as work:
+        store = os.path.join(work, "store")
         _make_split(store, "n", n, shape, args.dtype)
         _make_split(store, "n4", 4 * n, shape, args.dtype)
         results["throughput"] = _throughput(store, args)
         # Over 4N: more batches per epoch, so the unavoidable wait for the first one weighs less.
         results["stall"] = _stall(store, "n4", args)
         if not args.skip_rss:
-            results["rss"] = _rss(store, args)
+            results["rss"] = _rss(store, shape, args)
         results["cgroup"] = _cgroup_epoch(store, shape, args) if not args.skip_cgroup else {"skipped": "--skip-cgroup"}
         results["cuda"] = _cuda(store, args)
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
     return results
 
 
@@ -160,11 +148,11 @@ def _stall(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- 3. RSS, N vs 4N
-def _rss(store: str, args: argparse.Namespace) -> dict[str, Any]:
+def _rss(store: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {label: harness.child("loader:epoch", _spec(store, split, args))
                            for label, split in (("N", "n"), ("4N", "n4"))}
     growth = out["4N"]["peak_anon"] - out["N"]["peak_anon"]
-    elements = int(np.prod(_shape(args)))
+    elements = int(np.prod(shape))
     stored_itemsize = 4 if args.dtype == "float32" else 2
     # docs/LOADER.md: (prefetch + 3) float32 batches handed out or idle in the pool, plus one
     # staging batch per prefetch thread at the stored width for the CPU upcast, plus the buffers
@@ -182,10 +170,6 @@ def _rss(store: str, args: argparse.Namespace) -> dict[str, Any]:
     # "Does not grow with N": both runs stay under the same N-independent bound.
     out["ok"] = all(v <= bound + constant for v in out["loader_bytes"].values())
     return out
-
-
-def _shape(args: argparse.Namespace) -> tuple[int, ...]:
-    return tuple(int(v) for v in str(args.shape).lower().split("x"))
 
 
 def _spec(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
