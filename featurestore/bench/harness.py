@@ -233,15 +233,11 @@ def _child_main(function: str, config: str) -> None:
 def rss_anon_bytes() -> int:
     """This process's anonymous resident memory (RssAnon), the part a page cache cannot reclaim."""
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
+        return _status_bytes("RssAnon")
     except OSError:
-        pass
-    import resource
+        import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _status_bytes(field: str) -> int:
@@ -292,6 +288,23 @@ class RssPeak:
         self.seconds = time.perf_counter() - self.t0
         self.peak = max([self.baseline, *(s[1] for s in self.samples)])
         self.peak_file = max((s[2] for s in self.samples), default=0)
+
+
+def h2d_gbps(pinned: bool, nbytes: int = 256 << 20, copies: int = 10) -> float:
+    """Host-to-device GB/s of ``copies`` copies of a pinned (or pageable) host buffer, CUDA events."""
+    import torch
+
+    target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).fill_(1)
+    target.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(copies):
+        target.copy_(host, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return copies * nbytes / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 # ---------------------------------------------------------------------- small helpers

@@ -72,6 +72,17 @@ while True:
 """
 
 
+def _fill(read_into: Any, out: np.ndarray, short: str) -> np.ndarray:
+    """``out`` filled from ``read_into(view)`` (a socket's or a response's), straight into its bytes."""
+    view, got = out.reshape(-1).view(np.uint8).data, 0
+    while got < view.nbytes:
+        n = read_into(view[got:])
+        if not n:
+            raise ConnectionError(short)
+        got += n
+    return out
+
+
 class RawTCP:
     """Client side of the raw baseline; the server runs in its own process, like uvicorn."""
 
@@ -86,14 +97,7 @@ class RawTCP:
     def read(self, index: np.ndarray, out: np.ndarray, *, gather: bool) -> np.ndarray:
         index = np.ascontiguousarray(index, dtype=np.int64)
         self.sock.sendall(struct.pack("<IB", len(index), 0 if gather else 1) + index.tobytes())
-        view = out.reshape(-1).view(np.uint8).data
-        got = 0
-        while got < view.nbytes:
-            n = self.sock.recv_into(view[got:])
-            if n == 0:
-                raise ConnectionError("raw TCP baseline server went away")
-            got += n
-        return out
+        return _fill(self.sock.recv_into, out, "raw TCP baseline server went away")
 
     def close(self) -> None:
         self.sock.close()
@@ -141,13 +145,7 @@ class StdlibReadinto:
         self.conn.request("POST", self.path, body=wire.encode_indices(index),
                           headers={"Content-Type": wire.INDICES})  # fmt: skip
         response = self.conn.getresponse()
-        view = out.reshape(-1).view(np.uint8).data
-        got = 0
-        while got < view.nbytes:
-            n = response.readinto(view[got:])
-            if not n:
-                raise ConnectionError("short body")
-            got += n
+        _fill(response.readinto, out, "short body")
         response.read()  # the (empty) rest, so the connection can be reused
         return out
 
@@ -257,11 +255,7 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
     loader = _loader_vs_client(url, key, remote, args)
 
     rng = np.random.default_rng(99)
-    latencies = []
-    for i in rng.integers(0, n, size=args.items + 10):
-        start = time.perf_counter()
-        fc.item(*key, int(i))
-        latencies.append(time.perf_counter() - start)
+    latencies = [harness.timed(lambda i=i: fc.item(*key, int(i))) for i in rng.integers(0, n, size=args.items + 10)]
     lat = np.array(latencies[10:]) * 1e3
     p50, p99 = float(np.percentile(lat, 50)), float(np.percentile(lat, 99))
     fc.close()

@@ -249,22 +249,8 @@ def _cuda(store: str, args: argparse.Namespace) -> dict[str, Any]:
         return {"skipped": "no CUDA device"}
     from client import FeatureDataset, FeatureLoader
 
-    nbytes = 256 << 20
-    device = torch.device("cuda")
-    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(device)}
-    for name, pinned in (("pinned", True), ("pageable", False)):
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        host.fill_(1)
-        target.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            target.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        out[f"h2d_{name}_gbps"] = 10 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "h2d_pinned_gbps": harness.h2d_gbps(True),
+                           "h2d_pageable_gbps": harness.h2d_gbps(False)}
     ds = FeatureDataset(store, DATASET, ENCODER, "n")
     harness.warm(_split_dir(store, "n"))
     loader = FeatureLoader(ds, batch_size=args.batch_size, device="cuda", prefetch=args.prefetch)
