@@ -31,12 +31,12 @@ def paired(numerator: Sequence[float], denominator: Sequence[float]) -> list[flo
     return [a / b for a, b in zip(numerator, denominator) if b]
 
 
-def _label(shape: Sequence[int]) -> str:
+def label(shape: Sequence[int]) -> str:
     return "x".join(map(str, shape))
 
 
 def _read(result: dict[str, Any]) -> Figures:
-    out = {f"vs_memmap[{_label(s['sample_shape'])}]": figure(s["median_paired_vs_memmap"], s["paired_vs_memmap"])
+    out = {f"vs_memmap[{label(s['sample_shape'])}]": figure(s["median_paired_vs_memmap"], s["paired_vs_memmap"])
            for s in result["shapes"]}
     rss = result.get("rss") or {}
     if len(rss) == 2:  # N and 4N: the reader's peak anonymous RSS must not grow with the split
@@ -50,7 +50,7 @@ def _write(result: dict[str, Any]) -> Figures:
     for s in result["shapes"]:
         times = s["repeats_s"]
         for source in ("float16", "float32"):
-            out[f"{source}_vs_tofile[{_label(s['sample_shape'])}]"] = figure(
+            out[f"{source}_vs_tofile[{label(s['sample_shape'])}]"] = figure(
                 s[f"writer_{source}_ratio"], paired(times["tofile"], times[source]))
     return out
 
@@ -104,7 +104,7 @@ def _cold(result: dict[str, Any]) -> Figures:
         if not rows:
             continue
         loader = rows["FeatureLoader"]
-        label = _label(s["sample_shape"]) + ("" if s.get("dtype", "float16") == "float16" else f" {s['dtype']}")
+        label = label(s["sample_shape"]) + ("" if s.get("dtype", "float16") == "float16" else f" {s['dtype']}")
         for name, base in (("loader_vs_pread", "pread reference"), ("loader_vs_memmap", "np.memmap gather")):
             out[f"{name}[{label}]"] = figure(
                 loader["gb_per_s"] / rows[base]["gb_per_s"],

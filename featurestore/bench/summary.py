@@ -1,8 +1,9 @@
-"""One reading of every bench's result: its rows (rates per method) and its notes (the other figures).
+"""One reading of every bench's result: its rows (rates per method), its figures against the
+targets of ``targets.json`` and its notes (the other figures).
 
-``featurestore bench NAME`` prints them (:func:`print_result`) and ``bench all`` puts the same rows
-and notes into ``report.md`` and the plots (:mod:`featurestore.bench.report`); a result whose keys
-changed is noted in the report instead of stopping it.
+``featurestore bench NAME`` prints them (:func:`print_result`) and ``bench all`` puts the same
+into ``report.md`` and the plots (:mod:`featurestore.bench.report`); a result whose keys changed
+is noted in the report instead of stopping it.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from featurestore.bench.figures import bench_figures
+from featurestore.bench.figures import label as _label
+
 Panels = dict[str, list[tuple[str, float]]]
-
-
-def _label(shape: list[int]) -> str:
-    return "x".join(map(str, shape))
 
 
 def _guarded(report: dict[str, Any], name: str, fn: Any, default: Any) -> Any:
@@ -76,18 +76,19 @@ def _bags_rows(bags: dict[str, Any]) -> Panels:
 
 
 def _bag_loader_rows(results: dict[str, Any]) -> Panels:
+    """Per stored dtype (``--dtype``: the first at the top, the others in ``by_dtype``)."""
     panels: Panels = {}
-    for mode in ("warm", "cold"):
-        f = results.get(mode)
-        if f:
-            rows = [("BagLoader", f["loader_gbps"]), ("bare reader", f["reader_gbps"]),
-                    ("BagLoader -> f32", f["loader_f32_gbps"])]
-            panels[f"bag loader, batch 1, {mode}, GB/s"] = rows + ([("CLAM torch.load .pt", f["clam_gbps"])]
-                                                                   if "clam_gbps" in f else [])
-    p = results.get("padded")
-    if p:
-        panels[f"bag loader, padded, batch {p['batch_size']}, GB/s"] = [
-            ("BagLoader", p["loader_gbps"]), ("reader + pad", p["loader_gbps"] * p["loader_s"] / p["reader_s"])]
+    for r in (results, *results.get("by_dtype", {}).values()):
+        dtype = "" if r.get("dtype", "float16") == "float16" else f" {r['dtype']}"
+        for mode in ("warm", "cold"):
+            if f := r.get(mode):
+                panels[f"bag loader{dtype}, batch 1, {mode}, GB/s"] = [
+                    ("BagLoader", f["loader_gbps"]), ("bare reader", f["reader_gbps"]),
+                    ("BagLoader -> f32", f["loader_f32_gbps"]),
+                    *([("CLAM torch.load .pt", f["clam_gbps"])] if "clam_gbps" in f else [])]
+        if p := r.get("padded"):
+            panels[f"bag loader{dtype}, padded, batch {p['batch_size']}, GB/s"] = [
+                ("BagLoader", p["loader_gbps"]), ("reader + pad", p["loader_gbps"] * p["loader_s"] / p["reader_s"])]
     return panels
 
 
@@ -232,7 +233,6 @@ NOTES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
 def figure_lines(name: str, bench: str, result: dict[str, Any]) -> list[str]:
     """Every figure of a result (:mod:`featurestore.bench.figures`) with its spread and, where
     ``targets.json`` has one for this entry (``name``: the bench or its variant), its target."""
-    from featurestore.bench.figures import bench_figures
     from featurestore.bench.gate import load_targets, number
 
     targets = [t for t in load_targets().targets if t.run == name]
