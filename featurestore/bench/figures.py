@@ -104,9 +104,9 @@ def _cold(result: dict[str, Any]) -> Figures:
         if not rows:
             continue
         loader = rows["FeatureLoader"]
-        label = label(s["sample_shape"]) + ("" if s.get("dtype", "float16") == "float16" else f" {s['dtype']}")
+        tag = label(s["sample_shape"]) + ("" if s.get("dtype", "float16") == "float16" else f" {s['dtype']}")
         for name, base in (("loader_vs_pread", "pread reference"), ("loader_vs_memmap", "np.memmap gather")):
-            out[f"{name}[{label}]"] = figure(
+            out[f"{name}[{tag}]"] = figure(
                 loader["gb_per_s"] / rows[base]["gb_per_s"],
                 paired(loader.get("all_gb_per_s", []), rows[base].get("all_gb_per_s", [])))
     return out

@@ -36,8 +36,9 @@ import numpy as np
 
 from featurestore.bench.cgroup import evict
 
-__all__ = ["Method", "RssPeak", "Times", "add_bench", "child", "child_process", "evict", "gbps", "interleaved",
-           "parse_shapes", "peak_reset", "peak_rss", "rss_anon_bytes", "scratch", "timed", "unmap", "warm", "write_split"]
+__all__ = ["Method", "RssPeak", "Times", "add_bench", "child", "child_process", "evict", "gbps", "h2d_gbps",
+           "interleaved", "parse_dtypes", "parse_shapes", "peak_reset", "peak_rss", "rss_anon_bytes", "scratch", "timed",
+           "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
 
 
 def add_bench(subparsers: Any, verb: str, help: str, *, repeats: int | None = None, keep: str = "median",
