@@ -187,8 +187,8 @@ def test_shipped_targets_file(capsys: pytest.CaptureFixture[str]) -> None:
                           "repeats_s": {"tofile": [1.0], "float16": [1.3], "float32": [2.5]}}]}
     print_result("write", result)
     printed = capsys.readouterr().out
-    assert "- write.float16_vs_tofile[8x8]: 0.75x; target >= 0.7x: ok" in printed
-    assert "- write.float32_vs_tofile[8x8]: 0.4x; target >= 0.5x: MISSED" in printed
+    assert "- write.float16_vs_tofile[8x8]: 0.75x; target write-float16-vs-tofile >= 0.7x: ok" in printed
+    assert "- write.float32_vs_tofile[8x8]: 0.4x; target write-float32-vs-tofile >= 0.5x: MISSED" in printed
     # Every variant's flags (full and quick) are its bench's own, parsed by its parser.
     for variant in targets.variants.values():
         for flags in (variant["args"], variant["quick"]):

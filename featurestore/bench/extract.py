@@ -106,13 +106,7 @@ def _encode_only(opts: Any) -> tuple[float, Any]:
     """The extraction's loader, batches and encoder, the device synchronised per batch; the
     features are dropped. Returns (seconds, the first batch's features, on the device)."""
     from featurestore.extract.encode_loop import default_num_workers
-    from featurestore.extract.sources import (
-        Failure,
-        PreparedImages,
-        Preprocessing,
-        collate,
-        open_source,
-    )
+    from featurestore.extract.sources import Failure, PreparedImages, Preprocessing, collate, open_source
 
     source = open_source(opts.images)
     n = len(source)

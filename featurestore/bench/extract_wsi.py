@@ -71,11 +71,7 @@ def encode_pass(opts: Any, dataset: Any, plan: list[Any], workers: int, collate:
     import torch
 
     from featurestore.core.device import resolve_device
-    from featurestore.extract.encode_loop import (
-        autocast,
-        resolve_precision,
-        worker_init,
-    )
+    from featurestore.extract.encode_loop import autocast, resolve_precision, worker_init
     from featurestore.extract.encoders import load_encoder
     from featurestore.extract.workers import DieWithParent
 
@@ -100,13 +96,9 @@ def encode_pass(opts: Any, dataset: Any, plan: list[Any], workers: int, collate:
 
 def _encode_only(opts: Any, keys_batches: list[list[Any]], workers: int) -> float:
     from featurestore.extract.sources import Preprocessing
-    from featurestore.extract.wsi_patches import (
-        PatchReader,
-        collate_patches,
-        to_encoder,
-    )
+    from featurestore.extract.wsi_patches import PatchReader, collate_patches, to_encoder
 
-    size = opts.patch_size
+    size, prep = opts.patch_size, list[Any]()
 
     def call(encoder: Any, batch: Any, device: Any) -> Any:
         import torch
@@ -114,8 +106,9 @@ def _encode_only(opts: Any, keys_batches: list[list[Any]], workers: int) -> floa
         images = batch.images
         if len(images) < opts.batch_size:
             images = torch.cat([images, images.new_zeros((opts.batch_size - len(images), *images.shape[1:]))])
-        prep = Preprocessing(resize=(size, size), mean=encoder.mean, std=encoder.std)
-        encoder(to_encoder(images, prep, device), vectors=True)
+        if not prep:  # once: the encoder's normalisation
+            prep.append(Preprocessing(resize=(size, size), mean=encoder.mean, std=encoder.std))
+        encoder(to_encoder(images, prep[0], device), vectors=True)
 
     return encode_pass(opts, lambda _: PatchReader(size), keys_batches, workers, collate_patches, call)[0]
 

@@ -230,30 +230,33 @@ NOTES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "s3": _s3_notes, "cold": _cold_notes, "bags": _bags_notes, "bag_loader": _bag_loader_notes, "web": _web_notes}
 
 
-def figure_lines(name: str, bench: str, result: dict[str, Any]) -> list[str]:
-    """Every figure of a result (:mod:`featurestore.bench.figures`) with its spread and, where
-    ``targets.json`` has one for this entry (``name``: the bench or its variant), its target."""
+def figure_lines(name: str, bench: str, result: dict[str, Any], *, variants: bool = False) -> list[str]:
+    """Every figure of a result (:mod:`featurestore.bench.figures`) with its spread and its targets
+    in ``targets.json``: those of this entry (``name``: the bench or its variant), or with
+    ``variants`` (a run of ``featurestore bench NAME``, whose flags may be any variant's) every
+    target of the bench, each named."""
     from featurestore.bench.gate import load_targets, number
 
-    targets = [t for t in load_targets().targets if t.run == name]
+    targets = [t for t in load_targets().targets if (t.bench == bench if variants else t.run == name)]
     lines = []
     for figure, f in bench_figures(bench, result).items():
         found = [t for t in targets if figure == t.figure or figure.startswith(t.figure + "[")]
         unit = found[0].unit if found else "x"
         spread = f" (repeats {number(f['spread'][0], unit)} - {number(f['spread'][1], unit)})" if f["spread"] else ""
         lines.append(f"- {name}.{figure}: {number(f['value'], unit)}{spread}" + "".join(
-            f"; target {t.text()}: {'ok' if t.met(f['value']) else 'MISSED'} ({t.what})" for t in found))
+            f"; target {t.id} {t.text()}: {'ok' if t.met(f['value']) else 'MISSED'} ({t.what})" for t in found))
     return lines
 
 
 def notes(report: dict[str, Any]) -> list[str]:
     """Per entry of the report: its figures against their targets, then its other figures."""
     lines: list[str] = []
-    for name in report["benches"]:
-        bench = report["benches"][name].get("bench", name)
+    for name, entry in report["benches"].items():
+        bench = entry.get("bench", name)
 
-        def figures(result: dict[str, Any], name: str = name, bench: str = bench) -> list[str]:
-            return figure_lines(name, bench, result)
+        def figures(result: dict[str, Any], name: str = name, bench: str = bench,
+                    variants: bool = "bench" not in entry) -> list[str]:
+            return figure_lines(name, bench, result, variants=variants)
         lines += _guarded(report, name, figures, [])
         if bench in NOTES:
             lines += _guarded(report, name, NOTES[bench], [])
