@@ -15,28 +15,24 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from featurestore.bench import harness
+from featurestore.bench import bag_loader, harness
 from featurestore.bench.harness import Method, interleaved
-from featurestore.bench.summary import finish
 
-TARGETS = {"TRIDENT h5 cold": 1.5, "TRIDENT h5 warm": 1.5, "CLAM .pt cold": 1.5, "CLAM .pt warm": 1.0,
-           "parallel pread cold": 0.85, "import vs h5 read": 0.7}
 METHODS = ("featurestore", "TRIDENT h5", "CLAM .pt", "parallel pread")
 WHERE = {"featurestore": "store", "TRIDENT h5": "h5", "CLAM .pt": "pt", "parallel pread": "raw"}
 NAMES = ("bench", "enc", "bags")
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "bags", help="whole-bag reads: featurestore bag split vs TRIDENT h5, CLAM .pt, parallel pread; import",
-        description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = harness.add_bench(
+        subparsers, "bags", "whole-bag reads: featurestore bag split vs TRIDENT h5, CLAM .pt, parallel pread; import",
+        repeats=1, description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--gib", type=float, default=2.0,
                         help="float16 features of the cohort in GiB (default 2; the .pt copy is twice that)")
     parser.add_argument("--dim", type=int, default=1536, help="features per patch (default 1536)")
@@ -46,35 +42,22 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--max", dest="max_patches", type=int, default=60000,
                         help="most patches per slide; one slide always has this many (default 60000)")
     parser.add_argument("--threads", type=int, default=8, help="threads of the parallel-pread reference")
-    parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats; the median is kept")
     parser.add_argument("--skip-import", action="store_true", help="skip the import row")
     parser.add_argument("--skip-loader", action="store_true",
                         help="skip the BagLoader rows (bench bag-loader's epochs on this cohort)")
-    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
-    parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: finish("bags", run(args), args.json_out))
 
 
 def build(work: str, lengths: np.ndarray, dim: int) -> dict[str, Any]:
     """Write the four copies; returns their paths, the bag ids and the raw file's bag offsets."""
     import h5py
-    import torch
-
-    import featurestore
-    from featurestore.demo.synthetic_bags import io_bags
 
     paths = {"store": os.path.join(work, "store"), "h5": os.path.join(work, "h5"),
              "pt": os.path.join(work, "pt_files"), "raw": os.path.join(work, "raw.bin")}
     os.makedirs(paths["h5"])
-    os.makedirs(paths["pt"])
-    writer = featurestore.open_store(paths["store"], mode="a").create_bag_split(
-        *NAMES, dim=dim, dtype="float16", coords_unit="px", coords_dtype="int64", patch_size_level0=256)
-    offsets, ids = [0], []
+    offsets, ids, clam = [0], [], bag_loader.clam_files(paths["pt"])
     with open(paths["raw"], "wb") as raw:
-        for bag_id, features32, coords, _ in io_bags(lengths, dim):
-            features = features32.astype(np.float16)
+        def copies(bag_id: str, features: np.ndarray, coords: np.ndarray) -> None:
             ids.append(bag_id)
-            writer.add_bag(bag_id, features, coords=coords, attrs={"patch_size_level0": 256})
             offsets.append(offsets[-1] + features.nbytes + coords.nbytes)
             raw.write(features.tobytes() + coords.tobytes())
             with h5py.File(os.path.join(paths["h5"], f"{bag_id}.h5"), "w") as h5:
@@ -83,8 +66,8 @@ def build(work: str, lengths: np.ndarray, dim: int) -> dict[str, Any]:
                 dset = h5.create_dataset("coords", data=coords, chunks=(1, 2), maxshape=(None, 2))
                 dset.attrs.update({"patch_size": 256, "patch_size_level0": 256, "level0_magnification": 20,
                                    "target_magnification": 20, "overlap": 0})
-            torch.save(torch.from_numpy(features.astype(np.float32)), os.path.join(paths["pt"], f"{bag_id}.pt"))
-    writer.commit()
+            clam(bag_id, features, coords)
+        bag_loader.make_cohort(paths["store"], NAMES[2], lengths, dim, "float16", names=NAMES[:2], each=copies)
     return {"paths": paths, "ids": ids, "raw_offsets": offsets}
 
 
@@ -166,14 +149,12 @@ def time_import(built: dict[str, Any], work: str) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from featurestore.demo.synthetic_bags import bag_lengths
 
-    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-bags-", dir=os.environ.get("FEATURESTORE_BENCH_DIR"))
-    os.makedirs(work, exist_ok=True)
     lengths = bag_lengths(args.median, gib=args.gib, dim=args.dim, sigma=args.sigma, low=args.min_patches,
                           high=args.max_patches)
     print(f"\n[bags] {len(lengths)} slides, patches per slide median {int(np.median(lengths))}, max "
           f"{int(lengths.max())}, {int(lengths.sum())} patches x {args.dim} float16 "
           f"({lengths.sum() * args.dim * 2 / 2**30:.2f} GiB; scaled down from a TCGA cohort's ~11k slides)")
-    try:
+    with harness.scratch(args, "bags") as work:
         built = build(os.path.join(work, "cohort"), lengths, args.dim)
         results = measure(built, lengths, args)
         results["sizes"] = {k: _size(v) for k, v in built["paths"].items()}
@@ -186,16 +167,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["ratios"]["import vs h5 read"] = results["seconds"]["TRIDENT h5 cold"] / results["import_seconds"]
             results["ratios"]["import vs its own read"] = results["import_read_seconds"] / results["import_seconds"]
         if not args.skip_loader:
-            from featurestore.bench import bag_loader
-
             figures = bag_loader.epoch_figures(built["paths"]["store"], *NAMES, pt_dir=built["paths"]["pt"],
                                                workers=4, repeats=max(1, args.repeats))
-            figures.update(patches=int(lengths.sum()), dim=args.dim, dtype="float16", workers=4)
-            results["loader"] = figures
+            results["loader"] = {**figures, "patches": int(lengths.sum()), "dim": args.dim, "dtype": "float16",
+                                 "workers": 4}
         return results
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 def measure(built: dict[str, Any], lengths: np.ndarray, args: argparse.Namespace) -> dict[str, Any]:
@@ -232,7 +208,7 @@ def measure(built: dict[str, Any], lengths: np.ndarray, args: argparse.Namespace
               for name in METHODS[1:] for t in ("cold", "warm")}
     return {"benchmark": "bags", "slides": len(lengths), "dim": args.dim, "patches": int(lengths.sum()),
             "median_patches": int(np.median(lengths)), "max_patches": int(lengths.max()), "repeats": args.repeats,
-            "bytes_read": nbytes, "seconds": seconds, "rows": rows, "ratios": ratios, "targets": TARGETS}
+            "bytes_read": nbytes, "seconds": seconds, "rows": rows, "ratios": ratios}
 
 
 __all__ = ["register", "run"]

@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ import numpy as np
 from featurestore.bench import harness
 from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup
 from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
-from featurestore.bench.summary import finish
+from featurestore.errors import InvalidOption
 
 BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
 VARIANTS = {"FeatureArray.read [mmap]": ("mmap", "keep"), "FeatureArray.read [pread, drop]": ("pread", "drop"),
@@ -28,13 +27,14 @@ VARIANTS = {"FeatureArray.read [mmap]": ("mmap", "keep"), "FeatureArray.read [pr
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("cold", help="cold-cache epochs over a store larger than a memory cgroup")
+    parser = harness.add_bench(subparsers, "cold", "cold-cache epochs over a store larger than a memory cgroup", repeats=1)
     parser.add_argument("--shapes", default="1024x3072,256x384", help="sample shapes TxD, comma separated")
     parser.add_argument("--batch-sizes", default="16,64", help="batch size per shape (one value: all shapes)")
+    parser.add_argument("--dtype", default="float16",
+                        help="stored dtypes, comma separated: every shape is measured in each (default float16)")
     parser.add_argument("--chunk-rows", type=int, default=64, help="rows per chunk of the store (default 64)")
     parser.add_argument("--limit-mib", type=int, default=512, help="memory cgroup limit (default 512 MiB)")
     parser.add_argument("--store-ratio", type=float, default=3.0, help="store size / cgroup limit (default 3)")
-    parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats; the median is kept")
     parser.add_argument("--prefetch", type=int, default=4, help="FeatureLoader prefetch (default 4)")
     parser.add_argument("--no-variants", action="store_true", help="skip the forced mmap/drop/direct reader rows")
     parser.add_argument("--slow-seconds", type=float, default=20.0,
@@ -42,53 +42,43 @@ def register(subparsers: Any) -> None:
                              "batches read in that time (default 20 s)")
     parser.add_argument("--cuda", choices=("auto", "on", "off"), default="auto",
                         help="CUDA rows (pinned H2D, loader epoch to the GPU); auto: when a GPU is present")
-    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
-    parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: finish("cold", run(args), args.json_out, failed))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     shapes = parse_shapes(args.shapes)
     sizes = [int(v) for v in str(args.batch_sizes).split(",")]
-    if len(sizes) == 1:
-        sizes *= len(shapes)
+    sizes = sizes * len(shapes) if len(sizes) == 1 else sizes
     if len(sizes) != len(shapes) or min(sizes) < 1:
-        raise ValueError(f"--batch-sizes {args.batch_sizes!r}: give one positive size, or one per shape ({len(shapes)})")
-    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-cold-", dir=os.environ.get("FEATURESTORE_BENCH_DIR"))
-    os.makedirs(work, exist_ok=True)
+        raise InvalidOption(f"--batch-sizes {args.batch_sizes!r}: give one positive size, or one per shape ({len(shapes)})")
+    dtypes = harness.parse_dtypes(args.dtype, numpy_only=True)
     limit = args.limit_mib << 20
-    results: dict[str, Any] = {"benchmark": "cold", "limit_bytes": limit, "shapes": []}
-    try:
-        for shape, batch_size in zip(shapes, sizes):
-            results["shapes"].append(_bench_shape(work, shape, batch_size, limit, args))
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
-    return results
+    with harness.scratch(args, "cold") as work:
+        return {"benchmark": "cold", "limit_bytes": limit,
+                "shapes": [_bench_shape(work, shape, size, dtype, limit, args)
+                           for dtype in dtypes for shape, size in zip(shapes, sizes)]}
 
 
-def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, limit: int,
+def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str, limit: int,
                  args: argparse.Namespace) -> dict[str, Any]:
-    sample_bytes = int(np.prod(shape)) * 2
+    sample_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     n = max(2 * batch_size, int(args.store_ratio * limit) // sample_bytes)
     label = "x".join(map(str, shape))
-    base = os.path.join(work, label)
+    base = os.path.join(work, f"{label}-{dtype}")
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
-    print(f"\n[cold] samples [{label}] float16, N={n} ({n * sample_bytes / 2**30:.2f} GiB, {args.chunk_rows}-row chunks), "
-          f"batches of {batch_size}, memory limit {limit >> 20} MiB")
+    print(f"\n[cold] samples [{label}] {dtype}, N={n} ({n * sample_bytes / 2**30:.2f} GiB, {args.chunk_rows}-row "
+          f"chunks), batches of {batch_size}, memory limit {limit >> 20} MiB")
     start = time.perf_counter()
-    with open(os.path.join(base, "raw.f16"), "wb") as raw:  # the store and a raw file of the same bytes
-        harness.write_split(os.path.join(base, "store"), n, shape, rows=args.chunk_rows,
+    with open(os.path.join(base, "raw"), "wb") as raw:  # the store and a raw file of the same bytes
+        harness.write_split(os.path.join(base, "store"), n, shape, dtype=dtype, rows=args.chunk_rows,
                             chunk_bytes=args.chunk_rows * sample_bytes, slabs=lambda _, values: values.tofile(raw))
     print(f"  built in {time.perf_counter() - start:.1f} s")
     methods = list(BASE_METHODS) + ([] if args.no_variants else list(VARIANTS))
-    cuda = args.cuda == "on" or (args.cuda == "auto" and _has_cuda())
-    if cuda:
+    if args.cuda == "on" or (args.cuda == "auto" and _has_cuda()):
         methods += ["FeatureLoader -> cuda", "pinned H2D"]
-    config = {"base": base, "shape": list(shape), "n": n, "batch_size": batch_size, "methods": methods,
-              "repeats": args.repeats, "prefetch": args.prefetch, "slow_seconds": args.slow_seconds}
-    out: dict[str, Any] = {"sample_shape": list(shape), "num_samples": n, "batch_size": batch_size,
+    config = {"base": base, "shape": list(shape), "dtype": dtype, "n": n, "batch_size": batch_size,
+              "methods": methods, "repeats": args.repeats, "prefetch": args.prefetch, "slow_seconds": args.slow_seconds}
+    out: dict[str, Any] = {"sample_shape": list(shape), "dtype": dtype, "num_samples": n, "batch_size": batch_size,
                            "chunk_rows": args.chunk_rows, "store_bytes": n * sample_bytes}
     try:
         with MemoryCgroup(limit) as group:
@@ -99,16 +89,13 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, limit: int,
         print(f"  no memory cgroup ({error}): cold figures rely on eviction (posix_fadvise DONTNEED) alone")
         out["cgroup"] = f"none ({error}); evicted with posix_fadvise(DONTNEED) before each method"
         done = harness.child_process("cold:measure", config)
+    shutil.rmtree(base, ignore_errors=True)
     out["returncode"] = done.returncode
     if done.returncode != 0:
         print(f"  child failed (rc {done.returncode}): {done.stderr[-1500:]}")
         out["stderr"] = done.stderr[-3000:]
-        shutil.rmtree(base, ignore_errors=True)
         return out
-    child = json.loads(done.stdout.strip().splitlines()[-1])
-    out.update(child)
-    shutil.rmtree(base, ignore_errors=True)
-    return out
+    return {**out, **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
 # ---------------------------------------------------------------------- the child (in the cgroup)
@@ -121,20 +108,8 @@ def _has_cuda() -> bool:
         return False
 
 
-def _peak_reset() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-    except OSError:
-        pass
-
-
-def _peak() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+def _nbytes(tensor: Any) -> int:
+    return int(tensor.numel() * tensor.element_size())
 
 
 def measure(config: dict[str, Any]) -> dict[str, Any]:
@@ -146,8 +121,9 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     from featurestore.core.buffers import aligned_empty
 
     base, shape, n, b = config["base"], tuple(config["shape"]), config["n"], config["batch_size"]
-    sample_bytes = int(np.prod(shape)) * 2
-    store_dir, raw_path = os.path.join(base, "store"), os.path.join(base, "raw.f16")
+    dtype = np.dtype(config.get("dtype", "float16"))
+    sample_bytes = int(np.prod(shape)) * dtype.itemsize
+    store_dir, raw_path = os.path.join(base, "store"), os.path.join(base, "raw")
     order = np.random.default_rng(1).permutation(n)
     batches = [order[i : i + b] for i in range(0, n, b)]
     chunk_files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(store_dir, "bench", "enc", "train", "features"))
@@ -178,7 +154,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
         finally:
             os.close(fd)
 
-    memmap = np.memmap(raw_path, dtype=np.float16, mode="r", shape=(n, *shape))
+    memmap = np.memmap(raw_path, dtype=dtype, mode="r", shape=(n, *shape))
 
     def budget(fn: Any, slow: bool) -> int:
         """Bytes of ``fn(batch)`` over the epoch; a slow row stops after its time budget (GB/s is
@@ -198,7 +174,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
             array = featurestore.open_store(store_dir).open("bench", "enc", "train")
             if local_read:
                 array.local_read, array.cache = local_read, cache
-            return budget(lambda idx: array.read(idx).numel() * 2, slow=local_read == "mmap")
+            return budget(lambda idx: _nbytes(array.read(idx)), slow=local_read == "mmap")
         return read
 
     def loader(device: str) -> Any:
@@ -207,7 +183,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
             total = 0
             it = FeatureLoader(ds, batch_size=b, shuffle=True, device=device, dtype=None, prefetch=config["prefetch"])
             for features, _ in it:
-                total += features.numel() * 2
+                total += _nbytes(features)
             it.close()
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -241,20 +217,21 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
 
         def setup() -> None:
             harness.evict(store_dir, raw_path)
-            _peak_reset()
-        return Method(name, rate, setup, lambda: peaks.__setitem__(name, max(peaks.get(name, 0), _peak())), own=True)
+            harness.peak_reset()
+        return Method(name, rate, setup, lambda: peaks.__setitem__(name, max(peaks.get(name, 0), harness.peak_rss())),
+                      own=True)
 
     times = interleaved([method(name) for name in config["methods"]], config["repeats"])
     rates = {name: [r for r in values if r == r] for name, values in times.items()}
     # Same bytes: the reader's and the loader's first batch against the raw file.
     array = featurestore.open_store(store_dir).open("bench", "enc", "train")
-    same = bool(np.array_equal(array.read_numpy(batches[0]).view(np.uint16), memmap[batches[0]].view(np.uint16)))
+    same = array.read_numpy(batches[0]).tobytes() == memmap[batches[0]].tobytes()
     rows = {name: {"gb_per_s": float(np.median(r)), "all_gb_per_s": r, "peak_rss": peaks[name]}
             for name, r in rates.items() if r}
     return {"rows": rows, "repeats": config["repeats"], "same_bytes": same, "errors": errors}
 
 
 def failed(results: dict[str, Any]) -> str | None:
-    bad = [f"[{'x'.join(map(str, s['sample_shape']))}]" for s in results.get("shapes", [])
+    bad = [f"[{'x'.join(map(str, s['sample_shape']))}] {s.get('dtype', 'float16')}" for s in results.get("shapes", [])
            if s.get("returncode") != 0 or s.get("errors")]
     return f"a child or a method failed for {', '.join(bad)}" if bad else None

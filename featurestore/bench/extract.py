@@ -9,15 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import tempfile
 import time
 from typing import Any
 
 import numpy as np
 
-from featurestore.bench import extract_wsi
+from featurestore.bench import extract_wsi, harness
 from featurestore.bench.harness import Method, interleaved
-from featurestore.bench.summary import finish
 
 # Seconds the trivial encoder waits per batch (``--device-ms``); set by ``run`` in this process,
 # which is where extraction calls the encoder.
@@ -85,13 +83,13 @@ ENCODERS = {"trivial": "python:featurestore.bench.extract:trivial_encoder",
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("extract", help="extraction wall time vs encoding alone; write MB/s")
+    parser = harness.add_bench(subparsers, "extract", "extraction wall time vs encoding alone; write MB/s",
+                               repeats=3, keep="best")
     parser.add_argument("--n", type=int, default=512, help="images (default 512)")
     parser.add_argument("--image-size", type=int, default=224, help="square image side (default 224)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--chunk-mb", type=float, default=8.0)
     parser.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default: auto)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the best is kept")
     parser.add_argument("--encoder", default="trivial",
                         help="trivial (patch embedding + LayerNorm), zero (zero-cost: the pipeline's own "
                         "ceiling) or any encoder spec, e.g. builtin:vit-s14 (a ViT-S/14's cost, no download) "
@@ -101,59 +99,27 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--precision", default="auto", help="auto, bf16 or fp32 (default auto: bf16 on CUDA)")
     parser.add_argument("--device-ms", type=float, default=0.0,
                         help="emulated accelerator time per batch of 64, host CPU idle (default 0)")
-    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
-    parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
     extract_wsi.add_arguments(parser)
-    parser.set_defaults(func=lambda args: finish("extract", run(args), args.json_out))
 
 
 def _encode_only(opts: Any) -> tuple[float, Any]:
     """The extraction's loader, batches and encoder, the device synchronised per batch; the
     features are dropped. Returns (seconds, the first batch's features, on the device)."""
-    import torch
-
-    from featurestore.extract.encoders import load_encoder
-    from featurestore.core.device import resolve_device
-    from featurestore.extract.encode_loop import autocast as _autocast, default_num_workers, resolve_precision
-    from featurestore.extract.encode_loop import worker_init as _worker_init
+    from featurestore.extract.encode_loop import default_num_workers
     from featurestore.extract.sources import Failure, PreparedImages, Preprocessing, collate, open_source
-    from featurestore.extract.workers import DieWithParent
 
-    start = time.perf_counter()
     source = open_source(opts.images)
-    encoder = load_encoder(opts.encoder)
-    device = resolve_device(opts.device)
-    encoder.to(device)
-    precision = resolve_precision(opts.precision, device)
-    images = PreparedImages(source, Preprocessing(mean=encoder.mean, std=encoder.std))
     n = len(source)
     # New splits hold whole batches per chunk, so extraction's plan is these consecutive batches.
     plan = [list(range(a, min(a + opts.batch_size, n))) for a in range(0, n, opts.batch_size)]
     workers = opts.num_workers if opts.num_workers is not None else default_num_workers()
-    loader = torch.utils.data.DataLoader(images, batch_sampler=plan, num_workers=workers, collate_fn=collate,
-                                         pin_memory=device.type == "cuda",
-                                         worker_init_fn=DieWithParent(_worker_init) if workers else None)
-    first = None
-    with torch.inference_mode():
-        for batch in loader:
-            assert not isinstance(batch, Failure)
-            with _autocast(device, precision):
-                out = encoder(batch[1].to(device, non_blocking=True))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            first = out if first is None else first
-    return time.perf_counter() - start, first
 
+    def call(encoder: Any, batch: Any, device: Any) -> Any:
+        assert not isinstance(batch, Failure)
+        return encoder(batch[1].to(device, non_blocking=True))
 
-def _tofile(path: str, nbytes: int) -> float:
-    """numpy tofile of ``nbytes`` float16 bytes, to os.sync(): the disk's own write rate."""
-    values = np.random.default_rng(0).standard_normal(nbytes // 2, dtype=np.float32).astype(np.float16)
-    start = time.perf_counter()
-    values.tofile(path)
-    os.sync()
-    seconds = time.perf_counter() - start
-    os.unlink(path)
-    return seconds
+    return extract_wsi.encode_pass(opts, lambda e: PreparedImages(source, Preprocessing(mean=e.mean, std=e.std)),
+                                   plan, workers, collate, call)
 
 
 def compare_device_stats(features: Any, logical: str = "float16") -> dict[str, Any]:
@@ -177,22 +143,6 @@ def compare_device_stats(features: Any, logical: str = "float16") -> dict[str, A
     return out
 
 
-def _write_only(store_url: str, n: int, sample_shape: tuple[int, ...], chunk_mb: float) -> float:
-    from featurestore import open_store
-
-    rng = np.random.default_rng(0)
-    block = rng.standard_normal((64, *sample_shape), dtype=np.float32)
-    start = time.perf_counter()
-    writer = open_store(store_url, mode="a").create_split(
-        "bench", "write-only", "s", num_samples=n, sample_shape=sample_shape, dtype="float16",
-        chunk_bytes=int(chunk_mb * (1 << 20)))
-    for lo in range(0, n, 64):
-        writer.write(lo, block[: min(64, n - lo)])
-    writer.commit()
-    os.sync()  # the same finish line as tofile's
-    return time.perf_counter() - start
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "wsi", False):  # whole-slide extraction: its own bench (featurestore.bench.extract_wsi)
         return extract_wsi.run(args)
@@ -201,72 +151,78 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _DEVICE_SECONDS[0] = getattr(args, "device_ms", 0.0) / 1000.0
     encoder = getattr(args, "encoder", "trivial")
     spec = ENCODERS.get(encoder, encoder)
-    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-extract-")
-    os.makedirs(work, exist_ok=True)
     try:
-        images_path = os.path.join(work, "images.npy")
-        rng = np.random.default_rng(0)
-        images = np.lib.format.open_memmap(images_path, mode="w+", dtype=np.uint8,
-                                           shape=(args.n, args.image_size, args.image_size, 3))
-        for lo in range(0, args.n, 64):
-            images[lo : lo + 64] = rng.integers(0, 256, images[lo : lo + 64].shape, dtype=np.uint8)
-        images.flush()
-        del images
-        opts = ExtractOptions(images=f"npy:{images_path}", encoder=spec, store=os.path.join(work, "store"),
-                              dataset="bench", split="s", batch_size=args.batch_size, chunk_mb=args.chunk_mb,
-                              num_workers=args.num_workers, progress=False, device=getattr(args, "device", "auto"),
-                              precision=getattr(args, "precision", "auto"))
-        waits: list[float] = []
-        state: dict[str, Any] = {}
+        with harness.scratch(args, "extract") as work:
+            images_path = os.path.join(work, "images.npy")
+            rng = np.random.default_rng(0)
+            images = np.lib.format.open_memmap(images_path, mode="w+", dtype=np.uint8,
+                                               shape=(args.n, args.image_size, args.image_size, 3))
+            for lo in range(0, args.n, 64):
+                images[lo : lo + 64] = rng.integers(0, 256, images[lo : lo + 64].shape, dtype=np.uint8)
+            images.flush()
+            del images
+            opts = ExtractOptions(images=f"npy:{images_path}", encoder=spec, store=os.path.join(work, "store"),
+                                  dataset="bench", split="s", batch_size=args.batch_size, chunk_mb=args.chunk_mb,
+                                  num_workers=args.num_workers, progress=False, device=getattr(args, "device", "auto"),
+                                  precision=getattr(args, "precision", "auto"))
+            waits: list[float] = []
+            state: dict[str, Any] = {}
 
-        def encode_only() -> float:
-            seconds, state["first"] = _encode_only(opts)
-            return seconds
+            def encode_only() -> float:
+                seconds, state["first"] = _encode_only(opts)
+                return seconds
 
-        def run_extract() -> None:
-            result = extract(opts)
-            os.sync()  # the same finish line as tofile's
-            waits.append(result.writer_wait_seconds)
-            state["shape"] = tuple(result.metadata["sample_shape"])
+            def run_extract() -> None:
+                result = extract(opts)
+                os.sync()  # the same finish line as tofile's
+                waits.append(result.writer_wait_seconds)
+                state["shape"] = tuple(result.metadata["sample_shape"])
 
-        def stored_bytes() -> int:
-            return args.n * int(np.prod(state["shape"])) * 2
+            def stored_bytes() -> int:
+                return args.n * int(np.prod(state["shape"])) * 2
 
-        def clean() -> None:
-            for path in ("store", "write"):
-                shutil.rmtree(os.path.join(work, path), ignore_errors=True)
-            os.sync()
+            def block(rows: int) -> np.ndarray:
+                return np.random.default_rng(0).standard_normal((rows, *state["shape"]), dtype=np.float32)
 
-        # Interleaved: a slow moment hits every method alike.
-        times = interleaved([Method("encode_only_s", encode_only, own=True), Method("extract_s", run_extract),
-                             Method("tofile_s", lambda: _tofile(os.path.join(work, "raw"), stored_bytes()), own=True),
-                             Method("write_only_s", lambda: _write_only(os.path.join(work, "write"), args.n,
-                                                                        state["shape"], args.chunk_mb), teardown=clean, own=True)],
-                            args.repeats)
-        sample_shape, first = state["shape"], state["first"]
-        nbytes = stored_bytes()
-        best = {name: min(values) for name, values in times.items()}
-        encode, extracted, write, tofile = best["encode_only_s"], best["extract_s"], best["write_only_s"], best["tofile_s"]
-        results = {
-            "benchmark": "extract", "encoder": spec, "device": str(getattr(args, "device", "auto")),
-            "images": args.n, "image_size": args.image_size, "batch_size": args.batch_size,
-            "device_ms": getattr(args, "device_ms", 0.0), "cpu_count": os.cpu_count(),
-            "load_average_1m": os.getloadavg()[0],
-            "sample_shape": list(sample_shape), "stored_dtype": "float16", "bytes": nbytes,
-            "encode_only_s": encode, "extract_s": extracted, "ratio": extracted / encode, "target_ratio": 1.05,
-            "tofile_s": tofile, "extract_vs_tofile": tofile / extracted, "target_vs_tofile": 0.6,
-            "writer_wait_s": waits[times["extract_s"].index(extracted)],
-            "extract_write_mb_s": nbytes / extracted / 1e6, "write_only_mb_s": nbytes / write / 1e6,
-            "tofile_mb_s": nbytes / tofile / 1e6,
-            "encode_only_img_s": args.n / encode, "extract_img_s": args.n / extracted,
-            "repeats": dict(times),
-        }
-        if first is not None and first.device.type != "cpu":
-            results["device_vs_cpu_stats"] = compare_device_stats(first.float())
+            def write_raw(path: str) -> float:  # the disk's own write rate, for the same bytes
+                seconds = harness.tofile_synced(path, block(args.n).astype(np.float16))
+                os.unlink(path)
+                return seconds
+
+            def clean() -> None:
+                for path in ("store", "write"):
+                    shutil.rmtree(os.path.join(work, path), ignore_errors=True)
+                os.sync()
+
+            # Interleaved: a slow moment hits every method alike.
+            times = interleaved([Method("encode_only_s", encode_only, own=True), Method("extract_s", run_extract),
+                                 Method("tofile_s", lambda: write_raw(os.path.join(work, "raw")), own=True),
+                                 Method("write_only_s", lambda: harness.write_synced(
+                                     os.path.join(work, "write"), block(64), 64, n=args.n,
+                                     chunk_bytes=int(args.chunk_mb * (1 << 20))), teardown=clean, own=True)],
+                                args.repeats)
+            sample_shape, first = state["shape"], state["first"]
+            nbytes = stored_bytes()
+            best = {name: min(values) for name, values in times.items()}
+            encode, extracted, write, tofile = best["encode_only_s"], best["extract_s"], best["write_only_s"], best["tofile_s"]
+            results = {
+                "benchmark": "extract", "encoder": spec, "device": str(getattr(args, "device", "auto")),
+                "images": args.n, "image_size": args.image_size, "batch_size": args.batch_size,
+                "device_ms": getattr(args, "device_ms", 0.0), "cpu_count": os.cpu_count(),
+                "load_average_1m": os.getloadavg()[0],
+                "sample_shape": list(sample_shape), "stored_dtype": "float16", "bytes": nbytes,
+                "encode_only_s": encode, "extract_s": extracted, "ratio": extracted / encode,
+                "tofile_s": tofile, "extract_vs_tofile": tofile / extracted,
+                "writer_wait_s": waits[times["extract_s"].index(extracted)],
+                "extract_write_mb_s": nbytes / extracted / 1e6, "write_only_mb_s": nbytes / write / 1e6,
+                "tofile_mb_s": nbytes / tofile / 1e6,
+                "encode_only_img_s": args.n / encode, "extract_img_s": args.n / extracted,
+                "repeats": dict(times),
+            }
+            if first is not None and first.device.type != "cpu":
+                results["device_vs_cpu_stats"] = compare_device_stats(first.float())
     finally:
         _DEVICE_SECONDS[0] = 0.0
-        if not args.workdir:
-            shutil.rmtree(work, ignore_errors=True)
     return results
 
 

@@ -31,12 +31,12 @@ def paired(numerator: Sequence[float], denominator: Sequence[float]) -> list[flo
     return [a / b for a, b in zip(numerator, denominator) if b]
 
 
-def _label(shape: Sequence[int]) -> str:
+def label(shape: Sequence[int]) -> str:
     return "x".join(map(str, shape))
 
 
 def _read(result: dict[str, Any]) -> Figures:
-    out = {f"vs_memmap[{_label(s['sample_shape'])}]": figure(s["median_paired_vs_memmap"], s["paired_vs_memmap"])
+    out = {f"vs_memmap[{label(s['sample_shape'])}]": figure(s["median_paired_vs_memmap"], s["paired_vs_memmap"])
            for s in result["shapes"]}
     rss = result.get("rss") or {}
     if len(rss) == 2:  # N and 4N: the reader's peak anonymous RSS must not grow with the split
@@ -50,7 +50,7 @@ def _write(result: dict[str, Any]) -> Figures:
     for s in result["shapes"]:
         times = s["repeats_s"]
         for source in ("float16", "float32"):
-            out[f"{source}_vs_tofile[{_label(s['sample_shape'])}]"] = figure(
+            out[f"{source}_vs_tofile[{label(s['sample_shape'])}]"] = figure(
                 s[f"writer_{source}_ratio"], paired(times["tofile"], times[source]))
     return out
 
@@ -104,8 +104,9 @@ def _cold(result: dict[str, Any]) -> Figures:
         if not rows:
             continue
         loader = rows["FeatureLoader"]
+        tag = label(s["sample_shape"]) + ("" if s.get("dtype", "float16") == "float16" else f" {s['dtype']}")
         for name, base in (("loader_vs_pread", "pread reference"), ("loader_vs_memmap", "np.memmap gather")):
-            out[f"{name}[{_label(s['sample_shape'])}]"] = figure(
+            out[f"{name}[{tag}]"] = figure(
                 loader["gb_per_s"] / rows[base]["gb_per_s"],
                 paired(loader.get("all_gb_per_s", []), rows[base].get("all_gb_per_s", [])))
     return out
@@ -145,17 +146,24 @@ def _bag_loader(result: dict[str, Any]) -> Figures:
     return out
 
 
-# The runs (GB/s per repeat) each s3 ratio divides, for its per-repeat spread.
+# The runs (GB/s per repeat) each s3 ratio divides: ``bench s3`` takes its ratios of their medians.
+_CEILING, _EPOCH1, _FS = "ceiling (whole chunks, 8 GETs)", "cache epoch 1 (empty, full-size cache)", "featurestore shuffled batches"
+_BAGS_EPOCH1, _BAGS_PT = "bag loader, cache epoch 1 (empty)", "bags, .pt per slide (4 in flight)"
 S3_PAIRS = {
-    "read_vs_ceiling": ("featurestore shuffled batches", "ceiling (whole chunks, 8 GETs)"),
-    "read_vs_zarr": ("featurestore shuffled batches", "zarr-python FsspecStore"),
-    "loader_vs_ceiling": ("FeatureLoader epoch (uniform shuffle)", "ceiling (whole chunks, 8 GETs)"),
+    "read_vs_ceiling": (_FS, _CEILING), "read_vs_zarr": (_FS, "zarr-python FsspecStore"),
+    "loader_vs_ceiling": ("FeatureLoader epoch (uniform shuffle)", _CEILING),
     "write_vs_put": ("featurestore write", "plain concurrent put"),
-    "read_vs_fsspec_path": ("featurestore shuffled batches", "featurestore via fsspec (before)"),
-    "read_vs_bare_ranges": ("featurestore shuffled batches", "bare ranged GETs (one per row)"),
-    "cache_epoch1_vs_ceiling": ("cache epoch 1 (empty, full-size cache)", "ceiling (whole chunks, 8 GETs)"),
+    "read_vs_fsspec_path": (_FS, "featurestore via fsspec (before)"),
+    "read_vs_bare_ranges": (_FS, "bare ranged GETs (one per row)"),
+    "cache_epoch1_vs_ceiling": (_EPOCH1, _CEILING),
+    "cache_epoch1_vs_fill_ceiling": (_EPOCH1, "cache fill ceiling (chunks into files)"),
     "cache_epoch2_vs_local_cold": ("cache epoch 2 (filled, cold files)", "local cold loader"),
-    "half_cache_vs_ceiling": ("half cache epoch 2", "ceiling (whole chunks, 8 GETs)"),
+    "half_cache_vs_ceiling": ("half cache epoch 2", _CEILING),
+    "half_cache_epoch1_vs_ceiling": ("half cache epoch 1", _CEILING),
+    "bags_cache_epoch1_vs_ceiling": (_BAGS_EPOCH1, "bags ceiling (whole chunks, 8 GETs)"),
+    "bags_cache_epoch1_vs_pt_per_slide": (_BAGS_EPOCH1, _BAGS_PT),
+    "bags_cache_epoch2_vs_pt_per_slide": ("bag loader, cache epoch 2 (cold files)", _BAGS_PT),
+    "bags_no_cache_vs_pt_per_slide": ("bag loader, no cache (ranged GETs)", _BAGS_PT),
 }
 
 

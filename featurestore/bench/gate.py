@@ -47,7 +47,10 @@ class Target:
         return self.variant or self.bench
 
     def text(self) -> str:
-        return f"{self.op} {_number(self.threshold, self.unit)}"
+        return f"{self.op} {number(self.threshold, self.unit)}"
+
+    def met(self, value: float | None) -> bool:
+        return value is not None and OPS[self.op](value, self.threshold)
 
 
 @dataclass
@@ -163,7 +166,7 @@ def check(report: dict[str, Any], targets: list[Target], *, allow_missing: bool 
             rows.append(Row(t, label, status=absent + why, fails=not allow_missing))
         for name in names:
             value, spread = found[name]["value"], found[name].get("spread")
-            met = value is not None and OPS[t.op](value, t.threshold)
+            met = t.met(value)
             rows.append(Row(t, f"{t.run}.{name}", value, spread, "ok" if met else "MISSED", fails=not met))
     return rows
 
@@ -173,7 +176,7 @@ def missed(rows: list[Row]) -> list[str]:
     return list(dict.fromkeys(r.target.id for r in rows if r.fails))
 
 
-def _number(value: float | None, unit: str) -> str:
+def number(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
     text = f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
@@ -184,8 +187,8 @@ def table(rows: list[Row]) -> list[list[str]]:
     """Header and one line per row: target id, figure, cache, target, measured, spread, ok."""
     lines = [["id", "figure", "cache", "target", "measured", "spread", "ok"]]
     for r in rows:
-        spread = "-" if not r.spread else f"{_number(r.spread[0], r.target.unit)} - {_number(r.spread[1], r.target.unit)}"
-        lines.append([r.target.id, r.figure, r.target.cache, r.target.text(), _number(r.measured, r.target.unit),
+        spread = "-" if not r.spread else f"{number(r.spread[0], r.target.unit)} - {number(r.spread[1], r.target.unit)}"
+        lines.append([r.target.id, r.figure, r.target.cache, r.target.text(), number(r.measured, r.target.unit),
                       spread, r.status])
     return lines
 

@@ -7,6 +7,8 @@
   a memory limit comes from :class:`featurestore.bench.cgroup.MemoryCgroup`.
 * :func:`child`: ``featurestore.bench.MODULE:FUNCTION(config)`` in a fresh interpreter (optionally
   inside a cgroup), its JSON result back: the one protocol of every bench's subprocesses.
+* :func:`add_bench` (every bench's parser: ``--workdir``, ``--json``, ``--repeats``, the printed
+  end) and :func:`scratch` (its work directory).
 
 What a bench prints, and what `bench all` reports, is read from its result by
 :mod:`featurestore.bench.summary`.
@@ -14,15 +16,19 @@ What a bench prints, and what `bench all` reports, is read from its result by
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +36,45 @@ import numpy as np
 
 from featurestore.bench.cgroup import evict
 
-__all__ = ["Method", "RssPeak", "Times", "child", "child_process", "evict", "gbps", "interleaved", "parse_shapes",
-           "rss_anon_bytes", "save_json", "timed", "unmap", "warm", "write_split"]
+__all__ = ["Method", "RssPeak", "Times", "add_bench", "child", "child_process", "evict", "gbps", "h2d_gbps",
+           "interleaved", "parse_dtypes", "parse_shapes", "peak_reset", "peak_rss", "rss_anon_bytes", "scratch", "timed",
+           "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
+
+
+def add_bench(subparsers: Any, verb: str, help: str, *, repeats: int | None = None, keep: str = "median",
+              description: str | None = None,
+              workdir: str = "scratch directory (default: a temp dir, removed)") -> argparse.ArgumentParser:
+    """The parser of ``featurestore bench VERB`` with what every bench has: ``--repeats`` (when
+    given a default), ``--workdir``, ``--json``; the command runs the module's ``run(args)``, prints
+    its result (:func:`featurestore.bench.summary.finish`) and exits 1 when its ``failed`` says why."""
+    from featurestore.bench import bench_module
+    from featurestore.bench.summary import finish
+
+    name = verb.replace("-", "_")
+    parser = subparsers.add_parser(verb, help=help, description=description or help)
+    if repeats is not None:
+        parser.add_argument("--repeats", type=int, default=repeats,
+                            help=f"interleaved repeats; the {keep} is kept (default {repeats})")
+    parser.add_argument("--workdir", default=None, help=workdir)
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
+
+    def command(args: argparse.Namespace) -> int:
+        module = bench_module(name)
+        return finish(name, module.run(args), args.json_out, getattr(module, "failed", None))
+    parser.set_defaults(func=command)
+    return parser
+
+
+@contextlib.contextmanager
+def scratch(args: argparse.Namespace, name: str) -> Iterator[str]:
+    """``--workdir`` (kept), or a temp directory (under ``$FEATURESTORE_BENCH_DIR`` if set) removed after."""
+    work = args.workdir or tempfile.mkdtemp(prefix=f"fs-bench-{name}-", dir=os.environ.get("FEATURESTORE_BENCH_DIR"))
+    os.makedirs(work, exist_ok=True)
+    try:
+        yield work
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 @dataclass
@@ -117,20 +160,49 @@ def write_split(path: str, n: int, shape: tuple[int, ...], *, dtype: str = "floa
                 names: tuple[str, str, str] = ("bench", "enc", "train"), chunk_bytes: int | None = None,
                 slabs: Callable[[int, np.ndarray], Any] | None = None) -> None:
     """A split of ``n`` samples written ``rows`` at a time (never all in RAM): one random block,
-    shifted per slab (content does not matter to I/O; generating it would). Each slab (float16
-    for a float16 split, else float32) is also handed to ``slabs(start, values)``."""
+    shifted per slab (content does not matter to I/O; generating it would). Each slab (in the
+    split's dtype where numpy has it, else float32) is also handed to ``slabs(start, values)``."""
     import featurestore
 
     writer = featurestore.open_store(path, mode="a").create_split(
         *names, num_samples=n, sample_shape=shape, dtype=dtype, chunk_bytes=chunk_bytes, overwrite=True)
     block = np.random.default_rng(0).standard_normal((min(rows, n), *shape), dtype=np.float32)
-    block = block.astype(np.float16) if dtype == "float16" else block
+    try:
+        block = block.astype(np.dtype(dtype))
+    except TypeError:  # bfloat16: float32 slabs, the writer converts
+        pass
     for k, start in enumerate(range(0, n, rows)):
         values = block[: min(rows, n - start)] + block.dtype.type(k % 64)
         writer.write(start, values)
         if slabs:
             slabs(start, values)
     writer.commit()
+
+
+def tofile_synced(path: str, values: np.ndarray) -> float:
+    """Seconds of numpy ``tofile`` of ``values`` to ``os.sync()``: the disk's own write rate."""
+    start = time.perf_counter()
+    values.tofile(path)
+    os.sync()
+    return time.perf_counter() - start
+
+
+def write_synced(path: str, values: np.ndarray, batch: int, *, n: int | None = None, chunk_rows: int | None = None,
+                 chunk_bytes: int | None = None) -> float:
+    """Seconds of the writer writing ``n`` samples (default ``len(values)``; rows of ``values`` taken
+    in turn), float16 stored, in batches, committed, to ``os.sync()``."""
+    import featurestore
+
+    n = len(values) if n is None else n
+    start = time.perf_counter()
+    writer = featurestore.open_store(path, mode="a").create_split(
+        "bench", "write", "s", num_samples=n, sample_shape=tuple(values.shape[1:]), dtype="float16",
+        chunk_rows=chunk_rows, chunk_bytes=chunk_bytes)
+    for lo in range(0, n, batch):
+        writer.write(lo, values[lo % len(values):][: min(batch, n - lo)])
+    writer.commit()
+    os.sync()
+    return time.perf_counter() - start
 
 
 # ---------------------------------------------------------------------- child processes
@@ -162,15 +234,11 @@ def _child_main(function: str, config: str) -> None:
 def rss_anon_bytes() -> int:
     """This process's anonymous resident memory (RssAnon), the part a page cache cannot reclaim."""
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
+        return _status_bytes("RssAnon")
     except OSError:
-        pass
-    import resource
+        import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _status_bytes(field: str) -> int:
@@ -179,6 +247,20 @@ def _status_bytes(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def peak_reset() -> None:
+    """Reset this process's peak RSS (VmHWM) to its current RSS, where the kernel allows."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss() -> int:
+    """This process's peak RSS (VmHWM) since the last :func:`peak_reset`."""
+    return _status_bytes("VmHWM")
 
 
 class RssPeak:
@@ -209,9 +291,41 @@ class RssPeak:
         self.peak_file = max((s[2] for s in self.samples), default=0)
 
 
+def h2d_gbps(pinned: bool, nbytes: int = 256 << 20, copies: int = 10) -> float:
+    """Host-to-device GB/s of ``copies`` copies of a pinned (or pageable) host buffer, CUDA events."""
+    import torch
+
+    target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).fill_(1)
+    target.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(copies):
+        target.copy_(host, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return copies * nbytes / (start.elapsed_time(end) / 1e3) / 1e9
+
+
 # ---------------------------------------------------------------------- small helpers
 def gbps(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def parse_dtypes(text: str, *, numpy_only: bool = False) -> list[str]:
+    """``"float16,float32"`` -> the stored dtypes a bench measures in turn, one column each
+    (``numpy_only``: no bfloat16, for a bench whose raw twin holds the same bytes)."""
+    names = [part.strip() for part in str(text).split(",") if part.strip()]
+    for name in names or [text]:
+        try:
+            np.dtype(name) if numpy_only or name != "bfloat16" else None
+        except TypeError:
+            from featurestore.errors import InvalidOption
+
+            raise InvalidOption(f"--dtype {text!r}: {name!r} is not a dtype this bench stores; give names such as "
+                                "float16,float32") from None
+    return list(dict.fromkeys(names))
 
 
 def parse_shapes(text: str) -> list[tuple[int, ...]]:
@@ -223,13 +337,6 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
         except ValueError:
             raise ValueError(f"bad shape {part!r} in {text!r}: write shapes as TxD, e.g. 256x384,1024x1536") from None
     return shapes
-
-
-def save_json(results: dict[str, Any], path: str | None) -> None:
-    """Write a bench's results to ``path`` (its ``--json``), if one was given."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2, default=lambda v: v.item() if hasattr(v, "item") else str(v))
 
 
 if __name__ == "__main__":

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -20,30 +18,23 @@ import numpy as np
 
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved
-from featurestore.bench.summary import finish
 from featurestore.testing.serving import SHAPE, build_store, free_port, load_test, process_rss, serve_subprocess
 
 __all__ = ["SHAPE", "build_store", "free_port", "load_test", "process_rss", "register", "serve_subprocess"]
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "http", help="HTTP server + client vs raw loopback TCP; item latency; load test"
-    )
-    parser.add_argument("--store", default=None,
-                        help="serve this store (its first split) instead of building one")  # fmt: skip
+    parser = harness.add_bench(subparsers, "http", "HTTP server + client vs raw loopback TCP; item latency; load test",
+                               repeats=3)
+    parser.add_argument("--store", default=None, help="serve this store (its first split) instead of building one")
     parser.add_argument("--num-samples", type=int, default=1024, help="samples in the built store")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--batches", type=int, default=30, help="timed batches per method/repeat")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of --batches batches")
+    parser.add_argument("--batches", type=int, default=30, help="timed batches per method and repeat")
     parser.add_argument("--items", type=int, default=300, help="single-item requests timed")
     parser.add_argument("--load-seconds", type=float, default=30.0, help="0 skips the load test")
     parser.add_argument("--clients", type=int, default=16, help="load-test concurrent clients")
     parser.add_argument("--read-ahead", type=int, default=2, help="requests in flight for the read-ahead client")
     parser.add_argument("--workers", type=int, default=1, help="server worker processes (featurestore serve --workers)")
-    parser.add_argument("--workdir", default=None, help="scratch directory (default: temp, removed)")
-    parser.add_argument("--json", dest="json_out", default=None, help="also write results here")
-    parser.set_defaults(func=lambda args: finish("http", run(args), args.json_out, failed))
 
 
 # ---------------------------------------------------------------------- raw TCP baseline
@@ -74,6 +65,17 @@ while True:
 """
 
 
+def _fill(read_into: Any, out: np.ndarray, short: str) -> np.ndarray:
+    """``out`` filled from ``read_into(view)`` (a socket's or a response's), straight into its bytes."""
+    view, got = out.reshape(-1).view(np.uint8).data, 0
+    while got < view.nbytes:
+        n = read_into(view[got:])
+        if not n:
+            raise ConnectionError(short)
+        got += n
+    return out
+
+
 class RawTCP:
     """Client side of the raw baseline; the server runs in its own process, like uvicorn."""
 
@@ -88,14 +90,7 @@ class RawTCP:
     def read(self, index: np.ndarray, out: np.ndarray, *, gather: bool) -> np.ndarray:
         index = np.ascontiguousarray(index, dtype=np.int64)
         self.sock.sendall(struct.pack("<IB", len(index), 0 if gather else 1) + index.tobytes())
-        view = out.reshape(-1).view(np.uint8).data
-        got = 0
-        while got < view.nbytes:
-            n = self.sock.recv_into(view[got:])
-            if n == 0:
-                raise ConnectionError("raw TCP baseline server went away")
-            got += n
-        return out
+        return _fill(self.sock.recv_into, out, "raw TCP baseline server went away")
 
     def close(self) -> None:
         self.sock.close()
@@ -104,30 +99,23 @@ class RawTCP:
 
 # ---------------------------------------------------------------------- the benchmark
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-http-")
-    os.makedirs(work, exist_ok=True)
-    try:
-        if args.store:
+    with harness.scratch(args, "http") as work:
+        path, key = args.store, ("bench", "enc", "train")
+        if path:
             import featurestore
 
-            store = featurestore.open_store(args.store)
-            ds = store.datasets()[0]
-            enc = store.encoders(ds)[0]
-            key = (ds, enc, store.splits(ds, enc)[0])
-            path = args.store
+            store = featurestore.open_store(path)
+            dataset = store.datasets()[0]
+            encoder = store.encoders(dataset)[0]
+            key = (dataset, encoder, store.splits(dataset, encoder)[0])
         else:
             path = os.path.join(work, "store")
             print(f"[http] building {args.num_samples} samples of {list(SHAPE)} float16 ...")
             build_store(path, args.num_samples)
-            key = ("bench", "enc", "train")
         if os.path.isdir(path):
             harness.warm(path)  # page-cached, so every method measures transport, not disk
         with serve_subprocess(path, args=("--workers", str(args.workers))) as (url, proc):
-            results = _measure(url, proc, path, key, args)
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
-    return results
+            return _measure(url, proc, path, key, args)
 
 
 class StdlibReadinto:
@@ -150,13 +138,7 @@ class StdlibReadinto:
         self.conn.request("POST", self.path, body=wire.encode_indices(index),
                           headers={"Content-Type": wire.INDICES})  # fmt: skip
         response = self.conn.getresponse()
-        view = out.reshape(-1).view(np.uint8).data
-        got = 0
-        while got < view.nbytes:
-            n = response.readinto(view[got:])
-            if not n:
-                raise ConnectionError("short body")
-            got += n
+        _fill(response.readinto, out, "short body")
         response.read()  # the (empty) rest, so the connection can be reused
         return out
 
@@ -266,11 +248,7 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
     loader = _loader_vs_client(url, key, remote, args)
 
     rng = np.random.default_rng(99)
-    latencies = []
-    for i in rng.integers(0, n, size=args.items + 10):
-        start = time.perf_counter()
-        fc.item(*key, int(i))
-        latencies.append(time.perf_counter() - start)
+    latencies = [harness.timed(lambda i=i: fc.item(*key, int(i))) for i in rng.integers(0, n, size=args.items + 10)]
     lat = np.array(latencies[10:]) * 1e3
     p50, p99 = float(np.percentile(lat, 50)), float(np.percentile(lat, 99))
     fc.close()

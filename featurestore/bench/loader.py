@@ -7,9 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
-import tempfile
 import time
 from typing import Any
 
@@ -17,51 +15,41 @@ import numpy as np
 
 from featurestore.bench import harness
 from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup
-from featurestore.bench.harness import Method, interleaved
-from featurestore.bench.summary import finish
+from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.core import checked
 
 DATASET, ENCODER = "bench", "loader"
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("loader", help="FeatureLoader vs bare reader: throughput, stall, RSS N vs 4N, "
-                                   "epoch under a memory cgroup, H2D GB/s")
+    parser = harness.add_bench(subparsers, "loader", "FeatureLoader vs bare reader: throughput, stall, RSS N vs 4N, "
+                               "epoch under a memory cgroup, H2D GB/s", repeats=7, keep="best")
     parser.add_argument("--shape", default="256x384", help="sample shape TxD (default 256x384)")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     parser.add_argument("--num-samples", type=int, default=1024, help="N (the RSS run also uses 4N)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--prefetch", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7, help="interleaved throughput repeats; best kept")
     parser.add_argument("--cgroup-limit-mib", type=int, default=512, help="memory limit of the cgroup run")
     parser.add_argument("--skip-rss", action="store_true", help="skip the N vs 4N subprocesses")
     parser.add_argument("--skip-cgroup", action="store_true", help="skip the memory cgroup run")
-    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
-    parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: finish("loader", run(args), args.json_out))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    shape = tuple(int(v) for v in str(args.shape).lower().split("x"))
-    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-loader-")
-    os.makedirs(work, exist_ok=True)
-    store = os.path.join(work, "store")
+    shape = harness.parse_shapes(args.shape)[0]
     n = int(args.num_samples)
     results: dict[str, Any] = {"benchmark": "loader", "sample_shape": list(shape), "dtype": args.dtype,
                                "batch_size": args.batch_size, "prefetch": args.prefetch, "num_samples": n}
-    try:
+    with harness.scratch(args, "loader") as work:
+        store = os.path.join(work, "store")
         _make_split(store, "n", n, shape, args.dtype)
         _make_split(store, "n4", 4 * n, shape, args.dtype)
         results["throughput"] = _throughput(store, args)
         # Over 4N: more batches per epoch, so the unavoidable wait for the first one weighs less.
         results["stall"] = _stall(store, "n4", args)
         if not args.skip_rss:
-            results["rss"] = _rss(store, args)
+            results["rss"] = _rss(store, shape, args)
         results["cgroup"] = _cgroup_epoch(store, shape, args) if not args.skip_cgroup else {"skipped": "--skip-cgroup"}
         results["cuda"] = _cuda(store, args)
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
     return results
 
 
@@ -115,20 +103,12 @@ def _throughput(store: str, args: argparse.Namespace) -> dict[str, Any]:
     # Interleaved, so drift hits all four alike; the warm-up sets up the loaders' buffers and threads.
     times = interleaved(methods, max(1, args.repeats), warmup=1)
     best = {k: min(v) for k, v in times.items()}
-    out = {
-        "batches": len(batches),
-        "bytes": nbytes,
-        "reader_gbps": nbytes / best["reader"] / 1e9,
-        "loader_gbps": nbytes / best["loader"] / 1e9,
-        "loader_vs_reader": best["reader"] / best["loader"],
-        "reader_float32_gbps": nbytes / best["reader_f32"] / 1e9,
-        "loader_float32_gbps": nbytes / best["loader_f32"] / 1e9,
-        "loader_vs_reader_float32": best["reader_f32"] / best["loader_f32"],
-        "reader_s_per_batch": best["reader"] / len(batches),
-        "times_s": dict(times),
-    }
-    out["ok"] = out["loader_vs_reader"] >= 0.95 and out["loader_vs_reader_float32"] >= 0.95
-    return out
+    return {"batches": len(batches), "bytes": nbytes, "reader_s_per_batch": best["reader"] / len(batches),
+            **{f"{name}_gbps": gbps(nbytes, best[key]) for name, key in (
+                ("reader", "reader"), ("loader", "loader"), ("reader_float32", "reader_f32"),
+                ("loader_float32", "loader_f32"))},
+            "loader_vs_reader": best["reader"] / best["loader"],
+            "loader_vs_reader_float32": best["reader_f32"] / best["loader_f32"], "times_s": dict(times)}
 
 
 # ---------------------------------------------------------------------- 2. stall
@@ -156,15 +136,15 @@ def _stall(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
     stall = float(loader.stats["stall_s"])
     # The first batch is always waited for (nothing to overlap it with); it is counted.
     return {"split_samples": ds.num_samples, "consumer_step_s": step_s, "epoch_s": epoch, "stall_s": stall,
-            "stall_fraction": stall / epoch, "batches": int(loader.stats["batches"]), "ok": stall / epoch < 0.05}
+            "stall_fraction": stall / epoch, "batches": int(loader.stats["batches"])}
 
 
 # ---------------------------------------------------------------------- 3. RSS, N vs 4N
-def _rss(store: str, args: argparse.Namespace) -> dict[str, Any]:
+def _rss(store: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {label: harness.child("loader:epoch", _spec(store, split, args))
                            for label, split in (("N", "n"), ("4N", "n4"))}
     growth = out["4N"]["peak_anon"] - out["N"]["peak_anon"]
-    elements = int(np.prod(_shape(args)))
+    elements = int(np.prod(shape))
     stored_itemsize = 4 if args.dtype == "float32" else 2
     # docs/LOADER.md: (prefetch + 3) float32 batches handed out or idle in the pool, plus one
     # staging batch per prefetch thread at the stored width for the CPU upcast, plus the buffers
@@ -178,14 +158,9 @@ def _rss(store: str, args: argparse.Namespace) -> dict[str, Any]:
     out["growth_bytes"] = growth
     out["bound_bytes"] = bound
     out["limit_bytes"] = bound + constant
+    # "Does not grow with N": both runs stay under the same N-independent bound (figure rss_vs_bound).
     out["loader_bytes"] = {k: out[k]["peak_anon"] - out[k]["baseline_anon"] for k in ("N", "4N")}
-    # "Does not grow with N": both runs stay under the same N-independent bound.
-    out["ok"] = all(v <= bound + constant for v in out["loader_bytes"].values())
     return out
-
-
-def _shape(args: argparse.Namespace) -> tuple[int, ...]:
-    return tuple(int(v) for v in str(args.shape).lower().split("x"))
 
 
 def _spec(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -265,22 +240,8 @@ def _cuda(store: str, args: argparse.Namespace) -> dict[str, Any]:
         return {"skipped": "no CUDA device"}
     from client import FeatureDataset, FeatureLoader
 
-    nbytes = 256 << 20
-    device = torch.device("cuda")
-    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(device)}
-    for name, pinned in (("pinned", True), ("pageable", False)):
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        host.fill_(1)
-        target.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            target.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        out[f"h2d_{name}_gbps"] = 10 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "h2d_pinned_gbps": harness.h2d_gbps(True),
+                           "h2d_pageable_gbps": harness.h2d_gbps(False)}
     ds = FeatureDataset(store, DATASET, ENCODER, "n")
     harness.warm(_split_dir(store, "n"))
     loader = FeatureLoader(ds, batch_size=args.batch_size, device="cuda", prefetch=args.prefetch)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -21,35 +20,23 @@ import numpy as np
 
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved
-from featurestore.bench.summary import finish
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("read", help="reader GB/s vs memmap, zarr, HDF5, torch.save; checked reads; RSS")
+    parser = harness.add_bench(subparsers, "read", "reader GB/s vs memmap, zarr, HDF5, torch.save; checked reads; RSS",
+                               repeats=3, keep="best")
     parser.add_argument("--shapes", default="256x384,1024x1536", help="sample shapes TxD, comma separated")
     parser.add_argument("--gib", type=float, default=0.75, help="size of each test array in GiB (default 0.75)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--batches", type=int, default=200, help="timed batches per method and repeat (fewer do not settle)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the best is kept")
-    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--skip-rss", action="store_true", help="skip the N vs 4N RSS subprocesses")
-    parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: finish("read", run(args), args.json_out))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-read-")
-    os.makedirs(work, exist_ok=True)
-    results: dict[str, Any] = {"benchmark": "read", "batch_size": args.batch_size, "shapes": []}
-    try:
-        for shape in harness.parse_shapes(args.shapes):
-            results["shapes"].append(_bench_shape(work, shape, args))
-        if not args.skip_rss:
-            results["rss"] = _bench_rss(work, args)
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
-    return results
+    with harness.scratch(args, "read") as work:
+        shapes = [_bench_shape(work, shape, args) for shape in harness.parse_shapes(args.shapes)]
+        rss = None if args.skip_rss else _bench_rss(work, args)
+    return {"benchmark": "read", "batch_size": args.batch_size, "shapes": shapes, **({"rss": rss} if rss else {})}
 
 
 def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:

@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from featurestore import __version__
-from featurestore.errors import InvalidOption
+from featurestore.bench import bench_module
 from featurestore.bench.markdown import render_markdown
 from featurestore.bench.summary import print_result, rss_series, throughput_rows
-from featurestore.bench import bench_module
+from featurestore.errors import InvalidOption
 
 BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3", "cold", "bags", "bag_loader")
 

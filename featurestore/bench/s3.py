@@ -1,8 +1,8 @@
 """``featurestore bench s3``: object-storage reads and writes against the server's own limit.
 
-Starts SeaweedFS on loopback (or uses ``--endpoint``); the chunk cache's figures are
-:mod:`featurestore.bench.s3_cache`, the bags' :mod:`featurestore.bench.s3_bags`, ``--link-gbit``
-:mod:`featurestore.bench.link`. What it measures: docs/BENCHMARKS.md.
+Starts SeaweedFS on loopback (or uses ``--endpoint``); the loader epochs through the chunk cache and
+the bags' are :mod:`featurestore.bench.s3_epochs`, ``--link-gbit`` :mod:`featurestore.bench.link`.
+What it measures: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -17,26 +17,23 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench import harness, link, s3_bags, s3_cache
+from featurestore.bench import harness, link
+from featurestore.bench import s3_epochs as ep
+from featurestore.bench.figures import S3_PAIRS
 from featurestore.bench.harness import Method, gbps, interleaved
-from featurestore.bench.s3_cache import CpuClock
-from featurestore.bench.summary import finish
 from featurestore.errors import InvalidOption
-
-TARGETS = {"read_vs_ceiling": 0.5, "read_vs_zarr": 10.0, "loader_vs_ceiling": 0.5, "write_vs_put": 0.5,
-           "read_vs_bare_ranges": 0.8, **s3_cache.TARGETS}
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("s3", help="S3 reads/writes (obstore) vs whole-object GETs, zarr-python, plain puts",
-                                   description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = harness.add_bench(subparsers, "s3", "S3 reads/writes (obstore) vs whole-object GETs, zarr-python, plain puts",
+                               repeats=3, description=__doc__.split("\n\n")[0] if __doc__ else None,
+                               workdir="SeaweedFS data, cache and local copy directory (default: a temp dir, removed)")
     parser.add_argument("--num-samples", type=int, default=1024)
     parser.add_argument("--shape", default="256x384", help="sample shape TxD (float16)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--batches", type=int, default=48, help="shuffled batches per repeat (featurestore)")
     parser.add_argument("--slow-batches", type=int, default=6,
                         help="batches per repeat for zarr-python and the fsspec path (they are slow)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the median is kept")
     parser.add_argument("--chunk-mb", type=float, default=8.0, help="chunk size in MiB (default: the writer's 8)")
     parser.add_argument("--concurrency", type=int, default=None,
                         help="max_concurrency storage option (default: FEATURESTORE_OBJECT_CONCURRENCY or 64)")
@@ -47,8 +44,6 @@ def register(subparsers: Any) -> None:
                              "--weed-args=-filer.maxMB=4 (with '=') for SeaweedFS's stock 4 MiB internal chunks")
     parser.add_argument("--loader-threads", type=int, default=None, help="FeatureLoader num_threads (default: its own)")
     parser.add_argument("--prefetch", type=int, default=4, help="FeatureLoader prefetch (batches in flight)")
-    parser.add_argument("--workdir", default=None,
-                        help="SeaweedFS data, cache and local copy directory (default: a temp dir, removed)")
     parser.add_argument("--no-cache", action="store_true", help="skip the chunk cache figures")
     parser.add_argument("--bags", type=int, default=48, help="slides of the bag figures (0: skip them)")
     parser.add_argument("--bag-median", type=int, default=2000, help="median patches per slide")
@@ -60,8 +55,6 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--bucket", default="featurestore-bench")
     parser.add_argument("--key", default=None)
     parser.add_argument("--secret", default=None)
-    parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: finish("s3", run(args), args.json_out))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -79,9 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.key:
             options.update(key=args.key, secret=args.secret or "")
         return _bench(args, options, server="endpoint " + args.endpoint, server_pid=None)
-    from featurestore.testing.seaweedfs import seaweed_server
-
-    from featurestore.testing.seaweedfs import READ_TUNED_ARGS
+    from featurestore.testing.seaweedfs import READ_TUNED_ARGS, seaweed_server
 
     extra = tuple(args.weed_args.split())
     with seaweed_server(args.workdir, extra_args=extra) as server:
@@ -104,8 +95,8 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
     from client import FeatureDataset, FeatureLoader
     from featurestore.core.reader import aligned_empty
     from featurestore.core.storage import FsspecStorage
-    from featurestore.core.storage.obstore import ObjectStorage
     from featurestore.core.storage.io_loop import run as run_async
+    from featurestore.core.storage.obstore import ObjectStorage
     from featurestore.format import layout
 
     shape = tuple(int(v) for v in args.shape.lower().split("x"))
@@ -164,20 +155,19 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
     slow_orders = orders[: args.slow_batches]
     out = aligned_empty((batch, *shape), np.float16)
 
-    clock = CpuClock(server_pid)
-    cpu: dict[str, list[tuple[float, float | None]]] = {}  # figure -> (client, server) CPU seconds per GB
+    clock = ep.CpuClock(server_pid)
+    cpu: ep.CpuTimes = {}  # figure -> (client, server) CPU seconds per GB
 
     def with_cpu(name: str, fetch: Callable[[], int]) -> float:
         """GB/s of ``fetch()`` (which returns the bytes it moved), its CPU per GB recorded as ``name``."""
-        before = clock.read()
-        t0 = time.perf_counter()
+        before, t0 = clock.read(), time.perf_counter()
         got = fetch()
         seconds = time.perf_counter() - t0
-        s3_cache.record_cpu(cpu, name, before, clock.read(), got)
+        clock.record(cpu, name, before, got)
         return gbps(got, seconds)
 
     def ceiling() -> float:
-        return with_cpu(s3_cache.CEILING, lambda: s3_cache.fetch_whole(storage.obstore, chunk_keys))
+        return with_cpu(ep.CEILING, lambda: ep.fetch_whole(storage.obstore, chunk_keys))
 
     def batches(read: Callable[[np.ndarray], Any], which: list[np.ndarray]) -> Callable[[], float]:
         """GB/s of ``read(idx)`` over the shuffled batches ``which``."""
@@ -217,73 +207,56 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
 
     bare_ranges = batches(lambda idx: run_async(batch_ranges(idx)), orders)
 
-    reads: dict[str, list[float]] = {"featurestore shuffled batches": [], "ceiling (whole chunks, 8 GETs)": [],
+    reads: dict[str, list[float]] = {"featurestore shuffled batches": [], ep.CEILING: [],
                                      "bare ranged GETs (one per row)": [],
                                      "FeatureLoader epoch (uniform shuffle)": [], "zarr-python FsspecStore": [],
                                      "featurestore via fsspec (before)": []}
     methods = dict(zip(reads, (shuffled_reads, ceiling, bare_ranges, loader_epoch, zarr_python, fsspec_path)))
-    cached = None
+    closing: list[Any] = []
     if not args.no_cache:
-        cached = s3_cache.CachedEpochs(url, fs_options, values, chunk_bytes, batch, args.prefetch,
-                                       args.loader_threads, args.workdir, clock=clock, cpu=cpu)
+        cached = ep.CachedEpochs(url, fs_options, values, chunk_bytes, batch, args.prefetch, args.loader_threads,
+                                 args.workdir, clock=clock, cpu=cpu)
+        closing.append(cached)
 
-        def full_cache() -> float:
-            first, second = cached.full_cache()
-            reads["cache epoch 2 (filled, cold files)"].append(second)
-            return first
-
-        def half_cache() -> float:
-            first, second = cached.half_cache()
-            reads["half cache epoch 2"].append(second)
+        def two_epochs(fn: Callable[[], tuple[float, float]], second: str) -> Callable[[], float]:
+            def first() -> float:
+                one, two = fn()
+                reads[second].append(two)
+                return one
             return first
 
         def fill_ceiling() -> float:
-            return with_cpu(s3_cache.FILL, lambda: s3_cache.fill_whole(storage.obstore, chunk_keys,
-                                                                       os.path.join(cached.work, "fill")))
+            return with_cpu(ep.FILL, lambda: ep.fill_whole(storage.obstore, chunk_keys, os.path.join(cached.work, "fill")))
 
-        for name, fn in (("cache epoch 1 (empty, full-size cache)", full_cache), ("half cache epoch 1", half_cache),
-                         ("local cold loader", cached.local_cold), (s3_cache.FILL, fill_ceiling)):
-            reads[name] = []
-            methods[name] = fn
-        reads["cache epoch 2 (filled, cold files)"] = []
-        reads["half cache epoch 2"] = []
-    bag_epochs = None
+        methods.update({ep.EPOCH1: two_epochs(cached.full_cache, "cache epoch 2 (filled, cold files)"),
+                        "half cache epoch 1": two_epochs(cached.half_cache, "half cache epoch 2"),
+                        "local cold loader": cached.local_cold, ep.FILL: fill_ceiling})
+        reads.update({name: [] for name in (*methods, "cache epoch 2 (filled, cold files)", "half cache epoch 2")
+                      if name not in reads})
     if args.bags:
-        bag_epochs = s3_bags.BagEpochs(url, fs_options, bags=args.bags, median=args.bag_median, dim=args.bag_dim,
-                                       prefetch=args.prefetch, workdir=args.workdir)
+        bag_epochs = ep.BagEpochs(url, fs_options, bags=args.bags, median=args.bag_median, dim=args.bag_dim,
+                                  prefetch=args.prefetch, workdir=args.workdir)
+        closing.append(bag_epochs)
         bag_epoch2: list[float] = []
-        for name, fn in bag_epochs.methods(bag_epoch2).items():
-            reads[name] = []
-            methods[name] = fn
-        reads[s3_bags.EPOCH2] = bag_epoch2
+        methods.update(bag_epochs.methods(bag_epoch2))
+        reads.update({name: [] for name in methods if name not in reads})
+        reads[ep.BAGS_EPOCH2] = bag_epoch2
     torch.set_num_threads(max(1, torch.get_num_threads()))
     timed = [Method(name, fn, own=True) for name, fn in methods.items()]  # each returns its GB/s
     interleaved(timed, 1)  # one warm-up call each: connections, first-touch maps, imports; then forgotten
-    for values_list in [*reads.values(), *(cached.downloaded.values() if cached is not None else ())]:
+    for values_list in [*reads.values(), *(v for c in closing for v in getattr(c, "downloaded", {}).values())]:
         values_list.clear()
     cpu.clear()
     reads.update(interleaved(timed, args.repeats))
-    if cached is not None:
-        cached.close()
-    if bag_epochs is not None:
-        bag_epochs.close()
+    for part in closing:
+        part.close()
 
-    median = {name: float(np.median(v)) for name, v in {**reads, **writes}.items()}
-    ceil = median["ceiling (whole chunks, 8 GETs)"]
-    ratios = {
-        "read_vs_ceiling": median["featurestore shuffled batches"] / ceil,
-        "read_vs_zarr": median["featurestore shuffled batches"] / median["zarr-python FsspecStore"],
-        "loader_vs_ceiling": median["FeatureLoader epoch (uniform shuffle)"] / ceil,
-        "write_vs_put": median["featurestore write"] / median["plain concurrent put"],
-        "read_vs_fsspec_path": median["featurestore shuffled batches"] / median["featurestore via fsspec (before)"],
-        "read_vs_bare_ranges": median["featurestore shuffled batches"] / median["bare ranged GETs (one per row)"],
-    }
-    downloaded = {}
-    if cached is not None:
-        ratios.update(s3_cache.ratios(median, ceil, reads))
-        downloaded = {name: float(np.median(v)) for name, v in cached.downloaded.items()}
-    if bag_epochs is not None:
-        ratios.update(s3_bags.ratios(median))
+    runs = {**reads, **writes}
+    median = {name: float(np.median(v)) for name, v in runs.items()}
+    ratios = {name: median[a] / median[b] for name, (a, b) in S3_PAIRS.items() if a in median and b in median}
+    if len(reads.get(ep.EPOCH1, [])) == len(reads[ep.CEILING]) > 0:
+        ratios["cache_epoch1_vs_ceiling_paired"] = float(np.median(np.divide(reads[ep.EPOCH1], reads[ep.CEILING])))
+    downloaded = {name: float(np.median(v)) for c in closing if hasattr(c, "downloaded") for name, v in c.downloaded.items()}
     try:
         store.storage.delete_tree("")
     except Exception:  # noqa: BLE001 - a scratch prefix; the server's temp dir goes anyway
@@ -292,8 +265,8 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str, serve
         "benchmark": "s3", "server": server, "num_samples": n, "sample_shape": list(shape), "batch_size": batch,
         "chunk_rows": chunk_rows, "cache": "warm (server's volume files just written, page-cached)",
         "max_concurrency": storage.settings.max_concurrency, "coalesce_gap": storage.gap, "gb_per_s": median,
-        "runs": {**reads, **writes}, "ratios": ratios, "targets": TARGETS,
-        "downloaded_per_epoch_vs_split": downloaded, "cpu_ms_per_gb": s3_cache.cpu_medians(cpu),
+        "runs": runs, "ratios": ratios,
+        "downloaded_per_epoch_vs_split": downloaded, "cpu_ms_per_gb": ep.cpu_medians(cpu),
     }
 
 
@@ -302,5 +275,3 @@ def _s3fs_options(options: dict[str, Any]) -> dict[str, Any]:
     from featurestore.core.storage.options import FEATURESTORE_KEYS
 
     return {k: v for k, v in options.items() if k not in FEATURESTORE_KEYS}
-
-

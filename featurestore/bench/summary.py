@@ -1,21 +1,22 @@
-"""One reading of every bench's result: its rows (rates per method) and its notes (the other figures).
+"""One reading of every bench's result: its rows (rates per method), its figures against the
+targets of ``targets.json`` and its notes (the other figures).
 
-``featurestore bench NAME`` prints them (:func:`print_result`) and ``bench all`` puts the same rows
-and notes into ``report.md`` and the plots (:mod:`featurestore.bench.report`); a result whose keys
-changed is noted in the report instead of stopping it.
+``featurestore bench NAME`` prints them (:func:`print_result`) and ``bench all`` puts the same
+into ``report.md`` and the plots (:mod:`featurestore.bench.report`); a result whose keys changed
+is noted in the report instead of stopping it.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from typing import Any
 
+from featurestore.bench.figures import bench_figures
+from featurestore.bench.figures import label as _label
+
 Panels = dict[str, list[tuple[str, float]]]
-
-
-def _label(shape: list[int]) -> str:
-    return "x".join(map(str, shape))
 
 
 def _guarded(report: dict[str, Any], name: str, fn: Any, default: Any) -> Any:
@@ -59,7 +60,7 @@ def _cold_rows(cold: dict[str, Any]) -> Panels:
         rows = shape.get("rows") or {}
         first = [k for k in ("FeatureLoader", "FeatureArray.read") if k in rows]
         if rows:
-            panels[f"cold [{_label(shape['sample_shape'])}] float16 (page cache cold), GB/s"] = [
+            panels[f"cold [{_label(shape['sample_shape'])}] {shape.get('dtype', 'float16')} (page cache cold), GB/s"] = [
                 (name, rows[name]["gb_per_s"]) for name in first + [k for k in rows if k not in first]]
     return panels
 
@@ -75,18 +76,19 @@ def _bags_rows(bags: dict[str, Any]) -> Panels:
 
 
 def _bag_loader_rows(results: dict[str, Any]) -> Panels:
+    """Per stored dtype (``--dtype``: the first at the top, the others in ``by_dtype``)."""
     panels: Panels = {}
-    for mode in ("warm", "cold"):
-        f = results.get(mode)
-        if f:
-            rows = [("BagLoader", f["loader_gbps"]), ("bare reader", f["reader_gbps"]),
-                    ("BagLoader -> f32", f["loader_f32_gbps"])]
-            panels[f"bag loader, batch 1, {mode}, GB/s"] = rows + ([("CLAM torch.load .pt", f["clam_gbps"])]
-                                                                   if "clam_gbps" in f else [])
-    p = results.get("padded")
-    if p:
-        panels[f"bag loader, padded, batch {p['batch_size']}, GB/s"] = [
-            ("BagLoader", p["loader_gbps"]), ("reader + pad", p["loader_gbps"] * p["loader_s"] / p["reader_s"])]
+    for r in (results, *results.get("by_dtype", {}).values()):
+        dtype = "" if r.get("dtype", "float16") == "float16" else f" {r['dtype']}"
+        for mode in ("warm", "cold"):
+            if f := r.get(mode):
+                panels[f"bag loader{dtype}, batch 1, {mode}, GB/s"] = [
+                    ("BagLoader", f["loader_gbps"]), ("bare reader", f["reader_gbps"]),
+                    ("BagLoader -> f32", f["loader_f32_gbps"]),
+                    *([("CLAM torch.load .pt", f["clam_gbps"])] if "clam_gbps" in f else [])]
+        if p := r.get("padded"):
+            panels[f"bag loader{dtype}, padded, batch {p['batch_size']}, GB/s"] = [
+                ("BagLoader", p["loader_gbps"]), ("reader + pad", p["loader_gbps"] * p["loader_s"] / p["reader_s"])]
     return panels
 
 
@@ -124,121 +126,87 @@ def throughput_rows(report: dict[str, Any]) -> Panels:
 
 
 # ---------------------------------------------------------------------- notes: the other figures
-def _ratios(ratios: dict[str, float], targets: dict[str, float]) -> str:
-    return "; ".join(f"{name} {value:.2f}x" + (f" (target >= {targets[name]}x)" if name in targets else "")
-                     for name, value in ratios.items())
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def _read_notes(read: dict[str, Any]) -> list[str]:
-    lines = [f"- read [{_label(s['sample_shape'])}] (warm): featurestore / np.memmap paired per repeat, median "
-             f"{s['median_paired_vs_memmap']:.2f}x (target >= 1.0x; runs {', '.join(f'{r:.2f}' for r in s['paired_vs_memmap'])}); "
-             f"first pass with crc32c checks {s['verify']['ratio']:.2f}x the unchecked one" for s in read["shapes"]]
-    return lines + [f"- read, N={n}: reader peak anonymous RSS {r['peak_anon'] / 2**20:.1f} MiB (after imports "
-                    f"{r['baseline_anon'] / 2**20:.1f})" for n, r in (read.get("rss") or {}).items()]
-
-
-def _write_notes(write: dict[str, Any]) -> list[str]:
-    targets = write.get("targets", {"float16": 0.7, "float32": 0.5})
-    return [f"- write [{_label(s['sample_shape'])}] / numpy tofile (to os.sync, median of {len(s['repeats_s']['tofile'])}): "
-            f"float16 input {s['writer_float16_ratio']:.2f}x (target >= {targets['float16']}x), float32 input "
-            f"{s['writer_float32_ratio']:.2f}x (target >= {targets['float32']}x)" for s in write["shapes"]]
+    lines = [f"- read [{_label(s['sample_shape'])}]: first pass with crc32c checks {s['verify']['ratio']:.2f}x the "
+             "unchecked one" for s in read["shapes"]]
+    return lines + [f"- read, N={n}: reader peak anonymous RSS {_mib(r['peak_anon'])} (after imports "
+                    f"{_mib(r['baseline_anon'])})" for n, r in (read.get("rss") or {}).items()]
 
 
 def _http_notes(http: dict[str, Any]) -> list[str]:
-    lat, loader = http["item_latency_ms"], http.get("loader") or {}
-    lines = [f"- http (median batch times) vs raw tcp {http['http_vs_raw_tcp']:.2f}x (target >= 0.6x), vs raw tcp + "
-             f"gather {http['http_vs_raw_tcp_gather']:.2f}x, vs bare http.client {http.get('client_vs_bare_http_client', 0):.2f}x; "
-             f"single item p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms"]
-    if "read_ahead_vs_raw_tcp" in http:
-        lines.append(f"- read-ahead client / raw tcp (groups) {http['read_ahead_vs_raw_tcp']:.2f}x; naive httpx "
-                     f".content / raw tcp {http['gb_per_s']['http naive client'] / http['gb_per_s']['raw tcp']:.2f}x "
-                     "(target >= 0.25x)")
-    if loader:
-        lines.append(f"- FeatureLoader over HTTP / FeatureClient, same batches: {loader['loader_vs_client']:.2f}x (target >= 0.9x)")
+    lat = http["item_latency_ms"]
+    lines = [f"- http (median batch times) vs raw tcp + gather {http['http_vs_raw_tcp_gather']:.2f}x, vs bare "
+             f"http.client {http.get('client_vs_bare_http_client', 0):.2f}x, read-ahead client / raw tcp (groups) "
+             f"{http.get('read_ahead_vs_raw_tcp', 0):.2f}x; single item p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms"]
     if http.get("load"):
         load = http["load"]
         lines.append(f"- http load test: {load['requests']} requests ({load['requests_per_s']:.0f}/s), errors "
                      f"{load['errors']}, payload mismatches {load['mismatches']}; server anonymous RSS "
-                     f"{load['server_rss_anon_start'] / 2**20:.0f} -> {load['server_rss_anon_end'] / 2**20:.0f} MiB")
+                     f"{_mib(load['server_rss_anon_start'])} -> {_mib(load['server_rss_anon_end'])}")
         lines += [f"  - {failure}" for failure in load["failures"][:5]]
     return lines
 
 
 def _loader_notes(loader: dict[str, Any]) -> list[str]:
-    s, t = loader["stall"], loader["throughput"]
-    lines = [f"- loader / bare reader (best of interleaved epochs): {t['loader_vs_reader']:.2f}x, to float32 "
-             f"{t['loader_vs_reader_float32']:.2f}x (target >= 0.95x); stall {100 * s['stall_fraction']:.2f}% of "
-             f"{s['batches']} batches with a {s['consumer_step_s'] * 1e3:.1f} ms consumer step (target < 5%)"]
-    r = loader.get("rss")
+    s, r, cg = loader["stall"], loader.get("rss"), loader.get("cgroup") or {}
+    lines = [f"- loader stall over {s['batches']} batches with a {s['consumer_step_s'] * 1e3:.1f} ms consumer step"]
     if r:
-        lines.append(f"- loader's own anonymous memory: N {r['loader_bytes']['N'] / 2**20:.1f} MiB, 4N "
-                     f"{r['loader_bytes']['4N'] / 2**20:.1f} MiB; bound {r['bound_bytes'] / 2**20:.1f} MiB + 32 MiB: "
-                     f"{'ok' if r['ok'] else 'EXCEEDED'}")
-    cg = loader.get("cgroup") or {}
+        lines.append(f"- loader's own anonymous memory: N {_mib(r['loader_bytes']['N'])}, 4N {_mib(r['loader_bytes']['4N'])}"
+                     f"; bound {_mib(r['bound_bytes'])} + 32 MiB")
     if "skipped" in cg:
         lines.append(f"- cgroup epoch: skipped ({cg['skipped']})")
     elif cg:
-        lines.append(f"- cgroup limit {cg['limit_bytes'] / 2**20:.0f} MiB, store {cg['store_bytes'] / 2**20:.0f} MiB: "
-                     f"loader rc {cg['loader_returncode']}, RAM tensor killed: {cg['ram_killed']}")
+        lines.append(f"- cgroup limit {_mib(cg['limit_bytes'])}, store {_mib(cg['store_bytes'])}: loader rc "
+                     f"{cg['loader_returncode']}, RAM tensor killed: {cg['ram_killed']}")
     return lines
 
 
 def _cold_notes(cold: dict[str, Any]) -> list[str]:
     lines = []
     for shape in cold["shapes"]:
-        label = _label(shape["sample_shape"])
+        label = f"{_label(shape['sample_shape'])}] {shape.get('dtype', 'float16')}"
         if "rows" not in shape:
-            lines.append(f"- cold [{label}]: child failed (rc {shape.get('returncode')}): {shape.get('stderr', '')[-300:]}")
+            lines.append(f"- cold [{label}: child failed (rc {shape.get('returncode')}): {shape.get('stderr', '')[-300:]}")
             continue
-        gb = {k: v["gb_per_s"] for k, v in shape["rows"].items()}
-        loader, ref, mm = gb["FeatureLoader"], gb["pread reference"], gb["np.memmap gather"]
-        lines.append(f"- cold [{label}], {shape['chunk_rows']}-row chunks, store {shape['store_bytes'] / 2**30:.2f} GiB, "
+        rows = shape["rows"]
+        lines.append(f"- cold [{label}, {shape['chunk_rows']}-row chunks, store {shape['store_bytes'] / 2**30:.2f} GiB, "
                      f"memory cgroup {cold['limit_bytes'] >> 20} MiB ({shape['cgroup']}), median of {shape['repeats']}: "
-                     f"loader {loader / ref:.2f}x the parallel-pread reference (target >= 0.85x), {loader / mm:.2f}x "
-                     f"np.memmap (target >= 3x), {loader / gb['device limit']:.2f}x the device limit; loader peak RSS "
-                     f"{shape['rows']['FeatureLoader']['peak_rss'] / 2**20:.0f} MiB; same bytes: {shape['same_bytes']}")
+                     f"loader {rows['FeatureLoader']['gb_per_s'] / rows['device limit']['gb_per_s']:.2f}x the device "
+                     f"limit; loader peak RSS {_mib(rows['FeatureLoader']['peak_rss'])}; same bytes: {shape['same_bytes']}")
         lines += [f"  - {name} FAILED: {error}" for name, error in shape.get("errors", {}).items()]
     return lines
 
 
 def _bags_notes(bags: dict[str, Any]) -> list[str]:
-    note = "" if "import vs h5 read" in bags["ratios"] else "; import not measured"
-    lines = [f"- bags: {bags['slides']} slides (median {bags['median_patches']}, max {bags['max_patches']} patches, "
-             f"dim {bags['dim']}, featurestore {bags['sizes']['store'] / 2**30:.2f} GiB), featurestore / baseline pass "
-             "time (CLAM .pt reads float32 features only: twice the bytes): " + _ratios(bags["ratios"], bags["targets"]) + note]
+    lines = [f"- bags: {bags['slides']} slides (median {bags['median_patches']}, max {bags['max_patches']} patches, dim "
+             f"{bags['dim']}, featurestore {bags['sizes']['store'] / 2**30:.2f} GiB); CLAM .pt reads float32 features "
+             "only (twice the bytes)" + ("" if "import vs h5 read" in bags["ratios"] else "; import not measured")]
     return lines + (_bag_loader_notes(bags["loader"]) if "loader" in bags else [])
 
 
 def _bag_loader_notes(results: dict[str, Any]) -> list[str]:
-    lines = [f"- bag loader, batch 1, {mode}: loader / reader {f['loader_vs_reader']:.2f}x best (target >= {target}x), "
-             f"{f['loader_vs_reader_median']:.2f}x median" + (f"; to float32 / CLAM's loop {f['loader_vs_clam']:.2f}x "
-                                                              "(target >= 1.5x)" if "loader_vs_clam" in f else "")
-             for mode, target in (("warm", 0.95), ("cold", 0.9)) if (f := results.get(mode))]
-    p, r = results["padded"], results.get("rss")
-    lines.append(f"- bag loader, padded, batch {p['batch_size']}, max_patches {p['max_patches']}: "
-                 f"{p['padded_vs_reader']:.2f}x the reader + pad (target >= 0.9x)")
+    lines = [f"- bag loader, batch 1, {mode}: loader / reader {f['loader_vs_reader_median']:.2f}x median"
+             for mode in ("warm", "cold") if (f := results.get(mode))]
+    r = results.get("rss")
     if r:
-        lines.append(f"- bag loader anonymous RSS, float32 epoch: B = {r['B']['bags']} bags {r['loader_bytes']['B'] / 2**20:.1f} "
-                     f"MiB, 4B {r['loader_bytes']['4B'] / 2**20:.1f} MiB; bound {r['bound_bytes'] / 2**20:.0f} MiB: "
-                     f"{'ok' if r['ok'] else 'EXCEEDED'}")
+        lines.append(f"- bag loader anonymous RSS, float32 epoch: B = {r['B']['bags']} bags {_mib(r['loader_bytes']['B'])}, "
+                     f"4B {_mib(r['loader_bytes']['4B'])}; bound {_mib(r['bound_bytes'])}")
     return lines
 
 
 def _extract_notes(extract: dict[str, Any]) -> list[str]:
     if extract.get("benchmark") == "extract-wsi":
-        pairs = ", ".join(f"{r:.2f}" for r in extract["pair_ratios"])
-        return [f"- slide extraction / OpenSlide alone {extract['extract_vs_openslide']:.2f}x best of each (target >= 0.8x "
-                f"with --encoder zero; per repeat {pairs}); extract's loop alone {extract['extract_loop_vs_openslide']:.2f}x"
-                + (f"; wall / encode only {extract['ratio']:.3f} (target <= 1.1)" if "ratio" in extract else "")]
-    return [f"- extract wall time / encode-only {extract['ratio']:.3f} (target <= {extract.get('target_ratio', 1.05)}); "
-            f"write only {extract['write_only_mb_s']:.0f} MB/s"
-            + (f"; extract / numpy tofile of the same bytes {extract['extract_vs_tofile']:.2f}x (target >= 0.6x with "
-               f"--encoder zero); the encoder waited {extract['writer_wait_s']:.2f} s for the writer"
-               if "extract_vs_tofile" in extract else "")]
+        return [f"- slide extraction: extract's loop alone / OpenSlide alone {extract['extract_loop_vs_openslide']:.2f}x"]
+    return [f"- extract: write only {extract['write_only_mb_s']:.0f} MB/s" + (
+        f"; the encoder waited {extract['writer_wait_s']:.2f} s for the writer" if "writer_wait_s" in extract else "")]
 
 
 def _s3_notes(s3: dict[str, Any]) -> list[str]:
-    lines = [f"- s3 ({s3['server']}; {s3['cache']}): " + _ratios(s3["ratios"], s3.get("targets", {}))]
+    lines = [f"- s3 ({s3['server']}; {s3['cache']})"]
     lines += [f"- downloaded, {name}: {value:.2f}x the split's bytes"
               for name, value in s3.get("downloaded_per_epoch_vs_split", {}).items()]
     return lines + [f"- CPU ms per GB, {name}: client {client:.0f}" + ("" if server is None else f", server {server:.0f}")
@@ -258,14 +226,38 @@ def _web_notes(web: dict[str, Any]) -> list[str]:
 
 
 NOTES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "read": _read_notes, "write": _write_notes, "http": _http_notes, "loader": _loader_notes, "extract": _extract_notes,
+    "read": _read_notes, "http": _http_notes, "loader": _loader_notes, "extract": _extract_notes,
     "s3": _s3_notes, "cold": _cold_notes, "bags": _bags_notes, "bag_loader": _bag_loader_notes, "web": _web_notes}
 
 
+def figure_lines(name: str, bench: str, result: dict[str, Any], *, variants: bool = False) -> list[str]:
+    """Every figure of a result (:mod:`featurestore.bench.figures`) with its spread and its targets
+    in ``targets.json``: those of this entry (``name``: the bench or its variant), or with
+    ``variants`` (a run of ``featurestore bench NAME``, whose flags may be any variant's) every
+    target of the bench, each named."""
+    from featurestore.bench.gate import load_targets, number
+
+    targets = [t for t in load_targets().targets if (t.bench == bench if variants else t.run == name)]
+    lines = []
+    for figure, f in bench_figures(bench, result).items():
+        found = [t for t in targets if figure == t.figure or figure.startswith(t.figure + "[")]
+        unit = found[0].unit if found else "x"
+        spread = f" (repeats {number(f['spread'][0], unit)} - {number(f['spread'][1], unit)})" if f["spread"] else ""
+        lines.append(f"- {name}.{figure}: {number(f['value'], unit)}{spread}" + "".join(
+            f"; target {t.id} {t.text()}: {'ok' if t.met(f['value']) else 'MISSED'} ({t.what})" for t in found))
+    return lines
+
+
 def notes(report: dict[str, Any]) -> list[str]:
+    """Per entry of the report: its figures against their targets, then its other figures."""
     lines: list[str] = []
-    for name in report["benches"]:
-        bench = report["benches"][name].get("bench", name)
+    for name, entry in report["benches"].items():
+        bench = entry.get("bench", name)
+
+        def figures(result: dict[str, Any], name: str = name, bench: str = bench,
+                    variants: bool = "bench" not in entry) -> list[str]:
+            return figure_lines(name, bench, result, variants=variants)
+        lines += _guarded(report, name, figures, [])
         if bench in NOTES:
             lines += _guarded(report, name, NOTES[bench], [])
     return lines
@@ -287,10 +279,10 @@ def print_result(bench: str, result: dict[str, Any]) -> None:
 def finish(bench: str, result: dict[str, Any], json_out: str | None,
            failed: Callable[[dict[str, Any]], str | None] | None = None) -> int:
     """The end of ``featurestore bench NAME``: print, write ``--json``; 1 when ``failed(result)`` says why."""
-    from featurestore.bench.harness import save_json
-
     print_result(bench, result)
-    save_json(result, json_out)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=2, default=lambda v: v.item() if hasattr(v, "item") else str(v))
     why = failed(result) if failed else None
     if why:
         print(f"featurestore: error: bench {bench} failed: {why}")

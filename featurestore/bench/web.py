@@ -6,27 +6,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import tempfile
-import time
 from typing import Any
 
 import numpy as np
 
-from featurestore.bench.summary import finish
+from featurestore.bench import harness
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("web", help="web page server time: catalog of N splits, PCA picture")
+    parser = harness.add_bench(subparsers, "web", "web page server time: catalog of N splits, PCA picture")
     parser.add_argument("--splits", type=int, default=100, help="splits in the catalog store (default 100)")
     parser.add_argument("--dim", type=int, default=3072, help="channels of every split (default 3072)")
     parser.add_argument("--tokens", type=int, default=1024, help="patch tokens of the PCA sample (a square; default 1024)")
     parser.add_argument("--samples", type=int, default=5, help="samples pictured, each computed once (default 5)")
     parser.add_argument("--repeats", type=int, default=10, help="timed catalog views per case; the median is kept")
-    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
-    parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: finish("web", run(args), args.json_out))
 
 
 def build_catalog_store(path: str, splits: int, dim: int) -> None:
@@ -81,21 +75,17 @@ def _ms(seconds: float) -> float:
 
 
 def _timed(fn: Any) -> tuple[float, Any]:
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out
+    out: list[Any] = []
+    return harness.timed(lambda: out.append(fn())), out[0]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from fastapi.testclient import TestClient
 
-    from featurestore.bench.cgroup import evict
     from server import Settings, create_app
 
-    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-web-", dir=os.environ.get("FEATURESTORE_BENCH_DIR"))
-    os.makedirs(work, exist_ok=True)
     results: dict[str, Any] = {"benchmark": "web", "cpus": os.cpu_count(), "splits": args.splits, "dim": args.dim}
-    try:
+    with harness.scratch(args, "web") as work:
         catalog_path = os.path.join(work, "catalog")
         build_catalog_store(catalog_path, args.splits, args.dim)
         doc = os.path.join(catalog_path, "ds0", "enc0", "split000", "zarr.json")
@@ -106,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             warm = [_timed(lambda: client.get("/"))[0] for _ in range(args.repeats)]
             cold = []
             for _ in range(max(1, args.repeats // 2)):
-                evict(catalog_path)
+                harness.evict(catalog_path)
                 cold.append(_timed(lambda: client.get("/"))[0])
             split_page = [_timed(lambda: client.get("/ui/splits/ds0/enc0/split000"))[0] for _ in range(args.repeats)]
         results["catalog"] = {"first_view_ms": _ms(first), "warm_ms": _ms(statistics.median(warm)),
@@ -117,9 +107,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         grid = build_picture_store(picture_path, args.samples, args.tokens, args.dim)
         results["picture"] = _bench_picture(picture_path, grid, args)
         results["load_average"] = [round(v, 1) for v in os.getloadavg()]
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
     return results
 
 

@@ -9,22 +9,17 @@ import itertools
 import os
 import shutil
 import statistics
-import tempfile
-import time
 from typing import Any
 
 import numpy as np
 
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
-from featurestore.bench.summary import finish
 from featurestore.extract.plan import chunk_rows_for
-
-TARGETS = {"float16": 0.7, "float32": 0.5}
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("write", help="writer (float16 and float32 input) vs numpy tofile, with os.sync")
+    parser = harness.add_bench(subparsers, "write", "writer (float16 and float32 input) vs numpy tofile, with os.sync")
     parser.add_argument("--shapes", default="256x384,1024x3072", help="sample shapes (default 256x384,1024x3072)")
     parser.add_argument("--mb", type=float, default=384.0,
                         help="stored float16 MB per shape and method (default 384; at least --min-batches batches)")
@@ -37,31 +32,6 @@ def register(subparsers: Any) -> None:
                         help="interleaved repeats, each in another order of the three methods (6 covers every "
                              "order once); the median is kept")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
-    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
-    parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
-    parser.set_defaults(func=lambda args: finish("write", run(args), args.json_out))
-
-
-def _tofile(path: str, values: np.ndarray) -> float:
-    start = time.perf_counter()
-    values.tofile(path)
-    os.sync()
-    return time.perf_counter() - start
-
-
-def _writer(path: str, values: np.ndarray, batch: int, chunk_mb: float) -> float:
-    import featurestore
-
-    start = time.perf_counter()
-    n, shape = len(values), tuple(values.shape[1:])
-    writer = featurestore.open_store(path, mode="a").create_split(
-        "bench", "write", "s", num_samples=n, sample_shape=shape, dtype="float16",
-        chunk_rows=chunk_rows_for(shape, "float16", chunk_mb, batch))  # whole batches per chunk, as extract's
-    for lo in range(0, n, batch):
-        writer.write(lo, values[lo : lo + batch])
-    writer.commit()
-    os.sync()
-    return time.perf_counter() - start
 
 
 def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
@@ -77,8 +47,9 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
             path = os.path.join(work, f"{name}-{len(written)}")
             written.append(path)
             if name == "tofile":
-                return _tofile(path, source16)
-            return _writer(path, source16 if name == "float16" else source32, args.batch_size, args.chunk_mb)
+                return harness.tofile_synced(path, source16)
+            return harness.write_synced(path, source16 if name == "float16" else source32, args.batch_size,
+                                        chunk_rows=chunk_rows_for(shape, "float16", args.chunk_mb, args.batch_size))
         # Untimed: the written (clean) pages leave the page cache, so the next method does not pay
         # for reclaiming them (the last of a round measured up to 3.5x slower).
         return Method(name, run, teardown=lambda: harness.evict(written[-1]), own=True)
@@ -114,19 +85,14 @@ def _remove(paths: list[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    work = args.workdir or tempfile.mkdtemp(prefix="fs-bench-write-")
-    os.makedirs(work, exist_ok=True)
-    try:
+    with harness.scratch(args, "write") as work:
         shapes = [_bench_shape(work, shape, args) for shape in parse_shapes(args.shapes)]
-    finally:
-        if not args.workdir:
-            shutil.rmtree(work, ignore_errors=True)
     from featurestore.core import fused_stats
 
     return {"benchmark": "write", "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
             "fused_stats": fused_stats.available(), "stats_threads": fused_stats.threads(),
             "page_cache": "source in RAM; every file new, evicted after its timing; both sides timed to os.sync()",
-            "targets": TARGETS, "shapes": shapes}
+            "shapes": shapes}
 
 
 __all__ = ["register", "run"]
