@@ -178,6 +178,7 @@ class Prefetcher:
         self._stop = threading.Event()
         self._own_staging: dict[str, np.ndarray] = {}  # the consumer's, when it reads a batch itself
         self.stall_s = 0.0
+        self._waiting = -1  # the position the consumer is blocked on, if any
         pool = worker_pool()
         _LIVE.add(self)
         self._loop_idents: set[int] = set()  # threads running this prefetcher's loops
@@ -224,6 +225,13 @@ class Prefetcher:
             with self._cond:
                 self._ready[position] = item
                 self._cond.notify_all()
+                wanted = self._waiting == position
+            if wanted:
+                # The consumer waits for this very batch: it is woken, but needs the GIL, which
+                # this thread would otherwise keep through its next batch's Python work until
+                # the interpreter's switch interval (5 ms) forces a hand-off. Yield it now: the
+                # hand-over costs microseconds instead of up to a switch interval per batch.
+                time.sleep(0)
 
     def __iter__(self) -> Prefetcher:
         return self
@@ -243,7 +251,9 @@ class Prefetcher:
                                        "loader.close()): iterate the new one")
                 unclaimed = self._issued == self._position
                 if not unclaimed:
+                    self._waiting = self._position
                     self._cond.wait()
+                    self._waiting = -1
                     continue
             # Nobody has started the batch the consumer needs (the threads are between batches):
             # read it here rather than sleep until a thread wakes up for it. A consumer slower
