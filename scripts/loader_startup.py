@@ -6,7 +6,9 @@ interleaved over ``--repeats`` rounds; prints medians and the per-round spread:
 * ``http16``: a 16-batch epoch over HTTP with start-up counted. ``loader``: a fresh
   ``FeatureDataset`` + ``FeatureLoader`` per epoch (as a user's short epoch or a fresh fold sees
   it), iterated; ``client``: a fresh ``FeatureClient`` opening the split and reading the same 16
-  batches (features + labels) one after another. Ratio = client time / loader time.
+  batches (features + labels) one after another. Ratio = client time / loader time. With
+  ``--client-reused`` the client is made and opened once, before the rounds (a harness that
+  keeps its client and builds a dataset and loader per epoch).
 * ``item``: ``FeatureClient.item`` of one 192 KiB sample, p50 / p99 in ms.
 """
 
@@ -27,6 +29,7 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=400)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", default=None, help="keeps the store between runs")
+    parser.add_argument("--client-reused", action="store_true", help="one FeatureClient for every round")
     args = parser.parse_args()
     from featurestore.testing.serving import build_store, serve_subprocess
 
@@ -55,9 +58,13 @@ def http16(url: str, key: tuple[str, str, str], args: argparse.Namespace) -> Non
         assert count == 16, count
         return time.perf_counter() - start
 
+    kept = FeatureClient(url) if args.client_reused else None
+    if kept is not None:
+        kept.open(*key)
+
     def client_epoch(epoch: int) -> float:
         start = time.perf_counter()
-        fc = FeatureClient(url)
+        fc = kept or FeatureClient(url)
         remote = fc.open(*key)
         n = len(remote)
         features = np.empty((batch, *remote.sample_shape), remote.numpy_dtype)
@@ -66,7 +73,8 @@ def http16(url: str, key: tuple[str, str, str], args: argparse.Namespace) -> Non
         for k in range(n // batch):
             remote.read_into(order[k * batch:(k + 1) * batch], features, labels)
         took = time.perf_counter() - start
-        fc.close()
+        if kept is None:
+            fc.close()
         return took
 
     loader_epoch(0), client_epoch(0)  # imports, the server's first requests
@@ -77,7 +85,8 @@ def http16(url: str, key: tuple[str, str, str], args: argparse.Namespace) -> Non
         else:
             l, c = loader_epoch(r + 1), client_epoch(r + 1)
         lt.append(l), ct.append(c), ratios.append(c / l)
-    print(f"http16 loader/client {np.median(ratios):.3f}x median, rounds {min(ratios):.2f}-{max(ratios):.2f}; "
+    what = "client reused" if args.client_reused else "fresh client"
+    print(f"http16 ({what}) loader/client {np.median(ratios):.3f}x median, rounds {min(ratios):.2f}-{max(ratios):.2f}; "
           f"loader {np.median(lt) * 1e3:.1f} ms, client {np.median(ct) * 1e3:.1f} ms (median)")
 
 
