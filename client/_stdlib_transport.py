@@ -19,7 +19,7 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -30,13 +30,24 @@ _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
 
 
 class StdlibTransport(httpx.BaseTransport):
-    def __init__(self, *, max_idle_per_host: int = 16, fallback: httpx.BaseTransport | None = None
-                 ) -> None:  # fmt: skip
+    def __init__(self, *, max_idle_per_host: int = 16, fallback: httpx.BaseTransport | None = None,
+                 make_fallback: Callable[[], httpx.BaseTransport] | None = None) -> None:  # fmt: skip
+        """``fallback`` serves what is not plain ``http://``; or ``make_fallback`` makes it on the
+        first such request (httpx's transport builds an SSL context and loads the CA bundle when
+        made, ~25 ms quiet and 150 ms on a busy host: every new client of an ``http://`` server
+        paid it before its first request)."""
         self._idle: dict[tuple[str, int], list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
         self._max_idle = max_idle_per_host
-        self._fallback = fallback if fallback is not None else httpx.HTTPTransport()
+        self._fallback = fallback
+        self._make_fallback = make_fallback or httpx.HTTPTransport
         self._closed = False
+
+    def _fallback_transport(self) -> httpx.BaseTransport:
+        with self._lock:
+            if self._fallback is None:
+                self._fallback = self._make_fallback()
+            return self._fallback
 
     # ------------------------------------------------------------------ pool
     def _checkout(self, key: tuple[str, int], timeout: float | None) -> tuple[http.client.HTTPConnection, bool]:
@@ -66,12 +77,13 @@ class StdlibTransport(httpx.BaseTransport):
             self._idle.clear()
         for conn in conns:
             conn.close()
-        self._fallback.close()
+        if self._fallback is not None:
+            self._fallback.close()
 
     # ------------------------------------------------------------------ requests
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.scheme != "http":
-            return self._fallback.handle_request(request)
+            return self._fallback_transport().handle_request(request)
         timeouts: dict[str, Any] = request.extensions.get("timeout", {})
         key = (request.url.host, request.url.port or 80)
         body = request.read()

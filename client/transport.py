@@ -76,8 +76,8 @@ def default_transport(max_connections: int) -> httpx.BaseTransport:
     # TCP_NODELAY: httpcore writes a POST's headers and body separately; with Nagle on, the body
     # waits for the ACK of the headers, which the server may delay (delayed ACK, up to 40 ms).
     nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
-    fallback = httpx.HTTPTransport(limits=limits, socket_options=nodelay)
-    return StdlibTransport(max_idle_per_host=max_connections, fallback=fallback)
+    return StdlibTransport(max_idle_per_host=max_connections,
+                           make_fallback=lambda: httpx.HTTPTransport(limits=limits, socket_options=nodelay))
 
 
 TOKEN_ENV = "FEATURESTORE_TOKEN"  # the server's variable; `featurestore probe` reads it too

@@ -364,3 +364,29 @@ def test_loader_over_http_makes_one_request_per_batch(store_path: str, server_ur
     for features, labels in got:
         rows = labels // 10  # labels are 10 x the row index
         np.testing.assert_array_equal(features, expected(store_path, "train", rows))
+
+
+def test_a_new_client_of_an_http_server_builds_no_tls_transport(server_url: str, store_path: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """httpx's transport builds an SSL context and loads the CA bundle when made (~25 ms quiet,
+    150 ms on a busy host): a client of a plain http:// server, a FeatureDataset or a loader per
+    fold, must not pay it before its first read; an https:// URL still gets it, when first asked."""
+    import httpx
+
+    made: list[object] = []
+    real = httpx.HTTPTransport
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            made.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(httpx, "HTTPTransport", Counting)
+    with FeatureClient(server_url) as client:
+        got = client.open(*KEY).read_numpy(np.array([3, 1]))
+        assert np.array_equal(got, expected(store_path, "train", [3, 1]))
+    assert made == []  # before: one per client, made with the client
+    with FeatureClient("https://127.0.0.1:9", retries=0, timeout=2) as tls:
+        with pytest.raises(ClientError):
+            tls.datasets()  # nothing listens there; what matters is that the TLS transport served it
+    assert len(made) == 1

@@ -322,7 +322,11 @@ def test_break_leaves_no_threads_and_read_ahead_is_bounded(local_store: str, mon
     next(first)
     second = iter(loader)
     next(second)
-    assert len(_prefetch_threads()) == loader.num_threads  # only the second epoch's threads
+    # Only the second epoch's loops run (pool threads take them up asynchronously: wait a moment).
+    deadline = time.monotonic() + 5
+    while len(_prefetch_threads()) != loader.num_threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(_prefetch_threads()) == loader.num_threads
     del first, second
     assert not _prefetch_threads()
 

@@ -361,3 +361,40 @@ print("torch" in sys.modules and sys.modules["torch"] is not None)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_data_requests_read_the_split_document_only_when_it_changed(tmp_path: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Locally each request checks the split's document twice (before and after the gather):
+    by a stat, its bytes read again only when the stat differs (a writer replaced it)."""
+    import builtins
+
+    path = make_store(str(tmp_path / "store"))
+    document = os.path.join(path, "pannuke", "tiny", "train", "zarr.json")
+    opened: list[str] = []
+    real_open = builtins.open
+
+    def counting_open(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(file, str) and os.path.abspath(file) == os.path.abspath(document):
+            opened.append(file)
+        return real_open(file, *args, **kwargs)
+
+    want = {index: expected(path, "train", [index]) for index in (3, 4, 5)}
+    with TestClient(create_app(path, Settings())) as client:
+        first = _array(client.get(f"{BASE}/train/items/3"))
+        monkeypatch.setattr(builtins, "open", counting_open)
+        for index in (3, 4, 5, 3):
+            assert np.array_equal(_array(client.get(f"{BASE}/train/items/{index}"))[None], want[index])
+        assert opened == []  # before: two reads of the document per request
+        # A writer replaces the document (rename, as every write does): the next request sees it.
+        with real_open(document, "rb") as f:
+            doc = json.loads(f.read())
+        doc["attributes"]["featurestore"]["generation"] = "replaced-for-the-test"
+        tmp = document + ".tmp-test"
+        with real_open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, document)
+        response = client.get(f"{BASE}/train/items/3")
+        assert response.status_code == 200 and len(opened) >= 1
+        assert response.headers[wire.GENERATION_HEADER] == "replaced-for-the-test"
+        assert np.array_equal(_array(response), first)

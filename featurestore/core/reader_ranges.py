@@ -107,8 +107,8 @@ def _runs(chunk_of: np.ndarray, offset: np.ndarray, target: np.ndarray | None = 
     """[start, stop) positions of maximal runs where rows are consecutive within one chunk (and,
     given ``target``, land in consecutive output rows)."""
     n = len(chunk_of)
-    if n == 0:
-        return []
+    if n <= 1:  # one row (the server's single item): no numpy passes for it
+        return [(0, n)] if n else []
     step = (np.diff(chunk_of) != 0) | (np.diff(offset) != 1)
     if target is not None:
         step |= np.diff(target) != 1

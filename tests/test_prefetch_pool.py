@@ -1,0 +1,100 @@
+"""The prefetch threads' process-wide pool: reused across epochs and loaders, safe across a fork,
+never in the way of the interpreter's exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _loader_fixtures import DATASET, ENCODER, NUM_SAMPLES, local_store, reference  # noqa: F401
+
+from client import FeatureDataset, FeatureLoader
+from client.prefetch import worker_pool
+
+
+def _recording(ds: FeatureDataset, seen: list[threading.Thread], monkeypatch: pytest.MonkeyPatch) -> None:
+    real = ds.read_into
+
+    def read_into(index: np.ndarray, features: np.ndarray, labels: Any = None) -> None:
+        seen.append(threading.current_thread())  # the object, kept: a new thread is a new object
+        real(index, features, labels)
+
+    monkeypatch.setattr(ds, "read_into", read_into)
+
+
+def test_prefetch_threads_are_reused_across_epochs_and_loaders(local_store: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = FeatureDataset(local_store, DATASET, ENCODER, "f32")
+    seen: list[threading.Thread] = []
+    _recording(ds, seen, monkeypatch)
+    expected = torch.from_numpy(reference()[0])
+    first = FeatureLoader(ds, batch_size=8, shuffle=False, device="cpu", num_threads=2, prefetch=2)
+    for epoch in range(3):
+        first.set_epoch(epoch)
+        assert torch.equal(torch.cat([f for f, _ in first]), expected)
+    second = FeatureLoader(ds, batch_size=4, shuffle=False, device="cpu", num_threads=2, prefetch=2)
+    assert torch.equal(torch.cat([f for f, _ in second]), expected)
+    producers = {id(t) for t in seen if t is not threading.current_thread()}
+    # Before the pool: two new threads per epoch (8 over these four epochs).
+    assert 1 <= len(producers) <= 2, len(producers)
+    assert worker_pool().threads <= 4  # what other tests of this process left idle, at most
+    assert not [t for t in threading.enumerate() if t.name.startswith("featurestore-prefetch")]
+
+
+def test_a_forked_child_reads_with_its_own_pool(local_store: str) -> None:
+    ds = FeatureDataset(local_store, DATASET, ENCODER, "f32")
+    loader = FeatureLoader(ds, batch_size=8, shuffle=False, device="cpu", num_threads=2)
+    total = sum(len(f) for f, _ in loader)  # the parent's pool threads exist now
+    assert total == NUM_SAMPLES and worker_pool().threads >= 1
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's threads are not here; its loader must start its own
+        code = 1
+        try:
+            # numpy, not torch ops, in the forked child (an OpenMP pool does not survive a fork)
+            ok = np.array_equal(np.concatenate([f.numpy() for f, _ in loader]), reference()[0])
+            code = 0 if ok and worker_pool().threads >= 1 else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung reading through the prefetch pool")
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+_EXIT_SCRIPT = """
+import sys, time
+from client import FeatureDataset, FeatureLoader
+ds = FeatureDataset(sys.argv[1], {dataset!r}, {encoder!r}, "f32")
+loader = FeatureLoader(ds, batch_size=4, device="cpu", num_threads=2, prefetch=2)
+for _ in loader:  # a whole epoch: its threads go back to the pool, idle
+    pass
+held = iter(FeatureLoader(ds, batch_size=4, device="cpu", num_threads=2, prefetch=2))
+next(held)  # an epoch left in flight: its loops block on their read-ahead tokens
+print("done", flush=True)
+"""
+
+
+def test_the_pool_never_keeps_the_interpreter_from_exiting(local_store: str) -> None:
+    script = _EXIT_SCRIPT.format(dataset=DATASET, encoder=ENCODER)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script), local_store], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "error::ResourceWarning"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "done"
+    assert "Fatal Python error" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-2000:]
+    assert time.monotonic() - start < 60
