@@ -197,7 +197,7 @@ class SplitWriter(split_protocol.SplitSession):
         # chunk_seals last before the document: each chunk's crc32c trailer at its place, read
         # back (4 bytes a chunk), so a chunk later swapped or moved is found (format.seals).
         self._check_generation()
-        seals.write_seals(self._storage, self._key, self._meta, (layout.FEATURES, layout.LABELS))
+        seals.write_seals(self._storage, self._key, self._meta, (layout.FEATURES, layout.LABELS, layout.SCALES))
         try:
             meta = lifecycle.mark_complete(self._storage, self._key, self._meta, **final)
         except SplitTakenOver:
