@@ -325,7 +325,8 @@ class SplitWriter(split_protocol.SplitSession):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise WriterClosed(f"writer for {self._key} is closed: open it again with resume=True")
+            raise WriterClosed(f"writer for {self._key} is closed: open it again with "
+                               "create_split(..., resume=True) (on the command line: --resume)")
 
     def _put_failures(self, check: Callable[[], None]) -> None:
         split_protocol.explain_put_failure(check, self._check_generation)
