@@ -40,16 +40,17 @@ def absmax(flat: np.ndarray) -> np.ndarray:  # pragma: no cover (compiled)
 @_kernel
 def encode_measure(src: np.ndarray, scales: np.ndarray, codes: np.ndarray, first: np.ndarray, second: np.ndarray,
                    err_sq: np.ndarray, src_sq: np.ndarray, abs_err: np.ndarray, rel_err: np.ndarray,
-                   reference: np.ndarray) -> int:  # pragma: no cover (compiled)
+                   reference: np.ndarray, saturated: np.ndarray, lo: int, hi: int) -> None:  # pragma: no cover
     """``src`` ``[B, T, C]`` float32 (contiguous); ``scales`` flat per position: ``[T * C]`` (a
     chunk: scales per token and channel) or ``[C]`` (a bag seen as one sample); ``codes`` ``[B, T, C]`` int8 out. Per sample and
     channel: sums of (value back - the sample's token-0 value back) and of its square, of error**2
     and of source**2 (float64, format.stats._group_sums' order); per sample: max |error| and max
-    relative error (float32); ``reference``: the token-0 values back. Returns the saturated count."""
-    count, tokens, channels = src.shape
+    relative error (float32); ``reference``: the token-0 values back; ``saturated``: each sample's
+    count of saturated values. Samples ``[lo, hi)`` only: each owns its outputs, so threads may
+    share a chunk's samples (core.fused_stats.run_items) and change no bit."""
+    tokens, channels = src.shape[1], src.shape[2]
     per_token = scales.shape[0] == tokens * channels
     head = tokens - tokens % GROUP
-    saturated = 0
     zero = np.float32(0.0)
     # Per channel, for the token at hand: its four summands, then the group and total sums.
     # Branch-free inner loops over channels (selects, per-channel maxima) so LLVM vectorizes them.
@@ -59,7 +60,8 @@ def encode_measure(src: np.ndarray, scales: np.ndarray, codes: np.ndarray, first
     tail = np.empty((4, channels), np.float64)
     most_abs = np.empty(channels, np.float32)
     most_rel = np.empty(channels, np.float32)
-    for b in range(count):
+    for b in range(lo, hi):
+        over = 0
         total[:] = 0.0
         tail[:] = 0.0
         most_abs[:] = zero
@@ -75,7 +77,7 @@ def encode_measure(src: np.ndarray, scales: np.ndarray, codes: np.ndarray, first
                 x = src[b, t, c]
                 s = scales[base + c]
                 ratio = np.float32(x / s) if s > 0 else zero
-                saturated += 1 if abs(ratio) > _HALF_OVER else 0
+                over += 1 if abs(ratio) > _HALF_OVER else 0
                 # + 0: a code is an integer, so -0.0 (rint of a small negative) comes back as +0.0
                 q = min(max(np.float32(np.rint(ratio)), -_QMAX), _QMAX) + zero
                 codes[b, t, c] = np.int8(q)
@@ -114,4 +116,4 @@ def encode_measure(src: np.ndarray, scales: np.ndarray, codes: np.ndarray, first
             src_sq[b, c] = total[3, c] + tail[3, c]
         abs_err[b] = most_abs.max()
         rel_err[b] = most_rel.max()
-    return saturated
+        saturated[b] = over

@@ -75,8 +75,10 @@ def _encode_measured(values: np.ndarray, samples: tuple[int, int, int]) -> tuple
     sums = [np.zeros((count, channels), np.float64) for _ in range(4)]
     errors = [np.zeros(count, np.float32) for _ in range(2)]
     reference = np.empty((count, channels), np.float64)
-    saturated = int8_kernel.encode_measure(rows.reshape(samples), scales.reshape(-1), codes.reshape(samples),
-                                           *sums, *errors, reference)
+    over = np.zeros(count, np.int64)
+    fused_stats.run_items(int8_kernel.encode_measure, (rows.reshape(samples), scales.reshape(-1),
+                          codes.reshape(samples), *sums, *errors, reference, over), count, fused_stats.threads())
+    saturated = int(over.sum())
     first, second, err_sq, src_sq = sums
     measured = RowStats.zeros(count, channels)
     measured.mean[:] = reference + first / tokens
