@@ -25,7 +25,14 @@ import numpy as np
 import torch
 
 from client import bag_sampling
-from client.dataset import NO_LABEL, OpenedPerProcess, _is_http, channel_stats_of, item_index
+from client.dataset import (
+    NO_LABEL,
+    OpenedPerProcess,
+    _is_http,
+    channel_stats_of,
+    item_index,
+    scales_of,
+)
 from featurestore.core.protocol import BagReader
 from featurestore.errors import InvalidOption
 from featurestore.format import dtypes
@@ -37,7 +44,8 @@ class BagDataset(OpenedPerProcess, torch.utils.data.Dataset):
 
     ``ds[i] -> (features, coords, label)``: features ``[n, D]`` in the stored dtype
     (``torch.float16``, ``torch.bfloat16`` or ``torch.float32``; upcast in your loop, or use
-    :class:`client.bag_loader.BagLoader`, which upcasts on the device), coords ``[n, 2]`` in the
+    :class:`client.bag_loader.BagLoader`, which upcasts on the device; an int8 split's values,
+    codes times the bag's scales, as ``torch.float32``: ``ds.torch_dtype``), coords ``[n, 2]`` in the
     stored coordinate dtype (level-0 pixels or micrometres: ``ds.coords_unit``), label a scalar
     tensor of the stored label dtype, or ``tensor(-1)`` (:data:`client.dataset.NO_LABEL`) when the
     split has no labels. ``n`` is the bag's length, or ``max_patches`` when it is longer.
@@ -85,8 +93,10 @@ class BagDataset(OpenedPerProcess, torch.utils.data.Dataset):
         self.labels: np.ndarray | None = None if labels is None else np.asarray(labels)
         self.dim = int(bags.dim)
         self.dtype: str = str(bags.dtype)
-        self.numpy_dtype = dtypes.storage_dtype(self.dtype)
-        self.torch_dtype = dtypes.torch_dtype(self.dtype)
+        self.numpy_dtype = dtypes.storage_dtype(self.dtype)  # of the stored bytes (int8 codes for int8)
+        # int8: codes times their bag's scales (ds.scales()); features come out as float32 values
+        self.quantized = dtypes.is_int8(self.dtype)
+        self.torch_dtype = torch.float32 if self.quantized else dtypes.torch_dtype(self.dtype)
         self.coords_dtype = np.dtype(getattr(bags, "coords_dtype", "int64"))
         self.metadata: dict[str, Any] = dict(getattr(bags, "metadata", {}) or {})
         self.coords_unit: str | None = getattr(bags, "coords_unit", "px")
@@ -145,10 +155,18 @@ class BagDataset(OpenedPerProcess, torch.utils.data.Dataset):
 
     def read_into(self, index: int, rows: np.ndarray | None, features: np.ndarray, coords: np.ndarray) -> None:
         """Bag ``index``'s ``rows`` (None: all) into the preallocated C-contiguous ``features``
-        ``[len(rows), D]`` (storage dtype) and ``coords`` ``[len(rows), 2]``: the loaders' hot
-        path, no allocation of the bag."""
-        _, stored = self.bags.read_numpy(int(index), rows=rows, out=features)
+        ``[len(rows), D]`` (storage dtype: int8 codes for an int8 split, or float32/float16 for
+        its values) and ``coords`` ``[len(rows), 2]``: the loaders' hot path, no allocation of the bag."""
+        if self.quantized and features.dtype != self.numpy_dtype:
+            _, stored = self.bags.read_numpy(int(index), rows=rows, out=features, dtype=features.dtype.name)
+        else:
+            _, stored = self.bags.read_numpy(int(index), rows=rows, out=features)
         coords[...] = stored
+
+    def scales(self) -> np.ndarray:
+        """An int8 split's float32 scales ``[num_bags, D]``: bag ``i``'s values are its codes
+        times ``scales[i]`` (read with the split's index, in the reading process)."""
+        return scales_of(getattr(self.bags, "scales", None))
 
     def use_read_pool(self, pool: Any) -> None:
         """Give this process's reader the loader's read threads (local stores; a no-op elsewhere)."""
@@ -161,11 +179,12 @@ class BagDataset(OpenedPerProcess, torch.utils.data.Dataset):
         index = self._check_index(index)
         rows = self.rows(index)
         n = int(self.lengths[index]) if rows is None else len(rows)
-        features = np.empty((n, self.dim), self.numpy_dtype)
+        features = np.empty((n, self.dim), np.float32 if self.quantized else self.numpy_dtype)
         coords = np.empty((n, 2), self.coords_dtype)
         if n:
             self.read_into(index, rows, features, coords)
-        return dtypes.to_torch(features, self.dtype), torch.from_numpy(coords), self.label_of(index)
+        values = torch.from_numpy(features) if self.quantized else dtypes.to_torch(features, self.dtype)
+        return values, torch.from_numpy(coords), self.label_of(index)
 
     def _check_index(self, index: Any) -> int:
         return item_index(index, self.num_bags, "bag", "e.g. ds[3] (ds.ids.index(bag_id) for a bag id)")

@@ -16,6 +16,9 @@ The bag loader's producer (:class:`client.prefetch.Producer`), the twin of
 * CPU: the batch handed out is a leased buffer of :class:`featurestore.core.buffers.BufferPool`;
   rows are read straight into it at the stored dtype, or through a staging piece of at most
   ``piece_bytes`` and upcast into it otherwise.
+* int8: the codes travel as any stored rows; each piece is multiplied by its bag's scales into the
+  batch (CPU), or the batch's ``B x D`` scales go to the device and one multiply upcasts and
+  scales there (:mod:`client.dequantize`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from client import dequantize
 from client.bag_dataset import BagDataset
 from client.dataset import NO_LABEL
 from client.stager import DeviceStager, widen
@@ -132,7 +136,7 @@ class BagTransfer(DeviceStager):
         coords = np.zeros((b, longest, 2), ds.coords_dtype)
         host = self.pool.lease(b * longest * dim * self.dtype.itemsize)
         features = torch.from_numpy(host).view(self.dtype).view(b, longest, dim)
-        if self.dtype == self.stored:
+        if self.dtype == self.stored and not ds.quantized:
             out = host.view(ds.numpy_dtype).reshape(b, longest, dim)
             del host
             for piece in self.pieces(rows, counts):  # straight into the batch handed out
@@ -140,13 +144,19 @@ class BagTransfer(DeviceStager):
                              coords[piece.slot, piece.start:piece.stop])
         else:
             del host
+            scales = ds.scales() if ds.quantized else None
             for piece in self.pieces(rows, counts):
                 need = (piece.stop - piece.start) * ds.row_nbytes
                 if staging.get("bags") is None or staging["bags"].size < need:  # at most one piece, +25 %
                     staging["bags"] = aligned_empty((grown_size(need),), np.uint8)
                 stored = staging["bags"][:need].view(ds.numpy_dtype).reshape(piece.stop - piece.start, dim)
-                ds.read_into(int(index[piece.slot]), piece.rows, stored, coords[piece.slot, piece.start:piece.stop])
-                features[piece.slot, piece.start:piece.stop].copy_(dtypes.to_torch(stored, ds.dtype))
+                bag = int(index[piece.slot])
+                ds.read_into(bag, piece.rows, stored, coords[piece.slot, piece.start:piece.stop])
+                if ds.quantized:  # codes times the bag's scales, into the batch handed out
+                    dequantize.into(stored, np.zeros(len(stored), np.int64), scales[bag:bag + 1],
+                                    features[piece.slot, piece.start:piece.stop])
+                else:
+                    features[piece.slot, piece.start:piece.stop].copy_(dtypes.to_torch(stored, ds.dtype))
         if self.norm is not None:
             features.sub_(self.norm[0]).mul_(self.norm[1])
         for slot, count in enumerate(counts):  # after the normalisation: padding stays zero
@@ -183,8 +193,14 @@ class BagTransfer(DeviceStager):
                         at += n
                     slot.record_copied(self.stream)
         labels = self.labels(index)
+        # int8: the batch's bags' scales rows (B x D float32, small beside the codes)
+        scales = torch.from_numpy(np.ascontiguousarray(ds.scales()[index])) if ds.quantized else None
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            features = raw.view(self.stored).view(b, longest, dim).to(self.dtype)
+            if scales is not None:  # padding: codes 0 times the scale stay 0
+                codes = raw.view(torch.int8).view(b, longest, dim)
+                features = dequantize.on_device(codes, scales.to(self.device)[:, None, :], None, self.dtype)
+            else:
+                features = raw.view(self.stored).view(b, longest, dim).to(self.dtype)
             coords = raw_coords.view(self.coords_torch).view(b, longest, 2)
             lengths = torch.from_numpy(counts).to(self.device)
             mask = torch.arange(longest, device=self.device)[None, :] < lengths[:, None]

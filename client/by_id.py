@@ -31,6 +31,8 @@ def read_ids(client: FeatureClient, dataset: str, encoder: str, split: str, ids:
         raise fse.InvalidIndices(f"a sample id is a str, but got {type(bad).__name__} {bad!r}; use read_samples "
                                  "for positions")
     arr = client.open(dataset, encoder, split)
+    if arr.dtype == wire.CODES:  # codes come with their chunks' scales: positions decide which
+        return client.read_samples(dataset, encoder, split, arr.positions_of(ids))
     features = np.empty((len(ids), *arr.sample_shape), arr.numpy_dtype)
     labels = None if arr.labels is None else np.empty((len(ids), *arr.labels.sample_shape), arr.labels.numpy_dtype)
     path = wire.route(wire.BY_ID, dataset=dataset, encoder=encoder, split=split)

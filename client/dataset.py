@@ -71,10 +71,12 @@ class OpenedPerProcess:
         if _is_http(self.source):
             from client.http import FeatureClient
 
-            return _not_int8(self._open_remote(FeatureClient(self.source, token=self.token)))
+            from client.remote_values import values_over_http
+
+            return values_over_http(self._open_remote(FeatureClient(self.source, token=self.token)))
         import featurestore
 
-        return _not_int8(self._open_store(featurestore.open_store(self.source, mode="r", **self.storage_options)))
+        return self._open_store(featurestore.open_store(self.source, mode="r", **self.storage_options))
 
     def _open_remote(self, client: Any) -> Any:
         raise NotImplementedError
@@ -93,10 +95,12 @@ class FeatureDataset(OpenedPerProcess, torch.utils.data.Dataset):
     """Map-style dataset over ``source/dataset/encoder/split``.
 
     ``ds[i] -> (features, label)``: features as a tensor of the stored dtype (``torch.float16``,
-    ``torch.bfloat16`` or ``torch.float32``, shape ``sample_shape``), label as a tensor of the
+    ``torch.bfloat16`` or ``torch.float32``, shape ``sample_shape``; an int8 split's values,
+    codes times scales, as ``torch.float32``: ``ds.torch_dtype``), label as a tensor of the
     stored label dtype, or ``tensor(-1)`` (:data:`NO_LABEL`) when the split has no labels.
     Upcasting is left to the consumer (or to :class:`~client.loader.FeatureLoader`, which does it
-    on the GPU), so the bytes crossing process boundaries stay at the stored width.
+    on the GPU, and dequantizes int8 there), so the bytes crossing process boundaries stay at the
+    stored width.
 
     ``storage_options`` go to fsspec (e.g. ``endpoint_url``, ``key``, ``secret``; on object storage
     also ``cache_dir``/``cache_bytes``, a local chunk cache that :class:`FeatureLoader` fills ahead
@@ -134,8 +138,10 @@ class FeatureDataset(OpenedPerProcess, torch.utils.data.Dataset):
         self.num_samples = int(array.shape[0])
         self.sample_shape: tuple[int, ...] = tuple(int(s) for s in array.sample_shape)
         self.dtype: str = array.dtype
-        self.numpy_dtype = np.dtype(array.numpy_dtype)
-        self.torch_dtype = dtypes.torch_dtype(self.dtype)
+        self.numpy_dtype = np.dtype(array.numpy_dtype)  # of the stored bytes (int8 codes for int8)
+        # int8: codes times their chunk's scales (ds.scales()); features come out as float32 values
+        self.quantized = dtypes.is_int8(self.dtype)
+        self.torch_dtype = torch.float32 if self.quantized else dtypes.torch_dtype(self.dtype)
         self.metadata: dict[str, Any] = dict(array.metadata)
         labels = array.labels
         self.has_labels = labels is not None
@@ -176,7 +182,8 @@ class FeatureDataset(OpenedPerProcess, torch.utils.data.Dataset):
 
     def read_into(self, indices: np.ndarray, features: np.ndarray, labels: np.ndarray | None = None) -> None:
         """Gather rows ``indices`` into the preallocated ``features`` (storage dtype, C-contiguous,
-        ``[len(indices), *sample_shape]``) and, if given and the split has labels, ``labels``.
+        ``[len(indices), *sample_shape]``; int8 codes for an int8 split, or float32/float16 for
+        its values) and, if given and the split has labels, ``labels``.
 
         This is the loader's hot path: one gathered read per array, no allocation of the batch.
         """
@@ -185,7 +192,10 @@ class FeatureDataset(OpenedPerProcess, torch.utils.data.Dataset):
         if both is not None and labels is not None and array.labels is not None:
             both(indices, features, labels)
             return
-        array.read_numpy(indices, out=features)
+        if self.quantized and features.dtype != self.numpy_dtype:
+            array.read_numpy(indices, out=features, dtype=features.dtype.name)
+        else:
+            array.read_numpy(indices, out=features)
         if labels is not None:
             if array.labels is not None:
                 array.labels.read_numpy(indices, out=labels)
@@ -204,16 +214,34 @@ class FeatureDataset(OpenedPerProcess, torch.utils.data.Dataset):
 
     def _read_batch(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         array = self.array
-        features = dtypes.to_torch(array.read_numpy(index), self.dtype)
+        if self.quantized:
+            features = torch.from_numpy(array.read_numpy(index, dtype="float32"))
+        else:
+            features = dtypes.to_torch(array.read_numpy(index), self.dtype)
         if array.labels is not None:
             labels = torch.from_numpy(array.labels.read_numpy(index))
         else:
             labels = torch.full((len(index),), NO_LABEL, dtype=torch.int64)
         return features, labels
 
+    def scales(self) -> np.ndarray:
+        """An int8 split's float32 scales ``[num_chunks, *sample_shape]``: row ``r``'s values are
+        ``codes[r] * scales[r // chunk_rows]`` (read once per process)."""
+        return scales_of(self.array.scales)
+
     def channel_stats(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The split's stored per-channel (last axis) mean and std as float32, or None."""
         return channel_stats_of(self.metadata)
+
+
+def scales_of(scales: Any) -> np.ndarray:
+    """A reader's int8 scales as an array: the dense reader's table (read on first use), a bag
+    reader's array."""
+    if scales is None:
+        from featurestore.errors import DtypeMismatch
+
+        raise DtypeMismatch("scales are held by int8 splits only: this split stores its values as they are")
+    return scales.table() if hasattr(scales, "table") else np.asarray(scales, np.float32)
 
 
 def channel_stats_of(metadata: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -222,15 +250,3 @@ def channel_stats_of(metadata: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] 
     if not stats or stats.get("mean") is None or stats.get("std") is None:
         return None
     return np.asarray(stats["mean"], np.float32), np.asarray(stats["std"], np.float32)
-
-
-def _not_int8(reader: Any) -> Any:
-    """The datasets and loaders hand out stored values as features: int8 codes are not values
-    (they need their scales), so an int8 split is refused until the loaders dequantize."""
-    if getattr(reader, "dtype", None) == "int8":
-        from featurestore.errors import DtypeMismatch
-
-        raise DtypeMismatch(f"{reader!r} is an int8 split, which the datasets and loaders do not read yet: read it "
-                            "with FeatureArray.read_numpy(indices, dtype='float32') (or BagArray.read_numpy(bag, "
-                            "dtype='float32')), or store the features as float16")
-    return reader

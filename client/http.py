@@ -23,6 +23,7 @@ import numpy as np
 from client.remote import RemoteFeatureArray, reopening
 from client.remote_bag_array import RemoteBagArray
 from client.transport import TOKEN_ENV, ClientError, Transport, make_error
+from featurestore.core.quantize_int8 import check_read_dtype
 from featurestore.format import wire
 from featurestore.format.bag_listing import BagsListing
 
@@ -145,16 +146,16 @@ class FeatureClient(Transport):
     def read_bag(self, dataset: str, encoder: str, split: str, bag: int | str, rows: Any = None
                  ) -> tuple[Any, Any]:  # fmt: skip
         """One bag, by id (``str``) or position (``int``): ``(features [n, D] torch tensor in the
-        stored dtype, coords [n, 2] torch tensor)``. ``rows``: None (whole bag), a slice, or patch
+        stored dtype, float32 values for int8, coords [n, 2] torch tensor)``. ``rows``: None (whole bag), a slice, or patch
         indices. A bag above the server's byte cap is fetched in row ranges, into one tensor."""
         return self.open_bags(dataset, encoder, split).read(bag, rows=rows)
 
     @reopening
     def read_bag_numpy(self, dataset: str, encoder: str, split: str, bag: int | str, rows: Any = None,
-                       out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-        """:meth:`read_bag` as numpy (bfloat16 as uint16 bits), the features into ``out`` if
-        given; no torch."""
-        return self.open_bags(dataset, encoder, split).read_numpy(bag, rows=rows, out=out)
+                       out: np.ndarray | None = None, dtype: str | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """:meth:`read_bag` as numpy (bfloat16 as uint16 bits, int8 as codes), or the features as
+        ``dtype`` ("float32"/"float16"), into ``out`` if given; no torch."""
+        return self.open_bags(dataset, encoder, split).read_numpy(bag, rows=rows, out=out, dtype=dtype)
 
     def _array(self, dataset: str, encoder: str, split: str, labels: bool) -> RemoteFeatureArray:
         arr = self.open(dataset, encoder, split)
@@ -167,14 +168,16 @@ class FeatureClient(Transport):
 
     @reopening
     def read_numpy(self, dataset: str, encoder: str, split: str, indices: Any, *,
-                   labels: bool = False, out: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
-        """Rows ``indices`` in the storage dtype (uint16 bits for bfloat16); no torch needed."""
-        return self._array(dataset, encoder, split, labels).read_numpy(indices, out=out)
+                   labels: bool = False, out: np.ndarray | None = None, dtype: str | None = None) -> np.ndarray:  # fmt: skip
+        """Rows ``indices`` in the storage dtype (uint16 bits for bfloat16, codes for int8), or as
+        ``dtype`` ("float32"/"float16", as ``FeatureArray.read_numpy``); no torch needed."""
+        return self._array(dataset, encoder, split, labels).read_numpy(indices, out=out, dtype=dtype)
 
     @reopening
     def read(self, dataset: str, encoder: str, split: str, indices: Any, *,
              labels: bool = False) -> Any:  # fmt: skip
-        """Rows ``indices`` as a torch tensor of the stored dtype (torch.bfloat16 for bfloat16)."""
+        """Rows ``indices`` as a torch tensor of the stored dtype (torch.bfloat16 for bfloat16;
+        float32 values for int8)."""
         return self._array(dataset, encoder, split, labels).read(indices)
 
     @reopening
@@ -203,9 +206,18 @@ class FeatureClient(Transport):
 
     @reopening
     def item(self, dataset: str, encoder: str, split: str, index: int, *,
-             labels: bool = False) -> np.ndarray:  # fmt: skip
-        """One sample (storage dtype), via the single-item route."""
+             labels: bool = False, dtype: str | None = None) -> np.ndarray:  # fmt: skip
+        """One sample (storage dtype, int8 codes; or ``dtype`` values: "float32"/"float16"), via
+        the single-item route. One row's values weigh less than its codes and scales, so an int8
+        sample's values are the server's (its local read, the same bits)."""
         arr = self._array(dataset, encoder, split, labels)
-        out = np.empty(arr.sample_shape, arr.numpy_dtype)
+        want = check_read_dtype(dtype, arr.dtype)
+        served = want or (wire.CODES if arr.dtype == wire.CODES else arr.dtype)
+        out = np.empty(arr.sample_shape, wire.storage_dtype(served))
+        parts = [(out, served, wire.SHAPE_HEADER, wire.DTYPE_HEADER)]
+        if served == wire.CODES:
+            parts.append((np.empty((1, *arr.sample_shape), np.float32), "float32", wire.SCALES_SHAPE_HEADER,
+                          wire.SCALES_DTYPE_HEADER))  # fmt: skip
+        params = {**arr.params, wire.DTYPE_PARAM: served} if want or served == wire.CODES else arr.params
         path = wire.route(wire.ITEM, **arr.route, index=int(index))
-        return self.fetch_into("GET", path, out, arr.dtype, params=arr.params, generation=arr.structure.generation)
+        return self.fetch_parts("GET", path, parts, params=params, generation=arr.structure.generation)[0]

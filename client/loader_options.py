@@ -33,7 +33,8 @@ class LoaderOptions:
 def check_loader_options(ds: Any, *, batch_size: Any, prefetch: Any, seed: Any, rank: Any, world_size: Any,
                          device: Any, dtype: Any, pin_memory: Any, num_threads: Any) -> LoaderOptions:
     """Check the options every loader shares; ``dtype=None`` resolves to ``ds.torch_dtype`` (the
-    stored one), ``pin_memory="auto"`` to pinned on CUDA only."""
+    stored one; float32 for int8, whose codes are not values), ``pin_memory="auto"`` to pinned on
+    CUDA only."""
     for name, value, low in (("batch_size", batch_size, 1), ("prefetch", prefetch, 1), ("seed", seed, 0),
                              ("world_size", world_size, 1), ("rank", rank, 0)):
         check_count(name, value, low)

@@ -2,20 +2,24 @@
 local :class:`featurestore.FeatureArray`, so datasets and loaders treat both sources alike.
 
 Everything it knows about the split comes from one :class:`~featurestore.format.wire.SplitStructure`
-(one ``GET .../arrays``); every byte it reads comes through :meth:`FeatureClient.fetch_into` /
+(one ``GET .../arrays``); every byte it reads comes through :meth:`FeatureClient.fetch_parts` /
 :meth:`FeatureClient.fetch_samples`, the client's public data calls, each response checked to be
-of the generation the structure named (``SplitChanged`` if the split was overwritten since).
+of the generation the structure named (``SplitChanged`` if the split was overwritten since). An
+int8 split's codes come with their chunks' scales (``?dtype=int8``) and are dequantized here as
+the local reader does (``format.int8``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from featurestore import errors as fse
-from featurestore.format import wire
+from featurestore.core.quantize_int8 import check_read_dtype
+from featurestore.format import dtypes, int8, wire
 
 if TYPE_CHECKING:
     from client.http import FeatureClient
@@ -124,9 +128,10 @@ class RemoteFeatureArray:
 
     # ------------------------------------------------------------------ reads
     def read(self, indices: Any) -> Any:
-        from featurestore.format.dtypes import to_torch
-
-        return to_torch(self.read_numpy(indices), self.dtype)
+        """Rows as a torch tensor of the stored dtype (float32 values for an int8 split, as locally)."""
+        if self.dtype == wire.CODES:
+            return dtypes.to_torch(self.read_numpy(indices, dtype="float32"), "float32")
+        return dtypes.to_torch(self.read_numpy(indices), self.dtype)
 
     def read_range(self, start: int, stop: int) -> np.ndarray:
         if not (0 <= start <= stop <= len(self)):
@@ -152,18 +157,59 @@ class RemoteFeatureArray:
             )
         return out
 
-    def read_numpy(self, indices: Any, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows ``indices`` (any order, duplicates allowed) in the storage dtype."""
+    def read_numpy(self, indices: Any, out: np.ndarray | None = None, dtype: str | None = None) -> np.ndarray:
+        """Rows ``indices`` (any order, duplicates allowed) in the storage dtype (int8 codes for
+        int8), or as ``dtype`` ("float32"/"float16"), as ``FeatureArray.read_numpy`` answers them.
+
+        An int8 split's values are its codes and their chunks' scales fetched (``?dtype=int8``)
+        and dequantized here by the store's formula (``format.int8``: the same bits as a local
+        read), or, where the scales would outweigh the values (rows of many chunks), the values
+        the server dequantized the same way."""
+        want = check_read_dtype(dtype, self.dtype)
         index = self._index(indices)
-        out = self._out(out, len(index), self.sample_shape, self.numpy_dtype)
-        rows = max(1, self.max_response_bytes // max(self.sample_nbytes, 1))
+        if want is None or (self.dtype != wire.CODES and np.dtype(want) == self.numpy_dtype):
+            out = self._out(out, len(index), self.sample_shape, self.numpy_dtype)
+            self._read(index, out, wire.CODES if self.dtype == wire.CODES else None)
+            return out
+        out = self._out(out, len(index), self.sample_shape, np.dtype(want))
+        if self.dtype != wire.CODES:  # stored rows cast here: fewer bytes, the local cast
+            out[...] = dtypes.stored_as_float32(self.read_numpy(index), self.dtype)
+            return out
+        elements = math.prod(self.sample_shape)
+        chunks = len(wire.scale_chunks(index, self.chunk_rows)[0])
+        if len(index) * elements + chunks * elements * 4 >= out.nbytes:
+            self._read(index, out, want)
+            return out
+        codes = np.empty((len(index), *self.sample_shape), np.int8)
+        self._read(index, codes, wire.CODES, values=out)
+        return out
+
+    def _pieces(self, index: np.ndarray, row_bytes: int, scales: bool) -> list[slice]:
+        """Runs of ``index`` whose answer fits the server's cap, an int8 answer's scales rows
+        (one per chunk a piece touches) included."""
+        cap, scale_bytes = self.max_response_bytes, 4 * math.prod(self.sample_shape) if scales else 0
+        pieces, start = [], 0
+        while start < len(index):
+            rows = max(1, (cap - scale_bytes) // max(row_bytes, 1))
+            while scales and rows > 1:
+                chunks = len(wire.scale_chunks(index[start : start + rows], self.chunk_rows)[0])
+                if min(rows, len(index) - start) * row_bytes + chunks * scale_bytes <= cap:
+                    break
+                rows = max(1, rows // 2)
+            pieces.append(slice(start, start + rows))
+            start += rows
+        return pieces
+
+    def _read(self, index: np.ndarray, out: np.ndarray, served: str | None, values: np.ndarray | None = None) -> None:
+        """Rows ``index`` into ``out``, ``?dtype=served`` (None: as stored) in pieces the cap
+        allows; with codes, each piece's scales too, and its values into ``values`` if given."""
+        codes = served == wire.CODES
         try:
-            for start in range(0, len(index), rows):
-                self._read_piece(index[start : start + rows], out[start : start + rows])
+            for piece in self._pieces(index, out[:1].nbytes if len(out) else 0, codes):
+                self._read_piece(index[piece], out[piece], served, None if values is None else values[piece])
         except fse.SplitChanged:
             self._forget()
             raise
-        return out
 
     def _forget(self) -> None:
         """The split was overwritten: the client's next ``open`` of it asks for its structure again."""
@@ -184,27 +230,41 @@ class RemoteFeatureArray:
             return
         lab = self.labels
         labels = self._out(labels, len(index), lab.sample_shape, lab.numpy_dtype)
-        per_row = self.sample_nbytes + lab.sample_nbytes
-        rows = max(1, self.max_response_bytes // max(per_row, 1))
+        codes = self.dtype == wire.CODES  # the stored codes, as read_numpy answers (their scales unused)
         try:
-            for start in range(0, len(index), rows):
-                piece = slice(start, start + rows)
-                self.client.fetch_samples(self, index[piece], features[piece], labels[piece])
+            for piece in self._pieces(index, self.sample_nbytes + lab.sample_nbytes, codes):
+                scales = None
+                if codes:
+                    touched = len(wire.scale_chunks(index[piece], self.chunk_rows)[0])
+                    scales = np.empty((touched, *self.sample_shape), np.float32)
+                self.client.fetch_samples(self, index[piece], features[piece], labels[piece], scales=scales)
         except fse.SplitChanged:
             self._forget()
             raise
 
-    def _read_piece(self, index: np.ndarray, out: np.ndarray) -> None:
+    def _read_piece(self, index: np.ndarray, out: np.ndarray, served: str | None = None,
+                    values: np.ndarray | None = None) -> None:  # fmt: skip
         if not len(index):
             return
         first = int(index[0])
         batch = wire.route(wire.BATCH, **self.route)
+        params = dict(self.params)
+        if served is not None:
+            params[wire.DTYPE_PARAM] = served
+        parts = [(out, served or self.dtype, wire.SHAPE_HEADER, wire.DTYPE_HEADER)]
+        chunks = inverse = None
+        if served == wire.CODES:
+            chunks, inverse = wire.scale_chunks(index, self.chunk_rows)
+            scales = np.empty((len(chunks), *self.sample_shape), np.float32)
+            parts.append((scales, "float32", wire.SCALES_SHAPE_HEADER, wire.SCALES_DTYPE_HEADER))
         # A contiguous ascending run goes as GET ?start&stop: no body, and the server reads it
         # as one slice.
         if len(index) == 1 or (int(index[-1]) - first == len(index) - 1
                                and bool(np.all(np.diff(index) == 1))):  # fmt: skip
-            params = {**self.params, "start": str(first), "stop": str(first + len(index))}
-            self.client.fetch_into("GET", batch, out, self.dtype, params=params, generation=self.structure.generation)
+            params.update(start=str(first), stop=str(first + len(index)))
+            self.client.fetch_parts("GET", batch, parts, params=params, generation=self.structure.generation)
         else:
-            self.client.fetch_into("POST", batch, out, self.dtype, params=self.params,
-                                   indices=index, generation=self.structure.generation)  # fmt: skip
+            self.client.fetch_parts("POST", batch, parts, params=params, indices=index,
+                                    generation=self.structure.generation)  # fmt: skip
+        if values is not None and inverse is not None:
+            int8.dequantize_into(out, inverse, scales, values)

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from featurestore import errors as fse
-from featurestore.format import wire
+from featurestore.core.quantize_int8 import check_read_dtype
+from featurestore.format import dtypes, wire
 from featurestore.format.bag_listing import BagsListing
 from featurestore.format.bags import BagLookup, check_out, select_rows, selected_count
 
@@ -30,8 +31,9 @@ class RemoteBagArray(BagLookup):
     """A bag split over HTTP: ``len``, ``ids``, ``lengths`` (int64), ``labels``, ``dim``,
     ``dtype``, ``coords_dtype``, ``coords_unit``, ``patch_size_level0``, ``metadata``, ``num_rows``,
     ``attrs(i_or_id)``, ``label(i_or_id)``, ``index(bag_id)``, ``position(i_or_id)``,
-    ``read(i_or_id, rows=None)`` (torch) and ``read_numpy(i_or_id, rows=None, out=None)`` (numpy;
-    bfloat16 as uint16 bits; ``out``: the features' buffer), as the local reader has them.
+    ``read(i_or_id, rows=None)`` (torch) and ``read_numpy(i_or_id, rows=None, out=None, dtype=None)``
+    (numpy; bfloat16 as uint16 bits, int8 as codes unless ``dtype`` asks for values; ``out``: the
+    features' buffer), as the local reader has them.
 
     ``rows``: which patches, by the rule every bag reader shares
     (:func:`~featurestore.format.bags.select_rows`): None (the whole bag), a slice (a step-1 slice
@@ -90,50 +92,76 @@ class RemoteBagArray(BagLookup):
 
     # ------------------------------------------------------------------ reads
     def read(self, bag: int | str, rows: Any = None) -> tuple[Any, Any]:
-        """``(features [n, D] in the stored dtype, coords [n, 2])`` as torch tensors."""
-        from featurestore.format.dtypes import to_torch
-
+        """``(features [n, D] in the stored dtype, float32 values for int8, coords [n, 2])`` as
+        torch tensors."""
+        if self.dtype == wire.CODES:
+            features, coords = self.read_numpy(bag, rows=rows, dtype="float32")
+            return dtypes.to_torch(features, "float32"), dtypes.to_torch(coords, self.coords_dtype)
         features, coords = self.read_numpy(bag, rows=rows)
-        return to_torch(features, self.dtype), to_torch(coords, self.coords_dtype)
+        return dtypes.to_torch(features, self.dtype), dtypes.to_torch(coords, self.coords_dtype)
 
-    def read_numpy(self, bag: int | str, rows: Any = None,
-                   out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    def read_numpy(self, bag: int | str, rows: Any = None, out: np.ndarray | None = None,
+                   dtype: str | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         """``(features, coords)`` of one bag (or its ``rows``) as numpy; the features are written
-        into ``out`` if given (a C-contiguous ``[n, D]`` array of the storage dtype, e.g. pinned
-        memory), as the local reader does."""
+        into ``out`` if given (a C-contiguous ``[n, D]`` array, e.g. pinned memory), as the local
+        reader does: in the storage dtype (int8 codes for int8), or as ``dtype``
+        ("float32"/"float16"). An int8 bag travels as codes and its scales row (``?dtype=int8``),
+        dequantized here by the local reader's formula, so the values are the same bits."""
+        want = check_read_dtype(dtype, self.dtype)
         position = self.position(bag)
-        length = int(self.lengths[position])
-        bag_id = self.ids[position]
-        selection = select_rows(rows, length, bag_id)
+        selection = select_rows(rows, int(self.lengths[position]), self.ids[position])
         count = selected_count(selection)
-        coords = np.empty((count, 2), wire.storage_dtype(self.coords_dtype))
+        if want is not None:
+            if out is None:
+                out = np.empty((count, self.dim), want)
+            elif out.shape != (count, self.dim) or out.dtype != np.dtype(want) or not out.flags.c_contiguous:
+                raise fse.ShapeMismatch(f"out has shape {out.shape} and dtype {out.dtype}; this bag read needs a "
+                                        f"C-contiguous ({count}, {self.dim}) array of {want}")
+            if self.dtype == wire.CODES or np.dtype(want) != self.numpy_dtype:
+                stored = np.empty((count, self.dim), self.numpy_dtype)
+                coords, scales = self._stored(position, selection, count, stored)
+                if scales is not None:
+                    np.multiply(stored, scales[0], out=out, casting="same_kind")
+                else:
+                    out[...] = dtypes.stored_as_float32(stored, self.dtype)
+                return out, coords
         if out is None:
             out = np.empty((count, self.dim), self.numpy_dtype)
         check_out(out, count, self.dim, self.numpy_dtype)
-        features = out
-        # Pieces that fit the server's byte cap, each one request written in place.
-        step = max(1, self.listing.max_response_bytes // max(self.listing.row_nbytes, 1))
-        path = wire.route(wire.BAG, **self.route, bag_id=bag_id)
+        return out, self._stored(position, selection, count, out)[0]
+
+    def _stored(self, position: int, selection: slice | np.ndarray, count: int,
+                features: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
+        """The stored rows of bag ``position`` into ``features``: ``(coords, the int8 scales row
+        [1, D] or None)``."""
+        coords = np.empty((count, 2), wire.storage_dtype(self.coords_dtype))
+        scales = np.zeros((1, self.dim), np.float32) if self.dtype == wire.CODES else None
+        # Pieces that fit the server's byte cap (an int8 bag's scales row included), each one
+        # request written in place.
+        room = self.listing.max_response_bytes - (0 if scales is None else scales.nbytes)
+        step = max(1, room // max(self.listing.row_nbytes, 1))
+        path = wire.route(wire.BAG, **self.route, bag_id=self.ids[position])
         try:
-            self._fetch(path, selection, count, step, features, coords)
+            self._fetch(path, selection, count, step, features, coords, scales)
         except fse.SplitChanged:  # the client's next open_bags of it asks for its listing again
             cached = getattr(self.client, "_bags", {})
             if cached.get(self.key) is self:
                 del cached[self.key]
             raise
-        return features, coords
+        return coords, scales
 
     def _fetch(self, path: str, selection: slice | np.ndarray, count: int, step: int, features: np.ndarray,
-               coords: np.ndarray) -> None:
+               coords: np.ndarray, scales: np.ndarray | None) -> None:
         for lo in range(0, count, step):  # an empty bag: nothing to ask for
             hi = min(count, lo + step)
             if isinstance(selection, slice):
                 params = {"start": str(selection.start + lo), "stop": str(selection.start + hi)}
                 self.client.fetch_bag(path, features[lo:hi], coords[lo:hi], self.dtype, self.coords_dtype,
-                                      params=params, generation=self.listing.generation)  # fmt: skip
+                                      params=params, generation=self.listing.generation, scales=scales)  # fmt: skip
             else:
                 self.client.fetch_bag(path, features[lo:hi], coords[lo:hi], self.dtype, self.coords_dtype,
-                                      indices=selection[lo:hi], generation=self.listing.generation)  # fmt: skip
+                                      indices=selection[lo:hi], generation=self.listing.generation,
+                                      scales=scales)  # fmt: skip
 
 
 RemoteBags = RemoteBagArray  # the name before the reader family was named as one (deprecated)

@@ -78,14 +78,15 @@ class DeviceStager:
 
 
 class HostSlot:
-    """Two reusable host buffers (pinned when asked) for a batch: ``features``, and ``second``,
+    """Reusable host buffers (pinned when asked) for a batch: ``features``, and ``second``,
     the batch's second array (a dense batch's labels, a bag batch's coordinates:
-    :mod:`client.bag_transfer`)."""
+    :mod:`client.bag_transfer`); ``scales``, an int8 batch's scales (empty otherwise)."""
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
         self.features = torch.empty(0, dtype=torch.uint8)
         self.second = torch.empty(0, dtype=torch.uint8)
+        self.scales = torch.empty(0, dtype=torch.uint8)
         self.copied: Any = None
 
     def _grown(self, buffer: torch.Tensor, need: int) -> torch.Tensor:
@@ -97,6 +98,9 @@ class HostSlot:
         """Grow the buffers to hold at least these many bytes (they never shrink)."""
         self.features = self._grown(self.features, features_nbytes)
         self.second = self._grown(self.second, second_nbytes)
+
+    def reserve_scales(self, nbytes: int) -> None:
+        self.scales = self._grown(self.scales, nbytes)
 
     def views(self, ds: Any, b: int) -> tuple[np.ndarray, np.ndarray]:
         self.reserve(b * ds.sample_nbytes, b * ds.label_nbytes)

@@ -10,17 +10,22 @@
   :class:`featurestore.core.buffers.BufferPool` that return only when the consumer drops the last
   view of them, because a probe may keep its batches (``torch.cat`` of all features).
 
+An int8 split's codes travel at their width and are multiplied by their scales where the batch is
+made, into the batch on the CPU, on the side stream on CUDA (:mod:`client.dequantize`).
+
 Slots, side stream, buffer pool, read threads and the hand-over are :class:`client.stager.DeviceStager`'s,
 shared with :class:`client.bag_transfer.BagTransfer`.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 import torch
 
+from client import dequantize
 from client.dataset import FeatureDataset
 from client.stager import DeviceStager, widen
 from featurestore.core.buffers import aligned_empty
@@ -35,6 +40,8 @@ class Transfer(DeviceStager):
         super().__init__(device, dtype, pin, mean_std, num_threads, prefetch=prefetch)
         self.ds = ds
         self.stored = ds.torch_dtype
+        self._scales: dequantize.ChunkScales | None = None  # an int8 split's, on CUDA
+        self._scales_lock = threading.Lock()
 
     # ------------------------------------------------------------------ producer side (threads)
     def produce(self, index: np.ndarray, staging: dict[str, np.ndarray]) -> Any:
@@ -48,7 +55,7 @@ class Transfer(DeviceStager):
         ds, b = self.ds, len(index)
         labels_np = np.empty((b, *ds.label_shape), ds.label_numpy_dtype)
         shape = (b, *ds.sample_shape)
-        if self.dtype == self.stored:
+        if self.dtype == self.stored and not ds.quantized:
             # Straight into the buffer handed out: one copy, as the bare reader does.
             host = self.pool.lease(b * ds.sample_nbytes)
             features = torch.from_numpy(host).view(self.stored).view(shape)
@@ -63,7 +70,10 @@ class Transfer(DeviceStager):
             host = self.pool.lease(b * (ds.sample_nbytes // ds.numpy_dtype.itemsize) * self.dtype.itemsize)
             features = torch.from_numpy(host).view(self.dtype).view(shape)
             del host
-            features.copy_(dtypes.to_torch(stored, ds.dtype))  # exact upcast, into a recycled buffer
+            if ds.quantized:  # codes times their chunks' scales, into the recycled buffer
+                dequantize.into(stored, index // ds.chunk_rows, ds.scales(), features)
+            else:
+                features.copy_(dtypes.to_torch(stored, ds.dtype))  # exact upcast, into a recycled buffer
         if self.norm is not None:
             features.sub_(self.norm[0]).mul_(self.norm[1])
         return features, widen(torch.from_numpy(labels_np))
@@ -72,18 +82,33 @@ class Transfer(DeviceStager):
         ds, b = self.ds, len(index)
         with self.slot() as slot:  # the copy out of this slot's last batch is done
             host_f, host_l = slot.views(ds, b)
+            scales = self._chunk_scales() if ds.quantized else None
+            groups = index // ds.chunk_rows
+            scales_nbytes = scales.stage(slot, groups) if scales is not None else 0
             ds.read_into(index, host_f, host_l)
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 raw_f = slot.features[: host_f.nbytes].to(self.device, non_blocking=True)
                 raw_l = slot.second[: host_l.nbytes].to(self.device, non_blocking=True)
+                raw_s = slot.scales[:scales_nbytes].to(self.device, non_blocking=True) if scales_nbytes else None
                 slot.record_copied(self.stream)
-                features = raw_f.view(self.stored).view(b, *ds.sample_shape).to(self.dtype)
+                if scales is not None and raw_s is not None:  # the upcast inside the multiply by the scales
+                    codes = raw_f.view(torch.int8).view(b, *ds.sample_shape)
+                    features = scales.multiply(codes, raw_s, groups, self.dtype)
+                else:
+                    features = raw_f.view(self.stored).view(b, *ds.sample_shape).to(self.dtype)
                 if self.norm is not None:
                     features = features.sub_(self.norm[0]).mul_(self.norm[1])
                 label_dtype = torch.from_numpy(host_l[:0]).dtype
                 labels = widen(raw_l.view(label_dtype).view(b, *ds.label_shape))
                 ready = self.ready_event()
         return features, labels, ready
+
+    def _chunk_scales(self) -> dequantize.ChunkScales:
+        """The split's scales for the CUDA path, made by the first batch's thread (read once)."""
+        with self._scales_lock:
+            if self._scales is None:
+                self._scales = dequantize.ChunkScales(self.ds.scales(), self.device, self.stream)
+            return self._scales
 
     # ------------------------------------------------------------------ consumer side
     def finish(self, item: Any) -> tuple[torch.Tensor, torch.Tensor]:

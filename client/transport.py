@@ -254,12 +254,17 @@ class Transport:
         return self.fetch_parts(method, path, parts, params=params, indices=indices, generation=generation)[0]
 
     def fetch_samples(self, arr: RemoteFeatureArray, index: np.ndarray, features: np.ndarray,
-                      labels: np.ndarray) -> None:  # fmt: skip
-        """Features and labels of ``index`` in one :data:`wire.SAMPLES` response, in place."""
+                      labels: np.ndarray, *, scales: np.ndarray | None = None) -> None:  # fmt: skip
+        """Features and labels of ``index`` in one :data:`wire.SAMPLES` response, in place; an
+        int8 split's codes ask for their scales too (``?dtype=int8``), into ``scales``."""
         assert arr.labels is not None
         parts = [(features, arr.dtype, wire.SHAPE_HEADER, wire.DTYPE_HEADER),
                  (labels, arr.labels.dtype, wire.LABELS_SHAPE_HEADER, wire.LABELS_DTYPE_HEADER)]
-        self.fetch_parts("POST", wire.route(wire.SAMPLES, **arr.route), parts, indices=index,
+        params = None
+        if scales is not None:
+            params = {wire.DTYPE_PARAM: wire.CODES}
+            parts.append((scales, "float32", wire.SCALES_SHAPE_HEADER, wire.SCALES_DTYPE_HEADER))
+        self.fetch_parts("POST", wire.route(wire.SAMPLES, **arr.route), parts, params=params, indices=index,
                          generation=arr.structure.generation)
 
     def fetch_parts(self, method: str, path: str,
@@ -308,11 +313,15 @@ class Transport:
 
     def fetch_bag(self, path: str, features: np.ndarray, coords: np.ndarray, dtype: str, coords_dtype: str, *,
                   params: dict[str, str] | None = None, indices: np.ndarray | None = None,
-                  generation: str | None = None) -> None:  # fmt: skip
+                  generation: str | None = None, scales: np.ndarray | None = None) -> None:  # fmt: skip
         """One :data:`wire.BAG` response (features, then coordinates) streamed into ``features``
         and ``coords``; rows ``params`` (``start``/``stop``) by GET, or ``indices`` by POST;
-        ``generation``: the split's as the caller opened it (another one is SplitChanged)."""
+        ``generation``: the split's as the caller opened it (another one is SplitChanged);
+        ``scales``: an int8 bag's ``[1, D]`` scales row, asked for with its codes (``?dtype=int8``)."""
         parts = [(features, dtype, wire.SHAPE_HEADER, wire.DTYPE_HEADER),
                  (coords, coords_dtype, wire.COORDS_SHAPE_HEADER, wire.COORDS_DTYPE_HEADER)]
+        if scales is not None:
+            params = {**(params or {}), wire.DTYPE_PARAM: wire.CODES}
+            parts.append((scales, "float32", wire.SCALES_SHAPE_HEADER, wire.SCALES_DTYPE_HEADER))
         self.fetch_parts("GET" if indices is None else "POST", path, parts, params=params, indices=indices,
                          generation=generation)

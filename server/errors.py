@@ -76,8 +76,8 @@ STATUS: Mapping[type[BaseException], int] = {
     # a dense route on a bag split, a bag route on a dense split: no such resource there
     fse.WrongSplitKind: 404,
     fse.IncompleteSplit: 409,
-    # a split the server cannot serve as values (int8 codes need their scales)
-    fse.DtypeMismatch: 409,
+    # a read dtype (?dtype=) the split does not offer
+    fse.DtypeMismatch: 400,
     fse.AttentionNotFound: 404,
     fse.StaleAttention: 409,
     # overwritten while this request read it (a data route answers the retryable 409 instead)

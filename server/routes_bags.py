@@ -4,7 +4,7 @@
 (ids, lengths, labels, dim, dtypes, coordinate unit, the byte cap; pages of at most
 :data:`~featurestore.format.wire.BAGS_PAGE` bags, ``?offset=`` for the next). ``GET .../{bag_id}``
 answers one bag in the :data:`~featurestore.format.wire.BAG_MEDIA` framing (features, then
-coordinates), optionally rows ``?start=&stop=`` of it; ``POST .../{bag_id}`` with an index body
+coordinates; an int8 split's scales row last with ``?dtype=int8``), optionally rows ``?start=&stop=`` of it; ``POST .../{bag_id}`` with an index body
 (as ``POST .../batch``) answers the rows it lists, in its order. Every bag response goes through
 the data routes' one path (:func:`server.routes_data.gathered_response`: byte cap 413, in-flight
 budget 503, pooled zero-copy body, 409 if the split changed meanwhile).
@@ -32,10 +32,12 @@ from server.errors import BadRequest
 from server.responses import ArrayResponse
 from server.routes_data import (
     _INDEX_BODY,
+    Dtype,
     Part,
     check_size,
     gathered_response,
     parse_indices,
+    requested,
 )
 from server.routes_features import Name, state_of
 from server.state import OpenedSplit, StoreState
@@ -122,9 +124,12 @@ def bags_listing(
     return listing(entry, state.settings.max_response_bytes, offset, limit, attrs).to_json()
 
 
-def bag_response(state: StoreState, entry: OpenedSplit, bag_id: str, rows: slice | np.ndarray) -> ArrayResponse:
-    """Rows ``rows`` of bag ``bag_id``: features then coordinates, through the one data path."""
+def bag_response(state: StoreState, entry: OpenedSplit, bag_id: str, rows: slice | np.ndarray,
+                 dtype: str | None = None) -> ArrayResponse:  # fmt: skip
+    """Rows ``rows`` of bag ``bag_id``: features (as ``?dtype=`` asks, wire.served_dtype) then
+    coordinates, then for int8 codes the bag's scales row, through the one data path."""
     bags = entry.reader
+    served = requested(bags, dtype)
     position = bags.index(bag_id)  # the id is looked up, never joined into a path (BagNotFound: 404)
     length = int(bags.lengths[position])
     # ?start=&stop= are wire parameters, not a Python slice: out of the bag is an error, not clipped.
@@ -133,20 +138,29 @@ def bag_response(state: StoreState, entry: OpenedSplit, bag_id: str, rows: slice
                               f"patches: use 0 <= start <= stop <= {length}")  # fmt: skip
     index = bags.rows_of(position, rows)  # the one bag-selection rule (format.bags.select_rows)
     features, coords = bags.features, bags.coords
-    per_row = int(features.sample_nbytes) + int(coords.sample_nbytes)
-    nbytes = check_size(state, len(index), per_row, unit="patches",
+    codes = served == wire.CODES
+    per_row = int(bags.dim) * wire.storage_dtype(served).itemsize + int(coords.sample_nbytes)
+    nbytes = check_size(state, len(index), per_row, unit="patches", extra=4 * int(bags.dim) if codes else 0,
                         how="read the bag in row ranges of at most {rows} {unit} (?start=&stop=) and "
                         "concatenate; FeatureClient.read_bag does this itself")  # fmt: skip
     parts: list[Part] = [
-        ((len(index), *features.sample_shape), features.numpy_dtype, features.dtype, wire.SHAPE_HEADER,
+        ((len(index), *features.sample_shape), wire.storage_dtype(served), served, wire.SHAPE_HEADER,
          wire.DTYPE_HEADER),
         ((len(index), *coords.sample_shape), coords.numpy_dtype, coords.dtype, wire.COORDS_SHAPE_HEADER,
          wire.COORDS_DTYPE_HEADER),
     ]  # fmt: skip
+    if codes:
+        parts.append(((1, bags.dim), np.dtype(np.float32), "float32", wire.SCALES_SHAPE_HEADER,
+                      wire.SCALES_DTYPE_HEADER))  # fmt: skip
 
     def fill(outs: list[np.ndarray]) -> None:
-        features.read_numpy(index, out=outs[0])
-        coords.read_numpy(index, out=outs[1])
+        if served in (bags.dtype, wire.CODES):
+            features.read_numpy(index, out=outs[0])
+            coords.read_numpy(index, out=outs[1])
+        else:  # values: the bag reader's own dequantizing read, equal to a local one bit for bit
+            outs[1][...] = bags.read_numpy(position, rows, out=outs[0], dtype=served)[1]
+        if codes:
+            outs[2][0] = bags.scales[position]
 
     return gathered_response(state, entry, nbytes, parts, fill, media_type=wire.BAG_MEDIA)
 
@@ -156,6 +170,7 @@ def bag(
     request: Request, dataset: Name, encoder: Name, split: Name, bag_id: BagId,
     start: Annotated[int | None, Query(description="first patch (default 0)")] = None,
     stop: Annotated[int | None, Query(description="one past the last patch (default: the bag's length)")] = None,
+    dtype: Dtype = None,
 ) -> ArrayResponse:  # fmt: skip
     """One bag (or its patches ``start:stop``): the features' bytes (``X-Shape`` ``n,D``,
     ``X-Dtype``), then the coordinates' (``X-Coords-Shape`` ``n,2``, ``X-Coords-Dtype``)."""
@@ -166,12 +181,13 @@ def bag(
     first, last = 0 if start is None else start, length if stop is None else stop
     if first > last:
         raise BadRequest(f"start={first} is after stop={last}")
-    return bag_response(state, entry, bag_id, slice(first, last))
+    return bag_response(state, entry, bag_id, slice(first, last), dtype)
 
 
 @router.post(wire.BAG_ROUTE, tags=["bags"], response_class=ArrayResponse, status_code=200,
              responses=_BAG, openapi_extra=_INDEX_BODY)  # fmt: skip
-async def bag_rows(request: Request, dataset: Name, encoder: Name, split: Name, bag_id: BagId) -> ArrayResponse:
+async def bag_rows(request: Request, dataset: Name, encoder: Name, split: Name, bag_id: BagId,
+                   dtype: Dtype = None) -> ArrayResponse:  # fmt: skip
     """Patches ``indices`` of one bag (any order, duplicates allowed; body as ``POST .../batch``),
     framed as ``GET`` answers a bag."""
     state = state_of(request)
@@ -183,6 +199,6 @@ async def bag_rows(request: Request, dataset: Name, encoder: Name, split: Name, 
         length = int(entry.reader.lengths[entry.reader.index(bag_id)])
         rows = parse_indices(body, request.headers.get("content-type", ""), length,
                              state.settings.max_indices, f"bag {bag_id!r}")  # fmt: skip
-        return bag_response(state, entry, bag_id, rows)
+        return bag_response(state, entry, bag_id, rows, dtype)
 
     return await run_in_threadpool(work)

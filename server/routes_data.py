@@ -5,6 +5,9 @@ response's bytes against the in-flight budget (wait, or 503 with Retry-After), g
 into a pooled buffer with the store's reader, confirm the split did not change meanwhile (409),
 then hand the buffers to :class:`~server.responses.ArrayResponse`, which sends them without
 copying and gives the reservation back when the last byte left (or the client went away).
+``?dtype=`` picks what the features part holds (:func:`requested`, ``wire.served_dtype``): float32
+or float16 values (an int8 split dequantized by the store's reader, its default), or an int8
+split's codes followed by their chunks' scales as one more part.
 
 Index lists come as raw little-endian int64 (``Content-Type: application/x-featurestore-indices``,
 no parsing at all) or JSON ``{"indices": [...]}``; either is capped in bytes
@@ -16,6 +19,7 @@ thread pool, never on the event loop.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -34,6 +38,8 @@ router = APIRouter()
 
 Labels = Annotated[bool, Query(description="labels instead of features")]
 Accept = Annotated[str | None, Header(description=f"{wire.NPY} for an .npy body")]
+Dtype = Annotated[str | None, Query(description="float32 or float16 values, or int8: an int8 split's codes and "
+                                                "their scales (see docs/SERVER.md); default: as stored, int8 as float32")]
 
 _DATA: dict[int | str, dict[str, Any]] = {
     "200": {"content": {wire.OCTET_STREAM: {}, wire.NPY: {}}, "description": "raw bytes"}
@@ -65,13 +71,14 @@ def _pick(entry: OpenedSplit, labels: bool) -> Any:
 
 
 def check_size(state: StoreState, rows: int, per_row: int, *, unit: str = "samples",
-               how: str = "request at most {rows} {unit} at a time and concatenate") -> int:  # fmt: skip
+               how: str = "request at most {rows} {unit} at a time and concatenate", extra: int = 0) -> int:  # fmt: skip
     """The response's bytes, or :class:`ResponseTooLarge` (413) naming the cap and how many
-    ``unit`` (rows of ``per_row`` bytes) one request may ask for (``how``)."""
+    ``unit`` (rows of ``per_row`` bytes, plus ``extra`` bytes of int8 scales) one request may ask
+    for (``how``)."""
     cap = state.settings.max_response_bytes
-    nbytes = rows * per_row
+    nbytes = rows * per_row + extra
     if nbytes > cap:
-        per_request = cap // max(per_row, 1)
+        per_request = max(cap - extra, 0) // max(per_row, 1)
         hint = (
             how.format(rows=per_request, unit=unit)
             if per_request
@@ -97,9 +104,6 @@ def gathered_response(state: StoreState, entry: OpenedSplit, nbytes: int, parts:
     not change meanwhile (409), and wrap the buffers, no copy; the reservation is given back when
     the last byte left (or on any failure before). A derived split whose source changed since it
     was computed is answered with ``X-Featurestore-Stale`` (featurestore.core.lineage)."""
-    if getattr(entry.reader, "dtype", None) == "int8":  # codes without their scales are not values
-        raise DtypeMismatch(f"split {'/'.join(entry.key)} is stored as int8, which the server does not serve yet: "
-                            "read it from the store with read_numpy(..., dtype='float32'), or store it as float16")
     stale = state.stale_reason(entry)  # before the reservation: nothing to give back if it raises
     state.reserve(nbytes)
     try:
@@ -116,8 +120,9 @@ def gathered_response(state: StoreState, entry: OpenedSplit, nbytes: int, parts:
     except BaseException:
         state.release(nbytes)
         raise
-    body = [(out[0] if single else out, dtype, shape_header, dtype_header)
-            for out, (_, _, dtype, shape_header, dtype_header) in zip(outs, parts, strict=True)]  # fmt: skip
+    # ``single``: the item route's one row, sent as a sample (an int8 item's scales keep their [1, *S])
+    body = [(out[0] if single and i == 0 else out, dtype, shape_header, dtype_header)
+            for i, (out, (_, _, dtype, shape_header, dtype_header)) in enumerate(zip(outs, parts, strict=True))]
     response = ArrayResponse(body, media_type=media_type, npy=npy,
                              chunk_bytes=state.settings.send_chunk_bytes,
                              send_timeout_s=state.settings.send_timeout_s,
@@ -129,19 +134,47 @@ def gathered_response(state: StoreState, entry: OpenedSplit, nbytes: int, parts:
     return response
 
 
+def requested(arr: Any, dtype: str | None, npy: bool = False) -> str:
+    """The logical dtype the features part is served as (``?dtype=``, wire.served_dtype): a bad
+    one is a 400 naming the offered ones; codes and scales are two arrays, which no .npy holds."""
+    try:
+        served = wire.served_dtype(dtype, arr.dtype)
+    except DtypeMismatch as error:
+        raise BadRequest(str(error)) from None
+    if npy and served == wire.CODES:
+        raise BadRequest(f"dtype={wire.CODES} answers codes and their scales, two arrays, which an .npy body cannot "
+                         "hold: ask for dtype=float32 or float16 with Accept: application/x-npy")
+    return served
+
+
 def _respond(state: StoreState, entry: OpenedSplit, arrays: list[Any], index: np.ndarray, *,
-             npy: bool = False, single: bool = False,
+             served: str | None = None, npy: bool = False, single: bool = False,
              media_type: str = wire.OCTET_STREAM) -> ArrayResponse:  # fmt: skip
-    """Gather rows ``index`` of each array into pooled buffers and wrap them, no copy."""
-    nbytes = check_size(state, len(index), sum(int(a.sample_nbytes) for a in arrays))
+    """Gather rows ``index`` of each array into pooled buffers and wrap them, no copy; the first
+    array's rows as ``served`` (wire.served_dtype: as stored, values, or codes + their scales)."""
+    first = arrays[0]
+    served = served or first.dtype
+    elements = math.prod(first.sample_shape)
+    chunks = wire.scale_chunks(index, first.chunk_rows)[0] if served == wire.CODES else None
+    scales_bytes = 0 if chunks is None else len(chunks) * elements * 4
+    per_row = elements * wire.storage_dtype(served).itemsize + sum(int(a.sample_nbytes) for a in arrays[1:])
+    nbytes = check_size(state, len(index), per_row, extra=scales_bytes)
     headers = [(wire.SHAPE_HEADER, wire.DTYPE_HEADER),
                (wire.LABELS_SHAPE_HEADER, wire.LABELS_DTYPE_HEADER)]  # fmt: skip
-    parts: list[Part] = [((len(index), *arr.sample_shape), arr.numpy_dtype, arr.dtype, *names)
-                         for arr, names in zip(arrays, headers, strict=False)]  # fmt: skip
+    parts: list[Part] = [((len(index), *arr.sample_shape), wire.storage_dtype(dtype), dtype, *names)
+                         for arr, dtype, names in zip(arrays, [served] + [a.dtype for a in arrays[1:]],
+                                                      headers, strict=False)]  # fmt: skip
+    if chunks is not None:
+        parts.append(((len(chunks), *first.sample_shape), np.dtype(np.float32), "float32",
+                      wire.SCALES_SHAPE_HEADER, wire.SCALES_DTYPE_HEADER))  # fmt: skip
 
     def fill(outs: list[np.ndarray]) -> None:
-        for arr, out in zip(arrays, outs, strict=True):
+        # values: the store's own dequantizing read, so they equal a local read_numpy(dtype=) bit for bit
+        first.read_numpy(index, out=outs[0], dtype=None if served in (first.dtype, wire.CODES) else served)
+        for arr, out in zip(arrays[1:], outs[1:len(arrays)], strict=True):
             arr.read_numpy(index, out=out)
+        if chunks is not None:
+            outs[-1][...] = first.scales.table()[chunks]
 
     return gathered_response(state, entry, nbytes, parts, fill, npy=npy, single=single,
                              media_type=media_type)  # fmt: skip
@@ -151,7 +184,7 @@ def _respond(state: StoreState, entry: OpenedSplit, arrays: list[Any], index: np
             responses=_DATA)  # fmt: skip
 def item(
     request: Request, dataset: Name, encoder: Name, split: Name, index: int,
-    labels: Labels = False, accept: Accept = None,
+    labels: Labels = False, accept: Accept = None, dtype: Dtype = None,
 ) -> ArrayResponse:  # fmt: skip
     """One sample: ``X-Shape`` is the sample shape (``256,384``)."""
     state = state_of(request)
@@ -159,8 +192,9 @@ def item(
     arr = _pick(entry, labels)
     if not 0 <= index < len(arr):
         raise IndexOutOfRange(f"index {index} out of range for {len(arr)} samples")
-    return _respond(state, entry, [arr], np.array([index], dtype=np.int64),
-                    npy=wire.wants_npy(accept), single=True)  # fmt: skip
+    npy = wire.wants_npy(accept)
+    return _respond(state, entry, [arr], np.array([index], dtype=np.int64), served=requested(arr, dtype, npy),
+                    npy=npy, single=True)  # fmt: skip
 
 
 @router.get(wire.BATCH, tags=["features"], response_class=ArrayResponse, status_code=200,
@@ -169,7 +203,7 @@ def batch_range(
     request: Request, dataset: Name, encoder: Name, split: Name,
     start: Annotated[int, Query(description="first index")],
     stop: Annotated[int, Query(description="one past the last index")],
-    labels: Labels = False, accept: Accept = None,
+    labels: Labels = False, accept: Accept = None, dtype: Dtype = None,
 ) -> ArrayResponse:  # fmt: skip
     """Samples ``start:stop`` (a contiguous read)."""
     state = state_of(request)
@@ -179,8 +213,9 @@ def batch_range(
         raise BadRequest(f"start={start} is after stop={stop}")
     if start < 0 or stop > len(arr):
         raise IndexOutOfRange(f"range {start}:{stop} out of range for {len(arr)} samples")
-    return _respond(state, entry, [arr], np.arange(start, stop, dtype=np.int64),
-                    npy=wire.wants_npy(accept))  # fmt: skip
+    npy = wire.wants_npy(accept)
+    return _respond(state, entry, [arr], np.arange(start, stop, dtype=np.int64), served=requested(arr, dtype, npy),
+                    npy=npy)  # fmt: skip
 
 
 def parse_indices(body: bytes, content_type: str, length: int, max_indices: int,
@@ -246,7 +281,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 async def _indexed(request: Request, dataset: str, encoder: str, split: str, labels: bool,
-                   accept: str | None, *, samples: bool) -> ArrayResponse:  # fmt: skip
+                   accept: str | None, dtype: str | None, *, samples: bool) -> ArrayResponse:  # fmt: skip
     state = state_of(request)
     body = await request.body()  # capped by server/limits.py while it arrives
 
@@ -258,9 +293,11 @@ async def _indexed(request: Request, dataset: str, encoder: str, split: str, lab
             arrays = [_pick(entry, labels)]
         index = parse_indices(body, request.headers.get("content-type", ""), len(arrays[0]),
                               state.settings.max_indices)  # fmt: skip
+        npy = not samples and wire.wants_npy(accept)
+        served = requested(arrays[0], dtype, npy)
         if samples:
-            return _respond(state, entry, arrays, index, media_type=wire.SAMPLES_MEDIA)
-        return _respond(state, entry, arrays, index, npy=wire.wants_npy(accept))
+            return _respond(state, entry, arrays, index, served=served, media_type=wire.SAMPLES_MEDIA)
+        return _respond(state, entry, arrays, index, served=served, npy=npy)
 
     return await run_in_threadpool(work)
 
@@ -268,18 +305,19 @@ async def _indexed(request: Request, dataset: str, encoder: str, split: str, lab
 @router.post(wire.BATCH, tags=["features"], response_class=ArrayResponse, status_code=200,
              responses=_DATA, openapi_extra=_INDEX_BODY)  # fmt: skip
 async def batch_indices(request: Request, dataset: Name, encoder: Name, split: Name,
-                        labels: Labels = False, accept: Accept = None) -> ArrayResponse:  # fmt: skip
+                        labels: Labels = False, accept: Accept = None, dtype: Dtype = None) -> ArrayResponse:  # fmt: skip
     """Samples at ``indices`` (any order, duplicates allowed), gathered into one buffer."""
-    return await _indexed(request, dataset, encoder, split, labels, accept, samples=False)
+    return await _indexed(request, dataset, encoder, split, labels, accept, dtype, samples=False)
 
 
 @router.post(wire.SAMPLES, tags=["features"], response_class=ArrayResponse, status_code=200,
              responses=_SAMPLES, openapi_extra=_INDEX_BODY)  # fmt: skip
-async def samples(request: Request, dataset: Name, encoder: Name, split: Name) -> ArrayResponse:
+async def samples(request: Request, dataset: Name, encoder: Name, split: Name,
+                  dtype: Dtype = None) -> ArrayResponse:  # fmt: skip
     """Features and labels of ``indices`` in one response: the features' bytes (``X-Shape``,
     ``X-Dtype``), then the labels' (``X-Labels-Shape``, ``X-Labels-Dtype``; absent, and no bytes,
-    when the split has none)."""
-    return await _indexed(request, dataset, encoder, split, False, None, samples=True)
+    when the split has none); with ``?dtype=int8`` the scales last (``X-Scales-Shape``)."""
+    return await _indexed(request, dataset, encoder, split, False, None, dtype, samples=True)
 
 
 # ------------------------------------------------------------------ samples by id
@@ -305,7 +343,8 @@ def parse_ids(body: bytes, max_indices: int) -> list[str]:
 
 @router.post(wire.BY_ID, tags=["features"], response_class=ArrayResponse, status_code=200,
              responses=_SAMPLES, openapi_extra=_IDS_BODY)  # fmt: skip
-async def samples_by_id(request: Request, dataset: Name, encoder: Name, split: Name) -> ArrayResponse:
+async def samples_by_id(request: Request, dataset: Name, encoder: Name, split: Name,
+                        dtype: Dtype = None) -> ArrayResponse:  # fmt: skip
     """Features and labels of the samples named by ``ids`` (a split with sample ids, e.g. slide
     embeddings), in the order asked, framed as ``/samples`` answers; an unknown id is a 404."""
     state = state_of(request)
@@ -315,6 +354,7 @@ async def samples_by_id(request: Request, dataset: Name, encoder: Name, split: N
         entry = state.open_split(dataset, encoder, split)
         index = entry.reader.positions_of(parse_ids(body, state.settings.max_indices))
         arrays = [entry.reader] + ([entry.reader.labels] if entry.reader.labels is not None else [])
-        return _respond(state, entry, arrays, index, media_type=wire.SAMPLES_MEDIA)
+        return _respond(state, entry, arrays, index, served=requested(entry.reader, dtype),
+                        media_type=wire.SAMPLES_MEDIA)  # fmt: skip
 
     return await run_in_threadpool(work)

@@ -426,27 +426,3 @@ def test_import_of_a_bag_cache_with_dtype_int8(tmp_path: Path, capsys: pytest.Ca
         assert np.all(np.abs(back - x) <= int8.error_bound(split.scales[split.position(slide)]))
 
 
-def test_datasets_loaders_and_the_server_refuse_int8_codes_as_values(tmp_path: Path) -> None:
-    """Until the loaders and the server dequantize, handing out int8 codes as features would be
-    wrong data: the datasets (local and over HTTP) and the server's data routes refuse the split in
-    one line, while listings and the store's own dequantizing reads keep working."""
-    from fastapi.testclient import TestClient
-
-    from client import BagDataset, FeatureDataset
-    from server import Settings, create_app
-
-    x = vit_like(40)
-    write(str(tmp_path / "s"), x)
-    with pytest.raises(DtypeMismatch, match="int8 split"):
-        FeatureDataset(str(tmp_path / "s"), *SPLIT)[0]
-    store = featurestore.open_store(str(tmp_path / "b"), mode="a")
-    writer = store.create_bag_split(*SPLIT, dim=16, dtype="int8", chunk_bytes=64 * 16)
-    for name, values in bag_values().items():
-        writer.add_bag(name, values)
-    writer.commit()
-    with pytest.raises(DtypeMismatch, match="int8 split"):
-        BagDataset(str(tmp_path / "b"), *SPLIT)[0]
-    with TestClient(create_app(str(tmp_path / "s"), Settings())) as client:
-        assert client.get("/v1/datasets").status_code == 200
-        response = client.get(f"/v1/features/{'/'.join(SPLIT)}/items/0")
-        assert response.status_code == 409 and "int8" in response.json()["detail"]

@@ -143,6 +143,37 @@ def test_a_damaged_split_does_not_break_the_catalog(tmp_path: object) -> None:
 
 
 # ---------------------------------------------------------------------- pictures
+def test_an_int8_split_shows_its_scales_errors_saturation_and_a_picture_of_its_values(tmp_path: object, client: TestClient) -> None:
+    """An int8 split's page says its codes carry scales, shows the report's errors with saturation
+    (not float16's overflow), and its picture is that of its values, not of its codes."""
+    import featurestore
+    from _web_fixtures import DIM, _metadata, tokens
+
+    store = featurestore.open_store(str(tmp_path), mode="a")
+    writer = store.create_split("demo", "vit-s", "i8", num_samples=4, sample_shape=(1 + GRID[0] * GRID[1], DIM),
+                                dtype="int8", chunk_rows=4, metadata=_metadata("builtin:vit-s14", "3f1a9c0e7d2b4a61"))
+    writer.write(0, tokens(4, 1))
+    writer.commit()
+    bags = store.create_bag_split("demo", "vit-s", "i8bags", dim=DIM, dtype="int8")
+    bags.add_bag("slide", slide(0)[0], coords=slide(0)[1])
+    bags.commit()
+    q = store.split_info("demo", "vit-s", "i8").quantization or {}
+    with TestClient(create_app(str(tmp_path), Settings())) as web:
+        text = web.get("/ui/splits/demo/vit-s/i8").text
+        assert "int8 codes \u00d7 float32 scales per chunk and position" in text
+        assert "float32</code> \u2192 <code>int8" in text
+        for key in ("max_abs_error", "max_rel_error", "rel_rms_error"):
+            assert format(q[key], ".3g") in text, key
+        assert "saturated (codes clipped at \u00b1127)" in text and "65504" not in text
+        bag_page = web.get("/ui/splits/demo/vit-s/i8bags").text
+        assert "int8 codes \u00d7 float32 scales per bag and channel" in bag_page and "saturated" in bag_page
+        values = store.open("demo", "vit-s", "i8").read_numpy([2], dtype="float32")[0]
+        picture = decode_png(web.get("/ui/pca/demo/vit-s/i8/2.png").content)
+        assert np.array_equal(picture, pictures.pca_picture(values, 1, GRID))
+        assert web.get("/ui/slidemap/demo/vit-s/i8bags/0.png").status_code == 200
+    assert "overflow (beyond" in client.get(TRAIN).text  # a float16 split keeps float16's row
+
+
 def test_pca_picture_shows_the_regions_of_the_sample(client: TestClient) -> None:
     for encoder in ("vit-s", "vit-s-bf16"):
         answer = client.get(f"/ui/pca/demo/{encoder}/train/3.png")

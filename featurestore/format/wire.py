@@ -33,7 +33,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from featurestore.errors import IndexOutOfRange, InvalidIndices
+from featurestore.errors import DtypeMismatch, IndexOutOfRange, InvalidIndices
 from featurestore.format.dtypes import storage_dtype
 from featurestore.format.names import validate_name
 from featurestore.format.redact import redact
@@ -57,6 +57,13 @@ __all__ = [
     "BY_ID",
     "COORDS_DTYPE_HEADER",
     "COORDS_SHAPE_HEADER",
+    "CODES",
+    "DTYPE_PARAM",
+    "SCALES_DTYPE_HEADER",
+    "SCALES_SHAPE_HEADER",
+    "VALUE_DTYPES",
+    "scale_chunks",
+    "served_dtype",
     "quote_bag_id",
     "DATASETS",
     "DTYPE_HEADER",
@@ -121,6 +128,18 @@ COORDS_DTYPE_HEADER = "X-Coords-Dtype"
 # raises SplitChanged on a mismatch, so it never takes rows of another generation as those it
 # planned for (docs/READS.md, "Generations").
 GENERATION_HEADER = "X-Featurestore-Generation"
+# What a data response's features part holds (?dtype=, docs/SERVER.md "int8 splits"): float32 or
+# float16 values (an int8 split dequantized by the server, any other cast as read_numpy(dtype=)
+# casts), or CODES: an int8 split's stored codes with their float32 scales as one more part after
+# the others (X-Scales-Shape/X-Scales-Dtype): rows [k, *S] of the chunks the rows asked touch, in
+# the order of scale_chunks (dense), or the bag's own row [1, D]. Without ?dtype= any other split
+# is served as stored and an int8 split as float32 values, so a client that knows nothing of
+# scales never takes codes for values.
+DTYPE_PARAM = "dtype"
+CODES = "int8"
+VALUE_DTYPES = ("float32", "float16")
+SCALES_SHAPE_HEADER = "X-Scales-Shape"
+SCALES_DTYPE_HEADER = "X-Scales-Dtype"
 
 # Route templates (FastAPI path syntax), used verbatim by the server's routers and, filled in by
 # route(), by the client.
@@ -168,6 +187,25 @@ def wire_dtype(logical: str) -> np.dtype:
             f"dtype {logical!r} cannot travel on the wire: only bool, integer and float arrays do"
         )
     return dtype
+
+
+def served_dtype(asked: str | None, logical: str) -> str:
+    """The logical dtype of a data response's features part for ``?dtype=asked`` on an array of
+    ``logical`` dtype (see :data:`DTYPE_PARAM`); :class:`DtypeMismatch` for one not offered."""
+    if asked is None:
+        return "float32" if logical == CODES else logical
+    if asked in VALUE_DTYPES or (asked == CODES and logical == CODES):
+        return asked
+    offered = " or ".join((*VALUE_DTYPES, CODES) if logical == CODES else VALUE_DTYPES)
+    raise DtypeMismatch(f"dtype={asked!r} is not offered for this {logical} array: use {offered}, or leave "
+                        f"dtype out ({'float32 values' if logical == CODES else 'the stored ' + logical})")
+
+
+def scale_chunks(index: np.ndarray, chunk_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The chunks whose scales rows a dense :data:`CODES` answer carries (sorted, each once) and
+    each row's place among them: both sides compute it from the rows asked."""
+    chunks, inverse = np.unique(np.asarray(index, np.int64) // int(chunk_rows), return_inverse=True)
+    return chunks, inverse.reshape(-1)
 
 
 def route(template: str, **parts: object) -> str:

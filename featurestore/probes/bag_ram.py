@@ -28,11 +28,12 @@ def read_bags(ds: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Te
     features, coords = [], []
     for i in range(ds.num_bags):
         n = int(ds.lengths[i])
-        f = np.empty((n, ds.dim), ds.numpy_dtype)
+        quantized = ds.quantized  # int8: read as values, codes times scales
+        f = np.empty((n, ds.dim), np.float32 if quantized else ds.numpy_dtype)
         c = np.empty((n, 2), ds.coords_dtype)
         if n:
             ds.read_into(i, None, f, c)
-        features.append(dtypes.to_torch(f, ds.dtype).to(torch.float32))
+        features.append(torch.from_numpy(f) if quantized else dtypes.to_torch(f, ds.dtype).to(torch.float32))
         coords.append(torch.from_numpy(c))
     labels = (torch.full((ds.num_bags,), NO_LABEL, dtype=torch.int64) if ds.labels is None
               else torch.from_numpy(np.asarray(ds.labels)))

@@ -125,9 +125,9 @@ class Figures:
                int(index), max_side)  # fmt: skip
 
         def compute() -> np.ndarray:
-            stored = arr.read_numpy([index])[0]
+            # values, not stored bits: an int8 sample's codes are scaled per position
+            sample = arr.read_numpy([index], dtype="float32")[0]
             self.state.confirm(entry)
-            sample = dtypes.stored_as_float32(stored, arr.dtype)
             return pictures.pca_picture(sample, prefix, grid, max_side=max_side)
 
         if not 0 <= index < len(arr):
@@ -204,7 +204,7 @@ class Figures:
 
         def compute() -> np.ndarray:
             if amap is None:
-                features, coords = bags.read_numpy(i, rows)
+                features, coords = bags.read_numpy(i, rows, dtype="float32")  # values (int8: codes x scales)
             else:
                 weights = weights_of(i, bags.offsets, rows)
                 if weights is None:
@@ -217,7 +217,7 @@ class Figures:
             if not placed.any():
                 return pictures.slide_map(np.zeros((0, 2)), np.zeros(0), max_side=max_side)
             if amap is None:
-                sample = dtypes.stored_as_float32(features[placed], bags.dtype)
+                sample = features[placed]
                 components = pictures.fit_components(sample, 1)
                 values = components.unit(components.project(sample))[:, 0]
             else:

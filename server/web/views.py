@@ -29,6 +29,8 @@ QUANTIZATION_ROWS = (
     ("nan_count", "NaN", "d"),
     ("inf_count", "Inf", "d"),
 )
+# an int8 split's codes are clipped at +-127 instead (0 unless a scale fell below float32's range)
+SATURATION_ROW = ("saturation_count", "saturated (codes clipped at \u00b1127)")
 
 
 def split_href(row: SplitRow | tuple[str, str, str]) -> str:
@@ -144,7 +146,7 @@ def overview(row: SplitRow) -> Html:
         ("kind", "bags (ragged per-slide bags)" if row.kind == BAGS else row.kind),
         ("status", _status(row.status)),
         ("shape", _catalog_shape(row)),
-        ("dtype", f"{row.dtype} (source {m.get('source_dtype') or NOT_RECORDED})"),
+        ("dtype", f"{row.dtype}{_int8_scales(row)} (source {m.get('source_dtype') or NOT_RECORDED})"),
         ("data", row.size.data_text()),
         ("on storage", row.size.stored_text()),
     ]
@@ -186,6 +188,12 @@ def _lineage(row: SplitRow) -> Html:
     return h("{} (current)", text)
 
 
+def _int8_scales(row: SplitRow) -> str:
+    if row.dtype != "int8":
+        return ""
+    return f" codes \u00d7 float32 scales per {'bag and channel' if row.kind == BAGS else 'chunk and position'}"
+
+
 def quantization(report: Any) -> Html:
     if not isinstance(report, dict) or not report:
         return h('<p class="muted">No quantization report recorded.</p>')
@@ -194,8 +202,10 @@ def quantization(report: Any) -> Html:
              report.get("source_dtype") or "unknown", report.get("stored_dtype") or "", exact)
     cells = []
     for key, label, spec in QUANTIZATION_ROWS:
+        if key == "overflow_count" and report.get("stored_dtype") == "int8":  # int8 has no float16 range
+            key, label = SATURATION_ROW
         value = report.get(key)
-        flag = "bad" if key in ("overflow_count", "nan_count", "inf_count") and value else ""
+        flag = "bad" if key in ("overflow_count", "saturation_count", "nan_count", "inf_count") and value else ""
         cells.append(h('<tr class="{}"><th>{}</th><td class="num">{}</td></tr>', flag, label,
                        figure(value, "," if spec == "d" else spec)))
     return h('{}<table class="pairs quant"><tbody>{}</tbody></table>', head, join(cells))
