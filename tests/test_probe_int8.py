@@ -13,11 +13,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import featurestore  # noqa: E402
-from featurestore.cli import main  # noqa: E402
-from featurestore.demo.synthetic_bags import write_bag_splits  # noqa: E402
-from featurestore.probes.run import compare_probes  # noqa: E402
-from test_probes import DATASET, GRID, LIN_CLASSES, linear_data, seg_data, write  # noqa: E402
+from test_probes import DATASET, GRID, LIN_CLASSES, linear_data, seg_data, write
+
+import featurestore
+from featurestore.cli import main
+from featurestore.demo.synthetic_bags import write_bag_splits
+from featurestore.probes.run import compare_probes
 
 
 @pytest.fixture(autouse=True)

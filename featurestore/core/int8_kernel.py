@@ -31,9 +31,7 @@ def absmax(flat: np.ndarray) -> np.ndarray:  # pragma: no cover (compiled)
     out = np.zeros(flat.shape[1], np.float32)
     for r in range(flat.shape[0]):
         for p in range(flat.shape[1]):
-            a = abs(flat[r, p])
-            if a > out[p]:
-                out[p] = a
+            out[p] = max(out[p], abs(flat[r, p]))
     return out
 
 
