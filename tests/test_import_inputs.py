@@ -289,6 +289,16 @@ def test_a_closed_writer_names_the_cli_flag(tmp_path: Path) -> None:
         writer.add_bag("a", np.ones((1, DIM), np.float16))
 
 
+def test_a_closed_dense_writer_names_the_cli_flag(tmp_path: Path) -> None:
+    from featurestore.errors import WriterClosed
+
+    store = open_store(str(tmp_path / "store"), mode="a")
+    writer = store.create_split("ds", "enc", "s", num_samples=4, sample_shape=(DIM,), dtype="float16")
+    writer.close()
+    with pytest.raises(WriterClosed, match=r"create_split\(\.\.\., resume=True\) \(on the command line: --resume\)"):
+        writer.write(0, np.ones((4, DIM), np.float32))
+
+
 def test_um_coords_in_float64_are_stored_as_float32(tmp_path: Path) -> None:
     source = tmp_path / "stamp"
     source.mkdir()
@@ -307,3 +317,14 @@ def test_dtype_mismatch_names_the_dtype_to_create(tmp_path: Path) -> None:
     with pytest.raises(DtypeMismatch, match="create the split with coords_dtype='int64'"):
         writer.add_bag("a", np.ones((1, DIM), np.float16), coords=np.array([[2**40, 1]], np.int64))
     writer.close()
+
+
+def test_a_dense_import_records_absolute_source_and_labels_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    np.save(tmp_path / "x.npy", np.ones((4, DIM), np.float32))
+    np.save(tmp_path / "y.npy", np.arange(4))
+    monkeypatch.chdir(tmp_path)  # the paths as a user in that directory types them
+    assert run_import("x.npy", tmp_path / "store", "--labels", "y.npy") == 0
+    meta = open_store(str(tmp_path / "store")).split_info("ds", "enc", "s")
+    source = meta.extra["source"]
+    assert source["spec"] == f"npy:{tmp_path / 'x.npy'}" and source["labels"] == str(tmp_path / "y.npy")
+    assert meta.encoder["spec"] == f"import:npy:{tmp_path / 'x.npy'}"

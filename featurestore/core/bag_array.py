@@ -7,7 +7,7 @@ map or concurrent preads locally, one ranged read per chunk the bag spans on obj
 chunk's crc32c checked on its first read per process (featurestore.core.checked). Every read
 is of the generation the split was opened as, or ``SplitChanged`` (featurestore.core.generation):
 the offsets read at open never meet another generation's rows. Through the chunk cache, a cached
-file is also checked against ``chunk_seals`` (:class:`SealTable`).
+file is also checked against ``chunk_seals`` (:class:`featurestore.core.seals.SealTable`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 
 from featurestore.core import quantize_int8
 from featurestore.core.bag_commit import read_strings
-from featurestore.format.seals import generation_of
 from featurestore.core.reader import FeatureArray
+from featurestore.core.seals import SealTable
 from featurestore.core.storage import Storage
 from featurestore.errors import CorruptChunk, ShapeMismatch
 from featurestore.format import bags, dtypes, layout
@@ -48,20 +48,20 @@ class BagArray(bags.BagLookup):
                                    logical_dtype=self.coords_dtype, metadata=self.metadata)
         seals = SealTable(storage, key, meta)
         self.features.seals, self.coords.seals = (seals, layout.FEATURES), (seals, bags.COORDS)
-        offsets = _whole(storage, key, bags.OFFSETS, documents[bags.OFFSETS], "int64", self.metadata)
+        offsets = _whole(storage, key, bags.OFFSETS, documents[bags.OFFSETS], "int64", self.metadata, seals)
         self.offsets: np.ndarray = offsets
         self.lengths: np.ndarray = np.diff(offsets).astype(np.int64)
         self.ids: list[str] = _strings(storage, key, bags.BAG_IDS)
         labels_doc = documents.get(layout.LABELS)
         self.labels: np.ndarray | None = None
         if labels_doc is not None:
-            self.labels = _whole(storage, key, layout.LABELS, labels_doc, labels_doc["data_type"], self.metadata)
+            self.labels = _whole(storage, key, layout.LABELS, labels_doc, labels_doc["data_type"], self.metadata, seals)
         _check_index(key, int(spec.get("count", 0)), offsets, len(self.features), len(self.ids), self.labels)
         self._attrs: list[str] | None = None
         self._positions: dict[str, int] | None = None
         self.scales: np.ndarray | None = None  # int8: float32 [num_bags, dim], bag i's row per channel
         if dtypes.is_int8(self.dtype):
-            self.scales = _whole(storage, key, layout.SCALES, documents[layout.SCALES], "float32", self.metadata)
+            self.scales = _whole(storage, key, layout.SCALES, documents[layout.SCALES], "float32", self.metadata, seals)
 
     # ------------------------------------------------------------------ index
     def __len__(self) -> int:
@@ -145,40 +145,6 @@ class BagArray(bags.BagLookup):
         return dtypes.to_torch(features, self.dtype), dtypes.to_torch(coords, self.coords_dtype)
 
 
-class SealTable:
-    """A bag split's ``chunk_seals``, read on first use (the chunk cache's check of a file it did
-    not fetch itself): each sealed array's crc32c per chunk index."""
-
-    def __init__(self, storage: Storage, key: str, meta: SplitMetadata) -> None:
-        self._storage, self._key, self._meta = storage, key, meta
-        self._columns: dict[str, np.ndarray] | None = None
-
-    def crcs(self, name: str) -> np.ndarray | None:
-        """The crc32c sealed for each chunk of array ``name``, or None where nothing is sealed
-        (a split committed before ``chunk_seals`` existed, or a table not this generation's:
-        ``featurestore verify`` reports that one)."""
-        if self._columns is None:
-            self._columns = self._load()
-        return self._columns.get(name)
-
-    def _load(self) -> dict[str, np.ndarray]:
-        try:
-            doc = layout.load_document(self._storage.read(f"{self._key}/{bags.CHUNK_SEALS}/{layout.ZARR_JSON}"))
-        except FileNotFoundError:
-            return {}
-        table = _whole(self._storage, self._key, bags.CHUNK_SEALS, doc, "uint64", self._meta.to_json())
-        if table.ndim != 2 or table.shape[1] != bags.SEAL_COLUMNS or \
-                bool((table[:, 3] != generation_of(self._meta)).any()):  # fmt: skip
-            return {}
-        columns = {}
-        for code, name in enumerate(bags.SEALED_ARRAYS):
-            rows = table[table[:, 0] == code]
-            crcs = np.full(int(rows[:, 1].max()) + 1 if len(rows) else 0, -1, np.int64)
-            crcs[rows[:, 1].astype(np.int64)] = rows[:, 2].astype(np.int64)
-            columns[name] = crcs
-        return columns
-
-
 def _strings(storage: Storage, key: str, name: str) -> list[str]:
     """A string index array read whole (zarr checks its crc32c); a missing or damaged one is
     CorruptChunk naming it, not zarr's own error."""
@@ -206,9 +172,11 @@ def _check_index(key: str, count: int, offsets: np.ndarray, rows: int, ids: int,
 
 
 def _whole(storage: Storage, key: str, name: str, doc: dict[str, Any], logical: str,
-           metadata: dict[str, Any]) -> np.ndarray:
-    """A small index array read whole, through the checked reader."""
+           metadata: dict[str, Any], seals: SealTable) -> np.ndarray:
+    """A small index array read whole, through the checked reader (a cached file of it checked
+    against ``seals`` too)."""
     array = FeatureArray(storage, key, name, doc, logical_dtype=logical, metadata=metadata)
+    array.seals = (seals, name)
     return array.read_numpy(np.arange(len(array), dtype=np.int64)).copy()
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from featurestore.core import quantize_int8
 from featurestore.core.bag_commit import read_strings
-from featurestore.core.array_check import Expected, check_array, check_seals, seals_expected
+from featurestore.core.array_check import Expected, check_array, check_seals, seal_rows, seals_expected
 from featurestore.core.split_kind import Findings
 from featurestore.core.storage import Storage
 from featurestore.format import bags, dtypes, layout
@@ -67,6 +67,8 @@ def _expected(meta: SplitMetadata) -> dict[str, Expected]:
     if spec.get("labels") is not None:
         label = spec["labels"]["dtype"]
         expected[layout.LABELS] = Expected([n], label, np.dtype(label))
+    if dtypes.is_int8(meta.logical_dtype):  # one float32 row per bag: its codes are nothing without it
+        expected[layout.SCALES] = Expected([n, dim], "float32", np.dtype(np.float32))
     return expected
 
 
@@ -80,8 +82,7 @@ def read_index(storage: Storage, key: str, meta: SplitMetadata) -> tuple[BagInde
                                          for name in (layout.FEATURES, bags.COORDS)}
     values = {name: check_array(storage, key, name, expected[name], found, keep=True, crcs=crcs)
               for name in expected if name not in (layout.FEATURES, bags.COORDS)}
-    count = sum(len(crcs.get(name, ())) for name in bags.SEALED_ARRAYS)
-    seals = check_array(storage, key, bags.CHUNK_SEALS, seals_expected(count), found, keep=True)
+    seals = check_array(storage, key, bags.CHUNK_SEALS, seals_expected(seal_rows(storage, key, crcs)), found, keep=True)
     ids, attrs = (_strings(storage, f"{key}/{name}", n, found) for name in (bags.BAG_IDS, bags.BAG_ATTRS))
     offsets, stats = values[bags.OFFSETS], values[bags.BAG_STATS]
     if seals is not None and all(v is not None for v in values.values()):
@@ -116,7 +117,7 @@ def damaged_row_chunks(storage: Storage, key: str, meta: SplitMetadata, index: B
         if name not in crcs:
             return None
     if crc:
-        for name in (bags.OFFSETS, layout.LABELS):
+        for name in (bags.OFFSETS, layout.LABELS, layout.SCALES):
             if name in expected:  # checked by read_index: None, not compared again
                 rows = layout.num_chunks(expected[name].shape[0], _chunk_rows(storage, f"{key}/{name}"))
                 crcs[name] = [None] * rows

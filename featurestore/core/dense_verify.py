@@ -5,8 +5,8 @@ Checked, every problem listed, each array through the one array checker
 against the split metadata; every chunk present, of its size, with a valid crc32c; every
 statistics row sealed with the split's generation and its own chunk index, and each features
 chunk's row count and channel means against that row; the ``ids`` document; and, for a split
-committed with ``chunk_seals``, every features and labels chunk's crc32c trailer against the one
-the commit sealed for its place (a labels chunk swapped with another keeps a valid crc32c and
+committed with ``chunk_seals``, every features, labels and int8 scales chunk's crc32c trailer
+against the one the commit sealed for its place (scales only where the table seals them) (a labels chunk swapped with another keeps a valid crc32c and
 has no statistics row to betray it: only the table does). A split committed before the table
 existed has none and is checked as before (docs/FORMAT.md, "Chunk seals").
 """

@@ -174,6 +174,9 @@ def _run(kernel: Any, args: tuple[Any, ...], items: int, threads: int) -> None:
         future.result()
 
 
+run_items = _run  # the int8 kernel's share of the same threads (core.quantize_int8)
+
+
 def _pool(workers: int) -> ThreadPoolExecutor:
     with _POOL_LOCK:
         if not _POOL or _POOL[0][0] < workers:

@@ -26,7 +26,7 @@ from featurestore.format import chunks, dtypes, int8, layout
 from featurestore.format.chunk_checks import features_match_stats
 from featurestore.format.metadata import (DENSE, LabelSpec, Provenance, SplitMetadata, chunk_arrays, seal_problem,
                                           stats_row_length)
-from featurestore.format.seals import SEALED_ARRAYS, generation_of
+from featurestore.format.seals import SEALED_ARRAYS, generation_of, sealed_arrays
 
 
 class DenseKind(SplitKind[SplitWriter]):
@@ -138,11 +138,13 @@ def done_chunks(storage: Storage, key: str, meta: SplitMetadata, crc: bool = Tru
     whose statistics row carries this split's generation and the chunk's own index, and with
     ``crc`` (every chunk read) whose crc32c is valid, whose features are the ones that row
     describes and whose trailer is the one ``chunk_seals`` holds for its place, if the split has
-    that table: a swapped or moved chunk file with a valid crc32c of its own is rewritten too."""
+    that table (int8 scales too where it seals them): a swapped or moved chunk file with a valid
+    crc32c of its own is rewritten too."""
     arrays = chunk_arrays(meta)
     candidates = present_chunks(storage, key, arrays, among=range(meta.num_chunks), sizes=not crc or None)
     table = seals.read_table(storage, key) if crc and meta.complete else None
     sealed = {} if table is None else {(SEALED_ARRAYS[int(c)], int(i)): (int(v), int(g)) for c, i, v, g in table}
+    compared = set() if table is None else sealed_arrays(table)  # an older table: no int8 scales rows
     done = set()
     for index in sorted(candidates):
         raws: dict[str, bytes] = {}
@@ -163,7 +165,7 @@ def done_chunks(storage: Storage, key: str, meta: SplitMetadata, crc: bool = Tru
                 continue  # a swapped or moved features file: its rows belong elsewhere
             if table is not None and any(
                     sealed.get((name, index)) != (int.from_bytes(raws[name][-layout.CRC_BYTES:], "little"),
-                                                  generation_of(meta)) for name in raws if name in SEALED_ARRAYS):
+                                                  generation_of(meta)) for name in raws if name in compared):
                 continue  # not the chunk the commit sealed for this place (labels swapped, say)
         done.add(index)
     return done

@@ -3,7 +3,8 @@
 The dense writer buffers an int8 split's rows as float32 (checked like any other dtype: NaN/Inf
 and float64 beyond float32 refused), then :func:`encode_chunk` turns each finished chunk into
 codes, its scales row and its statistics row (errors of the values back against the float32
-rows, saturation counted). The bag writer encodes each whole bag (:func:`encode_bag`, scales per
+rows, saturation counted): in one pass by core.int8_kernel when numba is installed, else by
+numpy's passes, the same bits. The bag writer encodes each whole bag (:func:`encode_bag`, scales per
 bag and channel) and its commit writes the ``scales`` index array (:func:`bag_scales`). Readers
 load the small scales once (:class:`ScalesTable`; ``core.bag_array`` its own) and dequantize gathered
 codes into the caller's buffer (format.int8). The scheme is format.int8's.
@@ -34,9 +35,7 @@ def encode_chunk(values: np.ndarray, rows: RowStats, tokens: int, source_code: i
 
     The statistics describe the values back (channel moments) and their error against the rows
     written; the per-sample source abs max is the one measured on the way in."""
-    codes, scales, saturated = int8.encode(values)
-    back = int8.decode(codes, scales)
-    measured = row_stats_numpy(values, back, "float32", False, channels)
+    codes, scales, saturated, measured = _encode_measured(values, (len(values), tokens, channels))
     measured.abs_max[:] = rows.abs_max
     stats = fold_rows(measured, tokens, source_code)
     stats.overflow_count = saturated
@@ -47,14 +46,46 @@ def encode_bag(values: np.ndarray, rows: RowStats, source_code: int) -> tuple[np
     """A bag's float32 rows ``[n, dim]`` -> (int8 codes, its scales ``[dim]``, its statistics
     row). Bag splits scale per (bag, channel), not per chunk: a commit lays bags out in id order
     across chunks, and a bag's codes and scales move with it."""
-    codes, scales, saturated = int8.encode(values)
-    back = int8.decode(codes, scales)
-    dim = values.shape[-1]
-    measured = row_stats_numpy(values[None], back[None], "float32", False, dim)
+    codes, scales, saturated, measured = _encode_measured(values, (1, len(values), values.shape[-1]))
     measured.abs_max[:] = rows.abs_max
     stats = fold_rows(measured, len(values), source_code)
     stats.overflow_count = saturated
     return codes, scales, stats
+
+
+def _encode_measured(values: np.ndarray, samples: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, int, RowStats]:
+    """Codes, scales (per position of ``values[0]``), saturated count and the statistics of the
+    values back against ``values`` seen as ``samples`` ``[B, T, C]`` (the per-sample abs max left
+    for the caller: it is the one measured on the way in). One pass with numba (core.int8_kernel),
+    else numpy's passes; the same bits either way."""
+    from featurestore.core import fused_stats
+
+    count, tokens, channels = samples
+    if not fused_stats.available() or not len(values):
+        codes, scales, saturated = int8.encode(values)
+        back = int8.decode(codes, scales)
+        shaped = (count, tokens, channels)
+        measured = row_stats_numpy(values.reshape(shaped), back.reshape(shaped), "float32", False, channels)
+        return codes, scales, saturated, measured
+    from featurestore.core import int8_kernel
+
+    rows = np.ascontiguousarray(values, dtype=np.float32)
+    scales = int8.scales_for(int8_kernel.absmax(rows.reshape(len(rows), -1)))
+    codes = np.empty(rows.shape, np.int8)
+    sums = [np.zeros((count, channels), np.float64) for _ in range(4)]
+    errors = [np.zeros(count, np.float32) for _ in range(2)]
+    reference = np.empty((count, channels), np.float64)
+    over = np.zeros(count, np.int64)
+    fused_stats.run_items(int8_kernel.encode_measure, (rows.reshape(samples), scales.reshape(-1),
+                          codes.reshape(samples), *sums, *errors, reference, over), count, fused_stats.threads())
+    saturated = int(over.sum())
+    first, second, err_sq, src_sq = sums
+    measured = RowStats.zeros(count, channels)
+    measured.mean[:] = reference + first / tokens
+    measured.m2[:] = np.maximum(second - first * first / tokens, 0.0)
+    measured.max_abs_error[:], measured.max_rel_error[:] = errors
+    measured.sq_error[:], measured.sq_source[:] = err_sq.sum(axis=1), src_sq.sum(axis=1)
+    return codes, scales.reshape(rows.shape[1:]), saturated, measured
 
 
 def bag_scales(records: list[Any], dim: int) -> np.ndarray:

@@ -100,8 +100,8 @@ class FeatureArray(CachedPath, RangesPath):
         self._zarr: Any = None
         self._maps: chunk_maps.ArrayMaps | None = None
         self._gen: generation.GenerationCheck | None = None
-        # A bag split's chunk_seals for this array (featurestore.core.bag_array.SealTable, name): the
-        # cached path checks a cached file against its position's seal.
+        # The split's chunk_seals for this array (featurestore.core.seals.SealTable, name), set by
+        # whoever opens the split: the cached path checks a cached file against its position's seal.
         self.seals: tuple[Any, str] | None = None
         self._id_table: dict[str, int] | None = None
         # int8 dense splits: scales per chunk (a bag split's are per bag: core.bag_array dequantizes)

@@ -9,10 +9,12 @@ another process's eviction between the fetch and the read is fetched again too.
 
 The first-read check of a file this process did not fetch itself is its crc32c against its own
 trailer *and* against the split's seal for its position: a file replaced by another chunk's (its
-own crc32c valid) is not the chunk its path promises. A bag split's features and coords: the
-trailer against ``chunk_seals`` (no request); any other array (a dense split's features and
-labels): against the trailer of the object at that position on storage, of the opened generation
-(4 bytes per chunk, one batch of ranged GETs, then the generation check). docs/READS.md.
+own crc32c valid) is not the chunk its path promises: the trailer against the split's
+``chunk_seals`` (either kind, :class:`featurestore.core.seals.SealTable`: no request per chunk).
+Where the table seals nothing for the array (a dense split committed before it existed, an older
+int8 split's scales): against the trailer of the object at that position on storage, of the
+opened generation (4 bytes per chunk, one batch of ranged GETs, then the generation check).
+docs/READS.md.
 """
 
 from __future__ import annotations
@@ -130,23 +132,23 @@ class CachedPath:
         """Whether the cached file of ``pending[k]`` is the chunk the split sealed for that
         position (``inspect`` of :func:`checked.check_files`), or None where nothing is sealed."""
         payload = self.chunk_rows * self.sample_nbytes
-        if self.seals is not None:  # a bag split's array: its chunk_seals column
+        crcs = None
+        if self.seals is not None:  # the split's chunk_seals (either kind), read on first use
             table, name = self.seals
             crcs = table.crcs(name)
-            if crcs is None:  # written before chunk_seals existed
-                return None
-
+        if crcs is not None:
             def against_seal(k: int, chunk: memoryview) -> str | None:
                 found, at = int.from_bytes(chunk[payload:], "little"), pending[k]
-                want = int(crcs[at]) if at < len(crcs) else None
+                want = int(crcs[at]) if at < len(crcs) and crcs[at] >= 0 else None
                 if found == want:
                     return None
                 return (f"crc32c {found:08x}, but the split's chunk_seals sealed "
                         f"{'nothing' if want is None else f'{want:08x}'} for chunk {at}: another chunk's file")
             return against_seal
-        # Elsewhere (a dense split's features and labels, a bag split's index arrays): the crc32c
-        # trailer of the object at that position on storage, this generation's (checked after),
-        # 4 bytes per chunk in one batch of ranged GETs.
+        # Nothing sealed in a table (a dense split committed before chunk_seals existed, an older
+        # int8 split's scales, an array opened without the split's seals): the crc32c trailer of
+        # the object at that position on storage, this generation's (checked after), 4 bytes per
+        # chunk in one batch of ranged GETs.
         keys = [layout.chunk_key(self._key, c, self._ndim) for c in pending]
         try:
             trailers = self._storage.read_ranges(keys, [payload] * len(keys), [payload + layout.CRC_BYTES] * len(keys))

@@ -3,8 +3,9 @@
 The table itself (codes, rows, what a mismatch means) is featurestore.format.seals. Here: the
 crc32c trailers read back from the chunks (4 bytes each: a chunk linked or put by another writer
 is never decoded at commit), the small arrays in featurestore's own chunk encoding that hold
-the table (and a bag split's index), and :func:`sealed_crc`, the one question a reader asks of
-it: which crc32c belongs at this place in this generation.
+the table (and a bag split's index), and the one question a reader asks of it: which crc32c
+belongs at this place in this generation (:func:`sealed_crc` for one chunk, :class:`SealTable`
+for the chunk cache's check of every cached file of a split, either kind).
 """
 
 from __future__ import annotations
@@ -88,6 +89,40 @@ def sealed_crc(storage: Storage, key: str, meta: SplitMetadata, array: str, chun
         raise CorruptChunk(f"{key}/{CHUNK_SEALS} does not seal chunk {chunk} of {array} for generation "
                            f"{meta.generation}: run `featurestore verify`, then resume the split to rewrite it")
     return int(table[rows[0], 2])
+
+
+class SealTable:
+    """A split's ``chunk_seals``, read on first use (the chunk cache's check of a file this process
+    did not fetch: its trailer against the crc32c sealed for its place, no request per chunk);
+    each sealed array's crc32c per chunk index. The table is read straight from storage (one
+    small GET, its own crc32c checked), never through the cache."""
+
+    def __init__(self, storage: Storage, key: str, meta: SplitMetadata) -> None:
+        self._storage, self._key, self._generation = storage, key, generation_of(meta)
+        self._columns: dict[str, np.ndarray] | None = None
+
+    def crcs(self, name: str) -> np.ndarray | None:
+        """The crc32c sealed for each chunk of array ``name`` (-1 where none is), or None where
+        the table seals nothing for it: a split committed before ``chunk_seals`` existed, an
+        array sealed only since (an older int8 split's scales), or a table of another generation
+        (the split changed since it was opened: the read's generation check says so)."""
+        if self._columns is None:
+            self._columns = self._load()
+        return self._columns.get(name)
+
+    def _load(self) -> dict[str, np.ndarray]:
+        table = read_table(self._storage, self._key)
+        if table is None or bool((table[:, 3] != self._generation).any()):
+            return {}
+        columns = {}
+        for code, name in enumerate(SEALED_ARRAYS):
+            rows = table[table[:, 0] == code]
+            if not len(rows):
+                continue
+            crcs = np.full(int(rows[:, 1].max()) + 1, -1, np.int64)
+            crcs[rows[:, 1].astype(np.int64)] = rows[:, 2].astype(np.int64)
+            columns[name] = crcs
+        return columns
 
 
 def put_array(storage: Storage, array_key: str, values: np.ndarray, attributes: dict[str, Any] | None = None) -> None:

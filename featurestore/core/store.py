@@ -11,6 +11,7 @@ from featurestore.core.bag_array import BagArray
 from featurestore.core.kinds import BAG_KIND, DENSE_KIND
 from featurestore.core.lifecycle import check_split
 from featurestore.core.reader import FeatureArray
+from featurestore.core.seals import SealTable
 from featurestore.core.storage import Storage, open_storage
 from featurestore.core.writer import SplitWriter
 from featurestore.errors import (
@@ -118,14 +119,18 @@ class FeatureStore:
             )
         user_meta = meta.to_json()  # arr.metadata stays a dict for users (SPEC)
         self._require_inside(dataset, encoder, split, layout.FEATURES, layout.LABELS)
+        seals = SealTable(self.storage, key, meta)  # the cache's check of a cached file, read on first use
         labels = None
         if meta.labels is not None:
             labels_doc = self._array_document(f"{key}/{layout.LABELS}")
             labels = FeatureArray(self.storage, key, layout.LABELS, labels_doc,
                                   logical_dtype=meta.labels.dtype, metadata=user_meta)
+            labels.seals = (seals, layout.LABELS)
         features_doc = self._array_document(f"{key}/{layout.FEATURES}")
-        return FeatureArray(self.storage, key, layout.FEATURES, features_doc,
-                            logical_dtype=meta.logical_dtype, metadata=user_meta, labels=labels)
+        features = FeatureArray(self.storage, key, layout.FEATURES, features_doc,
+                                logical_dtype=meta.logical_dtype, metadata=user_meta, labels=labels)
+        features.seals = (seals, layout.FEATURES)
+        return features
 
     def open_bags(self, dataset: str, encoder: str, split: str, allow_incomplete: bool = False) -> BagArray:
         """A bag split for reading (:class:`featurestore.core.bag_array.BagArray`): ``len``, ``ids``,

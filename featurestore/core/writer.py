@@ -197,7 +197,7 @@ class SplitWriter(split_protocol.SplitSession):
         # chunk_seals last before the document: each chunk's crc32c trailer at its place, read
         # back (4 bytes a chunk), so a chunk later swapped or moved is found (format.seals).
         self._check_generation()
-        seals.write_seals(self._storage, self._key, self._meta, (layout.FEATURES, layout.LABELS))
+        seals.write_seals(self._storage, self._key, self._meta, (layout.FEATURES, layout.LABELS, layout.SCALES))
         try:
             meta = lifecycle.mark_complete(self._storage, self._key, self._meta, **final)
         except SplitTakenOver:
@@ -325,7 +325,8 @@ class SplitWriter(split_protocol.SplitSession):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise WriterClosed(f"writer for {self._key} is closed: open it again with resume=True")
+            raise WriterClosed(f"writer for {self._key} is closed: open it again with "
+                               "create_split(..., resume=True) (on the command line: --resume)")
 
     def _put_failures(self, check: Callable[[], None]) -> None:
         split_protocol.explain_put_failure(check, self._check_generation)

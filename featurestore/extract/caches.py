@@ -240,6 +240,9 @@ def _open_h5(path: str, key: str | None, labels_key: str | None) -> CacheSource:
 
 def open_cache(path: str, key: str | None = None, labels_key: str | None = None) -> CacheSource:
     """The cache at ``path``: a directory, an HDF5 file, a torch tensor file or a ``.npy`` file."""
+    # Absolute: the split's provenance names it, read from anywhere later (a relative path
+    # means nothing outside the directory the import ran in).
+    path = os.path.abspath(path)
     if os.path.isdir(path):
         return DirectorySource(path, key)
     if not os.path.isfile(path):
@@ -268,8 +271,10 @@ def open_labels(spec: str | None, source: CacheSource) -> ArraySource | None:
         array: Any = keepalive[spec]
         path = keepalive.filename
     elif spec.lower().endswith(".npy") and os.path.isfile(spec):
+        spec = os.path.abspath(spec)  # the provenance names it (as open_cache's path)
         array, path = np.load(spec, mmap_mode="r", allow_pickle=False), spec
     elif spec.lower().endswith(_TENSOR_SUFFIXES) and os.path.isfile(spec):
+        spec = os.path.abspath(spec)
         array, path = _tensor_of(_load_pt(spec, mmap=True), spec, None), spec
     else:
         raise SourceError(f"--labels {spec!r} is neither a .npy/.pt file nor a dataset of the HDF5 source")

@@ -41,16 +41,21 @@ def encode(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     rows = np.ascontiguousarray(values, dtype=np.float32)
     flat = rows.reshape(len(rows), -1)
     absmax = np.abs(flat).max(axis=0) if len(flat) else np.zeros(flat.shape[1], np.float32)
-    scales = (absmax.astype(np.float64) / QMAX).astype(np.float32)
-    # A scale below float32's normal range divides inexactly (values of ~1e-40 would come back
-    # saturated): such a position gets the smallest normal scale, its values within 6e-39.
-    scales = np.where(absmax > 0, np.maximum(scales, np.finfo(np.float32).tiny), scales).astype(np.float32)
+    scales = scales_for(absmax)
     ratio = np.zeros(flat.shape, np.float32)
     np.divide(flat, scales, out=ratio, where=scales > 0)
     saturated = int(np.count_nonzero(np.abs(ratio) > QMAX + 0.5))
     np.rint(ratio, out=ratio)
     np.clip(ratio, -QMAX, QMAX, out=ratio)
     return ratio.astype(np.int8).reshape(rows.shape), scales.reshape(rows.shape[1:]), saturated
+
+
+def scales_for(absmax: np.ndarray) -> np.ndarray:
+    """Each position's float32 scale from its float32 absmax over the rows (``absmax / 127``)."""
+    scales = (absmax.astype(np.float64) / QMAX).astype(np.float32)
+    # A scale below float32's normal range divides inexactly (values of ~1e-40 would come back
+    # saturated): such a position gets the smallest normal scale, its values within 6e-39.
+    return np.where(absmax > 0, np.maximum(scales, np.finfo(np.float32).tiny), scales).astype(np.float32)
 
 
 def decode(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:

@@ -7,7 +7,8 @@ index, crc32c, generation)`` per chunk of each sealed array, arrays in code orde
 read back from each chunk's trailer (docs/FORMAT.md, "Chunk seals"). The codes are one list for
 all kinds, so a new kind's arrays get new codes and old tables keep their meaning: a dense split
 seals ``features`` (0) and ``labels`` (3), a bag split ``features``, ``coords``, ``offsets`` and
-``labels``. Dense splits committed before this table existed have none; their statistics rows
+``labels``; an int8 split of either kind its ``scales`` (4) too. Tables written before ``scales``
+was sealed have no rows for it: their other rows keep their meaning (:data:`LATER_SEALED`). Dense splits committed before this table existed have none; their statistics rows
 (sealed with generation and chunk index) are then the only seal (featurestore.format.metadata).
 """
 
@@ -21,8 +22,11 @@ from featurestore.format import layout
 
 CHUNK_SEALS = "chunk_seals"
 # Arrays whose chunks ``chunk_seals`` names, by code (its first column), in its row order.
-SEALED_ARRAYS = (layout.FEATURES, "coords", "offsets", layout.LABELS)
+SEALED_ARRAYS = (layout.FEATURES, "coords", "offsets", layout.LABELS, layout.SCALES)
 SEAL_COLUMNS = 4  # array code, chunk index, crc32c, generation
+# Arrays sealed only since a later version: a table without rows for one was written before
+# (an int8 split's scales), and is compared without it rather than found short.
+LATER_SEALED = (layout.SCALES,)
 
 
 class Generational(Protocol):
@@ -46,9 +50,22 @@ def seal_table(crcs: dict[str, list[int]], generation: int) -> np.ndarray:
     return np.asarray(rows, np.uint64).reshape(len(rows), SEAL_COLUMNS)
 
 
+def sealed_arrays(table: np.ndarray) -> set[str]:
+    """The arrays ``table`` is compared on: every sealed array, less those sealed only later that
+    it has no rows for (it was written before they were)."""
+    codes = set(table[:, 0].astype(np.int64).tolist())
+    return {name for code, name in enumerate(SEALED_ARRAYS) if name not in LATER_SEALED or code in codes}
+
+
+def _compared(table: np.ndarray, crcs: dict[str, list[int | None]]) -> dict[str, list[int | None]]:
+    names = sealed_arrays(table)
+    return {k: v for k, v in crcs.items() if k in names}
+
+
 def unsealed(table: np.ndarray, crcs: dict[str, list[int | None]], generation: int) -> set[tuple[str, int]] | None:
     """The chunks whose trailer (None: not compared) is not the one ``table`` seals for their
     place; None when the table does not name the arrays' chunks at all."""
+    crcs = _compared(table, crcs)
     expected = seal_table({k: [0 if c is None else c for c in v] for k, v in crcs.items()}, generation)
     if table.shape != expected.shape or not np.array_equal(table[:, :2], expected[:, :2]):
         return None
@@ -65,13 +82,14 @@ def seal_problems(table: np.ndarray, crcs: dict[str, list[int | None]], generati
                   ndims: dict[str, int] | None = None) -> list[str]:
     """Why the chunks found (``crcs``: each array's chunk trailers in index order, None for a chunk
     already reported damaged) are not the ones ``table`` sealed: one line per chunk, named as
-    ``<array>/c/<index>`` (``ndims``: each array's axes, 2 for features and coords, else 1),
+    ``<array>/c/<index>`` (``ndims``: each array's axes, 2 for features, coords and scales, else 1),
     relative to the split."""
+    crcs = _compared(table, crcs)
     expected = seal_table({k: [0 if c is None else c for c in v] for k, v in crcs.items()}, generation)
     if table.shape != expected.shape or not np.array_equal(table[:, :2], expected[:, :2]):
         return [f"{CHUNK_SEALS}: names {len(table)} chunks, the split's arrays have {len(expected)} "
                 "(a table from another split or run)"]
-    ndims = {layout.FEATURES: 2, "coords": 2, **(ndims or {})}
+    ndims = {layout.FEATURES: 2, "coords": 2, layout.SCALES: 2, **(ndims or {})}
 
     def where(name: str, index: int) -> str:
         return layout.chunk_key(name, index, ndims.get(name, 1))
