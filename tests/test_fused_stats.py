@@ -4,7 +4,6 @@ and figures bit for bit, whatever the thread count; the same refusals; used by t
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import ml_dtypes
@@ -192,12 +191,10 @@ def test_the_writer_uses_the_kernel_and_stores_what_numpy_would(tmp_path: Path,
     real = fused_stats.prepare
 
     def counted(*args: object, **kwargs: object) -> fused_stats.Prepared:
-        calls.append(len(args[0]))  # type: ignore[arg-type]  # (the kernel's warm-up: 1-row batches)
+        calls.append(len(args[0]))  # type: ignore[arg-type]  # create_split's warm-up: 1-row batches
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     store = featurestore.open_store(str(tmp_path / "s"), mode="a")
-    while fused_stats.warm_up_soon("float32", "float16"):  # loaded: no batch goes the numpy way
-        time.sleep(0.01)
     monkeypatch.setattr(fused_stats, "prepare", counted)
     metas = {}
     for split, fused in (("fused", True), ("numpy", False)):

@@ -161,64 +161,39 @@ def warm_up(kind: str, logical: str, *, private: bool = False) -> None:
 
 
 _WARMING: dict[tuple[str, str], threading.Thread] = {}
-_READY: set[tuple[str, str]] = set()
 
 
-def wanted() -> bool:
-    """Whether the kernel is meant to run (numba installed, not switched off, no warm-up found
-    it broken), asked without importing numba: ~0.4-1.5 s that a first ``write`` must not wait
-    for (:func:`warm_up_soon`)."""
-    if os.environ.get("FEATURESTORE_FUSED_STATS", "1").strip() == "0" or _BROKEN:
-        return False
-    return _numba_installed()
+def warm_up_soon(kind: str, logical: str) -> None:
+    """:func:`warm_up` on a thread, once per process (again in a forked child, whose copy of the
+    thread is gone), without importing numba here: ~0.4 s on a quiet 2-core host, 1-3 s on a
+    loaded one, that a first ``write`` otherwise spends before its first batch. Measuring a
+    process's first batches with the numpy reference instead (the same bits) was tried and
+    measured slower: ~14x the kernel's time per batch, on cores the load needs too."""
+    if (os.environ.get("FEATURESTORE_FUSED_STATS", "1").strip() == "0" or not _numba_installed()
+            or kind not in _SOURCE or logical not in _ENCODING):
+        return
+    with _POOL_LOCK:
+        thread = _WARMING.get((kind, logical))
+        if (kind, logical) in _WARMED or (thread is not None and thread.is_alive()):
+            return
+        thread = _WARMING[(kind, logical)] = threading.Thread(
+            target=_warm, args=(kind, logical), name="featurestore-warm-up", daemon=True)
+        thread.start()
+
+
+_WARMED: set[tuple[str, str]] = set()  # warm-ups finished (a fork's child inherits the kernels)
+
+
+def _warm(kind: str, logical: str) -> None:
+    warm_up(kind, logical)
+    if kind == logical:  # the writer's private copy and a donated batch take different kernels
+        warm_up(kind, logical, private=True)
+    _WARMED.add((kind, logical))
 
 
 @cache
 def _numba_installed() -> bool:
     return importlib.util.find_spec("numba") is not None
-
-
-_BROKEN: list[bool] = []  # non-empty once a warm-up found the kernel unusable
-
-
-def ready(kind: str, logical: str) -> bool:
-    """The kernel for host batches of ``kind`` stored as ``logical`` is loaded (no wait)."""
-    return (_source_key(kind), logical) in _READY
-
-
-def warm_up_soon(kind: str, logical: str) -> bool:
-    """Load the kernel for ``kind`` stored as ``logical`` on a thread, once per process (again in
-    a forked child, whose copy of the thread is gone); True while that is still under way. The
-    writer meanwhile measures batches with the numpy reference, whose bytes and figures are the
-    kernel's, bit for bit (tests/test_fused_stats.py): the split is the same whichever ran."""
-    key = (_source_key(kind), logical)
-    if key in _READY or not wanted() or key[0] not in _SOURCE or logical not in _ENCODING:
-        return False
-    with _POOL_LOCK:
-        thread = _WARMING.get(key)
-        if thread is None or not thread.is_alive():  # none yet, or a parent's, lost in a fork
-            thread = _WARMING[key] = threading.Thread(target=_warm, args=key, name="featurestore-warm-up",
-                                                      daemon=True)
-            thread.start()
-    return True
-
-
-def _warm(kind: str, logical: str) -> None:
-    try:
-        warm_up(kind, logical)
-        if kind == logical:  # the writer's private copy and a donated batch take different kernels
-            warm_up(kind, logical, private=True)
-        usable = available()
-    except Exception:  # noqa: BLE001 - the writer goes on with torch or numpy, as without numba
-        usable = False
-    if usable:
-        _READY.add((kind, logical))
-    else:
-        _BROKEN.append(True)
-
-
-def _source_key(kind: str) -> str:
-    return "float32" if kind == "float64" else kind  # float64 batches run the float32 kernels
 
 
 def _run(kernel: Any, args: tuple[Any, ...], items: int, threads: int) -> None:

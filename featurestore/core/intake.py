@@ -23,9 +23,9 @@ __all__ = ["as_source", "prepare", "warm_up_soon"]
 
 
 def warm_up_soon(dtype: str) -> None:
-    """Start loading the statistics kernel for host batches of ``dtype`` stored as ``dtype`` (the
-    shared part, numba's import, serves every other kind too): called when a split is created,
-    so the first batches are more likely to find it ready."""
+    """Start loading, on a thread, the statistics kernel for host batches of ``dtype`` stored as
+    ``dtype`` (its costly part, numba's import and target set-up, serves every other kind too):
+    called when a split is created, so the load runs while the caller makes its first batch."""
     from featurestore.core import fused_stats
 
     fused_stats.warm_up_soon(dtype, dtype)
@@ -44,7 +44,7 @@ def as_source(features: Any) -> Any:
         )
     from featurestore.core import fused_stats
 
-    if _torch_available() and not fused_stats.wanted():
+    if _torch_available() and not fused_stats.available():
         import torch
 
         if not array.flags.c_contiguous:
@@ -63,14 +63,6 @@ def prepare(source: Any, dtype: str, channels: int, start: int, *, private: bool
     from featurestore.core import device_stats, fused_stats
 
     on_host = isinstance(source, np.ndarray) or source.device.type == "cpu"
-    if on_host and fused_stats.wanted():
-        array, kind = _host_array(source)
-        # Until the kernel is loaded (numba's import and cache: ~0.4-1.5 s, once per process) the
-        # batches go through the numpy reference, whose bytes and figures are the kernel's, bit for
-        # bit: a process's first write does not wait for numba (bfloat16 bits have no numpy form).
-        if (kind in ("float32", "float16", "float64") and not fused_stats.ready(kind, dtype)
-                and fused_stats.warm_up_soon(kind, dtype)):
-            return prepare_numpy(array, dtype, channels, start)
     if on_host and fused_stats.available():
         array, kind = _host_array(source)
         return fused_stats.prepare(array, kind, dtype, channels, start, threads=fused_stats.threads(),
