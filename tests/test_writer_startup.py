@@ -24,8 +24,9 @@ _CODE = textwrap.dedent("""
     writer = store.create_split("d", "e", "s", num_samples=8, sample_shape=(4, 16), dtype="float16")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # no write yet: the kernels a float16 batch takes load anyway
-        kernel = sys.modules.get("featurestore.core.fused_kernel")
-        if kernel is not None and kernel.f16_copy.signatures and kernel.f16_same.signatures:
+        kernel = sys.modules.get("featurestore.core.fused_kernel")  # (maybe still being imported)
+        copy, same = getattr(kernel, "f16_copy", None), getattr(kernel, "f16_same", None)
+        if copy is not None and same is not None and copy.signatures and same.signatures:
             break
         time.sleep(0.05)
     else:

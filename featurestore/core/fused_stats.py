@@ -185,9 +185,11 @@ _WARMED: set[tuple[str, str]] = set()  # warm-ups finished (a fork's child inher
 
 
 def _warm(kind: str, logical: str) -> None:
-    warm_up(kind, logical)
-    if kind == logical:  # the writer's private copy and a donated batch take different kernels
-        warm_up(kind, logical, private=True)
+    # The kernel of a batch the writer copies (its default) first: a first write waits for the
+    # load it needs, then the one of a donated batch (no cast: another kernel).
+    warm_up(kind, logical, private=True)
+    if kind == logical:
+        warm_up(kind, logical)
     _WARMED.add((kind, logical))
 
 
