@@ -39,7 +39,7 @@ _CODE = textwrap.dedent("""
 
 
 def test_creating_a_split_loads_the_kernel_before_the_first_write(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", _CODE, str(tmp_path / "store")], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", _CODE, str(tmp_path / "store")], check=False, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert done.stdout.split() == ["loaded", "64.0"]
