@@ -191,7 +191,7 @@ def test_the_writer_uses_the_kernel_and_stores_what_numpy_would(tmp_path: Path,
     real = fused_stats.prepare
 
     def counted(*args: object, **kwargs: object) -> fused_stats.Prepared:
-        calls.append(1)
+        calls.append(len(args[0]))  # type: ignore[arg-type]  # create_split's warm-up: 1-row batches
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     store = featurestore.open_store(str(tmp_path / "s"), mode="a")
@@ -204,7 +204,7 @@ def test_the_writer_uses_the_kernel_and_stores_what_numpy_would(tmp_path: Path,
         for lo in range(0, 12, 4):
             w.write(lo, x[lo:lo + 4])
         metas[split] = w.commit()
-    assert len(calls) == 3
+    assert calls.count(4) == 3
     assert metas["fused"]["quantization"] == metas["numpy"]["quantization"]
     assert metas["fused"]["channel_stats"] == metas["numpy"]["channel_stats"]
     a = store.open("d", "e", "fused").read_numpy(np.arange(12))

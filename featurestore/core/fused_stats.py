@@ -20,6 +20,7 @@ group-sum rounding (~1e-6 relative).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import threading
 import warnings
@@ -157,6 +158,44 @@ def warm_up(kind: str, logical: str, *, private: bool = False) -> None:
         prepare(sample, kind, logical, 8, 0, threads=1, private=private)
     except Exception:  # noqa: BLE001 - see the docstring: the first write reports it
         pass
+
+
+_WARMING: dict[tuple[str, str], threading.Thread] = {}
+
+
+def warm_up_soon(kind: str, logical: str) -> None:
+    """:func:`warm_up` on a thread, once per process (again in a forked child, whose copy of the
+    thread is gone), without importing numba here: ~0.4 s on a quiet 2-core host, 1-3 s on a
+    loaded one, that a first ``write`` otherwise spends before its first batch. Measuring a
+    process's first batches with the numpy reference instead (the same bits) was tried and
+    measured slower: ~14x the kernel's time per batch, on cores the load needs too."""
+    if (os.environ.get("FEATURESTORE_FUSED_STATS", "1").strip() == "0" or not _numba_installed()
+            or kind not in _SOURCE or logical not in _ENCODING):
+        return
+    with _POOL_LOCK:
+        thread = _WARMING.get((kind, logical))
+        if (kind, logical) in _WARMED or (thread is not None and thread.is_alive()):
+            return
+        thread = _WARMING[(kind, logical)] = threading.Thread(
+            target=_warm, args=(kind, logical), name="featurestore-warm-up", daemon=True)
+        thread.start()
+
+
+_WARMED: set[tuple[str, str]] = set()  # warm-ups finished (a fork's child inherits the kernels)
+
+
+def _warm(kind: str, logical: str) -> None:
+    # The kernel of a batch the writer copies (its default) first: a first write waits for the
+    # load it needs, then the one of a donated batch (no cast: another kernel).
+    warm_up(kind, logical, private=True)
+    if kind == logical:
+        warm_up(kind, logical)
+    _WARMED.add((kind, logical))
+
+
+@cache
+def _numba_installed() -> bool:
+    return importlib.util.find_spec("numba") is not None
 
 
 def _run(kernel: Any, args: tuple[Any, ...], items: int, threads: int) -> None:

@@ -19,7 +19,16 @@ from featurestore.core.batch import Prepared, prepare_numpy
 from featurestore.errors import DtypeMismatch
 from featurestore.format import dtypes
 
-__all__ = ["as_source", "prepare"]
+__all__ = ["as_source", "prepare", "warm_up_soon"]
+
+
+def warm_up_soon(dtype: str) -> None:
+    """Start loading, on a thread, the statistics kernel for host batches of ``dtype`` stored as
+    ``dtype`` (its costly part, numba's import and target set-up, serves every other kind too):
+    called when a split is created, so the load runs while the caller makes its first batch."""
+    from featurestore.core import fused_stats
+
+    fused_stats.warm_up_soon(dtype, dtype)
 
 
 def as_source(features: Any) -> Any:

@@ -104,6 +104,7 @@ class SplitWriter(split_protocol.SplitSession):
         # chunks in flight (docs/EXTRACT.md: the memory bound).
         self._pool = BufferPool(keep=2, max_free_bytes=512 << 20)
         self._closed = False
+        intake.warm_up_soon(self._work_dtype)  # numba loads while the caller makes its first batch
 
     # ------------------------------------------------------------------ public API
     def pending_chunks(self) -> list[int]:
