@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,13 @@ def _status() -> dict[str, int]:
             if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
                 out[key] = int(value.split()[0]) * 1024
     return out
+
+
+def _cpu() -> float:
+    """CPU seconds of the whole process (all threads): on a loaded machine a steadier figure of a
+    warm epoch's work than its wall time."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _reset_peak() -> bool:
@@ -85,11 +93,11 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
         loader = FeatureLoader(ds, batch_size=64, device="cpu", dtype=torch.float32, prefetch=2)
         nbytes = len(ds) * ds.sample_nbytes
 
-    def epoch() -> float:
-        start = time.perf_counter()
+    def epoch() -> tuple[float, float]:
+        start, cpu = time.perf_counter(), _cpu()
         for batch in loader:
             float(batch[0].reshape(-1)[0])  # touch the batch, as a consumer would
-        return time.perf_counter() - start
+        return time.perf_counter() - start, _cpu() - cpu
 
     if config["mode"] == "cold":
         _evict(split_dir)
@@ -100,9 +108,9 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
     if config["mode"] == "warm":
         epoch()
         loader.set_epoch(1)
-    seconds = epoch()
+    seconds, cpu = epoch()
     end = _status()
-    return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9,
+    return {"bytes": nbytes, "seconds": seconds, "cpu_s": cpu, "gbps": nbytes / seconds / 1e9,
             "base_rss": base["VmRSS"], "peak_rss": end["VmHWM"] if exact else max(base["VmHWM"], end["VmHWM"]),
             "end_rss": end["VmRSS"], "end_file": end["RssFile"], "end_anon": end["RssAnon"], "exact_peak": exact}
 
@@ -185,10 +193,10 @@ def main() -> None:
         (a, _), (b, _) = list(trees.items())
         for mode in args.modes.split(","):
             for split in ("s", "s4"):
-                ratios = sorted(x["seconds"] and y["seconds"] / x["seconds"]
-                                for x, y in zip(results[(a, mode, split)], results[(b, mode, split)]))
-                print(f"speed {a} / {b}, {mode} {split}: median {statistics.median(ratios):.2f}x "
-                      f"[{ratios[0]:.2f}-{ratios[-1]:.2f}] (paired by repeat)")
+                for what in ("seconds", "cpu_s"):
+                    ratios = sorted(y[what] / x[what] for x, y in zip(results[(a, mode, split)], results[(b, mode, split)]))
+                    print(f"speed {a} / {b} by {'wall' if what == 'seconds' else 'CPU'} time, {mode} {split}: median "
+                          f"{statistics.median(ratios):.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}] (paired by repeat)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"sizes": sizes, "table": table}, f, indent=1)

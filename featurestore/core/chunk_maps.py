@@ -30,8 +30,10 @@ replaces files atomically, and a replaced file keeps its old inode mapped until 
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -45,6 +47,11 @@ from featurestore.errors import InvalidOption
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in lazily
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+# Linux >= 5.14; Python names it from 3.13. Maps a range's cached pages in with one call: a copy
+# out of a released map otherwise faults once per 64 KiB (measured on chunk files here: a warm
+# 8 MiB copy at 1.76 GB/s after a release, 2.03 with this, 2.64 while still mapped in).
+_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else 0)
+_POPULATE_RUN = 256 << 10  # runs shorter than this fault in at the cost of a call or less
 DEFAULT_MAPPED_MIB = 64
 
 
@@ -67,6 +74,21 @@ class _Entry:
                 mapped.madvise(_DONTNEED)
             except (ValueError, OSError):  # closed meanwhile: its pages went with it
                 pass
+
+    def map_in(self, start: int, length: int) -> None:
+        """Map the (page-cached) bytes ``[start, start + length)`` in with one call."""
+        global _POPULATE_READ
+        mapped = self.mapped
+        if mapped is None or not _POPULATE_READ:
+            return
+        begin = start - start % mmap.PAGESIZE
+        try:
+            mapped.madvise(_POPULATE_READ, begin, start + length - begin)
+        except ValueError:  # closed meanwhile
+            pass
+        except OSError as error:
+            if error.errno == errno.EINVAL:  # a kernel without it: the copy faults the pages in
+                _POPULATE_READ = 0
 
     def close(self) -> None:
         mapped, self.rows, self.mapped = self.mapped, None, None  # type: ignore[assignment]
@@ -284,7 +306,10 @@ class ArrayMaps:
                         touched, pending = [], 0
                 view, entry = self.view(chunk, populate)
                 newest, current, mapped, mapped_to = max(newest, entry.opened), chunk, 0, 0
+                released = entry.resident == 0  # nothing of it mapped in: long runs map in first
             first, target = offset_list[start], order_list[start]
+            if released and (stop - start) * width >= _POPULATE_RUN:
+                entry.map_in(first * width, (stop - start) * width)
             if stop - start == 1:
                 rows[target] = view[first]
             else:
