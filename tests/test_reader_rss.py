@@ -1,7 +1,8 @@
 """The process's RSS (VmRSS: anonymous + mapped file pages, what ``top``, SLURM and Kubernetes
 count) stays bounded while the mmap gather reads a split several times larger than the bound of
 mapped chunk bytes (``FEATURESTORE_MAPPED_MIB``): bags read whole and dense rows read in order,
-page-cached, in a fresh process whose peak (``VmHWM``, reset at the baseline) is read after."""
+and shuffled, page-cached, in a fresh process whose peak (``VmHWM``, reset at the baseline) is read
+after."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ _READER = textwrap.dedent("""
     out = np.empty((int(bags.lengths.max()), bags.dim), np.float16)
     batch = np.empty((512, *dense.sample_shape), np.float16)
     out.fill(0), batch.fill(0)  # faulted in before the baseline
+    shuffled = np.random.default_rng(0).permutation(len(dense))
     base = status()["VmRSS"]
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
@@ -53,6 +55,8 @@ _READER = textwrap.dedent("""
             bags.read_numpy(i, out=out[:n])
         for start in range(0, len(dense) - 511, 512):
             dense.read_numpy(np.arange(start, start + 512), out=batch)
+        for start in range(0, len(dense) - 63, 64):  # shuffled small rows: pread, as the bound is set
+            dense.read_numpy(shuffled[start:start + 64], out=batch[:64])
     print(json.dumps({"growth": status()["VmHWM"] - base, "bags_mmap": bags.features.read_counts["mmap"],
                       "dense_mmap": dense.read_counts["mmap"]}))
 """)

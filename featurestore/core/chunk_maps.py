@@ -16,8 +16,9 @@ bytes mapped in are bounded too (:func:`resident_budget`, ``FEATURESTORE_MAPPED_
 gather reports what it touched (:meth:`ChunkMaps.touched`, in whole folios: one touched row maps
 its page-cache folio, up to 2 MiB), and past the budget the maps touched least recently drop
 their pages with ``madvise(MADV_DONTNEED)``. On a shared file map that removes only this process's
-page-table entries: the page cache keeps the bytes, and the next touch maps them again (a minor
-fault per folio, ~5 % of a warm copy here), so reads stay warm while RSS stays bounded.
+page-table entries: the page cache keeps the bytes, and the next touch maps them again (no disk
+read; a long run with one ``MADV_POPULATE_READ`` call), so reads stay warm while RSS stays bounded,
+at the kernel's cost of mapping pages in again (docs/READS.md has the figures).
 
 Every use re-checks the mapped file's size with ``fstat`` on the map's own descriptor. A file
 truncated in place under a map raises SIGBUS on the first touch of a page past its new end, which
@@ -114,6 +115,9 @@ class ChunkMaps:
         self.max_maps = max_maps
         self.max_bytes = max_bytes
         self.max_resident = max_bytes if max_resident is None else max_resident
+        # Scattered small rows (see FeatureArray._cached) are bounded too only when the budget was
+        # asked for: bounding them costs a fault or a syscall per row.
+        self.strict = False
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
         self._bytes = 0
         self._touched: OrderedDict[_Entry, None] = OrderedDict()  # maps with pages mapped in, oldest first
@@ -274,7 +278,7 @@ class ArrayMaps:
         self._seen.pop(chunk, None)
         shared().forget(self._owner, chunk)
 
-    def gather(self, index: np.ndarray, rows: np.ndarray, populate: bool = False) -> float:
+    def gather(self, index: np.ndarray, rows: np.ndarray, populate: bool = False, array_nbytes: int = 0) -> float:
         """Copy rows ``index`` of the array into ``rows`` (``[len(index), row bytes]``); returns
         when the newest map it used was opened (monotonic; -inf: none).
 
@@ -286,12 +290,16 @@ class ArrayMaps:
         its map's descriptor right before its rows are copied (a file truncated in place since
         would raise SIGBUS on the copy). What the copies of a chunk mapped in (whole folios,
         counted once per chunk) goes to :meth:`ChunkMaps.touched` at least every quarter of the
-        budget, so one long gather (a whole bag) stays within it too."""
+        budget, so one long gather (a whole bag) stays within it too; a :func:`scattered` one of an
+        array of ``array_nbytes`` is not counted (its pages stay until its maps leave the cache)
+        unless the budget was set (``local_read="mmap"``: ``auto`` sends those to pread)."""
         chunk_rows, width = self._shape
         order = np.argsort(index, kind="stable")
         chunk_of, offset = np.divmod(index[order], chunk_rows)
         chunk_list, offset_list, order_list = chunk_of.tolist(), offset.tolist(), order.tolist()
         maps, folio, current, newest = shared(), FOLIO, -1, float("-inf")
+        count = maps.strict or not scattered(len(index) * width, 1 + int(np.count_nonzero(np.diff(chunk_of))),
+                              chunk_rows * width, array_nbytes)
         touched: list[tuple[_Entry, int]] = []
         pending = mapped = mapped_to = 0
         entry = None
@@ -301,7 +309,7 @@ class ArrayMaps:
                 if entry is not None:
                     touched.append((entry, mapped))
                     pending += mapped
-                    if pending > maps.max_resident // 4:
+                    if count and pending > maps.max_resident // 4:
                         maps.touched(touched)
                         touched, pending = [], 0
                 view, entry = self.view(chunk, populate)
@@ -314,11 +322,12 @@ class ArrayMaps:
                 rows[target] = view[first]
             else:
                 rows[target : target + (stop - start)] = view[first : first + (stop - start)]
-            low = max(first * width // folio * folio, mapped_to)
-            high = -(-(first + stop - start) * width // folio) * folio
-            if high > low:
-                mapped, mapped_to = mapped + high - low, high
-        if entry is not None:
+            if count:
+                low = max(first * width // folio * folio, mapped_to)
+                high = -(-(first + stop - start) * width // folio) * folio
+                if high > low:
+                    mapped, mapped_to = mapped + high - low, high
+        if entry is not None and count:
             touched.append((entry, mapped))
             maps.touched(touched)
         return newest
@@ -351,13 +360,25 @@ def shared() -> ChunkMaps:
     with _SHARED_LOCK:
         if _SHARED is None:
             _SHARED = ChunkMaps(open_files.max_maps(), pread.memory_limit() // 2, resident_budget())
+            _SHARED.strict = bool(os.environ.get("FEATURESTORE_MAPPED_MIB", "").strip())
         return _SHARED
+
+
+def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int) -> bool:
+    """Whether a read of ``nbytes`` over ``chunks`` chunks of an array of ``array_nbytes`` copies
+    much less than a folio per chunk (shuffled small rows) from an array larger than the budget.
+
+    Through a map each such row maps in a folio around it (up to 2 MiB): counted, they would turn
+    the budget over, a release and a fault per row (4x the time of a shuffled batch of 2 KiB rows
+    here). So they keep their pages mapped in, uncounted, unless ``FEATURESTORE_MAPPED_MIB`` was
+    set: then the reader sends them to pread, which maps nothing (3.5x the time: it opens each
+    chunk file per read)."""
+    return 2 * nbytes < chunks * min(FOLIO, chunk_bytes) and array_nbytes > shared().max_resident
 
 
 def resident_budget() -> int:
     """Bytes of chunk maps the process keeps mapped in (in its RSS): ``FEATURESTORE_MAPPED_MIB``
-    (MiB, read on first use), default 64; more keeps more pages mapped, for no measurable speed
-    here (a page-cache hit is mapped again in one minor fault per folio)."""
+    (MiB, read on first use), default 64; a working set within it is never mapped in again."""
     text = os.environ.get("FEATURESTORE_MAPPED_MIB", "").strip()
     if not text:
         return DEFAULT_MAPPED_MIB << 20

@@ -337,12 +337,10 @@ class FeatureArray(CachedPath, RangesPath):
             self._warm_since = now
         chunks = np.unique(index // self.chunk_rows)
         maps = chunk_maps.shared()
-        # Each chunk a read touches through a map maps in a folio (up to 2 MiB) around each row:
-        # reads that copy much less than that per chunk (shuffled rows), from an array larger
-        # than the maps' resident budget, would only turn the budget over (a release per row);
-        # pread copies such page-cached rows inline, mapping nothing.
-        folio = min(chunk_maps.FOLIO, self.chunk_rows * self.sample_nbytes)
-        if 2 * len(index) * self.sample_nbytes < len(chunks) * folio and self.nbytes > maps.max_resident:
+        # Scattered small rows (chunk_maps.scattered) are bounded only when the budget was asked
+        # for: then they go to pread, which maps nothing.
+        if maps.strict and chunk_maps.scattered(len(index) * self.sample_nbytes, len(chunks),
+                                                self.chunk_rows * self.sample_nbytes, self.nbytes):
             return False
         warm = self._warm
         if warm[chunks].all():
@@ -384,7 +382,7 @@ class FeatureArray(CachedPath, RangesPath):
         return path
 
     def _gather_mmap(self, index: np.ndarray, rows: np.ndarray, populate: bool = True) -> float:
-        return self._array_maps().gather(index, rows, populate)
+        return self._array_maps().gather(index, rows, populate, array_nbytes=self.nbytes)
 
     # ------------------------------------------------------------------ zarr path
     def _gather_zarr(self, index: np.ndarray, out: np.ndarray) -> None:
