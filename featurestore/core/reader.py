@@ -32,7 +32,7 @@ import numpy as np
 from featurestore.core import checked, chunk_maps, generation, pread, quantize_int8
 from featurestore.core.buffers import aligned_empty
 from featurestore.core.reader_cached import CachedPath
-from featurestore.core.reader_ranges import RangesPath, _runs
+from featurestore.core.reader_ranges import RangesPath
 from featurestore.core.storage import Storage
 from featurestore.core.storage.cached import chunk_cache_of
 from featurestore.errors import (
@@ -336,10 +336,16 @@ class FeatureArray(CachedPath, RangesPath):
             self._warm = np.zeros(-(-len(self) // self.chunk_rows), bool)
             self._warm_since = now
         chunks = np.unique(index // self.chunk_rows)
+        maps = chunk_maps.shared()
+        # Scattered small rows (chunk_maps.scattered) are bounded only when the budget was asked
+        # for: then they go to pread, which maps nothing.
+        if maps.strict and chunk_maps.scattered(len(index) * self.sample_nbytes, len(chunks),
+                                                self.chunk_rows * self.sample_nbytes, self.nbytes):
+            return False
         warm = self._warm
         if warm[chunks].all():
             return True
-        if len(chunks) > chunk_maps.shared().max_maps:
+        if len(chunks) > maps.max_maps:
             return False
         for chunk in chunks[~warm[chunks]].tolist():
             path = self._chunk_path(chunk)
@@ -376,28 +382,7 @@ class FeatureArray(CachedPath, RangesPath):
         return path
 
     def _gather_mmap(self, index: np.ndarray, rows: np.ndarray, populate: bool = True) -> float:
-        # Rows are visited in ascending storage order and each is copied to its own output slot:
-        # sequential source addresses keep the page walk and prefetchers on one chunk at a time
-        # (measured on shuffled batches: ~11-12 GB/s, as np.memmap's gather, against 8-10 in the
-        # caller's order). Runs that are consecutive in both storage and output (sequential
-        # reads) are copied as one slice. Each chunk is so visited once: its size is checked on
-        # its map's descriptor right before its rows are copied (a file truncated in place since
-        # would raise SIGBUS on the copy).
-        order = np.argsort(index, kind="stable")
-        chunk_of, offset = np.divmod(index[order], self.chunk_rows)
-        chunk_list, offset_list, order_list = chunk_of.tolist(), offset.tolist(), order.tolist()
-        maps, current, newest = self._array_maps(), -1, float("-inf")
-        for start, stop in _runs(chunk_of, offset, order):
-            chunk = chunk_list[start]
-            if chunk != current:
-                view, opened = maps.view(chunk, populate)
-                newest, current = max(newest, opened), chunk
-            first, target = offset_list[start], order_list[start]
-            if stop - start == 1:
-                rows[target] = view[first]
-            else:
-                rows[target : target + (stop - start)] = view[first : first + (stop - start)]
-        return newest
+        return self._array_maps().gather(index, rows, populate, array_nbytes=self.nbytes)
 
     # ------------------------------------------------------------------ zarr path
     def _gather_zarr(self, index: np.ndarray, out: np.ndarray) -> None:

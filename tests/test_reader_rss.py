@@ -1,0 +1,107 @@
+"""The process's RSS (VmRSS: anonymous + mapped file pages, what ``top``, SLURM and Kubernetes
+count) stays bounded while the mmap gather reads a split several times larger than the bound of
+mapped chunk bytes (``FEATURESTORE_MAPPED_MIB``): bags read whole and dense rows read in order,
+and shuffled, page-cached, in a fresh process whose peak (``VmHWM``, reset at the baseline) is read
+after."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import featurestore
+from featurestore.core import chunk_maps
+from featurestore.errors import InvalidOption
+
+DIM = 1024  # float16: 2 KiB rows
+BAGS, BAG_ROWS = 16, 1536  # 3 MiB per bag, 48 MiB in all
+BOUND_MIB, SLACK_MIB = 8, 16
+
+_READER = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    import featurestore
+
+    def status():
+        with open("/proc/self/status") as f:
+            return {k: int(v.split()[0]) << 10 for k, _, v in (line.partition(":") for line in f)
+                    if k in ("VmRSS", "VmHWM")}
+
+    root = sys.argv[1]
+    for d, _, files in os.walk(root):  # page-cached, so reads take the mmap gather
+        for name in files:
+            with open(os.path.join(d, name), "rb") as f:
+                while f.read(1 << 22):
+                    pass
+    store = featurestore.open_store(root)
+    bags = store.open_bags("ds", "enc", "bags")
+    dense = store.open("ds", "enc", "dense")
+    out = np.empty((int(bags.lengths.max()), bags.dim), np.float16)
+    batch = np.empty((512, *dense.sample_shape), np.float16)
+    out.fill(0), batch.fill(0)  # faulted in before the baseline
+    shuffled = np.random.default_rng(0).permutation(len(dense))
+    base = status()["VmRSS"]
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    for _ in range(2):
+        for i in range(len(bags)):
+            n = int(bags.lengths[i])
+            bags.read_numpy(i, out=out[:n])
+        for start in range(0, len(dense) - 511, 512):
+            dense.read_numpy(np.arange(start, start + 512), out=batch)
+        for start in range(0, len(dense) - 63, 64):  # shuffled small rows: pread, as the bound is set
+            dense.read_numpy(shuffled[start:start + 64], out=batch[:64])
+    print(json.dumps({"growth": status()["VmHWM"] - base, "bags_mmap": bags.features.read_counts["mmap"],
+                      "dense_mmap": dense.read_counts["mmap"]}))
+""")
+
+
+@pytest.fixture(scope="module")
+def store_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = str(tmp_path_factory.mktemp("rss") / "store")
+    store = featurestore.open_store(root, mode="a")
+    rng = np.random.default_rng(0)
+    block = rng.standard_normal((BAG_ROWS, DIM)).astype(np.float16)
+    writer = store.create_bag_split("ds", "enc", "bags", dim=DIM, chunk_bytes=2 << 20)
+    for i in range(BAGS):
+        writer.add_bag(f"slide-{i}", block + np.float16(i), coords=np.zeros((BAG_ROWS, 2), np.int64))
+    writer.commit()
+    dense = store.create_split("ds", "enc", "dense", num_samples=BAGS * BAG_ROWS, sample_shape=(DIM,),
+                               chunk_bytes=2 << 20)
+    for i in range(BAGS):
+        dense.write(i * BAG_ROWS, block + np.float16(i))
+    dense.commit()
+    return root
+
+
+@pytest.mark.parametrize("local_read", ["auto", "mmap"])
+def test_rss_stays_within_the_mapped_bound_over_a_split_six_times_larger(store_root: str, local_read: str) -> None:
+    # Checked reads (off here) lease up to 64 MiB of anonymous buffers on a chunk's first read,
+    # bounded on their own: this measures what the maps add.
+    env = {**os.environ, "FEATURESTORE_MAPPED_MIB": str(BOUND_MIB), "FEATURESTORE_LOCAL_READ": local_read,
+           "FEATURESTORE_VERIFY_READS": "off"}
+    done = subprocess.run([sys.executable, "-c", _READER, store_root], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["bags_mmap"] > 0 and result["dense_mmap"] > 0, result  # the mapped path was the one read
+    assert result["growth"] <= (BOUND_MIB + SLACK_MIB) << 20, (
+        f"VmRSS grew by {result['growth'] / 2**20:.0f} MiB reading two splits of "
+        f"{BAGS * BAG_ROWS * DIM * 2 / 2**20:.0f} MiB twice, page-cached, under FEATURESTORE_MAPPED_MIB={BOUND_MIB}")
+
+
+def test_mapped_budget_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FEATURESTORE_MAPPED_MIB", "1.5")
+    assert chunk_maps.resident_budget() == 3 << 19
+    monkeypatch.delenv("FEATURESTORE_MAPPED_MIB")
+    assert chunk_maps.resident_budget() == chunk_maps.DEFAULT_MAPPED_MIB << 20
+    for bad in ("0", "-3", "lots"):
+        monkeypatch.setenv("FEATURESTORE_MAPPED_MIB", bad)
+        with pytest.raises(InvalidOption, match="FEATURESTORE_MAPPED_MIB"):
+            chunk_maps.resident_budget()
