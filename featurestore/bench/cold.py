@@ -24,6 +24,10 @@ from featurestore.errors import InvalidOption
 BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
 VARIANTS = {"FeatureArray.read [mmap]": ("mmap", "keep"), "FeatureArray.read [pread, drop]": ("pread", "drop"),
             "FeatureArray.read [pread, direct]": ("pread", "direct")}
+# Loader epochs to float32 values on the float16 split and on the int8 one (whose loader
+# dequantizes), interleaved in the same child: int8's samples/s over float16's, per repeat.
+INT8_PAIRS = ("FeatureLoader -> float32", "FeatureLoader [int8]", "FeatureLoader -> cuda float32",
+              "FeatureLoader -> cuda [int8]")
 
 
 def register(subparsers: Any) -> None:
@@ -112,12 +116,6 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
     if int8:
         out["int8"] = int8_figures(out, dtype)
     return out
-
-
-# Loader epochs to float32 values, the reference dtype's store and the int8 one (whose loader
-# dequantizes), interleaved in the same child: int8 samples/s over float16's, per repeat.
-INT8_PAIRS = ("FeatureLoader -> float32", "FeatureLoader [int8]", "FeatureLoader -> cuda float32",
-              "FeatureLoader -> cuda [int8]")
 
 
 def int8_figures(shape: dict[str, Any], reference: str) -> dict[str, Any]:
@@ -260,7 +258,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
             return gbps(nbytes, elapsed)
 
         def setup() -> None:
-            harness.evict(store_dir, raw_path, *([int8_dir] if os.path.isdir(int8_dir) else []))
+            harness.evict(store_dir, raw_path, int8_dir)  # int8_dir: absent unless int8 is measured
             harness.peak_reset()
         return Method(name, rate, setup, lambda: peaks.__setitem__(name, max(peaks.get(name, 0), harness.peak_rss())),
                       own=True)
