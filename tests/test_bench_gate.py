@@ -170,6 +170,28 @@ def test_bad_report_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert status == 1 and "not a bench all report.json" in err
 
 
+def test_int8_figures_reach_the_gate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """cold's and bag-loader's int8-beside-float16 results give named figures (the ratio's spread
+    from its per-repeat pairs) that the shipped targets check."""
+    pair = {"reference": "float16", "split_bytes": {"float16": 100, "int8": 51}, "bytes_ratio": 0.51}
+    cold = {"shapes": [{"sample_shape": [1024, 3072], "dtype": "float16", "rows": {
+        "FeatureLoader": {"gb_per_s": 1.0}, "pread reference": {"gb_per_s": 1.0}, "np.memmap gather": {"gb_per_s": 0.1}},
+        "int8": {**pair, "cpu": {"ratio_median": 1.4, "ratio_per_repeat": [1.2, 1.4, 1.6]}}}]}
+    bags = {"int8": {**pair, "bytes_ratio": 0.6, "warm": {"ratio_median": 1.1, "ratio_per_repeat": [1.1]},
+                     "cold": {"ratio_median": 1.5, "ratio_per_repeat": [1.5]}}}
+    found = figures.bench_figures("cold", cold)
+    assert found["int8_vs_float16[1024x3072]"] == {"value": 1.4, "spread": [1.2, 1.6], "repeats": 3}
+    assert found["int8_bytes_vs_float16[1024x3072]"]["value"] == 0.51
+    assert set(figures.bench_figures("bag_loader", bags)) == {
+        "int8_bytes_vs_float16", "int8_vs_float16_warm", "int8_vs_float16_cold"}
+    rep = _report(tmp_path, {"cold": {"status": "ok", "result": cold}, "bag_loader": {"status": "ok", "result": bags}})
+    status, out, err = _check(capsys, rep, "--only", "cold-int8-vs-float16,cold-int8-bytes,"
+                              "bag-loader-int8-vs-float16-warm,bag-loader-int8-bytes")
+    assert status == 1 and err.strip().endswith("missed: bag-loader-int8-bytes")  # 0.6 > 0.52
+    line = next(ln for ln in out.splitlines() if ln.startswith("cold-int8-vs-float16 "))
+    assert "cold.int8_vs_float16[1024x3072]" in line and "1.4x" in line and "1.2x - 1.6x" in line
+
+
 def test_target_flags_need_check(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "all", "--only", "loader-stall"]) == 1
     assert "go with --check" in capsys.readouterr().err
@@ -197,7 +219,9 @@ def test_shipped_targets_file(capsys: pytest.CaptureFixture[str]) -> None:
 
 # Parts --quick skips (their figure is then absent, by design): the cgroup epoch writes a split
 # of 2.2x a 512 MiB limit, too much for a quick run.
-SKIPPED_AT_QUICK = {"loader-cgroup-epoch": lambda result: "skipped" in result["cgroup"]}
+# int8 vs float16 cold is judged at the seed shape [1024x3072], which --quick does not write.
+SKIPPED_AT_QUICK = {"loader-cgroup-epoch": lambda result: "skipped" in result["cgroup"],
+                    "cold-int8-vs-float16": lambda result: [1024, 3072] not in [s["sample_shape"] for s in result["shapes"]]}
 
 
 def _assert_emitted(data: dict[str, Any], targets: list[gate.Target]) -> None:

@@ -45,6 +45,12 @@ def test_small_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert 0 < e16["store_bytes"] < e32["store_bytes"]
     assert e32["quantization"].get("max_rel_error", 0) == 0
     assert 0 < e16["quantization"]["max_rel_error"] < 1e-3
+    # int8 beside them: the smallest store, its error (rel RMS, the report's) within the 1 % target.
+    e8 = result["extract"]["int8"]
+    assert e8["encoder"] == ENCODERS["int8"] and e8["images"] == e16["images"]
+    assert 0 < e8["store_bytes"] < e16["store_bytes"]
+    assert e16["quantization"]["rel_rms_error"] < e8["quantization"]["rel_rms_error"] < 0.01
+    assert e8["quantization"]["saturation_count"] == 0
     assert e16["images_per_s"] > 0 and result["loader"]["local"]["gb_per_s"] > 0
     assert result["loader"]["http"]["gb_per_s"] > 0
     assert result["memory"]["ram_cache_bytes"] > 0
@@ -59,6 +65,12 @@ def test_small_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert len(summary["values"]) == result["plan"]["seeds"]
         assert summary["std"] is not None
         assert summary["mean"] > baseline + MARGIN, (side, summary, baseline)
+    # int8 against float32 through the same check (compare_probes): the column's mean ± std and verdict.
+    int8 = result["compare_int8"]
+    assert (int8["a"]["dtype"], int8["b"]["dtype"]) == ("int8", "float32")
+    assert len(int8["a"]["metrics"]["jaccard"]["values"]) == result["plan"]["seeds"]
+    assert int8["a"]["metrics"]["jaccard"]["mean"] > baseline + MARGIN, int8["a"]["metrics"]
+    assert "exceeds_spread" in int8["comparison"]["jaccard"]
     # Streaming over HTTP trained the same probe as from disk (same seed, same bytes).
     assert result["http_probe"]["identical"], result["http_probe"]
 
@@ -69,6 +81,9 @@ def test_small_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     for side in ("a", "b"):
         assert bags["compare"][side]["metrics"]["auc"]["mean"] > 0.75, bags["compare"][side]["metrics"]
     assert bags["parity"]["identical"], bags["parity"]
+    mil8 = bags["compare_int8"]
+    assert (mil8["a"]["dtype"], mil8["b"]["dtype"]) == ("int8", "float32")
+    assert mil8["a"]["metrics"]["auc"]["mean"] > 0.75, mil8["a"]["metrics"]
     # The cohort workflow: the demo's own table is the ABMIL probe's task, one attention map is a
     # PNG in the workdir, and mean embeddings of both dtypes go through the linear probe.
     cohort = bags["cohort"]
@@ -91,8 +106,13 @@ def test_small_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert re.search(r"ABMIL AUC, clinical\.csv grade \(seed 0\)\s+0\.\d{4}", table), table
     assert f"attention map: {picture}" in table
     assert "float32" in table and "float16" in table
-    assert re.search(r"Jaccard, 2 seeds, local\s+0\.\d{4} ± 0\.\d{4}\s+0\.\d{4} ± 0\.\d{4}", table), table
-    assert "exceeds run-to-run spread?" in table
+    ms = r"0\.\d{4} ± 0\.\d{4}"
+    assert re.search(rf"Jaccard, 2 seeds, local\s+{ms}\s+{ms}\s+{ms}", table), table  # float32, float16, int8
+    assert re.search(rf"ABMIL slide AUC, 2 seeds\s+{ms}\s+{ms}\s+{ms}", table), table
+    assert re.search(r"^\s+float32\s+float16\s+int8$", table, re.MULTILINE), table
+    assert re.search(r"quantization rel RMS error\s+0 \(exact\)\s+\S+\s+\S+", table), table
+    verdicts = r"(no: within seed noise|identical|YES: the storage dtype moved the metric)"
+    assert re.search(rf"exceeds run-to-run spread\?\s+{verdicts}\s+{verdicts}", table), table
     assert "MiB" in table and "img/s" in table and "GB/s" in table
 
     # Cleaned: the demo's data and store are gone, its outputs and the user's file are not.

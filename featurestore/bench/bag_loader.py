@@ -35,8 +35,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--bags", type=int, default=48, help="B, bags in the cohort (the RSS run also uses 4B)")
     parser.add_argument("--patches", type=int, default=2500, help="median patches per bag (log-normal, sigma 0.6)")
     parser.add_argument("--dim", type=int, default=1024)
-    parser.add_argument("--dtype", default="float16",
-                        help="stored dtypes, comma separated: the cohort is written and measured in each (default float16)")
+    parser.add_argument("--dtype", default="float16,int8",
+                        help="stored dtypes, comma separated: the cohort is written and measured in each; int8 is "
+                             "measured beside float16 (float32 out, bags/s of their epochs interleaved, warm and "
+                             "cold) and needs float16 in the list (default float16,int8)")
     parser.add_argument("--workers", type=int, default=4, help="CLAM DataLoader workers (CLAM's default: 4)")
     parser.add_argument("--batch-size", type=int, default=8, help="padded run's batch size")
     parser.add_argument("--max-patches", type=int, default=4096, help="padded run's max_patches")
@@ -46,13 +48,18 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The figures of the first ``--dtype`` at the top level (what the gate reads); each further
-    dtype's under ``by_dtype``."""
+    dtype's under ``by_dtype``; int8's, beside float16, under ``int8`` (:func:`int8_figures`)."""
     from featurestore.demo.synthetic_bags import bag_lengths
+    from featurestore.errors import InvalidOption
 
+    dtypes = harness.parse_dtypes(args.dtype)
+    if "int8" in dtypes and "float16" not in dtypes:
+        raise InvalidOption(f"--dtype {args.dtype!r}: int8 is measured beside float16 (its reference, epochs "
+                            "interleaved); give --dtype float16,int8")
     lengths = bag_lengths(args.patches, count=args.bags)
     runs = []
     with harness.scratch(args, "bag-loader") as work:
-        for dtype in harness.parse_dtypes(args.dtype):
+        for dtype in (d for d in dtypes if d != "int8"):
             store, pt_dir = os.path.join(work, dtype, "store"), os.path.join(work, "pt_files")
             make_cohort(store, "b", lengths, args.dim, dtype, each=clam_files(pt_dir))
             result = {"benchmark": "bag-loader", "bags": args.bags, "dim": args.dim, "dtype": dtype,
@@ -64,7 +71,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 make_cohort(store, "b4", np.tile(lengths, 4), args.dim, dtype)
                 result["rss"] = rss_figures(store, ("b", "b4"), prefetch=2)
             runs.append(result)
+        if "int8" in dtypes:
+            stores = {d: os.path.join(work, d, "store") for d in ("float16", "int8")}
+            make_cohort(stores["int8"], "b", lengths, args.dim, "int8")
+            runs[0]["int8"] = int8_figures(stores, "b", repeats=args.repeats, cold=not args.skip_cold)
     return {**runs[0], **({"by_dtype": {r["dtype"]: r for r in runs[1:]}} if len(runs) > 1 else {})}
+
+
+def int8_figures(stores: dict[str, str], split: str, *, repeats: int, cold: bool = True) -> dict[str, Any]:
+    """The same cohort stored float16 and int8 (``stores``): one BagLoader epoch (batch 1, float32
+    out, the same order) of each, interleaved repeat by repeat, warm and cold (each cold epoch an
+    evicted fresh process): bags/s, int8 / float16 per repeat and its median; bytes on storage."""
+    import torch
+
+    from client import BagDataset, BagLoader
+
+    sizes = {d: harness.feature_bytes(os.path.join(store, DATASET, ENCODER, split)) for d, store in stores.items()}
+    out: dict[str, Any] = {"reference": "float16", "split_bytes": sizes, "bytes_ratio": sizes["int8"] / sizes["float16"]}
+    specs = {d: {"store": store, "dataset": DATASET, "encoder": ENCODER, "split": split, "pt_dir": None, "workers": 0,
+                 "seed": 0, "method": "loader_f32"} for d, store in stores.items()}
+    bags = len(BagDataset(stores["int8"], DATASET, ENCODER, split))
+    for mode in ("warm", "cold") if cold else ("warm",):
+        if mode == "warm":
+            harness.warm(*(os.path.join(store, DATASET, ENCODER, split) for store in stores.values()))
+            loaders = {d: BagLoader(BagDataset(store, DATASET, ENCODER, split), batch_size=1, seed=0, device="cpu",
+                                    dtype=torch.float32) for d, store in stores.items()}
+            methods = [Method(d, lambda it=it: sum(1 for _ in it)) for d, it in loaders.items()]
+            times = interleaved(methods, repeats, warmup=1)
+        else:
+            harness.unmap()
+            methods = [Method(d, lambda spec=spec: harness.child("bag_loader:cold_epoch", spec), own=True)
+                       for d, spec in specs.items()]
+            times = interleaved(methods, repeats)
+        per_repeat = times.pairs("float16", "int8")  # seconds: float16's over int8's = int8's bags/s over float16's
+        out[mode] = {"bags_per_s": {d: bags / times.median(d) for d in stores}, "times_s": dict(times),
+                     "ratio_per_repeat": per_repeat, "ratio_median": float(np.median(per_repeat))}
+    return out
 
 
 def make_cohort(store: str, split: str, lengths: np.ndarray, dim: int, dtype: str, *,

@@ -24,14 +24,20 @@ from featurestore.errors import InvalidOption
 BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
 VARIANTS = {"FeatureArray.read [mmap]": ("mmap", "keep"), "FeatureArray.read [pread, drop]": ("pread", "drop"),
             "FeatureArray.read [pread, direct]": ("pread", "direct")}
+# Loader epochs to float32 values on the float16 split and on the int8 one (whose loader
+# dequantizes), interleaved in the same child: int8's samples/s over float16's, per repeat.
+INT8_PAIRS = ("FeatureLoader -> float32", "FeatureLoader [int8]", "FeatureLoader -> cuda float32",
+              "FeatureLoader -> cuda [int8]")
 
 
 def register(subparsers: Any) -> None:
     parser = harness.add_bench(subparsers, "cold", "cold-cache epochs over a store larger than a memory cgroup", repeats=1)
     parser.add_argument("--shapes", default="1024x3072,256x384", help="sample shapes TxD, comma separated")
     parser.add_argument("--batch-sizes", default="16,64", help="batch size per shape (one value: all shapes)")
-    parser.add_argument("--dtype", default="float16",
-                        help="stored dtypes, comma separated: every shape is measured in each (default float16)")
+    parser.add_argument("--dtype", default="float16,int8",
+                        help="stored dtypes, comma separated: every shape is measured in each; int8 is measured "
+                             "beside float16 (the same samples, float32 out, its loader epochs interleaved with "
+                             "float16's in the same child) and needs float16 in the list (default float16,int8)")
     parser.add_argument("--chunk-rows", type=int, default=64, help="rows per chunk of the store (default 64)")
     parser.add_argument("--limit-mib", type=int, default=512, help="memory cgroup limit (default 512 MiB)")
     parser.add_argument("--store-ratio", type=float, default=3.0, help="store size / cgroup limit (default 3)")
@@ -51,15 +57,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if len(sizes) != len(shapes) or min(sizes) < 1:
         raise InvalidOption(f"--batch-sizes {args.batch_sizes!r}: give one positive size, or one per shape ({len(shapes)})")
     dtypes = harness.parse_dtypes(args.dtype, numpy_only=True)
+    paired = "int8" in dtypes
+    if paired and "float16" not in dtypes:
+        raise InvalidOption(f"--dtype {args.dtype!r}: int8 is measured beside float16 (its reference, in the same "
+                            "child); give --dtype float16,int8")
     limit = args.limit_mib << 20
     with harness.scratch(args, "cold") as work:
         return {"benchmark": "cold", "limit_bytes": limit,
-                "shapes": [_bench_shape(work, shape, size, dtype, limit, args)
-                           for dtype in dtypes for shape, size in zip(shapes, sizes)]}
+                "shapes": [_bench_shape(work, shape, size, dtype, limit, args, int8=paired and dtype == "float16")
+                           for dtype in dtypes if dtype != "int8" for shape, size in zip(shapes, sizes)]}
 
 
 def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str, limit: int,
-                 args: argparse.Namespace) -> dict[str, Any]:
+                 args: argparse.Namespace, *, int8: bool = False) -> dict[str, Any]:
     sample_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     n = max(2 * batch_size, int(args.store_ratio * limit) // sample_bytes)
     label = "x".join(map(str, shape))
@@ -72,14 +82,21 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
     with open(os.path.join(base, "raw"), "wb") as raw:  # the store and a raw file of the same bytes
         harness.write_split(os.path.join(base, "store"), n, shape, dtype=dtype, rows=args.chunk_rows,
                             chunk_bytes=args.chunk_rows * sample_bytes, slabs=lambda _, values: values.tofile(raw))
-    print(f"  built in {time.perf_counter() - start:.1f} s")
     methods = list(BASE_METHODS) + ([] if args.no_variants else list(VARIANTS))
-    if args.cuda == "on" or (args.cuda == "auto" and _has_cuda()):
+    cuda = args.cuda == "on" or (args.cuda == "auto" and _has_cuda())
+    if cuda:
         methods += ["FeatureLoader -> cuda", "pinned H2D"]
-    config = {"base": base, "shape": list(shape), "dtype": dtype, "n": n, "batch_size": batch_size,
-              "methods": methods, "repeats": args.repeats, "prefetch": args.prefetch, "slow_seconds": args.slow_seconds}
     out: dict[str, Any] = {"sample_shape": list(shape), "dtype": dtype, "num_samples": n, "batch_size": batch_size,
                            "chunk_rows": args.chunk_rows, "store_bytes": n * sample_bytes}
+    if int8:  # the same samples as int8 (the writer quantizes them), chunks of as many rows where the format allows
+        harness.write_split(os.path.join(base, "store-int8"), n, shape, dtype="int8", rows=args.chunk_rows,
+                            chunk_bytes=args.chunk_rows * int(np.prod(shape)))
+        methods += list(INT8_PAIRS[:2]) + (list(INT8_PAIRS[2:]) if cuda else [])
+        out["split_bytes"] = {name: harness.feature_bytes(os.path.join(base, folder, "bench", "enc", "train"))
+                              for name, folder in ((dtype, "store"), ("int8", "store-int8"))}
+    print(f"  built in {time.perf_counter() - start:.1f} s")
+    config = {"base": base, "shape": list(shape), "dtype": dtype, "n": n, "batch_size": batch_size,
+              "methods": methods, "repeats": args.repeats, "prefetch": args.prefetch, "slow_seconds": args.slow_seconds}
     try:
         with MemoryCgroup(limit) as group:
             done = harness.child_process("cold:measure", config, cgroup=group)
@@ -95,7 +112,25 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
         print(f"  child failed (rc {done.returncode}): {done.stderr[-1500:]}")
         out["stderr"] = done.stderr[-3000:]
         return out
-    return {**out, **json.loads(done.stdout.strip().splitlines()[-1])}
+    out.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    if int8:
+        out["int8"] = int8_figures(out, dtype)
+    return out
+
+
+def int8_figures(shape: dict[str, Any], reference: str) -> dict[str, Any]:
+    """Samples/s of the paired loader epochs (CPU, and CUDA where measured), their ratio per repeat
+    and its median, and the two splits' bytes on storage."""
+    n, rows, sizes = shape["num_samples"], shape["rows"], shape["split_bytes"]
+    out: dict[str, Any] = {"reference": reference, "split_bytes": sizes, "bytes_ratio": sizes["int8"] / sizes[reference]}
+    for device, (ref, q) in (("cpu", INT8_PAIRS[:2]), ("cuda", INT8_PAIRS[2:])):
+        if ref in rows and q in rows:
+            rates = {name: [n / t for t in rows[name]["all_seconds"]] for name in (ref, q)}
+            per_repeat = [a / b for a, b in zip(rates[q], rates[ref]) if b]
+            out[device] = {"samples_per_s": {reference: float(np.median(rates[ref])), "int8": float(np.median(rates[q]))},
+                           "all_samples_per_s": {reference: rates[ref], "int8": rates[q]},
+                           "ratio_per_repeat": per_repeat, "ratio_median": float(np.median(per_repeat))}
+    return out
 
 
 # ---------------------------------------------------------------------- the child (in the cgroup)
@@ -177,11 +212,13 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
             return budget(lambda idx: _nbytes(array.read(idx)), slow=local_read == "mmap")
         return read
 
-    def loader(device: str) -> Any:
+    int8_dir = os.path.join(base, "store-int8")
+
+    def loader(device: str, store: str = store_dir, out: Any = None) -> Any:
         def epoch() -> int:
-            ds = FeatureDataset(store_dir, "bench", "enc", "train")
+            ds = FeatureDataset(store, "bench", "enc", "train")
             total = 0
-            it = FeatureLoader(ds, batch_size=b, shuffle=True, device=device, dtype=None, prefetch=config["prefetch"])
+            it = FeatureLoader(ds, batch_size=b, shuffle=True, device=device, dtype=out, prefetch=config["prefetch"])
             for features, _ in it:
                 total += _nbytes(features)
             it.close()
@@ -201,9 +238,12 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     fns = {"device limit": device_limit, "pread reference": pread_reference, "np.memmap gather": memmap_gather,
            "FeatureArray.read": reader(None, None), "FeatureLoader": loader("cpu"),
            "FeatureLoader -> cuda": loader("cuda"), "pinned H2D": pinned_h2d}
+    for name, device, store in zip(INT8_PAIRS, ("cpu", "cpu", "cuda", "cuda"), (store_dir, int8_dir) * 2):
+        fns[name] = loader(device, store, torch.float32)
     fns.update({name: reader(*mode) for name, mode in VARIANTS.items()})
     peaks: dict[str, int] = {}
     errors: dict[str, str] = {}
+    seconds: dict[str, list[float]] = {}
 
     def method(name: str) -> Method:
         def rate() -> float:
@@ -213,10 +253,12 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
             except Exception as error:  # one broken row (a CUDA setup, say) must not hide the others
                 errors[name] = f"{type(error).__name__}: {error}"
                 return float("nan")
-            return gbps(nbytes, time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            seconds.setdefault(name, []).append(elapsed)
+            return gbps(nbytes, elapsed)
 
         def setup() -> None:
-            harness.evict(store_dir, raw_path)
+            harness.evict(store_dir, raw_path, int8_dir)  # int8_dir: absent unless int8 is measured
             harness.peak_reset()
         return Method(name, rate, setup, lambda: peaks.__setitem__(name, max(peaks.get(name, 0), harness.peak_rss())),
                       own=True)
@@ -226,8 +268,8 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     # Same bytes: the reader's and the loader's first batch against the raw file.
     array = featurestore.open_store(store_dir).open("bench", "enc", "train")
     same = array.read_numpy(batches[0]).tobytes() == memmap[batches[0]].tobytes()
-    rows = {name: {"gb_per_s": float(np.median(r)), "all_gb_per_s": r, "peak_rss": peaks[name]}
-            for name, r in rates.items() if r}
+    rows = {name: {"gb_per_s": float(np.median(r)), "all_gb_per_s": r, "all_seconds": seconds[name],
+                   "peak_rss": peaks[name]} for name, r in rates.items() if r}
     return {"rows": rows, "repeats": config["repeats"], "same_bytes": same, "errors": errors}
 
 

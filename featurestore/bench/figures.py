@@ -109,6 +109,12 @@ def _cold(result: dict[str, Any]) -> Figures:
             out[f"{name}[{tag}]"] = figure(
                 loader["gb_per_s"] / rows[base]["gb_per_s"],
                 paired(loader.get("all_gb_per_s", []), rows[base].get("all_gb_per_s", [])))
+        q = s.get("int8")
+        if q:  # int8 beside float16, float32 out: samples/s ratio (median of per-repeat pairs), bytes
+            out[f"int8_bytes_vs_float16[{tag}]"] = figure(q["bytes_ratio"])
+            for device, suffix in (("cpu", ""), ("cuda", "_cuda")):
+                if device in q:
+                    out[f"int8_vs_float16{suffix}[{tag}]"] = figure(q[device]["ratio_median"], q[device]["ratio_per_repeat"])
     return out
 
 
@@ -143,6 +149,12 @@ def _bag_loader(result: dict[str, Any]) -> Figures:
     rss = result.get("rss")
     if rss:
         out["rss_vs_bound"] = figure(max(rss["loader_bytes"].values()) / rss["bound_bytes"])
+    q = result.get("int8")
+    if q:  # int8 beside float16, float32 out: bags/s ratio (median of per-repeat pairs), bytes on storage
+        out["int8_bytes_vs_float16"] = figure(q["bytes_ratio"])
+        for mode in ("warm", "cold"):
+            if mode in q:
+                out[f"int8_vs_float16_{mode}"] = figure(q[mode]["ratio_median"], q[mode]["ratio_per_repeat"])
     return out
 
 

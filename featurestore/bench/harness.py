@@ -36,9 +36,9 @@ import numpy as np
 
 from featurestore.bench.cgroup import evict
 
-__all__ = ["Method", "RssPeak", "Times", "add_bench", "child", "child_process", "evict", "gbps", "h2d_gbps",
-           "interleaved", "parse_dtypes", "parse_shapes", "peak_reset", "peak_rss", "rss_anon_bytes", "scratch", "timed",
-           "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
+__all__ = ["Method", "RssPeak", "Times", "add_bench", "child", "child_process", "evict", "feature_bytes", "gbps",
+           "h2d_gbps", "interleaved", "parse_dtypes", "parse_shapes", "peak_reset", "peak_rss", "rss_anon_bytes",
+           "scratch", "timed", "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
 
 
 def add_bench(subparsers: Any, verb: str, help: str, *, repeats: int | None = None, keep: str = "median",
@@ -161,14 +161,15 @@ def write_split(path: str, n: int, shape: tuple[int, ...], *, dtype: str = "floa
                 slabs: Callable[[int, np.ndarray], Any] | None = None) -> None:
     """A split of ``n`` samples written ``rows`` at a time (never all in RAM): one random block,
     shifted per slab (content does not matter to I/O; generating it would). Each slab (in the
-    split's dtype where numpy has it, else float32) is also handed to ``slabs(start, values)``."""
+    split's dtype where numpy has it, else float32: bfloat16, and int8, whose codes the writer
+    quantizes from values) is also handed to ``slabs(start, values)``."""
     import featurestore
 
     writer = featurestore.open_store(path, mode="a").create_split(
         *names, num_samples=n, sample_shape=shape, dtype=dtype, chunk_bytes=chunk_bytes, overwrite=True)
     block = np.random.default_rng(0).standard_normal((min(rows, n), *shape), dtype=np.float32)
     try:
-        block = block.astype(np.dtype(dtype))
+        block = block if dtype == "int8" else block.astype(np.dtype(dtype))
     except TypeError:  # bfloat16: float32 slabs, the writer converts
         pass
     for k, start in enumerate(range(0, n, rows)):
@@ -311,6 +312,13 @@ def h2d_gbps(pinned: bool, nbytes: int = 256 << 20, copies: int = 10) -> float:
 # ---------------------------------------------------------------------- small helpers
 def gbps(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def feature_bytes(split_dir: str) -> int:
+    """A split's feature bytes on storage: every file of its ``features`` and (int8) ``scales``
+    arrays, the part its dtype changes (coords, labels and statistics weigh the same in any dtype)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for name in ("features", "scales")
+               for d, _, files in os.walk(os.path.join(split_dir, name)) for f in files)
 
 
 def parse_dtypes(text: str, *, numpy_only: bool = False) -> list[str]:

@@ -178,6 +178,23 @@ def _cold_notes(cold: dict[str, Any]) -> list[str]:
                      f"loader {rows['FeatureLoader']['gb_per_s'] / rows['device limit']['gb_per_s']:.2f}x the device "
                      f"limit; loader peak RSS {_mib(rows['FeatureLoader']['peak_rss'])}; same bytes: {shape['same_bytes']}")
         lines += [f"  - {name} FAILED: {error}" for name, error in shape.get("errors", {}).items()]
+        lines += _int8_notes(f"cold [{label}", shape.get("int8"), "samples")
+    return lines
+
+
+def _int8_notes(what: str, q: dict[str, Any] | None, unit: str) -> list[str]:
+    """int8 beside its float16 reference (float32 out, epochs interleaved): rates, ratio, bytes."""
+    if not q:
+        return []
+    ref, sizes = q["reference"], q["split_bytes"]
+    lines = [(f"- {what}: int8 features + scales {_mib(sizes['int8'])} on storage = {q['bytes_ratio']:.3f}x "
+              f"{ref}'s features {_mib(sizes[ref])}")]
+    for key in ("cpu", "cuda", "warm", "cold"):
+        if f := q.get(key):
+            rate = f"{unit}_per_s"
+            lines.append(f"  - {key}, float32 out: int8 {f[rate]['int8']:.1f} {unit}/s, {ref} {f[rate][ref]:.1f} {unit}/s; "
+                         f"int8 / {ref} {f['ratio_median']:.2f}x median, per repeat "
+                         + " ".join(f"{r:.2f}" for r in f["ratio_per_repeat"]))
     return lines
 
 
@@ -195,7 +212,7 @@ def _bag_loader_notes(results: dict[str, Any]) -> list[str]:
     if r:
         lines.append(f"- bag loader anonymous RSS, float32 epoch: B = {r['B']['bags']} bags {_mib(r['loader_bytes']['B'])}, "
                      f"4B {_mib(r['loader_bytes']['4B'])}; bound {_mib(r['bound_bytes'])}")
-    return lines
+    return lines + _int8_notes("bag loader, batch 1", results.get("int8"), "bags")
 
 
 def _extract_notes(extract: dict[str, Any]) -> list[str]:

@@ -1,11 +1,12 @@
 """The demo's slide-bag section: MIL training streamed from bag splits, local and over HTTP.
 
 1. :func:`make_bags` writes a synthetic cohort (:mod:`featurestore.demo.synthetic_bags`: slides
-   whose label is carried by a few "tumour" patches; one empty slide in val) twice, as float32
-   (``mil-fp32``) and float16 (``mil-fp16``) bag splits, before the store is served;
+   whose label is carried by a few "tumour" patches; one empty slide in val) three times, as
+   float32 (``mil-fp32``), float16 (``mil-fp16``) and int8 (``mil-int8``) bag splits, before the
+   store is served;
 2. :func:`bag_section` streams one ``BagLoader`` epoch from disk and over HTTP, trains the ABMIL
    probe under K seeds per dtype (``compare_mil_probes``, the same check as ``featurestore probe
-   --head abmil --compare``), and checks that seed 0 from the float32 store equals seed 0 from the
+   --head abmil --compare``: float16 and int8, each against float32), and checks that seed 0 from the float32 store equals seed 0 from the
    same bags held in RAM (the parity the probe's test pins);
 3. the cohort workflow: a clinical table of its own (:func:`write_clinical_table`: a second task,
    the slides' grade as text, and a case id grouping two slides per patient) is the ABMIL probe's
@@ -26,7 +27,8 @@ from typing import Any
 from featurestore.demo.synthetic_bags import PATCH_PX
 
 DATASET = "slides"
-ENCODERS = {"float32": "mil-fp32", "float16": "mil-fp16"}
+ENCODERS = {"float32": "mil-fp32", "float16": "mil-fp16", "int8": "mil-int8"}
+EMBEDDED = ("float32", "float16")  # the dtypes whose mean embeddings the linear probe compares
 TABLE, TASK, CASE = "clinical.csv", "grade", "case_id"
 GRADES = ("low", "high")  # by the synthetic label: "high" slides carry the planted tumour patches
 ATTENTION = "demo"
@@ -76,6 +78,10 @@ def bag_section(store: str, url: str, size: str, seeds: int, log: Callable[[str]
         out["compare"] = compare_mil_probes(store, DATASET, ENCODERS["float16"], ENCODERS["float32"],
                                             train_split="train", eval_split="val", seeds=seeds, epochs=plan.epochs,
                                             device="auto", log=lambda line: log(f"      {line}"))
+        out["compare_int8"] = compare_mil_probes(store, DATASET, ENCODERS["int8"], ENCODERS["float32"],
+                                                 train_split="train", eval_split="val", seeds=seeds,
+                                                 epochs=plan.epochs, device="auto",
+                                                 log=lambda line: log(f"      {line}"))
         ram = run_mil_probe(store, DATASET, ENCODERS["float32"], train_split="train", eval_split="val", seeds=[0],
                             epochs=plan.epochs, device="auto", loader="ram")
         stream = out["compare"]["b"]["runs"][0]
@@ -162,7 +168,7 @@ def _mean_embeddings(store: str) -> dict[str, Any]:
     from featurestore.embed.run import EmbedOptions, embed
 
     began, rows = time.perf_counter(), 0
-    for dtype, encoder in ENCODERS.items():  # each embedding stored in its bags' dtype
+    for dtype, encoder in ((d, ENCODERS[d]) for d in EMBEDDED):  # each embedding stored in its bags' dtype
         for split in ("train", "val"):
             result = embed(EmbedOptions(store=store, dataset=DATASET, encoder=encoder, split=split, slide_encoder="mean",
                                         encoder_name=_mean_name(encoder), dtype=dtype, empty_bags="skip",

@@ -2,17 +2,18 @@
 
 1. a synthetic PanNuke-style fold (train + val) in the real PanNuke file format
    (:func:`featurestore.demo.synthetic.make_synthetic_pannuke`);
-2. ``builtin:tiny-vit`` features extracted twice, stored as float32 (``tiny-vit-fp32``) and as
-   float16 (``tiny-vit-fp16``), with the float16 quantization report;
+2. ``builtin:tiny-vit`` features extracted three times, stored as float32 (``tiny-vit-fp32``), as
+   float16 (``tiny-vit-fp16``) and as int8 (``tiny-vit-int8``), with their quantization reports;
 3. the store served by a real ``featurestore serve`` subprocess on a free loopback port;
 4. loader throughput from local disk and over HTTP, and the loader's RSS growth over an epoch
    against the in-RAM float32 cache it replaces (both measured);
 5. the segmentation probe under K seeds per dtype from local disk (``compare_probes``, the same
-   check as ``featurestore probe --compare``), plus seed 0 of the float16 side streamed over HTTP,
-   which must give the same Jaccard as from disk;
-6. slide bags (:mod:`featurestore.demo.bag_section`): a synthetic cohort as float32 and float16 bag
-   splits, a ``BagLoader`` epoch from disk and over HTTP, and the ABMIL probe under K seeds per
-   dtype, with seed 0 from the float32 store checked against the same bags held in RAM; a
+   check as ``featurestore probe --compare``: float16 and int8, each against float32), plus seed 0
+   of the float16 side streamed over HTTP, which must give the same Jaccard as from disk;
+6. slide bags (:mod:`featurestore.demo.bag_section`): a synthetic cohort as float32, float16 and
+   int8 bag splits, a ``BagLoader`` epoch from disk and over HTTP, and the ABMIL probe under K seeds
+   per dtype (float16 and int8 against float32), with seed 0 from the float32 store checked against
+   the same bags held in RAM; a
    clinical table's second task under ABMIL with one slide's attention map drawn to a PNG in the
    workdir, and mean slide embeddings under the linear probe beside ABMIL.
 
@@ -36,7 +37,7 @@ from featurestore.demo.bag_section import bag_section, make_bags
 from featurestore.errors import FeatureStoreError
 
 DATASET = "pannuke"
-ENCODERS = {"float32": "tiny-vit-fp32", "float16": "tiny-vit-fp16"}
+ENCODERS = {"float32": "tiny-vit-fp32", "float16": "tiny-vit-fp16", "int8": "tiny-vit-int8"}
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,12 @@ def run_demo(
             f"{plan.image_size} px, in {data}; synthetic slide bags in the store")
         result["data"] = _make_data(data, plan)
         result["bags_data"] = make_bags(store, size)
-        for step, dtype in ((2, "float32"), (3, "float16")):
-            log(f"[{step}/{total}] extract builtin:tiny-vit as {dtype} -> {DATASET}/{ENCODERS[dtype]}")
-            result.setdefault("extract", {})[dtype] = _extract(data, store, dtype)
-            log(f"      {_extract_line(result['extract'][dtype])}")
+        for step, dtypes in ((2, ("float32",)), (3, ("float16", "int8"))):
+            log(f"[{step}/{total}] extract builtin:tiny-vit as {' and '.join(dtypes)} -> "
+                + ", ".join(f"{DATASET}/{ENCODERS[d]}" for d in dtypes))
+            for dtype in dtypes:
+                result.setdefault("extract", {})[dtype] = _extract(data, store, dtype)
+                log(f"      {dtype}: {_extract_line(result['extract'][dtype])}")
         log(f"[4/{total}] serve the store: featurestore serve on a free 127.0.0.1 port")
         with _served(store) as url:
             result["server_url"] = url
@@ -111,14 +114,15 @@ def run_demo(
             log(f"      local {result['loader']['local']['gb_per_s']:.3f} GB/s, HTTP "
                 f"{result['loader']['http']['gb_per_s']:.3f} GB/s; loader RSS growth "
                 f"{_mib(result['memory']['stream_rss_growth'])}, float32 in-RAM cache {_mib(result['memory']['ram_cache_bytes'])}")
-            log(f"[6/{total}] seg probe from local disk: {plan.seeds} seeds x float16 and float32, "
-                f"{plan.epochs} epochs, batch {plan.batch_size}")
+            log(f"[6/{total}] seg probe from local disk: {plan.seeds} seeds x float16 and float32, then int8 "
+                f"and float32, {plan.epochs} epochs, batch {plan.batch_size}")
             result["compare"] = _compare(store, plan, log)
+            result["compare_int8"] = _compare(store, plan, log, "int8")
             log(f"[7/{total}] seg probe streamed over HTTP: float16, seed 0")
             result["http_probe"] = _http_probe(url, plan, result["compare"], log)
             bag_plan = result["bags_data"]["plan"]
             log(f"[8/{total}] slide bags: BagLoader from disk and over HTTP; ABMIL probe, {plan.seeds} seeds x "
-                f"float16 and float32, {bag_plan['train']} train + {bag_plan['val']} val slides; a clinical table's "
+                f"float16, int8 and float32, {bag_plan['train']} train + {bag_plan['val']} val slides; a clinical table's "
                 "task with one attention map; mean embeddings + linear probe")
             result["bags"] = bag_section(store, url, size, plan.seeds, log, workdir)
         result["baseline_jaccard"] = constant_baseline(store)
@@ -191,8 +195,9 @@ def _extract(data: str, store: str, dtype: str) -> dict[str, Any]:
 def _extract_line(e: dict[str, Any]) -> str:
     q = e["quantization"]
     return (f"{e['images']} images in {e['seconds']:.1f} s ({e['images_per_s']:.1f} img/s), "
-            f"{_mib(e['store_bytes'])} on disk; max rel error {q.get('max_rel_error', 0):.2g}, "
-            f"overflow {q.get('overflow_count', 0)}")
+            f"{_mib(e['store_bytes'])} on disk; max rel error {q.get('max_rel_error', 0):.2g}, rel RMS error "
+            f"{q.get('rel_rms_error') or 0:.2g}, overflow {q.get('overflow_count', 0)}"
+            + (f", saturation {q['saturation_count']}" if "saturation_count" in q else ""))
 
 
 @contextlib.contextmanager
@@ -285,10 +290,11 @@ def _peak_rss() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def _compare(store: str, plan: DemoSize, log: Callable[[str], None]) -> dict[str, Any]:
+def _compare(store: str, plan: DemoSize, log: Callable[[str], None], dtype: str = "float16") -> dict[str, Any]:
+    """``dtype``'s split (A) against the float32 one (B), as ``featurestore probe --compare`` does."""
     from featurestore.probes.run import compare_probes
 
-    return compare_probes(store, DATASET, ENCODERS["float16"], ENCODERS["float32"], train_split="train",
+    return compare_probes(store, DATASET, ENCODERS[dtype], ENCODERS["float32"], train_split="train",
                           eval_split="val", task="seg", seeds=plan.seeds, epochs=plan.epochs,
                           batch_size=plan.batch_size, device="auto", log=lambda line: log(f"      {line}"))
 
