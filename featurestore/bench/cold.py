@@ -71,6 +71,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str, limit: int,
                  args: argparse.Namespace, *, int8: bool = False) -> dict[str, Any]:
     sample_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    # The loader holds up to prefetch + 3 float32 batches (docs/LOADER.md, "Memory bound"): a limit
+    # below that plus the interpreter's ~256 MiB OOM-kills the child instead of measuring the epoch.
+    needed = (args.prefetch + 3) * batch_size * int(np.prod(shape)) * 4 + (256 << 20)
+    if limit < needed:
+        print(f"[cold] [{'x'.join(map(str, shape))}]: the memory limit is raised to {needed >> 20} MiB, what a "
+              f"FeatureLoader of {batch_size}-sample float32 batches may hold (the store stays {args.store_ratio}x it)")
+        limit = needed
     n = max(2 * batch_size, int(args.store_ratio * limit) // sample_bytes)
     label = "x".join(map(str, shape))
     base = os.path.join(work, f"{label}-{dtype}")
@@ -87,7 +94,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
     if cuda:
         methods += ["FeatureLoader -> cuda", "pinned H2D"]
     out: dict[str, Any] = {"sample_shape": list(shape), "dtype": dtype, "num_samples": n, "batch_size": batch_size,
-                           "chunk_rows": args.chunk_rows, "store_bytes": n * sample_bytes}
+                           "chunk_rows": args.chunk_rows, "store_bytes": n * sample_bytes, "limit_bytes": limit}
     if int8:  # the same samples as int8 (the writer quantizes them), chunks of as many rows where the format allows
         harness.write_split(os.path.join(base, "store-int8"), n, shape, dtype="int8", rows=args.chunk_rows,
                             chunk_bytes=args.chunk_rows * int(np.prod(shape)))

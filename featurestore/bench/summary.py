@@ -172,9 +172,9 @@ def _cold_notes(cold: dict[str, Any]) -> list[str]:
         if "rows" not in shape:
             lines.append(f"- cold [{label}: child failed (rc {shape.get('returncode')}): {shape.get('stderr', '')[-300:]}")
             continue
-        rows = shape["rows"]
+        rows, limit = shape["rows"], shape.get("limit_bytes", cold["limit_bytes"])
         lines.append(f"- cold [{label}, {shape['chunk_rows']}-row chunks, store {shape['store_bytes'] / 2**30:.2f} GiB, "
-                     f"memory cgroup {cold['limit_bytes'] >> 20} MiB ({shape['cgroup']}), median of {shape['repeats']}: "
+                     f"memory cgroup {limit >> 20} MiB ({shape['cgroup']}), median of {shape['repeats']}: "
                      f"loader {rows['FeatureLoader']['gb_per_s'] / rows['device limit']['gb_per_s']:.2f}x the device "
                      f"limit; loader peak RSS {_mib(rows['FeatureLoader']['peak_rss'])}; same bytes: {shape['same_bytes']}")
         lines += [f"  - {name} FAILED: {error}" for name, error in shape.get("errors", {}).items()]
