@@ -4,9 +4,8 @@ An int8 split stores codes and float32 scales: a dense row's values are ``codes[
 scales[r // chunk_rows]``, a bag's ``codes * scales[bag]`` (format.int8). The loaders read the codes
 at their stored width (a quarter of float32's bytes) and dequantize only where the batch is made:
 
-* CPU: :func:`into` multiplies the gathered codes into the batch handed out: with numba, one
-  compiled pass in blocks of positions (no temporary); without, numpy in blocks of rows, the only
-  float32 temporary one block of gathered scales (not the batch).
+* CPU: :func:`into` multiplies the gathered codes into the batch handed out, in blocks of rows,
+  so the only float32 temporary is one block of gathered scales (not the batch).
 * CUDA: a dense split's scales table goes to the device once when it is small
   (:data:`DEVICE_TABLE_BYTES`), and then only each row's chunk crosses with the codes; a larger
   table sends the scale rows each batch needs, once each (:func:`batch_scales`), in the host slot
@@ -44,11 +43,6 @@ def into(codes: np.ndarray, groups: np.ndarray, table: np.ndarray, out: torch.Te
         return out
     direct = out.dtype in NUMPY_OUT
     target = out.numpy() if direct else None
-    if target is not None and target.dtype == np.float32 and _contiguous(codes, table, target) \
-            and (kernel := _kernel()) is not None:  # fmt: skip
-        kernel(codes.reshape(n, -1), np.ascontiguousarray(groups, np.int64), table.reshape(len(table), -1),
-               target.reshape(n, -1), KERNEL_BLOCK)
-        return out
     step = max(1, BLOCK_BYTES // max(4 * (codes.size // n), 1))
     for lo in range(0, n, step):
         hi = min(n, lo + step)
@@ -58,43 +52,6 @@ def into(codes: np.ndarray, groups: np.ndarray, table: np.ndarray, out: torch.Te
             block = int8.dequantize_into(codes[lo:hi], groups[lo:hi], table, np.empty(codes[lo:hi].shape, np.float32))
             out[lo:hi].copy_(torch.from_numpy(block))
     return out
-
-
-def _contiguous(*arrays: np.ndarray) -> bool:
-    return all(a.flags.c_contiguous for a in arrays)
-
-
-# The CPU multiply is the int8 epoch's largest cost once its chunks are read (numpy's mixed
-# int8 x float32 multiply casts the codes through its small buffers, and a shuffled batch reads a
-# scales row per row): a compiled loop, with numba where it is installed, runs over blocks of
-# positions, all the batch's rows per block, so a chunk's scales block stays in cache for every
-# row of that chunk. Plain IEEE float32 (no fast-math): bit for bit numpy's products.
-KERNEL_BLOCK = 8192  # positions per block (32 KiB of float32 scales per chunk the batch touches)
-_KERNEL: Any = None  # the compiled kernel; False where numba is not installed
-
-
-def _rows_times_scales(codes: Any, groups: Any, table: Any, out: Any, block: int) -> None:
-    n, m = codes.shape
-    for lo in range(0, m, block):
-        hi = min(m, lo + block)
-        for r in range(n):
-            scales, row, dest = table[groups[r]], codes[r], out[r]
-            for i in range(lo, hi):
-                dest[i] = np.float32(row[i]) * scales[i]
-
-
-def _kernel() -> Any:
-    """The numba-compiled :func:`_rows_times_scales` (nogil: the loader's threads multiply at
-    once), or None without numba (then numpy's multiply, same values)."""
-    global _KERNEL
-    if _KERNEL is None:
-        try:
-            import numba
-        except ImportError:
-            _KERNEL = False
-        else:
-            _KERNEL = numba.njit(nogil=True, cache=True, error_model="numpy")(_rows_times_scales)
-    return _KERNEL or None
 
 
 def batch_scales(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -117,25 +117,6 @@ def test_other_dtypes_and_small_blocks_round_the_float32_values_once(local_store
         assert torch.equal(features, expected_rows(local_store, loader.plan().batch(k), dtype))
 
 
-@pytest.mark.parametrize("block", [dequantize.KERNEL_BLOCK, 7])  # 7: blocks that end mid-row, a short last one
-def test_compiled_multiply_equals_numpys_bit_for_bit(monkeypatch: pytest.MonkeyPatch, block: int) -> None:
-    pytest.importorskip("numba")
-    rng = np.random.default_rng(3)
-    codes = rng.integers(-127, 128, (9, 5, 13), dtype=np.int8)
-    table = (rng.standard_normal((4, 5, 13)) * np.float32(10.0) ** rng.integers(-30, 30, (4, 5, 13))).astype(np.float32)
-    table[1, 2] = 0.0
-    groups = rng.integers(0, 4, 9)
-    reference = np.empty(codes.shape, np.float32)
-    monkeypatch.setattr(dequantize, "_KERNEL", False)  # numpy's multiply
-    dequantize.into(codes, groups, table, torch.from_numpy(reference))
-    monkeypatch.setattr(dequantize, "_KERNEL", None)
-    monkeypatch.setattr(dequantize, "KERNEL_BLOCK", block)
-    compiled = torch.full(codes.shape, float("nan"))
-    dequantize.into(codes, groups, table, compiled)
-    assert dequantize._kernel() is not None
-    assert np.array_equal(compiled.numpy().view(np.uint32), reference.view(np.uint32))
-
-
 def test_dataset_items_dtype_none_and_normalize(local_store: str) -> None:
     ds = FeatureDataset(local_store, *SPLIT)
     array = featurestore.open_store(local_store).open(*SPLIT)
