@@ -27,6 +27,7 @@ import collections
 import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from typing import Any
 
 import crc32c as _crc32c
@@ -77,6 +78,7 @@ def _check_streamed(paths: Sequence[str], payload_bytes: int, executor: Any) -> 
     reasons: list[str | None] = [None] * len(paths)
     expected = payload_bytes + CRC_BYTES
     fds: dict[int, int] = {}
+    inflight: collections.deque[Any] = collections.deque()
     try:
         for k in range(len(paths)):
             fd = _open_checked(paths, k, expected, reasons)
@@ -100,7 +102,6 @@ def _check_streamed(paths: Sequence[str], payload_bytes: int, executor: Any) -> 
 
         crcs = dict.fromkeys(fds, 0)
         trailers = {k: bytearray() for k in fds}
-        inflight: collections.deque[Any] = collections.deque()
         for j in range(len(pieces)):
             if executor is None:
                 got = read(j)
@@ -123,6 +124,9 @@ def _check_streamed(paths: Sequence[str], payload_bytes: int, executor: Any) -> 
                 reasons[k] = "crc32c mismatch (flipped or truncated bytes)"
         del views, slab  # back to the pool
     finally:
+        for future in inflight:  # a read raised: none may still use a descriptor closed below
+            future.cancel()
+        futures.wait(inflight)
         for fd in fds.values():
             os.close(fd)
     return reasons
