@@ -193,12 +193,11 @@ class BagTransfer(DeviceStager):
                         at += n
                     slot.record_copied(self.stream)
         labels = self.labels(index)
-        # int8: the batch's bags' scales rows (B x D float32, small beside the codes)
-        scales = torch.from_numpy(np.ascontiguousarray(ds.scales()[index])) if ds.quantized else None
+        scales = self._scales_cuda(index) if ds.quantized else None
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if scales is not None:  # padding: codes 0 times the scale stay 0
                 codes = raw.view(torch.int8).view(b, longest, dim)
-                features = dequantize.on_device(codes, scales.to(self.device)[:, None, :], None, self.dtype)
+                features = dequantize.on_device(codes, scales[:, None, :], None, self.dtype)
             else:
                 features = raw.view(self.stored).view(b, longest, dim).to(self.dtype)
             coords = raw_coords.view(self.coords_torch).view(b, longest, 2)
@@ -209,6 +208,20 @@ class BagTransfer(DeviceStager):
             labels = labels.to(self.device)
             ready = self.ready_event()
         return features, mask, coords, labels, ready
+
+    def _scales_cuda(self, index: np.ndarray) -> torch.Tensor:
+        """The batch's bags' scales rows (``B x D`` float32, small beside the codes) on the device,
+        copied from a host slot like the codes (a pageable copy would make this thread wait for
+        the side stream's queued copies)."""
+        b, dim = len(index), self.ds.dim
+        with self.slot() as slot:
+            slot.reserve_scales(b * dim * 4)
+            host = slot.scales[: b * dim * 4].numpy().view(np.float32).reshape(b, dim)
+            np.take(self.ds.scales(), index, axis=0, out=host)
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                scales = slot.scales[: b * dim * 4].to(self.device, non_blocking=True)
+                slot.record_copied(self.stream)
+        return scales.view(torch.float32).view(b, dim)
 
     # ------------------------------------------------------------------ consumer side
     def finish(self, item: Any) -> tuple[Any, ...]:

@@ -7,6 +7,10 @@ the split's files are dropped from the page cache (`posix_fadvise(DONTNEED)` aft
 so each epoch reads its bytes from the device. The two dtypes alternate, repeat by repeat.
 
     python scripts/int8_epoch.py /tmp/int8-epoch --samples 256 --device cpu --repeats 3
+
+int8 chunks hold at least 128 rows: a sample count that is not a multiple of 128 stores (and a
+cold epoch reads) the last chunk's padding too. ``--keep`` then ``--reuse`` measures again
+without writing the twins again.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def write_twins(root: str, n: int, shape: tuple[int, int], rows: int) -> None:
         writer.commit()
 
 
-def epoch(root: str, dtype: str, batch: int, device: str, seed: int) -> float:
+def epoch(root: str, dtype: str, batch: int, device: str, seed: int, prefetch: int, threads: int | None) -> float:
     """Samples per second of one shuffled epoch, float32 out on ``device``."""
     import torch
 
@@ -52,7 +56,8 @@ def epoch(root: str, dtype: str, batch: int, device: str, seed: int) -> float:
     unmap()
     evict(os.path.join(root, "bench", "enc", dtype))
     ds = FeatureDataset(root, "bench", "enc", dtype)
-    loader = FeatureLoader(ds, batch_size=batch, shuffle=True, seed=seed, device=device, dtype=torch.float32)
+    loader = FeatureLoader(ds, batch_size=batch, shuffle=True, seed=seed, device=device, dtype=torch.float32,
+                           prefetch=prefetch, num_threads=threads)
     start = time.perf_counter()
     n = 0
     for features, _ in loader:
@@ -69,20 +74,39 @@ def main() -> None:
     parser.add_argument("--shape", default="1024x3072", help="TxD (default: the seed's shape)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--prefetch", type=int, default=2, help="FeatureLoader prefetch (batches in flight)")
+    parser.add_argument("--threads", type=int, default=None, help="FeatureLoader num_threads (default: its own)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--reuse", action="store_true",
+                        help="read the twins already in ROOT (written by a run with --keep) instead of writing them")
     args = parser.parse_args()
     t, d = (int(v) for v in args.shape.lower().split("x"))
     start = time.perf_counter()
-    write_twins(args.root, args.samples, (t, d), rows=64)
+    if not args.reuse:
+        write_twins(args.root, args.samples, (t, d), rows=64)
     sizes = {dtype: _du(os.path.join(args.root, "bench", "enc", dtype)) for dtype in ("float16", "int8")}
     print(f"wrote float16 {sizes['float16'] / 2**30:.2f} GiB and int8 {sizes['int8'] / 2**30:.2f} GiB "
           f"({sizes['int8'] / sizes['float16']:.3f}x) in {time.perf_counter() - start:.0f} s")
+    import featurestore
+
+    store = featurestore.open_store(args.root)
+    for dtype in ("float16", "int8"):
+        # A split's last chunk is stored whole: with int8's 128-row chunks a sample count that is
+        # not a multiple of 128 reads padding too (bytes on storage above 0.5x).
+        array = store.open("bench", "enc", dtype)
+        print(f"{dtype}: {len(array)} samples, {array.chunk_rows} rows a chunk "
+              f"({array.chunk_rows * array.sample_nbytes / 2**20:.0f} MiB), {array.num_chunks} chunks")
+        if dtype == "int8" and len(array) % array.chunk_rows:
+            print(f"  note: {len(array)} samples is not a multiple of {array.chunk_rows}: the last int8 chunk "
+                  f"is stored whole, padding included, and read whole by the first-read crc32c check; "
+                  f"use --samples {array.chunk_rows * array.num_chunks} to compare the formats' own bytes")
     rates: dict[str, list[float]] = {"float16": [], "int8": []}
     for repeat in range(args.repeats):
         order = ("float16", "int8") if repeat % 2 == 0 else ("int8", "float16")
         for dtype in order:
-            rates[dtype].append(epoch(args.root, dtype, args.batch, args.device, seed=repeat))
+            rates[dtype].append(epoch(args.root, dtype, args.batch, args.device, seed=repeat,
+                                      prefetch=args.prefetch, threads=args.threads))
     pairs = [a / b for a, b in zip(rates["int8"], rates["float16"])]
     for dtype, values in rates.items():
         print(f"{dtype:8s} cold epoch, float32 out on {args.device}: median {statistics.median(values):8.1f} "

@@ -23,9 +23,11 @@ read that feeds the crc also caches the chunk, so the rows read after it are war
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from typing import Any
 
 import crc32c as _crc32c
@@ -49,8 +51,91 @@ def check_files(paths: Sequence[str], payload_bytes: int, executor: Any = None,
     threads keep as many requests in flight as there are threads, where faulting a map in one
     thread per chunk kept one small read-ahead request each (a bag of a few chunks read cold ran
     at ~0.5x of the same bytes read in parallel pieces). Buffered reads: the pages stay
-    cached for the gather that follows. Chunks are checked ``CHECK_BYTES`` at a time, in buffers
-    of one pool, so the memory it takes is bounded whatever the number of chunks."""
+    cached for the gather that follows.
+
+    Without ``inspect`` the pieces stream through a window of ``WINDOW`` piece buffers and the
+    crc32c runs piece by piece in this thread while the pool reads the next ones: a chunk of
+    hundreds of MiB (int8 splits have at least 128 rows a chunk) is neither held whole in memory
+    (a fresh mapping faulted in per chunk) nor read before its crc starts. ``inspect`` needs the
+    whole chunk: those are checked ``CHECK_BYTES`` at a time, in buffers of one pool."""
+    if inspect is None:
+        return _check_streamed(paths, payload_bytes, executor)
+    return _check_buffered(paths, payload_bytes, executor, inspect)
+
+
+def _open_checked(paths: Sequence[str], k: int, expected: int, reasons: list[str | None]) -> int | None:
+    """``paths[k]`` opened if it has ``expected`` bytes; else its reason is set and None returned."""
+    fd = os.open(paths[k], os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    if size == expected:
+        return fd
+    os.close(fd)
+    reasons[k] = f"size {size} bytes, expected {expected}" if size else "empty file"
+    return None
+
+
+def _check_streamed(paths: Sequence[str], payload_bytes: int, executor: Any) -> list[str | None]:
+    reasons: list[str | None] = [None] * len(paths)
+    expected = payload_bytes + CRC_BYTES
+    fds: dict[int, int] = {}
+    inflight: collections.deque[Any] = collections.deque()
+    try:
+        for k in range(len(paths)):
+            fd = _open_checked(paths, k, expected, reasons)
+            if fd is not None:
+                fds[k] = fd
+        pieces = [(k, lo) for k in fds for lo in range(0, expected, _PIECE)]
+        window = min(WINDOW, len(pieces)) if executor is not None else 1
+        slab = _pool().lease(max(1, window) * _PIECE)
+        views = [memoryview(slab)[i * _PIECE:(i + 1) * _PIECE] for i in range(max(1, window))]
+
+        def read(j: int) -> int:
+            k, offset = pieces[j]
+            view = views[j % window][: min(expected, offset + _PIECE) - offset]
+            done = 0
+            while done < len(view):
+                got = os.preadv(fds[k], [view[done:]], offset + done)
+                if got <= 0:  # the file shrank under us
+                    return done
+                done += got
+            return done
+
+        crcs = dict.fromkeys(fds, 0)
+        trailers = {k: bytearray() for k in fds}
+        for j in range(len(pieces)):
+            if executor is None:
+                got = read(j)
+            else:
+                while len(inflight) < window and j + len(inflight) < len(pieces):
+                    inflight.append(executor.submit(read, j + len(inflight)))
+                got = inflight.popleft().result()
+            k, offset = pieces[j]
+            size = min(expected, offset + _PIECE) - offset
+            if reasons[k] is not None:
+                continue
+            if got < size:
+                reasons[k] = "ended before its crc32c (truncated while reading)"
+                continue
+            view = views[j % window][:size]
+            cut = max(0, min(size, payload_bytes - offset))
+            crcs[k] = _crc32c.crc32c(view[:cut], crcs[k])
+            trailers[k] += view[cut:]
+            if offset + size == expected and crcs[k].to_bytes(CRC_BYTES, "little") != bytes(trailers[k]):
+                reasons[k] = "crc32c mismatch (flipped or truncated bytes)"
+        del views, slab  # back to the pool
+    finally:
+        for future in inflight:  # a read raised: none may still use a descriptor closed below
+            future.cancel()
+        futures.wait(inflight)
+        for fd in fds.values():
+            os.close(fd)
+    return reasons
+
+
+def _check_buffered(paths: Sequence[str], payload_bytes: int, executor: Any = None,
+                inspect: Callable[[int, memoryview], str | None] | None = None) -> list[str | None]:
+    """:func:`check_files` with ``inspect``: each chunk whole in a buffer, ``CHECK_BYTES`` of
+    chunks at a time in buffers of one pool (the memory bounded whatever the number of chunks)."""
     reasons: list[str | None] = [None] * len(paths)
     expected = payload_bytes + CRC_BYTES
     per_group = max(1, CHECK_BYTES // expected)
@@ -97,6 +182,7 @@ def check_files(paths: Sequence[str], payload_bytes: int, executor: Any = None,
 
 _PIECE = 1 << 20  # bytes per positional read of a chunk being checked
 CHECK_BYTES = 64 << 20  # chunk bytes one call checks at once (the buffers it takes; one chunk if larger)
+WINDOW = 32  # pieces a streamed check has read ahead of its crc32c (the pool's threads stay busy)
 _POOL: BufferPool | None = None
 
 
@@ -116,26 +202,57 @@ def release_buffers() -> None:
 
 
 class Verified:
-    """Which chunks this process has verified (thread-safe; reset after a fork)."""
+    """Which chunks this process has verified (thread-safe; reset after a fork), and which are
+    being verified now (:meth:`claim`): a loader's threads read several batches at once, and on a
+    cold epoch they touch the same chunks; each chunk is read whole for its crc32c by one of them
+    while the others wait for it, not once by each (an int8 split's chunks of hundreds of MiB
+    were read and checked by every thread in flight)."""
 
     def __init__(self) -> None:
         self._done: set[int] = set()
+        self._claims: dict[int, threading.Event] = {}
         self._pid = os.getpid()
         self._lock = threading.Lock()
 
+    def _here(self) -> None:
+        if self._pid != os.getpid():  # under the lock: a forked process verifies for itself
+            self._done, self._claims, self._pid = set(), {}, os.getpid()
+
     def pending(self, chunks: Sequence[int]) -> list[int]:
         with self._lock:
-            if self._pid != os.getpid():
-                self._done, self._pid = set(), os.getpid()
+            self._here()
             return [c for c in chunks if c not in self._done]
 
+    def claim(self, chunks: Sequence[int]) -> tuple[list[int], list[threading.Event]]:
+        """Of ``chunks`` not verified yet: those the caller is now to verify (then :meth:`add`, or
+        :meth:`release` if it could not), and the events of those another thread is verifying
+        (wait, then claim again: a chunk the other thread failed on comes back to the caller)."""
+        with self._lock:
+            self._here()
+            mine = [c for c in chunks if c not in self._done and c not in self._claims]
+            theirs = list({id(e): e for c in chunks if c not in self._done and (e := self._claims.get(c))}.values())
+            event = threading.Event()
+            for c in mine:
+                self._claims[c] = event
+        return mine, theirs
+
+    def release(self, chunks: Sequence[int]) -> None:
+        """Give up the claim on ``chunks`` (their check raised): a waiting thread checks them."""
+        with self._lock:
+            for c in chunks:
+                if (event := self._claims.pop(c, None)) is not None:
+                    event.set()
+
     def add(self, chunks: Sequence[int], total: int | None = None) -> None:
-        """Record ``chunks`` as checked; once all ``total`` chunks of the array are, the
-        process's idle check buffers go (:func:`release_buffers`)."""
+        """Record ``chunks`` as checked (their claims, if any, end); once all ``total`` chunks
+        of the array are, the process's idle check buffers go (:func:`release_buffers`)."""
         with self._lock:
             before = len(self._done)
             self._done.update(chunks)
             finished = total is not None and before < total <= len(self._done)
+            for c in chunks:
+                if (event := self._claims.pop(c, None)) is not None:
+                    event.set()
         if finished:
             release_buffers()
 

@@ -241,9 +241,23 @@ class FeatureArray(CachedPath, RangesPath):
             return {}
         if mode == "auto" and path == "mmap" and self._resolved_cache() == "direct":
             return {}
-        pending = self._verified.pending(np.unique(index // self.chunk_rows).tolist())
-        if not pending:
-            return {}
+        wanted = np.unique(index // self.chunk_rows).tolist()
+        fresh: dict[int, Any] = {}
+        while True:  # chunks another thread is checking: wait for it, then whatever it failed on
+            pending, others = self._verified.claim(wanted)
+            if pending:
+                try:
+                    fresh.update(self._verify_chunks(pending, path))
+                except BaseException:
+                    self._verified.release(pending)
+                    raise
+                self._verified.add(pending, self.num_chunks)
+            if not others:
+                return fresh
+            for event in others:
+                event.wait()
+
+    def _verify_chunks(self, pending: list[int], path: str) -> dict[int, Any]:
         fresh: dict[int, Any] = {}
         payload = self.chunk_rows * self.sample_nbytes
         if path == "mmap":
@@ -270,7 +284,6 @@ class FeatureArray(CachedPath, RangesPath):
             chunk, reason = next(iter(sorted(damaged.items())))
             more = f" (and {len(damaged) - 1} more chunk(s) read by the same batch)" if len(damaged) > 1 else ""
             raise CorruptChunk(checked.damage_message(f"chunk {chunk} of {self._key} ({where(chunk)}){more}", reason))
-        self._verified.add(pending, self.num_chunks)
         return fresh
 
     def _missing(self, chunk: str | None) -> MissingChunks:
