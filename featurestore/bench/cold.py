@@ -20,6 +20,7 @@ from featurestore.bench import harness
 from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup
 from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
 from featurestore.errors import InvalidOption
+from featurestore.format import int8 as int8_format
 
 BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
 VARIANTS = {"FeatureArray.read [mmap]": ("mmap", "keep"), "FeatureArray.read [pread, drop]": ("pread", "drop"),
@@ -79,6 +80,9 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
               f"FeatureLoader of {batch_size}-sample float32 batches may hold (the store stays {args.store_ratio}x it)")
         limit = needed
     n = max(2 * batch_size, int(args.store_ratio * limit) // sample_bytes)
+    if int8:  # whole int8 chunks: a padded last chunk would weigh on the bytes figure, not a real split's
+        rows = int8_format.chunk_rows("int8", args.chunk_rows, n)
+        n = max(rows, n // rows * rows)
     label = "x".join(map(str, shape))
     base = os.path.join(work, f"{label}-{dtype}")
     shutil.rmtree(base, ignore_errors=True)
