@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from featurestore.bench import figures, report, write
 
 
@@ -22,3 +24,11 @@ def test_write_bench_times_each_write_in_a_fresh_process(tmp_path: Path) -> None
     assert {"float16_vs_tofile[8x16]", "float32_vs_tofile[8x16 0.00384MB]", "float16_second_vs_tofile[8x16]"} <= set(found)
     assert found["float16_vs_tofile[8x16]"]["value"] == large["writer_float16_ratio"]
     assert list(tmp_path.iterdir()) == []  # every written file removed
+
+
+def test_write_bench_bad_size_is_one_clear_error(tmp_path: Path) -> None:
+    from featurestore.errors import InvalidOption
+
+    args = report.bench_args("write", ["--shapes", "8x16", "--mb", "250,big", "--workdir", str(tmp_path)])
+    with pytest.raises(InvalidOption, match=r"--mb '250,big'.*such as 250,384"):
+        write.run(args)
