@@ -138,6 +138,18 @@ def test_s3_bench_runs_and_reports(tmp_path: Path, seaweed: object, capsys: pyte
     from featurestore.bench import s3_epochs
 
     assert set(s3_epochs.BAG_FIGURES) <= set(out["gb_per_s"]) and "bags_cache_epoch1_vs_ceiling" in out["ratios"]
+    # Reads without a cache are first epochs (array, client, FeatureDataset made in the timing): every
+    # row once and a short epoch of --batches, each against bare get_ranges on a new client.
+    from featurestore.bench.figures import (
+        S3_BARE_EPOCH,
+        S3_BARE_SHORT,
+        S3_FS_EPOCH,
+        S3_FS_SHORT,
+    )
+
+    assert {S3_FS_EPOCH, S3_FS_SHORT, S3_BARE_EPOCH, S3_BARE_SHORT} <= set(out["gb_per_s"])
+    assert {"read_vs_bare_ranges", "read_vs_bare_ranges_short"} <= set(out["ratios"])
+    assert out["short_epoch_batches"] == 4
     # CPU per GB of the ceiling and cache epoch 1 (client only: --endpoint gives no server pid)
     cpu = out["cpu_ms_per_gb"]
     assert set(cpu) == {"ceiling (whole chunks, 8 GETs)", "cache epoch 1 (empty, full-size cache)", s3_epochs.FILL}, cpu

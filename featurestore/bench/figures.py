@@ -48,10 +48,13 @@ def _read(result: dict[str, Any]) -> Figures:
 def _write(result: dict[str, Any]) -> Figures:
     out = {}
     for s in result["shapes"]:
-        times = s["repeats_s"]
+        times, tag = s["repeats_s"], s.get("label") or label(s["sample_shape"])  # "256x384", or "256x384 250MB"
         for source in ("float16", "float32"):
-            out[f"{source}_vs_tofile[{label(s['sample_shape'])}]"] = figure(
+            out[f"{source}_vs_tofile[{tag}]"] = figure(
                 s[f"writer_{source}_ratio"], paired(times["tofile"], times[source]))
+        if "float16 second" in times:  # diagnostic, no target: a process's second write (warm writer)
+            out[f"float16_second_vs_tofile[{tag}]"] = figure(
+                s["writer_float16_second_ratio"], paired(times["tofile"], times["float16 second"]))
     return out
 
 
@@ -159,14 +162,19 @@ def _bag_loader(result: dict[str, Any]) -> Figures:
 
 
 # The runs (GB/s per repeat) each s3 ratio divides: ``bench s3`` takes its ratios of their medians.
-_CEILING, _EPOCH1, _FS = "ceiling (whole chunks, 8 GETs)", "cache epoch 1 (empty, full-size cache)", "featurestore shuffled batches"
+_CEILING, _EPOCH1 = "ceiling (whole chunks, 8 GETs)", "cache epoch 1 (empty, full-size cache)"
+# Shuffled reads without a cache, each epoch on a new array (or client): every row once, or the first batches.
+S3_FS_EPOCH, S3_FS_SHORT = "featurestore epoch (fresh array)", "featurestore short epoch (fresh array)"
+S3_BARE_EPOCH, S3_BARE_SHORT = "bare get_ranges epoch (new client)", "bare get_ranges short epoch (new client)"
+_FS = S3_FS_EPOCH
 _BAGS_EPOCH1, _BAGS_PT = "bag loader, cache epoch 1 (empty)", "bags, .pt per slide (4 in flight)"
 S3_PAIRS = {
     "read_vs_ceiling": (_FS, _CEILING), "read_vs_zarr": (_FS, "zarr-python FsspecStore"),
     "loader_vs_ceiling": ("FeatureLoader epoch (uniform shuffle)", _CEILING),
     "write_vs_put": ("featurestore write", "plain concurrent put"),
     "read_vs_fsspec_path": (_FS, "featurestore via fsspec (before)"),
-    "read_vs_bare_ranges": (_FS, "bare ranged GETs (one per row)"),
+    "read_vs_bare_ranges": (_FS, S3_BARE_EPOCH),
+    "read_vs_bare_ranges_short": (S3_FS_SHORT, S3_BARE_SHORT),
     "cache_epoch1_vs_ceiling": (_EPOCH1, _CEILING),
     "cache_epoch1_vs_fill_ceiling": (_EPOCH1, "cache fill ceiling (chunks into files)"),
     "cache_epoch2_vs_local_cold": ("cache epoch 2 (filled, cold files)", "local cold loader"),
@@ -199,4 +207,5 @@ def bench_figures(bench: str, result: dict[str, Any] | None) -> Figures:
     return fn(result) if fn and result else {}
 
 
-__all__ = ["EXTRACTORS", "Figures", "bench_figures", "figure", "paired"]
+__all__ = ["EXTRACTORS", "S3_BARE_EPOCH", "S3_BARE_SHORT", "S3_FS_EPOCH", "S3_FS_SHORT", "Figures", "bench_figures",
+           "figure", "paired"]

@@ -38,8 +38,10 @@ def _read_rows(read: dict[str, Any]) -> Panels:
 
 
 def _write_rows(write: dict[str, Any]) -> Panels:
-    return {f"write [{_label(s['sample_shape'])}] float16 stored, to os.sync, GB/s": [
+    return {f"write [{s.get('label') or _label(s['sample_shape'])}] float16 stored, to os.sync, GB/s": [
         ("writer, f16 input", s["writer_float16_gb_per_s"]), ("writer, f32 input", s["writer_float32_gb_per_s"]),
+        *([("writer, f16, second write", s["writer_float16_second_gb_per_s"])]
+          if "writer_float16_second_gb_per_s" in s else []),
         ("numpy tofile", s["tofile_gb_per_s"])] for s in write["shapes"]}
 
 

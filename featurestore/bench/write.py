@@ -1,5 +1,11 @@
 """``featurestore bench write``: the writer (float16 and float32 input) against numpy ``tofile`` of the
-same bytes, both timed to ``os.sync()`` (docs/BENCHMARKS.md).
+same bytes, both timed to ``os.sync()``, each timing in a fresh process (docs/BENCHMARKS.md).
+
+Every timing is one new Python process (:func:`harness.child`): featurestore imported and the source
+made before the clock, then one write. So the writer's figures are what a user's first
+``create_split`` + ``write`` + ``commit`` sees (numba's kernel load, the first pools and files
+included); ``tofile`` runs the same way. ``float16 second`` is the diagnostic: the same process's
+second write, after an untimed first (the writer warm).
 """
 
 from __future__ import annotations
@@ -17,82 +23,133 @@ from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
 from featurestore.extract.plan import chunk_rows_for
 
+METHODS = ("tofile", "float16", "float32", "float16 second")
+
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(subparsers, "write", "writer (float16 and float32 input) vs numpy tofile, with os.sync")
+    parser = harness.add_bench(subparsers, "write", "writer (float16 and float32 input) vs numpy tofile, with os.sync, "
+                               "each timed in a fresh process")
     parser.add_argument("--shapes", default="256x384,1024x3072", help="sample shapes (default 256x384,1024x3072)")
-    parser.add_argument("--mb", type=float, default=384.0,
-                        help="stored float16 MB per shape and method (default 384; at least --min-batches batches)")
+    parser.add_argument("--mb", default="250,384",
+                        help="stored float16 MB per shape and method, one size or several (default 250,384; at "
+                             "least --min-batches batches; a size that --min-batches raises to another's is run once)")
     parser.add_argument("--min-batches", type=int, default=5,
                         help="at least this many batches per shape, so the writer's pipeline runs (default 5: "
                              "320 samples of [1024, 3072], 2 GB: the seed workload's shape)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--chunk-mb", type=float, default=8.0, help="writer chunk size in MiB (default 8)")
     parser.add_argument("--repeats", type=int, default=3,
-                        help="interleaved repeats, each in another order of the three methods (6 covers every "
-                             "order once); the median is kept")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
+                        help="interleaved repeats, each in another order of the four methods; the median is kept")
 
 
-def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
+def first_write(config: dict[str, Any]) -> dict[str, Any]:
+    """In a fresh process (:func:`harness.child`): make the source, then time one write of it (the
+    second one with ``second``, after an untimed first, removed). Seconds to ``os.sync()``."""
+    import featurestore  # noqa: F401 - imported before the clock, as a user's script has it
+
+    shape, n, path = tuple(config["shape"]), config["n"], config["path"]
+    source = np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32)
+    if config["source"] != "float32":
+        source = source.astype(np.float16)
+
+    def write(where: str) -> float:
+        if config["source"] == "tofile":
+            return harness.tofile_synced(where, source)
+        return harness.write_synced(where, source, config["batch_size"], chunk_rows=config["chunk_rows"])
+
+    if config["second"]:
+        write(path + "-first")
+        harness.evict(path + "-first")
+        shutil.rmtree(path + "-first")
+        os.sync()
+    seconds = write(path)
+    harness.evict(path)
+    return {"seconds": seconds, "pid": os.getpid()}
+
+
+def _sizes(shape: tuple[int, ...], args: argparse.Namespace) -> list[tuple[int, str]]:
+    """``(samples, figure label)`` per size of ``--mb`` for ``shape``: the largest is labelled by the
+    shape alone (``256x384``), a smaller one by its MB too (``256x384 250MB``)."""
     sample_bytes = int(np.prod(shape)) * 2
-    n = max(args.min_batches * args.batch_size, int(args.mb * 1e6) // sample_bytes)
+    try:
+        mbs = [float(part) for part in str(args.mb).split(",") if part.strip()]
+    except ValueError:
+        from featurestore.errors import InvalidOption
+
+        raise InvalidOption(f"--mb {args.mb!r}: give MB as numbers, one or several, such as 250,384") from None
+    ns = sorted({max(args.min_batches * args.batch_size, int(mb * 1e6) // sample_bytes) for mb in mbs})
+    tag = "x".join(map(str, shape))
+    return [(n, tag if n == ns[-1] else f"{tag} {n * sample_bytes / 1e6:.3g}MB") for n in ns]
+
+
+def _bench_shape(work: str, shape: tuple[int, ...], n: int, label: str, args: argparse.Namespace) -> dict[str, Any]:
+    sample_bytes = int(np.prod(shape)) * 2
     nbytes = n * sample_bytes
-    source32 = np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32)
-    source16 = source32.astype(np.float16)
+    chunk_rows = chunk_rows_for(shape, "float16", args.chunk_mb, args.batch_size)
     written: list[str] = []
+    pids: list[int] = []  # the process of every timing: each a new one
 
     def method(name: str) -> Method:
         def run() -> float:
-            path = os.path.join(work, f"{name}-{len(written)}")
+            path = os.path.join(work, f"{name.replace(' ', '-')}-{len(written)}")
             written.append(path)
-            if name == "tofile":
-                return harness.tofile_synced(path, source16)
-            return harness.write_synced(path, source16 if name == "float16" else source32, args.batch_size,
-                                        chunk_rows=chunk_rows_for(shape, "float16", args.chunk_mb, args.batch_size))
+            config = {"shape": list(shape), "n": n, "path": path, "source": name.split()[0],
+                      "second": name.endswith("second"), "batch_size": args.batch_size, "chunk_rows": chunk_rows}
+            got = harness.child("write:first_write", config)
+            pids.append(got["pid"])
+            return float(got["seconds"])
         # Untimed: the written (clean) pages leave the page cache, so the next method does not pay
         # for reclaiming them (the last of a round measured up to 3.5x slower).
         return Method(name, run, teardown=lambda: harness.evict(written[-1]), own=True)
 
-    def order(repeat: int, methods: list[Method]) -> tuple[Method, ...]:
+    orders = list(itertools.permutations(range(len(METHODS))))
+
+    def order(repeat: int, methods: list[Method]) -> list[Method]:
         # Deleted between rounds, not between methods: a method that followed a 2 GB delete
         # measured up to 2.4x slower (the file system reclaiming the freed blocks), whichever it was.
         _remove(written)
-        # Every order of the three in turn, not rotations of one: a rotation keeps who follows whom,
-        # and the method right after tofile's 2 GB measured 1.4-1.6x slower, whichever it was.
-        return list(itertools.permutations(methods))[repeat % 6]
+        # Orders spread over the permutations, not rotations of one: a rotation keeps who follows
+        # whom, and the method right after tofile's 2 GB measured 1.4-1.6x slower, whichever it was.
+        return [methods[i] for i in orders[(repeat * 7) % len(orders)]]
 
-    times = interleaved([method(name) for name in ("tofile", "float16", "float32")], args.repeats,
-                        warmup=args.warmup, order=order)
+    # No warm-up round: each timing is a new process, and its first write is the figure.
+    times = interleaved([method(name) for name in METHODS], args.repeats, order=order)
     _remove(written)
     median = {m: statistics.median(t) for m, t in times.items()}
     out = {
-        "sample_shape": list(shape), "num_samples": n, "bytes": nbytes,
+        "sample_shape": list(shape), "label": label, "num_samples": n, "bytes": nbytes,
         "tofile_gb_per_s": gbps(nbytes, median["tofile"]),
-        "repeats_s": dict(times),
+        "repeats_s": dict(times), "processes": len(set(pids) - {os.getpid()}),
     }
-    for source in ("float16", "float32"):
-        out[f"writer_{source}_gb_per_s"] = gbps(nbytes, median[source])
-        out[f"writer_{source}_ratio"] = median["tofile"] / median[source]
+    for source in ("float16", "float32", "float16 second"):
+        key = source.replace(" ", "_")
+        out[f"writer_{key}_gb_per_s"] = gbps(nbytes, median[source])
+        out[f"writer_{key}_ratio"] = median["tofile"] / median[source]
     return out
 
 
 def _remove(paths: list[str]) -> None:
     for path in paths:
-        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.exists(path):
+            os.unlink(path)
     paths.clear()
     os.sync()  # the deletes' writeback stays out of the next round
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with harness.scratch(args, "write") as work:
-        shapes = [_bench_shape(work, shape, args) for shape in parse_shapes(args.shapes)]
+        shapes = [_bench_shape(work, shape, n, label, args) for shape in parse_shapes(args.shapes)
+                  for n, label in _sizes(shape, args)]
     from featurestore.core import fused_stats
 
     return {"benchmark": "write", "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
             "fused_stats": fused_stats.available(), "stats_threads": fused_stats.threads(),
             "page_cache": "source in RAM; every file new, evicted after its timing; both sides timed to os.sync()",
+            "process": "each timing a fresh process (featurestore imported, source made, then the clock): "
+                       "the first write; 'float16 second' is a process's second write",
             "shapes": shapes}
 
 
-__all__ = ["register", "run"]
+__all__ = ["METHODS", "first_write", "register", "run"]
