@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_probes import DATASET, GRID, LIN_CLASSES, linear_data, seg_data, write
+from _probe_fixtures import DATASET, GRID, LIN_CLASSES, linear_data, seg_data, write
 
 import featurestore
 from featurestore.cli import main

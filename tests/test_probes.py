@@ -9,18 +9,13 @@ loader, and (when the server stack is installed) HTTP.
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _probe_fixtures import DATASET, GRID, LIN_CLASSES, SEG_CLASSES, linear_data, seg_data
+from _probe_fixtures import one_torch_thread, store_path  # noqa: F401  (fixtures, used by name)
 
-import featurestore
-from featurestore.cli import main
-from featurestore.commands.probe import format_report
 from featurestore.errors import (
     DeviceUnavailable,
     EmptySplit,
@@ -49,81 +44,7 @@ from featurestore.probes.run import (
 from featurestore.probes.seg import SegProbeConfig, dice_loss, per_image_jaccard, train_seg_probe
 from featurestore.probes.train import TensorLoader
 
-DATASET = "toy"
-GRID = (4, 4)
-PATCH = 4  # mask pixels per token side: masks are 16 x 16
-DIM = 16
-SEG_CLASSES = 3
-LIN_CLASSES = 4
 SMALL_SEG = SegProbeConfig(epochs=4, dim=32, depth=1, heads=2)
-
-
-@pytest.fixture(autouse=True)
-def _two_threads() -> Any:
-    # The budget is 2 CPU cores; more intra-op threads only add contention on a shared runner.
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
-# ------------------------------------------------------------------------------ synthetic data
-
-
-def seg_data(n: int, seed: int, prefix: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features ``[n, prefix + 16, DIM]`` whose patch token t carries its patch's class, and the
-    matching uint8 masks ``[n, 16, 16]`` (each token covers a 4 x 4 block of pixels)."""
-    g = torch.Generator().manual_seed(seed)
-    prototypes = torch.randn(SEG_CLASSES, DIM, generator=torch.Generator().manual_seed(99)) * 2
-    patch_class = torch.randint(0, SEG_CLASSES, (n, *GRID), generator=g)
-    tokens = prototypes[patch_class.reshape(n, -1)] + 0.5 * torch.randn(n, GRID[0] * GRID[1], DIM, generator=g)
-    if prefix:
-        tokens = torch.cat([torch.randn(n, prefix, DIM, generator=g) * 5, tokens], dim=1)
-    masks = patch_class.repeat_interleave(PATCH, 1).repeat_interleave(PATCH, 2).to(torch.uint8)
-    return tokens, masks
-
-
-def linear_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features ``[n, 8, DIM]``: every token is its sample's class prototype plus noise."""
-    g = torch.Generator().manual_seed(seed)
-    prototypes = torch.randn(LIN_CLASSES, DIM, generator=torch.Generator().manual_seed(7)) * 2
-    labels = torch.randint(0, LIN_CLASSES, (n,), generator=g)
-    return prototypes[labels][:, None, :] + torch.randn(n, 8, DIM, generator=g), labels
-
-
-def write(store: Any, encoder: str, split: str, features: torch.Tensor, labels: torch.Tensor | None,
-          dtype: str, metadata: dict[str, Any] | None = None) -> None:
-    writer = store.create_split(
-        DATASET, encoder, split, num_samples=len(features), sample_shape=tuple(features.shape[1:]),
-        dtype=dtype, label_shape=() if labels is None else tuple(labels.shape[1:]),
-        label_dtype=None if labels is None else str(labels.numpy().dtype), metadata=metadata,
-        chunk_bytes=16 * features[0].numel() * 4,  # several chunks per split
-    )
-    writer.write(0, features.numpy(), labels=None if labels is None else labels.numpy())
-    writer.commit()
-
-
-@pytest.fixture(scope="module")
-def store_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Seg splits under ``seg32a``/``seg32b`` (same float32 bytes), ``seg16`` (float16, with a
-    CLS token recorded in token_layout) and ``segbf`` (bfloat16); linear splits ``lin32``/``lin16``;
-    ``nolab`` unlabelled."""
-    path = str(tmp_path_factory.mktemp("probes") / "store")
-    store = featurestore.open_store(path, mode="a")
-    seg_layout = {"token_layout": {"prefix_tokens": 0, "grid": list(GRID)}}
-    for split, n, seed in (("train", 64, 0), ("val", 32, 1)):
-        features, masks = seg_data(n, seed)
-        write(store, "seg32a", split, features, masks, "float32", seg_layout)
-        write(store, "seg32b", split, features, masks, "float32", seg_layout)
-        with_cls, _ = seg_data(n, seed, prefix=1)
-        write(store, "seg16", split, with_cls, masks, "float16",
-              {"token_layout": {"prefix_tokens": 1, "grid": list(GRID)}})
-        write(store, "segbf", split, features, masks, "bfloat16", seg_layout)
-        features, labels = linear_data(2 * n, seed)
-        write(store, "lin32", split, features, labels, "float32")
-        write(store, "lin16", split, features, labels, "float16")
-        write(store, "nolab", split, features, None, "float32")
-    return path
 
 
 # -------------------------------------------------------------------------------------- metrics
@@ -356,106 +277,3 @@ def test_compare_refuses_mismatched_inputs(store_path: str) -> None:
         run_probe(store_path, DATASET, "lin32", train_split="train", eval_split="val", seeds=0)
     with pytest.raises(ValueError, match="loader must be one of"):
         run_probe(store_path, DATASET, "lin32", train_split="train", eval_split="val", loader="disk")
-
-
-# ----------------------------------------------------------------------------------------- CLI
-
-
-def test_cli_compare_prints_the_table_and_writes_json(store_path: str, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "probe.json"
-    code = main(["probe", store_path, "--dataset", DATASET, "--encoder", "lin16", "--compare", "lin32",
-                 "--train", "train", "--eval", "val", "--seeds", "2", "--epochs", "2",
-                 "--device", "cpu", "--json", str(out)])
-    captured = capsys.readouterr()
-    assert code == 0
-    assert "A float16" in captured.out and "B float32" in captured.out
-    assert "exceeds spread" in captured.out and "2 x pooled std" in captured.out
-    assert "seed 1" in captured.err  # per-seed progress goes to stderr
-    result = json.loads(out.read_text())
-    assert result["a"]["dtype"] == "float16" and result["b"]["dtype"] == "float32"
-    assert math.isfinite(result["comparison"]["macro_f1"]["diff"])
-
-
-def test_cli_single_encoder_json_to_stdout(store_path: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["probe", store_path, "--dataset", DATASET, "--encoder", "lin32", "--train", "train",
-                 "--eval", "val", "--seeds", "1", "--epochs", "1", "--lr", "0.05", "--device", "cpu",
-                 "--json", "-", "--quiet"])
-    captured = capsys.readouterr()
-    assert code == 0 and captured.err == ""
-    result = json.loads(captured.out)
-    assert result["task"] == "linear" and result["metrics"]["macro_f1"]["std"] is None
-    assert result["config"]["lr"] == 0.05 and result["config"]["epochs"] == 1
-
-
-def test_report_warns_when_every_seed_gives_the_same_metric() -> None:
-    def run(values: list[float]) -> dict[str, Any]:
-        seeds = list(range(len(values)))
-        return {
-            **run_seeds(lambda seed: {"jaccard": values[seed]}, seeds),
-            "task": "seg", "train_split": "train", "eval_split": "val", "num_classes": 6,
-            "config": {"epochs": 1, "lr": 1e-3}, "batch_size": 64, "device": "cpu",
-            "loader": "stream", "dataset": "d", "encoder": "enc", "dtype": "float16",
-            "sample_shape": [4, 8], "train_samples": 8, "eval_samples": 8, "seconds": 0.0,
-            "source": "store",
-        }
-
-    collapsed, learned = run([0.16, 0.16, 0.16]), run([0.5, 0.6, 0.55])
-    text = format_report({"a": collapsed, "b": learned,
-                          "comparison": compare_summaries(collapsed, learned)})
-    assert "YES" in text  # |diff| = 0.39 > 2 x pooled std
-    assert "Warning: enc gave exactly the same jaccard under every seed" in text.replace("\n", " ")
-    assert "Warning" not in format_report(learned)
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--encoder", "nolab", "--eval", "val"], "has no labels"),
-        (["--encoder", "lin32", "--eval", "val", "--task", "seg"], "task seg needs class maps"),
-        (["--encoder", "lin32", "--eval", "val", "--compare", "missing"], "missing"),
-        (["--encoder", "lin32", "--eval", "nope"], "nope"),
-        (["--encoder", "lin32", "--eval", "val", "--compare-store", "/x"], "--compare-store needs --compare"),
-        (["--encoder", "lin32", "--eval", "val", "--device", "bogus"], "invalid device"),
-        (["--encoder", "lin32", "--eval", "val", "--num-classes", "2"], "is outside [0, 2)"),
-    ],
-)
-def test_cli_errors_are_one_line_and_exit_1(store_path: str, argv: list[str], message: str,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["probe", store_path, "--dataset", DATASET, "--train", "train", "--quiet",
-                 "--epochs", "1", "--seeds", "1", *argv])
-    err = capsys.readouterr().err
-    assert code == 1
-    assert err.startswith("featurestore: error:") and message in err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
-
-
-def test_cli_missing_store_and_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["--dataset", DATASET, "--encoder", "e", "--train", "train", "--eval", "val"]
-    assert main(["probe", str(tmp_path / "absent"), *args]) == 1
-    assert "no featurestore" in capsys.readouterr().err
-    for bad in (["--seeds", "0"], ["--epochs", "x"], ["--task", "regression"]):
-        with pytest.raises(SystemExit) as exit_info:
-            main(["probe", str(tmp_path), *args, *bad])
-        assert exit_info.value.code == 2  # argparse usage error
-
-
-# ---------------------------------------------------------------------------------------- HTTP
-
-
-@pytest.fixture(scope="module")
-def served(store_path: str) -> Iterator[str]:
-    """``featurestore serve`` over the probe store on a free loopback port."""
-    from featurestore.bench.http import serve_subprocess
-
-    with serve_subprocess(store_path) as (url, _):
-        yield url
-
-
-def test_compare_local_store_with_its_copy_over_http(store_path: str, served: str) -> None:
-    result = compare_probes(store_path, DATASET, "seg32a", "seg32a", compare_source=served,
-                            train_split="train", eval_split="val", seeds=[0], epochs=1,
-                            batch_size=32, device="cpu")
-    assert result["b"]["source"] == served
-    assert result["a"]["runs"] == result["b"]["runs"]
-    assert result["comparison"]["jaccard"]["max_abs_paired_diff"] == 0

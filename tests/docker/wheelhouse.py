@@ -9,7 +9,7 @@ before it, as pip in the image resolves it. The project itself (a local path: ``
 ``.[extras]`` of a stub holding only pyproject.toml (its dependencies, as the Dockerfile's own
 stub installs them), plus its build backend. A ``pip install`` this module cannot read is an
 error, never skipped, so a new dependency cannot be left out of the wheelhouse silently
-(tests/test_compose.py runs it in the normal suite).
+(tests/test_compose_wheelhouse.py runs it in the normal suite).
 
     python3 tests/docker/wheelhouse.py requirements      # one pip-wheel requirement set a line
     python3 tests/docker/wheelhouse.py stamp             # digest of those sets + pyproject.toml

@@ -1,0 +1,213 @@
+"""The local chunk cache when room runs out (a full disk, an unwritable or too small cache
+directory, eviction under a limit), damaged objects, and a server that goes away mid-epoch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+from _moto_helpers import own_moto_bucket
+from _chunk_cache_helpers import CHUNK_ROWS, N, SHAPE, _chunk_files, _env, _open, _write
+
+from featurestore.core.storage.cached import chunk_cache_of
+from featurestore.errors import StorageUnavailable
+
+pytest.importorskip("obstore")
+
+
+# ---------------------------------------------------------------------- room
+_FULL_DISK = """
+import json, resource, sys
+import numpy as np
+import featurestore
+url, options, cache, limit = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+array = featurestore.open_store(url, cache_dir=cache, **options).open("ds", "enc", "train")
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # no file may grow past a few KiB: EFBIG
+rows = array.read_numpy(np.arange(len(array)))
+print(json.dumps({"sum": float(rows.astype(np.float64).sum()), "stats": array._storage.cache.stats}))
+"""
+
+
+def test_a_full_cache_disk_warns_once_and_reads_by_ranges(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    """The kernel refuses the cache's writes (RLIMIT_FSIZE: EFBIG, as ENOSPC on a full disk): one
+    warning naming the directory, and every row still arrives, by ranged GETs."""
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    script = tmp_path / "full.py"
+    script.write_text(_FULL_DISK)
+    cache = tmp_path / "cache"
+    proc = subprocess.run([sys.executable, str(script), seaweed_url, json.dumps(options), str(cache), "4096"],
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["sum"] == pytest.approx(float(values.astype(np.float64).sum()))
+    assert result["stats"]["fetched"] == 0 and not _chunk_files(cache)
+    warnings = [line for line in proc.stderr.splitlines() if "is full" in line]
+    assert len(warnings) == 1 and str(cache) in warnings[0] and "ranged GETs" in warnings[0]
+
+
+@pytest.fixture(params=["new", "used before"])
+def unwritable_cache(request: pytest.FixtureRequest, tmp_path: Any) -> Any:
+    """An existing cache directory this process cannot create files in ("used before": its
+    layout directory is there too, from a run that could write). Permission bits do not stop
+    root, so as root the directories get the immutable attribute (``chattr +i``: EPERM even for
+    root); where that is refused (tmpfs, no CAP_LINUX_IMMUTABLE) a new cache falls back to /sys,
+    where the kernel refuses root's mkdir too (EPERM, or EROFS when mounted read-only)."""
+    from pathlib import Path
+
+    used = request.param == "used before"
+    cache = tmp_path / "cache"
+    (cache / "v1" if used else cache).mkdir(parents=True)
+    locked = [cache / "v1", cache] if used else [cache]
+    if os.geteuid() != 0:
+        for path in locked:
+            path.chmod(0o555)
+
+        def undo() -> None:
+            for path in locked:
+                path.chmod(0o755)
+    else:
+        def attr(flag: str) -> bool:
+            try:
+                return all(subprocess.run(["chattr", flag, str(p)], capture_output=True).returncode == 0
+                           for p in locked)
+            except FileNotFoundError:
+                return False
+
+        def undo() -> None:
+            attr("-i")
+
+        if not attr("+i"):
+            undo()
+            if used:
+                pytest.skip("cannot make a directory unwritable for root here (chattr +i refused)")
+            cache = Path("/sys")
+    try:
+        with pytest.raises(OSError):  # the premise: this process really cannot write there
+            (cache / "v1" / "probe" if used else cache / "v1").mkdir()
+        yield cache
+    finally:
+        undo()
+
+
+def test_an_unwritable_cache_dir_warns_once_and_reads_by_ranges(seaweed_url: str, seaweed: Any,
+                                                                 unwritable_cache: Any) -> None:
+    """A cache directory that exists but cannot be written (read-only mount, no permission) is one
+    warning naming it, and the store reads by ranged GETs as without a cache; it used to be a raw
+    OSError out of open_store (which the CLI took for a wrong URL)."""
+    import warnings
+
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        arrays = [_open(seaweed_url, options, unwritable_cache) for _ in range(2)]
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 1, said  # the second store of the process opens the same (no) cache
+    assert f"chunk cache {unwritable_cache} cannot be written" in said[0] and "ranged GETs" in said[0]
+    for array in arrays:
+        assert array.path == "ranges" and chunk_cache_of(array._storage) is None
+        assert np.array_equal(array.read_numpy(np.arange(N)[::-1]), values[::-1])
+
+
+def test_a_cache_smaller_than_a_chunk_reads_by_ranges(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    array = _open(seaweed_url, options, tmp_path, cache_bytes=1000)
+    assert np.array_equal(array.read_numpy(np.arange(N)[::-1]), values[::-1])
+    assert array._storage.cache.stats["fetched"] == 0 and not _chunk_files(tmp_path)
+
+
+def test_eviction_keeps_the_limit_and_what_the_plan_needs(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    chunk = CHUNK_ROWS * int(np.prod(SHAPE)) * 2 + 4
+    array = _open(seaweed_url, options, tmp_path / "c", cache_bytes=4 * chunk + 200)
+    front = array.chunk_cache
+    cache = front.cache
+    assert np.array_equal(array.read_numpy(np.arange(3 * CHUNK_ROWS)), values[: 3 * CHUNK_ROWS])  # chunks 0-2
+    # Chunks used in the last minute stay (a shuffle touches all of them): 3 and 4 cannot both come in.
+    array.read_numpy(np.arange(3 * CHUNK_ROWS, 5 * CHUNK_ROWS))
+    assert cache.stats["not_admitted"] >= 1 and cache.used_bytes() <= cache.max_bytes
+    # Long unused: 0 oldest, then 1, then 2. A plan that still needs chunk 0 keeps it; 1 goes.
+    for c, age in ((0, 3000), (1, 2000), (2, 1000)):
+        os.utime(front.path(c), (time.time() - age, time.time() - age))
+    last_use = np.full(13, -1)
+    last_use[0] = 7
+    front.plan(last_use, lambda: 2)
+    cache._no_room_until = 0.0
+    assert np.array_equal(array.read_numpy(np.arange(5 * CHUNK_ROWS, 6 * CHUNK_ROWS)), values[5 * CHUNK_ROWS : 6 * CHUNK_ROWS])
+    # An evicted chunk takes its download lock along; the locks of chunks held stay.
+    assert not os.path.exists(front.path(1) + ".lock") and os.path.exists(front.path(0) + ".lock")
+    assert front.present(0) and not front.present(1) and front.present(5)
+    assert cache.used_bytes() <= cache.max_bytes
+    # A lock left without its chunk (a cache of an older version; a download that died) is removed
+    # by the next scan unless a download holds it.
+    import fcntl
+
+    for c in (11, 12):
+        open(front.path(c) + ".lock", "w").close()
+    with open(front.path(12) + ".lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        cache.used_bytes()
+        assert not os.path.exists(front.path(11) + ".lock") and os.path.exists(front.path(12) + ".lock")
+    assert os.path.exists(os.path.join(cache.directory, "v1", ".evict.lock"))
+    # No map of this process keeps an evicted file (its pages and disk blocks) alive.
+    if os.path.exists("/proc/self/maps"):
+        with open("/proc/self/maps") as maps:
+            assert not [line for line in maps if str(tmp_path / "c") in line and "(deleted)" in line]
+    front.plan(None)
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "longer", "shorter"])
+def test_a_damaged_chunk_object_is_refused_and_nothing_is_kept(seaweed_url: str, seaweed: Any, tmp_path: Any,
+                                                               damage: str) -> None:
+    """The crc32c trailer and the size are checked as the chunk streams into the cache: a damaged
+    object on the server is ``CorruptChunk`` naming it, and no file of it is left to read later."""
+    from featurestore.core.storage import open_storage
+    from featurestore.errors import CorruptChunk
+
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    storage = open_storage(seaweed_url, options)
+    key = "ds/enc/train/features/c/2/0/0"
+    raw = bytearray(storage.read(key))
+    if damage == "flipped byte":
+        raw[100] ^= 0xFF
+    elif damage == "longer":
+        raw += os.urandom(3 << 20)  # past one streamed piece: refused before the rest arrives
+    else:
+        raw = raw[:-10]
+    storage.write(key, bytes(raw))
+    array = _open(seaweed_url, options, tmp_path)
+    with pytest.raises(CorruptChunk) as info:
+        array.read_numpy([2 * CHUNK_ROWS + 1])
+    assert key in str(info.value) and ("size" in str(info.value)) == (damage != "flipped byte")
+    assert not [p for p in _chunk_files(tmp_path) if p.endswith(f"features{os.sep}2")]
+    assert not [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]
+    assert np.array_equal(array.read_numpy(np.arange(2 * CHUNK_ROWS)), values[: 2 * CHUNK_ROWS])  # the rest reads
+
+
+# ---------------------------------------------------------------------- a server that goes away
+def test_server_gone_mid_epoch_with_a_cache_is_one_error(tmp_path: Any) -> None:
+    with own_moto_bucket("gone-cache") as (options, stop):
+        url = f"s3://gone-cache/{uuid.uuid4().hex[:8]}"
+        _write(url, options)
+        array = _open(url, options, tmp_path)
+        assert array.read_numpy([0, 1]).shape == (2, *SHAPE)  # chunk 0 cached
+        stop()
+        start = time.monotonic()
+        assert array.read_numpy([2, 3]).shape == (2, *SHAPE)  # cached: no server needed
+        with pytest.raises(StorageUnavailable) as info:
+            array.read_numpy([5, 100, 150])
+        elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert "'gone-cache'" in message and "2 retries" in message and "\n" not in message
+    assert elapsed < 30
