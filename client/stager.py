@@ -123,7 +123,7 @@ def keep_for(prefetch: int) -> int:
     production or ready, the one the consumer holds, the one it takes or reads itself), plus one
     for a buffer that comes back a moment after the next batch leased one, so a returning buffer
     is never unmapped only for a fresh one to be mapped and faulted in for the next batch (first
-    touches of fresh memory cost ~5x a copy on this VM; with ``prefetch + 2`` a later epoch still
+    touches of fresh memory cost several times a copy; with ``prefetch + 2`` a later epoch still
     mapped 2 now and then). The pool holds at most one batch more than the epoch's peak;
     ``close()`` gives it back."""
     return int(prefetch) + 3
