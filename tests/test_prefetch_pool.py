@@ -36,16 +36,20 @@ def test_prefetch_threads_are_reused_across_epochs_and_loaders(local_store: str,
     seen: list[threading.Thread] = []
     _recording(ds, seen, monkeypatch)
     expected = torch.from_numpy(reference()[0])
+    alive = set(threading.enumerate())  # other tests of this process may have left idle pool threads
+    pool_threads = worker_pool().threads
     first = FeatureLoader(ds, batch_size=8, shuffle=False, device="cpu", num_threads=2, prefetch=2)
     for epoch in range(3):
         first.set_epoch(epoch)
         assert torch.equal(torch.cat([f for f, _ in first]), expected)
     second = FeatureLoader(ds, batch_size=4, shuffle=False, device="cpu", num_threads=2, prefetch=2)
     assert torch.equal(torch.cat([f for f, _ in second]), expected)
-    producers = {id(t) for t in seen if t is not threading.current_thread()}
-    # Before the pool: two new threads per epoch (8 over these four epochs).
-    assert 1 <= len(producers) <= 2, len(producers)
-    assert worker_pool().threads <= 4  # what other tests of this process left idle, at most
+    producers = {t for t in seen if t is not threading.current_thread()}
+    # Before the pool: two new threads per epoch (8 over these four epochs). Any idle pool thread
+    # may take an epoch's loop, so count the threads this test started, not the ones it used.
+    started = producers - alive
+    assert producers and len(started) <= 2, (len(producers), len(started))
+    assert worker_pool().threads <= pool_threads + 2
     assert not [t for t in threading.enumerate() if t.name.startswith("featurestore-prefetch")]
 
 

@@ -389,12 +389,14 @@ def test_data_requests_read_the_split_document_only_when_it_changed(tmp_path: An
         # A writer replaces the document (rename, as every write does): the next request sees it.
         with real_open(document, "rb") as f:
             doc = json.loads(f.read())
-        doc["attributes"]["featurestore"]["generation"] = "replaced-for-the-test"
+        old = doc["attributes"]["featurestore"]["generation"]
+        new = ("1" if old[0] == "0" else "0") + old[1:]  # another generation, hex like every one
+        doc["attributes"]["featurestore"]["generation"] = new
         tmp = document + ".tmp-test"
         with real_open(tmp, "w") as f:
             json.dump(doc, f)
         os.replace(tmp, document)
         response = client.get(f"{BASE}/train/items/3")
         assert response.status_code == 200 and len(opened) >= 1
-        assert response.headers[wire.GENERATION_HEADER] == "replaced-for-the-test"
+        assert response.headers[wire.GENERATION_HEADER] == new
         assert np.array_equal(_array(response), first)
