@@ -20,7 +20,8 @@ VALUES = "float32"
 
 
 class _Values:
-    """What both readers share: the wrapped reader's attributes, its dtype seen as float32."""
+    """What both readers share: the wrapped reader's attributes (its ``read`` already gives an
+    int8 split's float32 values), its dtype seen as float32."""
 
     dtype = VALUES
     numpy_dtype = np.dtype(np.float32)
@@ -45,9 +46,6 @@ class DenseValues(_Values):
 
     def read_numpy(self, indices: Any, out: np.ndarray | None = None, dtype: str | None = None) -> np.ndarray:
         return self.codes_reader.read_numpy(indices, out=out, dtype=dtype or VALUES)  # type: ignore[no-any-return]
-
-    def read(self, indices: Any) -> Any:
-        return dtypes.to_torch(self.read_numpy(indices), VALUES)
 
 
 class BagValues(_Values):
