@@ -43,7 +43,7 @@ from collections.abc import Callable
 import numpy as np
 
 from featurestore.core import open_files, pread
-from featurestore.core.reader_ranges import _runs
+from featurestore.core.reader_ranges import row_runs
 from featurestore.errors import InvalidOption
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in lazily
@@ -303,7 +303,7 @@ class ArrayMaps:
         touched: list[tuple[_Entry, int]] = []
         pending = mapped = mapped_to = 0
         entry = None
-        for start, stop in _runs(chunk_of, offset, order):
+        for start, stop in row_runs(chunk_of, offset, order):
             chunk = chunk_list[start]
             if chunk != current:
                 if entry is not None:

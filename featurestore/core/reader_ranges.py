@@ -67,7 +67,7 @@ class RangesPath:
         unique, inverse = np.unique(index, return_inverse=True)
         chunk_of, offset = np.divmod(unique, self.chunk_rows)
         keys, starts, ends, spans = [], [], [], []
-        for start, stop in _runs(chunk_of, offset):
+        for start, stop in row_runs(chunk_of, offset):
             keys.append(layout.chunk_key(self._key, int(chunk_of[start]), self._ndim))
             starts.append(int(offset[start]) * self.sample_nbytes)
             ends.append(int(offset[start] + (stop - start)) * self.sample_nbytes)
@@ -103,7 +103,7 @@ class RangesPath:
             np.take(target, inverse.reshape(-1), axis=0, out=rows)
 
 
-def _runs(chunk_of: np.ndarray, offset: np.ndarray, target: np.ndarray | None = None) -> list[tuple[int, int]]:
+def row_runs(chunk_of: np.ndarray, offset: np.ndarray, target: np.ndarray | None = None) -> list[tuple[int, int]]:
     """[start, stop) positions of maximal runs where rows are consecutive within one chunk (and,
     given ``target``, land in consecutive output rows)."""
     n = len(chunk_of)
