@@ -84,12 +84,19 @@ class StdlibTransport(httpx.BaseTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.scheme != "http":
             return self._fallback_transport().handle_request(request)
-        timeouts: dict[str, Any] = request.extensions.get("timeout", {})
-        key = (request.url.host, request.url.port or 80)
-        body = request.read()
-        target = request.url.raw_path.decode("ascii")
         headers = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in request.headers.raw
                    if n.lower() not in (b"host", b"content-length", b"transfer-encoding")]  # fmt: skip
+        return self.request(request.method, request.url.host, request.url.port or 80,
+                            request.url.raw_path.decode("ascii"), headers, request.read(),
+                            request.extensions.get("timeout", {}), request=request)  # fmt: skip
+
+    def request(self, method: str, host: str, port: int, target: str, headers: list[tuple[str, str]],
+                body: bytes, timeouts: dict[str, Any], *, request: httpx.Request | None = None) -> httpx.Response:  # fmt: skip
+        """One plain-http request on a pooled connection: ``target`` is the request line's
+        path and query as sent, ``headers`` go as given (``Host`` and ``Content-Length`` are
+        added). ``FeatureClient`` calls this directly, without an ``httpx.Request``, when httpx
+        would route its server's requests here anyway (``client/transport.py``)."""
+        key = (host, port)
         for attempt in (0, 1):
             conn, reused = self._checkout(key, timeouts.get("read"))
             try:
@@ -98,10 +105,10 @@ class StdlibTransport(httpx.BaseTransport):
                     conn.connect()
                     conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     conn.sock.settimeout(timeouts.get("read"))
-                conn.putrequest(request.method, target, skip_accept_encoding=True)
+                conn.putrequest(method, target, skip_accept_encoding=True)
                 for name, value in headers:
                     conn.putheader(name, value)
-                if body or request.method not in ("GET", "HEAD"):
+                if body or method not in ("GET", "HEAD"):
                     conn.putheader("Content-Length", str(len(body)))
                 conn.endheaders(body or None)
                 response = conn.getresponse()
