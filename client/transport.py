@@ -188,8 +188,10 @@ class Transport:
         return self._direct[1]
 
     @contextlib.contextmanager
-    def _exchange(self, method: str, path: str, kwargs: dict[str, Any]) -> Iterator[httpx.Response]:
-        """One request and its streamed response (closed on exit)."""
+    def _exchange(self, method: str, path: str, kwargs: dict[str, Any]) -> Iterator[Any]:
+        """One request and its streamed response (closed on exit): an ``httpx.Response``, or
+        the default transport's lighter :class:`~client._stdlib_transport.DirectResponse` with
+        the same attributes this module reads."""
         route = self._direct_route()
         target = None if route is None else _direct_target(route[3], path, kwargs.get("params"))
         if route is None or target is None:

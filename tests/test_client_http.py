@@ -433,3 +433,18 @@ def test_credentials_in_the_url_still_go_through_httpx() -> None:
         url = server.url.replace("http://", "http://alice:pw@")
         assert FeatureClient(url, retries=0).datasets() == ["p"]
         assert b"Authorization: Basic YWxpY2U6cHc=" in server.requests[0].split(b"\r\n")
+
+
+def test_direct_responses_decode_and_report_as_httpx_ones() -> None:
+    """The direct path's lighter response hands an encoded body and a non-JSON error to httpx."""
+    import gzip
+
+    body = gzip.compress(json.dumps({"datasets": ["z"]}).encode())
+    encoded = response(200, body, {"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    plain_error = response(404, "nicht gefunden: é".encode("latin-1"), {"Content-Type": "text/plain; charset=latin-1"})
+    with ScriptedHTTPServer([encoded, plain_error]) as server:
+        client = FeatureClient(server.url, retries=0)
+        assert client.datasets() == ["z"]
+        with pytest.raises(ClientError) as info:
+            client.datasets()
+        assert info.value.status == 404 and info.value.detail == "nicht gefunden: é"
