@@ -7,7 +7,10 @@ Content-Length body straight from the socket into the caller's buffer, as a raw 
 hand-written HTTP/1.1 client this replaces (300 lines) was not faster than it. So plain
 ``http://`` requests go through ``http.client`` keep-alive connections (a small pool per host),
 and ``response.extensions["readinto"]`` fills the output array in place; ``https://`` and
-anything else go to ``fallback`` (httpx's transport).
+anything else go to ``fallback`` (httpx's transport). ``FeatureClient`` also calls
+:meth:`StdlibTransport.request` straight, past ``httpx.Client``, and reads its
+:class:`DirectResponse` (a single item's client time went a third to httpx's client and a
+sixth to building its ``httpx.Response``).
 
 A pooled connection the server closed meanwhile fails on reuse; the request is then retried once
 on a fresh connection, which is safe for the idempotent reads ``FeatureClient`` makes and the
@@ -17,6 +20,7 @@ reason this transport is private to it.
 from __future__ import annotations
 
 import http.client
+import json
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -84,12 +88,33 @@ class StdlibTransport(httpx.BaseTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.scheme != "http":
             return self._fallback_transport().handle_request(request)
-        timeouts: dict[str, Any] = request.extensions.get("timeout", {})
-        key = (request.url.host, request.url.port or 80)
-        body = request.read()
-        target = request.url.raw_path.decode("ascii")
         headers = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in request.headers.raw
                    if n.lower() not in (b"host", b"content-length", b"transfer-encoding")]  # fmt: skip
+        stream = self._open(request.method, request.url.host, request.url.port or 80,
+                            request.url.raw_path.decode("ascii"), headers, request.read(),
+                            request.extensions.get("timeout", {}))  # fmt: skip
+        response = stream.response
+        return httpx.Response(
+            response.status,
+            headers=[(n.encode("latin-1"), v.encode("latin-1")) for n, v in response.getheaders()],
+            stream=stream,
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": response.reason.encode("latin-1"),
+                        "readinto": stream.readinto},  # fmt: skip
+            request=request,
+        )
+
+    def request(self, method: str, host: str, port: int, target: str, headers: list[tuple[str, str]],
+                body: bytes, timeouts: dict[str, Any]) -> DirectResponse:  # fmt: skip
+        """One plain-http request on a pooled connection, answered as a :class:`DirectResponse`:
+        ``target`` is the request line's path and query as sent, ``headers`` go as given
+        (``Host`` and ``Content-Length`` are added). ``FeatureClient`` calls this, without an
+        ``httpx.Request`` or ``httpx.Response``, where httpx would route its server's requests
+        here anyway (``client/transport.py``)."""
+        return DirectResponse(self._open(method, host, port, target, headers, body, timeouts))
+
+    def _open(self, method: str, host: str, port: int, target: str, headers: list[tuple[str, str]],
+              body: bytes, timeouts: dict[str, Any]) -> _Body:  # fmt: skip
+        key = (host, port)
         for attempt in (0, 1):
             conn, reused = self._checkout(key, timeouts.get("read"))
             try:
@@ -98,10 +123,10 @@ class StdlibTransport(httpx.BaseTransport):
                     conn.connect()
                     conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     conn.sock.settimeout(timeouts.get("read"))
-                conn.putrequest(request.method, target, skip_accept_encoding=True)
+                conn.putrequest(method, target, skip_accept_encoding=True)
                 for name, value in headers:
                     conn.putheader(name, value)
-                if body or request.method not in ("GET", "HEAD"):
+                if body or method not in ("GET", "HEAD"):
                     conn.putheader("Content-Length", str(len(body)))
                 conn.endheaders(body or None)
                 response = conn.getresponse()
@@ -120,15 +145,7 @@ class StdlibTransport(httpx.BaseTransport):
                     continue
                 kind = httpx.ConnectError if not reused and conn.sock is None else httpx.ReadError
                 raise kind(f"{key[0]}:{key[1]}: {error!r}") from error
-        stream = _Body(self, key, conn, response)
-        return httpx.Response(
-            response.status,
-            headers=[(n.encode("latin-1"), v.encode("latin-1")) for n, v in response.getheaders()],
-            stream=stream,
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": response.reason.encode("latin-1"),
-                        "readinto": stream.readinto},  # fmt: skip
-            request=request,
-        )
+        return _Body(self, key, conn, response)
 
 
 class _Body(httpx.SyncByteStream):
@@ -136,6 +153,10 @@ class _Body(httpx.SyncByteStream):
                  conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:  # fmt: skip
         self._transport, self._key, self._conn, self._response = transport, key, conn, response
         self._released = False
+
+    @property
+    def response(self) -> http.client.HTTPResponse:
+        return self._response
 
     def readinto(self, view: memoryview) -> int:
         """Fill ``view`` exactly with the next body bytes, straight from the socket."""
@@ -175,3 +196,81 @@ class _Body(httpx.SyncByteStream):
         else:  # unread body or close-delimited: the connection cannot be reused
             response.close()
             self._conn.close()
+
+
+class _Headers(dict):  # type: ignore[type-arg]
+    """Response headers by lower-cased name, repeated ones joined with ", " (as ``httpx.Headers``)."""
+
+    def __init__(self, pairs: list[tuple[str, str]]) -> None:
+        super().__init__()
+        for name, value in pairs:
+            key = name.lower()
+            dict.__setitem__(self, key, f"{dict.__getitem__(self, key)}, {value}" if dict.__contains__(self, key)
+                             else value)  # fmt: skip
+
+    def __getitem__(self, name: str) -> str:
+        return str(dict.__getitem__(self, name.lower()))
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and dict.__contains__(self, name.lower())
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        return dict.get(self, name.lower(), default)
+
+
+class DirectResponse:
+    """A plain-http answer as ``client.transport.Transport`` reads it: ``status_code``,
+    ``headers``, ``extensions["readinto"]``, ``read``/``content``/``json``/``text``,
+    ``iter_raw``/``iter_bytes``, ``close``, without building an ``httpx.Response`` (its header
+    normalisation and set-up cost about as much as ``http.client`` parsing the head). A body
+    with a content-encoding, and ``text``, are handed to a real ``httpx.Response``, which
+    decodes them."""
+
+    def __init__(self, stream: _Body) -> None:
+        response = stream.response
+        self.status_code = response.status
+        self._pairs = response.getheaders()
+        self.headers = _Headers(self._pairs)
+        self.extensions = {"readinto": stream.readinto}
+        self._stream = stream
+        self._content: bytes | None = None
+        self._httpx: httpx.Response | None = None
+
+    def _encoded(self) -> bool:
+        return self.headers.get("content-encoding", "identity") != "identity"
+
+    def _as_httpx(self, content: bytes | None = None) -> httpx.Response:
+        if self._httpx is None:
+            headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in self._pairs]
+            self._httpx = (httpx.Response(self.status_code, headers=headers, stream=self._stream) if content is None
+                           else httpx.Response(self.status_code, headers=headers, content=content))  # fmt: skip
+        return self._httpx
+
+    def iter_raw(self) -> Iterator[bytes]:
+        return iter(self._stream)
+
+    def iter_bytes(self) -> Iterator[bytes]:
+        return self._as_httpx().iter_bytes() if self._encoded() else iter(self._stream)
+
+    def read(self) -> bytes:
+        if self._content is None:
+            self._content = self._as_httpx().read() if self._encoded() else b"".join(self._stream)
+        return self._content
+
+    @property
+    def content(self) -> bytes:
+        return self.read()
+
+    def json(self) -> Any:
+        return json.loads(self.read())
+
+    @property
+    def text(self) -> str:
+        content = self.read()
+        if self._httpx is None:
+            self._as_httpx(content)
+        assert self._httpx is not None
+        return self._httpx.text
+
+    def close(self) -> None:
+        self._stream.close()

@@ -30,11 +30,12 @@ from starlette.concurrency import run_in_threadpool
 from featurestore.errors import CorruptChunk, DtypeMismatch, IndexOutOfRange, MissingChunks, SplitChanged
 from featurestore.format import lineage, wire
 from server.errors import BadRequest, NotFound, RequestTooLarge, ResponseTooLarge
+from server.plain_params import PlainParamsRoute
 from server.responses import ArrayResponse
 from server.routes_features import Name, state_of
 from server.state import OpenedSplit, StoreState
 
-router = APIRouter()
+router = APIRouter(route_class=PlainParamsRoute)  # parameters read without FastAPI's solver (plain_params.py)
 
 Labels = Annotated[bool, Query(description="labels instead of features")]
 Accept = Annotated[str | None, Header(description=f"{wire.NPY} for an .npy body")]

@@ -390,3 +390,61 @@ def test_a_new_client_of_an_http_server_builds_no_tls_transport(server_url: str,
         with pytest.raises(ClientError):
             tls.datasets()  # nothing listens there; what matters is that the TLS transport served it
     assert len(made) == 1
+
+
+def test_plain_http_requests_skip_httpx_client(server_url: str, store_path: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """httpx's client (URL parsing, header merging, cookies, auth and redirect hooks) was about a
+    third of a single item's client time: where httpx would route a request to the default
+    transport anyway, the request goes to it straight."""
+    import httpx
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("went through httpx.Client.send")
+
+    monkeypatch.setattr(httpx.Client, "send", refuse)
+    with FeatureClient(server_url, retries=0) as client:
+        assert "pannuke" in client.datasets()
+        np.testing.assert_array_equal(client.item(*KEY, 3), expected(store_path, "train", [3])[0])
+        np.testing.assert_array_equal(client.open(*KEY).read_numpy([4, 2]), expected(store_path, "train", [4, 2]))
+
+
+def test_direct_requests_send_what_httpx_sends() -> None:
+    """A URL prefix, query values that need quoting, a token: the request line and headers that
+    matter are those httpx's client sends for the same call."""
+    import httpx
+
+    ok = json.dumps({"ok": 1}).encode()
+    heads = []
+    for transport in (None, httpx.HTTPTransport()):  # direct, then through httpx
+        with ScriptedHTTPServer([response(200, ok)]) as server:
+            with FeatureClient(server.url + "/fs/", token="t0k", retries=0, transport=transport) as client:
+                assert client.get_json("/v1/x", {"a": "1", "b": "x y&z/é"}) == {"ok": 1}
+            heads.append(server.requests[0].split(b"\r\n"))
+    direct, via_httpx = heads
+    assert direct[0] == via_httpx[0] == b"GET /fs/v1/x?a=1&b=x+y%26z%2F%C3%A9 HTTP/1.1"
+    assert b"Authorization: Bearer t0k" in direct and b"Authorization: Bearer t0k" in via_httpx
+
+
+def test_credentials_in_the_url_still_go_through_httpx() -> None:
+    """httpx turns ``user:password@`` into basic auth; such a client keeps httpx's client."""
+    ok = json.dumps({"datasets": ["p"]}).encode()
+    with ScriptedHTTPServer([response(200, ok)]) as server:
+        url = server.url.replace("http://", "http://alice:pw@")
+        assert FeatureClient(url, retries=0).datasets() == ["p"]
+        assert b"Authorization: Basic YWxpY2U6cHc=" in server.requests[0].split(b"\r\n")
+
+
+def test_direct_responses_decode_and_report_as_httpx_ones() -> None:
+    """The direct path's lighter response hands an encoded body and a non-JSON error to httpx."""
+    import gzip
+
+    body = gzip.compress(json.dumps({"datasets": ["z"]}).encode())
+    encoded = response(200, body, {"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    plain_error = response(404, "nicht gefunden: é".encode("latin-1"), {"Content-Type": "text/plain; charset=latin-1"})
+    with ScriptedHTTPServer([encoded, plain_error]) as server:
+        client = FeatureClient(server.url, retries=0)
+        assert client.datasets() == ["z"]
+        with pytest.raises(ClientError) as info:
+            client.datasets()
+        assert info.value.status == 404 and info.value.detail == "nicht gefunden: é"
