@@ -13,12 +13,15 @@ with the same message, answered 400 by ``server/errors.py``).
 Everything else is FastAPI's: the signature still declares the parameters (the OpenAPI schema and
 ``/docs`` come from it as before), routing, the exception handlers, the thread pool for a
 ``def`` endpoint. A route whose endpoint needs more (a dependency, a body model, a cookie) is
-refused when the app is built, not served differently.
+refused when the app is built, not served differently. The class reads FastAPI's own description
+of the endpoint (``APIRoute.dependant``); should a FastAPI release rename what it reads, the route
+falls back to FastAPI's solver with a warning (slower, same answers) rather than fail to start.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -32,6 +35,7 @@ from starlette.responses import Response
 _ADAPTERS = {int: TypeAdapter(int), bool: TypeAdapter(bool)}
 _OPTIONAL_STR = str | None
 _MISSING = object()
+_log = logging.getLogger(__name__)
 
 
 def _convert(annotation: Any, value: str) -> Any:
@@ -88,6 +92,14 @@ class PlainParamsRoute(APIRoute):
     parameters only (``str``, ``int``, ``bool``, ``str | None``) and returns a ``Response``."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        try:
+            return self._plain_handler()
+        except AttributeError as error:  # a FastAPI whose internals moved: its own solver still works
+            _log.warning("PlainParamsRoute %s: FastAPI's endpoint description changed (%s); "
+                         "parameters go through FastAPI's solver", self.path, error)
+            return super().get_route_handler()
+
+    def _plain_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         dependant = self.dependant
         extra = (dependant.dependencies or dependant.body_params or dependant.cookie_params
                  or dependant.background_tasks_param_name or dependant.response_param_name)  # fmt: skip

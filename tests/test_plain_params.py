@@ -93,6 +93,28 @@ def test_an_endpoint_it_cannot_serve_is_refused_at_build_time() -> None:
         router.add_api_route("/b", _with_body, methods=["POST"])
 
 
+def test_a_fastapi_whose_internals_moved_falls_back_to_its_solver(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    import server.plain_params as plain
+
+    def moved(field: Any, where: str) -> Any:
+        raise AttributeError("'ModelField' object has no attribute 'field_info'")
+
+    monkeypatch.setattr(plain, "_reader", moved)
+    app = FastAPI()
+    router = APIRouter(route_class=PlainParamsRoute)
+    router.add_api_route("/f/{x}", _echo, methods=["GET"])
+    app.include_router(router)
+    with caplog.at_level("WARNING", logger="server.plain_params"), TestClient(app) as client:
+        assert client.get("/f/7", params={"flag": "true"}).json() == {"x": 7, "flag": True}
+        assert client.get("/f/seven").status_code == 422  # FastAPI's own validation answers
+    assert "FastAPI's solver" in caplog.text
+
+
+def _echo(x: int, flag: bool = False) -> JSONResponse:
+    return JSONResponse({"x": x, "flag": flag})
+
+
 def _with_body(body: dict[str, Any]) -> JSONResponse:
     return JSONResponse(body)
 
