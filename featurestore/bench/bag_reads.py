@@ -43,8 +43,6 @@ def register(subparsers: Any) -> None:
                         help="most patches per slide; one slide always has this many (default 60000)")
     parser.add_argument("--threads", type=int, default=8, help="threads of the parallel-pread reference")
     parser.add_argument("--skip-import", action="store_true", help="skip the import row")
-    parser.add_argument("--skip-loader", action="store_true",
-                        help="skip the BagLoader rows (bench bag-loader's epochs on this cohort)")
 
 
 def build(work: str, lengths: np.ndarray, dim: int) -> dict[str, Any]:
@@ -166,11 +164,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # The target's base: the h5 files read whole with h5py (the TRIDENT h5 cold pass).
             results["ratios"]["import vs h5 read"] = results["seconds"]["TRIDENT h5 cold"] / results["import_seconds"]
             results["ratios"]["import vs its own read"] = results["import_read_seconds"] / results["import_seconds"]
-        if not args.skip_loader:
-            figures = bag_loader.epoch_figures(built["paths"]["store"], *NAMES, pt_dir=built["paths"]["pt"],
-                                               workers=4, repeats=max(1, args.repeats))
-            results["loader"] = {**figures, "patches": int(lengths.sum()), "dim": args.dim, "dtype": "float16",
-                                 "workers": 4}
         return results
 
 

@@ -23,8 +23,6 @@ from featurestore.errors import InvalidOption
 from featurestore.format import int8 as int8_format
 
 BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
-VARIANTS = {"FeatureArray.read [mmap]": ("mmap", "keep"), "FeatureArray.read [pread, drop]": ("pread", "drop"),
-            "FeatureArray.read [pread, direct]": ("pread", "direct")}
 # Loader epochs to float32 values on the float16 split and on the int8 one (whose loader
 # dequantizes), interleaved in the same child: int8's samples/s over float16's, per repeat.
 INT8_PAIRS = ("FeatureLoader -> float32", "FeatureLoader [int8]", "FeatureLoader -> cuda float32",
@@ -43,9 +41,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--limit-mib", type=int, default=512, help="memory cgroup limit (default 512 MiB)")
     parser.add_argument("--store-ratio", type=float, default=3.0, help="store size / cgroup limit (default 3)")
     parser.add_argument("--prefetch", type=int, default=4, help="FeatureLoader prefetch (default 4)")
-    parser.add_argument("--no-variants", action="store_true", help="skip the forced mmap/drop/direct reader rows")
+    parser.add_argument("--no-variants", action="store_true", help="(no effect: the forced reader rows are gone; kept "
+                        "so older command lines run)")
     parser.add_argument("--slow-seconds", type=float, default=20.0,
-                        help="time budget of the page-fault-bound rows (np.memmap, forced mmap): GB/s over the "
+                        help="time budget of the page-fault-bound np.memmap row: GB/s over the "
                              "batches read in that time (default 20 s)")
     parser.add_argument("--cuda", choices=("auto", "on", "off"), default="auto",
                         help="CUDA rows (pinned H2D, loader epoch to the GPU); auto: when a GPU is present")
@@ -93,7 +92,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
     with open(os.path.join(base, "raw"), "wb") as raw:  # the store and a raw file of the same bytes
         harness.write_split(os.path.join(base, "store"), n, shape, dtype=dtype, rows=args.chunk_rows,
                             chunk_bytes=args.chunk_rows * sample_bytes, slabs=lambda _, values: values.tofile(raw))
-    methods = list(BASE_METHODS) + ([] if args.no_variants else list(VARIANTS))
+    methods = list(BASE_METHODS)
     cuda = args.cuda == "on" or (args.cuda == "auto" and _has_cuda())
     if cuda:
         methods += ["FeatureLoader -> cuda", "pinned H2D"]
@@ -215,13 +214,9 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     def memmap_gather() -> int:
         return budget(lambda idx: memmap[idx].nbytes, slow=True)
 
-    def reader(local_read: str | None, cache: str | None) -> Any:
-        def read() -> int:
-            array = featurestore.open_store(store_dir).open("bench", "enc", "train")
-            if local_read:
-                array.local_read, array.cache = local_read, cache
-            return budget(lambda idx: _nbytes(array.read(idx)), slow=local_read == "mmap")
-        return read
+    def reader() -> int:
+        array = featurestore.open_store(store_dir).open("bench", "enc", "train")
+        return budget(lambda idx: _nbytes(array.read(idx)), slow=False)
 
     int8_dir = os.path.join(base, "store-int8")
 
@@ -247,11 +242,10 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
         return 10 * host.numel()
 
     fns = {"device limit": device_limit, "pread reference": pread_reference, "np.memmap gather": memmap_gather,
-           "FeatureArray.read": reader(None, None), "FeatureLoader": loader("cpu"),
+           "FeatureArray.read": reader, "FeatureLoader": loader("cpu"),
            "FeatureLoader -> cuda": loader("cuda"), "pinned H2D": pinned_h2d}
     for name, device, store in zip(INT8_PAIRS, ("cpu", "cpu", "cuda", "cuda"), (store_dir, int8_dir) * 2):
         fns[name] = loader(device, store, torch.float32)
-    fns.update({name: reader(*mode) for name, mode in VARIANTS.items()})
     peaks: dict[str, int] = {}
     errors: dict[str, str] = {}
     seconds: dict[str, list[float]] = {}

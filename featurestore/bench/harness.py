@@ -11,7 +11,7 @@
   end) and :func:`scratch` (its work directory).
 
 What a bench prints, and what `bench all` reports, is read from its result by
-:mod:`featurestore.bench.summary`.
+:mod:`featurestore.bench.reading`.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import numpy as np
 
 from featurestore.bench.cgroup import evict
 
-__all__ = ["Method", "RssPeak", "Times", "add_bench", "child", "child_process", "evict", "feature_bytes", "gbps",
-           "h2d_gbps", "interleaved", "parse_dtypes", "parse_shapes", "peak_reset", "peak_rss", "rss_anon_bytes",
+__all__ = ["Method", "RssPeak", "Times", "add_bench", "add_flags", "rate", "child", "child_process", "evict", "feature_bytes", "gbps",
+           "interleaved", "parse_dtypes", "parse_shapes", "peak_reset", "peak_rss", "rss_anon_bytes",
            "scratch", "timed", "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
 
 
@@ -46,9 +46,9 @@ def add_bench(subparsers: Any, verb: str, help: str, *, repeats: int | None = No
               workdir: str = "scratch directory (default: a temp dir, removed)") -> argparse.ArgumentParser:
     """The parser of ``featurestore bench VERB`` with what every bench has: ``--repeats`` (when
     given a default), ``--workdir``, ``--json``; the command runs the module's ``run(args)``, prints
-    its result (:func:`featurestore.bench.summary.finish`) and exits 1 when its ``failed`` says why."""
+    its result (:func:`featurestore.bench.reading.finish`) and exits 1 when its ``failed`` says why."""
     from featurestore.bench import bench_module
-    from featurestore.bench.summary import finish
+    from featurestore.bench.reading import finish
 
     name = verb.replace("-", "_")
     parser = subparsers.add_parser(verb, help=help, description=description or help)
@@ -63,6 +63,18 @@ def add_bench(subparsers: Any, verb: str, help: str, *, repeats: int | None = No
         return finish(name, module.run(args), args.json_out, getattr(module, "failed", None))
     parser.set_defaults(func=command)
     return parser
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[Any, str | None]]) -> None:
+    """A bench's own flags from ``{"--name": (default, help)}``: a type as the default means none
+    (None) of that type; ``False`` a switch."""
+    for name, (default, text) in flags.items():
+        if default is False:
+            parser.add_argument(name, action="store_true", help=text)
+        elif isinstance(default, type):
+            parser.add_argument(name, type=default, default=None, help=text)
+        else:
+            parser.add_argument(name, type=type(default), default=default, help=text)
 
 
 @contextlib.contextmanager
@@ -136,6 +148,11 @@ def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def rate(fn: Callable[[], Any], nbytes: float) -> Callable[[], float]:
+    """A call that runs ``fn`` once and returns GB/s of ``nbytes`` (a :class:`Method` with ``own``)."""
+    return lambda: gbps(nbytes, timed(fn))
 
 
 def unmap() -> None:
@@ -290,23 +307,6 @@ class RssPeak:
         self.seconds = time.perf_counter() - self.t0
         self.peak = max([self.baseline, *(s[1] for s in self.samples)])
         self.peak_file = max((s[2] for s in self.samples), default=0)
-
-
-def h2d_gbps(pinned: bool, nbytes: int = 256 << 20, copies: int = 10) -> float:
-    """Host-to-device GB/s of ``copies`` copies of a pinned (or pageable) host buffer, CUDA events."""
-    import torch
-
-    target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).fill_(1)
-    target.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(copies):
-        target.copy_(host, non_blocking=True)
-    end.record()
-    end.synchronize()
-    return copies * nbytes / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 # ---------------------------------------------------------------------- small helpers

@@ -1,5 +1,5 @@
 """``featurestore bench loader``: FeatureLoader against the bare reader, its stall, its memory bound,
-an epoch under a memory cgroup, and host-to-device GB/s (docs/BENCHMARKS.md).
+and an epoch under a memory cgroup (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ DATASET, ENCODER = "bench", "loader"
 
 def register(subparsers: Any) -> None:
     parser = harness.add_bench(subparsers, "loader", "FeatureLoader vs bare reader: throughput, stall, RSS N vs 4N, "
-                               "epoch under a memory cgroup, H2D GB/s", repeats=7, keep="best")
+                               "epoch under a memory cgroup", repeats=7, keep="best")
     parser.add_argument("--shape", default="256x384", help="sample shape TxD (default 256x384)")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     parser.add_argument("--num-samples", type=int, default=1024, help="N (the RSS run also uses 4N)")
@@ -49,7 +49,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not args.skip_rss:
             results["rss"] = _rss(store, shape, args)
         results["cgroup"] = _cgroup_epoch(store, shape, args) if not args.skip_cgroup else {"skipped": "--skip-cgroup"}
-        results["cuda"] = _cuda(store, args)
     return results
 
 
@@ -229,32 +228,3 @@ def _cgroup_epoch(store: str, shape: tuple[int, ...], args: argparse.Namespace) 
         return {"skipped": str(error)}
     out["ok"] = out["loader_returncode"] == 0 and out["ram_killed"]
     return out
-
-
-# ---------------------------------------------------------------------- 5. CUDA
-def _cuda(store: str, args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    if not torch.cuda.is_available():
-        print("CUDA figures skipped: no CUDA device")
-        return {"skipped": "no CUDA device"}
-    from client import FeatureDataset, FeatureLoader
-
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "h2d_pinned_gbps": harness.h2d_gbps(True),
-                           "h2d_pageable_gbps": harness.h2d_gbps(False)}
-    ds = FeatureDataset(store, DATASET, ENCODER, "n")
-    harness.warm(_split_dir(store, "n"))
-    loader = FeatureLoader(ds, batch_size=args.batch_size, device="cuda", prefetch=args.prefetch)
-    for _ in loader:  # warm-up epoch: CUDA context, pinned slots, allocator
-        pass
-    start_s = time.perf_counter()
-    count = 0
-    for features, _ in loader:
-        count += len(features)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start_s
-    out["loader_to_gpu_gbps"] = count * ds.sample_nbytes / seconds / 1e9
-    out["loader_to_gpu_stall_s"] = float(loader.stats["stall_s"])
-    return out
-
-

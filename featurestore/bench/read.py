@@ -105,23 +105,9 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
     best = {name: max(values) for name, values in rates.items()}
     paired = rates.pairs("featurestore", "np.memmap gather")  # run back to back in each repeat
     rows = {name: {"gb_per_s": rate, "vs_memmap": rate / best["np.memmap gather"]} for name, rate in best.items()}
-    verify = _first_pass_cost(store, n, sample_bytes)
     shutil.rmtree(base, ignore_errors=True)
     return {"sample_shape": list(shape), "num_samples": n, "read": rows, "paired_vs_memmap": paired,
-            "median_paired_vs_memmap": float(np.median(paired)), "verify": verify}
-
-
-def _first_pass_cost(store: Any, n: int, sample_bytes: int) -> dict[str, float]:
-    """One sequential pass over a fresh reader with and without the first-read crc32c check."""
-    def one_pass(mode: str) -> float:
-        array = store.open("bench", "enc", "train")
-        array.verify_reads = mode
-        return harness.timed(lambda: [array.read_numpy(np.arange(s, min(n, s + 64))) for s in range(0, n, 64)])
-
-    times = interleaved([Method("off", lambda: one_pass("off")), Method("first", lambda: one_pass("first"))], 1,
-                        warmup=1)  # interleaved, the later pair kept
-    rates = {mode: gbps(n * sample_bytes, times.best(mode)) for mode in times}
-    return {"unchecked_gbps": rates["off"], "checked_gbps": rates["first"], "ratio": rates["first"] / rates["off"]}
+            "median_paired_vs_memmap": float(np.median(paired))}
 
 
 def rss_epoch(path: str) -> dict[str, Any]:

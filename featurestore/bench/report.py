@@ -26,8 +26,7 @@ from typing import Any
 
 from featurestore import __version__
 from featurestore.bench import bench_module
-from featurestore.bench.markdown import render_markdown
-from featurestore.bench.summary import print_result, rss_series, throughput_rows
+from featurestore.bench.reading import Panels, print_result, read_result
 from featurestore.errors import InvalidOption
 
 BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3", "cold", "bags", "bag_loader")
@@ -40,7 +39,7 @@ QUICK_FLAGS: dict[str, list[str]] = {
              "--load-seconds", "2", "--clients", "4"],
     "loader": ["--shape", "64x384", "--num-samples", "64", "--repeats", "1", "--skip-cgroup"],
     "extract": ["--n", "64", "--image-size", "64", "--repeats", "1"],
-    "s3": ["--num-samples", "128", "--batches", "4", "--slow-batches", "2", "--repeats", "1", "--bags", "6",
+    "s3": ["--num-samples", "128", "--slow-batches", "2", "--repeats", "1", "--bags", "6",
            "--bag-median", "300", "--bag-dim", "256"],
     "cold": ["--shapes", "64x384", "--batch-sizes", "16", "--limit-mib", "512", "--store-ratio", "0.1",
              "--no-variants", "--cuda", "off"],
@@ -124,8 +123,6 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
     flags, None for its own defaults or --quick's); call ``before_write(report)``; write the
     reports into ``args.out``; return the report dict (also what ``report.json`` holds)."""
 
-    from featurestore.bench.figures import bench_figures
-
     if runs is None:
         runs = {n: (n, None) for n in parse_benches(getattr(args, "benches", None) or ",".join(BENCH_NAMES))}
     quick = bool(getattr(args, "quick", False))
@@ -149,10 +146,10 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
             module = bench_module(name)
             result = module.run(bench)
             entry["result"] = result
-            try:  # the gate's figures; a result whose keys changed is noted, not fatal
-                entry["figures"] = bench_figures(name, result)
-            except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as error:
-                entry["figures_error"] = f"figures unreadable: {type(error).__name__}: {error}"
+            reading = read_result(name, result)  # the gate's figures; a result whose keys changed is noted
+            entry["figures"] = reading.figures
+            if reading.error:
+                entry["figures_error"] = f"figures unreadable: {reading.error}"
             verdict = _verdict(module, name, result)
             if verdict:
                 entry.update(error=verdict, traceback=verdict)
@@ -196,6 +193,82 @@ def machine_info() -> dict[str, Any]:
     except ImportError:
         info["torch"] = None
     return info
+
+
+def throughput_rows(report: dict[str, Any]) -> Panels:
+    """Per panel title: ``(method, rate)`` pairs, featurestore first, of every entry in the report (a
+    variant's panels titled with its entry's name); a result whose keys changed is noted in
+    ``render_errors``."""
+    panels: Panels = {}
+    for name, entry in report["benches"].items():
+        bench = entry.get("bench", name)
+        reading = read_result(bench, entry.get("result"))
+        if reading.error:
+            report.setdefault("render_errors", {})[name] = reading.error
+        panels.update({(title if name == bench else f"{name}: {title}"): bars for title, bars in reading.rows.items()})
+    return panels
+
+
+def rss_series(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """From the loader bench: per run (N, 4N), time (s), anonymous RSS (MiB) and the float32 cache (MiB)."""
+    loader = (report["benches"].get("loader") or {}).get("result") or {}
+    elements = math.prod(loader.get("sample_shape") or [0])
+    series = []
+    for label, run in ((label, (loader.get("rss") or {}).get(label)) for label in ("N", "4N")):
+        if run and run.get("samples"):
+            series.append({"label": f"{label} = {run['num_samples']} samples", "t": [s[0] for s in run["samples"]],
+                           "anon_mib": [s[1] / 2**20 for s in run["samples"]], "peak_anon_mib": run["peak_anon"] / 2**20,
+                           "baseline_mib": run["baseline_anon"] / 2**20,
+                           "cache_mib": run["num_samples"] * elements * 4 / 2**20})
+    return series
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """``report.md``: status, the gate's table, each entry's rows, figures and notes, memory, failures."""
+    from featurestore.bench.reading import figure_lines
+
+    m = report["machine"]
+    lines = ["# featurestore benchmark report", "", f"- command: `{report['command']}`", f"- created: {report['created']}",
+             f"- machine: {m.get('cpu_count')} CPUs, {m.get('platform')}, Python {m.get('python')}, torch "
+             f"{m.get('torch')}, CUDA {m.get('cuda') or 'none'}, load average {m.get('load_average')}",
+             "- ratios are taken side by side in one run (repeats interleaved; best or median, as each bench reports), "
+             "because a shared machine is noisy; absolute GB/s move from run to run.",
+             "", "## Status", "", "| bench | status | seconds |", "|---|---|---|"]
+    for name, entry in report["benches"].items():
+        status = "ok" if entry["status"] == "ok" else f"**FAILED**: {entry.get('error', '')}"
+        lines.append(f"| {name} | {_cell(status)} | {entry.get('seconds', 0):.1f} |")
+    tables = [report["gate"]] if report.get("gate") else []  # bench all --check: figures against the targets
+    lines += [line for header, *rows in tables for line in (
+        "", "## Targets (docs/BENCHMARKS.md)", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+        *("| " + " | ".join(_cell(c) for c in row) + " |" for row in rows))]
+    for title, bars in throughput_rows(report).items():  # featurestore's rate (first row) over each method's
+        lines += ["", f"## {title}", "", f"| method | rate | {bars[0][0]} ÷ method |", "|---|---|---|"]
+        lines += [f"| {name} | {rate:.3g} | {bars[0][1] / rate:.2f}x |" if rate else f"| {name} | {rate:.3g} | |"
+                  for name, rate in bars]
+    other = []
+    for name, entry in report["benches"].items():
+        bench = entry.get("bench", name)
+        reading = read_result(bench, entry.get("result"))
+        other += figure_lines(name, bench, reading.figures, variants="bench" not in entry) + reading.notes
+    lines += ["", "## Other figures", "", *other] if other else []
+    if series := rss_series(report):
+        lines += ["", "## Memory: one loader epoch vs the in-RAM float32 cache", "",
+                  "| run | anon RSS after imports (MiB) | peak during the epoch (MiB) | float32 cache (MiB) |",
+                  "|---|---|---|---|", *(f"| {s['label']} | {s['baseline_mib']:.1f} | {s['peak_anon_mib']:.1f} | "
+                                         f"{s['cache_mib']:.1f} |" for s in series)]
+    lines += ["", "## Plots", "", "![throughput](throughput.png)", "", "![rss](rss.png)"]
+    if report.get("render_errors"):
+        lines += ["", "## Report notes", "", "Results the report could not read all of:", "",
+                  *(f"- {where}: {error}" for where, error in report["render_errors"].items())]
+    failed = {n: e for n, e in report["benches"].items() if e["status"] != "ok"}
+    lines += ["", "## Failures", ""] if failed else []
+    for name, entry in failed.items():
+        lines += [f"### {name}", "", "```", entry.get("traceback", entry.get("error", "")).rstrip(), "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
 
 
 def write_report(report: dict[str, Any], out: str) -> list[str]:
