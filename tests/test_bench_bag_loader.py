@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from featurestore.bench import reading
-from featurestore.bench import gate
+from featurestore.bench import gate, reading
 from featurestore.cli import main
 
 

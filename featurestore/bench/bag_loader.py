@@ -29,20 +29,15 @@ DATASET, ENCODER = "bench", "bags"
 
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(
-        subparsers, "bag-loader", "BagLoader vs the bare bag reader and CLAM's torch.load per slide: epoch warm and "
-        "cold, padded batches, RSS over B vs 4B bags", repeats=5, keep="best")
-    parser.add_argument("--bags", type=int, default=48, help="B, bags in the cohort (the RSS run also uses 4B)")
-    parser.add_argument("--patches", type=int, default=2500, help="median patches per bag (log-normal, sigma 0.6)")
-    parser.add_argument("--dim", type=int, default=1024)
-    parser.add_argument("--dtype", default="float16,int8",
-                        help="float16, or float16,int8: int8 measured beside float16 (the same cohort, float32 out, "
-                             "bags/s of their epochs interleaved, warm and cold) (default float16,int8)")
-    parser.add_argument("--workers", type=int, default=4, help="CLAM DataLoader workers (CLAM's default: 4)")
-    parser.add_argument("--batch-size", type=int, default=8, help="padded run's batch size")
-    parser.add_argument("--max-patches", type=int, default=4096, help="padded run's max_patches")
-    parser.add_argument("--skip-cold", action="store_true", help="warm figures only")
-    parser.add_argument("--skip-rss", action="store_true", help="skip the B vs 4B subprocesses")
+    harness.add_bench(subparsers, "bag-loader", "BagLoader vs the bare bag reader and CLAM's torch.load per slide: epoch "
+                      "warm and cold, padded batches, RSS over B vs 4B bags", {
+        "--bags": (48, "B, bags in the cohort (the RSS run also uses 4B)"),
+        "--patches": (2500, "median patches per bag (log-normal, sigma 0.6)"), "--dim": (1024, None),
+        "--dtype": ("float16,int8", "float16, or float16,int8: int8 measured beside float16 (the same cohort, float32 "
+                                    "out, bags/s of their epochs interleaved, warm and cold)"),
+        "--workers": (4, "CLAM DataLoader workers (CLAM's default: 4)"), "--batch-size": (8, "padded run's batch size"),
+        "--max-patches": (4096, "padded run's max_patches"), "--skip-cold": (False, "warm figures only"),
+        "--skip-rss": (False, "skip the B vs 4B subprocesses")}, repeats=5, keep="best")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

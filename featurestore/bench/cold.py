@@ -30,24 +30,19 @@ INT8_PAIRS = ("FeatureLoader -> float32", "FeatureLoader [int8]", "FeatureLoader
 
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(subparsers, "cold", "cold-cache epochs over a store larger than a memory cgroup", repeats=1)
-    parser.add_argument("--shapes", default="1024x3072,256x384", help="sample shapes TxD, comma separated")
-    parser.add_argument("--batch-sizes", default="16,64", help="batch size per shape (one value: all shapes)")
-    parser.add_argument("--dtype", default="float16,int8",
-                        help="stored dtypes, comma separated: every shape is measured in each; int8 is measured "
-                             "beside float16 (the same samples, float32 out, its loader epochs interleaved with "
-                             "float16's in the same child) and needs float16 in the list (default float16,int8)")
-    parser.add_argument("--chunk-rows", type=int, default=64, help="rows per chunk of the store (default 64)")
-    parser.add_argument("--limit-mib", type=int, default=512, help="memory cgroup limit (default 512 MiB)")
-    parser.add_argument("--store-ratio", type=float, default=3.0, help="store size / cgroup limit (default 3)")
-    parser.add_argument("--prefetch", type=int, default=4, help="FeatureLoader prefetch (default 4)")
-    parser.add_argument("--no-variants", action="store_true", help="(no effect: the forced reader rows are gone; kept "
-                        "so older command lines run)")
-    parser.add_argument("--slow-seconds", type=float, default=20.0,
-                        help="time budget of the page-fault-bound np.memmap row: GB/s over the "
-                             "batches read in that time (default 20 s)")
-    parser.add_argument("--cuda", choices=("auto", "on", "off"), default="auto",
-                        help="CUDA rows (pinned H2D, loader epoch to the GPU); auto: when a GPU is present")
+    harness.add_bench(subparsers, "cold", "cold-cache epochs over a store larger than a memory cgroup", {
+        "--shapes": ("1024x3072,256x384", "sample shapes TxD, comma separated"),
+        "--batch-sizes": ("16,64", "batch size per shape (one value: all shapes)"),
+        "--dtype": ("float16,int8", "stored dtypes, comma separated: every shape is measured in each; int8 is measured "
+                                    "beside float16 (the same samples, float32 out, its loader epochs interleaved with "
+                                    "float16's in the same child) and needs float16 in the list"),
+        "--chunk-rows": (64, "rows per chunk of the store"), "--limit-mib": (512, "memory cgroup limit in MiB"),
+        "--store-ratio": (3.0, "store size / cgroup limit"), "--prefetch": (4, "FeatureLoader prefetch"),
+        "--no-variants": (False, "(no effect: the forced reader rows are gone; kept so older command lines run)"),
+        "--slow-seconds": (20.0, "time budget of the page-fault-bound np.memmap row: GB/s over the batches read in "
+                                 "that time"),
+        "--cuda": ("auto", "CUDA rows (the loader's epoch to the GPU); auto: when a GPU is present",
+                   {"choices": ("auto", "on", "off")})}, repeats=1)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -95,7 +90,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
     methods = list(BASE_METHODS)
     cuda = args.cuda == "on" or (args.cuda == "auto" and _has_cuda())
     if cuda:
-        methods += ["FeatureLoader -> cuda", "pinned H2D"]
+        methods += ["FeatureLoader -> cuda"]
     out: dict[str, Any] = {"sample_shape": list(shape), "dtype": dtype, "num_samples": n, "batch_size": batch_size,
                            "chunk_rows": args.chunk_rows, "store_bytes": n * sample_bytes, "limit_bytes": limit}
     if int8:  # the same samples as int8 (the writer quantizes them), chunks of as many rows where the format allows
@@ -233,17 +228,9 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
             return total
         return epoch
 
-    def pinned_h2d() -> int:
-        host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True).fill_(1)
-        target = torch.empty_like(host, device="cuda")
-        for _ in range(10):
-            target.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        return 10 * host.numel()
-
     fns = {"device limit": device_limit, "pread reference": pread_reference, "np.memmap gather": memmap_gather,
            "FeatureArray.read": reader, "FeatureLoader": loader("cpu"),
-           "FeatureLoader -> cuda": loader("cuda"), "pinned H2D": pinned_h2d}
+           "FeatureLoader -> cuda": loader("cuda")}
     for name, device, store in zip(INT8_PAIRS, ("cpu", "cpu", "cuda", "cuda"), (store_dir, int8_dir) * 2):
         fns[name] = loader(device, store, torch.float32)
     peaks: dict[str, int] = {}

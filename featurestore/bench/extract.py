@@ -17,10 +17,6 @@ import numpy as np
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
 
-# Seconds the trivial encoder waits per batch (``--device-ms``); set by ``run`` in this process,
-# which is where extraction calls the encoder.
-_DEVICE_SECONDS = [0.0]
-
 
 def trivial_encoder() -> Any:
     """``python:featurestore.bench.extract:trivial_encoder``: patch embedding (16 px, 384 channels)
@@ -40,8 +36,6 @@ def trivial_encoder() -> Any:
                 self.proj.weight.copy_(torch.randn(self.proj.weight.shape, generator=generator) * 0.05)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if _DEVICE_SECONDS[0]:
-                time.sleep(_DEVICE_SECONDS[0] * len(x) / 64)  # an accelerator's time per batch of 64
             grid = self.proj(x).flatten(2).transpose(1, 2)
             tokens = torch.cat([grid.mean(1, keepdim=True), grid], 1)
             return torch.nn.functional.layer_norm(tokens, (384,))
@@ -83,23 +77,24 @@ ENCODERS = {"trivial": "python:featurestore.bench.extract:trivial_encoder",
 
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(subparsers, "extract", "extraction wall time vs encoding alone; write MB/s",
-                               repeats=3, keep="best")
-    parser.add_argument("--n", type=int, default=512, help="images (default 512)")
-    parser.add_argument("--image-size", type=int, default=224, help="square image side (default 224)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--chunk-mb", type=float, default=8.0)
-    parser.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default: auto)")
-    parser.add_argument("--encoder", default="trivial",
-                        help="trivial (patch embedding + LayerNorm), zero (zero-cost: the pipeline's own "
-                        "ceiling) or any encoder spec, e.g. builtin:vit-s14 (a ViT-S/14's cost, no download) "
-                        "or timm:vit_small_patch14_dinov2,pretrained=false,img_size=224; with --wsi the "
-                        "default is zero")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
-    parser.add_argument("--precision", default="auto", help="auto, bf16 or fp32 (default auto: bf16 on CUDA)")
-    parser.add_argument("--device-ms", type=float, default=0.0,
-                        help="emulated accelerator time per batch of 64, host CPU idle (default 0)")
-    _add_wsi_arguments(parser)
+    harness.add_bench(subparsers, "extract", "extraction wall time vs encoding alone and numpy tofile; --wsi: slide "
+                      "extraction vs OpenSlide alone", {
+        "--n": (512, "images"), "--image-size": (224, "square image side"), "--batch-size": (64, None),
+        "--chunk-mb": (8.0, None), "--num-workers": (int, "DataLoader workers (default: auto)"),
+        "--encoder": ("trivial", "trivial (patch embedding + LayerNorm), zero (zero-cost: the pipeline's own ceiling) "
+                                 "or any encoder spec, e.g. builtin:vit-s14 (a ViT-S/14's cost, no download) or "
+                                 "timm:vit_small_patch14_dinov2,pretrained=false,img_size=224; with --wsi the default "
+                                 "is zero"),
+        "--device": ("auto", "auto, cpu or cuda"), "--precision": ("auto", "auto, bf16 or fp32 (auto: bf16 on CUDA)"),
+        "--wsi": (False, "bench slide extraction instead (synthetic pyramidal TIFFs)"),
+        "--slides": (3, "--wsi: synthetic slides"),
+        "--slide-size": ((12288, 9216), "--wsi: level-0 size (default 12288 9216 at 0.5 um/px, levels 1/4/16: ~700 "
+                                        "tissue patches of 224 px a slide)",
+                         {"type": int, "nargs": 2, "metavar": ("W", "H")}),
+        "--patch-size": (224, "--wsi: patch side at 20x"),
+        "--tissue": ("otsu", "--wsi: tissue filter", {"choices": ("otsu", "all")}),
+        "--max-patches": (int, "--wsi: --limit slides so about this many patches are encoded (a real encoder on a CPU)"),
+        "--cold": (False, "--wsi: evict the slides from the page cache before each pass")}, repeats=3, keep="best")
 
 
 def _encode_only(opts: Any) -> float:
@@ -127,93 +122,75 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return run_wsi(args)
     from featurestore.extract.run import ExtractOptions, extract
 
-    _DEVICE_SECONDS[0] = getattr(args, "device_ms", 0.0) / 1000.0
     encoder = getattr(args, "encoder", "trivial")
     spec = ENCODERS.get(encoder, encoder)
-    try:
-        with harness.scratch(args, "extract") as work:
-            images_path = os.path.join(work, "images.npy")
-            rng = np.random.default_rng(0)
-            images = np.lib.format.open_memmap(images_path, mode="w+", dtype=np.uint8,
-                                               shape=(args.n, args.image_size, args.image_size, 3))
-            for lo in range(0, args.n, 64):
-                images[lo : lo + 64] = rng.integers(0, 256, images[lo : lo + 64].shape, dtype=np.uint8)
-            images.flush()
-            del images
-            opts = ExtractOptions(images=f"npy:{images_path}", encoder=spec, store=os.path.join(work, "store"),
-                                  dataset="bench", split="s", batch_size=args.batch_size, chunk_mb=args.chunk_mb,
-                                  num_workers=args.num_workers, progress=False, device=getattr(args, "device", "auto"),
-                                  precision=getattr(args, "precision", "auto"))
-            waits: list[float] = []
-            state: dict[str, Any] = {}
+    with harness.scratch(args, "extract") as work:
+        images_path = os.path.join(work, "images.npy")
+        rng = np.random.default_rng(0)
+        images = np.lib.format.open_memmap(images_path, mode="w+", dtype=np.uint8,
+                                           shape=(args.n, args.image_size, args.image_size, 3))
+        for lo in range(0, args.n, 64):
+            images[lo : lo + 64] = rng.integers(0, 256, images[lo : lo + 64].shape, dtype=np.uint8)
+        images.flush()
+        del images
+        opts = ExtractOptions(images=f"npy:{images_path}", encoder=spec, store=os.path.join(work, "store"),
+                              dataset="bench", split="s", batch_size=args.batch_size, chunk_mb=args.chunk_mb,
+                              num_workers=args.num_workers, progress=False, device=getattr(args, "device", "auto"),
+                              precision=getattr(args, "precision", "auto"))
+        waits: list[float] = []
+        state: dict[str, Any] = {}
 
-            def encode_only() -> float:
-                return _encode_only(opts)
+        def encode_only() -> float:
+            return _encode_only(opts)
 
-            def run_extract() -> None:
-                result = extract(opts)
-                os.sync()  # the same finish line as tofile's
-                waits.append(result.writer_wait_seconds)
-                state["shape"] = tuple(result.metadata["sample_shape"])
+        def run_extract() -> None:
+            result = extract(opts)
+            os.sync()  # the same finish line as tofile's
+            waits.append(result.writer_wait_seconds)
+            state["shape"] = tuple(result.metadata["sample_shape"])
 
-            def stored_bytes() -> int:
-                return args.n * int(np.prod(state["shape"])) * 2
+        def stored_bytes() -> int:
+            return args.n * int(np.prod(state["shape"])) * 2
 
-            def block(rows: int) -> np.ndarray:
-                return np.random.default_rng(0).standard_normal((rows, *state["shape"]), dtype=np.float32)
+        def block(rows: int) -> np.ndarray:
+            return np.random.default_rng(0).standard_normal((rows, *state["shape"]), dtype=np.float32)
 
-            def write_raw(path: str) -> float:  # the disk's own write rate, for the same bytes
-                seconds = harness.tofile_synced(path, block(args.n).astype(np.float16))
-                os.unlink(path)
-                return seconds
+        def write_raw(path: str) -> float:  # the disk's own write rate, for the same bytes
+            seconds = harness.tofile_synced(path, block(args.n).astype(np.float16))
+            os.unlink(path)
+            return seconds
 
-            def clean() -> None:
-                for path in ("store", "write"):
-                    shutil.rmtree(os.path.join(work, path), ignore_errors=True)
-                os.sync()
+        def clean() -> None:
+            for path in ("store", "write"):
+                shutil.rmtree(os.path.join(work, path), ignore_errors=True)
+            os.sync()
 
-            # Interleaved: a slow moment hits every method alike.
-            times = interleaved([Method("encode_only_s", encode_only, own=True), Method("extract_s", run_extract),
-                                 Method("tofile_s", lambda: write_raw(os.path.join(work, "raw")), own=True),
-                                 Method("write_only_s", lambda: harness.write_synced(
-                                     os.path.join(work, "write"), block(64), 64, n=args.n,
-                                     chunk_bytes=int(args.chunk_mb * (1 << 20))), teardown=clean, own=True)],
-                                args.repeats)
-            sample_shape = state["shape"]
-            nbytes = stored_bytes()
-            best = {name: min(values) for name, values in times.items()}
-            encode, extracted, write, tofile = best["encode_only_s"], best["extract_s"], best["write_only_s"], best["tofile_s"]
-            results = {
-                "benchmark": "extract", "encoder": spec, "device": str(getattr(args, "device", "auto")),
-                "images": args.n, "image_size": args.image_size, "batch_size": args.batch_size,
-                "device_ms": getattr(args, "device_ms", 0.0), "cpu_count": os.cpu_count(),
-                "load_average_1m": os.getloadavg()[0],
-                "sample_shape": list(sample_shape), "stored_dtype": "float16", "bytes": nbytes,
-                "encode_only_s": encode, "extract_s": extracted, "ratio": extracted / encode,
-                "tofile_s": tofile, "extract_vs_tofile": tofile / extracted,
-                "writer_wait_s": waits[times["extract_s"].index(extracted)],
-                "extract_write_mb_s": nbytes / extracted / 1e6, "write_only_mb_s": nbytes / write / 1e6,
-                "tofile_mb_s": nbytes / tofile / 1e6,
-                "encode_only_img_s": args.n / encode, "extract_img_s": args.n / extracted,
-                "repeats": dict(times),
-            }
-    finally:
-        _DEVICE_SECONDS[0] = 0.0
+        # Interleaved: a slow moment hits every method alike.
+        times = interleaved([Method("encode_only_s", encode_only, own=True), Method("extract_s", run_extract),
+                             Method("tofile_s", lambda: write_raw(os.path.join(work, "raw")), own=True),
+                             Method("write_only_s", lambda: harness.write_synced(
+                                 os.path.join(work, "write"), block(64), 64, n=args.n,
+                                 chunk_bytes=int(args.chunk_mb * (1 << 20))), teardown=clean, own=True)],
+                            args.repeats)
+        sample_shape = state["shape"]
+        nbytes = stored_bytes()
+        best = {name: min(values) for name, values in times.items()}
+        encode, extracted, write, tofile = best["encode_only_s"], best["extract_s"], best["write_only_s"], best["tofile_s"]
+        results = {
+            "benchmark": "extract", "encoder": spec, "device": str(getattr(args, "device", "auto")),
+            "images": args.n, "image_size": args.image_size, "batch_size": args.batch_size,
+            "cpu_count": os.cpu_count(),
+            "load_average_1m": os.getloadavg()[0],
+            "sample_shape": list(sample_shape), "stored_dtype": "float16", "bytes": nbytes,
+            "encode_only_s": encode, "extract_s": extracted, "ratio": extracted / encode,
+            "tofile_s": tofile, "extract_vs_tofile": tofile / extracted,
+            "writer_wait_s": waits[times["extract_s"].index(extracted)],
+            "extract_write_mb_s": nbytes / extracted / 1e6, "write_only_mb_s": nbytes / write / 1e6,
+            "tofile_mb_s": nbytes / tofile / 1e6,
+            "encode_only_img_s": args.n / encode, "extract_img_s": args.n / extracted,
+            "repeats": dict(times),
+        }
     return results
-
-
-def _add_wsi_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("--wsi (whole-slide extraction)")
-    group.add_argument("--wsi", action="store_true", help="bench slide extraction instead (synthetic pyramidal TIFFs)")
-    group.add_argument("--slides", type=int, default=3, help="synthetic slides (default 3)")
-    group.add_argument("--slide-size", type=int, nargs=2, default=(12288, 9216), metavar=("W", "H"),
-                       help="level-0 size (default 12288 9216 at 0.5 um/px, levels 1/4/16: ~700 tissue "
-                       "patches of 224 px a slide)")
-    group.add_argument("--patch-size", type=int, default=224, help="patch side at 20x (default 224)")
-    group.add_argument("--tissue", default="otsu", choices=("otsu", "all"), help="tissue filter (default otsu)")
-    group.add_argument("--max-patches", type=int, default=None,
-                       help="--limit slides so about this many patches are encoded (a real encoder on a CPU)")
-    group.add_argument("--cold", action="store_true", help="evict the slides from the page cache before each pass")
 
 
 def _openslide_only(keys_batches: list[list[Any]], workers: int) -> float:

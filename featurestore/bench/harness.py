@@ -36,22 +36,47 @@ import numpy as np
 
 from featurestore.bench.cgroup import evict
 
-__all__ = ["Method", "RssPeak", "Times", "add_bench", "add_flags", "rate", "child", "child_process", "evict", "feature_bytes", "gbps",
-           "interleaved", "parse_dtypes", "parse_shapes", "peak_reset", "peak_rss", "rss_anon_bytes",
-           "scratch", "timed", "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
+__all__ = [
+    "Method",
+    "RssPeak",
+    "Times",
+    "add_bench",
+    "add_flags",
+    "child",
+    "child_process",
+    "evict",
+    "feature_bytes",
+    "gbps",
+    "interleaved",
+    "parse_dtypes",
+    "parse_shapes",
+    "peak_reset",
+    "peak_rss",
+    "rate",
+    "rss_anon_bytes",
+    "scratch",
+    "timed",
+    "tofile_synced",
+    "unmap",
+    "warm",
+    "write_split",
+    "write_synced",
+]
 
 
-def add_bench(subparsers: Any, verb: str, help: str, *, repeats: int | None = None, keep: str = "median",
-              description: str | None = None,
+def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any, ...]], *, repeats: int | None = None,
+              keep: str = "median", description: str | None = None,
               workdir: str = "scratch directory (default: a temp dir, removed)") -> argparse.ArgumentParser:
-    """The parser of ``featurestore bench VERB`` with what every bench has: ``--repeats`` (when
-    given a default), ``--workdir``, ``--json``; the command runs the module's ``run(args)``, prints
-    its result (:func:`featurestore.bench.reading.finish`) and exits 1 when its ``failed`` says why."""
+    """The parser of ``featurestore bench VERB``: the bench's own ``flags`` (:func:`add_flags`) and what
+    every bench has: ``--repeats`` (when given a default), ``--workdir``, ``--json``; the command runs
+    the module's ``run(args)``, prints its result (:func:`featurestore.bench.reading.finish`) and exits
+    1 when its ``failed`` says why."""
     from featurestore.bench import bench_module
     from featurestore.bench.reading import finish
 
     name = verb.replace("-", "_")
     parser = subparsers.add_parser(verb, help=help, description=description or help)
+    add_flags(parser, flags)
     if repeats is not None:
         parser.add_argument("--repeats", type=int, default=repeats,
                             help=f"interleaved repeats; the {keep} is kept (default {repeats})")
@@ -65,16 +90,15 @@ def add_bench(subparsers: Any, verb: str, help: str, *, repeats: int | None = No
     return parser
 
 
-def add_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[Any, str | None]]) -> None:
-    """A bench's own flags from ``{"--name": (default, help)}``: a type as the default means none
-    (None) of that type; ``False`` a switch."""
-    for name, (default, text) in flags.items():
-        if default is False:
-            parser.add_argument(name, action="store_true", help=text)
-        elif isinstance(default, type):
-            parser.add_argument(name, type=default, default=None, help=text)
-        else:
-            parser.add_argument(name, type=type(default), default=default, help=text)
+def add_flags(parser: Any, flags: dict[str, tuple[Any, ...]]) -> None:
+    """Flags from ``{"--name": (default, help[, other add_argument keywords])}``: a type as the
+    default means none (None) of that type; ``False`` a switch; the default is appended to the help."""
+    for name, (default, text, *more) in flags.items():
+        kwargs = {"action": "store_true"} if default is False else {"type": default, "default": None} if isinstance(
+            default, type) else {"type": type(default), "default": default}
+        if not isinstance(default, (bool, type)) and default != "" and "default" not in (text or ""):
+            text = f"{text} (default {default})" if text else f"default {default}"
+        parser.add_argument(name, help=text, **{**kwargs, **(more[0] if more else {})})
 
 
 @contextlib.contextmanager
@@ -282,31 +306,25 @@ def peak_rss() -> int:
 
 
 class RssPeak:
-    """Anonymous (and file-backed) RSS sampled every 5 ms on a thread while the block runs:
-    ``baseline``, ``peak``, ``peak_file`` and ``samples`` ``(seconds, anon, file)``."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, int, int]] = []
-        self._stop = threading.Event()
+    """Anonymous RSS sampled every 5 ms on a thread while the block runs: ``baseline``, ``peak``,
+    and ``seconds`` the block took."""
 
     def __enter__(self) -> RssPeak:
-        self.baseline = rss_anon_bytes()
-        self.t0 = time.perf_counter()
+        self.baseline = self.peak = rss_anon_bytes()
+        self._stop, self.t0 = threading.Event(), time.perf_counter()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.perf_counter() - self.t0, rss_anon_bytes(), _status_bytes("RssFile")))
-            time.sleep(0.005)
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, rss_anon_bytes())
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
         self.seconds = time.perf_counter() - self.t0
-        self.peak = max([self.baseline, *(s[1] for s in self.samples)])
-        self.peak_file = max((s[2] for s in self.samples), default=0)
+        self.peak = max(self.peak, rss_anon_bytes())
 
 
 # ---------------------------------------------------------------------- small helpers

@@ -24,17 +24,13 @@ __all__ = ["SHAPE", "build_store", "free_port", "load_test", "process_rss", "reg
 
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(subparsers, "http", "HTTP server + client vs raw loopback TCP; item latency; load test",
-                               repeats=3)
-    parser.add_argument("--store", default=None, help="serve this store (its first split) instead of building one")
-    parser.add_argument("--num-samples", type=int, default=1024, help="samples in the built store")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--batches", type=int, default=30, help="timed batches per method and repeat")
-    parser.add_argument("--items", type=int, default=300, help="single-item requests timed")
-    parser.add_argument("--load-seconds", type=float, default=30.0, help="0 skips the load test")
-    parser.add_argument("--clients", type=int, default=16, help="load-test concurrent clients")
-    parser.add_argument("--threads", type=int, default=2, help="FeatureLoader threads over HTTP (default 2)")
-    parser.add_argument("--workers", type=int, default=1, help="server worker processes (featurestore serve --workers)")
+    harness.add_bench(subparsers, "http", "HTTP server + client vs raw loopback TCP; item latency; load test", {
+        "--store": (str, "serve this store (its first split) instead of building one"),
+        "--num-samples": (1024, "samples in the built store"), "--batch-size": (64, None),
+        "--batches": (30, "timed batches per method and repeat"), "--items": (300, "single-item requests timed"),
+        "--load-seconds": (30.0, "seconds of the load test, 0 skips it"), "--clients": (16, "load-test concurrent clients"),
+        "--threads": (2, "FeatureLoader threads over HTTP"),
+        "--workers": (1, "server worker processes (featurestore serve --workers)")}, repeats=3)
 
 
 # ---------------------------------------------------------------------- raw TCP baseline

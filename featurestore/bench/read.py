@@ -23,13 +23,11 @@ from featurestore.bench.harness import Method, gbps, interleaved
 
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(subparsers, "read", "reader GB/s vs memmap, zarr, HDF5, torch.save; checked reads; RSS",
-                               repeats=3, keep="best")
-    parser.add_argument("--shapes", default="256x384,1024x1536", help="sample shapes TxD, comma separated")
-    parser.add_argument("--gib", type=float, default=0.75, help="size of each test array in GiB (default 0.75)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--batches", type=int, default=200, help="timed batches per method and repeat (fewer do not settle)")
-    parser.add_argument("--skip-rss", action="store_true", help="skip the N vs 4N RSS subprocesses")
+    harness.add_bench(subparsers, "read", "reader GB/s vs memmap, zarr, HDF5, torch.save; RSS", {
+        "--shapes": ("256x384,1024x1536", "sample shapes TxD, comma separated"),
+        "--gib": (0.75, "size of each test array in GiB"), "--batch-size": (64, None),
+        "--batches": (200, "timed batches per method and repeat (fewer do not settle)"),
+        "--skip-rss": (False, "skip the N vs 4N RSS subprocesses")}, repeats=3, keep="best")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,14 +1,13 @@
-"""``featurestore bench all``: run every benchmark and write ``report.md``, ``report.json`` and plots.
+"""``featurestore bench all``: run every benchmark and write ``report.md`` and ``report.json``.
 
 Each bench (``read``, ``write``, ``http``, ``loader``, ``extract``, ``s3``, ``cold``, ``bags``,
 ``bag_loader``) is run in this process through its own
 ``run(args)``, with the defaults of its own parser (so ``bench all`` never drifts from ``bench
 NAME``), or with the small sizes of ``--quick``. A bench that raises (or whose own check fails) is
 recorded as failed with its error in both reports, the others still run, and the command exits 1
-at the end: a failure is never silently dropped. Plots (matplotlib, Agg backend: no display):
-``throughput.png``, GB/s (img/s for extraction) of featurestore against each bench's baselines;
-``rss.png``, anonymous RSS over time during one loader epoch over N and 4N samples (sampled by the
-loader bench's subprocesses) against the same split held as a float32 tensor in RAM.
+at the end: a failure is never silently dropped. ``report.md`` holds each bench's rows, figures
+against their targets and notes (:mod:`featurestore.bench.reading`), ``report.json`` the same
+results and figures, what ``bench check`` reads.
 """
 
 from __future__ import annotations
@@ -50,9 +49,9 @@ QUICK_FLAGS: dict[str, list[str]] = {
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "all", help="run every bench; write report.md, report.json and PNG plots",
+        "all", help="run every bench; write report.md and report.json",
         description="Run the read, write, http, loader, extract, s3, cold, bags and bag_loader benches with their default "
-        "arguments (or small ones with --quick) and write report.md, report.json, throughput.png and rss.png "
+        "arguments (or small ones with --quick) and write report.md and report.json "
         "into --out. A failed bench is reported with its error and makes the exit status 1. With --check, run "
         "the benches the speed targets need (docs/BENCHMARKS.md), print one table of figure / target / "
         "measured / spread / ok and exit 1 when a target is missed.")
@@ -210,17 +209,14 @@ def throughput_rows(report: dict[str, Any]) -> Panels:
 
 
 def rss_series(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """From the loader bench: per run (N, 4N), time (s), anonymous RSS (MiB) and the float32 cache (MiB)."""
+    """From the loader bench: per run (N, 4N), its anonymous RSS after imports and at its peak, and
+    the float32 in-RAM cache of the same samples it replaces (MiB)."""
     loader = (report["benches"].get("loader") or {}).get("result") or {}
     elements = math.prod(loader.get("sample_shape") or [0])
-    series = []
-    for label, run in ((label, (loader.get("rss") or {}).get(label)) for label in ("N", "4N")):
-        if run and run.get("samples"):
-            series.append({"label": f"{label} = {run['num_samples']} samples", "t": [s[0] for s in run["samples"]],
-                           "anon_mib": [s[1] / 2**20 for s in run["samples"]], "peak_anon_mib": run["peak_anon"] / 2**20,
-                           "baseline_mib": run["baseline_anon"] / 2**20,
-                           "cache_mib": run["num_samples"] * elements * 4 / 2**20})
-    return series
+    runs = [(label, (loader.get("rss") or {}).get(label)) for label in ("N", "4N")]
+    return [{"label": f"{label} = {run['num_samples']} samples", "peak_anon_mib": run["peak_anon"] / 2**20,
+             "baseline_mib": run["baseline_anon"] / 2**20, "cache_mib": run["num_samples"] * elements * 4 / 2**20}
+            for label, run in runs if run]
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -256,7 +252,6 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "| run | anon RSS after imports (MiB) | peak during the epoch (MiB) | float32 cache (MiB) |",
                   "|---|---|---|---|", *(f"| {s['label']} | {s['baseline_mib']:.1f} | {s['peak_anon_mib']:.1f} | "
                                          f"{s['cache_mib']:.1f} |" for s in series)]
-    lines += ["", "## Plots", "", "![throughput](throughput.png)", "", "![rss](rss.png)"]
     if report.get("render_errors"):
         lines += ["", "## Report notes", "", "Results the report could not read all of:", "",
                   *(f"- {where}: {error}" for where, error in report["render_errors"].items())]
@@ -272,10 +267,8 @@ def _cell(text: str) -> str:
 
 
 def write_report(report: dict[str, Any], out: str) -> list[str]:
-    """Write the plots, ``report.md`` and ``report.json`` into ``out``; return the file names."""
-    files = plot_throughput(report, os.path.join(out, "throughput.png"))
-    files += plot_rss(report, os.path.join(out, "rss.png"))
-    report["files"] = [*files, "report.md", "report.json"]
+    """Write ``report.md`` and ``report.json`` into ``out``; return the file names."""
+    report["files"] = ["report.md", "report.json"]
     with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
         f.write(render_markdown(report))
     with open(os.path.join(out, "report.json"), "w", encoding="utf-8") as f:
@@ -297,68 +290,6 @@ def _jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return str(value)
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: works on a headless machine
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_throughput(report: dict[str, Any], path: str) -> list[str]:
-    panels = throughput_rows(report)
-    plt = _pyplot()
-    count = max(1, len(panels))
-    cols = min(2, count)
-    rows = -(-count // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 3.4 * rows), squeeze=False)
-    for ax, (title, bars) in zip(axes.flat, panels.items()):
-        names, values = [b[0] for b in bars], [b[1] for b in bars]
-        # featurestore's own path in one colour, the baselines in grey: the comparison at a glance.
-        colours = ["tab:blue" if i == 0 or n.startswith("loader") else "tab:gray" for i, n in enumerate(names)]
-        ax.barh(names[::-1], values[::-1], color=colours[::-1])
-        for y, v in enumerate(values[::-1]):
-            ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
-        ax.set_title(title, fontsize=10)
-        ax.margins(x=0.2)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    if not panels:
-        axes.flat[0].text(0.5, 0.5, "no throughput results (every bench failed or was skipped)",
-                          ha="center", va="center")
-    fig.suptitle(f"featurestore vs baselines, same run ({report['machine'].get('cpu_count')} CPUs; "
-                 "best or median of interleaved repeats, as each bench reports)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [os.path.basename(path)]
-
-
-def plot_rss(report: dict[str, Any], path: str) -> list[str]:
-    series = rss_series(report)
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    for colour, s in zip(("tab:blue", "tab:orange"), series):
-        ax.plot(s["t"], s["anon_mib"], color=colour, label=f"loader anon RSS, {s['label']}")
-        # The same process holding the split as a float32 tensor: its imports plus the cache.
-        ax.axhline(s["baseline_mib"] + s["cache_mib"], color=colour, linestyle="--",
-                   label=f"imports + float32 in-RAM cache, {s['label']} (+{s['cache_mib']:.0f} MiB)")
-    if not series:
-        ax.text(0.5, 0.5, "no RSS samples (loader bench failed, skipped, or run with --skip-rss)",
-                ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("seconds into the epoch")
-    ax.set_ylabel("MiB")
-    ax.set_ylim(bottom=0)
-    ax.set_title("RSS during one loader epoch vs the in-RAM cache it replaces")
-    if series:
-        ax.legend(fontsize=8, loc="center right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [os.path.basename(path)]
 
 
 __all__ = ["BENCH_NAMES", "QUICK_FLAGS", "bench_args", "register", "run", "write_report"]

@@ -46,26 +46,25 @@ PAIRS = {"read_vs_ceiling": (FS_EPOCH, CEILING), "read_vs_zarr": (FS_EPOCH, ZARR
 
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(subparsers, "s3", "S3 reads/writes (obstore) vs whole-object GETs, zarr-python, plain puts",
-                               repeats=3, description=__doc__.split("\n\n")[0] if __doc__ else None,
-                               workdir="SeaweedFS data, cache and local copy directory (default: a temp dir, removed)")
-    harness.add_flags(parser, {
+    harness.add_bench(subparsers, "s3", "S3 reads/writes (obstore) vs whole-object GETs, zarr-python, plain puts", {
         "--num-samples": (1024, None), "--shape": ("256x384", "sample shape TxD (float16)"), "--batch-size": (64, None),
         "--slow-batches": (6, "batches per repeat for zarr-python (it is slow)"),
-        "--chunk-mb": (8.0, "chunk size in MiB (default: the writer's 8)"),
+        "--chunk-mb": (8.0, "chunk size in MiB, as the writer's"),
         "--concurrency": (int, "max_concurrency storage option (default: FEATURESTORE_OBJECT_CONCURRENCY or 64)"),
         "--coalesce-gap": (int, "coalesce_gap storage option in bytes (default: FEATURESTORE_OBJECT_COALESCE_GAP or 1 MiB)"),
         "--weed-args": ("", "extra SeaweedFS server flags, space separated, after featurestore's own; write "
                             "--weed-args=-filer.maxMB=4 (with '=') for SeaweedFS's stock 4 MiB internal chunks"),
         "--loader-threads": (int, "FeatureLoader num_threads (default: its own)"),
-        "--prefetch": (4, "FeatureLoader prefetch (batches in flight)"),
+        "--prefetch": (4, "FeatureLoader prefetch, batches in flight"),
         "--no-cache": (False, "skip the chunk cache figures"),
         "--bags": (48, "slides of the bag figures (0: skip them)"), "--bag-median": (2000, "median patches per slide"),
         "--bag-dim": (1024, "feature width of the bag split"),
         "--link-gbit": (float, "put a link of this many Gbit/s between the bench and SeaweedFS (root: a private network "
                                "namespace, tc); default: bare loopback, where both share the cores"),
         "--endpoint": (str, "use this S3 endpoint instead of starting SeaweedFS"),
-        "--bucket": ("featurestore-bench", None), "--key": (str, None), "--secret": (str, None)})
+        "--bucket": ("featurestore-bench", None), "--key": (str, None), "--secret": (str, None)},
+        repeats=3, description=__doc__.split("\n\n")[0] if __doc__ else None,
+        workdir="SeaweedFS data, cache and local copy directory (default: a temp dir, removed)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
