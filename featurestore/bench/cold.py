@@ -88,7 +88,9 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
         harness.write_split(os.path.join(base, "store"), n, shape, dtype=dtype, rows=args.chunk_rows,
                             chunk_bytes=args.chunk_rows * sample_bytes, slabs=lambda _, values: values.tofile(raw))
     methods = list(BASE_METHODS)
-    cuda = args.cuda == "on" or (args.cuda == "auto" and _has_cuda())
+    import torch  # the child measures with it too
+
+    cuda = args.cuda == "on" or (args.cuda == "auto" and torch.cuda.is_available())
     if cuda:
         methods += ["FeatureLoader -> cuda"]
     out: dict[str, Any] = {"sample_shape": list(shape), "dtype": dtype, "num_samples": n, "batch_size": batch_size,
@@ -139,15 +141,6 @@ def int8_figures(shape: dict[str, Any], reference: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- the child (in the cgroup)
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except ImportError:
-        return False
-
-
 def _nbytes(tensor: Any) -> int:
     return int(tensor.numel() * tensor.element_size())
 

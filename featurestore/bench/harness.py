@@ -1,17 +1,7 @@
-"""What every bench shares: methods timed side by side, cold runs, child processes, split writing.
-
-* :class:`Method` and :func:`interleaved`: each repeat runs every method once, in turn (so a slow
-  moment of a shared machine hits all of them alike); :class:`Times` keeps every repeat, and gives
-  the median, the best and the per-repeat pairs of two methods (a figure's spread).
-* :func:`evict` (``posix_fadvise(DONTNEED)``: cold) and :func:`warm` (read once: page-cached);
-  a memory limit comes from :class:`featurestore.bench.cgroup.MemoryCgroup`.
-* :func:`child`: ``featurestore.bench.MODULE:FUNCTION(config)`` in a fresh interpreter (optionally
-  inside a cgroup), its JSON result back: the one protocol of every bench's subprocesses.
-* :func:`add_bench` (every bench's parser: ``--workdir``, ``--json``, ``--repeats``, the printed
-  end) and :func:`scratch` (its work directory).
-
-What a bench prints, and what `bench all` reports, is read from its result by
-:mod:`featurestore.bench.reading`.
+"""What every bench shares (docs/BENCHMARKS.md, "The harness"): its parser (:func:`add_bench`) and
+work directory (:func:`scratch`); methods interleaved over repeats (:class:`Method`,
+:func:`interleaved`, :class:`Times`: median, best, per-repeat pairs); cold and warm runs
+(:func:`evict`, :func:`warm`); the one child-process protocol (:func:`child`); RSS; split writing.
 """
 
 from __future__ import annotations

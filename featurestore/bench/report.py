@@ -1,13 +1,9 @@
 """``featurestore bench all``: run every benchmark and write ``report.md`` and ``report.json``.
 
-Each bench (``read``, ``write``, ``http``, ``loader``, ``extract``, ``s3``, ``cold``, ``bags``,
-``bag_loader``) is run in this process through its own
-``run(args)``, with the defaults of its own parser (so ``bench all`` never drifts from ``bench
-NAME``), or with the small sizes of ``--quick``. A bench that raises (or whose own check fails) is
-recorded as failed with its error in both reports, the others still run, and the command exits 1
-at the end: a failure is never silently dropped. ``report.md`` holds each bench's rows, figures
-against their targets and notes (:mod:`featurestore.bench.reading`), ``report.json`` the same
-results and figures, what ``bench check`` reads.
+Each bench runs in this process through its own ``run(args)``, with the defaults of its own parser
+(so ``bench all`` never drifts from ``bench NAME``) or the small sizes of ``--quick``. A bench that
+raises (or whose own check fails) is recorded as failed in both reports, the others still run, and
+the command exits 1 at the end: a failure is never silently dropped.
 """
 
 from __future__ import annotations
@@ -40,8 +36,7 @@ QUICK_FLAGS: dict[str, list[str]] = {
     "extract": ["--n", "64", "--image-size", "64", "--repeats", "1"],
     "s3": ["--num-samples", "128", "--slow-batches", "2", "--repeats", "1", "--bags", "6",
            "--bag-median", "300", "--bag-dim", "256"],
-    "cold": ["--shapes", "64x384", "--batch-sizes", "16", "--limit-mib", "512", "--store-ratio", "0.1",
-             "--no-variants", "--cuda", "off"],
+    "cold": ["--shapes", "64x384", "--batch-sizes", "16", "--limit-mib", "512", "--store-ratio", "0.1", "--cuda", "off"],
     "bags": ["--gib", "0.005", "--dim", "256", "--median", "100", "--max", "1000", "--min", "10"],
     "bag_loader": ["--bags", "6", "--patches", "100", "--dim", "256", "--repeats", "1"],
 }
@@ -149,7 +144,9 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
             entry["figures"] = reading.figures
             if reading.error:
                 entry["figures_error"] = f"figures unreadable: {reading.error}"
-            verdict = _verdict(module, name, result)
+            print_result(name, result)  # as featurestore bench NAME prints it
+            why = module.failed(result) if hasattr(module, "failed") else None  # e.g. http's load test errors
+            verdict = f"the bench reported failure: {why}" if why else None
             if verdict:
                 entry.update(error=verdict, traceback=verdict)
                 print(f"[bench all] {name} FAILED: {verdict}", file=sys.stderr, flush=True)
@@ -165,15 +162,6 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
         before_write(report)
     report["files"] = write_report(report, args.out)
     return report
-
-
-def _verdict(module: Any, name: str, result: dict[str, Any]) -> str | None:
-    """Print the bench's rows and notes as ``featurestore bench NAME`` does; its own verdict (e.g.
-    the http load test saw errors or wrong payloads), None when it passed."""
-    print_result(name, result)
-    failed = getattr(module, "failed", None)
-    why = failed(result) if failed is not None else None
-    return f"the bench reported failure: {why}" if why else None
 
 
 def machine_info() -> dict[str, Any]:
