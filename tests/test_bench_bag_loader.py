@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from featurestore.bench import figures as bench_figures
-from featurestore.bench import gate
+from featurestore.bench import gate, reading
 from featurestore.cli import main
 
 
@@ -35,7 +34,7 @@ def test_tiny_bag_loader_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert len(int8[mode]["ratio_per_repeat"]) == 1 and int8[mode]["bags_per_s"]["int8"] > 0
         assert set(int8[mode]["times_s"]) == {"float16", "int8"}
     assert "by_dtype" not in data  # int8 is not a column of its own: it is measured beside float16
-    found = bench_figures.bench_figures("bag_loader", data)
+    found = reading.bench_figures("bag_loader", data)
     assert found["int8_vs_float16_warm"]["value"] == int8["warm"]["ratio_median"]
     assert found["int8_vs_float16_cold"]["value"] == int8["cold"]["ratio_median"]
     assert found["int8_bytes_vs_float16"]["value"] == int8["bytes_ratio"]

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from featurestore.bench import figures, gate, report
+from featurestore.bench import gate, reading, report
 from featurestore.cli import main
 
 
@@ -34,7 +34,7 @@ def _report(tmp_path: Path, benches: dict[str, Any]) -> str:
 
 def _entry(**figs: Any) -> dict[str, Any]:
     return {"status": "ok", "result": {"any": 1}, "figures": {
-        name: (value if isinstance(value, dict) else figures.figure(value)) for name, value in figs.items()}}
+        name: (value if isinstance(value, dict) else reading.figure(value)) for name, value in figs.items()}}
 
 
 def _check(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -48,7 +48,7 @@ TWO = (_target("ld", "loader", "loader_vs_reader", ">=", 0.95), _target("st", "l
 
 def test_all_met_exits_0_with_table_and_spread(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     targets = _targets(tmp_path, *TWO)
-    rep = _report(tmp_path, {"loader": _entry(loader_vs_reader=figures.figure(1.02, [0.97, 1.1, 1.02]),
+    rep = _report(tmp_path, {"loader": _entry(loader_vs_reader=reading.figure(1.02, [0.97, 1.1, 1.02]),
                                               stall_percent=1.5)})
     status, out, err = _check(capsys, rep, "--targets", targets)
     assert status == 0, out + err
@@ -179,10 +179,10 @@ def test_int8_figures_reach_the_gate(tmp_path: Path, capsys: pytest.CaptureFixtu
         "int8": {**pair, "cpu": {"ratio_median": 1.4, "ratio_per_repeat": [1.2, 1.4, 1.6]}}}]}
     bags = {"int8": {**pair, "bytes_ratio": 0.6, "warm": {"ratio_median": 1.1, "ratio_per_repeat": [1.1]},
                      "cold": {"ratio_median": 1.5, "ratio_per_repeat": [1.5]}}}
-    found = figures.bench_figures("cold", cold)
+    found = reading.bench_figures("cold", cold)
     assert found["int8_vs_float16[1024x3072]"] == {"value": 1.4, "spread": [1.2, 1.6], "repeats": 3}
     assert found["int8_bytes_vs_float16[1024x3072]"]["value"] == 0.51
-    assert set(figures.bench_figures("bag_loader", bags)) == {
+    assert set(reading.bench_figures("bag_loader", bags)) == {
         "int8_bytes_vs_float16", "int8_vs_float16_warm", "int8_vs_float16_cold"}
     rep = _report(tmp_path, {"cold": {"status": "ok", "result": cold}, "bag_loader": {"status": "ok", "result": bags}})
     status, out, err = _check(capsys, rep, "--only", "cold-int8-vs-float16,cold-int8-bytes,"
@@ -198,7 +198,7 @@ def test_target_flags_need_check(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_shipped_targets_file(capsys: pytest.CaptureFixture[str]) -> None:
-    from featurestore.bench.summary import print_result
+    from featurestore.bench.reading import print_result
 
     targets = gate.load_targets()
     ids = [t.id for t in targets.targets]
@@ -286,7 +286,7 @@ def test_s3_bench_emits_every_target_figure(tmp_path: Path, seaweed: Any) -> Non
 
     flags = [*report.QUICK_FLAGS["s3"], "--endpoint", seaweed.endpoint, "--key", ACCESS_KEY, "--secret", SECRET_KEY,
              "--bucket", SEAWEED_BUCKET]
-    found = figures.bench_figures("s3", s3.run(report.bench_args("s3", flags)))
+    found = reading.bench_figures("s3", s3.run(report.bench_args("s3", flags)))
     for t in gate.load_targets().targets:
         if t.bench == "s3":
             assert t.figure in found, (t.id, sorted(found))

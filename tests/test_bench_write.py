@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from featurestore.bench import figures, report, write
+from featurestore.bench import reading, report, write
 
 
 def test_write_bench_times_each_write_in_a_fresh_process(tmp_path: Path) -> None:
@@ -19,7 +19,7 @@ def test_write_bench_times_each_write_in_a_fresh_process(tmp_path: Path) -> None
     for s in (small, large):
         assert set(s["repeats_s"]) == set(write.METHODS)
         assert s["processes"] == len(write.METHODS)  # one new process per timing, none of them this one
-    found = figures.bench_figures("write", result)
+    found = reading.bench_figures("write", result)
     # The gated figures are the first writes; a process's second write is reported beside them.
     assert {"float16_vs_tofile[8x16]", "float32_vs_tofile[8x16 0.00384MB]", "float16_second_vs_tofile[8x16]"} <= set(found)
     assert found["float16_vs_tofile[8x16]"]["value"] == large["writer_float16_ratio"]

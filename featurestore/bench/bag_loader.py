@@ -11,7 +11,7 @@ them, one float32 ``pt_files/<id>.pt`` per slide), side by side (docs/BENCHMARKS
    same seeded subsets and padding them by hand;
 3. peak anonymous RSS of a float32 epoch over B and 4B bags, each in a fresh process.
 
-:func:`epoch_figures` measures 1-2 on any bag split (``bench bags`` adds them to its report).
+:func:`epoch_figures` measures 1-2 on any bag split.
 """
 
 from __future__ import annotations
@@ -29,53 +29,43 @@ DATASET, ENCODER = "bench", "bags"
 
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(
-        subparsers, "bag-loader", "BagLoader vs the bare bag reader and CLAM's torch.load per slide: epoch warm and "
-        "cold, padded batches, RSS over B vs 4B bags", repeats=5, keep="best")
-    parser.add_argument("--bags", type=int, default=48, help="B, bags in the cohort (the RSS run also uses 4B)")
-    parser.add_argument("--patches", type=int, default=2500, help="median patches per bag (log-normal, sigma 0.6)")
-    parser.add_argument("--dim", type=int, default=1024)
-    parser.add_argument("--dtype", default="float16,int8",
-                        help="stored dtypes, comma separated: the cohort is written and measured in each; int8 is "
-                             "measured beside float16 (float32 out, bags/s of their epochs interleaved, warm and "
-                             "cold) and needs float16 in the list (default float16,int8)")
-    parser.add_argument("--workers", type=int, default=4, help="CLAM DataLoader workers (CLAM's default: 4)")
-    parser.add_argument("--batch-size", type=int, default=8, help="padded run's batch size")
-    parser.add_argument("--max-patches", type=int, default=4096, help="padded run's max_patches")
-    parser.add_argument("--skip-cold", action="store_true", help="warm figures only")
-    parser.add_argument("--skip-rss", action="store_true", help="skip the B vs 4B subprocesses")
+    harness.add_bench(subparsers, "bag-loader", "BagLoader vs the bare bag reader and CLAM's torch.load per slide: epoch "
+                      "warm and cold, padded batches, RSS over B vs 4B bags", {
+        "--bags": (48, "B, bags in the cohort (the RSS run also uses 4B)"),
+        "--patches": (2500, "median patches per bag (log-normal, sigma 0.6)"), "--dim": (1024, None),
+        "--dtype": ("float16,int8", "float16, or float16,int8: int8 measured beside float16 (the same cohort, float32 "
+                                    "out, bags/s of their epochs interleaved, warm and cold)"),
+        "--workers": (4, "CLAM DataLoader workers (CLAM's default: 4)"), "--batch-size": (8, "padded run's batch size"),
+        "--max-patches": (4096, "padded run's max_patches"), "--skip-cold": (False, "warm figures only"),
+        "--skip-rss": (False, "skip the B vs 4B subprocesses")}, repeats=5, keep="best")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """The figures of the first ``--dtype`` at the top level (what the gate reads); each further
-    dtype's under ``by_dtype``; int8's, beside float16, under ``int8`` (:func:`int8_figures`)."""
+    """The float16 cohort's figures; int8's, beside float16, under ``int8`` (:func:`int8_figures`)."""
     from featurestore.demo.synthetic_bags import bag_lengths
     from featurestore.errors import InvalidOption
 
     dtypes = harness.parse_dtypes(args.dtype)
-    if "int8" in dtypes and "float16" not in dtypes:
-        raise InvalidOption(f"--dtype {args.dtype!r}: int8 is measured beside float16 (its reference, epochs "
-                            "interleaved); give --dtype float16,int8")
+    if dtypes not in (["float16"], ["float16", "int8"]):
+        raise InvalidOption(f"--dtype {args.dtype!r}: the cohort is float16, and int8 is measured beside it (its "
+                            "reference, epochs interleaved); give --dtype float16,int8 or float16")
     lengths = bag_lengths(args.patches, count=args.bags)
-    runs = []
     with harness.scratch(args, "bag-loader") as work:
-        for dtype in (d for d in dtypes if d != "int8"):
-            store, pt_dir = os.path.join(work, dtype, "store"), os.path.join(work, "pt_files")
-            make_cohort(store, "b", lengths, args.dim, dtype, each=clam_files(pt_dir))
-            result = {"benchmark": "bag-loader", "bags": args.bags, "dim": args.dim, "dtype": dtype,
-                      "workers": args.workers, "patches": int(lengths.sum())}
-            result.update(epoch_figures(store, DATASET, ENCODER, "b", pt_dir=pt_dir, workers=args.workers,
-                                        repeats=args.repeats, cold=not args.skip_cold, batch_size=args.batch_size,
-                                        max_patches=args.max_patches))
-            if not args.skip_rss:
-                make_cohort(store, "b4", np.tile(lengths, 4), args.dim, dtype)
-                result["rss"] = rss_figures(store, ("b", "b4"), prefetch=2)
-            runs.append(result)
+        stores = {d: os.path.join(work, d, "store") for d in dtypes}
+        pt_dir = os.path.join(work, "pt_files")
+        make_cohort(stores["float16"], "b", lengths, args.dim, "float16", each=clam_files(pt_dir))
+        result = {"benchmark": "bag-loader", "bags": args.bags, "dim": args.dim, "dtype": "float16",
+                  "workers": args.workers, "patches": int(lengths.sum()),
+                  **epoch_figures(stores["float16"], DATASET, ENCODER, "b", pt_dir=pt_dir, workers=args.workers,
+                                  repeats=args.repeats, cold=not args.skip_cold, batch_size=args.batch_size,
+                                  max_patches=args.max_patches)}
+        if not args.skip_rss:
+            make_cohort(stores["float16"], "b4", np.tile(lengths, 4), args.dim, "float16")
+            result["rss"] = rss_figures(stores["float16"], ("b", "b4"), prefetch=2)
         if "int8" in dtypes:
-            stores = {d: os.path.join(work, d, "store") for d in ("float16", "int8")}
             make_cohort(stores["int8"], "b", lengths, args.dim, "int8")
-            runs[0]["int8"] = int8_figures(stores, "b", repeats=args.repeats, cold=not args.skip_cold)
-    return {**runs[0], **({"by_dtype": {r["dtype"]: r for r in runs[1:]}} if len(runs) > 1 else {})}
+            result["int8"] = int8_figures(stores, "b", repeats=args.repeats, cold=not args.skip_cold)
+    return result
 
 
 def int8_figures(stores: dict[str, str], split: str, *, repeats: int, cold: bool = True) -> dict[str, Any]:

@@ -6,7 +6,7 @@ featurestore bag split; TRIDENT-style h5 (one file per slide, one-row h5 chunks)
 ``.pt`` (float32 features only: twice the bytes); and one raw file for the parallel-pread reference
 (``--threads`` threads, 1 MiB ``preadv`` pieces). Each method reads every bag whole in one shuffled
 pass, in a fresh process, **cold** (evicted) and **warm**; then ``featurestore import`` of the h5
-directory against the h5 read pass and against the import's own reading. Ratios are pass times,
+directory against the h5 read pass. Ratios are pass times,
 featurestore / baseline (docs/BENCHMARKS.md).
 """
 
@@ -30,21 +30,15 @@ NAMES = ("bench", "enc", "bags")
 
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(
-        subparsers, "bags", "whole-bag reads: featurestore bag split vs TRIDENT h5, CLAM .pt, parallel pread; import",
+    harness.add_bench(subparsers, "bags", "whole-bag reads: featurestore bag split vs TRIDENT h5, CLAM .pt, parallel "
+                      "pread; import", {
+        "--gib": (2.0, "float16 features of the cohort in GiB (the .pt copy is twice that)"),
+        "--dim": (1536, "features per patch"), "--median": (5000, "median patches per slide"),
+        "--sigma": (0.8, "log-normal sigma of patches per slide"),
+        "--min": (100, "fewest patches per slide", {"dest": "min_patches"}),
+        "--max": (60000, "most patches per slide; one slide always has this many", {"dest": "max_patches"}),
+        "--threads": (8, "threads of the parallel-pread reference"), "--skip-import": (False, "skip the import row")},
         repeats=1, description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--gib", type=float, default=2.0,
-                        help="float16 features of the cohort in GiB (default 2; the .pt copy is twice that)")
-    parser.add_argument("--dim", type=int, default=1536, help="features per patch (default 1536)")
-    parser.add_argument("--median", type=int, default=5000, help="median patches per slide (default 5000)")
-    parser.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of patches per slide (default 0.8)")
-    parser.add_argument("--min", dest="min_patches", type=int, default=100, help="fewest patches per slide")
-    parser.add_argument("--max", dest="max_patches", type=int, default=60000,
-                        help="most patches per slide; one slide always has this many (default 60000)")
-    parser.add_argument("--threads", type=int, default=8, help="threads of the parallel-pread reference")
-    parser.add_argument("--skip-import", action="store_true", help="skip the import row")
-    parser.add_argument("--skip-loader", action="store_true",
-                        help="skip the BagLoader rows (bench bag-loader's epochs on this cohort)")
 
 
 def build(work: str, lengths: np.ndarray, dim: int) -> dict[str, Any]:
@@ -120,17 +114,6 @@ def one_pass(config: dict[str, Any]) -> dict[str, Any]:
             os.close(fd)
 
 
-def time_import_read(built: dict[str, Any]) -> float:
-    """Seconds of the import's own reading alone: every h5 file read (cold) as ``import`` reads it."""
-    from featurestore.extract.slide_files import SlideFiles, find_slides
-
-    found = find_slides(built["paths"]["h5"])
-    assert found is not None
-    files = SlideFiles(*found)
-    harness.evict(built["paths"]["h5"])
-    return harness.timed(lambda: [files.read(slide) for slide in files.slides])
-
-
 def time_import(built: dict[str, Any], work: str) -> float:
     """Seconds of ``featurestore import`` of the h5 directory (cold), to its return and ``os.sync``."""
     from featurestore.extract.importer import ImportOptions, import_cache
@@ -159,18 +142,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results = measure(built, lengths, args)
         results["sizes"] = {k: _size(v) for k, v in built["paths"].items()}
         if not args.skip_import:
-            times = interleaved([Method("read", lambda: time_import_read(built), own=True),
-                                 Method("import", lambda: time_import(built, work), own=True)], args.repeats)
-            results["import_seconds"], results["import_read_seconds"] = times.median("import"), times.median("read")
-            results["all_import_seconds"], results["all_import_read_seconds"] = times["import"], times["read"]
+            times = [time_import(built, work) for _ in range(max(1, args.repeats))]
+            results["import_seconds"], results["all_import_seconds"] = float(np.median(times)), times
             # The target's base: the h5 files read whole with h5py (the TRIDENT h5 cold pass).
             results["ratios"]["import vs h5 read"] = results["seconds"]["TRIDENT h5 cold"] / results["import_seconds"]
-            results["ratios"]["import vs its own read"] = results["import_read_seconds"] / results["import_seconds"]
-        if not args.skip_loader:
-            figures = bag_loader.epoch_figures(built["paths"]["store"], *NAMES, pt_dir=built["paths"]["pt"],
-                                               workers=4, repeats=max(1, args.repeats))
-            results["loader"] = {**figures, "patches": int(lengths.sum()), "dim": args.dim, "dtype": "float16",
-                                 "workers": 4}
         return results
 
 

@@ -23,8 +23,6 @@ from featurestore.errors import InvalidOption
 from featurestore.format import int8 as int8_format
 
 BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
-VARIANTS = {"FeatureArray.read [mmap]": ("mmap", "keep"), "FeatureArray.read [pread, drop]": ("pread", "drop"),
-            "FeatureArray.read [pread, direct]": ("pread", "direct")}
 # Loader epochs to float32 values on the float16 split and on the int8 one (whose loader
 # dequantizes), interleaved in the same child: int8's samples/s over float16's, per repeat.
 INT8_PAIRS = ("FeatureLoader -> float32", "FeatureLoader [int8]", "FeatureLoader -> cuda float32",
@@ -32,23 +30,19 @@ INT8_PAIRS = ("FeatureLoader -> float32", "FeatureLoader [int8]", "FeatureLoader
 
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(subparsers, "cold", "cold-cache epochs over a store larger than a memory cgroup", repeats=1)
-    parser.add_argument("--shapes", default="1024x3072,256x384", help="sample shapes TxD, comma separated")
-    parser.add_argument("--batch-sizes", default="16,64", help="batch size per shape (one value: all shapes)")
-    parser.add_argument("--dtype", default="float16,int8",
-                        help="stored dtypes, comma separated: every shape is measured in each; int8 is measured "
-                             "beside float16 (the same samples, float32 out, its loader epochs interleaved with "
-                             "float16's in the same child) and needs float16 in the list (default float16,int8)")
-    parser.add_argument("--chunk-rows", type=int, default=64, help="rows per chunk of the store (default 64)")
-    parser.add_argument("--limit-mib", type=int, default=512, help="memory cgroup limit (default 512 MiB)")
-    parser.add_argument("--store-ratio", type=float, default=3.0, help="store size / cgroup limit (default 3)")
-    parser.add_argument("--prefetch", type=int, default=4, help="FeatureLoader prefetch (default 4)")
-    parser.add_argument("--no-variants", action="store_true", help="skip the forced mmap/drop/direct reader rows")
-    parser.add_argument("--slow-seconds", type=float, default=20.0,
-                        help="time budget of the page-fault-bound rows (np.memmap, forced mmap): GB/s over the "
-                             "batches read in that time (default 20 s)")
-    parser.add_argument("--cuda", choices=("auto", "on", "off"), default="auto",
-                        help="CUDA rows (pinned H2D, loader epoch to the GPU); auto: when a GPU is present")
+    harness.add_bench(subparsers, "cold", "cold-cache epochs over a store larger than a memory cgroup", {
+        "--shapes": ("1024x3072,256x384", "sample shapes TxD, comma separated"),
+        "--batch-sizes": ("16,64", "batch size per shape (one value: all shapes)"),
+        "--dtype": ("float16,int8", "stored dtypes, comma separated: every shape is measured in each; int8 is measured "
+                                    "beside float16 (the same samples, float32 out, its loader epochs interleaved with "
+                                    "float16's in the same child) and needs float16 in the list"),
+        "--chunk-rows": (64, "rows per chunk of the store"), "--limit-mib": (512, "memory cgroup limit in MiB"),
+        "--store-ratio": (3.0, "store size / cgroup limit"), "--prefetch": (4, "FeatureLoader prefetch"),
+        "--no-variants": (False, "(no effect: the forced reader rows are gone; kept so older command lines run)"),
+        "--slow-seconds": (20.0, "time budget of the page-fault-bound np.memmap row: GB/s over the batches read in "
+                                 "that time"),
+        "--cuda": ("auto", "CUDA rows (the loader's epoch to the GPU); auto: when a GPU is present",
+                   {"choices": ("auto", "on", "off")})}, repeats=1)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -93,10 +87,12 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
     with open(os.path.join(base, "raw"), "wb") as raw:  # the store and a raw file of the same bytes
         harness.write_split(os.path.join(base, "store"), n, shape, dtype=dtype, rows=args.chunk_rows,
                             chunk_bytes=args.chunk_rows * sample_bytes, slabs=lambda _, values: values.tofile(raw))
-    methods = list(BASE_METHODS) + ([] if args.no_variants else list(VARIANTS))
-    cuda = args.cuda == "on" or (args.cuda == "auto" and _has_cuda())
+    methods = list(BASE_METHODS)
+    import torch  # the child measures with it too
+
+    cuda = args.cuda == "on" or (args.cuda == "auto" and torch.cuda.is_available())
     if cuda:
-        methods += ["FeatureLoader -> cuda", "pinned H2D"]
+        methods += ["FeatureLoader -> cuda"]
     out: dict[str, Any] = {"sample_shape": list(shape), "dtype": dtype, "num_samples": n, "batch_size": batch_size,
                            "chunk_rows": args.chunk_rows, "store_bytes": n * sample_bytes, "limit_bytes": limit}
     if int8:  # the same samples as int8 (the writer quantizes them), chunks of as many rows where the format allows
@@ -145,15 +141,6 @@ def int8_figures(shape: dict[str, Any], reference: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- the child (in the cgroup)
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except ImportError:
-        return False
-
-
 def _nbytes(tensor: Any) -> int:
     return int(tensor.numel() * tensor.element_size())
 
@@ -215,13 +202,9 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     def memmap_gather() -> int:
         return budget(lambda idx: memmap[idx].nbytes, slow=True)
 
-    def reader(local_read: str | None, cache: str | None) -> Any:
-        def read() -> int:
-            array = featurestore.open_store(store_dir).open("bench", "enc", "train")
-            if local_read:
-                array.local_read, array.cache = local_read, cache
-            return budget(lambda idx: _nbytes(array.read(idx)), slow=local_read == "mmap")
-        return read
+    def reader() -> int:
+        array = featurestore.open_store(store_dir).open("bench", "enc", "train")
+        return budget(lambda idx: _nbytes(array.read(idx)), slow=False)
 
     int8_dir = os.path.join(base, "store-int8")
 
@@ -238,20 +221,11 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
             return total
         return epoch
 
-    def pinned_h2d() -> int:
-        host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True).fill_(1)
-        target = torch.empty_like(host, device="cuda")
-        for _ in range(10):
-            target.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        return 10 * host.numel()
-
     fns = {"device limit": device_limit, "pread reference": pread_reference, "np.memmap gather": memmap_gather,
-           "FeatureArray.read": reader(None, None), "FeatureLoader": loader("cpu"),
-           "FeatureLoader -> cuda": loader("cuda"), "pinned H2D": pinned_h2d}
+           "FeatureArray.read": reader, "FeatureLoader": loader("cpu"),
+           "FeatureLoader -> cuda": loader("cuda")}
     for name, device, store in zip(INT8_PAIRS, ("cpu", "cpu", "cuda", "cuda"), (store_dir, int8_dir) * 2):
         fns[name] = loader(device, store, torch.float32)
-    fns.update({name: reader(*mode) for name, mode in VARIANTS.items()})
     peaks: dict[str, int] = {}
     errors: dict[str, str] = {}
     seconds: dict[str, list[float]] = {}

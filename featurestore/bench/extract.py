@@ -1,7 +1,7 @@
 """``featurestore bench extract``: extraction wall time against encoding alone and numpy ``tofile``.
 
-What it measures: docs/BENCHMARKS.md, "What each bench measures"; ``--wsi`` is
-:mod:`featurestore.bench.extract_wsi`.
+With ``--wsi``, slide extraction against OpenSlide alone reading the same patches (and against
+encoding alone with a real encoder). What it measures: docs/BENCHMARKS.md, "What each bench measures".
 """
 
 from __future__ import annotations
@@ -14,12 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench import extract_wsi, harness
+from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
-
-# Seconds the trivial encoder waits per batch (``--device-ms``); set by ``run`` in this process,
-# which is where extraction calls the encoder.
-_DEVICE_SECONDS = [0.0]
 
 
 def trivial_encoder() -> Any:
@@ -40,8 +36,6 @@ def trivial_encoder() -> Any:
                 self.proj.weight.copy_(torch.randn(self.proj.weight.shape, generator=generator) * 0.05)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if _DEVICE_SECONDS[0]:
-                time.sleep(_DEVICE_SECONDS[0] * len(x) / 64)  # an accelerator's time per batch of 64
             grid = self.proj(x).flatten(2).transpose(1, 2)
             tokens = torch.cat([grid.mean(1, keepdim=True), grid], 1)
             return torch.nn.functional.layer_norm(tokens, (384,))
@@ -83,28 +77,29 @@ ENCODERS = {"trivial": "python:featurestore.bench.extract:trivial_encoder",
 
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(subparsers, "extract", "extraction wall time vs encoding alone; write MB/s",
-                               repeats=3, keep="best")
-    parser.add_argument("--n", type=int, default=512, help="images (default 512)")
-    parser.add_argument("--image-size", type=int, default=224, help="square image side (default 224)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--chunk-mb", type=float, default=8.0)
-    parser.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default: auto)")
-    parser.add_argument("--encoder", default="trivial",
-                        help="trivial (patch embedding + LayerNorm), zero (zero-cost: the pipeline's own "
-                        "ceiling) or any encoder spec, e.g. builtin:vit-s14 (a ViT-S/14's cost, no download) "
-                        "or timm:vit_small_patch14_dinov2,pretrained=false,img_size=224; with --wsi the "
-                        "default is zero")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
-    parser.add_argument("--precision", default="auto", help="auto, bf16 or fp32 (default auto: bf16 on CUDA)")
-    parser.add_argument("--device-ms", type=float, default=0.0,
-                        help="emulated accelerator time per batch of 64, host CPU idle (default 0)")
-    extract_wsi.add_arguments(parser)
+    harness.add_bench(subparsers, "extract", "extraction wall time vs encoding alone and numpy tofile; --wsi: slide "
+                      "extraction vs OpenSlide alone", {
+        "--n": (512, "images"), "--image-size": (224, "square image side"), "--batch-size": (64, None),
+        "--chunk-mb": (8.0, None), "--num-workers": (int, "DataLoader workers (default: auto)"),
+        "--encoder": ("trivial", "trivial (patch embedding + LayerNorm), zero (zero-cost: the pipeline's own ceiling) "
+                                 "or any encoder spec, e.g. builtin:vit-s14 (a ViT-S/14's cost, no download) or "
+                                 "timm:vit_small_patch14_dinov2,pretrained=false,img_size=224; with --wsi the default "
+                                 "is zero"),
+        "--device": ("auto", "auto, cpu or cuda"), "--precision": ("auto", "auto, bf16 or fp32 (auto: bf16 on CUDA)"),
+        "--wsi": (False, "bench slide extraction instead (synthetic pyramidal TIFFs)"),
+        "--slides": (3, "--wsi: synthetic slides"),
+        "--slide-size": ((12288, 9216), "--wsi: level-0 size (default 12288 9216 at 0.5 um/px, levels 1/4/16: ~700 "
+                                        "tissue patches of 224 px a slide)",
+                         {"type": int, "nargs": 2, "metavar": ("W", "H")}),
+        "--patch-size": (224, "--wsi: patch side at 20x"),
+        "--tissue": ("otsu", "--wsi: tissue filter", {"choices": ("otsu", "all")}),
+        "--max-patches": (int, "--wsi: --limit slides so about this many patches are encoded (a real encoder on a CPU)"),
+        "--cold": (False, "--wsi: evict the slides from the page cache before each pass")}, repeats=3, keep="best")
 
 
-def _encode_only(opts: Any) -> tuple[float, Any]:
-    """The extraction's loader, batches and encoder, the device synchronised per batch; the
-    features are dropped. Returns (seconds, the first batch's features, on the device)."""
+def _encode_only(opts: Any) -> float:
+    """Seconds of the extraction's loader, batches and encoder, the device synchronised per batch;
+    the features are dropped."""
     from featurestore.extract.encode_loop import default_num_workers
     from featurestore.extract.sources import Failure, PreparedImages, Preprocessing, collate, open_source
 
@@ -118,112 +113,238 @@ def _encode_only(opts: Any) -> tuple[float, Any]:
         assert not isinstance(batch, Failure)
         return encoder(batch[1].to(device, non_blocking=True))
 
-    return extract_wsi.encode_pass(opts, lambda e: PreparedImages(source, Preprocessing(mean=e.mean, std=e.std)),
+    return encode_pass(opts, lambda e: PreparedImages(source, Preprocessing(mean=e.mean, std=e.std)),
                                    plan, workers, collate, call)
 
 
-def compare_device_stats(features: Any, logical: str = "float16") -> dict[str, Any]:
-    """The writer's statistics of one batch on its device and on the CPU: byte identity of the
-    stored values, equality of the maxima, the largest relative difference of the sums."""
-    from featurestore.core import device_stats
-
-    tokens = features[:, -256:] if features.ndim == 3 else features  # patch tokens, as stored
-    channels = int(tokens.shape[-1])
-    here = device_stats.prepare(tokens, logical, channels, 0)
-    cpu = device_stats.prepare(tokens.cpu(), logical, channels, 0)
-    out: dict[str, Any] = {"device": str(tokens.device), "shape": list(tokens.shape),
-                           "source_dtype": str(tokens.dtype).removeprefix("torch."),
-                           "bytes_identical": here.stored.tobytes() == cpu.stored.tobytes()}
-    for name in ("abs_max", "max_abs_error", "max_rel_error"):
-        out[f"{name}_identical"] = bool(np.array_equal(getattr(here.rows, name), getattr(cpu.rows, name)))
-    for name in ("sq_error", "sq_source", "mean", "m2"):
-        a, b = getattr(here.rows, name), getattr(cpu.rows, name)
-        scale = np.maximum(np.abs(b), 1e-30)
-        out[f"{name}_max_rel_diff"] = float((np.abs(a - b) / scale).max())
-    return out
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if getattr(args, "wsi", False):  # whole-slide extraction: its own bench (featurestore.bench.extract_wsi)
-        return extract_wsi.run(args)
+    if getattr(args, "wsi", False):
+        return run_wsi(args)
     from featurestore.extract.run import ExtractOptions, extract
 
-    _DEVICE_SECONDS[0] = getattr(args, "device_ms", 0.0) / 1000.0
     encoder = getattr(args, "encoder", "trivial")
     spec = ENCODERS.get(encoder, encoder)
-    try:
-        with harness.scratch(args, "extract") as work:
-            images_path = os.path.join(work, "images.npy")
-            rng = np.random.default_rng(0)
-            images = np.lib.format.open_memmap(images_path, mode="w+", dtype=np.uint8,
-                                               shape=(args.n, args.image_size, args.image_size, 3))
-            for lo in range(0, args.n, 64):
-                images[lo : lo + 64] = rng.integers(0, 256, images[lo : lo + 64].shape, dtype=np.uint8)
-            images.flush()
-            del images
-            opts = ExtractOptions(images=f"npy:{images_path}", encoder=spec, store=os.path.join(work, "store"),
-                                  dataset="bench", split="s", batch_size=args.batch_size, chunk_mb=args.chunk_mb,
-                                  num_workers=args.num_workers, progress=False, device=getattr(args, "device", "auto"),
-                                  precision=getattr(args, "precision", "auto"))
-            waits: list[float] = []
-            state: dict[str, Any] = {}
+    with harness.scratch(args, "extract") as work:
+        images_path = os.path.join(work, "images.npy")
+        rng = np.random.default_rng(0)
+        images = np.lib.format.open_memmap(images_path, mode="w+", dtype=np.uint8,
+                                           shape=(args.n, args.image_size, args.image_size, 3))
+        for lo in range(0, args.n, 64):
+            images[lo : lo + 64] = rng.integers(0, 256, images[lo : lo + 64].shape, dtype=np.uint8)
+        images.flush()
+        del images
+        opts = ExtractOptions(images=f"npy:{images_path}", encoder=spec, store=os.path.join(work, "store"),
+                              dataset="bench", split="s", batch_size=args.batch_size, chunk_mb=args.chunk_mb,
+                              num_workers=args.num_workers, progress=False, device=getattr(args, "device", "auto"),
+                              precision=getattr(args, "precision", "auto"))
+        waits: list[float] = []
+        state: dict[str, Any] = {}
 
-            def encode_only() -> float:
-                seconds, state["first"] = _encode_only(opts)
-                return seconds
+        def encode_only() -> float:
+            return _encode_only(opts)
 
-            def run_extract() -> None:
-                result = extract(opts)
-                os.sync()  # the same finish line as tofile's
-                waits.append(result.writer_wait_seconds)
-                state["shape"] = tuple(result.metadata["sample_shape"])
+        def run_extract() -> None:
+            result = extract(opts)
+            os.sync()  # the same finish line as tofile's
+            waits.append(result.writer_wait_seconds)
+            state["shape"] = tuple(result.metadata["sample_shape"])
 
-            def stored_bytes() -> int:
-                return args.n * int(np.prod(state["shape"])) * 2
+        def stored_bytes() -> int:
+            return args.n * int(np.prod(state["shape"])) * 2
 
-            def block(rows: int) -> np.ndarray:
-                return np.random.default_rng(0).standard_normal((rows, *state["shape"]), dtype=np.float32)
+        def block(rows: int) -> np.ndarray:
+            return np.random.default_rng(0).standard_normal((rows, *state["shape"]), dtype=np.float32)
 
-            def write_raw(path: str) -> float:  # the disk's own write rate, for the same bytes
-                seconds = harness.tofile_synced(path, block(args.n).astype(np.float16))
-                os.unlink(path)
-                return seconds
+        def write_raw(path: str) -> float:  # the disk's own write rate, for the same bytes
+            seconds = harness.tofile_synced(path, block(args.n).astype(np.float16))
+            os.unlink(path)
+            return seconds
 
-            def clean() -> None:
-                for path in ("store", "write"):
-                    shutil.rmtree(os.path.join(work, path), ignore_errors=True)
-                os.sync()
+        def clean() -> None:
+            for path in ("store", "write"):
+                shutil.rmtree(os.path.join(work, path), ignore_errors=True)
+            os.sync()
 
-            # Interleaved: a slow moment hits every method alike.
-            times = interleaved([Method("encode_only_s", encode_only, own=True), Method("extract_s", run_extract),
-                                 Method("tofile_s", lambda: write_raw(os.path.join(work, "raw")), own=True),
-                                 Method("write_only_s", lambda: harness.write_synced(
-                                     os.path.join(work, "write"), block(64), 64, n=args.n,
-                                     chunk_bytes=int(args.chunk_mb * (1 << 20))), teardown=clean, own=True)],
-                                args.repeats)
-            sample_shape, first = state["shape"], state["first"]
-            nbytes = stored_bytes()
-            best = {name: min(values) for name, values in times.items()}
-            encode, extracted, write, tofile = best["encode_only_s"], best["extract_s"], best["write_only_s"], best["tofile_s"]
-            results = {
-                "benchmark": "extract", "encoder": spec, "device": str(getattr(args, "device", "auto")),
-                "images": args.n, "image_size": args.image_size, "batch_size": args.batch_size,
-                "device_ms": getattr(args, "device_ms", 0.0), "cpu_count": os.cpu_count(),
-                "load_average_1m": os.getloadavg()[0],
-                "sample_shape": list(sample_shape), "stored_dtype": "float16", "bytes": nbytes,
-                "encode_only_s": encode, "extract_s": extracted, "ratio": extracted / encode,
-                "tofile_s": tofile, "extract_vs_tofile": tofile / extracted,
-                "writer_wait_s": waits[times["extract_s"].index(extracted)],
-                "extract_write_mb_s": nbytes / extracted / 1e6, "write_only_mb_s": nbytes / write / 1e6,
-                "tofile_mb_s": nbytes / tofile / 1e6,
-                "encode_only_img_s": args.n / encode, "extract_img_s": args.n / extracted,
-                "repeats": dict(times),
-            }
-            if first is not None and first.device.type != "cpu":
-                results["device_vs_cpu_stats"] = compare_device_stats(first.float())
-    finally:
-        _DEVICE_SECONDS[0] = 0.0
+        # Interleaved: a slow moment hits every method alike.
+        times = interleaved([Method("encode_only_s", encode_only, own=True), Method("extract_s", run_extract),
+                             Method("tofile_s", lambda: write_raw(os.path.join(work, "raw")), own=True),
+                             Method("write_only_s", lambda: harness.write_synced(
+                                 os.path.join(work, "write"), block(64), 64, n=args.n,
+                                 chunk_bytes=int(args.chunk_mb * (1 << 20))), teardown=clean, own=True)],
+                            args.repeats)
+        sample_shape = state["shape"]
+        nbytes = stored_bytes()
+        best = {name: min(values) for name, values in times.items()}
+        encode, extracted, write, tofile = best["encode_only_s"], best["extract_s"], best["write_only_s"], best["tofile_s"]
+        results = {
+            "benchmark": "extract", "encoder": spec, "device": str(getattr(args, "device", "auto")),
+            "images": args.n, "image_size": args.image_size, "batch_size": args.batch_size,
+            "cpu_count": os.cpu_count(),
+            "load_average_1m": os.getloadavg()[0],
+            "sample_shape": list(sample_shape), "stored_dtype": "float16", "bytes": nbytes,
+            "encode_only_s": encode, "extract_s": extracted, "ratio": extracted / encode,
+            "tofile_s": tofile, "extract_vs_tofile": tofile / extracted,
+            "writer_wait_s": waits[times["extract_s"].index(extracted)],
+            "extract_write_mb_s": nbytes / extracted / 1e6, "write_only_mb_s": nbytes / write / 1e6,
+            "tofile_mb_s": nbytes / tofile / 1e6,
+            "encode_only_img_s": args.n / encode, "extract_img_s": args.n / extracted,
+            "repeats": dict(times),
+        }
     return results
 
 
-__all__ = ["compare_device_stats", "register", "run", "trivial_encoder", "zero_encoder"]
+def _openslide_only(keys_batches: list[list[Any]], workers: int) -> float:
+    """Seconds to read every patch with OpenSlide alone (RGB arrays, stacked per batch)."""
+    import torch
+
+    from featurestore.extract.encode_loop import worker_init as _worker_init
+    from featurestore.extract.workers import DieWithParent
+
+    # The default collate: stacked into shared memory in the worker, as extraction's own collate does.
+    loader = torch.utils.data.DataLoader(_RawReader(), batch_sampler=keys_batches, num_workers=workers,
+                                         worker_init_fn=DieWithParent(_worker_init) if workers else None)
+    start = time.perf_counter()
+    for _ in loader:
+        pass
+    return time.perf_counter() - start
+
+
+class _RawReader:
+    """``read_region`` -> RGB ``uint8 [s, s, 3]``, one handle per slide per worker."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, Any] = {}
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        import openslide
+
+        slide = self.open.get(key.path)
+        if slide is None:
+            slide = self.open[key.path] = openslide.OpenSlide(key.path)
+        region = slide.read_region((key.x, key.y), key.level, (key.read_size, key.read_size))
+        return np.asarray(region)[..., :3].copy()
+
+
+def encode_pass(opts: Any, dataset: Any, plan: list[Any], workers: int, collate: Any,
+                call: Any) -> float:
+    """Seconds of extraction's loader over ``dataset(encoder)``, its batches and encoder
+    (``call(encoder, batch, device)``), the device synchronised per batch, the features dropped."""
+    import torch
+
+    from featurestore.core.device import resolve_device
+    from featurestore.extract.encode_loop import autocast, resolve_precision, worker_init
+    from featurestore.extract.encoders import load_encoder
+    from featurestore.extract.workers import DieWithParent
+
+    start = time.perf_counter()
+    encoder = load_encoder(opts.encoder)
+    device = resolve_device(opts.device)
+    encoder.to(device)
+    precision = resolve_precision(opts.precision, device)
+    loader = torch.utils.data.DataLoader(dataset(encoder), batch_sampler=plan,
+                                         num_workers=workers, collate_fn=collate, pin_memory=device.type == "cuda",
+                                         worker_init_fn=DieWithParent(worker_init) if workers else None)
+    with torch.inference_mode():
+        for batch in loader:
+            with autocast(device, precision):
+                call(encoder, batch, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _encode_patches(opts: Any, keys_batches: list[list[Any]], workers: int) -> float:
+    from featurestore.extract.sources import Preprocessing
+    from featurestore.extract.wsi_patches import PatchReader, collate_patches, to_encoder
+
+    size, prep = opts.patch_size, list[Any]()
+
+    def call(encoder: Any, batch: Any, device: Any) -> Any:
+        import torch
+
+        images = batch.images
+        if len(images) < opts.batch_size:
+            images = torch.cat([images, images.new_zeros((opts.batch_size - len(images), *images.shape[1:]))])
+        if not prep:  # once: the encoder's normalisation
+            prep.append(Preprocessing(resize=(size, size), mean=encoder.mean, std=encoder.std))
+        encoder(to_encoder(images, prep[0], device), vectors=True)
+
+    return encode_pass(opts, lambda _: PatchReader(size), keys_batches, workers, collate_patches, call)
+
+
+def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
+    """``--wsi``: slide extraction against OpenSlide alone reading the same patches (and against
+    encoding alone with a real encoder)."""
+    from featurestore.demo.slides import write_slide
+    from featurestore.extract.encode_loop import default_num_workers
+    from featurestore.extract.wsi import Target, list_slides
+    from featurestore.extract.wsi_patches import PatchBatches, Patching, SlidePlanner
+    from featurestore.extract.wsi_run import SlideOptions, extract_slides
+
+    encoder = ENCODERS["zero"] if args.encoder in ("zero", "trivial") else args.encoder  # zero: the ceiling
+    workers = args.num_workers if args.num_workers is not None else default_num_workers()
+    with harness.scratch(args, "wsi") as work:
+        slides_dir = os.path.join(work, "slides")
+        os.makedirs(slides_dir, exist_ok=True)
+        width, height = args.slide_size
+        for i in range(args.slides):
+            write_slide(os.path.join(slides_dir, f"slide-{i:03d}.tiff"), width=width, height=height, seed=i, blobs=8)
+        patching = Patching(Target(args.patch_size, magnification=20.0), args.tissue, 0.5)
+        refs = list_slides(slides_dir)
+        planner = SlidePlanner(refs, patching)
+        plans = [planner[i] for i in range(len(refs))]
+        limit = len(refs)
+        if args.max_patches:
+            total, limit = 0, 0
+            while limit < len(plans) and total < args.max_patches:
+                total += len(plans[limit])  # type: ignore[arg-type]
+                limit += 1
+        plans = plans[:limit]
+        batches = list(PatchBatches(plans, args.batch_size, lambda _: None))
+        patches = sum(len(b) for b in batches)
+        files = [r.path for r in refs[:limit]]
+
+        def cold() -> None:  # --cold: the slides leave the page cache before each pass
+            if args.cold:
+                harness.evict(*files)
+
+        real = encoder != ENCODERS["zero"]
+        opts = SlideOptions(images=f"wsi:{slides_dir}", encoder=encoder, store=os.path.join(work, "store"),
+                            dataset="bench", split="s", patch_size=args.patch_size, tissue=args.tissue,
+                            batch_size=args.batch_size, num_workers=workers, progress=False, limit=limit,
+                            device=args.device, precision=args.precision, chunk_mb=args.chunk_mb)
+        loop: list[float] = []
+
+        def extract() -> None:
+            result = extract_slides(opts)
+            os.sync()
+            loop.append(result.seconds)  # plans, reads, encoder, bags: no start-up or commit
+            assert result.patches == patches, (result.patches, patches)
+
+        methods = [Method("openslide_only_s", lambda: _openslide_only(batches, workers), cold, own=True)]
+        if real:
+            methods.append(Method("encode_only_s", lambda: _encode_patches(opts, batches, workers), cold, own=True))
+        methods.append(Method("extract_s", extract, cold,
+                              lambda: shutil.rmtree(os.path.join(work, "store"), ignore_errors=True)))
+        times = interleaved(methods, args.repeats)
+        times["extract_loop_s"] = loop
+        best = {name: min(values) for name, values in times.items() if values}
+        results: dict[str, Any] = {
+            "benchmark": "extract-wsi", "encoder": encoder, "device": args.device, "slides": limit,
+            "slide_size": [width, height], "patch_size": args.patch_size, "tissue": args.tissue,
+            "patches": patches, "batch_size": args.batch_size, "num_workers": workers, "cold": bool(args.cold),
+            "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0], "repeats": times, **best,
+            "openslide_only_patches_s": patches / best["openslide_only_s"],
+            "extract_patches_s": patches / best["extract_s"],
+            "extract_vs_openslide": best["openslide_only_s"] / best["extract_s"],
+            # Each repeat's own pair (measured back to back): the spread shows the machine's noise.
+            "pair_ratios": [a / b for a, b in zip(times["openslide_only_s"], times["extract_s"])],
+            "extract_loop_vs_openslide": best["openslide_only_s"] / best["extract_loop_s"],
+        }
+        if real:
+            results.update(encode_only_patches_s=patches / best["encode_only_s"],
+                           ratio=best["extract_s"] / best["encode_only_s"])
+    return results
+
+
+__all__ = ["register", "run", "trivial_encoder", "zero_encoder"]

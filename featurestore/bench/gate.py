@@ -2,7 +2,7 @@
 
 ``featurestore/bench/targets.json`` lists every target: ``id``, the ``bench`` that measures it (and
 optionally a ``variant``: the same bench run with other flags, e.g. ``extract --encoder zero``),
-the ``figure`` (a key of :mod:`featurestore.bench.figures`; one without ``[TxD]`` applies to every
+the ``figure`` (a key of a bench's figures, :mod:`featurestore.bench.reading`; one without ``[TxD]`` applies to every
 sample shape the run measured), ``op`` (``>=``, ``<=``, ``<``, ``>``), ``threshold``, ``unit``,
 ``cache`` (cold / warm / none) and ``what`` (the README's wording). ``bench all --check`` runs the
 benches the targets need and checks their report; ``bench check REPORT.json`` checks an existing
@@ -20,12 +20,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from featurestore.bench.figures import EXTRACTORS, bench_figures
+from featurestore.bench.reading import FIGURE_BENCHES, read_result
 from featurestore.errors import InvalidOption
 
 DEFAULT_TARGETS = os.path.join(os.path.dirname(__file__), "targets.json")
 OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt}
-BENCH_NAMES = tuple(EXTRACTORS)  # the benches that emit figures
+BENCH_NAMES = FIGURE_BENCHES
 FIELDS = ("id", "bench", "figure", "op", "threshold", "unit", "cache", "what")
 
 
@@ -151,10 +151,11 @@ def check(report: dict[str, Any], targets: list[Target], *, allow_missing: bool 
         if not entry.get("result"):
             rows.append(Row(t, label, status=absent + f"bench failed ({entry.get('error', '?')})", fails=not allow_missing))
             continue
-        try:
-            found = entry["figures"] if "figures" in entry else bench_figures(entry.get("bench", t.bench), entry["result"])
-        except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as error:
-            found, entry = {}, {**entry, "figures_error": f"figures unreadable: {type(error).__name__}: {error}"}
+        if "figures" not in entry:  # a report from before the figures were stored: read from the result
+            reading = read_result(entry.get("bench", t.bench), entry["result"])
+            entry = {**entry, "figures": reading.figures,
+                     **({"figures_error": f"figures unreadable: {reading.error}"} if reading.error else {})}
+        found = entry["figures"]
         if t.figure in found:
             names = [t.figure]
         elif "[" not in t.figure:  # a per-shape figure: every shape the run measured

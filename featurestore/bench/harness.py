@@ -1,17 +1,7 @@
-"""What every bench shares: methods timed side by side, cold runs, child processes, split writing.
-
-* :class:`Method` and :func:`interleaved`: each repeat runs every method once, in turn (so a slow
-  moment of a shared machine hits all of them alike); :class:`Times` keeps every repeat, and gives
-  the median, the best and the per-repeat pairs of two methods (a figure's spread).
-* :func:`evict` (``posix_fadvise(DONTNEED)``: cold) and :func:`warm` (read once: page-cached);
-  a memory limit comes from :class:`featurestore.bench.cgroup.MemoryCgroup`.
-* :func:`child`: ``featurestore.bench.MODULE:FUNCTION(config)`` in a fresh interpreter (optionally
-  inside a cgroup), its JSON result back: the one protocol of every bench's subprocesses.
-* :func:`add_bench` (every bench's parser: ``--workdir``, ``--json``, ``--repeats``, the printed
-  end) and :func:`scratch` (its work directory).
-
-What a bench prints, and what `bench all` reports, is read from its result by
-:mod:`featurestore.bench.summary`.
+"""What every bench shares (docs/BENCHMARKS.md, "The harness"): its parser (:func:`add_bench`) and
+work directory (:func:`scratch`); methods interleaved over repeats (:class:`Method`,
+:func:`interleaved`, :class:`Times`: median, best, per-repeat pairs); cold and warm runs
+(:func:`evict`, :func:`warm`); the one child-process protocol (:func:`child`); RSS; split writing.
 """
 
 from __future__ import annotations
@@ -36,22 +26,47 @@ import numpy as np
 
 from featurestore.bench.cgroup import evict
 
-__all__ = ["Method", "RssPeak", "Times", "add_bench", "child", "child_process", "evict", "feature_bytes", "gbps",
-           "h2d_gbps", "interleaved", "parse_dtypes", "parse_shapes", "peak_reset", "peak_rss", "rss_anon_bytes",
-           "scratch", "timed", "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
+__all__ = [
+    "Method",
+    "RssPeak",
+    "Times",
+    "add_bench",
+    "add_flags",
+    "child",
+    "child_process",
+    "evict",
+    "feature_bytes",
+    "gbps",
+    "interleaved",
+    "parse_dtypes",
+    "parse_shapes",
+    "peak_reset",
+    "peak_rss",
+    "rate",
+    "rss_anon_bytes",
+    "scratch",
+    "timed",
+    "tofile_synced",
+    "unmap",
+    "warm",
+    "write_split",
+    "write_synced",
+]
 
 
-def add_bench(subparsers: Any, verb: str, help: str, *, repeats: int | None = None, keep: str = "median",
-              description: str | None = None,
+def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any, ...]], *, repeats: int | None = None,
+              keep: str = "median", description: str | None = None,
               workdir: str = "scratch directory (default: a temp dir, removed)") -> argparse.ArgumentParser:
-    """The parser of ``featurestore bench VERB`` with what every bench has: ``--repeats`` (when
-    given a default), ``--workdir``, ``--json``; the command runs the module's ``run(args)``, prints
-    its result (:func:`featurestore.bench.summary.finish`) and exits 1 when its ``failed`` says why."""
+    """The parser of ``featurestore bench VERB``: the bench's own ``flags`` (:func:`add_flags`) and what
+    every bench has: ``--repeats`` (when given a default), ``--workdir``, ``--json``; the command runs
+    the module's ``run(args)``, prints its result (:func:`featurestore.bench.reading.finish`) and exits
+    1 when its ``failed`` says why."""
     from featurestore.bench import bench_module
-    from featurestore.bench.summary import finish
+    from featurestore.bench.reading import finish
 
     name = verb.replace("-", "_")
     parser = subparsers.add_parser(verb, help=help, description=description or help)
+    add_flags(parser, flags)
     if repeats is not None:
         parser.add_argument("--repeats", type=int, default=repeats,
                             help=f"interleaved repeats; the {keep} is kept (default {repeats})")
@@ -63,6 +78,17 @@ def add_bench(subparsers: Any, verb: str, help: str, *, repeats: int | None = No
         return finish(name, module.run(args), args.json_out, getattr(module, "failed", None))
     parser.set_defaults(func=command)
     return parser
+
+
+def add_flags(parser: Any, flags: dict[str, tuple[Any, ...]]) -> None:
+    """Flags from ``{"--name": (default, help[, other add_argument keywords])}``: a type as the
+    default means none (None) of that type; ``False`` a switch; the default is appended to the help."""
+    for name, (default, text, *more) in flags.items():
+        kwargs = {"action": "store_true"} if default is False else {"type": default, "default": None} if isinstance(
+            default, type) else {"type": type(default), "default": default}
+        if not isinstance(default, (bool, type)) and default != "" and "default" not in (text or ""):
+            text = f"{text} (default {default})" if text else f"default {default}"
+        parser.add_argument(name, help=text, **{**kwargs, **(more[0] if more else {})})
 
 
 @contextlib.contextmanager
@@ -136,6 +162,11 @@ def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def rate(fn: Callable[[], Any], nbytes: float) -> Callable[[], float]:
+    """A call that runs ``fn`` once and returns GB/s of ``nbytes`` (a :class:`Method` with ``own``)."""
+    return lambda: gbps(nbytes, timed(fn))
 
 
 def unmap() -> None:
@@ -265,48 +296,25 @@ def peak_rss() -> int:
 
 
 class RssPeak:
-    """Anonymous (and file-backed) RSS sampled every 5 ms on a thread while the block runs:
-    ``baseline``, ``peak``, ``peak_file`` and ``samples`` ``(seconds, anon, file)``."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, int, int]] = []
-        self._stop = threading.Event()
+    """Anonymous RSS sampled every 5 ms on a thread while the block runs: ``baseline``, ``peak``,
+    and ``seconds`` the block took."""
 
     def __enter__(self) -> RssPeak:
-        self.baseline = rss_anon_bytes()
-        self.t0 = time.perf_counter()
+        self.baseline = self.peak = rss_anon_bytes()
+        self._stop, self.t0 = threading.Event(), time.perf_counter()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.perf_counter() - self.t0, rss_anon_bytes(), _status_bytes("RssFile")))
-            time.sleep(0.005)
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, rss_anon_bytes())
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
         self.seconds = time.perf_counter() - self.t0
-        self.peak = max([self.baseline, *(s[1] for s in self.samples)])
-        self.peak_file = max((s[2] for s in self.samples), default=0)
-
-
-def h2d_gbps(pinned: bool, nbytes: int = 256 << 20, copies: int = 10) -> float:
-    """Host-to-device GB/s of ``copies`` copies of a pinned (or pageable) host buffer, CUDA events."""
-    import torch
-
-    target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).fill_(1)
-    target.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(copies):
-        target.copy_(host, non_blocking=True)
-    end.record()
-    end.synchronize()
-    return copies * nbytes / (start.elapsed_time(end) / 1e3) / 1e9
+        self.peak = max(self.peak, rss_anon_bytes())
 
 
 # ---------------------------------------------------------------------- small helpers

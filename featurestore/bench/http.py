@@ -24,17 +24,13 @@ __all__ = ["SHAPE", "build_store", "free_port", "load_test", "process_rss", "reg
 
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(subparsers, "http", "HTTP server + client vs raw loopback TCP; item latency; load test",
-                               repeats=3)
-    parser.add_argument("--store", default=None, help="serve this store (its first split) instead of building one")
-    parser.add_argument("--num-samples", type=int, default=1024, help="samples in the built store")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--batches", type=int, default=30, help="timed batches per method and repeat")
-    parser.add_argument("--items", type=int, default=300, help="single-item requests timed")
-    parser.add_argument("--load-seconds", type=float, default=30.0, help="0 skips the load test")
-    parser.add_argument("--clients", type=int, default=16, help="load-test concurrent clients")
-    parser.add_argument("--read-ahead", type=int, default=2, help="requests in flight for the read-ahead client")
-    parser.add_argument("--workers", type=int, default=1, help="server worker processes (featurestore serve --workers)")
+    harness.add_bench(subparsers, "http", "HTTP server + client vs raw loopback TCP; item latency; load test", {
+        "--store": (str, "serve this store (its first split) instead of building one"),
+        "--num-samples": (1024, "samples in the built store"), "--batch-size": (64, None),
+        "--batches": (30, "timed batches per method and repeat"), "--items": (300, "single-item requests timed"),
+        "--load-seconds": (30.0, "seconds of the load test, 0 skips it"), "--clients": (16, "load-test concurrent clients"),
+        "--threads": (2, "FeatureLoader threads over HTTP"),
+        "--workers": (1, "server worker processes (featurestore serve --workers)")}, repeats=3)
 
 
 # ---------------------------------------------------------------------- raw TCP baseline
@@ -65,17 +61,6 @@ while True:
 """
 
 
-def _fill(read_into: Any, out: np.ndarray, short: str) -> np.ndarray:
-    """``out`` filled from ``read_into(view)`` (a socket's or a response's), straight into its bytes."""
-    view, got = out.reshape(-1).view(np.uint8).data, 0
-    while got < view.nbytes:
-        n = read_into(view[got:])
-        if not n:
-            raise ConnectionError(short)
-        got += n
-    return out
-
-
 class RawTCP:
     """Client side of the raw baseline; the server runs in its own process, like uvicorn."""
 
@@ -90,7 +75,13 @@ class RawTCP:
     def read(self, index: np.ndarray, out: np.ndarray, *, gather: bool) -> np.ndarray:
         index = np.ascontiguousarray(index, dtype=np.int64)
         self.sock.sendall(struct.pack("<IB", len(index), 0 if gather else 1) + index.tobytes())
-        return _fill(self.sock.recv_into, out, "raw TCP baseline server went away")
+        view, got = out.reshape(-1).view(np.uint8).data, 0
+        while got < view.nbytes:  # straight into the output's bytes
+            k = self.sock.recv_into(view[got:])
+            if not k:
+                raise ConnectionError("raw TCP baseline server went away")
+            got += k
+        return out
 
     def close(self) -> None:
         self.sock.close()
@@ -118,60 +109,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return _measure(url, proc, path, key, args)
 
 
-class StdlibReadinto:
-    """``http.client`` keep-alive connection, ``HTTPResponse.readinto`` straight into the output
-    (the standard library's copy from the socket into the caller's buffer): a transport baseline."""
-
-    def __init__(self, url: str, path: str) -> None:
-        import http.client
-
-        host, port = url.removeprefix("http://").split(":")
-        self.conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        self.conn.connect()
-        assert self.conn.sock is not None
-        self.conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.path = path
-
-    def read(self, index: np.ndarray, out: np.ndarray) -> np.ndarray:
-        from featurestore.format import wire
-
-        self.conn.request("POST", self.path, body=wire.encode_indices(index),
-                          headers={"Content-Type": wire.INDICES})  # fmt: skip
-        response = self.conn.getresponse()
-        _fill(response.readinto, out, "short body")
-        response.read()  # the (empty) rest, so the connection can be reused
-        return out
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-def _httpx_streaming_transport() -> Any:
-    import httpx
-
-    nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
-    return httpx.HTTPTransport(socket_options=nodelay)
-
-
-def read_ahead(read: Any, depth: int) -> Any:
-    """``read(index, out)`` with ``depth`` requests in flight: the batch after next is already
-    being fetched (own connection per thread) while this one is consumed, the way the loader's
-    threads overlap requests. Returns ``run(orders, outs)`` that reads them all."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    pool = ThreadPoolExecutor(depth)
-
-    def run(orders: list[np.ndarray], outs: list[np.ndarray]) -> None:
-        futures = [pool.submit(read, order, outs[i % len(outs)]) for i, order in enumerate(orders[:depth])]
-        for i in range(len(orders)):
-            futures[i].result()
-            if i + depth < len(orders):
-                futures.append(pool.submit(read, orders[i + depth], outs[(i + depth) % len(outs)]))
-
-    run.close = pool.shutdown  # type: ignore[attr-defined]
-    return run
-
-
 def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str, str, str],
              args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
     import httpx
@@ -181,18 +118,11 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
 
     fc = FeatureClient(url)
     remote = fc.open(*key)
-    fc_httpx = FeatureClient(url, transport=_httpx_streaming_transport())
-    remote_httpx = fc_httpx.open(*key)
     n, batch = len(remote), args.batch_size
     out = np.empty((batch, *remote.sample_shape), remote.numpy_dtype)
-    batch_bytes = out.nbytes
-    depth = max(1, args.read_ahead)
-    outs = [np.empty_like(out) for _ in range(depth + 1)]
     naive = httpx.Client(timeout=60)
     raw = RawTCP(path, key)
     post_path = wire.route(wire.BATCH, dataset=key[0], encoder=key[1], split=key[2])
-    stdlib = StdlibReadinto(url, post_path)
-    ahead = read_ahead(lambda idx, o: remote.read_numpy(idx, out=o), depth)
 
     def naive_read(index: np.ndarray) -> np.ndarray:
         response = naive.post(url + post_path, json={"indices": index.tolist()})
@@ -200,51 +130,30 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
 
     methods = {
         "http": lambda idx: remote.read_numpy(idx, out=out),
-        "http httpx-stream": lambda idx: remote_httpx.read_numpy(idx, out=out),
-        "http.client readinto": lambda idx: stdlib.read(idx, out),
         "http naive client": naive_read,
         "raw tcp": lambda idx: raw.read(idx, out, gather=False),
         "raw tcp + gather": lambda idx: raw.read(idx, out, gather=True),
     }
     # Methods alternate batch by batch, and each is rated by its median batch time: on a shared
     # machine the load changes from second to second, and this way every method sees the same
-    # conditions and a scheduling hiccup does not decide the ratio. The read-ahead client is
-    # timed over groups of batches (its requests overlap), interleaved with the same groups read
-    # by raw TCP.
+    # conditions and a scheduling hiccup does not decide the ratio.
     rng = np.random.default_rng(0)
     current: list[Any] = [None]
 
-    def draw(count: int) -> Any:
-        def order(_: int, methods: list[Method]) -> list[Method]:
-            orders = [rng.choice(n, size=batch, replace=n < batch) for _ in range(count)]
-            current[0] = orders[0] if count == 1 else orders
-            return methods
-        return order
+    def draw(_: int, methods: list[Method]) -> list[Method]:
+        current[0] = rng.choice(n, size=batch, replace=n < batch)
+        return methods
 
-    def read_ahead_group() -> float:
-        return harness.timed(lambda: ahead(current[0], outs)) / group
-
-    def raw_group() -> float:
-        return harness.timed(lambda: [raw.read(o, out, gather=False) for o in current[0]]) / group
-
-    group = max(4, 2 * depth)
     try:
         for fn in methods.values():
             fn(np.arange(batch) % n)  # warm-up: connections, caches
-        ahead([np.arange(batch) % n] * depth, outs)
         times = interleaved([Method(name, lambda fn=fn: fn(current[0])) for name, fn in methods.items()],
-                            args.repeats * args.batches, order=draw(1))
-        times.update(interleaved([Method(f"http read-ahead {depth}", read_ahead_group, own=True),
-                                  Method("raw tcp (groups)", raw_group, own=True)],
-                                 args.repeats * max(1, args.batches // group), order=draw(group)))
+                            args.repeats * args.batches, order=draw)
     finally:
         raw.close()
         naive.close()
-        stdlib.close()
-        ahead.close()
-        fc_httpx.close()
-    median = {name: gbps(batch_bytes, float(np.median(values))) for name, values in times.items()}
-    best = {name: gbps(batch_bytes, float(np.min(values))) for name, values in times.items()}
+    median = {name: gbps(out.nbytes, float(np.median(values))) for name, values in times.items()}
+    best = {name: gbps(out.nbytes, float(np.min(values))) for name, values in times.items()}
     loader = _loader_vs_client(url, key, remote, args)
 
     rng = np.random.default_rng(99)
@@ -262,8 +171,6 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
         "benchmark": "http", "paired_vs_raw_tcp": paired_vs_raw, "batch_size": batch, "sample_shape": list(remote.sample_shape),
         "page_cache": "warm", "gb_per_s": median, "gb_per_s_best": best, "http_vs_raw_tcp": median["http"] / median["raw tcp"],
         "http_vs_raw_tcp_gather": median["http"] / median["raw tcp + gather"],
-        "read_ahead_vs_raw_tcp": median[f"http read-ahead {depth}"] / median["raw tcp (groups)"],
-        "client_vs_bare_http_client": median["http"] / median["http.client readinto"],
         "item_latency_ms": {"p50": p50, "p99": p99, "count": len(lat)}, "loader": loader,
     }  # fmt: skip
     if args.load_seconds > 0:
@@ -285,7 +192,7 @@ def _loader_vs_client(url: str, key: tuple[str, str, str], remote: Any,
         return {}
     n, batch = len(remote), args.batch_size
     ds = FeatureDataset(url, *key)
-    threads = max(1, args.read_ahead)
+    threads = max(1, args.threads)
     loader = FeatureLoader(ds, batch_size=batch, order="shuffle", device="cpu", dtype=None,
                            num_threads=threads, prefetch=threads + 1, drop_last=True)  # fmt: skip
     features = np.empty((batch, *remote.sample_shape), remote.numpy_dtype)

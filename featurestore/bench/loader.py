@@ -1,5 +1,5 @@
 """``featurestore bench loader``: FeatureLoader against the bare reader, its stall, its memory bound,
-an epoch under a memory cgroup, and host-to-device GB/s (docs/BENCHMARKS.md).
+and an epoch under a memory cgroup (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -22,16 +22,14 @@ DATASET, ENCODER = "bench", "loader"
 
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(subparsers, "loader", "FeatureLoader vs bare reader: throughput, stall, RSS N vs 4N, "
-                               "epoch under a memory cgroup, H2D GB/s", repeats=7, keep="best")
-    parser.add_argument("--shape", default="256x384", help="sample shape TxD (default 256x384)")
-    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
-    parser.add_argument("--num-samples", type=int, default=1024, help="N (the RSS run also uses 4N)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--prefetch", type=int, default=2)
-    parser.add_argument("--cgroup-limit-mib", type=int, default=512, help="memory limit of the cgroup run")
-    parser.add_argument("--skip-rss", action="store_true", help="skip the N vs 4N subprocesses")
-    parser.add_argument("--skip-cgroup", action="store_true", help="skip the memory cgroup run")
+    harness.add_bench(subparsers, "loader", "FeatureLoader vs bare reader: throughput, stall, RSS N vs 4N, epoch under "
+                      "a memory cgroup", {
+        "--shape": ("256x384", "sample shape TxD"),
+        "--dtype": ("float16", None, {"choices": ("float16", "bfloat16", "float32")}),
+        "--num-samples": (1024, "N (the RSS run also uses 4N)"), "--batch-size": (64, None), "--prefetch": (2, None),
+        "--cgroup-limit-mib": (512, "memory limit of the cgroup run"),
+        "--skip-rss": (False, "skip the N vs 4N subprocesses"), "--skip-cgroup": (False, "skip the memory cgroup run")},
+        repeats=7, keep="best")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -49,22 +47,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not args.skip_rss:
             results["rss"] = _rss(store, shape, args)
         results["cgroup"] = _cgroup_epoch(store, shape, args) if not args.skip_cgroup else {"skipped": "--skip-cgroup"}
-        results["cuda"] = _cuda(store, args)
     return results
 
 
 # ---------------------------------------------------------------------- data
-def _make_split(store: str, split: str, n: int, shape: tuple[int, ...], dtype: str) -> int:
-    """Write ``n`` random samples (once; reused by a later run with the same --workdir)."""
-    import featurestore
-
-    fs = featurestore.open_store(store, mode="a")
-    if DATASET in fs.datasets() and split in fs.splits(DATASET, ENCODER) \
-            and fs.split_status(DATASET, ENCODER, split) == "complete" \
-            and fs.split_metadata(DATASET, ENCODER, split)["num_samples"] == n:
-        return n
+def _make_split(store: str, split: str, n: int, shape: tuple[int, ...], dtype: str) -> None:
     harness.write_split(store, n, shape, dtype=dtype, names=(DATASET, ENCODER, split))
-    return n
 
 
 def _split_dir(store: str, split: str) -> str:
@@ -168,7 +156,7 @@ def _spec(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def epoch(spec: dict[str, Any]) -> dict[str, Any]:
-    """(A child.) One epoch to a CPU consumer in float32, RSS sampled every 5 ms."""
+    """(A child.) One epoch to a CPU consumer in float32, anonymous RSS sampled every 5 ms."""
     import torch
 
     from client import FeatureDataset, FeatureLoader
@@ -182,7 +170,6 @@ def epoch(spec: dict[str, Any]) -> dict[str, Any]:
             checksum += float(features[:, 0, 0].sum())  # touch the batch, as a consumer would
     return {"num_samples": ds.num_samples, "store_bytes": ds.num_samples * ds.sample_nbytes, "epoch_s": rss.seconds,
             "num_threads": loader.num_threads, "baseline_anon": rss.baseline, "peak_anon": rss.peak,
-            "peak_file": rss.peak_file, "samples": rss.samples[:: max(1, len(rss.samples) // 400)],
             "checksum": checksum}
 
 
@@ -217,7 +204,6 @@ def _cgroup_epoch(store: str, shape: tuple[int, ...], args: argparse.Namespace) 
             if loader.returncode == 0:
                 child = json.loads(loader.stdout.strip().splitlines()[-1])
                 out["loader_peak_anon"] = child["peak_anon"]
-                out["loader_rss_samples"] = child["samples"]
             else:
                 out["loader_stderr"] = loader.stderr[-2000:]
             ram = harness.child_process("loader:ram_tensor", _spec(store, "big", args), cgroup=group)
@@ -229,32 +215,3 @@ def _cgroup_epoch(store: str, shape: tuple[int, ...], args: argparse.Namespace) 
         return {"skipped": str(error)}
     out["ok"] = out["loader_returncode"] == 0 and out["ram_killed"]
     return out
-
-
-# ---------------------------------------------------------------------- 5. CUDA
-def _cuda(store: str, args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    if not torch.cuda.is_available():
-        print("CUDA figures skipped: no CUDA device")
-        return {"skipped": "no CUDA device"}
-    from client import FeatureDataset, FeatureLoader
-
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "h2d_pinned_gbps": harness.h2d_gbps(True),
-                           "h2d_pageable_gbps": harness.h2d_gbps(False)}
-    ds = FeatureDataset(store, DATASET, ENCODER, "n")
-    harness.warm(_split_dir(store, "n"))
-    loader = FeatureLoader(ds, batch_size=args.batch_size, device="cuda", prefetch=args.prefetch)
-    for _ in loader:  # warm-up epoch: CUDA context, pinned slots, allocator
-        pass
-    start_s = time.perf_counter()
-    count = 0
-    for features, _ in loader:
-        count += len(features)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start_s
-    out["loader_to_gpu_gbps"] = count * ds.sample_nbytes / seconds / 1e9
-    out["loader_to_gpu_stall_s"] = float(loader.stats["stall_s"])
-    return out
-
-

@@ -23,13 +23,11 @@ from featurestore.bench.harness import Method, gbps, interleaved
 
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(subparsers, "read", "reader GB/s vs memmap, zarr, HDF5, torch.save; checked reads; RSS",
-                               repeats=3, keep="best")
-    parser.add_argument("--shapes", default="256x384,1024x1536", help="sample shapes TxD, comma separated")
-    parser.add_argument("--gib", type=float, default=0.75, help="size of each test array in GiB (default 0.75)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--batches", type=int, default=200, help="timed batches per method and repeat (fewer do not settle)")
-    parser.add_argument("--skip-rss", action="store_true", help="skip the N vs 4N RSS subprocesses")
+    harness.add_bench(subparsers, "read", "reader GB/s vs memmap, zarr, HDF5, torch.save; RSS", {
+        "--shapes": ("256x384,1024x1536", "sample shapes TxD, comma separated"),
+        "--gib": (0.75, "size of each test array in GiB"), "--batch-size": (64, None),
+        "--batches": (200, "timed batches per method and repeat (fewer do not settle)"),
+        "--skip-rss": (False, "skip the N vs 4N RSS subprocesses")}, repeats=3, keep="best")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -105,23 +103,9 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
     best = {name: max(values) for name, values in rates.items()}
     paired = rates.pairs("featurestore", "np.memmap gather")  # run back to back in each repeat
     rows = {name: {"gb_per_s": rate, "vs_memmap": rate / best["np.memmap gather"]} for name, rate in best.items()}
-    verify = _first_pass_cost(store, n, sample_bytes)
     shutil.rmtree(base, ignore_errors=True)
     return {"sample_shape": list(shape), "num_samples": n, "read": rows, "paired_vs_memmap": paired,
-            "median_paired_vs_memmap": float(np.median(paired)), "verify": verify}
-
-
-def _first_pass_cost(store: Any, n: int, sample_bytes: int) -> dict[str, float]:
-    """One sequential pass over a fresh reader with and without the first-read crc32c check."""
-    def one_pass(mode: str) -> float:
-        array = store.open("bench", "enc", "train")
-        array.verify_reads = mode
-        return harness.timed(lambda: [array.read_numpy(np.arange(s, min(n, s + 64))) for s in range(0, n, 64)])
-
-    times = interleaved([Method("off", lambda: one_pass("off")), Method("first", lambda: one_pass("first"))], 1,
-                        warmup=1)  # interleaved, the later pair kept
-    rates = {mode: gbps(n * sample_bytes, times.best(mode)) for mode in times}
-    return {"unchecked_gbps": rates["off"], "checked_gbps": rates["first"], "ratio": rates["first"] / rates["off"]}
+            "median_paired_vs_memmap": float(np.median(paired))}
 
 
 def rss_epoch(path: str) -> dict[str, Any]:

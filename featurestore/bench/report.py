@@ -1,14 +1,9 @@
-"""``featurestore bench all``: run every benchmark and write ``report.md``, ``report.json`` and plots.
+"""``featurestore bench all``: run every benchmark and write ``report.md`` and ``report.json``.
 
-Each bench (``read``, ``write``, ``http``, ``loader``, ``extract``, ``s3``, ``cold``, ``bags``,
-``bag_loader``) is run in this process through its own
-``run(args)``, with the defaults of its own parser (so ``bench all`` never drifts from ``bench
-NAME``), or with the small sizes of ``--quick``. A bench that raises (or whose own check fails) is
-recorded as failed with its error in both reports, the others still run, and the command exits 1
-at the end: a failure is never silently dropped. Plots (matplotlib, Agg backend: no display):
-``throughput.png``, GB/s (img/s for extraction) of featurestore against each bench's baselines;
-``rss.png``, anonymous RSS over time during one loader epoch over N and 4N samples (sampled by the
-loader bench's subprocesses) against the same split held as a float32 tensor in RAM.
+Each bench runs in this process through its own ``run(args)``, with the defaults of its own parser
+(so ``bench all`` never drifts from ``bench NAME``) or the small sizes of ``--quick``. A bench that
+raises (or whose own check fails) is recorded as failed in both reports, the others still run, and
+the command exits 1 at the end: a failure is never silently dropped.
 """
 
 from __future__ import annotations
@@ -26,8 +21,7 @@ from typing import Any
 
 from featurestore import __version__
 from featurestore.bench import bench_module
-from featurestore.bench.markdown import render_markdown
-from featurestore.bench.summary import print_result, rss_series, throughput_rows
+from featurestore.bench.reading import Panels, print_result, read_result
 from featurestore.errors import InvalidOption
 
 BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3", "cold", "bags", "bag_loader")
@@ -40,10 +34,9 @@ QUICK_FLAGS: dict[str, list[str]] = {
              "--load-seconds", "2", "--clients", "4"],
     "loader": ["--shape", "64x384", "--num-samples", "64", "--repeats", "1", "--skip-cgroup"],
     "extract": ["--n", "64", "--image-size", "64", "--repeats", "1"],
-    "s3": ["--num-samples", "128", "--batches", "4", "--slow-batches", "2", "--repeats", "1", "--bags", "6",
+    "s3": ["--num-samples", "128", "--slow-batches", "2", "--repeats", "1", "--bags", "6",
            "--bag-median", "300", "--bag-dim", "256"],
-    "cold": ["--shapes", "64x384", "--batch-sizes", "16", "--limit-mib", "512", "--store-ratio", "0.1",
-             "--no-variants", "--cuda", "off"],
+    "cold": ["--shapes", "64x384", "--batch-sizes", "16", "--limit-mib", "512", "--store-ratio", "0.1", "--cuda", "off"],
     "bags": ["--gib", "0.005", "--dim", "256", "--median", "100", "--max", "1000", "--min", "10"],
     "bag_loader": ["--bags", "6", "--patches", "100", "--dim", "256", "--repeats", "1"],
 }
@@ -51,9 +44,9 @@ QUICK_FLAGS: dict[str, list[str]] = {
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "all", help="run every bench; write report.md, report.json and PNG plots",
+        "all", help="run every bench; write report.md and report.json",
         description="Run the read, write, http, loader, extract, s3, cold, bags and bag_loader benches with their default "
-        "arguments (or small ones with --quick) and write report.md, report.json, throughput.png and rss.png "
+        "arguments (or small ones with --quick) and write report.md and report.json "
         "into --out. A failed bench is reported with its error and makes the exit status 1. With --check, run "
         "the benches the speed targets need (docs/BENCHMARKS.md), print one table of figure / target / "
         "measured / spread / ok and exit 1 when a target is missed.")
@@ -124,8 +117,6 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
     flags, None for its own defaults or --quick's); call ``before_write(report)``; write the
     reports into ``args.out``; return the report dict (also what ``report.json`` holds)."""
 
-    from featurestore.bench.figures import bench_figures
-
     if runs is None:
         runs = {n: (n, None) for n in parse_benches(getattr(args, "benches", None) or ",".join(BENCH_NAMES))}
     quick = bool(getattr(args, "quick", False))
@@ -149,11 +140,13 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
             module = bench_module(name)
             result = module.run(bench)
             entry["result"] = result
-            try:  # the gate's figures; a result whose keys changed is noted, not fatal
-                entry["figures"] = bench_figures(name, result)
-            except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as error:
-                entry["figures_error"] = f"figures unreadable: {type(error).__name__}: {error}"
-            verdict = _verdict(module, name, result)
+            reading = read_result(name, result)  # the gate's figures; a result whose keys changed is noted
+            entry["figures"] = reading.figures
+            if reading.error:
+                entry["figures_error"] = f"figures unreadable: {reading.error}"
+            print_result(name, result)  # as featurestore bench NAME prints it
+            why = module.failed(result) if hasattr(module, "failed") else None  # e.g. http's load test errors
+            verdict = f"the bench reported failure: {why}" if why else None
             if verdict:
                 entry.update(error=verdict, traceback=verdict)
                 print(f"[bench all] {name} FAILED: {verdict}", file=sys.stderr, flush=True)
@@ -169,15 +162,6 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
         before_write(report)
     report["files"] = write_report(report, args.out)
     return report
-
-
-def _verdict(module: Any, name: str, result: dict[str, Any]) -> str | None:
-    """Print the bench's rows and notes as ``featurestore bench NAME`` does; its own verdict (e.g.
-    the http load test saw errors or wrong payloads), None when it passed."""
-    print_result(name, result)
-    failed = getattr(module, "failed", None)
-    why = failed(result) if failed is not None else None
-    return f"the bench reported failure: {why}" if why else None
 
 
 def machine_info() -> dict[str, Any]:
@@ -198,11 +182,81 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def throughput_rows(report: dict[str, Any]) -> Panels:
+    """Per panel title: ``(method, rate)`` pairs, featurestore first, of every entry in the report (a
+    variant's panels titled with its entry's name); a result whose keys changed is noted in
+    ``render_errors``."""
+    panels: Panels = {}
+    for name, entry in report["benches"].items():
+        bench = entry.get("bench", name)
+        reading = read_result(bench, entry.get("result"))
+        if reading.error:
+            report.setdefault("render_errors", {})[name] = reading.error
+        panels.update({(title if name == bench else f"{name}: {title}"): bars for title, bars in reading.rows.items()})
+    return panels
+
+
+def rss_series(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """From the loader bench: per run (N, 4N), its anonymous RSS after imports and at its peak, and
+    the float32 in-RAM cache of the same samples it replaces (MiB)."""
+    loader = (report["benches"].get("loader") or {}).get("result") or {}
+    elements = math.prod(loader.get("sample_shape") or [0])
+    runs = [(label, (loader.get("rss") or {}).get(label)) for label in ("N", "4N")]
+    return [{"label": f"{label} = {run['num_samples']} samples", "peak_anon_mib": run["peak_anon"] / 2**20,
+             "baseline_mib": run["baseline_anon"] / 2**20, "cache_mib": run["num_samples"] * elements * 4 / 2**20}
+            for label, run in runs if run]
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """``report.md``: status, the gate's table, each entry's rows, figures and notes, memory, failures."""
+    from featurestore.bench.reading import figure_lines
+
+    m = report["machine"]
+    lines = ["# featurestore benchmark report", "", f"- command: `{report['command']}`", f"- created: {report['created']}",
+             f"- machine: {m.get('cpu_count')} CPUs, {m.get('platform')}, Python {m.get('python')}, torch "
+             f"{m.get('torch')}, CUDA {m.get('cuda') or 'none'}, load average {m.get('load_average')}",
+             "- ratios are taken side by side in one run (repeats interleaved; best or median, as each bench reports), "
+             "because a shared machine is noisy; absolute GB/s move from run to run.",
+             "", "## Status", "", "| bench | status | seconds |", "|---|---|---|"]
+    for name, entry in report["benches"].items():
+        status = "ok" if entry["status"] == "ok" else f"**FAILED**: {entry.get('error', '')}"
+        lines.append(f"| {name} | {_cell(status)} | {entry.get('seconds', 0):.1f} |")
+    tables = [report["gate"]] if report.get("gate") else []  # bench all --check: figures against the targets
+    lines += [line for header, *rows in tables for line in (
+        "", "## Targets (docs/BENCHMARKS.md)", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+        *("| " + " | ".join(_cell(c) for c in row) + " |" for row in rows))]
+    for title, bars in throughput_rows(report).items():  # featurestore's rate (first row) over each method's
+        lines += ["", f"## {title}", "", f"| method | rate | {bars[0][0]} ÷ method |", "|---|---|---|"]
+        lines += [f"| {name} | {rate:.3g} | {bars[0][1] / rate:.2f}x |" if rate else f"| {name} | {rate:.3g} | |"
+                  for name, rate in bars]
+    other = []
+    for name, entry in report["benches"].items():
+        bench = entry.get("bench", name)
+        reading = read_result(bench, entry.get("result"))
+        other += figure_lines(name, bench, reading.figures, variants="bench" not in entry) + reading.notes
+    lines += ["", "## Other figures", "", *other] if other else []
+    if series := rss_series(report):
+        lines += ["", "## Memory: one loader epoch vs the in-RAM float32 cache", "",
+                  "| run | anon RSS after imports (MiB) | peak during the epoch (MiB) | float32 cache (MiB) |",
+                  "|---|---|---|---|", *(f"| {s['label']} | {s['baseline_mib']:.1f} | {s['peak_anon_mib']:.1f} | "
+                                         f"{s['cache_mib']:.1f} |" for s in series)]
+    if report.get("render_errors"):
+        lines += ["", "## Report notes", "", "Results the report could not read all of:", "",
+                  *(f"- {where}: {error}" for where, error in report["render_errors"].items())]
+    failed = {n: e for n, e in report["benches"].items() if e["status"] != "ok"}
+    lines += ["", "## Failures", ""] if failed else []
+    for name, entry in failed.items():
+        lines += [f"### {name}", "", "```", entry.get("traceback", entry.get("error", "")).rstrip(), "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
 def write_report(report: dict[str, Any], out: str) -> list[str]:
-    """Write the plots, ``report.md`` and ``report.json`` into ``out``; return the file names."""
-    files = plot_throughput(report, os.path.join(out, "throughput.png"))
-    files += plot_rss(report, os.path.join(out, "rss.png"))
-    report["files"] = [*files, "report.md", "report.json"]
+    """Write ``report.md`` and ``report.json`` into ``out``; return the file names."""
+    report["files"] = ["report.md", "report.json"]
     with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
         f.write(render_markdown(report))
     with open(os.path.join(out, "report.json"), "w", encoding="utf-8") as f:
@@ -224,68 +278,6 @@ def _jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return str(value)
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: works on a headless machine
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_throughput(report: dict[str, Any], path: str) -> list[str]:
-    panels = throughput_rows(report)
-    plt = _pyplot()
-    count = max(1, len(panels))
-    cols = min(2, count)
-    rows = -(-count // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 3.4 * rows), squeeze=False)
-    for ax, (title, bars) in zip(axes.flat, panels.items()):
-        names, values = [b[0] for b in bars], [b[1] for b in bars]
-        # featurestore's own path in one colour, the baselines in grey: the comparison at a glance.
-        colours = ["tab:blue" if i == 0 or n.startswith("loader") else "tab:gray" for i, n in enumerate(names)]
-        ax.barh(names[::-1], values[::-1], color=colours[::-1])
-        for y, v in enumerate(values[::-1]):
-            ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
-        ax.set_title(title, fontsize=10)
-        ax.margins(x=0.2)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    if not panels:
-        axes.flat[0].text(0.5, 0.5, "no throughput results (every bench failed or was skipped)",
-                          ha="center", va="center")
-    fig.suptitle(f"featurestore vs baselines, same run ({report['machine'].get('cpu_count')} CPUs; "
-                 "best or median of interleaved repeats, as each bench reports)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [os.path.basename(path)]
-
-
-def plot_rss(report: dict[str, Any], path: str) -> list[str]:
-    series = rss_series(report)
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    for colour, s in zip(("tab:blue", "tab:orange"), series):
-        ax.plot(s["t"], s["anon_mib"], color=colour, label=f"loader anon RSS, {s['label']}")
-        # The same process holding the split as a float32 tensor: its imports plus the cache.
-        ax.axhline(s["baseline_mib"] + s["cache_mib"], color=colour, linestyle="--",
-                   label=f"imports + float32 in-RAM cache, {s['label']} (+{s['cache_mib']:.0f} MiB)")
-    if not series:
-        ax.text(0.5, 0.5, "no RSS samples (loader bench failed, skipped, or run with --skip-rss)",
-                ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("seconds into the epoch")
-    ax.set_ylabel("MiB")
-    ax.set_ylim(bottom=0)
-    ax.set_title("RSS during one loader epoch vs the in-RAM cache it replaces")
-    if series:
-        ax.legend(fontsize=8, loc="center right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [os.path.basename(path)]
 
 
 __all__ = ["BENCH_NAMES", "QUICK_FLAGS", "bench_args", "register", "run", "write_report"]

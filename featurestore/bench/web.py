@@ -15,12 +15,11 @@ from featurestore.bench import harness
 
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(subparsers, "web", "web page server time: catalog of N splits, PCA picture")
-    parser.add_argument("--splits", type=int, default=100, help="splits in the catalog store (default 100)")
-    parser.add_argument("--dim", type=int, default=3072, help="channels of every split (default 3072)")
-    parser.add_argument("--tokens", type=int, default=1024, help="patch tokens of the PCA sample (a square; default 1024)")
-    parser.add_argument("--samples", type=int, default=5, help="samples pictured, each computed once (default 5)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed catalog views per case; the median is kept")
+    harness.add_bench(subparsers, "web", "web page server time: catalog of N splits, PCA picture", {
+        "--splits": (100, "splits in the catalog store"), "--dim": (3072, "channels of every split"),
+        "--tokens": (1024, "patch tokens of the PCA sample (a square)"),
+        "--samples": (5, "samples pictured, each computed once"),
+        "--repeats": (10, "timed catalog views per case; the median is kept")})
 
 
 def build_catalog_store(path: str, splits: int, dim: int) -> None:

@@ -27,19 +27,15 @@ METHODS = ("tofile", "float16", "float32", "float16 second")
 
 
 def register(subparsers: Any) -> None:
-    parser = harness.add_bench(subparsers, "write", "writer (float16 and float32 input) vs numpy tofile, with os.sync, "
-                               "each timed in a fresh process")
-    parser.add_argument("--shapes", default="256x384,1024x3072", help="sample shapes (default 256x384,1024x3072)")
-    parser.add_argument("--mb", default="250,384",
-                        help="stored float16 MB per shape and method, one size or several (default 250,384; at "
-                             "least --min-batches batches; a size that --min-batches raises to another's is run once)")
-    parser.add_argument("--min-batches", type=int, default=5,
-                        help="at least this many batches per shape, so the writer's pipeline runs (default 5: "
-                             "320 samples of [1024, 3072], 2 GB: the seed workload's shape)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--chunk-mb", type=float, default=8.0, help="writer chunk size in MiB (default 8)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="interleaved repeats, each in another order of the four methods; the median is kept")
+    harness.add_bench(subparsers, "write", "writer (float16 and float32 input) vs numpy tofile, with os.sync, each "
+                      "timed in a fresh process", {
+        "--shapes": ("256x384,1024x3072", "sample shapes TxD, comma separated"),
+        "--mb": ("250,384", "stored float16 MB per shape and method, one size or several (at least --min-batches "
+                            "batches; a size that --min-batches raises to another's is run once)"),
+        "--min-batches": (5, "at least this many batches per shape, so the writer's pipeline runs (5: 320 samples of "
+                             "[1024, 3072], 2 GB: the seed workload's shape)"),
+        "--batch-size": (64, None), "--chunk-mb": (8.0, "writer chunk size in MiB"),
+        "--repeats": (3, "interleaved repeats, each in another order of the four methods; the median is kept")})
 
 
 def first_write(config: dict[str, Any]) -> dict[str, Any]:
