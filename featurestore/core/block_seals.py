@@ -95,7 +95,7 @@ def block_problems(raw: bytes | memoryview, row: np.ndarray, meta: SplitMetadata
     for j in damaged_blocks(payload, row, nbytes):
         lo, hi = block_span(j, rows, meta.chunk_rows)
         first = index * meta.chunk_rows
-        out.append(f"block {j} (rows {first + lo}-{first + hi - 1}): crc32c mismatch against its block seal")
+        out.append(f"block {j} (rows {first + lo}-{first + hi - 1})")
     return out
 
 

@@ -56,7 +56,7 @@ def verify_dense(storage: Storage, key: str, meta: SplitMetadata, found: Finding
 
     def features_chunk(index: int, raw: bytes) -> str | None:
         if blocks is not None and (damaged := block_seals.block_problems(raw, blocks[index], meta, index)):
-            return f"its crc32c is valid, but {damaged[0]}: {BLOCK_SEALS} is not this chunk's"
+            return f"its crc32c is valid, but {damaged[0]} does not match its block seal: {BLOCK_SEALS} is not this chunk's"
         return features_match_stats(raw, meta, index, stats_rows[index]) if index in stats_rows else None
 
     checks = {layout.CHUNK_STATS: stats_row, layout.FEATURES: features_chunk}
@@ -73,8 +73,11 @@ def verify_dense(storage: Storage, key: str, meta: SplitMetadata, found: Finding
                 raw = storage.read(layout.chunk_key(f"{key}/{layout.FEATURES}", index, ndim))
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
                 continue  # reported missing
-            for line in block_seals.block_problems(raw, blocks[index], meta, index):
-                found.problems.append(f"{layout.chunk_key(f'{key}/{layout.FEATURES}', index, ndim)}: {line}")
+            where = f"{layout.chunk_key(f'{key}/{layout.FEATURES}', index, ndim)}: "
+            damaged = block_seals.block_problems(raw, blocks[index], meta, index)
+            line = next((k for k, p in enumerate(found.problems) if p.startswith(where)), None)
+            if damaged and line is not None:  # the chunk's one line names its damaged blocks
+                found.problems[line] += f" in {'; '.join(damaged)}"
     if meta.ids and not storage.exists(f"{key}/{layout.IDS}/{layout.ZARR_JSON}"):
         found.problems.append(f"{key}/{layout.IDS}/{layout.ZARR_JSON}: missing (the split metadata says it has ids)")
     if not storage.exists(f"{key}/{CHUNK_SEALS}/{layout.ZARR_JSON}"):

@@ -114,6 +114,7 @@ class BlocksPath:
                     data = np.frombuffer(blobs[u], np.uint8).reshape(-1, self.sample_nbytes)
                     rows[group] = data[offset[group] - block_of[group] * table.block_rows]
                 filled[at] = True
+                del blobs, data  # the slab back to the pool before add() may empty it
                 self._verified_blocks.add(pending, total)
             if not others:
                 return np.flatnonzero(~filled), opened
@@ -134,6 +135,8 @@ class BlocksPath:
                 blobs = self._storage.read_ranges(keys, [lo for _, lo, _ in spans], [hi for _, _, hi in spans])
             except FileNotFoundError:
                 gone = next((k for k in dict.fromkeys(keys) if not self._storage.exists(k)), None)
+                if gone is None:  # all there: a range past the end of an object shorter than its rows
+                    self._sizes_checked(keys)
                 raise self._missing(gone) from None
             except OSError:  # e.g. S3 "range not satisfiable": an object shorter than its rows
                 self._sizes_checked(keys)
@@ -156,18 +159,29 @@ class BlocksPath:
                 fds[c] = fd
                 self._check_size(where, os.fstat(fd).st_size)
 
-            def read(span: tuple[int, int, int]) -> bytes:
-                c, lo, hi = span
-                data = os.pread(fds[c], hi - lo, lo)
-                if len(data) != hi - lo:  # the file shrank under us
-                    raise CorruptChunk(checked.damage_message(
-                        f"chunk {c} of {self._key} ({self._chunk_path(c)})", "ended before its rows (truncated while reading)"))
+            # one leased slab for the blocks (no fresh pages to fault in per read); it goes back
+            # to the pool once the rows are copied out
+            ends = np.cumsum([hi - lo for _, lo, hi in spans])
+            slab = memoryview(checked.lease(int(ends[-1])))
+            views = [slab[int(end) - (hi - lo) : int(end)] for (_, lo, hi), end in zip(spans, ends)]
+
+            def read(k: int) -> memoryview:
+                (c, lo, hi), view = spans[k], views[k]
+                done = 0
+                while done < len(view):
+                    got = os.preadv(fds[c], [view[done:]], lo + done)
+                    if got <= 0:  # the file shrank under us
+                        raise CorruptChunk(checked.damage_message(
+                            f"chunk {c} of {self._key} ({self._chunk_path(c)})",
+                            "ended before its rows (truncated while reading)"))
+                    done += got
                 if drop:  # an array larger than the page cache: its blocks do not stay there
                     os.posix_fadvise(fds[c], lo, hi - lo, os.POSIX_FADV_DONTNEED)
-                return data
+                return view
 
             executor = (self.read_pool or pread.default_pool()).executor() if len(spans) > 1 else None
-            blobs = list(executor.map(read, spans)) if executor is not None else [read(s) for s in spans]
+            blobs = list(executor.map(read, range(len(spans)))) if executor is not None \
+                else [read(k) for k in range(len(spans))]  # fmt: skip
         finally:
             for fd in fds.values():
                 os.close(fd)
