@@ -94,7 +94,7 @@ def test_a_flipped_byte_is_refused_by_reads_of_its_block_only(tmp_path: Path, dt
 
 
 def _read_bytes() -> int:
-    for line in open("/proc/self/io"):
+    for line in Path("/proc/self/io").read_text().splitlines():
         if line.startswith("read_bytes:"):
             return int(line.split()[1])
     raise AssertionError("no read_bytes in /proc/self/io")

@@ -36,7 +36,14 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core import block_seals, intake, lifecycle, quantize_int8, seals, split_protocol
+from featurestore.core import (
+    block_seals,
+    intake,
+    lifecycle,
+    quantize_int8,
+    seals,
+    split_protocol,
+)
 from featurestore.core.batch import Prepared
 from featurestore.core.buffers import BufferPool
 from featurestore.core.chunk_puts import ChunkPuts
