@@ -212,3 +212,46 @@ def test_an_s3_read_of_one_row_fetches_its_block(seaweed: Any, seaweed_url: str)
     before = storage.bytes_read
     array.read_numpy([301])  # its block is checked: the row alone
     assert storage.bytes_read - before < 64 * 1024 + 32 * 1024
+
+
+def test_a_damaged_block_seals_row_falls_back_to_whole_chunk_checks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = str(tmp_path / "store")
+    row_values, chunk_rows, n = GEOMETRY["float16"]
+    values = _write(url, "float16", row_values, chunk_rows, n)
+    row = Path(url).joinpath(*TOP, BLOCK_SEALS, "c", "0", "0")
+    raw = bytearray(row.read_bytes())
+    raw[1] ^= 0x01
+    row.write_bytes(bytes(raw))
+    assert np.array_equal(_read(url, [0, 150]), values[[0, 150]])  # the data still reads
+    _flip(url, 1, 3 * BLOCK_BYTES + 9)  # chunk 1, block 3: caught by any read of chunk 1 now
+    with pytest.raises(CorruptChunk, match="chunk 1 of"):
+        _read(url, [130])
+    capsys.readouterr()
+    assert main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert f"DAMAGED ds/enc/s/{BLOCK_SEALS}/c/0/0: crc32c mismatch" in out, out
+
+
+def test_a_resume_seals_the_blocks_of_chunks_an_older_writer_left(tmp_path: Path) -> None:
+    url = str(tmp_path / "store")
+    row_values, chunk_rows, n = GEOMETRY["float16"]
+    shape = (row_values // CHANNELS, CHANNELS)
+    values = np.random.default_rng(3).standard_normal((n, *shape)).astype(np.float16)
+    create = dict(num_samples=n, sample_shape=shape, dtype="float16", chunk_rows=chunk_rows)
+    enabled, block_seals.ENABLED = block_seals.ENABLED, False
+    try:  # chunk 0 by a writer without block seals
+        writer = featurestore.open_store(url, mode="a").create_split(*TOP, **create)
+        writer.write(0, values[:chunk_rows])
+        writer.close()
+    finally:
+        block_seals.ENABLED = enabled
+    assert not Path(url).joinpath(*TOP, BLOCK_SEALS, "c", "0").exists()
+    writer = featurestore.open_store(url, mode="a").create_split(*TOP, resume=True, **create)
+    assert writer.pending_chunks() == [1]
+    writer.write(chunk_rows, values[chunk_rows:])
+    writer.commit()
+    _flip(url, 0, 2 * BLOCK_BYTES + 3)  # chunk 0, block 2: rows 64-95
+    assert np.array_equal(_read(url, [0, 100]), values[[0, 100]].astype(np.float32))
+    with pytest.raises(CorruptChunk, match=r"block 2 \(rows 64-95\) of chunk 0 "):
+        _read(url, [70])

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from featurestore.core.storage import Storage
-from featurestore.errors import CorruptChunk
 from featurestore.format import chunks, layout
 from featurestore.format.block_seals import (
     BLOCK_SEALS,
@@ -64,11 +63,12 @@ def finish(storage: Storage, split_key: str, meta: SplitMetadata) -> None:
     key = f"{split_key}/{BLOCK_SEALS}"
     rows = block_rows(_sample_nbytes(meta), meta.chunk_rows)
     per_chunk = blocks_per_chunk(meta.chunk_rows, rows)
-    present = {int(c) for c in storage.listdir(f"{key}/c") if c.isdigit()}
+    present = sorted(c for c in (int(c) for c in storage.listdir(f"{key}/c") if c.isdigit()) if c < meta.num_chunks)
+    sound = {c for c, raw in zip(present, storage.read_many([layout.chunk_key(key, c, 2) for c in present]))
+             if chunks.check(raw, per_chunk * 4) is None}
     payload_bytes = meta.chunk_rows * _sample_nbytes(meta)
     for index in range(meta.num_chunks):
-        size = storage.size(layout.chunk_key(key, index, 2)) if index in present else None
-        if size != per_chunk * 4 + layout.CRC_BYTES:
+        if index not in sound:  # left by no writer (an older version's chunk), or damaged
             raw = storage.read(layout.chunk_key(f"{split_key}/{layout.FEATURES}", index, 1 + len(meta.sample_shape)))
             crcs = running_crcs(memoryview(raw)[:payload_bytes], nbytes)
             storage.write_sealed(layout.chunk_key(key, index, 2), memoryview(crcs.astype("<u4")).cast("B"))
@@ -112,7 +112,7 @@ def load(storage: Storage, split_key: str, *, chunk_rows: int, sample_nbytes: in
          sealed: np.ndarray | None) -> BlockTable | None:
     """The split's block seals, or None where it has none usable: a split written before them, or
     one whose rows are not linked to its ``chunk_seals`` (``sealed``: the features column; None,
-    no table: then the whole-chunk check, as before). A damaged table is :class:`CorruptChunk`."""
+    no table) or damaged: then the whole-chunk check, as before."""
     if sealed is None:
         return None
     key = f"{split_key}/{BLOCK_SEALS}"
@@ -126,16 +126,16 @@ def load(storage: Storage, split_key: str, *, chunk_rows: int, sample_nbytes: in
     if rows != block_rows(sample_nbytes, chunk_rows) or list(doc.get("shape", [])) != [num_chunks, per_chunk]:
         return None  # another geometry than this reader's: the whole-chunk check
     keys = [layout.chunk_key(key, c, 2) for c in range(num_chunks)]
+    # A damaged or missing row costs this reader the block checks, not the data: it checks whole
+    # chunks, as for a split without block seals (`featurestore verify` reports the damage).
     try:
         raws = storage.read_many(keys)
-    except FileNotFoundError:
-        raise CorruptChunk(f"{key}: a chunk is missing: run `featurestore verify`, then resume the split "
-                           "to rewrite it") from None
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
     table = np.empty((num_chunks, per_chunk), np.uint32)
     for c, raw in enumerate(raws):
-        problem = chunks.check(raw, per_chunk * 4)
-        if problem is not None:
-            raise CorruptChunk(f"{keys[c]}: {problem}: run `featurestore verify`, then resume the split to rewrite it")
+        if chunks.check(raw, per_chunk * 4) is not None:
+            return None
         table[c] = np.frombuffer(raw, "<u4", count=per_chunk)
     if len(sealed) < num_chunks or not np.array_equal(table[:, -1].astype(np.int64), sealed[:num_chunks]):
         return None  # not this commit's rows (verify names them): the whole-chunk check
