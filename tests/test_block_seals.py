@@ -255,3 +255,19 @@ def test_a_resume_seals_the_blocks_of_chunks_an_older_writer_left(tmp_path: Path
     assert np.array_equal(_read(url, [0, 100]), values[[0, 100]].astype(np.float32))
     with pytest.raises(CorruptChunk, match=r"block 2 \(rows 64-95\) of chunk 0 "):
         _read(url, [70])
+
+
+def test_a_read_of_many_blocks_checks_them_a_slab_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from featurestore.core import checked
+
+    url = str(tmp_path / "store")
+    row_values, chunk_rows, n = GEOMETRY["float16"]
+    values = _write(url, "float16", row_values, chunk_rows, n)
+    monkeypatch.setattr(checked, "CHECK_BYTES", BLOCK_BYTES)  # one block a slab
+    rows = [150, 0, 40, 70, 100, 129, 1]  # 5 blocks, in no order
+    assert np.array_equal(_read(url, rows), values[rows])
+    _flip(url, 0, 3 * BLOCK_BYTES + 2)  # chunk 0, block 3 (rows 96-127), checked last but one
+    array = featurestore.open_store(url).open(*TOP)
+    with pytest.raises(CorruptChunk, match=r"block 3 \(rows 96-127\) of chunk 0 "):
+        array.read_numpy(rows)
+    assert np.array_equal(array.read_numpy([0, 150], dtype="float32"), values[[0, 150]])

@@ -100,26 +100,36 @@ class BlocksPath:
         while True:  # blocks another thread is checking: wait for it, then whatever it failed on
             pending, others = self._verified_blocks.claim(wanted)
             if pending:
+                # CHECK_BYTES of blocks at a time: scattered small rows of a cold epoch touch
+                # a block each, and the slab would otherwise grow with the batch
+                step = max(1, checked.CHECK_BYTES // (table.block_rows * self.sample_nbytes))
                 try:
-                    blobs = self._fetch_blocks(pending, table, path)
-                    opened = time.monotonic()
-                    self._check_blocks(blobs, table, path)
+                    for first in range(0, len(pending), step):
+                        part = pending[first : first + step]
+                        opened = max(opened, self._copy_blocks(part, table, path, unit, offset, block_of, rows))
                 except BaseException:
                     self._verified_blocks.release(pending)
                     raise
-                at = np.flatnonzero(np.isin(unit, pending))
-                order = at[np.argsort(unit[at], kind="stable")]
-                for group in np.split(order, np.flatnonzero(np.diff(unit[order])) + 1):
-                    u = int(unit[group[0]])
-                    data = np.frombuffer(blobs[u], np.uint8).reshape(-1, self.sample_nbytes)
-                    rows[group] = data[offset[group] - block_of[group] * table.block_rows]
-                filled[at] = True
-                del blobs, data  # the slab back to the pool before add() may empty it
+                filled[np.isin(unit, pending)] = True
                 self._verified_blocks.add(pending, total)
             if not others:
                 return np.flatnonzero(~filled), opened
             for event in others:
                 event.wait()
+
+    def _copy_blocks(self, part: list[int], table: block_seals.BlockTable, path: str, unit: np.ndarray,
+                     offset: np.ndarray, block_of: np.ndarray, rows: np.ndarray) -> float:
+        """Blocks ``part`` fetched and checked, the rows of the read in them copied out of the
+        same bytes; returns by when the files were opened."""
+        blobs = self._fetch_blocks(part, table, path)
+        opened = time.monotonic()
+        self._check_blocks(blobs, table, path)
+        at = np.flatnonzero(np.isin(unit, part))
+        order = at[np.argsort(unit[at], kind="stable")]
+        for group in np.split(order, np.flatnonzero(np.diff(unit[order])) + 1):
+            data = np.frombuffer(blobs[int(unit[group[0]])], np.uint8).reshape(-1, self.sample_nbytes)
+            rows[group] = data[offset[group] - block_of[group] * table.block_rows]
+        return opened  # the slab goes back to the pool with this frame, before add() may empty it
 
     def _span(self, unit: int, table: block_seals.BlockTable) -> tuple[int, int, int]:
         chunk, j = divmod(unit, table.per_chunk)
