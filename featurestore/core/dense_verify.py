@@ -55,9 +55,10 @@ def verify_dense(storage: Storage, key: str, meta: SplitMetadata, found: Finding
         return problem
 
     def features_chunk(index: int, raw: bytes) -> str | None:
-        if blocks is not None and (damaged := block_seals.block_problems(raw, blocks[index], meta, index)):
+        problem = features_match_stats(raw, meta, index, stats_rows[index]) if index in stats_rows else None
+        if problem is None and blocks is not None and (damaged := block_seals.block_problems(raw, blocks[index], meta, index)):
             return f"its crc32c is valid, but {damaged[0]} does not match its block seal: {BLOCK_SEALS} is not this chunk's"
-        return features_match_stats(raw, meta, index, stats_rows[index]) if index in stats_rows else None
+        return problem
 
     checks = {layout.CHUNK_STATS: stats_row, layout.FEATURES: features_chunk}
     crcs: dict[str, list[int | None]] = {}
@@ -75,7 +76,7 @@ def verify_dense(storage: Storage, key: str, meta: SplitMetadata, found: Finding
                 continue  # reported missing
             where = f"{layout.chunk_key(f'{key}/{layout.FEATURES}', index, ndim)}: "
             damaged = block_seals.block_problems(raw, blocks[index], meta, index)
-            line = next((k for k, p in enumerate(found.problems) if p.startswith(where)), None)
+            line = next((k for k, p in enumerate(found.problems) if p.startswith(where) and "crc32c mismatch" in p), None)
             if damaged and line is not None:  # the chunk's one line names its damaged blocks
                 found.problems[line] += f" in {'; '.join(damaged)}"
     if meta.ids and not storage.exists(f"{key}/{layout.IDS}/{layout.ZARR_JSON}"):
