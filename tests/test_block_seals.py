@@ -126,14 +126,14 @@ def test_concurrent_cold_reads_fetch_each_block_once(tmp_path: Path) -> None:
     values = _write(url, "float16", row_values, chunk_rows, n)
     array = featurestore.open_store(url).open(*TOP)
     fetched: list[int] = []
-    real = array._fetch_blocks
+    real = array._copy_local_blocks
 
     def fetch(pending: list[int], *args: Any) -> Any:
         fetched.extend(pending)
         threading.Event().wait(0.2)  # long enough that the threads overlap
         return real(pending, *args)
 
-    array._fetch_blocks = fetch  # type: ignore[method-assign]
+    array._copy_local_blocks = fetch  # type: ignore[method-assign]
     rows = [1, 40, 100, 150]  # blocks 0, 1, 3 of chunk 0 and 0 of chunk 1
     barrier, results = threading.Barrier(4), []
 

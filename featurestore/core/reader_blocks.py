@@ -101,7 +101,7 @@ class BlocksPath:
             pending, others = self._verified_blocks.claim(wanted)
             if pending:
                 # CHECK_BYTES of blocks at a time: scattered small rows of a cold epoch touch
-                # a block each, and the slab would otherwise grow with the batch
+                # a block each, and the ranged GETs' bytes would otherwise grow with the batch
                 step = max(1, checked.CHECK_BYTES // (table.block_rows * self.sample_nbytes))
                 try:
                     for first in range(0, len(pending), step):
@@ -121,46 +121,38 @@ class BlocksPath:
                      offset: np.ndarray, block_of: np.ndarray, rows: np.ndarray) -> float:
         """Blocks ``part`` fetched and checked, the rows of the read in them copied out of the
         same bytes; returns by when the files were opened."""
-        blobs = self._fetch_blocks(part, table, path)
-        opened = time.monotonic()
-        self._check_blocks(blobs, table, path)
         at = np.flatnonzero(np.isin(unit, part))
         order = at[np.argsort(unit[at], kind="stable")]
-        for group in np.split(order, np.flatnonzero(np.diff(unit[order])) + 1):
-            data = np.frombuffer(blobs[int(unit[group[0]])], np.uint8).reshape(-1, self.sample_nbytes)
+        groups = {int(unit[g[0]]): g for g in np.split(order, np.flatnonzero(np.diff(unit[order])) + 1)}
+
+        def copy(u: int, blob: Any) -> None:
+            group = groups[u]
+            data = np.frombuffer(blob, np.uint8).reshape(-1, self.sample_nbytes)
             rows[group] = data[offset[group] - block_of[group] * table.block_rows]
-        return opened  # the slab goes back to the pool with this frame, before add() may empty it
 
-    def _span(self, unit: int, table: block_seals.BlockTable) -> tuple[int, int, int]:
-        chunk, j = divmod(unit, table.per_chunk)
-        lo = j * table.block_rows
-        hi = min(self.chunk_rows, lo + table.block_rows)
-        return chunk, lo * self.sample_nbytes, hi * self.sample_nbytes
+        if path != "ranges":
+            return self._copy_local_blocks(part, table, copy)
+        blobs = self._fetch_blocks(part, table)
+        opened = time.monotonic()
+        self._check_blocks([u for u, blob in blobs.items() if not self._block_ok(u, blob, table)], table, path)
+        for u, blob in blobs.items():
+            copy(u, blob)
+        return opened
 
-    def _fetch_blocks(self, pending: list[int], table: block_seals.BlockTable, path: str) -> dict[int, Any]:
-        spans = [self._span(u, table) for u in pending]
-        if path == "ranges":
-            keys = [layout.chunk_key(self._key, c, self._ndim) for c, _, _ in spans]
-            try:
-                blobs = self._storage.read_ranges(keys, [lo for _, lo, _ in spans], [hi for _, _, hi in spans])
-            except FileNotFoundError:
-                gone = next((k for k in dict.fromkeys(keys) if not self._storage.exists(k)), None)
-                if gone is None:  # all there: a range past the end of an object shorter than its rows
-                    self._sizes_checked(keys)
-                raise self._missing(gone) from None
-            except OSError:  # e.g. S3 "range not satisfiable": an object shorter than its rows
-                self._sizes_checked(keys)
-                raise
-            for (c, lo, hi), blob, key in zip(spans, blobs, keys):
-                if len(blob) != hi - lo:
-                    raise CorruptChunk(checked.damage_message(
-                        f"chunk {c} of {self._key} ({self._storage.url}/{key})",
-                        f"{len(blob)} bytes where {hi - lo} were requested (truncated object)"))
-            return dict(zip(pending, blobs))
+    def _block_ok(self, u: int, blob: Any, table: block_seals.BlockTable) -> bool:
+        chunk, j = divmod(u, table.per_chunk)
+        return block_ok(blob, table.table[chunk], j)
+
+    def _copy_local_blocks(self, part: list[int], table: block_seals.BlockTable,
+                           copy: Callable[[int, Any], None]) -> float:
+        """Each block read by a pool thread into a block-sized buffer of the checked reads' pool,
+        checked, and its rows copied out (memory: a block per thread in flight, whatever the
+        read's size); returns by when the files were opened."""
         fds: dict[int, int] = {}
         drop = self._resolved_cache() in ("drop", "direct")
+        spans = {u: self._span(u, table) for u in part}
         try:
-            for c in dict.fromkeys(c for c, _, _ in spans):
+            for c in dict.fromkeys(c for c, _, _ in spans.values()):
                 where = self._chunk_path(c)
                 try:
                     fd = os.open(where, os.O_RDONLY)
@@ -168,15 +160,11 @@ class BlocksPath:
                     raise self._missing(where) from None
                 fds[c] = fd
                 self._check_size(where, os.fstat(fd).st_size)
+            opened = time.monotonic()
 
-            # one leased slab for the blocks (no fresh pages to fault in per read); it goes back
-            # to the pool once the rows are copied out
-            ends = np.cumsum([hi - lo for _, lo, hi in spans])
-            slab = memoryview(checked.lease(int(ends[-1])))
-            views = [slab[int(end) - (hi - lo) : int(end)] for (_, lo, hi), end in zip(spans, ends)]
-
-            def read(k: int) -> memoryview:
-                (c, lo, hi), view = spans[k], views[k]
+            def one(u: int) -> bool:
+                c, lo, hi = spans[u]
+                view = memoryview(checked.lease(hi - lo))
                 done = 0
                 while done < len(view):
                     got = os.preadv(fds[c], [view[done:]], lo + done)
@@ -187,30 +175,58 @@ class BlocksPath:
                     done += got
                 if drop:  # an array larger than the page cache: its blocks do not stay there
                     os.posix_fadvise(fds[c], lo, hi - lo, os.POSIX_FADV_DONTNEED)
-                return view
+                if not self._block_ok(u, view, table):
+                    return False
+                copy(u, view)
+                return True  # the buffer goes back to the pool with this frame
 
-            executor = (self.read_pool or pread.default_pool()).executor() if len(spans) > 1 else None
-            blobs = list(executor.map(read, range(len(spans)))) if executor is not None \
-                else [read(k) for k in range(len(spans))]  # fmt: skip
+            executor = (self.read_pool or pread.default_pool()).executor() if len(part) > 1 else None
+            ok = list(executor.map(one, part)) if executor is not None else [one(u) for u in part]
         finally:
             for fd in fds.values():
                 os.close(fd)
+        self._check_blocks([u for u, good in zip(part, ok) if not good], table, "mmap")
+        return opened
+
+    def _span(self, unit: int, table: block_seals.BlockTable) -> tuple[int, int, int]:
+        chunk, j = divmod(unit, table.per_chunk)
+        lo = j * table.block_rows
+        hi = min(self.chunk_rows, lo + table.block_rows)
+        return chunk, lo * self.sample_nbytes, hi * self.sample_nbytes
+
+    def _fetch_blocks(self, pending: list[int], table: block_seals.BlockTable) -> dict[int, Any]:
+        """Blocks ``pending`` from object storage: one ranged GET each, all at once."""
+        spans = [self._span(u, table) for u in pending]
+        keys = [layout.chunk_key(self._key, c, self._ndim) for c, _, _ in spans]
+        try:
+            blobs = self._storage.read_ranges(keys, [lo for _, lo, _ in spans], [hi for _, _, hi in spans])
+        except FileNotFoundError:
+            gone = next((k for k in dict.fromkeys(keys) if not self._storage.exists(k)), None)
+            if gone is None:  # all there: a range past the end of an object shorter than its rows
+                self._sizes_checked(keys)
+            raise self._missing(gone) from None
+        except OSError:  # e.g. S3 "range not satisfiable": an object shorter than its rows
+            self._sizes_checked(keys)
+            raise
+        for (c, lo, hi), blob, key in zip(spans, blobs, keys):
+            if len(blob) != hi - lo:
+                raise CorruptChunk(checked.damage_message(
+                    f"chunk {c} of {self._key} ({self._storage.url}/{key})",
+                    f"{len(blob)} bytes where {hi - lo} were requested (truncated object)"))
         return dict(zip(pending, blobs))
 
-    def _check_blocks(self, blobs: dict[int, Any], table: block_seals.BlockTable, path: str) -> None:
-        damaged = []
-        for u, blob in blobs.items():
-            chunk, j = divmod(u, table.per_chunk)
-            if not block_ok(blob, table.table[chunk], j):
-                damaged.append((chunk, j))
-        if not damaged:
+    def _check_blocks(self, damaged_units: list[int], table: block_seals.BlockTable, path: str) -> None:
+        """:class:`CorruptChunk` naming the first of ``damaged_units`` (blocks whose bytes did not
+        match their seals), if any."""
+        if not damaged_units:
             return
-        chunk, j = damaged[0]
+        chunk, j = divmod(min(damaged_units), table.per_chunk)
         lo, hi = j * table.block_rows, min(self.chunk_rows, (j + 1) * table.block_rows)
         first = chunk * self.chunk_rows
         where = (self._chunk_path(chunk) if path == "mmap"
                  else f"{self._storage.url}/{layout.chunk_key(self._key, chunk, self._ndim)}")
-        more = f" (and {len(damaged) - 1} more block(s) read by the same batch)" if len(damaged) > 1 else ""
+        more = (f" (and {len(damaged_units) - 1} more block(s) read by the same batch)"
+                if len(damaged_units) > 1 else "")
         raise CorruptChunk(checked.damage_message(
             f"block {j} (rows {first + lo}-{first + hi - 1}) of chunk {chunk} of {self._key} ({where}){more}",
             "crc32c mismatch against its block seal (flipped or truncated bytes)"))
