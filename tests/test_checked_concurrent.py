@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import featurestore
-from featurestore.core import checked
+from featurestore.core import block_seals, checked
 from featurestore.errors import CorruptChunk
 from featurestore.format import layout
 
@@ -29,10 +29,16 @@ THREADS = 4
 def _split(tmp_path: Any) -> tuple[str, np.ndarray]:
     url = str(tmp_path / "store")
     values = (np.arange(N * 64, dtype=np.float32).reshape(N, *SHAPE) / 100).astype(np.float16)
-    writer = featurestore.open_store(url, mode="a").create_split(
-        "ds", "enc", "s", num_samples=N, sample_shape=SHAPE, dtype="float16", chunk_bytes=ROWS * 128)
-    writer.write(0, values)
-    writer.commit()
+    # Written as before block seals: the whole-chunk check is what such a split keeps
+    # (tests/test_block_seals.py has the block-sealed reads).
+    enabled, block_seals.ENABLED = block_seals.ENABLED, False
+    try:
+        writer = featurestore.open_store(url, mode="a").create_split(
+            "ds", "enc", "s", num_samples=N, sample_shape=SHAPE, dtype="float16", chunk_bytes=ROWS * 128)
+        writer.write(0, values)
+        writer.commit()
+    finally:
+        block_seals.ENABLED = enabled
     return url, values
 
 

@@ -11,6 +11,10 @@ starts over). ``verify_reads`` (``FEATURESTORE_VERIFY_READS``) picks when:
 * ``"first"``: on the first read of each chunk, always.
 * ``"off"``: sizes only.
 
+A split with ``block_seals`` is checked by row block instead (featurestore.core.reader_blocks:
+a read checks exactly the blocks covering its rows, from the bytes it copies them out of);
+:class:`Verified` then holds block numbers, in a set of their own.
+
 Not caught, by design: bit rot after a chunk's first checked read. The check is once per chunk
 per process, so a byte that flips later reaches a long-running process (a server, a loader) as
 data until it restarts; ``featurestore verify`` finds it (docs/READS.md).
@@ -31,6 +35,7 @@ from concurrent import futures
 from typing import Any
 
 import crc32c as _crc32c
+import numpy as np
 
 from featurestore.core.buffers import BufferPool
 from featurestore.errors import REPAIR_ADVICE
@@ -191,6 +196,12 @@ def _pool() -> BufferPool:
     if _POOL is None:
         _POOL = BufferPool(keep=8, max_free_bytes=CHECK_BYTES)
     return _POOL
+
+
+def lease(nbytes: int) -> np.ndarray:
+    """A uint8 buffer of ``nbytes`` from the checked reads' pool (a block-checked read's blocks:
+    featurestore.core.reader_blocks), back in the pool when dropped."""
+    return _pool().lease(nbytes)
 
 
 def release_buffers() -> None:

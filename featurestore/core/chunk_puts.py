@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from featurestore.core import block_seals
 from featurestore.core.storage import Storage
 from featurestore.errors import StorageFull
 from featurestore.format import chunks, layout
@@ -46,8 +47,12 @@ class ChunkPuts:
     """A pool of put threads for one split writer (``workers=0``: puts run in the caller)."""
 
     def __init__(self, storage: Storage, key: str, *, workers: int | None = None,
-                 max_pending: int | None = None, on_done: Callable[[int], None] | None = None) -> None:
+                 max_pending: int | None = None, on_done: Callable[[int], None] | None = None,
+                 block_nbytes: int | None = None) -> None:
         self._storage = storage
+        # Features chunks are put with their block seals (featurestore.core.block_seals), blocks
+        # of this many bytes; None: the trailer alone.
+        self._block_nbytes = block_nbytes
         self._key = key
         self._workers = default_workers(storage) if workers is None else max(0, workers)
         self._slots = threading.Semaphore(max(1, max_pending or 2 * max(1, self._workers)))
@@ -106,6 +111,11 @@ class ChunkPuts:
                 return  # the split stopped at the first failure; resume rewrites the rest
             for array, rows, compressor in puts:
                 key = layout.chunk_key(f"{self._key}/{array}", index, rows.ndim)
+                if array == layout.FEATURES and compressor is None and self._block_nbytes:
+                    payload = chunks.encode(rows, None)
+                    assert isinstance(payload, memoryview)
+                    block_seals.put_sealed_chunk(self._storage, self._key, index, key, payload, self._block_nbytes)
+                    continue
                 self._storage.write_sealed(key, chunks.encode(rows, compressor))
             if self._on_done is not None:
                 self._on_done(index)

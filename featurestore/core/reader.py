@@ -31,6 +31,7 @@ import numpy as np
 
 from featurestore.core import checked, chunk_maps, generation, pread, quantize_int8
 from featurestore.core.buffers import aligned_empty
+from featurestore.core.reader_blocks import BlocksPath
 from featurestore.core.reader_cached import CachedPath
 from featurestore.core.reader_ranges import RangesPath
 from featurestore.core.storage import Storage
@@ -48,7 +49,7 @@ from featurestore.format import chunks, dtypes, layout, sample_ids
 from featurestore.format.wire import as_index_array, check_bounds
 
 
-class FeatureArray(CachedPath, RangesPath):
+class FeatureArray(CachedPath, RangesPath, BlocksPath):
     """One stored array (``features`` or ``labels``) of a split."""
 
     def __init__(
@@ -92,6 +93,8 @@ class FeatureArray(CachedPath, RangesPath):
         self._auto_cache: tuple[int, str] | None = None
         self.verify_reads = _setting("FEATURESTORE_VERIFY_READS", "auto", checked.VERIFY_MODES)
         self._verified = checked.Verified()
+        self._verified_blocks = checked.Verified()  # by block, on a split with block seals (reader_blocks)
+        self._blocks: Any = None  # its block seals, read on the first checked read
         self.read_pool: pread.ReadPool | None = None  # None: the process's default pool
         self.read_counts = {"mmap": 0, "inline": 0, "pool": 0}
         self._warm: np.ndarray | None = None  # chunks found wholly page-cached (see _cached)
@@ -187,9 +190,12 @@ class FeatureArray(CachedPath, RangesPath):
             rows = out.reshape(len(index), -1).view(np.uint8)
             try:
                 if self.path == "mmap":
-                    self._verify(index)
+                    opened = self._gather_local_checked(index, rows)  # None: no block seals
+                    if opened is None:
+                        self._verify(index)
+                        opened = self._gather_local(index, rows)
                     # after the files this read opened (none: maps already checked)
-                    self._generation().after(self._gather_local(index, rows))
+                    self._generation().after(opened)
                 elif self.path == "cached":
                     self._gather_cached(index, rows)
                 elif self.path == "ranges":

@@ -33,6 +33,8 @@ class RangesPath:
 
     # FeatureArray's (declared, not defined: no stub may shadow them in the method order)
     _verify: Callable[..., dict[int, Any]]
+    _block_table: Callable[[str], Any]
+    _read_blocks: Callable[..., tuple[np.ndarray, float]]
     _generation: Callable[[], Any]
 
     def _gather_ranges_checked(self, index: np.ndarray, rows: np.ndarray, positions: np.ndarray | None) -> None:
@@ -42,8 +44,17 @@ class RangesPath:
         if not len(index):
             return
         dest = rows if positions is None else np.empty((len(index), self.sample_nbytes), np.uint8)
-        fresh = self._verify(index, path="ranges")
-        if fresh:
+        table = self._block_table("ranges")
+        fresh = self._verify(index, path="ranges") if table is None else {}
+        if table is not None:  # block seals: only the covering blocks are fetched, checked, copied
+            rest, _ = self._read_blocks(index, dest, table, "ranges")
+            if len(rest) == len(index):
+                self._gather_ranges(index, dest)
+            elif len(rest):
+                part = np.empty((len(rest), self.sample_nbytes), np.uint8)
+                self._gather_ranges(index[rest], part)
+                dest[rest] = part
+        elif fresh:
             chunk_of, offset = np.divmod(index, self.chunk_rows)
             payload = self.chunk_rows * self.sample_nbytes
             for chunk, blob in fresh.items():

@@ -7,7 +7,9 @@ all of its rows. Writers that share a split must give each chunk's rows to one p
 chunk is its own key, written with one atomic put, so disjoint writers never touch the same
 bytes; the split's metadata is written by ``create_split`` (once, before the others attach with
 ``resume=True``) and by the one ``commit()`` at the end, which writes ``chunk_seals`` (each
-chunk's crc32c at its place, featurestore.core.seals) right before it.
+chunk's crc32c at its place, featurestore.core.seals) right before it, and ``block_seals``
+(each chunk's crc32c per row block, featurestore.core.block_seals: a read checks only the
+blocks it reads) before that.
 
 For chunk ``i`` the writer stores, in this order, the labels chunk, the statistics row and the
 features chunk. The features chunk comes last, so its presence with a valid crc32c means the
@@ -34,7 +36,14 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core import intake, lifecycle, quantize_int8, seals, split_protocol
+from featurestore.core import (
+    block_seals,
+    intake,
+    lifecycle,
+    quantize_int8,
+    seals,
+    split_protocol,
+)
 from featurestore.core.batch import Prepared
 from featurestore.core.buffers import BufferPool
 from featurestore.core.chunk_puts import ChunkPuts
@@ -97,7 +106,7 @@ class SplitWriter(split_protocol.SplitSession):
         self._buffers: dict[int, _Buffer] = {}
         self._source_dtype: str | None = None
         self._tokens = int(np.prod(self.sample_shape[:-1], dtype=np.int64))  # values per channel per sample
-        self._puts = ChunkPuts(storage, key, on_done=self._done.add)
+        self._puts = ChunkPuts(storage, key, on_done=self._done.add, block_nbytes=block_seals.block_nbytes(metadata))
         # Cast batches and chunk buffers are leased: a buffer comes back when its chunk is on
         # storage. Fresh memory costs a page fault per 4 KiB on first touch, measured 3-20x a
         # copy into a reused buffer. At most 2 idle buffers and 512 MiB are kept on top of the
@@ -198,6 +207,7 @@ class SplitWriter(split_protocol.SplitSession):
         # chunk_seals last before the document: each chunk's crc32c trailer at its place, read
         # back (4 bytes a chunk), so a chunk later swapped or moved is found (format.seals).
         self._check_generation()
+        block_seals.finish(self._storage, self._key, self._meta)  # each chunk's row blocks, before chunk_seals
         seals.write_seals(self._storage, self._key, self._meta, (layout.FEATURES, layout.LABELS, layout.SCALES))
         try:
             meta = lifecycle.mark_complete(self._storage, self._key, self._meta, **final)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from featurestore.format import dtypes, layout
+from featurestore.format.block_seals import block_rows, blocks_per_chunk
 from featurestore.format.metadata import SplitMetadata, chunk_arrays
 from featurestore.format.stats import row_length
 
@@ -79,8 +80,14 @@ def split_size(meta: SplitMetadata) -> SplitSize:
         if nbytes is None:  # compressed features: their uncompressed size
             nbytes = meta.chunk_rows * math.prod(meta.sample_shape) * itemsize
         stored += meta.num_chunks * (nbytes + layout.CRC_BYTES)
-    if meta.complete:  # chunk_seals: a row per features and labels chunk (none before it existed)
+    # chunk_seals: a row per features and labels chunk; block_seals (uncompressed): a row per
+    # features chunk (neither before it existed: those splits are counted a few bytes over)
+    if meta.complete:
         stored += _index_bytes(meta.num_chunks * (2 if meta.labels is not None else 1), 4 * 8)
+        if meta.compressor is None:  # block_seals: a uint32 per row block of each features chunk
+            per_chunk = blocks_per_chunk(meta.chunk_rows, block_rows(math.prod(meta.sample_shape) * itemsize,
+                                                                     meta.chunk_rows))
+            stored += meta.num_chunks * (4 * per_chunk + layout.CRC_BYTES)
     return _size(meta, data, stored, "sample ids not counted" if meta.ids else "")
 
 
