@@ -22,12 +22,18 @@ import pytest
 import featurestore
 from featurestore.cli import main
 from featurestore.core import block_seals
-from featurestore.errors import CorruptChunk
+from featurestore.errors import CorruptChunk, InvalidOption
 from featurestore.format import layout
 from featurestore.format.block_seals import BLOCK_BYTES, BLOCK_SEALS
 
 TOP = ("ds", "enc", "s")
 CHANNELS = 256
+
+
+@pytest.fixture(autouse=True)
+def local_blocks_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local chunks are checked by block only from 64 MiB on; these tests' chunks are small."""
+    monkeypatch.setenv("FEATURESTORE_BLOCK_CHECK_MIB", "0")
 
 
 @pytest.fixture
@@ -118,6 +124,37 @@ def test_a_cold_read_of_a_few_rows_reads_their_blocks_not_the_chunk(tmp_path: Pa
     read = _read_bytes() - before
     assert np.array_equal(got, values[rows])
     assert BLOCK_BYTES <= read <= 3 * BLOCK_BYTES, f"{read} bytes read for 2 rows of a {path.stat().st_size}-byte chunk"
+
+
+def _dropped_cold(url: str) -> None:
+    path = Path(url).joinpath(*TOP, layout.chunk_key(layout.FEATURES, 0, 3))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_local_chunks_below_the_threshold_are_checked_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under FEATURESTORE_BLOCK_CHECK_MIB a local chunk is read whole by its check (a sequential
+    read-ahead whose pages serve its later rows); at or above it, by block."""
+    url = str(tmp_path / "store")
+    chunk_rows = 512  # a 16 MiB chunk
+    values = _write(url, "float16", 16384, chunk_rows, chunk_rows)
+    reads = {}
+    for mib in ("17", "16"):
+        monkeypatch.setenv("FEATURESTORE_BLOCK_CHECK_MIB", mib)
+        _dropped_cold(url)
+        array = featurestore.open_store(url).open(*TOP)
+        before = _read_bytes()
+        assert np.array_equal(array.read_numpy([3, 400], dtype="float32"), values[[3, 400]])
+        reads[mib] = _read_bytes() - before
+    assert reads["17"] >= chunk_rows * 32768, reads  # the whole chunk for its crc32c
+    assert reads["16"] <= 3 * BLOCK_BYTES, reads  # two blocks
+    monkeypatch.setenv("FEATURESTORE_BLOCK_CHECK_MIB", "lots")
+    with pytest.raises(InvalidOption, match="FEATURESTORE_BLOCK_CHECK_MIB"):
+        featurestore.open_store(url).open(*TOP).read_numpy([1])
 
 
 def test_concurrent_cold_reads_fetch_each_block_once(tmp_path: Path) -> None:
