@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from reader_contract import ReaderContract
 
-from featurestore.bench.cgroup import evict
+from featurestore.testing.cgroup import evict
 from featurestore.core.protocol import ArrayReader
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from featurestore.bench import harness
-from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup
+from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
 from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
 from featurestore.errors import InvalidOption
 from featurestore.format import int8 as int8_format

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.cgroup import evict
+from featurestore.testing.cgroup import evict
 
 __all__ = [
     "Method",
@@ -240,7 +240,7 @@ def write_synced(path: str, values: np.ndarray, batch: int, *, n: int | None = N
 # ---------------------------------------------------------------------- child processes
 def child_process(function: str, config: Any, *, cgroup: Any = None) -> subprocess.CompletedProcess[str]:
     """Run ``featurestore.bench.MODULE:FUNCTION(config)`` in a fresh interpreter (inside ``cgroup``,
-    a :class:`~featurestore.bench.cgroup.MemoryCgroup`, if given); its stdout's last line is the
+    a :class:`~featurestore.testing.cgroup.MemoryCgroup`, if given); its stdout's last line is the
     JSON of the return value. The completed process, whatever its exit status."""
     command = [sys.executable, "-m", "featurestore.bench.harness", function, json.dumps(config)]
     if cgroup is not None:

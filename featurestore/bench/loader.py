@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from featurestore.bench import harness
-from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup
+from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
 from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.core import checked
 

@@ -1,7 +1,6 @@
-"""A memory cgroup for benchmark children, and page-cache eviction where none can be made.
-
-Used by ``bench loader`` (an epoch over a store larger than the limit) and ``bench cold`` (reads
-of data that is not in the page cache). cgroup v2 and v1 (``/sys/fs/cgroup/memory``) are both
+"""A memory cgroup for child processes, and page-cache eviction where none can be made: the
+cold-cache primitive the tests (reads from the device) and the benches (``bench loader``, ``bench
+cold``) share. cgroup v2 and v1 (``/sys/fs/cgroup/memory``) are both
 handled; page cache a child reads is charged to its cgroup, so the limit bounds it too.
 """
 
