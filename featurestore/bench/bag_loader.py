@@ -1,17 +1,8 @@
-"""``featurestore bench bag-loader``: BagLoader against the bare bag reader and CLAM's pattern.
+"""``featurestore bench bag-loader``: BagLoader against the bare bag reader and CLAM's pattern, warm
+and cold, padded batches, RSS over B and 4B bags; int8 beside float16. :func:`epoch_figures`
+measures the epochs on any bag split.
 
-On a synthetic cohort (:mod:`featurestore.demo.synthetic_bags`; a bag split and, as CLAM keeps
-them, one float32 ``pt_files/<id>.pt`` per slide), side by side (docs/BENCHMARKS.md):
-
-1. one epoch, batch 1, shuffled, CPU consumer, **warm** and **cold** (each cold epoch a fresh
-   process that evicts the files first): BagLoader vs the bare reader (``bags.read_numpy(i)``, same
-   order), BagLoader to float32 vs CLAM's loop (``torch.load`` per ``__getitem__``, DataLoader of
-   ``--workers``); best of ``--repeats`` interleaved epochs;
-2. padded batches (``--batch-size``, ``--max-patches``, bucketed, warm) vs the reader reading the
-   same seeded subsets and padding them by hand;
-3. peak anonymous RSS of a float32 epoch over B and 4B bags, each in a fresh process.
-
-:func:`epoch_figures` measures 1-2 on any bag split.
+Method: docs/BENCHMARKS.md, "What each bench measures".
 """
 
 from __future__ import annotations

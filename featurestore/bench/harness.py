@@ -26,32 +26,9 @@ import numpy as np
 
 from featurestore.testing.cgroup import evict
 
-__all__ = [
-    "Method",
-    "RssPeak",
-    "Times",
-    "add_bench",
-    "add_flags",
-    "child",
-    "child_process",
-    "evict",
-    "feature_bytes",
-    "gbps",
-    "interleaved",
-    "parse_dtypes",
-    "parse_shapes",
-    "peak_reset",
-    "peak_rss",
-    "rate",
-    "rss_anon_bytes",
-    "scratch",
-    "timed",
-    "tofile_synced",
-    "unmap",
-    "warm",
-    "write_split",
-    "write_synced",
-]
+__all__ = ["Method", "RssPeak", "Times", "add_bench", "add_flags", "child", "child_process", "evict", "feature_bytes",
+           "gbps", "interleaved", "parse_dtypes", "parse_shapes", "peak_reset", "peak_rss", "rate", "rss_anon_bytes",
+           "scratch", "timed", "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
 
 
 def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any, ...]], *, repeats: int | None = None,
