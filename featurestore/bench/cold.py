@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from featurestore.bench import harness
-from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
 from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
 from featurestore.errors import InvalidOption
 from featurestore.format import int8 as int8_format
+from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
 
 BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
 # Loader epochs to float32 values on the float16 split and on the int8 one (whose loader

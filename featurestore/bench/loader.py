@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from featurestore.bench import harness
-from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
 from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.core import checked
+from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
 
 DATASET, ENCODER = "bench", "loader"
 
