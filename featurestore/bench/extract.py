@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             args.repeats)
         sample_shape = state["shape"]
         nbytes = stored_bytes()
-        best = {name: min(values) for name, values in times.items()}
+        best = times.bests()
         encode, extracted, write, tofile = best["encode_only_s"], best["extract_s"], best["write_only_s"], best["tofile_s"]
         results = {
             "benchmark": "extract", "encoder": spec, "device": str(getattr(args, "device", "auto")),
@@ -328,7 +328,7 @@ def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
                               lambda: shutil.rmtree(os.path.join(work, "store"), ignore_errors=True)))
         times = interleaved(methods, args.repeats)
         times["extract_loop_s"] = loop
-        best = {name: min(values) for name, values in times.items() if values}
+        best = times.bests()
         results: dict[str, Any] = {
             "benchmark": "extract-wsi", "encoder": encoder, "device": args.device, "slides": limit,
             "slide_size": [width, height], "patch_size": args.patch_size, "tissue": args.tissue,

@@ -27,7 +27,7 @@ import numpy as np
 from featurestore.testing.cgroup import evict
 
 __all__ = ["Method", "RssPeak", "Times", "add_bench", "add_flags", "child", "child_process", "evict", "feature_bytes",
-           "gbps", "interleaved", "parse_dtypes", "parse_shapes", "peak_reset", "peak_rss", "rate", "rss_anon_bytes",
+           "gbps", "interleaved", "parse_dtypes", "parse_shapes", "peak_reset", "peak_rss", "rate", "rss_anon_bytes", "rss_runs",
            "scratch", "timed", "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
 
 
@@ -115,6 +115,9 @@ class Times(dict[str, list[float]]):
 
     def medians(self) -> dict[str, float]:
         return {name: self.median(name) for name in self if self[name]}
+
+    def bests(self) -> dict[str, float]:
+        return {name: self.best(name) for name in self if self[name]}
 
     def pairs(self, numerator: str, denominator: str) -> list[float]:
         """``numerator[i] / denominator[i]`` per repeat, the two measured back to back."""
@@ -231,6 +234,14 @@ def child(function: str, config: Any, *, cgroup: Any = None) -> Any:
     if done.returncode != 0:
         raise RuntimeError(f"bench child {function} failed (exit status {done.returncode}): {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def rss_runs(function: str, specs: dict[str, Any]) -> dict[str, Any]:
+    """Per label, the child ``function(spec)`` (an epoch under :class:`RssPeak`: ``baseline_anon``,
+    ``peak_anon``), each in a fresh process; ``loader_bytes``: per label, its peak over its baseline."""
+    out: dict[str, Any] = {label: child(function, spec) for label, spec in specs.items()}
+    out["loader_bytes"] = {label: out[label]["peak_anon"] - out[label]["baseline_anon"] for label in specs}
+    return out
 
 
 def _child_main(function: str, config: str) -> None:

@@ -10,7 +10,6 @@ import argparse
 import itertools
 import os
 import shutil
-import statistics
 from typing import Any
 
 import numpy as np
@@ -107,7 +106,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], n: int, label: str, args: ar
     # No warm-up round: each timing is a new process, and its first write is the figure.
     times = interleaved([method(name) for name in METHODS], args.repeats, order=order)
     _remove(written)
-    median = {m: statistics.median(t) for m, t in times.items()}
+    median = times.medians()
     out = {
         "sample_shape": list(shape), "label": label, "num_samples": n, "bytes": nbytes,
         "tofile_gb_per_s": gbps(nbytes, median["tofile"]),
