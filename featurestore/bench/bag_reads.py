@@ -58,12 +58,6 @@ def build(work: str, lengths: np.ndarray, dim: int) -> dict[str, Any]:
     return {"paths": paths, "ids": ids, "raw_offsets": offsets}
 
 
-def _size(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-
-
 def one_pass(config: dict[str, Any]) -> dict[str, Any]:
     """(A child.) One method's pass over every bag in ``order``; warm: one untimed pass first. In a
     fresh process, since a reader that held maps of the files would make a "cold" pass warm."""
@@ -133,7 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with harness.scratch(args, "bags") as work:
         built = build(os.path.join(work, "cohort"), lengths, args.dim)
         results = measure(built, lengths, args)
-        results["sizes"] = {k: _size(v) for k, v in built["paths"].items()}
+        results["sizes"] = {k: harness.size(v) for k, v in built["paths"].items()}
         if not args.skip_import:
             times = [time_import(built, work) for _ in range(max(1, args.repeats))]
             results["import_seconds"], results["all_import_seconds"] = float(np.median(times)), times

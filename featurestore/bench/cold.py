@@ -159,8 +159,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     store_dir, raw_path = os.path.join(base, "store"), os.path.join(base, "raw")
     order = np.random.default_rng(1).permutation(n)
     batches = [order[i : i + b] for i in range(0, n, b)]
-    chunk_files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(store_dir, "bench", "enc", "train", "features"))
-                   for f in fs]
+    chunk_files = harness.files_under(os.path.join(store_dir, "bench", "enc", "train", "features"))
 
     def device_limit() -> int:
         def whole(path: str) -> int:

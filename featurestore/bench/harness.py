@@ -24,11 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.testing.cgroup import evict
+from featurestore.testing.cgroup import evict, files_under
 
 __all__ = ["Method", "RssPeak", "Times", "add_bench", "add_flags", "child", "child_process", "evict", "feature_bytes",
-           "gbps", "interleaved", "parse_dtypes", "parse_shapes", "peak_reset", "peak_rss", "rate", "rss_anon_bytes", "rss_runs",
-           "scratch", "timed", "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
+           "files_under", "gbps", "interleaved", "parse_dtypes", "parse_shapes", "peak_reset", "peak_rss", "rate",
+           "rss_anon_bytes", "rss_runs", "scratch", "size", "timed", "tofile_synced", "unmap", "warm", "write_split",
+           "write_synced"]
 
 
 def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any, ...]], *, repeats: int | None = None,
@@ -159,12 +160,10 @@ def unmap() -> None:
 def warm(*paths: str) -> None:
     """Read every file under ``paths`` once, so later reads come from the page cache."""
     buffer = bytearray(8 << 20)
-    for path in paths:
-        files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-        for name in files:
-            with open(name, "rb", buffering=0) as f:
-                while f.readinto(buffer):
-                    pass
+    for name in files_under(*paths):
+        with open(name, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
 
 
 def write_split(path: str, n: int, shape: tuple[int, ...], *, dtype: str = "float16", rows: int = 256,
@@ -313,8 +312,12 @@ def gbps(nbytes: float, seconds: float) -> float:
 def feature_bytes(split_dir: str) -> int:
     """A split's feature bytes on storage: every file of its ``features`` and (int8) ``scales``
     arrays, the part its dtype changes (coords, labels and statistics weigh the same in any dtype)."""
-    return sum(os.path.getsize(os.path.join(d, f)) for name in ("features", "scales")
-               for d, _, files in os.walk(os.path.join(split_dir, name)) for f in files)
+    return size(os.path.join(split_dir, "features"), os.path.join(split_dir, "scales"))
+
+
+def size(*paths: str) -> int:
+    """Bytes of every file under ``paths``."""
+    return sum(os.path.getsize(f) for f in files_under(*paths))
 
 
 def parse_dtypes(text: str, *, numpy_only: bool = False) -> list[str]:

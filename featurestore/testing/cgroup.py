@@ -13,12 +13,16 @@ import time
 from typing import Any
 
 
+def files_under(*paths: str) -> list[str]:
+    """Every file of ``paths``: a file itself, a directory's files at any depth (none if absent)."""
+    return [f for p in paths for f in ([p] if os.path.isfile(p) else
+                                       [os.path.join(d, n) for d, _, fs in os.walk(p) for n in fs])]
+
+
 def evict(*paths: str) -> None:
     """Drop the clean pages of every file under ``paths`` (files or directories) from the page
     cache, so the next reader reads them from the device. Dirty pages are written first."""
-    files = [f for p in paths for f in ([p] if os.path.isfile(p) else
-                                        [os.path.join(d, n) for d, _, fs in os.walk(p) for n in fs])]
-    for name in files:
+    for name in files_under(*paths):
         fd = os.open(name, os.O_RDONLY)
         try:
             os.fdatasync(fd)  # DONTNEED skips dirty pages
