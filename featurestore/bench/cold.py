@@ -6,7 +6,6 @@ What it measures: docs/BENCHMARKS.md, "What each bench measures".
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import threading
@@ -119,7 +118,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
         print(f"  child failed (rc {done.returncode}): {done.stderr[-1500:]}")
         out["stderr"] = done.stderr[-3000:]
         return out
-    out.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    out.update(harness.child_result(done))
     if int8:
         out["int8"] = int8_figures(out, dtype)
     return out

@@ -26,10 +26,10 @@ import numpy as np
 
 from featurestore.testing.cgroup import evict, files_under
 
-__all__ = ["Method", "RssPeak", "Times", "add_bench", "add_flags", "child", "child_process", "evict", "feature_bytes",
-           "files_under", "gbps", "interleaved", "parse_dtypes", "parse_shapes", "peak_reset", "peak_rss", "rate",
-           "rss_anon_bytes", "rss_runs", "scratch", "size", "timed", "tofile_synced", "unmap", "warm", "write_split",
-           "write_synced"]
+__all__ = ["Method", "RssPeak", "Times", "add_bench", "add_flags", "child", "child_process", "child_result", "evict",
+           "feature_bytes", "files_under", "gbps", "interleaved", "parse_dtypes", "parse_shapes", "peak_reset",
+           "peak_rss", "rate", "rss_anon_bytes", "rss_runs", "scratch", "size", "timed", "tofile_synced", "unmap",
+           "warm", "write_split", "write_synced"]
 
 
 def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any, ...]], *, repeats: int | None = None,
@@ -232,6 +232,11 @@ def child(function: str, config: Any, *, cgroup: Any = None) -> Any:
     done = child_process(function, config, cgroup=cgroup)
     if done.returncode != 0:
         raise RuntimeError(f"bench child {function} failed (exit status {done.returncode}): {done.stderr[-2000:]}")
+    return child_result(done)
+
+
+def child_result(done: subprocess.CompletedProcess[str]) -> Any:
+    """The return value of a child that exited 0: the JSON of its stdout's last line."""
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -5,7 +5,6 @@ and an epoch under a memory cgroup (docs/BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import time
@@ -196,8 +195,7 @@ def _cgroup_epoch(store: str, shape: tuple[int, ...], args: argparse.Namespace) 
             out["loader_s"] = time.perf_counter() - start
             out["loader_returncode"] = loader.returncode
             if loader.returncode == 0:
-                child = json.loads(loader.stdout.strip().splitlines()[-1])
-                out["loader_peak_anon"] = child["peak_anon"]
+                out["loader_peak_anon"] = harness.child_result(loader)["peak_anon"]
             else:
                 out["loader_stderr"] = loader.stderr[-2000:]
             ram = harness.child_process("loader:ram_tensor", _spec(store, "big", args), cgroup=group)
