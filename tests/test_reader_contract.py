@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from reader_contract import ReaderContract
 
-from featurestore.bench.cgroup import evict
 from featurestore.core.protocol import ArrayReader
+from featurestore.testing.cgroup import evict
 
 
 class _Local(ReaderContract):

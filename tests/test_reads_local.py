@@ -19,9 +19,9 @@ import torch
 from _loader_fixtures import DATASET, ENCODER, NUM_SAMPLES, SAMPLE_SHAPE, reference, write_reference_store
 
 from client import FeatureDataset, FeatureLoader
-from featurestore.bench.cgroup import evict
 from featurestore.core import pread
 from featurestore.errors import CorruptChunk, IndexOutOfRange, InvalidIndices, MissingChunks
+from featurestore.testing.cgroup import evict
 
 PATHS = [("auto", "auto"), ("mmap", "keep"), ("pread", "keep"), ("pread", "drop"), ("pread", "direct")]
 

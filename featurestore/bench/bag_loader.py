@@ -1,23 +1,15 @@
-"""``featurestore bench bag-loader``: BagLoader against the bare bag reader and CLAM's pattern.
+"""``featurestore bench bag-loader``: BagLoader against the bare bag reader and CLAM's pattern, warm
+and cold, padded batches, RSS over B and 4B bags; int8 beside float16. :func:`epoch_figures`
+measures the epochs on any bag split.
 
-On a synthetic cohort (:mod:`featurestore.demo.synthetic_bags`; a bag split and, as CLAM keeps
-them, one float32 ``pt_files/<id>.pt`` per slide), side by side (docs/BENCHMARKS.md):
-
-1. one epoch, batch 1, shuffled, CPU consumer, **warm** and **cold** (each cold epoch a fresh
-   process that evicts the files first): BagLoader vs the bare reader (``bags.read_numpy(i)``, same
-   order), BagLoader to float32 vs CLAM's loop (``torch.load`` per ``__getitem__``, DataLoader of
-   ``--workers``); best of ``--repeats`` interleaved epochs;
-2. padded batches (``--batch-size``, ``--max-patches``, bucketed, warm) vs the reader reading the
-   same seeded subsets and padding them by hand;
-3. peak anonymous RSS of a float32 epoch over B and 4B bags, each in a fresh process.
-
-:func:`epoch_figures` measures 1-2 on any bag split.
+Method: docs/BENCHMARKS.md, "What each bench measures".
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -81,18 +73,10 @@ def int8_figures(stores: dict[str, str], split: str, *, repeats: int, cold: bool
     specs = {d: {"store": store, "dataset": DATASET, "encoder": ENCODER, "split": split, "pt_dir": None, "workers": 0,
                  "seed": 0, "method": "loader_f32"} for d, store in stores.items()}
     bags = len(BagDataset(stores["int8"], DATASET, ENCODER, split))
-    for mode in ("warm", "cold") if cold else ("warm",):
-        if mode == "warm":
-            harness.warm(*(os.path.join(store, DATASET, ENCODER, split) for store in stores.values()))
-            loaders = {d: BagLoader(BagDataset(store, DATASET, ENCODER, split), batch_size=1, seed=0, device="cpu",
-                                    dtype=torch.float32) for d, store in stores.items()}
-            methods = [Method(d, lambda it=it: sum(1 for _ in it)) for d, it in loaders.items()]
-            times = interleaved(methods, repeats, warmup=1)
-        else:
-            harness.unmap()
-            methods = [Method(d, lambda spec=spec: harness.child("bag_loader:cold_epoch", spec), own=True)
-                       for d, spec in specs.items()]
-            times = interleaved(methods, repeats)
+    loaders = {d: BagLoader(BagDataset(store, DATASET, ENCODER, split), batch_size=1, seed=0, device="cpu",
+                            dtype=torch.float32) for d, store in stores.items()}
+    for mode, times in _warm_and_cold({d: _epoch(it) for d, it in loaders.items()}, specs, repeats, cold,
+                                      *(os.path.join(store, DATASET, ENCODER, split) for store in stores.values())):
         per_repeat = times.pairs("float16", "int8")  # seconds: float16's over int8's = int8's bags/s over float16's
         out[mode] = {"bags_per_s": {d: bags / times.median(d) for d in stores}, "times_s": dict(times),
                      "ratio_per_repeat": per_repeat, "ratio_median": float(np.median(per_repeat))}
@@ -164,17 +148,9 @@ def epoch_figures(store: str, dataset: str, encoder: str, split: str, *, pt_dir:
     runs, paths = _runs(spec)
     nbytes = int(ds.lengths.sum()) * ds.row_nbytes
     out: dict[str, Any] = {"epoch_bytes": nbytes, "bags": len(ds)}
-    for mode in ("warm", "cold") if cold else ("warm",):
-        if mode == "warm":
-            harness.warm(os.path.join(store, dataset, encoder, split), *paths)
-            methods = [Method(name, fn) for name, fn in runs.items()]
-            interleaved(methods, 1)  # warm-up: maps, buffers, worker imports
-        else:  # each epoch a fresh process that evicts first; this one's maps would keep pages resident
-            harness.unmap()
-            methods = [Method(name, lambda name=name: harness.child("bag_loader:cold_epoch", {**spec, "method": name}),
-                              own=True) for name in runs]
-        times = interleaved(methods, repeats)
-        best = {name: times.best(name) for name in runs}
+    specs = {name: {**spec, "method": name} for name in runs}
+    for mode, times in _warm_and_cold(runs, specs, repeats, cold, os.path.join(store, dataset, encoder, split), *paths):
+        best = times.bests()
         figures: dict[str, Any] = {f"{name}_s": best[name] for name in runs}
         figures.update({f"{name}_gbps": nbytes / best[name] / 1e9 for name in runs})
         figures["loader_vs_reader"] = best["reader"] / best["loader"]
@@ -187,6 +163,25 @@ def epoch_figures(store: str, dataset: str, encoder: str, split: str, *, pt_dir:
     out["padded"] = _padded(ds, batch_size=batch_size, max_patches=max_patches, seed=seed, repeats=repeats,
                             threads=min(workers, 2))
     return out
+
+
+def _warm_and_cold(runs: dict[str, Any], specs: dict[str, dict[str, Any]], repeats: int, cold: bool,
+                   *paths: str) -> Iterator[tuple[str, harness.Times]]:
+    """``("warm", times)``: ``runs`` interleaved here, ``paths`` read first, after an untimed round
+    (maps, buffers, worker imports); then with ``cold``, ``("cold", times)``: each epoch
+    :func:`cold_epoch` of ``specs[name]`` in a fresh process that evicts first (this one's maps
+    would keep the pages resident)."""
+    harness.warm(*paths)
+    yield "warm", interleaved([Method(name, fn) for name, fn in runs.items()], repeats, warmup=1)
+    if cold:
+        harness.unmap()
+        yield "cold", interleaved([Method(name, lambda spec=spec: harness.child("bag_loader:cold_epoch", spec), own=True)
+                                   for name, spec in specs.items()], repeats)
+
+
+def _epoch(loader: Any) -> Any:
+    """One epoch of ``loader`` (its batches counted, nothing else done with them)."""
+    return lambda: sum(1 for _ in loader)
 
 
 def _runs(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -209,10 +204,7 @@ def _runs(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         for i in order:
             bags.read_numpy(i)
 
-    def epoch(instance: Any) -> Any:
-        return lambda: sum(1 for _ in instance)
-
-    runs: dict[str, Any] = {"reader": reader, **{name: epoch(loader) for name, loader in loaders.items()}}
+    runs: dict[str, Any] = {"reader": reader, **{name: _epoch(loader) for name, loader in loaders.items()}}
     paths: list[str] = []
     if spec["pt_dir"]:
         paths = [os.path.join(spec["pt_dir"], f"{bag_id}.pt") for bag_id in ds.ids]
@@ -250,9 +242,9 @@ def _padded(ds: Any, *, batch_size: int, max_patches: int, seed: int, repeats: i
             for b, rows in enumerate(picked):
                 out[b, : len(rows)] = rows
 
-    times = interleaved([Method("reader", reader), Method("loader", lambda: sum(1 for _ in loader))], repeats, warmup=1)
+    times = interleaved([Method("reader", reader), Method("loader", _epoch(loader))], repeats, warmup=1)
     rows = sum(min(int(ds.lengths[i]), max_patches) for batch in plan for i in batch)
-    best = {k: times.best(k) for k in times}
+    best = times.bests()
     return {"batch_size": batch_size, "max_patches": max_patches, "batches": len(plan), "rows": rows,
             "reader_s": best["reader"], "loader_s": best["loader"], "padded_vs_reader": best["reader"] / best["loader"],
             "loader_gbps": rows * ds.row_nbytes / best["loader"] / 1e9, "times_s": dict(times)}
@@ -260,16 +252,14 @@ def _padded(ds: Any, *, batch_size: int, max_patches: int, seed: int, repeats: i
 
 # ---------------------------------------------------------------------- 3. RSS
 def rss_figures(store: str, splits: tuple[str, str], prefetch: int = 2) -> dict[str, Any]:
-    out: dict[str, Any] = {label: harness.child("bag_loader:rss_epoch", {"store": store, "split": split,
-                                                                         "prefetch": prefetch})
-                           for label, split in zip(("B", "4B"), splits)}
+    out = harness.rss_runs("bag_loader:rss_epoch", {label: {"store": store, "split": split, "prefetch": prefetch}
+                                                    for label, split in zip(("B", "4B"), splits)})
     largest = max(out[k]["largest_bag_f32_bytes"] for k in ("B", "4B"))
     stored = max(out[k]["largest_bag_stored_bytes"] for k in ("B", "4B"))
     # docs/LOADER.md, "Memory bound of BagLoader": (prefetch + 4) float32 batches, each rounded up
     # at most 25 %, + a staging piece per read-ahead thread and the consumer, + a constant.
     threads = min(2, prefetch)
     bound = int((prefetch + 4) * 1.25 * largest + (threads + 1) * min(64 << 20, 1.25 * stored)) + (32 << 20)
-    out["loader_bytes"] = {k: out[k]["peak_anon"] - out[k]["baseline_anon"] for k in ("B", "4B")}
     out["growth_bytes"] = out["loader_bytes"]["4B"] - out["loader_bytes"]["B"]
     out["bound_bytes"] = bound
     return out

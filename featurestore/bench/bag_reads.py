@@ -1,13 +1,7 @@
-"""``featurestore bench bags``: reading whole slide bags, featurestore against the files MIL users keep.
+"""``featurestore bench bags``: reading whole slide bags, featurestore against the files MIL users keep
+(TRIDENT h5, CLAM .pt, parallel pread), cold and warm, and ``featurestore import``.
 
-A synthetic cohort (:func:`featurestore.demo.synthetic_bags.bag_lengths`: log-normal patches per
-slide, one slide at ``--max``, about ``--gib`` GiB of float16 features) stored four ways: a
-featurestore bag split; TRIDENT-style h5 (one file per slide, one-row h5 chunks); CLAM-style
-``.pt`` (float32 features only: twice the bytes); and one raw file for the parallel-pread reference
-(``--threads`` threads, 1 MiB ``preadv`` pieces). Each method reads every bag whole in one shuffled
-pass, in a fresh process, **cold** (evicted) and **warm**; then ``featurestore import`` of the h5
-directory against the h5 read pass. Ratios are pass times,
-featurestore / baseline (docs/BENCHMARKS.md).
+Method: docs/BENCHMARKS.md, "What each bench measures".
 """
 
 from __future__ import annotations
@@ -33,8 +27,7 @@ def register(subparsers: Any) -> None:
     harness.add_bench(subparsers, "bags", "whole-bag reads: featurestore bag split vs TRIDENT h5, CLAM .pt, parallel "
                       "pread; import", {
         "--gib": (2.0, "float16 features of the cohort in GiB (the .pt copy is twice that)"),
-        "--dim": (1536, "features per patch"), "--median": (5000, "median patches per slide"),
-        "--sigma": (0.8, "log-normal sigma of patches per slide"),
+        "--dim": (1536, "features per patch"), "--median": (5000, "median patches per slide (log-normal, sigma 0.8)"),
         "--min": (100, "fewest patches per slide", {"dest": "min_patches"}),
         "--max": (60000, "most patches per slide; one slide always has this many", {"dest": "max_patches"}),
         "--threads": (8, "threads of the parallel-pread reference"), "--skip-import": (False, "skip the import row")},
@@ -63,12 +56,6 @@ def build(work: str, lengths: np.ndarray, dim: int) -> dict[str, Any]:
             clam(bag_id, features, coords)
         bag_loader.make_cohort(paths["store"], NAMES[2], lengths, dim, "float16", names=NAMES[:2], each=copies)
     return {"paths": paths, "ids": ids, "raw_offsets": offsets}
-
-
-def _size(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
 def one_pass(config: dict[str, Any]) -> dict[str, Any]:
@@ -132,7 +119,7 @@ def time_import(built: dict[str, Any], work: str) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from featurestore.demo.synthetic_bags import bag_lengths
 
-    lengths = bag_lengths(args.median, gib=args.gib, dim=args.dim, sigma=args.sigma, low=args.min_patches,
+    lengths = bag_lengths(args.median, gib=args.gib, dim=args.dim, sigma=0.8, low=args.min_patches,
                           high=args.max_patches)
     print(f"\n[bags] {len(lengths)} slides, patches per slide median {int(np.median(lengths))}, max "
           f"{int(lengths.max())}, {int(lengths.sum())} patches x {args.dim} float16 "
@@ -140,7 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with harness.scratch(args, "bags") as work:
         built = build(os.path.join(work, "cohort"), lengths, args.dim)
         results = measure(built, lengths, args)
-        results["sizes"] = {k: _size(v) for k, v in built["paths"].items()}
+        results["sizes"] = {k: harness.size(v) for k, v in built["paths"].items()}
         if not args.skip_import:
             times = [time_import(built, work) for _ in range(max(1, args.repeats))]
             results["import_seconds"], results["all_import_seconds"] = float(np.median(times)), times

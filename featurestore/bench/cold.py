@@ -6,7 +6,6 @@ What it measures: docs/BENCHMARKS.md, "What each bench measures".
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import threading
@@ -17,10 +16,10 @@ from typing import Any
 import numpy as np
 
 from featurestore.bench import harness
-from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup
 from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
 from featurestore.errors import InvalidOption
 from featurestore.format import int8 as int8_format
+from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
 
 BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
 # Loader epochs to float32 values on the float16 split and on the int8 one (whose loader
@@ -119,7 +118,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
         print(f"  child failed (rc {done.returncode}): {done.stderr[-1500:]}")
         out["stderr"] = done.stderr[-3000:]
         return out
-    out.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    out.update(harness.child_result(done))
     if int8:
         out["int8"] = int8_figures(out, dtype)
     return out
@@ -159,8 +158,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     store_dir, raw_path = os.path.join(base, "store"), os.path.join(base, "raw")
     order = np.random.default_rng(1).permutation(n)
     batches = [order[i : i + b] for i in range(0, n, b)]
-    chunk_files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(store_dir, "bench", "enc", "train", "features"))
-                   for f in fs]
+    chunk_files = harness.files_under(os.path.join(store_dir, "bench", "enc", "train", "features"))
 
     def device_limit() -> int:
         def whole(path: str) -> int:

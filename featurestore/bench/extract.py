@@ -140,17 +140,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         waits: list[float] = []
         state: dict[str, Any] = {}
 
-        def encode_only() -> float:
-            return _encode_only(opts)
-
         def run_extract() -> None:
             result = extract(opts)
             os.sync()  # the same finish line as tofile's
             waits.append(result.writer_wait_seconds)
             state["shape"] = tuple(result.metadata["sample_shape"])
-
-        def stored_bytes() -> int:
-            return args.n * int(np.prod(state["shape"])) * 2
 
         def block(rows: int) -> np.ndarray:
             return np.random.default_rng(0).standard_normal((rows, *state["shape"]), dtype=np.float32)
@@ -166,21 +160,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             os.sync()
 
         # Interleaved: a slow moment hits every method alike.
-        times = interleaved([Method("encode_only_s", encode_only, own=True), Method("extract_s", run_extract),
+        times = interleaved([Method("encode_only_s", lambda: _encode_only(opts), own=True), Method("extract_s", run_extract),
                              Method("tofile_s", lambda: write_raw(os.path.join(work, "raw")), own=True),
                              Method("write_only_s", lambda: harness.write_synced(
                                  os.path.join(work, "write"), block(64), 64, n=args.n,
                                  chunk_bytes=int(args.chunk_mb * (1 << 20))), teardown=clean, own=True)],
                             args.repeats)
         sample_shape = state["shape"]
-        nbytes = stored_bytes()
-        best = {name: min(values) for name, values in times.items()}
+        nbytes = args.n * int(np.prod(sample_shape)) * 2
+        best = times.bests()
         encode, extracted, write, tofile = best["encode_only_s"], best["extract_s"], best["write_only_s"], best["tofile_s"]
-        results = {
+        return {
             "benchmark": "extract", "encoder": spec, "device": str(getattr(args, "device", "auto")),
             "images": args.n, "image_size": args.image_size, "batch_size": args.batch_size,
-            "cpu_count": os.cpu_count(),
-            "load_average_1m": os.getloadavg()[0],
+            "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
             "sample_shape": list(sample_shape), "stored_dtype": "float16", "bytes": nbytes,
             "encode_only_s": encode, "extract_s": extracted, "ratio": extracted / encode,
             "tofile_s": tofile, "extract_vs_tofile": tofile / extracted,
@@ -190,7 +183,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "encode_only_img_s": args.n / encode, "extract_img_s": args.n / extracted,
             "repeats": dict(times),
         }
-    return results
 
 
 def _openslide_only(keys_batches: list[list[Any]], workers: int) -> float:
@@ -328,7 +320,7 @@ def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
                               lambda: shutil.rmtree(os.path.join(work, "store"), ignore_errors=True)))
         times = interleaved(methods, args.repeats)
         times["extract_loop_s"] = loop
-        best = {name: min(values) for name, values in times.items() if values}
+        best = times.bests()
         results: dict[str, Any] = {
             "benchmark": "extract-wsi", "encoder": encoder, "device": args.device, "slides": limit,
             "slide_size": [width, height], "patch_size": args.patch_size, "tissue": args.tissue,

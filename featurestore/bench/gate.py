@@ -1,13 +1,6 @@
-"""The speed gate: a report's figures against the targets file, one table, a non-zero exit on a miss.
-
-``featurestore/bench/targets.json`` lists every target: ``id``, the ``bench`` that measures it (and
-optionally a ``variant``: the same bench run with other flags, e.g. ``extract --encoder zero``),
-the ``figure`` (a key of a bench's figures, :mod:`featurestore.bench.reading`; one without ``[TxD]`` applies to every
-sample shape the run measured), ``op`` (``>=``, ``<=``, ``<``, ``>``), ``threshold``, ``unit``,
-``cache`` (cold / warm / none) and ``what`` (the README's wording). ``bench all --check`` runs the
-benches the targets need and checks their report; ``bench check REPORT.json`` checks an existing
-one. A target whose figure is absent (bench not run, failed, or the part skipped) is "not
-measured": a miss unless ``--allow-missing``.
+"""The speed gate: a report's figures against ``targets.json``, one table, a non-zero exit on a miss
+(``bench all --check``, ``bench check REPORT.json``). The file's fields and what "not measured"
+means: docs/BENCHMARKS.md, "The gate" and "The targets file".
 """
 
 from __future__ import annotations

@@ -24,34 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench.cgroup import evict
+from featurestore.testing.cgroup import evict, files_under
 
-__all__ = [
-    "Method",
-    "RssPeak",
-    "Times",
-    "add_bench",
-    "add_flags",
-    "child",
-    "child_process",
-    "evict",
-    "feature_bytes",
-    "gbps",
-    "interleaved",
-    "parse_dtypes",
-    "parse_shapes",
-    "peak_reset",
-    "peak_rss",
-    "rate",
-    "rss_anon_bytes",
-    "scratch",
-    "timed",
-    "tofile_synced",
-    "unmap",
-    "warm",
-    "write_split",
-    "write_synced",
-]
+__all__ = ["Method", "RssPeak", "Times", "add_bench", "add_flags", "child", "child_process", "child_result", "evict",
+           "feature_bytes", "files_under", "gbps", "interleaved", "parse_dtypes", "parse_shapes", "peak_reset",
+           "peak_rss", "rate", "rss_anon_bytes", "rss_runs", "scratch", "size", "timed", "tofile_synced", "unmap",
+           "warm", "write_split", "write_synced"]
 
 
 def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any, ...]], *, repeats: int | None = None,
@@ -139,6 +117,9 @@ class Times(dict[str, list[float]]):
     def medians(self) -> dict[str, float]:
         return {name: self.median(name) for name in self if self[name]}
 
+    def bests(self) -> dict[str, float]:
+        return {name: self.best(name) for name in self if self[name]}
+
     def pairs(self, numerator: str, denominator: str) -> list[float]:
         """``numerator[i] / denominator[i]`` per repeat, the two measured back to back."""
         return [a / b for a, b in zip(self[numerator], self[denominator]) if b]
@@ -179,12 +160,10 @@ def unmap() -> None:
 def warm(*paths: str) -> None:
     """Read every file under ``paths`` once, so later reads come from the page cache."""
     buffer = bytearray(8 << 20)
-    for path in paths:
-        files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-        for name in files:
-            with open(name, "rb", buffering=0) as f:
-                while f.readinto(buffer):
-                    pass
+    for name in files_under(*paths):
+        with open(name, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
 
 
 def write_split(path: str, n: int, shape: tuple[int, ...], *, dtype: str = "float16", rows: int = 256,
@@ -240,7 +219,7 @@ def write_synced(path: str, values: np.ndarray, batch: int, *, n: int | None = N
 # ---------------------------------------------------------------------- child processes
 def child_process(function: str, config: Any, *, cgroup: Any = None) -> subprocess.CompletedProcess[str]:
     """Run ``featurestore.bench.MODULE:FUNCTION(config)`` in a fresh interpreter (inside ``cgroup``,
-    a :class:`~featurestore.bench.cgroup.MemoryCgroup`, if given); its stdout's last line is the
+    a :class:`~featurestore.testing.cgroup.MemoryCgroup`, if given); its stdout's last line is the
     JSON of the return value. The completed process, whatever its exit status."""
     command = [sys.executable, "-m", "featurestore.bench.harness", function, json.dumps(config)]
     if cgroup is not None:
@@ -253,7 +232,20 @@ def child(function: str, config: Any, *, cgroup: Any = None) -> Any:
     done = child_process(function, config, cgroup=cgroup)
     if done.returncode != 0:
         raise RuntimeError(f"bench child {function} failed (exit status {done.returncode}): {done.stderr[-2000:]}")
+    return child_result(done)
+
+
+def child_result(done: subprocess.CompletedProcess[str]) -> Any:
+    """The return value of a child that exited 0: the JSON of its stdout's last line."""
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def rss_runs(function: str, specs: dict[str, Any]) -> dict[str, Any]:
+    """Per label, the child ``function(spec)`` (an epoch under :class:`RssPeak`: ``baseline_anon``,
+    ``peak_anon``), each in a fresh process; ``loader_bytes``: per label, its peak over its baseline."""
+    out: dict[str, Any] = {label: child(function, spec) for label, spec in specs.items()}
+    out["loader_bytes"] = {label: out[label]["peak_anon"] - out[label]["baseline_anon"] for label in specs}
+    return out
 
 
 def _child_main(function: str, config: str) -> None:
@@ -325,8 +317,12 @@ def gbps(nbytes: float, seconds: float) -> float:
 def feature_bytes(split_dir: str) -> int:
     """A split's feature bytes on storage: every file of its ``features`` and (int8) ``scales``
     arrays, the part its dtype changes (coords, labels and statistics weigh the same in any dtype)."""
-    return sum(os.path.getsize(os.path.join(d, f)) for name in ("features", "scales")
-               for d, _, files in os.walk(os.path.join(split_dir, name)) for f in files)
+    return size(os.path.join(split_dir, "features"), os.path.join(split_dir, "scales"))
+
+
+def size(*paths: str) -> int:
+    """Bytes of every file under ``paths``."""
+    return sum(os.path.getsize(f) for f in files_under(*paths))
 
 
 def parse_dtypes(text: str, *, numpy_only: bool = False) -> list[str]:

@@ -1,19 +1,6 @@
-"""A network link of a set speed between ``bench s3`` and its SeaweedFS server (``--link-gbit``).
-
-On loopback nothing lies between the bench and the server but the machine's cores, which they
-share: every figure of ``bench s3``, the whole-object ceiling included, is then bound by CPU, and
-what the chunk cache adds (writing each byte into the page cache once, gathering it into batches)
-competes with the server for the same cores. A training node reaches object storage over a
-network whose speed is the limit instead (a cloud GPU node's network: tens of Gbit/s, shared by
-its ranks; a MinIO on a 10 GbE LAN: 10).
-
-With ``--link-gbit G`` the bench runs in a child process inside a private network namespace
-(its own loopback, gone with the process: nothing on the host changes or is left behind), where
-the responses from the S3 port are shaped to ``G`` Gbit/s by an HTB class (``tc``). SeaweedFS's
-own traffic between its filer and volume server, and uploads, are not shaped.
-
-Needs Linux, root (``unshare(CLONE_NEWNET)`` and ``tc`` need CAP_SYS_ADMIN and CAP_NET_ADMIN)
-and iproute2's ``ip`` and ``tc``.
+"""A network link of a set speed between ``bench s3`` and its SeaweedFS server (``--link-gbit``): the
+bench in a child process in a private network namespace, the S3 port's responses shaped by ``tc``
+(HTB). Why and what it needs (Linux, root, iproute2): docs/STORAGE.md, "Over a network link".
 """
 
 from __future__ import annotations

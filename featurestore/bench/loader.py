@@ -5,7 +5,6 @@ and an epoch under a memory cgroup (docs/BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import time
@@ -14,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from featurestore.bench import harness
-from featurestore.bench.cgroup import CgroupUnavailable, MemoryCgroup
 from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.core import checked
+from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
 
 DATASET, ENCODER = "bench", "loader"
 
@@ -90,7 +89,7 @@ def _throughput(store: str, args: argparse.Namespace) -> dict[str, Any]:
                Method("reader_f32", lambda: reader(True)), Method("loader_f32", lambda: loader(torch.float32))]
     # Interleaved, so drift hits all four alike; the warm-up sets up the loaders' buffers and threads.
     times = interleaved(methods, max(1, args.repeats), warmup=1)
-    best = {k: min(v) for k, v in times.items()}
+    best = times.bests()
     return {"batches": len(batches), "bytes": nbytes, "reader_s_per_batch": best["reader"] / len(batches),
             **{f"{name}_gbps": gbps(nbytes, best[key]) for name, key in (
                 ("reader", "reader"), ("loader", "loader"), ("reader_float32", "reader_f32"),
@@ -129,9 +128,7 @@ def _stall(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- 3. RSS, N vs 4N
 def _rss(store: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {label: harness.child("loader:epoch", _spec(store, split, args))
-                           for label, split in (("N", "n"), ("4N", "n4"))}
-    growth = out["4N"]["peak_anon"] - out["N"]["peak_anon"]
+    out = harness.rss_runs("loader:epoch", {"N": _spec(store, "n", args), "4N": _spec(store, "n4", args)})
     elements = int(np.prod(shape))
     stored_itemsize = 4 if args.dtype == "float32" else 2
     # docs/LOADER.md: (prefetch + 3) float32 batches handed out or idle in the pool, plus one
@@ -142,13 +139,9 @@ def _rss(store: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[s
     threads = int(out["N"]["num_threads"])
     bound = (args.prefetch + 3) * args.batch_size * elements * 4 + threads * (
         args.batch_size * elements * stored_itemsize + checked.CHECK_BYTES)
-    constant = 32 << 20
-    out["growth_bytes"] = growth
-    out["bound_bytes"] = bound
-    out["limit_bytes"] = bound + constant
     # "Does not grow with N": both runs stay under the same N-independent bound (figure rss_vs_bound).
-    out["loader_bytes"] = {k: out[k]["peak_anon"] - out[k]["baseline_anon"] for k in ("N", "4N")}
-    return out
+    return {**out, "growth_bytes": out["4N"]["peak_anon"] - out["N"]["peak_anon"], "bound_bytes": bound,
+            "limit_bytes": bound + (32 << 20)}
 
 
 def _spec(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -202,8 +195,7 @@ def _cgroup_epoch(store: str, shape: tuple[int, ...], args: argparse.Namespace) 
             out["loader_s"] = time.perf_counter() - start
             out["loader_returncode"] = loader.returncode
             if loader.returncode == 0:
-                child = json.loads(loader.stdout.strip().splitlines()[-1])
-                out["loader_peak_anon"] = child["peak_anon"]
+                out["loader_peak_anon"] = harness.child_result(loader)["peak_anon"]
             else:
                 out["loader_stderr"] = loader.stderr[-2000:]
             ram = harness.child_process("loader:ram_tensor", _spec(store, "big", args), cgroup=group)

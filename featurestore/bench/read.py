@@ -1,11 +1,7 @@
-"""``featurestore bench read``: shuffled-batch gather speed against the usual baselines.
+"""``featurestore bench read``: shuffled-batch gather speed against the usual baselines (np.memmap,
+zarr-python, HDF5 and torch files per sample) and the reader's RSS over N and 4N samples.
 
-In one run, on the same float16 values, page-cached, shuffled batches of ``--batch-size``:
-featurestore's reader (one reused output buffer) against ``np.memmap`` fancy-index gather over one
-raw file (the target), zarr-python orthogonal selection on the same array, one HDF5 dataset per
-sample and one ``torch.save`` file per sample; featurestore / np.memmap is also paired per repeat.
-Plus the cost of checked reads (a first pass with the crc32c check against one without) and the
-reader's peak anonymous RSS over a shuffled epoch for N and 4N samples, each in a fresh process.
+Method: docs/BENCHMARKS.md, "What each bench measures".
 """
 
 from __future__ import annotations

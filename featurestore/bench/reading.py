@@ -1,14 +1,10 @@
 """One reading of a bench's result: its rows (rates per method, featurestore first), its figures
-(what the gate checks, :mod:`featurestore.bench.gate`) and its notes (the other figures).
+(what the gate checks) and its notes (the other figures); ``bench NAME`` prints it, ``bench all``
+reports it, the gate checks it (docs/BENCHMARKS.md, "The harness", "The targets file").
 
-``featurestore bench NAME`` prints it (:func:`finish`), ``bench all`` writes the same into
-``report.md``, the plots and ``report.json`` (:mod:`featurestore.bench.report`), and the gate
-checks its figures. A figure is ``{"value": v, "spread": [low, high] or None, "repeats": n}``:
-``value`` as the bench reports it (best or median of its interleaved repeats), ``spread`` the
-lowest and highest of the same ratio per repeat, side by side (None for one number: a latency, a
-stall share, one repeat). A figure measured per sample shape is named ``name[TxD]``. A part the
-bench skipped gives no figure; a result whose keys changed keeps what was read before the
-missing key, and says which key (:attr:`Reading.error`).
+A figure is ``{"value": v, "spread": [low, high] or None, "repeats": n}``, named ``name[TxD]``
+when measured per sample shape. A result whose keys changed keeps what was read before the
+missing key, and says which (:attr:`Reading.error`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,13 @@ from typing import Any
 
 from featurestore import __version__
 from featurestore.bench import bench_module
-from featurestore.bench.reading import Panels, print_result, read_result
+from featurestore.bench.reading import (
+    Panels,
+    Reading,
+    figure_lines,
+    print_result,
+    read_result,
+)
 from featurestore.errors import InvalidOption
 
 BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3", "cold", "bags", "bag_loader")
@@ -182,18 +188,23 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def throughput_rows(report: dict[str, Any]) -> Panels:
-    """Per panel title: ``(method, rate)`` pairs, featurestore first, of every entry in the report (a
-    variant's panels titled with its entry's name); a result whose keys changed is noted in
-    ``render_errors``."""
-    panels: Panels = {}
+def _readings(report: dict[str, Any]) -> dict[str, tuple[str, Reading]]:
+    """Per report entry: its bench and the one reading of its result; a result whose keys changed
+    is noted in ``render_errors``."""
+    readings = {}
     for name, entry in report["benches"].items():
         bench = entry.get("bench", name)
-        reading = read_result(bench, entry.get("result"))
-        if reading.error:
-            report.setdefault("render_errors", {})[name] = reading.error
-        panels.update({(title if name == bench else f"{name}: {title}"): bars for title, bars in reading.rows.items()})
-    return panels
+        readings[name] = bench, read_result(bench, entry.get("result"))
+        if readings[name][1].error:
+            report.setdefault("render_errors", {})[name] = readings[name][1].error
+    return readings
+
+
+def throughput_rows(report: dict[str, Any], readings: dict[str, tuple[str, Reading]] | None = None) -> Panels:
+    """Per panel title: ``(method, rate)`` pairs, featurestore first, of every entry in the report (a
+    variant's panels titled with its entry's name)."""
+    return {(title if name == bench else f"{name}: {title}"): bars
+            for name, (bench, reading) in (readings or _readings(report)).items() for title, bars in reading.rows.items()}
 
 
 def rss_series(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -207,39 +218,36 @@ def rss_series(report: dict[str, Any]) -> list[dict[str, Any]]:
             for label, run in runs if run]
 
 
+def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """A markdown section holding one table (cells flattened to one line, ``|`` escaped)."""
+    return ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(" ".join(str(c).split()).replace("|", "\\|") for c in row) + " |" for row in rows)]
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """``report.md``: status, the gate's table, each entry's rows, figures and notes, memory, failures."""
-    from featurestore.bench.reading import figure_lines
-
     m = report["machine"]
+    readings = _readings(report)
     lines = ["# featurestore benchmark report", "", f"- command: `{report['command']}`", f"- created: {report['created']}",
              f"- machine: {m.get('cpu_count')} CPUs, {m.get('platform')}, Python {m.get('python')}, torch "
              f"{m.get('torch')}, CUDA {m.get('cuda') or 'none'}, load average {m.get('load_average')}",
              "- ratios are taken side by side in one run (repeats interleaved; best or median, as each bench reports), "
-             "because a shared machine is noisy; absolute GB/s move from run to run.",
-             "", "## Status", "", "| bench | status | seconds |", "|---|---|---|"]
-    for name, entry in report["benches"].items():
-        status = "ok" if entry["status"] == "ok" else f"**FAILED**: {entry.get('error', '')}"
-        lines.append(f"| {name} | {_cell(status)} | {entry.get('seconds', 0):.1f} |")
-    tables = [report["gate"]] if report.get("gate") else []  # bench all --check: figures against the targets
-    lines += [line for header, *rows in tables for line in (
-        "", "## Targets (docs/BENCHMARKS.md)", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-        *("| " + " | ".join(_cell(c) for c in row) + " |" for row in rows))]
-    for title, bars in throughput_rows(report).items():  # featurestore's rate (first row) over each method's
-        lines += ["", f"## {title}", "", f"| method | rate | {bars[0][0]} ÷ method |", "|---|---|---|"]
-        lines += [f"| {name} | {rate:.3g} | {bars[0][1] / rate:.2f}x |" if rate else f"| {name} | {rate:.3g} | |"
-                  for name, rate in bars]
-    other = []
-    for name, entry in report["benches"].items():
-        bench = entry.get("bench", name)
-        reading = read_result(bench, entry.get("result"))
-        other += figure_lines(name, bench, reading.figures, variants="bench" not in entry) + reading.notes
+             "because a shared machine is noisy; absolute GB/s move from run to run."]
+    lines += _table("Status", ("bench", "status", "seconds"), [
+        (name, "ok" if entry["status"] == "ok" else f"**FAILED**: {entry.get('error', '')}", f"{entry.get('seconds', 0):.1f}")
+        for name, entry in report["benches"].items()])
+    if report.get("gate"):  # bench all --check: figures against the targets
+        lines += _table("Targets (docs/BENCHMARKS.md)", report["gate"][0], report["gate"][1:])
+    for title, bars in throughput_rows(report, readings).items():  # featurestore's rate (first row) over each method's
+        lines += _table(title, ("method", "rate", f"{bars[0][0]} ÷ method"),
+                        [(name, f"{rate:.3g}", f"{bars[0][1] / rate:.2f}x" if rate else "") for name, rate in bars])
+    other = [line for name, (bench, reading) in readings.items() for line in figure_lines(
+        name, bench, reading.figures, variants="bench" not in report["benches"][name]) + reading.notes]
     lines += ["", "## Other figures", "", *other] if other else []
     if series := rss_series(report):
-        lines += ["", "## Memory: one loader epoch vs the in-RAM float32 cache", "",
-                  "| run | anon RSS after imports (MiB) | peak during the epoch (MiB) | float32 cache (MiB) |",
-                  "|---|---|---|---|", *(f"| {s['label']} | {s['baseline_mib']:.1f} | {s['peak_anon_mib']:.1f} | "
-                                         f"{s['cache_mib']:.1f} |" for s in series)]
+        lines += _table("Memory: one loader epoch vs the in-RAM float32 cache", (
+            "run", "anon RSS after imports (MiB)", "peak during the epoch (MiB)", "float32 cache (MiB)"), [
+            (s["label"], f"{s['baseline_mib']:.1f}", f"{s['peak_anon_mib']:.1f}", f"{s['cache_mib']:.1f}") for s in series])
     if report.get("render_errors"):
         lines += ["", "## Report notes", "", "Results the report could not read all of:", "",
                   *(f"- {where}: {error}" for where, error in report["render_errors"].items())]
@@ -248,10 +256,6 @@ def render_markdown(report: dict[str, Any]) -> str:
     for name, entry in failed.items():
         lines += [f"### {name}", "", "```", entry.get("traceback", entry.get("error", "")).rstrip(), "```", ""]
     return "\n".join(lines) + "\n"
-
-
-def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
 
 
 def write_report(report: dict[str, Any], out: str) -> list[str]:

@@ -1,9 +1,7 @@
 """``featurestore bench s3``: object-storage reads and writes against the server's own limit.
 
-Starts SeaweedFS on loopback (or uses ``--endpoint``; ``--link-gbit``: :mod:`featurestore.bench.link`).
 Every method returns GB/s and opens its own array, client, loader or cache inside its timing (a
-first epoch); the ratios are of the medians of the runs in ``PAIRS``. What it measures:
-docs/BENCHMARKS.md.
+first epoch); the ratios are of the medians of the runs in ``PAIRS``. Method: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -50,11 +48,9 @@ def register(subparsers: Any) -> None:
         "--num-samples": (1024, None), "--shape": ("256x384", "sample shape TxD (float16)"), "--batch-size": (64, None),
         "--slow-batches": (6, "batches per repeat for zarr-python (it is slow)"),
         "--chunk-mb": (8.0, "chunk size in MiB, as the writer's"),
-        "--concurrency": (int, "max_concurrency storage option (default: FEATURESTORE_OBJECT_CONCURRENCY or 64)"),
         "--coalesce-gap": (int, "coalesce_gap storage option in bytes (default: FEATURESTORE_OBJECT_COALESCE_GAP or 1 MiB)"),
         "--weed-args": ("", "extra SeaweedFS server flags, space separated, after featurestore's own; write "
                             "--weed-args=-filer.maxMB=4 (with '=') for SeaweedFS's stock 4 MiB internal chunks"),
-        "--loader-threads": (int, "FeatureLoader num_threads (default: its own)"),
         "--prefetch": (4, "FeatureLoader prefetch, batches in flight"),
         "--no-cache": (False, "skip the chunk cache figures"),
         "--bags": (48, "slides of the bag figures (0: skip them)"), "--bag-median": (2000, "median patches per slide"),
@@ -110,8 +106,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
     n, batch = args.num_samples, args.batch_size
     sample_bytes = int(np.prod(shape)) * 2
     url = f"s3://{args.bucket}/bench-{uuid.uuid4().hex[:8]}"
-    fs_options = {**options, **({"max_concurrency": args.concurrency} if args.concurrency else {}),
-                  **({"coalesce_gap": args.coalesce_gap} if args.coalesce_gap is not None else {})}
+    fs_options = {**options, **({"coalesce_gap": args.coalesce_gap} if args.coalesce_gap is not None else {})}
     values = np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32).astype(np.float16)
     chunk_bytes = int(args.chunk_mb * (1 << 20))
     chunk_rows = layout.chunk_rows_for(sample_bytes, chunk_bytes, n)
@@ -162,11 +157,13 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
     def read_numpy(it: Any, idx: np.ndarray) -> Any:
         return it.read_numpy(idx, out=out[: len(idx)])
 
+    def loader(source: str, opts: dict[str, Any]) -> Any:
+        ds = FeatureDataset(source, "bench", "enc", "train", storage_options=opts)
+        return FeatureLoader(ds, batch_size=batch, order="shuffle", device="cpu", dtype=None, prefetch=args.prefetch,
+                             seed=int(time.time()))
+
     def loader_epoch() -> None:
-        ds = FeatureDataset(url, "bench", "enc", "train", storage_options=fs_options)
-        loader = FeatureLoader(ds, batch_size=batch, order="shuffle", device="cpu", dtype=None,
-                               prefetch=args.prefetch, num_threads=args.loader_threads, seed=int(time.time()))
-        assert sum(features.shape[0] for features, _ in loader) == n
+        assert sum(features.shape[0] for features, _ in loader(url, fs_options)) == n
 
     def zarr_open() -> Any:  # the same server for s3fs: featurestore's own keys removed
         s3fs = {k: v for k, v in options.items() if k not in FEATURESTORE_KEYS}
@@ -207,11 +204,6 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
             cache = Epochs(fs_options, args.prefetch, work, extra, n, values.nbytes)
             local = f"{work}/local"
             harness.write_split(local, n, shape, rows=batch, chunk_bytes=chunk_bytes)
-
-            def loader(source: str, opts: dict[str, Any]) -> Any:
-                ds = FeatureDataset(source, "bench", "enc", "train", storage_options=opts)
-                return FeatureLoader(ds, batch_size=batch, order="shuffle", device="cpu", dtype=None,
-                                     prefetch=args.prefetch, num_threads=args.loader_threads, seed=int(time.time()))
             cache.loader = loader
             methods.update({EPOCH1: cache.cached(url, EPOCH2), HALF1: cache.cached(url, HALF2, half=True),
                             LOCAL: cache.local_cold(local)})

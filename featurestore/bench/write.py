@@ -1,11 +1,7 @@
 """``featurestore bench write``: the writer (float16 and float32 input) against numpy ``tofile`` of the
-same bytes, both timed to ``os.sync()``, each timing in a fresh process (docs/BENCHMARKS.md).
+same bytes, both timed to ``os.sync()``, each timing in a fresh process: what a user's first write sees.
 
-Every timing is one new Python process (:func:`harness.child`): featurestore imported and the source
-made before the clock, then one write. So the writer's figures are what a user's first
-``create_split`` + ``write`` + ``commit`` sees (numba's kernel load, the first pools and files
-included); ``tofile`` runs the same way. ``float16 second`` is the diagnostic: the same process's
-second write, after an untimed first (the writer warm).
+Method: docs/BENCHMARKS.md, "What each bench measures".
 """
 
 from __future__ import annotations
@@ -14,7 +10,6 @@ import argparse
 import itertools
 import os
 import shutil
-import statistics
 from typing import Any
 
 import numpy as np
@@ -111,7 +106,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], n: int, label: str, args: ar
     # No warm-up round: each timing is a new process, and its first write is the figure.
     times = interleaved([method(name) for name in METHODS], args.repeats, order=order)
     _remove(written)
-    median = {m: statistics.median(t) for m, t in times.items()}
+    median = times.medians()
     out = {
         "sample_shape": list(shape), "label": label, "num_samples": n, "bytes": nbytes,
         "tofile_gb_per_s": gbps(nbytes, median["tofile"]),

@@ -1,8 +1,5 @@
-"""``featurestore bench``: throughput and memory against baselines (one sub-command per bench).
-
-Each module in ``featurestore/bench/`` registers its own sub-command; ``bench all`` runs them all
-and writes ``report.md``, ``report.json`` and plots (``featurestore/bench/report.py``).
-"""
+"""``featurestore bench``: throughput and memory against baselines, one sub-command per module of
+``featurestore/bench/`` (docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""A memory cgroup for benchmark children, and page-cache eviction where none can be made.
-
-Used by ``bench loader`` (an epoch over a store larger than the limit) and ``bench cold`` (reads
-of data that is not in the page cache). cgroup v2 and v1 (``/sys/fs/cgroup/memory``) are both
+"""A memory cgroup for child processes, and page-cache eviction where none can be made: the
+cold-cache primitive the tests (reads from the device) and the benches (``bench loader``, ``bench
+cold``) share. cgroup v2 and v1 (``/sys/fs/cgroup/memory``) are both
 handled; page cache a child reads is charged to its cgroup, so the limit bounds it too.
 """
 
@@ -14,12 +13,16 @@ import time
 from typing import Any
 
 
+def files_under(*paths: str) -> list[str]:
+    """Every file of ``paths``: a file itself, a directory's files at any depth (none if absent)."""
+    return [f for p in paths for f in ([p] if os.path.isfile(p) else
+                                       [os.path.join(d, n) for d, _, fs in os.walk(p) for n in fs])]
+
+
 def evict(*paths: str) -> None:
     """Drop the clean pages of every file under ``paths`` (files or directories) from the page
     cache, so the next reader reads them from the device. Dirty pages are written first."""
-    files = [f for p in paths for f in ([p] if os.path.isfile(p) else
-                                        [os.path.join(d, n) for d, _, fs in os.walk(p) for n in fs])]
-    for name in files:
+    for name in files_under(*paths):
         fd = os.open(name, os.O_RDONLY)
         try:
             os.fdatasync(fd)  # DONTNEED skips dirty pages
