@@ -69,7 +69,7 @@ def local_store(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def http_url(local_store: str) -> Iterator[str]:
     """A live ``featurestore serve`` (uvicorn subprocess on a free loopback port) over ``local_store``."""
-    from featurestore.bench.http import serve_subprocess
+    from featurestore.testing.serving import serve_subprocess
 
     with serve_subprocess(local_store) as (url, _):
         yield url

@@ -42,7 +42,7 @@ def test_object_storage_source_gives_the_local_batches(bag_store: str, s3_storag
 @pytest.fixture(scope="module")
 def bag_server(bag_store: str) -> Any:
     """``featurestore serve`` (uvicorn subprocess on a free loopback port) over the bag store."""
-    from featurestore.bench.http import serve_subprocess
+    from featurestore.testing.serving import serve_subprocess
 
     with serve_subprocess(bag_store) as (url, _):
         yield url

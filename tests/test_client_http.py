@@ -22,7 +22,7 @@ import featurestore  # noqa: E402
 from client import ClientError, FeatureClient  # noqa: E402
 from client.http import RemoteFeatureArray  # noqa: E402
 from featurestore import errors as fse  # noqa: E402
-from featurestore.bench.http import serve_subprocess  # noqa: E402
+from featurestore.testing.serving import serve_subprocess  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _server_fixtures import ScriptedHTTPServer, expected, make_store, response  # noqa: E402
@@ -213,7 +213,7 @@ def test_in_process_test_client_path(store_path: str) -> None:
 
 # ---------------------------------------------------------------------- transport edge cases
 def test_connection_errors_are_retried_with_backoff() -> None:
-    from featurestore.bench.http import free_port
+    from featurestore.testing.serving import free_port
 
     client = FeatureClient(f"http://127.0.0.1:{free_port()}", retries=2, backoff=0.05)
     started = time.monotonic()

@@ -16,7 +16,7 @@ pytest.importorskip("uvicorn")
 import featurestore  # noqa: E402
 from client import FeatureClient, FeatureDataset, FeatureLoader  # noqa: E402
 from featurestore import errors as fse  # noqa: E402
-from featurestore.bench.http import serve_subprocess  # noqa: E402
+from featurestore.testing.serving import serve_subprocess  # noqa: E402
 
 E = 12
 IDS = [f"TCGA-{k:02d}-DX{k % 3}" for k in range(21)]

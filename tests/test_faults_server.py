@@ -19,7 +19,7 @@ pytest.importorskip("uvicorn")
 import featurestore  # noqa: E402
 from client import ClientError, FeatureClient  # noqa: E402
 from featurestore import errors as fse  # noqa: E402
-from featurestore.bench.http import serve_subprocess  # noqa: E402
+from featurestore.testing.serving import serve_subprocess  # noqa: E402
 from featurestore.format import wire  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -207,7 +207,7 @@ def test_bag_probe_reads_values_not_codes(local_store: str) -> None:
 def test_http_datasets_and_loaders_read_the_values_the_store_reads(local_store: str) -> None:
     """Over HTTP the codes travel with their scales rows and are dequantized as they arrive: every
     batch equals the store's own loader's, dense and bags, float32 and float16 out."""
-    from featurestore.bench.http import serve_subprocess
+    from featurestore.testing.serving import serve_subprocess
 
     with serve_subprocess(local_store) as (url, _):
         remote, local = FeatureDataset(url, *SPLIT), FeatureDataset(local_store, *SPLIT)

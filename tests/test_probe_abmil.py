@@ -169,7 +169,7 @@ def test_padding_does_not_change_a_bag_result() -> None:
 
 @pytest.mark.filterwarnings("ignore:1 empty bag")
 def test_over_http_the_probe_trains_the_same_head(store: str) -> None:
-    from featurestore.bench.http import serve_subprocess
+    from featurestore.testing.serving import serve_subprocess
 
     options = dict(train_split="train", eval_split="val", seeds=[0], epochs=2, batch_size=2, max_patches=30,
                    device="cpu")

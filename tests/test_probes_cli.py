@@ -107,7 +107,7 @@ def test_cli_missing_store_and_bad_arguments(tmp_path: Path, capsys: pytest.Capt
 @pytest.fixture(scope="module")
 def served(store_path: str) -> Iterator[str]:
     """``featurestore serve`` over the probe store on a free loopback port."""
-    from featurestore.bench.http import serve_subprocess
+    from featurestore.testing.serving import serve_subprocess
 
     with serve_subprocess(store_path) as (url, _):
         yield url

@@ -154,7 +154,7 @@ def test_endpoint_userinfo_never_appears_in_a_missing_bucket_error(seaweed: obje
 
 # ---------------------------------------------------------------------- reprs
 def test_reprs_of_stores_and_datasets_mask_the_password(tmp_path: object) -> None:
-    from featurestore.bench.http import serve_subprocess
+    from featurestore.testing.serving import serve_subprocess
 
     from _server_fixtures import make_store
 

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 import featurestore  # noqa: E402
 from client import FeatureClient  # noqa: E402
 from featurestore import errors as fse  # noqa: E402
-from featurestore.bench.http import serve_subprocess  # noqa: E402
+from featurestore.testing.serving import serve_subprocess  # noqa: E402
 from featurestore.format import wire  # noqa: E402
 from server import Settings, create_app  # noqa: E402
 

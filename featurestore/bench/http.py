@@ -18,9 +18,9 @@ import numpy as np
 
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved
-from featurestore.testing.serving import SHAPE, build_store, free_port, load_test, process_rss, serve_subprocess
+from featurestore.testing.serving import SHAPE, build_store, load_test, serve_subprocess
 
-__all__ = ["SHAPE", "build_store", "free_port", "load_test", "process_rss", "register", "serve_subprocess"]
+__all__ = ["register", "run"]
 
 
 def register(subparsers: Any) -> None:

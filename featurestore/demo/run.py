@@ -204,7 +204,7 @@ def _extract_line(e: dict[str, Any]) -> str:
 def _served(store: str) -> Iterator[str]:
     """``featurestore serve STORE`` as a subprocess on a free loopback port; the bench helper
     stops it (TERM, then KILL) in its ``finally``, whatever happens in the block."""
-    from featurestore.bench.http import serve_subprocess
+    from featurestore.testing.serving import serve_subprocess
 
     server = serve_subprocess(store, args=("--host", "127.0.0.1"))  # loopback only, explicitly
     try:
