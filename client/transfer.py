@@ -42,7 +42,7 @@ class Transfer(DeviceStager):
         self.stored = ds.torch_dtype
         self._scales: dequantize.ChunkScales | None = None  # an int8 split's, on CUDA
         self._scales_lock = threading.Lock()
-        if ds.quantized and not self.cuda:  # numba loads while the first batches are read
+        if ds.quantized and not self.cuda and dtype in dequantize.NUMPY_OUT:  # numba loads while the first batches are read
             dequantize.warm_up_soon()
 
     # ------------------------------------------------------------------ producer side (threads)
