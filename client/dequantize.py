@@ -21,6 +21,7 @@ values ``FeatureArray.read_numpy(dtype="float32")`` (and ``"float16"``) give.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -130,7 +131,8 @@ def warm_up_soon() -> None:
     """Load the kernel on a thread, once per process (again in a forked child, whose copy of the
     thread is gone). Nothing without numba or with ``FEATURESTORE_FUSED_STATS=0`` (the switch of
     the writer's kernels too): the numpy formula stays."""
-    if "kernels" in _STATE or os.environ.get("FEATURESTORE_FUSED_STATS", "1").strip() == "0":
+    if ("kernels" in _STATE or os.environ.get("FEATURESTORE_FUSED_STATS", "1").strip() == "0"
+            or not _numba_installed()):
         return
     with _LOCK:
         thread = _STATE.get("thread")
@@ -150,11 +152,13 @@ def wait_warm(timeout: float | None = None) -> bool:
     return "kernels" in _STATE
 
 
+@functools.cache
+def _numba_installed() -> bool:
+    return importlib.util.find_spec("numba") is not None
+
+
 def _warm() -> None:
     try:
-        if importlib.util.find_spec("numba") is None:
-            _STATE["failed"] = True
-            return
         kernels = importlib.import_module("featurestore.core.int8_dequant_kernel")
         one = np.zeros((1, 1), np.int8)
         at = np.zeros(1, np.int64)
