@@ -87,8 +87,6 @@ class BagTransfer(DeviceStager):
         self.return_ids = return_ids
         self.piece_rows = max(1, int(piece_bytes) // ds.row_nbytes)
         self.coords_torch = torch.from_numpy(np.empty(0, ds.coords_dtype)).dtype
-        if ds.quantized and not self.cuda and dtype in dequantize.NUMPY_OUT:  # numba loads while the first batches are read
-            dequantize.warm_up_soon()
 
     # ------------------------------------------------------------------ the batch's layout
     def layout(self, epoch: int, index: np.ndarray) -> tuple[list[np.ndarray | None], np.ndarray, int]:

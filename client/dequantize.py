@@ -6,9 +6,10 @@ at their stored width (a quarter of float32's bytes) and dequantize only where t
 
 * CPU: :func:`into` multiplies the gathered codes into the batch handed out: float32 and float16
   batches in one pass of a numba kernel (core.int8_dequant_kernel, no temporary; numpy's formula
-  with its float32 product and gathered scales was measured at ~2x a float16 split's upcast),
-  other dtypes, and every batch without numba, in numpy blocks of rows (one block of gathered
-  scales as the only float32 temporary, not the batch).
+  with its float32 product and gathered scales was measured at ~2x a float16 split's upcast) once
+  a process has dequantized enough to pay for loading it (:data:`WARM_AFTER_VALUES`); before
+  that, other dtypes, and every batch without numba, in numpy blocks of rows (one block of
+  gathered scales as the only float32 temporary, not the batch).
 * CUDA: a dense split's scales table goes to the device once when it is small
   (:data:`DEVICE_TABLE_BYTES`), and then only each row's chunk crosses with the codes; a larger
   table sends the scale rows each batch needs, once each (:func:`batch_scales`), in the host slot
@@ -40,6 +41,12 @@ BLOCK_BYTES = 1 << 20  # float32 scales gathered per block of a shuffled batch (
 # sends 8 bytes a row, not a float32 scales row per chunk it touches (up to 4x its codes' bytes).
 DEVICE_TABLE_BYTES = 256 << 20
 NUMPY_OUT = (torch.float32, torch.float16)  # dtypes format.int8 writes into directly
+# Rent or buy: numba's import and the kernel's load from its cache take ~0.5 s of a core (a few
+# seconds on a busy host), about numpy's time for this many values. A process starts the load once
+# numpy has dequantized as many (kernel-shaped batches), so one that stops sooner never pays it
+# (a fresh process's one epoch: measured 2x slower with the load beside it) and a longer one pays
+# at most about what it had already spent.
+WARM_AFTER_VALUES = 256 << 20
 
 
 def into(codes: np.ndarray, groups: np.ndarray, table: np.ndarray, out: torch.Tensor, *,
@@ -50,15 +57,19 @@ def into(codes: np.ndarray, groups: np.ndarray, table: np.ndarray, out: torch.Te
     position); ``table``: float32 ``[g, *S]``; ``out``: a CPU tensor ``[n, *S]``. float32 and
     float16 outputs take the one-pass numba kernel (:mod:`featurestore.core.int8_dequant_kernel`)
     when it is loaded and the arrays are C-contiguous, on ``threads`` threads (the loaders call it
-    from each of their read threads: 1); anything else, and the first batches while the kernel
-    loads (:func:`warm_up_soon`), the numpy formula in blocks of rows. The same bits either way."""
+    from each of their read threads: 1); anything else, and a process's first
+    :data:`WARM_AFTER_VALUES` values and those while the kernel loads (:func:`warm_up_soon`),
+    the numpy formula in blocks of rows. The same bits either way."""
     n = len(codes)
     if n == 0:
         return out
     if out.dtype in NUMPY_OUT and _kernel_fits(codes, groups, table, out):
-        kernels = _kernels()
+        kernels = _STATE.get("kernels")
         if kernels is not None and _run_kernel(kernels, codes, groups, table, out, threads):
             return out
+        _STATE["numpy_values"] = _STATE.get("numpy_values", 0) + codes.size  # unlocked: a tally
+        if _STATE["numpy_values"] >= WARM_AFTER_VALUES:
+            warm_up_soon()
     return numpy_into(codes, groups, table, out)
 
 
@@ -114,17 +125,8 @@ def _run_kernel(kernels: Any, codes: np.ndarray, groups: np.ndarray, table: np.n
     return True
 
 
-_STATE: dict[str, Any] = {}  # "kernels": the loaded module; "thread": the warm-up under way
+_STATE: dict[str, Any] = {}  # "kernels": the loaded module; "thread": its load; "numpy_values": the tally
 _LOCK = threading.Lock()
-
-
-def _kernels() -> Any:
-    """The kernel module once loaded (or compiled) by :func:`warm_up_soon`'s thread, else None
-    (and the warm-up started): a first batch does not wait ~0.5-3 s for numba."""
-    kernels = _STATE.get("kernels")
-    if kernels is None:
-        warm_up_soon()
-    return kernels
 
 
 def warm_up_soon() -> None:

@@ -42,8 +42,6 @@ class Transfer(DeviceStager):
         self.stored = ds.torch_dtype
         self._scales: dequantize.ChunkScales | None = None  # an int8 split's, on CUDA
         self._scales_lock = threading.Lock()
-        if ds.quantized and not self.cuda and dtype in dequantize.NUMPY_OUT:  # numba loads while the first batches are read
-            dequantize.warm_up_soon()
 
     # ------------------------------------------------------------------ producer side (threads)
     def produce(self, index: np.ndarray, staging: dict[str, np.ndarray]) -> Any:

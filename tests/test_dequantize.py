@@ -136,3 +136,28 @@ def test_without_numba_the_numpy_path_gives_the_kernels_bits(kernel_only: None) 
         out = torch.empty(codes.shape, dtype=dtype)
         dequantize.into(codes, at, table, out)  # the kernel here (numpy refused)
         assert out.numpy().tobytes().hex() == result[name]
+
+
+RENT = """
+import sys
+import numpy as np, torch
+from client import dequantize
+dequantize.WARM_AFTER_VALUES = 1000
+codes, at, table = np.zeros((10, 60), np.int8), np.zeros(10, np.int64), np.ones((1, 60), np.float32)
+seen = []
+for dtype, rows in ((torch.float32, 8), (torch.bfloat16, 10), (torch.float16, 8)):  # 480, (not counted), 960
+    dequantize.into(codes[:rows], at[:rows], table, torch.empty(rows, 60, dtype=dtype))
+    seen.append("thread" in dequantize._STATE)
+dequantize.into(codes[:1], at[:1], table, torch.empty(1, 60))  # 1020: past the threshold
+seen.append("thread" in dequantize._STATE)
+print(seen, dequantize.wait_warm(60) == ("numba" in sys.modules))
+"""
+
+
+def test_the_kernel_loads_once_numpy_has_dequantized_warm_after_values() -> None:
+    # A fresh process: below the threshold nothing loads numba (a short run never pays for it);
+    # bfloat16 batches, which the kernel does not serve, do not count.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run([sys.executable, "-c", RENT], capture_output=True, text=True, timeout=120, env=env,
+                           check=True)
+    assert child.stdout.split("\n")[0] == f"[False, False, False, {NUMBA}] True"

@@ -6,8 +6,6 @@ and over HTTP (codes and their scales rows on the wire, dequantized as they arri
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -202,19 +200,6 @@ def test_cpu_loaders_with_the_dequantize_kernel_give_the_same_bits(local_store: 
         for j, bag in enumerate(ids):
             want = expected_bag(local_store, bag, None, dtype)
             assert torch.equal(features[j, :len(want)], want)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_cpu_loader_of_an_int8_split_loads_the_kernel_before_its_first_batch(local_store: str, dtype: str) -> None:
-    # In a fresh process: the epoch's producer (made before any batch is read) starts the load,
-    # for the dtypes the kernel serves only.
-    child = (f"import torch\nfrom client import FeatureDataset, FeatureLoader, dequantize\n"
-             f"loader = FeatureLoader(FeatureDataset({local_store!r}, *{SPLIT!r}), batch_size=8, device='cpu', "
-             f"dtype=torch.{dtype})\n"
-             "loader._make_producer()\n"
-             "print('thread' in dequantize._STATE or 'failed' in dequantize._STATE)\n")
-    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=True)
-    assert done.stdout.split() == [str(dtype == "float32" and NUMBA)]
 
 
 def test_bag_dataset_items_and_normalize(local_store: str) -> None:
