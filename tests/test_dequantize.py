@@ -79,6 +79,8 @@ def test_kernel_bag_piece_and_int32_groups(kernel_only: None, dtype: torch.dtype
     dequantize.into(codes, at, table, out)
     assert same_bits(out, reference(codes, at.astype(np.int64), table, dtype))
     assert dequantize.into(codes[:0], at[:0], table, out[:0]).shape[0] == 0
+    empty = torch.empty(3, 0, dtype=dtype)
+    assert dequantize.into(codes[:3, :0], at[:3], table[:, :0], empty) is empty  # rows of no values
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
