@@ -5,6 +5,7 @@ and over HTTP (codes and their scales rows on the wire, dequantized as they arri
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:1 empty bag")  # s-02, left out 
 N, SHAPE, CHUNK_ROWS = 150, (4, 16), 16  # 10 chunks: a shuffled batch of 32 spans most of them
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+NUMBA = importlib.util.find_spec("numba") is not None
 TORCH_TO_READ = {torch.float32: "float32", torch.float16: "float16"}
 
 
@@ -177,6 +179,27 @@ def test_bag_loader_batches_equal_the_stores_dequantized_read(source: tuple[str,
             assert int(labels[j]) == list(bag_values()).index(bag) % 2  # labels as added
             seen += 1
     assert seen == 5  # the empty bag is skipped
+
+
+@pytest.mark.skipif(not NUMBA, reason="numba is not installed: no kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cpu_loaders_with_the_dequantize_kernel_give_the_same_bits(local_store: str, monkeypatch: pytest.MonkeyPatch,
+                                                                  dtype: torch.dtype) -> None:
+    assert dequantize.wait_warm(120)
+
+    def refuse(*args: Any) -> None:
+        raise AssertionError("the loader fell back to numpy's formula")
+
+    monkeypatch.setattr(dequantize, "numpy_into", refuse)  # every batch below is the kernel's
+    loader = FeatureLoader(FeatureDataset(local_store, *SPLIT), batch_size=32, shuffle=True, seed=2, device="cpu",
+                           dtype=dtype)
+    for k, (features, _) in enumerate(loader):
+        assert torch.equal(features, expected_rows(local_store, loader.plan().batch(k), dtype))
+    ds = BagDataset(local_store, "ds", "enc", "bags")
+    for features, mask, _, _, ids in BagLoader(ds, batch_size=2, seed=1, device="cpu", dtype=dtype, return_ids=True):
+        for j, bag in enumerate(ids):
+            want = expected_bag(local_store, bag, None, dtype)
+            assert torch.equal(features[j, :len(want)], want)
 
 
 def test_bag_dataset_items_and_normalize(local_store: str) -> None:
