@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test command: set up .venv (scripts/setup.sh) and run the whole suite on CPU.
 # The tests run in one pytest-xdist worker process per core (2 on CI), at most 8: each worker
-# holds torch (~0.5 GB) and starts its own SeaweedFS and moto servers. Tests that must not share
-# the machine with another are pinned to one worker by an `xdist_group` mark (--dist loadgroup).
+# holds torch (~0.5 GB) and starts its own SeaweedFS and moto servers. A test that must not share
+# the machine with another can be pinned to one worker by an `xdist_group` mark (--dist loadgroup).
 # FEATURESTORE_TEST_WORKERS overrides the count: a number, or 0 for one process (pdb, -x order).
 set -euo pipefail
 cd "$(dirname "$0")/.."
