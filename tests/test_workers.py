@@ -359,9 +359,7 @@ def test_object_server_restarted_mid_run_workers_retry_and_finish(tmp_path: Path
     single = run_cli(*_import_cmd(source, str(tmp_path / "single"), None)[3:], timeout=240)
     assert single.returncode == 0, single.stderr
     try:
-        # The restarted master elects itself leader after -master.electionTimeout (10 s by
-        # default; 1 s here): until then the volume server cannot join and every read fails.
-        context = seaweed_server(str(tmp_path / "weed"), extra_args=("-master.electionTimeout=1s",))
+        context = seaweed_server(str(tmp_path / "weed"))
         server = context.__enter__()
     except SeaweedUnavailable as exc:
         pytest.skip(f"SeaweedFS cannot run here: {exc}")
