@@ -292,7 +292,7 @@ def test_processes_that_read_from_s3_exit_cleanly(seaweed_url: str, seaweed: Any
     env = {**os.environ, "PYTHONFAULTHANDLER": "1",
            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, str(script), seaweed_url, json.dumps(seaweed.storage_options), "20"]
-    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=240)
     output = done.stdout.decode(errors="replace")
     failures = output.count("a reader ended with exit status")
     assert done.returncode == 0 and not failures, f"{failures} of 40 processes failed at exit:\n{output[-3000:]}"
