@@ -8,7 +8,9 @@
   test gets its own bucket, and the server is reset after each test that used it so its memory
   stays flat.
 
-Both are reached over HTTP, as AWS or MinIO would be: nothing is patched in-process.
+Both are reached over HTTP, as AWS or MinIO would be: nothing is patched in-process. Under
+pytest-xdist (scripts/test.sh) each worker process starts its own servers, on ports of its own and
+in its own temp directory, and its environment changes stay in that process.
 """
 
 from __future__ import annotations

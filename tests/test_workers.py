@@ -372,10 +372,14 @@ def test_object_server_restarted_mid_run_workers_retry_and_finish(tmp_path: Path
         # two workers with short leases; the server goes while they are mid-run
         cmd = _import_cmd(source, url, options, "--worker", "--lease-seconds", "6", "--debug")
         workers = [_start(cmd, cli_env(), tmp_path / f"w{i}.log") for i in range(2)]
+        # Stopped once a slide is done and both workers hold claims: both are mid-run. A worker
+        # still starting (its torch import is slow on a loaded machine) would meet the outage
+        # in open_store, which does not wait one out.
         deadline = time.time() + 120
         while time.time() < deadline:
             records = claims.read_records(storage, key) if storage.size(f"{key}/zarr.json") else {}
-            if any(r.get("state") == claims.DONE for r in records.values()):
+            if (any(r.get("state") == claims.DONE for r in records.values())
+                    and {w.pid for w in workers} <= {r.get("pid") for r in records.values()}):
                 break
             time.sleep(0.05)
         stop_process(server.process, grace=5)
