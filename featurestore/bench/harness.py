@@ -37,10 +37,10 @@ def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any,
               workdir: str = "scratch directory (default: a temp dir, removed)") -> argparse.ArgumentParser:
     """The parser of ``featurestore bench VERB``: the bench's own ``flags`` (:func:`add_flags`) and what
     every bench has: ``--repeats`` (when given a default), ``--workdir``, ``--json``; the command runs
-    the module's ``run(args)``, prints its result (:func:`featurestore.bench.reading.finish`) and exits
+    the module's ``run(args)``, prints its result (:func:`featurestore.bench.printout.finish`) and exits
     1 when its ``failed`` says why."""
     from featurestore.bench import bench_module
-    from featurestore.bench.reading import finish
+    from featurestore.bench.printout import finish
 
     name = verb.replace("-", "_")
     parser = subparsers.add_parser(verb, help=help, description=description or help)

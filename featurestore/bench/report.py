@@ -21,13 +21,8 @@ from typing import Any
 
 from featurestore import __version__
 from featurestore.bench import bench_module
-from featurestore.bench.reading import (
-    Panels,
-    Reading,
-    figure_lines,
-    print_result,
-    read_result,
-)
+from featurestore.bench.printout import figure_lines, print_result
+from featurestore.bench.reading import Panels, Reading, read_result
 from featurestore.errors import InvalidOption
 
 BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3", "cold", "bags", "bag_loader")
