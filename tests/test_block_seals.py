@@ -32,7 +32,7 @@ CHANNELS = 256
 
 @pytest.fixture(autouse=True)
 def local_blocks_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Local chunks are checked by block only from 64 MiB on; these tests' chunks are small."""
+    """Chunks are checked by block only from 64 MiB on; these tests' chunks are small."""
     monkeypatch.setenv("FEATURESTORE_BLOCK_CHECK_MIB", "0")
 
 
@@ -97,6 +97,25 @@ def test_a_flipped_byte_is_refused_by_reads_of_its_block_only(tmp_path: Path, dt
         array.read_numpy([per_block])
     with pytest.raises(CorruptChunk):  # not remembered as checked after the refusal
         array.read_numpy([per_block + 1])
+
+
+def test_auto_checks_no_local_read_that_bypasses_the_page_cache(tmp_path: Path) -> None:
+    """``verify_reads="auto"`` leaves local ``cache="direct"`` reads unchecked (sizes only), with
+    block seals as without: measured at the seed shape, the block checks there cost more than
+    the epoch could spare (docs/READS.md). ``"first"`` checks them by block."""
+    url = str(tmp_path / "store")
+    row_values, chunk_rows, n = GEOMETRY["float16"]
+    values = _write(url, "float16", row_values, chunk_rows, n)
+    per_block = BLOCK_BYTES // (row_values * 2)
+    _flip(url, 0, (per_block + 3) * row_values * 2 + 7)  # row per_block + 3, in block 1
+    array = featurestore.open_store(url).open(*TOP)
+    array.cache = "direct"
+    got = array.read_numpy([0, per_block + 3], dtype="float32")
+    assert np.array_equal(got[0], values[0]) and not np.array_equal(got[1], values[per_block + 3])
+    array = featurestore.open_store(url).open(*TOP)
+    array.cache, array.verify_reads = "direct", "first"
+    with pytest.raises(CorruptChunk, match="block 1"):
+        array.read_numpy([per_block + 3])
 
 
 def _read_bytes() -> int:
