@@ -79,9 +79,13 @@ class SplitJob:
         """On a resume or re-run: refuse inputs changed since what the split keeps was written."""
 
     def prepare(self) -> None:
+        self.load()
+        self.connect()
+
+    def connect(self) -> None:
+        """Open the store (``mode="a"``: its root group made if missing)."""
         from featurestore import open_store
 
-        self.load()
         self.store = open_store(self.opts.store, mode="a", **self.opts.storage_options)
 
     def open(self) -> Any:
@@ -166,7 +170,7 @@ def run_split(job: SplitJob, coord: Coordinator | None = None, share: UnitShare 
     started = time.perf_counter()
     error: BaseException | None = None
     try:
-        job.prepare()
+        share.prepare(job) if hasattr(share, "prepare") else job.prepare()
     except BaseException as e:  # every rank must reach agree(), or the others would wait forever
         error = e
     coord.agree(error)

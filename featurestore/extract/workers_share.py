@@ -140,6 +140,17 @@ class ClaimShare:
         self.committed = False
         self.cohort: set[str] = set()  # every slide of the run (bag ids)
 
+    def prepare(self, job: Any) -> None:
+        """Load the job, then open its store, waiting out an outage there as the rest of the run
+        does: a worker (an array task, a spot instance) may start while the object store restarts."""
+        job.load()
+        outage = _Outage(self.options.lease_seconds)
+        while True:
+            try:
+                return job.connect()
+            except _OUTAGES as error:
+                outage.wait(error, min(5.0, self.options.lease_seconds / 3))
+
     def select(self, units: Any) -> list[Any]:  # the UnitShare protocol: every unit is claimable
         return [unit for _, unit in units]
 
