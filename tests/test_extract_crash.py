@@ -79,7 +79,7 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path: Path, monkeypatch: pyte
     assert encoded == 24 - 4 * done_before  # only the samples of chunks not already valid
     assert featurestore.open_store(str(store)).split_status(*SPLIT) == "complete"
     ours, theirs = _files(store), _files(reference)
-    # features, labels, stats per chunk; ids; the commit's chunk_seals table
-    assert set(ours) == set(theirs) and len(ours) == 3 * 6 + 1 + 1
+    # features, labels, stats, block seals per chunk; ids; the commit's chunk_seals table
+    assert set(ours) == set(theirs) and len(ours) == 4 * 6 + 1 + 1
     for name in theirs:
         assert ours[name] == theirs[name], name

@@ -40,7 +40,6 @@ class TestLocalMmap(_Local):
 
     def test_path_taken(self, written: Any) -> None:
         reader = written[0]
-        self._read(reader, [1, 30])  # a first read of their blocks is served by the block check
         self._read(reader, [1, 30])
         assert reader.read_counts["mmap"] >= 1 and reader.read_counts["pool"] == 0
 
@@ -50,7 +49,6 @@ class TestLocalPreadWarm(_Local):
 
     def test_path_taken(self, written: Any) -> None:
         reader = written[0]
-        self._read(reader, [1, 30])  # a first read of their blocks is served by the block check
         self._read(reader, [1, 30])  # warm: served inline (RWF_NOWAIT), no thread hand-off
         assert reader.read_counts["mmap"] == 0 and reader.read_counts["inline"] + reader.read_counts["pool"] == 2
 
