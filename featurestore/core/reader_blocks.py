@@ -257,6 +257,7 @@ class BlocksPath:
             "crc32c mismatch against its block seal (flipped or truncated bytes)"))
 
     def _sizes_checked(self, keys: list[str]) -> None:
+        """``CorruptChunk`` for the first of ``keys`` whose size is not a chunk's (payload and trailer)."""
         expected = self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES
         for key in dict.fromkeys(keys):
             size = self._storage.size(key)

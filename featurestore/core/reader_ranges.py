@@ -35,6 +35,7 @@ class RangesPath:
     _verify: Callable[..., dict[int, Any]]
     _block_table: Callable[[str], Any]
     _read_blocks: Callable[..., tuple[np.ndarray, float]]
+    _sizes_checked: Callable[[list[str]], None]
     _generation: Callable[[], Any]
 
     def _gather_ranges_checked(self, index: np.ndarray, rows: np.ndarray, positions: np.ndarray | None) -> None:
@@ -103,12 +104,7 @@ class RangesPath:
         except CorruptChunk:
             raise
         except OSError:  # e.g. S3 "range not satisfiable": an object shorter than its rows?
-            expected = self.chunk_rows * self.sample_nbytes + layout.CRC_BYTES
-            for key in dict.fromkeys(keys):
-                size = self._storage.size(key)
-                if size is not None and size != expected:
-                    raise CorruptChunk(checked.damage_message(
-                        f"chunk {self._storage.url}/{key}", f"size {size} bytes, expected {expected}")) from None
+            self._sizes_checked(keys)  # CorruptChunk naming the short one
             raise
         if target is not rows:
             np.take(target, inverse.reshape(-1), axis=0, out=rows)
