@@ -85,7 +85,7 @@ def test_concurrent_overwrite_stops_the_writer_it_replaced(fold: Path, reference
     slow = subprocess.Popen(
         [sys.executable, "-m", "featurestore.cli", "extract", "--images", f"pannuke:{fold}",
          "--encoder", "python:test_extract:bf16_encoder", "--dtype", "float16", "--store", str(store), *COMMON],
-        env=cli_env(FSX_SLEEP="2.5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=cli_env(FSX_SLEEP="5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and slow.poll() is None and not (chunks / "0" / "0" / "0").is_file():
