@@ -19,6 +19,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from _seaweed_restart import restartable_seaweed
 from test_bags_import import trident_dir
 from test_extract import cli_env, run_cli
 
@@ -350,21 +351,13 @@ def test_failing_slide_recorded_failed_after_k_attempts(tmp_path: Path) -> None:
 def test_object_server_restarted_mid_run_workers_retry_and_finish(tmp_path: Path) -> None:
     """SeaweedFS stopped (SIGTERM) while two workers import, started again on the same ports and
     directory a few seconds later: the workers wait it out and the split is whole."""
-    pytest.importorskip("obstore")
     from featurestore.testing import stop_process
-    from featurestore.testing.seaweedfs import SeaweedUnavailable, _ready, seaweed_server
 
     source = tmp_path / "src"
     trident_dir(source, {f"s{i:02d}": 20 + i for i in range(16)})
     single = run_cli(*_import_cmd(source, str(tmp_path / "single"), None)[3:], timeout=240)
     assert single.returncode == 0, single.stderr
-    try:
-        context = seaweed_server(str(tmp_path / "weed"))
-        server = context.__enter__()
-    except SeaweedUnavailable as exc:
-        pytest.skip(f"SeaweedFS cannot run here: {exc}")
-    restarted = None
-    try:
+    with restartable_seaweed(tmp_path) as (server, restart):
         server.create_bucket("fsw-restart")
         url, options = "s3://fsw-restart/store", dict(server.storage_options)
         storage = _storage(url, options)
@@ -372,9 +365,8 @@ def test_object_server_restarted_mid_run_workers_retry_and_finish(tmp_path: Path
         # two workers with short leases; the server goes while they are mid-run
         cmd = _import_cmd(source, url, options, "--worker", "--lease-seconds", "6", "--debug")
         workers = [_start(cmd, cli_env(), tmp_path / f"w{i}.log") for i in range(2)]
-        # Stopped once a slide is done and both workers hold claims: both are mid-run. A worker
-        # still starting (its torch import is slow on a loaded machine) would meet the outage
-        # in open_store, which does not wait one out.
+        # Stopped once a slide is done and both workers hold claims: both are mid-run (a worker
+        # still starting meets the outage at its first open of the store: tests/test_workers_outage.py).
         deadline = time.time() + 120
         while time.time() < deadline:
             records = claims.read_records(storage, key) if storage.size(f"{key}/zarr.json") else {}
@@ -384,20 +376,11 @@ def test_object_server_restarted_mid_run_workers_retry_and_finish(tmp_path: Path
             time.sleep(0.05)
         stop_process(server.process, grace=5)
         time.sleep(3)
-        log = open(tmp_path / "weed-again.log", "wb")
-        restarted = subprocess.Popen(server.process.args, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-        deadline = time.time() + 60
-        while not _ready(server.endpoint) and time.time() < deadline:
-            time.sleep(0.2)
+        restart()
         outs = [_wait(w, tmp_path / f"w{i}.log", 300) for i, w in enumerate(workers)]
         assert sum("imported ds/enc/train: 16 bags" in o for o in outs) == 1, outs
         assert any("storage unavailable" in o for o in outs), outs  # the outage was met, and waited out
         _assert_same_split(storage, LocalStorage(str(tmp_path / "single")), key)
-    finally:
-        if restarted is not None:
-            stop_process(restarted, grace=5)
-        context.__exit__(None, None, None)
 
 
 def test_status_and_web_page_show_a_split_being_written(tmp_path: Path) -> None:

@@ -4,11 +4,10 @@ scheduled, not when the store is up."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
-import pytest
+from _seaweed_restart import restartable_seaweed
 from test_bags_import import trident_dir
 from test_extract import cli_env, run_cli
 from test_workers import NAME, _assert_same_split, _import_cmd, _start, _storage, _wait
@@ -17,21 +16,13 @@ from featurestore.core.storage import LocalStorage
 
 
 def test_a_worker_started_during_an_outage_waits_for_the_store(tmp_path: Path) -> None:
-    pytest.importorskip("obstore")
     from featurestore.testing import stop_process
-    from featurestore.testing.seaweedfs import SeaweedUnavailable, _ready, seaweed_server
 
     source = tmp_path / "src"
     trident_dir(source, {f"s{i:02d}": 20 + i for i in range(4)})
     single = run_cli(*_import_cmd(source, str(tmp_path / "single"), None)[3:], timeout=240)
     assert single.returncode == 0, single.stderr
-    try:
-        context = seaweed_server(str(tmp_path / "weed"))
-        server = context.__enter__()
-    except SeaweedUnavailable as exc:
-        pytest.skip(f"SeaweedFS cannot run here: {exc}")
-    restarted = None
-    try:
+    with restartable_seaweed(tmp_path) as (server, restart):
         server.create_bucket("fsw-late")
         url, options = "s3://fsw-late/store", dict(server.storage_options)
         stop_process(server.process, grace=5)
@@ -41,16 +32,7 @@ def test_a_worker_started_during_an_outage_waits_for_the_store(tmp_path: Path) -
         while "storage unavailable" not in log.read_text() and worker.poll() is None and time.time() < deadline:
             time.sleep(0.2)
         assert worker.poll() is None and "storage unavailable" in log.read_text(), log.read_text()
-        with open(tmp_path / "weed-again.log", "wb") as weed_log:
-            restarted = subprocess.Popen(server.process.args, stdout=weed_log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
-        deadline = time.time() + 60
-        while not _ready(server.endpoint) and time.time() < deadline:
-            time.sleep(0.2)
+        restart()
         out = _wait(worker, log, 300)
         assert "imported ds/enc/train: 4 bags" in out, out
         _assert_same_split(_storage(url, options), LocalStorage(str(tmp_path / "single")), "/".join(NAME))
-    finally:
-        if restarted is not None:
-            stop_process(restarted, grace=5)
-        context.__exit__(None, None, None)
