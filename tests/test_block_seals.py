@@ -10,7 +10,6 @@ without block seals keep the whole-chunk check.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from featurestore.core import block_seals
 from featurestore.errors import CorruptChunk, InvalidOption
 from featurestore.format import layout
 from featurestore.format.block_seals import BLOCK_BYTES, BLOCK_SEALS
+from featurestore.testing.cgroup import evict
 
 TOP = ("ds", "enc", "s")
 CHANNELS = 256
@@ -130,12 +130,7 @@ def test_a_cold_read_of_a_few_rows_reads_their_blocks_not_the_chunk(tmp_path: Pa
     chunk_rows = 512  # float16 rows of 32 KiB: a 16 MiB chunk of 16 blocks
     values = _write(url, "float16", 16384, chunk_rows, chunk_rows)
     path = Path(url).joinpath(*TOP, layout.chunk_key(layout.FEATURES, 0, 3))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # written pages are dirty until then: DONTNEED would keep them
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict(str(path))  # written pages synced first: DONTNEED would keep dirty ones
     rows = [3, 400]  # blocks 0 and 12
     array = featurestore.open_store(url).open(*TOP)
     before = _read_bytes()
@@ -146,13 +141,7 @@ def test_a_cold_read_of_a_few_rows_reads_their_blocks_not_the_chunk(tmp_path: Pa
 
 
 def _dropped_cold(url: str) -> None:
-    path = Path(url).joinpath(*TOP, layout.chunk_key(layout.FEATURES, 0, 3))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict(str(Path(url).joinpath(*TOP, layout.chunk_key(layout.FEATURES, 0, 3))))
 
 
 def test_local_chunks_below_the_threshold_are_checked_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
