@@ -88,6 +88,9 @@ class WorkerPool:
             except BaseException:  # noqa: BLE001 - a loop delivers its failures itself; the thread survives
                 pass
             finally:
+                # An idle thread must not keep the last loop (its loader, staging buffers and
+                # batch pool) alive while it waits for the next one: up to a batch of memory.
+                task = loop = None
                 me.name = _IDLE_NAME
                 with self._lock:
                     # Counted idle before `done` is set: a loop submitted right after a close()

@@ -3,12 +3,14 @@ never in the way of the interpreter's exit."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -17,7 +19,7 @@ import torch
 from _loader_fixtures import DATASET, ENCODER, NUM_SAMPLES, local_store, reference  # noqa: F401
 
 from client import FeatureDataset, FeatureLoader
-from client.prefetch import worker_pool
+from client.prefetch import Prefetcher, worker_pool
 
 
 def _recording(ds: FeatureDataset, seen: list[threading.Thread], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,3 +104,27 @@ def test_the_pool_never_keeps_the_interpreter_from_exiting(local_store: str) -> 
     assert proc.stdout.strip() == "done"
     assert "Fatal Python error" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-2000:]
     assert time.monotonic() - start < 60
+
+
+def test_an_idle_pool_thread_does_not_keep_the_last_epoch_alive(local_store: str) -> None:
+    """A pool thread waiting for its next loop must not hold the last one: it would keep that
+    epoch's prefetcher, transfer and recycled batch buffers (a batch or more of host memory,
+    per idle thread) alive until the thread ran another loop."""
+    ds = FeatureDataset(local_store, DATASET, ENCODER, "f32")
+    loader = FeatureLoader(ds, batch_size=8, shuffle=False, device="cpu", num_threads=2, prefetch=2)
+    total, epoch = 0, []
+    for features, _ in loader:
+        total += len(features)
+        if not epoch:  # while the epoch runs: its prefetcher (which holds the transfer and its buffers)
+            epoch = [weakref.ref(o) for o in gc.get_objects() if isinstance(o, Prefetcher)]
+    assert total == NUM_SAMPLES and epoch
+    del features
+    del loader
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the loops return once the epoch is consumed
+        gc.collect()
+        alive = [r() for r in epoch if r() is not None]
+        if not alive:
+            break
+        time.sleep(0.05)
+    assert not alive, [type(o).__name__ for o in alive]
