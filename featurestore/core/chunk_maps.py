@@ -43,7 +43,7 @@ from collections.abc import Callable
 import numpy as np
 
 from featurestore.core import open_files, pread
-from featurestore.core.reader_ranges import row_runs
+from featurestore.core.reader_ranges import copy_runs
 from featurestore.errors import InvalidOption
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in lazily
@@ -294,17 +294,13 @@ class ArrayMaps:
         array of ``array_nbytes`` is not counted (its pages stay until its maps leave the cache)
         unless the budget was set (``local_read="mmap"``: ``auto`` sends those to pread)."""
         chunk_rows, width = self._shape
-        order = np.argsort(index, kind="stable")
-        chunk_of, offset = np.divmod(index[order], chunk_rows)
-        chunk_list, offset_list, order_list = chunk_of.tolist(), offset.tolist(), order.tolist()
+        runs, chunks = copy_runs(index, chunk_rows)
         maps, folio, current, newest = shared(), FOLIO, -1, float("-inf")
-        count = maps.strict or not scattered(len(index) * width, 1 + int(np.count_nonzero(np.diff(chunk_of))),
-                              chunk_rows * width, array_nbytes)
+        count = maps.strict or not scattered(len(index) * width, chunks, chunk_rows * width, array_nbytes)
         touched: list[tuple[_Entry, int]] = []
         pending = mapped = mapped_to = 0
         entry = None
-        for start, stop in row_runs(chunk_of, offset, order):
-            chunk = chunk_list[start]
+        for chunk, first, target, length in runs:
             if chunk != current:
                 if entry is not None:
                     touched.append((entry, mapped))
@@ -315,16 +311,15 @@ class ArrayMaps:
                 view, entry = self.view(chunk, populate)
                 newest, current, mapped, mapped_to = max(newest, entry.opened), chunk, 0, 0
                 released = entry.resident == 0  # nothing of it mapped in: long runs map in first
-            first, target = offset_list[start], order_list[start]
-            if released and (stop - start) * width >= _POPULATE_RUN:
-                entry.map_in(first * width, (stop - start) * width)
-            if stop - start == 1:
+            if released and length * width >= _POPULATE_RUN:
+                entry.map_in(first * width, length * width)
+            if length == 1:
                 rows[target] = view[first]
             else:
-                rows[target : target + (stop - start)] = view[first : first + (stop - start)]
+                rows[target : target + length] = view[first : first + length]
             if count:
                 low = max(first * width // folio * folio, mapped_to)
-                high = -(-(first + stop - start) * width // folio) * folio
+                high = -(-(first + length) * width // folio) * folio
                 if high > low:
                     mapped, mapped_to = mapped + high - low, high
         if entry is not None and count:

@@ -33,7 +33,7 @@ from featurestore.core import checked, chunk_maps, generation, pread, quantize_i
 from featurestore.core.buffers import aligned_empty
 from featurestore.core.reader_blocks import BlocksPath
 from featurestore.core.reader_cached import CachedPath
-from featurestore.core.reader_ranges import RangesPath
+from featurestore.core.reader_ranges import RangesPath, chunks_of
 from featurestore.core.storage import Storage
 from featurestore.core.storage.cached import chunk_cache_of
 from featurestore.errors import (
@@ -247,7 +247,7 @@ class FeatureArray(CachedPath, RangesPath, BlocksPath):
             return {}
         if mode == "auto" and path == "mmap" and self._resolved_cache() == "direct":
             return {}
-        wanted = np.unique(index // self.chunk_rows).tolist()
+        wanted = chunks_of(index, self.chunk_rows).tolist()
         fresh: dict[int, Any] = {}
         while True:  # chunks another thread is checking: wait for it, then whatever it failed on
             pending, others = self._verified.claim(wanted)
@@ -354,7 +354,7 @@ class FeatureArray(CachedPath, RangesPath, BlocksPath):
         if self._warm is None or now - self._warm_since > _RECHECK_S:
             self._warm = np.zeros(-(-len(self) // self.chunk_rows), bool)
             self._warm_since = now
-        chunks = np.unique(index // self.chunk_rows)
+        chunks = chunks_of(index, self.chunk_rows)
         maps = chunk_maps.shared()
         # Scattered small rows (chunk_maps.scattered) are bounded only when the budget was asked
         # for: then they go to pread, which maps nothing.

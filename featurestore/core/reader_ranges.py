@@ -110,6 +110,41 @@ class RangesPath:
             np.take(target, inverse.reshape(-1), axis=0, out=rows)
 
 
+def is_range(index: np.ndarray) -> bool:
+    """Whether ``index`` is ``first, first + 1, ..., last`` (a whole bag, a row range)."""
+    n = len(index)
+    return n > 0 and int(index[-1]) - int(index[0]) == n - 1 and (n < 3 or bool((np.diff(index) == 1).all()))
+
+
+def chunks_of(index: np.ndarray, chunk_rows: int) -> np.ndarray:
+    """The chunks ``index``'s rows lie in, ascending (``np.unique``'s answer, without its sort
+    for a row range)."""
+    if is_range(index):
+        return np.arange(int(index[0]) // chunk_rows, int(index[-1]) // chunk_rows + 1)
+    return np.unique(index // chunk_rows)
+
+
+def copy_runs(index: np.ndarray, chunk_rows: int) -> tuple[list[tuple[int, int, int, int]], int]:
+    """``index``'s rows as runs ``(chunk, first row in it, first output row, length)`` in
+    ascending storage order, each consecutive in the chunk and in the output, and how many chunks
+    they touch. A contiguous ascending index (a whole bag, a row range) is cut at chunk bounds
+    without sorting or per-row lists: for a small bag those passes cost more than its copy."""
+    n = len(index)
+    if is_range(index):
+        first, stop = int(index[0]), int(index[-1]) + 1
+        runs = []
+        for chunk in range(first // chunk_rows, (stop - 1) // chunk_rows + 1):
+            lo, hi = max(first, chunk * chunk_rows), min(stop, (chunk + 1) * chunk_rows)
+            runs.append((chunk, lo - chunk * chunk_rows, lo - first, hi - lo))
+        return runs, len(runs)
+    order = np.argsort(index, kind="stable")
+    chunk_of, offset = np.divmod(index[order], chunk_rows)
+    chunk_list, offset_list, order_list = chunk_of.tolist(), offset.tolist(), order.tolist()
+    runs = [(chunk_list[start], offset_list[start], order_list[start], stop - start)
+            for start, stop in row_runs(chunk_of, offset, order)]
+    return runs, 1 + int(np.count_nonzero(np.diff(chunk_of))) if n else 0
+
+
 def row_runs(chunk_of: np.ndarray, offset: np.ndarray, target: np.ndarray | None = None) -> list[tuple[int, int]]:
     """[start, stop) positions of maximal runs where rows are consecutive within one chunk (and,
     given ``target``, land in consecutive output rows)."""
