@@ -105,3 +105,49 @@ def test_extract_modules_import_one_another_without_circles() -> None:
 
     circles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if reaches(b, a, set()))
     assert circles == []
+
+
+def _rank(rank: int, port: int, results: object) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from featurestore.extract.dist import coordinated
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    with coordinated(None) as coord:
+        gathered = coord.agree(None, payload=rank)
+        alive_inside = dist.is_initialized()
+    results.put((rank, gathered, alive_inside, dist.is_initialized()))  # type: ignore[attr-defined]
+
+
+def test_a_run_that_made_its_own_coordinator_destroys_its_process_group() -> None:
+    """Under torchrun, extract/extract_slides/embed called without a coordinator make one from the
+    environment: it must be shut down when the run ends (a rank exiting with its gloo group alive
+    can abort at exit after a run that succeeded)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    ranks = [context.Process(target=_rank, args=(r, port, results)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    got = sorted(results.get(timeout=120) for _ in ranks)
+    for p in ranks:
+        p.join(60)
+    assert got == [(0, [0, 1], True, False), (1, [0, 1], True, False)]
+    assert [p.exitcode for p in ranks] == [0, 0]
+
+
+def test_the_runs_take_their_coordinator_through_coordinated() -> None:
+    """The library's runs never make a coordinator they would not shut down."""
+    package = Path(featurestore.__file__).parent
+    makers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                    if "coordinator_from_env()" in path.read_text())
+    assert makers == ["commands/extract.py", "extract/dist.py"], makers  # the CLI's shuts its own down in a finally

@@ -25,7 +25,7 @@ from featurestore.embed import slide_encoders
 from featurestore.embed.pooling import Pooler, gather
 from featurestore.errors import (DatasetNotFound, EmptyBag, EncoderNotFound, InvalidOption, SplitExists,
                                  SplitNotFound)
-from featurestore.extract.dist import Coordinator, coordinator_from_env
+from featurestore.extract.dist import Coordinator, coordinated
 from featurestore.format import dtypes, lineage
 from featurestore.format.names import validate_name
 
@@ -193,9 +193,13 @@ def _open_target(opts: EmbedOptions, prep: _Prepared, store: Any) -> tuple[Any, 
 
 def embed(opts: EmbedOptions, coord: Coordinator | None = None) -> EmbedResult:
     """Run one embedding (or this rank's share of it); raises FeatureStoreError on bad input."""
+    with coordinated(coord) as coord:
+        return _embed(opts, coord)
+
+
+def _embed(opts: EmbedOptions, coord: Coordinator) -> EmbedResult:
     from featurestore import open_store
 
-    coord = coord or coordinator_from_env()
     started = time.perf_counter()
     key = f"{opts.dataset}/{opts.encoder_name}/{opts.target_split}"
     prep: _Prepared | None = None

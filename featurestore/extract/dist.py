@@ -15,9 +15,10 @@ Python objects cross it, and gloo needs no device placement.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from featurestore.errors import FeatureStoreError
@@ -92,3 +93,18 @@ def coordinator_from_env() -> Coordinator:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
         return TorchrunCoordinator()
     return Coordinator()
+
+
+@contextlib.contextmanager
+def coordinated(coord: Coordinator | None) -> Iterator[Coordinator]:
+    """``coord`` as given, or this process's own from the environment, shut down when the block
+    ends however it ends: a torchrun rank that exits with its gloo process group alive can abort
+    at exit ("terminate called without an active exception") after a run that succeeded."""
+    if coord is not None:
+        yield coord
+        return
+    own = coordinator_from_env()
+    try:
+        yield own
+    finally:
+        own.shutdown()

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from featurestore.errors import InvalidOption
-from featurestore.extract.dist import Coordinator, coordinator_from_env
+from featurestore.extract.dist import Coordinator, coordinated
 from featurestore.extract.dist_run import progress_bar, run_split
 from featurestore.extract.encode_loop import EncodeJob, Progress, autocast, feed, first_sample_dtypes, gathered
 from featurestore.extract.encode_loop import load_encoder_on, num_workers, worker_init
@@ -200,6 +200,5 @@ def _encode_chunks(opts: ExtractOptions, prep: _Prepared, writer: Any, chunks: l
 
 def extract(opts: ExtractOptions, coord: Coordinator | None = None) -> ExtractResult:
     """Run one extraction (or this rank's share of it); raises FeatureStoreError on bad input."""
-    coord = coord or coordinator_from_env()
-    with torch_threads(opts.threads):
+    with coordinated(coord) as coord, torch_threads(opts.threads):
         return run_split(_ImagesJob(opts, coord, _prepare), coord)

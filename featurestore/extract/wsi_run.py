@@ -38,7 +38,7 @@ import torch
 from featurestore.core.bag_repair import RepairWriter
 from featurestore.errors import InvalidOption
 from featurestore.extract.coords_from import SourceGrid, load_source
-from featurestore.extract.dist import Coordinator, coordinator_from_env
+from featurestore.extract.dist import Coordinator, coordinated
 from featurestore.extract.dist_run import progress_bar, run_split
 from featurestore.extract.encode_loop import EncodeJob, Progress, autocast, feed, first_sample_dtypes, gathered
 from featurestore.extract.encode_loop import load_encoder_on, num_workers, worker_init
@@ -341,8 +341,7 @@ def _encode(images: torch.Tensor, prep: _Prepared, batch_size: int) -> torch.Ten
 
 def extract_slides(opts: SlideOptions, coord: Coordinator | None = None) -> SlideResult:
     """Run one slide extraction (or this rank's share of it); raises FeatureStoreError on bad input."""
-    coord = coord or coordinator_from_env()
-    with torch_threads(opts.threads):
+    with coordinated(coord) as coord, torch_threads(opts.threads):
         return run_split(_SlidesJob(opts, coord, _prepare), coord, _share(opts.worker, coord))
 
 
