@@ -337,6 +337,3 @@ def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
             results.update(encode_only_patches_s=patches / best["encode_only_s"],
                            ratio=best["extract_s"] / best["encode_only_s"])
     return results
-
-
-__all__ = ["register", "run", "trivial_encoder", "zero_encoder"]

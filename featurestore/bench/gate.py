@@ -235,7 +235,3 @@ def _command(args: argparse.Namespace) -> int:
     if not isinstance(report, dict) or not isinstance(report.get("benches"), dict):
         raise InvalidOption(f"{args.report}: not a bench all report.json (no 'benches' object)")
     return verdict(check(report, targets.select(args.only), allow_missing=args.allow_missing))
-
-
-__all__ = ["DEFAULT_TARGETS", "Row", "Target", "Targets", "check", "format_table", "load_targets", "missed",
-           "register", "runs_needed", "table", "verdict"]

@@ -279,7 +279,3 @@ def bench_figures(bench: str, result: dict[str, Any] | None) -> Figures:
     if reading.error and not reading.figures:
         raise KeyError(reading.error)
     return reading.figures
-
-
-__all__ = ["FIGURE_BENCHES", "READERS", "Figures", "Panels", "Reading", "bench_figures", "figure", "label", "paired",
-           "read_result"]
