@@ -23,10 +23,9 @@ from typing import Any
 from featurestore import __version__
 from featurestore.bench import bench_module, gate
 from featurestore.bench.gate import number
+from featurestore.bench.reading import FIGURE_BENCHES as BENCH_NAMES
 from featurestore.bench.reading import Figures, Panels, Reading, read_result
 from featurestore.errors import InvalidOption
-
-BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3", "cold", "bags", "bag_loader")
 
 # Small sizes for CI and a first look: each bench finishes in seconds, the figures are noisy.
 QUICK_FLAGS: dict[str, list[str]] = {
