@@ -327,7 +327,7 @@ def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
             "extract_patches_s": patches / best["extract_s"],
             "extract_vs_openslide": best["openslide_only_s"] / best["extract_s"],
             # Each repeat's own pair (measured back to back): the spread shows the machine's noise.
-            "pair_ratios": [a / b for a, b in zip(times["openslide_only_s"], times["extract_s"])],
+            "pair_ratios": times.pairs("openslide_only_s", "extract_s"),
             "extract_loop_vs_openslide": best["openslide_only_s"] / best["extract_loop_s"],
         }
         if real:

@@ -195,10 +195,9 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
     extra: dict[str, list[float]] = {}  # GB/s of a cache's epoch 2, and the bytes half a cache downloads
     with tempfile.TemporaryDirectory(prefix="featurestore-s3-", dir=args.workdir) as work:
         if not args.no_cache:
-            cache = Epochs(fs_options, args.prefetch, work, extra, n, values.nbytes)
+            cache = Epochs(loader, fs_options, work, extra, n, values.nbytes)
             local = f"{work}/local"
             harness.write_split(local, n, shape, rows=batch, chunk_bytes=chunk_bytes)
-            cache.loader = loader
             methods.update({EPOCH1: cache.cached(url, EPOCH2), HALF1: cache.cached(url, HALF2, half=True),
                             LOCAL: cache.first(local, {}, cold=True)})
         if args.bags:
@@ -252,14 +251,12 @@ def _ceiling(store: Any, keys: list[str], nbytes: float | None = None) -> float:
 
 
 class Epochs:
-    """Timed loader epochs of one split (``rows`` rows, ``nbytes`` stored bytes), each checked
-    complete; ``loader(source, storage_options)`` makes the loader (set by the bench)."""
+    """Timed epochs of the loaders ``loader(source, storage_options)`` makes over one split (``rows``
+    rows, ``nbytes`` stored bytes), each checked complete."""
 
-    loader: Any
-
-    def __init__(self, options: dict[str, Any], prefetch: int, work: str, extra: dict[str, list[float]],
-                 rows: int, nbytes: int, axis: int = 0) -> None:
-        self.options, self.prefetch, self.work, self.extra = options, prefetch, work, extra
+    def __init__(self, loader: Callable[[str, dict[str, Any]], Any], options: dict[str, Any], work: str,
+                 extra: dict[str, list[float]], rows: int, nbytes: int, axis: int = 0) -> None:
+        self.loader, self.options, self.work, self.extra = loader, options, work, extra
         self.rows, self.nbytes, self.axis = rows, nbytes, axis
 
     def epoch(self, loader: Any, epoch: int) -> float:
@@ -333,13 +330,13 @@ def bag_methods(url: str, options: dict[str, Any], args: argparse.Namespace, wor
                 storage_options=options)
     split = featurestore.open_store(url, **options).open_bags("bench", "enc", "bags")
     rows = int(lengths.sum())
-    epochs = Epochs(options, args.prefetch, work, extra, rows, rows * args.bag_dim * 2, axis=-2)
+    epochs = Epochs(lambda source, opts: BagLoader(BagDataset(source, "bench", "enc", "bags", storage_options=opts),
+                                                   batch_size=1, shuffle=True, seed=int(time.time()), device="cpu",
+                                                   dtype=None, prefetch=args.prefetch),
+                    options, work, extra, rows, rows * args.bag_dim * 2, axis=-2)
     keys, storage = split.features.chunk_keys() + split.coords.chunk_keys(), split.features.storage
     print(f"[s3] bags: {args.bags} slides, {rows} patches x {args.bag_dim} float16 ({epochs.nbytes / 1e6:.0f} MB), "
           f"median {args.bag_median} patches, {len(keys) // 2} chunks per array")
-    epochs.loader = lambda source, opts: BagLoader(BagDataset(source, "bench", "enc", "bags", storage_options=opts),
-                                                   batch_size=1, shuffle=True, seed=int(time.time()), device="cpu",
-                                                   dtype=None, prefetch=args.prefetch)
 
     def users_way() -> None:
         def load(i: int) -> int:
