@@ -198,7 +198,7 @@ def test_target_flags_need_check(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_shipped_targets_file(capsys: pytest.CaptureFixture[str]) -> None:
-    from featurestore.bench.printout import print_result
+    from featurestore.bench.report import print_result
 
     targets = gate.load_targets()
     ids = [t.id for t in targets.targets]

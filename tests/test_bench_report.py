@@ -129,7 +129,7 @@ def test_s3_bench_runs_and_reports(tmp_path: Path, seaweed: object, capsys: pyte
     assert all(len(out["runs"][a]) == len(out["runs"][b]) == 1 for a, b in out["pairs"].values())
     rows = report.throughput_rows({"benches": {"s3": {"result": out}}})
     assert any(title.startswith("S3 (SeaweedFS") for title in rows)
-    from featurestore.bench.printout import finish
+    from featurestore.bench.report import finish
 
     assert finish("s3", out, None) == 0
     assert "read_vs_ceiling" in capsys.readouterr().out

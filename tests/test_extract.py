@@ -377,7 +377,7 @@ def test_bench_extract_reports_ratio_and_write_speed(tmp_path: Path, capsys: pyt
     assert results["encode_only_s"] > 0 and results["ratio"] == results["extract_s"] / results["encode_only_s"]
     assert results["extract_write_mb_s"] > 0 and results["write_only_mb_s"] > 0
     assert 0 <= results["writer_wait_s"] < results["extract_s"]
-    from featurestore.bench.printout import finish
+    from featurestore.bench.report import finish
 
     assert finish("extract", results, None) == 0  # what `featurestore bench extract` prints
     out = capsys.readouterr().out

@@ -1,9 +1,6 @@
 """``featurestore bench bag-loader``: BagLoader against the bare bag reader and CLAM's pattern, warm
-and cold, padded batches, RSS over B and 4B bags; int8 beside float16. :func:`epoch_figures`
-measures the epochs on any bag split.
-
-Method: docs/BENCHMARKS.md, "What each bench measures".
-"""
+and cold, padded batches, RSS over B and 4B bags; int8 beside float16. Method: docs/BENCHMARKS.md,
+"What each bench measures"."""
 
 from __future__ import annotations
 
@@ -25,15 +22,13 @@ def register(subparsers: Any) -> None:
                       "warm and cold, padded batches, RSS over B vs 4B bags", {
         "--bags": (48, "B, bags in the cohort (the RSS run also uses 4B)"),
         "--patches": (2500, "median patches per bag (log-normal, sigma 0.6)"), "--dim": (1024, None),
-        "--dtype": ("float16,int8", "float16, or float16,int8: int8 measured beside float16 (the same cohort, float32 "
-                                    "out, bags/s of their epochs interleaved, warm and cold)"),
+        "--dtype": ("float16,int8", "float16, or float16,int8: int8 measured beside float16 (docs/BENCHMARKS.md)"),
         "--workers": (4, "CLAM DataLoader workers (CLAM's default: 4)"), "--batch-size": (8, "padded run's batch size"),
         "--max-patches": (4096, "padded run's max_patches"), "--skip-cold": (False, "warm figures only"),
         "--skip-rss": (False, "skip the B vs 4B subprocesses")}, repeats=5, keep="best")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """The float16 cohort's figures; int8's, beside float16, under ``int8`` (:func:`int8_figures`)."""
     from featurestore.demo.synthetic_bags import bag_lengths
     from featurestore.errors import InvalidOption
 
@@ -64,18 +59,15 @@ def int8_figures(stores: dict[str, str], split: str, *, repeats: int, cold: bool
     """The same cohort stored float16 and int8 (``stores``): one BagLoader epoch (batch 1, float32
     out, the same order) of each, interleaved repeat by repeat, warm and cold (each cold epoch an
     evicted fresh process): bags/s, int8 / float16 per repeat and its median; bytes on storage."""
-    import torch
-
-    from client import BagDataset, BagLoader
+    from client import BagDataset
 
     sizes = {d: harness.feature_bytes(os.path.join(store, DATASET, ENCODER, split)) for d, store in stores.items()}
     out: dict[str, Any] = {"reference": "float16", "split_bytes": sizes, "bytes_ratio": sizes["int8"] / sizes["float16"]}
     specs = {d: {"store": store, "dataset": DATASET, "encoder": ENCODER, "split": split, "pt_dir": None, "workers": 0,
                  "seed": 0, "method": "loader_f32"} for d, store in stores.items()}
     bags = len(BagDataset(stores["int8"], DATASET, ENCODER, split))
-    loaders = {d: BagLoader(BagDataset(store, DATASET, ENCODER, split), batch_size=1, seed=0, device="cpu",
-                            dtype=torch.float32) for d, store in stores.items()}
-    for mode, times in _warm_and_cold({d: _epoch(it) for d, it in loaders.items()}, specs, repeats, cold,
+    epochs = {d: _runs(spec)[0]["loader_f32"] for d, spec in specs.items()}  # the same loader as the float16 figures'
+    for mode, times in _warm_and_cold(epochs, specs, repeats, cold,
                                       *(os.path.join(store, DATASET, ENCODER, split) for store in stores.values())):
         per_repeat = times.pairs("float16", "int8")  # seconds: float16's over int8's = int8's bags/s over float16's
         out[mode] = {"bags_per_s": {d: bags / times.median(d) for d in stores}, "times_s": dict(times),

@@ -171,6 +171,3 @@ def measure(built: dict[str, Any], lengths: np.ndarray, args: argparse.Namespace
     return {"benchmark": "bags", "slides": len(lengths), "dim": args.dim, "patches": int(lengths.sum()),
             "median_patches": int(np.median(lengths)), "max_patches": int(lengths.max()), "repeats": args.repeats,
             "bytes_read": nbytes, "seconds": seconds, "rows": rows, "ratios": ratios}
-
-
-__all__ = ["register", "run"]

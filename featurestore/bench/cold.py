@@ -32,9 +32,8 @@ def register(subparsers: Any) -> None:
     harness.add_bench(subparsers, "cold", "cold-cache epochs over a store larger than a memory cgroup", {
         "--shapes": ("1024x3072,256x384", "sample shapes TxD, comma separated"),
         "--batch-sizes": ("16,64", "batch size per shape (one value: all shapes)"),
-        "--dtype": ("float16,int8", "stored dtypes, comma separated: every shape is measured in each; int8 is measured "
-                                    "beside float16 (the same samples, float32 out, its loader epochs interleaved with "
-                                    "float16's in the same child) and needs float16 in the list"),
+        "--dtype": ("float16,int8", "stored dtypes, comma separated, every shape in each; int8 is measured beside "
+                                    "float16 (docs/BENCHMARKS.md) and needs it in the list"),
         "--chunk-rows": (64, "rows per chunk of the store"), "--limit-mib": (512, "memory cgroup limit in MiB"),
         "--store-ratio": (3.0, "store size / cgroup limit"), "--prefetch": (4, "FeatureLoader prefetch"),
         "--no-variants": (False, "(no effect: the forced reader rows are gone; kept so older command lines run)"),
@@ -162,17 +161,12 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     order = np.random.default_rng(1).permutation(n)
     batches = [order[i : i + b] for i in range(0, n, b)]
     chunk_files = harness.files_under(os.path.join(store_dir, "bench", "enc", "train", "features"))
+    chunk_bytes = harness.size(*chunk_files)
 
-    def device_limit() -> int:
-        def whole(path: str) -> int:
-            buffer, total = bytearray(8 << 20), 0
-            with open(path, "rb", buffering=0) as f:
-                while (got := f.readinto(buffer)):
-                    total += got
-            return total
-
+    def device_limit() -> int:  # every chunk file read whole, 4 at a time
         with ThreadPoolExecutor(4) as pool:
-            return sum(pool.map(whole, chunk_files))
+            list(pool.map(harness.warm, chunk_files))
+        return chunk_bytes
 
     def pread_reference() -> int:
         fd = os.open(raw_path, os.O_RDONLY)

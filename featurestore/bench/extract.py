@@ -100,21 +100,19 @@ def register(subparsers: Any) -> None:
 def _encode_only(opts: Any) -> float:
     """Seconds of the extraction's loader, batches and encoder, the device synchronised per batch;
     the features are dropped."""
-    from featurestore.extract.encode_loop import default_num_workers
     from featurestore.extract.sources import Failure, PreparedImages, Preprocessing, collate, open_source
 
     source = open_source(opts.images)
     n = len(source)
     # New splits hold whole batches per chunk, so extraction's plan is these consecutive batches.
     plan = [list(range(a, min(a + opts.batch_size, n))) for a in range(0, n, opts.batch_size)]
-    workers = opts.num_workers if opts.num_workers is not None else default_num_workers()
 
     def call(encoder: Any, batch: Any, device: Any) -> Any:
         assert not isinstance(batch, Failure)
         return encoder(batch[1].to(device, non_blocking=True))
 
     return encode_pass(opts, lambda e: PreparedImages(source, Preprocessing(mean=e.mean, std=e.std)),
-                                   plan, workers, collate, call)
+                       plan, opts.num_workers, collate, call)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -185,20 +183,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
 
 
-def _openslide_only(keys_batches: list[list[Any]], workers: int) -> float:
-    """Seconds to read every patch with OpenSlide alone (RGB arrays, stacked per batch)."""
+def _data_loader(dataset: Any, batches: list[Any], workers: int | None, **options: Any) -> Any:
+    """A DataLoader as extraction's: ``batches`` as its sampler, ``workers`` (None: extraction's
+    default) that die with this process."""
     import torch
 
-    from featurestore.extract.encode_loop import worker_init as _worker_init
+    from featurestore.extract.encode_loop import default_num_workers, worker_init
     from featurestore.extract.workers import DieWithParent
 
-    # The default collate: stacked into shared memory in the worker, as extraction's own collate does.
-    loader = torch.utils.data.DataLoader(_RawReader(), batch_sampler=keys_batches, num_workers=workers,
-                                         worker_init_fn=DieWithParent(_worker_init) if workers else None)
-    start = time.perf_counter()
-    for _ in loader:
-        pass
-    return time.perf_counter() - start
+    workers = default_num_workers() if workers is None else workers
+    return torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=workers,
+                                       worker_init_fn=DieWithParent(worker_init) if workers else None, **options)
+
+
+def _openslide_only(keys_batches: list[list[Any]], workers: int) -> float:
+    """Seconds to read every patch with OpenSlide alone (RGB arrays stacked per batch in the worker by
+    the default collate, as extraction's own collate does)."""
+    loader = _data_loader(_RawReader(), keys_batches, workers)
+    return harness.timed(lambda: sum(1 for _ in loader))
 
 
 class _RawReader:
@@ -217,25 +219,22 @@ class _RawReader:
         return np.asarray(region)[..., :3].copy()
 
 
-def encode_pass(opts: Any, dataset: Any, plan: list[Any], workers: int, collate: Any,
+def encode_pass(opts: Any, dataset: Any, plan: list[Any], workers: int | None, collate: Any,
                 call: Any) -> float:
     """Seconds of extraction's loader over ``dataset(encoder)``, its batches and encoder
     (``call(encoder, batch, device)``), the device synchronised per batch, the features dropped."""
     import torch
 
     from featurestore.core.device import resolve_device
-    from featurestore.extract.encode_loop import autocast, resolve_precision, worker_init
+    from featurestore.extract.encode_loop import autocast, resolve_precision
     from featurestore.extract.encoders import load_encoder
-    from featurestore.extract.workers import DieWithParent
 
     start = time.perf_counter()
     encoder = load_encoder(opts.encoder)
     device = resolve_device(opts.device)
     encoder.to(device)
     precision = resolve_precision(opts.precision, device)
-    loader = torch.utils.data.DataLoader(dataset(encoder), batch_sampler=plan,
-                                         num_workers=workers, collate_fn=collate, pin_memory=device.type == "cuda",
-                                         worker_init_fn=DieWithParent(worker_init) if workers else None)
+    loader = _data_loader(dataset(encoder), plan, workers, collate_fn=collate, pin_memory=device.type == "cuda")
     with torch.inference_mode():
         for batch in loader:
             with autocast(device, precision):
@@ -285,12 +284,10 @@ def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
         refs = list_slides(slides_dir)
         planner = SlidePlanner(refs, patching)
         plans = [planner[i] for i in range(len(refs))]
-        limit = len(refs)
+        limit = len(refs)  # --max-patches: the first slides that hold that many patches
         if args.max_patches:
-            total, limit = 0, 0
-            while limit < len(plans) and total < args.max_patches:
-                total += len(plans[limit])  # type: ignore[arg-type]
-                limit += 1
+            held = np.cumsum([len(plan) for plan in plans])  # type: ignore[arg-type]
+            limit = min(limit, int(np.searchsorted(held, args.max_patches)) + 1)
         plans = plans[:limit]
         batches = list(PatchBatches(plans, args.batch_size, lambda _: None))
         patches = sum(len(b) for b in batches)
@@ -330,13 +327,10 @@ def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
             "extract_patches_s": patches / best["extract_s"],
             "extract_vs_openslide": best["openslide_only_s"] / best["extract_s"],
             # Each repeat's own pair (measured back to back): the spread shows the machine's noise.
-            "pair_ratios": [a / b for a, b in zip(times["openslide_only_s"], times["extract_s"])],
+            "pair_ratios": times.pairs("openslide_only_s", "extract_s"),
             "extract_loop_vs_openslide": best["openslide_only_s"] / best["extract_loop_s"],
         }
         if real:
             results.update(encode_only_patches_s=patches / best["encode_only_s"],
                            ratio=best["extract_s"] / best["encode_only_s"])
     return results
-
-
-__all__ = ["register", "run", "trivial_encoder", "zero_encoder"]

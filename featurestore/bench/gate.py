@@ -19,6 +19,7 @@ from featurestore.errors import InvalidOption
 DEFAULT_TARGETS = os.path.join(os.path.dirname(__file__), "targets.json")
 OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt}
 BENCH_NAMES = FIGURE_BENCHES
+SKIPPED = "not in the bench's result (that part skipped?)"
 FIELDS = ("id", "bench", "figure", "op", "threshold", "unit", "cache", "what")
 
 
@@ -134,30 +135,21 @@ class Row:
 def check(report: dict[str, Any], targets: list[Target], *, allow_missing: bool = False) -> list[Row]:
     """One row per target and measured shape; ``status``: ok, MISSED, or 'not measured: why'."""
     rows = []
+    absent = "not measured (allowed): " if allow_missing else "not measured: "
     for t in targets:
-        entry = report.get("benches", {}).get(t.run)
-        label = f"{t.run}.{t.figure}"
-        absent = f"{'not measured (allowed)' if allow_missing else 'not measured'}: "
-        if entry is None:
-            rows.append(Row(t, label, status=absent + "bench not run", fails=not allow_missing))
-            continue
-        if not entry.get("result"):
-            rows.append(Row(t, label, status=absent + f"bench failed ({entry.get('error', '?')})", fails=not allow_missing))
-            continue
-        if "figures" not in entry:  # a report from before the figures were stored: read from the result
+        entry, found, why = report.get("benches", {}).get(t.run), {}, "bench not run"
+        if entry is not None and not entry.get("result"):
+            why = f"bench failed ({entry.get('error', '?')})"
+        elif entry is not None and "figures" not in entry:  # a report from before the figures were stored
             reading = read_result(entry.get("bench", t.bench), entry["result"])
-            entry = {**entry, "figures": reading.figures,
-                     **({"figures_error": f"figures unreadable: {reading.error}"} if reading.error else {})}
-        found = entry["figures"]
-        if t.figure in found:
-            names = [t.figure]
-        elif "[" not in t.figure:  # a per-shape figure: every shape the run measured
-            names = sorted(k for k in found if k.startswith(t.figure + "["))
-        else:
-            names = []
+            found, why = reading.figures, f"figures unreadable: {reading.error}" if reading.error else SKIPPED
+        elif entry is not None:
+            found, why = entry["figures"], entry.get("figures_error") or SKIPPED
+        # A per-shape figure (a target naming ``name`` alone): every shape the run measured.
+        names = [t.figure] if t.figure in found else sorted(
+            k for k in found if "[" not in t.figure and k.startswith(t.figure + "["))
         if not names:
-            why = entry.get("figures_error") or "not in the bench's result (that part skipped?)"
-            rows.append(Row(t, label, status=absent + why, fails=not allow_missing))
+            rows.append(Row(t, f"{t.run}.{t.figure}", status=absent + why, fails=not allow_missing))
         for name in names:
             value, spread = found[name]["value"], found[name].get("spread")
             met = t.met(value)
@@ -235,7 +227,3 @@ def _command(args: argparse.Namespace) -> int:
     if not isinstance(report, dict) or not isinstance(report.get("benches"), dict):
         raise InvalidOption(f"{args.report}: not a bench all report.json (no 'benches' object)")
     return verdict(check(report, targets.select(args.only), allow_missing=args.allow_missing))
-
-
-__all__ = ["DEFAULT_TARGETS", "Row", "Target", "Targets", "check", "format_table", "load_targets", "missed",
-           "register", "runs_needed", "table", "verdict"]

@@ -35,12 +35,10 @@ __all__ = ["Method", "RssPeak", "Times", "add_bench", "add_flags", "child", "chi
 def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any, ...]], *, repeats: int | None = None,
               keep: str = "median", description: str | None = None,
               workdir: str = "scratch directory (default: a temp dir, removed)") -> argparse.ArgumentParser:
-    """The parser of ``featurestore bench VERB``: the bench's own ``flags`` (:func:`add_flags`) and what
-    every bench has: ``--repeats`` (when given a default), ``--workdir``, ``--json``; the command runs
-    the module's ``run(args)``, prints its result (:func:`featurestore.bench.printout.finish`) and exits
-    1 when its ``failed`` says why."""
+    """The parser of ``featurestore bench VERB``: the bench's ``flags`` (:func:`add_flags`), ``--repeats``
+    (when given a default), ``--workdir`` and ``--json``; the command ends in :func:`report.finish`."""
     from featurestore.bench import bench_module
-    from featurestore.bench.printout import finish
+    from featurestore.bench.report import finish
 
     name = verb.replace("-", "_")
     parser = subparsers.add_parser(verb, help=help, description=description or help)
@@ -169,10 +167,9 @@ def warm(*paths: str) -> None:
 def write_split(path: str, n: int, shape: tuple[int, ...], *, dtype: str = "float16", rows: int = 256,
                 names: tuple[str, str, str] = ("bench", "enc", "train"), chunk_bytes: int | None = None,
                 slabs: Callable[[int, np.ndarray], Any] | None = None) -> None:
-    """A split of ``n`` samples written ``rows`` at a time (never all in RAM): one random block,
-    shifted per slab (content does not matter to I/O; generating it would). Each slab (in the
-    split's dtype where numpy has it, else float32: bfloat16, and int8, whose codes the writer
-    quantizes from values) is also handed to ``slabs(start, values)``."""
+    """A split of ``n`` samples written ``rows`` at a time: one random block shifted per slab (content
+    does not matter to I/O; generating it would). Each slab (float32 for int8 and bfloat16, which the
+    writer converts) is also handed to ``slabs(start, values)``."""
     import featurestore
 
     writer = featurestore.open_store(path, mode="a").create_split(
@@ -218,9 +215,8 @@ def write_synced(path: str, values: np.ndarray, batch: int, *, n: int | None = N
 
 # ---------------------------------------------------------------------- child processes
 def child_process(function: str, config: Any, *, cgroup: Any = None) -> subprocess.CompletedProcess[str]:
-    """Run ``featurestore.bench.MODULE:FUNCTION(config)`` in a fresh interpreter (inside ``cgroup``,
-    a :class:`~featurestore.testing.cgroup.MemoryCgroup`, if given); its stdout's last line is the
-    JSON of the return value. The completed process, whatever its exit status."""
+    """``featurestore.bench.MODULE:FUNCTION(config)`` in a fresh interpreter (in ``cgroup``, a
+    :class:`~featurestore.testing.cgroup.MemoryCgroup`, if given), whatever its exit status."""
     command = [sys.executable, "-m", "featurestore.bench.harness", function, json.dumps(config)]
     if cgroup is not None:
         return cgroup.run(command)  # type: ignore[no-any-return]

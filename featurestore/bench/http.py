@@ -20,8 +20,6 @@ from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.testing.serving import SHAPE, build_store, load_test, serve_subprocess
 
-__all__ = ["register", "run"]
-
 
 def register(subparsers: Any) -> None:
     harness.add_bench(subparsers, "http", "HTTP server + client vs raw loopback TCP; item latency; load test", {

@@ -133,6 +133,3 @@ def _bench_rss(work: str, args: argparse.Namespace) -> dict[str, Any]:
               f"{figures['peak_anon'] / 2**20:.1f} MiB (baseline {figures['baseline_anon'] / 2**20:.1f} MiB)")
         shutil.rmtree(path, ignore_errors=True)
     return out
-
-
-__all__ = ["register", "run"]

@@ -1,4 +1,5 @@
-"""``featurestore bench all``: run every benchmark and write ``report.md`` and ``report.json``.
+"""What a bench's result becomes: what ``featurestore bench NAME`` prints (:func:`finish`), and
+``featurestore bench all``, which runs every benchmark and writes ``report.md`` and ``report.json``.
 
 Each bench runs in this process through its own ``run(args)``, with the defaults of its own parser
 (so ``bench all`` never drifts from ``bench NAME``) or the small sizes of ``--quick``. A bench that
@@ -16,16 +17,15 @@ import platform
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from featurestore import __version__
-from featurestore.bench import bench_module
-from featurestore.bench.printout import figure_lines, print_result
-from featurestore.bench.reading import Panels, Reading, read_result
+from featurestore.bench import bench_module, gate
+from featurestore.bench.gate import number
+from featurestore.bench.reading import FIGURE_BENCHES as BENCH_NAMES
+from featurestore.bench.reading import Figures, Panels, Reading, read_result
 from featurestore.errors import InvalidOption
-
-BENCH_NAMES = ("read", "write", "http", "loader", "extract", "s3", "cold", "bags", "bag_loader")
 
 # Small sizes for CI and a first look: each bench finishes in seconds, the figures are noisy.
 QUICK_FLAGS: dict[str, list[str]] = {
@@ -43,6 +43,47 @@ QUICK_FLAGS: dict[str, list[str]] = {
 }
 
 
+def figure_lines(name: str, bench: str, figures: Figures, *, variants: bool = False) -> list[str]:
+    """Every figure with its spread and its targets in ``targets.json``: those of this entry (``name``:
+    the bench or its variant), or with ``variants`` (a run of ``featurestore bench NAME``, whose flags
+    may be any variant's) every target of the bench, each named."""
+    targets = [t for t in gate.load_targets().targets if (t.bench == bench if variants else t.run == name)]
+    lines = []
+    for fig, f in figures.items():
+        found = [t for t in targets if fig == t.figure or fig.startswith(t.figure + "[")]
+        unit = found[0].unit if found else "x"
+        spread = f" (repeats {number(f['spread'][0], unit)} - {number(f['spread'][1], unit)})" if f["spread"] else ""
+        lines.append(f"- {name}.{fig}: {number(f['value'], unit)}{spread}" + "".join(
+            f"; target {t.id} {t.text()}: {'ok' if t.met(f['value']) else 'MISSED'} ({t.what})" for t in found))
+    return lines
+
+
+def print_result(bench: str, result: dict[str, Any], reading: Reading | None = None) -> None:
+    """What ``featurestore bench NAME`` prints at its end: rows (as report.md's tables), figures, notes."""
+    reading = reading or read_result(bench, result)
+    for title, bars in reading.rows.items():
+        print(f"[{bench}] {title}; {bars[0][0]} / method:")
+        for name, rate in bars:
+            print(f"  {name:<40} {rate:9.3f}  {bars[0][1] / rate if rate else float('nan'):6.2f}x")
+    for line in figure_lines(bench, bench, reading.figures, variants=True) + reading.notes:
+        print(line)
+    if reading.error:
+        print(f"(could not read all of {bench}'s result: {reading.error})")
+
+
+def finish(bench: str, result: dict[str, Any], json_out: str | None,
+           failed: Callable[[dict[str, Any]], str | None] | None = None) -> int:
+    """The end of ``featurestore bench NAME``: print, write ``--json``; 1 when ``failed(result)`` says why."""
+    print_result(bench, result)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(_jsonable(result), f, indent=2)
+    why = failed(result) if failed else None
+    if why:
+        print(f"featurestore: error: bench {bench} failed: {why}")
+    return 1 if why else 0
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "all", help="run every bench; write report.md and report.json",
@@ -58,15 +99,11 @@ def register(subparsers: Any) -> None:
                         "the benches and variants the selected targets need)")
     parser.add_argument("--check", action="store_true",
                         help="check the figures against the speed targets; exit 1 on a miss (docs/BENCHMARKS.md)")
-    from featurestore.bench.gate import add_target_flags
-
-    add_target_flags(parser)
+    gate.add_target_flags(parser)
     parser.set_defaults(func=_command)
 
 
 def _command(args: argparse.Namespace) -> int:
-    from featurestore.bench import gate
-
     if not args.check and (args.only or args.targets or args.allow_missing):
         raise InvalidOption("--targets, --only and --allow-missing go with --check: add --check, or drop them")
     rows: list[Any] = []
@@ -74,11 +111,10 @@ def _command(args: argparse.Namespace) -> int:
     if args.check:
         targets = gate.load_targets(args.targets)
         selected = targets.select(args.only)
-        needed = gate.runs_needed(selected, targets.variants, bool(args.quick))
+        runs = gate.runs_needed(selected, targets.variants, bool(args.quick))
         if args.benches is not None:  # the benches asked for, plus the variants of the targets checked
-            needed = {**{n: (n, None) for n in parse_benches(args.benches)},
-                      **{k: v for k, v in needed.items() if k not in BENCH_NAMES}}
-        runs = needed
+            runs = {**{n: (n, None) for n in parse_benches(args.benches)},
+                    **{k: v for k, v in runs.items() if k not in BENCH_NAMES}}
 
         def check(report: dict[str, Any]) -> None:
             rows.extend(gate.check(report, selected, allow_missing=args.allow_missing))
@@ -105,7 +141,6 @@ def parse_benches(text: str) -> list[str]:
 
 def bench_args(name: str, extra: Sequence[str] = ()) -> argparse.Namespace:
     """The bench's own parser, parsed from ``extra`` flags only: its defaults, not a copy of them."""
-
     module = bench_module(name)
     parser = argparse.ArgumentParser(prog="featurestore bench")
     module.register(parser.add_subparsers(dest="bench"))
@@ -117,7 +152,6 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
     """Run the benches named in ``args.benches`` (or ``runs``: per report entry, the bench and its
     flags, None for its own defaults or --quick's); call ``before_write(report)``; write the
     reports into ``args.out``; return the report dict (also what ``report.json`` holds)."""
-
     if runs is None:
         runs = {n: (n, None) for n in parse_benches(getattr(args, "benches", None) or ",".join(BENCH_NAMES))}
     quick = bool(getattr(args, "quick", False))
@@ -139,18 +173,16 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
                 entry["flags"] = flags
             entry["args"] = {k: v for k, v in vars(bench).items() if k not in ("func", "bench")}
             module = bench_module(name)
-            result = module.run(bench)
-            entry["result"] = result
+            entry["result"] = result = module.run(bench)
             reading = read_result(name, result)  # the gate's figures; a result whose keys changed is noted
             entry["figures"] = reading.figures
             if reading.error:
                 entry["figures_error"] = f"figures unreadable: {reading.error}"
-            print_result(name, result)  # as featurestore bench NAME prints it
+            print_result(name, result, reading)  # as featurestore bench NAME prints it
             why = module.failed(result) if hasattr(module, "failed") else None  # e.g. http's load test errors
-            verdict = f"the bench reported failure: {why}" if why else None
-            if verdict:
-                entry.update(error=verdict, traceback=verdict)
-                print(f"[bench all] {name} FAILED: {verdict}", file=sys.stderr, flush=True)
+            if why:
+                entry["error"] = entry["traceback"] = f"the bench reported failure: {why}"
+                print(f"[bench all] {name} FAILED: {entry['error']}", file=sys.stderr, flush=True)
             else:
                 entry["status"] = "ok"
         except Exception as error:  # recorded, reported, and turned into exit status 1 at the end
@@ -277,6 +309,3 @@ def _jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return str(value)
-
-
-__all__ = ["BENCH_NAMES", "QUICK_FLAGS", "bench_args", "register", "run", "write_report"]

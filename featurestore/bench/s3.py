@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -123,15 +124,8 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
         writer.commit()
 
     def write_plain() -> None:
-        async def put_all() -> None:
-            semaphore = asyncio.Semaphore(8)
-
-            async def put(i: int) -> None:
-                async with semaphore:
-                    rows = np.ascontiguousarray(values[i : i + chunk_rows])
-                    await obstore.put_async(plain.obstore, f"c/{i}", memoryview(rows).cast("B"))
-            await asyncio.gather(*(put(i) for i in range(0, n, chunk_rows)))
-        run_async(put_all())
+        _in_flight(lambda i: obstore.put_async(plain.obstore, f"c/{i}", memoryview(
+            np.ascontiguousarray(values[i : i + chunk_rows])).cast("B")), range(0, n, chunk_rows))
 
     writes = interleaved([Method(PUT, harness.rate(write_plain, values.nbytes), own=True),
                           Method(WRITE, harness.rate(write_featurestore, values.nbytes), own=True)],
@@ -194,19 +188,18 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
         return featurestore.open_store(url, **fs_options).open("bench", "enc", "train")
 
     methods: dict[str, Any] = {
-        FS_EPOCH: batches(fresh_array, read_numpy), CEILING: lambda: gbps(*_timed_bytes(storage.obstore, chunk_keys)),
+        FS_EPOCH: batches(fresh_array, read_numpy), CEILING: lambda: _ceiling(storage.obstore, chunk_keys),
         BARE_EPOCH: batches(lambda: ObjectStorage(url, fs_options).obstore, bare_batch),
         LOADER: harness.rate(loader_epoch, n * sample_bytes),
         ZARR: batches(zarr_open, lambda it, idx: it.get_orthogonal_selection((np.sort(idx),)), args.slow_batches)}
     extra: dict[str, list[float]] = {}  # GB/s of a cache's epoch 2, and the bytes half a cache downloads
     with tempfile.TemporaryDirectory(prefix="featurestore-s3-", dir=args.workdir) as work:
         if not args.no_cache:
-            cache = Epochs(fs_options, args.prefetch, work, extra, n, values.nbytes)
+            cache = Epochs(loader, fs_options, work, extra, n, values.nbytes)
             local = f"{work}/local"
             harness.write_split(local, n, shape, rows=batch, chunk_bytes=chunk_bytes)
-            cache.loader = loader
             methods.update({EPOCH1: cache.cached(url, EPOCH2), HALF1: cache.cached(url, HALF2, half=True),
-                            LOCAL: cache.local_cold(local)})
+                            LOCAL: cache.first(local, {}, cold=True)})
         if args.bags:
             methods.update(bag_methods(url, fs_options, args, work, extra))
         timed = [Method(name, fn, own=True) for name, fn in methods.items()]  # each returns its GB/s
@@ -231,35 +224,39 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
                                           if k.startswith("downloaded")}}
 
 
-def _timed_bytes(store: Any, keys: list[str], in_flight: int = 8) -> tuple[int, float]:
-    """GET every object of ``keys`` whole, ``in_flight`` at a time (obstore ``store``): the
-    server's own limit for these bytes (the ceilings). The bytes read and the seconds."""
-    import obstore
-
+def _in_flight(call: Callable[[Any], Awaitable[Any]], items: Iterable[Any], limit: int = 8) -> list[Any]:
+    """``await call(item)`` for every item, ``limit`` at a time, on featurestore's I/O loop."""
     from featurestore.core.storage.io_loop import run as run_async
 
-    async def get_all() -> int:
-        semaphore = asyncio.Semaphore(in_flight)
+    async def gather() -> list[Any]:
+        semaphore = asyncio.Semaphore(limit)
 
-        async def get(key: str) -> int:
+        async def one(item: Any) -> Any:
             async with semaphore:
-                return len(await (await obstore.get_async(store, key)).bytes_async())
-        return sum(await asyncio.gather(*(get(k) for k in keys)))
+                return await call(item)
+        return await asyncio.gather(*(one(item) for item in items))
+    return run_async(gather())  # type: ignore[no-any-return]
 
+
+def _ceiling(store: Any, keys: list[str], nbytes: float | None = None) -> float:
+    """GB/s of GETting every object of ``keys`` whole, 8 at a time (obstore ``store``): the server's
+    own limit for these bytes; ``nbytes``: rate these bytes instead of the bytes read."""
+    import obstore
+
+    async def get(key: str) -> int:
+        return len(await (await obstore.get_async(store, key)).bytes_async())
     start = time.perf_counter()
-    got = run_async(get_all())
-    return got, time.perf_counter() - start
+    got = sum(_in_flight(get, keys))
+    return gbps(got if nbytes is None else nbytes, time.perf_counter() - start)
 
 
 class Epochs:
-    """Timed loader epochs of one split (``rows`` rows, ``nbytes`` stored bytes), each checked
-    complete; ``loader(source, storage_options)`` makes the loader (set by the bench)."""
+    """Timed epochs of the loaders ``loader(source, storage_options)`` makes over one split (``rows``
+    rows, ``nbytes`` stored bytes), each checked complete."""
 
-    loader: Any
-
-    def __init__(self, options: dict[str, Any], prefetch: int, work: str, extra: dict[str, list[float]],
-                 rows: int, nbytes: int, axis: int = 0) -> None:
-        self.options, self.prefetch, self.work, self.extra = options, prefetch, work, extra
+    def __init__(self, loader: Callable[[str, dict[str, Any]], Any], options: dict[str, Any], work: str,
+                 extra: dict[str, list[float]], rows: int, nbytes: int, axis: int = 0) -> None:
+        self.loader, self.options, self.work, self.extra = loader, options, work, extra
         self.rows, self.nbytes, self.axis = rows, nbytes, axis
 
     def epoch(self, loader: Any, epoch: int) -> float:
@@ -296,11 +293,13 @@ class Epochs:
             return speeds[0]
         return first
 
-    def local_cold(self, local: str) -> Any:
+    def first(self, source: str, options: dict[str, Any], cold: bool = False) -> Any:
+        """GB/s of a new loader's first epoch; ``cold``: ``source`` (local) evicted first."""
         def epoch() -> float:
-            loader = self.loader(local, {})
-            harness.unmap()
-            harness.evict(local)
+            loader = self.loader(source, options)
+            if cold:
+                harness.unmap()
+                harness.evict(source)
             speed = self.epoch(loader, 0)
             loader.close()
             return speed
@@ -331,13 +330,13 @@ def bag_methods(url: str, options: dict[str, Any], args: argparse.Namespace, wor
                 storage_options=options)
     split = featurestore.open_store(url, **options).open_bags("bench", "enc", "bags")
     rows = int(lengths.sum())
-    epochs = Epochs(options, args.prefetch, work, extra, rows, rows * args.bag_dim * 2, axis=-2)
+    epochs = Epochs(lambda source, opts: BagLoader(BagDataset(source, "bench", "enc", "bags", storage_options=opts),
+                                                   batch_size=1, shuffle=True, seed=int(time.time()), device="cpu",
+                                                   dtype=None, prefetch=args.prefetch),
+                    options, work, extra, rows, rows * args.bag_dim * 2, axis=-2)
     keys, storage = split.features.chunk_keys() + split.coords.chunk_keys(), split.features.storage
     print(f"[s3] bags: {args.bags} slides, {rows} patches x {args.bag_dim} float16 ({epochs.nbytes / 1e6:.0f} MB), "
           f"median {args.bag_median} patches, {len(keys) // 2} chunks per array")
-    epochs.loader = lambda source, opts: BagLoader(BagDataset(source, "bench", "enc", "bags", storage_options=opts),
-                                                   batch_size=1, shuffle=True, seed=int(time.time()), device="cpu",
-                                                   dtype=None, prefetch=args.prefetch)
 
     def users_way() -> None:
         def load(i: int) -> int:
@@ -346,12 +345,6 @@ def bag_methods(url: str, options: dict[str, Any], args: argparse.Namespace, wor
         with ThreadPoolExecutor(4) as pool:
             assert sum(pool.map(load, np.random.default_rng(int(time.time())).permutation(len(lengths)).tolist())) == rows
 
-    def no_cache() -> float:
-        loader = epochs.loader(url, options)
-        speed = epochs.epoch(loader, 0)
-        loader.close()
-        return speed
-
-    return {BAGS_CEILING: lambda: epochs.nbytes / _timed_bytes(storage.obstore, keys)[1] / 1e9,
-            BAGS_USERS: harness.rate(users_way, epochs.nbytes), BAGS_NO_CACHE: no_cache,
+    return {BAGS_CEILING: lambda: _ceiling(storage.obstore, keys, epochs.nbytes),
+            BAGS_USERS: harness.rate(users_way, epochs.nbytes), BAGS_NO_CACHE: epochs.first(url, options),
             BAGS_EPOCH1: epochs.cached(url, BAGS_EPOCH2)}

@@ -150,6 +150,3 @@ def _bench_picture(path: str, grid: tuple[int, int], args: argparse.Namespace) -
             "blas_threads": Settings().ui_blas_threads if limited else default_threads, "default_blas_threads": default_threads,
             "default_threads_ms": _ms(statistics.median(default)) if default else None, "server_threads_ms": _ms(fit),
             "exact_svd_ms": _ms(exact), "exact_over_randomized": round(exact / fit, 1) if fit else None}  # fmt: skip
-
-
-__all__ = ["build_catalog_store", "register", "run"]

@@ -141,6 +141,3 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "process": "each timing a fresh process (featurestore imported, source made, then the clock): "
                        "the first write; 'float16 second' is a process's second write",
             "shapes": shapes}
-
-
-__all__ = ["METHODS", "first_write", "register", "run"]
