@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.bench import harness, link
+from featurestore.bench import harness
+from featurestore.testing import netlink as link
 from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.errors import InvalidOption
 

@@ -1,5 +1,5 @@
 """``bench s3 --link-gbit``: a link of a set speed between the bench and its server, in a private
-network namespace (featurestore.bench.link). Real namespaces and ``tc``; needs root."""
+network namespace (featurestore.testing.netlink). Real namespaces and ``tc``; needs root."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from featurestore.bench import link
+from featurestore.testing import netlink as link
 from featurestore.cli import main
 from featurestore.errors import InvalidOption
 
