@@ -316,3 +316,76 @@ def test_a_read_of_many_blocks_checks_them_a_slab_at_a_time(tmp_path: Path, monk
     with pytest.raises(CorruptChunk, match=r"block 3 \(rows 96-127\) of chunk 0 "):
         array.read_numpy(rows)
     assert np.array_equal(array.read_numpy([0, 150], dtype="float32"), values[[0, 150]])
+
+
+# A writer killed in its features chunk's put: the chunk's early puts (its block seals row among
+# them) have landed, the chunk has not. argv: store, rows of a chunk, samples.
+KILLED_IN_FEATURES_PUT = r"""
+import sys, time
+import numpy as np
+import featurestore
+from featurestore.core.storage import files
+
+real_stream = files.stream_parts
+
+def paused_stream(f, parts, *, seal, writeback):
+    if "/features/c/" in f.name:
+        print("in-features-put", flush=True)
+        time.sleep(600)
+    real_stream(f, parts, seal=seal, writeback=writeback)
+
+files.stream_parts = paused_stream
+url, chunk_rows, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+values = np.random.default_rng(11).standard_normal((chunk_rows, 64, 256)).astype(np.float16)
+writer = featurestore.open_store(url, mode="a").create_split("ds", "enc", "s", num_samples=n, sample_shape=(64, 256),
+                                                              dtype="float16", chunk_rows=chunk_rows)
+writer.write(0, values)
+writer.flush()
+"""
+
+
+def test_a_row_left_by_a_killed_writer_beside_the_chunk_an_older_writer_put_is_recomputed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The row of chunk 0 lands, its writer is SIGKILLed in the chunk's put; a writer without block
+    seals resumes and puts chunk 0 with other rows; the commit must not keep the stale row."""
+    import signal
+    import subprocess
+    import sys
+
+    url = str(tmp_path / "store")
+    row_values, chunk_rows, n = GEOMETRY["float16"]
+    shape = (row_values // CHANNELS, CHANNELS)
+    child = subprocess.Popen([sys.executable, "-c", KILLED_IN_FEATURES_PUT, url, str(chunk_rows), str(n)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    watchdog = threading.Timer(120, child.kill)
+    watchdog.start()
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"in-features-put\n", child.stderr
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait(timeout=60)
+        watchdog.cancel()
+    split = Path(url).joinpath(*TOP)
+    assert split.joinpath(BLOCK_SEALS, "c", "0", "0").exists()
+    assert not split.joinpath(layout.chunk_key(layout.FEATURES, 0, 3)).exists()
+    values = np.random.default_rng(12).standard_normal((n, *shape)).astype(np.float16)
+    create = dict(num_samples=n, sample_shape=shape, dtype="float16", chunk_rows=chunk_rows, resume=True)
+    enabled, block_seals.ENABLED = block_seals.ENABLED, False
+    try:  # an older version resumes: chunk 0 with other rows, no row of its own
+        writer = featurestore.open_store(url, mode="a").create_split(*TOP, **create)
+        assert writer.pending_chunks() == [0, 1]
+        writer.write(0, values)
+        writer.close()
+    finally:
+        block_seals.ENABLED = enabled
+    writer = featurestore.open_store(url, mode="a").create_split(*TOP, **create)
+    assert writer.pending_chunks() == []
+    writer.commit()
+    chunk = split.joinpath(layout.chunk_key(layout.FEATURES, 0, 3)).read_bytes()
+    row = np.frombuffer(split.joinpath(BLOCK_SEALS, "c", "0", "0").read_bytes()[:-4], "<u4")
+    assert int(row[-1]) == int.from_bytes(chunk[-4:], "little")
+    capsys.readouterr()
+    assert main(["verify", url]) == 0, capsys.readouterr().out
+    _flip(url, 0, 2 * BLOCK_BYTES + 3)  # reads check chunk 0 by its blocks: its row is used
+    with pytest.raises(CorruptChunk, match=r"block 2 \(rows 64-95\) of chunk 0 "):
+        _read(url, [70])

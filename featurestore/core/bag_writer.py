@@ -4,7 +4,7 @@ Made by :meth:`featurestore.FeatureStore.create_bag_split` (docs/FORMAT.md, "Sli
 session writes to a segment of its own (``<split>/segments/<random name>/``), so writers of one
 split (torchrun ranks, a resume beside a still-running run) never touch the same keys. Rows are
 appended chunk by chunk (the split's chunk geometry); a full chunk goes to the put pool
-(featurestore.core.chunk_puts: coords chunk, features chunk, then the chunk's record naming the
+(featurestore.core.chunk_puts: coords and features chunks, then the chunk's record naming the
 bags that end in it), the partial last chunk is put by ``close``/``commit``.
 
 A bag is complete once its record and every chunk its rows lie in are on storage. Each is one
@@ -278,7 +278,7 @@ class BagWriter(split_protocol.SplitSession):
             self._coords[self._fill :] = 0
             puts.append((bags.COORDS, self._coords, None))
             puts.append((layout.FEATURES, self._features, None))
-        # The record comes last: the pool puts one chunk's arrays in order.
+        # The record comes last: the pool puts a chunk's last array once the others have landed.
         puts.append((bags.RECORDS, bags.encode_records(self._pending, self._fill), None))
         self._puts.submit(self._chunk, puts)
         self._chunk += 1

@@ -4,16 +4,21 @@ and the table read back for a reader.
 
 The writer computes a chunk's block crcs in the one crc32c pass its trailer needs (the trailer is
 the last of them), puts the chunk's row before the features chunk (a features chunk on storage
-has its row), and the commit writes the document; rows missing then (chunks a writer of an older
-version left, resumed) are computed from their chunks.
+has its row; the chunk puts put it beside the chunk's other early arrays), and the commit writes
+the document. A row is kept only where its last value is its chunk's trailer; one missing then
+(a chunk a writer of an older version left, resumed) or not ending in it (a row whose writer was
+killed before its chunk, beside the chunk a writer without block seals put on resume) is
+computed from its chunk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from featurestore.core.seals import read_trailers
 from featurestore.core.storage import Storage
 from featurestore.format import chunks, layout
 from featurestore.format.block_seals import (
@@ -45,31 +50,45 @@ def _sample_nbytes(meta: SplitMetadata) -> int:
     return int(np.prod(meta.sample_shape, dtype=np.int64)) * dtypes.storage_dtype(meta.logical_dtype).itemsize
 
 
-def put_sealed_chunk(storage: Storage, split_key: str, index: int, chunk_key: str, payload: memoryview,
-                     nbytes: int) -> None:
-    """Features chunk ``index`` (at ``chunk_key``) with its trailer, its block seals row put
-    first: one crc32c pass gives both."""
+def sealed_puts(storage: Storage, split_key: str, index: int, chunk_key: str, payload: memoryview,
+                nbytes: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The put of features chunk ``index``'s block seals row and the put of the chunk itself (at
+    ``chunk_key``, with its trailer), from one crc32c pass. The caller starts the chunk's put once
+    the row's has landed."""
     crcs = running_crcs(payload, nbytes)
-    storage.write_sealed(layout.chunk_key(f"{split_key}/{BLOCK_SEALS}", index, 2), memoryview(crcs.astype("<u4")).cast("B"))
-    storage.write(chunk_key, payload, chunks.crc_trailer(int(crcs[-1])))
+    row = memoryview(crcs.astype("<u4")).cast("B")
+
+    def put_row() -> None:
+        storage.write_sealed(layout.chunk_key(f"{split_key}/{BLOCK_SEALS}", index, 2), row)
+
+    def put_chunk() -> None:
+        storage.write(chunk_key, payload, chunks.crc_trailer(int(crcs[-1])))
+
+    return put_row, put_chunk
 
 
-def finish(storage: Storage, split_key: str, meta: SplitMetadata) -> None:
-    """At commit: every chunk's row present (computed from the chunk where a writer left none),
-    then the document that makes ``block_seals`` an array."""
+def finish(storage: Storage, split_key: str, meta: SplitMetadata) -> dict[str, list[int]]:
+    """At commit: every chunk's row present and ending in its chunk's trailer (computed from the
+    chunk where a writer left none, or one that is not this chunk's), then the document that
+    makes ``block_seals`` an array. Returns the features trailers it read back, for
+    ``chunk_seals`` (``{}`` for a split without block seals)."""
     nbytes = block_nbytes(meta)
     if nbytes is None:
-        return
+        return {}
+    features = f"{split_key}/{layout.FEATURES}"
+    doc = layout.load_document(storage.read(f"{features}/{layout.ZARR_JSON}"))
+    trailers = read_trailers(storage, features, doc, range(meta.num_chunks))
     key = f"{split_key}/{BLOCK_SEALS}"
     rows = block_rows(_sample_nbytes(meta), meta.chunk_rows)
     per_chunk = blocks_per_chunk(meta.chunk_rows, rows)
     present = sorted(c for c in (int(c) for c in storage.listdir(f"{key}/c") if c.isdigit()) if c < meta.num_chunks)
     sound = {c for c, raw in zip(present, storage.read_many([layout.chunk_key(key, c, 2) for c in present]))
-             if chunks.check(raw, per_chunk * 4) is None}
+             if chunks.check(raw, per_chunk * 4) is None
+             and int(np.frombuffer(raw, "<u4", count=per_chunk)[-1]) == trailers[c]}
     payload_bytes = meta.chunk_rows * _sample_nbytes(meta)
     for index in range(meta.num_chunks):
-        if index not in sound:  # left by no writer (an older version's chunk), or damaged
-            raw = storage.read(layout.chunk_key(f"{split_key}/{layout.FEATURES}", index, 1 + len(meta.sample_shape)))
+        if index not in sound:  # left by no writer (an older version's chunk), stale, or damaged
+            raw = storage.read(layout.chunk_key(features, index, 1 + len(meta.sample_shape)))
             crcs = running_crcs(memoryview(raw)[:payload_bytes], nbytes)
             storage.write_sealed(layout.chunk_key(key, index, 2), memoryview(crcs.astype("<u4")).cast("B"))
     storage.write(f"{key}/{layout.ZARR_JSON}", layout.array_document(
@@ -77,6 +96,7 @@ def finish(storage: Storage, split_key: str, meta: SplitMetadata) -> None:
         attributes={"featurestore": {"array": layout.FEATURES, "block_rows": rows,
                                      "description": "per features chunk, the running crc32c of its payload at "
                                                     "the end of each block of block_rows rows; see docs/FORMAT.md"}}))
+    return {layout.FEATURES: trailers}
 
 
 def expected_shape(meta: SplitMetadata) -> tuple[int, int, int]:

@@ -1,13 +1,21 @@
 """Chunk puts off the caller's thread: crc32c and the atomic put of each chunk in a small pool.
 
 Chunks are independent keys, so a few threads write them concurrently (``write``/``crc32c``
-release the GIL) while the caller prepares the next batch. Within a chunk the order stays the
-one crash safety rests on (labels, statistics row, then the features chunk: its presence with a
-valid crc32c proves the chunk done). At most ``max_pending`` chunks are in flight; ``submit``
-waits for a free slot beyond that, which bounds the host memory the pool holds.
+release the GIL) while the caller prepares the next batch. Within a chunk, the last array (the
+features chunk of a dense split, the record of a bag segment: its presence with a valid crc32c
+proves the chunk done) is put only once every other put of the chunk has landed, which is the
+order crash safety rests on. Those others (labels, statistics row, int8 scales, the block seals
+row) are independent objects. On object storage (a storage that hints ``put_threads``: its puts
+wait on the network) they go out together, on a few side threads beside the put thread: each put
+is a round trip, so a chunk costs two of them on its put thread's path whatever its number of
+arrays. On a local disk a small put is a few syscalls with nothing to overlap, so they go one
+after another, without thread handoffs. At most ``max_pending`` chunks are in flight; ``submit`` waits for
+a free slot beyond that, which bounds the host memory the pool holds.
 
 The first failure stops the pool: chunks not yet started are skipped (a resume rewrites them),
-and the error is raised by the next ``submit`` or ``wait``. A full disk becomes one
+and the error is raised by the next ``submit`` or ``wait``; a chunk whose early puts failed never
+puts its last array, and reports the failure only once all of its early puts have settled (none
+lands after the writer gave up, beside what a resume writes). A full disk becomes one
 :class:`~featurestore.errors.StorageFull` line naming the store and what to do.
 """
 
@@ -18,6 +26,8 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from functools import partial
 
 import numpy as np
 
@@ -28,6 +38,10 @@ from featurestore.format import chunks, layout
 
 # (array name, rows, compressor) of one put; rows are padded to the full chunk shape already.
 Put = tuple[str, np.ndarray, "str | None"]
+
+# Side threads per put thread: a chunk's early puts beyond the one its put thread makes itself
+# (labels, statistics row, int8 scales, block seals row: at most three more).
+SIDE_PER_WORKER = 3
 
 
 def default_workers(storage: Storage | None = None) -> int:
@@ -55,15 +69,18 @@ class ChunkPuts:
         self._block_nbytes = block_nbytes
         self._key = key
         self._workers = default_workers(storage) if workers is None else max(0, workers)
+        self._together_puts = getattr(storage, "put_threads", None) is not None and self._workers > 0
         self._slots = threading.Semaphore(max(1, max_pending or 2 * max(1, self._workers)))
         self._executor: ThreadPoolExecutor | None = None
+        self._side: ThreadPoolExecutor | None = None
         self._pending: set[Future[None]] = set()
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._on_done = on_done
 
     def submit(self, index: int, puts: Sequence[Put]) -> None:
-        """Put chunk ``index`` (its arrays in the given order); waits while the pool is full."""
+        """Put chunk ``index``: every array but the last together, then the last one; waits while
+        the pool is full."""
         self.raise_error()
         if self._workers == 0:
             self._run(index, puts, release=False)
@@ -96,6 +113,9 @@ class ChunkPuts:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            if self._side is not None:
+                self._side.shutdown(wait=True)
+                self._side = None
 
     def raise_error(self) -> None:
         if self._error is not None:
@@ -109,14 +129,18 @@ class ChunkPuts:
         try:
             if self._error is not None:
                 return  # the split stopped at the first failure; resume rewrites the rest
-            for array, rows, compressor in puts:
-                key = layout.chunk_key(f"{self._key}/{array}", index, rows.ndim)
-                if array == layout.FEATURES and compressor is None and self._block_nbytes:
-                    payload = chunks.encode(rows, None)
-                    assert isinstance(payload, memoryview)
-                    block_seals.put_sealed_chunk(self._storage, self._key, index, key, payload, self._block_nbytes)
-                    continue
-                self._storage.write_sealed(key, chunks.encode(rows, compressor))
+            *early, (array, rows, compressor) = puts
+            calls = [partial(self._put, index, *put) for put in early]
+            key = layout.chunk_key(f"{self._key}/{array}", index, rows.ndim)
+            if array == layout.FEATURES and compressor is None and self._block_nbytes:
+                payload = chunks.encode(rows, None)
+                assert isinstance(payload, memoryview)
+                row, last = block_seals.sealed_puts(self._storage, self._key, index, key, payload, self._block_nbytes)
+                calls.append(row)  # a features chunk on storage has its row
+            else:
+                last = partial(self._put, index, array, rows, compressor)
+            self._together(calls)
+            last()
             if self._on_done is not None:
                 self._on_done(index)
         except BaseException as error:
@@ -126,6 +150,30 @@ class ChunkPuts:
         finally:
             if release:
                 self._slots.release()
+
+    def _put(self, index: int, array: str, rows: np.ndarray, compressor: str | None) -> None:
+        key = layout.chunk_key(f"{self._key}/{array}", index, rows.ndim)
+        self._storage.write_sealed(key, chunks.encode(rows, compressor))
+
+    def _together(self, calls: Sequence[Callable[[], None]]) -> None:
+        """Run ``calls`` (at once where puts are round trips: this thread makes the first) and
+        return when all have settled; then raise the first failure among them, in their order."""
+        if not self._together_puts or len(calls) < 2:
+            for call in calls:
+                call()
+            return
+        with self._lock:
+            if self._side is None:
+                self._side = ThreadPoolExecutor(SIDE_PER_WORKER * self._workers,
+                                                thread_name_prefix="featurestore-put-side")
+            side = self._side
+        futures = [side.submit(call) for call in calls[1:]]
+        try:
+            calls[0]()
+        finally:
+            wait_all(futures)
+        for future in futures:
+            future.result()
 
     def _explain(self, error: BaseException, index: int) -> BaseException:
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -39,11 +39,16 @@ def read_trailers(storage: Storage, array_key: str, doc: dict[str, Any], indices
     return [int.from_bytes(t, "little") for t in trailers]
 
 
-def write_seals(storage: Storage, key: str, meta: SplitMetadata, names: Sequence[str]) -> None:
+def write_seals(storage: Storage, key: str, meta: SplitMetadata, names: Sequence[str],
+                known: dict[str, list[int]] | None = None) -> None:
     """``chunk_seals`` of split ``key``: the crc32c trailer of every chunk of the arrays ``names``
-    that exist (in ``SEALED_ARRAYS`` order), sealed with the generation."""
+    that exist (in ``SEALED_ARRAYS`` order), sealed with the generation; ``known``: arrays whose
+    trailers the commit read back already (the block seals check), not read again."""
     crcs: dict[str, list[int]] = {}
     for name in names:
+        if known and name in known:
+            crcs[name] = known[name]
+            continue
         try:
             doc = layout.load_document(storage.read(f"{key}/{name}/{layout.ZARR_JSON}"))
         except FileNotFoundError:

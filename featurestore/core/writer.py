@@ -11,8 +11,8 @@ chunk's crc32c at its place, featurestore.core.seals) right before it, and ``blo
 (each chunk's crc32c per row block, featurestore.core.block_seals: a read checks only the
 blocks it reads) before that.
 
-For chunk ``i`` the writer stores, in this order, the labels chunk, the statistics row and the
-features chunk. The features chunk comes last, so its presence with a valid crc32c means the
+For chunk ``i`` the writer stores the labels chunk and the statistics row (together on object
+storage), then the features chunk. The features chunk comes last, so its presence with a valid crc32c means the
 whole chunk is done; a SIGKILL at any moment leaves either a done chunk or one that ``resume``
 rewrites, and never a split marked complete.
 
@@ -207,8 +207,10 @@ class SplitWriter(split_protocol.SplitSession):
         # chunk_seals last before the document: each chunk's crc32c trailer at its place, read
         # back (4 bytes a chunk), so a chunk later swapped or moved is found (format.seals).
         self._check_generation()
-        block_seals.finish(self._storage, self._key, self._meta)  # each chunk's row blocks, before chunk_seals
-        seals.write_seals(self._storage, self._key, self._meta, (layout.FEATURES, layout.LABELS, layout.SCALES))
+        # each chunk's row blocks, before chunk_seals; the features trailers it reads serve both
+        trailers = block_seals.finish(self._storage, self._key, self._meta)
+        seals.write_seals(self._storage, self._key, self._meta, (layout.FEATURES, layout.LABELS, layout.SCALES),
+                          known=trailers)
         try:
             meta = lifecycle.mark_complete(self._storage, self._key, self._meta, **final)
         except SplitTakenOver:
