@@ -47,6 +47,10 @@ NUMPY_OUT = (torch.float32, torch.float16)  # dtypes format.int8 writes into dir
 # (a fresh process's one epoch: measured 2x slower with the load beside it) and a longer one pays
 # at most about what it had already spent.
 WARM_AFTER_VALUES = 256 << 20
+# An epoch known to dequantize this many values buys at once: the load overlaps its first reads and
+# every batch after it takes the kernel (a fresh process's cold epoch at [1024, 3072], 3.2 Gi values:
+# 1.25x -> 1.31x float16's samples/s, 30 % less CPU). A shorter one rents, as above.
+WARM_AT_START_VALUES = 4 * WARM_AFTER_VALUES
 
 
 def into(codes: np.ndarray, groups: np.ndarray, table: np.ndarray, out: torch.Tensor, *,
@@ -143,6 +147,13 @@ def warm_up_soon() -> None:
         thread = _STATE["thread"] = threading.Thread(target=_warm, name="featurestore-dequantize-warm-up",
                                                      daemon=True)
         thread.start()
+
+
+def warm_up_for(values: int) -> None:
+    """Start the kernel's load now if an epoch about to run will dequantize at least
+    :data:`WARM_AT_START_VALUES` values (the loaders call it as an epoch starts)."""
+    if values >= WARM_AT_START_VALUES:
+        warm_up_soon()
 
 
 def wait_warm(timeout: float | None = None) -> bool:

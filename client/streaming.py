@@ -63,6 +63,10 @@ class StreamingLoader:
         """The arguments a saved state must match to be resumed by this loader."""
         raise NotImplementedError
 
+    def _before_epoch(self, skip: int) -> None:
+        """Called as an epoch starts, from batch ``skip`` on: the loaders start the int8 kernel's
+        load here when the epoch is long enough to pay for it (:func:`client.dequantize.warm_up_for`)."""
+
     def _start_stats(self) -> dict[str, float]:
         return {"batches": 0, "stall_s": 0.0}
 
@@ -94,6 +98,7 @@ class StreamingLoader:
         self._stop_epoch()  # one epoch in flight per loader
         skip, self._resume_batch = self._resume_batch, 0
         batches = self._epoch_batches(skip)
+        self._before_epoch(skip)
         if self._producer is None:  # the CUDA stream and pinned slots are reused across epochs
             self._producer = self._make_producer()
         self._consumed = skip

@@ -163,3 +163,44 @@ def test_the_kernel_loads_once_numpy_has_dequantized_warm_after_values() -> None
     child = subprocess.run([sys.executable, "-c", RENT], capture_output=True, text=True, timeout=120, env=env,
                            check=True)
     assert child.stdout.split("\n")[0] == f"[False, False, False, {NUMBA}] True"
+
+
+BUY = """
+import sys, tempfile
+import numpy as np, torch
+import featurestore
+from client import BagDataset, BagLoader, FeatureDataset, FeatureLoader, dequantize
+root = tempfile.mkdtemp()
+store = featurestore.open_store(root, mode="a")
+writer = store.create_split("ds", "enc", "rows", num_samples=64, sample_shape=(4, 8), dtype="int8")
+writer.write(0, np.random.default_rng(0).standard_normal((64, 4, 8), dtype=np.float32))
+writer.commit()
+bags = store.create_bag_split("ds", "enc", "bags", dim=8, dtype="int8")
+for i in range(4):
+    bags.add_bag(f"s{i}", np.ones((16, 8), np.float32), np.zeros((16, 2), np.int64))
+bags.commit()
+dequantize.WARM_AFTER_VALUES = 1 << 40  # never by the tally: only an epoch known long enough starts the load
+kind, at_start = sys.argv[1], int(sys.argv[2])
+dequantize.WARM_AT_START_VALUES = at_start
+if kind == "rows":
+    loader = FeatureLoader(FeatureDataset(root, "ds", "enc", "rows"), batch_size=8, device="cpu")
+else:
+    loader = BagLoader(BagDataset(root, "ds", "enc", "bags"), batch_size=1, device="cpu")
+epoch = iter(loader)
+started = "thread" in dequantize._STATE
+for _ in epoch:
+    pass
+print(started, "thread" in dequantize._STATE)
+"""
+
+
+@needs_numba
+@pytest.mark.parametrize("kind, values", [("rows", 64 * 4 * 8), ("bags", 4 * 16 * 8)])
+def test_an_epoch_known_to_dequantize_enough_starts_the_kernels_load_at_once(kind: str, values: int) -> None:
+    # A fresh process each: an epoch of `values` values starts the load as it starts when that is
+    # at least WARM_AT_START_VALUES, and never when it is fewer.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    for threshold, expected in ((values, "True True"), (values + 1, "False False")):
+        child = subprocess.run([sys.executable, "-c", BUY, kind, str(threshold)], capture_output=True, text=True,
+                               timeout=180, env=env, check=True)
+        assert child.stdout.strip().splitlines()[-1] == expected, (threshold, child.stdout, child.stderr[-2000:])

@@ -303,3 +303,11 @@ def test_cuda_int8_bag_batches_equal_the_stores_read(local_store: str, dtype: to
                 for j, bag in enumerate(ids):
                     want = expected_bag(local_store, bag, None, dtype)
                     assert torch.equal(f[j, :len(want)].cpu(), want) and not bool(f[j, len(want):].any())
+
+
+def test_an_int8_split_read_to_the_cpu_gets_a_third_read_thread(local_store: str) -> None:
+    # Its read threads dequantize too: a third overlaps one batch's reads with two dequantizes.
+    ds = FeatureDataset(local_store, *SPLIT)
+    assert FeatureLoader(ds, batch_size=8, device="cpu", prefetch=4).num_threads == 3
+    assert FeatureLoader(ds, batch_size=8, device="cpu", prefetch=2).num_threads == 2  # never above prefetch
+    assert FeatureLoader(ds, batch_size=8, device="cpu", prefetch=4, num_threads=1).num_threads == 1
