@@ -65,11 +65,11 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
                  args: argparse.Namespace, *, int8: bool = False) -> dict[str, Any]:
     sample_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     # The loader's bound on CPU (docs/LOADER.md, "Memory bound"): prefetch + 3 float32 batches, a
-    # staging batch of the stored width per read thread (2 locally), 64 MiB of check buffers per
-    # thread, plus the child's interpreter with torch (~300 MiB anonymous). Less OOM-kills the
-    # child instead of measuring the epoch.
+    # staging batch of the stored width and 64 MiB of check buffers per read thread (up to 3 locally:
+    # an int8 split's), plus the child's interpreter with torch and numba (~300 MiB anonymous). Less
+    # OOM-kills the child instead of measuring the epoch.
     values = batch_size * int(np.prod(shape))
-    needed = (args.prefetch + 3) * values * 4 + 2 * (values * np.dtype(dtype).itemsize + (64 << 20)) + (384 << 20)
+    needed = (args.prefetch + 3) * values * 4 + 3 * (values * np.dtype(dtype).itemsize + (64 << 20)) + (384 << 20)
     if limit < needed:
         print(f"[cold] [{'x'.join(map(str, shape))}]: the memory limit is raised to {needed >> 20} MiB, what a "
               f"FeatureLoader of {batch_size}-sample float32 batches may hold (the store stays {args.store_ratio}x it)")
