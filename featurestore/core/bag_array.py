@@ -20,12 +20,20 @@ import numpy as np
 
 from featurestore.core import quantize_int8
 from featurestore.core.bag_commit import read_strings
+from featurestore.core.buffers import BufferPool
 from featurestore.core.reader import FeatureArray
 from featurestore.core.seals import SealTable
 from featurestore.core.storage import Storage
 from featurestore.errors import CorruptChunk, ShapeMismatch
 from featurestore.format import bags, dtypes, layout
 from featurestore.format.metadata import SplitMetadata
+
+
+# A bag read's features land in memory recycled from bags the caller has dropped: a fresh map per
+# bag costs its page faults (a warm pass over a 1536-wide cohort read 3.5-3.9 GB/s into fresh
+# arrays, 4.3-5.2 with this pool, 4.8-5.3 into one reused array). At most two idle buffers and
+# 128 MiB stay in the process; a kept bag's memory is never handed out again.
+_OUTPUTS = BufferPool(keep=2, max_free_bytes=128 << 20, min_pooled=1 << 20, grow=True)
 
 
 class BagArray(bags.BagLookup):
@@ -117,6 +125,8 @@ class BagArray(bags.BagLookup):
         index = self.rows_of(i_or_id, rows)
         if out is not None:
             bags.check_out(out, len(index), self.dim, self.features.numpy_dtype)
+        else:
+            out = _OUTPUTS.array((len(index), self.dim), self.features.numpy_dtype)
         with self.features._generation().deferred():  # features and coords: one check
             features = self.features.read_numpy(index, out=out)
             return features, self.coords.read_numpy(index)
