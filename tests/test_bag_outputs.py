@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import resource
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -43,3 +45,20 @@ def test_a_dropped_bags_memory_serves_the_next_read_and_a_kept_one_is_never_over
     assert len({a.__array_interface__["data"][0] for a in kept + [features]}) == 4
     np.testing.assert_array_equal(kept[0], expected)
     np.testing.assert_array_equal(features, expected)
+
+
+def test_a_forked_reader_reads_with_its_own_pool(tmp_path: Path) -> None:
+    # The parent holds the pool's lock while it forks (as a thread of it might): the child (a
+    # DataLoader worker) must not wait for a lock no thread of its own will release.
+    from featurestore.core import bag_array
+
+    bags = _bags(tmp_path)
+    expected = bags.read_numpy(1)[0].copy()
+    with bag_array._OUTPUTS._lock:
+        pid = os.fork()
+        if pid == 0:  # the child: read, compare, and leave without running the parent's cleanup
+            signal.alarm(60)
+            ok = np.array_equal(bags.read_numpy(1)[0], expected)
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -13,6 +13,7 @@ file is also checked against ``chunk_seals`` (:class:`featurestore.core.seals.Se
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -33,7 +34,21 @@ from featurestore.format.metadata import SplitMetadata
 # bag costs its page faults (a warm pass over a 1536-wide cohort read 3.5-3.9 GB/s into fresh
 # arrays, 4.3-5.2 with this pool, 4.8-5.3 into one reused array). At most two idle buffers and
 # 128 MiB stay in the process; a kept bag's memory is never handed out again.
-_OUTPUTS = BufferPool(keep=2, max_free_bytes=128 << 20, min_pooled=1 << 20, grow=True)
+def _outputs() -> BufferPool:
+    return BufferPool(keep=2, max_free_bytes=128 << 20, min_pooled=1 << 20, grow=True)
+
+
+_OUTPUTS = _outputs()
+
+
+def _after_fork_in_child() -> None:
+    # A forked reader (a DataLoader worker) gets its own: a parent's thread may have held the
+    # pool's lock at the fork, and its idle buffers are the parent's pages.
+    global _OUTPUTS
+    _OUTPUTS = _outputs()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class BagArray(bags.BagLookup):

@@ -142,7 +142,7 @@ def copy_runs(index: np.ndarray, chunk_rows: int) -> tuple[list[tuple[int, int, 
     chunk_list, offset_list, order_list = chunk_of.tolist(), offset.tolist(), order.tolist()
     runs = [(chunk_list[start], offset_list[start], order_list[start], stop - start)
             for start, stop in row_runs(chunk_of, offset, order)]
-    return runs, 1 + int(np.count_nonzero(np.diff(chunk_of))) if n else 0
+    return runs, (1 + int(np.count_nonzero(np.diff(chunk_of))) if n else 0)
 
 
 def row_runs(chunk_of: np.ndarray, offset: np.ndarray, target: np.ndarray | None = None) -> list[tuple[int, int]]:
