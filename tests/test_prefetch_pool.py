@@ -19,7 +19,8 @@ import torch
 from _loader_fixtures import DATASET, ENCODER, NUM_SAMPLES, local_store, reference  # noqa: F401
 
 from client import FeatureDataset, FeatureLoader
-from client.prefetch import Prefetcher, worker_pool
+from client import prefetch
+from client.prefetch import worker_pool
 
 
 def _recording(ds: FeatureDataset, seen: list[threading.Thread], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -111,15 +112,14 @@ def test_an_idle_pool_thread_does_not_keep_the_last_epoch_alive(local_store: str
     epoch's prefetcher, transfer and recycled batch buffers (a batch or more of host memory,
     per idle thread) alive until the thread ran another loop."""
     ds = FeatureDataset(local_store, DATASET, ENCODER, "f32")
-    loader = FeatureLoader(ds, batch_size=8, shuffle=False, device="cpu", num_threads=2, prefetch=2)
     total, epoch = 0, []
-    for features, _ in loader:
-        total += len(features)
-        if not epoch:  # while the epoch runs: its prefetcher (which holds the transfer and its buffers)
-            epoch = [weakref.ref(o) for o in gc.get_objects() if isinstance(o, Prefetcher)]
+    with FeatureLoader(ds, batch_size=8, shuffle=False, device="cpu", num_threads=2, prefetch=2) as loader:
+        for features, _ in loader:
+            total += len(features)
+            if not epoch:  # while the epoch runs: its prefetcher (which holds the transfer and its buffers)
+                epoch = [weakref.ref(p) for p in list(prefetch._LIVE)]
     assert total == NUM_SAMPLES and epoch
-    del features
-    del loader
+    del features, loader
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # the loops return once the epoch is consumed
         gc.collect()

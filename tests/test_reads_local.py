@@ -9,6 +9,8 @@ user sets) and the page cache is emptied with ``posix_fadvise(DONTNEED)`` for th
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -215,3 +217,12 @@ def test_check_buffers_go_once_every_chunk_is_checked(store: str) -> None:
     array.read_numpy(np.arange(len(array)))
     assert checked._pool().free_bytes == 0
     assert np.array_equal(array.read_numpy(np.arange(len(array))), reference()[0])
+
+
+def test_the_reader_imports_numpy_ma_before_any_read_thread_needs_it() -> None:
+    # np.unique imports numpy.ma on first use; several read threads doing that at once (seen in a
+    # forked S3 reader: RecursionError in numpy's lazy __getattr__) must not be the first import.
+    code = "import sys, featurestore.core.reader; print('numpy.ma' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, check=True)
+    assert done.stdout.strip() == "True"

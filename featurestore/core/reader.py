@@ -28,6 +28,10 @@ import time
 from typing import Any
 
 import numpy as np
+# np.unique imports numpy.ma lazily on its first call; made by several read threads at once (or in
+# a child forked while a thread imported it) that import can recurse until RecursionError. Import
+# it here, once, in the importing thread.
+import numpy.ma  # noqa: F401
 
 from featurestore.core import checked, chunk_maps, generation, pread, quantize_int8
 from featurestore.core.buffers import aligned_empty
