@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from client import bag_sampling, dequantize, sampling
+from client import bag_sampling, sampling
 from client.bag_transfer import PAD_TO, PIECE_BYTES, BagTransfer
 from client.bag_dataset import BagDataset
 from client.readahead import bag_chunks
@@ -145,12 +145,11 @@ class BagLoader(StreamingLoader):
         return sampling.num_batches(count, self.batch_size, drop_last=self.drop_last, world_size=self.world_size)
 
     # ------------------------------------------------------------------ what StreamingLoader runs
-    def _before_epoch(self, skip: int) -> None:
-        if self.ds.quantized and self.device.type == "cpu" and self.dtype in dequantize.NUMPY_OUT:
-            lengths = bag_sampling.effective_lengths(self.ds.lengths, self.max_patches)
-            pool = lengths if self.indices is None else lengths[self.indices]
-            share = 1 - skip / max(1, len(self))  # this rank's part of the epoch, from batch `skip` on
-            dequantize.warm_up_for(int(pool.sum() * self.ds.dim * share / self.world_size))
+    def _epoch_values(self, skip: int) -> int | None:
+        lengths = bag_sampling.effective_lengths(self.ds.lengths, self.max_patches)
+        pool = lengths if self.indices is None else lengths[self.indices]
+        share = 1 - skip / max(1, len(self))  # this rank's part of the epoch, from batch `skip` on
+        return int(pool.sum() * self.ds.dim * share / self.world_size)
 
     def _epoch_batches(self, skip: int) -> Iterator[tuple[int, np.ndarray]]:
         epoch = self.epoch

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from client import dequantize, sampling
+from client import sampling
 from client.dataset import FeatureDataset
 from client.readahead import row_chunks
 from client.loader_options import check_loader_options
@@ -136,13 +136,12 @@ class FeatureLoader(StreamingLoader):
         self._read_ahead(self.ds, lambda: [row_chunks(plan.batch(k), rows) for k in range(skip, len(plan))], skip)
         return (plan.batch(k) for k in range(skip, len(plan)))
 
-    def _before_epoch(self, skip: int) -> None:
-        if self.ds.quantized and self.device.type == "cpu" and self.dtype in dequantize.NUMPY_OUT:
-            try:
-                batches = len(self) - skip
-            except TypeError:  # a batch_sampler without a length
-                return
-            dequantize.warm_up_for(batches * self.batch_size * int(np.prod(self.ds.sample_shape)))
+    def _epoch_values(self, skip: int) -> int | None:
+        try:
+            batches = len(self) - skip
+        except TypeError:  # a batch_sampler without a length
+            return None
+        return batches * self.batch_size * int(np.prod(self.ds.sample_shape))
 
     def _make_producer(self) -> Transfer:
         return Transfer(self.ds, self.device, self.dtype, self.pin_memory, self._mean_std, self.num_threads,

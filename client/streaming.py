@@ -16,7 +16,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import torch
 
+from client import dequantize
 from client.prefetch import Prefetcher
 from client.readahead import ReadAhead, cached_fronts
 from featurestore.errors import InvalidOption
@@ -35,9 +37,12 @@ def channel_normalization(ds: Any, normalize: bool) -> tuple[np.ndarray, np.ndar
 
 
 class StreamingLoader:
-    """The epoch machinery of a loader; subclasses set ``prefetch`` and ``num_threads`` and call
-    :meth:`_init_epochs` from their ``__init__``."""
+    """The epoch machinery of a loader; subclasses set ``ds``, ``device``, ``dtype``, ``prefetch``
+    and ``num_threads`` and call :meth:`_init_epochs` from their ``__init__``."""
 
+    ds: Any
+    device: torch.device
+    dtype: torch.dtype
     prefetch: int
     num_threads: int
 
@@ -64,8 +69,17 @@ class StreamingLoader:
         raise NotImplementedError
 
     def _before_epoch(self, skip: int) -> None:
-        """Called as an epoch starts, from batch ``skip`` on: the loaders start the int8 kernel's
-        load here when the epoch is long enough to pay for it (:func:`client.dequantize.warm_up_for`)."""
+        """As an epoch starts, from batch ``skip`` on: an int8 split dequantized on the CPU starts
+        the kernel's load now when the epoch is long enough to pay for it
+        (:func:`client.dequantize.warm_up_for`)."""
+        if self.ds.quantized and self.device.type == "cpu" and self.dtype in dequantize.NUMPY_OUT:
+            values = self._epoch_values(skip)
+            if values is not None:
+                dequantize.warm_up_for(values)
+
+    def _epoch_values(self, skip: int) -> int | None:
+        """About how many values this rank's epoch reads from batch ``skip`` on (None: unknown)."""
+        raise NotImplementedError
 
     def _start_stats(self) -> dict[str, float]:
         return {"batches": 0, "stall_s": 0.0}
