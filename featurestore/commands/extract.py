@@ -215,14 +215,10 @@ def run_slides(args: argparse.Namespace) -> int:
 def _on_this_rank(store: str, job: Callable[[Any], Any]) -> tuple[Any, Any]:
     """``job(coordinator)`` on this torchrun rank (or the one process), a storage failure as one
     line; the coordinator is shut down however the job ends. Returns (coordinator, result)."""
-    from featurestore.extract.dist import coordinator_from_env
+    from featurestore.extract.dist import coordinated
 
-    coord = coordinator_from_env()
-    try:
-        with store_errors(store):
-            return coord, job(coord)
-    finally:
-        coord.shutdown()
+    with coordinated(None) as coord, store_errors(store):
+        return coord, job(coord)
 
 
 def run(args: argparse.Namespace) -> int:
