@@ -73,6 +73,16 @@ def _import_cmd(source: Path, url: str, options: dict[str, Any] | None, *extra: 
             "--chunk-mb", str(16 * 16 * 2 / 2**20), *extra]
 
 
+def _source_and_reference(tmp_path: Path, lengths: dict[str, int]) -> Path:
+    """A TRIDENT directory of bags of ``lengths`` at ``tmp_path/src``, and its one-process import
+    at ``tmp_path/single`` (what the workers' split must equal)."""
+    source = tmp_path / "src"
+    trident_dir(source, lengths)
+    single = run_cli(*_import_cmd(source, str(tmp_path / "single"), None)[3:], timeout=240)
+    assert single.returncode == 0, single.stderr
+    return source
+
+
 def _wsi_cmd(cohort: Path, url: str, options: dict[str, Any] | None, *extra: str,
              encoder: str = "python:test_workers:logged_vit") -> list[str]:
     return [sys.executable, "-m", "featurestore.cli", "extract", "--images", f"wsi:{cohort}", "--encoder", encoder,
@@ -212,12 +222,9 @@ def test_worker_refused_where_conditional_writes_are_missing(tmp_path: Path) -> 
 
 # ----------------------------------------------------------------------------- imports
 def test_import_workers_killed_and_late_match_one_process(tmp_path: Path, seaweed: Any, seaweed_url: str) -> None:
-    source = tmp_path / "src"
-    trident_dir(source, {f"s{i:02d}": 20 + 7 * i for i in range(12)})
+    source = _source_and_reference(tmp_path, {f"s{i:02d}": 20 + 7 * i for i in range(12)})
     options = dict(seaweed.storage_options)
     env = cli_env()
-    single = run_cli(*_import_cmd(source, str(tmp_path / "single"), None)[3:], env=env, timeout=240)
-    assert single.returncode == 0, single.stderr
     cmd = _import_cmd(source, seaweed_url, options, "--worker", "--lease-seconds", "3")
     w1 = _start(cmd, env, tmp_path / "w1.log")
     w2 = _start(cmd, env, tmp_path / "w2.log")
@@ -353,10 +360,7 @@ def test_object_server_restarted_mid_run_workers_retry_and_finish(tmp_path: Path
     directory a few seconds later: the workers wait it out and the split is whole."""
     from featurestore.testing import stop_process
 
-    source = tmp_path / "src"
-    trident_dir(source, {f"s{i:02d}": 20 + i for i in range(16)})
-    single = run_cli(*_import_cmd(source, str(tmp_path / "single"), None)[3:], timeout=240)
-    assert single.returncode == 0, single.stderr
+    source = _source_and_reference(tmp_path, {f"s{i:02d}": 20 + i for i in range(16)})
     with restartable_seaweed(tmp_path) as (server, restart):
         server.create_bucket("fsw-restart")
         url, options = "s3://fsw-restart/store", dict(server.storage_options)

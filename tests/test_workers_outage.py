@@ -8,9 +8,8 @@ import time
 from pathlib import Path
 
 from _seaweed_restart import restartable_seaweed
-from test_bags_import import trident_dir
-from test_extract import cli_env, run_cli
-from test_workers import NAME, _assert_same_split, _import_cmd, _start, _storage, _wait
+from test_extract import cli_env
+from test_workers import NAME, _assert_same_split, _import_cmd, _source_and_reference, _start, _storage, _wait
 
 from featurestore.core.storage import LocalStorage
 
@@ -18,10 +17,7 @@ from featurestore.core.storage import LocalStorage
 def test_a_worker_started_during_an_outage_waits_for_the_store(tmp_path: Path) -> None:
     from featurestore.testing import stop_process
 
-    source = tmp_path / "src"
-    trident_dir(source, {f"s{i:02d}": 20 + i for i in range(4)})
-    single = run_cli(*_import_cmd(source, str(tmp_path / "single"), None)[3:], timeout=240)
-    assert single.returncode == 0, single.stderr
+    source = _source_and_reference(tmp_path, {f"s{i:02d}": 20 + i for i in range(4)})
     with restartable_seaweed(tmp_path) as (server, restart):
         server.create_bucket("fsw-late")
         url, options = "s3://fsw-late/store", dict(server.storage_options)

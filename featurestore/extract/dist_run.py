@@ -35,8 +35,9 @@ class UnitShare(Protocol):
     """Which of the pending units this process does. Every process of a run must pick a
     disjoint share, and the shares together must cover every unit the commit needs. A share may
     also take over steps of the run with methods of the same names as :class:`SplitJob`'s:
-    ``open(job)``, ``work(job, writer)`` (pick units as it goes) and ``commit(job, writer,
-    progress)`` (the claim-based share of ``--worker`` does: extract.workers_share)."""
+    ``prepare(job)`` (open the store waiting out an outage), ``open(job)``, ``work(job, writer)``
+    (pick units as it goes) and ``commit(job, writer, progress)`` (the claim-based share of
+    ``--worker`` does: extract.workers_share)."""
 
     def select(self, units: Iterable[tuple[int, U]]) -> list[U]:
         """``units``: (position in the whole run, unit) of every unit still pending."""
