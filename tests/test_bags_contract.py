@@ -111,7 +111,9 @@ def test_seaweedfs_commit_copies_chunks_in_place_server_side(seaweed: Any, seawe
     original = store.storage.copy
     store.storage.copy = lambda a, b: (copied.append(b), original(a, b))  # type: ignore[method-assign]
     writer.commit()
-    assert len(copied) == 2 * 4  # features and coords of the 4 chunks, none rewritten
+    # features, coords and the features' block seals row of the 4 chunks, none rewritten
+    assert sorted(copied) == sorted(f"ds/enc/s/{name}/c/{c}/0" for c in range(4)
+                                    for name in ("features", "coords", "block_seals"))
     bags = featurestore.open_store(seaweed_url, **options).open_bags("ds", "enc", "s")
     for bag_id, values in data.items():
         np.testing.assert_array_equal(bags.read_numpy(bag_id)[0], values)

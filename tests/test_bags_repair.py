@@ -121,7 +121,7 @@ def test_a_flipped_byte_is_repaired_by_the_advised_command(source: Path, referen
     after = files(split)
     written = {name for name in before if after.get(name) != before[name]}
     assert chunks_of(["b", "d"], tmp_path / "store") == {0, 1, 2, 3, 4, 5}
-    assert written == {"zarr.json"} | {f"{a}/c/{i}/0" for a in ("features", "coords") for i in range(6)}
+    assert written == {"zarr.json"} | {f"{a}/c/{i}/0" for a in ("features", "coords", "block_seals") for i in range(6)}
     assert set(after) == set(before)  # no segment left, no temporary file
     # a re-run finds it sound again
     assert run_import(source, tmp_path / "store", *CHUNK, "--resume", "--verify-chunks") == 0
@@ -151,7 +151,7 @@ def test_a_missing_chunk_is_repaired_by_resume_alone(source: Path, reference: Pa
     after = files(split)
     assert chunks_of(["e", "f"], tmp_path / "store") == {5, 6, 7, 8}
     assert {n for n in after if after[n] != before.get(n)} == {"zarr.json"} | {
-        f"{a}/c/{i}/0" for a in ("features", "coords") for i in range(5, 9)}
+        f"{a}/c/{i}/0" for a in ("features", "coords", "block_seals") for i in range(5, 9)}
 
 
 def test_a_damaged_index_imports_every_bag_again(source: Path, reference: Path, tmp_path: Path,
@@ -259,7 +259,7 @@ def test_a_repair_on_every_backend_rewrites_the_bags_chunks_with_their_bytes(sto
     writer.commit()
     storage = open_store(store_url, **store_options).storage
     key = "/".join(TOP)
-    names = [f"{key}/{a}/c/{i}/0" for a in ("features", "coords") for i in range(6)]
+    names = [f"{key}/{a}/c/{i}/0" for a in ("features", "coords", "block_seals") for i in range(6)]
     original = dict(zip(names, storage.read_many(names)))
     storage.write(f"{key}/features/c/2/0", original[f"{key}/features/c/0/0"])  # rows 16-23: of s1 and s3
     repair = create(resume=True, verify_chunks=True)

@@ -315,6 +315,6 @@ def test_a_flipped_byte_is_repaired_by_extract_resume_verify_chunks(cohort: Path
     written = {p.relative_to(split).as_posix() for p in split.rglob("*")
                if p.is_file() and p.stat().st_mtime_ns != before.get(p)}
     first, last = int(rows[0]) // 16, int(rows[-1]) // 16
-    assert written == {"zarr.json"} | {f"{a}/c/{i}/0" for a in ("features", "coords") for i in range(first, last + 1)}
+    assert written == {"zarr.json"} | {f"{a}/c/{i}/0" for a in ("features", "coords", "block_seals") for i in range(first, last + 1)}
     meta = featurestore.open_store(str(store)).open_bags(*NAME).metadata
     assert [s["id"] for s in meta["skipped"]] == ["junk"]

@@ -5,8 +5,9 @@ all on storage: the complete bags, whoever wrote them. ``commit`` orders them by
 final ``features`` and ``coords`` chunks (a chunk whose bytes already sit in one segment chunk
 at the same place is linked, not copied: a single writer adding bags in id order rewrites
 nothing), then the index arrays (``offsets``, ``bag_ids``, ``labels``, ``bag_attrs``, sealed
-``bag_stats``), then ``chunk_seals`` (every final chunk's crc32c trailer, read back, sealed with
-the generation and the chunk's place), then the split document with ``status: "complete"``, and last deletes the
+``bag_stats``), then ``block_seals`` (each features chunk's running crc32c per row block: a read
+checks just the blocks of the bag it reads) and ``chunk_seals`` (every final chunk's crc32c
+trailer, read back, sealed with the generation and the chunk's place), then the split document with ``status: "complete"``, and last deletes the
 segments. A commit killed at any point leaves the split ``writing`` with its segments intact, so
 a resume or another commit redoes it; it is deterministic, so it writes the same bytes again.
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core import lifecycle, quantize_int8, split_protocol
+from featurestore.core import block_seals, lifecycle, quantize_int8, split_protocol
 from featurestore.core.chunk_puts import ChunkPuts
 from featurestore.core.present import present_chunks
 from featurestore.core.reader import FeatureArray
@@ -120,7 +121,9 @@ def commit(storage: Storage, key: str, meta: SplitMetadata, extra: dict[str, Any
         put_array(storage, f"{key}/{layout.SCALES}",
                   quantize_int8.bag_scales([r for _, r in entries], int(meta.sample_shape[0])),
                   attributes={"featurestore": {"description": "int8 scales, one row per bag; see docs/FORMAT.md"}})
-    write_seals(storage, key, meta, bags.SEALED_ARRAYS)
+    # the features trailers the block seals check read back serve chunk_seals too
+    trailers = block_seals.finish(storage, key, meta.replace(num_samples=total))
+    write_seals(storage, key, meta, bags.SEALED_ARRAYS, known=trailers)
     spec = dict(meta.bags or {})
     spec["count"] = len(ids)
     if labels is not None:
@@ -174,7 +177,7 @@ def _write_rows(storage: Storage, key: str, meta: SplitMetadata, found: Collecte
         return sources[(segment, name)]
 
     coords_dtype = np.dtype((meta.bags or {})["coords"]["dtype"])
-    puts = ChunkPuts(storage, key)
+    puts = ChunkPuts(storage, key, block_nbytes=block_seals.block_nbytes(meta))
     try:
         for index, parts in enumerate(bags.chunk_pieces(pieces, total, rows)):
             split_protocol.check_generation(storage, key, meta)
@@ -182,6 +185,7 @@ def _write_rows(storage: Storage, key: str, meta: SplitMetadata, found: Collecte
             if place is not None:
                 segment, at = place
                 base = f"{key}/{bags.SEGMENTS}/{segment}"
+                block_seals.copy_row(storage, base, at, key, index)  # before its chunk, as the puts order them
                 for name in (bags.COORDS, layout.FEATURES):
                     storage.copy(layout.chunk_key(f"{base}/{name}", at, 2), layout.chunk_key(f"{key}/{name}", index, 2))
                 continue
@@ -197,10 +201,11 @@ def _write_rows(storage: Storage, key: str, meta: SplitMetadata, found: Collecte
     finally:
         puts.close()
     count = layout.num_chunks(total, rows)
-    for name in (layout.FEATURES, bags.COORDS):
+    for name in (layout.FEATURES, bags.COORDS, block_seals.BLOCK_SEALS):
         # chunks beyond the count: left by an earlier, interrupted commit of more rows
         for stale in (int(c) for c in storage.listdir(f"{key}/{name}/c") if c.isdigit() and int(c) >= count):
             storage.delete_tree(f"{key}/{name}/c/{stale}")
+    for name in (layout.FEATURES, bags.COORDS):
         storage.write(f"{key}/{name}/{layout.ZARR_JSON}", array_document(meta, name, total))
 
 

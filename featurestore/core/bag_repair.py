@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core import bag_commit, lifecycle, split_protocol
+from featurestore.core import bag_commit, block_seals, lifecycle, split_protocol
 from featurestore.core.bag_verify import BagIndex, damaged_row_chunks, read_index
 from featurestore.core.bag_writer import BagWriter
 from featurestore.core.chunk_puts import ChunkPuts
@@ -189,7 +189,10 @@ def _write_chunks(storage: Storage, key: str, meta: SplitMetadata, index: BagInd
             readers[(segment, name)] = bag_commit.rows_reader(storage, base, meta, name, count)
         return readers[(segment, name)]
 
-    puts = ChunkPuts(storage, key)
+    # A split with block seals gets the rewritten chunks' rows with them (one written before
+    # block seals keeps none: its readers check whole chunks)
+    sealed = storage.exists(f"{key}/{block_seals.BLOCK_SEALS}/{layout.ZARR_JSON}")
+    puts = ChunkPuts(storage, key, block_nbytes=block_seals.block_nbytes(meta) if sealed else None)
     try:
         for chunk in targets:
             split_protocol.check_generation(storage, key, meta)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from featurestore.core import quantize_int8
+from featurestore.core import block_verify, quantize_int8
 from featurestore.core.bag_commit import read_strings
 from featurestore.core.array_check import Expected, check_array, check_seals, seal_rows, seals_expected
 from featurestore.core.split_kind import Findings
@@ -138,11 +138,23 @@ def verify_bags(storage: Storage, key: str, meta: SplitMetadata, result: Finding
     expected = _expected(meta)
     values: dict[str, np.ndarray | None] = {}
     crcs: dict[str, list[int | None]] = {}
+    blocks = block_verify.table(storage, key, meta, result)
+    rows = block_verify.RowChecks(blocks, meta)
+    bad: set[int] = set()
+
+    def features_chunk(index: int, raw: bytes) -> str | None:
+        rows.check(index, raw)
+        return None
+
     for name, spec_of in expected.items():
+        features = name == layout.FEATURES
         values[name] = check_array(storage, key, name, spec_of, result,
-                                   keep=name not in (layout.FEATURES, bags.COORDS), crcs=crcs)
+                                   keep=name not in (layout.FEATURES, bags.COORDS), crcs=crcs,
+                                   each=features_chunk if features else None, bad=bad if features else None)
+    block_verify.name_damaged_blocks(storage, key, meta, result, blocks, bad)
     if all(name in crcs for name in expected if name in bags.SEALED_ARRAYS):
         check_seals(storage, key, generation_of(meta), crcs, result)
+    rows.report(key, result)
     for name in (bags.BAG_IDS, bags.BAG_ATTRS):
         strings = _strings(storage, f"{key}/{name}", n, result)
         if strings is not None and name == bags.BAG_IDS:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.core import bag_commit, intake, quantize_int8, split_protocol
+from featurestore.core import bag_commit, block_seals, intake, quantize_int8, split_protocol
 from featurestore.core.buffers import BufferPool
 from featurestore.core.chunk_puts import ChunkPuts
 from featurestore.core.storage import Storage
@@ -86,7 +86,9 @@ class BagWriter(split_protocol.SplitSession):
         self._added: set[str] = set()  # added by this session
         self.segment = uuid.uuid4().hex[:16]
         self._segment_key = f"{key}/{bags.SEGMENTS}/{self.segment}"
-        self._puts = ChunkPuts(storage, self._segment_key)
+        # Each features chunk's block seals from the crc pass its trailer needs: a commit that
+        # copies the chunk into place copies its row too (featurestore.core.block_seals).
+        self._puts = ChunkPuts(storage, self._segment_key, block_nbytes=block_seals.block_nbytes(metadata))
         # Chunk buffers are leased and come back once their chunk is stored: fresh memory costs a
         # page fault per 4 KiB on first touch (core.writer measured 3-20x a copy into a reused one).
         self._pool = BufferPool(keep=4, max_free_bytes=256 << 20)

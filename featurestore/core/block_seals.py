@@ -67,6 +67,15 @@ def sealed_puts(storage: Storage, split_key: str, index: int, chunk_key: str, pa
     return put_row, put_chunk
 
 
+def copy_row(storage: Storage, source_key: str, source: int, split_key: str, index: int) -> None:
+    """Features chunk ``source``'s row under ``source_key`` (a bag split's segment) as chunk
+    ``index``'s of ``split_key``, where a bag commit puts that chunk in place. A segment written
+    without block seals has none: ``finish`` computes it from the chunk."""
+    row = layout.chunk_key(f"{source_key}/{BLOCK_SEALS}", source, 2)
+    if storage.exists(row):
+        storage.copy(row, layout.chunk_key(f"{split_key}/{BLOCK_SEALS}", index, 2))
+
+
 def finish(storage: Storage, split_key: str, meta: SplitMetadata) -> dict[str, list[int]]:
     """At commit: every chunk's row present and ending in its chunk's trailer (computed from the
     chunk where a writer left none, or one that is not this chunk's), then the document that
@@ -82,7 +91,12 @@ def finish(storage: Storage, split_key: str, meta: SplitMetadata) -> dict[str, l
     rows = block_rows(_sample_nbytes(meta), meta.chunk_rows)
     per_chunk = blocks_per_chunk(meta.chunk_rows, rows)
     present = sorted(c for c in (int(c) for c in storage.listdir(f"{key}/c") if c.isdigit()) if c < meta.num_chunks)
-    sound = {c for c, raw in zip(present, storage.read_many([layout.chunk_key(key, c, 2) for c in present]))
+    try:
+        raws = storage.read_many([layout.chunk_key(key, c, 2) for c in present])
+    except FileNotFoundError:  # a chunk directory without its row (a writer killed in between)
+        present = [c for c in present if storage.exists(layout.chunk_key(key, c, 2))]
+        raws = storage.read_many([layout.chunk_key(key, c, 2) for c in present])
+    sound = {c for c, raw in zip(present, raws)
              if chunks.check(raw, per_chunk * 4) is None
              and int(np.frombuffer(raw, "<u4", count=per_chunk)[-1]) == trailers[c]}
     payload_bytes = meta.chunk_rows * _sample_nbytes(meta)

@@ -129,17 +129,14 @@ class ChunkPuts:
         try:
             if self._error is not None:
                 return  # the split stopped at the first failure; resume rewrites the rest
-            *early, (array, rows, compressor) = puts
-            calls = [partial(self._put, index, *put) for put in early]
-            key = layout.chunk_key(f"{self._key}/{array}", index, rows.ndim)
-            if array == layout.FEATURES and compressor is None and self._block_nbytes:
-                payload = chunks.encode(rows, None)
-                assert isinstance(payload, memoryview)
-                row, last = block_seals.sealed_puts(self._storage, self._key, index, key, payload, self._block_nbytes)
-                calls.append(row)  # a features chunk on storage has its row
-            else:
-                last = partial(self._put, index, array, rows, compressor)
-            self._together(calls)
+            *early, final = puts
+            calls: list[Callable[[], None]] = []
+            for array, rows, compressor in early:
+                # features among the early puts (a bag segment's, whose record comes last): its
+                # row goes up beside it; a commit checks it against the chunk before using it
+                calls.extend(self._puts_of(index, array, rows, compressor))
+            *rest, last = self._puts_of(index, *final)
+            self._together([*calls, *rest])  # a features chunk put last comes after its row
             last()
             if self._on_done is not None:
                 self._on_done(index)
@@ -150,6 +147,16 @@ class ChunkPuts:
         finally:
             if release:
                 self._slots.release()
+
+    def _puts_of(self, index: int, array: str, rows: np.ndarray, compressor: str | None) -> list[Callable[[], None]]:
+        """The put of one array's chunk; a features chunk's block seals row's before it, made
+        in the crc32c pass its trailer needs."""
+        if array == layout.FEATURES and compressor is None and self._block_nbytes:
+            key = layout.chunk_key(f"{self._key}/{array}", index, rows.ndim)
+            payload = chunks.encode(rows, None)
+            assert isinstance(payload, memoryview)
+            return list(block_seals.sealed_puts(self._storage, self._key, index, key, payload, self._block_nbytes))
+        return [partial(self._put, index, array, rows, compressor)]
 
     def _put(self, index: int, array: str, rows: np.ndarray, compressor: str | None) -> None:
         key = layout.chunk_key(f"{self._key}/{array}", index, rows.ndim)

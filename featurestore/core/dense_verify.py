@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from featurestore.core import block_seals
+from featurestore.core import block_verify
 from featurestore.core.array_check import Expected, check_array, check_seals
 from featurestore.core.split_kind import Findings
 from featurestore.core.storage import Storage
 from featurestore.format import dtypes, layout
-from featurestore.format.block_seals import BLOCK_SEALS
 from featurestore.format.chunk_checks import features_match_stats
 from featurestore.format.metadata import SplitMetadata, seal_problem, stats_row_length
 from featurestore.format.seals import CHUNK_SEALS, SEALED_ARRAYS, generation_of
@@ -46,7 +45,8 @@ def expected_arrays(meta: SplitMetadata) -> dict[str, Expected]:
 
 def verify_dense(storage: Storage, key: str, meta: SplitMetadata, found: Findings) -> None:
     stats_rows: dict[int, np.ndarray] = {}
-    blocks = _block_table(storage, key, meta, found)
+    blocks = block_verify.table(storage, key, meta, found)
+    rows = block_verify.RowChecks(blocks, meta)
 
     def stats_row(index: int, raw: bytes) -> str | None:
         problem = seal_problem(raw, meta, index)
@@ -56,8 +56,8 @@ def verify_dense(storage: Storage, key: str, meta: SplitMetadata, found: Finding
 
     def features_chunk(index: int, raw: bytes) -> str | None:
         problem = features_match_stats(raw, meta, index, stats_rows[index]) if index in stats_rows else None
-        if problem is None and blocks is not None and (damaged := block_seals.block_problems(raw, blocks[index], meta, index)):
-            return f"its crc32c is valid, but {damaged[0]} does not match its block seal: {BLOCK_SEALS} is not this chunk's"
+        if problem is None:
+            rows.check(index, raw)
         return problem
 
     checks = {layout.CHUNK_STATS: stats_row, layout.FEATURES: features_chunk}
@@ -67,31 +67,11 @@ def verify_dense(storage: Storage, key: str, meta: SplitMetadata, found: Finding
     for name, spec in expected.items():
         check_array(storage, key, name, spec, found, crcs=crcs if name in SEALED_ARRAYS else None,
                     each=checks.get(name), bad=bad if name == layout.FEATURES else None)
-    if blocks is not None:  # a damaged chunk's damaged blocks, by name (the rest of it reads fine)
-        ndim = 1 + len(meta.sample_shape)
-        for index in sorted(c for c in bad if c < meta.num_chunks):
-            try:
-                raw = storage.read(layout.chunk_key(f"{key}/{layout.FEATURES}", index, ndim))
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                continue  # reported missing
-            where = f"{layout.chunk_key(f'{key}/{layout.FEATURES}', index, ndim)}: "
-            damaged = block_seals.block_problems(raw, blocks[index], meta, index)
-            line = next((k for k, p in enumerate(found.problems) if p.startswith(where) and "crc32c mismatch" in p), None)
-            if damaged and line is not None:  # the chunk's one line names its damaged blocks
-                found.problems[line] += f" in {'; '.join(damaged)}"
+    block_verify.name_damaged_blocks(storage, key, meta, found, blocks, bad)
     if meta.ids and not storage.exists(f"{key}/{layout.IDS}/{layout.ZARR_JSON}"):
         found.problems.append(f"{key}/{layout.IDS}/{layout.ZARR_JSON}: missing (the split metadata says it has ids)")
-    if not storage.exists(f"{key}/{CHUNK_SEALS}/{layout.ZARR_JSON}"):
-        return  # committed before chunk_seals existed: the statistics rows are its seal
-    if all(name in crcs for name in expected if name in SEALED_ARRAYS):
+    # committed before chunk_seals existed: the statistics rows are its seal
+    if storage.exists(f"{key}/{CHUNK_SEALS}/{layout.ZARR_JSON}") and all(
+            name in crcs for name in expected if name in SEALED_ARRAYS):
         check_seals(storage, key, generation_of(meta), crcs, found, {name: len(e.shape) for name, e in expected.items()})
-
-
-def _block_table(storage: Storage, key: str, meta: SplitMetadata, found: Findings) -> np.ndarray | None:
-    """The split's ``block_seals`` values, checked as an array; None where it has none (written
-    before them, or compressed) or they are damaged (then in ``found``)."""
-    if meta.compressor is not None or not storage.exists(f"{key}/{BLOCK_SEALS}/{layout.ZARR_JSON}"):
-        return None
-    _, per_chunk, _ = block_seals.expected_shape(meta)
-    spec = Expected([meta.num_chunks, per_chunk], "uint32", np.dtype(np.uint32), 1)
-    return check_array(storage, key, BLOCK_SEALS, spec, found, keep=True)
+    rows.report(key, found)

@@ -32,6 +32,7 @@ from featurestore.core import block_seals, checked, pread
 from featurestore.errors import CorruptChunk, InvalidOption
 from featurestore.format import layout
 from featurestore.format.block_seals import block_ok
+from featurestore.format.metadata import BAGS
 
 BLOCK_CHECK_MIB = 64  # default of FEATURESTORE_BLOCK_CHECK_MIB
 
@@ -57,6 +58,7 @@ class BlocksPath:
     _split_key: str
     _ndim: int
     name: str
+    metadata: dict[str, Any]
     chunk_rows: int
     sample_nbytes: int
     num_chunks: int
@@ -82,8 +84,12 @@ class BlocksPath:
             return None
         if path == "mmap" and self.verify_reads == "auto" and self._resolved_cache() == "direct":
             return None  # "auto" checks no local read that bypasses the page cache (checked.py)
-        if self._blocks is None and self.chunk_rows * self.sample_nbytes < block_check_bytes():
-            self._blocks = False  # small chunks: the whole-chunk check reads ahead for their rows
+        # Small chunks keep the whole-chunk check, a read-ahead for a shuffled epoch's later rows;
+        # local reads of a bag split read whole bags (runs of rows), whose blocks are just the
+        # bytes they need: checked by block whatever the chunk's size.
+        whole_runs = path == "mmap" and self.metadata.get("kind") == BAGS
+        if self._blocks is None and self.chunk_rows * self.sample_nbytes < block_check_bytes() and not whole_runs:
+            self._blocks = False
         if self._blocks is None:
             sealed = None
             if self.seals is not None and self.name == layout.FEATURES:
@@ -155,8 +161,20 @@ class BlocksPath:
             data = np.frombuffer(blob, np.uint8).reshape(-1, self.sample_nbytes)
             rows[group] = data[offset[group] - block_of[group] * table.block_rows]
 
+        def whole(u: int) -> np.ndarray | None:
+            """Where the read wants block ``u``'s rows all, in order, one after another (a bag's
+            block): that part of ``rows``, which the block is read straight into."""
+            group = groups[u]
+            chunk, j = divmod(u, table.per_chunk)
+            count = min(self.chunk_rows, (j + 1) * table.block_rows) - j * table.block_rows
+            if len(group) != count or int(group[-1]) - int(group[0]) != count - 1:
+                return None
+            if not np.array_equal(offset[group] - block_of[group] * table.block_rows, np.arange(count)):
+                return None
+            return rows[int(group[0]) : int(group[0]) + count].reshape(-1)
+
         if path != "ranges":
-            return self._copy_local_blocks(part, table, copy)
+            return self._copy_local_blocks(part, table, copy, whole)
         blobs = self._fetch_blocks(part, table)
         opened = time.monotonic()
         self._check_blocks([u for u, blob in blobs.items() if not self._block_ok(u, blob, table)], table, path)
@@ -169,10 +187,11 @@ class BlocksPath:
         return block_ok(blob, table.table[chunk], j)
 
     def _copy_local_blocks(self, part: list[int], table: block_seals.BlockTable,
-                           copy: Callable[[int, Any], None]) -> float:
+                           copy: Callable[[int, Any], None], whole: Callable[[int], np.ndarray | None]) -> float:
         """Each block read by a pool thread into a block-sized buffer of the checked reads' pool,
         checked, and its rows copied out (memory: a block per thread in flight, whatever the
-        read's size); returns by when the files were opened."""
+        read's size); a block the read wants whole (``whole``: where in the output) is read
+        straight into its place and checked there. Returns by when the files were opened."""
         fds: dict[int, int] = {}
         drop = self._resolved_cache() in ("drop", "direct")
         spans = {u: self._span(u, table) for u in part}
@@ -189,7 +208,8 @@ class BlocksPath:
 
             def one(u: int) -> bool:
                 c, lo, hi = spans[u]
-                view = memoryview(checked.lease(hi - lo))
+                target = whole(u)
+                view = memoryview(checked.lease(hi - lo) if target is None else target)
                 done = 0
                 while done < len(view):
                     got = os.preadv(fds[c], [view[done:]], lo + done)
@@ -201,8 +221,9 @@ class BlocksPath:
                 if drop:  # an array larger than the page cache: its blocks do not stay there
                     os.posix_fadvise(fds[c], lo, hi - lo, os.POSIX_FADV_DONTNEED)
                 if not self._block_ok(u, view, table):
-                    return False
-                copy(u, view)
+                    return False  # the caller raises: the rows already in the output are not served
+                if target is None:
+                    copy(u, view)
                 return True  # the buffer goes back to the pool with this frame
 
             executor = (self.read_pool or pread.default_pool()).executor() if len(part) > 1 else None
