@@ -17,6 +17,7 @@ import numpy as np
 
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
+from featurestore.bench.reading import label
 from featurestore.errors import InvalidOption
 from featurestore.format import int8 as int8_format
 from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
@@ -51,9 +52,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidOption(f"--batch-sizes {args.batch_sizes!r}: give one positive size, or one per shape ({len(shapes)})")
     dtypes = harness.parse_dtypes(args.dtype, numpy_only=True)
     paired = "int8" in dtypes
-    if paired and "float16" not in dtypes:
-        raise InvalidOption(f"--dtype {args.dtype!r}: int8 is measured beside float16 (its reference, in the same "
-                            "child); give --dtype float16,int8")
     limit = args.limit_mib << 20
     with harness.scratch(args, "cold") as work:
         return {"benchmark": "cold", "limit_bytes": limit,
@@ -71,20 +69,16 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
     values = batch_size * int(np.prod(shape))
     needed = (args.prefetch + 3) * values * 4 + 3 * (values * np.dtype(dtype).itemsize + (64 << 20)) + (384 << 20)
     if limit < needed:
-        print(f"[cold] [{'x'.join(map(str, shape))}]: the memory limit is raised to {needed >> 20} MiB, what a "
+        print(f"[cold] [{label(shape)}]: the memory limit is raised to {needed >> 20} MiB, what a "
               f"FeatureLoader of {batch_size}-sample float32 batches may hold (the store stays {args.store_ratio}x it)")
         limit = needed
     n = max(2 * batch_size, int(args.store_ratio * limit) // sample_bytes)
     if int8:  # whole int8 chunks: a padded last chunk would weigh on the bytes figure, not a real split's
         rows = int8_format.chunk_rows("int8", args.chunk_rows, n)
         n = max(rows, n // rows * rows)
-    label = "x".join(map(str, shape))
-    base = os.path.join(work, f"{label}-{dtype}")
-    shutil.rmtree(base, ignore_errors=True)
-    os.makedirs(base)
-    print(f"\n[cold] samples [{label}] {dtype}, N={n} ({n * sample_bytes / 2**30:.2f} GiB, {args.chunk_rows}-row "
+    base = harness.fresh(os.path.join(work, f"{label(shape)}-{dtype}"))
+    print(f"\n[cold] samples [{label(shape)}] {dtype}, N={n} ({n * sample_bytes / 2**30:.2f} GiB, {args.chunk_rows}-row "
           f"chunks), batches of {batch_size}, memory limit {limit >> 20} MiB")
-    start = time.perf_counter()
     with open(os.path.join(base, "raw"), "wb") as raw:  # the store and a raw file of the same bytes
         harness.write_split(os.path.join(base, "store"), n, shape, dtype=dtype, rows=args.chunk_rows,
                             chunk_bytes=args.chunk_rows * sample_bytes, slabs=lambda _, values: values.tofile(raw))
@@ -102,7 +96,6 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
         methods += list(INT8_PAIRS[:2]) + (list(INT8_PAIRS[2:]) if cuda else [])
         out["split_bytes"] = {name: harness.feature_bytes(os.path.join(base, folder, "bench", "enc", "train"))
                               for name, folder in ((dtype, "store"), ("int8", "store-int8"))}
-    print(f"  built in {time.perf_counter() - start:.1f} s")
     config = {"base": base, "shape": list(shape), "dtype": dtype, "n": n, "batch_size": batch_size,
               "methods": methods, "repeats": args.repeats, "prefetch": args.prefetch, "slow_seconds": args.slow_seconds}
     try:
@@ -116,8 +109,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
         done = harness.child_process("cold:measure", config)
     shutil.rmtree(base, ignore_errors=True)
     out["returncode"] = done.returncode
-    if done.returncode != 0:
-        print(f"  child failed (rc {done.returncode}): {done.stderr[-1500:]}")
+    if done.returncode != 0:  # the notes print its stderr
         out["stderr"] = done.stderr[-3000:]
         return out
     out.update(harness.child_result(done))
@@ -142,10 +134,6 @@ def int8_figures(shape: dict[str, Any], reference: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- the child (in the cgroup)
-def _nbytes(tensor: Any) -> int:
-    return int(tensor.numel() * tensor.element_size())
-
-
 def measure(config: dict[str, Any]) -> dict[str, Any]:
     """(The child, in the cgroup.) Every method, interleaved, each after an eviction."""
     import torch
@@ -199,7 +187,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
 
     def reader() -> int:
         array = featurestore.open_store(store_dir).open("bench", "enc", "train")
-        return budget(lambda idx: _nbytes(array.read(idx)), slow=False)
+        return budget(lambda idx: array.read(idx).nbytes, slow=False)
 
     int8_dir = os.path.join(base, "store-int8")
 
@@ -209,7 +197,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
             total = 0
             it = FeatureLoader(ds, batch_size=b, shuffle=True, device=device, dtype=out, prefetch=config["prefetch"])
             for features, _ in it:
-                total += _nbytes(features)
+                total += features.nbytes
             it.close()
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -254,6 +242,6 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def failed(results: dict[str, Any]) -> str | None:
-    bad = [f"[{'x'.join(map(str, s['sample_shape']))}] {s.get('dtype', 'float16')}" for s in results.get("shapes", [])
+    bad = [f"[{label(s['sample_shape'])}] {s.get('dtype', 'float16')}" for s in results.get("shapes", [])
            if s.get("returncode") != 0 or s.get("errors")]
     return f"a child or a method failed for {', '.join(bad)}" if bad else None

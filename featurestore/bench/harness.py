@@ -26,8 +26,9 @@ import numpy as np
 
 from featurestore.testing.cgroup import evict, files_under
 
-__all__ = ["Method", "RssPeak", "Times", "add_bench", "add_flags", "child", "child_process", "child_result", "evict",
-           "feature_bytes", "files_under", "gbps", "interleaved", "parse_dtypes", "parse_shapes", "peak_reset",
+__all__ = ["Method", "RssPeak", "Times", "add_bench", "add_flags", "child", "child_process", "child_result", "drain",
+           "evict",
+           "feature_bytes", "files_under", "fresh", "gbps", "interleaved", "parse_dtypes", "parse_shapes", "peak_reset",
            "peak_rss", "rate", "rss_anon_bytes", "rss_runs", "scratch", "size", "timed", "tofile_synced", "unmap",
            "warm", "write_split", "write_synced"]
 
@@ -65,6 +66,13 @@ def add_flags(parser: Any, flags: dict[str, tuple[Any, ...]]) -> None:
         if not isinstance(default, (bool, type)) and default != "" and "default" not in (text or ""):
             text = f"{text} (default {default})" if text else f"default {default}"
         parser.add_argument(name, help=text, **{**kwargs, **(more[0] if more else {})})
+
+
+def fresh(path: str) -> str:
+    """``path`` as a new empty directory (what a kept ``--workdir`` held there removed)."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
 
 
 @contextlib.contextmanager
@@ -141,6 +149,11 @@ def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def drain(batches: Iterable[Any]) -> int:
+    """One pass over ``batches`` (a loader's epoch), each dropped as it comes; how many there were."""
+    return sum(1 for _ in batches)
 
 
 def rate(fn: Callable[[], Any], nbytes: float) -> Callable[[], float]:
@@ -323,16 +336,20 @@ def size(*paths: str) -> int:
 
 def parse_dtypes(text: str, *, numpy_only: bool = False) -> list[str]:
     """``"float16,float32"`` -> the stored dtypes a bench measures in turn, one column each
-    (``numpy_only``: no bfloat16, for a bench whose raw twin holds the same bytes)."""
+    (``numpy_only``: no bfloat16, for a bench whose raw twin holds the same bytes). int8 is never a
+    column of its own: it is measured beside float16, its reference, so it needs float16 listed."""
+    from featurestore.errors import InvalidOption
+
     names = [part.strip() for part in str(text).split(",") if part.strip()]
     for name in names or [text]:
         try:
             np.dtype(name) if numpy_only or name != "bfloat16" else None
         except TypeError:
-            from featurestore.errors import InvalidOption
-
             raise InvalidOption(f"--dtype {text!r}: {name!r} is not a dtype this bench stores; give names such as "
                                 "float16,float32") from None
+    if "int8" in names and "float16" not in names:
+        raise InvalidOption(f"--dtype {text!r}: int8 is measured beside float16 (its reference, epochs "
+                            "interleaved); give --dtype float16,int8")
     return list(dict.fromkeys(names))
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import time
 from typing import Any
 
 import numpy as np
 
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved
+from featurestore.bench.reading import label
 
 
 def register(subparsers: Any) -> None:
@@ -43,10 +43,9 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
 
     sample_bytes = int(np.prod(shape)) * 2
     n = max(args.batch_size * 4, int(args.gib * (1 << 30)) // sample_bytes)
-    label = "x".join(map(str, shape))
-    print(f"\n[read] samples [{label}] float16, N={n} ({n * sample_bytes / 2**30:.2f} GiB), batches of {args.batch_size}")
-    base = os.path.join(work, label)
-    shutil.rmtree(base, ignore_errors=True)
+    print(f"\n[read] samples [{label(shape)}] float16, N={n} ({n * sample_bytes / 2**30:.2f} GiB), batches of "
+          f"{args.batch_size}")
+    base = harness.fresh(os.path.join(work, label(shape)))
     os.makedirs(os.path.join(base, "pt"))
     raw_path, h5_path = os.path.join(base, "raw.f16"), os.path.join(base, "per-sample.h5")
     with open(raw_path, "wb") as raw, h5py.File(h5_path, "w") as h5:
@@ -75,26 +74,21 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
     # The slow baselines get fewer batches; GB/s is per byte, so the counts need not match.
     counts = {"zarr orthogonal": max(3, args.batches // 10), "hdf5 per sample": max(5, args.batches // 4),
               "torch.save per sample": max(5, args.batches // 4)}
-    repeat = [0]
+    orders: list[np.ndarray] = []
 
-    def method(name: str) -> Method:
-        batches = counts.get(name, args.batches)
-
-        def rate() -> float:  # the same shuffled batches for every method of a repeat; one untimed first
-            rng = np.random.default_rng(repeat[0])
-            orders = [rng.choice(n, size=args.batch_size, replace=False) for _ in range(batches + 1)]
-            fns[name](orders[0])
-            start = time.perf_counter()
-            for order in orders[1:]:
-                fns[name](order)
-            return gbps(batches * args.batch_size * sample_bytes, time.perf_counter() - start)
-        return Method(name, rate, own=True)
-
-    def order(r: int, methods: list[Method]) -> list[Method]:
-        repeat[0] = r
+    def draw(repeat: int, methods: list[Method]) -> list[Method]:  # the same shuffled batches for every method
+        rng = np.random.default_rng(repeat)
+        orders[:] = [rng.choice(n, size=args.batch_size, replace=False) for _ in range(args.batches + 1)]
         return methods
 
-    rates = interleaved([method(name) for name in fns], args.repeats, order=order)
+    def method(name: str) -> Method:  # one untimed batch first
+        batches = counts.get(name, args.batches)
+        return Method(name, lambda: harness.drain(fns[name](order) for order in orders[1:batches + 1]),
+                      lambda: fns[name](orders[0]))
+
+    seconds = interleaved([method(name) for name in fns], args.repeats, order=draw)
+    rates = harness.Times({name: [gbps(counts.get(name, args.batches) * args.batch_size * sample_bytes, t)
+                                  for t in values] for name, values in seconds.items()})
     h5.close()
     best = {name: max(values) for name, values in rates.items()}
     paired = rates.pairs("featurestore", "np.memmap gather")  # run back to back in each repeat
@@ -119,17 +113,8 @@ def rss_epoch(path: str) -> dict[str, Any]:
 
 
 def _bench_rss(work: str, args: argparse.Namespace) -> dict[str, Any]:
-    shape = (256, 384)
-    sample_bytes = int(np.prod(shape)) * 2
-    n_small = max(256, int(args.gib * (1 << 30)) // sample_bytes // 4)
-    print(f"\n[read] peak anonymous RSS over one shuffled epoch, N={n_small} and N={4 * n_small} of [256x384] float16")
-    out = {}
-    for n in (n_small, 4 * n_small):
-        path = os.path.join(work, f"rss-{n}")
-        shutil.rmtree(path, ignore_errors=True)
-        harness.write_split(path, n, shape)
-        out[str(n)] = figures = harness.child("read:rss_epoch", path)
-        print(f"  N={n:>6} ({n * sample_bytes / 2**30:.2f} GiB): reader anon RSS peak "
-              f"{figures['peak_anon'] / 2**20:.1f} MiB (baseline {figures['baseline_anon'] / 2**20:.1f} MiB)")
-        shutil.rmtree(path, ignore_errors=True)
-    return out
+    """Each of N and 4N samples of [256x384] float16 in a fresh process (its notes print them)."""
+    n = max(256, int(args.gib * (1 << 30)) // (256 * 384 * 2) // 4)
+    for key, rows in (("N", n), ("4N", 4 * n)):
+        harness.write_split(harness.fresh(os.path.join(work, f"rss-{key}")), rows, (256, 384))
+    return harness.rss_runs("read:rss_epoch", {k: os.path.join(work, f"rss-{k}") for k in ("N", "4N")})

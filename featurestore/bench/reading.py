@@ -57,26 +57,24 @@ def _read(r: dict[str, Any], out: Reading) -> None:
         tag = label(s["sample_shape"])
         out.fig(f"vs_memmap[{tag}]", s["median_paired_vs_memmap"], s["paired_vs_memmap"])
         out.rows[f"read [{tag}] float16, GB/s"] = [(m, row["gb_per_s"]) for m, row in s["read"].items()]
-    rss = r.get("rss") or {}
-    if len(rss) == 2:  # N and 4N: the reader's peak anonymous RSS must not grow with the split
-        small, large = (rss[k] for k in sorted(rss, key=int))
-        out.fig("rss_4n_vs_n", large["peak_anon"] / small["peak_anon"])
-    out.notes += [f"- read, N={n}: reader peak anonymous RSS {mib(x['peak_anon'])} (after imports "
-                  f"{mib(x['baseline_anon'])})" for n, x in rss.items()]
+    runs = [(r.get("rss") or {}).get(k) for k in ("N", "4N")]
+    if all(runs):  # N and 4N: the reader's peak anonymous RSS must not grow with the split
+        out.fig("rss_4n_vs_n", runs[1]["peak_anon"] / runs[0]["peak_anon"])
+    out.notes += [f"- read, N={x['n']}: reader peak anonymous RSS {mib(x['peak_anon'])} (after imports "
+                  f"{mib(x['baseline_anon'])})" for x in runs if x]
 
 
 def _write(r: dict[str, Any], out: Reading) -> None:
+    # second: diagnostic, a process's second write; a figure per shape and size ("256x384 250MB")
+    sources = {"float16": "writer, f16 input", "float32": "writer, f32 input", "float16_second": "writer, f16, second write"}
     for s in r["shapes"]:
-        times, tag = s["repeats_s"], s.get("label") or label(s["sample_shape"])  # "256x384", or "256x384 250MB"
-        for source in ("float16", "float32", "float16 second"):  # second: diagnostic, a process's second write
-            if source in times or source != "float16 second":
-                key = source.replace(" ", "_")
-                out.fig(f"{key}_vs_tofile[{tag}]", s[f"writer_{key}_ratio"], paired(times["tofile"], times[source]))
+        times, tag = s["repeats_s"], s.get("label") or label(s["sample_shape"])
+        for key in [k for k in sources if k.replace("_", " ") in times or k != "float16_second"]:
+            out.fig(f"{key}_vs_tofile[{tag}]", s[f"writer_{key}_ratio"], paired(times["tofile"], times[key.replace("_", " ")]))
     for s in r["shapes"]:
         out.rows[f"write [{s.get('label') or label(s['sample_shape'])}] float16 stored, to os.sync, GB/s"] = [
-            ("writer, f16 input", s["writer_float16_gb_per_s"]), ("writer, f32 input", s["writer_float32_gb_per_s"]),
-            *([("writer, f16, second write", s["writer_float16_second_gb_per_s"])]
-              if "writer_float16_second_gb_per_s" in s else []), ("numpy tofile", s["tofile_gb_per_s"])]
+            *((name, s[f"writer_{key}_gb_per_s"]) for key, name in sources.items() if f"writer_{key}_gb_per_s" in s),
+            ("numpy tofile", s["tofile_gb_per_s"])]
 
 
 def _http(r: dict[str, Any], out: Reading) -> None:
