@@ -31,7 +31,7 @@ def register(subparsers: Any) -> None:
         "--min": (100, "fewest patches per slide", {"dest": "min_patches"}),
         "--max": (60000, "most patches per slide; one slide always has this many", {"dest": "max_patches"}),
         "--threads": (8, "threads of the parallel-pread reference"), "--skip-import": (False, "skip the import row")},
-        repeats=1, description=__doc__.split("\n\n")[0] if __doc__ else None)
+        repeats=1, description=__doc__)
 
 
 def build(work: str, lengths: np.ndarray, dim: int) -> dict[str, Any]:
@@ -72,16 +72,14 @@ def one_pass(config: dict[str, Any]) -> dict[str, Any]:
         bags = featurestore.open_store(paths["store"]).open_bags(*NAMES)
 
         def read(i: int) -> int:
-            features, coords = bags.read(i)
-            return features.numel() * features.element_size() + coords.numel() * coords.element_size()
+            return sum(tensor.nbytes for tensor in bags.read(i))  # features and coords
     elif name == "TRIDENT h5":
         def read(i: int) -> int:
             with h5py.File(os.path.join(paths["h5"], f"{ids[i]}.h5"), "r") as f:
                 return int(f["features"][:].nbytes + f["coords"][:].nbytes)
     elif name == "CLAM .pt":
         def read(i: int) -> int:
-            features = torch.load(os.path.join(paths["pt"], f"{ids[i]}.pt"))
-            return features.numel() * features.element_size()
+            return int(torch.load(os.path.join(paths["pt"], f"{ids[i]}.pt")).nbytes)
     else:
         fd, piece = os.open(paths["raw"], os.O_RDONLY), 1 << 20
         buffer = memoryview(bytearray(int(np.diff(offsets).max())))  # one reused buffer, as the reader's

@@ -6,6 +6,7 @@ What it measures: docs/BENCHMARKS.md, "What each bench measures".
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import threading
@@ -182,22 +183,19 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
                 break
         return total
 
-    def memmap_gather() -> int:
-        return budget(lambda idx: memmap[idx].nbytes, slow=True)
-
     def reader() -> int:
         array = featurestore.open_store(store_dir).open("bench", "enc", "train")
         return budget(lambda idx: array.read(idx).nbytes, slow=False)
+
+    memmap_gather = functools.partial(budget, lambda idx: memmap[idx].nbytes, slow=True)
 
     int8_dir = os.path.join(base, "store-int8")
 
     def loader(device: str, store: str = store_dir, out: Any = None) -> Any:
         def epoch() -> int:
             ds = FeatureDataset(store, "bench", "enc", "train")
-            total = 0
             it = FeatureLoader(ds, batch_size=b, shuffle=True, device=device, dtype=out, prefetch=config["prefetch"])
-            for features, _ in it:
-                total += features.nbytes
+            total = sum(features.nbytes for features, _ in it)
             it.close()
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -205,8 +203,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
         return epoch
 
     fns = {"device limit": device_limit, "pread reference": pread_reference, "np.memmap gather": memmap_gather,
-           "FeatureArray.read": reader, "FeatureLoader": loader("cpu"),
-           "FeatureLoader -> cuda": loader("cuda")}
+           "FeatureArray.read": reader, "FeatureLoader": loader("cpu"), "FeatureLoader -> cuda": loader("cuda")}
     for name, device, store in zip(INT8_PAIRS, ("cpu", "cpu", "cuda", "cuda"), (store_dir, int8_dir) * 2):
         fns[name] = loader(device, store, torch.float32)
     peaks: dict[str, int] = {}

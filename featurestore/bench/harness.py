@@ -37,12 +37,13 @@ def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any,
               keep: str = "median", description: str | None = None,
               workdir: str = "scratch directory (default: a temp dir, removed)") -> argparse.ArgumentParser:
     """The parser of ``featurestore bench VERB``: the bench's ``flags`` (:func:`add_flags`), ``--repeats``
-    (when given a default), ``--workdir`` and ``--json``; the command ends in :func:`report.finish`."""
+    (when given a default), ``--workdir`` and ``--json``; the command ends in :func:`report.finish`.
+    ``description``: ``help``, or the first paragraph of it (a module's docstring)."""
     from featurestore.bench import bench_module
     from featurestore.bench.report import finish
 
     name = verb.replace("-", "_")
-    parser = subparsers.add_parser(verb, help=help, description=description or help)
+    parser = subparsers.add_parser(verb, help=help, description=(description or help).split("\n\n")[0])
     add_flags(parser, flags)
     if repeats is not None:
         parser.add_argument("--repeats", type=int, default=repeats,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import shutil
 import tempfile
@@ -61,7 +62,7 @@ def register(subparsers: Any) -> None:
                                "namespace, tc); default: bare loopback, where both share the cores"),
         "--endpoint": (str, "use this S3 endpoint instead of starting SeaweedFS"),
         "--bucket": ("featurestore-bench", None), "--key": (str, None), "--secret": (str, None)},
-        repeats=3, description=__doc__.split("\n\n")[0] if __doc__ else None,
+        repeats=3, description=__doc__,
         workdir="SeaweedFS data, cache and local copy directory (default: a temp dir, removed)")
 
 
@@ -129,8 +130,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
             np.ascontiguousarray(values[i : i + chunk_rows])).cast("B")), range(0, n, chunk_rows))
 
     writes = interleaved([Method(PUT, harness.rate(write_plain, values.nbytes), own=True),
-                          Method(WRITE, harness.rate(write_featurestore, values.nbytes), own=True)],
-                         args.repeats)
+                          Method(WRITE, harness.rate(write_featurestore, values.nbytes), own=True)], args.repeats)
     # Only to check the data and name the chunks: every timed method opens its own array (client).
     probe = featurestore.open_store(url, **fs_options).open("bench", "enc", "train")
     assert np.array_equal(probe.read_numpy(np.arange(0, n, max(1, n // 50))), values[:: max(1, n // 50)])
@@ -148,9 +148,6 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
             seconds = harness.timed(lambda: [read(it, idx) for it in [opened()] for idx in which])
             return gbps(len(order) * sample_bytes, seconds)
         return epoch
-
-    def read_numpy(it: Any, idx: np.ndarray) -> Any:
-        return it.read_numpy(idx, out=out[: len(idx)])
 
     def loader(source: str, opts: dict[str, Any]) -> Any:
         ds = FeatureDataset(source, "bench", "enc", "train", storage_options=opts)
@@ -185,11 +182,9 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
             for r, buf in zip(runs, buffers):
                 flat[sort[r]] = np.frombuffer(buf, np.uint8).reshape(len(r), -1)
 
-    def fresh_array() -> Any:
-        return featurestore.open_store(url, **fs_options).open("bench", "enc", "train")
-
     methods: dict[str, Any] = {
-        FS_EPOCH: batches(fresh_array, read_numpy), CEILING: lambda: _ceiling(storage.obstore, chunk_keys),
+        FS_EPOCH: batches(lambda: featurestore.open_store(url, **fs_options).open("bench", "enc", "train"),
+                          lambda it, idx: it.read_numpy(idx, out=out[: len(idx)])), CEILING: lambda: _ceiling(storage.obstore, chunk_keys),
         BARE_EPOCH: batches(lambda: ObjectStorage(url, fs_options).obstore, bare_batch),
         LOADER: harness.rate(loader_epoch, n * sample_bytes),
         ZARR: batches(zarr_open, lambda it, idx: it.get_orthogonal_selection((np.sort(idx),)), args.slow_batches)}
@@ -210,10 +205,8 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
         extra.clear()
         runs = {**interleaved(timed, args.repeats), **extra, **writes}
     median = {name: float(np.median(v)) for name, v in runs.items() if not name.startswith("downloaded")}
-    try:
+    with contextlib.suppress(Exception):  # a scratch prefix; the server's temp dir goes anyway
         store.storage.delete_tree("")
-    except Exception:  # noqa: BLE001 - a scratch prefix; the server's temp dir goes anyway
-        pass
     return {
         "benchmark": "s3", "server": server, "num_samples": n, "sample_shape": list(shape), "batch_size": batch,
         "chunk_rows": chunk_rows, "cache": "warm (server's volume files just written, page-cached)",
