@@ -19,8 +19,8 @@ DATASET, ENCODER = "bench", "bags"
 
 
 def register(subparsers: Any) -> None:
-    harness.add_bench(subparsers, "bag-loader", "BagLoader vs the bare bag reader and CLAM's torch.load per slide: epoch "
-                      "warm and cold, padded batches, RSS over B vs 4B bags", {
+    harness.add_bench(subparsers, "bag-loader", "BagLoader vs the bare bag reader and CLAM's torch.load per slide: "
+                      "epoch warm and cold, padded batches, RSS over B vs 4B bags", {
         "--bags": (48, "B, bags in the cohort (the RSS run also uses 4B)"),
         "--patches": (2500, "median patches per bag (log-normal, sigma 0.6)"), "--dim": (1024, None),
         "--dtype": ("float16,int8", "float16, or float16,int8: int8 measured beside float16 (docs/BENCHMARKS.md)"),
@@ -64,14 +64,10 @@ def int8_figures(stores: dict[str, str], args: argparse.Namespace) -> dict[str, 
     out, the same order) of each, interleaved repeat by repeat, warm and cold (each cold epoch an
     evicted fresh process): bags/s, int8 / float16 per repeat and its median; bytes on storage."""
     sizes = {d: harness.feature_bytes(os.path.join(store, DATASET, ENCODER, "b")) for d, store in stores.items()}
-    out: dict[str, Any] = {"reference": "float16", "split_bytes": sizes, "bytes_ratio": sizes["int8"] / sizes["float16"]}
     specs = {d: _spec(store, method="loader_f32") for d, store in stores.items()}
     epochs = {d: _runs(spec)[0]["loader_f32"] for d, spec in specs.items()}  # the same loader as the float16 figures'
-    for mode, times in _warm_and_cold(epochs, specs, args, *map(_split_dir, specs.values())):
-        per_repeat = times.pairs("float16", "int8")  # seconds: float16's over int8's = int8's bags/s over float16's
-        out[mode] = {"bags_per_s": {d: args.bags / times.median(d) for d in stores}, "times_s": dict(times),
-                     "ratio_per_repeat": per_repeat, "ratio_median": float(np.median(per_repeat))}
-    return out
+    modes = dict(_warm_and_cold(epochs, specs, args, *map(_split_dir, specs.values())))
+    return harness.int8_figures(sizes, "float16", modes, args.bags, "bags")
 
 
 def make_cohort(store: str, split: str, lengths: np.ndarray, dim: int, dtype: str, *,
@@ -159,7 +155,8 @@ def _warm_and_cold(runs: dict[str, Any], specs: dict[str, dict[str, Any]], args:
     yield "warm", interleaved([Method(name, fn) for name, fn in runs.items()], args.repeats, warmup=1)
     if not args.skip_cold:
         harness.unmap()
-        yield "cold", interleaved([Method(name, lambda spec=spec: harness.child("bag_loader:cold_epoch", spec), own=True)
+        child = functools.partial(harness.child, "bag_loader:cold_epoch")
+        yield "cold", interleaved([Method(name, functools.partial(child, spec), own=True)
                                    for name, spec in specs.items()], args.repeats)
 
 

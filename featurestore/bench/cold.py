@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(v) for v in str(args.batch_sizes).split(",")]
     sizes = sizes * len(shapes) if len(sizes) == 1 else sizes
     if len(sizes) != len(shapes) or min(sizes) < 1:
-        raise InvalidOption(f"--batch-sizes {args.batch_sizes!r}: give one positive size, or one per shape ({len(shapes)})")
+        raise InvalidOption(f"--batch-sizes {args.batch_sizes!r}: give one positive size, or one per shape "
+                            f"({len(shapes)})")
     dtypes = harness.parse_dtypes(args.dtype, numpy_only=True)
     paired = "int8" in dtypes
     limit = args.limit_mib << 20
@@ -78,8 +79,8 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
         rows = int8_format.chunk_rows("int8", args.chunk_rows, n)
         n = max(rows, n // rows * rows)
     base = harness.fresh(os.path.join(work, f"{label(shape)}-{dtype}"))
-    print(f"\n[cold] samples [{label(shape)}] {dtype}, N={n} ({n * sample_bytes / 2**30:.2f} GiB, {args.chunk_rows}-row "
-          f"chunks), batches of {batch_size}, memory limit {limit >> 20} MiB")
+    print(f"\n[cold] samples [{label(shape)}] {dtype}, N={n} ({n * sample_bytes / 2**30:.2f} GiB, "
+          f"{args.chunk_rows}-row chunks), batches of {batch_size}, memory limit {limit >> 20} MiB")
     with open(os.path.join(base, "raw"), "wb") as raw:  # the store and a raw file of the same bytes
         harness.write_split(os.path.join(base, "store"), n, shape, dtype=dtype, rows=args.chunk_rows,
                             chunk_bytes=args.chunk_rows * sample_bytes, slabs=lambda _, values: values.tofile(raw))
@@ -114,23 +115,12 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
         out["stderr"] = done.stderr[-3000:]
         return out
     out.update(harness.child_result(done))
-    if int8:
-        out["int8"] = int8_figures(out, dtype)
-    return out
-
-
-def int8_figures(shape: dict[str, Any], reference: str) -> dict[str, Any]:
-    """Samples/s of the paired loader epochs (CPU, and CUDA where measured), their ratio per repeat
-    and its median, and the two splits' bytes on storage."""
-    n, rows, sizes = shape["num_samples"], shape["rows"], shape["split_bytes"]
-    out: dict[str, Any] = {"reference": reference, "split_bytes": sizes, "bytes_ratio": sizes["int8"] / sizes[reference]}
-    for device, (ref, q) in (("cpu", INT8_PAIRS[:2]), ("cuda", INT8_PAIRS[2:])):
-        if ref in rows and q in rows:
-            rates = {name: [n / t for t in rows[name]["all_seconds"]] for name in (ref, q)}
-            per_repeat = [a / b for a, b in zip(rates[q], rates[ref]) if b]
-            out[device] = {"samples_per_s": {reference: float(np.median(rates[ref])), "int8": float(np.median(rates[q]))},
-                           "all_samples_per_s": {reference: rates[ref], "int8": rates[q]},
-                           "ratio_per_repeat": per_repeat, "ratio_median": float(np.median(per_repeat))}
+    if int8:  # the paired loader epochs, on the CPU and on CUDA where measured
+        rows = out["rows"]
+        out["int8"] = harness.int8_figures(out["split_bytes"], dtype, {
+            device: {dtype: rows[ref]["all_seconds"], "int8": rows[q]["all_seconds"]}
+            for device, (ref, q) in (("cpu", INT8_PAIRS[:2]), ("cuda", INT8_PAIRS[2:])) if ref in rows and q in rows},
+            n, "samples")
     return out
 
 

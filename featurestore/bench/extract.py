@@ -93,7 +93,8 @@ def register(subparsers: Any) -> None:
                          {"type": int, "nargs": 2, "metavar": ("W", "H")}),
         "--patch-size": (224, "--wsi: patch side at 20x"),
         "--tissue": ("otsu", "--wsi: tissue filter", {"choices": ("otsu", "all")}),
-        "--max-patches": (int, "--wsi: --limit slides so about this many patches are encoded (a real encoder on a CPU)"),
+        "--max-patches": (int, "--wsi: --limit slides so about this many patches are encoded (a real encoder on a "
+                               "CPU)"),
         "--cold": (False, "--wsi: evict the slides from the page cache before each pass")}, repeats=3, keep="best")
 
 
@@ -308,7 +309,8 @@ def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
             "slide_size": [width, height], "patch_size": args.patch_size, "tissue": args.tissue, "patches": patches,
             "batch_size": args.batch_size, "num_workers": workers, "cold": bool(args.cold), "cpu_count": os.cpu_count(),
             "load_average_1m": os.getloadavg()[0], "repeats": times, **best,
-            "openslide_only_patches_s": patches / best["openslide_only_s"], "extract_patches_s": patches / best["extract_s"],
+            "openslide_only_patches_s": patches / best["openslide_only_s"],
+            "extract_patches_s": patches / best["extract_s"],
             "extract_vs_openslide": best["openslide_only_s"] / best["extract_s"],
             # Each repeat's own pair (measured back to back): the spread shows the machine's noise.
             "pair_ratios": times.pairs("openslide_only_s", "extract_s"),

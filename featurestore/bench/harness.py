@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 
 from featurestore.testing.cgroup import evict, files_under
+from featurestore.testing.serving import process_rss
 
 __all__ = ["Method", "RssPeak", "Times", "add_bench", "add_flags", "child", "child_process", "child_result", "drain",
-           "evict",
-           "feature_bytes", "files_under", "fresh", "gbps", "interleaved", "parse_dtypes", "parse_shapes", "peak_reset",
-           "peak_rss", "rate", "rss_anon_bytes", "rss_runs", "scratch", "size", "timed", "tofile_synced", "unmap",
-           "warm", "write_split", "write_synced"]
+           "evict", "feature_bytes", "files_under", "fresh", "gbps", "int8_figures", "interleaved", "parse_dtypes",
+           "parse_shapes", "peak_reset", "peak_rss", "rate", "rss_anon_bytes", "rss_runs", "scratch", "size", "timed",
+           "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
 
 
 def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any, ...]], *, repeats: int | None = None,
@@ -266,35 +266,22 @@ def _child_main(function: str, config: str) -> None:
 
 # ---------------------------------------------------------------------- memory
 def rss_anon_bytes() -> int:
-    """This process's anonymous resident memory (RssAnon), the part a page cache cannot reclaim."""
-    try:
-        return _status_bytes("RssAnon")
-    except OSError:
-        import resource
+    """This process's anonymous resident memory (RssAnon), the part a page cache cannot reclaim
+    (without /proc: the peak RSS, the nearest the OS gives)."""
+    import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return process_rss(os.getpid(), "RssAnon") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def peak_reset() -> None:
     """Reset this process's peak RSS (VmHWM) to its current RSS, where the kernel allows."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def peak_rss() -> int:
     """This process's peak RSS (VmHWM) since the last :func:`peak_reset`."""
-    return _status_bytes("VmHWM")
+    return process_rss(os.getpid(), "VmHWM")
 
 
 class RssPeak:
@@ -317,6 +304,22 @@ class RssPeak:
         self._thread.join()
         self.seconds = time.perf_counter() - self.t0
         self.peak = max(self.peak, rss_anon_bytes())
+
+
+# ---------------------------------------------------------------------- int8 beside float16
+def int8_figures(sizes: dict[str, int], reference: str, seconds: dict[str, dict[str, list[float]]], count: int,
+                 unit: str) -> dict[str, Any]:
+    """int8 beside ``reference`` (the same ``count`` samples or bags, epochs interleaved), per mode of
+    ``seconds`` (``{mode: {reference: [s, ...], "int8": [s, ...]}}``): each one's ``unit``/s (median),
+    int8's rate over the reference's per repeat and its median; the splits' bytes on storage (``sizes``)."""
+    out: dict[str, Any] = {"reference": reference, "split_bytes": sizes,
+                           "bytes_ratio": sizes["int8"] / sizes[reference]}
+    for mode, times in seconds.items():  # per repeat, the reference's seconds over int8's
+        per_repeat = [r / q for r, q in zip(times[reference], times["int8"]) if q]
+        out[mode] = {f"{unit}_per_s": {d: count / statistics.median(times[d]) for d in (reference, "int8")},
+                     "times_s": dict(times), "ratio_per_repeat": per_repeat,
+                     "ratio_median": float(statistics.median(per_repeat))}
+    return out
 
 
 # ---------------------------------------------------------------------- small helpers

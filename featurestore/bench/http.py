@@ -25,7 +25,8 @@ def register(subparsers: Any) -> None:
         "--store": (str, "serve this store (its first split) instead of building one"),
         "--num-samples": (1024, "samples in the built store"), "--batch-size": (64, None),
         "--batches": (30, "timed batches per method and repeat"), "--items": (300, "single-item requests timed"),
-        "--load-seconds": (30.0, "seconds of the load test, 0 skips it"), "--clients": (16, "load-test concurrent clients"),
+        "--load-seconds": (30.0, "seconds of the load test, 0 skips it"),
+        "--clients": (16, "load-test concurrent clients"),
         "--threads": (2, "FeatureLoader threads over HTTP"),
         "--workers": (1, "server worker processes (featurestore serve --workers)")}, repeats=3)
 
@@ -170,7 +171,8 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
         "http_vs_raw_tcp_gather": median["http"] / median["raw tcp + gather"],
         "item_latency_ms": {"p50": p50, "p99": p99, "count": len(lat)}, "loader": loader}
     if args.load_seconds > 0:
-        results["load"] = load_test(url, path, key, clients=args.clients, seconds=args.load_seconds, server_pid=proc.pid)
+        results["load"] = load_test(url, path, key, clients=args.clients, seconds=args.load_seconds,
+                                    server_pid=proc.pid)
     return results
 
 

@@ -5,6 +5,7 @@ and an epoch under a memory cgroup (docs/BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import time
@@ -55,32 +56,24 @@ def _split_dir(store: str, split: str) -> str:
 
 # ---------------------------------------------------------------------- 1. throughput
 def _throughput(store: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
     from client import FeatureDataset, FeatureLoader
 
     ds = FeatureDataset(store, DATASET, ENCODER, "n4")
-    array = ds.array
     batches = list(FeatureLoader(ds, batch_size=args.batch_size, device="cpu", order="shuffle", seed=1).plan())
     nbytes = sum(len(b) for b in batches) * ds.sample_nbytes
     harness.warm(_split_dir(store, "n4"))
-
-    import torch
-
-    def reader(upcast: bool) -> None:
-        for index in batches:
-            batch = array.read(index)
-            if upcast:
-                batch = batch.to(torch.float32)
-
     # One loader per dtype, reused across epochs as a training loop does: its recycled buffers
     # and threads are set up by the warm-up epoch, like the reader's maps are by its first pass.
     loaders = {dtype: FeatureLoader(ds, batch_sampler=batches, device="cpu", dtype=dtype, prefetch=args.prefetch)
                for dtype in (None, torch.float32)}
-
-    methods = [Method("reader", lambda: reader(False)), Method("loader", lambda: harness.drain(loaders[None])),
-               Method("reader_f32", lambda: reader(True)),
-               Method("loader_f32", lambda: harness.drain(loaders[torch.float32]))]
+    methods = {"reader": lambda: harness.drain(ds.array.read(index) for index in batches),
+               "loader": functools.partial(harness.drain, loaders[None]),
+               "reader_f32": lambda: harness.drain(ds.array.read(index).to(torch.float32) for index in batches),
+               "loader_f32": functools.partial(harness.drain, loaders[torch.float32])}
     # Interleaved, so drift hits all four alike; the warm-up sets up the loaders' buffers and threads.
-    times = interleaved(methods, max(1, args.repeats), warmup=1)
+    times = interleaved([Method(name, fn) for name, fn in methods.items()], max(1, args.repeats), warmup=1)
     best = times.bests()
     return {"batches": len(batches), "bytes": nbytes, "reader_s_per_batch": best["reader"] / len(batches),
             **{f"{key.replace('_f32', '_float32')}_gbps": gbps(nbytes, seconds) for key, seconds in best.items()},

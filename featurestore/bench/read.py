@@ -68,7 +68,8 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
         "np.memmap gather": lambda idx: memmap[idx],
         "zarr orthogonal": lambda idx: zarray.get_orthogonal_selection((idx,)),
         "hdf5 per sample": lambda idx: np.stack([h5[str(i)][()] for i in idx]),
-        "torch.save per sample": lambda idx: torch.stack([torch.load(os.path.join(base, "pt", f"{i}.pt")) for i in idx]),
+        "torch.save per sample": lambda idx: torch.stack([torch.load(os.path.join(base, "pt", f"{i}.pt"))
+                                                          for i in idx]),
     }
     harness.warm(os.path.join(base, "store"), os.path.join(base, "pt"), raw_path, h5_path)  # every method from memory
     # The slow baselines get fewer batches; GB/s is per byte, so the counts need not match.

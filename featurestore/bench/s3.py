@@ -36,7 +36,8 @@ BAGS_NO_CACHE, BAGS_EPOCH1 = "bag loader, no cache (ranged GETs)", "bag loader, 
 BAGS_EPOCH2 = "bag loader, cache epoch 2 (cold files)"
 BAG_FIGURES = (BAGS_CEILING, BAGS_USERS, BAGS_NO_CACHE, BAGS_EPOCH1, BAGS_EPOCH2)
 # Each ratio: the median GB/s of the first run over the second's (figure spread: per repeat).
-PAIRS = {"read_vs_ceiling": (FS_EPOCH, CEILING), "read_vs_zarr": (FS_EPOCH, ZARR), "loader_vs_ceiling": (LOADER, CEILING),
+PAIRS = {"read_vs_ceiling": (FS_EPOCH, CEILING), "read_vs_zarr": (FS_EPOCH, ZARR),
+         "loader_vs_ceiling": (LOADER, CEILING),
          "write_vs_put": (WRITE, PUT), "read_vs_bare_ranges": (FS_EPOCH, BARE_EPOCH),
          "cache_epoch1_vs_ceiling": (EPOCH1, CEILING), "cache_epoch2_vs_local_cold": (EPOCH2, LOCAL),
          "half_cache_vs_ceiling": (HALF2, CEILING), "half_cache_epoch1_vs_ceiling": (HALF1, CEILING),
@@ -51,15 +52,16 @@ def register(subparsers: Any) -> None:
         "--num-samples": (1024, None), "--shape": ("256x384", "sample shape TxD (float16)"), "--batch-size": (64, None),
         "--slow-batches": (6, "batches per repeat for zarr-python (it is slow)"),
         "--chunk-mb": (8.0, "chunk size in MiB, as the writer's"),
-        "--coalesce-gap": (int, "coalesce_gap storage option in bytes (default: FEATURESTORE_OBJECT_COALESCE_GAP or 1 MiB)"),
+        "--coalesce-gap": (int, "coalesce_gap storage option in bytes (default: FEATURESTORE_OBJECT_COALESCE_GAP "
+                                "or 1 MiB)"),
         "--weed-args": ("", "extra SeaweedFS server flags, space separated, after featurestore's own; write "
                             "--weed-args=-filer.maxMB=4 (with '=') for SeaweedFS's stock 4 MiB internal chunks"),
         "--prefetch": (4, "FeatureLoader prefetch, batches in flight"),
         "--no-cache": (False, "skip the chunk cache figures"),
         "--bags": (48, "slides of the bag figures (0: skip them)"), "--bag-median": (2000, "median patches per slide"),
         "--bag-dim": (1024, "feature width of the bag split"),
-        "--link-gbit": (float, "put a link of this many Gbit/s between the bench and SeaweedFS (root: a private network "
-                               "namespace, tc); default: bare loopback, where both share the cores"),
+        "--link-gbit": (float, "put a link of this many Gbit/s between the bench and SeaweedFS (root: a private "
+                               "network namespace, tc); default: bare loopback, where both share the cores"),
         "--endpoint": (str, "use this S3 endpoint instead of starting SeaweedFS"),
         "--bucket": ("featurestore-bench", None), "--key": (str, None), "--secret": (str, None)},
         repeats=3, description=__doc__,
@@ -184,7 +186,8 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
 
     methods: dict[str, Any] = {
         FS_EPOCH: batches(lambda: featurestore.open_store(url, **fs_options).open("bench", "enc", "train"),
-                          lambda it, idx: it.read_numpy(idx, out=out[: len(idx)])), CEILING: lambda: _ceiling(storage.obstore, chunk_keys),
+                          lambda it, idx: it.read_numpy(idx, out=out[: len(idx)])),
+        CEILING: lambda: _ceiling(storage.obstore, chunk_keys),
         BARE_EPOCH: batches(lambda: ObjectStorage(url, fs_options).obstore, bare_batch),
         LOADER: harness.rate(loader_epoch, n * sample_bytes),
         ZARR: batches(zarr_open, lambda it, idx: it.get_orthogonal_selection((np.sort(idx),)), args.slow_batches)}
@@ -337,7 +340,8 @@ def bag_methods(url: str, options: dict[str, Any], args: argparse.Namespace, wor
             data = slides.read(f"slide-{i:05d}.pt")
             return int(torch.load(io.BytesIO(data), weights_only=True).shape[0])
         with ThreadPoolExecutor(4) as pool:
-            assert sum(pool.map(load, np.random.default_rng(int(time.time())).permutation(len(lengths)).tolist())) == rows
+            order = np.random.default_rng(int(time.time())).permutation(len(lengths)).tolist()
+            assert sum(pool.map(load, order)) == rows
 
     return {BAGS_CEILING: lambda: _ceiling(storage.obstore, keys, epochs.nbytes),
             BAGS_USERS: harness.rate(users_way, epochs.nbytes), BAGS_NO_CACHE: epochs.first(url, options),
