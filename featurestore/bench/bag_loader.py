@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
 
@@ -76,7 +77,6 @@ def make_cohort(store: str, split: str, lengths: np.ndarray, dim: int, dtype: st
     """A bag split of cheap bags (:func:`featurestore.demo.synthetic_bags.io_bags`); ``each(bag_id,
     features, coords)``, if given, gets every bag as stored (float16 stays float16), e.g. to write
     the same cohort in another format."""
-    import featurestore
     from featurestore.demo.synthetic_bags import io_bags
 
     writer = featurestore.open_store(store, mode="a", **(storage_options or {})).create_bag_split(

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.bench import bag_loader, harness
 from featurestore.bench.harness import Method, interleaved
 
@@ -63,8 +64,6 @@ def one_pass(config: dict[str, Any]) -> dict[str, Any]:
     fresh process, since a reader that held maps of the files would make a "cold" pass warm."""
     import h5py
     import torch
-
-    import featurestore
 
     paths, ids, offsets, name = config["paths"], config["ids"], config["raw_offsets"], config["method"]
     pool, fd = ThreadPoolExecutor(config["threads"]), -1

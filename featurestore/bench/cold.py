@@ -16,9 +16,11 @@ from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
 from featurestore.bench.reading import label
+from featurestore.core.buffers import aligned_empty
 from featurestore.errors import InvalidOption
 from featurestore.format import int8 as int8_format
 from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
@@ -129,9 +131,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     """(The child, in the cgroup.) Every method, interleaved, each after an eviction."""
     import torch
 
-    import featurestore
     from client import FeatureDataset, FeatureLoader
-    from featurestore.core.buffers import aligned_empty
 
     base, shape, n, b = config["base"], tuple(config["shape"]), config["n"], config["batch_size"]
     dtype = np.dtype(config.get("dtype", "float16"))

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.testing.cgroup import evict, files_under
 from featurestore.testing.serving import process_rss
 
@@ -184,8 +185,6 @@ def write_split(path: str, n: int, shape: tuple[int, ...], *, dtype: str = "floa
     """A split of ``n`` samples written ``rows`` at a time: one random block shifted per slab (content
     does not matter to I/O; generating it would). Each slab (float32 for int8 and bfloat16, which the
     writer converts) is also handed to ``slabs(start, values)``."""
-    import featurestore
-
     writer = featurestore.open_store(path, mode="a").create_split(
         *names, num_samples=n, sample_shape=shape, dtype=dtype, chunk_bytes=chunk_bytes, overwrite=True)
     block = np.random.default_rng(0).standard_normal((min(rows, n), *shape), dtype=np.float32)
@@ -213,8 +212,6 @@ def write_synced(path: str, values: np.ndarray, batch: int, *, n: int | None = N
                  chunk_bytes: int | None = None) -> float:
     """Seconds of the writer writing ``n`` samples (default ``len(values)``; rows of ``values`` taken
     in turn), float16 stored, in batches, committed, to ``os.sync()``."""
-    import featurestore
-
     n = len(values) if n is None else n
     start = time.perf_counter()
     writer = featurestore.open_store(path, mode="a").create_split(

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.testing.serving import SHAPE, build_store, load_test, serve_subprocess
@@ -91,8 +92,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with harness.scratch(args, "http") as work:
         path, key = args.store, ("bench", "enc", "train")
         if path:
-            import featurestore
-
             store = featurestore.open_store(path)
             dataset = store.datasets()[0]
             encoder = store.encoders(dataset)[0]

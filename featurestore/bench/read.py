@@ -13,9 +13,11 @@ from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.bench.reading import label
+from featurestore.core.buffers import aligned_empty
 
 
 def register(subparsers: Any) -> None:
@@ -37,9 +39,6 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
     import h5py
     import torch
     import zarr
-
-    import featurestore
-    from featurestore.core.buffers import aligned_empty
 
     sample_bytes = int(np.prod(shape)) * 2
     n = max(args.batch_size * 4, int(args.gib * (1 << 30)) // sample_bytes)
@@ -101,9 +100,6 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
 
 def rss_epoch(path: str) -> dict[str, Any]:
     """(A child.) The reader's peak anonymous RSS over one shuffled epoch of batches of 64."""
-    import featurestore
-    from featurestore.core.buffers import aligned_empty
-
     arr = featurestore.open_store(path).open("bench", "enc", "train")
     out = aligned_empty((64, *arr.sample_shape), arr.numpy_dtype)
     order = np.random.default_rng(0).permutation(len(arr))

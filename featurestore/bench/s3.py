@@ -20,9 +20,11 @@ from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.bench import harness
 from featurestore.testing import netlink as link
 from featurestore.bench.harness import Method, gbps, interleaved
+from featurestore.core.buffers import aligned_empty
 from featurestore.errors import InvalidOption
 
 CEILING, FS_EPOCH, BARE_EPOCH = "ceiling (whole chunks, 8 GETs)", "featurestore epoch (fresh array)", \
@@ -99,9 +101,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
     import zarr
     from zarr.storage import FsspecStore
 
-    import featurestore
     from client import FeatureDataset, FeatureLoader
-    from featurestore.core.buffers import aligned_empty
     from featurestore.core.storage.io_loop import run as run_async
     from featurestore.core.storage.obstore import ObjectStorage
     from featurestore.core.storage.options import FEATURESTORE_KEYS
@@ -310,7 +310,6 @@ def bag_methods(url: str, options: dict[str, Any], args: argparse.Namespace, wor
     the split's float16 feature bytes."""
     import torch
 
-    import featurestore
     from client import BagDataset, BagLoader
     from featurestore.bench.bag_loader import make_cohort
     from featurestore.core.storage.obstore import ObjectStorage

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
 
@@ -25,8 +26,6 @@ def register(subparsers: Any) -> None:
 
 def build_catalog_store(path: str, splits: int, dim: int) -> None:
     """``splits`` float16 splits of [4, 16, dim] over 5 datasets x 4 encoders x N splits."""
-    import featurestore
-
     store = featurestore.open_store(path, mode="a")
     rng = np.random.default_rng(0)
     values = rng.standard_normal((4, 16, dim), dtype=np.float32)
@@ -43,8 +42,6 @@ def build_catalog_store(path: str, splits: int, dim: int) -> None:
 
 
 def build_picture_store(path: str, samples: int, tokens: int, dim: int) -> tuple[int, int]:
-    import featurestore
-
     side = int(round(tokens**0.5))
     if side * side != tokens:
         raise ValueError(f"--tokens {tokens} is not a square (the picture needs a grid)")
@@ -110,7 +107,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _bench_picture(path: str, grid: tuple[int, int], args: argparse.Namespace) -> dict[str, Any]:
     from fastapi.testclient import TestClient
 
-    import featurestore
     from featurestore.format import dtypes
     from server import Settings, create_app
     from server.web import pictures
