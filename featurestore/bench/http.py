@@ -6,6 +6,7 @@ What it measures: docs/BENCHMARKS.md, "What each bench measures".
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import struct
@@ -193,11 +194,7 @@ def _loader_vs_client(url: str, key: tuple[str, str, str], remote: Any,
     features = np.empty((batch, *remote.sample_shape), remote.numpy_dtype)
     labels = None if remote.labels is None else np.empty((batch, *remote.labels.sample_shape),
                                                          remote.labels.numpy_dtype)  # fmt: skip
-    batches, epoch = n // batch, [0]
-
-    def loader_epoch() -> float:
-        loader.set_epoch(epoch[0])
-        return harness.timed(lambda: harness.drain(loader)) / max(batches, 1)  # drop_last: n // batch batches
+    batches, epoch = n // batch, [0]  # drop_last: the loader's epochs are n // batch batches too
 
     def client_epoch() -> None:
         order = np.random.default_rng(epoch[0]).permutation(n)
@@ -210,13 +207,13 @@ def _loader_vs_client(url: str, key: tuple[str, str, str], remote: Any,
         return methods
 
     # Epochs alternate; the warm-up epoch warms connections and threads. Seconds per batch.
-    per_batch = interleaved([Method("loader", loader_epoch, own=True), Method("client", client_epoch)], args.repeats,
-                            warmup=1, order=next_epoch)
-    per_batch["client"] = [s / max(batches, 1) for s in per_batch["client"]]
+    times = interleaved([Method("loader", functools.partial(harness.drain, loader), lambda: loader.set_epoch(epoch[0])),
+                         Method("client", client_epoch)], args.repeats, warmup=1, order=next_epoch)
+    per_batch = {name: [s / max(batches, 1) for s in seconds] for name, seconds in times.items()}
     nbytes = features.nbytes + (0 if labels is None else labels.nbytes)
     rates = {name: gbps(nbytes, float(np.median(v))) for name, v in per_batch.items()}
-    ratio = rates["loader"] / rates["client"]
-    return {"gb_per_s": rates, "loader_vs_client": ratio, "threads": threads, "per_epoch_s": dict(per_batch)}
+    return {"gb_per_s": rates, "loader_vs_client": rates["loader"] / rates["client"], "threads": threads,
+            "per_epoch_s": per_batch}
 
 
 def failed(results: dict[str, Any]) -> str | None:
