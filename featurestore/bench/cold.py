@@ -86,12 +86,10 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
     with open(os.path.join(base, "raw"), "wb") as raw:  # the store and a raw file of the same bytes
         harness.write_split(os.path.join(base, "store"), n, shape, dtype=dtype, rows=args.chunk_rows,
                             chunk_bytes=args.chunk_rows * sample_bytes, slabs=lambda _, values: values.tofile(raw))
-    methods = list(BASE_METHODS)
     import torch  # the child measures with it too
 
     cuda = args.cuda == "on" or (args.cuda == "auto" and torch.cuda.is_available())
-    if cuda:
-        methods += ["FeatureLoader -> cuda"]
+    methods = [*BASE_METHODS, *(["FeatureLoader -> cuda"] if cuda else [])]
     out: dict[str, Any] = {"sample_shape": list(shape), "dtype": dtype, "num_samples": n, "batch_size": batch_size,
                            "chunk_rows": args.chunk_rows, "store_bytes": n * sample_bytes, "limit_bytes": limit}
     if int8:  # the same samples as int8 (the writer quantizes them), chunks of as many rows where the format allows
@@ -107,8 +105,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
             done = harness.child_process("cold:measure", config, cgroup=group)
             out["cgroup"] = f"v{group.version}" if group.version else "systemd-run scope"
             out["oom_kills"] = group.oom_kills()
-    except CgroupUnavailable as error:
-        print(f"  no memory cgroup ({error}): cold figures rely on eviction (posix_fadvise DONTNEED) alone")
+    except CgroupUnavailable as error:  # the notes print it
         out["cgroup"] = f"none ({error}); evicted with posix_fadvise(DONTNEED) before each method"
         done = harness.child_process("cold:measure", config)
     shutil.rmtree(base, ignore_errors=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import time
 from typing import Any
 
 import numpy as np
@@ -98,9 +97,9 @@ def register(subparsers: Any) -> None:
         "--cold": (False, "--wsi: evict the slides from the page cache before each pass")}, repeats=3, keep="best")
 
 
-def _encode_only(opts: Any) -> float:
-    """Seconds of the extraction's loader, batches and encoder, the device synchronised per batch;
-    the features are dropped."""
+def _encode_only(opts: Any) -> None:
+    """The extraction's loader, batches and encoder, the device synchronised per batch; the
+    features are dropped."""
     from featurestore.extract.sources import Failure, PreparedImages, Preprocessing, collate, open_source
 
     source = open_source(opts.images)
@@ -112,8 +111,8 @@ def _encode_only(opts: Any) -> float:
         assert not isinstance(batch, Failure)
         return encoder(batch[1].to(device, non_blocking=True))
 
-    return encode_pass(opts, lambda e: PreparedImages(source, Preprocessing(mean=e.mean, std=e.std)),
-                       plan, opts.num_workers, collate, call)
+    encode_pass(opts, lambda e: PreparedImages(source, Preprocessing(mean=e.mean, std=e.std)), plan,
+                opts.num_workers, collate, call)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,7 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             os.sync()
 
         # Interleaved: a slow moment hits every method alike.
-        times = interleaved([Method("encode_only_s", lambda: _encode_only(opts), own=True),
+        times = interleaved([Method("encode_only_s", lambda: _encode_only(opts)),
                              Method("extract_s", run_extract),
                              Method("tofile_s", lambda: write_raw(os.path.join(work, "raw")), own=True),
                              Method("write_only_s", lambda: harness.write_synced(
@@ -190,12 +189,6 @@ def _data_loader(dataset: Any, batches: list[Any], workers: int | None, **option
                                        worker_init_fn=DieWithParent(worker_init) if workers else None, **options)
 
 
-def _openslide_only(keys_batches: list[list[Any]], workers: int) -> float:
-    """Seconds to read every patch with OpenSlide alone (RGB arrays stacked per batch in the worker by
-    the default collate, as extraction's own collate does)."""
-    return harness.timed(lambda: harness.drain(_data_loader(_RawReader(), keys_batches, workers)))
-
-
 class _RawReader:
     """``read_region`` -> RGB ``uint8 [s, s, 3]``, one handle per slide per worker."""
 
@@ -212,17 +205,15 @@ class _RawReader:
         return np.asarray(region)[..., :3].copy()
 
 
-def encode_pass(opts: Any, dataset: Any, plan: list[Any], workers: int | None, collate: Any,
-                call: Any) -> float:
-    """Seconds of extraction's loader over ``dataset(encoder)``, its batches and encoder
-    (``call(encoder, batch, device)``), the device synchronised per batch, the features dropped."""
+def encode_pass(opts: Any, dataset: Any, plan: list[Any], workers: int | None, collate: Any, call: Any) -> None:
+    """Extraction's loader over ``dataset(encoder)``, its batches and encoder (``call(encoder,
+    batch, device)``), the device synchronised per batch, the features dropped."""
     import torch
 
     from featurestore.core.device import resolve_device
     from featurestore.extract.encode_loop import autocast, resolve_precision
     from featurestore.extract.encoders import load_encoder
 
-    start = time.perf_counter()
     encoder = load_encoder(opts.encoder)
     device = resolve_device(opts.device)
     encoder.to(device)
@@ -234,10 +225,9 @@ def encode_pass(opts: Any, dataset: Any, plan: list[Any], workers: int | None, c
                 call(encoder, batch, device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-    return time.perf_counter() - start
 
 
-def _encode_patches(opts: Any, keys_batches: list[list[Any]], workers: int) -> float:
+def _encode_patches(opts: Any, keys_batches: list[list[Any]], workers: int) -> None:
     from featurestore.extract.sources import Preprocessing
     from featurestore.extract.wsi_patches import PatchReader, collate_patches, to_encoder
 
@@ -253,7 +243,7 @@ def _encode_patches(opts: Any, keys_batches: list[list[Any]], workers: int) -> f
             prep.append(Preprocessing(resize=(size, size), mean=encoder.mean, std=encoder.std))
         encoder(to_encoder(images, prep[0], device), vectors=True)
 
-    return encode_pass(opts, lambda _: PatchReader(size), keys_batches, workers, collate_patches, call)
+    encode_pass(opts, lambda _: PatchReader(size), keys_batches, workers, collate_patches, call)
 
 
 def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
@@ -296,9 +286,11 @@ def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
             loop.append(result.seconds)  # plans, reads, encoder, bags: no start-up or commit
             assert result.patches == patches, (result.patches, patches)
 
-        methods = [Method("openslide_only_s", lambda: _openslide_only(batches, workers), cold, own=True)]
+        # OpenSlide alone: RGB arrays stacked per batch in the worker by the default collate, as extraction's.
+        methods = [Method("openslide_only_s", lambda: harness.drain(_data_loader(_RawReader(), batches, workers)),
+                          cold)]
         if real:
-            methods.append(Method("encode_only_s", lambda: _encode_patches(opts, batches, workers), cold, own=True))
+            methods.append(Method("encode_only_s", lambda: _encode_patches(opts, batches, workers), cold))
         methods.append(Method("extract_s", extract, cold,
                               lambda: shutil.rmtree(os.path.join(work, "store"), ignore_errors=True)))
         times = interleaved(methods, args.repeats)
