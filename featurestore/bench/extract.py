@@ -128,8 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                            shape=(args.n, args.image_size, args.image_size, 3))
         for lo in range(0, args.n, 64):
             images[lo : lo + 64] = rng.integers(0, 256, images[lo : lo + 64].shape, dtype=np.uint8)
-        images.flush()
-        del images
+        del images  # flushed as it goes
         opts = ExtractOptions(images=f"npy:{images_path}", encoder=spec, store=os.path.join(work, "store"),
                               dataset="bench", split="s", batch_size=args.batch_size, chunk_mb=args.chunk_mb,
                               num_workers=args.num_workers, progress=False, device=args.device,
