@@ -30,8 +30,8 @@ from featurestore.testing.serving import process_rss
 
 __all__ = ["Method", "RssPeak", "Times", "add_bench", "add_flags", "child", "child_process", "child_result", "drain",
            "evict", "feature_bytes", "files_under", "fresh", "gbps", "int8_figures", "interleaved", "parse_dtypes",
-           "parse_shapes", "peak_reset", "peak_rss", "rate", "rss_anon_bytes", "rss_runs", "scratch", "size", "timed",
-           "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
+           "parse_shapes", "peak_reset", "peak_rss", "rate", "rss_anon_bytes", "rss_epoch", "rss_runs", "scratch",
+           "size", "timed", "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
 
 
 def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any, ...]], *, repeats: int | None = None,
@@ -301,6 +301,14 @@ class RssPeak:
         self._thread.join()
         self.seconds = time.perf_counter() - self.t0
         self.peak = max(self.peak, rss_anon_bytes())
+
+
+def rss_epoch(batches: Iterable[Any]) -> dict[str, Any]:
+    """(In a child.) One pass over ``batches``, each touched as it is made, under :class:`RssPeak`:
+    ``baseline_anon``, ``peak_anon`` and ``epoch_s``."""
+    with RssPeak() as rss:
+        drain(batches)
+    return {"baseline_anon": rss.baseline, "peak_anon": rss.peak, "epoch_s": rss.seconds}
 
 
 # ---------------------------------------------------------------------- int8 beside float16

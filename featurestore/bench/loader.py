@@ -133,13 +133,9 @@ def epoch(spec: dict[str, Any]) -> dict[str, Any]:
     ds = FeatureDataset(spec["store"], DATASET, ENCODER, spec["split"])
     loader = FeatureLoader(ds, batch_size=spec["batch_size"], device="cpu", dtype=torch.float32,
                            prefetch=spec["prefetch"])
-    checksum = 0.0
-    with harness.RssPeak() as rss:
-        for features, _ in loader:
-            checksum += float(features[:, 0, 0].sum())  # touch the batch, as a consumer would
-    return {"num_samples": ds.num_samples, "store_bytes": ds.num_samples * ds.sample_nbytes, "epoch_s": rss.seconds,
-            "num_threads": loader.num_threads, "baseline_anon": rss.baseline, "peak_anon": rss.peak,
-            "checksum": checksum}
+    rss = harness.rss_epoch(float(features[:, 0, 0].sum()) for features, _ in loader)  # touched, as a consumer would
+    return {"num_samples": ds.num_samples, "store_bytes": ds.num_samples * ds.sample_nbytes,
+            "num_threads": loader.num_threads, **rss}
 
 
 def ram_tensor(spec: dict[str, Any]) -> dict[str, Any]:

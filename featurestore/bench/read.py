@@ -103,10 +103,8 @@ def rss_epoch(path: str) -> dict[str, Any]:
     arr = featurestore.open_store(path).open("bench", "enc", "train")
     out = aligned_empty((64, *arr.sample_shape), arr.numpy_dtype)
     order = np.random.default_rng(0).permutation(len(arr))
-    with harness.RssPeak() as rss:
-        for s in range(0, len(order) - 63, 64):
-            arr.read_numpy(order[s:s + 64], out=out)
-    return {"n": len(arr), "baseline_anon": rss.baseline, "peak_anon": rss.peak}
+    return {"n": len(arr), **harness.rss_epoch(arr.read_numpy(order[s:s + 64], out=out)
+                                               for s in range(0, len(order) - 63, 64))}
 
 
 def _bench_rss(work: str, args: argparse.Namespace) -> dict[str, Any]:
