@@ -28,7 +28,7 @@ import featurestore
 from featurestore.testing.cgroup import evict, files_under
 from featurestore.testing.serving import process_rss
 
-__all__ = ["Method", "RssPeak", "Times", "add_bench", "add_flags", "child", "child_process", "child_result", "drain",
+__all__ = ["Method", "Times", "add_bench", "add_flags", "child", "child_process", "child_result", "drain",
            "evict", "feature_bytes", "files_under", "fresh", "gbps", "int8_figures", "interleaved", "parse_dtypes",
            "parse_shapes", "peak_reset", "peak_rss", "rate", "rss_anon_bytes", "rss_epoch", "rss_runs", "scratch",
            "size", "timed", "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
@@ -248,7 +248,7 @@ def child_result(done: subprocess.CompletedProcess[str]) -> Any:
 
 
 def rss_runs(function: str, specs: dict[str, Any]) -> dict[str, Any]:
-    """Per label, the child ``function(spec)`` (an epoch under :class:`RssPeak`: ``baseline_anon``,
+    """Per label, the child ``function(spec)`` (an epoch through :func:`rss_epoch`: ``baseline_anon``,
     ``peak_anon``), each in a fresh process; ``loader_bytes``: per label, its peak over its baseline."""
     out: dict[str, Any] = {label: child(function, spec) for label, spec in specs.items()}
     out["loader_bytes"] = {label: out[label]["peak_anon"] - out[label]["baseline_anon"] for label in specs}
@@ -281,34 +281,22 @@ def peak_rss() -> int:
     return process_rss(os.getpid(), "VmHWM")
 
 
-class RssPeak:
-    """Anonymous RSS sampled every 5 ms on a thread while the block runs: ``baseline``, ``peak``,
-    and ``seconds`` the block took."""
-
-    def __enter__(self) -> RssPeak:
-        self.baseline = self.peak = rss_anon_bytes()
-        self._stop, self.t0 = threading.Event(), time.perf_counter()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, rss_anon_bytes())
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.seconds = time.perf_counter() - self.t0
-        self.peak = max(self.peak, rss_anon_bytes())
-
-
 def rss_epoch(batches: Iterable[Any]) -> dict[str, Any]:
-    """(In a child.) One pass over ``batches``, each touched as it is made, under :class:`RssPeak`:
-    ``baseline_anon``, ``peak_anon`` and ``epoch_s``."""
-    with RssPeak() as rss:
-        drain(batches)
-    return {"baseline_anon": rss.baseline, "peak_anon": rss.peak, "epoch_s": rss.seconds}
+    """(In a child.) One pass over ``batches``, each touched as it is made, its anonymous RSS sampled
+    every 5 ms on a thread: ``baseline_anon``, ``peak_anon`` and ``epoch_s``."""
+    peak, stop = [rss_anon_bytes()], threading.Event()
+    baseline = peak[0]
+
+    def sample() -> None:
+        while not stop.wait(0.005):
+            peak[0] = max(peak[0], rss_anon_bytes())
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    seconds = timed(lambda: drain(batches))
+    stop.set()
+    thread.join()
+    return {"baseline_anon": baseline, "peak_anon": max(peak[0], rss_anon_bytes()), "epoch_s": seconds}
 
 
 # ---------------------------------------------------------------------- int8 beside float16
