@@ -28,7 +28,7 @@ import featurestore
 from featurestore.testing.cgroup import evict, files_under
 from featurestore.testing.serving import process_rss
 
-__all__ = ["Method", "Times", "add_bench", "add_flags", "child", "child_process", "child_result", "drain",
+__all__ = ["Method", "Times", "add_bench", "child", "child_process", "child_result", "drain",
            "evict", "feature_bytes", "files_under", "fresh", "gbps", "int8_figures", "interleaved", "parse_dtypes",
            "parse_shapes", "peak_reset", "peak_rss", "rate", "rss_anon_bytes", "rss_epoch", "rss_runs", "scratch",
            "size", "timed", "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
@@ -37,15 +37,22 @@ __all__ = ["Method", "Times", "add_bench", "add_flags", "child", "child_process"
 def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any, ...]], *, repeats: int | None = None,
               keep: str = "median", description: str | None = None,
               workdir: str = "scratch directory (default: a temp dir, removed)") -> argparse.ArgumentParser:
-    """The parser of ``featurestore bench VERB``: the bench's ``flags`` (:func:`add_flags`), ``--repeats``
-    (when given a default), ``--workdir`` and ``--json``; the command ends in :func:`report.finish`.
-    ``description``: ``help``, or the first paragraph of it (a module's docstring)."""
+    """The parser of ``featurestore bench VERB``: the bench's ``flags``, ``--repeats`` (when given a
+    default), ``--workdir`` and ``--json``; the command ends in :func:`report.finish`. ``flags``:
+    ``{"--name": (default, help[, other add_argument keywords])}``; a type as the default means none
+    (None) of that type, ``False`` a switch; the default is appended to the help. ``description``:
+    ``help``, or the first paragraph of it (a module's docstring)."""
     from featurestore.bench import bench_module
     from featurestore.bench.report import finish
 
     name = verb.replace("-", "_")
     parser = subparsers.add_parser(verb, help=help, description=(description or help).split("\n\n")[0])
-    add_flags(parser, flags)
+    for flag, (default, text, *more) in flags.items():
+        kwargs = {"action": "store_true"} if default is False else {"type": default, "default": None} if isinstance(
+            default, type) else {"type": type(default), "default": default}
+        if not isinstance(default, (bool, type)) and default != "" and "default" not in (text or ""):
+            text = f"{text} (default {default})" if text else f"default {default}"
+        parser.add_argument(flag, help=text, **{**kwargs, **(more[0] if more else {})})
     if repeats is not None:
         parser.add_argument("--repeats", type=int, default=repeats,
                             help=f"interleaved repeats; the {keep} is kept (default {repeats})")
@@ -57,17 +64,6 @@ def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any,
         return finish(name, module.run(args), args.json_out, getattr(module, "failed", None))
     parser.set_defaults(func=command)
     return parser
-
-
-def add_flags(parser: Any, flags: dict[str, tuple[Any, ...]]) -> None:
-    """Flags from ``{"--name": (default, help[, other add_argument keywords])}``: a type as the
-    default means none (None) of that type; ``False`` a switch; the default is appended to the help."""
-    for name, (default, text, *more) in flags.items():
-        kwargs = {"action": "store_true"} if default is False else {"type": default, "default": None} if isinstance(
-            default, type) else {"type": type(default), "default": default}
-        if not isinstance(default, (bool, type)) and default != "" and "default" not in (text or ""):
-            text = f"{text} (default {default})" if text else f"default {default}"
-        parser.add_argument(name, help=text, **{**kwargs, **(more[0] if more else {})})
 
 
 def fresh(path: str) -> str:
@@ -118,15 +114,12 @@ class Times(dict[str, list[float]]):
     def median(self, name: str) -> float:
         return float(statistics.median(self[name]))
 
-    def best(self, name: str) -> float:
-        """The smallest value: the best time (for rates, use ``max(times[name])``)."""
-        return float(min(self[name]))
-
     def medians(self) -> dict[str, float]:
         return {name: self.median(name) for name in self if self[name]}
 
     def bests(self) -> dict[str, float]:
-        return {name: self.best(name) for name in self if self[name]}
+        """The smallest value of each: its best time (for rates, use ``max(times[name])``)."""
+        return {name: float(min(self[name])) for name in self if self[name]}
 
     def pairs(self, numerator: str, denominator: str) -> list[float]:
         """``numerator[i] / denominator[i]`` per repeat, the two measured back to back."""
