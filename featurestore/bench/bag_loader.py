@@ -254,5 +254,3 @@ def rss_epoch(config: dict[str, Any]) -> dict[str, Any]:
     return {"bags": len(ds), "store_bytes": int(ds.lengths.sum()) * ds.row_nbytes, **rss,
             "largest_bag_f32_bytes": int(ds.lengths.max()) * ds.dim * 4,
             "largest_bag_stored_bytes": int(ds.lengths.max()) * ds.row_nbytes}
-
-

@@ -30,9 +30,14 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with harness.scratch(args, "read") as work:
-        shapes = [_bench_shape(work, shape, args) for shape in harness.parse_shapes(args.shapes)]
-        rss = None if args.skip_rss else _bench_rss(work, args)
-    return {"benchmark": "read", "batch_size": args.batch_size, "shapes": shapes, **({"rss": rss} if rss else {})}
+        out = {"benchmark": "read", "batch_size": args.batch_size,
+               "shapes": [_bench_shape(work, shape, args) for shape in harness.parse_shapes(args.shapes)]}
+        if not args.skip_rss:  # N and 4N samples of [256x384] float16, each in a fresh process
+            n = max(256, int(args.gib * (1 << 30)) // (256 * 384 * 2) // 4)
+            for key, rows in (("N", n), ("4N", 4 * n)):
+                harness.write_split(harness.fresh(os.path.join(work, f"rss-{key}")), rows, (256, 384))
+            out["rss"] = harness.rss_runs("read:rss_epoch", {k: os.path.join(work, f"rss-{k}") for k in ("N", "4N")})
+    return out
 
 
 def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
@@ -105,11 +110,3 @@ def rss_epoch(path: str) -> dict[str, Any]:
     order = np.random.default_rng(0).permutation(len(arr))
     return {"n": len(arr), **harness.rss_epoch(arr.read_numpy(order[s:s + 64], out=out)
                                                for s in range(0, len(order) - 63, 64))}
-
-
-def _bench_rss(work: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Each of N and 4N samples of [256x384] float16 in a fresh process (its notes print them)."""
-    n = max(256, int(args.gib * (1 << 30)) // (256 * 384 * 2) // 4)
-    for key, rows in (("N", n), ("4N", 4 * n)):
-        harness.write_split(harness.fresh(os.path.join(work, f"rss-{key}")), rows, (256, 384))
-    return harness.rss_runs("read:rss_epoch", {k: os.path.join(work, f"rss-{k}") for k in ("N", "4N")})
