@@ -159,11 +159,6 @@ def check(report: dict[str, Any], targets: list[Target], *, allow_missing: bool 
     return rows
 
 
-def missed(rows: list[Row]) -> list[str]:
-    """The ids of the targets that fail the gate (missed, or not measured without --allow-missing)."""
-    return list(dict.fromkeys(r.target.id for r in rows if r.fails))
-
-
 def number(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
@@ -181,23 +176,18 @@ def table(rows: list[Row]) -> list[list[str]]:
     return lines
 
 
-def format_table(rows: list[Row]) -> str:
+def verdict(rows: list[Row]) -> int:
+    """Print the table and the verdict; 0 when every target is met, else 1 naming the misses (missed,
+    or not measured without --allow-missing)."""
     cells = table(rows)
     widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
-    out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
-def verdict(rows: list[Row]) -> int:
-    """Print the table and the verdict; 0 when every target is met, else 1 (naming the misses)."""
-    print(format_table(rows))
-    misses = missed(rows)
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
+    print("\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]]))
+    misses, targets = list(dict.fromkeys(r.target.id for r in rows if r.fails)), len({r.target.id for r in rows})
     if misses:
-        print(f"featurestore: error: {len(misses)} of {len({r.target.id for r in rows})} target(s) missed: "
-              f"{', '.join(misses)}", file=sys.stderr)
+        print(f"featurestore: error: {len(misses)} of {targets} target(s) missed: {', '.join(misses)}", file=sys.stderr)
         return 1
-    print(f"[bench gate] all {len({r.target.id for r in rows})} target(s) met")
+    print(f"[bench gate] all {targets} target(s) met")
     return 0
 
 
