@@ -248,12 +248,6 @@ def rss_runs(function: str, specs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _child_main(function: str, config: str) -> None:
-    module, name = function.split(":")
-    result = getattr(importlib.import_module(f"featurestore.bench.{module}"), name)(json.loads(config))
-    print(json.dumps(result))
-
-
 # ---------------------------------------------------------------------- memory
 def rss_anon_bytes() -> int:
     """This process's anonymous resident memory (RssAnon), the part a page cache cannot reclaim
@@ -354,5 +348,6 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
     return shapes
 
 
-if __name__ == "__main__":
-    _child_main(sys.argv[1], sys.argv[2])
+if __name__ == "__main__":  # a child of child_process: MODULE:FUNCTION(config), its result as JSON, the last line
+    module, name = sys.argv[1].split(":")
+    print(json.dumps(getattr(importlib.import_module(f"featurestore.bench.{module}"), name)(json.loads(sys.argv[2]))))
