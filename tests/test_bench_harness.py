@@ -30,7 +30,7 @@ def test_interleaved_runs_every_method_once_per_repeat_in_the_order_given() -> N
 def test_pairs_are_per_repeat_ratios() -> None:
     times = harness.Times({"x": [1.0, 2.0, 4.0], "y": [2.0, 2.0, 2.0]})
     assert times.pairs("x", "y") == [0.5, 1.0, 2.0]
-    assert times.best("x") == 1.0 and times.medians() == {"x": 2.0, "y": 2.0}
+    assert times.bests()["x"] == 1.0 and times.medians() == {"x": 2.0, "y": 2.0}
 
 
 def test_evict_and_warm_take_files_and_directories(tmp_path: Path) -> None:

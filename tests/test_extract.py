@@ -366,13 +366,11 @@ def test_cli_s3_store_through_a_moto_server(fold: Path, tmp_path: Path, s3_bucke
 
 
 def test_bench_extract_reports_ratio_and_write_speed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import argparse
-
     from featurestore.bench.extract import run
+    from featurestore.bench.report import bench_args
 
-    args = argparse.Namespace(n=24, image_size=32, batch_size=8, chunk_mb=1.0, num_workers=0, repeats=1,
-                              workdir=str(tmp_path), json_out=None)
-    results = run(args)
+    results = run(bench_args("extract", ["--n", "24", "--image-size", "32", "--batch-size", "8", "--chunk-mb", "1",
+                                         "--num-workers", "0", "--repeats", "1", "--workdir", str(tmp_path)]))
     assert results["sample_shape"] == [4, 384] and results["bytes"] == 24 * 4 * 384 * 2
     assert results["encode_only_s"] > 0 and results["ratio"] == results["extract_s"] / results["encode_only_s"]
     assert results["extract_write_mb_s"] > 0 and results["write_only_mb_s"] > 0

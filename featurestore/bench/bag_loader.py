@@ -5,12 +5,14 @@ and cold, padded batches, RSS over B and 4B bags; int8 beside float16. Method: d
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
 
@@ -18,8 +20,8 @@ DATASET, ENCODER = "bench", "bags"
 
 
 def register(subparsers: Any) -> None:
-    harness.add_bench(subparsers, "bag-loader", "BagLoader vs the bare bag reader and CLAM's torch.load per slide: epoch "
-                      "warm and cold, padded batches, RSS over B vs 4B bags", {
+    harness.add_bench(subparsers, "bag-loader", "BagLoader vs the bare bag reader and CLAM's torch.load per slide: "
+                      "epoch warm and cold, padded batches, RSS over B vs 4B bags", {
         "--bags": (48, "B, bags in the cohort (the RSS run also uses 4B)"),
         "--patches": (2500, "median patches per bag (log-normal, sigma 0.6)"), "--dim": (1024, None),
         "--dtype": ("float16,int8", "float16, or float16,int8: int8 measured beside float16 (docs/BENCHMARKS.md)"),
@@ -33,9 +35,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from featurestore.errors import InvalidOption
 
     dtypes = harness.parse_dtypes(args.dtype)
-    if dtypes not in (["float16"], ["float16", "int8"]):
-        raise InvalidOption(f"--dtype {args.dtype!r}: the cohort is float16, and int8 is measured beside it (its "
-                            "reference, epochs interleaved); give --dtype float16,int8 or float16")
+    if not set(dtypes) <= {"float16", "int8"}:
+        raise InvalidOption(f"--dtype {args.dtype!r}: the cohort is float16, int8 measured beside it; give "
+                            "--dtype float16,int8 or float16")
     lengths = bag_lengths(args.patches, count=args.bags)
     with harness.scratch(args, "bag-loader") as work:
         stores = {d: os.path.join(work, d, "store") for d in dtypes}
@@ -43,36 +45,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         make_cohort(stores["float16"], "b", lengths, args.dim, "float16", each=clam_files(pt_dir))
         result = {"benchmark": "bag-loader", "bags": args.bags, "dim": args.dim, "dtype": "float16",
                   "workers": args.workers, "patches": int(lengths.sum()),
-                  **epoch_figures(stores["float16"], DATASET, ENCODER, "b", pt_dir=pt_dir, workers=args.workers,
-                                  repeats=args.repeats, cold=not args.skip_cold, batch_size=args.batch_size,
-                                  max_patches=args.max_patches)}
+                  **epoch_figures(_spec(stores["float16"], pt_dir=pt_dir, workers=args.workers), args)}
         if not args.skip_rss:
             make_cohort(stores["float16"], "b4", np.tile(lengths, 4), args.dim, "float16")
             result["rss"] = rss_figures(stores["float16"], ("b", "b4"), prefetch=2)
         if "int8" in dtypes:
             make_cohort(stores["int8"], "b", lengths, args.dim, "int8")
-            result["int8"] = int8_figures(stores, "b", repeats=args.repeats, cold=not args.skip_cold)
+            result["int8"] = int8_figures(stores, args)
     return result
 
 
-def int8_figures(stores: dict[str, str], split: str, *, repeats: int, cold: bool = True) -> dict[str, Any]:
+def _spec(store: str, split: str = "b", **more: Any) -> dict[str, Any]:
+    """What :func:`_runs` (here, or in a cold child) needs: the bag split, CLAM's files, the seed."""
+    return {"store": store, "split": split, "pt_dir": None, "workers": 0, "seed": 0, **more}
+
+
+def int8_figures(stores: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
     """The same cohort stored float16 and int8 (``stores``): one BagLoader epoch (batch 1, float32
     out, the same order) of each, interleaved repeat by repeat, warm and cold (each cold epoch an
     evicted fresh process): bags/s, int8 / float16 per repeat and its median; bytes on storage."""
-    from client import BagDataset
-
-    sizes = {d: harness.feature_bytes(os.path.join(store, DATASET, ENCODER, split)) for d, store in stores.items()}
-    out: dict[str, Any] = {"reference": "float16", "split_bytes": sizes, "bytes_ratio": sizes["int8"] / sizes["float16"]}
-    specs = {d: {"store": store, "dataset": DATASET, "encoder": ENCODER, "split": split, "pt_dir": None, "workers": 0,
-                 "seed": 0, "method": "loader_f32"} for d, store in stores.items()}
-    bags = len(BagDataset(stores["int8"], DATASET, ENCODER, split))
+    sizes = {d: harness.feature_bytes(os.path.join(store, DATASET, ENCODER, "b")) for d, store in stores.items()}
+    specs = {d: _spec(store, method="loader_f32") for d, store in stores.items()}
     epochs = {d: _runs(spec)[0]["loader_f32"] for d, spec in specs.items()}  # the same loader as the float16 figures'
-    for mode, times in _warm_and_cold(epochs, specs, repeats, cold,
-                                      *(os.path.join(store, DATASET, ENCODER, split) for store in stores.values())):
-        per_repeat = times.pairs("float16", "int8")  # seconds: float16's over int8's = int8's bags/s over float16's
-        out[mode] = {"bags_per_s": {d: bags / times.median(d) for d in stores}, "times_s": dict(times),
-                     "ratio_per_repeat": per_repeat, "ratio_median": float(np.median(per_repeat))}
-    return out
+    modes = dict(_warm_and_cold(epochs, specs, args, *map(_split_dir, specs.values())))
+    return harness.int8_figures(sizes, "float16", modes, args.bags, "bags")
 
 
 def make_cohort(store: str, split: str, lengths: np.ndarray, dim: int, dtype: str, *,
@@ -81,7 +77,6 @@ def make_cohort(store: str, split: str, lengths: np.ndarray, dim: int, dtype: st
     """A bag split of cheap bags (:func:`featurestore.demo.synthetic_bags.io_bags`); ``each(bag_id,
     features, coords)``, if given, gets every bag as stored (float16 stays float16), e.g. to write
     the same cohort in another format."""
-    import featurestore
     from featurestore.demo.synthetic_bags import io_bags
 
     writer = featurestore.open_store(store, mode="a", **(storage_options or {})).create_bag_split(
@@ -126,54 +121,47 @@ def _collate_mil(batch: list[tuple[Any, int]]) -> tuple[Any, Any]:
 
 
 # ---------------------------------------------------------------------- 1-2. epochs
-def epoch_figures(store: str, dataset: str, encoder: str, split: str, *, pt_dir: str | None = None,
-                  workers: int = 4, repeats: int = 3, cold: bool = True, batch_size: int = 8,
-                  max_patches: int = 4096, seed: int = 0) -> dict[str, Any]:
+def epoch_figures(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """``{"warm", "cold", "padded"}`` epoch figures of BagLoader, the bare reader and (with
     ``pt_dir`` of ``<bag id>.pt`` files) CLAM's loop on one bag split: best seconds, GB/s of the
     stored bytes, and the ratios the targets name."""
     from client import BagDataset
 
-    ds = BagDataset(store, dataset, encoder, split)
-    spec = {"store": store, "dataset": dataset, "encoder": encoder, "split": split, "pt_dir": pt_dir,
-            "workers": workers, "seed": seed}
+    ds = BagDataset(spec["store"], DATASET, ENCODER, spec["split"])
     runs, paths = _runs(spec)
     nbytes = int(ds.lengths.sum()) * ds.row_nbytes
     out: dict[str, Any] = {"epoch_bytes": nbytes, "bags": len(ds)}
     specs = {name: {**spec, "method": name} for name in runs}
-    for mode, times in _warm_and_cold(runs, specs, repeats, cold, os.path.join(store, dataset, encoder, split), *paths):
+    for mode, times in _warm_and_cold(runs, specs, args, _split_dir(spec), *paths):
         best = times.bests()
-        figures: dict[str, Any] = {f"{name}_s": best[name] for name in runs}
-        figures.update({f"{name}_gbps": nbytes / best[name] / 1e9 for name in runs})
-        figures["loader_vs_reader"] = best["reader"] / best["loader"]
-        # Medians too: the loader's threads spread its epochs wider than the reader's on a shared host.
-        figures["loader_vs_reader_median"] = times.median("reader") / times.median("loader")
-        figures["times_s"] = dict(times)
-        if "clam" in best:
-            figures["loader_vs_clam"] = best["clam"] / best["loader_f32"]
-        out[mode] = figures
-    out["padded"] = _padded(ds, batch_size=batch_size, max_patches=max_patches, seed=seed, repeats=repeats,
-                            threads=min(workers, 2))
+        out[mode] = {**{f"{name}_s": s for name, s in best.items()},
+                     **{f"{name}_gbps": nbytes / s / 1e9 for name, s in best.items()},
+                     "loader_vs_reader": best["reader"] / best["loader"],
+                     # Medians too: the loader's threads spread its epochs wider than the reader's on a shared host.
+                     "loader_vs_reader_median": times.median("reader") / times.median("loader"),
+                     "times_s": dict(times),
+                     **({"loader_vs_clam": best["clam"] / best["loader_f32"]} if "clam" in best else {})}
+    out["padded"] = _padded(ds, args, seed=spec["seed"], threads=min(args.workers, 2))
     return out
 
 
-def _warm_and_cold(runs: dict[str, Any], specs: dict[str, dict[str, Any]], repeats: int, cold: bool,
+def _warm_and_cold(runs: dict[str, Any], specs: dict[str, dict[str, Any]], args: argparse.Namespace,
                    *paths: str) -> Iterator[tuple[str, harness.Times]]:
     """``("warm", times)``: ``runs`` interleaved here, ``paths`` read first, after an untimed round
-    (maps, buffers, worker imports); then with ``cold``, ``("cold", times)``: each epoch
+    (maps, buffers, worker imports); then unless ``--skip-cold``, ``("cold", times)``: each epoch
     :func:`cold_epoch` of ``specs[name]`` in a fresh process that evicts first (this one's maps
     would keep the pages resident)."""
     harness.warm(*paths)
-    yield "warm", interleaved([Method(name, fn) for name, fn in runs.items()], repeats, warmup=1)
-    if cold:
+    yield "warm", interleaved([Method(name, fn) for name, fn in runs.items()], args.repeats, warmup=1)
+    if not args.skip_cold:
         harness.unmap()
-        yield "cold", interleaved([Method(name, lambda spec=spec: harness.child("bag_loader:cold_epoch", spec), own=True)
-                                   for name, spec in specs.items()], repeats)
+        child = functools.partial(harness.child, "bag_loader:cold_epoch")
+        yield "cold", interleaved([Method(name, functools.partial(child, spec), own=True)
+                                   for name, spec in specs.items()], args.repeats)
 
 
-def _epoch(loader: Any) -> Any:
-    """One epoch of ``loader`` (its batches counted, nothing else done with them)."""
-    return lambda: sum(1 for _ in loader)
+def _split_dir(spec: dict[str, Any]) -> str:
+    return os.path.join(spec["store"], DATASET, ENCODER, spec["split"])
 
 
 def _runs(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -184,19 +172,15 @@ def _runs(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
     from client import BagDataset, BagLoader
 
-    ds = BagDataset(spec["store"], spec["dataset"], spec["encoder"], spec["split"])
-    bags, seed = ds.bags, spec["seed"]
+    ds = BagDataset(spec["store"], DATASET, ENCODER, spec["split"])
+    seed = spec["seed"]
     order = [int(b[0]) for b in BagLoader(ds, batch_size=1, seed=seed, device="cpu").plan()]
     # The loader as a user builds it (2 read-ahead threads); more threads than cores only add
     # hand-over latency on page-cached data (2 cores: 4 threads 0.65x the reader, 2 threads 0.95-1.2x).
     loaders = {"loader": BagLoader(ds, batch_size=1, seed=seed, device="cpu", dtype=None),
                "loader_f32": BagLoader(ds, batch_size=1, seed=seed, device="cpu", dtype=torch.float32)}
-
-    def reader() -> None:
-        for i in order:
-            bags.read_numpy(i)
-
-    runs: dict[str, Any] = {"reader": reader, **{name: _epoch(loader) for name, loader in loaders.items()}}
+    runs: dict[str, Any] = {"reader": lambda: harness.drain(ds.bags.read_numpy(i) for i in order),
+                            **{name: functools.partial(harness.drain, loader) for name, loader in loaders.items()}}
     paths: list[str] = []
     if spec["pt_dir"]:
         paths = [os.path.join(spec["pt_dir"], f"{bag_id}.pt") for bag_id in ds.ids]
@@ -205,9 +189,8 @@ def _runs(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         def clam() -> None:
             with warnings.catch_warnings():  # "more workers than cores" on small hosts: CLAM's default
                 warnings.simplefilter("ignore")
-                for _ in torch.utils.data.DataLoader(clam_ds, batch_size=1, num_workers=spec["workers"],
-                                                     collate_fn=_collate_mil):
-                    pass
+                harness.drain(torch.utils.data.DataLoader(clam_ds, batch_size=1, num_workers=spec["workers"],
+                                                          collate_fn=_collate_mil))
         runs["clam"] = clam
     return runs, paths
 
@@ -215,14 +198,15 @@ def _runs(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 def cold_epoch(spec: dict[str, Any]) -> float:
     """(A child.) Seconds of one epoch of ``spec["method"]``, the split and CLAM's files evicted first."""
     runs, paths = _runs(spec)
-    harness.evict(os.path.join(spec["store"], spec["dataset"], spec["encoder"], spec["split"]), *paths)
+    harness.evict(_split_dir(spec), *paths)
     return harness.timed(runs[spec["method"]])
 
 
-def _padded(ds: Any, *, batch_size: int, max_patches: int, seed: int, repeats: int, threads: int) -> dict[str, Any]:
+def _padded(ds: Any, args: argparse.Namespace, *, seed: int, threads: int) -> dict[str, Any]:
     from client import BagLoader
 
-    loader = BagLoader(ds, batch_size=batch_size, max_patches=max_patches, seed=seed, device="cpu", dtype=None,
+    max_patches = args.max_patches
+    loader = BagLoader(ds, batch_size=args.batch_size, max_patches=max_patches, seed=seed, device="cpu", dtype=None,
                        bucket=True, prefetch=threads, num_threads=threads)
     plan = loader.plan()
 
@@ -234,10 +218,11 @@ def _padded(ds: Any, *, batch_size: int, max_patches: int, seed: int, repeats: i
             for b, rows in enumerate(picked):
                 out[b, : len(rows)] = rows
 
-    times = interleaved([Method("reader", reader), Method("loader", _epoch(loader))], repeats, warmup=1)
+    times = interleaved([Method("reader", reader), Method("loader", lambda: harness.drain(loader))], args.repeats,
+                        warmup=1)
     rows = sum(min(int(ds.lengths[i]), max_patches) for batch in plan for i in batch)
     best = times.bests()
-    return {"batch_size": batch_size, "max_patches": max_patches, "batches": len(plan), "rows": rows,
+    return {"batch_size": args.batch_size, "max_patches": max_patches, "batches": len(plan), "rows": rows,
             "reader_s": best["reader"], "loader_s": best["loader"], "padded_vs_reader": best["reader"] / best["loader"],
             "loader_gbps": rows * ds.row_nbytes / best["loader"] / 1e9, "times_s": dict(times)}
 
@@ -265,12 +250,7 @@ def rss_epoch(config: dict[str, Any]) -> dict[str, Any]:
 
     ds = BagDataset(config["store"], DATASET, ENCODER, config["split"])
     loader = BagLoader(ds, batch_size=1, device="cpu", dtype=torch.float32, prefetch=config["prefetch"])
-    with harness.RssPeak() as rss:
-        for features, _mask, _coords, _labels in loader:
-            float(features[0, 0, 0])  # touch the batch, as a consumer would
-    return {"bags": len(ds), "store_bytes": int(ds.lengths.sum()) * ds.row_nbytes, "epoch_s": rss.seconds,
-            "baseline_anon": rss.baseline, "peak_anon": rss.peak,
+    rss = harness.rss_epoch(float(batch[0][0, 0, 0]) for batch in loader)  # each batch touched, as a consumer would
+    return {"bags": len(ds), "store_bytes": int(ds.lengths.sum()) * ds.row_nbytes, **rss,
             "largest_bag_f32_bytes": int(ds.lengths.max()) * ds.dim * 4,
             "largest_bag_stored_bytes": int(ds.lengths.max()) * ds.row_nbytes}
-
-

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.bench import bag_loader, harness
 from featurestore.bench.harness import Method, interleaved
 
@@ -30,8 +31,8 @@ def register(subparsers: Any) -> None:
         "--dim": (1536, "features per patch"), "--median": (5000, "median patches per slide (log-normal, sigma 0.8)"),
         "--min": (100, "fewest patches per slide", {"dest": "min_patches"}),
         "--max": (60000, "most patches per slide; one slide always has this many", {"dest": "max_patches"}),
-        "--threads": (8, "threads of the parallel-pread reference"), "--skip-import": (False, "skip the import row")},
-        repeats=1, description=__doc__.split("\n\n")[0] if __doc__ else None)
+        "--threads": (8, "threads of the parallel-pread reference")},
+        repeats=1, description=__doc__)
 
 
 def build(work: str, lengths: np.ndarray, dim: int) -> dict[str, Any]:
@@ -64,24 +65,20 @@ def one_pass(config: dict[str, Any]) -> dict[str, Any]:
     import h5py
     import torch
 
-    import featurestore
-
     paths, ids, offsets, name = config["paths"], config["ids"], config["raw_offsets"], config["method"]
     pool, fd = ThreadPoolExecutor(config["threads"]), -1
     if name == "featurestore":
         bags = featurestore.open_store(paths["store"]).open_bags(*NAMES)
 
         def read(i: int) -> int:
-            features, coords = bags.read(i)
-            return features.numel() * features.element_size() + coords.numel() * coords.element_size()
+            return sum(tensor.nbytes for tensor in bags.read(i))  # features and coords
     elif name == "TRIDENT h5":
         def read(i: int) -> int:
             with h5py.File(os.path.join(paths["h5"], f"{ids[i]}.h5"), "r") as f:
                 return int(f["features"][:].nbytes + f["coords"][:].nbytes)
     elif name == "CLAM .pt":
         def read(i: int) -> int:
-            features = torch.load(os.path.join(paths["pt"], f"{ids[i]}.pt"))
-            return features.numel() * features.element_size()
+            return int(torch.load(os.path.join(paths["pt"], f"{ids[i]}.pt")).nbytes)
     else:
         fd, piece = os.open(paths["raw"], os.O_RDONLY), 1 << 20
         buffer = memoryview(bytearray(int(np.diff(offsets).max())))  # one reused buffer, as the reader's
@@ -128,11 +125,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         built = build(os.path.join(work, "cohort"), lengths, args.dim)
         results = measure(built, lengths, args)
         results["sizes"] = {k: harness.size(v) for k, v in built["paths"].items()}
-        if not args.skip_import:
-            times = [time_import(built, work) for _ in range(max(1, args.repeats))]
-            results["import_seconds"], results["all_import_seconds"] = float(np.median(times)), times
-            # The target's base: the h5 files read whole with h5py (the TRIDENT h5 cold pass).
-            results["ratios"]["import vs h5 read"] = results["seconds"]["TRIDENT h5 cold"] / results["import_seconds"]
+        times = [time_import(built, work) for _ in range(max(1, args.repeats))]
+        results["import_seconds"], results["all_import_seconds"] = float(np.median(times)), times
+        # The target's base: the h5 files read whole with h5py (the TRIDENT h5 cold pass).
+        results["ratios"]["import vs h5 read"] = results["seconds"]["TRIDENT h5 cold"] / results["import_seconds"]
         return results
 
 
@@ -164,8 +160,8 @@ def measure(built: dict[str, Any], lengths: np.ndarray, args: argparse.Namespace
     times = interleaved([method(n, t) for t in ("cold", "warm") for n in METHODS], args.repeats, order=order)
     harness.evict(*paths.values())
     seconds = times.medians()
-    rows = {key: {"seconds": s, "bags_per_s": len(lengths) / s, "gb_per_s": harness.gbps(nbytes[key.rsplit(" ", 1)[0]], s),
-                  "all_seconds": times[key]} for key, s in seconds.items()}
+    rows = {key: {"seconds": s, "bags_per_s": len(lengths) / s, "all_seconds": times[key],
+                  "gb_per_s": harness.gbps(nbytes[key.rsplit(" ", 1)[0]], s)} for key, s in seconds.items()}
     ratios = {f"{name} {t}": seconds[f"{name} {t}"] / seconds[f"featurestore {t}"]
               for name in METHODS[1:] for t in ("cold", "warm")}
     return {"benchmark": "bags", "slides": len(lengths), "dim": args.dim, "patches": int(lengths.sum()),

@@ -6,6 +6,7 @@ What it measures: docs/BENCHMARKS.md, "What each bench measures".
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import threading
@@ -15,8 +16,11 @@ from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
+from featurestore.bench.reading import label
+from featurestore.core.buffers import aligned_empty
 from featurestore.errors import InvalidOption
 from featurestore.format import int8 as int8_format
 from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
@@ -48,12 +52,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(v) for v in str(args.batch_sizes).split(",")]
     sizes = sizes * len(shapes) if len(sizes) == 1 else sizes
     if len(sizes) != len(shapes) or min(sizes) < 1:
-        raise InvalidOption(f"--batch-sizes {args.batch_sizes!r}: give one positive size, or one per shape ({len(shapes)})")
+        raise InvalidOption(f"--batch-sizes {args.batch_sizes!r}: give one positive size, or one per shape "
+                            f"({len(shapes)})")
     dtypes = harness.parse_dtypes(args.dtype, numpy_only=True)
     paired = "int8" in dtypes
-    if paired and "float16" not in dtypes:
-        raise InvalidOption(f"--dtype {args.dtype!r}: int8 is measured beside float16 (its reference, in the same "
-                            "child); give --dtype float16,int8")
     limit = args.limit_mib << 20
     with harness.scratch(args, "cold") as work:
         return {"benchmark": "cold", "limit_bytes": limit,
@@ -71,29 +73,23 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
     values = batch_size * int(np.prod(shape))
     needed = (args.prefetch + 3) * values * 4 + 3 * (values * np.dtype(dtype).itemsize + (64 << 20)) + (384 << 20)
     if limit < needed:
-        print(f"[cold] [{'x'.join(map(str, shape))}]: the memory limit is raised to {needed >> 20} MiB, what a "
+        print(f"[cold] [{label(shape)}]: the memory limit is raised to {needed >> 20} MiB, what a "
               f"FeatureLoader of {batch_size}-sample float32 batches may hold (the store stays {args.store_ratio}x it)")
         limit = needed
     n = max(2 * batch_size, int(args.store_ratio * limit) // sample_bytes)
     if int8:  # whole int8 chunks: a padded last chunk would weigh on the bytes figure, not a real split's
         rows = int8_format.chunk_rows("int8", args.chunk_rows, n)
         n = max(rows, n // rows * rows)
-    label = "x".join(map(str, shape))
-    base = os.path.join(work, f"{label}-{dtype}")
-    shutil.rmtree(base, ignore_errors=True)
-    os.makedirs(base)
-    print(f"\n[cold] samples [{label}] {dtype}, N={n} ({n * sample_bytes / 2**30:.2f} GiB, {args.chunk_rows}-row "
-          f"chunks), batches of {batch_size}, memory limit {limit >> 20} MiB")
-    start = time.perf_counter()
+    base = harness.fresh(os.path.join(work, f"{label(shape)}-{dtype}"))
+    print(f"\n[cold] samples [{label(shape)}] {dtype}, N={n} ({n * sample_bytes / 2**30:.2f} GiB, "
+          f"{args.chunk_rows}-row chunks), batches of {batch_size}, memory limit {limit >> 20} MiB")
     with open(os.path.join(base, "raw"), "wb") as raw:  # the store and a raw file of the same bytes
         harness.write_split(os.path.join(base, "store"), n, shape, dtype=dtype, rows=args.chunk_rows,
                             chunk_bytes=args.chunk_rows * sample_bytes, slabs=lambda _, values: values.tofile(raw))
-    methods = list(BASE_METHODS)
     import torch  # the child measures with it too
 
     cuda = args.cuda == "on" or (args.cuda == "auto" and torch.cuda.is_available())
-    if cuda:
-        methods += ["FeatureLoader -> cuda"]
+    methods = [*BASE_METHODS, *(["FeatureLoader -> cuda"] if cuda else [])]
     out: dict[str, Any] = {"sample_shape": list(shape), "dtype": dtype, "num_samples": n, "batch_size": batch_size,
                            "chunk_rows": args.chunk_rows, "store_bytes": n * sample_bytes, "limit_bytes": limit}
     if int8:  # the same samples as int8 (the writer quantizes them), chunks of as many rows where the format allows
@@ -102,7 +98,6 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
         methods += list(INT8_PAIRS[:2]) + (list(INT8_PAIRS[2:]) if cuda else [])
         out["split_bytes"] = {name: harness.feature_bytes(os.path.join(base, folder, "bench", "enc", "train"))
                               for name, folder in ((dtype, "store"), ("int8", "store-int8"))}
-    print(f"  built in {time.perf_counter() - start:.1f} s")
     config = {"base": base, "shape": list(shape), "dtype": dtype, "n": n, "batch_size": batch_size,
               "methods": methods, "repeats": args.repeats, "prefetch": args.prefetch, "slow_seconds": args.slow_seconds}
     try:
@@ -110,49 +105,30 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
             done = harness.child_process("cold:measure", config, cgroup=group)
             out["cgroup"] = f"v{group.version}" if group.version else "systemd-run scope"
             out["oom_kills"] = group.oom_kills()
-    except CgroupUnavailable as error:
-        print(f"  no memory cgroup ({error}): cold figures rely on eviction (posix_fadvise DONTNEED) alone")
+    except CgroupUnavailable as error:  # the notes print it
         out["cgroup"] = f"none ({error}); evicted with posix_fadvise(DONTNEED) before each method"
         done = harness.child_process("cold:measure", config)
     shutil.rmtree(base, ignore_errors=True)
     out["returncode"] = done.returncode
-    if done.returncode != 0:
-        print(f"  child failed (rc {done.returncode}): {done.stderr[-1500:]}")
+    if done.returncode != 0:  # the notes print its stderr
         out["stderr"] = done.stderr[-3000:]
         return out
     out.update(harness.child_result(done))
-    if int8:
-        out["int8"] = int8_figures(out, dtype)
-    return out
-
-
-def int8_figures(shape: dict[str, Any], reference: str) -> dict[str, Any]:
-    """Samples/s of the paired loader epochs (CPU, and CUDA where measured), their ratio per repeat
-    and its median, and the two splits' bytes on storage."""
-    n, rows, sizes = shape["num_samples"], shape["rows"], shape["split_bytes"]
-    out: dict[str, Any] = {"reference": reference, "split_bytes": sizes, "bytes_ratio": sizes["int8"] / sizes[reference]}
-    for device, (ref, q) in (("cpu", INT8_PAIRS[:2]), ("cuda", INT8_PAIRS[2:])):
-        if ref in rows and q in rows:
-            rates = {name: [n / t for t in rows[name]["all_seconds"]] for name in (ref, q)}
-            per_repeat = [a / b for a, b in zip(rates[q], rates[ref]) if b]
-            out[device] = {"samples_per_s": {reference: float(np.median(rates[ref])), "int8": float(np.median(rates[q]))},
-                           "all_samples_per_s": {reference: rates[ref], "int8": rates[q]},
-                           "ratio_per_repeat": per_repeat, "ratio_median": float(np.median(per_repeat))}
+    if int8:  # the paired loader epochs, on the CPU and on CUDA where measured
+        rows = out["rows"]
+        out["int8"] = harness.int8_figures(out["split_bytes"], dtype, {
+            device: {dtype: rows[ref]["all_seconds"], "int8": rows[q]["all_seconds"]}
+            for device, (ref, q) in (("cpu", INT8_PAIRS[:2]), ("cuda", INT8_PAIRS[2:])) if ref in rows and q in rows},
+            n, "samples")
     return out
 
 
 # ---------------------------------------------------------------------- the child (in the cgroup)
-def _nbytes(tensor: Any) -> int:
-    return int(tensor.numel() * tensor.element_size())
-
-
 def measure(config: dict[str, Any]) -> dict[str, Any]:
     """(The child, in the cgroup.) Every method, interleaved, each after an eviction."""
     import torch
 
-    import featurestore
     from client import FeatureDataset, FeatureLoader
-    from featurestore.core.buffers import aligned_empty
 
     base, shape, n, b = config["base"], tuple(config["shape"]), config["n"], config["batch_size"]
     dtype = np.dtype(config.get("dtype", "float16"))
@@ -194,22 +170,19 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
                 break
         return total
 
-    def memmap_gather() -> int:
-        return budget(lambda idx: memmap[idx].nbytes, slow=True)
-
     def reader() -> int:
         array = featurestore.open_store(store_dir).open("bench", "enc", "train")
-        return budget(lambda idx: _nbytes(array.read(idx)), slow=False)
+        return budget(lambda idx: array.read(idx).nbytes, slow=False)
+
+    memmap_gather = functools.partial(budget, lambda idx: memmap[idx].nbytes, slow=True)
 
     int8_dir = os.path.join(base, "store-int8")
 
     def loader(device: str, store: str = store_dir, out: Any = None) -> Any:
         def epoch() -> int:
             ds = FeatureDataset(store, "bench", "enc", "train")
-            total = 0
             it = FeatureLoader(ds, batch_size=b, shuffle=True, device=device, dtype=out, prefetch=config["prefetch"])
-            for features, _ in it:
-                total += _nbytes(features)
+            total = sum(features.nbytes for features, _ in it)
             it.close()
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -217,8 +190,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
         return epoch
 
     fns = {"device limit": device_limit, "pread reference": pread_reference, "np.memmap gather": memmap_gather,
-           "FeatureArray.read": reader, "FeatureLoader": loader("cpu"),
-           "FeatureLoader -> cuda": loader("cuda")}
+           "FeatureArray.read": reader, "FeatureLoader": loader("cpu"), "FeatureLoader -> cuda": loader("cuda")}
     for name, device, store in zip(INT8_PAIRS, ("cpu", "cpu", "cuda", "cuda"), (store_dir, int8_dir) * 2):
         fns[name] = loader(device, store, torch.float32)
     peaks: dict[str, int] = {}
@@ -254,6 +226,6 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def failed(results: dict[str, Any]) -> str | None:
-    bad = [f"[{'x'.join(map(str, s['sample_shape']))}] {s.get('dtype', 'float16')}" for s in results.get("shapes", [])
+    bad = [f"[{label(s['sample_shape'])}] {s.get('dtype', 'float16')}" for s in results.get("shapes", [])
            if s.get("returncode") != 0 or s.get("errors")]
     return f"a child or a method failed for {', '.join(bad)}" if bad else None

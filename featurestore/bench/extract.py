@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import time
 from typing import Any
 
 import numpy as np
@@ -93,13 +92,14 @@ def register(subparsers: Any) -> None:
                          {"type": int, "nargs": 2, "metavar": ("W", "H")}),
         "--patch-size": (224, "--wsi: patch side at 20x"),
         "--tissue": ("otsu", "--wsi: tissue filter", {"choices": ("otsu", "all")}),
-        "--max-patches": (int, "--wsi: --limit slides so about this many patches are encoded (a real encoder on a CPU)"),
+        "--max-patches": (int, "--wsi: --limit slides so about this many patches are encoded (a real encoder on a "
+                               "CPU)"),
         "--cold": (False, "--wsi: evict the slides from the page cache before each pass")}, repeats=3, keep="best")
 
 
-def _encode_only(opts: Any) -> float:
-    """Seconds of the extraction's loader, batches and encoder, the device synchronised per batch;
-    the features are dropped."""
+def _encode_only(opts: Any) -> None:
+    """The extraction's loader, batches and encoder, the device synchronised per batch; the
+    features are dropped."""
     from featurestore.extract.sources import Failure, PreparedImages, Preprocessing, collate, open_source
 
     source = open_source(opts.images)
@@ -111,17 +111,16 @@ def _encode_only(opts: Any) -> float:
         assert not isinstance(batch, Failure)
         return encoder(batch[1].to(device, non_blocking=True))
 
-    return encode_pass(opts, lambda e: PreparedImages(source, Preprocessing(mean=e.mean, std=e.std)),
-                       plan, opts.num_workers, collate, call)
+    encode_pass(opts, lambda e: PreparedImages(source, Preprocessing(mean=e.mean, std=e.std)), plan,
+                opts.num_workers, collate, call)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if getattr(args, "wsi", False):
+    if args.wsi:
         return run_wsi(args)
     from featurestore.extract.run import ExtractOptions, extract
 
-    encoder = getattr(args, "encoder", "trivial")
-    spec = ENCODERS.get(encoder, encoder)
+    spec = ENCODERS.get(args.encoder, args.encoder)
     with harness.scratch(args, "extract") as work:
         images_path = os.path.join(work, "images.npy")
         rng = np.random.default_rng(0)
@@ -129,12 +128,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                            shape=(args.n, args.image_size, args.image_size, 3))
         for lo in range(0, args.n, 64):
             images[lo : lo + 64] = rng.integers(0, 256, images[lo : lo + 64].shape, dtype=np.uint8)
-        images.flush()
-        del images
+        del images  # flushed as it goes
         opts = ExtractOptions(images=f"npy:{images_path}", encoder=spec, store=os.path.join(work, "store"),
                               dataset="bench", split="s", batch_size=args.batch_size, chunk_mb=args.chunk_mb,
-                              num_workers=args.num_workers, progress=False, device=getattr(args, "device", "auto"),
-                              precision=getattr(args, "precision", "auto"))
+                              num_workers=args.num_workers, progress=False, device=args.device,
+                              precision=args.precision)
         waits: list[float] = []
         state: dict[str, Any] = {}
 
@@ -158,29 +156,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             os.sync()
 
         # Interleaved: a slow moment hits every method alike.
-        times = interleaved([Method("encode_only_s", lambda: _encode_only(opts), own=True), Method("extract_s", run_extract),
+        times = interleaved([Method("encode_only_s", lambda: _encode_only(opts)),
+                             Method("extract_s", run_extract),
                              Method("tofile_s", lambda: write_raw(os.path.join(work, "raw")), own=True),
                              Method("write_only_s", lambda: harness.write_synced(
                                  os.path.join(work, "write"), block(64), 64, n=args.n,
-                                 chunk_bytes=int(args.chunk_mb * (1 << 20))), teardown=clean, own=True)],
-                            args.repeats)
-        sample_shape = state["shape"]
-        nbytes = args.n * int(np.prod(sample_shape)) * 2
-        best = times.bests()
-        encode, extracted, write, tofile = best["encode_only_s"], best["extract_s"], best["write_only_s"], best["tofile_s"]
-        return {
-            "benchmark": "extract", "encoder": spec, "device": str(getattr(args, "device", "auto")),
-            "images": args.n, "image_size": args.image_size, "batch_size": args.batch_size,
-            "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
-            "sample_shape": list(sample_shape), "stored_dtype": "float16", "bytes": nbytes,
-            "encode_only_s": encode, "extract_s": extracted, "ratio": extracted / encode,
-            "tofile_s": tofile, "extract_vs_tofile": tofile / extracted,
-            "writer_wait_s": waits[times["extract_s"].index(extracted)],
-            "extract_write_mb_s": nbytes / extracted / 1e6, "write_only_mb_s": nbytes / write / 1e6,
-            "tofile_mb_s": nbytes / tofile / 1e6,
-            "encode_only_img_s": args.n / encode, "extract_img_s": args.n / extracted,
-            "repeats": dict(times),
-        }
+                                 chunk_bytes=int(args.chunk_mb * (1 << 20))), teardown=clean, own=True)], args.repeats)
+        shape, best = state["shape"], times.bests()
+        nbytes, extracted = args.n * int(np.prod(shape)) * 2, best["extract_s"]
+        return {"benchmark": "extract", "encoder": spec, "device": args.device, "images": args.n,
+                "image_size": args.image_size, "batch_size": args.batch_size, "cpu_count": os.cpu_count(),
+                "load_average_1m": os.getloadavg()[0], "sample_shape": list(shape), "stored_dtype": "float16",
+                "bytes": nbytes, **best, "ratio": extracted / best["encode_only_s"],
+                "extract_vs_tofile": best["tofile_s"] / extracted,
+                "writer_wait_s": waits[times["extract_s"].index(extracted)],
+                "extract_write_mb_s": nbytes / extracted / 1e6, "write_only_mb_s": nbytes / best["write_only_s"] / 1e6,
+                "tofile_mb_s": nbytes / best["tofile_s"] / 1e6, "encode_only_img_s": args.n / best["encode_only_s"],
+                "extract_img_s": args.n / extracted, "repeats": dict(times)}
 
 
 def _data_loader(dataset: Any, batches: list[Any], workers: int | None, **options: Any) -> Any:
@@ -194,13 +186,6 @@ def _data_loader(dataset: Any, batches: list[Any], workers: int | None, **option
     workers = default_num_workers() if workers is None else workers
     return torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=workers,
                                        worker_init_fn=DieWithParent(worker_init) if workers else None, **options)
-
-
-def _openslide_only(keys_batches: list[list[Any]], workers: int) -> float:
-    """Seconds to read every patch with OpenSlide alone (RGB arrays stacked per batch in the worker by
-    the default collate, as extraction's own collate does)."""
-    loader = _data_loader(_RawReader(), keys_batches, workers)
-    return harness.timed(lambda: sum(1 for _ in loader))
 
 
 class _RawReader:
@@ -219,17 +204,15 @@ class _RawReader:
         return np.asarray(region)[..., :3].copy()
 
 
-def encode_pass(opts: Any, dataset: Any, plan: list[Any], workers: int | None, collate: Any,
-                call: Any) -> float:
-    """Seconds of extraction's loader over ``dataset(encoder)``, its batches and encoder
-    (``call(encoder, batch, device)``), the device synchronised per batch, the features dropped."""
+def encode_pass(opts: Any, dataset: Any, plan: list[Any], workers: int | None, collate: Any, call: Any) -> None:
+    """Extraction's loader over ``dataset(encoder)``, its batches and encoder (``call(encoder,
+    batch, device)``), the device synchronised per batch, the features dropped."""
     import torch
 
     from featurestore.core.device import resolve_device
     from featurestore.extract.encode_loop import autocast, resolve_precision
     from featurestore.extract.encoders import load_encoder
 
-    start = time.perf_counter()
     encoder = load_encoder(opts.encoder)
     device = resolve_device(opts.device)
     encoder.to(device)
@@ -241,10 +224,9 @@ def encode_pass(opts: Any, dataset: Any, plan: list[Any], workers: int | None, c
                 call(encoder, batch, device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-    return time.perf_counter() - start
 
 
-def _encode_patches(opts: Any, keys_batches: list[list[Any]], workers: int) -> float:
+def _encode_patches(opts: Any, keys_batches: list[list[Any]], workers: int) -> None:
     from featurestore.extract.sources import Preprocessing
     from featurestore.extract.wsi_patches import PatchReader, collate_patches, to_encoder
 
@@ -260,7 +242,7 @@ def _encode_patches(opts: Any, keys_batches: list[list[Any]], workers: int) -> f
             prep.append(Preprocessing(resize=(size, size), mean=encoder.mean, std=encoder.std))
         encoder(to_encoder(images, prep[0], device), vectors=True)
 
-    return encode_pass(opts, lambda _: PatchReader(size), keys_batches, workers, collate_patches, call)
+    encode_pass(opts, lambda _: PatchReader(size), keys_batches, workers, collate_patches, call)
 
 
 def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
@@ -275,14 +257,11 @@ def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
     encoder = ENCODERS["zero"] if args.encoder in ("zero", "trivial") else args.encoder  # zero: the ceiling
     workers = args.num_workers if args.num_workers is not None else default_num_workers()
     with harness.scratch(args, "wsi") as work:
-        slides_dir = os.path.join(work, "slides")
-        os.makedirs(slides_dir, exist_ok=True)
-        width, height = args.slide_size
+        slides_dir, (width, height) = harness.fresh(os.path.join(work, "slides")), args.slide_size
         for i in range(args.slides):
             write_slide(os.path.join(slides_dir, f"slide-{i:03d}.tiff"), width=width, height=height, seed=i, blobs=8)
-        patching = Patching(Target(args.patch_size, magnification=20.0), args.tissue, 0.5)
         refs = list_slides(slides_dir)
-        planner = SlidePlanner(refs, patching)
+        planner = SlidePlanner(refs, Patching(Target(args.patch_size, magnification=20.0), args.tissue, 0.5))
         plans = [planner[i] for i in range(len(refs))]
         limit = len(refs)  # --max-patches: the first slides that hold that many patches
         if args.max_patches:
@@ -292,11 +271,7 @@ def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
         batches = list(PatchBatches(plans, args.batch_size, lambda _: None))
         patches = sum(len(b) for b in batches)
         files = [r.path for r in refs[:limit]]
-
-        def cold() -> None:  # --cold: the slides leave the page cache before each pass
-            if args.cold:
-                harness.evict(*files)
-
+        cold = (lambda: harness.evict(*files)) if args.cold else None  # the slides leave the page cache per pass
         real = encoder != ENCODERS["zero"]
         opts = SlideOptions(images=f"wsi:{slides_dir}", encoder=encoder, store=os.path.join(work, "store"),
                             dataset="bench", split="s", patch_size=args.patch_size, tissue=args.tissue,
@@ -310,9 +285,11 @@ def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
             loop.append(result.seconds)  # plans, reads, encoder, bags: no start-up or commit
             assert result.patches == patches, (result.patches, patches)
 
-        methods = [Method("openslide_only_s", lambda: _openslide_only(batches, workers), cold, own=True)]
+        # OpenSlide alone: RGB arrays stacked per batch in the worker by the default collate, as extraction's.
+        methods = [Method("openslide_only_s", lambda: harness.drain(_data_loader(_RawReader(), batches, workers)),
+                          cold)]
         if real:
-            methods.append(Method("encode_only_s", lambda: _encode_patches(opts, batches, workers), cold, own=True))
+            methods.append(Method("encode_only_s", lambda: _encode_patches(opts, batches, workers), cold))
         methods.append(Method("extract_s", extract, cold,
                               lambda: shutil.rmtree(os.path.join(work, "store"), ignore_errors=True)))
         times = interleaved(methods, args.repeats)
@@ -320,16 +297,15 @@ def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
         best = times.bests()
         results: dict[str, Any] = {
             "benchmark": "extract-wsi", "encoder": encoder, "device": args.device, "slides": limit,
-            "slide_size": [width, height], "patch_size": args.patch_size, "tissue": args.tissue,
-            "patches": patches, "batch_size": args.batch_size, "num_workers": workers, "cold": bool(args.cold),
-            "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0], "repeats": times, **best,
+            "slide_size": [width, height], "patch_size": args.patch_size, "tissue": args.tissue, "patches": patches,
+            "batch_size": args.batch_size, "num_workers": workers, "cold": bool(args.cold), "cpu_count": os.cpu_count(),
+            "load_average_1m": os.getloadavg()[0], "repeats": times, **best,
             "openslide_only_patches_s": patches / best["openslide_only_s"],
             "extract_patches_s": patches / best["extract_s"],
             "extract_vs_openslide": best["openslide_only_s"] / best["extract_s"],
             # Each repeat's own pair (measured back to back): the spread shows the machine's noise.
             "pair_ratios": times.pairs("openslide_only_s", "extract_s"),
-            "extract_loop_vs_openslide": best["openslide_only_s"] / best["extract_loop_s"],
-        }
+            "extract_loop_vs_openslide": best["openslide_only_s"] / best["extract_loop_s"]}
         if real:
             results.update(encode_only_patches_s=patches / best["encode_only_s"],
                            ratio=best["extract_s"] / best["encode_only_s"])

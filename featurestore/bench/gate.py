@@ -13,12 +13,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from featurestore.bench.reading import FIGURE_BENCHES, read_result
+from featurestore.bench.reading import FIGURE_BENCHES as BENCH_NAMES
+from featurestore.bench.reading import read_result
 from featurestore.errors import InvalidOption
 
 DEFAULT_TARGETS = os.path.join(os.path.dirname(__file__), "targets.json")
 OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt}
-BENCH_NAMES = FIGURE_BENCHES
 SKIPPED = "not in the bench's result (that part skipped?)"
 FIELDS = ("id", "bench", "figure", "op", "threshold", "unit", "cache", "what")
 
@@ -88,7 +88,8 @@ def load_targets(path: str | None = None) -> Targets:
             raise InvalidOption(f"--targets {path}: target {name!r} {problem}")
         targets.append(Target(**{k: raw[k] for k in FIELDS}, variant=raw.get("variant")))
     if not targets:
-        raise InvalidOption(f"--targets {path}: no targets in it (a 'targets' list of objects with {', '.join(FIELDS)})")
+        raise InvalidOption(f"--targets {path}: no targets in it (a 'targets' list of objects with "
+                            f"{', '.join(FIELDS)})")
     return Targets(targets, variants)
 
 
@@ -111,7 +112,8 @@ def _problem(raw: Any, seen: set[str], variants: dict[str, Any]) -> str:
     return "repeats an id" if raw["id"] in seen else ""
 
 
-def runs_needed(targets: list[Target], variants: dict[str, dict[str, Any]], quick: bool) -> dict[str, tuple[str, list[str] | None]]:
+def runs_needed(targets: list[Target], variants: dict[str, dict[str, Any]],
+                quick: bool) -> dict[str, tuple[str, list[str] | None]]:
     """Per report entry the targets need: ``(bench, flags)``; flags None: the bench's own (or --quick's)."""
     runs: dict[str, tuple[str, list[str] | None]] = {b: (b, None) for b in BENCH_NAMES
                                                       if any(t.bench == b and not t.variant for t in targets)}
@@ -157,11 +159,6 @@ def check(report: dict[str, Any], targets: list[Target], *, allow_missing: bool 
     return rows
 
 
-def missed(rows: list[Row]) -> list[str]:
-    """The ids of the targets that fail the gate (missed, or not measured without --allow-missing)."""
-    return list(dict.fromkeys(r.target.id for r in rows if r.fails))
-
-
 def number(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
@@ -179,28 +176,24 @@ def table(rows: list[Row]) -> list[list[str]]:
     return lines
 
 
-def format_table(rows: list[Row]) -> str:
+def verdict(rows: list[Row]) -> int:
+    """Print the table and the verdict; 0 when every target is met, else 1 naming the misses (missed,
+    or not measured without --allow-missing)."""
     cells = table(rows)
     widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
-    out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
-def verdict(rows: list[Row]) -> int:
-    """Print the table and the verdict; 0 when every target is met, else 1 (naming the misses)."""
-    print(format_table(rows))
-    misses = missed(rows)
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
+    print("\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]]))
+    misses, targets = list(dict.fromkeys(r.target.id for r in rows if r.fails)), len({r.target.id for r in rows})
     if misses:
-        print(f"featurestore: error: {len(misses)} of {len({r.target.id for r in rows})} target(s) missed: "
-              f"{', '.join(misses)}", file=sys.stderr)
+        print(f"featurestore: error: {len(misses)} of {targets} target(s) missed: {', '.join(misses)}", file=sys.stderr)
         return 1
-    print(f"[bench gate] all {len({r.target.id for r in rows})} target(s) met")
+    print(f"[bench gate] all {targets} target(s) met")
     return 0
 
 
 def add_target_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--targets", default=None, help=f"targets file (default: the shipped {os.path.basename(DEFAULT_TARGETS)})")
+    parser.add_argument("--targets", default=None,
+                        help=f"targets file (default: the shipped {os.path.basename(DEFAULT_TARGETS)})")
     parser.add_argument("--only", default=None, help="comma-separated target ids to check (default: every target)")
     parser.add_argument("--allow-missing", action="store_true",
                         help="a target whose figure was not measured (bench skipped or not run) does not fail")

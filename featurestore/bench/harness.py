@@ -24,25 +24,35 @@ from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.testing.cgroup import evict, files_under
+from featurestore.testing.serving import process_rss
 
-__all__ = ["Method", "RssPeak", "Times", "add_bench", "add_flags", "child", "child_process", "child_result", "evict",
-           "feature_bytes", "files_under", "gbps", "interleaved", "parse_dtypes", "parse_shapes", "peak_reset",
-           "peak_rss", "rate", "rss_anon_bytes", "rss_runs", "scratch", "size", "timed", "tofile_synced", "unmap",
-           "warm", "write_split", "write_synced"]
+__all__ = ["Method", "Times", "add_bench", "child", "child_process", "child_result", "drain",
+           "evict", "feature_bytes", "files_under", "fresh", "gbps", "int8_figures", "interleaved", "parse_dtypes",
+           "parse_shapes", "peak_reset", "peak_rss", "rate", "rss_anon_bytes", "rss_epoch", "rss_runs", "scratch",
+           "size", "timed", "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
 
 
 def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any, ...]], *, repeats: int | None = None,
               keep: str = "median", description: str | None = None,
               workdir: str = "scratch directory (default: a temp dir, removed)") -> argparse.ArgumentParser:
-    """The parser of ``featurestore bench VERB``: the bench's ``flags`` (:func:`add_flags`), ``--repeats``
-    (when given a default), ``--workdir`` and ``--json``; the command ends in :func:`report.finish`."""
+    """The parser of ``featurestore bench VERB``: the bench's ``flags``, ``--repeats`` (when given a
+    default), ``--workdir`` and ``--json``; the command ends in :func:`report.finish`. ``flags``:
+    ``{"--name": (default, help[, other add_argument keywords])}``; a type as the default means none
+    (None) of that type, ``False`` a switch; the default is appended to the help. ``description``:
+    ``help``, or the first paragraph of it (a module's docstring)."""
     from featurestore.bench import bench_module
     from featurestore.bench.report import finish
 
     name = verb.replace("-", "_")
-    parser = subparsers.add_parser(verb, help=help, description=description or help)
-    add_flags(parser, flags)
+    parser = subparsers.add_parser(verb, help=help, description=(description or help).split("\n\n")[0])
+    for flag, (default, text, *more) in flags.items():
+        kwargs = {"action": "store_true"} if default is False else {"type": default, "default": None} if isinstance(
+            default, type) else {"type": type(default), "default": default}
+        if not isinstance(default, (bool, type)) and default != "" and "default" not in (text or ""):
+            text = f"{text} (default {default})" if text else f"default {default}"
+        parser.add_argument(flag, help=text, **{**kwargs, **(more[0] if more else {})})
     if repeats is not None:
         parser.add_argument("--repeats", type=int, default=repeats,
                             help=f"interleaved repeats; the {keep} is kept (default {repeats})")
@@ -56,15 +66,11 @@ def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any,
     return parser
 
 
-def add_flags(parser: Any, flags: dict[str, tuple[Any, ...]]) -> None:
-    """Flags from ``{"--name": (default, help[, other add_argument keywords])}``: a type as the
-    default means none (None) of that type; ``False`` a switch; the default is appended to the help."""
-    for name, (default, text, *more) in flags.items():
-        kwargs = {"action": "store_true"} if default is False else {"type": default, "default": None} if isinstance(
-            default, type) else {"type": type(default), "default": default}
-        if not isinstance(default, (bool, type)) and default != "" and "default" not in (text or ""):
-            text = f"{text} (default {default})" if text else f"default {default}"
-        parser.add_argument(name, help=text, **{**kwargs, **(more[0] if more else {})})
+def fresh(path: str) -> str:
+    """``path`` as a new empty directory (what a kept ``--workdir`` held there removed)."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
 
 
 @contextlib.contextmanager
@@ -108,15 +114,12 @@ class Times(dict[str, list[float]]):
     def median(self, name: str) -> float:
         return float(statistics.median(self[name]))
 
-    def best(self, name: str) -> float:
-        """The smallest value: the best time (for rates, use ``max(times[name])``)."""
-        return float(min(self[name]))
-
     def medians(self) -> dict[str, float]:
         return {name: self.median(name) for name in self if self[name]}
 
     def bests(self) -> dict[str, float]:
-        return {name: self.best(name) for name in self if self[name]}
+        """The smallest value of each: its best time (for rates, use ``max(times[name])``)."""
+        return {name: float(min(self[name])) for name in self if self[name]}
 
     def pairs(self, numerator: str, denominator: str) -> list[float]:
         """``numerator[i] / denominator[i]`` per repeat, the two measured back to back."""
@@ -141,6 +144,11 @@ def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def drain(batches: Iterable[Any]) -> int:
+    """One pass over ``batches`` (a loader's epoch), each dropped as it comes; how many there were."""
+    return sum(1 for _ in batches)
 
 
 def rate(fn: Callable[[], Any], nbytes: float) -> Callable[[], float]:
@@ -170,8 +178,6 @@ def write_split(path: str, n: int, shape: tuple[int, ...], *, dtype: str = "floa
     """A split of ``n`` samples written ``rows`` at a time: one random block shifted per slab (content
     does not matter to I/O; generating it would). Each slab (float32 for int8 and bfloat16, which the
     writer converts) is also handed to ``slabs(start, values)``."""
-    import featurestore
-
     writer = featurestore.open_store(path, mode="a").create_split(
         *names, num_samples=n, sample_shape=shape, dtype=dtype, chunk_bytes=chunk_bytes, overwrite=True)
     block = np.random.default_rng(0).standard_normal((min(rows, n), *shape), dtype=np.float32)
@@ -199,8 +205,6 @@ def write_synced(path: str, values: np.ndarray, batch: int, *, n: int | None = N
                  chunk_bytes: int | None = None) -> float:
     """Seconds of the writer writing ``n`` samples (default ``len(values)``; rows of ``values`` taken
     in turn), float16 stored, in batches, committed, to ``os.sync()``."""
-    import featurestore
-
     n = len(values) if n is None else n
     start = time.perf_counter()
     writer = featurestore.open_store(path, mode="a").create_split(
@@ -237,72 +241,65 @@ def child_result(done: subprocess.CompletedProcess[str]) -> Any:
 
 
 def rss_runs(function: str, specs: dict[str, Any]) -> dict[str, Any]:
-    """Per label, the child ``function(spec)`` (an epoch under :class:`RssPeak`: ``baseline_anon``,
+    """Per label, the child ``function(spec)`` (an epoch through :func:`rss_epoch`: ``baseline_anon``,
     ``peak_anon``), each in a fresh process; ``loader_bytes``: per label, its peak over its baseline."""
     out: dict[str, Any] = {label: child(function, spec) for label, spec in specs.items()}
     out["loader_bytes"] = {label: out[label]["peak_anon"] - out[label]["baseline_anon"] for label in specs}
     return out
 
 
-def _child_main(function: str, config: str) -> None:
-    module, name = function.split(":")
-    result = getattr(importlib.import_module(f"featurestore.bench.{module}"), name)(json.loads(config))
-    print(json.dumps(result))
-
-
 # ---------------------------------------------------------------------- memory
 def rss_anon_bytes() -> int:
-    """This process's anonymous resident memory (RssAnon), the part a page cache cannot reclaim."""
-    try:
-        return _status_bytes("RssAnon")
-    except OSError:
-        import resource
+    """This process's anonymous resident memory (RssAnon), the part a page cache cannot reclaim
+    (without /proc: the peak RSS, the nearest the OS gives)."""
+    import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return process_rss(os.getpid(), "RssAnon") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def peak_reset() -> None:
     """Reset this process's peak RSS (VmHWM) to its current RSS, where the kernel allows."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def peak_rss() -> int:
     """This process's peak RSS (VmHWM) since the last :func:`peak_reset`."""
-    return _status_bytes("VmHWM")
+    return process_rss(os.getpid(), "VmHWM")
 
 
-class RssPeak:
-    """Anonymous RSS sampled every 5 ms on a thread while the block runs: ``baseline``, ``peak``,
-    and ``seconds`` the block took."""
+def rss_epoch(batches: Iterable[Any]) -> dict[str, Any]:
+    """(In a child.) One pass over ``batches``, each touched as it is made, its anonymous RSS sampled
+    every 5 ms on a thread: ``baseline_anon``, ``peak_anon`` and ``epoch_s``."""
+    peak, stop = [rss_anon_bytes()], threading.Event()
+    baseline = peak[0]
 
-    def __enter__(self) -> RssPeak:
-        self.baseline = self.peak = rss_anon_bytes()
-        self._stop, self.t0 = threading.Event(), time.perf_counter()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
+    def sample() -> None:
+        while not stop.wait(0.005):
+            peak[0] = max(peak[0], rss_anon_bytes())
 
-    def _sample(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, rss_anon_bytes())
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    seconds = timed(lambda: drain(batches))
+    stop.set()
+    thread.join()
+    return {"baseline_anon": baseline, "peak_anon": max(peak[0], rss_anon_bytes()), "epoch_s": seconds}
 
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.seconds = time.perf_counter() - self.t0
-        self.peak = max(self.peak, rss_anon_bytes())
+
+# ---------------------------------------------------------------------- int8 beside float16
+def int8_figures(sizes: dict[str, int], reference: str, seconds: dict[str, dict[str, list[float]]], count: int,
+                 unit: str) -> dict[str, Any]:
+    """int8 beside ``reference`` (the same ``count`` samples or bags, epochs interleaved), per mode of
+    ``seconds`` (``{mode: {reference: [s, ...], "int8": [s, ...]}}``): each one's ``unit``/s (median),
+    int8's rate over the reference's per repeat and its median; the splits' bytes on storage (``sizes``)."""
+    out: dict[str, Any] = {"reference": reference, "split_bytes": sizes,
+                           "bytes_ratio": sizes["int8"] / sizes[reference]}
+    for mode, times in seconds.items():  # per repeat, the reference's seconds over int8's
+        per_repeat = [r / q for r, q in zip(times[reference], times["int8"]) if q]
+        out[mode] = {f"{unit}_per_s": {d: count / statistics.median(times[d]) for d in (reference, "int8")},
+                     "times_s": dict(times), "ratio_per_repeat": per_repeat,
+                     "ratio_median": float(statistics.median(per_repeat))}
+    return out
 
 
 # ---------------------------------------------------------------------- small helpers
@@ -323,16 +320,20 @@ def size(*paths: str) -> int:
 
 def parse_dtypes(text: str, *, numpy_only: bool = False) -> list[str]:
     """``"float16,float32"`` -> the stored dtypes a bench measures in turn, one column each
-    (``numpy_only``: no bfloat16, for a bench whose raw twin holds the same bytes)."""
+    (``numpy_only``: no bfloat16, for a bench whose raw twin holds the same bytes). int8 is never a
+    column of its own: it is measured beside float16, its reference, so it needs float16 listed."""
+    from featurestore.errors import InvalidOption
+
     names = [part.strip() for part in str(text).split(",") if part.strip()]
     for name in names or [text]:
         try:
             np.dtype(name) if numpy_only or name != "bfloat16" else None
         except TypeError:
-            from featurestore.errors import InvalidOption
-
             raise InvalidOption(f"--dtype {text!r}: {name!r} is not a dtype this bench stores; give names such as "
                                 "float16,float32") from None
+    if "int8" in names and "float16" not in names:
+        raise InvalidOption(f"--dtype {text!r}: int8 is measured beside float16 (its reference, epochs "
+                            "interleaved); give --dtype float16,int8")
     return list(dict.fromkeys(names))
 
 
@@ -347,5 +348,6 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
     return shapes
 
 
-if __name__ == "__main__":
-    _child_main(sys.argv[1], sys.argv[2])
+if __name__ == "__main__":  # a child of child_process: MODULE:FUNCTION(config), its result as JSON, the last line
+    module, name = sys.argv[1].split(":")
+    print(json.dumps(getattr(importlib.import_module(f"featurestore.bench.{module}"), name)(json.loads(sys.argv[2]))))

@@ -6,16 +6,17 @@ What it measures: docs/BENCHMARKS.md, "What each bench measures".
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import struct
 import subprocess
 import sys
-import time
 from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.testing.serving import SHAPE, build_store, load_test, serve_subprocess
@@ -26,7 +27,8 @@ def register(subparsers: Any) -> None:
         "--store": (str, "serve this store (its first split) instead of building one"),
         "--num-samples": (1024, "samples in the built store"), "--batch-size": (64, None),
         "--batches": (30, "timed batches per method and repeat"), "--items": (300, "single-item requests timed"),
-        "--load-seconds": (30.0, "seconds of the load test, 0 skips it"), "--clients": (16, "load-test concurrent clients"),
+        "--load-seconds": (30.0, "seconds of the load test, 0 skips it"),
+        "--clients": (16, "load-test concurrent clients"),
         "--threads": (2, "FeatureLoader threads over HTTP"),
         "--workers": (1, "server worker processes (featurestore serve --workers)")}, repeats=3)
 
@@ -91,8 +93,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with harness.scratch(args, "http") as work:
         path, key = args.store, ("bench", "enc", "train")
         if path:
-            import featurestore
-
             store = featurestore.open_store(path)
             dataset = store.datasets()[0]
             encoder = store.encoders(dataset)[0]
@@ -150,8 +150,7 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
     finally:
         raw.close()
         naive.close()
-    median = {name: gbps(out.nbytes, float(np.median(values))) for name, values in times.items()}
-    best = {name: gbps(out.nbytes, float(np.min(values))) for name, values in times.items()}
+    median = {name: gbps(out.nbytes, seconds) for name, seconds in times.medians().items()}
     loader = _loader_vs_client(url, key, remote, args)
 
     rng = np.random.default_rng(99)
@@ -166,15 +165,14 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
                                   / np.median(times[name][r * per:(r + 1) * per])) for r in range(args.repeats)]
                      for name in ("http", "http naive client")}
     results: dict[str, Any] = {
-        "benchmark": "http", "paired_vs_raw_tcp": paired_vs_raw, "batch_size": batch, "sample_shape": list(remote.sample_shape),
-        "page_cache": "warm", "gb_per_s": median, "gb_per_s_best": best, "http_vs_raw_tcp": median["http"] / median["raw tcp"],
+        "benchmark": "http", "paired_vs_raw_tcp": paired_vs_raw, "batch_size": batch,
+        "sample_shape": list(remote.sample_shape), "page_cache": "warm", "gb_per_s": median,
+        "http_vs_raw_tcp": median["http"] / median["raw tcp"],
         "http_vs_raw_tcp_gather": median["http"] / median["raw tcp + gather"],
-        "item_latency_ms": {"p50": p50, "p99": p99, "count": len(lat)}, "loader": loader,
-    }  # fmt: skip
+        "item_latency_ms": {"p50": p50, "p99": p99, "count": len(lat)}, "loader": loader}
     if args.load_seconds > 0:
-        load = load_test(url, path, key, clients=args.clients, seconds=args.load_seconds,
-                         server_pid=proc.pid)  # fmt: skip
-        results["load"] = load
+        results["load"] = load_test(url, path, key, clients=args.clients, seconds=args.load_seconds,
+                                    server_pid=proc.pid)
     return results
 
 
@@ -196,13 +194,7 @@ def _loader_vs_client(url: str, key: tuple[str, str, str], remote: Any,
     features = np.empty((batch, *remote.sample_shape), remote.numpy_dtype)
     labels = None if remote.labels is None else np.empty((batch, *remote.labels.sample_shape),
                                                          remote.labels.numpy_dtype)  # fmt: skip
-    batches, epoch = n // batch, [0]
-
-    def loader_epoch() -> float:
-        loader.set_epoch(epoch[0])
-        start = time.perf_counter()
-        count = sum(1 for _ in loader)
-        return (time.perf_counter() - start) / max(count, 1)
+    batches, epoch = n // batch, [0]  # drop_last: the loader's epochs are n // batch batches too
 
     def client_epoch() -> None:
         order = np.random.default_rng(epoch[0]).permutation(n)
@@ -215,13 +207,13 @@ def _loader_vs_client(url: str, key: tuple[str, str, str], remote: Any,
         return methods
 
     # Epochs alternate; the warm-up epoch warms connections and threads. Seconds per batch.
-    per_batch = interleaved([Method("loader", loader_epoch, own=True), Method("client", client_epoch)], args.repeats,
-                            warmup=1, order=next_epoch)
-    per_batch["client"] = [s / max(batches, 1) for s in per_batch["client"]]
+    times = interleaved([Method("loader", functools.partial(harness.drain, loader), lambda: loader.set_epoch(epoch[0])),
+                         Method("client", client_epoch)], args.repeats, warmup=1, order=next_epoch)
+    per_batch = {name: [s / max(batches, 1) for s in seconds] for name, seconds in times.items()}
     nbytes = features.nbytes + (0 if labels is None else labels.nbytes)
     rates = {name: gbps(nbytes, float(np.median(v))) for name, v in per_batch.items()}
-    ratio = rates["loader"] / rates["client"]
-    return {"gb_per_s": rates, "loader_vs_client": ratio, "threads": threads, "per_epoch_s": dict(per_batch)}
+    return {"gb_per_s": rates, "loader_vs_client": rates["loader"] / rates["client"], "threads": threads,
+            "per_epoch_s": per_batch}
 
 
 def failed(results: dict[str, Any]) -> str | None:

@@ -5,6 +5,7 @@ and an epoch under a memory cgroup (docs/BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import time
@@ -38,8 +39,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                "batch_size": args.batch_size, "prefetch": args.prefetch, "num_samples": n}
     with harness.scratch(args, "loader") as work:
         store = os.path.join(work, "store")
-        _make_split(store, "n", n, shape, args.dtype)
-        _make_split(store, "n4", 4 * n, shape, args.dtype)
+        for split, rows in (("n", n), ("n4", 4 * n)):
+            harness.write_split(store, rows, shape, dtype=args.dtype, names=(DATASET, ENCODER, split))
         results["throughput"] = _throughput(store, args)
         # Over 4N: more batches per epoch, so the unavoidable wait for the first one weighs less.
         results["stall"] = _stall(store, "n4", args)
@@ -49,51 +50,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-# ---------------------------------------------------------------------- data
-def _make_split(store: str, split: str, n: int, shape: tuple[int, ...], dtype: str) -> None:
-    harness.write_split(store, n, shape, dtype=dtype, names=(DATASET, ENCODER, split))
-
-
 def _split_dir(store: str, split: str) -> str:
     return os.path.join(store, DATASET, ENCODER, split)
 
 
 # ---------------------------------------------------------------------- 1. throughput
 def _throughput(store: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
     from client import FeatureDataset, FeatureLoader
 
     ds = FeatureDataset(store, DATASET, ENCODER, "n4")
-    array = ds.array
     batches = list(FeatureLoader(ds, batch_size=args.batch_size, device="cpu", order="shuffle", seed=1).plan())
     nbytes = sum(len(b) for b in batches) * ds.sample_nbytes
     harness.warm(_split_dir(store, "n4"))
-
-    import torch
-
-    def reader(upcast: bool) -> None:
-        for index in batches:
-            batch = array.read(index)
-            if upcast:
-                batch = batch.to(torch.float32)
-
     # One loader per dtype, reused across epochs as a training loop does: its recycled buffers
     # and threads are set up by the warm-up epoch, like the reader's maps are by its first pass.
     loaders = {dtype: FeatureLoader(ds, batch_sampler=batches, device="cpu", dtype=dtype, prefetch=args.prefetch)
                for dtype in (None, torch.float32)}
-
-    def loader(dtype: Any) -> None:
-        for _ in loaders[dtype]:
-            pass
-
-    methods = [Method("reader", lambda: reader(False)), Method("loader", lambda: loader(None)),
-               Method("reader_f32", lambda: reader(True)), Method("loader_f32", lambda: loader(torch.float32))]
+    methods = {"reader": lambda: harness.drain(ds.array.read(index) for index in batches),
+               "loader": functools.partial(harness.drain, loaders[None]),
+               "reader_f32": lambda: harness.drain(ds.array.read(index).to(torch.float32) for index in batches),
+               "loader_f32": functools.partial(harness.drain, loaders[torch.float32])}
     # Interleaved, so drift hits all four alike; the warm-up sets up the loaders' buffers and threads.
-    times = interleaved(methods, max(1, args.repeats), warmup=1)
+    times = interleaved([Method(name, fn) for name, fn in methods.items()], max(1, args.repeats), warmup=1)
     best = times.bests()
     return {"batches": len(batches), "bytes": nbytes, "reader_s_per_batch": best["reader"] / len(batches),
-            **{f"{name}_gbps": gbps(nbytes, best[key]) for name, key in (
-                ("reader", "reader"), ("loader", "loader"), ("reader_float32", "reader_f32"),
-                ("loader_float32", "loader_f32"))},
+            **{f"{key.replace('_f32', '_float32')}_gbps": gbps(nbytes, seconds) for key, seconds in best.items()},
             "loader_vs_reader": best["reader"] / best["loader"],
             "loader_vs_reader_float32": best["reader_f32"] / best["loader_f32"], "times_s": dict(times)}
 
@@ -106,20 +89,13 @@ def _stall(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
     harness.warm(_split_dir(store, split))
     loader = FeatureLoader(ds, batch_size=args.batch_size, device="cpu", dtype=None, order="shuffle", seed=2,
                            prefetch=args.prefetch)
-    for _ in loader:  # warm-up epoch (page tables of the maps, recycled buffers)
-        pass
+    harness.drain(loader)  # warm-up epoch (page tables of the maps, recycled buffers)
     # The consumer's step: the mean time of one bare read of this split's batches, measured just
     # before, so that reads and steps run at the same rate (the hardest case for a prefetcher).
     batches = list(loader.plan(epoch=2))
-    start = time.perf_counter()
-    for index in batches:
-        ds.array.read(index)
-    step_s = (time.perf_counter() - start) / len(batches)
+    step_s = harness.timed(lambda: harness.drain(ds.array.read(index) for index in batches)) / len(batches)
     loader.set_epoch(1)
-    start = time.perf_counter()
-    for _ in loader:
-        time.sleep(step_s)  # the "GPU step"
-    epoch = time.perf_counter() - start
+    epoch = harness.timed(lambda: harness.drain(time.sleep(step_s) for _ in loader))  # a "GPU step" per batch
     stall = float(loader.stats["stall_s"])
     # The first batch is always waited for (nothing to overlap it with); it is counted.
     return {"split_samples": ds.num_samples, "consumer_step_s": step_s, "epoch_s": epoch, "stall_s": stall,
@@ -157,13 +133,9 @@ def epoch(spec: dict[str, Any]) -> dict[str, Any]:
     ds = FeatureDataset(spec["store"], DATASET, ENCODER, spec["split"])
     loader = FeatureLoader(ds, batch_size=spec["batch_size"], device="cpu", dtype=torch.float32,
                            prefetch=spec["prefetch"])
-    checksum = 0.0
-    with harness.RssPeak() as rss:
-        for features, _ in loader:
-            checksum += float(features[:, 0, 0].sum())  # touch the batch, as a consumer would
-    return {"num_samples": ds.num_samples, "store_bytes": ds.num_samples * ds.sample_nbytes, "epoch_s": rss.seconds,
-            "num_threads": loader.num_threads, "baseline_anon": rss.baseline, "peak_anon": rss.peak,
-            "checksum": checksum}
+    rss = harness.rss_epoch(float(features[:, 0, 0].sum()) for features, _ in loader)  # touched, as a consumer would
+    return {"num_samples": ds.num_samples, "store_bytes": ds.num_samples * ds.sample_nbytes,
+            "num_threads": loader.num_threads, **rss}
 
 
 def ram_tensor(spec: dict[str, Any]) -> dict[str, Any]:
@@ -185,7 +157,7 @@ def _cgroup_epoch(store: str, shape: tuple[int, ...], args: argparse.Namespace) 
     limit = args.cgroup_limit_mib << 20
     sample_bytes = int(np.prod(shape)) * {"float32": 4}.get(args.dtype, 2)
     rows = -(-int(2.2 * limit) // sample_bytes)  # >= 2x the limit, with margin
-    _make_split(store, "big", rows, shape, args.dtype)
+    harness.write_split(store, rows, shape, dtype=args.dtype, names=(DATASET, ENCODER, "big"))
     out: dict[str, Any] = {"limit_bytes": limit, "store_bytes": rows * sample_bytes, "num_samples": rows}
     try:
         with MemoryCgroup(limit) as group:
@@ -202,8 +174,7 @@ def _cgroup_epoch(store: str, shape: tuple[int, ...], args: argparse.Namespace) 
             out["ram_returncode"] = ram.returncode
             out["ram_killed"] = ram.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
             out["oom_kills"] = group.oom_kills()
-    except CgroupUnavailable as error:
-        print(f"cgroup run skipped: {error}")
+    except CgroupUnavailable as error:  # the notes print it
         return {"skipped": str(error)}
     out["ok"] = out["loader_returncode"] == 0 and out["ram_killed"]
     return out

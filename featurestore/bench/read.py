@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import time
 from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved
+from featurestore.bench.reading import label
+from featurestore.core.buffers import aligned_empty
 
 
 def register(subparsers: Any) -> None:
@@ -28,9 +30,14 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with harness.scratch(args, "read") as work:
-        shapes = [_bench_shape(work, shape, args) for shape in harness.parse_shapes(args.shapes)]
-        rss = None if args.skip_rss else _bench_rss(work, args)
-    return {"benchmark": "read", "batch_size": args.batch_size, "shapes": shapes, **({"rss": rss} if rss else {})}
+        out = {"benchmark": "read", "batch_size": args.batch_size,
+               "shapes": [_bench_shape(work, shape, args) for shape in harness.parse_shapes(args.shapes)]}
+        if not args.skip_rss:  # N and 4N samples of [256x384] float16, each in a fresh process
+            n = max(256, int(args.gib * (1 << 30)) // (256 * 384 * 2) // 4)
+            for key, rows in (("N", n), ("4N", 4 * n)):
+                harness.write_split(harness.fresh(os.path.join(work, f"rss-{key}")), rows, (256, 384))
+            out["rss"] = harness.rss_runs("read:rss_epoch", {k: os.path.join(work, f"rss-{k}") for k in ("N", "4N")})
+    return out
 
 
 def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
@@ -38,15 +45,11 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
     import torch
     import zarr
 
-    import featurestore
-    from featurestore.core.buffers import aligned_empty
-
     sample_bytes = int(np.prod(shape)) * 2
     n = max(args.batch_size * 4, int(args.gib * (1 << 30)) // sample_bytes)
-    label = "x".join(map(str, shape))
-    print(f"\n[read] samples [{label}] float16, N={n} ({n * sample_bytes / 2**30:.2f} GiB), batches of {args.batch_size}")
-    base = os.path.join(work, label)
-    shutil.rmtree(base, ignore_errors=True)
+    print(f"\n[read] samples [{label(shape)}] float16, N={n} ({n * sample_bytes / 2**30:.2f} GiB), batches of "
+          f"{args.batch_size}")
+    base = harness.fresh(os.path.join(work, label(shape)))
     os.makedirs(os.path.join(base, "pt"))
     raw_path, h5_path = os.path.join(base, "raw.f16"), os.path.join(base, "per-sample.h5")
     with open(raw_path, "wb") as raw, h5py.File(h5_path, "w") as h5:
@@ -69,32 +72,28 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
         "np.memmap gather": lambda idx: memmap[idx],
         "zarr orthogonal": lambda idx: zarray.get_orthogonal_selection((idx,)),
         "hdf5 per sample": lambda idx: np.stack([h5[str(i)][()] for i in idx]),
-        "torch.save per sample": lambda idx: torch.stack([torch.load(os.path.join(base, "pt", f"{i}.pt")) for i in idx]),
+        "torch.save per sample": lambda idx: torch.stack([torch.load(os.path.join(base, "pt", f"{i}.pt"))
+                                                          for i in idx]),
     }
     harness.warm(os.path.join(base, "store"), os.path.join(base, "pt"), raw_path, h5_path)  # every method from memory
     # The slow baselines get fewer batches; GB/s is per byte, so the counts need not match.
     counts = {"zarr orthogonal": max(3, args.batches // 10), "hdf5 per sample": max(5, args.batches // 4),
               "torch.save per sample": max(5, args.batches // 4)}
-    repeat = [0]
+    orders: list[np.ndarray] = []
 
-    def method(name: str) -> Method:
-        batches = counts.get(name, args.batches)
-
-        def rate() -> float:  # the same shuffled batches for every method of a repeat; one untimed first
-            rng = np.random.default_rng(repeat[0])
-            orders = [rng.choice(n, size=args.batch_size, replace=False) for _ in range(batches + 1)]
-            fns[name](orders[0])
-            start = time.perf_counter()
-            for order in orders[1:]:
-                fns[name](order)
-            return gbps(batches * args.batch_size * sample_bytes, time.perf_counter() - start)
-        return Method(name, rate, own=True)
-
-    def order(r: int, methods: list[Method]) -> list[Method]:
-        repeat[0] = r
+    def draw(repeat: int, methods: list[Method]) -> list[Method]:  # the same shuffled batches for every method
+        rng = np.random.default_rng(repeat)
+        orders[:] = [rng.choice(n, size=args.batch_size, replace=False) for _ in range(args.batches + 1)]
         return methods
 
-    rates = interleaved([method(name) for name in fns], args.repeats, order=order)
+    def method(name: str) -> Method:  # one untimed batch first
+        batches = counts.get(name, args.batches)
+        return Method(name, lambda: harness.drain(fns[name](order) for order in orders[1:batches + 1]),
+                      lambda: fns[name](orders[0]))
+
+    seconds = interleaved([method(name) for name in fns], args.repeats, order=draw)
+    rates = harness.Times({name: [gbps(counts.get(name, args.batches) * args.batch_size * sample_bytes, t)
+                                  for t in values] for name, values in seconds.items()})
     h5.close()
     best = {name: max(values) for name, values in rates.items()}
     paired = rates.pairs("featurestore", "np.memmap gather")  # run back to back in each repeat
@@ -106,30 +105,8 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
 
 def rss_epoch(path: str) -> dict[str, Any]:
     """(A child.) The reader's peak anonymous RSS over one shuffled epoch of batches of 64."""
-    import featurestore
-    from featurestore.core.buffers import aligned_empty
-
     arr = featurestore.open_store(path).open("bench", "enc", "train")
     out = aligned_empty((64, *arr.sample_shape), arr.numpy_dtype)
     order = np.random.default_rng(0).permutation(len(arr))
-    with harness.RssPeak() as rss:
-        for s in range(0, len(order) - 63, 64):
-            arr.read_numpy(order[s:s + 64], out=out)
-    return {"n": len(arr), "baseline_anon": rss.baseline, "peak_anon": rss.peak}
-
-
-def _bench_rss(work: str, args: argparse.Namespace) -> dict[str, Any]:
-    shape = (256, 384)
-    sample_bytes = int(np.prod(shape)) * 2
-    n_small = max(256, int(args.gib * (1 << 30)) // sample_bytes // 4)
-    print(f"\n[read] peak anonymous RSS over one shuffled epoch, N={n_small} and N={4 * n_small} of [256x384] float16")
-    out = {}
-    for n in (n_small, 4 * n_small):
-        path = os.path.join(work, f"rss-{n}")
-        shutil.rmtree(path, ignore_errors=True)
-        harness.write_split(path, n, shape)
-        out[str(n)] = figures = harness.child("read:rss_epoch", path)
-        print(f"  N={n:>6} ({n * sample_bytes / 2**30:.2f} GiB): reader anon RSS peak "
-              f"{figures['peak_anon'] / 2**20:.1f} MiB (baseline {figures['baseline_anon'] / 2**20:.1f} MiB)")
-        shutil.rmtree(path, ignore_errors=True)
-    return out
+    return {"n": len(arr), **harness.rss_epoch(arr.read_numpy(order[s:s + 64], out=out)
+                                               for s in range(0, len(order) - 63, 64))}

@@ -51,42 +51,45 @@ class Reading:
     def fig(self, name: str, value: float, pairs: Sequence[float] | None = None) -> None:
         self.figures[name] = figure(value, pairs)
 
+    def pair(self, name: str, value: float, times: dict[str, Any] | None, numerator: str, denominator: str) -> None:
+        """A figure whose spread is ``times[numerator][i] / times[denominator][i]``, per repeat."""
+        self.fig(name, value, paired((times or {}).get(numerator), (times or {}).get(denominator)))
+
 
 def _read(r: dict[str, Any], out: Reading) -> None:
     for s in r["shapes"]:
         tag = label(s["sample_shape"])
         out.fig(f"vs_memmap[{tag}]", s["median_paired_vs_memmap"], s["paired_vs_memmap"])
         out.rows[f"read [{tag}] float16, GB/s"] = [(m, row["gb_per_s"]) for m, row in s["read"].items()]
-    rss = r.get("rss") or {}
-    if len(rss) == 2:  # N and 4N: the reader's peak anonymous RSS must not grow with the split
-        small, large = (rss[k] for k in sorted(rss, key=int))
-        out.fig("rss_4n_vs_n", large["peak_anon"] / small["peak_anon"])
-    out.notes += [f"- read, N={n}: reader peak anonymous RSS {mib(x['peak_anon'])} (after imports "
-                  f"{mib(x['baseline_anon'])})" for n, x in rss.items()]
+    runs = [(r.get("rss") or {}).get(k) for k in ("N", "4N")]
+    if all(runs):  # N and 4N: the reader's peak anonymous RSS must not grow with the split
+        out.fig("rss_4n_vs_n", runs[1]["peak_anon"] / runs[0]["peak_anon"])
+    out.notes += [f"- read, N={x['n']}: reader peak anonymous RSS {mib(x['peak_anon'])} (after imports "
+                  f"{mib(x['baseline_anon'])})" for x in runs if x]
 
 
 def _write(r: dict[str, Any], out: Reading) -> None:
+    # second: diagnostic, a process's second write; a figure per shape and size ("256x384 250MB")
+    sources = {"float16": "writer, f16 input", "float32": "writer, f32 input",
+               "float16_second": "writer, f16, second write"}
     for s in r["shapes"]:
-        times, tag = s["repeats_s"], s.get("label") or label(s["sample_shape"])  # "256x384", or "256x384 250MB"
-        for source in ("float16", "float32", "float16 second"):  # second: diagnostic, a process's second write
-            if source in times or source != "float16 second":
-                key = source.replace(" ", "_")
-                out.fig(f"{key}_vs_tofile[{tag}]", s[f"writer_{key}_ratio"], paired(times["tofile"], times[source]))
+        times, tag = s["repeats_s"], s.get("label") or label(s["sample_shape"])
+        for key in [k for k in sources if k.replace("_", " ") in times or k != "float16_second"]:
+            out.pair(f"{key}_vs_tofile[{tag}]", s[f"writer_{key}_ratio"], times, "tofile", key.replace("_", " "))
     for s in r["shapes"]:
         out.rows[f"write [{s.get('label') or label(s['sample_shape'])}] float16 stored, to os.sync, GB/s"] = [
-            ("writer, f16 input", s["writer_float16_gb_per_s"]), ("writer, f32 input", s["writer_float32_gb_per_s"]),
-            *([("writer, f16, second write", s["writer_float16_second_gb_per_s"])]
-              if "writer_float16_second_gb_per_s" in s else []), ("numpy tofile", s["tofile_gb_per_s"])]
+            *((name, s[f"writer_{key}_gb_per_s"]) for key, name in sources.items() if f"writer_{key}_gb_per_s" in s),
+            ("numpy tofile", s["tofile_gb_per_s"])]
 
 
 def _http(r: dict[str, Any], out: Reading) -> None:
     rates, per_repeat, lat = r["gb_per_s"], r.get("paired_vs_raw_tcp", {}), r["item_latency_ms"]
     out.fig("client_vs_raw_tcp", r["http_vs_raw_tcp"], per_repeat.get("http"))
-    out.fig("naive_httpx_vs_raw_tcp", rates["http naive client"] / rates["raw tcp"], per_repeat.get("http naive client"))
+    out.fig("naive_httpx_vs_raw_tcp", rates["http naive client"] / rates["raw tcp"],
+            per_repeat.get("http naive client"))
     out.fig("item_p50_ms", lat["p50"])
     if loader := r.get("loader"):
-        epochs = loader.get("per_epoch_s", {})
-        out.fig("loader_vs_client", loader["loader_vs_client"], paired(epochs.get("client"), epochs.get("loader")))
+        out.pair("loader_vs_client", loader["loader_vs_client"], loader.get("per_epoch_s"), "client", "loader")
     if load := r.get("load"):
         out.fig("load_failures", load["errors"] + load["mismatches"])
     out.rows["http batches, GB/s"] = list(rates.items())
@@ -101,19 +104,19 @@ def _http(r: dict[str, Any], out: Reading) -> None:
 
 def _loader(r: dict[str, Any], out: Reading) -> None:
     t, s, rss, cg = r["throughput"], r["stall"], r.get("rss"), r.get("cgroup") or {}
-    times = t.get("times_s", {})
-    out.fig("loader_vs_reader", t["loader_vs_reader"], paired(times.get("reader"), times.get("loader")))
-    out.fig("loader_vs_reader_float32", t["loader_vs_reader_float32"],
-            paired(times.get("reader_f32"), times.get("loader_f32")))
+    out.pair("loader_vs_reader", t["loader_vs_reader"], t.get("times_s"), "reader", "loader")
+    out.pair("loader_vs_reader_float32", t["loader_vs_reader_float32"], t.get("times_s"), "reader_f32", "loader_f32")
     out.fig("stall_percent", 100 * s["stall_fraction"])
     if rss:  # the loader's own memory, N and 4N, against one N-independent limit (docs/LOADER.md)
-        out.fig("rss_vs_bound", max(rss["loader_bytes"].values()) / rss.get("limit_bytes", rss["bound_bytes"] + (32 << 20)))
+        limit = rss.get("limit_bytes", rss["bound_bytes"] + (32 << 20))
+        out.fig("rss_vs_bound", max(rss["loader_bytes"].values()) / limit)
     if cg and "skipped" not in cg:  # 1: the epoch completed and the RAM tensor was killed
         out.fig("cgroup_epoch", 1.0 if cg["ok"] else 0.0)
     out.rows["loader (CPU consumer), GB/s"] = [
         ("loader", t["loader_gbps"]), ("bare reader", t["reader_gbps"]),
         ("loader -> f32", t["loader_float32_gbps"]), ("reader + .float()", t["reader_float32_gbps"])]
-    out.notes.append(f"- loader stall over {s['batches']} batches with a {s['consumer_step_s'] * 1e3:.1f} ms consumer step")
+    out.notes.append(f"- loader stall over {s['batches']} batches with a {s['consumer_step_s'] * 1e3:.1f} ms "
+                     "consumer step")
     if rss:
         out.notes.append(f"- loader's own anonymous memory: N {mib(rss['loader_bytes']['N'])}, 4N "
                          f"{mib(rss['loader_bytes']['4N'])}; bound {mib(rss['bound_bytes'])} + 32 MiB")
@@ -154,7 +157,8 @@ def _cold(r: dict[str, Any], out: Reading) -> None:
             _int8(out, f"[{tag(s)}]", f"cold [{tag(s)}]", s.get("int8"), "samples")
     for s in r["shapes"]:
         if not (rows := s.get("rows")):
-            out.notes.append(f"- cold [{tag(s)}]: child failed (rc {s.get('returncode')}): {s.get('stderr', '')[-300:]}")
+            out.notes.append(f"- cold [{tag(s)}]: child failed (rc {s.get('returncode')}): "
+                             f"{s.get('stderr', '')[-300:]}")
             continue
         first = [k for k in ("FeatureLoader", "FeatureArray.read") if k in rows]
         out.rows[f"cold [{label(s['sample_shape'])}] {s.get('dtype', 'float16')} (page cache cold), GB/s"] = [
@@ -182,28 +186,27 @@ def _bags(r: dict[str, Any], out: Reading) -> None:
             for name in ("featurestore", "TRIDENT h5", "CLAM .pt", "parallel pread")]
     out.notes.append(f"- bags: {r['slides']} slides (median {r['median_patches']}, max {r['max_patches']} patches, dim "
                      f"{r['dim']}, featurestore {r['sizes']['store'] / 2**30:.2f} GiB); CLAM .pt reads float32 "
-                     "features only (twice the bytes)" + ("" if "import vs h5 read" in r["ratios"] else
-                                                          "; import not measured"))
+                     "features only (twice the bytes)")
 
 
 def _bag_loader(r: dict[str, Any], out: Reading) -> None:
     for mode in ("warm", "cold"):
         if f := r.get(mode):
-            times = f.get("times_s", {})
-            out.fig(f"{mode}_loader_vs_reader", f["loader_vs_reader"], paired(times.get("reader"), times.get("loader")))
+            out.pair(f"{mode}_loader_vs_reader", f["loader_vs_reader"], f.get("times_s"), "reader", "loader")
             if "loader_vs_clam" in f:
-                out.fig(f"{mode}_loader_vs_clam", f["loader_vs_clam"], paired(times.get("clam"), times.get("loader_f32")))
+                out.pair(f"{mode}_loader_vs_clam", f["loader_vs_clam"], f.get("times_s"), "clam", "loader_f32")
     if p := r.get("padded"):
-        times = p.get("times_s", {})
-        out.fig("padded_vs_reader", p["padded_vs_reader"], paired(times.get("reader"), times.get("loader")))
+        out.pair("padded_vs_reader", p["padded_vs_reader"], p.get("times_s"), "reader", "loader")
     if rss := r.get("rss"):
         out.fig("rss_vs_bound", max(rss["loader_bytes"].values()) / rss["bound_bytes"])
     for mode in ("warm", "cold"):
         if f := r.get(mode):
             out.rows[f"bag loader, batch 1, {mode}, GB/s"] = [
-                ("BagLoader", f["loader_gbps"]), ("bare reader", f["reader_gbps"]), ("BagLoader -> f32", f["loader_f32_gbps"]),
+                ("BagLoader", f["loader_gbps"]), ("bare reader", f["reader_gbps"]),
+                ("BagLoader -> f32", f["loader_f32_gbps"]),
                 *([("CLAM torch.load .pt", f["clam_gbps"])] if "clam_gbps" in f else [])]
-            out.notes.append(f"- bag loader, batch 1, {mode}: loader / reader {f['loader_vs_reader_median']:.2f}x median")
+            out.notes.append(f"- bag loader, batch 1, {mode}: loader / reader {f['loader_vs_reader_median']:.2f}x "
+                             "median")
     if p:
         out.rows[f"bag loader, padded, batch {p['batch_size']}, GB/s"] = [
             ("BagLoader", p["loader_gbps"]), ("reader + pad", p["loader_gbps"] * p["loader_s"] / p["reader_s"])]
@@ -220,13 +223,14 @@ def _extract(r: dict[str, Any], out: Reading) -> None:
         out.fig("vs_openslide", r["extract_vs_openslide"], r["pair_ratios"])
         rows = [("extract", r["extract_patches_s"]), ("OpenSlide alone", r["openslide_only_patches_s"])]
         if "ratio" in r:  # a real encoder: wall time over encoding alone
-            out.fig("vs_encode_only", r["ratio"], paired(times["extract_s"], times["encode_only_s"]))
+            out.pair("vs_encode_only", r["ratio"], times, "extract_s", "encode_only_s")
             rows.append(("encode only", r["encode_only_patches_s"]))
         out.rows["slide extraction, patches/s"] = rows
-        out.notes.append(f"- slide extraction: extract's loop alone / OpenSlide alone {r['extract_loop_vs_openslide']:.2f}x")
+        out.notes.append(f"- slide extraction: extract's loop alone / OpenSlide alone "
+                         f"{r['extract_loop_vs_openslide']:.2f}x")
         return
-    out.fig("vs_encode_only", r["ratio"], paired(times["extract_s"], times["encode_only_s"]))
-    out.fig("vs_tofile", r["extract_vs_tofile"], paired(times["tofile_s"], times["extract_s"]))
+    out.pair("vs_encode_only", r["ratio"], times, "extract_s", "encode_only_s")
+    out.pair("vs_tofile", r["extract_vs_tofile"], times, "tofile_s", "extract_s")
     out.rows["extract, images/s"] = [("extract", r["extract_img_s"]), ("encode only", r["encode_only_img_s"])]
     out.notes.append(f"- extract: write only {r['write_only_mb_s']:.0f} MB/s" + (
         f"; the encoder waited {r['writer_wait_s']:.2f} s for the writer" if "writer_wait_s" in r else ""))
@@ -239,8 +243,9 @@ def _s3(r: dict[str, Any], out: Reading) -> None:
     rates, writes = r["gb_per_s"], ("featurestore write", "plain concurrent put")
     out.rows["S3 (SeaweedFS, loopback) reads, GB/s"] = [(k, v) for k, v in rates.items() if k not in writes]
     out.rows["S3 (SeaweedFS, loopback) writes, GB/s"] = [(name, rates[name]) for name in writes]
-    out.notes += [f"- s3 ({r['server']}; {r['cache']})", *(f"- downloaded, {name}: {value:.2f}x the split's bytes"
-                                                        for name, value in r.get("downloaded_per_epoch_vs_split", {}).items())]
+    downloaded = r.get("downloaded_per_epoch_vs_split", {})
+    out.notes += [f"- s3 ({r['server']}; {r['cache']})",
+                  *(f"- downloaded, {name}: {value:.2f}x the split's bytes" for name, value in downloaded.items())]
 
 
 def _web(r: dict[str, Any], out: Reading) -> None:

@@ -10,6 +10,7 @@ the command exits 1 at the end: a failure is never silently dropped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -37,7 +38,8 @@ QUICK_FLAGS: dict[str, list[str]] = {
     "extract": ["--n", "64", "--image-size", "64", "--repeats", "1"],
     "s3": ["--num-samples", "128", "--slow-batches", "2", "--repeats", "1", "--bags", "6",
            "--bag-median", "300", "--bag-dim", "256"],
-    "cold": ["--shapes", "64x384", "--batch-sizes", "16", "--limit-mib", "512", "--store-ratio", "0.1", "--cuda", "off"],
+    "cold": ["--shapes", "64x384", "--batch-sizes", "16", "--limit-mib", "512", "--store-ratio", "0.1",
+             "--cuda", "off"],
     "bags": ["--gib", "0.005", "--dim", "256", "--median", "100", "--max", "1000", "--min", "10"],
     "bag_loader": ["--bags", "6", "--patches", "100", "--dim", "256", "--repeats", "1"],
 }
@@ -87,11 +89,10 @@ def finish(bench: str, result: dict[str, Any], json_out: str | None,
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "all", help="run every bench; write report.md and report.json",
-        description="Run the read, write, http, loader, extract, s3, cold, bags and bag_loader benches with their default "
-        "arguments (or small ones with --quick) and write report.md and report.json "
-        "into --out. A failed bench is reported with its error and makes the exit status 1. With --check, run "
-        "the benches the speed targets need (docs/BENCHMARKS.md), print one table of figure / target / "
-        "measured / spread / ok and exit 1 when a target is missed.")
+        description=f"Run the {', '.join(BENCH_NAMES)} benches with their default arguments (or small ones with "
+        "--quick) and write report.md and report.json into --out. A failed bench is reported with its error and "
+        "makes the exit status 1. With --check, run the benches the speed targets need (docs/BENCHMARKS.md), print "
+        "one table of figure / target / measured / spread / ok and exit 1 when a target is missed.")
     parser.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
     parser.add_argument("--quick", action="store_true", help="small sizes: seconds per bench, noisy figures")
     parser.add_argument("--benches", default=None,
@@ -179,12 +180,9 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
             if reading.error:
                 entry["figures_error"] = f"figures unreadable: {reading.error}"
             print_result(name, result, reading)  # as featurestore bench NAME prints it
-            why = module.failed(result) if hasattr(module, "failed") else None  # e.g. http's load test errors
-            if why:
-                entry["error"] = entry["traceback"] = f"the bench reported failure: {why}"
-                print(f"[bench all] {name} FAILED: {entry['error']}", file=sys.stderr, flush=True)
-            else:
-                entry["status"] = "ok"
+            if why := getattr(module, "failed", lambda _: None)(result):  # e.g. http's load test errors
+                raise RuntimeError(f"the bench reported failure: {why}")
+            entry["status"] = "ok"
         except Exception as error:  # recorded, reported, and turned into exit status 1 at the end
             entry["error"] = f"{type(error).__name__}: {error}"
             entry["traceback"] = traceback.format_exc()
@@ -201,10 +199,8 @@ def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {"featurestore": __version__, "platform": platform.platform(),
                             "python": platform.python_version(),
                             "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine()}
-    try:
+    with contextlib.suppress(OSError):
         info["load_average"] = [round(v, 2) for v in os.getloadavg()]
-    except OSError:
-        pass
     try:
         import torch
 
@@ -230,8 +226,8 @@ def _readings(report: dict[str, Any]) -> dict[str, tuple[str, Reading]]:
 def throughput_rows(report: dict[str, Any], readings: dict[str, tuple[str, Reading]] | None = None) -> Panels:
     """Per panel title: ``(method, rate)`` pairs, featurestore first, of every entry in the report (a
     variant's panels titled with its entry's name)."""
-    return {(title if name == bench else f"{name}: {title}"): bars
-            for name, (bench, reading) in (readings or _readings(report)).items() for title, bars in reading.rows.items()}
+    return {(title if name == bench else f"{name}: {title}"): bars for name, (bench, reading) in
+            (readings or _readings(report)).items() for title, bars in reading.rows.items()}
 
 
 def rss_series(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -255,13 +251,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     """``report.md``: status, the gate's table, each entry's rows, figures and notes, memory, failures."""
     m = report["machine"]
     readings = _readings(report)
-    lines = ["# featurestore benchmark report", "", f"- command: `{report['command']}`", f"- created: {report['created']}",
+    lines = ["# featurestore benchmark report", "", f"- command: `{report['command']}`",
+             f"- created: {report['created']}",
              f"- machine: {m.get('cpu_count')} CPUs, {m.get('platform')}, Python {m.get('python')}, torch "
              f"{m.get('torch')}, CUDA {m.get('cuda') or 'none'}, load average {m.get('load_average')}",
              "- ratios are taken side by side in one run (repeats interleaved; best or median, as each bench reports), "
              "because a shared machine is noisy; absolute GB/s move from run to run."]
     lines += _table("Status", ("bench", "status", "seconds"), [
-        (name, "ok" if entry["status"] == "ok" else f"**FAILED**: {entry.get('error', '')}", f"{entry.get('seconds', 0):.1f}")
+        (name, "ok" if entry["status"] == "ok" else f"**FAILED**: {entry.get('error', '')}",
+         f"{entry.get('seconds', 0):.1f}")
         for name, entry in report["benches"].items()])
     if report.get("gate"):  # bench all --check: figures against the targets
         lines += _table("Targets (docs/BENCHMARKS.md)", report["gate"][0], report["gate"][1:])
@@ -274,7 +272,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     if series := rss_series(report):
         lines += _table("Memory: one loader epoch vs the in-RAM float32 cache", (
             "run", "anon RSS after imports (MiB)", "peak during the epoch (MiB)", "float32 cache (MiB)"), [
-            (s["label"], f"{s['baseline_mib']:.1f}", f"{s['peak_anon_mib']:.1f}", f"{s['cache_mib']:.1f}") for s in series])
+            (s["label"], *(f"{s[k]:.1f}" for k in ("baseline_mib", "peak_anon_mib", "cache_mib"))) for s in series])
     if report.get("render_errors"):
         lines += ["", "## Report notes", "", "Results the report could not read all of:", "",
                   *(f"- {where}: {error}" for where, error in report["render_errors"].items())]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import shutil
 import tempfile
@@ -19,9 +20,11 @@ from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.bench import harness
 from featurestore.testing import netlink as link
 from featurestore.bench.harness import Method, gbps, interleaved
+from featurestore.core.buffers import aligned_empty
 from featurestore.errors import InvalidOption
 
 CEILING, FS_EPOCH, BARE_EPOCH = "ceiling (whole chunks, 8 GETs)", "featurestore epoch (fresh array)", \
@@ -35,7 +38,8 @@ BAGS_NO_CACHE, BAGS_EPOCH1 = "bag loader, no cache (ranged GETs)", "bag loader, 
 BAGS_EPOCH2 = "bag loader, cache epoch 2 (cold files)"
 BAG_FIGURES = (BAGS_CEILING, BAGS_USERS, BAGS_NO_CACHE, BAGS_EPOCH1, BAGS_EPOCH2)
 # Each ratio: the median GB/s of the first run over the second's (figure spread: per repeat).
-PAIRS = {"read_vs_ceiling": (FS_EPOCH, CEILING), "read_vs_zarr": (FS_EPOCH, ZARR), "loader_vs_ceiling": (LOADER, CEILING),
+PAIRS = {"read_vs_ceiling": (FS_EPOCH, CEILING), "read_vs_zarr": (FS_EPOCH, ZARR),
+         "loader_vs_ceiling": (LOADER, CEILING),
          "write_vs_put": (WRITE, PUT), "read_vs_bare_ranges": (FS_EPOCH, BARE_EPOCH),
          "cache_epoch1_vs_ceiling": (EPOCH1, CEILING), "cache_epoch2_vs_local_cold": (EPOCH2, LOCAL),
          "half_cache_vs_ceiling": (HALF2, CEILING), "half_cache_epoch1_vs_ceiling": (HALF1, CEILING),
@@ -50,18 +54,19 @@ def register(subparsers: Any) -> None:
         "--num-samples": (1024, None), "--shape": ("256x384", "sample shape TxD (float16)"), "--batch-size": (64, None),
         "--slow-batches": (6, "batches per repeat for zarr-python (it is slow)"),
         "--chunk-mb": (8.0, "chunk size in MiB, as the writer's"),
-        "--coalesce-gap": (int, "coalesce_gap storage option in bytes (default: FEATURESTORE_OBJECT_COALESCE_GAP or 1 MiB)"),
+        "--coalesce-gap": (int, "coalesce_gap storage option in bytes (default: FEATURESTORE_OBJECT_COALESCE_GAP "
+                                "or 1 MiB)"),
         "--weed-args": ("", "extra SeaweedFS server flags, space separated, after featurestore's own; write "
                             "--weed-args=-filer.maxMB=4 (with '=') for SeaweedFS's stock 4 MiB internal chunks"),
         "--prefetch": (4, "FeatureLoader prefetch, batches in flight"),
         "--no-cache": (False, "skip the chunk cache figures"),
         "--bags": (48, "slides of the bag figures (0: skip them)"), "--bag-median": (2000, "median patches per slide"),
         "--bag-dim": (1024, "feature width of the bag split"),
-        "--link-gbit": (float, "put a link of this many Gbit/s between the bench and SeaweedFS (root: a private network "
-                               "namespace, tc); default: bare loopback, where both share the cores"),
+        "--link-gbit": (float, "put a link of this many Gbit/s between the bench and SeaweedFS (root: a private "
+                               "network namespace, tc); default: bare loopback, where both share the cores"),
         "--endpoint": (str, "use this S3 endpoint instead of starting SeaweedFS"),
         "--bucket": ("featurestore-bench", None), "--key": (str, None), "--secret": (str, None)},
-        repeats=3, description=__doc__.split("\n\n")[0] if __doc__ else None,
+        repeats=3, description=__doc__,
         workdir="SeaweedFS data, cache and local copy directory (default: a temp dir, removed)")
 
 
@@ -96,9 +101,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
     import zarr
     from zarr.storage import FsspecStore
 
-    import featurestore
     from client import FeatureDataset, FeatureLoader
-    from featurestore.core.buffers import aligned_empty
     from featurestore.core.storage.io_loop import run as run_async
     from featurestore.core.storage.obstore import ObjectStorage
     from featurestore.core.storage.options import FEATURESTORE_KEYS
@@ -129,8 +132,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
             np.ascontiguousarray(values[i : i + chunk_rows])).cast("B")), range(0, n, chunk_rows))
 
     writes = interleaved([Method(PUT, harness.rate(write_plain, values.nbytes), own=True),
-                          Method(WRITE, harness.rate(write_featurestore, values.nbytes), own=True)],
-                         args.repeats)
+                          Method(WRITE, harness.rate(write_featurestore, values.nbytes), own=True)], args.repeats)
     # Only to check the data and name the chunks: every timed method opens its own array (client).
     probe = featurestore.open_store(url, **fs_options).open("bench", "enc", "train")
     assert np.array_equal(probe.read_numpy(np.arange(0, n, max(1, n // 50))), values[:: max(1, n // 50)])
@@ -148,9 +150,6 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
             seconds = harness.timed(lambda: [read(it, idx) for it in [opened()] for idx in which])
             return gbps(len(order) * sample_bytes, seconds)
         return epoch
-
-    def read_numpy(it: Any, idx: np.ndarray) -> Any:
-        return it.read_numpy(idx, out=out[: len(idx)])
 
     def loader(source: str, opts: dict[str, Any]) -> Any:
         ds = FeatureDataset(source, "bench", "enc", "train", storage_options=opts)
@@ -185,11 +184,10 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
             for r, buf in zip(runs, buffers):
                 flat[sort[r]] = np.frombuffer(buf, np.uint8).reshape(len(r), -1)
 
-    def fresh_array() -> Any:
-        return featurestore.open_store(url, **fs_options).open("bench", "enc", "train")
-
     methods: dict[str, Any] = {
-        FS_EPOCH: batches(fresh_array, read_numpy), CEILING: lambda: _ceiling(storage.obstore, chunk_keys),
+        FS_EPOCH: batches(lambda: featurestore.open_store(url, **fs_options).open("bench", "enc", "train"),
+                          lambda it, idx: it.read_numpy(idx, out=out[: len(idx)])),
+        CEILING: lambda: _ceiling(storage.obstore, chunk_keys),
         BARE_EPOCH: batches(lambda: ObjectStorage(url, fs_options).obstore, bare_batch),
         LOADER: harness.rate(loader_epoch, n * sample_bytes),
         ZARR: batches(zarr_open, lambda it, idx: it.get_orthogonal_selection((np.sort(idx),)), args.slow_batches)}
@@ -210,10 +208,8 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
         extra.clear()
         runs = {**interleaved(timed, args.repeats), **extra, **writes}
     median = {name: float(np.median(v)) for name, v in runs.items() if not name.startswith("downloaded")}
-    try:
+    with contextlib.suppress(Exception):  # a scratch prefix; the server's temp dir goes anyway
         store.storage.delete_tree("")
-    except Exception:  # noqa: BLE001 - a scratch prefix; the server's temp dir goes anyway
-        pass
     return {
         "benchmark": "s3", "server": server, "num_samples": n, "sample_shape": list(shape), "batch_size": batch,
         "chunk_rows": chunk_rows, "cache": "warm (server's volume files just written, page-cached)",
@@ -262,11 +258,9 @@ class Epochs:
 
     def epoch(self, loader: Any, epoch: int) -> float:
         loader.set_epoch(epoch)
-        start, seen = time.perf_counter(), 0
-        for batch in loader:
-            seen += int(batch[0].shape[self.axis])
-        elapsed = time.perf_counter() - start
-        assert seen == self.rows, (seen, self.rows)
+        seen: list[int] = []
+        elapsed = harness.timed(lambda: seen.extend(int(batch[0].shape[self.axis]) for batch in loader))
+        assert sum(seen) == self.rows, (sum(seen), self.rows)
         return gbps(self.nbytes, elapsed)
 
     def cached(self, source: str, second: str, half: bool = False) -> Any:
@@ -314,7 +308,6 @@ def bag_methods(url: str, options: dict[str, Any], args: argparse.Namespace, wor
     the split's float16 feature bytes."""
     import torch
 
-    import featurestore
     from client import BagDataset, BagLoader
     from featurestore.bench.bag_loader import make_cohort
     from featurestore.core.storage.obstore import ObjectStorage
@@ -344,7 +337,8 @@ def bag_methods(url: str, options: dict[str, Any], args: argparse.Namespace, wor
             data = slides.read(f"slide-{i:05d}.pt")
             return int(torch.load(io.BytesIO(data), weights_only=True).shape[0])
         with ThreadPoolExecutor(4) as pool:
-            assert sum(pool.map(load, np.random.default_rng(int(time.time())).permutation(len(lengths)).tolist())) == rows
+            order = np.random.default_rng(int(time.time())).permutation(len(lengths)).tolist()
+            assert sum(pool.map(load, order)) == rows
 
     return {BAGS_CEILING: lambda: _ceiling(storage.obstore, keys, epochs.nbytes),
             BAGS_USERS: harness.rate(users_way, epochs.nbytes), BAGS_NO_CACHE: epochs.first(url, options),

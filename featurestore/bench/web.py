@@ -11,7 +11,9 @@ from typing import Any
 
 import numpy as np
 
+import featurestore
 from featurestore.bench import harness
+from featurestore.bench.harness import Method, interleaved
 
 
 def register(subparsers: Any) -> None:
@@ -24,8 +26,6 @@ def register(subparsers: Any) -> None:
 
 def build_catalog_store(path: str, splits: int, dim: int) -> None:
     """``splits`` float16 splits of [4, 16, dim] over 5 datasets x 4 encoders x N splits."""
-    import featurestore
-
     store = featurestore.open_store(path, mode="a")
     rng = np.random.default_rng(0)
     values = rng.standard_normal((4, 16, dim), dtype=np.float32)
@@ -42,8 +42,6 @@ def build_catalog_store(path: str, splits: int, dim: int) -> None:
 
 
 def build_picture_store(path: str, samples: int, tokens: int, dim: int) -> tuple[int, int]:
-    import featurestore
-
     side = int(round(tokens**0.5))
     if side * side != tokens:
         raise ValueError(f"--tokens {tokens} is not a square (the picture needs a grid)")
@@ -92,16 +90,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with TestClient(create_app(catalog_path, Settings())) as client:
             first, page = _timed(lambda: client.get("/"))
             assert page.status_code == 200 and page.text.count("<tr>") >= args.splits, page.text[:500]
-            warm = [_timed(lambda: client.get("/"))[0] for _ in range(args.repeats)]
-            cold = []
-            for _ in range(max(1, args.repeats // 2)):
-                harness.evict(catalog_path)
-                cold.append(_timed(lambda: client.get("/"))[0])
-            split_page = [_timed(lambda: client.get("/ui/splits/ds0/enc0/split000"))[0] for _ in range(args.repeats)]
-        results["catalog"] = {"first_view_ms": _ms(first), "warm_ms": _ms(statistics.median(warm)),
-                              "documents_evicted_ms": _ms(statistics.median(cold)), "page_bytes": len(page.content),
-                              "split_page_warm_ms": _ms(statistics.median(split_page))}  # fmt: skip
-
+            warm = interleaved([Method("warm", lambda: client.get("/")),
+                                Method("split", lambda: client.get("/ui/splits/ds0/enc0/split000"))], args.repeats)
+            cold = interleaved([Method("cold", lambda: client.get("/"), lambda: harness.evict(catalog_path))],
+                               max(1, args.repeats // 2))
+        results["catalog"] = {"first_view_ms": _ms(first), "warm_ms": _ms(warm.median("warm")),
+                              "documents_evicted_ms": _ms(cold.median("cold")), "page_bytes": len(page.content),
+                              "split_page_warm_ms": _ms(warm.median("split"))}
         picture_path = os.path.join(work, "pictures")
         grid = build_picture_store(picture_path, args.samples, args.tokens, args.dim)
         results["picture"] = _bench_picture(picture_path, grid, args)
@@ -112,7 +107,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _bench_picture(path: str, grid: tuple[int, int], args: argparse.Namespace) -> dict[str, Any]:
     from fastapi.testclient import TestClient
 
-    import featurestore
     from featurestore.format import dtypes
     from server import Settings, create_app
     from server.web import pictures
@@ -123,30 +117,33 @@ def _bench_picture(path: str, grid: tuple[int, int], args: argparse.Namespace) -
     limited = limit_blas_threads(Settings().ui_blas_threads)  # what featurestore serve does
     with TestClient(create_app(path, Settings())) as client:
         client.get("/ui/pca/pictures/enc/train/0.png")  # imports, BLAS start-up: not a sample's cost
-        computed = [_timed(lambda i=i: client.get(f"/ui/pca/pictures/enc/train/{i}.png"))[0] for i in range(1, args.samples)]
-        cached = [_timed(lambda: client.get("/ui/pca/pictures/enc/train/1.png"))[0] for _ in range(args.repeats)]
+        computed = [_timed(lambda i=i: client.get(f"/ui/pca/pictures/enc/train/{i}.png"))[0]
+                    for i in range(1, args.samples)]
+        cached = interleaved([Method("cached", lambda: client.get("/ui/pca/pictures/enc/train/1.png"))], args.repeats)
         assert client.app.state.web.figures.computed == args.samples  # type: ignore[attr-defined]
     arr = featurestore.open_store(path).open("pictures", "enc", "train")
     read, stored = _timed(lambda: arr.read_numpy([1])[0])
     cast, sample = _timed(lambda: dtypes.stored_as_float32(stored, "float16"))
-    # The computation alone, with the BLAS threads the server sets and with the default ones,
-    # alternating (threadpoolctl lets this thread, the one that set the limit, change it).
-    default, one = [], []
-    for _ in range(max(3, args.samples)):
-        fit, image = _timed(lambda: pictures.pca_picture(sample, 0, grid))
-        one.append(fit)
-        if limited:
-            from threadpoolctl import threadpool_limits
 
-            with threadpool_limits(limits=default_threads, user_api="blas"):
-                default.append(_timed(lambda: pictures.pca_picture(sample, 0, grid))[0])
+    def default_blas() -> Any:  # threadpoolctl lets this thread, the one that set the limit, change it
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(limits=default_threads, user_api="blas"):
+            return pictures.pca_picture(sample, 0, grid)
+
+    # The computation alone, with the BLAS threads the server sets and with the default ones, alternating.
+    image = pictures.pca_picture(sample, 0, grid)
+    fits = interleaved([Method("server", lambda: pictures.pca_picture(sample, 0, grid)),
+                        *([Method("default", default_blas)] if limited else [])], max(3, args.samples))
     png, _ = _timed(lambda: encode_png(image))
     centred = sample - sample.mean(axis=0)
     exact, _ = _timed(lambda: np.linalg.svd(centred, full_matrices=False))
-    fit = statistics.median(one)
+    fit = fits.median("server")
     return {"shape": [args.tokens, args.dim], "computed_ms": _ms(statistics.median(computed)),
-            "computed_max_ms": _ms(max(computed)), "cached_ms": _ms(statistics.median(cached)),
-            "parts_ms": {"read": _ms(read), "float16->float32": _ms(cast), "components+image": _ms(fit), "png": _ms(png)},
-            "blas_threads": Settings().ui_blas_threads if limited else default_threads, "default_blas_threads": default_threads,
-            "default_threads_ms": _ms(statistics.median(default)) if default else None, "server_threads_ms": _ms(fit),
-            "exact_svd_ms": _ms(exact), "exact_over_randomized": round(exact / fit, 1) if fit else None}  # fmt: skip
+            "computed_max_ms": _ms(max(computed)), "cached_ms": _ms(cached.median("cached")),
+            "parts_ms": {"read": _ms(read), "float16->float32": _ms(cast), "components+image": _ms(fit),
+                         "png": _ms(png)},
+            "blas_threads": Settings().ui_blas_threads if limited else default_threads,
+            "default_blas_threads": default_threads,
+            "default_threads_ms": _ms(fits.median("default")) if limited else None, "server_threads_ms": _ms(fit),
+            "exact_svd_ms": _ms(exact), "exact_over_randomized": round(exact / fit, 1) if fit else None}

@@ -16,6 +16,8 @@ import numpy as np
 
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
+from featurestore.bench.reading import label
+from featurestore.errors import InvalidOption
 from featurestore.extract.plan import chunk_rows_for
 
 METHODS = ("tofile", "float16", "float32", "float16 second")
@@ -65,15 +67,12 @@ def _sizes(shape: tuple[int, ...], args: argparse.Namespace) -> list[tuple[int, 
     try:
         mbs = [float(part) for part in str(args.mb).split(",") if part.strip()]
     except ValueError:
-        from featurestore.errors import InvalidOption
-
         raise InvalidOption(f"--mb {args.mb!r}: give MB as numbers, one or several, such as 250,384") from None
     ns = sorted({max(args.min_batches * args.batch_size, int(mb * 1e6) // sample_bytes) for mb in mbs})
-    tag = "x".join(map(str, shape))
-    return [(n, tag if n == ns[-1] else f"{tag} {n * sample_bytes / 1e6:.3g}MB") for n in ns]
+    return [(n, label(shape) if n == ns[-1] else f"{label(shape)} {n * sample_bytes / 1e6:.3g}MB") for n in ns]
 
 
-def _bench_shape(work: str, shape: tuple[int, ...], n: int, label: str, args: argparse.Namespace) -> dict[str, Any]:
+def _bench_shape(work: str, shape: tuple[int, ...], n: int, tag: str, args: argparse.Namespace) -> dict[str, Any]:
     sample_bytes = int(np.prod(shape)) * 2
     nbytes = n * sample_bytes
     chunk_rows = chunk_rows_for(shape, "float16", args.chunk_mb, args.batch_size)
@@ -107,16 +106,11 @@ def _bench_shape(work: str, shape: tuple[int, ...], n: int, label: str, args: ar
     times = interleaved([method(name) for name in METHODS], args.repeats, order=order)
     _remove(written)
     median = times.medians()
-    out = {
-        "sample_shape": list(shape), "label": label, "num_samples": n, "bytes": nbytes,
-        "tofile_gb_per_s": gbps(nbytes, median["tofile"]),
-        "repeats_s": dict(times), "processes": len(set(pids) - {os.getpid()}),
-    }
-    for source in ("float16", "float32", "float16 second"):
-        key = source.replace(" ", "_")
-        out[f"writer_{key}_gb_per_s"] = gbps(nbytes, median[source])
-        out[f"writer_{key}_ratio"] = median["tofile"] / median[source]
-    return out
+    return {"sample_shape": list(shape), "label": tag, "num_samples": n, "bytes": nbytes,
+            "tofile_gb_per_s": gbps(nbytes, median["tofile"]), "repeats_s": dict(times),
+            "processes": len(set(pids) - {os.getpid()}),
+            **{f"writer_{source.replace(' ', '_')}_{what}": value for source in METHODS[1:] for what, value in (
+                ("gb_per_s", gbps(nbytes, median[source])), ("ratio", median["tofile"] / median[source]))}}
 
 
 def _remove(paths: list[str]) -> None:
@@ -131,8 +125,8 @@ def _remove(paths: list[str]) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with harness.scratch(args, "write") as work:
-        shapes = [_bench_shape(work, shape, n, label, args) for shape in parse_shapes(args.shapes)
-                  for n, label in _sizes(shape, args)]
+        shapes = [_bench_shape(work, shape, n, tag, args) for shape in parse_shapes(args.shapes)
+                  for n, tag in _sizes(shape, args)]
     from featurestore.core import fused_stats
 
     return {"benchmark": "write", "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0],

@@ -1,0 +1,28 @@
+"""``featurestore bench web`` at tiny size: the catalog and picture timings come back, interleaved
+on the harness, and print as its notes (speed is judged by a real run, never here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from featurestore.cli import main  # noqa: E402
+
+
+def test_tiny_web_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "result.json"
+    status = main(["bench", "web", "--splits", "5", "--dim", "16", "--tokens", "16", "--samples", "2",
+                   "--repeats", "2", "--workdir", str(tmp_path / "work"), "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert status == 0
+    data = json.loads(out.read_text())
+    catalog, picture = data["catalog"], data["picture"]
+    assert all(catalog[k] > 0 for k in ("first_view_ms", "warm_ms", "documents_evicted_ms", "split_page_warm_ms"))
+    assert picture["computed_ms"] > 0 and picture["cached_ms"] > 0 and picture["server_threads_ms"] > 0
+    # The default BLAS threads are timed only where the server limits them (then beside the limited ones).
+    assert picture["default_threads_ms"] is None or picture["default_threads_ms"] > 0
+    assert "- catalog page, 5 splits of 16 channels: warm" in printed and "- PCA picture of 16x16 float16" in printed
