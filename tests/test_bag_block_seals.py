@@ -169,3 +169,19 @@ def test_a_stale_block_seals_row_is_named_by_verify_and_reads_check_whole_chunks
     for bag_id, values in data.items():  # the table is not the commit's: whole-chunk checks, all served
         np.testing.assert_array_equal(bags.read_numpy(bag_id)[0], values)
     assert bags.features._blocks is False
+
+
+def test_once_every_block_is_checked_reads_skip_the_block_claims(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = str(tmp_path / "store")
+    data = _bags()
+    _write(url, data)
+    bags = featurestore.open_store(url).open_bags(*TOP)
+    for bag_id in data:  # the first epoch checks every block
+        bags.read_numpy(bag_id)
+
+    def no_claims(*_: object) -> None:
+        raise AssertionError("a read after the first epoch claimed blocks")
+
+    monkeypatch.setattr(type(bags.features), "_read_blocks", no_claims)
+    for bag_id, values in data.items():
+        np.testing.assert_array_equal(bags.read_numpy(bag_id)[0], values)

@@ -58,6 +58,7 @@ class BlocksPath:
     _split_key: str
     _ndim: int
     name: str
+    shape: tuple[int, ...]
     metadata: dict[str, Any]
     chunk_rows: int
     sample_nbytes: int
@@ -107,6 +108,8 @@ class BlocksPath:
         table = self._block_table("mmap")
         if table is None:
             return None
+        if self._verified_blocks.all_of(self._blocks_with_rows(table)):
+            return self._gather_local(index, rows)
         rest, opened = self._read_blocks(index, rows, table, "mmap")
         if len(rest) == len(index):
             opened = max(opened, self._gather_local(index, rows))
@@ -127,7 +130,7 @@ class BlocksPath:
         wanted = np.unique(unit).tolist()
         filled = np.zeros(len(index), bool)
         opened = float("-inf")
-        total = self.num_chunks * table.per_chunk
+        total = self._blocks_with_rows(table)
         while True:  # blocks another thread is checking: wait for it, then whatever it failed on
             pending, others = self._verified_blocks.claim(wanted)
             if pending:
@@ -233,6 +236,14 @@ class BlocksPath:
                 os.close(fd)
         self._check_blocks([u for u, good in zip(part, ok) if not good], table, "mmap")
         return opened
+
+    def _blocks_with_rows(self, table: block_seals.BlockTable) -> int:
+        """How many blocks hold rows of the array (a last chunk's blocks past its rows hold none:
+        no read checks them)."""
+        if not self.num_chunks:
+            return 0
+        last = self.shape[0] - (self.num_chunks - 1) * self.chunk_rows
+        return (self.num_chunks - 1) * table.per_chunk + -(-last // table.block_rows)
 
     def _span(self, unit: int, table: block_seals.BlockTable) -> tuple[int, int, int]:
         chunk, j = divmod(unit, table.per_chunk)
