@@ -8,7 +8,6 @@ block whatever the chunk's size; bag splits written before block seals keep the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,21 +21,13 @@ from featurestore.format import layout
 from featurestore.format.block_seals import BLOCK_BYTES, BLOCK_SEALS
 from featurestore.testing.cgroup import evict
 
+from _block_seal_helpers import read_bytes, unsealed_blocks  # noqa: F401 (a fixture)
+
 TOP = ("ds", "enc", "s")
 DIM = 4096  # float16 rows of 8 KiB: 128 rows a block
 CHUNK_BYTES = 4 << 20  # 512 rows, 4 blocks a chunk: below the dense rule's 64 MiB
 PER_BLOCK = BLOCK_BYTES // (DIM * 2)
 LENGTHS = (100, 60, 200, 300, 90, 400, 50)  # 1200 rows: chunks 0-2
-
-
-@pytest.fixture
-def unsealed_blocks() -> Iterator[None]:
-    """Writers as before block seals existed."""
-    enabled, block_seals.ENABLED = block_seals.ENABLED, False
-    try:
-        yield
-    finally:
-        block_seals.ENABLED = enabled
 
 
 def _bags() -> dict[str, np.ndarray]:
@@ -65,13 +56,6 @@ def _flip(url: str, chunk: int, offset: int) -> None:
     path.write_bytes(bytes(raw))
 
 
-def _read_bytes() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    raise AssertionError("no read_bytes in /proc/self/io")
-
-
 def test_a_flipped_byte_refuses_only_the_bags_of_its_block(tmp_path: Path) -> None:
     url = str(tmp_path / "store")
     data = _bags()
@@ -95,9 +79,9 @@ def test_a_cold_whole_bag_read_reads_its_blocks_once(tmp_path: Path) -> None:
     _write(url, data)
     bags = featurestore.open_store(url).open_bags(*TOP)
     evict(str(Path(url).joinpath(*TOP)))
-    before = _read_bytes()
+    before = read_bytes()
     features, _ = bags.read_numpy("b3")  # rows 360-659: blocks 2-3 of chunk 0, 0-1 of chunk 1
-    read = _read_bytes() - before
+    read = read_bytes() - before
     np.testing.assert_array_equal(features, data["b3"])
     # the bag's 4 blocks (4 MiB, 2.3 MiB of them its rows), the kernel's read-ahead past them and
     # its coords chunks; the whole-chunk check read both 4 MiB chunks whole (8.4 MB here)
@@ -135,8 +119,9 @@ def test_segments_of_a_writer_without_block_seals_are_sealed_at_commit(tmp_path:
         bags.read_numpy("b5")
 
 
+@pytest.mark.usefixtures("unsealed_blocks")
 def test_a_bag_split_without_block_seals_reads_and_verifies_by_whole_chunks(
-        tmp_path: Path, unsealed_blocks: None, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     url = str(tmp_path / "store")
     data = _bags()
     _write(url, data)

@@ -11,7 +11,6 @@ without block seals keep the whole-chunk check.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,8 @@ from featurestore.format import layout
 from featurestore.format.block_seals import BLOCK_BYTES, BLOCK_SEALS
 from featurestore.testing.cgroup import evict
 
+from _block_seal_helpers import read_bytes, unsealed_blocks  # noqa: F401 (a fixture)
+
 TOP = ("ds", "enc", "s")
 CHANNELS = 256
 
@@ -34,16 +35,6 @@ CHANNELS = 256
 def local_blocks_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks are checked by block only from 64 MiB on; these tests' chunks are small."""
     monkeypatch.setenv("FEATURESTORE_BLOCK_CHECK_MIB", "0")
-
-
-@pytest.fixture
-def unsealed_blocks() -> Iterator[None]:
-    """Writers as before block seals existed."""
-    enabled, block_seals.ENABLED = block_seals.ENABLED, False
-    try:
-        yield
-    finally:
-        block_seals.ENABLED = enabled
 
 
 def _write(url: str, dtype: str, row_values: int, chunk_rows: int, n: int, **options: Any) -> np.ndarray:
@@ -118,13 +109,6 @@ def test_auto_checks_no_local_read_that_bypasses_the_page_cache(tmp_path: Path) 
         array.read_numpy([per_block + 3])
 
 
-def _read_bytes() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    raise AssertionError("no read_bytes in /proc/self/io")
-
-
 def test_a_cold_read_of_a_few_rows_reads_their_blocks_not_the_chunk(tmp_path: Path) -> None:
     url = str(tmp_path / "store")
     chunk_rows = 512  # float16 rows of 32 KiB: a 16 MiB chunk of 16 blocks
@@ -133,9 +117,9 @@ def test_a_cold_read_of_a_few_rows_reads_their_blocks_not_the_chunk(tmp_path: Pa
     evict(str(path))  # written pages synced first: DONTNEED would keep dirty ones
     rows = [3, 400]  # blocks 0 and 12
     array = featurestore.open_store(url).open(*TOP)
-    before = _read_bytes()
+    before = read_bytes()
     got = array.read_numpy(rows, dtype="float32")
-    read = _read_bytes() - before
+    read = read_bytes() - before
     assert np.array_equal(got, values[rows])
     assert BLOCK_BYTES <= read <= 3 * BLOCK_BYTES, f"{read} bytes read for 2 rows of a {path.stat().st_size}-byte chunk"
 
@@ -155,9 +139,9 @@ def test_local_chunks_below_the_threshold_are_checked_whole(tmp_path: Path, monk
         monkeypatch.setenv("FEATURESTORE_BLOCK_CHECK_MIB", mib)
         _dropped_cold(url)
         array = featurestore.open_store(url).open(*TOP)
-        before = _read_bytes()
+        before = read_bytes()
         assert np.array_equal(array.read_numpy([3, 400], dtype="float32"), values[[3, 400]])
-        reads[mib] = _read_bytes() - before
+        reads[mib] = read_bytes() - before
     assert reads["17"] >= chunk_rows * 32768, reads  # the whole chunk for its crc32c
     assert reads["16"] <= 3 * BLOCK_BYTES, reads  # two blocks
     monkeypatch.setenv("FEATURESTORE_BLOCK_CHECK_MIB", "lots")
@@ -195,8 +179,9 @@ def test_concurrent_cold_reads_fetch_each_block_once(tmp_path: Path) -> None:
     assert sorted(fetched) == [0, 1, 3, 4]  # once each, not once a thread
 
 
+@pytest.mark.usefixtures("unsealed_blocks")
 def test_a_split_without_block_seals_reads_and_verifies_by_whole_chunks(
-        tmp_path: Path, unsealed_blocks: None, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     url = str(tmp_path / "store")
     row_values, chunk_rows, n = GEOMETRY["float16"]
     values = _write(url, "float16", row_values, chunk_rows, n)
