@@ -4,6 +4,7 @@ this process has read from the device."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -11,14 +12,21 @@ import pytest
 from featurestore.core import block_seals
 
 
-@pytest.fixture
-def unsealed_blocks() -> Iterator[None]:
-    """Writers as before block seals existed."""
+@contextmanager
+def writers_without_block_seals() -> Iterator[None]:
+    """Writers as before block seals existed, inside the block."""
     enabled, block_seals.ENABLED = block_seals.ENABLED, False
     try:
         yield
     finally:
         block_seals.ENABLED = enabled
+
+
+@pytest.fixture
+def unsealed_blocks() -> Iterator[None]:
+    """Writers as before block seals existed, for the whole test."""
+    with writers_without_block_seals():
+        yield
 
 
 def read_bytes() -> int:

@@ -15,13 +15,12 @@ import pytest
 
 import featurestore
 from featurestore.cli import main
-from featurestore.core import block_seals
 from featurestore.errors import CorruptChunk
 from featurestore.format import layout
 from featurestore.format.block_seals import BLOCK_BYTES, BLOCK_SEALS
 from featurestore.testing.cgroup import evict
 
-from _block_seal_helpers import read_bytes, unsealed_blocks  # noqa: F401 (a fixture)
+from _block_seal_helpers import read_bytes, unsealed_blocks, writers_without_block_seals  # noqa: F401 (a fixture)
 
 TOP = ("ds", "enc", "s")
 DIM = 4096  # float16 rows of 8 KiB: 128 rows a block
@@ -105,11 +104,8 @@ def test_segments_of_a_writer_without_block_seals_are_sealed_at_commit(tmp_path:
     url = str(tmp_path / "store")
     data = _bags()
     first = dict(list(data.items())[:4])
-    enabled, block_seals.ENABLED = block_seals.ENABLED, False
-    try:
+    with writers_without_block_seals():
         _write(url, first, close_only=True)  # an older writer's segment, resumed below
-    finally:
-        block_seals.ENABLED = enabled
     _write(url, data, resume=True)
     _flip(url, 2, 10)  # chunk 2, block 0: rows 1024-1151, of b6 (1150-1199) and b5 (750-1149)
     bags = featurestore.open_store(url).open_bags(*TOP)
@@ -156,7 +152,8 @@ def test_a_stale_block_seals_row_is_named_by_verify_and_reads_check_whole_chunks
     assert bags.features._blocks is False
 
 
-def test_once_every_block_is_checked_reads_skip_the_block_claims(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_once_every_block_is_checked_reads_skip_the_block_claims(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     url = str(tmp_path / "store")
     data = _bags()
     _write(url, data)

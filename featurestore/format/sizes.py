@@ -84,10 +84,8 @@ def split_size(meta: SplitMetadata) -> SplitSize:
     # features chunk (neither before it existed: those splits are counted a few bytes over)
     if meta.complete:
         stored += _index_bytes(meta.num_chunks * (2 if meta.labels is not None else 1), 4 * 8)
-        if meta.compressor is None:  # block_seals: a uint32 per row block of each features chunk
-            per_chunk = blocks_per_chunk(meta.chunk_rows, block_rows(math.prod(meta.sample_shape) * itemsize,
-                                                                     meta.chunk_rows))
-            stored += meta.num_chunks * (4 * per_chunk + layout.CRC_BYTES)
+        if meta.compressor is None:
+            stored += _block_seals_bytes(meta.num_chunks, meta.chunk_rows, math.prod(meta.sample_shape) * itemsize)
     return _size(meta, data, stored, "sample ids not counted" if meta.ids else "")
 
 
@@ -111,10 +109,8 @@ def _bag_size(meta: SplitMetadata) -> SplitSize:
     seals = 2 * chunks + sum(_index_chunks(n, row) for n, row in small[: 2 if label_item else 1])
     small.append((seals, 4 * 8))
     stored += sum(_index_bytes(n, row) for n, row in small)
-    # block_seals: a uint32 per row block of each features chunk (bag splits committed before
-    # they existed have none: counted a few bytes over)
-    stored += chunks * (4 * blocks_per_chunk(meta.chunk_rows, block_rows(feature_row, meta.chunk_rows))
-                        + layout.CRC_BYTES)
+    # (bag splits committed before block_seals existed have none: counted a few bytes over)
+    stored += _block_seals_bytes(chunks, meta.chunk_rows, feature_row)
     return _size(meta, data, stored, "bag ids and attributes not counted")
 
 
@@ -123,6 +119,11 @@ def _size(meta: SplitMetadata, data: int, stored: int, strings: str) -> SplitSiz
     if meta.compressor:  # the figure is the uncompressed layout: no bound either way
         return SplitSize(data, stored, False, (*notes, f"features counted uncompressed, stored with {meta.compressor}"))
     return SplitSize(data, stored, bool(strings), notes)
+
+
+def _block_seals_bytes(num_chunks: int, chunk_rows: int, row_bytes: int) -> int:
+    """``block_seals``: a uint32 per row block of each features chunk, a row (and its trailer) per chunk."""
+    return num_chunks * (4 * blocks_per_chunk(chunk_rows, block_rows(row_bytes, chunk_rows)) + layout.CRC_BYTES)
 
 
 def _index_chunks(n: int, row_bytes: int) -> int:
