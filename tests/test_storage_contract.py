@@ -61,7 +61,8 @@ class StorageContract:
         storage.copy("s/a", "u/new/c")
         assert storage.read("u/new/c") == b"second"
         with pytest.raises(FileNotFoundError):
-            storage.copy("s/missing", "t/c")
+            storage.copy("s/missing", "v/w/c")
+        assert storage.listdir("v") == []  # no directory made for a copy that cannot happen
 
     def test_listdir_exists_delete_tree(self, storage: Storage) -> None:
         storage.write("t/x/1", b"1")

@@ -88,7 +88,8 @@ class Storage:
 
     def copy(self, source: str, target: str) -> None:
         """Store the value of ``source`` under ``target`` too, atomically (a bag split's commit
-        moves chunks already in place this way). Locally a hard link: no bytes are copied."""
+        moves chunks already in place this way). Locally a hard link: no bytes are copied. A
+        missing ``source`` raises ``FileNotFoundError`` and leaves nothing behind."""
         self.write(target, self.read(source))
 
     def exists(self, key: str) -> bool:

@@ -6,6 +6,7 @@ Every put is a temporary file beside its target, written in pieces (:mod:`.files
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections.abc import Sequence
@@ -73,15 +74,17 @@ class LocalStorage(Storage):
     def copy(self, source: str, target: str) -> None:
         # A hard link under a temporary name, then the atomic rename over the target: the file is
         # never modified in place afterwards (every write is temp + rename), so sharing it is safe.
-        path = self._path(target)
+        path, source_path = self._path(target), self._path(source)
+        if not os.path.exists(source_path):  # before the target's directories are made: none left behind
+            raise FileNotFoundError(errno.ENOENT, "no such key", source_path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = files.temp_path(path)
         try:
-            os.link(self._path(source), tmp)
+            os.link(source_path, tmp)
         except OSError as error:
             if isinstance(error, FileNotFoundError):
                 raise
-            shutil.copyfile(self._path(source), tmp)  # no hard links here (EXDEV, EPERM, some FUSE mounts)
+            shutil.copyfile(source_path, tmp)  # no hard links here (EXDEV, EPERM, some FUSE mounts)
         try:
             os.replace(tmp, path)
         finally:
