@@ -51,7 +51,9 @@ class RowChecks:
 
 def name_damaged_blocks(storage: Storage, key: str, meta: SplitMetadata, found: Findings,
                         blocks: np.ndarray | None, bad: set[int]) -> None:
-    """Each damaged features chunk's line (``bad``: their indices) extended by its damaged blocks."""
+    """Each damaged features chunk's line (``bad``: their indices) extended by its damaged blocks.
+    A damaged chunk is read again here rather than kept from the array check, so that a verify of
+    a badly damaged split holds one chunk at a time, not every damaged one."""
     if blocks is None:
         return
     ndim = 1 + len(meta.sample_shape)
