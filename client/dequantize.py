@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from featurestore.core.collector_pause import collector_paused
 from featurestore.format import int8
 
 BLOCK_BYTES = 1 << 20  # float32 scales gathered per block of a shuffled batch (stays in cache)
@@ -172,13 +173,14 @@ def _numba_installed() -> bool:
 
 def _warm() -> None:
     try:
-        kernels = importlib.import_module("featurestore.core.int8_dequant_kernel")
-        one = np.zeros((1, 1), np.int8)
-        at = np.zeros(1, np.int64)
-        scale = np.ones((1, 1), np.float32)
-        kernels.groups_fit(at, 1)
-        kernels.to_float32(one, at, scale, np.empty((1, 1), np.float32), 0, 1)
-        kernels.to_float16(one, at, scale, np.empty((1, 1), np.uint16), 0, 1)
+        with collector_paused():  # numba's import: half the load's CPU went to the collector
+            kernels = importlib.import_module("featurestore.core.int8_dequant_kernel")
+            one = np.zeros((1, 1), np.int8)
+            at = np.zeros(1, np.int64)
+            scale = np.ones((1, 1), np.float32)
+            kernels.groups_fit(at, 1)
+            kernels.to_float32(one, at, scale, np.empty((1, 1), np.float32), 0, 1)
+            kernels.to_float16(one, at, scale, np.empty((1, 1), np.uint16), 0, 1)
     except Exception as error:  # noqa: BLE001 - a broken numba install must not stop a loader
         _STATE["failed"] = True
         warnings.warn(f"featurestore: the int8 dequantize kernel is off ({error}); int8 batches are "

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from featurestore.core.batch import Prepared, check_kind, is_exact, refuse_out_of_range
+from featurestore.core.collector_pause import collector_paused
 from featurestore.format import dtypes
 from featurestore.format.stats import GROUP, RowStats, error_figures
 
@@ -52,12 +53,11 @@ def available() -> bool:
     """numba importable, and not switched off by ``FEATURESTORE_FUSED_STATS=0``."""
     if os.environ.get("FEATURESTORE_FUSED_STATS", "1").strip() == "0":
         return False
-    try:
-        import numba  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("numba") is None:
         return False
     try:  # compiles nothing yet, but numba must find a writable cache (else: set NUMBA_CACHE_DIR)
-        importlib.import_module("featurestore.core.fused_kernel")
+        with collector_paused():  # numba's import: half its CPU went to the cyclic collector
+            importlib.import_module("featurestore.core.fused_kernel")
     except Exception as error:  # a broken numba install must not stop a write: torch/numpy do it
         warnings.warn(f"featurestore: the fused CPU statistics kernel is off ({error}); statistics "
                       "run as torch or numpy passes (slower). Set NUMBA_CACHE_DIR to a writable "
