@@ -44,7 +44,7 @@ def register(subparsers: Any) -> None:
         "--slow-seconds": (20.0, "time budget of the page-fault-bound np.memmap row: GB/s over the batches read in "
                                  "that time"),
         "--cuda": ("auto", "CUDA rows (the loader's epoch to the GPU); auto: when a GPU is present",
-                   {"choices": ("auto", "on", "off")})}, repeats=1)
+                   {"choices": ("auto", "on", "off")})}, repeats=3)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -39,7 +39,7 @@ QUICK_FLAGS: dict[str, list[str]] = {
     "s3": ["--num-samples", "128", "--slow-batches", "2", "--repeats", "1", "--bags", "6",
            "--bag-median", "300", "--bag-dim", "256"],
     "cold": ["--shapes", "64x384", "--batch-sizes", "16", "--limit-mib", "512", "--store-ratio", "0.1",
-             "--cuda", "off"],
+             "--cuda", "off", "--repeats", "1"],
     "bags": ["--gib", "0.005", "--dim", "256", "--median", "100", "--max", "1000", "--min", "10"],
     "bag_loader": ["--bags", "6", "--patches", "100", "--dim", "256", "--repeats", "1"],
 }
