@@ -133,7 +133,8 @@ class BagTransfer(DeviceStager):
     def _produce_cpu(self, index: np.ndarray, rows: list[np.ndarray | None], counts: np.ndarray, longest: int,
                      staging: dict[str, np.ndarray]) -> tuple[torch.Tensor, ...]:
         ds, b, dim = self.ds, len(index), self.ds.dim
-        coords = np.zeros((b, longest, 2), ds.coords_dtype)
+        padded = bool(len(counts)) and int(counts.min()) < longest  # else every row is read: nothing to zero
+        coords = (np.zeros if padded else np.empty)((b, longest, 2), ds.coords_dtype)
         host = self.pool.lease(b * longest * dim * self.dtype.itemsize)
         features = torch.from_numpy(host).view(self.dtype).view(b, longest, dim)
         if self.dtype == self.stored and not ds.quantized:
@@ -159,9 +160,12 @@ class BagTransfer(DeviceStager):
                     features[piece.slot, piece.start:piece.stop].copy_(dtypes.to_torch(stored, ds.dtype))
         if self.norm is not None:
             features.sub_(self.norm[0]).mul_(self.norm[1])
-        for slot, count in enumerate(counts):  # after the normalisation: padding stays zero
-            features[slot, int(count):].zero_()
-        mask = torch.arange(longest)[None, :] < torch.from_numpy(counts)[:, None]
+        if padded:  # after the normalisation: padding stays zero
+            for slot, count in enumerate(counts):
+                features[slot, int(count):].zero_()
+        # numpy, not torch, for these few small arrays: a bag of one batch is read in ~1 ms warm,
+        # and each small torch op costs ~10 us of it
+        mask = torch.from_numpy(np.arange(longest)[None, :] < counts[:, None])
         return features, mask, torch.from_numpy(coords), self.labels(index)
 
     def _produce_cuda(self, index: np.ndarray, rows: list[np.ndarray | None], counts: np.ndarray,
