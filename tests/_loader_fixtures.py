@@ -8,6 +8,7 @@ against in-RAM tensors built from the same numpy arrays.
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -119,17 +120,24 @@ def source(request: pytest.FixtureRequest) -> Source:
 
 
 def fresh_maps_per_epoch(loader: Any, monkeypatch: pytest.MonkeyPatch, epochs: int = 3) -> list[int]:
-    """How many fresh batch buffers (anonymous maps) each of ``epochs`` epochs of ``loader`` mapped."""
+    """How many fresh batch buffers (anonymous maps) each of ``epochs`` epochs of ``loader`` mapped:
+    those of its own batch pool only, not of another pool that maps meanwhile in this process (the
+    threads of a loader an earlier test left mid-epoch, say)."""
     from featurestore.core import buffers
 
-    mapped: list[int] = []
+    mapped: list[Any] = []  # the pool behind each map
     real = buffers.anonymous
-    monkeypatch.setattr(buffers, "anonymous", lambda nbytes: mapped.append(nbytes) or real(nbytes))
+
+    def counted(nbytes: int) -> Any:
+        mapped.append(sys._getframe(1).f_locals.get("self"))  # BufferPool.lease's self
+        return real(nbytes)
+
+    monkeypatch.setattr(buffers, "anonymous", counted)
     counts = []
     for epoch in range(epochs):
         loader.set_epoch(epoch)
         before = len(mapped)
         for _ in loader:
             pass
-        counts.append(len(mapped) - before)
+        counts.append(sum(1 for pool in mapped[before:] if pool is loader._producer.pool))
     return counts
