@@ -53,7 +53,7 @@ def available() -> bool:
     """numba importable, and not switched off by ``FEATURESTORE_FUSED_STATS=0``."""
     if os.environ.get("FEATURESTORE_FUSED_STATS", "1").strip() == "0":
         return False
-    if importlib.util.find_spec("numba") is None:
+    if not _numba_installed():
         return False
     try:  # compiles nothing yet, but numba must find a writable cache (else: set NUMBA_CACHE_DIR)
         with collector_paused():  # numba's import: half its CPU went to the cyclic collector
