@@ -70,6 +70,7 @@ def create_app(store_url: str | None = None, settings: Settings | None = None) -
 
     metrics = Metrics()
     metrics.watch_pool(lambda: state.buffers.free_bytes)
+    metrics.watch_on_loop(lambda: state.inline_answers)
     app.state.metrics = metrics
 
     @app.get("/metrics", tags=["service"], response_class=Response)

@@ -8,10 +8,18 @@ them behind one port and sum, or run one worker per container.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+)
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -50,8 +58,24 @@ class Metrics:
         )
         gauge.set_function(free_bytes)
 
+    def watch_on_loop(self, answered: Callable[[], float]) -> None:
+        self.registry.register(_CountedElsewhere(
+            "featurestore_data_requests_on_event_loop",
+            "data requests answered on the event loop, without the thread-pool hand-over (server/on_loop.py)",
+            answered))  # fmt: skip
+
     def render(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _CountedElsewhere(Collector):
+    """A counter whose value another object keeps (read at each scrape)."""
+
+    def __init__(self, name: str, documentation: str, value: Callable[[], float]) -> None:
+        self._name, self._documentation, self._value = name, documentation, value
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self._name, self._documentation, value=self._value())
 
 
 class MetricsMiddleware(HttpMiddleware):

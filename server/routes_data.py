@@ -12,8 +12,11 @@ split's codes followed by their chunks' scales as one more part.
 Index lists come as raw little-endian int64 (``Content-Type: application/x-featurestore-indices``,
 no parsing at all) or JSON ``{"indices": [...]}``; either is capped in bytes
 (``FEATURESTORE_MAX_REQUEST_BYTES``, by ``server/limits.py`` before the body is read) and in
-count (``FEATURESTORE_MAX_INDICES``, before it is parsed). Parsing and gathering run in the
-thread pool, never on the event loop.
+count (``FEATURESTORE_MAX_INDICES``, before it is parsed).
+
+Parsing and gathering run in the thread pool, except where a request provably cannot wait: a
+small read of page-cached rows this worker has checked already is answered on the event loop
+(``server/on_loop.py``), which saves the pool's two thread wake-ups.
 """
 
 from __future__ import annotations
@@ -24,16 +27,20 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import numpy as np
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Header, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from featurestore.errors import CorruptChunk, DtypeMismatch, IndexOutOfRange, MissingChunks, SplitChanged
 from featurestore.format import lineage, wire
 from server.errors import BadRequest, NotFound, RequestTooLarge, ResponseTooLarge
+from server import on_loop
+from server.on_loop import WouldBlock
 from server.plain_params import PlainParamsRoute
 from server.responses import ArrayResponse
 from server.routes_features import Name, state_of
 from server.state import OpenedSplit, StoreState
+
+_INLINE_BODY_BYTES = 64 << 10  # an index body parsed on the event loop at most (server/on_loop.py)
 
 router = APIRouter(route_class=PlainParamsRoute)  # parameters read without FastAPI's solver (plain_params.py)
 
@@ -98,15 +105,18 @@ Part = tuple[tuple[int, ...], Any, str, str, str]
 
 
 def gathered_response(state: StoreState, entry: OpenedSplit, nbytes: int, parts: list[Part],
-                      fill: Callable[[list[np.ndarray]], None], *, npy: bool = False,
-                      single: bool = False, media_type: str = wire.OCTET_STREAM) -> ArrayResponse:  # fmt: skip
+                      fill: Callable[[list[np.ndarray]], None], *, npy: bool = False, single: bool = False,
+                      media_type: str = wire.OCTET_STREAM, inline: bool = False) -> ArrayResponse:  # fmt: skip
     """The one path of every data response: reserve ``nbytes`` against the in-flight budget,
     lease a pooled buffer per part, ``fill`` them with the store's reader, confirm the split did
     not change meanwhile (409), and wrap the buffers, no copy; the reservation is given back when
     the last byte left (or on any failure before). A derived split whose source changed since it
-    was computed is answered with ``X-Featurestore-Stale`` (featurestore.core.lineage)."""
+    was computed is answered with ``X-Featurestore-Stale`` (featurestore.core.lineage). ``inline``
+    (server/on_loop.py): :class:`WouldBlock` rather than read a source's document or wait for room."""
+    if inline and lineage.KEY in entry.reader.metadata:
+        raise WouldBlock
     stale = state.stale_reason(entry)  # before the reservation: nothing to give back if it raises
-    state.reserve(nbytes)
+    state.reserve(nbytes, inline=inline)
     try:
         outs = [state.buffer(shape, numpy_dtype) for shape, numpy_dtype, *_ in parts]
         try:
@@ -150,9 +160,11 @@ def requested(arr: Any, dtype: str | None, npy: bool = False) -> str:
 
 def _respond(state: StoreState, entry: OpenedSplit, arrays: list[Any], index: np.ndarray, *,
              served: str | None = None, npy: bool = False, single: bool = False,
-             media_type: str = wire.OCTET_STREAM) -> ArrayResponse:  # fmt: skip
+             media_type: str = wire.OCTET_STREAM, inline: bool = False) -> ArrayResponse:  # fmt: skip
     """Gather rows ``index`` of each array into pooled buffers and wrap them, no copy; the first
-    array's rows as ``served`` (wire.served_dtype: as stored, values, or codes + their scales)."""
+    array's rows as ``served`` (wire.served_dtype: as stored, values, or codes + their scales).
+    ``inline`` (server/on_loop.py): :class:`WouldBlock` unless the read is small, needs no
+    conversion and is wholly in memory."""
     first = arrays[0]
     served = served or first.dtype
     elements = math.prod(first.sample_shape)
@@ -160,6 +172,9 @@ def _respond(state: StoreState, entry: OpenedSplit, arrays: list[Any], index: np
     scales_bytes = 0 if chunks is None else len(chunks) * elements * 4
     per_row = elements * wire.storage_dtype(served).itemsize + sum(int(a.sample_nbytes) for a in arrays[1:])
     nbytes = check_size(state, len(index), per_row, extra=scales_bytes)
+    if inline and (nbytes > state.settings.inline_read_bytes or served not in (first.dtype, wire.CODES)
+                   or not all(arr.in_memory(index) for arr in arrays)):  # fmt: skip
+        raise WouldBlock
     headers = [(wire.SHAPE_HEADER, wire.DTYPE_HEADER),
                (wire.LABELS_SHAPE_HEADER, wire.LABELS_DTYPE_HEADER)]  # fmt: skip
     parts: list[Part] = [((len(index), *arr.sample_shape), wire.storage_dtype(dtype), dtype, *names)
@@ -178,45 +193,55 @@ def _respond(state: StoreState, entry: OpenedSplit, arrays: list[Any], index: np
             outs[-1][...] = first.scales.table()[chunks]
 
     return gathered_response(state, entry, nbytes, parts, fill, npy=npy, single=single,
-                             media_type=media_type)  # fmt: skip
+                             media_type=media_type, inline=inline)  # fmt: skip
 
 
 @router.get(wire.ITEM, tags=["features"], response_class=ArrayResponse, status_code=200,
             responses=_DATA)  # fmt: skip
-def item(
+async def item(
     request: Request, dataset: Name, encoder: Name, split: Name, index: int,
     labels: Labels = False, accept: Accept = None, dtype: Dtype = None,
-) -> ArrayResponse:  # fmt: skip
+) -> Response:  # fmt: skip
     """One sample: ``X-Shape`` is the sample shape (``256,384``)."""
     state = state_of(request)
-    entry = state.open_split(dataset, encoder, split)
-    arr = _pick(entry, labels)
-    if not 0 <= index < len(arr):
-        raise IndexOutOfRange(f"index {index} out of range for {len(arr)} samples")
-    npy = wire.wants_npy(accept)
-    return _respond(state, entry, [arr], np.array([index], dtype=np.int64), served=requested(arr, dtype, npy),
-                    npy=npy, single=True)  # fmt: skip
+
+    def work(inline: bool) -> ArrayResponse:
+        entry = state.open_split(dataset, encoder, split, inline=inline)
+        arr = _pick(entry, labels)
+        if not 0 <= index < len(arr):
+            raise IndexOutOfRange(f"index {index} out of range for {len(arr)} samples")
+        npy = wire.wants_npy(accept)
+        return _respond(state, entry, [arr], np.array([index], dtype=np.int64), served=requested(arr, dtype, npy),
+                        npy=npy, single=True, inline=inline)  # fmt: skip
+
+    return await on_loop.answer(state, work)
 
 
 @router.get(wire.BATCH, tags=["features"], response_class=ArrayResponse, status_code=200,
             responses=_DATA)  # fmt: skip
-def batch_range(
+async def batch_range(
     request: Request, dataset: Name, encoder: Name, split: Name,
     start: Annotated[int, Query(description="first index")],
     stop: Annotated[int, Query(description="one past the last index")],
     labels: Labels = False, accept: Accept = None, dtype: Dtype = None,
-) -> ArrayResponse:  # fmt: skip
+) -> Response:  # fmt: skip
     """Samples ``start:stop`` (a contiguous read)."""
     state = state_of(request)
-    entry = state.open_split(dataset, encoder, split)
-    arr = _pick(entry, labels)
-    if start > stop:
-        raise BadRequest(f"start={start} is after stop={stop}")
-    if start < 0 or stop > len(arr):
-        raise IndexOutOfRange(f"range {start}:{stop} out of range for {len(arr)} samples")
-    npy = wire.wants_npy(accept)
-    return _respond(state, entry, [arr], np.arange(start, stop, dtype=np.int64), served=requested(arr, dtype, npy),
-                    npy=npy)  # fmt: skip
+
+    def work(inline: bool) -> ArrayResponse:
+        entry = state.open_split(dataset, encoder, split, inline=inline)
+        arr = _pick(entry, labels)
+        if start > stop:
+            raise BadRequest(f"start={start} is after stop={stop}")
+        if start < 0 or stop > len(arr):
+            raise IndexOutOfRange(f"range {start}:{stop} out of range for {len(arr)} samples")
+        if inline and (stop - start) * arr.sample_nbytes > state.settings.inline_read_bytes:
+            raise WouldBlock  # before np.arange builds a large index on the loop
+        npy = wire.wants_npy(accept)
+        return _respond(state, entry, [arr], np.arange(start, stop, dtype=np.int64),
+                        served=requested(arr, dtype, npy), npy=npy, inline=inline)  # fmt: skip
+
+    return await on_loop.answer(state, work)
 
 
 def parse_indices(body: bytes, content_type: str, length: int, max_indices: int,
@@ -282,12 +307,14 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 async def _indexed(request: Request, dataset: str, encoder: str, split: str, labels: bool,
-                   accept: str | None, dtype: str | None, *, samples: bool) -> ArrayResponse:  # fmt: skip
+                   accept: str | None, dtype: str | None, *, samples: bool) -> Response:  # fmt: skip
     state = state_of(request)
     body = await request.body()  # capped by server/limits.py while it arrives
 
-    def work() -> ArrayResponse:
-        entry = state.open_split(dataset, encoder, split)
+    def work(inline: bool) -> ArrayResponse:
+        if inline and len(body) > _INLINE_BODY_BYTES:
+            raise WouldBlock  # parsed in the pool
+        entry = state.open_split(dataset, encoder, split, inline=inline)
         if samples:
             arrays = [entry.reader] + ([entry.reader.labels] if entry.reader.labels is not None else [])
         else:
@@ -297,16 +324,17 @@ async def _indexed(request: Request, dataset: str, encoder: str, split: str, lab
         npy = not samples and wire.wants_npy(accept)
         served = requested(arrays[0], dtype, npy)
         if samples:
-            return _respond(state, entry, arrays, index, served=served, media_type=wire.SAMPLES_MEDIA)
-        return _respond(state, entry, arrays, index, served=served, npy=npy)
+            return _respond(state, entry, arrays, index, served=served, media_type=wire.SAMPLES_MEDIA,
+                            inline=inline)  # fmt: skip
+        return _respond(state, entry, arrays, index, served=served, npy=npy, inline=inline)
 
-    return await run_in_threadpool(work)
+    return await on_loop.answer(state, work)
 
 
 @router.post(wire.BATCH, tags=["features"], response_class=ArrayResponse, status_code=200,
              responses=_DATA, openapi_extra=_INDEX_BODY)  # fmt: skip
 async def batch_indices(request: Request, dataset: Name, encoder: Name, split: Name,
-                        labels: Labels = False, accept: Accept = None, dtype: Dtype = None) -> ArrayResponse:  # fmt: skip
+                        labels: Labels = False, accept: Accept = None, dtype: Dtype = None) -> Response:  # fmt: skip
     """Samples at ``indices`` (any order, duplicates allowed), gathered into one buffer."""
     return await _indexed(request, dataset, encoder, split, labels, accept, dtype, samples=False)
 
@@ -314,7 +342,7 @@ async def batch_indices(request: Request, dataset: Name, encoder: Name, split: N
 @router.post(wire.SAMPLES, tags=["features"], response_class=ArrayResponse, status_code=200,
              responses=_SAMPLES, openapi_extra=_INDEX_BODY)  # fmt: skip
 async def samples(request: Request, dataset: Name, encoder: Name, split: Name,
-                  dtype: Dtype = None) -> ArrayResponse:  # fmt: skip
+                  dtype: Dtype = None) -> Response:  # fmt: skip
     """Features and labels of ``indices`` in one response: the features' bytes (``X-Shape``,
     ``X-Dtype``), then the labels' (``X-Labels-Shape``, ``X-Labels-Dtype``; absent, and no bytes,
     when the split has none); with ``?dtype=int8`` the scales last (``X-Scales-Shape``)."""

@@ -74,6 +74,14 @@ class Settings(BaseSettings):
         "past it the connection is dropped and the response's in-flight bytes are given back "
         "(0: no limit)",
     )
+    inline_read_bytes: int = Field(
+        default=1 << 20,
+        ge=0,
+        description="a data read of at most this many bytes whose rows are all in memory (page-cached "
+        "local chunks this worker has already checked) is answered on the event loop, without the "
+        "thread-pool hand-over (server/on_loop.py); 0: every read goes to the thread pool (e.g. a "
+        "store on a network file system)",
+    )
     metadata_ttl_s: float = Field(
         default=1.0,
         ge=0,

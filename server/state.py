@@ -40,6 +40,7 @@ from featurestore.format import layout
 from featurestore.format.names import validate_name
 from featurestore.core.buffers import BufferPool
 from server.errors import Busy
+from server.on_loop import WouldBlock
 from server.settings import Settings
 
 _HTTP_HINT = (
@@ -123,6 +124,7 @@ class StoreState:
         self._documents: dict[tuple[str, str, str], tuple[tuple[int, ...], bytes]] = {}
         self._lock = threading.Lock()
         self._inflight = 0
+        self.inline_answers = 0  # data requests answered on the event loop (server/on_loop.py)
         self._inflight_cv = threading.Condition()
 
     # ------------------------------------------------------------------ splits
@@ -148,10 +150,12 @@ class StoreState:
             self.store.split_metadata(*key)  # raises the precise not-found error
             raise SplitNotFound(f"split {'/'.join(key)} not found") from None
 
-    def open_split(self, dataset: str, encoder: str, split: str, kind: str = "dense") -> OpenedSplit:
+    def open_split(self, dataset: str, encoder: str, split: str, kind: str = "dense", *,
+                   inline: bool = False) -> OpenedSplit:  # fmt: skip
         """The split, opened from its current metadata (409 if it is not complete): as a dense
         split (``store.open``) or, with ``kind="bags"``, as a bag split (``store.open_bags``);
-        each refuses a split of the other kind with its own error."""
+        each refuses a split of the other kind with its own error. ``inline``: raise
+        :class:`~server.on_loop.WouldBlock` rather than open it (not opened yet, or changed)."""
         key = (
             validate_name(dataset, "dataset"),
             validate_name(encoder, "encoder"),
@@ -165,11 +169,15 @@ class StoreState:
                 self._splits.move_to_end(entry.cache_key)
         if entry is not None and not self.local and now - entry.checked < self.settings.metadata_ttl_s:
             return entry
+        if inline and entry is None:
+            raise WouldBlock
         try:
             document = self._document(key)
             if entry is not None and entry.document == document:
                 entry.checked, entry.changed = now, None
                 return entry
+            if inline:
+                raise WouldBlock
             # New or changed: open afresh (outside the lock: a slow object store must not
             # serialize every other request). store.open re-reads the document; if it changed
             # again meanwhile the post-gather check below catches it.
@@ -252,9 +260,10 @@ class StoreState:
         return self.buffers.array(shape, dtype)
 
     # ------------------------------------------------------------------ bytes in flight
-    def reserve(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int, *, inline: bool = False) -> None:
         """Count ``nbytes`` of response against ``max_inflight_bytes``; wait up to
         ``inflight_wait_s`` for room, else raise :class:`Busy` (503 with Retry-After).
+        ``inline``: raise :class:`~server.on_loop.WouldBlock` rather than wait.
 
         One response always fits when nothing else is in flight, so a cap below
         ``max_response_bytes`` cannot lock a request out for good.
@@ -263,6 +272,8 @@ class StoreState:
         deadline = time.monotonic() + self.settings.inflight_wait_s
         with self._inflight_cv:
             while self._inflight and self._inflight + nbytes > cap:
+                if inline:
+                    raise WouldBlock
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise Busy(

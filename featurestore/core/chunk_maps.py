@@ -57,10 +57,13 @@ DEFAULT_MAPPED_MIB = 64
 
 
 class _Entry:
-    __slots__ = ("inode", "mapped", "nbytes", "opened", "path", "resident", "rows")
+    __slots__ = ("address", "inode", "mapped", "mincore_truthful", "nbytes", "opened", "path", "resident", "rows")
 
-    def __init__(self, path: str, inode: int, mapped: mmap.mmap, rows: np.ndarray) -> None:
+    def __init__(self, path: str, inode: int, mapped: mmap.mmap, rows: np.ndarray,
+                 mincore_truthful: bool = False) -> None:  # fmt: skip
         self.path, self.inode, self.mapped, self.rows = path, inode, mapped, rows
+        self.mincore_truthful = mincore_truthful  # see _mincore_truthful
+        self.address = rows.ctypes.data  # of the map's first byte (for mincore)
         self.nbytes = len(mapped)
         # When the file was opened (monotonic): a generation check requested after it proves the
         # map is of the generation its reader opened (featurestore.core.generation).
@@ -278,6 +281,19 @@ class ArrayMaps:
         self._seen.pop(chunk, None)
         shared().forget(self._owner, chunk)
 
+    def in_memory(self, chunk: int, first: int, count: int) -> bool:
+        """Whether rows ``[first, first + count)`` of ``chunk`` can be copied now without opening a
+        file or waiting on a disk: this array already holds the chunk's map (of the size it was
+        mapped with) and every page of the rows is in the page cache (``mincore``, asked only
+        where its answer is truthful: :func:`_mincore_truthful`)."""
+        entry = self._seen.get(chunk)
+        if entry is None or not entry.mincore_truthful:
+            return False
+        if entry.checked_rows() is None:
+            return False
+        width = self._shape[1]
+        return pread.resident(entry.address + first * width, count * width) is True
+
     def gather(self, index: np.ndarray, rows: np.ndarray, populate: bool = False, array_nbytes: int = 0) -> float:
         """Copy rows ``index`` of the array into ``rows`` (``[len(index), row bytes]``); returns
         when the newest map it used was opened (monotonic; -inf: none).
@@ -340,7 +356,17 @@ def _map(path: str, shape: tuple[int, int], check_size: Callable[[str, int], Non
         flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
         mapped = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
     rows = np.frombuffer(mapped, np.uint8, count=shape[0] * shape[1]).reshape(shape)
-    return _Entry(path, st.st_ino, mapped, rows)
+    return _Entry(path, st.st_ino, mapped, rows, _mincore_truthful(path, st.st_uid))
+
+
+def _mincore_truthful(path: str, owner: int) -> bool:
+    """Whether ``mincore`` on a map of ``path`` reports the page cache's state. Since Linux 5.2 it
+    does so only for a file the caller owns (or root) or could open for writing; for any other
+    file it reports every page resident, which would pass a cold read off as a page-cached one."""
+    euid = os.geteuid()
+    if euid == 0 or owner == euid:
+        return True
+    return os.access(path, os.W_OK, effective_ids=os.access in os.supports_effective_ids)
 
 
 _SHARED: ChunkMaps | None = None

@@ -95,10 +95,15 @@ def resident(address: int, nbytes: int) -> bool | None:
     call, ctypes = _mincore
     start = address - address % _PAGE
     length = address + nbytes - start
-    vector = np.empty(-(-length // _PAGE), np.uint8)
-    if call(start, length, vector.ctypes.data) != 0:
+    pages = -(-length // _PAGE)
+    vector = bytearray(pages)
+    if call(start, length, (ctypes.c_char * pages).from_buffer(vector)) != 0:
         return None
-    return bool((vector & 1).all())
+    # Only the lowest bit of each byte means "resident"; counted in C, not per page in Python.
+    return vector.translate(_LOWEST_BIT).count(0) == 0
+
+
+_LOWEST_BIT = bytes(i & 1 for i in range(256))
 
 
 def default_pool() -> ReadPool:

@@ -135,6 +135,11 @@ class ScalesTable:
         self._key = f"{split_key}/{layout.SCALES}"
         self._table: np.ndarray | None = None
 
+    @property
+    def loaded(self) -> bool:
+        """Whether the table is in memory (:meth:`table` reads it from storage the first time)."""
+        return self._table is not None
+
     def table(self) -> np.ndarray:
         if self._table is None:
             import zarr

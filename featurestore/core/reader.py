@@ -37,6 +37,7 @@ from featurestore.core import checked, chunk_maps, generation, pread, quantize_i
 from featurestore.core.buffers import aligned_empty
 from featurestore.core.reader_blocks import BlocksPath
 from featurestore.core.reader_cached import CachedPath
+from featurestore.core.reader_memory import MemoryPath
 from featurestore.core.reader_ranges import RangesPath, chunks_of
 from featurestore.core.storage import Storage
 from featurestore.core.storage.cached import chunk_cache_of
@@ -53,7 +54,7 @@ from featurestore.format import chunks, dtypes, layout, sample_ids
 from featurestore.format.wire import as_index_array, check_bounds
 
 
-class FeatureArray(CachedPath, RangesPath, BlocksPath):
+class FeatureArray(CachedPath, RangesPath, BlocksPath, MemoryPath):
     """One stored array (``features`` or ``labels``) of a split."""
 
     def __init__(
