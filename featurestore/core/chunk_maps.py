@@ -281,6 +281,15 @@ class ArrayMaps:
         self._seen.pop(chunk, None)
         shared().forget(self._owner, chunk)
 
+    def cached(self, chunk: int, inode: int | None = None) -> bool:
+        """Whether the whole chunk is in the page cache (mapping it first, see :meth:`view`):
+        ``mincore`` on its map where that tells the truth, else a sampled probe
+        (:func:`~featurestore.core.pread.sampled_cached`); False where neither can tell."""
+        rows, entry = self.view(chunk, False, inode)
+        if entry.mincore_truthful:
+            return pread.resident(entry.address, rows.nbytes) is True
+        return pread.sampled_cached(entry.path, rows.nbytes) is True
+
     def in_memory(self, chunk: int, first: int, count: int) -> bool:
         """Whether rows ``[first, first + count)`` of ``chunk`` can be copied now without opening a
         file or waiting on a disk: this array already holds the chunk's map (of the size it was

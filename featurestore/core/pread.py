@@ -106,6 +106,30 @@ def resident(address: int, nbytes: int) -> bool | None:
 _LOWEST_BIT = bytes(i & 1 for i in range(256))
 
 
+def sampled_cached(path: str, nbytes: int, probes: int = 16) -> bool | None:
+    """Whether the first ``nbytes`` of ``path`` look page-cached: ``probes`` one-page reads spread
+    over them with ``RWF_NOWAIT``, which refuses rather than wait for a disk; None where the kernel
+    or the file system cannot say. For files whose ``mincore`` answer is untruthful (a file this
+    process may not write: ``chunk_maps._mincore_truthful``), at ~2 us a probe."""
+    if not _NOWAIT or nbytes <= 0:
+        return None
+    page = bytearray(_PAGE)
+    step = max(_PAGE, nbytes // probes // _PAGE * _PAGE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for offset in range(0, nbytes, step):
+            try:
+                if os.preadv(fd, [page], offset, _NOWAIT) < min(_PAGE, nbytes - offset):
+                    return False
+            except BlockingIOError:
+                return False
+            except OSError:  # RWF_NOWAIT not offered here (EOPNOTSUPP, EINVAL)
+                return None
+        return True
+    finally:
+        os.close(fd)
+
+
 def default_pool() -> ReadPool:
     """The process's shared pool (``FEATURESTORE_READ_THREADS``, default 8)."""
     global _DEFAULT

@@ -348,8 +348,9 @@ class FeatureArray(CachedPath, RangesPath, BlocksPath, MemoryPath):
         """Whether every chunk the rows lie in is in the page cache: then the mmap gather is the
         fastest path; otherwise concurrent preads keep the disk busy.
 
-        A chunk is checked whole (``mincore`` on a lazily made map, one call) the first time it is
-        touched and then remembered as warm, so a page-cached epoch pays one numpy lookup per
+        A chunk is checked whole (``mincore`` on a lazily made map, one call; sampled reads that
+        refuse to wait for a disk where ``mincore`` does not tell the truth: a file this process
+        may not write) the first time it is touched and then remembered as warm, so a page-cached epoch pays one numpy lookup per
         batch. The memory is dropped every ``_RECHECK_S`` seconds: a chunk evicted since is found
         cold again (until then the mmap gather only faults it back in: right bytes, slower).
         The same check stats each chunk file: a chunk deleted or truncated fails here with its
@@ -378,8 +379,7 @@ class FeatureArray(CachedPath, RangesPath, BlocksPath, MemoryPath):
             except FileNotFoundError:
                 raise self._missing(path) from None
             self._check_size(path, st.st_size)
-            view = self._array_maps().rows(chunk, populate=False, inode=st.st_ino)
-            if pread.resident(view.ctypes.data, view.nbytes):
+            if self._array_maps().cached(chunk, inode=st.st_ino):
                 warm[chunk] = True
             else:
                 return False
