@@ -198,6 +198,7 @@ def test_target_flags_need_check(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_shipped_targets_file(capsys: pytest.CaptureFixture[str]) -> None:
+    from featurestore.bench.reading import Reading
     from featurestore.bench.report import print_result
 
     targets = gate.load_targets()
@@ -211,6 +212,15 @@ def test_shipped_targets_file(capsys: pytest.CaptureFixture[str]) -> None:
     printed = capsys.readouterr().out
     assert "- write.float16_vs_tofile[8x8]: 0.75x; target write-float16-vs-tofile >= 0.7x: ok" in printed
     assert "- write.float32_vs_tofile[8x8]: 0.4x; target write-float32-vs-tofile >= 0.5x: MISSED" in printed
+    # In bench all, a variant's run is checked against its own targets only, under its own name (an
+    # extract-zero run once printed the vit targets of its vs_encode_only figure as MISSED).
+    reading = Reading()
+    reading.fig("vs_encode_only", 3.27)
+    reading.fig("vs_tofile", 0.65)
+    print_result("extract", {}, reading, run="extract-zero")
+    printed = capsys.readouterr().out
+    assert "- extract-zero.vs_tofile: 0.65x; target extract-zero-vs-tofile >= 0.6x: ok" in printed
+    assert "- extract-zero.vs_encode_only: 3.27x\n" in printed and "extract-vit-vs-encode-only" not in printed
     # Every variant's flags (full and quick) are its bench's own, parsed by its parser.
     for variant in targets.variants.values():
         for flags in (variant["args"], variant["quick"]):

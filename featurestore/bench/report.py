@@ -60,14 +60,17 @@ def figure_lines(name: str, bench: str, figures: Figures, *, variants: bool = Fa
     return lines
 
 
-def print_result(bench: str, result: dict[str, Any], reading: Reading | None = None) -> None:
-    """What ``featurestore bench NAME`` prints at its end: rows (as report.md's tables), figures, notes."""
+def print_result(bench: str, result: dict[str, Any], reading: Reading | None = None, run: str | None = None) -> None:
+    """What ``featurestore bench NAME`` prints at its end: rows (as report.md's tables), figures, notes;
+    ``run``: the entry of ``bench all`` it is (the bench or one of its variants), whose targets alone
+    are checked, under its name."""
     reading = reading or read_result(bench, result)
     for title, bars in reading.rows.items():
         print(f"[{bench}] {title}; {bars[0][0]} / method:")
         for name, rate in bars:
             print(f"  {name:<40} {rate:9.3f}  {bars[0][1] / rate if rate else float('nan'):6.2f}x")
-    for line in figure_lines(bench, bench, reading.figures, variants=True) + reading.notes:
+    lines = figure_lines(run, bench, reading.figures) if run else figure_lines(bench, bench, reading.figures, variants=True)
+    for line in lines + reading.notes:
         print(line)
     if reading.error:
         print(f"(could not read all of {bench}'s result: {reading.error})")
@@ -179,7 +182,7 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
             entry["figures"] = reading.figures
             if reading.error:
                 entry["figures_error"] = f"figures unreadable: {reading.error}"
-            print_result(name, result, reading)  # as featurestore bench NAME prints it
+            print_result(name, result, reading, run=key)  # as featurestore bench NAME prints it
             if why := getattr(module, "failed", lambda _: None)(result):  # e.g. http's load test errors
                 raise RuntimeError(f"the bench reported failure: {why}")
             entry["status"] = "ok"
