@@ -90,16 +90,20 @@ def _stall(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
     loader = FeatureLoader(ds, batch_size=args.batch_size, device="cpu", dtype=None, order="shuffle", seed=2,
                            prefetch=args.prefetch)
     harness.drain(loader)  # warm-up epoch (page tables of the maps, recycled buffers)
-    # The consumer's step: the mean time of one bare read of this split's batches, measured just
-    # before, so that reads and steps run at the same rate (the hardest case for a prefetcher).
-    batches = list(loader.plan(epoch=2))
-    step_s = harness.timed(lambda: harness.drain(ds.array.read(index) for index in batches)) / len(batches)
-    loader.set_epoch(1)
-    epoch = harness.timed(lambda: harness.drain(time.sleep(step_s) for _ in loader))  # a "GPU step" per batch
-    stall = float(loader.stats["stall_s"])
-    # The first batch is always waited for (nothing to overlap it with); it is counted.
-    return {"split_samples": ds.num_samples, "consumer_step_s": step_s, "epoch_s": epoch, "stall_s": stall,
-            "stall_fraction": stall / epoch, "batches": int(loader.stats["batches"])}
+    runs = []
+    for repeat in range(max(1, args.repeats)):  # one epoch's stall is one noisy number: the median of several
+        # The consumer's step: the mean time of one bare read of this epoch's batches, measured just
+        # before, so that reads and steps run at the same rate (the hardest case for a prefetcher).
+        batches = list(loader.plan(epoch=100 + repeat))
+        step_s = harness.timed(lambda: harness.drain(ds.array.read(index) for index in batches)) / len(batches)
+        loader.set_epoch(1 + repeat)
+        epoch = harness.timed(lambda: harness.drain(time.sleep(step_s) for _ in loader))  # a "GPU step" per batch
+        # The first batch is always waited for (nothing to overlap it with); it is counted.
+        runs.append((float(loader.stats["stall_s"]) / epoch, step_s, epoch))
+    fraction, step_s, epoch = sorted(runs)[len(runs) // 2]
+    return {"split_samples": ds.num_samples, "consumer_step_s": step_s, "epoch_s": epoch, "stall_s": fraction * epoch,
+            "stall_fraction": fraction, "stall_fractions": [r[0] for r in runs],
+            "batches": int(loader.stats["batches"])}
 
 
 # ---------------------------------------------------------------------- 3. RSS, N vs 4N

@@ -106,7 +106,7 @@ def _loader(r: dict[str, Any], out: Reading) -> None:
     t, s, rss, cg = r["throughput"], r["stall"], r.get("rss"), r.get("cgroup") or {}
     out.pair("loader_vs_reader", t["loader_vs_reader"], t.get("times_s"), "reader", "loader")
     out.pair("loader_vs_reader_float32", t["loader_vs_reader_float32"], t.get("times_s"), "reader_f32", "loader_f32")
-    out.fig("stall_percent", 100 * s["stall_fraction"])
+    out.fig("stall_percent", 100 * s["stall_fraction"], [100 * f for f in s.get("stall_fractions", ())])
     if rss:  # the loader's own memory, N and 4N, against one N-independent limit (docs/LOADER.md)
         limit = rss.get("limit_bytes", rss["bound_bytes"] + (32 << 20))
         out.fig("rss_vs_bound", max(rss["loader_bytes"].values()) / limit)
