@@ -5,8 +5,9 @@ allocations, walks the young ones again and again as they pile up: loading the i
 kernel (``client.dequantize.wait_warm``: import and first calls, from numba's cache) took 0.52-0.64
 s of CPU with the collector on and 0.35-0.38 s with it paused (3 of 4 alternating runs; one 0.60),
 in a process that had already imported torch, on a 2-core VM. A loader pays that load in its first
-int8 epoch, and a writer in its first batch, so the pause covers exactly the load. The pause is process-wide but brief; nested or concurrent pauses (a
-writer and a loader loading at once) end together, and the collector's earlier state is restored.
+int8 epoch, and a writer in its first batch, so the pause covers exactly the load. The pause is
+process-wide but brief; nested or concurrent pauses (a writer and a loader loading at once) end
+together, and the collector's earlier state is restored.
 """
 
 from __future__ import annotations

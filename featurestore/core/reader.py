@@ -248,9 +248,8 @@ class FeatureArray(CachedPath, RangesPath, BlocksPath, MemoryPath):
         if mode not in checked.VERIFY_MODES:
             raise InvalidOption(f"verify_reads must be one of {', '.join(checked.VERIFY_MODES)}, got {mode!r}")
         path = path or self.path
-        if mode == "off" or path in ("zarr", "cached"):  # zarr's codec checks itself; cached: _gather_cached
-            return {}
-        if mode == "auto" and path == "mmap" and self._resolved_cache() == "direct":
+        # zarr's codec checks itself; cached: _gather_cached
+        if path in ("zarr", "cached") or not self._checks_reads(path):
             return {}
         wanted = chunks_of(index, self.chunk_rows).tolist()
         fresh: dict[int, Any] = {}

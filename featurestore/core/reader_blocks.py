@@ -76,15 +76,20 @@ class BlocksPath:
     _gather_local: Callable[[np.ndarray, np.ndarray], float]
     _missing: Callable[[str | None], Exception]
 
+    def _checks_reads(self, path: str) -> bool:
+        """Whether reads by ``path`` are checked on their first touch (featurestore.core.checked):
+        none with ``verify_reads="off"``; under "auto" no local read that bypasses the page cache."""
+        if self.verify_reads == "off":
+            return False
+        return not (path == "mmap" and self.verify_reads == "auto" and self._resolved_cache() == "direct")
+
     def _block_table(self, path: str) -> block_seals.BlockTable | None:
         """The split's block seals where this read checks by block, else None."""
         if self.verify_reads not in checked.VERIFY_MODES:
             raise InvalidOption(f"verify_reads must be one of {', '.join(checked.VERIFY_MODES)}, "
                                 f"got {self.verify_reads!r}")
-        if self.verify_reads == "off" or path not in ("mmap", "ranges"):
+        if path not in ("mmap", "ranges") or not self._checks_reads(path):
             return None
-        if path == "mmap" and self.verify_reads == "auto" and self._resolved_cache() == "direct":
-            return None  # "auto" checks no local read that bypasses the page cache (checked.py)
         # Small chunks keep the whole-chunk check, a read-ahead for a shuffled epoch's later rows;
         # local reads of a bag split read whole bags (runs of rows), whose blocks are just the
         # bytes they need: checked by block whatever the chunk's size.

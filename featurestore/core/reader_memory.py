@@ -25,7 +25,6 @@ class MemoryPath:
     # Provided by FeatureArray.
     path: str
     local_read: str
-    verify_reads: str
     chunk_rows: int
     scales: quantize_int8.ScalesTable | None
     _pid: int
@@ -35,7 +34,7 @@ class MemoryPath:
     _maps: chunk_maps.ArrayMaps | None
 
     # FeatureArray's (declared, not defined: no stub may shadow them in the method order)
-    _resolved_cache: Callable[[], str]
+    _checks_reads: Callable[[str], bool]
     __len__: Callable[[], int]
 
     def in_memory(self, index: np.ndarray) -> bool:
@@ -66,7 +65,7 @@ class MemoryPath:
     def _checked_already(self, chunk_of: list[int], ordered: list[int]) -> bool:
         """Whether the first-read check (featurestore.core.checked) has nothing left to do for the
         rows ``ordered`` (ascending) in chunks ``chunk_of``."""
-        if self.verify_reads == "off" or (self.verify_reads == "auto" and self._resolved_cache() == "direct"):
+        if not self._checks_reads("mmap"):
             return True
         blocks = self._blocks
         if blocks is None:  # not decided yet: the first read loads the block seals
