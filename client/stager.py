@@ -40,7 +40,8 @@ class DeviceStager:
         # The loader's own read threads (local stores): shut down with the loader; a forked
         # DataLoader worker gets its own (ReadPool is per process).
         self.read_pool = ReadPool(int(os.environ.get("FEATURESTORE_READ_THREADS", "8")))
-        self._weak = weakref.finalize(self, self.read_pool.shutdown)
+        # The finalizer never joins: the collector may run it anywhere (see ReadPool.shutdown).
+        self._weak = weakref.finalize(self, self.read_pool.shutdown, wait=False)
         if self.cuda:
             self.stream = torch.cuda.Stream(device=device)
             # T threads + 1: every thread can fill one while the previous copy is still in flight.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 
 import numpy as np
 
@@ -83,3 +84,23 @@ def test_grow_pool_reuses_larger_buffers_and_keeps_the_largest() -> None:
     assert len(pool._free) == 2 and min(b.size for b in pool._free) >= 10 * PAGE
     assert max(b.size for b in pool._free) >= 40 * PAGE  # rounded up a quarter octave at most
     assert max(b.size for b in pool._free) <= 50 * PAGE
+
+
+def test_a_lease_dropped_under_the_pools_own_lock_is_filed_later_not_deadlocked() -> None:
+    # The garbage collector may run a lease's __del__ on a thread inside lease(), which holds the
+    # pool's lock: giving the buffer back must not wait for that lock.
+    pool = BufferPool(keep=2)
+    held = [pool.array((4, 1000), np.float16)]
+    address = held[0].ctypes.data
+
+    def drop_while_holding_the_lock() -> None:
+        with pool._lock:
+            held.clear()
+
+    thread = threading.Thread(target=drop_while_holding_the_lock, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "giving a buffer back waited for a lock its own thread held"
+    assert pool.free_bytes == 0  # not filed yet: it waits for the next lease
+    again = pool.array((4, 1000), np.float16)
+    assert again.ctypes.data == address

@@ -100,6 +100,30 @@ def test_pool_is_per_process_after_fork() -> None:
     pool.shutdown()
 
 
+def test_a_dropped_stager_stops_its_read_threads_without_joining_them() -> None:
+    # Its finalizer may run inside the garbage collector at any point, even inside threading's own
+    # locks (a CI worker deadlocked there): it tells the threads to stop and never waits for them.
+    from client.stager import DeviceStager
+
+    before = set(_read_threads())
+    stager = DeviceStager(torch.device("cpu"), torch.float32, False, None, 1, prefetch=1)
+    release = threading.Event()
+    busy = stager.read_pool.executor().submit(release.wait, 30)
+    threads = set(_read_threads()) - before
+    assert threads
+    holder = [stager]
+    del stager
+    dropper = threading.Thread(target=holder.clear, daemon=True)  # the last reference goes there
+    dropper.start()
+    dropper.join(timeout=10)
+    assert not dropper.is_alive(), "the stager's finalizer waited for a busy read thread"
+    release.set()
+    assert busy.result(timeout=10) is True
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
 @pytest.mark.parametrize("local_read", ["auto", "pread"])
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
 def test_chunk_damaged_mid_epoch_fails_with_its_name(store: str, monkeypatch: pytest.MonkeyPatch,

@@ -15,6 +15,7 @@ climbed 43 -> 664 MiB under a mixed load), and on hosts with transparent huge pa
 
 from __future__ import annotations
 
+import collections
 import mmap
 import threading
 from typing import Any
@@ -74,6 +75,7 @@ class BufferPool:
             raise ValueError(f"keep must be >= 0, got {keep}")
         self._free: list[np.ndarray] = []
         self._free_bytes = 0
+        self._returned: collections.deque[np.ndarray] = collections.deque()
         self._lock = threading.Lock()
         self._keep = keep
         self._max_free = max_free_bytes
@@ -93,6 +95,7 @@ class BufferPool:
             return aligned_empty((nbytes,), np.uint8)
         buffer = None
         with self._lock:
+            self._file_returned()
             best = -1
             for i, candidate in enumerate(self._free):
                 if nbytes <= candidate.size and (self._grow or candidate.size <= 2 * max(nbytes, PAGE)) and (
@@ -112,20 +115,35 @@ class BufferPool:
         return self.lease(count * dtype.itemsize).view(dtype).reshape(shape)
 
     def _give_back(self, buffer: np.ndarray) -> None:
-        with self._lock:
-            if self._grow and len(self._free) >= self._keep and self._free:
-                smallest = min(range(len(self._free)), key=lambda i: self._free[i].size)
-                if self._free[smallest].size < buffer.size:
-                    self._free_bytes -= self._free.pop(smallest).size
-            if len(self._free) < self._keep and (
-                    self._max_free is None or self._free_bytes + buffer.size <= self._max_free):
-                self._free.append(buffer)
-                self._free_bytes += buffer.size
+        # Runs in a lease's __del__, which the garbage collector may run on a thread that holds
+        # the lock already (in lease()): never wait for it. A buffer the lock's holder cannot
+        # take now waits in _returned and is filed at the next lease.
+        self._returned.append(buffer)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._file_returned()
+            finally:
+                self._lock.release()
+
+    def _file_returned(self) -> None:
+        while self._returned:  # under the lock
+            self._file(self._returned.popleft())
+
+    def _file(self, buffer: np.ndarray) -> None:
+        if self._grow and len(self._free) >= self._keep and self._free:
+            smallest = min(range(len(self._free)), key=lambda i: self._free[i].size)
+            if self._free[smallest].size < buffer.size:
+                self._free_bytes -= self._free.pop(smallest).size
+        if len(self._free) < self._keep and (
+                self._max_free is None or self._free_bytes + buffer.size <= self._max_free):
+            self._free.append(buffer)
+            self._free_bytes += buffer.size
         # otherwise the last reference goes with this frame: the map is unmapped now
 
     def clear(self) -> None:
         """Drop every idle buffer (leased ones come back, or not, as usual)."""
         with self._lock:
+            self._returned.clear()
             self._free.clear()
             self._free_bytes = 0
 

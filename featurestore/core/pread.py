@@ -55,7 +55,7 @@ class ReadPool:
         self.threads = threads
         self._executor: ThreadPoolExecutor | None = None
         self._pid = -1
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a finalizer's shutdown may run inside executor()
 
     def executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -64,11 +64,14 @@ class ReadPool:
                 self._pid = os.getpid()
             return self._executor
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the threads; ``wait=False`` only tells them to stop (for a finalizer: it may run
+        inside the garbage collector at any point, even in ``threading`` holding its own locks,
+        where joining a thread deadlocks)."""
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None and self._pid == os.getpid():
-            executor.shutdown(wait=True, cancel_futures=True)
+            executor.shutdown(wait=wait, cancel_futures=True)
 
 
 _DEFAULT: ReadPool | None = None
