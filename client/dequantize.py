@@ -145,8 +145,9 @@ def warm_up_soon() -> None:
         thread = _STATE.get("thread")
         if _STATE.get("failed") or (thread is not None and thread.is_alive()):
             return
+        # Not a daemon: the process waits for the load before it finalizes (fused_stats.warm_up_soon).
         thread = _STATE["thread"] = threading.Thread(target=_warm, name="featurestore-dequantize-warm-up",
-                                                     daemon=True)
+                                                     daemon=False)
         thread.start()
 
 

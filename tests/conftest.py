@@ -22,6 +22,10 @@ from typing import Any
 
 import pytest
 
+# Every process a test starts (the CLI, servers, workers) dumps each thread's Python stack when it
+# dies of SIGABRT or SIGSEGV: a crash at exit then says which thread was where.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 _AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",

@@ -43,3 +43,27 @@ def test_creating_a_split_loads_the_kernel_before_the_first_write(tmp_path: Path
                           text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert done.stdout.split() == ["loaded", "64.0"]
+
+
+_EXIT_CODE = textwrap.dedent("""
+    import atexit, threading
+    from client import dequantize
+    from featurestore.core import fused_stats
+
+    def report():  # atexit runs after the interpreter joined its non-daemon threads, before it finalizes
+        alive = [t.name for t in threading.enumerate() if "warm-up" in t.name]
+        print("still loading: " + ", ".join(alive) if alive else "joined", flush=True)
+
+    atexit.register(report)
+    fused_stats.warm_up_soon("float32", "float16")
+    dequantize.warm_up_soon()
+""")
+
+
+def test_a_process_ending_while_a_kernel_loads_waits_for_the_load(tmp_path: Path) -> None:
+    # A load still running when the interpreter finalizes is ended inside LLVM's C++ frames: the
+    # process aborted after its work was done (an extraction worker, exit status -6).
+    done = subprocess.run([sys.executable, "-c", _EXIT_CODE], check=False, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert done.stdout.split() == ["joined"], done.stdout

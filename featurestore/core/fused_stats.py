@@ -176,8 +176,11 @@ def warm_up_soon(kind: str, logical: str) -> None:
         thread = _WARMING.get((kind, logical))
         if (kind, logical) in _WARMED or (thread is not None and thread.is_alive()):
             return
+        # Not a daemon: the interpreter waits for it before it finalizes. A daemon thread still
+        # loading (LLVM calls back into Python) when it does is ended inside C++ frames, and the
+        # process aborts ("terminate called without an active exception") after its work is done.
         thread = _WARMING[(kind, logical)] = threading.Thread(
-            target=_warm, args=(kind, logical), name="featurestore-warm-up", daemon=True)
+            target=_warm, args=(kind, logical), name="featurestore-warm-up", daemon=False)
         thread.start()
 
 

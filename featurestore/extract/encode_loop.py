@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -136,8 +135,7 @@ def feed(loader: Any, thread: WriterThread, bar: Any, device: torch.device, warm
     try:
         batches = iter(loader)  # image workers start (fork) here, before the warm-up thread exists
         if device.type == "cpu":
-            threading.Thread(target=fused_stats.warm_up, args=warm, name="featurestore-warm-up",
-                             daemon=True).start()
+            fused_stats.warm_up_soon(*warm)
         with torch.inference_mode():
             for batch in batches:
                 step(batch)
