@@ -11,7 +11,6 @@ featurestore.core.lineage) is recomputed whole, never resumed.
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -224,8 +223,7 @@ def _embed(opts: EmbedOptions, coord: Coordinator) -> EmbedResult:
                            metadata=store.split_metadata(opts.dataset, opts.encoder_name, opts.target_split))
     error, computed = None, 0
     # The writer's statistics kernel compiles (or loads) while the first rows are computed.
-    threading.Thread(target=fused_stats.warm_up, args=("float32", opts.dtype), name="featurestore-warm-up",
-                     daemon=True).start()
+    fused_stats.warm_up_soon("float32", opts.dtype)
     try:
         if coord.rank != 0:  # attach to the split rank 0 created or resumed
             writer = _create(opts, prep, store, resume=True, overwrite=False)
