@@ -38,6 +38,7 @@ class Producer(Protocol):
 
     def shutdown(self) -> None: ...
 
+_EXIT_WAIT_S = 10.0  # at interpreter exit, as featurestore's I/O loop waits for its requests
 _JOIN_TIMEOUT_S = 60.0  # a thread stuck in a remote read is abandoned (daemon) after this
 
 
@@ -146,11 +147,15 @@ def _forget_pool_in_child() -> None:
 
 
 def _shutdown_at_exit() -> None:
-    for prefetcher in list(_LIVE):  # epochs a consumer left unfinished: stop their loops first
-        prefetcher.close(timeout=1.0, warn=False)
+    # Epochs a consumer left unfinished: stop their loops first, and give a batch still being read
+    # time to finish (up to _EXIT_WAIT_S in all). A loop thread still inside torch when the
+    # interpreter finalizes is ended inside C++ frames, and the process aborts after its work.
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    for prefetcher in list(_LIVE):
+        prefetcher.close(timeout=max(0.0, deadline - time.monotonic()), warn=False)
     pool = _POOL
     if pool is not None:
-        pool.shutdown()
+        pool.shutdown(timeout=max(0.0, deadline - time.monotonic()))
 
 
 if hasattr(os, "register_at_fork"):

@@ -128,3 +128,41 @@ def test_an_idle_pool_thread_does_not_keep_the_last_epoch_alive(local_store: str
             break
         time.sleep(0.05)
     assert not alive, [type(o).__name__ for o in alive]
+
+
+_EXIT_MID_READ = """
+import atexit, sys, threading, time
+
+def report():  # registered before client's own hook, so it runs after it (atexit is last in, first out)
+    busy = [t.name for t in threading.enumerate() if t.name.startswith("featurestore-prefetch")]
+    print("still reading: " + ", ".join(busy) if busy else "finished", flush=True)
+
+atexit.register(report)
+import featurestore.core.reader as reader
+from client import FeatureDataset, FeatureLoader
+
+plain = reader.FeatureArray.read_numpy
+calls = []
+
+def slow(self, *args, **kwargs):  # every batch after the first takes 2 s to read
+    calls.append(1)
+    if len(calls) > 1:
+        time.sleep(2)
+    return plain(self, *args, **kwargs)
+
+reader.FeatureArray.read_numpy = slow
+ds = FeatureDataset(sys.argv[1], {dataset!r}, {encoder!r}, "f32")
+held = iter(FeatureLoader(ds, batch_size=4, device="cpu", num_threads=1, prefetch=1, order="sequential"))
+next(held)
+while len(calls) < 2:  # the next batch's read has begun
+    time.sleep(0.01)
+"""
+
+
+def test_a_batch_being_read_at_exit_is_finished_before_the_interpreter_finalizes(local_store: str) -> None:
+    # A loop thread still in a read (torch, numba) when the interpreter finalizes is ended inside
+    # C++ frames: the process aborts after the user's script is done.
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_EXIT_MID_READ.format(dataset=DATASET,
+                          encoder=ENCODER)), local_store], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["finished"], proc.stdout
