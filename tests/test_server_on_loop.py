@@ -192,3 +192,38 @@ def test_mincore_is_trusted_only_for_files_the_process_could_write() -> None:
         os.seteuid(0)
         shutil.rmtree(top)
     assert seen == [False, True, True]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to act as another user")
+def test_in_memory_of_a_store_this_process_may_only_read_asks_a_read_that_refuses_to_wait() -> None:
+    # A store made by another user (a shared project directory; a host store mounted read-only into
+    # the server's container): mincore cannot tell there, a RWF_NOWAIT read of the rows can.
+    top = Path(tempfile.mkdtemp(prefix="featurestore-not-owner-"))
+    top.chmod(0o755)
+    path = str(top / "s")
+    _split(path)
+    every = np.arange(64, dtype=np.int64)
+    os.seteuid(65534)
+    try:
+        arr = featurestore.open_store(path).open("d", "e", "s")
+        arr.read_numpy(every)
+        assert not any(entry.mincore_truthful for entry in arr._maps._seen.values())
+        warm = arr.in_memory(every)
+        for entry in list(arr._maps._seen.values()):
+            entry.release()
+        os.seteuid(0)
+        evict(path)
+        os.seteuid(65534)
+        cold = arr.in_memory(every)
+        arr.read_numpy(every)
+        again = arr.in_memory(np.array([5, 40, 3, 3, 1], dtype=np.int64))  # runs of one chunk, a duplicate
+        for entry in list(arr._maps._seen.values()):
+            entry.release()
+        fd = os.open(os.path.join(path, "d", "e", "s", "features", "c", "0", "0"), os.O_RDONLY)
+        os.posix_fadvise(fd, 4096, 4096, os.POSIX_FADV_DONTNEED)  # the page of rows 2 and 3 (2 KiB each)
+        os.close(fd)
+        partly = (arr.in_memory(np.array([1], dtype=np.int64)), arr.in_memory(np.array([1, 3], dtype=np.int64)))
+    finally:
+        os.seteuid(0)
+        shutil.rmtree(top)
+    assert (warm, cold, again, partly) == (True, False, True, (True, False))

@@ -290,18 +290,18 @@ class ArrayMaps:
             return pread.resident(entry.address, rows.nbytes) is True
         return pread.sampled_cached(entry.path, rows.nbytes) is True
 
-    def in_memory(self, chunk: int, first: int, count: int) -> bool:
-        """Whether rows ``[first, first + count)`` of ``chunk`` can be copied now without opening a
+    def in_memory(self, chunk: int, rows: list[int]) -> bool:
+        """Whether rows ``rows`` (ascending) of ``chunk`` can be copied now without opening a
         file or waiting on a disk: this array already holds the chunk's map (of the size it was
-        mapped with) and every page of the rows is in the page cache (``mincore``, asked only
-        where its answer is truthful: :func:`_mincore_truthful`)."""
+        mapped with) and every page of the rows is in the page cache (``mincore`` where its
+        answer is truthful, :func:`_mincore_truthful`; else a read that refuses to wait)."""
         entry = self._seen.get(chunk)
-        if entry is None or not entry.mincore_truthful:
-            return False
-        if entry.checked_rows() is None:
+        if entry is None or entry.checked_rows() is None:
             return False
         width = self._shape[1]
-        return pread.resident(entry.address + first * width, count * width) is True
+        if not entry.mincore_truthful:
+            return pread.cached_now(entry.path, entry.inode, rows, width) is True
+        return pread.resident(entry.address + rows[0] * width, (rows[-1] - rows[0] + 1) * width) is True
 
     def gather(self, index: np.ndarray, rows: np.ndarray, populate: bool = False, array_nbytes: int = 0) -> float:
         """Copy rows ``index`` of the array into ``rows`` (``[len(index), row bytes]``); returns

@@ -54,10 +54,9 @@ class MemoryPath:
         if not self._checked_already(chunk_of, ordered):
             return False
         start = 0
-        for end in range(1, len(ordered) + 1):  # one mincore per chunk, over the span of its rows
+        for end in range(1, len(ordered) + 1):  # one test per chunk it touches
             if end == len(ordered) or chunk_of[end] != chunk_of[start]:
-                chunk, first = chunk_of[start], ordered[start] % rows
-                if not maps.in_memory(chunk, first, ordered[end - 1] % rows - first + 1):
+                if not maps.in_memory(chunk_of[start], [row % rows for row in ordered[start:end]]):
                     return False
                 start = end
         return True
