@@ -26,7 +26,6 @@ for the extraction loop, and cuts the patch keys of consecutive slides into batc
 from __future__ import annotations
 
 import os
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -174,9 +173,9 @@ class PatchReader(torch.utils.data.Dataset):  # type: ignore[type-arg]
         size = (key.read_size, key.read_size)
         rgba = np.asarray(self._slide(key.path).read_region((key.x, key.y), key.level, size))
         if rgba[..., 3].min() == 255:  # the usual case: one copy, RGBA [s, s, 4] -> RGB [3, s, s]
-            with warnings.catch_warnings():  # PIL's buffer is read-only; it is only read, into the copy
-                warnings.simplefilter("ignore", UserWarning)
-                return torch.from_numpy(rgba).permute(2, 0, 1)[:3].contiguous()
+            # numpy makes the copy: torch.from_numpy of PIL's read-only buffer would warn, and
+            # silencing that with catch_warnings changes every thread's filters while it runs.
+            return torch.from_numpy(np.ascontiguousarray(rgba.transpose(2, 0, 1)[:3]))
         composited = read_rgb(self._slide(key.path), (key.x, key.y), key.level, size)
         return torch.from_numpy(composited).permute(2, 0, 1).contiguous()
 
