@@ -116,35 +116,27 @@ def sampled_cached(path: str, nbytes: int, probes: int = 16) -> bool | None:
     process may not write: ``chunk_maps._mincore_truthful``), at ~2 us a probe."""
     if not _NOWAIT or nbytes <= 0:
         return None
-    page = bytearray(_PAGE)
     step = max(_PAGE, nbytes // probes // _PAGE * _PAGE)
     fd = os.open(path, os.O_RDONLY)
     try:
-        for offset in range(0, nbytes, step):
-            try:
-                if os.preadv(fd, [page], offset, _NOWAIT) < min(_PAGE, nbytes - offset):
-                    return False
-            except BlockingIOError:
-                return False
-            except OSError:  # RWF_NOWAIT not offered here (EOPNOTSUPP, EINVAL)
-                return None
-        return True
+        return _read_without_waiting(fd, [(offset, min(_PAGE, nbytes - offset)) for offset in range(0, nbytes, step)])
     finally:
         os.close(fd)
 
 
-_SCRATCH = threading.local()
-
-
 def cached_now(path: str, inode: int, rows: list[int], width: int) -> bool | None:
     """Whether rows ``rows`` (ascending) of ``width`` bytes from the start of ``path`` (still inode
-    ``inode``) are all in the page cache now: one ``RWF_NOWAIT`` read per run of adjacent rows
-    into a scratch buffer of this thread, which copies cached bytes and refuses (or stops short) at
-    the first missing page. For files whose ``mincore`` answer is untruthful, where
-    :func:`resident` cannot tell; None where the kernel or the file system cannot say either.
-    Costs a copy of the rows (~20 us for 192 KiB)."""
+    ``inode``) are all in the page cache now: one ``RWF_NOWAIT`` read per run of adjacent rows,
+    which copies cached bytes and refuses (or stops short) at the first missing page. For files
+    whose ``mincore`` answer is untruthful, where :func:`resident` cannot tell; None where the
+    kernel or the file system cannot say either. Costs a copy of the rows (~20 us for 192 KiB)."""
     if not _NOWAIT or not rows or width <= 0:
         return None
+    spans, start = [], 0
+    for end in range(1, len(rows) + 1):
+        if end == len(rows) or rows[end] > rows[end - 1] + 1:
+            spans.append((rows[start] * width, (rows[end - 1] - rows[start] + 1) * width))
+            start = end
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -152,23 +144,30 @@ def cached_now(path: str, inode: int, rows: list[int], width: int) -> bool | Non
     try:
         if os.fstat(fd).st_ino != inode:  # replaced since it was mapped: not the map's pages
             return False
-        start = 0
-        for end in range(1, len(rows) + 1):
-            if end == len(rows) or rows[end] > rows[end - 1] + 1:
-                nbytes = (rows[end - 1] - rows[start] + 1) * width
-                scratch = getattr(_SCRATCH, "buffer", None)
-                if scratch is None or len(scratch) < nbytes:
-                    scratch = _SCRATCH.buffer = bytearray(max(nbytes, 1 << 20))
-                if os.preadv(fd, [memoryview(scratch)[:nbytes]], rows[start] * width, _NOWAIT) != nbytes:
-                    return False
-                start = end
-        return True
-    except BlockingIOError:
-        return False
-    except OSError:  # RWF_NOWAIT not offered here (EOPNOTSUPP, EINVAL)
-        return None
+        return _read_without_waiting(fd, spans)
     finally:
         os.close(fd)
+
+
+_SCRATCH = threading.local()
+
+
+def _read_without_waiting(fd: int, spans: list[tuple[int, int]]) -> bool | None:
+    """Whether every ``(offset, nbytes)`` span of ``fd`` reads in full with ``RWF_NOWAIT`` (into a
+    scratch buffer of this thread): False at the first span that would wait, None where the file
+    system does not offer it."""
+    for offset, nbytes in spans:
+        scratch = getattr(_SCRATCH, "buffer", None)
+        if scratch is None or len(scratch) < nbytes:
+            scratch = _SCRATCH.buffer = bytearray(max(nbytes, 1 << 20))
+        try:
+            if os.preadv(fd, [memoryview(scratch)[:nbytes]], offset, _NOWAIT) < nbytes:
+                return False
+        except BlockingIOError:
+            return False
+        except OSError:  # RWF_NOWAIT not offered here (EOPNOTSUPP, EINVAL)
+            return None
+    return True
 
 
 def default_pool() -> ReadPool:

@@ -350,8 +350,9 @@ class FeatureArray(CachedPath, RangesPath, BlocksPath, MemoryPath):
         A chunk is checked whole (``mincore`` on a lazily made map, one call; sampled reads that
         refuse to wait for a disk where ``mincore`` does not tell the truth: a file this process
         may not write) the first time it is touched and then remembered as warm, so a page-cached
-        epoch pays one numpy lookup per batch. The memory is dropped every ``_RECHECK_S`` seconds: a chunk evicted since is found
-        cold again (until then the mmap gather only faults it back in: right bytes, slower).
+        epoch pays one numpy lookup per batch. The memory is dropped every ``_RECHECK_S`` seconds:
+        a chunk evicted since is found cold again (until then the mmap gather only faults it back
+        in: right bytes, slower).
         The same check stats each chunk file: a chunk deleted or truncated fails here with its
         name, and one replaced (a resume rewrote it) is mapped again. A read touching more chunks
         than the process keeps maps of goes to pread: its maps would not survive to the gather."""
