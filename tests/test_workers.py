@@ -221,8 +221,29 @@ def test_worker_refused_where_conditional_writes_are_missing(tmp_path: Path) -> 
 
 
 # ----------------------------------------------------------------------------- imports
+def _kill_holding_a_claim(worker: subprocess.Popen[bytes], storage: Any, key: str, timeout: float = 120) -> str:
+    """SIGKILL ``worker`` while it holds a slide's claim; return that slide. The worker is frozen
+    (SIGSTOP) first and its claim read back while it cannot move: a claim seen a moment earlier
+    may be finished by the time a kill lands. Fails when the run ends before such a moment."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert worker.poll() is None, "the worker ended before it could be killed holding a claim"
+        records = claims.read_records(storage, key) if storage.size(f"{key}/zarr.json") else {}
+        if any(r.get("pid") == worker.pid and r.get("state") == claims.WORKING for r in records.values()):
+            worker.send_signal(signal.SIGSTOP)
+            held = [unit for unit, r in claims.read_records(storage, key).items()
+                    if r.get("pid") == worker.pid and r.get("state") == claims.WORKING]
+            if held:
+                worker.send_signal(signal.SIGKILL)
+                worker.wait()
+                return held[0]
+            worker.send_signal(signal.SIGCONT)  # it finished that slide meanwhile: look again
+        time.sleep(0.02)
+    raise AssertionError(f"the worker held no claim within {timeout} s")
+
+
 def test_import_workers_killed_and_late_match_one_process(tmp_path: Path, seaweed: Any, seaweed_url: str) -> None:
-    source = _source_and_reference(tmp_path, {f"s{i:02d}": 20 + 7 * i for i in range(12)})
+    source = _source_and_reference(tmp_path, {f"s{i:02d}": 20 + 7 * i for i in range(24)})
     options = dict(seaweed.storage_options)
     env = cli_env()
     cmd = _import_cmd(source, seaweed_url, options, "--worker", "--lease-seconds", "3")
@@ -230,17 +251,10 @@ def test_import_workers_killed_and_late_match_one_process(tmp_path: Path, seawee
     w2 = _start(cmd, env, tmp_path / "w2.log")
     storage = _storage(seaweed_url, options)
     key = "/".join(NAME)
-    deadline = time.time() + 120
-    while time.time() < deadline:  # w1 has claimed a slide: kill it
-        records = claims.read_records(storage, key) if storage.size(f"{key}/zarr.json") else {}
-        if any(r.get("pid") == w1.pid for r in records.values()):
-            break
-        time.sleep(0.05)
-    w1.send_signal(signal.SIGKILL)
-    w1.wait()
+    _kill_holding_a_claim(w1, storage, key)  # its slide's claim outlives it, for its lease
     w3 = _start(cmd, env, tmp_path / "w3.log")  # started late
     outs = [_wait(w2, tmp_path / "w2.log"), _wait(w3, tmp_path / "w3.log")]
-    assert sum("imported ds/enc/train: 12 bags" in o for o in outs) == 1, outs  # exactly one commit
+    assert sum("imported ds/enc/train: 24 bags" in o for o in outs) == 1, outs  # exactly one commit
     _assert_same_split(storage, LocalStorage(str(tmp_path / "single")), key)
 
 
@@ -297,7 +311,9 @@ def test_sigstop_past_lease_adds_no_second_copy(tmp_path: Path, cohort: Path, se
     w1 = _start(cmd, env, tmp_path / "w1.log")
     deadline = time.time() + 180
     while time.time() < deadline and not _calls(calls):
+        assert w1.poll() is None, "the worker ended before its first encoder call"
         time.sleep(0.02)
+    assert _calls(calls), "the worker made no encoder call within 180 s"
     w1.send_signal(signal.SIGSTOP)  # inside its first slide's encoder call
     time.sleep(4.5)  # past the lease
     w2 = _start(cmd, env, tmp_path / "w2.log")
@@ -377,7 +393,10 @@ def test_object_server_restarted_mid_run_workers_retry_and_finish(tmp_path: Path
             if (any(r.get("state") == claims.DONE for r in records.values())
                     and {w.pid for w in workers} <= {r.get("pid") for r in records.values()}):
                 break
+            assert all(w.poll() is None for w in workers), "a worker ended before the server was stopped"
             time.sleep(0.05)
+        else:
+            raise AssertionError("the two workers were not both mid-run within 120 s")
         stop_process(server.process, grace=5)
         time.sleep(3)
         restart()
