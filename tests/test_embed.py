@@ -188,6 +188,30 @@ def test_group_with_disagreeing_labels_or_without_the_attribute_is_refused(tmp_p
         run_embed(tmp_path, group_by="site")
 
 
+def test_no_labels_leaves_them_out_and_the_task_comes_from_a_table_at_probe_time(tmp_path: Path) -> None:
+    # Each patient's two slides disagree on the stored (slide-level) label: a patient row has none.
+    bags = {f"s-{p}{k}": (3 + 2 * p + k, k, f"p{p}") for p in range(8) for k in range(2)}
+    make_bags(tmp_path, "float32", bags=bags)
+    with pytest.raises(InvalidLabels, match=r"different labels .*--no-labels.*--id-column case_id\)$"):
+        run_embed(tmp_path, group_by="case_id", encoder_name="patient")
+    run_embed(tmp_path, group_by="case_id", encoder_name="patient", no_labels=True)
+    values, ids, labels = read_split(tmp_path, "patient")
+    assert ids == [f"p{p}" for p in range(8)] and labels is None and values.shape == (8, DIM)
+    meta = featurestore.open_store(str(tmp_path)).split_metadata("ds", "patient", "train")
+    assert meta["lineage"]["labels"] == "left out"
+    assert "grouped by case_id, labels left out" in cli("info", str(tmp_path), "ds", "patient", "train").stdout
+    # A run that carries labels records none of this: its lineage (and cache key) is as before.
+    run_embed(tmp_path, encoder_name="slide")
+    assert "labels" not in featurestore.open_store(str(tmp_path)).split_metadata("ds", "slide", "train")["lineage"]
+    table = tmp_path / "patients.csv"
+    table.write_text("case_id,grade\n" + "".join(f"p{p},{'high' if p % 2 else 'low'}\n" for p in range(8)))
+    probe = cli("probe", str(tmp_path), "--dataset", "ds", "--encoder", "patient", "--train", "train", "--folds", "2",
+                "--labels", str(table), "--label-column", "grade", "--id-column", "case_id", "--seeds", "1",
+                "--device", "cpu")
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+    assert "8 of 8" in probe.stdout and "labelled" in probe.stdout, probe.stdout
+
+
 def test_empty_bags_are_refused_naming_them_or_skipped_and_recorded(tmp_path: Path) -> None:
     make_bags(tmp_path, bags={"s-a": (3, 0, "p1"), "s-b": (0, 1, "p1"), "s-c": (2, 1, "p2")})
     with pytest.raises(EmptyBag, match=r"1 bag\(s\) of ds/uni/train have no patches \('s-b'\).*--empty-bags skip"):

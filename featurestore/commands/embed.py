@@ -25,7 +25,8 @@ magnification, coords_unit) is checked against the bag split. A group's slides a
 later slide's x shifted by the running max x + patch size of the ones before. The split records its lineage
 (source split and generation, slide encoder, weights hash, autocast, --max-patches and --seed, grouping); once
 the source is rewritten it is reported stale (ls, info, verify, the server) and a re-run or --resume
-recomputes it whole. Resumable (--resume keeps the chunks written) and torchrun-aware (rows partitioned by
+recomputes it whole. --no-labels leaves the bags' labels out (a patient whose slides disagree; the task
+then comes from a table at probe time: probe --labels CSV --id-column case_id). Resumable (--resume keeps the chunks written) and torchrun-aware (rows partitioned by
 rank).
 """
 
@@ -45,6 +46,9 @@ def register(subparsers: Any) -> None:
                    help="one row per value of this bag attribute (e.g. case_id), pooling all its bags' patches")
     p.add_argument("--empty-bags", default="refuse", choices=("refuse", "skip"),
                    help="a row without patches: refuse the run (default) or leave it out (recorded in the lineage)")
+    p.add_argument("--no-labels", action="store_true",
+                   help="leave the bags' labels out of the embedding split (recorded in the lineage): for groups "
+                   "whose bags disagree; give the task at probe time (probe --labels CSV --id-column COLUMN)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run (keeps written chunks)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing embedding split")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (python: slide encoders)")
@@ -60,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
         store=args.store, dataset=args.dataset, encoder=args.encoder, split=args.split,
         slide_encoder=args.slide_encoder, encoder_name=args.encoder_name, out_split=args.out_split,
         dtype=args.dtype, max_patches=args.max_patches, seed=args.seed, group_by=args.group_by,
-        empty_bags=args.empty_bags, resume=args.resume, overwrite=args.overwrite, device=args.device,
-        autocast=args.autocast, storage_options=storage_options(args.storage_options))
+        empty_bags=args.empty_bags, no_labels=args.no_labels, resume=args.resume, overwrite=args.overwrite,
+        device=args.device, autocast=args.autocast, storage_options=storage_options(args.storage_options))
     with store_errors(args.store):
         result = embed(opts)
     if result.rank != 0:

@@ -3,7 +3,8 @@
 A row is a list of bags (positions in the bag split, in id order) and its label. With
 ``--group-by COLUMN`` bags are grouped by that bag attribute (``bags.attrs(i)[COLUMN]``, e.g. the
 ``case_id`` column an import keeps): one row per value, rows sorted by the value as text. Every
-bag must carry the attribute, and every bag of a group the same label.
+bag must carry the attribute, and every bag of a group the same label (unless the labels are left
+out: ``--no-labels``, the task then given at probe time).
 
 A row's patches are its bags' rows, concatenated in bag order; ``--max-patches K`` keeps a seeded
 uniform subset of K of them (sorted), the same whichever rank or run computes the row.
@@ -27,9 +28,10 @@ class Row:
     label: Any = None
 
 
-def plan(bags: Any, group_by: str | None, key: str) -> list[Row]:
-    """The rows of ``bags`` (a BagArray), one per bag or one per ``group_by`` value."""
-    labels = bags.labels
+def plan(bags: Any, group_by: str | None, key: str, *, with_labels: bool = True) -> list[Row]:
+    """The rows of ``bags`` (a BagArray), one per bag or one per ``group_by`` value; without
+    ``with_labels`` every row's label is None."""
+    labels = bags.labels if with_labels else None
     if group_by is None:
         return [Row(bag_id, (i,), None if labels is None else labels[i].item()) for i, bag_id in enumerate(bags.ids)]
     groups: dict[str, list[int]] = {}
@@ -51,7 +53,9 @@ def plan(bags: Any, group_by: str | None, key: str) -> list[Row]:
             if len(values) > 1:
                 shown = ", ".join(f"{bags.ids[i]}={labels[i].item()}" for i in members)
                 raise InvalidLabels(f"group {group_by}={name!r} of {key} has bags with different labels ({shown}): "
-                                    "one row per group needs one label; fix the labels or group by another column")
+                                    "one row per group needs one label; fix the labels, group by another column, "
+                                    "or leave the labels out (--no-labels) and give the task at probe time "
+                                    f"(probe --labels CSV --id-column {group_by})")
             label = values.pop()
         rows.append(Row(name, members, label))
     return rows

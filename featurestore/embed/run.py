@@ -48,6 +48,7 @@ class EmbedOptions:
     seed: int = 0
     group_by: str | None = None
     empty_bags: str = "refuse"
+    no_labels: bool = False  # the rows carry no labels (recorded in the lineage)
     resume: bool = False
     overwrite: bool = False
     device: str = "auto"
@@ -109,6 +110,7 @@ class _Prepared:
     autocast: Any
     lineage: dict[str, Any]
     source_key: str
+    label_dtype: Any = None  # of the rows' labels; None: the split has none
 
 
 def _prepare(opts: EmbedOptions, store: Any, coord: Coordinator) -> _Prepared:
@@ -117,7 +119,7 @@ def _prepare(opts: EmbedOptions, store: Any, coord: Coordinator) -> _Prepared:
     encoder = slide_encoders.load(opts.slide_encoder)
     slide_encoders.check_requirements(encoder, bags, source_key)
     slide_encoders.check_inputs(encoder, bags, source_key)
-    rows = row_plan.plan(bags, opts.group_by, source_key)
+    rows = row_plan.plan(bags, opts.group_by, source_key, with_labels=not opts.no_labels)
     empty = [row for row in rows if row_plan.patch_count(row, bags.lengths) == 0]
     if empty and opts.empty_bags == "refuse":
         what = "group" if opts.group_by else "bag"
@@ -144,8 +146,9 @@ def _prepare(opts: EmbedOptions, store: Any, coord: Coordinator) -> _Prepared:
                         slide_encoder=encoder.to_json(output_dim),
                         autocast=None if encoder.pooling else opts.autocast, max_patches=opts.max_patches,
                         seed=opts.seed, group_by=opts.group_by, empty_bags=opts.empty_bags,
-                        skipped=[row.id for row in empty])
-    return _Prepared(bags, encoder, rows, kept, output_dim, device, autocast, doc, source_key)
+                        skipped=[row.id for row in empty], no_labels=opts.no_labels)
+    label_dtype = None if opts.no_labels or bags.labels is None else bags.labels.dtype
+    return _Prepared(bags, encoder, rows, kept, output_dim, device, autocast, doc, source_key, label_dtype)
 
 
 def _encode(encoder: slide_encoders.SlideEncoder, bags: Any, row: row_plan.Row, kept: np.ndarray | None,
@@ -155,11 +158,9 @@ def _encode(encoder: slide_encoders.SlideEncoder, bags: Any, row: row_plan.Row, 
 
 
 def _create(opts: EmbedOptions, prep: _Prepared, store: Any, *, resume: bool, overwrite: bool) -> Any:
-    labels = prep.bags.labels
     return store.create_split(
         opts.dataset, opts.encoder_name, opts.target_split, num_samples=len(prep.rows),
-        sample_shape=(prep.output_dim,), dtype=opts.dtype,
-        label_dtype=None if labels is None else labels.dtype,
+        sample_shape=(prep.output_dim,), dtype=opts.dtype, label_dtype=prep.label_dtype,
         metadata={lineage.KEY: prep.lineage, "cache_key": lineage.cache_key(prep.lineage, opts.dtype),
                   "source_dtype": "float32",
                   "encoder": {"name": opts.encoder_name, "spec": opts.slide_encoder,
@@ -261,7 +262,6 @@ def _compute(prep: _Prepared, writer: Any, chunks: list[int]) -> int:
 
 
 def _write(prep: _Prepared, writer: Any, spans: list[tuple[int, int]], vectors: Any) -> None:
-    labels = prep.bags.labels
     for start, stop in spans:
         block = np.empty((stop - start, prep.output_dim), np.float32)
         for i in range(start, stop):
@@ -272,6 +272,6 @@ def _write(prep: _Prepared, writer: Any, spans: list[tuple[int, int]], vectors: 
                     f"{prep.output_dim} for the first row: it must return one size")
             block[i - start] = vector
         row_labels = None
-        if labels is not None:
-            row_labels = np.asarray([prep.rows[i].label for i in range(start, stop)], dtype=labels.dtype)
+        if prep.label_dtype is not None:
+            row_labels = np.asarray([prep.rows[i].label for i in range(start, stop)], dtype=prep.label_dtype)
         writer.write(start, block, row_labels)

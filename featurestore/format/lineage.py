@@ -43,12 +43,14 @@ def source_state(metadata: dict[str, Any]) -> dict[str, Any]:
 
 def build(*, dataset: str, encoder: str, split: str, source_metadata: dict[str, Any],
           slide_encoder: dict[str, Any], autocast: str | None, max_patches: int | None, seed: int,
-          group_by: str | None, empty_bags: str, skipped: list[str]) -> dict[str, Any]:
-    """The ``lineage`` document of a derived split."""
+          group_by: str | None, empty_bags: str, skipped: list[str], no_labels: bool = False) -> dict[str, Any]:
+    """The ``lineage`` document of a derived split. ``labels: "left out"`` only where they were: a
+    document (and so the cache key) of a run that carries them is the one earlier versions wrote."""
     return {"kind": KIND, "version": VERSION,
             "source": {"dataset": dataset, "encoder": encoder, "split": split, **source_state(source_metadata)},
             "slide_encoder": slide_encoder, "autocast": autocast, "max_patches": max_patches, "seed": seed,
-            "group_by": group_by, "empty_bags": empty_bags, "skipped": list(skipped)}
+            "group_by": group_by, "empty_bags": empty_bags, "skipped": list(skipped),
+            **({"labels": "left out"} if no_labels else {})}
 
 
 def cache_key(doc: dict[str, Any], dtype: str) -> str:
@@ -113,4 +115,6 @@ def describe(doc: dict[str, Any]) -> str:
         parts.append(f"grouped by {doc['group_by']}")
     if doc.get("skipped"):
         parts.append(f"{len(doc['skipped'])} empty bag(s) skipped")
+    if doc.get("labels") == "left out":
+        parts.append("labels left out")
     return ", ".join(parts)
