@@ -118,6 +118,23 @@ def test_malformed_file_is_one_line_naming_it(tmp_path: Path, capsys: pytest.Cap
     assert "b.h5" in err or "'b'" in err
 
 
+def test_a_trident_job_directory_names_its_encoders_directories(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The directory above the per-slide files (a TRIDENT job's 20x_256px/, one features_<encoder>/
+    each) is refused in one line that names them, whatever level the user pointed at."""
+    job = tmp_path / "job"
+    trident_dir(job / "20x_256px" / "features_uni", {"a": 4, "b": 5})
+    trident_dir(job / "20x_256px" / "features_conch", {"a": 4})
+    (job / "20x_256px" / "patches").mkdir()  # TRIDENT's coordinates-only outputs sit beside them
+    for source, prefix in ((job / "20x_256px", ""), (job, "20x_256px/")):
+        assert run_import(source, tmp_path / "store") == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "holds no feature files itself" in err, err
+        assert f"{prefix}features_conch/ (1 slide files), {prefix}features_uni/ (2 slide files)" in err, err
+    assert not (tmp_path / "store").exists()  # nothing written
+    assert run_import(job / "20x_256px" / "features_uni", tmp_path / "store") == 0
+
+
 def test_truncated_file_met_while_reading_keeps_earlier_bags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A file whose header reads but whose rows do not: the bags before it stay, --resume goes on."""
     source = tmp_path / "src"

@@ -17,13 +17,15 @@ split, one bag per slide (extract/bag_import.py, readers in extract/slide_files.
 
 from __future__ import annotations
 
+import os
+
 from featurestore.errors import SourceError
 from featurestore.extract.bag_import import BagImport
 from featurestore.extract.dense_import import DenseImport
 from featurestore.extract.dist_run import run_split
 from featurestore.extract.import_types import ImportOptions, ImportResult
 from featurestore.extract.plan import check_chunk_mb
-from featurestore.extract.slide_files import SlideFiles, find_slides
+from featurestore.extract.slide_files import SlideFiles, find_slides, slide_directories_below
 from featurestore.format.names import validate_name
 
 __all__ = ["ImportOptions", "ImportResult", "import_cache"]
@@ -50,7 +52,21 @@ def import_cache(opts: ImportOptions) -> ImportResult:
                           "per-slide files: import it without --worker")
     if opts.bags:
         raise SourceError(f"--bags: {opts.source!r} is not a directory of per-slide .h5 or .pt files")
+    _refuse_a_parent_of_slide_directories(opts.source)
     if opts.label_column is not None or opts.id_column is not None:
         raise SourceError(f"--label-column/--id-column name columns of a slide-bags labels CSV, but {opts.source!r} "
                           "is not a directory of per-slide files: leave them out")
     return run_split(DenseImport(opts))
+
+
+def _refuse_a_parent_of_slide_directories(source: str) -> None:
+    """A directory without feature files of its own, above per-slide directories (a TRIDENT job's
+    ``20x_256px/`` holds one ``features_<encoder>/`` per encoder): name them, one split each."""
+    if not os.path.isdir(source) or any(n.endswith((".pt", ".npy")) for n in os.listdir(source)):
+        return
+    below = slide_directories_below(source)
+    if below:
+        shown = ", ".join(f"{path}/ ({count} slide files)" for path, count in below[:5])
+        more = f" and {len(below) - 5} more" if len(below) > 5 else ""
+        raise SourceError(f"directory {source!r} holds no feature files itself; per-slide files are in {shown}{more}: "
+                          "import one of those directories (one split per encoder)")

@@ -72,6 +72,32 @@ def find_slides(directory: str, force: bool = False) -> tuple[str, str] | None:
     return None
 
 
+def slide_directories_below(directory: str, depth: int = 2) -> list[tuple[str, int]]:
+    """``(path relative to directory, slide files)`` for each directory up to ``depth`` levels below
+    ``directory`` that :func:`find_slides` would import (a TRIDENT job's ``20x_256px/features_uni``,
+    a CLAM job): what to suggest when ``directory`` itself holds no feature files."""
+    found: list[tuple[str, int]] = []
+    level = [directory]
+    for _ in range(depth):
+        below = []
+        for parent in level:
+            try:
+                names = sorted(n for n in os.listdir(parent) if not n.startswith("."))
+            except OSError:
+                continue
+            for name in names:
+                path = os.path.join(parent, name)
+                if not os.path.isdir(path):
+                    continue
+                slides = find_slides(path)
+                if slides is not None:
+                    found.append((os.path.relpath(path, directory), len(_files(slides[0], H5_SUFFIXES + PT_SUFFIXES))))
+                else:
+                    below.append(path)
+        level = below
+    return found
+
+
 def _files(directory: str, suffixes: tuple[str, ...], hidden: bool = False) -> list[str]:
     """The names ending in ``suffixes``; names starting with "." only with ``hidden`` (macOS
     writes ``._<name>.h5`` resource forks beside copied files: never slides)."""
