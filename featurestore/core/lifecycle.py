@@ -35,7 +35,8 @@ W = TypeVar("W")
 
 # How a kind is named in messages ("split x is a bag split, not a dense split").
 KIND_WORDS = {"dense": "a dense split", "bags": "a bag split"}
-OPEN_WITH = {"dense": "store.open(...)", "bags": "store.open_bags(...)"}
+OPEN_WITH = {"dense": "store.open(...) (over HTTP: FeatureClient.open or read_samples, FeatureDataset)",
+             "bags": "store.open_bags(...) (over HTTP: FeatureClient.read_bag, BagDataset)"}
 
 
 def open_writer(storage: Storage, url: str, mode: str, key: str, kind: SplitKind[W], wanted: SplitMetadata, *,
