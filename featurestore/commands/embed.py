@@ -26,8 +26,8 @@ later slide's x shifted by the running max x + patch size of the ones before. Th
 (source split and generation, slide encoder, weights hash, autocast, --max-patches and --seed, grouping); once
 the source is rewritten it is reported stale (ls, info, verify, the server) and a re-run or --resume
 recomputes it whole. --no-labels leaves the bags' labels out (a patient whose slides disagree; the task
-then comes from a table at probe time: probe --labels CSV --id-column case_id). Resumable (--resume keeps the chunks written) and torchrun-aware (rows partitioned by
-rank).
+then comes from a table at probe time: probe --labels CSV --id-column case_id). Resumable (--resume keeps
+the chunks written) and torchrun-aware (rows partitioned by rank).
 """
 
 

@@ -91,7 +91,8 @@ def slide_directories_below(directory: str, depth: int = 2) -> list[tuple[str, i
                     continue
                 slides = find_slides(path)
                 if slides is not None:
-                    found.append((os.path.relpath(path, directory), len(_files(slides[0], H5_SUFFIXES + PT_SUFFIXES))))
+                    count = len(_files(slides[0], H5_SUFFIXES + PT_SUFFIXES))
+                    found.append((os.path.relpath(path, directory), count))
                 else:
                     below.append(path)
         level = below
