@@ -309,3 +309,7 @@ def test_a_report_figure_stored_as_null_prints_as_n_a() -> None:
                               "max_rel_error": 0.002, "rel_rms_error": None, "abs_max": 3e38})
     assert line == ("float32 -> bfloat16: max abs error n/a, max rel error 0.002, rel rms error n/a, "
                     "abs max 3e+38, overflow 0, NaN 0, Inf 0")
+    line = quantization_line({"source_dtype": "float32", "stored_dtype": "int8", "max_abs_error": 0.0186,
+                              "max_rel_error": 1.0, "rel_rms_error": 0.00693, "abs_max": 4.7, "saturation_count": 0})
+    assert line == ("float32 -> int8: max abs error 0.0186, max rel error 1 (a value under half its scale's step "
+                    "stores as 0), rel rms error 0.00693, abs max 4.7, overflow 0, NaN 0, Inf 0, saturation 0")

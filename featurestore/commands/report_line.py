@@ -14,11 +14,16 @@ def _figure(value: Any, spec: str) -> str:
 
 
 def quantization_line(q: dict[str, Any]) -> str:
-    """``float32 -> float16: max abs error ..., overflow 0, NaN 0, Inf 0``."""
+    """``float32 -> float16: max abs error ..., overflow 0, NaN 0, Inf 0`` (int8: with its saturation
+    count, and why a max rel error of 1 is expected there)."""
     exact = " (exact)" if q.get("exact") else ""
+    int8 = q.get("stored_dtype") == "int8"
+    rel = _figure(q.get("max_rel_error"), ".3g")
+    if int8 and (q.get("max_rel_error") or 0) >= 1:  # a scale's step is its position's abs max / 127
+        rel += " (a value under half its scale's step stores as 0)"
     return (f"{q.get('source_dtype')} -> {q.get('stored_dtype')}{exact}: "
-            f"max abs error {_figure(q.get('max_abs_error'), '.3g')}, "
-            f"max rel error {_figure(q.get('max_rel_error'), '.3g')}, "
+            f"max abs error {_figure(q.get('max_abs_error'), '.3g')}, max rel error {rel}, "
             f"rel rms error {_figure(q.get('rel_rms_error'), '.3g')}, "
             f"abs max {_figure(q.get('abs_max'), '.6g')}, "
-            f"overflow {q.get('overflow_count', 0)}, NaN {q.get('nan_count', 0)}, Inf {q.get('inf_count', 0)}")
+            f"overflow {q.get('overflow_count', 0)}, NaN {q.get('nan_count', 0)}, Inf {q.get('inf_count', 0)}"
+            + (f", saturation {q.get('saturation_count', 0)}" if int8 else ""))
