@@ -41,7 +41,10 @@ def check_loader_options(ds: Any, *, batch_size: Any, prefetch: Any, seed: Any, 
     if rank >= world_size:
         raise InvalidOption(f"`rank` must be in [0, world_size={world_size}), but got: {rank!r}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise InvalidOption(f"`dtype` must be a floating torch dtype or None (keep the stored dtype), but got: {dtype!r}")
+        named = isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
+        hint = f": pass torch.{dtype}, not the string" if named else ""
+        raise InvalidOption(f"`dtype` must be a floating torch dtype or None (keep the stored dtype), but got: "
+                            f"{dtype!r}{hint}")
     if pin_memory not in ("auto", True, False):
         raise InvalidOption(f"`pin_memory` must be 'auto', True or False, but got: {pin_memory!r}")
     if num_threads is not None and (not isinstance(num_threads, int) or isinstance(num_threads, bool)

@@ -21,6 +21,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"world_size": 0}, "`world_size` must be an integer >= 1"),
     ({"rank": 2, "world_size": 2}, r"`rank` must be in \[0, world_size=2\)"),
     ({"dtype": torch.int64}, "`dtype` must be a floating torch dtype"),
+    ({"dtype": "float32"}, "but got: 'float32': pass torch.float32, not the string"),
     ({"pin_memory": "yes"}, "`pin_memory` must be 'auto', True or False"),
     ({"num_threads": 0}, "`num_threads` must be a positive integer or None"),
     ({"num_threads": True}, "`num_threads` must be a positive integer or None"),  # a bool is no thread count
