@@ -119,6 +119,28 @@ def test_cli_errors_are_one_line(store: str, argv: list[str], message: str, caps
     assert code == 1 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_a_split_of_the_other_kind_names_the_head_it_takes(store: str, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    import featurestore
+
+    common = ["--folds", "2", "--quiet", "--epochs", "1", "--seeds", "1", "--device", "cpu"]
+    code = main(["probe", store, "--dataset", "cohort", "--encoder", ENCODERS["float32"], "--train", "train", *common])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert err.endswith("is a bag split, not a dense split: probe a bag split with --head abmil, or its slide "
+                        "embeddings (featurestore embed) with --head linear"), err
+    writer = featurestore.open_store(str(tmp_path), mode="a").create_split(
+        "ds", "enc", "train", num_samples=4, sample_shape=(DIM,), dtype="float32", label_dtype="int64")
+    writer.write(0, np.zeros((4, DIM), np.float32), np.array([0, 1, 0, 1]))
+    writer.commit()
+    code = main(["probe", str(tmp_path), "--head", "abmil", "--dataset", "ds", "--encoder", "enc", "--train", "train",
+                 *common])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert err.endswith("is a dense split, not a bag split: --head abmil trains on bag splits; a dense split takes "
+                        "--head linear (or seg)"), err
+
+
 @pytest.mark.filterwarnings("ignore:1 empty bag")
 def test_cli_save_attention(store: str, capsys: pytest.CaptureFixture[str]) -> None:
     import featurestore
