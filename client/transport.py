@@ -238,8 +238,11 @@ class Transport:
             detail, name, extra = response.text[:500], None, {}
         if isinstance(detail, str):
             detail = wire.redact(detail)
+        # The server's words are for any HTTP client; this one takes its token as an argument.
+        hint = (" (FeatureClient, FeatureDataset and BagDataset take token=, else read $FEATURESTORE_TOKEN)"
+                if response.status_code == 401 else "")
         error = make_error(
-            f"{method} {url} failed with HTTP {response.status_code}: {detail}",
+            f"{method} {url} failed with HTTP {response.status_code}: {detail}{hint}",
             status=response.status_code, detail=detail, url=url, name=name,
         )  # fmt: skip
         if isinstance(cap := extra.get("max_response_bytes"), int):
@@ -292,8 +295,10 @@ class Transport:
         if isinstance(last, ClientError):  # a 5xx on every attempt
             raise last
         # httpx messages may quote the URL, credentials included: redact every line we raise.
+        refused = isinstance(last, httpx.ConnectError) and "refused" in str(last).lower()
+        hint = f": is a server running at {self.url}? (featurestore serve STORE --port ...)" if refused else ""
         raise make_error(
-            wire.redact(f"{method} {shown} failed after {self.retries + 1} attempts: {last!r}"),
+            wire.redact(f"{method} {shown} failed after {self.retries + 1} attempts: {last!r}{hint}"),
             status=None, detail=wire.redact(str(last)), url=shown,
         ) from None
 

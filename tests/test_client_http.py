@@ -162,9 +162,18 @@ def test_token_from_the_environment(store_path: str, monkeypatch: pytest.MonkeyP
                 FeatureClient(url, token=token, retries=0).datasets()
             assert info.value.status == 401
             assert "missing or wrong bearer token: send 'Authorization: Bearer <token>'" in str(info.value)
+            assert "FeatureDataset and BagDataset take token=, else read $FEATURESTORE_TOKEN" in str(info.value)
         monkeypatch.setenv("FEATURESTORE_TOKEN", "wrong")
         with FeatureClient(url, token="t0k3n", retries=0) as explicit:
             assert explicit.datasets() == ["other", "pannuke"]
+
+
+def test_no_server_at_the_url_says_so() -> None:
+    from featurestore.testing.serving import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ClientError, match=rf"failed after 1 attempts: .*: is a server running at {url}\?"):
+        FeatureClient(url, retries=0).datasets()
 
 
 def test_reads_over_the_byte_cap_are_split(store_path: str) -> None:
