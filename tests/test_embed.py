@@ -342,6 +342,31 @@ def test_info_json_and_help(tmp_path: Path) -> None:
     assert meta["ids"] is True and meta["lineage"]["source"]["split"] == "train"
 
 
+def test_a_split_of_the_other_kind_is_refused_with_the_verbs_own_fix(tmp_path: Path) -> None:
+    """embed and export take bag splits: a dense one is named as such, with what these verbs do
+    (not the library's "open it with store.open(...)"); a target name held by a bag split keeps
+    the writer's own fix."""
+    make_bags(tmp_path)
+    run_embed(tmp_path, encoder_name="slide")  # a dense split: ds/slide/train
+    for verb in (["embed", str(tmp_path), "--dataset", "ds", "--encoder", "slide", "--split", "train",
+                  "--slide-encoder", "mean", "--encoder-name", "again"],
+                 ["export", str(tmp_path), "--dataset", "ds", "--encoder", "slide", "--split", "train",
+                  "--format", "trident", "--out", str(tmp_path / "out")]):
+        done = cli(*verb)
+        err = done.stderr.strip()
+        assert done.returncode == 1 and len(err.splitlines()) == 1, err
+        assert "split ds/slide/train is a dense split, not a bag split: featurestore " + verb[0] in err, err
+        assert "open it with" not in err
+    taken = cli("embed", str(tmp_path), "--dataset", "ds", "--encoder", "uni", "--split", "train", "--slide-encoder",
+                "mean", "--encoder-name", "uni", "--out-split", "train")
+    assert "would replace the bag split itself" in taken.stderr, taken.stderr
+    held = featurestore.open_store(str(tmp_path), mode="a").create_bag_split("ds", "held", "train", dim=DIM)
+    held.commit()
+    taken = cli("embed", str(tmp_path), "--dataset", "ds", "--encoder", "uni", "--split", "train", "--slide-encoder",
+                "mean", "--encoder-name", "held")
+    assert "is a bag split, not a dense split: use another split name, or overwrite" in taken.stderr, taken.stderr
+
+
 def test_torchrun_two_ranks_equal_one_process(tmp_path: Path) -> None:
     args = twin_stores(tmp_path, ("single", "multi"), {f"s-{i:02d}": (2 + i, i % 2, f"p{i // 3}") for i in range(7)})
     assert cli("embed", str(tmp_path / "single"), *args).returncode == 0

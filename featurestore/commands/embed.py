@@ -10,7 +10,8 @@ import argparse
 from typing import Any
 
 from featurestore.commands.parsers import add_verb
-from featurestore.commands.storeargs import add_split_source, add_storage_options, storage_options, store_errors
+from featurestore.commands.storeargs import (add_split_source, add_storage_options, kind_hint, storage_options,
+                                             store_errors)
 
 
 HELP = "slide or patient embeddings of a bag split (mean, max or a torch slide encoder), with lineage"
@@ -66,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype, max_patches=args.max_patches, seed=args.seed, group_by=args.group_by,
         empty_bags=args.empty_bags, no_labels=args.no_labels, resume=args.resume, overwrite=args.overwrite,
         device=args.device, autocast=args.autocast, storage_options=storage_options(args.storage_options))
-    with store_errors(args.store):
+    with store_errors(args.store), kind_hint("featurestore embed derives slide or patient embeddings from a bag "
+                                             "split (--encoder, --split name it)"):
         result = embed(opts)
     if result.rank != 0:
         return 0

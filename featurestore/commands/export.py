@@ -7,7 +7,8 @@ import argparse
 from typing import Any
 
 from featurestore.commands.parsers import add_debug_option, add_verb
-from featurestore.commands.storeargs import add_split_source, add_storage_options, open_store_from_args, store_errors
+from featurestore.commands.storeargs import (add_split_source, add_storage_options, kind_hint, open_store_from_args,
+                                             store_errors)
 
 # Mirrors featurestore.extract.bag_export.FORMATS, kept here so `featurestore --help` imports nothing.
 FORMATS = ("trident", "clam-pt")
@@ -39,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     from featurestore.extract.bag_export import export_bags
 
     store = open_store_from_args(args.store, args)
-    with store_errors(args.store):
+    with store_errors(args.store), kind_hint("featurestore export writes a bag split out, one file per slide; read "
+                                             "a dense split with FeatureDataset or store.open(...)"):
         result = export_bags(store, args.dataset, args.encoder, args.split, fmt=args.fmt, out=args.out,
                              overwrite=args.overwrite, progress=not args.no_progress)
     print(f"exported {result.key}: {result.bags} bags as {result.format}, {result.files} files in {result.out} "

@@ -16,8 +16,8 @@ import textwrap
 from typing import Any
 
 from featurestore.commands.parsers import add_verb
-from featurestore.commands.storeargs import add_cache_options, add_storage_options, options_from_args
-from featurestore.errors import InvalidOption, WrongSplitKind
+from featurestore.commands.storeargs import add_cache_options, add_storage_options, kind_hint, options_from_args
+from featurestore.errors import InvalidOption
 
 # Mirrors featurestore.probes.run.TASKS / LOADERS, kept here so `featurestore --help` imports nothing.
 TASKS = ("auto", "linear", "seg")
@@ -267,14 +267,10 @@ def register(subparsers: Any) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    try:
+    hint = ("--head abmil trains on bag splits; a dense split takes --head linear (or seg)" if args.head == "abmil"
+            else "probe a bag split with --head abmil, or its slide embeddings (featurestore embed) with --head linear")
+    with kind_hint(hint):
         return _run(args)
-    except WrongSplitKind as error:  # its "open it with store.open_bags(...)" is the Python door
-        what = str(error).split(": open it with")[0]
-        hint = ("--head abmil trains on bag splits; a dense split takes --head linear (or seg)" if args.head == "abmil"
-                else "probe a bag split with --head abmil, or its slide embeddings (featurestore embed) with --head "
-                "linear")
-        raise WrongSplitKind(f"{what}: {hint}") from None
 
 
 def _run(args: argparse.Namespace) -> int:

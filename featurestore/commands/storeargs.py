@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from featurestore.errors import FeatureStoreError, InvalidStorageOptions, StoreUnreachable
+from featurestore.errors import FeatureStoreError, InvalidStorageOptions, StoreUnreachable, WrongSplitKind
 from featurestore.format.redact import redact, redact_url
 
 ENV = "FEATURESTORE_STORAGE_OPTIONS"
@@ -127,6 +127,19 @@ def store_errors(url: str) -> Iterator[None]:
             f"credentials; for S3 behind a custom endpoint pass --storage-options {EXAMPLE} "
             f"(or set {ENV})"
         ) from error
+
+
+@contextlib.contextmanager
+def kind_hint(hint: str) -> Iterator[None]:
+    """A verb that takes one kind of split, given the other: ``WrongSplitKind`` with the verb's own
+    way forward (``hint``) in place of the library's ("open it with store.open_bags(...)")."""
+    try:
+        yield
+    except WrongSplitKind as error:
+        what, door, _ = str(error).partition(": open it with")
+        if not door:  # a writer's ("use another split name, or overwrite"): already the fix
+            raise
+        raise WrongSplitKind(f"{what}: {hint}") from None
 
 
 def open_store_from_args(url: str, args: argparse.Namespace, mode: str = "r") -> Any:
