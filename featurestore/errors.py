@@ -206,6 +206,11 @@ class SourceError(FeatureStoreError, ValueError):
 class WrongSplitKind(FeatureStoreError, TypeError):
     """A dense-split operation on a bag split, or a bag operation on a dense split."""
 
+    # What the message says before naming the library's door for the split's kind; a CLI verb
+    # replaces what follows with its own way forward (commands.storeargs.kind_hint). A class
+    # attribute, not a field: over HTTP the error comes back as its name and message only.
+    DOOR = ": open it with "
+
 
 class EmptyBag(FeatureStoreError, ValueError):
     """A bag without patches where one is needed (``BagLoader(skip_empty=False)``)."""

@@ -136,7 +136,7 @@ def kind_hint(hint: str) -> Iterator[None]:
     try:
         yield
     except WrongSplitKind as error:
-        what, door, _ = str(error).partition(": open it with")
+        what, door, _ = str(error).partition(WrongSplitKind.DOOR)
         if not door:  # a writer's ("use another split name, or overwrite"): already the fix
             raise
         raise WrongSplitKind(f"{what}: {hint}") from None

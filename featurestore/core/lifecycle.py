@@ -89,7 +89,7 @@ def check_same(meta: SplitMetadata, wanted: SplitMetadata, key: str) -> None:
 def check_kind(meta: SplitMetadata, kind: str, key: str) -> None:
     """Refuse to open a split of another kind than the door asked for, naming the right door."""
     if meta.kind != kind:
-        raise WrongSplitKind(f"split {key} is {kind_words(meta.kind)}, not {kind_words(kind)}: open it with "
+        raise WrongSplitKind(f"split {key} is {kind_words(meta.kind)}, not {kind_words(kind)}{WrongSplitKind.DOOR}"
                              f"{OPEN_WITH.get(meta.kind, 'the reader of its kind')}")
 
 
