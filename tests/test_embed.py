@@ -401,5 +401,6 @@ def test_output_shapes_and_options(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert run_embed(tmp_path, "python:_embed_encoders:flat", encoder_name="flat").status == "already-complete"
     from featurestore.errors import CacheKeyMismatch
 
-    with pytest.raises(CacheKeyMismatch):
+    with pytest.raises(CacheKeyMismatch, match=r"changes the encoder \(python:_embed_encoders:flat then, max now\); "
+                       r"the lineage \(slide_encoder\.spec: python:_embed_encoders:flat then, max now"):
         run_embed(tmp_path, "max", encoder_name="flat")

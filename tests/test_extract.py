@@ -109,6 +109,14 @@ def bf16_encoder() -> torch.nn.Module:
     return _PatchEncoder(out_dtype=torch.bfloat16)
 
 
+def unseeded_encoder() -> torch.nn.Module:
+    """A factory whose weights come from the global RNG: other weights on every run."""
+    encoder = _PatchEncoder()
+    with torch.no_grad():
+        encoder.proj.bias.copy_(torch.randn(16))
+    return encoder
+
+
 # ----------------------------------------------------------------------------- helpers
 @pytest.fixture(scope="module")
 def fold(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -199,12 +207,25 @@ def test_rerun_is_a_noop_a_changed_input_is_refused_overwrite_redoes(fold: Path,
     again = extract(options(fold, tmp_path), Coordinator())
     assert again.status == "already-complete" and again.encoded == 0
     assert again.metadata["cache_key"] == first.metadata["cache_key"]
-    with pytest.raises(CacheKeyMismatch, match="--overwrite"):
+    # The refusal names what changed, from what the split records of its cache key.
+    with pytest.raises(CacheKeyMismatch, match=r"changes the preprocessing \(resize: null then, \[16, 16\] now\).*"
+                       r"--overwrite"):
         extract(options(fold, tmp_path, resize=(16, 16)), Coordinator())
-    with pytest.raises(CacheKeyMismatch):
+    with pytest.raises(CacheKeyMismatch,
+                       match=r"changes the stored dtype \(float16 then, float32 now\)\. Use") as refused:
         extract(options(fold, tmp_path, dtype="float32", resume=True), Coordinator())
+    assert "weights" not in str(refused.value) and "preprocessing" not in str(refused.value)
     redone = extract(options(fold, tmp_path, dtype="float32", overwrite=True), Coordinator())
     assert redone.status == "complete" and redone.metadata["logical_dtype"] == "float32"
+
+
+def test_an_unseeded_encoder_is_named_as_the_reason_a_rerun_is_refused(fold: Path, tmp_path: Path) -> None:
+    spec = "python:test_extract:unseeded_encoder"
+    extract(options(fold, tmp_path, encoder=spec), Coordinator())
+    with pytest.raises(CacheKeyMismatch, match=r"changes the encoder's weights \([0-9a-f]{12} then, [0-9a-f]{12} now\)"
+                       r"\. An encoder factory that draws its weights at random \(unseeded\).*seed it") as refused:
+        extract(options(fold, tmp_path, encoder=spec, resume=True), Coordinator())
+    assert "preprocessing" not in str(refused.value)  # only what changed
 
 
 def test_resume_encodes_only_the_missing_chunks(fold: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

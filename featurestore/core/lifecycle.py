@@ -28,7 +28,7 @@ from featurestore.core.split_kind import SplitKind
 from featurestore.core.storage import Storage
 from featurestore.errors import (CacheKeyMismatch, InvalidOption, NotAFeatureStore, ReadOnlyStore, SplitExists,
                                  SplitNotFound, WrongSplitKind)
-from featurestore.format import layout
+from featurestore.format import key_change, layout
 from featurestore.format.metadata import COMPLETE, WRITING, SplitMetadata
 
 W = TypeVar("W")
@@ -80,10 +80,10 @@ def check_same(meta: SplitMetadata, wanted: SplitMetadata, key: str) -> None:
                              "split name, or overwrite=True (--overwrite) to replace it")
     old, new = meta.cache_key, wanted.cache_key
     if old and new and old != new:
+        why = key_change.explain(meta.to_json(), wanted.to_json())
         raise CacheKeyMismatch(
-            f"split {key} was written with cache key {old}, this run has {new} (another encoder, "
-            "weights, preprocessing, dtype or input): use overwrite=True (--overwrite) to replace it, "
-            "or another split name")
+            f"split {key} was written with cache key {old[:16]}, this run has {new[:16]}: {why}. Use "
+            "overwrite=True (--overwrite) to replace it, or another split name")
 
 
 def check_kind(meta: SplitMetadata, kind: str, key: str) -> None:
