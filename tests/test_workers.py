@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -251,11 +252,17 @@ def test_import_workers_killed_and_late_match_one_process(tmp_path: Path, seawee
     w2 = _start(cmd, env, tmp_path / "w2.log")
     storage = _storage(seaweed_url, options)
     key = "/".join(NAME)
-    _kill_holding_a_claim(w1, storage, key)  # its slide's claim outlives it, for its lease
+    held = _kill_holding_a_claim(w1, storage, key)  # its slide's claim outlives it, for its lease
     w3 = _start(cmd, env, tmp_path / "w3.log")  # started late
     outs = [_wait(w2, tmp_path / "w2.log"), _wait(w3, tmp_path / "w3.log")]
     assert sum("imported ds/enc/train: 24 bags" in o for o in outs) == 1, outs  # exactly one commit
     _assert_same_split(storage, LocalStorage(str(tmp_path / "single")), key)
+    # Each worker's log has a line per slide it did: together, every slide once (the killed
+    # worker's slide by whoever took it over; only a bag it completed just before the kill is in
+    # no log, its taker finding it complete).
+    done = re.findall(r"featurestore worker \S+: slide '(s\d\d)' done \(",
+                      (tmp_path / "w1.log").read_text() + "".join(outs))
+    assert len(done) == len(set(done)) and set(done) >= {f"s{i:02d}" for i in range(24)} - {held}, done
 
 
 # ----------------------------------------------------------------------------- slides

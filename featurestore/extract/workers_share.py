@@ -194,6 +194,10 @@ class ClaimShare:
         board = self._board(job)
         pending = [unit for _, unit in job.units(writer)]
         self.cohort = set(writer.done_ids) | {job.unit_id(unit) for unit in pending}
+        # One line per slide on stdout: a SLURM or pod log shows what each worker did, and when.
+        me = f"featurestore worker {board.worker.host}/{board.worker.pid}"
+        print(f"{me}: split {job.key}, {len(self.cohort)} slides, {len(writer.done_ids)} done before, "
+              f"{len(pending)} to share", flush=True)
         parts: list[Any] = []
         outage = _Outage(board.lease)
         while pending:
@@ -209,8 +213,12 @@ class ClaimShare:
                         if standing is not None and standing.get("state") == claims.WORKING:
                             waiting.append(unit)
                         continue
+                    started = time.monotonic()
                     part = self._one(job, writer, board, claim, unit)
                     outage.over()
+                    if part is not None and part is not _RETRY:
+                        print(f"{me}: slide {claim.unit!r} done ({time.monotonic() - started:.1f} s; "
+                              f"{len(parts) + 1} by this worker)", flush=True)
                 except _OUTAGES as error:
                     # The server is away: not the slide's fault. The claim, if taken, is this
                     # worker's to take again (ClaimBoard.claim).
