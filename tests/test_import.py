@@ -84,6 +84,13 @@ def test_torch_tensor_file_memory_mapped_bfloat16_kept(tmp_path: Path) -> None:
         import_cache(opts(tmp_path, tmp_path / "d.pt", split="d"))
     import_cache(opts(tmp_path, tmp_path / "d.pt", split="d", key="feats", dtype="float32"))
     assert torch.equal(stored(tmp_path, "d").read([5]), x.float()[5:6])
+    # The labels of the same dict by their key; an unknown key names the dict's keys.
+    import_cache(opts(tmp_path, tmp_path / "d.pt", split="dl", key="feats", labels="labels", dtype="float32"))
+    assert stored(tmp_path, "dl").labels.read([5]).tolist() == [0.0]
+    with pytest.raises(SourceError, match=r"--labels 'label' is neither a .npy/.pt file nor a key of the torch dict .*\(it has: feats, "
+                                          r"labels\)"):
+        import_cache(opts(tmp_path, tmp_path / "d.pt", split="dx", key="feats", labels="label"))
+    assert "dx" not in featurestore.open_store(str(tmp_path / "store")).splits("ds", "enc")  # nothing written
 
 
 def test_hdf5_one_array_and_one_dataset_per_sample(tmp_path: Path) -> None:

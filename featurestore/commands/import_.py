@@ -43,7 +43,8 @@ def register(subparsers: Any) -> None:
                    help="storage dtype; auto: float16/bfloat16 kept, float32 -> float16 under the overflow guard; "
                         "int8: half float16's bytes, ~0.5%% relative RMS error (docs/FORMAT.md)")
     p.add_argument("--labels", metavar="FILE_OR_KEY",
-                   help="labels [N, ...]: a .npy/.pt file, or a dataset name in the HDF5 source; "
+                   help="labels [N, ...]: a .npy/.pt file, or a key of the source's torch dict (beside --key) or a "
+                   "dataset name in the HDF5 source; "
                    "for slide bags a UTF-8 CSV with columns slide_id,label (see --label-column)")
     p.add_argument("--label-column", metavar="COL",
                    help="slide bags: the --labels CSV column stored as each bag's label (default: label); the "

@@ -90,7 +90,7 @@ def _tensor_of(value: Any, path: str, key: str | None) -> Any:
         if key is None:
             tensors = [k for k, v in value.items() if isinstance(v, torch.Tensor)]
             raise SourceError(f"{path!r} holds a dict ({', '.join(map(str, tensors)) or 'no tensors'}): "
-                              "name the features with --key")
+                              "name the features with --key (and the labels, if it holds them, with --labels KEY)")
         if key not in value:
             raise SourceError(f"{path!r} has no key {key!r}; it has: {', '.join(map(str, value))}")
         value = value[key]
@@ -263,7 +263,8 @@ def open_cache(path: str, key: str | None = None, labels_key: str | None = None)
 
 
 def open_labels(spec: str | None, source: CacheSource) -> ArraySource | None:
-    """``--labels``: a ``.npy``/torch file ``[N, ...]``, or a dataset name inside an HDF5 source."""
+    """``--labels``: a ``.npy``/torch file ``[N, ...]``, or a key of the torch dict (``--key`` names
+    the features) or a dataset name inside an HDF5 source."""
     if spec is None:
         return None
     keepalive = getattr(source, "_keepalive", None)
@@ -276,6 +277,12 @@ def open_labels(spec: str | None, source: CacheSource) -> ArraySource | None:
     elif spec.lower().endswith(_TENSOR_SUFFIXES) and os.path.isfile(spec):
         spec = os.path.abspath(spec)
         array, path = _tensor_of(_load_pt(spec, mmap=True), spec, None), spec
+    elif not os.path.exists(spec) and source.kind == "torch" and isinstance(
+            loaded := _load_pt(source.path, mmap=True), dict):  # type: ignore[attr-defined]
+        if spec not in loaded:
+            raise SourceError(f"--labels {spec!r} is neither a .npy/.pt file nor a key of the torch dict "
+                              f"{source.path!r} (it has: {', '.join(map(str, loaded))})")  # type: ignore[attr-defined]
+        array, path = _tensor_of(loaded, source.path, spec), source.path  # type: ignore[attr-defined]
     else:
         raise SourceError(f"--labels {spec!r} is neither a .npy/.pt file nor a dataset of the HDF5 source")
     dtype = _dtype_name(array.dtype)
