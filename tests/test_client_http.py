@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -457,3 +458,22 @@ def test_direct_responses_decode_and_report_as_httpx_ones() -> None:
         with pytest.raises(ClientError) as info:
             client.datasets()
         assert info.value.status == 404 and info.value.detail == "nicht gefunden: é"
+
+
+def test_a_server_url_given_to_a_store_command_says_what_reads_a_server(server_url: str, tmp_path: Any) -> None:
+    """ls/info on ``featurestore serve``'s address, and any write to an http:// store: one line each,
+    naming the doors that read a server and where writes go, nothing attempted on the server."""
+    with pytest.raises(fse.StoreNotFound, match="a featurestore server .* is read with FeatureClient"):
+        featurestore.open_store(server_url)
+    with pytest.raises(fse.ReadOnlyStore, match="is read-only: HTTP serves reads"):
+        featurestore.open_store(server_url, mode="a")
+    cli = [sys.executable, "-m", "featurestore.cli"]
+    ls = subprocess.run([*cli, "ls", server_url], capture_output=True, text=True, timeout=120)
+    assert ls.returncode != 0 and "featurestore probe URL" in ls.stderr and "Traceback" not in ls.stderr, ls.stderr
+    images = tmp_path / "images.npy"
+    np.save(images, np.zeros((2, 32, 32, 3), np.uint8))
+    extract = subprocess.run([*cli, "extract", "--images", f"npy:{images}", "--encoder", "builtin:tiny-vit",
+                              "--store", server_url, "--dataset", "d", "--split", "s", "--no-progress"],
+                             capture_output=True, text=True, timeout=120)
+    assert extract.returncode != 0 and "Traceback" not in extract.stderr, extract.stderr
+    assert extract.stderr.strip().splitlines()[-1].endswith("write to the store's own path or s3:// URL")

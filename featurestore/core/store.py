@@ -21,6 +21,7 @@ from featurestore.errors import (
     IncompleteSplit,
     InvalidOption,
     NotAFeatureStore,
+    ReadOnlyStore,
     SplitNotFound,
     StoreNotFound,
 )
@@ -44,6 +45,9 @@ def open_store(url: str, mode: str = "r", **storage_options: Any) -> FeatureStor
     """
     if mode not in ("r", "a"):
         raise InvalidOption(f"mode {mode!r} is not supported: use 'r' (read) or 'a' (read and write)")
+    if mode == "a" and str(url).lower().startswith(("http://", "https://")):
+        raise ReadOnlyStore(f"store {redact_url(str(url))} is read-only: HTTP serves reads (a featurestore server, or "
+                            "a store's files on a web server); write to the store's own path or s3:// URL")
     return FeatureStore(open_storage(url, storage_options), mode=mode)
 
 
@@ -57,6 +61,12 @@ class FeatureStore:
         self._real_root = os.path.realpath(root) if root is not None else None
         raw = self._read_document(layout.ZARR_JSON)
         if raw is None:
+            if mode == "r" and self.url.lower().startswith(("http://", "https://")):
+                raise StoreNotFound(  # most likely `featurestore serve`'s address given to a store door
+                    f"no featurestore at {self.url!r}: a featurestore server (featurestore serve) is read with "
+                    "FeatureClient, FeatureDataset or BagDataset, and by `featurestore probe URL`; ls, info, "
+                    "verify and the other commands take the store the server serves (its path or s3:// URL), "
+                    "and a browser shows the server's catalog at the URL")
             if mode == "r":
                 raise StoreNotFound(
                     f"no featurestore at {self.url!r}: check the URL, or create one by writing a "
