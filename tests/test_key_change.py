@@ -34,3 +34,13 @@ def test_nothing_recorded_differs_gives_the_general_reasons() -> None:
         "this run has another encoder, weights, preprocessing, dtype or input")
     long = {**SPLIT, "preprocessing": {"mean": list(range(40))}}
     assert "..." in explain(SPLIT, long)  # a long value is cut, the line stays readable
+
+
+def test_an_import_whose_labels_alone_changed_points_to_labels_at_probe_time() -> None:
+    old = {"source": {"fingerprint": {"source": "f1", "labels": "a" * 64}}}
+    new = {"source": {"fingerprint": {"source": "f1", "labels": "b" * 64}}}
+    text = explain(old, new)
+    assert text.startswith("this run changes the input (labels: aaaaaaaaaaaa then, bbbbbbbbbbbb now). Other labels")
+    assert text.endswith("takes a task from a table at probe time")
+    files_too = {"source": {"fingerprint": {"source": "f2", "labels": "b" * 64}}}
+    assert "probe time" not in explain(old, files_too)  # other slide files: a new split indeed

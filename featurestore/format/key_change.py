@@ -20,6 +20,8 @@ PARTS = (("the encoder's weights", ("encoder", "weights_hash")), ("the encoder",
          ("the input", ("source", "fingerprint")), ("the input", ("source", "spec")),
          ("the coordinates' source", ("coords_from",)), ("the lineage", ("lineage",)),
          ("the number of samples", ("num_samples",)))
+LABELS_ONLY = ("other labels need no new split: featurestore probe --labels TABLE --label-column COL takes a task "
+               "from a table at probe time")
 UNSEEDED = ("an encoder factory that draws its weights at random (unseeded) hashes differently on every run: "
             "seed it, or load fixed weights")
 
@@ -37,10 +39,15 @@ def explain(old: dict[str, Any], new: dict[str, Any]) -> str:
             found[words] = f"{words} ({_delta(then, now)})"
     if not found:
         return "this run has another encoder, weights, preprocessing, dtype or input"
+    hints = []
     # Other weights under the same encoder spec: the factory itself gave them.
-    unseeded = "the encoder's weights" in found and "the encoder" not in found
-    hint = f". {UNSEEDED[0].upper()}{UNSEEDED[1:]}" if unseeded else ""
-    return "this run changes " + "; ".join(found.values()) + hint
+    if "the encoder's weights" in found and "the encoder" not in found:
+        hints.append(UNSEEDED)
+    then, now = _at(old, ("source", "fingerprint")), _at(new, ("source", "fingerprint"))
+    if list(found) == ["the input"] and isinstance(then, dict) and isinstance(now, dict) and {
+            k for k in {*then, *now} if then.get(k) != now.get(k)} == {"labels"}:  # an import's labels alone
+        hints.append(LABELS_ONLY)
+    return "this run changes " + "; ".join(found.values()) + "".join(f". {h[0].upper()}{h[1:]}" for h in hints)
 
 
 def _at(doc: dict[str, Any], path: tuple[str, ...]) -> Any:
