@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()  # all-reduces the gradients: every rank takes the same step
                 optimizer.step()
-                total += float(loss)
+                total += loss.item()
                 seen.extend(ids)
             losses.append(total / max(1, len(seen)))
             if args.ids_dir:
