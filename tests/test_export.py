@@ -1,4 +1,4 @@
-"""``featurestore export`` (a bag split as TRIDENT / CLAM per-slide files) and ``featurestore rm``.
+"""``featurestore export`` (a bag split as TRIDENT / CLAM / STAMP per-slide files) and ``featurestore rm``.
 
 The round trips: per-slide files -> import -> export -> import again gives the same bag ids,
 features, coordinates, attributes and labels, byte for byte."""
@@ -146,6 +146,62 @@ def test_a_split_written_by_the_api_exports_as_trident_writes(tmp_path: Path) ->
     import_dir(tmp_path / "out", tmp_path / "store", "back", "--dtype", "bfloat16")
     back = open_store(str(tmp_path / "store")).open_bags("ds", "enc", "back")
     assert back.read_numpy(0)[0].tobytes() == store.open_bags("ds", "enc", "api").read_numpy(0)[0].tobytes()
+
+
+def test_stamp_round_trip_and_pixel_coords_converted_to_micrometres(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # STAMP's own files: feats float16, coords float32 micrometres, the unit on the root
+    source = tmp_path / "stamp"
+    source.mkdir()
+    rng = np.random.default_rng(3)
+    made = {}
+    for slide, n in {"p1-a": 9, "p1-b": 3, "p2": 12}.items():
+        made[slide] = rng.standard_normal((n, DIM)).astype(np.float16), (rng.random((n, 2)) * 1e4).astype(np.float32)
+        with h5py.File(source / f"{slide}.h5", "w") as f:
+            f["feats"], f["coords"] = made[slide]
+            f.attrs.update({"unit": "um", "tile_size_um": 256.0, "tile_size_px": 224, "extractor": "ctranspath",
+                            "feat_type": "tile"})
+    store = tmp_path / "store"
+    import_dir(source, store, "s")
+    assert export(store, "s", "stamp", tmp_path / "out") == 0
+    with h5py.File(tmp_path / "out" / "p1-a.h5") as f:  # what STAMP's BagDataset reads
+        assert sorted(f) == ["coords", "feats"] and f["feats"].dtype == np.float16 and f["coords"].dtype == np.float32
+        np.testing.assert_array_equal(f["feats"][:], made["p1-a"][0])
+        np.testing.assert_array_equal(f["coords"][:], made["p1-a"][1])
+        assert dict(f.attrs) == {"unit": "um", "tile_size_um": 256.0, "tile_size_px": 224, "extractor": "ctranspath",
+                                 "feat_type": "tile"}
+    import_dir(tmp_path / "out", store, "s2")
+    assert_same_bags(store, "s", "s2")
+
+    # TRIDENT's level-0 pixels: converted with --mpp, the tile in micrometres, the encoder's side kept
+    data = slide_files(tmp_path / "features_uni", {"t1": 5, "t2": 4}, dtype=np.float16, coords_dtype=np.int64,
+                       attrs={"patch_size": 256, "patch_size_level0": 512, "level0_magnification": 40})
+    import_dir(tmp_path / "features_uni", store, "t")
+    capsys.readouterr()
+    assert export(store, "t", "stamp", tmp_path / "out-t") == 1  # no mpp recorded, none given: nothing written
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "records no mpp" in err and "--mpp UM" in err, err
+    assert not (tmp_path / "out-t").exists() or not os.listdir(tmp_path / "out-t")
+    assert export(store, "t", "stamp", tmp_path / "out-t", "--mpp", "0.25") == 0
+    with h5py.File(tmp_path / "out-t" / "t1.h5") as f:
+        np.testing.assert_array_equal(f["coords"][:], (data["t1"][1] * 0.25).astype(np.float32))
+        assert f.attrs["unit"] == "um" and f.attrs["tile_size_um"] == 128.0 and f.attrs["tile_size_px"] == 256
+        assert f.attrs["extractor"] == "enc" and f.attrs["magnification"] == 40.0 and not dict(f["coords"].attrs)
+    import_dir(tmp_path / "out-t", store, "t-um")
+    back = open_store(str(store)).open_bags("ds", "enc", "t-um")
+    assert back.coords_unit == "um" and back.patch_size_level0 == 128.0
+
+    # a split that records each slide's mpp (as slide extraction does) needs no --mpp
+    w = open_store(str(store), mode="a").create_bag_split("ds", "enc", "api", dim=DIM, patch_size_level0=448)
+    w.add_bag("slide-1", np.ones((2, DIM), np.float32), coords=np.array([[0, 448], [896, 0]]),
+              attrs={"mpp": 0.5, "patch_size": 224})
+    w.commit()
+    assert export(store, "api", "stamp", tmp_path / "out-api") == 0
+    with h5py.File(tmp_path / "out-api" / "slide-1.h5") as f:
+        assert f["coords"][:].tolist() == [[0.0, 224.0], [448.0, 0.0]]
+        assert f.attrs["tile_size_um"] == 224.0 and f.attrs["tile_size_px"] == 224 and f.attrs["mpp"] == 0.5
+    assert export(store, "api", "trident", tmp_path / "out-x", "--mpp", "0.5") == 1  # --mpp is stamp's alone
+    assert "for --format stamp only" in capsys.readouterr().err
 
 
 def test_export_refusals_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,6 +11,12 @@ The way out of the store, the inverse of ``featurestore import DIR`` (featuresto
   training loads) and ``h5_files/<slide>.h5`` (``features`` float32 and ``coords`` int32, as
   ``create_patches_fp.py`` / ``extract_features_fp.py`` write them) when the split has coordinates.
 
+- **stamp**: ``<out>/<slide>.h5`` as STAMP reads it: ``feats`` [n, D] (stored dtype, bfloat16 as
+  float32) and ``coords`` [n, 2] float32 in micrometres, root attributes ``unit="um"``,
+  ``tile_size_um``, ``tile_size_px`` (when known), ``feat_type="tile"`` and ``extractor``. Level-0
+  pixel coordinates are converted with each bag's ``mpp`` attribute (slide extraction records it)
+  or ``mpp=`` (``--mpp``); a split imported from STAMP keeps the attributes it came with.
+
 Bag labels go to ``<out>/labels.csv`` (``slide_id,label``; class names when the split has
 ``label_names``), the CSV ``featurestore import --labels`` reads. A file keeps the name its slide
 was imported from, so import -> export -> import gives the same bag ids, features, coordinates,
@@ -36,7 +42,7 @@ from featurestore.format import dtypes
 
 __all__ = ["FORMATS", "ExportResult", "export_bags"]
 
-FORMATS = ("trident", "clam-pt")
+FORMATS = ("trident", "clam-pt", "stamp")
 LABELS_CSV = "labels.csv"
 _H5_GROUPS = ("root", "features", "feats", "coords")  # how bag_import keeps an h5 file's attributes
 _MAX_NAME_BYTES = 250  # a file name's limit (255) less the extension
@@ -53,19 +59,23 @@ class ExportResult:
 
 
 def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str, out: str,
-                overwrite: bool = False, progress: bool = True) -> ExportResult:
+                overwrite: bool = False, progress: bool = True, mpp: float | None = None) -> ExportResult:
     """Write every bag of ``dataset/encoder/split`` of ``store`` (an open FeatureStore) under
-    ``out`` in format ``fmt`` (``FORMATS``). Files already there are refused unless ``overwrite``."""
+    ``out`` in format ``fmt`` (``FORMATS``). Files already there are refused unless ``overwrite``.
+    ``mpp``: level-0 micrometres per pixel for ``stamp`` where a bag records none."""
     if fmt not in FORMATS:
         raise InvalidOption(f"export format {fmt!r} is not supported: use one of {', '.join(FORMATS)}")
+    if mpp is not None and not (fmt == "stamp" and np.isfinite(mpp) and mpp > 0):
+        raise InvalidOption(f"--mpp {mpp:g}: a positive level-0 micrometres per pixel, for --format stamp only")
     started = time.perf_counter()
     bags = store.open_bags(dataset, encoder, split)
     key = f"{dataset}/{encoder}/{split}"
     if fmt == "clam-pt" and bags.coords_unit == "um":
         raise InvalidOption(f"bag split {key} has coordinates in micrometres; CLAM's h5_files hold level-0 "
-                            "pixels: export it with --format trident (coords kept in micrometres, unit='um')")
+                            "pixels: export it with --format trident or stamp (coords kept in micrometres)")
     if not bags.ids:
         raise InvalidOption(f"bag split {key} holds no bags: nothing to export")
+    scales = _stamp_scales(bags, key, mpp) if fmt == "stamp" else []
     plan = [_files_of(bags, i, fmt, out) for i in range(len(bags))]
     targets = [path for paths in plan for path in paths.values()]
     if bags.labels is not None:
@@ -90,6 +100,9 @@ def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str,
             if fmt == "trident":
                 _write_h5(paths["h5"], _trident_features(features, bags.dtype), coords,
                           _h5_attributes(attrs, bags, i, "trident"))
+            elif fmt == "stamp":
+                coords_um, stamp_attrs = _stamp_bag(coords, attrs, bags, scales[i])
+                _write_h5(paths["h5"], _trident_features(features, bags.dtype), coords_um, stamp_attrs, "feats")
             else:
                 as_float32 = dtypes.stored_as_float32(features, bags.dtype)
                 _write_pt(paths["pt"], as_float32)
@@ -110,7 +123,7 @@ def _files_of(bags: Any, i: int, fmt: str, out: str) -> dict[str, str]:
     no h5 without coordinates)."""
     bag_id = bags.ids[i]
     _check_file_stem(bag_id, bags.key)
-    if fmt == "trident":
+    if fmt in ("trident", "stamp"):
         return {"h5": os.path.join(out, _file_name(bags, i, (".h5", ".hdf5"), ".h5"))}
     files = {"pt": os.path.join(out, "pt_files", _file_name(bags, i, (".pt", ".pth"), ".pt"))}
     if bags.coords_unit is not None:
@@ -175,6 +188,52 @@ def _h5_attributes(attrs: dict[str, Any], bags: Any, i: int, fmt: str) -> dict[s
     return {"root": root, "features": {}, "coords": coords}
 
 
+def _stamp_scales(bags: Any, key: str, mpp: float | None) -> list[float]:
+    """Per bag, micrometres per coordinate unit (1 for a split in micrometres); refused before any
+    file is written when a bag in level-0 pixels has no ``mpp`` and none was given."""
+    if bags.coords_unit is None:
+        raise InvalidOption(f"bag split {key} has no coordinates; STAMP's files hold coords in micrometres: export "
+                            "it with --format clam-pt (features only) or trident")
+    if bags.patch_size_level0 is None:
+        raise InvalidOption(f"bag split {key} records no patch size at level 0, which STAMP's files carry as "
+                            "tile_size_um: export it with --format trident, or write the split with "
+                            "patch_size_level0 (create_bag_split)")
+    if bags.coords_unit == "um":
+        return [1.0] * len(bags)
+    scales = []
+    for i, bag_id in enumerate(bags.ids):
+        attrs = bags.attrs(i)  # slide extraction's mpp, or the root attribute an import kept
+        recorded = attrs.get("mpp", (attrs.get("root") or {}).get("mpp"))
+        scale = float(recorded) if isinstance(recorded, (int, float)) and recorded > 0 else mpp
+        if scale is None:
+            raise InvalidOption(f"bag {bag_id!r} of {key} has level-0 pixel coordinates and records no mpp; STAMP's "
+                                "are micrometres: pass --mpp UM, the slides' level-0 micrometres per pixel (0.25 at "
+                                "40x, 0.5 at 20x)")
+        scales.append(scale)
+    return scales
+
+
+def _stamp_bag(coords: np.ndarray, attrs: dict[str, Any], bags: Any, scale: float) -> tuple[np.ndarray, Any]:
+    """A bag's coords in micrometres (float32) and the attributes of its STAMP file."""
+    kept = any(isinstance(attrs.get(name), dict) for name in _H5_GROUPS)
+    root = dict(attrs.get("root") or {}) if kept else {k: v for k, v in attrs.items() if k != "source_file"}
+    coords_attrs = dict(attrs.get("coords") or {}) if kept else {}
+    size = bags.patch_size_level0
+    if bags.coords_unit == "px":  # pixel figures of the source would now be read as micrometres
+        coords = (coords.astype(np.float64) * scale).astype(np.float32)
+        coords_attrs = {}
+    root.setdefault("tile_size_um", float(size) * scale)
+    # The side the encoder saw: slide extraction's "patch_size", or TRIDENT's on its coords.
+    tile_px = (attrs.get("coords") or {}).get("patch_size") if kept else attrs.get("patch_size")
+    if isinstance(tile_px, int) and not isinstance(tile_px, bool) and tile_px > 0:
+        root.setdefault("tile_size_px", tile_px)
+    root.update(unit="um")
+    root.setdefault("feat_type", "tile")
+    root.setdefault("extractor", bags.metadata.get("encoder_name"))
+    features = (attrs.get("feats") or attrs.get("features") or {}) if kept else {}
+    return coords.astype(np.float32), {"root": root, "features": features, "coords": coords_attrs}
+
+
 def _labels_csv(bags: Any) -> str:
     names = bags.metadata.get("label_names")
     text = io.StringIO()
@@ -200,7 +259,8 @@ def _atomic_write(path: str, payload: bytes) -> None:
     os.replace(temp, path)
 
 
-def _write_h5(path: str, features: np.ndarray, coords: np.ndarray | None, attrs: dict[str, dict[str, Any]]) -> None:
+def _write_h5(path: str, features: np.ndarray, coords: np.ndarray | None, attrs: dict[str, dict[str, Any]],
+              features_name: str = "features") -> None:
     try:
         import h5py
     except ImportError:
@@ -210,8 +270,8 @@ def _write_h5(path: str, features: np.ndarray, coords: np.ndarray | None, attrs:
     temp = _temp(path)
     try:
         with h5py.File(temp, "w") as f:
-            f.create_dataset("features", data=features)
-            _set_attrs(f["features"], attrs["features"])
+            f.create_dataset(features_name, data=features)
+            _set_attrs(f[features_name], attrs["features"])
             if coords is not None:
                 f.create_dataset("coords", data=coords)
                 _set_attrs(f["coords"], attrs["coords"])
