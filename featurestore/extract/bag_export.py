@@ -216,13 +216,14 @@ def _stamp_scales(bags: Any, key: str, mpp: float | None) -> list[float]:
 def _stamp_bag(coords: np.ndarray, attrs: dict[str, Any], bags: Any, scale: float) -> tuple[np.ndarray, Any]:
     """A bag's coords in micrometres (float32) and the attributes of its STAMP file."""
     kept = any(isinstance(attrs.get(name), dict) for name in _H5_GROUPS)
+    features = (attrs.get("feats") or attrs.get("features") or {}) if kept else {}
+    if kept and bags.coords_unit == "um":  # a STAMP file imported: written back as it came
+        return coords.astype(np.float32), {"root": dict(attrs.get("root") or {}), "features": features,
+                                           "coords": dict(attrs.get("coords") or {})}
     root = dict(attrs.get("root") or {}) if kept else {k: v for k, v in attrs.items() if k != "source_file"}
-    coords_attrs = dict(attrs.get("coords") or {}) if kept else {}
-    size = bags.patch_size_level0
-    if bags.coords_unit == "px":  # pixel figures of the source would now be read as micrometres
+    if bags.coords_unit == "px":
         coords = (coords.astype(np.float64) * scale).astype(np.float32)
-        coords_attrs = {}
-    root.setdefault("tile_size_um", float(size) * scale)
+    root.setdefault("tile_size_um", float(bags.patch_size_level0) * scale)
     # The side the encoder saw: slide extraction's "patch_size", or TRIDENT's on its coords.
     tile_px = (attrs.get("coords") or {}).get("patch_size") if kept else attrs.get("patch_size")
     if isinstance(tile_px, int) and not isinstance(tile_px, bool) and tile_px > 0:
@@ -230,8 +231,8 @@ def _stamp_bag(coords: np.ndarray, attrs: dict[str, Any], bags: Any, scale: floa
     root.update(unit="um")
     root.setdefault("feat_type", "tile")
     root.setdefault("extractor", bags.metadata.get("encoder_name"))
-    features = (attrs.get("feats") or attrs.get("features") or {}) if kept else {}
-    return coords.astype(np.float32), {"root": root, "features": features, "coords": coords_attrs}
+    # The source's coords attributes are left out: their pixel figures would read as micrometres.
+    return coords.astype(np.float32), {"root": root, "features": features, "coords": {}}
 
 
 def _labels_csv(bags: Any) -> str:
