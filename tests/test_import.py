@@ -169,3 +169,16 @@ def test_import_repairs_flipped_bytes_and_swapped_chunks_with_verify_chunks(tmp_
     assert rc == 0
     assert torch.equal(stored(tmp_path).read(list(range(N))), torch.from_numpy(x))
     assert featurestore.open_store(str(tmp_path / "store")).split_metadata("ds", "enc", "s")["status"] == "complete"
+
+
+def test_a_directory_of_one_bag_per_file_is_pointed_to_bags_before_anything_is_written(tmp_path: Path) -> None:
+    source = tmp_path / "features"
+    source.mkdir()
+    for i, n in enumerate((5, 9, 3)):  # one slide's [n, D] patches per file, as CLAM's pt_files under another name
+        torch.save(torch.randn(n, D), source / f"slide{i}.pt")
+    with pytest.raises(ShapeMismatch, match=r"sample 2 \(slide2\.pt\) is float32 \[3, 8\] .* import the directory as a "
+                                            r"bag split with --bags\)$"):
+        import_cache(opts(tmp_path, source))
+    assert not (tmp_path / "store").exists()  # refused before any split was made: no --overwrite needed after
+    assert import_cache(opts(tmp_path, source, bags=True)).imported == 3
+    assert featurestore.open_store(str(tmp_path / "store")).open_bags("ds", "enc", "s").lengths.tolist() == [5, 9, 3]

@@ -63,10 +63,13 @@ class CacheSource:
     def _check(self, value: Any, where: str) -> Any:
         shape, dtype = tuple(value.shape), _dtype_name(value.dtype)
         if shape != self.sample_shape or dtype != self.dtype:
+            fix = "pad or crop the cache, or import the groups as separate splits"
+            if self.kind == "directory" and len(shape) == len(self.sample_shape) == 2 and (
+                    shape[1:] == self.sample_shape[1:]):  # [n, D] files of different n: one slide's patches each
+                fix = "if each file holds one slide's patches, import the directory as a bag split with --bags"
             raise ShapeMismatch(
                 f"{where} is {dtype} {list(shape)} but sample 0 of {self.spec} is {self.dtype} "
-                f"{list(self.sample_shape)}: every sample of a split has one shape and dtype (pad or crop "
-                "the cache, or import the groups as separate splits)")
+                f"{list(self.sample_shape)}: every sample of a split has one shape and dtype ({fix})")
         return value
 
 
@@ -119,6 +122,8 @@ class DirectorySource(CacheSource):
         first = self._load(0)
         self.sample_shape, self.dtype = tuple(first.shape), _dtype_name(first.dtype)
         _check_float(self.dtype, f"{self.names[0]} in {directory!r}")
+        if self.num_samples > 1:  # before any split is made: files of one slide's patches each are bags
+            self._check(self._load(self.num_samples - 1), f"sample {self.num_samples - 1} ({self.names[-1]})")
 
     def _load(self, index: int) -> Any:
         path = os.path.join(self.directory, self.names[index])
