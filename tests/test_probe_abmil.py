@@ -109,7 +109,7 @@ def test_cli_head_abmil_compare(store: str, tmp_path: Path, capsys: pytest.Captu
     (["--encoder", ENCODERS["float32"], "--folds", "99"], "folds must be"),
     (["--encoder", ENCODERS["float32"], "--eval", "nope"], "nope"),
     (["--encoder", ENCODERS["float32"], "--eval", "val", "--compare", ENCODERS["float16"], "--save-attention", "a"],
-     "--save-attention keeps one run's attention"),
+     "--save-attention and --save-predictions keep one run's outputs"),
     (["--encoder", ENCODERS["float32"], "--eval", "val", "--save-attention", "../a"], "'../a'"),
 ])
 def test_cli_errors_are_one_line(store: str, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -248,3 +248,82 @@ def test_cli_says_when_abmil_is_at_chance_and_compare_is_uninformative(store: st
     compared = capsys.readouterr().out
     assert "uninformative" in compared and "WARNING: AT CHANCE" in compared
     assert "The comparison is uninformative" in compared.replace("\n", " ")
+
+
+@pytest.mark.filterwarnings("ignore:1 empty bag")
+def test_cli_save_predictions_is_the_table_behind_the_metric(store: str, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    import csv
+
+    import featurestore
+    from featurestore.probes.auc import slide_auc
+
+    common = ["probe", store, "--head", "abmil", "--dataset", "cohort", "--encoder", ENCODERS["float16"], "--train",
+              "train", "--seeds", "2", "--epochs", "2", "--device", "cpu", "--quiet"]
+    table, result = tmp_path / "preds.csv", tmp_path / "result.json"
+    assert main([*common, "--eval", "val", "--save-predictions", str(table), "--json", str(result)]) == 0
+    assert f"predictions: 30 rows (seed, fold, slide) in {table}" in capsys.readouterr().out
+    rows = list(csv.DictReader(table.open(encoding="utf-8")))
+    assert list(rows[0]) == ["seed", "fold", "slide_id", "label", "predicted", "prob_negative", "prob_positive"]
+    val = featurestore.open_store(store).open_bags("cohort", ENCODERS["float16"], "val")
+    names = ["negative", "positive"]
+    kept = [i for i in range(len(val)) if val.lengths[i] > 0]  # the empty slide is not evaluated
+    runs = json.loads(result.read_text())["runs"]
+    for seed in (0, 1):
+        mine = [r for r in rows if r["seed"] == str(seed)]
+        assert [r["slide_id"] for r in mine] == [val.ids[i] for i in kept] and {r["fold"] for r in mine} == {"0"}
+        assert [r["label"] for r in mine] == [names[int(val.labels[i])] for i in kept]
+        prob = np.array([[float(r["prob_negative"]), float(r["prob_positive"])] for r in mine])
+        assert np.allclose(prob.sum(1), 1, atol=1e-5)
+        assert [r["predicted"] for r in mine] == [names[k] for k in prob.argmax(1)]
+        target = np.array([names.index(r["label"]) for r in mine])
+        assert slide_auc(prob, target, 2) == pytest.approx(runs[seed]["auc"], abs=1e-4)  # the metric it reports
+    # --folds: each labelled slide once per seed, in the fold that held it out
+    assert main([*common, "--folds", "3", "--save-predictions", str(table)]) == 0
+    rows = list(csv.DictReader(table.open(encoding="utf-8")))
+    train = featurestore.open_store(store).open_bags("cohort", ENCODERS["float16"], "train")
+    for seed in ("0", "1"):
+        assert sorted(r["slide_id"] for r in rows if r["seed"] == seed) == sorted(train.ids)
+    assert {r["fold"] for r in rows} == {"0", "1", "2"}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--compare", ENCODERS["float32"], "--save-predictions", "p.csv"], "--save-predictions keep one run's outputs"),
+    (["--save-predictions", "no/such/dir/p.csv"], "does not exist"),
+    (["--head", "linear", "--save-predictions", "p.csv"], "apply to --head abmil only"),
+])
+def test_save_predictions_refusals_are_one_line(store: str, tmp_path: Path, argv: list[str], message: str,
+                                                capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    head = [] if "--head" in argv else ["--head", "abmil"]
+    code = main(["probe", store, *head, "--dataset", "cohort", "--encoder", ENCODERS["float16"], "--train", "train",
+                 "--eval", "val", "--seeds", "1", "--epochs", "1", "--device", "cpu", "--quiet", *argv])
+    err = capsys.readouterr().err
+    assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "p.csv").exists()
+
+
+def test_save_predictions_with_group_by_names_each_slides_group_and_keeps_it_in_one_fold(tmp_path: Path) -> None:
+    import csv
+
+    import featurestore
+
+    writer = featurestore.open_store(str(tmp_path / "store"), mode="a").create_bag_split(
+        "cohort", "enc", "train", dim=DIM, label_dtype="int64")
+    rng = np.random.default_rng(0)
+    for i in range(16):  # 8 patients of 2 slides, one of each class, so every fold holds both classes
+        writer.add_bag(f"slide-{i:02d}", rng.standard_normal((6, DIM)).astype(np.float32) + i % 2, label=i % 2,
+                       attrs={"case_id": f"patient-{i // 2}"})
+    writer.commit()
+    table = tmp_path / "preds.csv"
+    out = run_mil_probe(str(tmp_path / "store"), "cohort", "enc", train_split="train", folds=2, group_by="case_id",
+                        seeds=1, epochs=1, device="cpu", save_predictions=str(table))
+    assert out["predictions"] == {"path": str(table), "rows": 16}
+    rows = list(csv.DictReader(table.open(encoding="utf-8")))
+    assert list(rows[0]) == ["seed", "fold", "slide_id", "case_id", "label", "predicted", "prob_0", "prob_1"]
+    assert all(r["case_id"] == f"patient-{int(r['slide_id'][-2:]) // 2}" for r in rows)
+    folds = {}
+    for r in rows:
+        folds.setdefault(r["case_id"], set()).add(r["fold"])
+    assert all(len(f) == 1 for f in folds.values())  # a patient's slides are held out together

@@ -228,6 +228,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--save-attention", metavar="NAME", default=None,
                         help="abmil: keep the first seed's attention over every evaluated bag's patches in the "
                         "store, beside the evaluated bag split, as map NAME (the web page's slide map shows it)")
+    parser.add_argument("--save-predictions", metavar="CSV", default=None,
+                        help="abmil: write every evaluated slide's class probabilities to CSV, one row per seed, "
+                        "fold and slide (slide_id, the --group-by column, label, predicted, prob_<class>)")
     parser.add_argument("--labels", metavar="CSV", default=None,
                         help="take the task's labels from this table (UTF-8 CSV, one row per slide) instead of the "
                         "stored ones; slides it does not list are left out. Bag splits, and dense splits with "
@@ -292,8 +295,8 @@ def _run(args: argparse.Namespace) -> int:
                                 "attributes (--group-by COLUMN)")
         result = _run_abmil(args, token, storage, None if args.quiet else log)
     else:
-        if args.max_patches is not None or args.save_attention is not None:
-            raise InvalidOption("--max-patches and --save-attention apply to --head abmil only")
+        if args.max_patches is not None or args.save_attention is not None or args.save_predictions is not None:
+            raise InvalidOption("--max-patches, --save-attention and --save-predictions apply to --head abmil only")
         if args.eval is None and args.folds is None:
             raise InvalidOption("--eval SPLIT or --folds K is required: the split (or folds) to evaluate the probe on")
         from featurestore.probes.groups import GroupSpec
@@ -323,6 +326,9 @@ def _run(args: argparse.Namespace) -> int:
     if result.get("attention"):
         saved = result["attention"]
         print(f"attention map {saved['name']!r} (seed {saved['seed']}, {saved['bags']} bags) saved in {saved['key']}")
+    if result.get("predictions"):
+        table = result["predictions"]
+        print(f"predictions: {table['rows']} rows (seed, fold, slide) in {table['path']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(result, handle, indent=2, allow_nan=True)
@@ -341,12 +347,13 @@ def _run_abmil(args: argparse.Namespace, token: str | None, storage: dict[str, A
         labels=_label_table(args), group_by=args.group_by,
     )
     if args.compare:
-        if args.save_attention is not None:
-            raise InvalidOption("--save-attention keeps one run's attention: drop --compare, or save it from a "
-                                "run of its own")
+        if args.save_attention is not None or args.save_predictions is not None:
+            raise InvalidOption("--save-attention and --save-predictions keep one run's outputs: drop --compare, or "
+                                "save them from a run of their own")
         return compare_mil_probes(args.store, args.dataset, args.encoder, args.compare,
                                   compare_source=args.compare_store, **common)
-    return run_mil_probe(args.store, args.dataset, args.encoder, save_attention=args.save_attention, **common)
+    return run_mil_probe(args.store, args.dataset, args.encoder, save_attention=args.save_attention,
+                         save_predictions=args.save_predictions, **common)
 
 
 def _label_table(args: argparse.Namespace) -> Any:

@@ -85,12 +85,14 @@ def train_abmil(
     device: str | torch.device = "auto",
     config: ABMILConfig | None = None,
     attention_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    prediction_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> dict[str, float]:
     """Fit the gated-attention head on ``train`` batches; return ``auc`` and ``balanced_accuracy``
     on ``evaluate``. ``seed`` fixes the initialisation (the loaders' own seeds fix the order and
     the patch subsets); the head is built before the first batch, after ``torch.manual_seed``.
     ``attention_sink(attention [B, P], mask [B, P])`` sees each evaluation batch's attention
-    (featurestore.probes.attention keeps it)."""
+    (featurestore.probes.attention keeps it), ``prediction_sink(probabilities [B, C], class ids
+    [B])`` its class probabilities (featurestore.probes.predictions)."""
     config = config or ABMILConfig()
     device = begin_training(num_classes, config.epochs, device, seed)
     model = GatedABMIL(in_dim, num_classes, config.hidden, config.attention, config.dropout).to(device)
@@ -108,12 +110,14 @@ def train_abmil(
             seen += 1
     if seen == 0:
         raise EmptySplit("the training loader yielded no bags; is the train split (or fold) empty?")
-    return evaluate_abmil(model, evaluate, num_classes=num_classes, device=device, attention_sink=attention_sink)
+    return evaluate_abmil(model, evaluate, num_classes=num_classes, device=device, attention_sink=attention_sink,
+                          prediction_sink=prediction_sink)
 
 
 @torch.no_grad()
 def evaluate_abmil(model: nn.Module, evaluate: Iterable[BagBatch], *, num_classes: int, device: torch.device,
-                   attention_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, Any]:
+                   attention_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                   prediction_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, Any]:
     model.eval()
     probabilities, targets = [], []
     for features, mask, _coords, labels in evaluate:
@@ -122,6 +126,8 @@ def evaluate_abmil(model: nn.Module, evaluate: Iterable[BagBatch], *, num_classe
             attention_sink(attention, mask)
         probabilities.append(torch.softmax(logits, dim=1).cpu())
         targets.append(_class_ids(labels, device, num_classes).cpu())
+        if prediction_sink is not None:
+            prediction_sink(probabilities[-1], targets[-1])
     if not targets:
         raise EmptySplit("the evaluation loader yielded no bags; is the eval split (or fold) empty?")
     prob, target = torch.cat(probabilities), torch.cat(targets)

@@ -74,7 +74,7 @@ def run_mil_probe(
     batch_size: int = 1, max_patches: int | None = None, device: str = "auto", num_classes: int | None = None,
     loader: str = "stream", storage_options: dict[str, Any] | None = None, token: str | None = None,
     log: Callable[[str], None] | None = None, labels: LabelTable | None = None,
-    save_attention: str | None = None, group_by: str | None = None,
+    save_attention: str | None = None, group_by: str | None = None, save_predictions: str | None = None,
 ) -> dict[str, Any]:
     """Train the ABMIL head on ``train_split`` and score it on ``eval_split`` (or ``folds``
     stratified folds of ``train_split``) under each seed. ``max_patches``: training bags are
@@ -83,7 +83,9 @@ def run_mil_probe(
     ``save_attention``: keep the first seed's attention over the evaluated bags in the store under
     that name (featurestore.probes.attention). ``labels``: the task's labels from a table (:mod:`featurestore.probes.labels`) instead of the
     stored ones; slides it does not label are left out. ``group_by``: with ``folds``, the bag attribute
-    (``case_id``) whose bags stay in one fold. Returns the setup, every run's metrics,
+    (``case_id``) whose bags stay in one fold. ``save_predictions``: a CSV of every evaluated bag's
+    class probabilities per seed and fold (featurestore.probes.predictions). Returns the setup,
+    every run's metrics,
     each metric's ``{"mean", "std", "values"}`` and, under ``"chance"``, its chance baseline."""
     sides = _open_side(source, dataset, encoder, train_split, eval_split, folds, storage_options, token, labels)
     classes = num_classes if num_classes is not None else _num_classes([d for d in sides if d is not None], labels)
@@ -93,8 +95,16 @@ def run_mil_probe(
 
         recorder = AttentionRecorder(save_attention, sides[1] if sides[1] is not None else sides[0], source=source,
                                      storage_options=storage_options, fold_seed=FOLD_SEED)
+    predictions = None
+    if save_predictions is not None:
+        from featurestore.probes.predictions import PredictionRecorder, class_names_of
+
+        evaluated = sides[1] if sides[1] is not None else sides[0]
+        predictions = PredictionRecorder(save_predictions, evaluated, num_classes=classes, group_by=group_by,
+                                         class_names=class_names_of(evaluated, labels, classes))
     return _run(*sides, folds=folds, num_classes=classes, seeds=seeds, epochs=epochs, lr=lr, batch_size=batch_size,
-                max_patches=max_patches, device=device, loader=loader, log=log, recorder=recorder, group_by=group_by)
+                max_patches=max_patches, device=device, loader=loader, log=log, recorder=recorder, group_by=group_by,
+                predictions=predictions)
 
 
 def compare_mil_probes(
@@ -146,7 +156,8 @@ def _open_side(source: str, dataset: str, encoder: str, train_split: str, eval_s
 
 def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seeds: int | Sequence[int],
          epochs: int | None, lr: float | None, batch_size: int, max_patches: int | None, device: str, loader: str,
-         log: Callable[[str], None] | None, recorder: Any = None, group_by: str | None = None) -> dict[str, Any]:
+         log: Callable[[str], None] | None, recorder: Any = None, group_by: str | None = None,
+         predictions: Any = None) -> dict[str, Any]:
     from featurestore.probes.abmil import ABMILConfig, train_abmil
     from featurestore.probes.train import resolve_device
 
@@ -188,8 +199,10 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
         train_index, eval_index = parts[fold]
         train_batches, eval_batches = make(seed, train_index, eval_index)
         sink = None if recorder is None else recorder.sink(seed, fold, eval_index)
+        predicted = None if predictions is None else predictions.sink(seed, fold, eval_index)
         return train_abmil(train_batches, eval_batches, in_dim=train.dim, num_classes=num_classes,
-                           seed=seed, device=torch_device, config=config, attention_sink=sink)
+                           seed=seed, device=torch_device, config=config, attention_sink=sink,
+                           prediction_sink=predicted)
 
     started = time.perf_counter()
     result = chance.run_fold_seeds(train_fold, len(parts), seed_list, baselines, log, train, folds)
@@ -207,6 +220,8 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
     }
     if recorder is not None:
         out["attention"] = recorder.save(out)
+    if predictions is not None:
+        out["predictions"] = predictions.save()
     return out
 
 
