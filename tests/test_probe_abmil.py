@@ -290,7 +290,6 @@ def test_cli_save_predictions_is_the_table_behind_the_metric(store: str, tmp_pat
 @pytest.mark.parametrize(("argv", "message"), [
     (["--compare", ENCODERS["float32"], "--save-predictions", "p.csv"], "--save-predictions keep one run's outputs"),
     (["--save-predictions", "no/such/dir/p.csv"], "does not exist"),
-    (["--head", "linear", "--save-predictions", "p.csv"], "apply to --head abmil only"),
 ])
 def test_save_predictions_refusals_are_one_line(store: str, tmp_path: Path, argv: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str],

@@ -291,3 +291,34 @@ def test_a_labels_table_with_grouped_folds(store: str, tmp_path: Path) -> None:
     left = sum(1 for s in slides if s[0].endswith("-S0"))
     assert result["train_samples"] + result["eval_samples"] == len(slides) - left
     assert result["metrics"]["auc"]["mean"] >= 0.9 and "without a label left out" in result["label_notes"][0]
+
+
+def test_save_predictions_of_patient_embeddings_give_each_folds_auc(store: str, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import csv
+    import json
+
+    from featurestore.probes.auc import slide_auc
+
+    table, result = tmp_path / "preds.csv", tmp_path / "result.json"
+    code = main(["probe", store, "--dataset", "cohort", "--encoder", "patients", "--train", "all", "--folds", "3",
+                 "--group-by", "case_id", "--seeds", "2", "--batch-size", "8", "--device", "cpu", "--quiet",
+                 "--save-predictions", str(table), "--json", str(result)])
+    assert code == 0 and "predictions: 60 rows (seed, fold, slide) in" in capsys.readouterr().out
+    rows = list(csv.DictReader(table.open(encoding="utf-8")))
+    assert list(rows[0]) == ["seed", "fold", "slide_id", "label", "predicted", "prob_0", "prob_1"]
+    cases = featurestore.open_store(store).open("cohort", "patients", "all").ids
+    runs = json.loads(result.read_text())["runs"]
+    for seed in ("0", "1"):
+        mine = [r for r in rows if r["seed"] == seed]
+        assert sorted(r["slide_id"] for r in mine) == sorted(cases)  # each patient once, held out
+        per_fold = []
+        for fold in ("0", "1", "2"):
+            held = [r for r in mine if r["fold"] == fold]
+            prob = np.array([[float(r["prob_0"]), float(r["prob_1"])] for r in held])
+            per_fold.append(slide_auc(prob, np.array([int(r["label"]) for r in held]), 2))
+        assert np.mean(per_fold) == pytest.approx(runs[int(seed)]["auc"], abs=1e-4)  # a seed's AUC: the folds' mean
+    code = main(["probe", store, "--dataset", "cohort", "--encoder", "mean", "--compare", "mean16", "--train", "all",
+                 "--folds", "3", "--quiet", "--device", "cpu", "--save-predictions", str(table)])
+    err = capsys.readouterr().err
+    assert code == 1 and "--save-predictions keeps one run's outputs" in err and len(err.strip().splitlines()) == 1

@@ -277,3 +277,17 @@ def test_compare_refuses_mismatched_inputs(store_path: str) -> None:
         run_probe(store_path, DATASET, "lin32", train_split="train", eval_split="val", seeds=0)
     with pytest.raises(ValueError, match="loader must be one of"):
         run_probe(store_path, DATASET, "lin32", train_split="train", eval_split="val", loader="disk")
+
+
+def test_save_predictions_is_for_the_slide_level_heads(store_path: str, tmp_path: Any) -> None:
+    with pytest.raises(InvalidOption, match="--save-predictions applies to the linear and abmil heads, not to "
+                                            "task seg"):
+        run_probe(store_path, DATASET, "seg32a", train_split="train", eval_split="val", seeds=1, epochs=1,
+                  device="cpu", save_predictions=str(tmp_path / "p.csv"))
+    assert not (tmp_path / "p.csv").exists()
+    # A dense split without ids: its rows are named by position
+    result = run_probe(store_path, DATASET, "lin32", train_split="train", eval_split="val", seeds=1, epochs=2,
+                       batch_size=32, device="cpu", save_predictions=str(tmp_path / "p.csv"))
+    lines = (tmp_path / "p.csv").read_text().splitlines()
+    assert result["predictions"]["rows"] == len(lines) - 1 == result["eval_samples"]
+    assert [line.split(",")[2] for line in lines[1:4]] == ["0", "1", "2"]

@@ -229,8 +229,9 @@ def register(subparsers: Any) -> None:
                         help="abmil: keep the first seed's attention over every evaluated bag's patches in the "
                         "store, beside the evaluated bag split, as map NAME (the web page's slide map shows it)")
     parser.add_argument("--save-predictions", metavar="CSV", default=None,
-                        help="abmil: write every evaluated slide's class probabilities to CSV, one row per seed, "
-                        "fold and slide (slide_id, the --group-by column, label, predicted, prob_<class>)")
+                        help="abmil, or linear on slide/patient embeddings: write every evaluated sample's class "
+                        "probabilities to CSV, one row per seed, fold and sample (slide_id, abmil's --group-by "
+                        "column, label, predicted, prob_<class>)")
     parser.add_argument("--labels", metavar="CSV", default=None,
                         help="take the task's labels from this table (UTF-8 CSV, one row per slide) instead of the "
                         "stored ones; slides it does not list are left out. Bag splits, and dense splits with "
@@ -295,8 +296,8 @@ def _run(args: argparse.Namespace) -> int:
                                 "attributes (--group-by COLUMN)")
         result = _run_abmil(args, token, storage, None if args.quiet else log)
     else:
-        if args.max_patches is not None or args.save_attention is not None or args.save_predictions is not None:
-            raise InvalidOption("--max-patches, --save-attention and --save-predictions apply to --head abmil only")
+        if args.max_patches is not None or args.save_attention is not None:
+            raise InvalidOption("--max-patches and --save-attention apply to --head abmil only")
         if args.eval is None and args.folds is None:
             raise InvalidOption("--eval SPLIT or --folds K is required: the split (or folds) to evaluate the probe on")
         from featurestore.probes.groups import GroupSpec
@@ -314,10 +315,14 @@ def _run(args: argparse.Namespace) -> int:
         from featurestore.probes.run import compare_probes, run_probe
 
         if args.compare:
+            if args.save_predictions is not None:
+                raise InvalidOption("--save-predictions keeps one run's outputs: drop --compare, or save them from "
+                                    "a run of its own")
             result = compare_probes(args.store, args.dataset, args.encoder, args.compare,
                                     compare_source=args.compare_store, **common)
         else:
-            result = run_probe(args.store, args.dataset, args.encoder, **common)
+            result = run_probe(args.store, args.dataset, args.encoder, save_predictions=args.save_predictions,
+                               **common)
     if args.json == "-":
         json.dump(result, sys.stdout, indent=2, allow_nan=True)
         print()

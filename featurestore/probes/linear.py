@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -139,8 +139,10 @@ def train_linear_probe(
     seed: int = 0,
     device: str | torch.device = "auto",
     config: LinearProbeConfig | None = None,
+    prediction_sink: Callable[[Tensor, Tensor], None] | None = None,
 ) -> dict[str, float]:
-    """Fit a linear probe on ``train`` batches; return AUC, balanced accuracy and macro-F1 on ``evaluate``.
+    """Fit a linear probe on ``train`` batches; return AUC, balanced accuracy and macro-F1 on ``evaluate``
+    (``prediction_sink(probabilities [B, C], class ids [B])`` sees each evaluation batch's).
 
     Features of any float dtype are upcast to float32 on ``device``; labels are class ids.
     ``seed`` fixes the initialisation (the loader's own seed fixes the shuffle), so on CPU two
@@ -169,7 +171,7 @@ def train_linear_probe(
     if model is None:
         raise EmptySplit("the training loader yielded no batches; is the train split empty?")
     return evaluate_linear_probe(model, evaluate, num_classes=num_classes, device=device,
-                                 pool=config.pool, prefix_tokens=config.prefix_tokens)
+                                 pool=config.pool, prefix_tokens=config.prefix_tokens, prediction_sink=prediction_sink)
 
 
 @torch.no_grad()
@@ -181,6 +183,7 @@ def evaluate_linear_probe(
     device: torch.device,
     pool: str = "mean",
     prefix_tokens: int = 0,
+    prediction_sink: Callable[[Tensor, Tensor], None] | None = None,
 ) -> dict[str, float]:
     model.eval()
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
@@ -192,6 +195,8 @@ def evaluate_linear_probe(
         confusion += confusion_matrix(target, logits.argmax(dim=1), num_classes)
         probabilities.append(torch.softmax(logits, dim=1).cpu())
         targets.append(target.cpu())
+        if prediction_sink is not None:
+            prediction_sink(probabilities[-1], targets[-1])
     if not targets:
         raise EmptySplit("the evaluation loader yielded no batches; is the eval split empty?")
     auc = slide_auc(torch.cat(probabilities).double().numpy(), torch.cat(targets).numpy(), num_classes)

@@ -100,8 +100,8 @@ def run_mil_probe(
         from featurestore.probes.predictions import PredictionRecorder, class_names_of
 
         evaluated = sides[1] if sides[1] is not None else sides[0]
-        predictions = PredictionRecorder(save_predictions, evaluated, num_classes=classes, group_by=group_by,
-                                         class_names=class_names_of(evaluated, labels, classes))
+        predictions = PredictionRecorder.of_bags(save_predictions, evaluated, num_classes=classes, group_by=group_by,
+                                                 class_names=class_names_of(evaluated, labels, classes))
     return _run(*sides, folds=folds, num_classes=classes, seeds=seeds, epochs=epochs, lr=lr, batch_size=batch_size,
                 max_patches=max_patches, device=device, loader=loader, log=log, recorder=recorder, group_by=group_by,
                 predictions=predictions)

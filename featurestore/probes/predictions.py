@@ -1,14 +1,16 @@
-"""``featurestore probe --head abmil --save-predictions CSV``: every evaluated slide's class
-probabilities, per seed and fold, as a table for the analyses a metric does not answer
-(patient-level scores, calibration, subgroups, a confusion per site).
+"""``featurestore probe --save-predictions CSV`` (the ABMIL head on a bag split, the linear head
+on slide or patient embeddings): every evaluated sample's class probabilities, per seed and fold,
+as a table for the analyses a metric does not answer (patient-level scores, calibration,
+subgroups, a confusion per site).
 
-Evaluation reads whole bags one at a time in position order, empty bags left out (as
-``BagLoader`` does, and as featurestore.probes.attention relies on), so the k-th evaluated
-batch is the k-th evaluated bag. One row per (seed, fold, slide): ``seed``, ``fold`` (0 for
-``--eval SPLIT``), ``slide_id``, the ``--group-by`` column when given, ``label`` and
-``predicted`` (class names where the split or the ``--labels`` table has them, else class ids)
-and one ``prob_<class>`` column per class. The file is written whole at the end (a temporary
-name renamed), so a probe cut short leaves no half table.
+Evaluation reads the evaluated samples in position order without shuffling: whole bags one at a
+time, empty bags left out (as ``BagLoader`` does, and as featurestore.probes.attention relies on),
+or the linear head's batches of rows; so the k-th evaluated row is the k-th evaluated sample. One
+row per (seed, fold, sample): ``seed``, ``fold`` (0 for ``--eval SPLIT``), ``slide_id`` (the
+sample's id; its position in a split without ids), the bags' ``--group-by`` column when given,
+``label`` and ``predicted`` (class names where the split or the ``--labels`` table has them, else
+class ids) and one ``prob_<class>`` column per class. The file is written whole at the end (a
+temporary name renamed), so a probe cut short leaves no half table.
 """
 
 from __future__ import annotations
@@ -37,25 +39,43 @@ def class_names_of(ds: Any, table: Any, num_classes: int) -> list[str] | None:
 
 
 class PredictionRecorder:
-    """The class probabilities of the bags one probe run evaluates (``evaluated``: the
-    ``client.BagDataset`` of the evaluated split), written to ``path`` by :meth:`save`."""
+    """The class probabilities of the samples one probe run evaluates, written to ``path`` by
+    :meth:`save`. ``ids``: the evaluated split's sample ids (None: positions); ``lengths``: a bag
+    split's bag lengths (empty bags are not evaluated); ``group_of(position)``: the group column's
+    value (``group_by`` names it)."""
 
-    def __init__(self, path: str, evaluated: Any, *, num_classes: int, class_names: list[str] | None = None,
-                 group_by: str | None = None) -> None:
+    def __init__(self, path: str, *, num_classes: int, count: int, ids: Sequence[str] | None = None,
+                 lengths: Any = None, class_names: list[str] | None = None, group_by: str | None = None,
+                 group_of: Callable[[int], Any] | None = None) -> None:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise InvalidOption(f"--save-predictions {path}: directory {folder} does not exist; create it, or "
                                 "give a path in an existing one")
         if os.path.isdir(path):
             raise InvalidOption(f"--save-predictions {path} is a directory: give a file name, e.g. predictions.csv")
-        self.path, self.ds, self.group_by = path, evaluated, group_by
+        self.path, self.ids, self.group_by, self.group_of = path, ids, group_by, group_of
         self.names = class_names or [str(c) for c in range(num_classes)]
-        self.lengths = np.asarray(evaluated.lengths, np.int64)
+        self.lengths = np.ones(count, np.int64) if lengths is None else np.asarray(lengths, np.int64)
         self.rows: list[list[Any]] = []
+
+    @classmethod
+    def of_bags(cls, path: str, ds: Any, *, num_classes: int, class_names: list[str] | None = None,
+                group_by: str | None = None) -> PredictionRecorder:
+        """For the ABMIL head over ``ds`` (a ``client.BagDataset``)."""
+        group_of = None if group_by is None else (lambda i: ds.bags.attrs(i).get(group_by, ""))
+        return cls(path, num_classes=num_classes, count=len(ds.ids), ids=ds.ids, lengths=ds.lengths,
+                   class_names=class_names, group_by=group_by, group_of=group_of)
+
+    @classmethod
+    def of_split(cls, path: str, info: Any, *, num_classes: int, table: Any = None) -> PredictionRecorder:
+        """For the linear head over ``info`` (featurestore.probes.run's ``SplitInfo`` of a dense split)."""
+        return cls(path, num_classes=num_classes, count=info.num_samples, ids=info.ds.array.ids,
+                   class_names=class_names_of(info, table, num_classes))
 
     def sink(self, seed: int, fold: int, eval_positions: Sequence[int] | np.ndarray | None
              ) -> Callable[[Any, Any], None]:
-        """The ``prediction_sink(probabilities [B, C], class ids [B])`` of one fold of one seed."""
+        """The ``prediction_sink(probabilities [B, C], class ids [B])`` of one fold of one seed
+        (``eval_positions``: the evaluated samples, in evaluation order; None: all)."""
         pool = range(len(self.lengths)) if eval_positions is None else (int(i) for i in eval_positions)
         order = iter([i for i in pool if self.lengths[i] > 0])
 
@@ -64,8 +84,8 @@ class PredictionRecorder:
             for row, target in zip(probabilities, targets.detach().cpu().tolist()):
                 i = next(order, None)
                 if i is None:
-                    raise ShapeMismatch("--save-predictions: more evaluated bags than the fold holds: evaluation "
-                                        "must read whole bags one at a time in order")
+                    raise ShapeMismatch("--save-predictions: more evaluated rows than the fold holds: evaluation "
+                                        "must read the samples (whole bags) in order")
                 self.rows.append([int(seed), int(fold), i, int(target), int(row.argmax()), *row.tolist()])
 
         return take
@@ -81,8 +101,9 @@ class PredictionRecorder:
                 writer = csv.writer(handle, lineterminator="\n")
                 writer.writerow(header)
                 for seed, fold, i, target, predicted, *probabilities in self.rows:
-                    group = [self.ds.bags.attrs(i).get(self.group_by, "")] if groups else []
-                    writer.writerow([seed, fold, self.ds.ids[i], *group, self.names[target], self.names[predicted],
+                    group = [self.group_of(i)] if groups and self.group_of is not None else [""] if groups else []
+                    sample = self.ids[i] if self.ids is not None else i
+                    writer.writerow([seed, fold, sample, *group, self.names[target], self.names[predicted],
                                      *(f"{p:.6g}" for p in probabilities)])
             os.replace(temp, self.path)
         finally:

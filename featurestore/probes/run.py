@@ -183,6 +183,7 @@ def run_probe(
     labels: LabelTable | None = None,
     folds: int | None = None,
     group_by: GroupSpec | str | None = None,
+    save_predictions: str | None = None,
 ) -> dict[str, Any]:
     """Train the reference probe on ``train_split`` under each seed and score it on ``eval_split``,
     or (linear probe) on ``folds`` stratified folds of ``train_split``, grouped by ``group_by`` (a
@@ -196,7 +197,9 @@ def run_probe(
     (``client.FeatureLoader``) or ``"ram"`` (the split read into host RAM as float32 first, the
     classic cache). ``log`` receives one line per seed. ``labels``: a task's labels from a table
     (:mod:`featurestore.probes.labels`), matched by sample id (linear probe; samples it does not
-    label are left out). Returns the setup, every run's metrics, under ``"metrics"`` each
+    label are left out). ``save_predictions``: the linear head's class probabilities per seed, fold
+    and sample as a CSV (featurestore.probes.predictions). Returns the setup, every run's metrics,
+    under ``"metrics"`` each
     metric's ``{"mean", "std", "values"}`` (std over seeds, ddof=1; None with one seed) and
     under ``"chance"`` its chance baseline (:mod:`featurestore.probes.chance`).
     """
@@ -206,7 +209,7 @@ def run_probe(
     num_classes = num_classes if num_classes is not None else _classes(infos, labels)
     return _run(infos[0], infos[-1], task=task, num_classes=num_classes, seeds=seeds, epochs=epochs, lr=lr,
                 batch_size=batch_size, device=device, pool=pool, loader=loader, log=log, table=labels,
-                folds=(folds, group_by, storage_options, token))
+                folds=(folds, group_by, storage_options, token), predictions=save_predictions)
 
 
 def compare_probes(
@@ -319,11 +322,13 @@ def _run(
     log: Callable[[str], None] | None,
     table: LabelTable | None,
     folds: tuple[int | None, GroupSpec | str | None, dict[str, Any] | None, str | None] = (None, None, None, None),
+    predictions: str | None = None,
 ) -> dict[str, Any]:
     """``folds``: ``(K, grouping, storage_options, token)``; K None: train on ``train``, score on ``evaluate``."""
     from featurestore.probes.dense_folds import fold_pairs
     from featurestore.probes.dense_labels import dense_baselines, read_all, table_labels
     from featurestore.probes.linear import LinearProbeConfig, train_linear_probe
+    from featurestore.probes.predictions import PredictionRecorder
     from featurestore.probes.seg import SegProbeConfig, train_seg_probe
     from featurestore.probes.train import resolve_device
 
@@ -361,6 +366,10 @@ def _run(
     overrides = {k: v for k, v in overrides.items() if v is not None}
     config: Any = (SegProbeConfig(**overrides) if task == "seg"
                    else LinearProbeConfig(pool=pool, prefix_tokens=prefix, **overrides))
+    if predictions is not None and task != "linear":
+        raise InvalidOption(f"--save-predictions applies to the linear and abmil heads, not to task {task}")
+    recorder = None if predictions is None else PredictionRecorder.of_split(predictions, evaluate,
+                                                                             num_classes=num_classes, table=table)
     held = None if loader != "ram" or n_folds is None else read_all(train)
     makes = [_batches(train, evaluate, batch_size=batch_size, device=torch_device, loader=loader,
                       matched=pair, held=held) for pair in pairs]
@@ -370,8 +379,10 @@ def _run(
         if task == "seg":
             return train_seg_probe(train_batches, eval_batches, num_classes=num_classes, grid=grid,
                                    prefix_tokens=prefix, seed=seed, device=torch_device, config=config)
+        sink = None if recorder is None else recorder.sink(seed, fold, None if pairs[fold] is None else
+                                                             pairs[fold][1].positions)
         return train_linear_probe(train_batches, eval_batches, num_classes=num_classes,
-                                  seed=seed, device=torch_device, config=config)
+                                  seed=seed, device=torch_device, config=config, prediction_sink=sink)
 
     started = time.perf_counter()
     result = chance.run_fold_seeds(train_fold, len(makes), seed_list, baselines, log, train, n_folds)
@@ -387,6 +398,7 @@ def _run(
         "device": str(torch_device), "loader": loader, "batch_size": batch_size,
         "config": asdict(config), "seconds": time.perf_counter() - started,
         "label_notes": [] if matched is None else [m.summary for m in matched if m.summary], **result,
+        **({} if recorder is None else {"predictions": recorder.save()}),
     }
 
 
