@@ -1,5 +1,5 @@
 """Per-slide h5 feature files, as the extractors users import from write them; a bag split writer
-with its first bag, for the tests of what add_bag refuses."""
+with its first bag, for the tests of what add_bag refuses; the bags a killed writer left complete."""
 
 from __future__ import annotations
 
@@ -45,3 +45,16 @@ def writer_after_one_bag(root: Path, dim: int, label: Any) -> tuple[Any, Any]:
     writer = store.create_bag_split("ds", "enc", "s", dim=dim)
     writer.add_bag("a", np.ones((2, dim), np.float16), label=label)
     return store, writer
+
+
+def complete_bags(store: Path, name: tuple[str, str, str]) -> int:
+    """Bags of the split being written at ``store`` that are complete on storage, as a resume finds
+    them (core.bag_commit.collect, read-only): what a kill test waits for before its SIGKILL. A
+    record file alone may name none (a bag spanning several chunks)."""
+    import featurestore
+    from featurestore.core.bag_commit import collect
+
+    if not store.joinpath(*name, "zarr.json").exists():
+        return 0
+    opened = featurestore.open_store(str(store))
+    return len(collect(opened.storage, "/".join(name), opened.split_info(*name)).records)

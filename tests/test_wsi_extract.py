@@ -24,6 +24,7 @@ pytest.importorskip("tifffile")
 
 import torch  # noqa: E402
 from _dist_helpers import torchrun_cli  # noqa: E402
+from _import_fixtures import complete_bags  # noqa: E402
 from test_extract import cli_env, run_cli  # noqa: E402
 
 import featurestore  # noqa: E402
@@ -228,17 +229,6 @@ def test_a_tile_that_fails_to_decode_skips_its_slide_only(cohort: Path, referenc
         assert all(torch.equal(a, b) for a, b in zip(ours.read(bag), theirs.read(bag)))
 
 
-def _complete_bags(store: Path) -> int:
-    """Bags complete on storage so far, as a resume finds them (core.bag_commit.collect, read-only):
-    a record file alone may name none (a bag spanning several 16-row chunks)."""
-    from featurestore.core.bag_commit import collect
-
-    if not store.joinpath(*NAME, "zarr.json").exists():
-        return 0
-    opened = featurestore.open_store(str(store))
-    return len(collect(opened.storage, "/".join(NAME), opened.split_info(*NAME)).records)
-
-
 def test_sigkill_then_resume_is_byte_identical(cohort: Path, reference: Path, tmp_path: Path) -> None:
     store = tmp_path / "store"
     process = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "extract", *_common(cohort),
@@ -246,10 +236,10 @@ def test_sigkill_then_resume_is_byte_identical(cohort: Path, reference: Path, tm
                                env=cli_env(FSX_SLEEP="0.3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     try:
-        while time.monotonic() < deadline and process.poll() is None and _complete_bags(store) < 1:
+        while time.monotonic() < deadline and process.poll() is None and complete_bags(store, NAME) < 1:
             time.sleep(0.05)
         assert process.poll() is None, "the run ended before it could be killed: slow the encoder down"
-        seen = _complete_bags(store)
+        seen = complete_bags(store, NAME)
         assert seen >= 1, "no complete bag within 120 s"
         process.send_signal(signal.SIGKILL)
     finally:
