@@ -343,15 +343,13 @@ def test_info_json_and_help(tmp_path: Path) -> None:
 
 
 def test_a_split_of_the_other_kind_is_refused_with_the_verbs_own_fix(tmp_path: Path) -> None:
-    """embed and export take bag splits: a dense one is named as such, with what these verbs do
-    (not the library's "open it with store.open(...)"); a target name held by a bag split keeps
-    the writer's own fix."""
+    """embed takes bag splits: a dense one is named as such, with what the verb does (not the
+    library's "open it with store.open(...)"); a target name held by a bag split keeps the
+    writer's own fix. (export takes both kinds: tests/test_embed.py, the embedding export.)"""
     make_bags(tmp_path)
     run_embed(tmp_path, encoder_name="slide")  # a dense split: ds/slide/train
     for verb in (["embed", str(tmp_path), "--dataset", "ds", "--encoder", "slide", "--split", "train",
-                  "--slide-encoder", "mean", "--encoder-name", "again"],
-                 ["export", str(tmp_path), "--dataset", "ds", "--encoder", "slide", "--split", "train",
-                  "--format", "trident", "--out", str(tmp_path / "out")]):
+                  "--slide-encoder", "mean", "--encoder-name", "again"],):
         done = cli(*verb)
         err = done.stderr.strip()
         assert done.returncode == 1 and len(err.splitlines()) == 1, err
@@ -404,3 +402,36 @@ def test_output_shapes_and_options(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     with pytest.raises(CacheKeyMismatch, match=r"changes the encoder \(python:_embed_encoders:flat then, max now\); "
                        r"the lineage \(slide_encoder\.spec: python:_embed_encoders:flat then, max now"):
         run_embed(tmp_path, "max", encoder_name="flat")
+
+
+def test_embeddings_export_as_one_h5_per_slide_or_patient_and_never_when_stale(tmp_path: Path) -> None:
+    import h5py
+
+    made = make_bags(tmp_path)
+    run_embed(tmp_path, encoder_name="slide")
+    run_embed(tmp_path, group_by="case_id", encoder_name="patient", out_split="patients")
+    values, ids, _ = read_split(tmp_path)
+    out = tmp_path / "out"
+    args = ["--dataset", "ds", "--encoder", "slide", "--split", "train", "--no-progress"]
+    done = cli("export", str(tmp_path), *args, "--format", "trident", "--out", str(out / "trident"))
+    assert done.returncode == 0, done.stderr
+    assert "exported ds/slide/train: 5 embeddings as trident, 6 files" in done.stdout
+    for i, slide in enumerate(ids):  # TRIDENT's slide embedding: one (E,) vector per h5
+        with h5py.File(out / "trident" / f"{slide}.h5") as f:
+            assert f["features"].shape == (DIM,) and np.array_equal(f["features"][:], values[i])
+    assert (out / "trident" / "labels.csv").read_text().splitlines()[:2] == ["slide_id,label", "s-a,0"]
+    done = cli("export", str(tmp_path), "--dataset", "ds", "--encoder", "patient", "--split", "patients",
+               "--format", "stamp", "--out", str(out / "stamp"), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    with h5py.File(out / "stamp" / "p1.h5") as f:  # STAMP's patient-level features
+        assert dict(f.attrs) == {"feat_type": "patient", "encoder": "patient"}
+        want = np.concatenate([made["s-a"], made["s-b"]]).astype(np.float64).mean(0).astype(np.float32)
+        np.testing.assert_allclose(f["feats"][:], want, rtol=1e-6)
+    assert (out / "stamp" / "labels.csv").read_text().splitlines()[0] == "case_id,label"
+    refused = cli("export", str(tmp_path), *args, "--format", "clam-pt", "--out", str(out / "clam"))
+    assert refused.returncode == 1 and "export it with --format trident or stamp" in refused.stderr
+    make_bags(tmp_path, seed=1, overwrite=True)  # the bags change: the embeddings are stale now
+    refused = cli("export", str(tmp_path), *args, "--format", "trident", "--out", str(out / "stale"))
+    err = refused.stderr.strip()
+    assert refused.returncode == 1 and len(err.splitlines()) == 1 and "is stale (source ds/uni/train" in err, err
+    assert not (out / "stale").exists()

@@ -7,14 +7,14 @@ import argparse
 from typing import Any
 
 from featurestore.commands.parsers import add_debug_option, add_verb
-from featurestore.commands.storeargs import (add_split_source, add_storage_options, kind_hint, open_store_from_args,
-                                             store_errors)
+from featurestore.commands.storeargs import add_split_source, add_storage_options, open_store_from_args, store_errors
 
 # Mirrors featurestore.extract.bag_export.FORMATS, kept here so `featurestore --help` imports nothing.
 FORMATS = ("trident", "clam-pt", "stamp")
 
 
-HELP = "write a bag split out as one file per slide (TRIDENT h5, CLAM pt_files/ + h5_files/, STAMP h5)"
+HELP = ("write a bag split out as one file per slide (TRIDENT h5, CLAM pt_files/ + h5_files/, STAMP h5), or an "
+        "embedding split as one h5 per slide or patient")
 DESCRIPTION = """\
 Write every bag of a bag split as one file per slide, in another tool's layout. trident: OUT/<slide>.h5 with
 'features' [n, D] (stored dtype; bfloat16 as float32) and 'coords' [n, 2] (level-0 pixels), the attributes the
@@ -23,13 +23,15 @@ OUT/h5_files/<slide>.h5 ('features' float32, 'coords' int32). stamp: OUT/<slide>
 'coords' float32 micrometres, root attributes unit='um', tile_size_um, tile_size_px (level-0 pixel coords are
 converted with each bag's recorded mpp, or --mpp). Labels go to OUT/labels.csv (slide_id,label).
 `featurestore import OUT --labels OUT/labels.csv --dtype <the split's dtype>` gives the same bags back, byte
-for byte (a stamp export of pixel coordinates comes back in micrometres).
+for byte (a stamp export of pixel coordinates comes back in micrometres). An embedding split (featurestore embed:
+one [E] vector per slide or patient, with ids) exports as trident (OUT/<id>.h5, 'features' (E,)) or stamp
+('feats' (E,), root attributes feat_type patient or slide, encoder), labels in OUT/labels.csv.
 """
 
 
 def register(subparsers: Any) -> None:
     p = add_verb(subparsers, "export", run, HELP, DESCRIPTION)
-    req = add_split_source(p, encoder_help="encoder name in the store", split_help="a bag split")
+    req = add_split_source(p, encoder_help="encoder name in the store", split_help="a bag split, or an embedding split")
     req.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
     req.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if missing)")
     p.add_argument("--overwrite", action="store_true", help="replace files of an earlier export in DIR")
@@ -41,13 +43,21 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from featurestore.errors import InvalidOption
     from featurestore.extract.bag_export import export_bags
+    from featurestore.extract.embedding_export import export_embeddings
 
     store = open_store_from_args(args.store, args)
-    with store_errors(args.store), kind_hint("featurestore export writes a bag split out, one file per slide; read "
-                                             "a dense split with FeatureDataset or store.open(...)"):
-        result = export_bags(store, args.dataset, args.encoder, args.split, fmt=args.fmt, out=args.out,
-                             overwrite=args.overwrite, progress=not args.no_progress, mpp=args.mpp)
-    print(f"exported {result.key}: {result.bags} bags as {result.format}, {result.files} files in {result.out} "
-          f"({result.seconds:.1f}s)", flush=True)
+    with store_errors(args.store):
+        embeddings = store.split_kind(args.dataset, args.encoder, args.split) == "dense"  # slide or patient vectors
+        if embeddings:
+            if args.mpp is not None:
+                raise InvalidOption("--mpp converts bag coordinates; an embedding split has none: drop it")
+            result = export_embeddings(store, args.dataset, args.encoder, args.split, fmt=args.fmt, out=args.out,
+                                       overwrite=args.overwrite, progress=not args.no_progress)
+        else:
+            result = export_bags(store, args.dataset, args.encoder, args.split, fmt=args.fmt, out=args.out,
+                                 overwrite=args.overwrite, progress=not args.no_progress, mpp=args.mpp)
+    print(f"exported {result.key}: {result.bags} {'embeddings' if embeddings else 'bags'} as {result.format}, "
+          f"{result.files} files in {result.out} ({result.seconds:.1f}s)", flush=True)
     return 0

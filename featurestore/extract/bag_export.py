@@ -40,7 +40,7 @@ import numpy as np
 from featurestore.errors import InvalidOption, SplitExists
 from featurestore.format import dtypes
 
-__all__ = ["FORMATS", "ExportResult", "export_bags"]
+__all__ = ["FORMATS", "ExportResult", "atomic_write", "check_file_stem", "export_bags", "labels_csv", "write_h5"]
 
 FORMATS = ("trident", "clam-pt", "stamp")
 LABELS_CSV = "labels.csv"
@@ -98,22 +98,23 @@ def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str,
                 coords = None
             attrs = bags.attrs(i)
             if fmt == "trident":
-                _write_h5(paths["h5"], _trident_features(features, bags.dtype), coords,
+                write_h5(paths["h5"], _trident_features(features, bags.dtype), coords,
                           _h5_attributes(attrs, bags, i, "trident"))
             elif fmt == "stamp":
                 coords_um, stamp_attrs = _stamp_bag(coords, attrs, bags, scales[i])
-                _write_h5(paths["h5"], _trident_features(features, bags.dtype), coords_um, stamp_attrs, "feats")
+                write_h5(paths["h5"], _trident_features(features, bags.dtype), coords_um, stamp_attrs, "feats")
             else:
                 as_float32 = dtypes.stored_as_float32(features, bags.dtype)
                 _write_pt(paths["pt"], as_float32)
                 if coords is not None:
-                    _write_h5(paths["h5"], as_float32, _clam_coords(coords, key, bags.ids[i]),
+                    write_h5(paths["h5"], as_float32, _clam_coords(coords, key, bags.ids[i]),
                               _h5_attributes(attrs, bags, i, "clam-pt"))
             bar.update(1)
     finally:
         bar.close()
     if bags.labels is not None:
-        _atomic_write(os.path.join(out, LABELS_CSV), _labels_csv(bags).encode("utf-8"))
+        csv_text = labels_csv(bags.ids, bags.labels, bags.metadata.get("label_names"))
+        atomic_write(os.path.join(out, LABELS_CSV), csv_text.encode("utf-8"))
     return ExportResult(key, fmt, out, len(bags), len(targets), time.perf_counter() - started)
 
 
@@ -122,7 +123,7 @@ def _files_of(bags: Any, i: int, fmt: str, out: str) -> dict[str, str]:
     """The files of bag ``i``: ``{"h5": path}`` (trident), ``{"pt": path, "h5": path}`` (clam-pt;
     no h5 without coordinates)."""
     bag_id = bags.ids[i]
-    _check_file_stem(bag_id, bags.key)
+    check_file_stem(bag_id, bags.key)
     if fmt in ("trident", "stamp"):
         return {"h5": os.path.join(out, _file_name(bags, i, (".h5", ".hdf5"), ".h5"))}
     files = {"pt": os.path.join(out, "pt_files", _file_name(bags, i, (".pt", ".pth"), ".pt"))}
@@ -146,7 +147,7 @@ def _file_name(bags: Any, i: int, suffixes: tuple[str, ...], default: str) -> st
     return bag_id + default
 
 
-def _check_file_stem(bag_id: str, key: str) -> None:
+def check_file_stem(bag_id: str, key: str) -> None:
     """A bag id is data; as a file name it may not leave ``out`` nor hide from a listing."""
     bad = ("/" in bag_id or "\0" in bag_id or bag_id.startswith(".")
            or len(bag_id.encode("utf-8")) > _MAX_NAME_BYTES)  # fmt: skip
@@ -235,15 +236,16 @@ def _stamp_bag(coords: np.ndarray, attrs: dict[str, Any], bags: Any, scale: floa
     return coords.astype(np.float32), {"root": root, "features": features, "coords": {}}
 
 
-def _labels_csv(bags: Any) -> str:
-    names = bags.metadata.get("label_names")
+def labels_csv(ids: list[str], labels: Any, names: list[str] | None, id_column: str = "slide_id") -> str:
+    """``id_column,label`` per sample (a class id as its name when ``names`` has it): the CSV
+    ``featurestore import --labels`` (and ``probe --labels``) reads."""
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
-    writer.writerow(["slide_id", "label"])
-    for bag_id, value in zip(bags.ids, bags.labels.tolist()):
+    writer.writerow([id_column, "label"])
+    for sample_id, value in zip(ids, np.asarray(labels).reshape(len(ids), -1)[:, 0].tolist()):
         if names is not None and isinstance(value, int) and 0 <= value < len(names):
             value = names[value]
-        writer.writerow([bag_id, repr(value) if isinstance(value, float) else value])
+        writer.writerow([sample_id, repr(value) if isinstance(value, float) else value])
     return text.getvalue()
 
 
@@ -253,14 +255,14 @@ def _temp(path: str) -> str:
     return os.path.join(folder, f".{name}.{os.getpid()}.tmp")
 
 
-def _atomic_write(path: str, payload: bytes) -> None:
+def atomic_write(path: str, payload: bytes) -> None:
     temp = _temp(path)
     with open(temp, "wb") as f:
         f.write(payload)
     os.replace(temp, path)
 
 
-def _write_h5(path: str, features: np.ndarray, coords: np.ndarray | None, attrs: dict[str, dict[str, Any]],
+def write_h5(path: str, features: np.ndarray, coords: np.ndarray | None, attrs: dict[str, dict[str, Any]],
               features_name: str = "features") -> None:
     try:
         import h5py
