@@ -449,3 +449,29 @@ def test_status_and_web_page_show_a_split_being_written(tmp_path: Path) -> None:
         page = client.get("/ui/splits/" + key)
     assert page.status_code == 200
     assert "slides done 2, claimed 1, failed 1, left 1" in page.text and "node7" in page.text
+
+
+def test_a_worker_logs_each_slide_it_did_and_why_one_was_skipped(tmp_path: Path) -> None:
+    """One worker on a local store: its log has the attach line, a line per slide, and for a file
+    that is not a slide, that it was skipped and why (the run then exits 3, as without --worker)."""
+    pytest.importorskip("openslide")
+    from featurestore.demo.slides import write_cohort
+
+    cohort = tmp_path / "cohort"
+    write_cohort(cohort, 2, width=768, height=512, mpp=0.5)
+    (cohort / "junk.svs").write_text("not a slide")
+    done = run_cli(*_wsi_cmd(cohort, str(tmp_path / "store"), None, "--worker")[3:],
+                   env=cli_env(**{CALLS: str(tmp_path / "calls.txt")}), timeout=240)
+    assert done.returncode == 3, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("featurestore worker ")]
+    assert lines[0].endswith(f": split {'/'.join(NAME)}, 3 slides, 0 done before, 3 to share"), lines
+    slides = {line.split(": slide ")[1].split(" ")[0]: line.split(": slide ")[1] for line in lines[1:]}
+    assert sorted(slides) == ["'junk'", "'slide-000'", "'slide-001'"], lines
+    assert slides["'junk'"].startswith("'junk' skipped: ") and "is not a slide OpenSlide can read" in slides["'junk'"]
+    assert slides["'slide-000'"].startswith("'slide-000' done (")
+    # The skipped slide has no bag by design: the worker commits (it used to wait for that bag,
+    # retrying as if the store listed too little, until its patience ran out)
+    assert "storage unavailable" not in done.stdout and "extracted ds/enc/train: 2 bags of 3 slides" in done.stdout
+    from featurestore import open_store
+
+    assert [s["id"] for s in open_store(str(tmp_path / "store")).split_metadata(*NAME)["skipped"]] == ["junk"]

@@ -217,7 +217,9 @@ class ClaimShare:
                     part = self._one(job, writer, board, claim, unit)
                     outage.over()
                     if part is not None and part is not _RETRY:
-                        print(f"{me}: slide {claim.unit!r} done ({time.monotonic() - started:.1f} s; "
+                        skipped = job.unit_record(part).get("skipped")  # a slide without tissue, say
+                        what = f"skipped: {skipped.get('reason')}" if isinstance(skipped, dict) else "done"
+                        print(f"{me}: slide {claim.unit!r} {what} ({time.monotonic() - started:.1f} s; "
                               f"{len(parts) + 1} by this worker)", flush=True)
                 except _OUTAGES as error:
                     # The server is away: not the slide's fault. The claim, if taken, is this
@@ -296,7 +298,9 @@ class ClaimShare:
             # otherwise give a split short of bags.
             fresh = job.attach()
             fresh.close()
-            missing = sorted(self.cohort - fresh.done_ids - {f["id"] for f in extra.get("failed", [])})
+            # Failed and skipped slides (a file that is not a slide, no tissue) have no bag by design.
+            ended = {f["id"] for f in extra.get("failed", [])} | {s.get("id") for s in extra.get("skipped", [])}
+            missing = sorted(self.cohort - fresh.done_ids - ended)
             if missing:
                 raise StorageUnavailable(f"split {job.key}: the bags of {len(missing)} done slide(s) are not found "
                                          f"on the store (first: {missing[0]!r}): it lists too little")
