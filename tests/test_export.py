@@ -264,3 +264,21 @@ def test_rm_asks_on_a_terminal(tmp_path: Path) -> None:
             os.close(child)
         assert done.returncode == code, done.stderr
         assert open_store(str(tmp_path / "store")).splits("ds", "enc") == left
+
+
+def test_embedding_splits_in_int8_and_bfloat16_export_as_float32(tmp_path: Path) -> None:
+    """HDF5 has no bfloat16 and int8 needs its scales: both come out as the float32 the readers give."""
+    store = open_store(str(tmp_path / "store"), mode="a")
+    values = np.random.default_rng(0).standard_normal((5, DIM)).astype(np.float32)
+    ids = [f"case-{i}" for i in range(5)]
+    for encoder, dtype in (("emb-int8", "int8"), ("emb-bf16", "bfloat16")):
+        w = store.create_split("ds", encoder, "s", num_samples=5, sample_shape=(DIM,), dtype=dtype, ids=ids)
+        w.write(0, values)
+        w.commit()
+        assert cli("export", str(tmp_path / "store"), "--dataset", "ds", "--encoder", encoder, "--split", "s",
+                   "--format", "trident", "--out", str(tmp_path / encoder), "--no-progress") == 0
+        want = store.open("ds", encoder, "s").read_numpy(np.arange(5), dtype="float32")
+        for i, sample in enumerate(ids):
+            with h5py.File(tmp_path / encoder / f"{sample}.h5") as f:
+                assert f["features"].dtype == np.float32 and np.array_equal(f["features"][:], want[i])
+                assert dict(f.attrs) == {"encoder": encoder}
