@@ -475,3 +475,13 @@ def test_a_worker_logs_each_slide_it_did_and_why_one_was_skipped(tmp_path: Path)
     from featurestore import open_store
 
     assert [s["id"] for s in open_store(str(tmp_path / "store")).split_metadata(*NAME)["skipped"]] == ["junk"]
+    status = run_cli("status", str(tmp_path / "store"), *NAME, env=cli_env())
+    assert status.stdout.strip() == f"split {'/'.join(NAME)}: complete, 2 bags, 1 skipped: junk", status.stdout
+    # Before a commit (--no-commit), status counts the skipped slide among the done ones, and says so
+    held = run_cli(*_wsi_cmd(cohort, str(tmp_path / "held"), None, "--worker", "--no-commit")[3:],
+                   env=cli_env(**{CALLS: str(tmp_path / "calls.txt")}), timeout=240)
+    assert held.returncode == 0, held.stdout + held.stderr
+    status = run_cli("status", str(tmp_path / "held"), *NAME, env=cli_env())
+    assert "slides done 3 (1 skipped), claimed 0, failed 0, left 0 (of 3)" in status.stdout, status.stdout
+    commit = run_cli("commit", str(tmp_path / "held"), *NAME, env=cli_env())
+    assert commit.stdout.strip() == f"committed {'/'.join(NAME)}: 2 bags, 1 skipped: junk", commit.stdout + commit.stderr

@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         if (meta.extra.get("source") or {}).get("kind") != "wsi":
             extra.pop("skipped")  # an import records no skipped slides
         final = bag_commit.commit(store.storage, key, meta, extra=extra)
-    failed = final.extra.get("failed") or []
+    failed, skipped = final.extra.get("failed") or [], final.extra.get("skipped") or []
     print(f"committed {key}: {(final.bags or {}).get('count')} bags"
-          + (f", {len(failed)} failed slide(s): {', '.join(f['id'] for f in failed)}" if failed else ""))
+          + (f", {len(failed)} failed slide(s): {', '.join(f['id'] for f in failed)}" if failed else "")
+          + (f", {len(skipped)} skipped: {', '.join(str(s.get('id')) for s in skipped)}" if skipped else ""))
     return 0

@@ -20,7 +20,7 @@ def run_total(extra: dict[str, Any]) -> int | None:
 
 
 def progress(storage: Storage, split_key: str, total: int | None, now: float | None = None) -> dict[str, Any]:
-    """Counts (done, claimed, failed, left), the live claims (worker, host, pid, start, lease age)
+    """Counts (done, of them skipped, claimed, failed, left), the live claims (worker, host, pid, start, lease age)
     and an estimated time to finish from the pace of the done slides (None until two are done).
     ``total``: slides in the run (None: unknown, left is then None)."""
     now = now or time.time()
@@ -41,5 +41,6 @@ def progress(storage: Storage, split_key: str, total: int | None, now: float | N
         rate = (len(times) - 1) / (times[-1] - times[0])  # slides per second, all workers together
         eta = left / rate
     workers = sorted({r.get("worker") for r in records.values() if r.get("worker")})
-    return {"done": len(done), "claimed": claimed, "failed": failed, "left": left, "total": total,
-            "eta_seconds": eta, "workers": len(workers)}
+    skipped = sorted(u for u, r in records.items() if r.get("state") == claims.DONE and r.get("skipped"))
+    return {"done": len(done), "skipped": skipped, "claimed": claimed, "failed": failed, "left": left,
+            "total": total, "eta_seconds": eta, "workers": len(workers)}
