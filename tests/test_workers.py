@@ -483,5 +483,11 @@ def test_a_worker_logs_each_slide_it_did_and_why_one_was_skipped(tmp_path: Path)
     assert held.returncode == 0, held.stdout + held.stderr
     status = run_cli("status", str(tmp_path / "held"), *NAME, env=cli_env())
     assert "slides done 3 (1 skipped), claimed 0, failed 0, left 0 (of 3)" in status.stdout, status.stdout
+    from fastapi.testclient import TestClient  # and the split's web page
+
+    from server import Settings, create_app
+
+    with TestClient(create_app(str(tmp_path / "held"), Settings())) as client:
+        assert "slides done 3 (1 skipped), claimed 0" in client.get("/ui/splits/" + "/".join(NAME)).text
     commit = run_cli("commit", str(tmp_path / "held"), *NAME, env=cli_env())
     assert commit.stdout.strip() == f"committed {'/'.join(NAME)}: 2 bags, 1 skipped: junk", commit.stderr
