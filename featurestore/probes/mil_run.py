@@ -85,8 +85,8 @@ def run_mil_probe(
     stored ones; slides it does not label are left out. ``group_by``: with ``folds``, the bag attribute
     (``case_id``) whose bags stay in one fold. ``save_predictions``: a CSV of every evaluated bag's
     class probabilities per seed and fold (featurestore.probes.predictions). Returns the setup,
-    every run's metrics,
-    each metric's ``{"mean", "std", "values"}`` and, under ``"chance"``, its chance baseline."""
+    every run's metrics, each metric's ``{"mean", "std", "values"}`` and, under ``"chance"``, its
+    chance baseline."""
     sides = _open_side(source, dataset, encoder, train_split, eval_split, folds, storage_options, token, labels)
     classes = num_classes if num_classes is not None else _num_classes([d for d in sides if d is not None], labels)
     recorder = None
