@@ -40,7 +40,8 @@ import numpy as np
 from featurestore.errors import InvalidOption, SplitExists
 from featurestore.format import dtypes
 
-__all__ = ["FORMATS", "ExportResult", "atomic_write", "check_file_stem", "export_bags", "labels_csv", "write_h5"]
+__all__ = ["FORMATS", "LABELS_CSV", "ExportResult", "atomic_write", "check_file_stem", "export_bags", "export_bar",
+           "labels_csv", "prepare_out", "write_h5"]
 
 FORMATS = ("trident", "clam-pt", "stamp")
 LABELS_CSV = "labels.csv"
@@ -80,17 +81,8 @@ def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str,
     targets = [path for paths in plan for path in paths.values()]
     if bags.labels is not None:
         targets.append(os.path.join(out, LABELS_CSV))
-    taken = [t for t in targets if os.path.lexists(t)]
-    if taken and not overwrite:
-        raise SplitExists(f"{out!r} already holds {len(taken)} of the files this export writes (first: "
-                          f"{os.path.relpath(taken[0], out)!r}): choose an empty --out directory or pass --overwrite")
-    for folder in sorted({os.path.dirname(t) for t in targets}):
-        os.makedirs(folder, exist_ok=True)
-
-    from tqdm import tqdm
-
-    bar = tqdm(total=len(bags), unit="slide", desc="export", disable=True if not progress else None,
-               file=sys.stderr, dynamic_ncols=True)
+    prepare_out(targets, out, overwrite)
+    bar = export_bar(len(bags), "slide", progress)
     try:
         for i, paths in enumerate(plan):
             features, coords = bags.read_numpy(i)
@@ -99,7 +91,7 @@ def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str,
             attrs = bags.attrs(i)
             if fmt == "trident":
                 write_h5(paths["h5"], _trident_features(features, bags.dtype), coords,
-                          _h5_attributes(attrs, bags, i, "trident"))
+                         _h5_attributes(attrs, bags, i, "trident"))
             elif fmt == "stamp":
                 coords_um, stamp_attrs = _stamp_bag(coords, attrs, bags, scales[i])
                 write_h5(paths["h5"], _trident_features(features, bags.dtype), coords_um, stamp_attrs, "feats")
@@ -108,7 +100,7 @@ def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str,
                 _write_pt(paths["pt"], as_float32)
                 if coords is not None:
                     write_h5(paths["h5"], as_float32, _clam_coords(coords, key, bags.ids[i]),
-                              _h5_attributes(attrs, bags, i, "clam-pt"))
+                             _h5_attributes(attrs, bags, i, "clam-pt"))
             bar.update(1)
     finally:
         bar.close()
@@ -116,6 +108,25 @@ def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str,
         csv_text = labels_csv(bags.ids, bags.labels, bags.metadata.get("label_names"))
         atomic_write(os.path.join(out, LABELS_CSV), csv_text.encode("utf-8"))
     return ExportResult(key, fmt, out, len(bags), len(targets), time.perf_counter() - started)
+
+
+def prepare_out(targets: list[str], out: str, overwrite: bool) -> None:
+    """Refuse to write over an earlier export's files (unless ``overwrite``), before writing any;
+    make the folders ``targets`` go in."""
+    taken = [t for t in targets if os.path.lexists(t)]
+    if taken and not overwrite:
+        raise SplitExists(f"{out!r} already holds {len(taken)} of the files this export writes (first: "
+                          f"{os.path.relpath(taken[0], out)!r}): choose an empty --out directory or pass --overwrite")
+    for folder in sorted({os.path.dirname(t) for t in targets}):
+        os.makedirs(folder, exist_ok=True)
+
+
+def export_bar(total: int, unit: str, progress: bool) -> Any:
+    """The export's progress bar on stderr (off without ``progress``; tqdm's own check off a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=unit, desc="export", disable=True if not progress else None, file=sys.stderr,
+                dynamic_ncols=True)
 
 
 # ---------------------------------------------------------------------- names
@@ -173,13 +184,27 @@ def _clam_coords(coords: np.ndarray, key: str, bag_id: str) -> np.ndarray:
     return coords.astype(np.int32)
 
 
+def _kept_groups(attrs: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """The ``{"root", "features", "coords"}`` attributes the import kept from the slide's h5 (its
+    features' under ``features`` or STAMP's ``feats``), or None for a bag written otherwise."""
+    if not any(isinstance(attrs.get(name), dict) for name in _H5_GROUPS):
+        return None
+    return {"root": dict(attrs.get("root") or {}), "features": attrs.get("features") or attrs.get("feats") or {},
+            "coords": dict(attrs.get("coords") or {})}
+
+
+def _bag_root(attrs: dict[str, Any]) -> dict[str, Any]:
+    """A bag written otherwise: its attributes go on the file's root (not the name it came from)."""
+    return {k: v for k, v in attrs.items() if k != "source_file"}
+
+
 def _h5_attributes(attrs: dict[str, Any], bags: Any, i: int, fmt: str) -> dict[str, dict[str, Any]]:
     """``{"root", "features", "coords"}`` attributes: those the import kept from the slide's h5,
     else what the tool itself would write from the split's settings."""
-    if any(isinstance(attrs.get(name), dict) for name in _H5_GROUPS):
-        return {"root": attrs.get("root") or {}, "features": attrs.get("features") or attrs.get("feats") or {},
-                "coords": attrs.get("coords") or {}}
-    root = {k: v for k, v in attrs.items() if k != "source_file"}
+    kept = _kept_groups(attrs)
+    if kept is not None:
+        return kept
+    root = _bag_root(attrs)
     coords: dict[str, Any] = {"name": bags.ids[i]}
     size = bags.patch_size_level0 if bags.coords_unit == "px" else None
     if size is not None:
@@ -216,24 +241,23 @@ def _stamp_scales(bags: Any, key: str, mpp: float | None) -> list[float]:
 
 def _stamp_bag(coords: np.ndarray, attrs: dict[str, Any], bags: Any, scale: float) -> tuple[np.ndarray, Any]:
     """A bag's coords in micrometres (float32) and the attributes of its STAMP file."""
-    kept = any(isinstance(attrs.get(name), dict) for name in _H5_GROUPS)
-    features = (attrs.get("feats") or attrs.get("features") or {}) if kept else {}
-    if kept and bags.coords_unit == "um":  # a STAMP file imported: written back as it came
-        return coords.astype(np.float32), {"root": dict(attrs.get("root") or {}), "features": features,
-                                           "coords": dict(attrs.get("coords") or {})}
-    root = dict(attrs.get("root") or {}) if kept else {k: v for k, v in attrs.items() if k != "source_file"}
+    kept = _kept_groups(attrs)
+    if kept is not None and bags.coords_unit == "um":  # a STAMP file imported: written back as it came
+        return coords.astype(np.float32, copy=False), kept
+    root = kept["root"] if kept is not None else _bag_root(attrs)
     if bags.coords_unit == "px":
-        coords = (coords.astype(np.float64) * scale).astype(np.float32)
+        coords = coords.astype(np.float64) * scale
     root.setdefault("tile_size_um", float(bags.patch_size_level0) * scale)
     # The side the encoder saw: slide extraction's "patch_size", or TRIDENT's on its coords.
-    tile_px = (attrs.get("coords") or {}).get("patch_size") if kept else attrs.get("patch_size")
+    tile_px = kept["coords"].get("patch_size") if kept is not None else attrs.get("patch_size")
     if isinstance(tile_px, int) and not isinstance(tile_px, bool) and tile_px > 0:
         root.setdefault("tile_size_px", tile_px)
     root.update(unit="um")
     root.setdefault("feat_type", "tile")
     root.setdefault("extractor", bags.metadata.get("encoder_name"))
     # The source's coords attributes are left out: their pixel figures would read as micrometres.
-    return coords.astype(np.float32), {"root": root, "features": features, "coords": {}}
+    features = kept["features"] if kept is not None else {}
+    return coords.astype(np.float32, copy=False), {"root": root, "features": features, "coords": {}}
 
 
 def labels_csv(ids: list[str], labels: Any, names: list[str] | None, id_column: str = "slide_id") -> str:

@@ -17,14 +17,14 @@ and renamed, as bag exports are (featurestore.extract.bag_export).
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Any
 
 import numpy as np
 
-from featurestore.errors import InvalidOption, SplitExists
-from featurestore.extract.bag_export import ExportResult, atomic_write, check_file_stem, labels_csv, write_h5
+from featurestore.errors import InvalidOption
+from featurestore.extract.bag_export import (LABELS_CSV, ExportResult, atomic_write, check_file_stem, export_bar,
+                                             labels_csv, prepare_out, write_h5)
 from featurestore.format import dtypes
 from featurestore.format import lineage as lineage_format
 
@@ -58,20 +58,13 @@ def export_embeddings(store: Any, dataset: str, encoder: str, split: str, *, fmt
     doc = lineage_format.of(array.metadata) or {}
     grouped_by = doc.get("group_by")
     paths = [os.path.join(out, f"{sample_id}.h5") for sample_id in ids]
-    targets = paths + ([os.path.join(out, "labels.csv")] if array.labels is not None else [])
-    taken = [t for t in targets if os.path.lexists(t)]
-    if taken and not overwrite:
-        raise SplitExists(f"{out!r} already holds {len(taken)} of the files this export writes (first: "
-                          f"{os.path.relpath(taken[0], out)!r}): choose an empty --out directory or pass --overwrite")
-    os.makedirs(out, exist_ok=True)
+    targets = paths + ([os.path.join(out, LABELS_CSV)] if array.labels is not None else [])
+    prepare_out(targets, out, overwrite)
     name = "feats" if fmt == "stamp" else "features"
     root = {"feat_type": "patient" if grouped_by else "slide", "encoder": encoder} if fmt == "stamp" else {
         "encoder": encoder}
     started = time.perf_counter()
-    from tqdm import tqdm
-
-    with tqdm(total=len(ids), unit="row", desc="export", disable=True if not progress else None, file=sys.stderr,
-              dynamic_ncols=True) as bar:
+    with export_bar(len(ids), "row", progress) as bar:
         for start in range(0, len(ids), _BLOCK_ROWS):
             block = _vectors(array, np.arange(start, min(start + _BLOCK_ROWS, len(ids))))
             for offset, vector in enumerate(block):
@@ -80,7 +73,7 @@ def export_embeddings(store: Any, dataset: str, encoder: str, split: str, *, fmt
     if array.labels is not None:
         names = array.metadata.get("label_names") or (array.metadata.get("label_info") or {}).get("classes")
         text = labels_csv(ids, array.labels.read_numpy(np.arange(len(ids))), names, grouped_by or "slide_id")
-        atomic_write(os.path.join(out, "labels.csv"), text.encode("utf-8"))
+        atomic_write(os.path.join(out, LABELS_CSV), text.encode("utf-8"))
     return ExportResult(key, fmt, out, len(ids), len(targets), time.perf_counter() - started)
 
 
