@@ -26,7 +26,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from featurestore.core import bag_commit, claims
-    from featurestore.core.claim_status import progress
+    from featurestore.core.claim_status import progress, skipped_text
     from featurestore.errors import InvalidOption, SplitExists, WrongSplitKind
     from featurestore.extract.workers_share import commit_extra
     from featurestore.format import layout
@@ -53,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
         if (meta.extra.get("source") or {}).get("kind") != "wsi":
             extra.pop("skipped")  # an import records no skipped slides
         final = bag_commit.commit(store.storage, key, meta, extra=extra)
-    failed, skipped = final.extra.get("failed") or [], final.extra.get("skipped") or []
+    failed = final.extra.get("failed") or []
     print(f"committed {key}: {(final.bags or {}).get('count')} bags"
           + (f", {len(failed)} failed slide(s): {', '.join(f['id'] for f in failed)}" if failed else "")
-          + (f", {len(skipped)} skipped: {', '.join(str(s.get('id')) for s in skipped)}" if skipped else ""))
+          + skipped_text(final.extra))
     return 0

@@ -30,7 +30,7 @@ def _when(seconds: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from featurestore.core.claim_status import progress, run_total
+    from featurestore.core.claim_status import done_text, progress, run_total, skipped_text
     from featurestore.format import layout
 
     store = open_store_from_args(args.store, args)
@@ -39,15 +39,14 @@ def run(args: argparse.Namespace) -> int:
         key = layout.split_key(args.dataset, args.encoder, args.split)
         if meta.complete:
             count = (meta.bags or {}).get("count", meta.num_samples)
-            failed, skipped = meta.extra.get("failed") or [], meta.extra.get("skipped") or []
+            failed = meta.extra.get("failed") or []
             print(f"split {key}: complete, {count} {'bags' if meta.bags else 'samples'}"
                   + (f", {len(failed)} slide(s) failed: {', '.join(f['id'] for f in failed)}" if failed else "")
-                  + (f", {len(skipped)} skipped: {', '.join(str(s.get('id')) for s in skipped)}" if skipped else ""))
+                  + skipped_text(meta.extra))
             return 0
         state = progress(store.storage, key, run_total(meta.extra))
     left = "?" if state["left"] is None else state["left"]
-    done = f"{state['done']}" + (f" ({len(state['skipped'])} skipped)" if state["skipped"] else "")
-    print(f"split {key}: {meta.status}; slides done {done}, claimed {len(state['claimed'])}, "
+    print(f"split {key}: {meta.status}; slides done {done_text(state)}, claimed {len(state['claimed'])}, "
           f"failed {len(state['failed'])}, left {left} (of {state['total'] or '?'}); "
           f"{state['workers']} worker(s) seen")
     for c in state["claimed"]:

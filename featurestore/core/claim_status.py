@@ -20,7 +20,8 @@ def run_total(extra: dict[str, Any]) -> int | None:
 
 
 def progress(storage: Storage, split_key: str, total: int | None, now: float | None = None) -> dict[str, Any]:
-    """Counts (done, of them skipped, claimed, failed, left), the live claims (worker, host, pid, start, lease age)
+    """Counts (done, of them skipped, claimed, failed, left), the live claims (worker, host, pid, start,
+    lease age)
     and an estimated time to finish from the pace of the done slides (None until two are done).
     ``total``: slides in the run (None: unknown, left is then None)."""
     now = now or time.time()
@@ -44,3 +45,14 @@ def progress(storage: Storage, split_key: str, total: int | None, now: float | N
     skipped = sorted(u for u, r in records.items() if r.get("state") == claims.DONE and r.get("skipped"))
     return {"done": len(done), "skipped": skipped, "claimed": claimed, "failed": failed, "left": left,
             "total": total, "eta_seconds": eta, "workers": len(workers)}
+
+
+def done_text(state: dict[str, Any]) -> str:
+    """``3`` or ``3 (1 skipped)``: the done slides of :func:`progress`, for `status` and the web page."""
+    return f"{state['done']}" + (f" ({len(state['skipped'])} skipped)" if state["skipped"] else "")
+
+
+def skipped_text(extra: dict[str, Any]) -> str:
+    """``, 1 skipped: junk`` for a committed split's skipped slides (its metadata's ``skipped``), else ''."""
+    skipped = extra.get("skipped") or []
+    return f", {len(skipped)} skipped: {', '.join(str(s.get('id')) for s in skipped)}" if skipped else ""

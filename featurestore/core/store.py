@@ -45,10 +45,16 @@ def open_store(url: str, mode: str = "r", **storage_options: Any) -> FeatureStor
     """
     if mode not in ("r", "a"):
         raise InvalidOption(f"mode {mode!r} is not supported: use 'r' (read) or 'a' (read and write)")
-    if mode == "a" and str(url).lower().startswith(("http://", "https://")):
+    if mode == "a" and _over_http(str(url)):
         raise ReadOnlyStore(f"store {redact_url(str(url))} is read-only: HTTP serves reads (a featurestore server, or "
                             "a store's files on a web server); write to the store's own path or s3:// URL")
     return FeatureStore(open_storage(url, storage_options), mode=mode)
+
+
+def _over_http(url: str) -> bool:
+    """A plain HTTP(S) URL: a store's files on a web server (read-only), or, where there is no store
+    document, most likely `featurestore serve`'s address given to a store door."""
+    return url.lower().startswith(("http://", "https://"))
 
 
 class FeatureStore:
@@ -61,8 +67,8 @@ class FeatureStore:
         self._real_root = os.path.realpath(root) if root is not None else None
         raw = self._read_document(layout.ZARR_JSON)
         if raw is None:
-            if mode == "r" and self.url.lower().startswith(("http://", "https://")):
-                raise StoreNotFound(  # most likely `featurestore serve`'s address given to a store door
+            if mode == "r" and _over_http(self.url):
+                raise StoreNotFound(
                     f"no featurestore at {self.url!r}: a featurestore server (featurestore serve) is read with "
                     "FeatureClient, FeatureDataset or BagDataset, and by `featurestore probe URL`; ls, info, "
                     "verify and the other commands take the store the server serves (its path or s3:// URL), "

@@ -41,19 +41,19 @@ def class_names_of(ds: Any, table: Any, num_classes: int) -> list[str] | None:
 class PredictionRecorder:
     """The class probabilities of the samples one probe run evaluates, written to ``path`` by
     :meth:`save`. ``ids``: the evaluated split's sample ids (None: positions); ``lengths``: a bag
-    split's bag lengths (empty bags are not evaluated); ``group_of(position)``: the group column's
-    value (``group_by`` names it)."""
+    split's bag lengths (empty bags are not evaluated); ``group``: ``(column, value of position)``,
+    a column holding each sample's group."""
 
     def __init__(self, path: str, *, num_classes: int, count: int, ids: Sequence[str] | None = None,
-                 lengths: Any = None, class_names: list[str] | None = None, group_by: str | None = None,
-                 group_of: Callable[[int], Any] | None = None) -> None:
+                 lengths: Any = None, class_names: list[str] | None = None,
+                 group: tuple[str, Callable[[int], Any]] | None = None) -> None:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise InvalidOption(f"--save-predictions {path}: directory {folder} does not exist; create it, or "
                                 "give a path in an existing one")
         if os.path.isdir(path):
             raise InvalidOption(f"--save-predictions {path} is a directory: give a file name, e.g. predictions.csv")
-        self.path, self.ids, self.group_by, self.group_of = path, ids, group_by, group_of
+        self.path, self.ids, self.group = path, ids, group
         self.names = class_names or [str(c) for c in range(num_classes)]
         self.lengths = np.ones(count, np.int64) if lengths is None else np.asarray(lengths, np.int64)
         self.rows: list[list[Any]] = []
@@ -62,9 +62,9 @@ class PredictionRecorder:
     def of_bags(cls, path: str, ds: Any, *, num_classes: int, class_names: list[str] | None = None,
                 group_by: str | None = None) -> PredictionRecorder:
         """For the ABMIL head over ``ds`` (a ``client.BagDataset``)."""
-        group_of = None if group_by is None else (lambda i: ds.bags.attrs(i).get(group_by, ""))
+        group = None if group_by is None else (group_by, lambda i: ds.bags.attrs(i).get(group_by, ""))
         return cls(path, num_classes=num_classes, count=len(ds.ids), ids=ds.ids, lengths=ds.lengths,
-                   class_names=class_names, group_by=group_by, group_of=group_of)
+                   class_names=class_names, group=group)
 
     @classmethod
     def of_split(cls, path: str, info: Any, *, num_classes: int, table: Any = None) -> PredictionRecorder:
@@ -92,8 +92,7 @@ class PredictionRecorder:
 
     def save(self) -> dict[str, Any]:
         """Write the table; returns ``{"path", "rows"}``."""
-        groups = self.group_by is not None
-        header = ["seed", "fold", "slide_id", *([self.group_by] if groups else []), "label", "predicted",
+        header = ["seed", "fold", "slide_id", *([self.group[0]] if self.group else []), "label", "predicted",
                   *(f"prob_{name}" for name in self.names)]
         temp = os.path.join(os.path.dirname(os.path.abspath(self.path)), f".{os.path.basename(self.path)}.tmp")
         try:
@@ -101,7 +100,7 @@ class PredictionRecorder:
                 writer = csv.writer(handle, lineterminator="\n")
                 writer.writerow(header)
                 for seed, fold, i, target, predicted, *probabilities in self.rows:
-                    group = [self.group_of(i)] if groups and self.group_of is not None else [""] if groups else []
+                    group = [self.group[1](i)] if self.group else []
                     sample = self.ids[i] if self.ids is not None else i
                     writer.writerow([seed, fold, sample, *group, self.names[target], self.names[predicted],
                                      *(f"{p:.6g}" for p in probabilities)])

@@ -146,7 +146,7 @@ def _dense_pictures(web: Web, row: SplitRow, sample: int) -> Html:
 
 def _workers(web: Web, row: SplitRow) -> Html:
     """A split being written by ``--worker`` processes: slides done, claimed, failed, left."""
-    from featurestore.core.claim_status import progress, run_total
+    from featurestore.core.claim_status import done_text, progress, run_total
     from featurestore.format import layout
 
     state = progress(web.state.store.storage, layout.split_key(*row.key), run_total(row.metadata))
@@ -155,9 +155,8 @@ def _workers(web: Web, row: SplitRow) -> Html:
     eta = "" if state["eta_seconds"] is None else f"; about {state['eta_seconds']:.0f} s to finish"
     claimed = join(h("<li>{} by {} pid {}, lease age {} s{}</li>", c["id"], c["host"], c["pid"], c["lease_age"],
                      " (expired)" if c["expired"] else "") for c in state["claimed"])
-    done = f"{state['done']}" + (f" ({len(state['skipped'])} skipped)" if state["skipped"] else "")
     return h('<section><h2>Workers</h2><p id="worker-progress">slides done {}, claimed {}, failed {}, left {}{}</p>'
-             "<ul>{}</ul></section>", done, len(state["claimed"]), len(state["failed"]),
+             "<ul>{}</ul></section>", done_text(state), len(state["claimed"]), len(state["failed"]),
              "?" if state["left"] is None else state["left"], eta, claimed)
 
 
