@@ -119,25 +119,38 @@ def source(request: pytest.FixtureRequest) -> Source:
     return Source("http", request.getfixturevalue("http_url"))
 
 
-def fresh_maps_per_epoch(loader: Any, monkeypatch: pytest.MonkeyPatch, epochs: int = 3) -> list[int]:
+def fresh_maps_per_epoch(loader: Any, monkeypatch: pytest.MonkeyPatch, epochs: int = 3,
+                         dropped: list[int] | None = None) -> list[int]:
     """How many fresh batch buffers (anonymous maps) each of ``epochs`` epochs of ``loader`` mapped:
     those of its own batch pool only, not of another pool that maps meanwhile in this process (the
-    threads of a loader an earlier test left mid-epoch, say)."""
+    threads of a loader an earlier test left mid-epoch, say). ``dropped``, if given, gets per epoch
+    how many buffers came back to that pool and were unmapped instead of kept."""
     from featurestore.core import buffers
 
     mapped: list[Any] = []  # the pool behind each map
-    real = buffers.anonymous
+    drops: list[Any] = []  # the pool that dropped each returning buffer
+    real, real_file = buffers.anonymous, buffers.BufferPool._file
 
     def counted(nbytes: int) -> Any:
         mapped.append(sys._getframe(1).f_locals.get("self"))  # BufferPool.lease's self
         return real(nbytes)
 
+    def filed(pool: Any, buffer: Any) -> None:
+        kept = len(pool._free)
+        real_file(pool, buffer)
+        if not any(b is buffer for b in pool._free) and len(pool._free) <= kept:
+            drops.append(pool)
+
     monkeypatch.setattr(buffers, "anonymous", counted)
+    monkeypatch.setattr(buffers.BufferPool, "_file", filed)
     counts = []
     for epoch in range(epochs):
         loader.set_epoch(epoch)
-        before = len(mapped)
+        before, dropped_before = len(mapped), len(drops)
         for _ in loader:
             pass
-        counts.append(sum(1 for pool in mapped[before:] if pool is loader._producer.pool))
+        pool = loader._producer.pool
+        counts.append(sum(1 for p in mapped[before:] if p is pool))
+        if dropped is not None:
+            dropped.append(sum(1 for p in drops[dropped_before:] if p is pool))
     return counts

@@ -158,12 +158,17 @@ def test_released_batches_are_recycled_and_kept_ones_never_overwritten(ds: Featu
 
 def test_a_second_epoch_maps_no_fresh_batch_buffer(ds: FeatureDataset, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pool keeps as many idle buffers as can be out at once: a buffer coming back is never
-    unmapped only for a fresh one (first touches of new memory) to be mapped for the next batch."""
+    unmapped only for a fresh one (first touches of new memory) to be mapped for the next batch.
+    A later epoch may still map one where the machine's load lets more batches be out at once than
+    before (the first epoch's peak is not a bound), so what is counted is the drops, and the maps
+    over all epochs against the most that can be out."""
     loader = FeatureLoader(ds, batch_size=4, shuffle=True, device="cpu", prefetch=3, num_threads=2, dtype=None)
-    first, *later = fresh_maps_per_epoch(loader, monkeypatch, epochs=4)
-    # Measured: 0 in every later epoch of 25 runs (14 in the first); with prefetch + 2 kept, 2 in
-    # one epoch of 25 runs; with 2 kept, 3-8 in each.
-    assert 0 < first < len(loader) and sum(later) <= 1, (first, later)
+    dropped: list[int] = []
+    maps = fresh_maps_per_epoch(loader, monkeypatch, epochs=4, dropped=dropped)
+    # Measured, 25 runs quiet and 25 with both cores busy: no drop, 5-6 maps in all (up to 4 of
+    # them after the first epoch under load); once in pytest 7 (a batch collected late). With 2
+    # kept: 3-8 drops in every epoch.
+    assert maps[0] > 0 and sum(dropped) == 0 and sum(maps) <= loader._producer.pool._keep + 1, (maps, dropped)
     loader.close()
     assert loader._producer.pool.free_bytes == 0  # close() gives the idle buffers back
 
