@@ -85,6 +85,18 @@ def test_integer_labels_are_ascii_digits_only(tmp_path: Path) -> None:
     assert text.classes == ["normal", "tumour"] and text.values == {"a": 1, "b": 0, "c": 1}
 
 
+def test_integers_other_than_0_to_k_are_classes_named_by_their_values(tmp_path: Path) -> None:
+    """A grade coded 1, 2, 3 is three classes, not four of which class 0 is empty; codes 1 and 2
+    are a binary task; the class ids follow the values' order and the names keep the values."""
+    grades = read_label_table(table(tmp_path, "slide_id,g\na,3\nb,1\nc,2\nd,10\n"), "g")
+    assert grades.classes == ["1", "2", "3", "10"] and grades.num_classes == 4
+    assert grades.values == {"a": 2, "b": 0, "c": 1, "d": 3}
+    binary = read_label_table(table(tmp_path, "slide_id,g\na,2\nb,1\n"), "g")
+    assert binary.num_classes == 2 and binary.values == {"a": 1, "b": 0}
+    assert "labels: column 'g'" in binary.match(["a", "b"], "c/e/s").summary and "(1=1, 2=1)" in binary.match(
+        ["a", "b"], "c/e/s").summary
+
+
 def test_utf8_with_bom_spaces_and_empty_cells(tmp_path: Path) -> None:
     path = table(tmp_path, "\ufeffslide_id , grade\nß-1, G2\nb,\n\nc,G1\n")
     read = read_label_table(path, "grade")
@@ -135,6 +147,11 @@ def test_abmil_table_repeating_the_stored_labels_trains_the_same_probe(store: st
     named = run_mil_probe(store, "cohort", "bags", labels=read_label_table(stored_table(tmp_path, store, names=True),
                                                                              "task"), **options)
     assert named["runs"] == stored["runs"]  # 'neg' < 'pos': the same class ids
+    shifted = tmp_path / "one-based.csv"  # the same task coded 1 and 2: a binary probe, no empty class
+    shifted.write_text("".join(line if k == 0 else f"{line.rsplit(',', 1)[0]},{int(line.rsplit(',', 1)[1]) + 1}\n"
+                               for k, line in enumerate(open(stored_table(tmp_path, store)).read().splitlines(True))))
+    one_based = run_mil_probe(store, "cohort", "bags", labels=read_label_table(str(shifted), "task"), **options)
+    assert one_based["num_classes"] == stored["num_classes"] == 2 and one_based["runs"] == stored["runs"]
 
 
 def test_abmil_leaves_out_slides_the_table_does_not_label(store: str, tmp_path: Path,

@@ -9,8 +9,11 @@ table keyed by slide id, read when the probe runs, so a new task needs no re-imp
   (``TCGA-xx.svs`` labels bag ``TCGA-xx``), as ``featurestore import --labels`` accepts; an id
   listed twice is refused, whatever its labels;
 - ``label_column``: if every non-empty cell is ASCII digits only (``0``, ``1``, ``12``), the
-  labels are integer class ids as written; otherwise every value is a class name, and classes
-  are numbered in sorted name order (``"1.0"``, ``"-1"`` or ``"١"`` are names, not numbers);
+  labels are integer class ids as written when they are ``0 .. K-1``; other integers (a grade
+  coded ``1, 2, 3``, codes ``0, 1, 5``) are numbered in increasing order and named by their
+  values, so the head has no class that no slide can have (``1, 2`` is a binary task, not three
+  classes of which one is empty); otherwise every value is a class name, and classes are
+  numbered in sorted name order (``"1.0"``, ``"-1"`` or ``"١"`` are names, not numbers);
 - a row with an empty label cell, and a slide the table does not list, are left out of the probe
   (one summary line says how many); a table that labels none of a split's slides is refused.
 
@@ -133,6 +136,10 @@ def read_label_table(path: str | os.PathLike[str], label_column: str, id_column:
     classes: list[str] | None = None
     if all(_DIGITS.fullmatch(v) for v in labelled.values()):
         values = {slide: int(v) for slide, v in labelled.items()}
+        present = sorted(set(values.values()))
+        if present != list(range(len(present))):  # 1-based grades, sparse codes: no empty class
+            classes = [str(v) for v in present]
+            values = {slide: present.index(v) for slide, v in values.items()}
     else:
         classes = sorted(set(labelled.values()))
         number = {name: k for k, name in enumerate(classes)}
