@@ -46,7 +46,7 @@ def format_report(result: dict[str, Any]) -> str:
         lines += _table(rows)
         lines += ["", f"mean ± sample std over {len(run['seeds'])} seed(s) {run['seeds']}; chance = the best "
                   "constant prediction's score on the same evaluation labels."]
-        notes = report_notes(run) + _collapse_notes(run)
+        notes = report_notes(run) + _collapse_notes(run) + _stale_notes(run)
         lines += [line for note in notes for line in textwrap.wrap(note, width=100)]
         return "\n".join(lines)
 
@@ -82,7 +82,7 @@ def format_report(result: dict[str, Any]) -> str:
     if useless:
         notes.append(f"The comparison is uninformative for {', '.join(useless)}: A and B are both at chance, so "
                      "neither probe learned the task and the verdict says nothing about the storage dtype.")
-    notes += _collapse_notes(a) + _collapse_notes(b)
+    notes += _collapse_notes(a) + _collapse_notes(b) + _stale_notes(a) + _stale_notes(b)
     lines.append("")
     lines += [line for note in notes for line in textwrap.wrap(note, width=100)]
     return "\n".join(lines)
@@ -113,6 +113,12 @@ def _collapse_notes(run: dict[str, Any]) -> list[str]:
         "the probe probably predicts a constant class. Train longer (--epochs), with smaller "
         "batches (--batch-size) or another --lr before reading the comparison."
     ]
+
+
+def _stale_notes(run: dict[str, Any]) -> list[str]:
+    return [f"WARNING: STALE: {split} was computed from a source that has changed since ({reason}): these "
+            "figures describe the old rows. Compute it again (featurestore embed ... --resume recomputes a stale "
+            "split) before reading them." for split, reason in (run.get("stale") or {}).items()]
 
 
 def _setup_line(run: dict[str, Any]) -> str:

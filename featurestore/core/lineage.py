@@ -2,7 +2,9 @@
 split's metadata as it is on storage now.
 
 The one staleness check of ``verify``, ``ls``/``info``, the web page, the server's response
-header and ``embed --resume``: each calls :func:`stale_reason` with the derived split's metadata.
+header, ``embed --resume`` and a probe's report: each calls :func:`stale_reason` with the derived
+split's metadata (a probe over HTTP compares the lineage with the source's metadata the server
+gives, :mod:`featurestore.probes.stale`).
 """
 
 from __future__ import annotations

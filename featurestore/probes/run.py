@@ -31,20 +31,13 @@ from featurestore.probes import chance
 from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, seed_list_of
 from featurestore.probes.groups import GroupSpec
 from featurestore.probes.labels import LabelTable
+from featurestore.probes.stale import stale_reason_of
 
-__all__ = [
-    "SplitInfo",
-    "compare_probes",
-    "describe_split",
-    "detect_task",
-    "num_classes_of",
-    "run_probe",
-    "token_layout",
-]
+__all__ = ["SplitInfo", "compare_probes", "describe_split", "detect_task", "num_classes_of", "run_probe",
+           "token_layout"]
 
 TASKS = ("auto", "linear", "seg")
 LOADERS = ("stream", "ram")
-
 
 
 # --------------------------------------------------------------------------- split description
@@ -64,6 +57,7 @@ class SplitInfo:
     label_shape: tuple[int, ...] | None  # None: the split has no labels
     metadata: dict[str, Any]
     ds: Any = field(repr=False, compare=False)  # the client.FeatureDataset it was read from
+    stale: str | None = None  # a derived split whose source changed since (featurestore.probes.stale)
 
     @property
     def name(self) -> str:
@@ -91,6 +85,7 @@ def describe_split(
         num_samples=int(ds.num_samples), sample_shape=tuple(ds.sample_shape), dtype=str(ds.dtype),
         label_shape=tuple(ds.label_shape) if ds.has_labels else None,
         metadata=dict(ds.metadata), ds=ds,
+        stale=stale_reason_of(source, ds.metadata, storage_options=storage_options, token=token),
     )
 
 
@@ -193,15 +188,15 @@ def run_probe(
     ``token``). ``seeds``: a count K (seeds ``0..K-1``) or explicit seeds. ``epochs`` and ``lr``:
     default per task (``LinearProbeConfig``: 20 epochs, lr 1e-2; ``SegProbeConfig``: 10 epochs,
     lr 1e-3); small splits give few optimizer steps per epoch, so raise ``epochs`` or lower
-    ``batch_size`` there. ``loader``: ``"stream"``
-    (``client.FeatureLoader``) or ``"ram"`` (the split read into host RAM as float32 first, the
-    classic cache). ``log`` receives one line per seed. ``labels``: a task's labels from a table
-    (:mod:`featurestore.probes.labels`), matched by sample id (linear probe; samples it does not
-    label are left out). ``save_predictions``: the linear head's class probabilities per seed, fold
-    and sample as a CSV (featurestore.probes.predictions). Returns the setup, every run's metrics,
-    under ``"metrics"`` each
-    metric's ``{"mean", "std", "values"}`` (std over seeds, ddof=1; None with one seed) and
-    under ``"chance"`` its chance baseline (:mod:`featurestore.probes.chance`).
+    ``batch_size`` there. ``loader``: ``"stream"`` (``client.FeatureLoader``) or ``"ram"`` (the
+    split read into host RAM as float32 first, the classic cache). ``log`` receives one line per
+    seed. ``labels``: a task's labels from a table (:mod:`featurestore.probes.labels`), matched by
+    sample id (linear probe; samples it does not label are left out). ``save_predictions``: the
+    linear head's class probabilities per seed, fold and sample as a CSV (featurestore.probes.
+    predictions). Returns the setup, every run's metrics, under ``"metrics"`` each metric's
+    ``{"mean", "std", "values"}`` (std over seeds, ddof=1; None with one seed), under ``"chance"``
+    its chance baseline (:mod:`featurestore.probes.chance`) and under ``"stale"`` the reason of
+    each stale derived split it read (:mod:`featurestore.probes.stale`).
     """
     infos = [describe_split(source, dataset, encoder, split, storage_options=storage_options, token=token)
              for split in _splits(train_split, eval_split, folds, group_by)]
@@ -398,6 +393,7 @@ def _run(
         "device": str(torch_device), "loader": loader, "batch_size": batch_size,
         "config": asdict(config), "seconds": time.perf_counter() - started,
         "label_notes": [] if matched is None else [m.summary for m in matched if m.summary], **result,
+        "stale": {i.name: i.stale for i in (train, evaluate) if i.stale},
         **({} if recorder is None else {"predictions": recorder.save()}),
     }
 

@@ -1,0 +1,53 @@
+"""A probe on a stale embedding split (its source bags rewritten since ``featurestore embed``) runs,
+and its report says so: ``result["stale"]`` and a WARNING line, on a store path and over HTTP, as
+``ls``/``info``/``verify`` and the server's header do (featurestore.core.lineage)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _probe_fixtures import one_torch_thread  # noqa: F401  (autouse: one torch thread per test)
+
+import featurestore
+from featurestore.cli import main
+from featurestore.probes.run import run_probe
+from featurestore.testing.serving import serve_subprocess
+
+DIM = 8
+
+
+def _bags(root: str, shift: float = 0.0) -> None:
+    rng = np.random.default_rng(0)
+    writer = featurestore.open_store(root, mode="a").create_bag_split(
+        "c", "bags", "all", dim=DIM, dtype="float32", label_dtype="int64", overwrite=True)
+    for k in range(24):
+        label = k % 2
+        writer.add_bag(f"s{k:02d}", rng.normal(label + shift, 1, (10, DIM)).astype(np.float32), label=label)
+    writer.commit()
+
+
+def test_a_probe_on_a_stale_embedding_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = str(tmp_path / "store")
+    _bags(root)
+    assert main(["embed", root, "--dataset", "c", "--encoder", "bags", "--split", "all", "--slide-encoder", "mean",
+                 "--encoder-name", "mean"]) == 0
+    options = dict(train_split="all", folds=3, seeds=1, epochs=2, device="cpu")
+    assert run_probe(root, "c", "mean", **options)["stale"] == {}
+    _bags(root, shift=1.0)  # the bags rewritten: a new generation of the source
+    reason = run_probe(root, "c", "mean", **options)["stale"]["c/mean/all"]
+    assert reason.startswith("source c/bags/all generation changed"), reason
+    with serve_subprocess(root) as (url, _):
+        assert run_probe(url, "c", "mean", **options)["stale"] == {"c/mean/all": reason}
+    assert main(["rm", root, "c", "bags", "all", "--yes"]) == 0
+    with serve_subprocess(root) as (url, _):
+        gone = {"c/mean/all": "source c/bags/all is gone"}
+        assert run_probe(url, "c", "mean", **options)["stale"] == gone
+    assert run_probe(root, "c", "mean", **options)["stale"] == gone
+    capsys.readouterr()
+    assert main(["probe", root, "--dataset", "c", "--encoder", "mean", "--train", "all", "--folds", "3",
+                 "--seeds", "1", "--epochs", "2", "--device", "cpu"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "WARNING: STALE: c/mean/all was computed from a source that has changed since (source c/bags/all is gone)" \
+        in printed
