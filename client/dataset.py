@@ -13,13 +13,15 @@ id and reopens too, so no file map, fsspec session or HTTP connection is shared 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
+from client.stale import stale_reason_of
 from featurestore.core.reader import as_index_array
-from featurestore.errors import IndexOutOfRange, InvalidIndices, InvalidOption
+from featurestore.errors import IndexOutOfRange, InvalidIndices, InvalidOption, StaleSplitWarning
 from featurestore.format import dtypes
 from featurestore.format.redact import redact_url
 
@@ -151,6 +153,12 @@ class FeatureDataset(OpenedPerProcess, torch.utils.data.Dataset):
         # default shuffle from this (random row access is cheap only on "mmap").
         self.read_path: str = "http" if _is_http(self.source) else str(getattr(array, "path", "ranges"))
         self.chunk_rows = int(getattr(array, "chunk_rows", 0) or self.metadata.get("chunk_rows") or 1)
+        # A derived split whose source changed since is read, never as current (client.stale).
+        self.stale: str | None = stale_reason_of(self.source, self.metadata, storage_options=self.storage_options,
+                                                 token=self.token)
+        if self.stale is not None:
+            warnings.warn(f"{dataset}/{encoder}/{split} is stale: {self.stale}; its rows describe the old source "
+                          "(compute it again: featurestore embed ... --resume)", StaleSplitWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ opening
     @property

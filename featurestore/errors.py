@@ -220,6 +220,11 @@ class AttentionNotFound(FeatureStoreError, LookupError):
     """An attention map name that a bag split does not hold (``--save-attention NAME`` saves one)."""
 
 
+class StaleSplitWarning(UserWarning):
+    """A split opened for reading is a stale derived split: its source changed since it was
+    computed (featurestore.core.lineage); its rows describe the old source."""
+
+
 class StaleAttention(FeatureStoreError, RuntimeError):
     """An attention map saved for another state of its bag split (overwritten, re-committed):
     its values no longer belong to the split's patches."""

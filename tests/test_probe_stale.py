@@ -1,9 +1,11 @@
-"""A probe on a stale embedding split (its source bags rewritten since ``featurestore embed``) runs,
-and its report says so: ``result["stale"]`` and a WARNING line, on a store path and over HTTP, as
-``ls``/``info``/``verify`` and the server's header do (featurestore.core.lineage)."""
+"""A stale embedding split (its source bags rewritten or removed since ``featurestore embed``) is
+read, never as current: ``FeatureDataset`` sets ``ds.stale`` and warns, and a probe's report says so
+(``result["stale"]``, a WARNING line), on a store path and over HTTP, as ``ls``/``info``/``verify``
+and the server's header do (featurestore.core.lineage)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,9 @@ import pytest
 from _probe_fixtures import one_torch_thread  # noqa: F401  (autouse: one torch thread per test)
 
 import featurestore
+from client import FeatureDataset
 from featurestore.cli import main
+from featurestore.errors import StaleSplitWarning
 from featurestore.probes.run import run_probe
 from featurestore.testing.serving import serve_subprocess
 
@@ -35,11 +39,17 @@ def test_a_probe_on_a_stale_embedding_says_so(tmp_path: Path, capsys: pytest.Cap
                  "--encoder-name", "mean"]) == 0
     options = dict(train_split="all", folds=3, seeds=1, epochs=2, device="cpu")
     assert run_probe(root, "c", "mean", **options)["stale"] == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StaleSplitWarning)
+        assert FeatureDataset(root, "c", "mean", "all").stale is None  # current: no warning
     _bags(root, shift=1.0)  # the bags rewritten: a new generation of the source
     reason = run_probe(root, "c", "mean", **options)["stale"]["c/mean/all"]
     assert reason.startswith("source c/bags/all generation changed"), reason
     with serve_subprocess(root) as (url, _):
         assert run_probe(url, "c", "mean", **options)["stale"] == {"c/mean/all": reason}
+        for source in (root, url):
+            with pytest.warns(StaleSplitWarning, match="c/mean/all is stale: source c/bags/all generation changed"):
+                assert FeatureDataset(source, "c", "mean", "all").stale == reason
     assert main(["rm", root, "c", "bags", "all", "--yes"]) == 0
     with serve_subprocess(root) as (url, _):
         gone = {"c/mean/all": "source c/bags/all is gone"}

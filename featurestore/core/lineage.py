@@ -4,7 +4,7 @@ split's metadata as it is on storage now.
 The one staleness check of ``verify``, ``ls``/``info``, the web page, the server's response
 header, ``embed --resume`` and a probe's report: each calls :func:`stale_reason` with the derived
 split's metadata (a probe over HTTP compares the lineage with the source's metadata the server
-gives, :mod:`featurestore.probes.stale`).
+gives, :mod:`client.stale`).
 """
 
 from __future__ import annotations

@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from featurestore.errors import InvalidLabels, InvalidOption, MissingLabels, ShapeMismatch
+from featurestore.errors import InvalidLabels, InvalidOption, MissingLabels, ShapeMismatch, StaleSplitWarning
 from featurestore.probes import chance
 from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, seed_list_of
 from featurestore.probes.groups import GroupSpec
 from featurestore.probes.labels import LabelTable
-from featurestore.probes.stale import stale_reason_of
 
 __all__ = ["SplitInfo", "compare_probes", "describe_split", "detect_task", "num_classes_of", "run_probe",
            "token_layout"]
@@ -57,7 +57,7 @@ class SplitInfo:
     label_shape: tuple[int, ...] | None  # None: the split has no labels
     metadata: dict[str, Any]
     ds: Any = field(repr=False, compare=False)  # the client.FeatureDataset it was read from
-    stale: str | None = None  # a derived split whose source changed since (featurestore.probes.stale)
+    stale: str | None = None  # a derived split whose source changed since (client.stale)
 
     @property
     def name(self) -> str:
@@ -77,15 +77,16 @@ def describe_split(
     from client import FeatureDataset
 
     http = source.startswith(("http://", "https://"))
-    ds = FeatureDataset(source, dataset, encoder, split,
-                        storage_options=None if http else storage_options,
-                        token=token if http else None)
+    with warnings.catch_warnings():  # a stale split: the report says so (result["stale"])
+        warnings.simplefilter("ignore", StaleSplitWarning)
+        ds = FeatureDataset(source, dataset, encoder, split, storage_options=None if http else storage_options,
+                            token=token if http else None)
     return SplitInfo(
         source=source, dataset=dataset, encoder=encoder, split=split,
         num_samples=int(ds.num_samples), sample_shape=tuple(ds.sample_shape), dtype=str(ds.dtype),
         label_shape=tuple(ds.label_shape) if ds.has_labels else None,
         metadata=dict(ds.metadata), ds=ds,
-        stale=stale_reason_of(source, ds.metadata, storage_options=storage_options, token=token),
+        stale=ds.stale,
     )
 
 
@@ -196,7 +197,7 @@ def run_probe(
     predictions). Returns the setup, every run's metrics, under ``"metrics"`` each metric's
     ``{"mean", "std", "values"}`` (std over seeds, ddof=1; None with one seed), under ``"chance"``
     its chance baseline (:mod:`featurestore.probes.chance`) and under ``"stale"`` the reason of
-    each stale derived split it read (:mod:`featurestore.probes.stale`).
+    each stale derived split it read (:mod:`client.stale`).
     """
     infos = [describe_split(source, dataset, encoder, split, storage_options=storage_options, token=token)
              for split in _splits(train_split, eval_split, folds, group_by)]

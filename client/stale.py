@@ -1,7 +1,11 @@
-"""Whether a split a probe reads is a stale derived split (featurestore.core.lineage): an embedding
-split whose source bags were rewritten or removed since it was computed. The probe still runs (a
-user may mean to compare), but its report says so in a WARNING line, as ``ls``, ``info``,
-``verify``, the web page and the server's ``X-Featurestore-Stale`` header do."""
+"""Whether a split a client opens is a stale derived split (featurestore.core.lineage): an embedding
+split whose source bags were rewritten or removed since ``featurestore embed`` computed it.
+
+It still reads (a user may mean to compare), but never as current: :class:`client.FeatureDataset`
+sets ``ds.stale`` and warns (:class:`featurestore.errors.StaleSplitWarning`), and a probe's report
+ends with a WARNING line, as ``ls``, ``info``, ``verify``, the web page and the server's
+``X-Featurestore-Stale`` header say. Over HTTP the lineage is compared with the source's metadata
+the server's routes give."""
 
 from __future__ import annotations
 
