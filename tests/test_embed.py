@@ -108,6 +108,30 @@ def test_max_pooling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: st
     assert values.dtype == np.float32 and np.array_equal(values, np.stack([made[i].max(0) for i in ids]))
 
 
+@pytest.mark.parametrize("kernel", ["numba", "numpy"])
+def test_an_int8_split_is_pooled_and_encoded_from_its_values_not_its_codes(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          kernel: str) -> None:
+    """int8 codes mean nothing without their bag's scale: mean, max and a python slide encoder get
+    the stored values (codes x scale, what every reader of the split returns)."""
+    monkeypatch.setattr(pooling, "PIECE_BYTES", 4 * DIM * 4)  # several pieces per bag
+    monkeypatch.setenv("FEATURESTORE_EMBED_KERNEL", "1" if kernel == "numba" else "0")
+    monkeypatch.syspath_prepend(str(TESTS))
+    make_bags(tmp_path, "int8")
+    bags = featurestore.open_store(str(tmp_path)).open_bags("ds", "uni", "train")
+    stored = {i: bags.read_numpy(i, dtype="float32")[0].copy() for i in sorted(BAGS)}
+    assert any(np.abs(v).max() < 127 * 0.5 for v in stored.values())  # values, not codes (up to 127)
+    run_embed(tmp_path)
+    run_embed(tmp_path, "max", encoder_name="slidemax")
+    run_embed(tmp_path, "python:_embed_encoders:flat", encoder_name="flat")
+    ids = sorted(BAGS)
+    assert np.array_equal(read_split(tmp_path)[0], np.stack(
+        [(stored[i].astype(np.float64).sum(0) / len(stored[i])).astype(np.float32) for i in ids]))
+    assert np.array_equal(read_split(tmp_path, "slidemax")[0], np.stack([stored[i].max(0) for i in ids]))
+    np.testing.assert_allclose(read_split(tmp_path, "flat")[0], np.stack([stored[i].mean(0) for i in ids]),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_python_encoder_gets_float32_features_int64_coords_and_patch_size(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(TESTS))

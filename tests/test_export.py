@@ -266,6 +266,28 @@ def test_rm_asks_on_a_terminal(tmp_path: Path) -> None:
         assert open_store(str(tmp_path / "store")).splits("ds", "enc") == left
 
 
+def test_an_int8_bag_split_exports_its_values_not_its_codes(tmp_path: Path) -> None:
+    """int8 codes mean nothing without their bag's scale: every format gets the float32 values
+    (codes x scale) that the split's readers return."""
+    store = open_store(str(tmp_path / "store"), mode="a")
+    w = store.create_bag_split("ds", "enc", "q", dim=DIM, dtype="int8", patch_size_level0=256)
+    rng = np.random.default_rng(0)
+    for k, n in enumerate((5, 9)):
+        w.add_bag(f"slide-{k}", rng.standard_normal((n, DIM)).astype(np.float32) * (k + 1),
+                  coords=np.arange(2 * n).reshape(n, 2) * 256, attrs={"mpp": 0.5})
+    w.commit()
+    bags = store.open_bags("ds", "enc", "q")
+    for fmt, name, key in (("trident", "{}.h5", "features"), ("stamp", "{}.h5", "feats"),
+                           ("clam-pt", "h5_files/{}.h5", "features")):
+        assert export(tmp_path / "store", "q", fmt, tmp_path / fmt) == 0
+        for i, slide in enumerate(bags.ids):
+            want = bags.read_numpy(i, dtype="float32")[0]
+            with h5py.File(tmp_path / fmt / name.format(slide)) as f:
+                assert f[key].dtype == np.float32 and np.array_equal(f[key][:], want), (fmt, slide)
+            if fmt == "clam-pt":
+                assert torch.equal(torch.load(tmp_path / fmt / "pt_files" / f"{slide}.pt"), torch.from_numpy(want))
+
+
 def test_embedding_splits_in_int8_and_bfloat16_export_as_float32(tmp_path: Path) -> None:
     """HDF5 has no bfloat16 and int8 needs its scales: both come out as the float32 the readers give."""
     store = open_store(str(tmp_path / "store"), mode="a")

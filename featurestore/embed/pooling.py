@@ -3,8 +3,9 @@
 Each bag is read with ``bags.read_numpy`` in pieces of at most ~4 MiB into one of two reused
 buffers, while a reader thread fills the other (the gather and the reductions release the GIL,
 so reading and reducing overlap). Each piece is reduced by a numba kernel in one pass
-(featurestore.embed.kernel), else by numpy in cache-sized blocks. Mean sums in float64 (float16, bfloat16 and float32
-values are exact in float64, and a float64 sum of up to millions of them is far below float32's
+(featurestore.embed.kernel), else by numpy in cache-sized blocks; an int8 split's pieces are
+read as float32 values (codes times their bag's scale). Mean sums in float64 (float16, bfloat16
+and float32 values are exact in float64, and a float64 sum of up to millions of them is far below float32's
 rounding step), so the float32 mean is the float32 rounding of the float64 mean. Max is exact in
 float32 (every stored value is a float32 value).
 """
@@ -43,7 +44,10 @@ class Pooler:
     def __init__(self, bags: Any, how: str) -> None:
         self.bags, self.how = bags, how
         self.dim = int(bags.dim)
-        self.storage = dtypes.storage_dtype(bags.dtype)
+        # An int8 split's codes mean nothing without their bag's scale: its pieces are read as
+        # float32 values (codes x scale, bags.read_numpy(dtype="float32")) and pooled as float32.
+        self.values = "float32" if dtypes.is_int8(bags.dtype) else None
+        self.storage = dtypes.storage_dtype(self.values or bags.dtype)
         self.piece_rows = max(1, PIECE_BYTES // (self.dim * self.storage.itemsize))
         self.raw = [np.empty((self.piece_rows, self.dim), self.storage) for _ in range(2)]
         self.block_rows = max(1, BLOCK_BYTES // (self.dim * 8))
@@ -52,14 +56,14 @@ class Pooler:
         self.partial = np.empty(self.dim, np.float64)
         self.partial32 = np.empty(self.dim, np.float32)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="featurestore-embed-read")
-        self._kernel = kernel_for(how, bags.dtype)
+        self._kernel = kernel_for(how, self.values or bags.dtype)
 
     def close(self) -> None:
         self._reader.shutdown(wait=True)
 
     def _read(self, bag: int, rows: np.ndarray, buffer: int) -> np.ndarray:
         out = self.raw[buffer][: len(rows)]
-        self.bags.read_numpy(bag, rows=rows, out=out)
+        self.bags.read_numpy(bag, rows=rows, out=out, **({"dtype": self.values} if self.values else {}))
         return out
 
     def _work(self, rows: list[Row], kept: list[np.ndarray | None]) -> Iterator[tuple[int, int, np.ndarray]]:
@@ -155,7 +159,10 @@ def gather(bags: Any, row: Row, positions: np.ndarray | None) -> tuple[np.ndarra
     lengths = [int(bags.lengths[b]) for b in row.bags]
     feats, coords = [], []
     for bag, subset in zip(row.bags, split_subset(positions, lengths), strict=True):
-        raw, xy = bags.read_numpy(bag, rows=subset)
+        if dtypes.is_int8(bags.dtype):  # codes x the bag's scale: its values
+            raw, xy = bags.read_numpy(bag, rows=subset, dtype="float32")
+        else:
+            raw, xy = bags.read_numpy(bag, rows=subset)
         if raw.dtype == np.uint16:
             raw = (raw.astype(np.uint32) << 16).view(np.float32)
         feats.append(np.asarray(raw, dtype=np.float32))

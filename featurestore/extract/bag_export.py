@@ -3,7 +3,8 @@
 The way out of the store, the inverse of ``featurestore import DIR`` (featurestore.extract.bag_import):
 
 - **trident**: ``<out>/<slide>.h5`` (``<out>`` plays TRIDENT's ``features_<encoder>/``):
-  ``features`` [n, D] in the stored dtype (bfloat16, which HDF5 lacks, as float32) and
+  ``features`` [n, D] in the stored dtype (bfloat16, which HDF5 lacks, and int8, whose codes
+  need their bag's scale, as float32 values) and
   ``coords`` [n, 2] in the stored dtype (int64 level-0 pixels), with the attributes the import
   kept (root, features, coords; a split written otherwise gets ``patch_size_level0`` and
   ``name`` on ``coords``, as TRIDENT writes them);
@@ -11,8 +12,8 @@ The way out of the store, the inverse of ``featurestore import DIR`` (featuresto
   training loads) and ``h5_files/<slide>.h5`` (``features`` float32 and ``coords`` int32, as
   ``create_patches_fp.py`` / ``extract_features_fp.py`` write them) when the split has coordinates.
 
-- **stamp**: ``<out>/<slide>.h5`` as STAMP reads it: ``feats`` [n, D] (stored dtype, bfloat16 as
-  float32) and ``coords`` [n, 2] float32 in micrometres, root attributes ``unit="um"``,
+- **stamp**: ``<out>/<slide>.h5`` as STAMP reads it: ``feats`` [n, D] (stored dtype, bfloat16 and
+  int8 as float32 values) and ``coords`` [n, 2] float32 in micrometres, root attributes ``unit="um"``,
   ``tile_size_um``, ``tile_size_px`` (when known), ``feat_type="tile"`` and ``extractor``. Level-0
   pixel coordinates are converted with each bag's ``mpp`` attribute (slide extraction records it)
   or ``mpp=`` (``--mpp``); a split imported from STAMP keeps the attributes it came with.
@@ -84,19 +85,22 @@ def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str,
     prepare_out(targets, out, overwrite)
     bar = export_bar(len(bags), "slide", progress)
     try:
+        # int8 codes mean nothing without their bag's scale (another per bag): written as their
+        # float32 values, codes x scale, which the field's readers take as features.
+        logical = "float32" if dtypes.is_int8(bags.dtype) else bags.dtype
         for i, paths in enumerate(plan):
-            features, coords = bags.read_numpy(i)
+            features, coords = bags.read_numpy(i, **({"dtype": "float32"} if logical != bags.dtype else {}))
             if bags.coords_unit is None:
                 coords = None
             attrs = bags.attrs(i)
             if fmt == "trident":
-                write_h5(paths["h5"], _trident_features(features, bags.dtype), coords,
+                write_h5(paths["h5"], _trident_features(features, logical), coords,
                          _h5_attributes(attrs, bags, i, "trident"))
             elif fmt == "stamp":
                 coords_um, stamp_attrs = _stamp_bag(coords, attrs, bags, scales[i])
-                write_h5(paths["h5"], _trident_features(features, bags.dtype), coords_um, stamp_attrs, "feats")
+                write_h5(paths["h5"], _trident_features(features, logical), coords_um, stamp_attrs, "feats")
             else:
-                as_float32 = dtypes.stored_as_float32(features, bags.dtype)
+                as_float32 = dtypes.stored_as_float32(features, logical)
                 _write_pt(paths["pt"], as_float32)
                 if coords is not None:
                     write_h5(paths["h5"], as_float32, _clam_coords(coords, key, bags.ids[i]),
