@@ -99,6 +99,8 @@ class BagDataset(OpenedPerProcess, torch.utils.data.Dataset):
         self.torch_dtype = torch.float32 if self.quantized else dtypes.torch_dtype(self.dtype)
         self.coords_dtype = np.dtype(getattr(bags, "coords_dtype", "int64"))
         self.metadata: dict[str, Any] = dict(getattr(bags, "metadata", {}) or {})
+        # The split's dtype on storage: int8 over HTTP too, where ``dtype`` is the float32 values read.
+        self.stored_dtype: str = str(self.metadata.get("logical_dtype") or self.dtype)
         self.coords_unit: str | None = getattr(bags, "coords_unit", "px")
         # "mmap" / "ranges" / "zarr" for store readers (that of the features array), "http" for a server.
         self.read_path: str = "http" if _is_http(self.source) else str(getattr(bags.features, "path", "ranges"))

@@ -145,6 +145,8 @@ class FeatureDataset(OpenedPerProcess, torch.utils.data.Dataset):
         self.quantized = dtypes.is_int8(self.dtype)
         self.torch_dtype = torch.float32 if self.quantized else dtypes.torch_dtype(self.dtype)
         self.metadata: dict[str, Any] = dict(array.metadata)
+        # The split's dtype on storage: int8 over HTTP too, where ``dtype`` is the float32 values read.
+        self.stored_dtype: str = str(self.metadata.get("logical_dtype") or self.dtype)
         labels = array.labels
         self.has_labels = labels is not None
         self.label_shape: tuple[int, ...] = tuple(int(s) for s in labels.sample_shape) if labels is not None else ()

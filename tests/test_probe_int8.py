@@ -89,3 +89,25 @@ def test_cli_abmil_compares_int8_bags_with_float32(tmp_path: Path, capsys: pytes
     assert set(saved["comparison"]) == {"auc", "balanced_accuracy"}
     for metric in ("auc", "balanced_accuracy"):
         assert abs(saved["comparison"][metric]["diff"]) <= 0.1
+
+
+@pytest.mark.filterwarnings("ignore:.*at chance")
+def test_over_http_an_int8_split_is_reported_as_stored(dense_store: str, tmp_path: Path) -> None:
+    """A server hands an int8 split's float32 values to the datasets (ds.dtype float32); the
+    probe's report names the dtype the split is stored in, as on the store (ds.stored_dtype)."""
+    from client import BagDataset, FeatureDataset
+    from featurestore.probes.mil_run import compare_mil_probes
+    from featurestore.testing.serving import serve_subprocess
+
+    root = str(tmp_path / "bags")
+    write_bag_splits(root, "cohort", {"int8": "i8", "float32": "f32"},
+                     {"train": {"num": 12, "seed": 0, "min_patches": 5, "max_patches": 20}}, dim=16)
+    with serve_subprocess(dense_store) as (dense_url, _), serve_subprocess(root) as (bags_url, _):
+        ds, bags = FeatureDataset(dense_url, DATASET, "lin8", "train"), BagDataset(bags_url, "cohort", "i8", "train")
+        assert (ds.dtype, ds.stored_dtype, bags.dtype, bags.stored_dtype) == ("float32", "int8", "float32", "int8")
+        dense = compare_probes(dense_url, DATASET, "lin8", "lin32", train_split="train", eval_split="val", seeds=1,
+                               epochs=1, device="cpu")
+        mil = compare_mil_probes(bags_url, "cohort", "i8", "f32", train_split="train", folds=2, seeds=1, epochs=1,
+                                 device="cpu")
+    for result in (dense, mil):
+        assert (result["a"]["dtype"], result["b"]["dtype"]) == ("int8", "float32")

@@ -41,7 +41,7 @@ def seed_line(split: Any, seed: int, metrics: Mapping[str, float], folds: int | 
     """The log line of one seed's run of a probe on ``split`` (its dataset, encoder and dtype): the
     metrics, the folds they are the mean of, the time taken. One wording for every probe head."""
     shown = ", ".join(f"{name} {v:.4f}" for name, v in metrics.items())
-    return (f"{split.dataset}/{split.encoder} ({split.dtype}) seed {seed}: {shown}"
+    return (f"{split.dataset}/{split.encoder} ({getattr(split, 'stored_dtype', split.dtype)}) seed {seed}: {shown}"
             f"{f' (mean of {folds} folds)' if folds else ''} ({seconds:.1f} s)")
 
 

@@ -210,7 +210,7 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
     train_bags, eval_bags = len(parts[0][0]), len(parts[0][1])
     notes = [ds.label_summary for ds in (train, evaluate) if ds is not None and ds.label_summary]
     out = {
-        "source": train.source, "dataset": train.dataset, "encoder": train.encoder, "dtype": train.dtype,
+        "source": train.source, "dataset": train.dataset, "encoder": train.encoder, "dtype": train.stored_dtype,
         "train_split": train.split, "eval_split": evaluate.split if evaluate is not None else f"{folds} folds",
         "folds": folds, "group_by": group_by, "train_samples": train_bags, "eval_samples": eval_bags,
         "patches": int(train.lengths.sum()), "sample_shape": ["bag", train.dim], "task": "abmil",

@@ -83,7 +83,7 @@ def describe_split(
                             token=token if http else None)
     return SplitInfo(
         source=source, dataset=dataset, encoder=encoder, split=split,
-        num_samples=int(ds.num_samples), sample_shape=tuple(ds.sample_shape), dtype=str(ds.dtype),
+        num_samples=int(ds.num_samples), sample_shape=tuple(ds.sample_shape), dtype=ds.stored_dtype,
         label_shape=tuple(ds.label_shape) if ds.has_labels else None,
         metadata=dict(ds.metadata), ds=ds,
         stale=ds.stale,
