@@ -47,6 +47,8 @@ class FeatureLoader(StreamingLoader):
 
     Labels: integer and bool labels come out as int64 on ``device``, float labels unchanged;
     a split without labels yields ``-1`` per sample (:data:`client.dataset.NO_LABEL`).
+    ``return_ids=True`` appends ``ids``, the batch's sample ids (a list of str, in batch order), for
+    a split that has them (an embedding split's slide or patient ids).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class FeatureLoader(StreamingLoader):
         normalize: bool = False,
         pin_memory: bool | str = "auto",
         num_threads: int | None = None,
+        return_ids: bool = False,
     ) -> None:
         if not isinstance(ds, FeatureDataset):
             raise TypeError(f"ds must be a client.FeatureDataset, but got: {type(ds).__name__}")
@@ -96,6 +99,11 @@ class FeatureLoader(StreamingLoader):
             self.order = "shuffle" if self.shuffle else "sequential"
         self.normalize = bool(normalize)
         self._mean_std = channel_normalization(ds, self.normalize)
+        self.return_ids = bool(return_ids)
+        self._ids = None if not return_ids else ds.array.ids
+        if return_ids and self._ids is None:
+            raise InvalidOption(f"return_ids=True needs sample ids, and {ds.dataset}/{ds.encoder}/{ds.split} has none "
+                                "(a split written with ids=, e.g. by featurestore embed, has them): drop return_ids")
         self.pin_memory = options.pin_memory
         # Read-ahead: each thread has one batch's reads in flight. Locally a batch's rows are read
         # concurrently by the read pool already, so two batches keep the device queue full while
@@ -145,7 +153,7 @@ class FeatureLoader(StreamingLoader):
 
     def _make_producer(self) -> Transfer:
         return Transfer(self.ds, self.device, self.dtype, self.pin_memory, self._mean_std, self.num_threads,
-                        prefetch=self.prefetch)
+                        prefetch=self.prefetch, ids=None if self._ids is None else list(self._ids))
 
     @property
     def _transfer(self) -> Transfer | None:

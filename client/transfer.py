@@ -33,12 +33,14 @@ from featurestore.format import dtypes
 
 
 class Transfer(DeviceStager):
-    """Turns one index array into a ready ``(features, labels)`` batch on the target device."""
+    """Turns one index array into a ready ``(features, labels)`` batch on the target device, and
+    ``(features, labels, ids)`` given the split's sample ``ids``."""
 
     def __init__(self, ds: FeatureDataset, device: torch.device, dtype: torch.dtype,
-                 pin: bool, mean_std: tuple[np.ndarray, np.ndarray] | None, num_threads: int, prefetch: int = 2) -> None:
+                 pin: bool, mean_std: tuple[np.ndarray, np.ndarray] | None, num_threads: int, prefetch: int = 2,
+                 ids: list[str] | None = None) -> None:
         super().__init__(device, dtype, pin, mean_std, num_threads, prefetch=prefetch)
-        self.ds = ds
+        self.ds, self.ids = ds, ids
         self.stored = ds.torch_dtype
         self._scales: dequantize.ChunkScales | None = None  # an int8 split's, on CUDA
         self._scales_lock = threading.Lock()
@@ -49,7 +51,8 @@ class Transfer(DeviceStager):
         for reader in (array, getattr(array, "labels", None)):
             if reader is not None and hasattr(reader, "read_pool") and reader.read_pool is not self.read_pool:
                 reader.read_pool = self.read_pool
-        return self._produce_cuda(index) if self.cuda else self._produce_cpu(index, staging)
+        produced = self._produce_cuda(index) if self.cuda else self._produce_cpu(index, staging)
+        return produced if self.ids is None else (produced, [self.ids[int(i)] for i in index])
 
     def _produce_cpu(self, index: np.ndarray, staging: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         ds, b = self.ds, len(index)
@@ -111,9 +114,11 @@ class Transfer(DeviceStager):
             return self._scales
 
     # ------------------------------------------------------------------ consumer side
-    def finish(self, item: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.cuda:
-            return item
-        features, labels, ready = item
-        features, labels = self.hand_over((features, labels), ready)
-        return features, labels
+    def finish(self, item: Any) -> tuple[Any, ...]:
+        ids = None
+        if self.ids is not None:
+            item, ids = item
+        if self.cuda:
+            features, labels, ready = item
+            item = self.hand_over((features, labels), ready)
+        return tuple(item) if ids is None else (*item, ids)
