@@ -108,7 +108,9 @@ class FeatureDataset(OpenedPerProcess, torch.utils.data.Dataset):
     also ``cache_dir``/``cache_bytes``, a local chunk cache that :class:`FeatureLoader` fills ahead
     by its plan, docs/STORAGE.md); ``token`` is the
     bearer token of an ``http(s)://`` server; ``allow_incomplete`` reads a split still being
-    written (store sources only).
+    written (store sources only). ``ds.stale``: why a derived split (``featurestore embed``) no
+    longer describes its source, which was rewritten or removed since (None: current); opening
+    one warns (:class:`~featurestore.errors.StaleSplitWarning`, :mod:`client.stale`).
     """
 
     def __init__(
