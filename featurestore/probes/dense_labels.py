@@ -36,7 +36,7 @@ def table_labels(info: Any, table: LabelTable) -> Matched:
     if info.label_shape is not None and len(info.label_shape) >= 2:
         raise InvalidLabels(f"split {info.name} holds class maps (seg): a labels table gives one label per slide, "
                             "for --head linear or abmil")
-    return table.match(ids, info.name)
+    return table.match(ids, info.name, "samples")  # an embedding split's: slides, or patients (--group-by)
 
 
 class _RowBatches:

@@ -66,8 +66,9 @@ class LabelTable:
     def class_name(self, value: int) -> str:
         return self.classes[value] if self.classes is not None else str(value)
 
-    def match(self, ids: Sequence[str], where: str) -> Matched:
-        """The labels of ``ids`` (the slides of split ``where``), refused when none is labelled."""
+    def match(self, ids: Sequence[str], where: str, noun: str = "slides") -> Matched:
+        """The labels of ``ids`` (the slides of split ``where``; ``noun``: what its rows are, e.g. the
+        samples of an embedding split, one per slide or per patient), refused when none is labelled."""
         keys = [i if i in self.values else self.stems.get(i) for i in ids]
         for bag, key in zip(ids, keys):
             if key is None and bag in self.stems:
@@ -78,13 +79,13 @@ class LabelTable:
         positions = np.flatnonzero(labels >= 0)
         if not len(positions):
             raise InvalidLabels(
-                f"{self.path}: none of the {len(ids)} slides of {where} has a label in column "
+                f"{self.path}: none of the {len(ids)} {noun} of {where} has a label in column "
                 f"{self.label_column!r} (ids in column {self.id_column!r} look like {_some(self.values)}, the "
                 f"split's like {_some(ids)}); pass the column holding the split's slide ids with --id-column")
         absent = [i for i, k in zip(ids, keys) if k is None]
         counts = np.bincount(labels[positions], minlength=self.num_classes)
         shown = ", ".join(f"{self.class_name(c)}={int(n)}" for c, n in enumerate(counts) if n)
-        summary = (f"labels: column {self.label_column!r} of {self.path}: {len(positions)} of {len(ids)} slides of "
+        summary = (f"labels: column {self.label_column!r} of {self.path}: {len(positions)} of {len(ids)} {noun} of "
                    f"{where} labelled ({shown})")
         if absent:
             summary += f"; {len(absent)} without a label left out ({_some(absent)})"
