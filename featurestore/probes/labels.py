@@ -139,8 +139,8 @@ def read_label_table(path: str | os.PathLike[str], label_column: str, id_column:
         values = {slide: int(v) for slide, v in labelled.items()}
         present = sorted(set(values.values()))
         if present != list(range(len(present))):  # 1-based grades, sparse codes: no empty class
-            classes = [str(v) for v in present]
-            values = {slide: present.index(v) for slide, v in values.items()}
+            classes, number = [str(v) for v in present], {v: k for k, v in enumerate(present)}
+            values = {slide: number[v] for slide, v in values.items()}
     else:
         classes = sorted(set(labelled.values()))
         number = {name: k for k, name in enumerate(classes)}
