@@ -44,4 +44,6 @@ def main(root: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+        sys.exit(f"usage: python {sys.argv[0]} STORE_DIR  (a scratch directory; the GPU probe checks write there)")
     main(sys.argv[1])
