@@ -4,17 +4,30 @@ split whose source bags were rewritten or removed since ``featurestore embed`` c
 It still reads (a user may mean to compare), but never as current: :class:`client.FeatureDataset`
 sets ``ds.stale`` and warns (:class:`featurestore.errors.StaleSplitWarning`), and a probe's report
 ends with a WARNING line, as ``ls``, ``info``, ``verify``, the web page and the server's
-``X-Featurestore-Stale`` header say. Over HTTP the lineage is compared with the source's metadata
-the server's routes give."""
+``X-Featurestore-Stale`` header say. The one check (:func:`featurestore.core.lineage.stale_reason`)
+decides on a store and over HTTP, where the source's metadata comes from the server's routes."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from featurestore.errors import DatasetNotFound, EncoderNotFound, FeatureStoreError, SplitNotFound
+from featurestore.core.lineage import stale_reason
 from featurestore.format import lineage
 
 __all__ = ["stale_reason_of"]
+
+
+class _ServedSplits:
+    """The one call of a store the check makes, ``split_metadata``, answered by a server."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def split_metadata(self, dataset: str, encoder: str, split: str) -> dict[str, Any]:
+        # A bag split's metadata comes with its listing; a dense split's from its info route.
+        if self.client.split_kinds(dataset, encoder).get(split) == "bags":
+            return self.client.bags(dataset, encoder, split).metadata  # type: ignore[no-any-return]
+        return self.client.info(dataset, encoder, split)  # type: ignore[no-any-return]
 
 
 def stale_reason_of(source: str, metadata: dict[str, Any], *, storage_options: dict[str, Any] | None = None,
@@ -25,21 +38,9 @@ def stale_reason_of(source: str, metadata: dict[str, Any], *, storage_options: d
         return None
     if not source.startswith(("http://", "https://")):
         import featurestore
-        from featurestore.core.lineage import stale_reason
 
         return stale_reason(featurestore.open_store(source, **(storage_options or {})), metadata)
     from client.http import FeatureClient
 
-    try:
-        doc = lineage.of(metadata)
-        assert doc is not None
-        dataset, encoder, split = (doc["source"][k] for k in ("dataset", "encoder", "split"))
-        with FeatureClient(source, token=token) as client:
-            try:  # a bag split's metadata comes with its listing; a dense split's from its info route
-                bags = client.split_kinds(dataset, encoder).get(split) == "bags"
-                now = client.bags(dataset, encoder, split).metadata if bags else client.info(dataset, encoder, split)
-            except (DatasetNotFound, EncoderNotFound, SplitNotFound):
-                now = None
-        return lineage.stale_reason(doc, now)
-    except FeatureStoreError as error:  # a damaged lineage: its rows cannot be vouched for either
-        return " ".join(str(error).split())
+    with FeatureClient(source, token=token) as client:
+        return stale_reason(_ServedSplits(client), metadata)
