@@ -153,7 +153,7 @@ class FeatureLoader(StreamingLoader):
 
     def _make_producer(self) -> Transfer:
         return Transfer(self.ds, self.device, self.dtype, self.pin_memory, self._mean_std, self.num_threads,
-                        prefetch=self.prefetch, ids=None if self._ids is None else list(self._ids))
+                        prefetch=self.prefetch, ids=self._ids)
 
     @property
     def _transfer(self) -> Transfer | None:

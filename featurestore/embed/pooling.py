@@ -63,7 +63,7 @@ class Pooler:
 
     def _read(self, bag: int, rows: np.ndarray, buffer: int) -> np.ndarray:
         out = self.raw[buffer][: len(rows)]
-        self.bags.read_numpy(bag, rows=rows, out=out, **({"dtype": self.values} if self.values else {}))
+        self.bags.read_numpy(bag, rows=rows, out=out, dtype=self.values)
         return out
 
     def _work(self, rows: list[Row], kept: list[np.ndarray | None]) -> Iterator[tuple[int, int, np.ndarray]]:
@@ -159,13 +159,9 @@ def gather(bags: Any, row: Row, positions: np.ndarray | None) -> tuple[np.ndarra
     lengths = [int(bags.lengths[b]) for b in row.bags]
     feats, coords = [], []
     for bag, subset in zip(row.bags, split_subset(positions, lengths), strict=True):
-        if dtypes.is_int8(bags.dtype):  # codes x the bag's scale: its values
-            raw, xy = bags.read_numpy(bag, rows=subset, dtype="float32")
-        else:
-            raw, xy = bags.read_numpy(bag, rows=subset)
-        if raw.dtype == np.uint16:
-            raw = (raw.astype(np.uint32) << 16).view(np.float32)
-        feats.append(np.asarray(raw, dtype=np.float32))
+        # float32 values whatever the stored dtype (bfloat16 decoded, int8 codes x the bag's scale)
+        values, xy = bags.read_numpy(bag, rows=subset, dtype="float32")
+        feats.append(values)
         coords.append(xy)
     features = np.ascontiguousarray(np.concatenate(feats)) if feats else np.zeros((0, bags.dim), np.float32)
     return features, shift_coords(coords, int(bags.patch_size_level0 or 0))

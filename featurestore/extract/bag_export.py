@@ -87,9 +87,10 @@ def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str,
     try:
         # int8 codes mean nothing without their bag's scale (another per bag): written as their
         # float32 values, codes x scale, which the field's readers take as features.
-        logical = "float32" if dtypes.is_int8(bags.dtype) else bags.dtype
+        values = "float32" if dtypes.is_int8(bags.dtype) else None
+        logical = values or bags.dtype
         for i, paths in enumerate(plan):
-            features, coords = bags.read_numpy(i, **({"dtype": "float32"} if logical != bags.dtype else {}))
+            features, coords = bags.read_numpy(i, dtype=values)
             if bags.coords_unit is None:
                 coords = None
             attrs = bags.attrs(i)
