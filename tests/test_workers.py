@@ -92,6 +92,17 @@ def _wsi_cmd(cohort: Path, url: str, options: dict[str, Any] | None, *extra: str
             "--chunk-mb", str(16 * 128 * 2 / 2**20), "--no-progress", *extra]
 
 
+# ``python -c`` in place of ``-m featurestore.cli``: the CLI with every claimed slide 0.5 s slower.
+_SLOW_SLIDES = """
+import sys, time
+from featurestore.extract.workers_share import ClaimShare
+one = ClaimShare._one
+ClaimShare._one = lambda self, *args: (time.sleep(0.5), one(self, *args))[1]
+from featurestore.cli import main
+sys.exit(main())
+"""
+
+
 def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
 
@@ -391,6 +402,9 @@ def test_object_server_restarted_mid_run_workers_retry_and_finish(tmp_path: Path
         key = "/".join(NAME)
         # two workers with short leases; the server goes while they are mid-run
         cmd = _import_cmd(source, url, options, "--worker", "--lease-seconds", "6", "--debug")
+        # Each slide takes 0.5 s, as a real one takes seconds: a worker that started first cannot
+        # import all 16 before the other has claimed one, however slow the machine starts either.
+        cmd[1:3] = ["-c", _SLOW_SLIDES]
         workers = [_start(cmd, cli_env(), tmp_path / f"w{i}.log") for i in range(2)]
         # Stopped once a slide is done and both workers hold claims: both are mid-run (a worker
         # still starting meets the outage at its first open of the store: tests/test_workers_outage.py).
