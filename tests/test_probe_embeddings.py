@@ -41,10 +41,11 @@ def _cohort(patients: int = 30, seed: int = 0) -> list[tuple[str, str, np.ndarra
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """``cohort/bags/all`` (bag attribute ``case_id``); dense embeddings of its slides (the bag
-    means, computed here): ``mean/all`` (lineage -> the bag split), ``mean16/all`` (the same as
-    float16), ``nolineage/all``, ``random/all`` (noise features, labels drawn per patient
-    independently of them) and ``patients/all`` (one row per case, lineage grouped by case_id)."""
+    """``cohort/bags/all`` (bag attribute ``case_id``), ``cohort/bare/all`` (the same bags without
+    it); dense embeddings of its slides (the bag means, computed here): ``mean/all`` (lineage ->
+    the bag split), ``mean16/all`` (the same as float16), ``nolineage/all``, ``random/all`` (noise
+    features, labels drawn per patient independently of them) and ``patients/all`` (one row per
+    case, lineage grouped by case_id)."""
     root = str(tmp_path_factory.mktemp("emb") / "store")
     store = featurestore.open_store(root, mode="a")
     slides = _cohort()
@@ -52,6 +53,12 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> str:
                                     chunk_bytes=64 * DIM * 4)
     for slide, case, patches, label in slides:
         writer.add_bag(slide, patches, label=label, attrs={"case_id": case})
+    writer.commit()
+    # the same bags with no case_id (extracted from slides, say): their groups come from a table
+    writer = store.create_bag_split("cohort", "bare", "all", dim=DIM, dtype="float32", label_dtype="int64",
+                                    chunk_bytes=64 * DIM * 4)
+    for slide, _, patches, label in slides:
+        writer.add_bag(slide, patches, label=label)
     writer.commit()
     ids = [s[0] for s in slides]
     means = np.stack([s[2].mean(0) for s in slides]).astype(np.float32)
@@ -84,6 +91,13 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _cases(tmp_path: Path) -> str:
     path = tmp_path / "cases.csv"
     path.write_text("slide_id,case_id\n" + "".join(f"{s},{c}\n" for s, c, _, _ in _cohort()))
+    return str(path)
+
+
+def _clinical(tmp_path: Path) -> str:
+    """A clinical table as a lab keeps it: slide, patient, a task's label (the stored one, as a name)."""
+    path = tmp_path / "clinical.csv"
+    path.write_text("slide_id,case_id,subtype\n" + "".join(f"{s},{c},{'AB'[y]}\n" for s, c, _, y in _cohort()))
     return str(path)
 
 
@@ -204,8 +218,6 @@ def test_cli_linear_folds_group_by(store: str, tmp_path: Path, capsys: pytest.Ca
     base = ["probe", store, "--dataset", "cohort", "--encoder", "mean", "--train", "all", "--quiet"]
     for extra, message in ((["--eval", "all", "--group-by", "case_id"], "--group-by groups the samples of --folds K"),
                            (["--folds", "3", "--groups", "x.csv"], "--groups CSV gives the column of --group-by"),
-                           (["--head", "abmil", "--folds", "3", "--group-by", "case_id", "--groups", "x.csv"],
-                            "--groups CSV applies to the linear head"),
                            (["--folds", "3", "--eval", "all"], "not both")):
         code = main(base + extra)
         err = capsys.readouterr().err
@@ -322,3 +334,41 @@ def test_save_predictions_of_patient_embeddings_give_each_folds_auc(store: str, 
                  "--folds", "3", "--quiet", "--device", "cpu", "--save-predictions", str(table)])
     err = capsys.readouterr().err
     assert code == 1 and "--save-predictions keeps one run's outputs" in err and len(err.strip().splitlines()) == 1
+
+
+def test_abmil_groups_from_a_table_where_the_bags_have_none(store: str, tmp_path: Path) -> None:
+    """Bags without a case_id attribute (extracted from slides) are grouped by a table given to the
+    probe, --groups or the --labels table holding the column: the same folds, so the same runs, as
+    the attributes give."""
+    options = dict(train_split="all", folds=3, seeds=1, epochs=1, device="cpu")
+    by_attrs = run_mil_probe(store, "cohort", "bags", group_by="case_id", **options)
+    by_table = run_mil_probe(store, "cohort", "bare", group_by=GroupSpec("case_id", _cases(tmp_path)), **options)
+    assert by_table["group_by"] == "case_id" and by_table["runs"] == by_attrs["runs"]
+    with pytest.raises(InvalidLabels, match="has no attribute 'case_id'.*--groups CSV, or the --labels CSV"):
+        run_mil_probe(store, "cohort", "bare", group_by="case_id", **options)
+    short = tmp_path / "short.csv"
+    short.write_text("slide_id,case_id\nTCGA-00-S0,case-00\n")
+    with pytest.raises(InvalidLabels, match="short.csv: slide 'TCGA-00-S1' of cohort/bare/all has no row"):
+        run_mil_probe(store, "cohort", "bare", group_by=GroupSpec("case_id", str(short)), **options)
+
+
+def test_cli_group_by_a_column_of_the_labels_table(store: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The clinical table of the task gives the groups too: abmil on bags without the attribute
+    (its predictions name each slide's case), and linear on embeddings without a lineage."""
+    clinical, predictions = _clinical(tmp_path), tmp_path / "predictions.csv"
+    code = main(["probe", store, "--head", "abmil", "--dataset", "cohort", "--encoder", "bare", "--train", "all",
+                 "--folds", "3", "--group-by", "case_id", "--labels", clinical, "--label-column", "subtype",
+                 "--seeds", "1", "--epochs", "1", "--device", "cpu", "--quiet", "--save-predictions", str(predictions)])
+    out = capsys.readouterr().out
+    assert code == 0 and "grouped by case_id" in out, out
+    rows = predictions.read_text().splitlines()
+    assert rows[0].startswith("seed,fold,slide_id,case_id,label") and len(rows) == 1 + len(_cohort())
+    case_of = {s: c for s, c, _, _ in _cohort()}
+    assert all(row.split(",")[3] == case_of[row.split(",")[2]] for row in rows[1:])
+    assert len({(row.split(",")[3], row.split(",")[1]) for row in rows[1:]}) == len(set(case_of.values()))
+    code = main(["probe", store, "--dataset", "cohort", "--encoder", "nolineage", "--train", "all", "--folds", "3",
+                 "--group-by", "case_id", "--labels", clinical, "--label-column", "subtype", "--seeds", "1",
+                 "--epochs", "2", "--device", "cpu", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0 and "grouped by case_id" in out, out

@@ -222,13 +222,14 @@ def register(subparsers: Any) -> None:
                         help="linear or abmil: K stratified folds of the --train split instead of --eval (the same "
                         "folds for every seed); a seed's metric is the mean over the folds")
     parser.add_argument("--group-by", metavar="COLUMN", default=None,
-                        help="--folds: keep every group (e.g. case_id: a patient's slides) in one fold. abmil: the "
-                        "bags' attribute COLUMN (import keeps a --labels CSV's other columns as attributes); linear "
-                        "over a split with ids: --groups CSV, else the attributes of the bag split it was derived "
-                        "from (metadata 'lineage')")
+                        help="--folds: keep every group (e.g. case_id: a patient's slides) in one fold. Each "
+                        "sample's group: the --groups CSV, else the --labels CSV when it has COLUMN, else for abmil "
+                        "the bags' attribute COLUMN (import keeps a --labels CSV's other columns as attributes), "
+                        "for linear over a split with ids the attributes of the bag split it was derived from "
+                        "(metadata 'lineage')")
     parser.add_argument("--groups", metavar="CSV", default=None,
-                        help="--group-by: a table (UTF-8 CSV) with the --id-column and COLUMN giving each sample's "
-                        "group (linear head on a dense split with ids)")
+                        help="--group-by: a table (UTF-8 CSV) with the --id-column and COLUMN giving each slide's or "
+                        "sample's group")
     parser.add_argument("--max-patches", type=_positive_int, default=None, metavar="P",
                         help="abmil: train on a seeded random subset of P patches per bag per epoch")
     parser.add_argument("--save-attention", metavar="NAME", default=None,
@@ -297,24 +298,19 @@ def _run(args: argparse.Namespace) -> int:
     if args.groups is not None and args.group_by is None:
         raise InvalidOption("--groups CSV gives the column of --group-by COLUMN: add --group-by")
     if args.head == "abmil":
-        if args.groups is not None:
-            raise InvalidOption("--groups CSV applies to the linear head: a bag split's groups are its bags' "
-                                "attributes (--group-by COLUMN)")
         result = _run_abmil(args, token, storage, None if args.quiet else log)
     else:
         if args.max_patches is not None or args.save_attention is not None:
             raise InvalidOption("--max-patches and --save-attention apply to --head abmil only")
         if args.eval is None and args.folds is None:
             raise InvalidOption("--eval SPLIT or --folds K is required: the split (or folds) to evaluate the probe on")
-        from featurestore.probes.groups import GroupSpec
-
         task = args.head or args.task
         common: dict[str, Any] = dict(
             train_split=args.train, eval_split=args.eval, task=task, seeds=args.seeds,
             epochs=args.epochs, lr=args.lr, batch_size=args.batch_size or 64, device=args.device,
             num_classes=args.num_classes, pool=args.pool, loader=args.loader, token=token,
             log=None if args.quiet else log, labels=_label_table(args), folds=args.folds,
-            group_by=None if args.group_by is None else GroupSpec(args.group_by, args.groups, args.id_column),
+            group_by=_group_spec(args),
         )
         if storage is not None:
             common["storage_options"] = storage
@@ -355,7 +351,7 @@ def _run_abmil(args: argparse.Namespace, token: str | None, storage: dict[str, A
         train_split=args.train, eval_split=args.eval, folds=args.folds, seeds=args.seeds, epochs=args.epochs,
         lr=args.lr, batch_size=args.batch_size or 1, max_patches=args.max_patches, device=args.device,
         num_classes=args.num_classes, loader=args.loader, token=token, storage_options=storage, log=log,
-        labels=_label_table(args), group_by=args.group_by,
+        labels=_label_table(args), group_by=_group_spec(args),
     )
     if args.compare:
         if args.save_attention is not None or args.save_predictions is not None:
@@ -365,6 +361,19 @@ def _run_abmil(args: argparse.Namespace, token: str | None, storage: dict[str, A
                                   compare_source=args.compare_store, **common)
     return run_mil_probe(args.store, args.dataset, args.encoder, save_attention=args.save_attention,
                          save_predictions=args.save_predictions, **common)
+
+
+def _group_spec(args: argparse.Namespace) -> Any:
+    """``--group-by COLUMN`` from ``--groups CSV``, else from the ``--labels CSV`` when it holds
+    COLUMN (the clinical table of the task), else from the samples' own (featurestore.probes.groups)."""
+    from featurestore.probes.groups import GroupSpec, table_has_column
+
+    if args.group_by is None:
+        return None
+    table = args.groups
+    if table is None and args.labels is not None and table_has_column(args.labels, args.group_by):
+        table = args.labels
+    return GroupSpec(args.group_by, table, args.id_column)
 
 
 def _label_table(args: argparse.Namespace) -> Any:

@@ -1,13 +1,14 @@
 """Which group (patient, site) each sample of a probe belongs to, for grouped folds
 (``featurestore probe --folds K --group-by COLUMN``).
 
-- bag splits: the bag attribute ``COLUMN`` (``featurestore import --labels CSV`` keeps the CSV's
+- a table given to the probe wins: ``--groups CSV``, else the ``--labels CSV`` when it holds
+  ``COLUMN`` (the clinical table a task's labels come from), keyed by the id column;
+- else, bag splits: the bag attribute ``COLUMN`` (``featurestore import --labels CSV`` keeps the CSV's
   other columns, ``case_id`` say, as bag attributes): :func:`bag_groups`;
-- dense splits with sample ids (slide embeddings): a table ``--groups CSV`` with the id column and
-  ``COLUMN``, or, without a table, the attributes of the bag split the embeddings were derived from,
-  named by the split's metadata (``lineage``, as ``featurestore embed`` records it: :func:`lineage_of`;
-  when that derivation already grouped by ``COLUMN`` (``group_by``), each id is its own group):
-  :func:`dense_groups`.
+- else, dense splits with sample ids (slide embeddings): the attributes of the bag split the
+  embeddings were derived from, named by the split's metadata (``lineage``, as ``featurestore embed``
+  records it: :func:`lineage_of`; when that derivation already grouped by ``COLUMN`` (``group_by``),
+  each id is its own group, whatever the table): :func:`dense_groups`.
 
 Every failure is one line naming the sample, the column or the file, and the fix.
 """
@@ -16,14 +17,15 @@ from __future__ import annotations
 
 import csv
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from featurestore.errors import InvalidLabels, InvalidOption
 from featurestore.probes.labels import column_indices
 
-__all__ = ["GroupSpec", "bag_groups", "dense_groups", "lineage_of", "read_group_table"]
+__all__ = ["GroupSpec", "bag_groups", "dense_groups", "group_lookup", "lineage_of", "read_group_table",
+           "table_has_column"]
 
 LINEAGE_KEYS = ("lineage", "source")
 
@@ -42,19 +44,47 @@ class GroupSpec:
         return cls(value) if isinstance(value, str) else value
 
 
-def bag_groups(bags: Any, positions: Sequence[int], column: str, where: str) -> list[str]:
-    """The ``column`` attribute of the bags at ``positions`` of a bag reader (``ds.bags``)."""
+def bag_groups(bags: Any, positions: Sequence[int], spec: GroupSpec | str, where: str) -> list[str]:
+    """The group of each bag at ``positions`` of a bag reader (``ds.bags``): from the spec's table
+    by bag id, else the bag attribute ``spec.column``."""
+    spec = GroupSpec.of(spec)
+    assert spec is not None
+    if spec.table is not None:
+        return _table_groups(spec, [bags.ids[int(i)] for i in positions], where, "slide")
     out = []
     for i in positions:
         attrs = bags.attrs(int(i))
-        value = attrs.get(column)
+        value = attrs.get(spec.column)
         if value is None or str(value) == "":
             bag = bags.ids[int(i)]
-            raise InvalidLabels(f"{where}: bag {bag!r} has no attribute {column!r} for --group-by (its attributes: "
-                                f"{', '.join(repr(k) for k in attrs) or 'none'}); import the slides with a --labels "
-                                "CSV holding that column, or pick another --group-by")
+            raise InvalidLabels(f"{where}: bag {bag!r} has no attribute {spec.column!r} for --group-by (its "
+                                f"attributes: {', '.join(repr(k) for k in attrs) or 'none'}); give the probe a table "
+                                f"with columns {spec.id_column!r} and {spec.column!r} (--groups CSV, or the --labels "
+                                "CSV), or pick another --group-by")
         out.append(str(value))
     return out
+
+
+def group_lookup(bags: Any, spec: GroupSpec | str) -> tuple[str, Callable[[int], str]]:
+    """``(column, group of the bag at a position)`` for a predictions table: as :func:`bag_groups`,
+    ``""`` for a bag without one (a bag the probe did not group is not evaluated)."""
+    spec = GroupSpec.of(spec)
+    assert spec is not None
+    if spec.table is None:
+        return spec.column, lambda i: str(bags.attrs(int(i)).get(spec.column, ""))
+    table = read_group_table(spec.table, spec.column, spec.id_column)
+    return spec.column, lambda i: table.get(bags.ids[int(i)], "")
+
+
+def _table_groups(spec: GroupSpec, ids: Sequence[str], where: str, noun: str) -> list[str]:
+    assert spec.table is not None
+    table = read_group_table(spec.table, spec.column, spec.id_column)
+    missing = [i for i in ids if i not in table]
+    if missing:
+        raise InvalidLabels(f"{spec.table}: {noun} {missing[0]!r} of {where} has no row in column "
+                            f"{spec.id_column!r} ({len(missing)} of {len(ids)} missing); give every {noun} its "
+                            f"{spec.column!r}")
+    return [table[i] for i in ids]
 
 
 def lineage_of(metadata: dict[str, Any]) -> dict[str, Any] | None:
@@ -80,21 +110,15 @@ def dense_groups(info: Any, spec: GroupSpec, *, storage_options: dict[str, Any] 
     if ids is None:
         raise InvalidOption(f"split {info.name} has no sample ids, so its samples cannot be grouped by "
                             f"{spec.column!r}: --group-by needs a split with ids (featurestore embed)")
-    if spec.table is not None:
-        table = read_group_table(spec.table, spec.column, spec.id_column)
-        missing = [i for i in ids if i not in table]
-        if missing:
-            raise InvalidLabels(f"{spec.table}: sample {missing[0]!r} of {info.name} has no row in column "
-                                f"{spec.id_column!r} ({len(missing)} of {len(ids)} missing); give every sample its "
-                                f"{spec.column!r}")
-        return [table[i] for i in ids]
     source = lineage_of(info.metadata)
+    if source is not None and source.get("group_by") == spec.column:
+        return list(ids)  # the embeddings are already one per group: each id is its group
+    if spec.table is not None:
+        return _table_groups(spec, ids, info.name, "sample")
     if source is None:
         raise InvalidOption(f"split {info.name} records no source bag split (metadata 'lineage'), so the "
                             f"{spec.column!r} of its samples is unknown: give --groups CSV with columns "
                             f"{spec.id_column!r} and {spec.column!r}")
-    if source.get("group_by") == spec.column:
-        return list(ids)  # the embeddings are already one per group: each id is its group
     from client import BagDataset
 
     http = info.source.startswith(("http://", "https://"))
@@ -114,13 +138,7 @@ def dense_groups(info: Any, spec: GroupSpec, *, storage_options: dict[str, Any] 
 def read_group_table(path: str, column: str, id_column: str) -> dict[str, str]:
     """``{id: group}`` from a UTF-8 CSV (tab for ``.tsv``); an id listed twice or a row without a
     group is refused."""
-    try:
-        with open(path, newline="", encoding="utf-8-sig") as handle:
-            rows = list(csv.reader(handle, delimiter="\t" if path.lower().endswith(".tsv") else ","))
-    except UnicodeDecodeError as error:
-        raise InvalidLabels(f"{path} is not UTF-8 text (offset {error.start}): save the table as UTF-8 CSV") from None
-    except OSError as error:
-        raise InvalidLabels(f"cannot read the groups table {path!r} ({error.strerror or error})") from None
+    rows = _rows(path)
     header = [name.strip() for name in (rows[0] if rows else [])]
     at_id, at_group = column_indices(path, header, ((id_column, "--id-column"), (column, "--group-by")))
     groups: dict[str, str] = {}
@@ -139,3 +157,21 @@ def read_group_table(path: str, column: str, id_column: str) -> dict[str, str]:
         groups[sample] = group
         stems.setdefault(os.path.splitext(sample)[0], group)  # "TCGA-xx.svs" names slide "TCGA-xx"
     return {**stems, **groups}
+
+
+def table_has_column(path: str, column: str) -> bool:
+    """Whether the table at ``path`` has a column ``column`` (read errors: as the label table's)."""
+    rows = _rows(path, header_only=True)
+    return column in [name.strip() for name in (rows[0] if rows else [])]
+
+
+def _rows(path: str, *, header_only: bool = False) -> list[list[str]]:
+    """The rows of a UTF-8 CSV (tab for ``.tsv``); with ``header_only``, its first row alone."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as handle:
+            reader = csv.reader(handle, delimiter="\t" if path.lower().endswith(".tsv") else ",")
+            return [next(reader, [])] if header_only else list(reader)
+    except UnicodeDecodeError as error:
+        raise InvalidLabels(f"{path} is not UTF-8 text (offset {error.start}): save the table as UTF-8 CSV") from None
+    except OSError as error:
+        raise InvalidLabels(f"cannot read the groups table {path!r} ({error.strerror or error})") from None

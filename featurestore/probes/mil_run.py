@@ -23,7 +23,7 @@ from featurestore.errors import InvalidLabels, InvalidOption, MissingLabels, Sha
 from featurestore.probes import chance
 from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, seed_list_of
 from featurestore.probes.folds import FOLD_SEED, fold_parts, stratified_folds
-from featurestore.probes.groups import bag_groups
+from featurestore.probes.groups import GroupSpec, bag_groups
 from featurestore.probes.labels import LabelTable
 
 __all__ = ["FOLD_SEED", "compare_mil_probes", "fold_parts", "open_bags", "run_mil_probe", "stratified_folds"]
@@ -74,17 +74,19 @@ def run_mil_probe(
     batch_size: int = 1, max_patches: int | None = None, device: str = "auto", num_classes: int | None = None,
     loader: str = "stream", storage_options: dict[str, Any] | None = None, token: str | None = None,
     log: Callable[[str], None] | None = None, labels: LabelTable | None = None,
-    save_attention: str | None = None, group_by: str | None = None, save_predictions: str | None = None,
+    save_attention: str | None = None, group_by: GroupSpec | str | None = None, save_predictions: str | None = None,
 ) -> dict[str, Any]:
     """Train the ABMIL head on ``train_split`` and score it on ``eval_split`` (or ``folds``
     stratified folds of ``train_split``) under each seed. ``max_patches``: training bags are
     subsampled to that many patches per epoch (evaluation always reads whole bags). ``loader``:
     ``"stream"`` (``client.BagLoader``) or ``"ram"`` (every bag read into RAM as float32 first).
     ``save_attention``: keep the first seed's attention over the evaluated bags in the store under
-    that name (featurestore.probes.attention). ``labels``: the task's labels from a table (:mod:`featurestore.probes.labels`) instead of the
-    stored ones; slides it does not label are left out. ``group_by``: with ``folds``, the bag attribute
-    (``case_id``) whose bags stay in one fold. ``save_predictions``: a CSV of every evaluated bag's
-    class probabilities per seed and fold (featurestore.probes.predictions). Returns the setup,
+    that name (featurestore.probes.attention). ``labels``: the task's labels from a table
+    (:mod:`featurestore.probes.labels`) instead of the stored ones; slides it does not label are left
+    out. ``group_by``: with ``folds``, the column (``case_id``) whose bags stay in one fold: the bags'
+    attribute, or a :class:`GroupSpec` whose table gives each slide's (featurestore.probes.groups).
+    ``save_predictions``: a CSV of every evaluated bag's class probabilities per seed and fold
+    (featurestore.probes.predictions). Returns the setup,
     every run's metrics, each metric's ``{"mean", "std", "values"}`` and, under ``"chance"``, its
     chance baseline."""
     sides = _open_side(source, dataset, encoder, train_split, eval_split, folds, storage_options, token, labels)
@@ -113,7 +115,8 @@ def compare_mil_probes(
     seeds: int | Sequence[int] = 3, epochs: int | None = None, lr: float | None = None, batch_size: int = 1,
     max_patches: int | None = None, device: str = "auto", num_classes: int | None = None, loader: str = "stream",
     storage_options: dict[str, Any] | None = None, token: str | None = None,
-    log: Callable[[str], None] | None = None, labels: LabelTable | None = None, group_by: str | None = None,
+    log: Callable[[str], None] | None = None, labels: LabelTable | None = None,
+    group_by: GroupSpec | str | None = None,
 ) -> dict[str, Any]:
     """The same probe, folds, seeds and batches on ``encoder`` (A) and ``compare_encoder`` (B),
     e.g. the same slides' features stored as float16 and as float32; B is read from
@@ -156,7 +159,7 @@ def _open_side(source: str, dataset: str, encoder: str, train_split: str, eval_s
 
 def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seeds: int | Sequence[int],
          epochs: int | None, lr: float | None, batch_size: int, max_patches: int | None, device: str, loader: str,
-         log: Callable[[str], None] | None, recorder: Any = None, group_by: str | None = None,
+         log: Callable[[str], None] | None, recorder: Any = None, group_by: GroupSpec | str | None = None,
          predictions: Any = None) -> dict[str, Any]:
     from featurestore.probes.abmil import ABMILConfig, train_abmil
     from featurestore.probes.train import resolve_device
@@ -173,7 +176,8 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
     chance.check_two_classes(_labels_at(train, train.labelled), f"{where}/{train.split}",
                              "a slide-level probe needs slides of each class (--labels CSV --label-column COL "
                              "takes another task's labels)")
-    if group_by is not None and folds is None:
+    spec = GroupSpec.of(group_by)
+    if spec is not None and folds is None:
         raise InvalidOption("--group-by groups the bags of --folds K: add --folds K, or drop --group-by")
     if folds is None:
         parts = [(train.labelled, evaluate.labelled)]
@@ -181,9 +185,9 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
                                  "evaluate on a split holding slides of each class, or use --folds K")
     else:
         name = f"{where}/{train.split}"
-        groups = None if group_by is None else bag_groups(train.bags, train.labelled, group_by, name)
+        groups = None if spec is None else bag_groups(train.bags, train.labelled, spec, name)
         parts = fold_parts(train.labels[train.labelled], train.labelled, folds, name, groups,
-                           group_name=group_by or "group")
+                           group_name=spec.column if spec else "group")
     eval_ds = train if evaluate is None else evaluate
     baselines = chance.class_baselines([_labels_at(eval_ds, index) for _, index in parts])
     if num_classes < 2:
@@ -212,7 +216,8 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
     out = {
         "source": train.source, "dataset": train.dataset, "encoder": train.encoder, "dtype": train.stored_dtype,
         "train_split": train.split, "eval_split": evaluate.split if evaluate is not None else f"{folds} folds",
-        "folds": folds, "group_by": group_by, "train_samples": train_bags, "eval_samples": eval_bags,
+        "folds": folds, "group_by": spec.column if spec else None, "train_samples": train_bags,
+        "eval_samples": eval_bags,
         "patches": int(train.lengths.sum()), "sample_shape": ["bag", train.dim], "task": "abmil",
         "num_classes": num_classes, "device": str(torch_device), "loader": loader, "batch_size": batch_size,
         "max_patches": max_patches, "config": asdict(config), "seconds": time.perf_counter() - started,

@@ -60,9 +60,12 @@ class PredictionRecorder:
 
     @classmethod
     def of_bags(cls, path: str, ds: Any, *, num_classes: int, class_names: list[str] | None = None,
-                group_by: str | None = None) -> PredictionRecorder:
-        """For the ABMIL head over ``ds`` (a ``client.BagDataset``)."""
-        group = None if group_by is None else (group_by, lambda i: ds.bags.attrs(i).get(group_by, ""))
+                group_by: Any = None) -> PredictionRecorder:
+        """For the ABMIL head over ``ds`` (a ``client.BagDataset``); ``group_by``: a column or a
+        ``GroupSpec`` (featurestore.probes.groups)."""
+        from featurestore.probes.groups import group_lookup
+
+        group = None if group_by is None else group_lookup(ds.bags, group_by)
         return cls(path, num_classes=num_classes, count=len(ds.ids), ids=ds.ids, lengths=ds.lengths,
                    class_names=class_names, group=group)
 

@@ -4,8 +4,8 @@ Input batches are ``(features [B, T, D], masks [B, H, W])`` with ``T = prefix_to
 tokens in row-major grid order (``metadata["token_layout"]``) and masks holding class ids. The head
 drops the prefix tokens, projects the patch tokens to a small width, mixes them with a couple of
 pre-norm transformer layers (so a patch's prediction can use its neighbours, in the spirit of the
-MaskTransformer head the reference suite fits on cached features), predicts per-patch class logits, and bilinearly upsamples them
-to the mask size. Loss: cross-entropy + soft dice. Metric: per-image macro Jaccard
+MaskTransformer head the reference suite fits on cached features), predicts per-patch class
+logits, and bilinearly upsamples them to the mask size. Loss: cross-entropy + soft dice. Metric: per-image macro Jaccard
 (:func:`per_image_jaccard`; exact definition there and in ``docs/PROBES.md``).
 """
 

@@ -4,7 +4,8 @@
   same shuffled order as ``FeatureLoader(order="shuffle")``;
 - :func:`epochs_of`, :func:`begin_training` (checks, device, seed), :func:`adamw`,
   :func:`set_cosine_lr`, :func:`check_class_ids`;
-- :func:`resolve_device` is the one in ``featurestore.core.device`` (loaders and extraction use it too), re-exported for the probes' callers.
+- :func:`resolve_device` is the one in ``featurestore.core.device`` (loaders and extraction use
+  it too), re-exported for the probes' callers.
 """
 
 from __future__ import annotations
