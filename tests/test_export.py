@@ -204,6 +204,35 @@ def test_stamp_round_trip_and_pixel_coords_converted_to_micrometres(tmp_path: Pa
     assert "for --format stamp only" in capsys.readouterr().err
 
 
+def test_slides_of_two_magnifications_export_each_with_its_own_patch_size(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Slide extraction records each slide's level-0 patch side as a bag attribute (a 40x slide's is
+    twice a 20x slide's), none for the split: each bag's file carries its own."""
+    store = tmp_path / "store"
+    w = open_store(str(store), mode="a").create_bag_split("ds", "enc", "wsi", dim=DIM, coords_unit="px")
+    for bag_id, size, mpp in (("s40x", 512, 0.25), ("s20x", 256, 0.5)):
+        w.add_bag(bag_id, np.ones((2, DIM), np.float32), coords=np.array([[0, size], [size, 0]]),
+                  attrs={"mpp": mpp, "patch_size": 256, "patch_size_level0": size})
+    w.commit()
+    assert open_store(str(store)).open_bags("ds", "enc", "wsi").patch_size_level0 is None
+    assert export(store, "wsi", "stamp", tmp_path / "stamp") == 0
+    assert export(store, "wsi", "trident", tmp_path / "trident") == 0
+    for bag_id, size in (("s40x", 512), ("s20x", 256)):
+        with h5py.File(tmp_path / "stamp" / f"{bag_id}.h5") as f:
+            assert f.attrs["tile_size_um"] == 128.0 and f.attrs["tile_size_px"] == 256
+            assert f["coords"][:].tolist() == [[0.0, 128.0], [128.0, 0.0]]
+        with h5py.File(tmp_path / "trident" / f"{bag_id}.h5") as f:
+            assert f["coords"].attrs["patch_size_level0"] == size
+    w = open_store(str(store), mode="a").create_bag_split("ds", "enc", "nosize", dim=DIM, coords_unit="px")
+    w.add_bag("s1", np.ones((2, DIM), np.float32), coords=np.zeros((2, 2), np.int64), attrs={"mpp": 0.5})
+    w.commit()
+    capsys.readouterr()
+    assert export(store, "nosize", "stamp", tmp_path / "none") == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "bag 's1' of ds/enc/nosize records no patch size at level 0" in err, err
+    assert not (tmp_path / "none").exists() or not list((tmp_path / "none").iterdir())
+
+
 def test_export_refusals_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = open_store(str(tmp_path / "store"), mode="a")
     w = store.create_bag_split("ds", "enc", "evil", dim=DIM)

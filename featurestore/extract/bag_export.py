@@ -6,8 +6,8 @@ The way out of the store, the inverse of ``featurestore import DIR`` (featuresto
   ``features`` [n, D] in the stored dtype (bfloat16, which HDF5 lacks, and int8, whose codes
   need their bag's scale, as float32 values) and
   ``coords`` [n, 2] in the stored dtype (int64 level-0 pixels), with the attributes the import
-  kept (root, features, coords; a split written otherwise gets ``patch_size_level0`` and
-  ``name`` on ``coords``, as TRIDENT writes them);
+  kept (root, features, coords; a split written otherwise gets ``patch_size_level0``, the
+  split's or the bag's own, and ``name`` on ``coords``, as TRIDENT writes them);
 - **clam-pt**: CLAM's ``pt_files/<slide>.pt`` (the features as a float32 tensor, all CLAM's
   training loads) and ``h5_files/<slide>.h5`` (``features`` float32 and ``coords`` int32, as
   ``create_patches_fp.py`` / ``extract_features_fp.py`` write them) when the split has coordinates.
@@ -211,12 +211,19 @@ def _h5_attributes(attrs: dict[str, Any], bags: Any, i: int, fmt: str) -> dict[s
         return kept
     root = _bag_root(attrs)
     coords: dict[str, Any] = {"name": bags.ids[i]}
-    size = bags.patch_size_level0 if bags.coords_unit == "px" else None
+    size = _patch_size_level0(bags, attrs) if bags.coords_unit == "px" else None
     if size is not None:
         coords.update({"patch_size_level0": size} if fmt == "trident" else {"patch_size": size, "patch_level": 0})
     if bags.coords_unit == "um":
         root.setdefault("unit", "um")
     return {"root": root, "features": {}, "coords": coords}
+
+
+def _patch_size_level0(bags: Any, attrs: dict[str, Any]) -> int | None:
+    """A bag's patch side in level-0 pixels: the split's, else the bag's own attribute (slide
+    extraction records one per slide, since slides differ in magnification)."""
+    size = bags.patch_size_level0 if bags.patch_size_level0 is not None else attrs.get("patch_size_level0")
+    return int(size) if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0 else None
 
 
 def _stamp_scales(bags: Any, key: str, mpp: float | None) -> list[float]:
@@ -225,15 +232,16 @@ def _stamp_scales(bags: Any, key: str, mpp: float | None) -> list[float]:
     if bags.coords_unit is None:
         raise InvalidOption(f"bag split {key} has no coordinates; STAMP's files hold coords in micrometres: export "
                             "it with --format clam-pt (features only) or trident")
-    if bags.patch_size_level0 is None:
-        raise InvalidOption(f"bag split {key} records no patch size at level 0, which STAMP's files carry as "
-                            "tile_size_um: export it with --format trident, or write the split with "
-                            "patch_size_level0 (create_bag_split)")
-    if bags.coords_unit == "um":
-        return [1.0] * len(bags)
     scales = []
     for i, bag_id in enumerate(bags.ids):
-        attrs = bags.attrs(i)  # slide extraction's mpp, or the root attribute an import kept
+        attrs = bags.attrs(i)  # slide extraction's mpp and patch size, or the root attributes an import kept
+        if _patch_size_level0(bags, attrs) is None:
+            raise InvalidOption(f"bag {bag_id!r} of {key} records no patch size at level 0 (the split's or its own "
+                                "'patch_size_level0'), which STAMP's files carry as tile_size_um: export it with "
+                                "--format trident, or write the split with patch_size_level0 (create_bag_split)")
+        if bags.coords_unit == "um":
+            scales.append(1.0)
+            continue
         recorded = attrs.get("mpp", (attrs.get("root") or {}).get("mpp"))
         scale = float(recorded) if isinstance(recorded, (int, float)) and recorded > 0 else mpp
         if scale is None:
@@ -252,7 +260,7 @@ def _stamp_bag(coords: np.ndarray, attrs: dict[str, Any], bags: Any, scale: floa
     root = kept["root"] if kept is not None else _bag_root(attrs)
     if bags.coords_unit == "px":
         coords = coords.astype(np.float64) * scale
-    root.setdefault("tile_size_um", float(bags.patch_size_level0) * scale)
+    root.setdefault("tile_size_um", float(_patch_size_level0(bags, attrs)) * scale)
     # The side the encoder saw: slide extraction's "patch_size", or TRIDENT's on its coords.
     tile_px = kept["coords"].get("patch_size") if kept is not None else attrs.get("patch_size")
     if isinstance(tile_px, int) and not isinstance(tile_px, bool) and tile_px > 0:
