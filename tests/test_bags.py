@@ -265,6 +265,21 @@ def test_coords_in_micrometres_and_no_coords(tmp_path: Any) -> None:
     bags = store.open_bags("ds", "enc", "um")
     np.testing.assert_array_equal(bags.read_numpy("s1")[1], coords)
     assert np.isnan(bags.read_numpy("s2")[1]).all()
+    assert bags.patch_size_of("s1") == bags.patch_size_of(1) == 224  # the split's
+
+
+def test_a_bags_patch_size_is_the_splits_else_its_own(tmp_path: Any) -> None:
+    """Slide extraction records each slide's level-0 patch side on its bag (slides differ in
+    magnification), none on the split."""
+    store = open_store(str(tmp_path), mode="a")
+    writer = store.create_bag_split("ds", "enc", "wsi", dim=DIM)
+    for bag_id, attrs in (("x40", {"patch_size_level0": 512}), ("x20", {"patch_size_level0": 256}),
+                          ("none", {}), ("bad", {"patch_size_level0": "big"})):
+        writer.add_bag(bag_id, np.ones((1, DIM), np.float32), coords=np.zeros((1, 2), np.int64), attrs=attrs)
+    writer.commit()
+    bags = store.open_bags("ds", "enc", "wsi")
+    assert bags.patch_size_level0 is None
+    assert [bags.patch_size_of(b) for b in ("x40", "x20", "none", "bad")] == [512, 256, None, None]
 
 
 def test_records_round_trip() -> None:

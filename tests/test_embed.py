@@ -156,6 +156,33 @@ def test_python_encoder_gets_float32_features_int64_coords_and_patch_size(tmp_pa
     np.testing.assert_allclose(values, np.stack([made[i].sum(0) for i in ids]), rtol=2e-2, atol=0.5)
 
 
+def test_slides_of_two_magnifications_are_encoded_with_their_own_patch_size(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slide extraction records each slide's level-0 patch side on its bag, none on the split: each
+    call gets its bag's; a patient whose slides differ, or a requirement of one size, is refused."""
+    monkeypatch.syspath_prepend(str(TESTS))
+    import _embed_encoders
+
+    from featurestore.embed.slide_encoders import SlideEncoderError
+
+    w = featurestore.open_store(str(tmp_path), mode="a").create_bag_split("ds", "uni", "train", dim=DIM,
+                                                                          label_dtype="int64")
+    for bag_id, size, case in (("s-a", 512, "p1"), ("s-b", 256, "p1"), ("s-c", 256, "p2")):
+        w.add_bag(bag_id, bag_features(bag_id, 4, "float32"), coords=bag_coords(bag_id, 4), label=0,
+                  attrs={"case_id": case, "patch_size_level0": size})
+    w.commit()
+    run_embed(tmp_path, "python:_embed_encoders:recorder")
+    calls = _embed_encoders.RECORDERS[-1].calls
+    assert [c["patch_size_level0"] for c in calls[1:]] == [512, 256, 256]  # s-a, s-b, s-c
+    with pytest.raises(SlideEncoderError, match="the slides of 'p1' have level-0 patch sizes 256, 512"):
+        run_embed(tmp_path, "python:_embed_encoders:recorder", group_by="case_id", encoder_name="patients")
+    assert "patients" not in featurestore.open_store(str(tmp_path)).encoders("ds")
+    result = cli("embed", str(tmp_path), "--dataset", "ds", "--encoder", "uni", "--split", "train",
+                 "--slide-encoder", "python:_embed_encoders:needy", "--encoder-name", "titan", "--device", "cpu")
+    assert result.returncode == 1 and "requires patch_size_level0 512" in result.stderr
+    assert "records 256 and 512 (per slide)" in result.stderr, result.stderr
+
+
 def test_requirement_mismatch_is_refused_in_one_line(tmp_path: Path) -> None:
     make_bags(tmp_path)
     result = cli("embed", str(tmp_path), "--dataset", "ds", "--encoder", "uni", "--split", "train",

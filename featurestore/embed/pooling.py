@@ -164,4 +164,4 @@ def gather(bags: Any, row: Row, positions: np.ndarray | None) -> tuple[np.ndarra
         feats.append(values)
         coords.append(xy)
     features = np.ascontiguousarray(np.concatenate(feats)) if feats else np.zeros((0, bags.dim), np.float32)
-    return features, shift_coords(coords, int(bags.patch_size_level0 or 0))
+    return features, shift_coords(coords, max((bags.patch_size_of(b) or 0 for b in row.bags), default=0))

@@ -154,7 +154,8 @@ def _prepare(opts: EmbedOptions, store: Any, coord: Coordinator) -> _Prepared:
 def _encode(encoder: slide_encoders.SlideEncoder, bags: Any, row: row_plan.Row, kept: np.ndarray | None,
             device: Any, autocast: Any) -> np.ndarray:
     features, coords = gather(bags, row, kept)
-    return slide_encoders.call(encoder, features, coords, int(bags.patch_size_level0), device, autocast, row.id)
+    patch_size = slide_encoders.row_patch_size(bags, row, encoder.spec)
+    return slide_encoders.call(encoder, features, coords, patch_size, device, autocast, row.id)
 
 
 def _create(opts: EmbedOptions, prep: _Prepared, store: Any, *, resume: bool, overwrite: bool) -> Any:

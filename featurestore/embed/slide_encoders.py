@@ -98,14 +98,15 @@ def recorded_magnification(metadata: dict[str, Any]) -> Any:
 def check_requirements(encoder: SlideEncoder, bags: Any, key: str) -> None:
     """Refuse a bag split that differs from what the encoder declares it needs (one line naming
     both values)."""
-    have = {"input_dim": bags.dim, "patch_size_level0": bags.patch_size_level0,
+    have = {"input_dim": bags.dim, "patch_size_level0": recorded_patch_size(bags),
             "magnification": recorded_magnification(bags.metadata), "coords_unit": bags.coords_unit}
     for name, wanted in (encoder.requires or {}).items():
         value = have[name]
         same = value == wanted or (isinstance(value, (int, float)) and isinstance(wanted, (int, float))
                                    and math.isclose(value, wanted))
         if not same:
-            recorded = "none" if value is None else repr(value)
+            recorded = "none" if value is None else repr(value) if not isinstance(value, tuple) else (
+                " and ".join(map(str, value)) + " (per slide)")
             raise SlideEncoderError(
                 f"slide encoder {encoder.spec} requires {name} {wanted!r}, the bag split {key} records "
                 f"{recorded}: use the bag split extracted for this slide encoder")
@@ -119,10 +120,32 @@ def check_inputs(encoder: SlideEncoder, bags: Any, key: str) -> None:
         raise SlideEncoderError(
             f"bag split {key} stores {bags.coords_dtype} coordinates (unit {bags.coords_unit}); python slide "
             "encoders take int64 level-0 pixel coordinates: import the slides with pixel coordinates")
-    if bags.patch_size_level0 is None:
+    missing = next((i for i in range(len(bags)) if bags.patch_size_of(i) is None), None)
+    if missing is not None:
         raise SlideEncoderError(
-            f"bag split {key} records no patch_size_level0; python slide encoders are called with it: "
-            "import or extract the slides with their patch size recorded")
+            f"bag {bags.ids[missing]!r} of {key} records no patch_size_level0 (the split's or its own); python "
+            "slide encoders are called with it: import or extract the slides with their patch size recorded")
+
+
+def recorded_patch_size(bags: Any) -> Any:
+    """The split's ``patch_size_level0``, else the one its bags record alike (slide extraction
+    records it per slide); a tuple of the sizes when its slides differ, None when none records one."""
+    if bags.patch_size_level0 is not None or not len(bags):
+        return bags.patch_size_level0
+    sizes = {bags.patch_size_of(i) for i in range(len(bags))}
+    if None in sizes:
+        return None
+    return sizes.pop() if len(sizes) == 1 else tuple(sorted(sizes))
+
+
+def row_patch_size(bags: Any, row: Any, spec: str) -> int:
+    """The one level-0 patch side of a row's slides, what a python slide encoder is called with."""
+    sizes = sorted({bags.patch_size_of(b) or 0 for b in row.bags})
+    if len(sizes) != 1:
+        raise SlideEncoderError(f"the slides of {row.id!r} have level-0 patch sizes {', '.join(map(str, sizes))}: "
+                                f"slide encoder {spec} is called with one; embed slides one by one (no --group-by), "
+                                "or group slides scanned alike")
+    return sizes[0]
 
 
 def autocast_dtype(name: str) -> Any:

@@ -98,7 +98,7 @@ def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str,
                 write_h5(paths["h5"], _trident_features(features, logical), coords,
                          _h5_attributes(attrs, bags, i, "trident"))
             elif fmt == "stamp":
-                coords_um, stamp_attrs = _stamp_bag(coords, attrs, bags, scales[i])
+                coords_um, stamp_attrs = _stamp_bag(coords, attrs, bags, i, scales[i])
                 write_h5(paths["h5"], _trident_features(features, logical), coords_um, stamp_attrs, "feats")
             else:
                 as_float32 = dtypes.stored_as_float32(features, logical)
@@ -211,19 +211,12 @@ def _h5_attributes(attrs: dict[str, Any], bags: Any, i: int, fmt: str) -> dict[s
         return kept
     root = _bag_root(attrs)
     coords: dict[str, Any] = {"name": bags.ids[i]}
-    size = _patch_size_level0(bags, attrs) if bags.coords_unit == "px" else None
+    size = bags.patch_size_of(i) if bags.coords_unit == "px" else None
     if size is not None:
         coords.update({"patch_size_level0": size} if fmt == "trident" else {"patch_size": size, "patch_level": 0})
     if bags.coords_unit == "um":
         root.setdefault("unit", "um")
     return {"root": root, "features": {}, "coords": coords}
-
-
-def _patch_size_level0(bags: Any, attrs: dict[str, Any]) -> int | None:
-    """A bag's patch side in level-0 pixels: the split's, else the bag's own attribute (slide
-    extraction records one per slide, since slides differ in magnification)."""
-    size = bags.patch_size_level0 if bags.patch_size_level0 is not None else attrs.get("patch_size_level0")
-    return int(size) if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0 else None
 
 
 def _stamp_scales(bags: Any, key: str, mpp: float | None) -> list[float]:
@@ -235,7 +228,7 @@ def _stamp_scales(bags: Any, key: str, mpp: float | None) -> list[float]:
     scales = []
     for i, bag_id in enumerate(bags.ids):
         attrs = bags.attrs(i)  # slide extraction's mpp and patch size, or the root attributes an import kept
-        if _patch_size_level0(bags, attrs) is None:
+        if bags.patch_size_of(i) is None:
             raise InvalidOption(f"bag {bag_id!r} of {key} records no patch size at level 0 (the split's or its own "
                                 "'patch_size_level0'), which STAMP's files carry as tile_size_um: export it with "
                                 "--format trident, or write the split with patch_size_level0 (create_bag_split)")
@@ -252,7 +245,8 @@ def _stamp_scales(bags: Any, key: str, mpp: float | None) -> list[float]:
     return scales
 
 
-def _stamp_bag(coords: np.ndarray, attrs: dict[str, Any], bags: Any, scale: float) -> tuple[np.ndarray, Any]:
+def _stamp_bag(coords: np.ndarray, attrs: dict[str, Any], bags: Any, i: int,
+               scale: float) -> tuple[np.ndarray, Any]:
     """A bag's coords in micrometres (float32) and the attributes of its STAMP file."""
     kept = _kept_groups(attrs)
     if kept is not None and bags.coords_unit == "um":  # a STAMP file imported: written back as it came
@@ -260,7 +254,7 @@ def _stamp_bag(coords: np.ndarray, attrs: dict[str, Any], bags: Any, scale: floa
     root = kept["root"] if kept is not None else _bag_root(attrs)
     if bags.coords_unit == "px":
         coords = coords.astype(np.float64) * scale
-    root.setdefault("tile_size_um", float(_patch_size_level0(bags, attrs)) * scale)
+    root.setdefault("tile_size_um", float(bags.patch_size_of(i)) * scale)
     # The side the encoder saw: slide extraction's "patch_size", or TRIDENT's on its coords.
     tile_px = kept["coords"].get("patch_size") if kept is not None else attrs.get("patch_size")
     if isinstance(tile_px, int) and not isinstance(tile_px, bool) and tile_px > 0:

@@ -222,7 +222,7 @@ class Figures:
                 values = components.unit(components.project(sample))[:, 0]
             else:
                 values = pictures.ranks(weights[placed])
-            patch = bags.patch_size_level0 if bags.coords_unit == "px" else None
+            patch = bags.patch_size_of(i) if bags.coords_unit == "px" else None
             return pictures.slide_map(coords[placed], values, patch=patch, max_side=max_side)
 
         return self._cached(key, compute)
