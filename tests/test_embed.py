@@ -275,6 +275,35 @@ def test_empty_bags_are_refused_naming_them_or_skipped_and_recorded(tmp_path: Pa
     assert meta["lineage"]["skipped"] == ["s-b"]
 
 
+def test_group_by_a_column_of_a_table(tmp_path: Path) -> None:
+    """--groups CSV gives each slide's group (bags extracted from slides carry no case_id): the rows
+    of the table's grouping, recorded in the lineage (another grouping: another cache key)."""
+    made = make_bags(tmp_path)
+    by_attrs = run_embed(tmp_path, group_by="case_id", encoder_name="attrs")
+    table = tmp_path / "cases.csv"
+    table.write_text("slide_id,case_id\n" + "".join(f"{b}.svs,{case}\n" for b, (_, _, case) in BAGS.items()))
+    by_table = run_embed(tmp_path, group_by="case_id", groups=str(table), encoder_name="table")
+    assert by_table.num_rows == by_attrs.num_rows == 3
+    assert np.array_equal(read_split(tmp_path, "table")[0], read_split(tmp_path, "attrs")[0])
+    doc = featurestore.open_store(str(tmp_path)).split_metadata("ds", "table", "train")["lineage"]
+    assert doc["groups"]["table"] == "cases.csv" and doc["groups"]["id_column"] == "slide_id"
+    # the table's grouping, not the attributes': p1 and p3 as one patient
+    table.write_text("slide_id,case_id\n" + "".join(f"{b},{'p2' if case == 'p2' else 'p13'}\n"
+                                                      for b, (_, label, case) in BAGS.items()))
+    run_embed(tmp_path, group_by="case_id", groups=str(table), encoder_name="merged", no_labels=True)
+    values, ids, _ = read_split(tmp_path, "merged")
+    p13 = np.concatenate([made[b] for b in sorted(BAGS) if BAGS[b][2] != "p2"]).astype(np.float64).mean(0)
+    assert ids == ["p13", "p2"] and np.array_equal(values[0], p13.astype(np.float32))
+    again = featurestore.open_store(str(tmp_path)).split_metadata("ds", "merged", "train")["lineage"]["groups"]
+    assert again["sha256"] != doc["groups"]["sha256"]
+    table.write_text("slide_id,case_id\ns-a,p1\n")
+    with pytest.raises(InvalidLabels, match="cases.csv: bag 's-b' of ds/uni/train has no row"):
+        run_embed(tmp_path, group_by="case_id", groups=str(table), encoder_name="short")
+    result = cli("embed", str(tmp_path), "--dataset", "ds", "--encoder", "uni", "--split", "train",
+                 "--slide-encoder", "mean", "--encoder-name", "x", "--groups", str(table))
+    assert result.returncode == 1 and "--groups CSV gives each slide's value of --group-by" in result.stderr
+
+
 def test_max_patches_is_a_seeded_sorted_subset(tmp_path: Path) -> None:
     made = make_bags(tmp_path, "float32")
     run_embed(tmp_path, max_patches=4, seed=3)

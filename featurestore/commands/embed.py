@@ -45,6 +45,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of --max-patches subsets (default 0)")
     p.add_argument("--group-by", default=None, metavar="COLUMN",
                    help="one row per value of this bag attribute (e.g. case_id), pooling all its bags' patches")
+    p.add_argument("--groups", default=None, metavar="CSV",
+                   help="--group-by from this table (UTF-8 CSV with --id-column and COLUMN) instead of the bags' "
+                   "attributes: slides extracted from whole-slide images carry no case_id")
+    p.add_argument("--id-column", default="slide_id", metavar="COL",
+                   help="--groups: the column of slide ids (default slide_id)")
     p.add_argument("--empty-bags", default="refuse", choices=("refuse", "skip"),
                    help="a row without patches: refuse the run (default) or leave it out (recorded in the lineage)")
     p.add_argument("--no-labels", action="store_true",
@@ -65,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         store=args.store, dataset=args.dataset, encoder=args.encoder, split=args.split,
         slide_encoder=args.slide_encoder, encoder_name=args.encoder_name, out_split=args.out_split,
         dtype=args.dtype, max_patches=args.max_patches, seed=args.seed, group_by=args.group_by,
+        groups=args.groups, id_column=args.id_column,
         empty_bags=args.empty_bags, no_labels=args.no_labels, resume=args.resume, overwrite=args.overwrite,
         device=args.device, autocast=args.autocast, storage_options=storage_options(args.storage_options))
     with store_errors(args.store), kind_hint("featurestore embed derives slide or patient embeddings from a bag "

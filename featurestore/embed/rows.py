@@ -2,8 +2,9 @@
 
 A row is a list of bags (positions in the bag split, in id order) and its label. With
 ``--group-by COLUMN`` bags are grouped by that bag attribute (``bags.attrs(i)[COLUMN]``, e.g. the
-``case_id`` column an import keeps): one row per value, rows sorted by the value as text. Every
-bag must carry the attribute, and every bag of a group the same label (unless the labels are left
+``case_id`` column an import keeps), or by a table's column (``--groups CSV``: slides extracted
+from whole-slide images carry no case_id): one row per value, rows sorted by the value as text.
+Every bag must have a value, and every bag of a group the same label (unless the labels are left
 out: ``--no-labels``, the task then given at probe time).
 
 A row's patches are its bags' rows, concatenated in bag order; ``--max-patches K`` keeps a seeded
@@ -12,6 +13,9 @@ uniform subset of K of them (sorted), the same whichever rank or run computes th
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -28,18 +32,27 @@ class Row:
     label: Any = None
 
 
-def plan(bags: Any, group_by: str | None, key: str, *, with_labels: bool = True) -> list[Row]:
-    """The rows of ``bags`` (a BagArray), one per bag or one per ``group_by`` value; without
-    ``with_labels`` every row's label is None."""
+def plan(bags: Any, group_by: str | None, key: str, *, with_labels: bool = True,
+         table: dict[str, str] | None = None, table_name: str | None = None) -> list[Row]:
+    """The rows of ``bags`` (a BagArray), one per bag or one per ``group_by`` value (the bag
+    attribute, or ``table[bag id]``: ``--groups CSV``); without ``with_labels`` every row's label
+    is None."""
     labels = bags.labels if with_labels else None
     if group_by is None:
         return [Row(bag_id, (i,), None if labels is None else labels[i].item()) for i, bag_id in enumerate(bags.ids)]
     groups: dict[str, list[int]] = {}
     for i, bag_id in enumerate(bags.ids):
+        if table is not None:
+            if bag_id not in table:
+                raise InvalidLabels(f"{table_name}: bag {bag_id!r} of {key} has no row (its {group_by!r} is unknown): "
+                                    "give every slide of the split a row")
+            groups.setdefault(table[bag_id], []).append(i)
+            continue
         attrs = bags.attrs(i)
         if group_by not in attrs:
             raise InvalidOption(f"bag {bag_id!r} of {key} has no attribute {group_by!r} to group by (its attributes: "
-                                f"{', '.join(sorted(attrs)) or 'none'}): give every bag that column when importing")
+                                f"{', '.join(sorted(attrs)) or 'none'}): give every bag that column when importing, "
+                                "or give the table holding it (--groups CSV)")
         value = attrs[group_by]
         if value is None or isinstance(value, (dict, list)):
             raise InvalidOption(f"bag {bag_id!r} of {key} has {group_by}={value!r}: group values must be text or numbers")
@@ -59,6 +72,14 @@ def plan(bags: Any, group_by: str | None, key: str, *, with_labels: bool = True)
             label = values.pop()
         rows.append(Row(name, members, label))
     return rows
+
+
+def groups_record(rows: list[Row], table: str, id_column: str) -> dict[str, Any]:
+    """What the lineage keeps of a ``--groups`` table: its name and id column, and a digest of the
+    grouping it gave (another grouping is another computation: another cache key)."""
+    grouping = json.dumps([[row.id, list(row.bags)] for row in rows], separators=(",", ":"))
+    return {"table": os.path.basename(table), "id_column": id_column,
+            "sha256": hashlib.sha256(grouping.encode()).hexdigest()}
 
 
 def patch_count(row: Row, lengths: np.ndarray) -> int:

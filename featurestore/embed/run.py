@@ -47,6 +47,8 @@ class EmbedOptions:
     max_patches: int | None = None
     seed: int = 0
     group_by: str | None = None
+    groups: str | None = None  # a table (CSV) of each slide's group_by value, for bags without the attribute
+    id_column: str = "slide_id"  # the table's column of slide ids
     empty_bags: str = "refuse"
     no_labels: bool = False  # the rows carry no labels (recorded in the lineage)
     resume: bool = False
@@ -63,6 +65,8 @@ class EmbedOptions:
         dtypes.check_feature_dtype(self.dtype)
         if self.resume and self.overwrite:
             raise InvalidOption("--resume and --overwrite exclude each other: choose one")
+        if self.groups is not None and self.group_by is None:
+            raise InvalidOption("--groups CSV gives each slide's value of --group-by COLUMN: add --group-by")
         if self.max_patches is not None and (isinstance(self.max_patches, bool) or self.max_patches < 1):
             raise InvalidOption(f"--max-patches must be a positive integer, got {self.max_patches!r}")
         if self.empty_bags not in EMPTY_BAGS:
@@ -119,7 +123,13 @@ def _prepare(opts: EmbedOptions, store: Any, coord: Coordinator) -> _Prepared:
     encoder = slide_encoders.load(opts.slide_encoder)
     slide_encoders.check_requirements(encoder, bags, source_key)
     slide_encoders.check_inputs(encoder, bags, source_key)
-    rows = row_plan.plan(bags, opts.group_by, source_key, with_labels=not opts.no_labels)
+    table = None
+    if opts.groups is not None:
+        from featurestore.probes.groups import read_group_table
+
+        table = read_group_table(opts.groups, str(opts.group_by), opts.id_column)
+    rows = row_plan.plan(bags, opts.group_by, source_key, with_labels=not opts.no_labels, table=table,
+                         table_name=opts.groups)
     empty = [row for row in rows if row_plan.patch_count(row, bags.lengths) == 0]
     if empty and opts.empty_bags == "refuse":
         what = "group" if opts.group_by else "bag"
@@ -146,6 +156,7 @@ def _prepare(opts: EmbedOptions, store: Any, coord: Coordinator) -> _Prepared:
                         slide_encoder=encoder.to_json(output_dim),
                         autocast=None if encoder.pooling else opts.autocast, max_patches=opts.max_patches,
                         seed=opts.seed, group_by=opts.group_by, empty_bags=opts.empty_bags,
+                        groups=None if table is None else row_plan.groups_record(rows, opts.groups, opts.id_column),
                         skipped=[row.id for row in empty], no_labels=opts.no_labels)
     label_dtype = None if opts.no_labels or bags.labels is None else bags.labels.dtype
     return _Prepared(bags, encoder, rows, kept, output_dim, device, autocast, doc, source_key, label_dtype)

@@ -7,7 +7,8 @@ its source in the split metadata under ``lineage``:
     {"kind": "embedding", "version": 1,
      "source": {"dataset", "encoder", "split", "kind", "generation", "completed", "num_bags", "num_rows"},
      "slide_encoder": {"spec", "weights_hash", "output_dim"},
-     "autocast", "max_patches", "seed", "group_by", "empty_bags", "skipped"}
+     "autocast", "max_patches", "seed", "group_by", "empty_bags", "skipped",
+     "groups": {"table", "id_column", "sha256"} (only with a --groups table)}
 
 The derived split is **stale** when its source is gone or is no longer the one it was computed
 from: another generation (overwritten), or the same generation committed again with other counts.
@@ -43,14 +44,16 @@ def source_state(metadata: dict[str, Any]) -> dict[str, Any]:
 
 def build(*, dataset: str, encoder: str, split: str, source_metadata: dict[str, Any],
           slide_encoder: dict[str, Any], autocast: str | None, max_patches: int | None, seed: int,
-          group_by: str | None, empty_bags: str, skipped: list[str], no_labels: bool = False) -> dict[str, Any]:
-    """The ``lineage`` document of a derived split. ``labels: "left out"`` only where they were: a
-    document (and so the cache key) of a run that carries them is the one earlier versions wrote."""
+          group_by: str | None, empty_bags: str, skipped: list[str], no_labels: bool = False,
+          groups: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``lineage`` document of a derived split. ``labels: "left out"`` and ``groups`` (the
+    ``--groups`` table's record) only where they apply: a document (and so the cache key) of a run
+    without them is the one earlier versions wrote."""
     return {"kind": KIND, "version": VERSION,
             "source": {"dataset": dataset, "encoder": encoder, "split": split, **source_state(source_metadata)},
             "slide_encoder": slide_encoder, "autocast": autocast, "max_patches": max_patches, "seed": seed,
             "group_by": group_by, "empty_bags": empty_bags, "skipped": list(skipped),
-            **({"labels": "left out"} if no_labels else {})}
+            **({"labels": "left out"} if no_labels else {}), **({"groups": groups} if groups else {})}
 
 
 def cache_key(doc: dict[str, Any], dtype: str) -> str:
@@ -112,7 +115,8 @@ def describe(doc: dict[str, Any]) -> str:
     if doc.get("max_patches"):
         parts.append(f"max {doc['max_patches']} patches, seed {doc.get('seed')}")
     if doc.get("group_by"):
-        parts.append(f"grouped by {doc['group_by']}")
+        table = (doc.get("groups") or {}).get("table")
+        parts.append(f"grouped by {doc['group_by']}" + (f" (from {table})" if table else ""))
     if doc.get("skipped"):
         parts.append(f"{len(doc['skipped'])} empty bag(s) skipped")
     if doc.get("labels") == "left out":
