@@ -10,6 +10,8 @@ weights. From object storage, give each node a local chunk cache (``--cache-dir`
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 \\
         examples/ddp_abmil.py s3://bucket/features cohort ENCODER all --epochs 20 --cache-dir /scratch/fs
 
+The task's labels are the split's own, or a clinical table's column (``--labels CSV --label-column
+COL``, as ``featurestore probe`` takes them: slides the table does not list are left out).
 gloo on the CPU, nccl with ``cuda:LOCAL_RANK`` when CUDA is there. ``--ids-dir DIR`` writes the
 bag ids each rank saw per epoch (``rank{R}-epoch{E}.txt``), ``--save DIR`` each rank's final
 weights (``rank{R}.pt``); the last line of each rank's output is a JSON summary.
@@ -30,9 +32,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from client import BagDataset, BagLoader
+from client import BagLoader
 from featurestore.commands.storeargs import add_cache_options, add_storage_options, options_from_args
+from featurestore.errors import FeatureStoreError
 from featurestore.probes.abmil import GatedABMIL
+from featurestore.probes.labels import read_label_table
+from featurestore.probes.mil_run import num_classes_of, open_bags
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -43,7 +48,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("split")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--num-classes", type=int, default=2)
+    parser.add_argument("--num-classes", type=int, default=None,
+                        help="default: the table's classes, else the split's (its class names, else max label + 1)")
+    parser.add_argument("--labels", metavar="CSV", default=None, help="the task's labels from this table")
+    parser.add_argument("--label-column", metavar="COL", default=None, help="--labels: the labels' column")
+    parser.add_argument("--id-column", metavar="COL", default="slide_id", help="--labels: the slide ids' column")
     parser.add_argument("--max-patches", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ids-dir", default=None, help="write each rank's bag ids per epoch here")
@@ -55,6 +64,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    if (args.labels is None) != (args.label_column is None):
+        sys.exit("ddp_abmil.py: error: --labels CSV and --label-column COL go together")
     if "RANK" not in os.environ:
         sys.exit("ddp_abmil.py: run it under torchrun (e.g. torchrun --nproc-per-node 2 examples/ddp_abmil.py ...)")
     cuda = torch.cuda.is_available()
@@ -62,12 +73,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
     try:
-        ds = BagDataset(args.store, args.dataset, args.encoder, args.split, storage_options=options_from_args(args))
+        # Labels required: the split's, or the table's (ds.labelled: the slides it labels).
+        table = read_label_table(args.labels, args.label_column, args.id_column) if args.labels else None
+        ds = open_bags(args.store, args.dataset, args.encoder, args.split, storage_options=options_from_args(args),
+                       table=table)
         # Same seed on every rank: the same epoch order, so the shares are a partition of it.
-        loader = BagLoader(ds, batch_size=1, shuffle=True, seed=args.seed, device=device,
+        loader = BagLoader(ds, batch_size=1, shuffle=True, seed=args.seed, device=device, indices=ds.labelled,
                            max_patches=args.max_patches, rank=rank, world_size=world_size, return_ids=True)
+        for folder in (args.ids_dir, args.save):
+            if folder:
+                Path(folder).mkdir(parents=True, exist_ok=True)
         torch.manual_seed(args.seed)  # DDP broadcasts rank 0's weights anyway; this keeps runs repeatable
-        model = GatedABMIL(ds.dim, args.num_classes).to(device)
+        model = GatedABMIL(ds.dim, args.num_classes or num_classes_of([ds], table)).to(device)
         ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
         loss_fn = nn.CrossEntropyLoss()
@@ -91,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.save({k: v.cpu() for k, v in model.state_dict().items()}, Path(args.save, f"rank{rank}.pt"))
         print(json.dumps({"rank": rank, "world_size": world_size, "batches_per_epoch": len(loader),
                           "losses": losses, "finite": all(math.isfinite(x) for x in losses)}), flush=True)
+    except FeatureStoreError as error:  # one line, as the featurestore commands print it
+        sys.exit(f"ddp_abmil.py: error: {error}")
     finally:
         dist.destroy_process_group()
     return 0

@@ -9,10 +9,15 @@ import sys
 
 
 def torchrun_cli(*args: str, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """`featurestore.cli *args` on two standalone ranks; its own session so a timeout kills every rank."""
+    """`featurestore.cli *args` on two standalone ranks."""
+    return torchrun("--module", "featurestore.cli", *args, env=env, timeout=timeout)
+
+
+def torchrun(*args: str, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node 2 *args`` (a script, or ``--module M``); its own
+    session so a timeout kills every rank."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--module", "featurestore.cli", *args],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)

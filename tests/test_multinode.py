@@ -248,3 +248,30 @@ def test_ddp_abmil_over_two_nodes_shards_bags_and_agrees(seaweed_url: str, seawe
         cached = [p for p in (tmp_path / f"node{node}-cache").rglob("*")
                   if p.is_file() and p.parent.name == "features" and not p.name.endswith(".lock")]
         assert cached, node
+
+
+def test_ddp_abmil_takes_the_task_from_a_table_and_refuses_a_split_without_labels(tmp_path: Path) -> None:
+    """A bag split without labels (slides extracted from WSIs): the example trains on the slides a
+    clinical table labels, each rank its share of them; without a table it stops in one line."""
+    from _dist_helpers import torchrun
+
+    store = tmp_path / "store"
+    writer = featurestore.open_store(str(store), mode="a").create_bag_split("cohort", "enc", "all", dim=DIM)
+    rng = np.random.default_rng(0)
+    for i in range(NUM_BAGS):
+        writer.add_bag(f"slide-{i:02d}", rng.standard_normal((5 + i, DIM)).astype(np.float32),
+                       coords=rng.integers(0, 9999, (5 + i, 2)))
+    writer.commit()
+    listed = [f"slide-{i:02d}" for i in range(NUM_BAGS - 2)]  # two slides the table leaves out
+    table = tmp_path / "clinical.csv"
+    table.write_text("slide_id,subtype\n" + "".join(f"{s},{'AB'[k % 2]}\n" for k, s in enumerate(listed)))
+    script = str(ROOT / "examples" / "ddp_abmil.py")
+    ids = tmp_path / "ids" / "new"  # made by the script
+    done = torchrun(script, str(store), "cohort", "enc", "all", "--epochs", "1", "--labels", str(table),
+                    "--label-column", "subtype", "--ids-dir", str(ids), env=cli_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [(ids / f"rank{r}-epoch0.txt").read_text().split() for r in range(2)]
+    assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == listed
+    bare = torchrun(script, str(store), "cohort", "enc", "all", "--epochs", "1", env=cli_env())
+    errors = [line for line in bare.stderr.splitlines() if line.startswith("ddp_abmil.py: error:")]
+    assert bare.returncode != 0 and errors and "has no labels" in errors[0] and "--labels CSV" in errors[0], bare.stderr

@@ -48,14 +48,16 @@ def open_bags(source: str, dataset: str, encoder: str, split: str, *, storage_op
     ds.labelled, ds.label_summary = np.arange(ds.num_bags, dtype=np.int64), None
     if ds.labels is None:
         raise MissingLabels(f"bag split {dataset}/{encoder}/{split} has no labels, so no slide-level probe can be "
-                            "trained on it; import it with --labels CSV (one label per slide)")
+                            "trained on it: give the task's labels from a table (--labels CSV --label-column COL), "
+                            "or import the slides with --labels CSV")
     if ds.labels.dtype.kind not in "iub":
         raise InvalidLabels(f"bag split {dataset}/{encoder}/{split} has {ds.labels.dtype} labels: the ABMIL probe "
                             "needs integer class ids")
     return ds
 
 
-def _num_classes(datasets: Sequence[Any], table: LabelTable | None = None) -> int:
+def num_classes_of(datasets: Sequence[Any], table: LabelTable | None = None) -> int:
+    """The task's class count: the table's, else the splits' class names, else max label + 1."""
     if table is not None:
         return table.num_classes
     for ds in datasets:
@@ -90,7 +92,7 @@ def run_mil_probe(
     every run's metrics, each metric's ``{"mean", "std", "values"}`` and, under ``"chance"``, its
     chance baseline."""
     sides = _open_side(source, dataset, encoder, train_split, eval_split, folds, storage_options, token, labels)
-    classes = num_classes if num_classes is not None else _num_classes([d for d in sides if d is not None], labels)
+    classes = num_classes if num_classes is not None else num_classes_of([d for d in sides if d is not None], labels)
     recorder = None
     if save_attention is not None:
         from featurestore.probes.attention import AttentionRecorder
@@ -129,7 +131,7 @@ def compare_mil_probes(
             raise ShapeMismatch(f"{dataset}/{encoder}/{a_ds.split} and {dataset}/{compare_encoder}/{b_ds.split} hold "
                                 "different bags (ids or labels differ): compare the same slides stored twice")
     everything = [d for d in (*a_sides, *b_sides) if d is not None]
-    classes = num_classes if num_classes is not None else _num_classes(everything, labels)
+    classes = num_classes if num_classes is not None else num_classes_of(everything, labels)
     options: dict[str, Any] = dict(folds=folds, num_classes=classes, seeds=seeds, epochs=epochs, lr=lr,
                                    batch_size=batch_size, max_patches=max_patches, device=device, loader=loader,
                                    log=log, group_by=group_by)
