@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from featurestore import __version__
-from featurestore.errors import FeatureStoreError
+from featurestore.errors import FeatureStoreError, Stopped
 
 # Optional dependencies and the pyproject extra that brings each (a missing one is one line).
 OPTIONAL_MODULES = {"torch": "torch", "torchvision": "torch", "timm": "timm", "fastapi": "server",
@@ -57,7 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = args.debug or "--debug" in argv
     try:
         return int(args.func(args) or 0)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
+        if isinstance(stop, Stopped):  # a --worker stopped by SIGTERM or SIGINT (featurestore.extract.worker_stop)
+            print(f"featurestore: stopped by {stop.name}", file=sys.stderr)
+            return 128 + stop.signum
         print("featurestore: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:

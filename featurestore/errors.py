@@ -233,3 +233,16 @@ class StaleAttention(FeatureStoreError, RuntimeError):
 class ConditionalWritesUnsupported(FeatureStoreError, RuntimeError):
     """``--worker`` needs create-if-absent and compare-and-swap writes, and this storage (or the
     server behind it) does not enforce them: claims could race (docs/EXTRACT.md, "Cluster workers")."""
+
+
+class Stopped(KeyboardInterrupt):
+    """A ``--worker`` stopped by SIGTERM or SIGINT (a spot instance reclaimed, a job preempted or
+    cancelled, a pod ended, Ctrl-C): the slide it held is given back, not counted as an attempt
+    (featurestore.extract.worker_stop). A KeyboardInterrupt, so whatever stops on Ctrl-C stops."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(self.name)

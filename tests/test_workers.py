@@ -92,12 +92,14 @@ def _wsi_cmd(cohort: Path, url: str, options: dict[str, Any] | None, *extra: str
             "--chunk-mb", str(16 * 128 * 2 / 2**20), "--no-progress", *extra]
 
 
-# ``python -c`` in place of ``-m featurestore.cli``: the CLI with every claimed slide 0.5 s slower.
+# ``python -c`` in place of ``-m featurestore.cli``: the CLI with every claimed slide 0.5 s slower
+# (``FS_SLIDE_SECONDS``), the claim held meanwhile.
 _SLOW_SLIDES = """
-import sys, time
+import os, sys, time
 from featurestore.extract.workers_share import ClaimShare
 one = ClaimShare._one
-ClaimShare._one = lambda self, *args: (time.sleep(0.5), one(self, *args))[1]
+ClaimShare._one = lambda self, *args: (time.sleep(float(os.environ.get("FS_SLIDE_SECONDS", "0.5"))),
+                                       one(self, *args))[1]
 from featurestore.cli import main
 sys.exit(main())
 """
@@ -505,3 +507,50 @@ def test_a_worker_logs_each_slide_it_did_and_why_one_was_skipped(tmp_path: Path)
         assert "slides done 3 (1 skipped), claimed 0" in client.get("/ui/splits/" + "/".join(NAME)).text
     commit = run_cli("commit", str(tmp_path / "held"), *NAME, env=cli_env())
     assert commit.stdout.strip() == f"committed {'/'.join(NAME)}: 2 bags, 1 skipped: junk", commit.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_worker_gives_its_slide_back_at_once_uncounted(tmp_path: Path, signum: int) -> None:
+    """A spot instance reclaimed, a preempted job, a pod's end: SIGTERM (or Ctrl-C) mid-slide. The
+    worker gives the slide back (not counted as an attempt) and exits 128 + the signal; the next
+    worker takes it at once, not after the 600 s lease, and the split is the one-process import's."""
+    source = _source_and_reference(tmp_path, {f"s{i}": 10 + i for i in range(4)})
+    store, key = tmp_path / "store", "/".join(NAME)
+    cmd = _import_cmd(source, str(store), None, "--worker", "--lease-seconds", "600")
+    slow = [*cmd[:1], "-c", _SLOW_SLIDES, *cmd[3:]]
+    worker = _start(slow, {**cli_env(), "FS_SLIDE_SECONDS": "60"}, tmp_path / "stopped.log")
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(
+            r.get("pid") == worker.pid and r.get("state") == claims.WORKING
+            for r in claims.read_records(LocalStorage(str(store)), key).values()):
+        assert worker.poll() is None, (tmp_path / "stopped.log").read_text()
+        time.sleep(0.1)
+    worker.send_signal(signum)
+    assert worker.wait(timeout=30) == 128 + signum
+    log = (tmp_path / "stopped.log").read_text()
+    assert f"stopped by {signal.Signals(signum).name}; slide 's0' given back" in log, log
+    record = claims.read_records(LocalStorage(str(store)), key)["s0"]
+    assert record["state"] == claims.RELEASED and record["attempts"] == 0, record
+    done = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "imported ds/enc/train: 4 bags" in done.stdout, done.stdout + done.stderr
+    _assert_same_split(LocalStorage(str(store)), LocalStorage(str(tmp_path / "single")), key)
+
+
+def test_a_signal_inside_a_claim_write_is_raised_when_the_write_is_over() -> None:
+    """A claim record's write is never cut in two: a SIGTERM inside ``deferred()`` is noted and
+    raised once the block ends, once; the previous handlers come back."""
+    from featurestore.errors import Stopped
+    from featurestore.extract.worker_stop import StopOnSignal
+
+    before = signal.getsignal(signal.SIGTERM)
+    steps: list[str] = []
+    with pytest.raises(Stopped) as stopped:
+        with StopOnSignal() as stop:
+            with stop.deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # the handler has run by now: noted only
+                steps.append("write whole")
+            steps.append("not reached")
+    assert steps == ["write whole"] and stopped.value.signum == signal.SIGTERM and stop.received == signal.SIGTERM
+    stop.check()  # raised once: the clean-up after it runs undisturbed
+    assert signal.getsignal(signal.SIGTERM) is before

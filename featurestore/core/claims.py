@@ -16,6 +16,8 @@ record ``{"unit", "state", "worker", "host", "pid", "started", "claimed", "renew
   the token read: of two takers, one wins.
 * **finish**: ``done`` (the bag is complete on storage) or, after ``max_attempts`` failed
   attempts, ``failed`` with the errors: never retried, listed in the committed split's metadata.
+* **release**: a worker stopped (SIGTERM, Ctrl-C) gives its unit back as ``released`` with the
+  attempt uncounted: the next worker takes it at once.
 
 Clocks: lease ages compare the holder's clock (``renewed``) with the reader's, so hosts must agree
 within a fraction of the lease (NTP does).
@@ -185,6 +187,12 @@ class ClaimBoard:
         errors = [*claim.record.get("errors", []), f"{self.worker.name}: {error}"]
         state = FAILED if int(claim.record.get("attempts", 1)) >= self.max_attempts else RELEASED
         return state if self._end(claim, state, errors=errors) else None
+
+    def release(self, claim: Claim, why: str) -> bool:
+        """Give the unit back unfinished, at once and not counted as an attempt (its worker was
+        stopped: SIGTERM, Ctrl-C; nothing is wrong with the unit). False: no longer this worker's."""
+        attempts = max(0, int(claim.record.get("attempts", 1)) - 1)  # the next claim counts it again
+        return self._end(claim, RELEASED, attempts=attempts, released=f"{self.worker.name}: {why}")
 
     def _end(self, claim: Claim, state: str, **extra: Any) -> bool:
         record = {**claim.record, "state": state, "renewed": time.time(), **extra}

@@ -13,7 +13,8 @@ place of torchrun's fixed partition. Every worker is rank 0 of its own one-proce
    still renews: a worker stopped past its lease (SIGSTOP, a paused VM) whose slide was taken
    over adds nothing. A slide that raises is released for another attempt, and after
    ``max_attempts`` recorded as failed. Slides held by live workers are revisited until every
-   slide is done or failed;
+   slide is done or failed. SIGTERM or SIGINT (a preemption, a pod's end) gives the slide held
+   back at once, uncounted (featurestore.extract.worker_stop);
 3. **commit**: the worker that wins the ``_commit`` claim commits, listing the failed slides in
    the split's metadata; the others return. ``--no-commit`` leaves it to
    ``featurestore commit``.
@@ -21,13 +22,15 @@ place of torchrun's fixed partition. Every worker is rank 0 of its own one-proce
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from featurestore.core import claims
-from featurestore.errors import FeatureStoreError, InvalidOption, StorageUnavailable, StoreUnreachable
+from featurestore.errors import FeatureStoreError, InvalidOption, StorageUnavailable, Stopped, StoreUnreachable
+from featurestore.extract.worker_stop import StopOnSignal
 
 __all__ = ["ClaimLost", "ClaimShare", "WorkerOptions", "commit_extra"]
 
@@ -200,43 +203,50 @@ class ClaimShare:
               f"{len(pending)} to share", flush=True)
         parts: list[Any] = []
         outage = _Outage(board.lease)
-        while pending:
-            waiting: list[Any] = []
-            for unit in pending:
-                try:
-                    # Committed meanwhile (by the last worker): its claims went with the segments,
-                    # and a new claim would redo a slide of a complete split.
-                    if job.split_complete():
-                        return job.merge(parts)
-                    claim, standing = board.claim(job.unit_id(unit))
-                    if claim is None:
-                        if standing is not None and standing.get("state") == claims.WORKING:
-                            waiting.append(unit)
+        with StopOnSignal() as stop:
+            while pending:
+                waiting: list[Any] = []
+                for unit in pending:
+                    claim = None
+                    try:
+                        # Committed meanwhile (by the last worker): its claims went with the segments,
+                        # and a new claim would redo a slide of a complete split.
+                        if job.split_complete():
+                            return job.merge(parts)
+                        with stop.deferred():  # a claim is taken whole, or not at all
+                            claim, standing = board.claim(job.unit_id(unit))
+                        if claim is None:
+                            if standing is not None and standing.get("state") == claims.WORKING:
+                                waiting.append(unit)
+                            continue
+                        started = time.monotonic()
+                        part = self._one(job, writer, board, claim, unit, stop)
+                        outage.over()
+                        if part is not None and part is not _RETRY:
+                            skipped = job.unit_record(part).get("skipped")  # a slide without tissue, say
+                            what = f"skipped: {skipped.get('reason')}" if isinstance(skipped, dict) else "done"
+                            print(f"{me}: slide {claim.unit!r} {what} ({time.monotonic() - started:.1f} s; "
+                                  f"{len(parts) + 1} by this worker)", flush=True)
+                    except _OUTAGES as error:
+                        # The server is away: not the slide's fault. The claim, if taken, is this
+                        # worker's to take again (ClaimBoard.claim).
+                        outage.wait(error, min(5.0, board.lease / 3))
+                        waiting.append(unit)
                         continue
-                    started = time.monotonic()
-                    part = self._one(job, writer, board, claim, unit)
-                    outage.over()
-                    if part is not None and part is not _RETRY:
-                        skipped = job.unit_record(part).get("skipped")  # a slide without tissue, say
-                        what = f"skipped: {skipped.get('reason')}" if isinstance(skipped, dict) else "done"
-                        print(f"{me}: slide {claim.unit!r} {what} ({time.monotonic() - started:.1f} s; "
-                              f"{len(parts) + 1} by this worker)", flush=True)
-                except _OUTAGES as error:
-                    # The server is away: not the slide's fault. The claim, if taken, is this
-                    # worker's to take again (ClaimBoard.claim).
-                    outage.wait(error, min(5.0, board.lease / 3))
-                    waiting.append(unit)
-                    continue
-                if part is _RETRY:
-                    waiting.append(unit)  # released after a failed attempt: any worker may try again
-                elif part is not None:
-                    parts.append(part)
-            pending = waiting
-            if pending:
-                time.sleep(min(2.0, board.lease / 3))
+                    except KeyboardInterrupt as stopped:  # SIGTERM or SIGINT (Stopped), or a Ctrl-C
+                        _give_back(board, claim, me, stopped)
+                        raise
+                    if part is _RETRY:
+                        waiting.append(unit)  # released after a failed attempt: any worker may try again
+                    elif part is not None:
+                        parts.append(part)
+                pending = waiting
+                if pending:
+                    time.sleep(min(2.0, board.lease / 3))
         return job.merge(parts)
 
-    def _one(self, job: Any, writer: Any, board: claims.ClaimBoard, claim: claims.Claim, unit: Any) -> Any:
+    def _one(self, job: Any, writer: Any, board: claims.ClaimBoard, claim: claims.Claim, unit: Any,
+             stop: StopOnSignal) -> Any:
         """Encode and add one claimed slide; its progress (None: lost, failed or already complete)."""
         uid = claim.unit
         if claim.record.get("taken_from"):  # its worker may have died after the bag was complete
@@ -256,18 +266,20 @@ class ClaimShare:
             except _OUTAGES:
                 raise
             except Exception as error:  # noqa: BLE001 - one slide's failure is recorded, not fatal
+                if stop.received is not None:  # the stop's doing (a DataLoader worker killed by the same SIGTERM)
+                    raise Stopped(stop.received) from error
                 try:
                     session.close()
                 except Exception:  # noqa: BLE001
                     pass
                 line = f"{type(error).__name__}: {error}".splitlines()[0]
-                with renewer.lock:  # one conditional write of the claim at a time
+                with renewer.lock, stop.deferred():  # one conditional write of the claim at a time
                     state = board.fail(claim, line)
                 print(f"featurestore worker: slide {uid!r} failed ({line}); "
                       f"{'recorded as failed' if state == claims.FAILED else 'released for another attempt'}",
                       flush=True)
                 return _RETRY if state == claims.RELEASED else None
-            with renewer.lock:
+            with renewer.lock, stop.deferred():
                 if renewer.lost or not board.finish(claim, **job.unit_record(part)):
                     return None
         return part
@@ -307,6 +319,20 @@ class ClaimShare:
             metadata = job.commit(_WithExtra(writer, extra), progress)
         self.committed = True
         return metadata
+
+
+def _give_back(board: claims.ClaimBoard, claim: claims.Claim | None, me: str, stopped: KeyboardInterrupt) -> None:
+    """A stopped worker's slide, if it holds one, given back uncounted (ClaimBoard.release)."""
+    name = stopped.name if isinstance(stopped, Stopped) else "SIGINT"
+    held = claim is not None and claim.record.get("state") == claims.WORKING
+    given = False
+    if held:
+        assert claim is not None
+        with contextlib.suppress(Exception):  # a storage away: the lease runs out instead
+            given = board.release(claim, f"stopped by {name}")
+    what = (f"; slide {claim.unit!r} given back for another worker (not counted as an attempt)" if given
+            else f"; slide {claim.unit!r} left to its lease" if held else "")  # type: ignore[union-attr]
+    print(f"{me}: stopped by {name}{what}", flush=True)
 
 
 class _WithExtra:
