@@ -203,46 +203,48 @@ class ClaimShare:
               f"{len(pending)} to share", flush=True)
         parts: list[Any] = []
         outage = _Outage(board.lease)
+        claim: claims.Claim | None = None  # the slide held, for a stop to give back
         with StopOnSignal() as stop:
-            while pending:
-                waiting: list[Any] = []
-                for unit in pending:
-                    claim = None
-                    try:
-                        # Committed meanwhile (by the last worker): its claims went with the segments,
-                        # and a new claim would redo a slide of a complete split.
-                        if job.split_complete():
-                            return job.merge(parts)
-                        with stop.deferred():  # a claim is taken whole, or not at all
-                            claim, standing = board.claim(job.unit_id(unit))
-                        if claim is None:
-                            if standing is not None and standing.get("state") == claims.WORKING:
-                                waiting.append(unit)
+            try:
+                while pending:
+                    waiting: list[Any] = []
+                    for unit in pending:
+                        try:
+                            # Committed meanwhile (by the last worker): its claims went with the
+                            # segments, and a new claim would redo a slide of a complete split.
+                            if job.split_complete():
+                                return job.merge(parts)
+                            with stop.deferred():  # a claim is taken whole, or not at all
+                                claim, standing = board.claim(job.unit_id(unit))
+                            if claim is None:
+                                if standing is not None and standing.get("state") == claims.WORKING:
+                                    waiting.append(unit)
+                                continue
+                            started = time.monotonic()
+                            part = self._one(job, writer, board, claim, unit, stop)
+                            uid, claim = claim.unit, None  # ended: done, failed, released or lost
+                            outage.over()
+                            if part is not None and part is not _RETRY:
+                                skipped = job.unit_record(part).get("skipped")  # a slide without tissue, say
+                                what = f"skipped: {skipped.get('reason')}" if isinstance(skipped, dict) else "done"
+                                print(f"{me}: slide {uid!r} {what} ({time.monotonic() - started:.1f} s; "
+                                      f"{len(parts) + 1} by this worker)", flush=True)
+                        except _OUTAGES as error:
+                            # The server is away: not the slide's fault. The claim, if taken, is
+                            # this worker's to take again (ClaimBoard.claim).
+                            outage.wait(error, min(5.0, board.lease / 3))
+                            waiting.append(unit)
                             continue
-                        started = time.monotonic()
-                        part = self._one(job, writer, board, claim, unit, stop)
-                        outage.over()
-                        if part is not None and part is not _RETRY:
-                            skipped = job.unit_record(part).get("skipped")  # a slide without tissue, say
-                            what = f"skipped: {skipped.get('reason')}" if isinstance(skipped, dict) else "done"
-                            print(f"{me}: slide {claim.unit!r} {what} ({time.monotonic() - started:.1f} s; "
-                                  f"{len(parts) + 1} by this worker)", flush=True)
-                    except _OUTAGES as error:
-                        # The server is away: not the slide's fault. The claim, if taken, is this
-                        # worker's to take again (ClaimBoard.claim).
-                        outage.wait(error, min(5.0, board.lease / 3))
-                        waiting.append(unit)
-                        continue
-                    except KeyboardInterrupt as stopped:  # SIGTERM or SIGINT (Stopped), or a Ctrl-C
-                        _give_back(board, claim, me, stopped)
-                        raise
-                    if part is _RETRY:
-                        waiting.append(unit)  # released after a failed attempt: any worker may try again
-                    elif part is not None:
-                        parts.append(part)
-                pending = waiting
-                if pending:
-                    time.sleep(min(2.0, board.lease / 3))
+                        if part is _RETRY:
+                            waiting.append(unit)  # released after a failed attempt: any worker may try again
+                        elif part is not None:
+                            parts.append(part)
+                    pending = waiting
+                    if pending:
+                        time.sleep(min(2.0, board.lease / 3))
+            except KeyboardInterrupt as stopped:  # SIGTERM or SIGINT (Stopped), or a Ctrl-C
+                _give_back(board, claim, me, stopped)
+                raise
         return job.merge(parts)
 
     def _one(self, job: Any, writer: Any, board: claims.ClaimBoard, claim: claims.Claim, unit: Any,
