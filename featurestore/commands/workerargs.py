@@ -15,7 +15,8 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--worker", action="store_true",
                        help="one of any number of independent workers on this split (same command anywhere, any "
                        "time): create or attach to it, claim one slide at a time on the store, until none is left; "
-                       "the last to finish commits")
+                       "the last to finish commits. SIGTERM or Ctrl-C gives the slide held back at once (exit 143 "
+                       "or 130)")
     group.add_argument("--lease-seconds", type=float, default=120.0, metavar="S",
                        help="--worker: a claim not renewed for S seconds is taken over by another worker "
                        "(renewed every S/3; default 120)")
