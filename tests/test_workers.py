@@ -531,6 +531,8 @@ def test_a_stopped_worker_gives_its_slide_back_at_once_uncounted(tmp_path: Path,
     assert f"stopped by {signal.Signals(signum).name}; slide 's0' given back" in log, log
     record = claims.read_records(LocalStorage(str(store)), key)["s0"]
     assert record["state"] == claims.RELEASED and record["attempts"] == 0, record
+    status = run_cli("status", str(store), *NAME, timeout=60)
+    assert "given back by stopped workers, for the next worker: s0" in status.stdout, status.stdout
     done = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "imported ds/enc/train: 4 bags" in done.stdout, done.stdout + done.stderr
     _assert_same_split(LocalStorage(str(store)), LocalStorage(str(tmp_path / "single")), key)

@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
               f"attempt {c['attempt']}")
     if state["failed"]:
         print(f"  failed: {', '.join(state['failed'])}")
+    if state["given_back"]:
+        print(f"  given back by stopped workers, for the next worker: {', '.join(state['given_back'])}")
     if state["eta_seconds"] is not None:
         print(f"  estimated time to finish: {state['eta_seconds']:.0f}s")
     return 0

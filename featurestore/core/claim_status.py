@@ -43,8 +43,10 @@ def progress(storage: Storage, split_key: str, total: int | None, now: float | N
         eta = left / rate
     workers = sorted({r.get("worker") for r in records.values() if r.get("worker")})
     skipped = sorted(u for u, r in records.items() if r.get("state") == claims.DONE and r.get("skipped"))
+    # given back by a stopped worker (SIGTERM, Ctrl-C: ClaimBoard.release), for the next worker to take
+    given_back = sorted(u for u, r in records.items() if r.get("state") == claims.RELEASED and r.get("released"))
     return {"done": len(done), "skipped": skipped, "claimed": claimed, "failed": failed, "left": left,
-            "total": total, "eta_seconds": eta, "workers": len(workers)}
+            "total": total, "eta_seconds": eta, "workers": len(workers), "given_back": given_back}
 
 
 def done_text(state: dict[str, Any]) -> str:
