@@ -198,6 +198,31 @@ def test_a_bag_split_without_optional_metadata_shows_no_none(tmp_path: object) -
         assert "not recorded" in overview  # the cache key, encoder spec, weights hash
 
 
+def test_a_slide_extractions_per_slide_patch_size_is_shown_and_drawn(tmp_path: object) -> None:
+    """Slide extraction records each slide's level-0 patch size on its bag, none on the split: the
+    page names the shown slide's, and its map draws squares of it (without a size, squares as
+    large as the coordinates' spacing: here twice the side)."""
+    import featurestore
+
+    path = str(tmp_path) + "/store"  # type: ignore[operator]
+    coords = np.array([[0, 0], [1024, 0], [0, 1024], [2048, 2048]], np.int64)  # 1024 apart
+    for split, attrs in (("sized", [{"patch_size_level0": 512}, {"patch_size_level0": 256}]), ("bare", [{}, {}])):
+        w = featurestore.open_store(path, mode="a").create_bag_split("tcga", "uni", split, dim=8)
+        for k, bag_id in enumerate(("s40x", "s20x")):
+            w.add_bag(bag_id, np.random.default_rng(k).standard_normal((4, 8)).astype(np.float32), coords=coords,
+                      attrs=attrs[k])
+        w.commit()
+    with TestClient(create_app(path, Settings())) as client:
+        page = client.get("/ui/splits/tcga/uni/sized?bag=0").text  # ids sorted: s20x, s40x
+        assert "patch size at level 0 256 for this slide (per slide)" in page
+        assert "patch size at level 0 512 for this slide" in client.get("/ui/splits/tcga/uni/sized?bag=1").text
+        assert "patch size at level 0" not in client.get("/ui/splits/tcga/uni/bare?bag=1").text
+        sized, bare = (decode_png(client.get(f"/ui/slidemap/tcga/uni/{split}/1.png").content) for split in
+                       ("sized", "bare"))
+    painted = [int((image != 245).any(axis=2).sum()) for image in (sized, bare)]
+    assert 2 * painted[0] < painted[1], painted
+
+
 @needs_bags
 def test_slide_map_draws_every_patch(client: TestClient) -> None:
     bag = sorted(BAG_IDS).index("TCGA-A1-0002")

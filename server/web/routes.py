@@ -181,8 +181,16 @@ def _bags(web: Web, row: SplitRow, chosen: int, start: int) -> Html:
             note = "this bag is empty (no patches)"
     beside = views.attention_figures(_attention(web, row, bags, chosen)) if src is not None else Html("")
     return views.bag_section(row, ids, lengths, labels, chosen, src, start, BAGS_PER_PAGE,
-                             note=note, coords=views.coords_text(bags.coords_unit, bags.patch_size_level0),
+                             note=note, coords=views.coords_text(bags.coords_unit, bags.patch_size_level0,
+                                                                 _own_patch_size(bags, chosen, len(ids))),
                              beside=beside)
+
+
+def _own_patch_size(bags: Any, chosen: int, count: int) -> int | None:
+    """The shown bag's own patch size where the split records none (slide extraction: per slide)."""
+    if bags.patch_size_level0 is not None or not 0 <= chosen < count:
+        return None
+    return bags.patch_size_of(chosen)  # type: ignore[no-any-return]
 
 
 def _attention(web: Web, row: SplitRow, bags: Any, chosen: int) -> list[views.AttentionFigure]:

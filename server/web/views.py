@@ -66,9 +66,12 @@ def _catalog_shape(row: SplitRow) -> str:
     return _shape(row.shape)
 
 
-def coords_text(unit: str | None, patch_size_level0: Any) -> str:
-    """How a bag split's coordinates read: their unit, and the patch size when it was recorded."""
-    patch = f", patch size at level 0 {patch_size_level0}" if patch_size_level0 is not None else ""
+def coords_text(unit: str | None, patch_size_level0: Any, bag_patch_size: Any = None) -> str:
+    """How a bag split's coordinates read: their unit, and the patch size when it was recorded
+    (the split's, else the shown bag's own: slide extraction records one per slide)."""
+    patch = (f", patch size at level 0 {patch_size_level0}" if patch_size_level0 is not None
+             else f", patch size at level 0 {bag_patch_size} for this slide (per slide)"
+             if bag_patch_size is not None else "")
     return f"{unit or 'no unit'}{patch}"
 
 
