@@ -215,6 +215,9 @@ def test_slides_of_two_magnifications_export_each_with_its_own_patch_size(
                   attrs={"mpp": mpp, "patch_size": 256, "patch_size_level0": size})
     w.commit()
     assert open_store(str(store)).open_bags("ds", "enc", "wsi").patch_size_level0 is None
+    capsys.readouterr()
+    assert cli("info", str(store), "ds", "enc", "wsi") == 0
+    assert "coords: px (int64), patch size at level 0 per slide: 256 (1), 512 (1)" in capsys.readouterr().out
     assert export(store, "wsi", "stamp", tmp_path / "stamp") == 0
     assert export(store, "wsi", "trident", tmp_path / "trident") == 0
     for bag_id, size in (("s40x", 512), ("s20x", 256)):

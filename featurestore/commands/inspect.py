@@ -91,6 +91,8 @@ def _bag_lines(store: Any, args: argparse.Namespace, meta: Any) -> list[tuple[st
     coords = spec.get("coords") or {}
     counted = meta.complete
     patch = spec.get("patch_size_level0")
+    if patch is None and counted and coords.get("unit") == "px":
+        patch = _per_slide_patch_sizes(store, args)
     labels: Any = NOT_RECORDED
     if spec.get("labels") and not counted:
         labels = f"{spec['labels'].get('dtype')}, not counted until commit"
@@ -110,6 +112,25 @@ def _bag_lines(store: Any, args: argparse.Namespace, meta: Any) -> list[tuple[st
                    + ("" if patch is None else f", patch size at level 0 {patch}")),
         ("bag labels", labels),
     ]
+
+
+def _per_slide_patch_sizes(store: Any, args: argparse.Namespace) -> str | None:
+    """``256 per slide`` or ``per slide: 256 (4), 512 (2)``: the patch sizes slide extraction
+    records on each bag (the split records none), or None when no bag records one."""
+    from collections import Counter
+
+    from featurestore.errors import FeatureStoreError
+
+    try:
+        bags = store.open_bags(args.dataset, args.encoder, args.split)
+        sizes = Counter(bags.patch_size_of(i) for i in range(len(bags)))
+    except FeatureStoreError:  # a damaged split: the lines below and verify say what
+        return None
+    if None in sizes or not sizes:
+        return None
+    if len(sizes) == 1:
+        return f"{next(iter(sizes))} per slide"
+    return "per slide: " + ", ".join(f"{size} ({count})" for size, count in sorted(sizes.items()))
 
 
 def class_names(meta: Any) -> list[str] | None:
