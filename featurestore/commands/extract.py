@@ -186,7 +186,8 @@ def format_slide_report(result: Any) -> list[str]:
     return _closing_lines(
         result, f"bag split {result.key} is already complete with the same cache key ({bags.get('count')} bags, "
         f"{meta.get('num_samples')} patches, {meta.get('logical_dtype')})",
-        lambda secs: f"extracted {result.key}: {result.bags} bags of {result.slides} slides, {result.patches} patches "
+        lambda secs: f"extracted {result.key}: {result.bags} bag{'' if result.bags == 1 else 's'} of {result.slides} "
+        f"slides, {result.patches} patches "
         f"encoded in {result.seconds:.1f}s ({result.patches / secs:.1f} patches/s; {result.wall_seconds:.1f}s in all), "
         f"{len(result.skipped)} skipped; split: {bags.get('count')} bags, {meta.get('num_samples')} patches, "
         f"{meta.get('logical_dtype')}, status {meta.get('status')}")
