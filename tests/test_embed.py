@@ -297,7 +297,7 @@ def test_group_by_a_column_of_a_table(tmp_path: Path) -> None:
     again = featurestore.open_store(str(tmp_path)).split_metadata("ds", "merged", "train")["lineage"]["groups"]
     assert again["sha256"] != doc["groups"]["sha256"]
     table.write_text("slide_id,case_id\ns-a,p1\n")
-    with pytest.raises(InvalidLabels, match="cases.csv: bag 's-b' of ds/uni/train has no row"):
+    with pytest.raises(InvalidLabels, match="cases.csv: bag 's-b' of ds/uni/train has no 'case_id' there"):
         run_embed(tmp_path, group_by="case_id", groups=str(table), encoder_name="short")
     result = cli("embed", str(tmp_path), "--dataset", "ds", "--encoder", "uni", "--split", "train",
                  "--slide-encoder", "mean", "--encoder-name", "x", "--groups", str(table))

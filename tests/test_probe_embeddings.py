@@ -95,9 +95,11 @@ def _cases(tmp_path: Path) -> str:
 
 
 def _clinical(tmp_path: Path) -> str:
-    """A clinical table as a lab keeps it: slide, patient, a task's label (the stored one, as a name)."""
+    """A clinical table as a lab keeps it: slide, patient, a task's label (the stored one, as a name),
+    and a slide of another cohort without a patient."""
     path = tmp_path / "clinical.csv"
-    path.write_text("slide_id,case_id,subtype\n" + "".join(f"{s},{c},{'AB'[y]}\n" for s, c, _, y in _cohort()))
+    path.write_text("slide_id,case_id,subtype\n" + "".join(f"{s},{c},{'AB'[y]}\n" for s, c, _, y in _cohort())
+                    + "OTHER-01,,A\n")
     return str(path)
 
 
@@ -346,9 +348,10 @@ def test_abmil_groups_from_a_table_where_the_bags_have_none(store: str, tmp_path
     assert by_table["group_by"] == "case_id" and by_table["runs"] == by_attrs["runs"]
     with pytest.raises(InvalidLabels, match="has no attribute 'case_id'.*--groups CSV, or the --labels CSV"):
         run_mil_probe(store, "cohort", "bare", group_by="case_id", **options)
+    # rows of other cohorts without a case are left out; a slide of this split without one is refused
     short = tmp_path / "short.csv"
-    short.write_text("slide_id,case_id\nTCGA-00-S0,case-00\n")
-    with pytest.raises(InvalidLabels, match="short.csv: slide 'TCGA-00-S1' of cohort/bare/all has no row"):
+    short.write_text("slide_id,case_id\nTCGA-00-S0,case-00\nOTHER-01,\nTCGA-00-S1,\n")
+    with pytest.raises(InvalidLabels, match="short.csv: slide 'TCGA-00-S1' of cohort/bare/all has no 'case_id' there"):
         run_mil_probe(store, "cohort", "bare", group_by=GroupSpec("case_id", str(short)), **options)
 
 

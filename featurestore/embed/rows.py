@@ -44,8 +44,8 @@ def plan(bags: Any, group_by: str | None, key: str, *, with_labels: bool = True,
     for i, bag_id in enumerate(bags.ids):
         if table is not None:
             if bag_id not in table:
-                raise InvalidLabels(f"{table_name}: bag {bag_id!r} of {key} has no row (its {group_by!r} is unknown): "
-                                    "give every slide of the split a row")
+                raise InvalidLabels(f"{table_name}: bag {bag_id!r} of {key} has no {group_by!r} there (no row, or an "
+                                    "empty cell): give every slide of the split its value")
             groups.setdefault(table[bag_id], []).append(i)
             continue
         attrs = bags.attrs(i)
@@ -55,7 +55,8 @@ def plan(bags: Any, group_by: str | None, key: str, *, with_labels: bool = True,
                                 "or give the table holding it (--groups CSV)")
         value = attrs[group_by]
         if value is None or isinstance(value, (dict, list)):
-            raise InvalidOption(f"bag {bag_id!r} of {key} has {group_by}={value!r}: group values must be text or numbers")
+            raise InvalidOption(f"bag {bag_id!r} of {key} has {group_by}={value!r}: group values must be text or "
+                                "numbers")
         groups.setdefault(str(value), []).append(i)
     rows = []
     for name in sorted(groups):

@@ -81,9 +81,9 @@ def _table_groups(spec: GroupSpec, ids: Sequence[str], where: str, noun: str) ->
     table = read_group_table(spec.table, spec.column, spec.id_column)
     missing = [i for i in ids if i not in table]
     if missing:
-        raise InvalidLabels(f"{spec.table}: {noun} {missing[0]!r} of {where} has no row in column "
-                            f"{spec.id_column!r} ({len(missing)} of {len(ids)} missing); give every {noun} its "
-                            f"{spec.column!r}")
+        raise InvalidLabels(f"{spec.table}: {noun} {missing[0]!r} of {where} has no {spec.column!r} there (no "
+                            f"row in column {spec.id_column!r}, or an empty cell; {len(missing)} of {len(ids)} "
+                            f"missing); give every {noun} its {spec.column!r}")
     return [table[i] for i in ids]
 
 
@@ -136,8 +136,9 @@ def dense_groups(info: Any, spec: GroupSpec, *, storage_options: dict[str, Any] 
 
 
 def read_group_table(path: str, column: str, id_column: str) -> dict[str, str]:
-    """``{id: group}`` from a UTF-8 CSV (tab for ``.tsv``); an id listed twice or a row without a
-    group is refused."""
+    """``{id: group}`` from a UTF-8 CSV (tab for ``.tsv``); an id listed twice is refused. A row
+    with an empty id or group cell is left out: a clinical table covers other cohorts too, and a
+    sample the probe needs without a group is refused where it is looked up."""
     rows = _rows(path)
     header = [name.strip() for name in (rows[0] if rows else [])]
     at_id, at_group = column_indices(path, header, ((id_column, "--id-column"), (column, "--group-by")))
@@ -152,8 +153,7 @@ def read_group_table(path: str, column: str, id_column: str) -> dict[str, str]:
             raise InvalidLabels(f"{path}: {sample!r} is listed twice in column {id_column!r} (line {line}); keep "
                                 "one row per sample")
         if not sample or not group:
-            raise InvalidLabels(f"{path} line {line}: the {id_column if not sample else column!r} cell is empty; "
-                                "give every row an id and a group")
+            continue
         groups[sample] = group
         stems.setdefault(os.path.splitext(sample)[0], group)  # "TCGA-xx.svs" names slide "TCGA-xx"
     return {**stems, **groups}
