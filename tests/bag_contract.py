@@ -124,6 +124,10 @@ class BagContract:
         bags, data, _ = written
         assert bags.attrs("a/b") == {"index": data["a/b"][2], "id": "a/b"}
 
+    def test_patch_size_of(self, written: Any) -> None:
+        bags, _, _ = written  # the split's patch size, which a bag's own attribute only stands in for
+        assert bags.patch_size_level0 == 256 and bags.patch_size_of("a/b") == bags.patch_size_of(0) == 256
+
     # ------------------------------------------------------------------ rows: the one selection rule
     def test_rows_in_every_order(self, written: Any) -> None:
         bags, data, _ = written

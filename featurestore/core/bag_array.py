@@ -117,15 +117,6 @@ class BagArray(bags.BagLookup):
     def label(self, i_or_id: int | str) -> Any:
         return None if self.labels is None else self.labels[self.position(i_or_id)].item()
 
-    def patch_size_of(self, i_or_id: int | str) -> int | None:
-        """The bag's patch side in level-0 pixels: the split's ``patch_size_level0``, else the bag's
-        own attribute (slide extraction records one per slide, since slides differ in
-        magnification); None when neither is recorded."""
-        size = self.patch_size_level0
-        if size is None:
-            size = self.attrs(i_or_id).get("patch_size_level0")
-        return int(size) if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0 else None
-
     # ------------------------------------------------------------------ reads
     def rows_of(self, i_or_id: int | str, rows: Any = None) -> np.ndarray:
         """Row positions in ``features``/``coords`` of the bag (or of its ``rows``, by the one

@@ -294,10 +294,23 @@ class BagLookup:
     :meth:`_where`."""
 
     ids: list[str]
+    patch_size_level0: Any = None
     _positions: dict[str, int] | None = None
 
     def _where(self) -> str:
         raise NotImplementedError
+
+    def attrs(self, i_or_id: int | str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def patch_size_of(self, i_or_id: int | str) -> int | None:
+        """The bag's patch side in level-0 pixels: the split's ``patch_size_level0``, else the bag's
+        own attribute (slide extraction records one per slide, since slides differ in
+        magnification); None when neither is recorded."""
+        size = self.patch_size_level0
+        if size is None:
+            size = self.attrs(i_or_id).get("patch_size_level0")
+        return int(size) if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0 else None
 
     def index(self, bag_id: str) -> int:
         """The position of ``bag_id`` (:class:`BagNotFound` if the split has no such bag)."""
