@@ -375,3 +375,22 @@ def test_cli_group_by_a_column_of_the_labels_table(store: str, tmp_path: Path,
                  "--epochs", "2", "--device", "cpu", "--quiet"])
     out = capsys.readouterr().out
     assert code == 0 and "grouped by case_id" in out, out
+
+
+def test_the_report_names_an_eval_split_stored_in_another_dtype(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A training split kept as float32 and an eval split imported as int8 under one encoder name:
+    the report's setup line names both dtypes, not the training split's alone."""
+    store = featurestore.open_store(str(tmp_path / "store"), mode="a")
+    rng = np.random.default_rng(0)
+    for split, dtype, n in (("train", "float32", 40), ("val", "int8", 20)):
+        labels = np.arange(n) % 2
+        values = rng.normal(0, 1, (n, DIM)).astype(np.float32) + labels[:, None]
+        w = store.create_split("cohort", "enc", split, num_samples=n, sample_shape=(DIM,), dtype=dtype,
+                               label_shape=(), label_dtype="int64")
+        w.write(0, values, labels.astype(np.int64))
+        w.commit()
+    code = main(["probe", str(tmp_path / "store"), "--dataset", "cohort", "--encoder", "enc", "--train", "train",
+                 "--eval", "val", "--seeds", "1", "--epochs", "2", "--device", "cpu", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0 and "cohort/enc stored as float32 (the eval split as int8), features [16]" in out, out

@@ -136,7 +136,9 @@ def _setup_line(run: dict[str, Any]) -> str:
 def _side(run: dict[str, Any]) -> str:
     unit = "bags" if run["task"] == "abmil" else "samples"
     return (
-        f"{run['dataset']}/{run['encoder']} stored as {run['dtype']}, features "
+        f"{run['dataset']}/{run['encoder']} stored as {run['dtype']}"
+        + (f" (the eval split as {run['eval_dtype']})" if run.get("eval_dtype", run["dtype"]) != run["dtype"] else "")
+        + ", features "
         f"{run['sample_shape'] if unit == 'samples' else '[patches, %d] per bag' % run['sample_shape'][-1]}, "
         f"{run['train_samples']} train + {run['eval_samples']} eval "
         f"{unit}, {run['seconds']:.1f} s ({run['source']})"

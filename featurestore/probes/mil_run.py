@@ -218,6 +218,7 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
     out = {
         "source": train.source, "dataset": train.dataset, "encoder": train.encoder, "dtype": train.stored_dtype,
         "train_split": train.split, "eval_split": evaluate.split if evaluate is not None else f"{folds} folds",
+        "eval_dtype": evaluate.stored_dtype if evaluate is not None else train.stored_dtype,
         "folds": folds, "group_by": spec.column if spec else None, "train_samples": train_bags,
         "eval_samples": eval_bags,
         "patches": int(train.lengths.sum()), "sample_shape": ["bag", train.dim], "task": "abmil",

@@ -384,7 +384,7 @@ def _run(
     result = chance.run_fold_seeds(train_fold, len(makes), seed_list, baselines, log, train, n_folds)
     return {
         "source": train.source, "dataset": train.dataset, "encoder": train.encoder,
-        "dtype": train.dtype, "train_split": train.split,
+        "dtype": train.dtype, "eval_dtype": evaluate.dtype, "train_split": train.split,
         "eval_split": evaluate.split if n_folds is None else f"{n_folds} folds", "folds": n_folds,
         "group_by": None if spec is None else spec.column,
         "train_samples": train.num_samples if matched is None else len(matched[0].positions),
