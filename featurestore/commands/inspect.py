@@ -123,7 +123,7 @@ def _per_slide_patch_sizes(store: Any, args: argparse.Namespace) -> str | None:
 
     try:
         bags = store.open_bags(args.dataset, args.encoder, args.split)
-        sizes = Counter(bags.patch_size_of(i) for i in range(len(bags)))
+        sizes = Counter(bags.patch_sizes())
     except FeatureStoreError:  # a damaged split: the lines below and verify say what
         return None
     if None in sizes or not sizes:

@@ -153,9 +153,10 @@ def kernel_for(how: str, logical: str) -> Any:
     return kernel
 
 
-def gather(bags: Any, row: Row, positions: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+def gather(bags: Any, row: Row, positions: np.ndarray | None, patch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """A row's patches for a torch slide encoder: features ``[N, dim]`` float32 and coordinates
-    ``[N, 2]`` int64, its bags concatenated in order (later slides shifted: rows.shift_coords)."""
+    ``[N, 2]`` int64, its bags concatenated in order (later slides shifted by their level-0
+    ``patch_size`` and more: rows.shift_coords)."""
     lengths = [int(bags.lengths[b]) for b in row.bags]
     feats, coords = [], []
     for bag, subset in zip(row.bags, split_subset(positions, lengths), strict=True):
@@ -164,4 +165,4 @@ def gather(bags: Any, row: Row, positions: np.ndarray | None) -> tuple[np.ndarra
         feats.append(values)
         coords.append(xy)
     features = np.ascontiguousarray(np.concatenate(feats)) if feats else np.zeros((0, bags.dim), np.float32)
-    return features, shift_coords(coords, max((bags.patch_size_of(b) or 0 for b in row.bags), default=0))
+    return features, shift_coords(coords, patch_size)

@@ -164,8 +164,8 @@ def _prepare(opts: EmbedOptions, store: Any, coord: Coordinator) -> _Prepared:
 
 def _encode(encoder: slide_encoders.SlideEncoder, bags: Any, row: row_plan.Row, kept: np.ndarray | None,
             device: Any, autocast: Any) -> np.ndarray:
-    features, coords = gather(bags, row, kept)
-    patch_size = slide_encoders.row_patch_size(bags, row, encoder.spec)
+    patch_size = slide_encoders.row_patch_size(bags, row, encoder.spec)  # before any read: one per call
+    features, coords = gather(bags, row, kept, patch_size)
     return slide_encoders.call(encoder, features, coords, patch_size, device, autocast, row.id)
 
 

@@ -120,7 +120,7 @@ def check_inputs(encoder: SlideEncoder, bags: Any, key: str) -> None:
         raise SlideEncoderError(
             f"bag split {key} stores {bags.coords_dtype} coordinates (unit {bags.coords_unit}); python slide "
             "encoders take int64 level-0 pixel coordinates: import the slides with pixel coordinates")
-    missing = next((i for i in range(len(bags)) if bags.patch_size_of(i) is None), None)
+    missing = next((i for i, size in enumerate(bags.patch_sizes()) if size is None), None)
     if missing is not None:
         raise SlideEncoderError(
             f"bag {bags.ids[missing]!r} of {key} records no patch_size_level0 (the split's or its own); python "
@@ -132,7 +132,7 @@ def recorded_patch_size(bags: Any) -> Any:
     records it per slide); a tuple of the sizes when its slides differ, None when none records one."""
     if bags.patch_size_level0 is not None or not len(bags):
         return bags.patch_size_level0
-    sizes = {bags.patch_size_of(i) for i in range(len(bags))}
+    sizes = set(bags.patch_sizes())
     if None in sizes:
         return None
     return sizes.pop() if len(sizes) == 1 else tuple(sorted(sizes))

@@ -312,6 +312,10 @@ class BagLookup:
             size = self.attrs(i_or_id).get("patch_size_level0")
         return int(size) if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0 else None
 
+    def patch_sizes(self) -> list[int | None]:
+        """:meth:`patch_size_of` of every bag, in order."""
+        return [self.patch_size_of(i) for i in range(len(self.ids))]
+
     def index(self, bag_id: str) -> int:
         """The position of ``bag_id`` (:class:`BagNotFound` if the split has no such bag)."""
         if self._positions is None:
