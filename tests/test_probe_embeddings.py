@@ -377,6 +377,18 @@ def test_cli_group_by_a_column_of_the_labels_table(store: str, tmp_path: Path,
     assert code == 0 and "grouped by case_id" in out, out
 
 
+def test_patient_embeddings_labelled_by_the_slide_table(store: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The lab's slide-level clinical table (a patient's row once per slide) labels the patient
+    embeddings through --id-column case_id: the repeated rows agree, so each patient is one row."""
+    code = main(["probe", store, "--dataset", "cohort", "--encoder", "patients", "--train", "all", "--folds", "3",
+                 "--labels", _clinical(tmp_path), "--label-column", "subtype", "--id-column", "case_id",
+                 "--seeds", "1", "--epochs", "2", "--device", "cpu", "--quiet"])
+    out = capsys.readouterr().out
+    cases = len({c for _, c, _, _ in _cohort()})
+    assert code == 0 and f"{cases} of {cases} samples of cohort/patients/all labelled (A=15, B=15)" in out, out
+
+
 def test_the_report_names_an_eval_split_stored_in_another_dtype(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """A training split kept as float32 and an eval split imported as int8 under one encoder name:

@@ -113,14 +113,25 @@ def test_utf8_with_bom_spaces_and_empty_cells(tmp_path: Path) -> None:
     ("slide_id,label,site\na,1,x\n", "task", "has no column 'task' (--label-column); its columns are: 'slide_id', "
                                              "'label', 'site'"),
     ("id,label\na,1\n", "label", "has no column 'slide_id' (--id-column)"),
-    ("slide_id,label\na,1\nb,0\na,1\n", "label", "slide 'a' is listed twice in column 'slide_id' (lines 2 and 4)"),
+    ("slide_id,label\na,1\nb,0\na,0\n", "label", "'a' is listed twice in column 'slide_id' with two labels in "
+                                                "column 'label' ('1' on line 2, '0' on line 4)"),
     ("slide_id,label\na,\nb,\n", "label", "column 'label' has no label in any row"),
-    ("slide_id,label\n,1\n", "label", "line 2: the 'slide_id' cell is empty"),
+    ("slide_id,label\n,1\n", "label", "no row has an id in column 'slide_id'"),
 ])
 def test_bad_tables_are_one_line_errors(tmp_path: Path, text: str, column: str, message: str) -> None:
     with pytest.raises(InvalidLabels) as error:
         read_label_table(table(tmp_path, text), column)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_id_repeated_with_one_label_is_one_row(tmp_path: Path) -> None:
+    # A slide table keyed by its patients (a patient's row once per slide) labels patient embeddings.
+    text = "slide_id,case_id,grade\ns1,P1,G2\ns2,P1,G2\ns3,P2,\ns4,P2,G1\ns5,P3,G1\ns6,P3,\nx1,,G1\n"
+    read = read_label_table(table(tmp_path, text), "grade", "case_id")
+    assert read.values == {"P1": 1, "P2": 0, "P3": 0} and read.empty == 0
+    assert read.match(["P3", "P1", "P2"], "d/e-patients/all", "patients").labels.tolist() == [0, 1, 0]
+    with pytest.raises(InvalidLabels, match=r"'P1' is listed twice .* \('G2' on line 2, 'G1' on line 5\)"):
+        read_label_table(table(tmp_path, text.replace("s4,P2,G1", "s4,P1,G1")), "grade", "case_id")
 
 
 def test_a_table_that_is_not_utf8_or_matches_no_slide(tmp_path: Path) -> None:

@@ -136,25 +136,28 @@ def dense_groups(info: Any, spec: GroupSpec, *, storage_options: dict[str, Any] 
 
 
 def read_group_table(path: str, column: str, id_column: str) -> dict[str, str]:
-    """``{id: group}`` from a UTF-8 CSV (tab for ``.tsv``); an id listed twice is refused. A row
-    with an empty id or group cell is left out: a clinical table covers other cohorts too, and a
-    sample the probe needs without a group is refused where it is looked up."""
+    """``{id: group}`` from a UTF-8 CSV (tab for ``.tsv``); an id listed twice with two groups is
+    refused (twice with one group is one row). A row with an empty id or group cell is left out: a
+    clinical table covers other cohorts too, and a sample the probe needs without a group is
+    refused where it is looked up."""
     rows = _rows(path)
     header = [name.strip() for name in (rows[0] if rows else [])]
     at_id, at_group = column_indices(path, header, ((id_column, "--id-column"), (column, "--group-by")))
     groups: dict[str, str] = {}
+    lines: dict[str, int] = {}
     stems: dict[str, str] = {}
     for line, row in enumerate(rows[1:], start=2):
         if not any(cell.strip() for cell in row):
             continue
         cells = [cell.strip() for cell in row] + [""] * len(header)
         sample, group = cells[at_id], cells[at_group]
-        if sample in groups:
-            raise InvalidLabels(f"{path}: {sample!r} is listed twice in column {id_column!r} (line {line}); keep "
-                                "one row per sample")
         if not sample or not group:
             continue
-        groups[sample] = group
+        if groups.get(sample, group) != group:
+            raise InvalidLabels(f"{path}: {sample!r} is listed twice in column {id_column!r} with two groups in "
+                                f"column {column!r} ({groups[sample]!r} on line {lines[sample]}, {group!r} on line "
+                                f"{line}); one sample is in one group: fix the table")
+        groups[sample], lines[sample] = group, lines.get(sample, line)
         stems.setdefault(os.path.splitext(sample)[0], group)  # "TCGA-xx.svs" names slide "TCGA-xx"
     return {**stems, **groups}
 

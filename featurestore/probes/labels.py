@@ -7,15 +7,18 @@ table keyed by slide id, read when the probe runs, so a new task needs no re-imp
   first row naming the columns (surrounding spaces ignored);
 - ``id_column`` (default ``slide_id``) names the slide; an id may carry the slide file's extension
   (``TCGA-xx.svs`` labels bag ``TCGA-xx``), as ``featurestore import --labels`` accepts; an id
-  listed twice is refused, whatever its labels;
+  listed twice is one row when its label cells agree (a slide table keyed by ``case_id`` labels
+  patient embeddings: a patient's row repeats per slide) and refused when they differ (an empty
+  cell agrees with any);
 - ``label_column``: if every non-empty cell is ASCII digits only (``0``, ``1``, ``12``), the
   labels are integer class ids as written when they are ``0 .. K-1``; other integers (a grade
   coded ``1, 2, 3``, codes ``0, 1, 5``) are numbered in increasing order and named by their
   values, so the head has no class that no slide can have (``1, 2`` is a binary task, not three
   classes of which one is empty); otherwise every value is a class name, and classes are
   numbered in sorted name order (``"1.0"``, ``"-1"`` or ``"١"`` are names, not numbers);
-- a row with an empty label cell, and a slide the table does not list, are left out of the probe
-  (one summary line says how many); a table that labels none of a split's slides is refused.
+- a row with an empty label cell, a row with an empty id cell (it labels nothing) and a slide the
+  table does not list are left out of the probe (one summary line says how many slides); a table
+  that labels none of a split's slides is refused.
 
 Errors are one line (:class:`featurestore.errors.InvalidLabels`) naming the file and the fix.
 """
@@ -117,20 +120,24 @@ def read_label_table(path: str | os.PathLike[str], label_column: str, id_column:
     header = [name.strip() for name in next(reader, [])]
     id_at, label_at = column_indices(path, header, ((id_column, "--id-column"), (label_column, "--label-column")))
     raw: dict[str, str] = {}
-    rows: dict[str, int] = {}
+    rows: dict[str, int] = {}  # id -> the line its label (or, while it has none, its first row) is on
     for line, row in enumerate(reader, start=2):
         if not any(cell.strip() for cell in row):
             continue  # a blank line
         cells = [cell.strip() for cell in row] + [""] * len(header)
         slide, value = cells[id_at], cells[label_at]
-        if not slide:
-            raise InvalidLabels(f"{path} line {line}: the {id_column!r} cell is empty; give every row a slide id")
-        if slide in rows:
-            raise InvalidLabels(f"{path}: slide {slide!r} is listed twice in column {id_column!r} (lines "
-                                f"{rows[slide]} and {line}); keep one row per slide")
-        rows[slide] = line
-        raw[slide] = value
+        if not slide:  # labels nothing: a clinical table covers other cohorts too
+            continue
+        if raw.get(slide) and value and raw[slide] != value:
+            raise InvalidLabels(f"{path}: {slide!r} is listed twice in column {id_column!r} with two labels in "
+                                f"column {label_column!r} ({raw[slide]!r} on line {rows[slide]}, {value!r} on line "
+                                f"{line}); one id needs one label: fix the table or pick another --id-column")
+        if not raw.get(slide):  # its first row, or its first label
+            rows[slide], raw[slide] = line, value
     labelled = {slide: value for slide, value in raw.items() if value}
+    if not raw:
+        raise InvalidLabels(f"{path}: no row has an id in column {id_column!r}; give the column of the split's ids "
+                            "with --id-column")
     if not labelled:
         raise InvalidLabels(f"{path}: column {label_column!r} has no label in any row; pick the task's column "
                             "with --label-column")
