@@ -357,6 +357,8 @@ def test_stale_after_the_source_is_overwritten(tmp_path: Path) -> None:
         page = client.get("/ui/splits/ds/slide/train")
         assert page.status_code == 200
         assert "derived from" in page.text and "STALE: source ds/uni/train generation changed" in page.text
+        assert '(<a href="/ui/splits/ds/uni/train">the source split</a>)' in page.text
+        assert "<h2>Pictures</h2>" not in page.text  # [N, D] embeddings are no patch grid
     # --resume recomputes every row from the new source (a stale row is never kept)
     result = cli("embed", str(tmp_path), "--dataset", "ds", "--encoder", "uni", "--split", "train",
                  "--slide-encoder", "mean", "--encoder-name", "slide", "--resume")

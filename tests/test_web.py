@@ -85,8 +85,8 @@ def test_split_page_shows_precision_channels_and_pictures(client: TestClient, st
     assert 'src="/ui/pca/demo/vit-s/train/0.png"' in text and 'src="/ui/pca/demo/vit-s-bf16/train/0.png"' in text
     assert 'src="/ui/pca/demo/vit-s/train/5.png"' in client.get(TRAIN + "?sample=5").text
     # no grid, not complete: said, no picture
-    val = client.get("/ui/splits/demo/vit-s/val").text
-    assert "not a patch grid" in val and "/ui/pca/" not in val
+    val = client.get("/ui/splits/demo/vit-s/val").text  # [N, D]: no pictures, its channel plots
+    assert "<h2>Pictures</h2>" not in val and "/ui/pca/" not in val and '<svg class="plot mean"' in val
     writing = client.get("/ui/splits/demo/vit-s/writing").text
     assert "status writing: pictures need a complete split" in writing
 

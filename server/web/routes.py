@@ -101,8 +101,9 @@ def split_page(request: Request, dataset: Name, encoder: Name, split: Name,
         if row.kind == BAGS:
             extra = _bags(web, row, bag, start)
             json_href = _bags_json_href(request, key)
-        else:
-            extra = Html(f"<section><h2>Pictures</h2>{_dense_pictures(web, row, sample)}</section>")
+        else:  # [N, D] (embeddings, pooled features): no tokens to picture, the channel plots show them
+            tokens = row.shape is None or len(row.shape) != 2
+            extra = Html(f"<section><h2>Pictures</h2>{_dense_pictures(web, row, sample)}</section>" if tokens else "")
             json_href = wire.SPLIT.format(dataset=dataset, encoder=encoder, split=split)
         stats = None if row.error else web.catalog.channel_stats(*key)
     except FeatureStoreError as error:

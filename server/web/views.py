@@ -182,10 +182,15 @@ def overview(row: SplitRow) -> Html:
 
 def _lineage(row: SplitRow) -> Html:
     """The derived split's source and how it was computed, and whether it is still current."""
+    source: dict[str, Any] = {}
     try:
-        text = lineage.describe(lineage.of(row.metadata) or {})
+        record = lineage.of(row.metadata) or {}
+        text, source = lineage.describe(record), record.get("source") or {}
     except InvalidMetadata as error:
         text = str(error)
+    if all(isinstance(source.get(k), str) for k in ("dataset", "encoder", "split")):
+        text = h('{} (<a href="/ui/splits/{}/{}/{}">the source split</a>)', text, source["dataset"],
+                 source["encoder"], source["split"])
     if row.stale:
         return h('{} <span class="error">STALE: {}</span>', text, row.stale)
     return h("{} (current)", text)
