@@ -270,9 +270,12 @@ def peak_rss() -> int:
 
 def rss_epoch(batches: Iterable[Any]) -> dict[str, Any]:
     """(In a child.) One pass over ``batches``, each touched as it is made, its anonymous RSS sampled
-    every 5 ms on a thread: ``baseline_anon``, ``peak_anon`` and ``epoch_s``."""
+    every 5 ms on a thread: ``baseline_anon``, ``peak_anon`` and ``epoch_s``; and the whole RSS as
+    ``top``, SLURM and Kubernetes count it (anonymous + mapped file pages): ``baseline_rss`` (VmRSS)
+    and ``peak_rss`` (VmHWM, reset at the baseline)."""
     peak, stop = [rss_anon_bytes()], threading.Event()
-    baseline = peak[0]
+    baseline, baseline_rss = peak[0], process_rss(os.getpid(), "VmRSS")
+    peak_reset()
 
     def sample() -> None:
         while not stop.wait(0.005):
@@ -283,7 +286,8 @@ def rss_epoch(batches: Iterable[Any]) -> dict[str, Any]:
     seconds = timed(lambda: drain(batches))
     stop.set()
     thread.join()
-    return {"baseline_anon": baseline, "peak_anon": max(peak[0], rss_anon_bytes()), "epoch_s": seconds}
+    return {"baseline_anon": baseline, "peak_anon": max(peak[0], rss_anon_bytes()), "epoch_s": seconds,
+            "baseline_rss": baseline_rss, "peak_rss": peak_rss()}
 
 
 # ---------------------------------------------------------------------- int8 beside float16

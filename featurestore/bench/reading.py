@@ -199,6 +199,8 @@ def _bag_loader(r: dict[str, Any], out: Reading) -> None:
         out.pair("padded_vs_reader", p["padded_vs_reader"], p.get("times_s"), "reader", "loader")
     if rss := r.get("rss"):
         out.fig("rss_vs_bound", max(rss["loader_bytes"].values()) / rss["bound_bytes"])
+        if "rss_growth_bytes" in rss:
+            out.fig("vmrss_growth_mib", rss["rss_growth_bytes"] / 2**20)
     for mode in ("warm", "cold"):
         if f := r.get(mode):
             out.rows[f"bag loader, batch 1, {mode}, GB/s"] = [
@@ -214,6 +216,10 @@ def _bag_loader(r: dict[str, Any], out: Reading) -> None:
         out.notes.append(f"- bag loader anonymous RSS, float32 epoch: B = {rss['B']['bags']} bags "
                          f"{mib(rss['loader_bytes']['B'])}, 4B {mib(rss['loader_bytes']['4B'])}; bound "
                          f"{mib(rss['bound_bytes'])}")
+        if "rss_growth_bytes" in rss:
+            out.notes.append(f"- bag loader peak RSS as top shows it (VmHWM): B {mib(rss['B']['peak_rss'])} (split "
+                             f"{mib(rss['B']['store_bytes'])}), 4B {mib(rss['4B']['peak_rss'])} (split "
+                             f"{mib(rss['4B']['store_bytes'])})")
     _int8(out, "", "bag loader, batch 1", r.get("int8"), "bags")
 
 

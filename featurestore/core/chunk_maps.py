@@ -321,7 +321,8 @@ class ArrayMaps:
         chunk_rows, width = self._shape
         runs, chunks = copy_runs(index, chunk_rows)
         maps, folio, current, newest = shared(), FOLIO, -1, float("-inf")
-        count = maps.strict or not scattered(len(index) * width, chunks, chunk_rows * width, array_nbytes)
+        count = maps.strict or not scattered(len(index) * width, chunks, chunk_rows * width, array_nbytes,
+                                             runs=len(runs), rows=len(index))
         touched: list[tuple[_Entry, int]] = []
         pending = mapped = mapped_to = 0
         entry = None
@@ -394,7 +395,8 @@ def shared() -> ChunkMaps:
         return _SHARED
 
 
-def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int) -> bool:
+def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int, *, runs: int = 0,
+              rows: int = 0) -> bool:
     """Whether a read of ``nbytes`` over ``chunks`` chunks of an array of ``array_nbytes`` copies
     much less than a folio per chunk (shuffled small rows) from an array larger than the budget.
 
@@ -402,7 +404,14 @@ def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int) -> 
     the budget over, a release and a fault per row (4x the time of a shuffled batch of 2 KiB rows
     here). So they keep their pages mapped in, uncounted, unless ``FEATURESTORE_MAPPED_MIB`` was
     set: then the reader sends them to pread, which maps nothing (3.5x the time: it opens each
-    chunk file per read)."""
+    chunk file per read).
+
+    A read whose ``rows`` come in ``runs`` of several rows and at least :data:`LONG_RUN` each (a
+    bag, a row range, and the parts of them the first-read check leaves to the maps) is never
+    scattered: mapped back in after a release, it costs a fault per 64 KiB (or one populate call),
+    as any long read does (docs/READS.md, "Resident bytes")."""
+    if runs and rows >= 2 * runs and nbytes >= runs * LONG_RUN:
+        return False
     return 2 * nbytes < chunks * min(FOLIO, chunk_bytes) and array_nbytes > shared().max_resident
 
 
@@ -431,6 +440,7 @@ def _folio() -> int:
 
 
 FOLIO = _folio()  # the largest page-cache folio one touch maps (x86-64: 2 MiB)
+LONG_RUN = 64 << 10  # the kernel's fault-around: a release costs a run this long one fault
 
 
 def _after_fork_in_child() -> None:
