@@ -121,7 +121,7 @@ def _rss(store: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[s
         args.batch_size * elements * stored_itemsize + checked.CHECK_BYTES)
     # "Does not grow with N": both runs stay under the same N-independent bound (figure rss_vs_bound).
     return {**out, "growth_bytes": out["4N"]["peak_anon"] - out["N"]["peak_anon"], "bound_bytes": bound,
-            "limit_bytes": bound + (32 << 20)}
+            "limit_bytes": bound + (32 << 20), "rss_growth_bytes": out["4N"]["peak_rss"] - out["N"]["peak_rss"]}
 
 
 def _spec(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
