@@ -323,6 +323,12 @@ def test_ls_info_verify_cli(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -
     assert main(["info", str(tmp_path), "ds", "enc", "train"]) == 0
     out = capsys.readouterr().out
     assert "bags: 7" in out and "patches: 97" in out and "dim: 8" in out
+    assert main(["info", str(tmp_path), "ds/enc/train"]) == 0  # as ls prints it
+    assert capsys.readouterr().out == out
+    for names in (["ds/enc"], ["ds", "enc"], ["ds/enc/train", "x"]):
+        with pytest.raises(SystemExit):
+            main(["info", str(tmp_path), *names])
+        assert "names no split: give DATASET ENCODER SPLIT, or DATASET/ENCODER/SPLIT" in capsys.readouterr().err
     assert main(["verify", str(tmp_path)]) == 0
     assert "ds/enc/train: ok" in capsys.readouterr().out
 

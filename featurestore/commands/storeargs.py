@@ -55,12 +55,28 @@ _JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", boo
 
 
 def add_split_names(parser: argparse.ArgumentParser, store: bool = False) -> None:
-    """``DATASET ENCODER SPLIT``: the positionals that name one split of the store before them
-    (``STORE``, added here with ``store=True``)."""
+    """``DATASET ENCODER SPLIT``, or ``DATASET/ENCODER/SPLIT`` as ``featurestore ls`` prints it: the
+    split of the store before them (``STORE``, added here with ``store=True``), as ``args.dataset``,
+    ``args.encoder`` and ``args.split``."""
     if store:
         parser.add_argument("store", metavar="STORE", help="store path or fsspec URL")
-    for name in ("dataset", "encoder", "split"):
-        parser.add_argument(name)
+    parser.add_argument("dataset", metavar="DATASET", help="the split: DATASET ENCODER SPLIT, or DATASET/ENCODER/SPLIT "
+                        "as `featurestore ls` prints it")
+    parser.add_argument("encoder", metavar="ENCODER", nargs="?")
+    parser.add_argument("split", metavar="SPLIT", nargs="?", action=_SplitNames)
+
+
+class _SplitNames(argparse.Action):
+    """The last of the three positionals: ``DATASET/ENCODER/SPLIT`` in the first is taken apart."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = [v for v in (namespace.dataset, namespace.encoder, values) if v is not None]
+        parts = str(given[0]).strip("/").split("/") if len(given) == 1 else given
+        if len(parts) != 3 or not all(parts):
+            raise argparse.ArgumentError(None, f"{' '.join(given)!r} names no split: give DATASET ENCODER SPLIT, "
+                                         "or DATASET/ENCODER/SPLIT as `featurestore ls` prints it")
+        namespace.dataset, namespace.encoder, namespace.split = parts
 
 
 def add_split_source(parser: argparse.ArgumentParser, encoder_help: str, split_help: str) -> Any:
