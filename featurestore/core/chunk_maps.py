@@ -315,14 +315,13 @@ class ArrayMaps:
         its map's descriptor right before its rows are copied (a file truncated in place since
         would raise SIGBUS on the copy). What the copies of a chunk mapped in (whole folios,
         counted once per chunk) goes to :meth:`ChunkMaps.touched` at least every quarter of the
-        budget, so one long gather (a whole bag) stays within it too; a :func:`scattered` one of an
-        array of ``array_nbytes`` is not counted (its pages stay until its maps leave the cache)
-        unless the budget was set (``local_read="mmap"``: ``auto`` sends those to pread)."""
+        budget, so one long gather (a whole bag) stays within it too; a :func:`scattered` one is not
+        counted (its pages stay until its maps leave the cache) unless the budget was set."""
         chunk_rows, width = self._shape
         runs, chunks = copy_runs(index, chunk_rows)
         maps, folio, current, newest = shared(), FOLIO, -1, float("-inf")
         count = maps.strict or not scattered(len(index) * width, chunks, chunk_rows * width, array_nbytes,
-                                             runs=len(runs), rows=len(index))
+                                             runs=len(runs), rows=len(index))  # fmt: skip
         touched: list[tuple[_Entry, int]] = []
         pending = mapped = mapped_to = 0
         entry = None
@@ -395,8 +394,7 @@ def shared() -> ChunkMaps:
         return _SHARED
 
 
-def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int, *, runs: int = 0,
-              rows: int = 0) -> bool:
+def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int, *, runs: int = 0, rows: int = 0) -> bool:
     """Whether a read of ``nbytes`` over ``chunks`` chunks of an array of ``array_nbytes`` copies
     much less than a folio per chunk (shuffled small rows) from an array larger than the budget.
 
@@ -406,10 +404,9 @@ def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int, *, 
     set: then the reader sends them to pread, which maps nothing (3.5x the time: it opens each
     chunk file per read).
 
-    A read whose ``rows`` come in ``runs`` of several rows and at least :data:`LONG_RUN` each (a
-    bag, a row range, and the parts of them the first-read check leaves to the maps) is never
-    scattered: mapped back in after a release, it costs a fault per 64 KiB (or one populate call),
-    as any long read does (docs/READS.md, "Resident bytes")."""
+    Never scattered: ``rows`` in ``runs`` of several rows and :data:`LONG_RUN` each (a bag, a row
+    range, the parts of them the first-read check leaves to the maps), which mapped back in cost a
+    fault per 64 KiB as any long read (docs/READS.md, "Resident bytes")."""
     if runs and rows >= 2 * runs and nbytes >= runs * LONG_RUN:
         return False
     return 2 * nbytes < chunks * min(FOLIO, chunk_bytes) and array_nbytes > shared().max_resident
