@@ -153,3 +153,47 @@ def test_recorder_refusals(store: str) -> None:
     with pytest.raises(ShapeMismatch, match=f"batch of {n - 1} patches does not match the next evaluated bag"):
         sink(torch.ones(1, n - 1), torch.ones(1, n - 1, dtype=torch.bool))
     assert recorder.sink(1, 0, None) is None  # only the first seed's attention is kept
+
+
+def test_export_a_map_as_clam_blockmaps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``export --attention NAME``: one CLAM-style ``<slide>_blockmap.h5`` per evaluated slide, its
+    scores and coordinates in the bag's patch order; refused when stale, and with --format too."""
+    import h5py
+
+    root, out = str(tmp_path / "store"), tmp_path / "out"
+    write_bag_splits(root, "cohort", {"float32": "f32"}, {"val": dict(VAL, num=5, empty=1)}, dim=DIM)
+
+    def weights(i: int, coords: np.ndarray) -> np.ndarray:  # a different, known value per patch
+        w = np.arange(1, len(coords) + 1, dtype=np.float64) * (i + 1)
+        return w / w.sum()
+
+    save_map(root, "cohort", "f32", "val", "grade", weights)
+    args = ["export", root, "--dataset", "cohort", "--encoder", "f32", "--split", "val", "--out", str(out),
+            "--no-progress"]
+    assert main([*args, "--attention", "grade"]) == 0
+    assert "exported attention map 'grade' of cohort/f32/val: 4 slides, 4 files" in capsys.readouterr().out
+    bags = featurestore.open_store(root).open_bags("cohort", "f32", "val")
+    empty = [bag_id for bag_id, n in zip(bags.ids, bags.lengths) if n == 0]
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{b}_blockmap.h5" for b in bags.ids if b not in empty)
+    for i, bag_id in enumerate(bags.ids):
+        if bag_id in empty:
+            continue
+        with h5py.File(out / f"{bag_id}_blockmap.h5", "r") as f:
+            scores, coords = f["attention_scores"][:], f["coords"][:]
+            assert f.attrs["attention_map"] == "grade" and f.attrs["slide_id"] == bag_id and f.attrs["fold"] == 0
+        expected_coords = bags.read_numpy(i)[1]
+        assert scores.shape == (len(expected_coords), 1) and scores.dtype == np.float32
+        np.testing.assert_allclose(scores[:, 0], weights(i, expected_coords), rtol=1e-6)
+        np.testing.assert_array_equal(coords, expected_coords)
+    assert main([*args, "--attention", "grade"]) == 1  # the files are there: --overwrite replaces them
+    assert "already holds 4 of the files" in capsys.readouterr().err
+    for extra, message in ((["--attention", "grade", "--format", "trident"], "one of the two"), ([], "one of the two"),
+                           (["--attention", "nope", "--overwrite"], "has no attention map 'nope' (it has: grade)")):
+        assert main([*args, *extra]) == 1
+        assert message in capsys.readouterr().err
+    split_dir = Path(root) / "cohort" / "f32" / "val"
+    shutil.copytree(split_dir / "attention", tmp_path / "kept")
+    write_bag_splits(root, "cohort", {"float32": "f32"}, {"val": dict(VAL, num=5, empty=1)}, dim=DIM)
+    shutil.copytree(tmp_path / "kept", split_dir / "attention")  # the old map back over a new generation
+    assert main([*args, "--attention", "grade", "--overwrite"]) == 1
+    assert "attention map cohort/f32/val/attention/grade is stale" in capsys.readouterr().err

@@ -1,5 +1,6 @@
-"""``featurestore export``: a bag split as one file per slide in TRIDENT's, CLAM's or STAMP's layout
-(docs/EXTRACT.md, "Export"); the writing is featurestore.extract.bag_export."""
+"""``featurestore export``: a bag split as one file per slide in TRIDENT's, CLAM's or STAMP's layout,
+an embedding split, or a saved attention map (docs/EXTRACT.md, "Export"); the writing is
+featurestore.extract.bag_export, embedding_export and attention_export."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ FORMATS = ("trident", "clam-pt", "stamp")
 
 
 HELP = ("write a bag split out as one file per slide (TRIDENT h5, CLAM pt_files/ + h5_files/, STAMP h5), or an "
-        "embedding split as one h5 per slide or patient")
+        "embedding split as one h5 per slide or patient, or a saved attention map as CLAM heatmap blockmaps")
 DESCRIPTION = """\
 Write every bag of a bag split as one file per slide, in another tool's layout. trident: OUT/<slide>.h5 with
 'features' [n, D] (stored dtype; bfloat16 as float32) and 'coords' [n, 2] (level-0 pixels), the attributes the
@@ -26,14 +27,19 @@ converted with each bag's recorded mpp, or --mpp). Labels go to OUT/labels.csv (
 for byte (a stamp export of pixel coordinates comes back in micrometres). An embedding split (featurestore embed:
 one [E] vector per slide or patient, with ids) exports as trident (OUT/<id>.h5, 'features' (E,)) or stamp
 ('feats' (E,), root attributes feat_type patient or slide, encoder), labels in OUT/labels.csv.
+--attention NAME instead of --format writes the attention map NAME that probe --head abmil --save-attention
+saved beside the bag split: OUT/<slide>_blockmap.h5 per evaluated slide, 'attention_scores' [n, 1] float32
+and 'coords' [n, 2] (the layout of CLAM's heatmap blockmaps); a stale map is refused.
 """
 
 
 def register(subparsers: Any) -> None:
     p = add_verb(subparsers, "export", run, HELP, DESCRIPTION)
     req = add_split_source(p, encoder_help="encoder name in the store", split_help="a bag split, or an embedding split")
-    req.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
+    req.add_argument("--format", choices=FORMATS, dest="fmt", help="the features' layout (or --attention)")
     req.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if missing)")
+    p.add_argument("--attention", metavar="NAME", default=None,
+                   help="write the saved attention map NAME instead of the features (CLAM blockmap h5 per slide)")
     p.add_argument("--overwrite", action="store_true", help="replace files of an earlier export in DIR")
     p.add_argument("--mpp", type=float, default=None, metavar="UM",
                    help="stamp: level-0 micrometres per pixel of bags that record no mpp (0.25 at 40x, 0.5 at 20x)")
@@ -47,8 +53,22 @@ def run(args: argparse.Namespace) -> int:
     from featurestore.extract.bag_export import export_bags
     from featurestore.extract.embedding_export import export_embeddings
 
+    if (args.fmt is None) == (args.attention is None):
+        raise InvalidOption("give --format FORMAT (the features) or --attention NAME (a saved attention map), "
+                            "one of the two")
     store = open_store_from_args(args.store, args)
     with store_errors(args.store):
+        if args.attention is not None:
+            from featurestore.extract.attention_export import export_attention
+
+            if args.mpp is not None:
+                raise InvalidOption("--mpp converts coordinates for --format stamp; an attention export keeps them as "
+                                    "stored: drop it")
+            result = export_attention(store, args.dataset, args.encoder, args.split, args.attention, out=args.out,
+                                      overwrite=args.overwrite, progress=not args.no_progress)
+            print(f"exported attention map {args.attention!r} of {result.key}: {result.bags} slides, {result.files} "
+                  f"files in {result.out} ({result.seconds:.1f}s)", flush=True)
+            return 0
         embeddings = store.split_kind(args.dataset, args.encoder, args.split) == "dense"  # slide or patient vectors
         if embeddings:
             if args.mpp is not None:
