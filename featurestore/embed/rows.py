@@ -33,20 +33,17 @@ class Row:
 
 
 def plan(bags: Any, group_by: str | None, key: str, *, with_labels: bool = True,
-         table: dict[str, str] | None = None, table_name: str | None = None) -> list[Row]:
+         table_values: list[str] | None = None) -> list[Row]:
     """The rows of ``bags`` (a BagArray), one per bag or one per ``group_by`` value (the bag
-    attribute, or ``table[bag id]``: ``--groups CSV``); without ``with_labels`` every row's label
-    is None."""
+    attribute, or ``table_values[i]``, bag i's from a ``--groups CSV``); without ``with_labels``
+    every row's label is None."""
     labels = bags.labels if with_labels else None
     if group_by is None:
         return [Row(bag_id, (i,), None if labels is None else labels[i].item()) for i, bag_id in enumerate(bags.ids)]
     groups: dict[str, list[int]] = {}
     for i, bag_id in enumerate(bags.ids):
-        if table is not None:
-            if bag_id not in table:
-                raise InvalidLabels(f"{table_name}: bag {bag_id!r} of {key} has no {group_by!r} there (no row, or an "
-                                    "empty cell): give every slide of the split its value")
-            groups.setdefault(table[bag_id], []).append(i)
+        if table_values is not None:
+            groups.setdefault(table_values[i], []).append(i)
             continue
         attrs = bags.attrs(i)
         if group_by not in attrs:

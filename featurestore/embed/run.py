@@ -123,13 +123,13 @@ def _prepare(opts: EmbedOptions, store: Any, coord: Coordinator) -> _Prepared:
     encoder = slide_encoders.load(opts.slide_encoder)
     slide_encoders.check_requirements(encoder, bags, source_key)
     slide_encoders.check_inputs(encoder, bags, source_key)
-    table = None
+    table_values = None
     if opts.groups is not None:
-        from featurestore.probes.groups import read_group_table
+        from featurestore.probes.groups import GroupSpec, table_groups
 
-        table = read_group_table(opts.groups, str(opts.group_by), opts.id_column)
-    rows = row_plan.plan(bags, opts.group_by, source_key, with_labels=not opts.no_labels, table=table,
-                         table_name=opts.groups)
+        table_values = table_groups(GroupSpec(str(opts.group_by), opts.groups, opts.id_column), bags.ids,
+                                    source_key, "bag")
+    rows = row_plan.plan(bags, opts.group_by, source_key, with_labels=not opts.no_labels, table_values=table_values)
     empty = [row for row in rows if row_plan.patch_count(row, bags.lengths) == 0]
     if empty and opts.empty_bags == "refuse":
         what = "group" if opts.group_by else "bag"
@@ -156,7 +156,8 @@ def _prepare(opts: EmbedOptions, store: Any, coord: Coordinator) -> _Prepared:
                         slide_encoder=encoder.to_json(output_dim),
                         autocast=None if encoder.pooling else opts.autocast, max_patches=opts.max_patches,
                         seed=opts.seed, group_by=opts.group_by, empty_bags=opts.empty_bags,
-                        groups=None if table is None else row_plan.groups_record(rows, opts.groups, opts.id_column),
+                        groups=None if opts.groups is None else row_plan.groups_record(rows, opts.groups,
+                                                                                       opts.id_column),
                         skipped=[row.id for row in empty], no_labels=opts.no_labels)
     label_dtype = None if opts.no_labels or bags.labels is None else bags.labels.dtype
     return _Prepared(bags, encoder, rows, kept, output_dim, device, autocast, doc, source_key, label_dtype)

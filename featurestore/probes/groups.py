@@ -15,17 +15,16 @@ Every failure is one line naming the sample, the column or the file, and the fix
 
 from __future__ import annotations
 
-import csv
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from featurestore.errors import InvalidLabels, InvalidOption
-from featurestore.probes.labels import column_indices
+from featurestore.probes.labels import column_indices, table_rows
 
 __all__ = ["GroupSpec", "bag_groups", "dense_groups", "group_lookup", "lineage_of", "read_group_table",
-           "table_has_column"]
+           "table_groups", "table_has_column"]
 
 LINEAGE_KEYS = ("lineage", "source")
 
@@ -50,7 +49,7 @@ def bag_groups(bags: Any, positions: Sequence[int], spec: GroupSpec | str, where
     spec = GroupSpec.of(spec)
     assert spec is not None
     if spec.table is not None:
-        return _table_groups(spec, [bags.ids[int(i)] for i in positions], where, "slide")
+        return table_groups(spec, [bags.ids[int(i)] for i in positions], where, "slide")
     out = []
     for i in positions:
         attrs = bags.attrs(int(i))
@@ -76,7 +75,9 @@ def group_lookup(bags: Any, spec: GroupSpec | str) -> tuple[str, Callable[[int],
     return spec.column, lambda i: table.get(bags.ids[int(i)], "")
 
 
-def _table_groups(spec: GroupSpec, ids: Sequence[str], where: str, noun: str) -> list[str]:
+def table_groups(spec: GroupSpec, ids: Sequence[str], where: str, noun: str) -> list[str]:
+    """The group of each of ``ids`` (the ``noun``s of ``where``) from the spec's table; one missing
+    is refused, naming it and how many more."""
     assert spec.table is not None
     table = read_group_table(spec.table, spec.column, spec.id_column)
     missing = [i for i in ids if i not in table]
@@ -114,7 +115,7 @@ def dense_groups(info: Any, spec: GroupSpec, *, storage_options: dict[str, Any] 
     if source is not None and source.get("group_by") == spec.column:
         return list(ids)  # the embeddings are already one per group: each id is its group
     if spec.table is not None:
-        return _table_groups(spec, ids, info.name, "sample")
+        return table_groups(spec, ids, info.name, "sample")
     if source is None:
         raise InvalidOption(f"split {info.name} records no source bag split (metadata 'lineage'), so the "
                             f"{spec.column!r} of its samples is unknown: give --groups CSV with columns "
@@ -140,7 +141,7 @@ def read_group_table(path: str, column: str, id_column: str) -> dict[str, str]:
     refused (twice with one group is one row). A row with an empty id or group cell is left out: a
     clinical table covers other cohorts too, and a sample the probe needs without a group is
     refused where it is looked up."""
-    rows = _rows(path)
+    rows = table_rows(path, "groups")
     header = [name.strip() for name in (rows[0] if rows else [])]
     at_id, at_group = column_indices(path, header, ((id_column, "--id-column"), (column, "--group-by")))
     groups: dict[str, str] = {}
@@ -164,17 +165,5 @@ def read_group_table(path: str, column: str, id_column: str) -> dict[str, str]:
 
 def table_has_column(path: str, column: str) -> bool:
     """Whether the table at ``path`` has a column ``column`` (read errors: as the label table's)."""
-    rows = _rows(path, header_only=True)
+    rows = table_rows(path, "labels")
     return column in [name.strip() for name in (rows[0] if rows else [])]
-
-
-def _rows(path: str, *, header_only: bool = False) -> list[list[str]]:
-    """The rows of a UTF-8 CSV (tab for ``.tsv``); with ``header_only``, its first row alone."""
-    try:
-        with open(path, newline="", encoding="utf-8-sig") as handle:
-            reader = csv.reader(handle, delimiter="\t" if path.lower().endswith(".tsv") else ",")
-            return [next(reader, [])] if header_only else list(reader)
-    except UnicodeDecodeError as error:
-        raise InvalidLabels(f"{path} is not UTF-8 text (offset {error.start}): save the table as UTF-8 CSV") from None
-    except OSError as error:
-        raise InvalidLabels(f"cannot read the groups table {path!r} ({error.strerror or error})") from None

@@ -36,7 +36,7 @@ import numpy as np
 
 from featurestore.errors import InvalidLabels
 
-__all__ = ["LabelTable", "Matched", "read_label_table"]
+__all__ = ["LabelTable", "Matched", "read_label_table", "table_rows"]
 
 _DIGITS = re.compile(r"[0-9]+")  # str.isdigit() would take any Unicode digit
 _SHOWN = 3  # ids named in a message or summary
@@ -108,15 +108,7 @@ def column_indices(path: str, header: list[str], columns: Sequence[tuple[str, st
 def read_label_table(path: str | os.PathLike[str], label_column: str, id_column: str = "slide_id") -> LabelTable:
     """Read ``label_column`` keyed by ``id_column`` from the table at ``path`` (module doc: the rules)."""
     path = os.fspath(path)
-    try:
-        with open(path, newline="", encoding="utf-8-sig") as handle:
-            text = handle.read()
-    except UnicodeDecodeError as error:
-        raise InvalidLabels(f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
-                            f"{error.start}): save the table as UTF-8 CSV") from None
-    except OSError as error:
-        raise InvalidLabels(f"cannot read the labels table {path!r} ({error.strerror or error})") from None
-    reader = csv.reader(text.splitlines(), delimiter="\t" if path.lower().endswith(".tsv") else ",")
+    reader = iter(table_rows(path, "labels"))
     header = [name.strip() for name in next(reader, [])]
     id_at, label_at = column_indices(path, header, ((id_column, "--id-column"), (label_column, "--label-column")))
     raw: dict[str, str] = {}
@@ -159,6 +151,20 @@ def read_label_table(path: str | os.PathLike[str], label_column: str, id_column:
             stems[stem] = None if stem in stems else slide
     return LabelTable(path=path, label_column=label_column, id_column=id_column, values=values, classes=classes,
                       empty=len(raw) - len(labelled), stems=stems)
+
+
+def table_rows(path: str, what: str) -> list[list[str]]:
+    """The rows of a probe's table (``what``: labels, groups): UTF-8 text (a byte-order mark
+    accepted), comma-separated, tab for ``.tsv``; unreadable or not UTF-8 is one line naming it."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as handle:
+            text = handle.read()
+    except UnicodeDecodeError as error:
+        raise InvalidLabels(f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+                            f"{error.start}): save the table as UTF-8 CSV") from None
+    except OSError as error:
+        raise InvalidLabels(f"cannot read the {what} table {path!r} ({error.strerror or error})") from None
+    return list(csv.reader(text.splitlines(), delimiter="\t" if path.lower().endswith(".tsv") else ","))
 
 
 def _some(ids: Any) -> str:
