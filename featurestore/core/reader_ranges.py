@@ -76,7 +76,15 @@ class RangesPath:
             rows[positions] = dest
 
     def _gather_ranges(self, index: np.ndarray, rows: np.ndarray) -> None:
-        unique, inverse = np.unique(index, return_inverse=True)
+        # Ranges are planned over the rows in ascending order; each range's rows go straight to
+        # their places in ``rows`` as it arrives (no second pass over the batch), unless a row is
+        # asked for twice: then the distinct rows are gathered first and spread out after.
+        order = np.argsort(index, kind="stable")
+        unique = index[order]
+        twice = len(unique) > 1 and bool((unique[1:] == unique[:-1]).any())
+        inverse = None
+        if twice:
+            unique, inverse = np.unique(index, return_inverse=True)
         chunk_of, offset = np.divmod(unique, self.chunk_rows)
         keys, starts, ends, spans = [], [], [], []
         for start, stop in row_runs(chunk_of, offset):
@@ -84,10 +92,8 @@ class RangesPath:
             starts.append(int(offset[start]) * self.sample_nbytes)
             ends.append(int(offset[start] + (stop - start)) * self.sample_nbytes)
             spans.append((start, stop))
-        if len(unique) == len(index) and np.array_equal(unique, index):
-            target = rows
-        else:
-            target = np.empty((len(unique), self.sample_nbytes), np.uint8)
+        target = np.empty((len(unique), self.sample_nbytes), np.uint8) if twice else rows
+        places = None if twice or bool((order[1:] > order[:-1]).all()) else order
 
         def sink(i: int, blob: Any) -> None:  # each range as it arrives (the copy overlaps the others)
             start, stop = spans[i]
@@ -95,7 +101,11 @@ class RangesPath:
                 raise CorruptChunk(checked.damage_message(
                     f"chunk {self._storage.url}/{keys[i]}", f"{len(blob)} bytes where "
                     f"{(stop - start) * self.sample_nbytes} were requested (truncated object)"))
-            target[start:stop] = np.frombuffer(blob, np.uint8).reshape(stop - start, self.sample_nbytes)
+            values = np.frombuffer(blob, np.uint8).reshape(stop - start, self.sample_nbytes)
+            if places is None:
+                target[start:stop] = values
+            else:
+                target[places[start:stop]] = values
 
         try:
             self._storage.read_ranges_into(keys, starts, ends, sink)
@@ -106,7 +116,7 @@ class RangesPath:
         except OSError:  # e.g. S3 "range not satisfiable": an object shorter than its rows?
             self._sizes_checked(keys)  # CorruptChunk naming the short one
             raise
-        if target is not rows:
+        if inverse is not None:
             np.take(target, inverse.reshape(-1), axis=0, out=rows)
 
 
