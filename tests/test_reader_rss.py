@@ -158,3 +158,82 @@ def test_mapped_budget_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.setenv("FEATURESTORE_MAPPED_MIB", bad)
         with pytest.raises(InvalidOption, match="FEATURESTORE_MAPPED_MIB"):
             chunk_maps.resident_budget()
+
+
+_SHUFFLED = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    import featurestore
+    from featurestore.core import chunk_maps, open_files
+
+    # The default mode (no FEATURESTORE_MAPPED_MIB), its budget made small as above.
+    chunk_maps._SHARED = chunk_maps.ChunkMaps(open_files.max_maps(), 1 << 40, int(sys.argv[2]) << 20)
+    root = sys.argv[1]
+    for d, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(d, name), "rb") as f:
+                while f.read(1 << 22):
+                    pass
+    dense = featurestore.open_store(root).open("ds", "enc", "wide")
+    batch = np.zeros((64, *dense.sample_shape), np.float16)
+    order = np.random.default_rng(2).permutation(len(dense))
+    dense.read_numpy(order[:64], out=batch)  # the first-read checks (whole chunks, counted) before the baseline
+    base = int([line for line in open("/proc/self/status") if line.startswith("VmRSS")][0].split()[1]) << 10
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    wrong = 0
+    for start in range(0, len(order) - 63, 64):
+        rows = order[start:start + 64]
+        dense.read_numpy(rows, out=batch)
+        wrong += int((batch[:, 0, 0] != (rows % 1000).astype(np.float16)).sum())
+    peak = int([line for line in open("/proc/self/status") if line.startswith("VmHWM")][0].split()[1]) << 10
+    print(json.dumps({"growth": peak - base, "mmap": dense.read_counts["mmap"], "wrong": wrong}))
+""")
+
+
+def test_shuffled_wide_rows_add_nothing_to_rss_by_default(tmp_path: Path) -> None:
+    """Shuffled 64 KiB rows (FeatureLoader's batches of [32, 1024] float16 samples) from a split
+    eleven times the bound, page-cached, default mode: read through the maps' descriptors, they map
+    nothing in, so the process's peak RSS stays near the bound. Copied out of the maps uncounted
+    before, they left the whole split mapped in (~90 MiB here)."""
+    root = str(tmp_path / "store")
+    n = 1440  # 90 MiB
+    writer = featurestore.open_store(root, mode="a").create_split("ds", "enc", "wide", num_samples=n,
+                                                                  sample_shape=(32, DIM), chunk_bytes=2 << 20)
+    block = np.zeros((160, 32, DIM), np.float32)
+    for start in range(0, n, 160):
+        block[:, 0, 0] = np.arange(start, start + 160) % 1000  # each row says which it is
+        writer.write(start, block)
+    writer.commit()
+    done = subprocess.run([sys.executable, "-c", _SHUFFLED, root, str(BOUND_MIB)],
+                          env={k: v for k, v in os.environ.items() if k != "FEATURESTORE_MAPPED_MIB"},
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["mmap"] > 0 and result["wrong"] == 0, result
+    assert result["growth"] <= (BOUND_MIB + SLACK_MIB) << 20, (
+        f"VmRSS grew by {result['growth'] / 2**20:.0f} MiB over a shuffled epoch of a 90 MiB split, bound {BOUND_MIB} MiB")
+
+
+def test_a_file_truncated_under_a_descriptor_read_is_refused_by_name(tmp_path: Path) -> None:
+    """A read through a map's descriptor of a file truncated in place since it was mapped names the
+    file (a copy out of the map would have raised SIGBUS)."""
+    from featurestore.core.mapped_file import map_file, read_into
+    from featurestore.errors import CorruptChunk
+
+    path = str(tmp_path / "chunk")
+    with open(path, "wb") as f:
+        f.write(bytes(range(256)) * 64)
+
+    def check_size(where: str, size: int) -> None:
+        if size != 256 * 64:
+            raise CorruptChunk(f"chunk file {where} has {size} bytes")
+
+    entry = map_file(path, (64, 256), check_size, populate=False)
+    target = np.empty(256, np.uint8)
+    read_into(entry.descriptor, target, 256 * 3, path, check_size)
+    assert bytes(target) == bytes(range(256))
+    os.truncate(path, 256 * 2)
+    with pytest.raises(CorruptChunk, match="chunk file .*chunk has 512 bytes"):
+        read_into(entry.descriptor, target, 256 * 3, path, check_size)
+    entry.close()

@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 import featurestore  # noqa: E402
-from featurestore.core.chunk_maps import _mincore_truthful  # noqa: E402
+from featurestore.core.mapped_file import mincore_truthful  # noqa: E402
 from featurestore.format import wire  # noqa: E402
 from featurestore.testing.cgroup import evict  # noqa: E402
 from server import Settings, create_app  # noqa: E402
@@ -186,8 +186,8 @@ def test_mincore_is_trusted_only_for_files_the_process_could_write() -> None:
         os.chmod(name, mode)
     os.seteuid(65534)
     try:
-        seen = [_mincore_truthful(str(shared), 0), _mincore_truthful(str(writable), 0),
-                _mincore_truthful(str(shared), 65534)]  # fmt: skip
+        seen = [mincore_truthful(str(shared), 0), mincore_truthful(str(writable), 0),
+                mincore_truthful(str(shared), 65534)]  # fmt: skip
     finally:
         os.seteuid(0)
         shutil.rmtree(top)

@@ -110,7 +110,7 @@ def _loader(r: dict[str, Any], out: Reading) -> None:
     if rss:  # the loader's own memory, N and 4N, against one N-independent limit (docs/LOADER.md)
         limit = rss.get("limit_bytes", rss["bound_bytes"] + (32 << 20))
         out.fig("rss_vs_bound", max(rss["loader_bytes"].values()) / limit)
-        if "rss_growth_bytes" in rss:  # shuffled rows keep their pages mapped (docs/READS.md): no target
+        if "rss_growth_bytes" in rss:  # the process RSS as top shows it (docs/READS.md, "Resident bytes")
             out.fig("vmrss_growth_mib", rss["rss_growth_bytes"] / 2**20)
     if cg and "skipped" not in cg:  # 1: the epoch completed and the RAM tensor was killed
         out.fig("cgroup_epoch", 1.0 if cg["ok"] else 0.0)

@@ -31,84 +31,20 @@ replaces files atomically, and a replaced file keeps its old inode mapped until 
 
 from __future__ import annotations
 
-import errno
-import mmap
 import os
-import sys
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 
 from featurestore.core import open_files, pread
+from featurestore.core.mapped_file import MappedFile, map_file, read_into
 from featurestore.core.reader_ranges import copy_runs
 from featurestore.errors import InvalidOption
 
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in lazily
-_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
-# Linux >= 5.14; Python names it from 3.13. Maps a range's cached pages in with one call: a copy
-# out of a released map otherwise faults once per 64 KiB (measured on chunk files here: a warm
-# 8 MiB copy at 1.76 GB/s after a release, 2.03 with this, 2.64 while still mapped in).
-_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else 0)
 _POPULATE_RUN = 256 << 10  # runs shorter than this fault in at the cost of a call or less
 DEFAULT_MAPPED_MIB = 64
-
-
-class _Entry:
-    __slots__ = ("address", "inode", "mapped", "mincore_truthful", "nbytes", "opened", "path", "resident", "rows")
-
-    def __init__(self, path: str, inode: int, mapped: mmap.mmap, rows: np.ndarray,
-                 mincore_truthful: bool = False) -> None:  # fmt: skip
-        self.path, self.inode, self.mapped, self.rows = path, inode, mapped, rows
-        self.mincore_truthful = mincore_truthful  # see _mincore_truthful
-        self.address = rows.ctypes.data  # of the map's first byte (for mincore)
-        self.nbytes = len(mapped)
-        # When the file was opened (monotonic): a generation check requested after it proves the
-        # map is of the generation its reader opened (featurestore.core.generation).
-        self.opened = time.monotonic()
-        self.resident = 0  # bytes counted as mapped in since the last release (ChunkMaps.touched)
-
-    def release(self) -> None:
-        """Drop this process's page-table entries of the map (the page cache keeps the bytes)."""
-        mapped = self.mapped
-        if mapped is not None and _DONTNEED is not None:
-            try:
-                mapped.madvise(_DONTNEED)
-            except (ValueError, OSError):  # closed meanwhile: its pages went with it
-                pass
-
-    def map_in(self, start: int, length: int) -> None:
-        """Map the (page-cached) bytes ``[start, start + length)`` in with one call."""
-        global _POPULATE_READ
-        mapped = self.mapped
-        if mapped is None or not _POPULATE_READ:
-            return
-        begin = start - start % mmap.PAGESIZE
-        try:
-            mapped.madvise(_POPULATE_READ, begin, start + length - begin)
-        except ValueError:  # closed meanwhile
-            pass
-        except OSError as error:
-            if error.errno == errno.EINVAL:  # a kernel without it: the copy faults the pages in
-                _POPULATE_READ = 0
-
-    def close(self) -> None:
-        mapped, self.rows, self.mapped = self.mapped, None, None  # type: ignore[assignment]
-        if mapped is not None:
-            try:
-                mapped.close()
-            except BufferError:  # a gather still copies from it: unmapped when it drops its view
-                pass
-
-    def checked_rows(self) -> np.ndarray | None:
-        """The rows if the file still has the size it was mapped with (``fstat`` on the map's own
-        descriptor), else None. Holding the rows keeps the map alive even if evicted meanwhile."""
-        rows, mapped = self.rows, self.mapped
-        if rows is None or mapped is None or mapped.size() != self.nbytes:
-            return None
-        return rows
 
 
 class ChunkMaps:
@@ -120,10 +56,10 @@ class ChunkMaps:
         self.max_resident = max_bytes if max_resident is None else max_resident
         # Scattered small rows (see FeatureArray._cached) are bounded too only when the budget was
         # asked for: bounding them costs a fault or a syscall per row.
-        self.strict = False
-        self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
+        self.strict = False  # FEATURESTORE_MAPPED_MIB set (shared())
+        self._entries: OrderedDict[tuple[str, int], MappedFile] = OrderedDict()
         self._bytes = 0
-        self._touched: OrderedDict[_Entry, None] = OrderedDict()  # maps with pages mapped in, oldest first
+        self._touched: OrderedDict[MappedFile, None] = OrderedDict()  # maps with pages mapped in, oldest first
         self._resident = 0
         self._lock = threading.Lock()
 
@@ -132,7 +68,7 @@ class ChunkMaps:
 
     def entry(self, owner: str, chunk: int, path_of: Callable[[int], str], *, shape: tuple[int, int],
               check_size: Callable[[str, int], None], populate: bool,
-              inode: int | None = None) -> tuple[_Entry, np.ndarray]:
+              inode: int | None = None) -> tuple[MappedFile, np.ndarray]:
         """The map of the chunk file ``path_of(chunk)`` and its rows ``[chunk_rows, sample_nbytes]``,
         mapped once and reused. ``check_size(path, size)`` raises when ``size`` is not the chunk's;
         the size is checked on every call, on the map's own descriptor. ``inode``, when given, is
@@ -150,7 +86,7 @@ class ChunkMaps:
             self._drop(key, entry)
             if size != entry.nbytes:
                 check_size(entry.path, size)  # raises, naming the file
-        entry = _map(path_of(chunk), shape, check_size, populate)
+        entry = map_file(path_of(chunk), shape, check_size, populate)
         with self._lock:
             current = self._entries.get(key)
             if current is not None and current.inode == entry.inode:  # another thread mapped it first
@@ -170,7 +106,7 @@ class ChunkMaps:
             self.touched([(entry, entry.nbytes)])
         return entry, rows
 
-    def touched(self, spans: list[tuple[_Entry, int]]) -> None:
+    def touched(self, spans: list[tuple[MappedFile, int]]) -> None:
         """Count ``(map, bytes)`` as mapped in by a gather, then release the maps touched least
         recently until the count is within ``max_resident`` (a map's count never exceeds its size)."""
         with self._lock:
@@ -216,7 +152,7 @@ class ChunkMaps:
         for entry in entries:
             entry.close()
 
-    def _drop(self, key: tuple[str, int], entry: _Entry) -> None:
+    def _drop(self, key: tuple[str, int], entry: MappedFile) -> None:
         with self._lock:
             if self._entries.get(key) is entry:
                 self._remove_locked(key)
@@ -227,14 +163,14 @@ class ChunkMaps:
         self._bytes -= entry.nbytes
         self._untouch_locked(entry)
 
-    def _untouch_locked(self, entry: _Entry) -> None:
+    def _untouch_locked(self, entry: MappedFile) -> None:
         """An entry leaving the cache is unmapped (now, or when its last gather lets go)."""
         if entry in self._touched:
             del self._touched[entry]
             self._resident -= entry.resident
             entry.resident = 0
 
-    def _evict_locked(self) -> list[_Entry]:
+    def _evict_locked(self) -> list[MappedFile]:
         evicted = []
         while len(self._entries) > 1 and (len(self._entries) > self.max_maps or self._bytes > self.max_bytes):
             _, entry = self._entries.popitem(last=False)
@@ -255,13 +191,13 @@ class ArrayMaps:
     def __init__(self, owner: str, shape: tuple[int, int], path_of: Callable[[int], str],
                  check_size: Callable[[str, int], None]) -> None:
         self._owner, self._shape, self._path_of, self._check_size = owner, shape, path_of, check_size
-        self._seen: dict[int, _Entry] = {}
+        self._seen: dict[int, MappedFile] = {}
 
     def rows(self, chunk: int, populate: bool = False, inode: int | None = None) -> np.ndarray:
         """Rows of ``chunk`` (see :meth:`ChunkMaps.entry`); the file's size is checked every time."""
         return self.view(chunk, populate, inode)[0]
 
-    def view(self, chunk: int, populate: bool = False, inode: int | None = None) -> tuple[np.ndarray, _Entry]:
+    def view(self, chunk: int, populate: bool = False, inode: int | None = None) -> tuple[np.ndarray, MappedFile]:
         """:meth:`rows`, and the map's entry (``opened``: when its file was opened, monotonic; what
         a gather copied from it goes to :meth:`ChunkMaps.touched`)."""
         entry = self._seen.get(chunk)
@@ -294,7 +230,7 @@ class ArrayMaps:
         """Whether rows ``rows`` (ascending) of ``chunk`` can be copied now without opening a
         file or waiting on a disk: this array already holds the chunk's map (of the size it was
         mapped with) and every page of the rows is in the page cache (``mincore`` where its
-        answer is truthful, :func:`_mincore_truthful`; else a read that refuses to wait)."""
+        answer is truthful, :func:`~featurestore.core.mapped_file.mincore_truthful`; else a read that refuses to wait)."""
         entry = self._seen.get(chunk)
         if entry is None or entry.checked_rows() is None:
             return False
@@ -315,16 +251,22 @@ class ArrayMaps:
         its map's descriptor right before its rows are copied (a file truncated in place since
         would raise SIGBUS on the copy). What the copies of a chunk mapped in (whole folios,
         counted once per chunk) goes to :meth:`ChunkMaps.touched` at least every quarter of the
-        budget, so one long gather (a whole bag) stays within it too; a :func:`scattered` one is not
-        counted (its pages stay until its maps leave the cache) unless the budget was set."""
+        budget, so one long gather (a whole bag) stays within it too. A :func:`scattered` one is
+        read through the maps' descriptors instead (``preadv``): it maps nothing in, so it adds
+        nothing to RSS and has nothing to count."""
         chunk_rows, width = self._shape
         runs, chunks = copy_runs(index, chunk_rows)
         maps, folio, current, newest = shared(), FOLIO, -1, float("-inf")
-        count = maps.strict or not scattered(len(index) * width, chunks, chunk_rows * width, array_nbytes,
-                                             runs=len(runs), rows=len(index))  # fmt: skip
-        touched: list[tuple[_Entry, int]] = []
+        nbytes = len(index) * width
+        # Rows under LONG_RUN stay with the maps unless the budget was set: there a system call
+        # per row costs more than the copy (8 KiB rows: 0.14x np.memmap through descriptors,
+        # 0.2-0.3x through the maps).
+        scatter = scattered(nbytes, chunks, chunk_rows * width, array_nbytes, runs=len(runs), rows=len(index))
+        direct = scatter and (maps.strict or nbytes >= len(runs) * LONG_RUN)
+        count = not scatter
+        touched: list[tuple[MappedFile, int]] = []
         pending = mapped = mapped_to = 0
-        entry = None
+        entry = descriptor = None
         for chunk, first, target, length in runs:
             if chunk != current:
                 if entry is not None:
@@ -336,6 +278,10 @@ class ArrayMaps:
                 view, entry = self.view(chunk, populate)
                 newest, current, mapped, mapped_to = max(newest, entry.opened), chunk, 0, 0
                 released = entry.resident == 0  # nothing of it mapped in: long runs map in first
+                descriptor = entry.descriptor if direct else None  # held: stays open while used
+            if descriptor is not None:
+                read_into(descriptor, rows[target : target + length], first * width, entry.path, self._check_size)
+                continue
             if released and length * width >= _POPULATE_RUN:
                 entry.map_in(first * width, length * width)
             if length == 1:
@@ -353,31 +299,6 @@ class ArrayMaps:
         return newest
 
 
-def _map(path: str, shape: tuple[int, int], check_size: Callable[[str, int], None], populate: bool) -> _Entry:
-    with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        check_size(path, st.st_size)
-        # The map keeps its own duplicate of the descriptor (CPython's mmap), which the size
-        # checks above use; the 4-byte crc trailer is left out of the view. MAP_POPULATE maps the
-        # chunk's cached pages in one call instead of one page fault per 4 KiB on first touch, but
-        # on a cold chunk it reads the whole file first (384 MiB for one 6 MiB row of a 64-row
-        # chunk), so "auto" maps lazily.
-        flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
-        mapped = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
-    rows = np.frombuffer(mapped, np.uint8, count=shape[0] * shape[1]).reshape(shape)
-    return _Entry(path, st.st_ino, mapped, rows, _mincore_truthful(path, st.st_uid))
-
-
-def _mincore_truthful(path: str, owner: int) -> bool:
-    """Whether ``mincore`` on a map of ``path`` reports the page cache's state. Since Linux 5.2 it
-    does so only for a file the caller owns (or root) or could open for writing; for any other
-    file it reports every page resident, which would pass a cold read off as a page-cached one."""
-    euid = os.geteuid()
-    if euid == 0 or owner == euid:
-        return True
-    return os.access(path, os.W_OK, effective_ids=os.access in os.supports_effective_ids)
-
-
 _SHARED: ChunkMaps | None = None
 _SHARED_LOCK = threading.Lock()
 
@@ -390,6 +311,7 @@ def shared() -> ChunkMaps:
     with _SHARED_LOCK:
         if _SHARED is None:
             _SHARED = ChunkMaps(open_files.max_maps(), pread.memory_limit() // 2, resident_budget())
+            # Set explicitly, the budget binds every read: small shuffled rows too (through descriptors).
             _SHARED.strict = bool(os.environ.get("FEATURESTORE_MAPPED_MIB", "").strip())
         return _SHARED
 
@@ -400,9 +322,9 @@ def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int, *, 
 
     Through a map each such row maps in a folio around it (up to 2 MiB): counted, they would turn
     the budget over, a release and a fault per row (4x the time of a shuffled batch of 2 KiB rows
-    here). So they keep their pages mapped in, uncounted, unless ``FEATURESTORE_MAPPED_MIB`` was
-    set: then the reader sends them to pread, which maps nothing (3.5x the time: it opens each
-    chunk file per read).
+    here). So they are read through the maps' descriptors (:meth:`ArrayMaps.gather`), which maps
+    nothing, when their rows are at least :data:`LONG_RUN` or ``FEATURESTORE_MAPPED_MIB`` was set;
+    smaller ones keep their pages mapped in, uncounted.
 
     Never scattered: ``rows`` in ``runs`` of several rows and :data:`LONG_RUN` each (a bag, a row
     range, the parts of them the first-read check leaves to the maps), which mapped back in cost a

@@ -113,7 +113,7 @@ def sampled_cached(path: str, nbytes: int, probes: int = 16) -> bool | None:
     """Whether the first ``nbytes`` of ``path`` look page-cached: ``probes`` one-page reads spread
     over them with ``RWF_NOWAIT``, which refuses rather than wait for a disk; None where the kernel
     or the file system cannot say. For files whose ``mincore`` answer is untruthful (a file this
-    process may not write: ``chunk_maps._mincore_truthful``), at ~2 us a probe."""
+    process may not write: ``mapped_file.mincore_truthful``), at ~2 us a probe."""
     if not _NOWAIT or nbytes <= 0:
         return None
     step = max(_PAGE, nbytes // probes // _PAGE * _PAGE)

@@ -362,11 +362,6 @@ class FeatureArray(CachedPath, RangesPath, BlocksPath, MemoryPath):
             self._warm_since = now
         chunks = chunks_of(index, self.chunk_rows)
         maps = chunk_maps.shared()
-        # Scattered small rows (chunk_maps.scattered) are bounded only when the budget was asked
-        # for: then they go to pread, which maps nothing.
-        if maps.strict and chunk_maps.scattered(len(index) * self.sample_nbytes, len(chunks),
-                                                self.chunk_rows * self.sample_nbytes, self.nbytes):
-            return False
         warm = self._warm
         if warm[chunks].all():
             return True
