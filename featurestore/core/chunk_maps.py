@@ -18,7 +18,10 @@ its page-cache folio, up to 2 MiB), and past the budget the maps touched least r
 their pages with ``madvise(MADV_DONTNEED)``. On a shared file map that removes only this process's
 page-table entries: the page cache keeps the bytes, and the next touch maps them again (no disk
 read; a long run with one ``MADV_POPULATE_READ`` call), so reads stay warm while RSS stays bounded,
-at the kernel's cost of mapping pages in again (docs/READS.md has the figures).
+at the kernel's cost of mapping pages in again (docs/READS.md has the figures). Shuffled rows
+(:func:`scattered`) of at least :data:`LONG_RUN` (all of them when the budget was set) are not
+copied out of the maps but read through their descriptors, which maps nothing in
+(core.mapped_file).
 
 Every use re-checks the mapped file's size with ``fstat`` on the map's own descriptor. A file
 truncated in place under a map raises SIGBUS on the first touch of a page past its new end, which
@@ -54,9 +57,9 @@ class ChunkMaps:
         self.max_maps = max_maps
         self.max_bytes = max_bytes
         self.max_resident = max_bytes if max_resident is None else max_resident
-        # Scattered small rows (see FeatureArray._cached) are bounded too only when the budget was
-        # asked for: bounding them costs a fault or a syscall per row.
-        self.strict = False  # FEATURESTORE_MAPPED_MIB set (shared())
+        # FEATURESTORE_MAPPED_MIB set (shared()): shuffled rows under LONG_RUN are read through
+        # descriptors too (ArrayMaps.gather), at a system call per row.
+        self.strict = False
         self._entries: OrderedDict[tuple[str, int], MappedFile] = OrderedDict()
         self._bytes = 0
         self._touched: OrderedDict[MappedFile, None] = OrderedDict()  # maps with pages mapped in, oldest first

@@ -52,6 +52,9 @@ class Descriptor:
 
 
 class MappedFile:
+    """A chunk file's map (``rows``: its payload as ``[chunk_rows, row bytes]``), its inode, when it
+    was opened, and the descriptor it was made from (None once closed)."""
+
     __slots__ = ("address", "descriptor", "inode", "mapped", "mincore_truthful", "nbytes", "opened", "path",
                  "resident", "rows")
 
