@@ -97,14 +97,14 @@ def test_rss_stays_within_the_mapped_bound_over_a_split_six_times_larger(store_r
         f"{BAGS * BAG_ROWS * DIM * 2 / 2**20:.0f} MiB twice, page-cached, under FEATURESTORE_MAPPED_MIB={BOUND_MIB}")
 
 
-_DEFAULT_MODE = textwrap.dedent("""
+# The default mode (no FEATURESTORE_MAPPED_MIB), its budget made small so that a small split is
+# many times larger than it; the store page-cached.
+_SMALL_BUDGET = textwrap.dedent("""
     import json, os, sys
     import numpy as np
     import featurestore
     from featurestore.core import chunk_maps, open_files
 
-    # The default mode (no FEATURESTORE_MAPPED_MIB: scattered rows uncounted), its budget made
-    # small so that a small split is many times larger than it.
     chunk_maps._SHARED = chunk_maps.ChunkMaps(open_files.max_maps(), 1 << 40, int(sys.argv[2]) << 20)
     root = sys.argv[1]
     for d, _, files in os.walk(root):
@@ -112,6 +112,19 @@ _DEFAULT_MODE = textwrap.dedent("""
             with open(os.path.join(d, name), "rb") as f:
                 while f.read(1 << 22):
                     pass
+""")
+
+
+def _small_budget_run(script: str, root: str) -> dict[str, int]:
+    """``script`` (one of the ``_SMALL_BUDGET`` ones) in a fresh process over ``root``: its JSON."""
+    done = subprocess.run([sys.executable, "-c", script, root, str(BOUND_MIB)],
+                          env={k: v for k, v in os.environ.items() if k != "FEATURESTORE_MAPPED_MIB"},
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_DEFAULT_MODE = _SMALL_BUDGET + textwrap.dedent("""
     bags = featurestore.open_store(root).open_bags("ds", "enc", "straddling")
     out = np.empty((int(bags.lengths.max()), bags.dim), np.float16)
     out.fill(0)
@@ -139,11 +152,7 @@ def test_bags_across_chunk_bounds_stay_within_the_default_bound(tmp_path: Path) 
     for i in range(64):  # 90 MiB
         writer.add_bag(f"slide-{i:02d}", block + np.float16(i % 7))
     writer.commit()
-    done = subprocess.run([sys.executable, "-c", _DEFAULT_MODE, root, str(BOUND_MIB)],
-                          env={k: v for k, v in os.environ.items() if k != "FEATURESTORE_MAPPED_MIB"},
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _small_budget_run(_DEFAULT_MODE, root)
     assert result["bags_mmap"] > 0, result
     assert result["growth"] <= (BOUND_MIB + SLACK_MIB) << 20, (
         f"VmRSS grew by {result['growth'] / 2**20:.0f} MiB reading 90 MiB of bags once under a bound of {BOUND_MIB} MiB")
@@ -160,20 +169,7 @@ def test_mapped_budget_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> No
             chunk_maps.resident_budget()
 
 
-_SHUFFLED = textwrap.dedent("""
-    import json, os, sys
-    import numpy as np
-    import featurestore
-    from featurestore.core import chunk_maps, open_files
-
-    # The default mode (no FEATURESTORE_MAPPED_MIB), its budget made small as above.
-    chunk_maps._SHARED = chunk_maps.ChunkMaps(open_files.max_maps(), 1 << 40, int(sys.argv[2]) << 20)
-    root = sys.argv[1]
-    for d, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(d, name), "rb") as f:
-                while f.read(1 << 22):
-                    pass
+_SHUFFLED = _SMALL_BUDGET + textwrap.dedent("""
     dense = featurestore.open_store(root).open("ds", "enc", "wide")
     batch = np.zeros((64, *dense.sample_shape), np.float16)
     order = np.random.default_rng(2).permutation(len(dense))
@@ -205,11 +201,7 @@ def test_shuffled_wide_rows_add_nothing_to_rss_by_default(tmp_path: Path) -> Non
         block[:, 0, 0] = np.arange(start, start + 160) % 1000  # each row says which it is
         writer.write(start, block)
     writer.commit()
-    done = subprocess.run([sys.executable, "-c", _SHUFFLED, root, str(BOUND_MIB)],
-                          env={k: v for k, v in os.environ.items() if k != "FEATURESTORE_MAPPED_MIB"},
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _small_budget_run(_SHUFFLED, root)
     assert result["mmap"] > 0 and result["wrong"] == 0, result
     assert result["growth"] <= (BOUND_MIB + SLACK_MIB) << 20, (
         f"VmRSS grew by {result['growth'] / 2**20:.0f} MiB over a shuffled epoch of a 90 MiB split, bound {BOUND_MIB} MiB")
