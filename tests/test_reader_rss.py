@@ -209,8 +209,9 @@ def test_shuffled_wide_rows_add_nothing_to_rss_by_default(tmp_path: Path) -> Non
 
 def test_a_file_truncated_under_a_descriptor_read_is_refused_by_name(tmp_path: Path) -> None:
     """A read through a map's descriptor of a file truncated in place since it was mapped names the
-    file (a copy out of the map would have raised SIGBUS)."""
-    from featurestore.core.mapped_file import map_file, read_into
+    file (a copy out of the map would have raised SIGBUS); a descriptor is only ever opened on the
+    file that was mapped, as it was mapped."""
+    from featurestore.core.mapped_file import map_file, open_descriptor, read_into
     from featurestore.errors import CorruptChunk
 
     path = str(tmp_path / "chunk")
@@ -222,10 +223,43 @@ def test_a_file_truncated_under_a_descriptor_read_is_refused_by_name(tmp_path: P
             raise CorruptChunk(f"chunk file {where} has {size} bytes")
 
     entry = map_file(path, (64, 256), check_size, populate=False)
+    descriptor = open_descriptor(entry)
+    assert descriptor is not None
     target = np.empty(256, np.uint8)
-    read_into(entry.descriptor, target, 256 * 3, path, check_size)
+    read_into(descriptor, target, 256 * 3, path, check_size)
     assert bytes(target) == bytes(range(256))
     os.truncate(path, 256 * 2)
     with pytest.raises(CorruptChunk, match="chunk file .*chunk has 512 bytes"):
-        read_into(entry.descriptor, target, 256 * 3, path, check_size)
+        read_into(descriptor, target, 256 * 3, path, check_size)
+    assert open_descriptor(entry) is None  # no longer the size it was mapped with: copied from the map
+    os.replace(path, str(tmp_path / "old"))
+    with open(path, "wb") as f:  # another file at the same path, of the mapped size
+        f.write(bytes(256 * 64))
+    os.truncate(str(tmp_path / "old"), 256 * 64)
+    assert open_descriptor(entry) is None  # another inode: never read for the mapped one
     entry.close()
+    assert open_descriptor(entry) is None
+
+
+def test_descriptors_for_reads_count_against_the_maps_share(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each map read through a descriptor holds one more: maps and those descriptors together
+    stay within ``max_descriptors``, whatever the chunk count, and the rows are right."""
+    root = str(tmp_path / "store")
+    n = 640  # 40 chunks of 16 rows of 64 KiB
+    writer = featurestore.open_store(root, mode="a").create_split("ds", "enc", "wide", num_samples=n,
+                                                                  sample_shape=(32, DIM), chunk_bytes=1 << 20)
+    values = np.zeros((n, 32, DIM), np.float32)
+    values[:, 0, 0] = np.arange(n)
+    writer.write(0, values)
+    writer.commit()
+    monkeypatch.setattr(chunk_maps, "_SHARED", chunk_maps.ChunkMaps(64, 1 << 40, 1 << 20, max_descriptors=8))
+    maps = chunk_maps.shared()
+    dense = featurestore.open_store(root).open("ds", "enc", "wide")
+    dense.verify_reads = "off"
+    order = np.random.default_rng(3).permutation(n)
+    for start in range(0, n, 16):
+        got = dense.read_numpy(order[start:start + 16])
+        assert np.array_equal(got[:, 0, 0].astype(np.int64), order[start:start + 16])
+        assert len(maps) + maps._descriptors <= 8, (len(maps), maps._descriptors)
+    assert dense.read_counts["mmap"] > 0 and maps._descriptors > 0
+    maps.clear()

@@ -42,7 +42,7 @@ from collections.abc import Callable
 import numpy as np
 
 from featurestore.core import open_files, pread
-from featurestore.core.mapped_file import MappedFile, map_file, read_into
+from featurestore.core.mapped_file import Descriptor, MappedFile, map_file, open_descriptor, read_into
 from featurestore.core.reader_ranges import copy_runs
 from featurestore.errors import InvalidOption
 
@@ -53,8 +53,13 @@ DEFAULT_MAPPED_MIB = 64
 class ChunkMaps:
     """The process's chunk maps, keyed by ``(array directory, chunk)``."""
 
-    def __init__(self, max_maps: int, max_bytes: int, max_resident: int | None = None) -> None:
+    def __init__(self, max_maps: int, max_bytes: int, max_resident: int | None = None,
+                 max_descriptors: int | None = None) -> None:
         self.max_maps = max_maps
+        # Descriptors of the maps (one each, CPython's mmap's own) and of their reads that map
+        # nothing (one more each, opened on first need), together.
+        self.max_descriptors = max_maps if max_descriptors is None else max_descriptors
+        self._descriptors = 0  # maps holding a descriptor for reads
         self.max_bytes = max_bytes
         self.max_resident = max_bytes if max_resident is None else max_resident
         # FEATURESTORE_MAPPED_MIB set (shared()): shuffled rows under LONG_RUN are read through
@@ -100,6 +105,7 @@ class ChunkMaps:
                 if current is not None:
                     self._remove_locked(key)
                 self._entries[key] = entry
+                entry.cached = True
                 self._bytes += entry.nbytes
             rows = entry.rows  # taken under the lock: no eviction can close it first
             evicted = self._evict_locked()
@@ -149,9 +155,10 @@ class ChunkMaps:
         with self._lock:
             entries = list(self._entries.values())
             self._entries.clear()
-            self._bytes = 0
+            self._bytes = self._resident = self._descriptors = 0
             self._touched.clear()
-            self._resident = 0
+            for entry in entries:
+                entry.cached = False
         for entry in entries:
             entry.close()
 
@@ -166,8 +173,26 @@ class ChunkMaps:
         self._bytes -= entry.nbytes
         self._untouch_locked(entry)
 
+    def descriptor(self, entry: MappedFile) -> Descriptor | None:
+        """``entry``'s descriptor for reads that map nothing, opened on first need and counted in
+        ``max_descriptors`` (maps evicted for it); None: copy out of the map instead."""
+        descriptor = entry.descriptor
+        if descriptor is not None:
+            return descriptor
+        with self._lock:
+            if entry.cached and entry.descriptor is None:
+                entry.descriptor = open_descriptor(entry)
+                self._descriptors += entry.descriptor is not None
+            descriptor = entry.descriptor
+            evicted = self._evict_locked()
+        for old in evicted:
+            old.close()
+        return descriptor
+
     def _untouch_locked(self, entry: MappedFile) -> None:
         """An entry leaving the cache is unmapped (now, or when its last gather lets go)."""
+        entry.cached = False
+        self._descriptors -= entry.descriptor is not None
         if entry in self._touched:
             del self._touched[entry]
             self._resident -= entry.resident
@@ -175,7 +200,8 @@ class ChunkMaps:
 
     def _evict_locked(self) -> list[MappedFile]:
         evicted = []
-        while len(self._entries) > 1 and (len(self._entries) > self.max_maps or self._bytes > self.max_bytes):
+        while len(self._entries) > 1 and (len(self._entries) > self.max_maps or self._bytes > self.max_bytes
+                                          or len(self._entries) + self._descriptors > self.max_descriptors):
             _, entry = self._entries.popitem(last=False)
             self._bytes -= entry.nbytes
             self._untouch_locked(entry)
@@ -233,7 +259,8 @@ class ArrayMaps:
         """Whether rows ``rows`` (ascending) of ``chunk`` can be copied now without opening a
         file or waiting on a disk: this array already holds the chunk's map (of the size it was
         mapped with) and every page of the rows is in the page cache (``mincore`` where its
-        answer is truthful, :func:`~featurestore.core.mapped_file.mincore_truthful`; else a read that refuses to wait)."""
+        answer is truthful, :func:`~featurestore.core.mapped_file.mincore_truthful`; else a read
+        that refuses to wait)."""
         entry = self._seen.get(chunk)
         if entry is None or entry.checked_rows() is None:
             return False
@@ -281,7 +308,7 @@ class ArrayMaps:
                 view, entry = self.view(chunk, populate)
                 newest, current, mapped, mapped_to = max(newest, entry.opened), chunk, 0, 0
                 released = entry.resident == 0  # nothing of it mapped in: long runs map in first
-                descriptor = entry.descriptor if direct else None  # held: stays open while used
+                descriptor = maps.descriptor(entry) if direct else None  # held: stays open while used
             if descriptor is not None:
                 read_into(descriptor, rows[target : target + length], first * width, entry.path, self._check_size)
                 continue
@@ -313,7 +340,9 @@ def shared() -> ChunkMaps:
         return _SHARED
     with _SHARED_LOCK:
         if _SHARED is None:
-            _SHARED = ChunkMaps(open_files.max_maps(), pread.memory_limit() // 2, resident_budget())
+            maps = open_files.max_maps()  # FEATURESTORE_MAX_MAPS may ask for more than the share
+            _SHARED = ChunkMaps(maps, pread.memory_limit() // 2, resident_budget(),
+                                max(maps, open_files.descriptor_share()))
             # Set explicitly, the budget binds every read: small shuffled rows too (through descriptors).
             _SHARED.strict = bool(os.environ.get("FEATURESTORE_MAPPED_MIB", "").strip())
         return _SHARED

@@ -1,16 +1,17 @@
-"""One chunk file as the chunk maps hold it: its memory map, and its descriptor for reads that map nothing.
+"""One chunk file as the chunk maps hold it: its memory map, and a descriptor for reads that map nothing.
 
 A :class:`MappedFile` is made by :func:`map_file` and kept by :class:`~featurestore.core.chunk_maps.ChunkMaps`.
 Its rows are read two ways:
 
 * through the map (``rows``): a copy straight out of the page cache, whose touched pages count in
   the process's RSS until they are released (:meth:`MappedFile.release`);
-* through its descriptor (:meth:`MappedFile.read_into`, ``preadv``): the kernel copies the rows
-  out of the page cache and maps nothing, so nothing is added to RSS. For shuffled rows much
+* through a descriptor (:func:`read_into`, ``preadv``; opened by ``ChunkMaps.descriptor``): the
+  kernel copies the rows out of the page cache and maps nothing, so nothing is added to RSS. For shuffled rows much
   smaller than a folio this costs what the copy out of the map costs (one system call per row
   against the page faults that map the row in) and keeps a shuffled epoch of any split out of
-  the process's RSS. The descriptor is the one the map was made from, so it reads the very file
-  that was mapped (a file replaced at the same path since is never read by mistake).
+  the process's RSS. The descriptor is opened on first need (:func:`open_descriptor`) and used
+  only if it names the very file that was mapped (same inode and size): a file replaced at the
+  same path since is never read by mistake. A map that is only ever copied from holds none.
 
 Both stay valid while a gather uses them after the cache dropped the entry: the map is unmapped
 once the gather lets go of its view, the descriptor closed once it lets go of its
@@ -53,15 +54,16 @@ class Descriptor:
 
 class MappedFile:
     """A chunk file's map (``rows``: its payload as ``[chunk_rows, row bytes]``), its inode, when it
-    was opened, and the descriptor it was made from (None once closed)."""
+    was opened, and its descriptor for reads that map nothing (None until opened, and once closed)."""
 
-    __slots__ = ("address", "descriptor", "inode", "mapped", "mincore_truthful", "nbytes", "opened", "path",
-                 "resident", "rows")
+    __slots__ = ("address", "cached", "descriptor", "inode", "mapped", "mincore_truthful", "nbytes", "opened",
+                 "path", "resident", "rows")
 
-    def __init__(self, path: str, inode: int, mapped: mmap.mmap, rows: np.ndarray, descriptor: Descriptor,
+    def __init__(self, path: str, inode: int, mapped: mmap.mmap, rows: np.ndarray,
                  mincore_truthful: bool = False) -> None:  # fmt: skip
         self.path, self.inode, self.mapped, self.rows = path, inode, mapped, rows
-        self.descriptor: Descriptor | None = descriptor
+        self.descriptor: Descriptor | None = None
+        self.cached = False  # held by the ChunkMaps cache (its lock guards this and the descriptor)
         self.mincore_truthful = mincore_truthful  # see mincore_truthful()
         self.address = rows.ctypes.data  # of the map's first byte (for mincore)
         self.nbytes = len(mapped)
@@ -126,21 +128,33 @@ def read_into(descriptor: Descriptor, target: np.ndarray, offset: int, path: str
         done += got
 
 
+def open_descriptor(entry: MappedFile) -> Descriptor | None:
+    """A descriptor of the file ``entry`` mapped: None if it is closed, or if its path now names
+    another file (replaced since) or cannot be opened; the caller then copies out of the map."""
+    if entry.mapped is None:
+        return None
+    try:
+        descriptor = Descriptor(os.open(entry.path, os.O_RDONLY))
+    except OSError:
+        return None
+    st = os.fstat(descriptor.fd)
+    return descriptor if (st.st_ino, st.st_size) == (entry.inode, entry.nbytes) else None
+
+
 def map_file(path: str, shape: tuple[int, int], check_size: Callable[[str, int], None],
              populate: bool) -> MappedFile:
-    fd = os.open(path, os.O_RDONLY)
-    descriptor = Descriptor(fd)  # closes fd whatever happens below, once dropped
-    st = os.fstat(fd)
-    check_size(path, st.st_size)
-    # The map keeps its own duplicate of the descriptor (CPython's mmap), which the size checks
-    # use; the 4-byte crc trailer is left out of the view. MAP_POPULATE maps the chunk's cached
-    # pages in one call instead of one page fault per 4 KiB on first touch, but on a cold chunk
-    # it reads the whole file first (384 MiB for one 6 MiB row of a 64-row chunk), so "auto" maps
-    # lazily.
-    flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
-    mapped = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ)
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        check_size(path, st.st_size)
+        # The map keeps its own duplicate of the descriptor (CPython's mmap), which the size
+        # checks above use; the 4-byte crc trailer is left out of the view. MAP_POPULATE maps the
+        # chunk's cached pages in one call instead of one page fault per 4 KiB on first touch, but
+        # on a cold chunk it reads the whole file first (384 MiB for one 6 MiB row of a 64-row
+        # chunk), so "auto" maps lazily.
+        flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
+        mapped = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
     rows = np.frombuffer(mapped, np.uint8, count=shape[0] * shape[1]).reshape(shape)
-    return MappedFile(path, st.st_ino, mapped, rows, descriptor, mincore_truthful(path, st.st_uid))
+    return MappedFile(path, st.st_ino, mapped, rows, mincore_truthful(path, st.st_uid))
 
 
 def mincore_truthful(path: str, owner: int) -> bool:

@@ -1,15 +1,16 @@
 """How many chunk files the local readers may hold open at once, process-wide.
 
-Every memory map of a chunk holds two file descriptors (CPython's ``mmap`` keeps a ``dup`` of it, and
-the map keeps the one it was made from for reads that map nothing: core.mapped_file) and one entry
-of the process's map table (``vm.max_map_count``), and a pread gather holds one
+Every memory map of a chunk holds a file descriptor (CPython's ``mmap`` keeps a ``dup`` of it), one
+more once rows are read through it without mapping them (core.mapped_file), and one entry of the
+process's map table (``vm.max_map_count``); a pread gather holds one
 descriptor per chunk file it reads. Kept per chunk, they grew with the chunk count until the
 process failed with ``EMFILE`` (a split of one-row chunks under ``ulimit -n 1024``).
 Both are bounded here, by a share of the soft ``RLIMIT_NOFILE`` read on first use, so sockets,
 libraries and the rest of the process keep the other half:
 
-* maps (:mod:`featurestore.core.chunk_maps`): a quarter of it (an eighth in maps, two descriptors
-  each), at most an eighth of ``vm.max_map_count``; ``FEATURESTORE_MAX_MAPS`` overrides;
+* maps (:mod:`featurestore.core.chunk_maps`): a quarter of it, their descriptors of both kinds
+  counted together, at most an eighth of ``vm.max_map_count`` maps; ``FEATURESTORE_MAX_MAPS``
+  overrides the count of maps;
 * descriptors held by pread gathers (:class:`FileBudget`): another quarter.
 """
 
@@ -34,9 +35,8 @@ def descriptor_share() -> int:
 
 
 def max_maps() -> int:
-    """How many chunk maps the process keeps: ``FEATURESTORE_MAX_MAPS``, else as many as a quarter
-    of the descriptor limit holds (two each), at most an eighth of ``vm.max_map_count`` (numpy,
-    torch and malloc map too)."""
+    """How many chunk maps the process keeps: ``FEATURESTORE_MAX_MAPS``, else a quarter of the
+    descriptor limit, at most an eighth of ``vm.max_map_count`` (numpy, torch and malloc map too)."""
     text = os.environ.get("FEATURESTORE_MAX_MAPS", "").strip()
     if text:
         if not text.isdigit() or int(text) < 1:
@@ -48,7 +48,7 @@ def max_maps() -> int:
             table = int(f.read())
     except (OSError, ValueError):
         table = 65530  # Linux's default
-    return max(_MIN, min(descriptor_share() // 2, table // 8))
+    return max(_MIN, min(descriptor_share(), table // 8))
 
 
 class FileBudget:
