@@ -293,7 +293,9 @@ class ArrayMaps:
         # 0.2-0.3x through the maps).
         scatter = scattered(nbytes, chunks, chunk_rows * width, array_nbytes, runs=len(runs), rows=len(index))
         direct = scatter and (maps.strict or nbytes >= len(runs) * LONG_RUN)
-        count = not scatter
+        # Rows read through a descriptor map nothing and skip the count below; any copied out of a
+        # map (a map without a usable descriptor, too) are counted as before.
+        count = maps.strict or not scatter
         touched: list[tuple[MappedFile, int]] = []
         pending = mapped = mapped_to = 0
         entry = descriptor = None
