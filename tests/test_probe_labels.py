@@ -145,6 +145,20 @@ def test_a_table_that_is_not_utf8_or_matches_no_slide(tmp_path: Path) -> None:
         twins.match(["x"], "d/e/s")
 
 
+def test_cells_with_line_breaks_and_cells_too_long(tmp_path: Path) -> None:
+    from featurestore.probes.groups import table_has_column
+
+    # A clinical table's free-text column: a quoted cell over two lines, and an unquoted U+2028
+    # (Python's str.splitlines breaks on it, splitting the row: s2 lost its label before).
+    text = 'slide_id,note,label\ns1,"line one\nline two",1\ns2,a\u2028b,0\ns3,x,1\n'
+    assert read_label_table(table(tmp_path, text), "label").values == {"s1": 1, "s2": 0, "s3": 1}
+    huge = table(tmp_path, 'slide_id,label,report\ns1,1,"' + "x" * 200_000 + '"\n', name="huge.csv")
+    with pytest.raises(InvalidLabels, match=r"huge\.csv line 2: not a table .*field larger than field limit"):
+        read_label_table(huge, "label")
+    # Whether a column exists reads the header alone: a body that would be refused is not read.
+    assert table_has_column(huge, "report") and not table_has_column(huge, "grade")
+
+
 # ------------------------------------------------------------------------------------- ABMIL
 
 

@@ -102,6 +102,22 @@ def test_slide_list_csv_ids_and_labels(tmp_path: Path) -> None:
         list_slides(str(tmp_path / "dup.csv"))
 
 
+def test_slide_list_from_a_spreadsheet_and_broken_lists(tmp_path: Path) -> None:
+    # "CSV UTF-8" from a spreadsheet starts with a byte-order mark: before, the first column read
+    # as '\ufeffpath' and the list was refused for lacking a 'path' column.
+    (tmp_path / "excel.csv").write_bytes("path,slide_id\r\na.svs,case-1\r\n,\r\n".encode("utf-8-sig"))
+    assert [(r.id, r.path) for r in list_slides(str(tmp_path / "excel.csv"))] == [("case-1", str(tmp_path / "a.svs"))]
+    (tmp_path / "nopath.csv").write_text("path,slide_id\na.svs,x\n,y\n")
+    with pytest.raises(SlideError, match="line 3 has no path"):
+        list_slides(str(tmp_path / "nopath.csv"))
+    (tmp_path / "latin.csv").write_bytes("path\nMünchen.svs\n".encode("latin-1"))
+    with pytest.raises(SlideError, match="is not UTF-8 .*save it as UTF-8 CSV"):
+        list_slides(str(tmp_path / "latin.csv"))
+    (tmp_path / "huge.csv").write_text('path,note\na.svs,"' + "x" * 200_000 + '"\n')
+    with pytest.raises(SlideError, match="line 2 is not CSV .*field larger than field limit"):
+        list_slides(str(tmp_path / "huge.csv"))
+
+
 def test_otsu_and_mask_cleanup() -> None:
     values = np.array([10] * 50 + [200] * 50, dtype=np.uint8)
     assert 10 < tissue.otsu_threshold(values) <= 200

@@ -87,21 +87,38 @@ def _stem(path: str) -> str:
 
 
 def _slides_from_csv(path: str) -> list[SlideRef]:
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        columns = [c.strip() for c in reader.fieldnames or []]
-        if "path" not in columns:
-            raise SlideError(f"slide list {path!r} has columns {columns}; it needs a 'path' column "
-                             "(optional: slide_id, label)")
-        if "label" in columns and "slide_id" not in columns:
-            raise SlideError(f"slide list {path!r} has a label column but no slide_id column: add slide_id "
-                             "(the bag id each label belongs to, e.g. the file stem)")
-        base = os.path.dirname(os.path.abspath(path))
-        refs = []
-        for row in reader:
-            row = {k.strip(): (v or "").strip() for k, v in row.items() if k}
-            slide = row["path"] if os.path.isabs(row["path"]) else os.path.join(base, row["path"])
-            refs.append(SlideRef(row.get("slide_id") or _stem(slide), slide, row.get("label") or None))
+    """The slides a ``wsi:LIST.csv`` lists: UTF-8 (a spreadsheet's byte-order mark accepted), a
+    ``path`` column (relative to the list's folder), optional ``slide_id`` and ``label``."""
+    refs: list[SlideRef] = []
+    reader: Any = None
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.DictReader(f)
+            columns = [c.strip() for c in reader.fieldnames or []]
+            if "path" not in columns:
+                raise SlideError(f"slide list {path!r} has columns {columns}; it needs a 'path' column "
+                                 "(optional: slide_id, label)")
+            if "label" in columns and "slide_id" not in columns:
+                raise SlideError(f"slide list {path!r} has a label column but no slide_id column: add slide_id "
+                                 "(the bag id each label belongs to, e.g. the file stem)")
+            base = os.path.dirname(os.path.abspath(path))
+            for row in reader:
+                row = {k.strip(): (v or "").strip() for k, v in row.items() if k}
+                if not any(row.values()):
+                    continue  # a blank line
+                if not row.get("path"):
+                    raise SlideError(f"slide list {path!r} line {reader.line_num} has no path: give every "
+                                     "row a slide file in the 'path' column")
+                slide = row["path"] if os.path.isabs(row["path"]) else os.path.join(base, row["path"])
+                refs.append(SlideRef(row.get("slide_id") or _stem(slide), slide, row.get("label") or None))
+    except UnicodeDecodeError as error:
+        raise SlideError(f"slide list {path!r} is not UTF-8 (byte {error.object[error.start]:#04x} after line "
+                         f"{reader.line_num if reader else 0}): save it as UTF-8 CSV") from None
+    except csv.Error as error:
+        raise SlideError(f"slide list {path!r} line {reader.reader.line_num if reader else 1} is not CSV ({error}): save "
+                         "it as comma-separated text") from None
+    except OSError as error:
+        raise SlideError(f"cannot read the slide list {path!r} ({error.strerror or error})") from None
     if not refs:
         raise SlideError(f"slide list {path!r} lists no slides")
     return refs

@@ -164,6 +164,7 @@ def read_group_table(path: str, column: str, id_column: str) -> dict[str, str]:
 
 
 def table_has_column(path: str, column: str) -> bool:
-    """Whether the table at ``path`` has a column ``column`` (read errors: as the label table's)."""
-    rows = table_rows(path, "labels")
+    """Whether the table at ``path`` has a column ``column`` (read errors: as the label table's);
+    only its header is read."""
+    rows = table_rows(path, "labels", limit=1)
     return column in [name.strip() for name in (rows[0] if rows else [])]

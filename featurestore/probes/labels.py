@@ -153,18 +153,29 @@ def read_label_table(path: str | os.PathLike[str], label_column: str, id_column:
                       empty=len(raw) - len(labelled), stems=stems)
 
 
-def table_rows(path: str, what: str) -> list[list[str]]:
-    """The rows of a probe's table (``what``: labels, groups): UTF-8 text (a byte-order mark
-    accepted), comma-separated, tab for ``.tsv``; unreadable or not UTF-8 is one line naming it."""
+def table_rows(path: str, what: str, limit: int | None = None) -> list[list[str]]:
+    """The rows of a probe's table (``what``: labels, groups), the first ``limit`` only when given
+    (the header: ``limit=1``): UTF-8 text (a byte-order mark accepted), comma-separated, tab for
+    ``.tsv``, a quoted cell may hold line breaks; unreadable, not UTF-8 or not CSV is one line
+    naming the file and the line."""
+    rows: list[list[str]] = []
+    reader: Any = None
     try:
         with open(path, newline="", encoding="utf-8-sig") as handle:
-            text = handle.read()
+            reader = csv.reader(handle, delimiter="\t" if path.lower().endswith(".tsv") else ",")
+            for row in reader:
+                rows.append(row)
+                if len(rows) == limit:
+                    break
     except UnicodeDecodeError as error:
-        raise InvalidLabels(f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
-                            f"{error.start}): save the table as UTF-8 CSV") from None
+        raise InvalidLabels(f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} after line "
+                            f"{reader.line_num if reader else 0}): save the table as UTF-8 CSV") from None
+    except csv.Error as error:
+        raise InvalidLabels(f"{path} line {reader.line_num}: not a table featurestore can read ({error}); save "
+                            "it as comma-separated text (tab-separated as .tsv)") from None
     except OSError as error:
         raise InvalidLabels(f"cannot read the {what} table {path!r} ({error.strerror or error})") from None
-    return list(csv.reader(text.splitlines(), delimiter="\t" if path.lower().endswith(".tsv") else ","))
+    return rows
 
 
 def _some(ids: Any) -> str:
