@@ -263,3 +263,24 @@ def test_descriptors_for_reads_count_against_the_maps_share(tmp_path: Path, monk
         assert len(maps) + maps._descriptors <= 8, (len(maps), maps._descriptors)
     assert dense.read_counts["mmap"] > 0 and maps._descriptors > 0
     maps.clear()
+
+
+def test_a_replaced_file_is_asked_for_a_descriptor_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A map whose file was replaced since (a resume rewrote the chunk) cannot be read through a
+    descriptor: its rows come out of the map, and the open is not retried on every later read."""
+    from featurestore.core import mapped_file
+
+    path = str(tmp_path / "chunk")
+    with open(path, "wb") as f:
+        f.write(bytes(range(256)) * 64)
+    maps = chunk_maps.ChunkMaps(8, 1 << 30)
+    entry, _ = maps.entry("a", 0, lambda _: path, shape=(64, 256), check_size=lambda *_: None, populate=False)
+    os.replace(path, str(tmp_path / "old"))
+    with open(path, "wb") as f:
+        f.write(bytes(256 * 64))
+    opened: list[object] = []
+    real = mapped_file.open_descriptor
+    monkeypatch.setattr(chunk_maps, "open_descriptor", lambda e: opened.append(e) or real(e))
+    assert [maps.descriptor(entry) for _ in range(5)] == [None] * 5 and len(opened) == 1
+    assert maps._descriptors == 0
+    maps.clear()

@@ -177,11 +177,12 @@ class ChunkMaps:
         """``entry``'s descriptor for reads that map nothing, opened on first need and counted in
         ``max_descriptors`` (maps evicted for it); None: copy out of the map instead."""
         descriptor = entry.descriptor
-        if descriptor is not None:
+        if descriptor is not None or entry.no_descriptor:
             return descriptor
         with self._lock:
-            if entry.cached and entry.descriptor is None:
+            if entry.cached and entry.descriptor is None and not entry.no_descriptor:
                 entry.descriptor = open_descriptor(entry)
+                entry.no_descriptor = entry.descriptor is None
                 self._descriptors += entry.descriptor is not None
             descriptor = entry.descriptor
             evicted = self._evict_locked()

@@ -57,13 +57,16 @@ class MappedFile:
     """A chunk file's map (``rows``: its payload as ``[chunk_rows, row bytes]``), its inode, when it
     was opened, and its descriptor for reads that map nothing (None until opened, and once closed)."""
 
-    __slots__ = ("address", "cached", "descriptor", "inode", "mapped", "mincore_truthful", "nbytes", "opened",
-                 "path", "resident", "rows")
+    __slots__ = ("address", "cached", "descriptor", "inode", "mapped", "mincore_truthful", "nbytes", "no_descriptor",
+                 "opened", "path", "resident", "rows")
 
     def __init__(self, path: str, inode: int, mapped: mmap.mmap, rows: np.ndarray,
                  mincore_truthful: bool = False) -> None:  # fmt: skip
         self.path, self.inode, self.mapped, self.rows = path, inode, mapped, rows
         self.descriptor: Descriptor | None = None
+        # Its path named another file (or none) when a descriptor was asked for: not asked again,
+        # since the reader maps the new file once it sees it (its rows are copied out of this map).
+        self.no_descriptor = False
         self.cached = False  # held by the ChunkMaps cache (its lock guards this and the descriptor)
         self.mincore_truthful = mincore_truthful  # see mincore_truthful()
         self.address = rows.ctypes.data  # of the map's first byte (for mincore)
