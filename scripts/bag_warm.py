@@ -23,13 +23,13 @@ def main() -> None:
     args = parser.parse_args()
     from client import BagDataset, BagLoader
     from featurestore.bench import harness
-    from featurestore.bench.bag_loader import DATASET, ENCODER, make_cohort
-    from featurestore.demo.synthetic_bags import bag_lengths
+    from featurestore.bench.bag_loader import DATASET, ENCODER
+    from featurestore.demo.synthetic_bags import bag_lengths, write_io_cohort
 
     work = args.workdir or tempfile.mkdtemp(prefix="fs-bagwarm-")
     store = os.path.join(work, "store")
     if not os.path.isdir(os.path.join(store, DATASET, ENCODER, "b")):
-        make_cohort(store, "b", bag_lengths(args.patches, count=args.bags), args.dim, "float16")
+        write_io_cohort(store, (DATASET, ENCODER, "b"), bag_lengths(args.patches, count=args.bags), args.dim, "float16")
     harness.warm(os.path.join(store, DATASET, ENCODER, "b"))
     ds = BagDataset(store, DATASET, ENCODER, "b")
     order = [int(b[0]) for b in BagLoader(ds, batch_size=1, seed=0, device="cpu").plan()]

@@ -118,8 +118,7 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
 def make(store: str, kind: str, bags: int, patches: int, dim: int) -> dict[str, int]:
     import numpy as np
 
-    from featurestore.bench.bag_loader import make_cohort
-    from featurestore.demo.synthetic_bags import bag_lengths
+    from featurestore.demo.synthetic_bags import bag_lengths, write_io_cohort
 
     lengths = bag_lengths(patches, count=bags)
     sizes = {}
@@ -131,7 +130,7 @@ def make(store: str, kind: str, bags: int, patches: int, dim: int) -> dict[str, 
         if os.path.exists(os.path.join(store, DATASET, ENCODER, f"{kind}-{split}", "zarr.json")):
             continue
         if kind == "bags":
-            make_cohort(store, f"{kind}-{split}", np.tile(lengths, tile), dim, "float16")
+            write_io_cohort(store, (DATASET, ENCODER, f"{kind}-{split}"), np.tile(lengths, tile), dim, "float16")
         else:
             from featurestore.bench.harness import write_split
 

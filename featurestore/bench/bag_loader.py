@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
+from featurestore.demo.synthetic_bags import bag_lengths, write_io_cohort
 
 DATASET, ENCODER = "bench", "bags"
 
@@ -31,7 +31,6 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from featurestore.demo.synthetic_bags import bag_lengths
     from featurestore.errors import InvalidOption
 
     dtypes = harness.parse_dtypes(args.dtype)
@@ -42,15 +41,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with harness.scratch(args, "bag-loader") as work:
         stores = {d: os.path.join(work, d, "store") for d in dtypes}
         pt_dir = os.path.join(work, "pt_files")
-        make_cohort(stores["float16"], "b", lengths, args.dim, "float16", each=clam_files(pt_dir))
+        write_io_cohort(stores["float16"], (DATASET, ENCODER, "b"), lengths, args.dim, "float16", each=clam_files(pt_dir))
         result = {"benchmark": "bag-loader", "bags": args.bags, "dim": args.dim, "dtype": "float16",
                   "workers": args.workers, "patches": int(lengths.sum()),
                   **epoch_figures(_spec(stores["float16"], pt_dir=pt_dir, workers=args.workers), args)}
         if not args.skip_rss:
-            make_cohort(stores["float16"], "b4", np.tile(lengths, 4), args.dim, "float16")
+            write_io_cohort(stores["float16"], (DATASET, ENCODER, "b4"), np.tile(lengths, 4), args.dim, "float16")
             result["rss"] = rss_figures(stores["float16"], ("b", "b4"), prefetch=2)
         if "int8" in dtypes:
-            make_cohort(stores["int8"], "b", lengths, args.dim, "int8")
+            write_io_cohort(stores["int8"], (DATASET, ENCODER, "b"), lengths, args.dim, "int8")
             result["int8"] = int8_figures(stores, args)
     return result
 
@@ -71,27 +70,8 @@ def int8_figures(stores: dict[str, str], args: argparse.Namespace) -> dict[str, 
     return harness.int8_figures(sizes, "float16", modes, args.bags, "bags")
 
 
-def make_cohort(store: str, split: str, lengths: np.ndarray, dim: int, dtype: str, *,
-                names: tuple[str, str] = (DATASET, ENCODER), each: Any = None,
-                storage_options: dict[str, Any] | None = None) -> None:
-    """A bag split of cheap bags (:func:`featurestore.demo.synthetic_bags.io_bags`); ``each(bag_id,
-    features, coords)``, if given, gets every bag as stored (float16 stays float16), e.g. to write
-    the same cohort in another format."""
-    from featurestore.demo.synthetic_bags import io_bags
-
-    writer = featurestore.open_store(store, mode="a", **(storage_options or {})).create_bag_split(
-        *names, split, dim=dim, dtype=dtype, overwrite=True, label_dtype="int64", coords_unit="px",
-        coords_dtype="int64", patch_size_level0=256)
-    for bag_id, features, coords, label in io_bags(lengths, dim):
-        features = features.astype(np.float16) if dtype == "float16" else features
-        writer.add_bag(bag_id, features, coords=coords, label=label, attrs={"patch_size_level0": 256})
-        if each is not None:
-            each(bag_id, features, coords)
-    writer.commit()
-
-
 def clam_files(pt_dir: str) -> Any:
-    """For :func:`make_cohort`'s ``each``: CLAM's ``pt_files/<slide>.pt``, float32 features only."""
+    """For :func:`~featurestore.demo.synthetic_bags.write_io_cohort`'s ``each``: CLAM's ``pt_files/<slide>.pt``, float32 features only."""
     import torch
 
     os.makedirs(pt_dir, exist_ok=True)

@@ -18,6 +18,7 @@ import numpy as np
 import featurestore
 from featurestore.bench import bag_loader, harness
 from featurestore.bench.harness import Method, interleaved
+from featurestore.demo.synthetic_bags import bag_lengths, write_io_cohort
 
 METHODS = ("featurestore", "TRIDENT h5", "CLAM .pt", "parallel pread")
 WHERE = {"featurestore": "store", "TRIDENT h5": "h5", "CLAM .pt": "pt", "parallel pread": "raw"}
@@ -55,7 +56,7 @@ def build(work: str, lengths: np.ndarray, dim: int) -> dict[str, Any]:
                 dset.attrs.update({"patch_size": 256, "patch_size_level0": 256, "level0_magnification": 20,
                                    "target_magnification": 20, "overlap": 0})
             clam(bag_id, features, coords)
-        bag_loader.make_cohort(paths["store"], NAMES[2], lengths, dim, "float16", names=NAMES[:2], each=copies)
+        write_io_cohort(paths["store"], NAMES, lengths, dim, "float16", each=copies)
     return {"paths": paths, "ids": ids, "raw_offsets": offsets}
 
 
@@ -114,8 +115,6 @@ def time_import(built: dict[str, Any], work: str) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from featurestore.demo.synthetic_bags import bag_lengths
-
     lengths = bag_lengths(args.median, gib=args.gib, dim=args.dim, sigma=0.8, low=args.min_patches,
                           high=args.max_patches)
     print(f"\n[bags] {len(lengths)} slides, patches per slide median {int(np.median(lengths))}, max "

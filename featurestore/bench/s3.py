@@ -309,9 +309,8 @@ def bag_methods(url: str, options: dict[str, Any], args: argparse.Namespace, wor
     import torch
 
     from client import BagDataset, BagLoader
-    from featurestore.bench.bag_loader import make_cohort
     from featurestore.core.storage.obstore import ObjectStorage
-    from featurestore.demo.synthetic_bags import bag_lengths
+    from featurestore.demo.synthetic_bags import bag_lengths, write_io_cohort
 
     lengths = bag_lengths(args.bag_median, count=args.bags)
     slides = ObjectStorage(f"{url}/pt_files", options)
@@ -320,8 +319,8 @@ def bag_methods(url: str, options: dict[str, Any], args: argparse.Namespace, wor
         buffer = io.BytesIO()
         torch.save(torch.from_numpy(features.astype(np.float32)), buffer)
         slides.write(f"{bag_id}.pt", buffer.getvalue())
-    make_cohort(url, "bags", lengths, args.bag_dim, "float16", names=("bench", "enc"), each=pt_object,
-                storage_options=options)
+    write_io_cohort(url, ("bench", "enc", "bags"), lengths, args.bag_dim, "float16", each=pt_object,
+                    storage_options=options)
     split = featurestore.open_store(url, **options).open_bags("bench", "enc", "bags")
     rows = int(lengths.sum())
     epochs = Epochs(lambda source, opts: BagLoader(BagDataset(source, "bench", "enc", "bags", storage_options=opts),

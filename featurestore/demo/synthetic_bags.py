@@ -3,7 +3,8 @@
 * :func:`bag_lengths`: patches per slide, log-normal (a long tail, as real cohorts), by count or
   by a byte budget with one slide at the maximum;
 * :func:`io_bags`: cheap bags of given lengths (content does not matter to I/O): features cut from
-  one random block, shifted per bag, on a grid of level-0 coordinates;
+  one random block, shifted per bag, on a grid of level-0 coordinates; :func:`write_io_cohort`
+  writes them as a bag split (the benches' cohorts), handing each bag to a copier too;
 * :func:`synthetic_slides`: bags with a slide-level label a MIL head can learn (below);
 * :func:`write_bag_splits`: such slides written as bag splits, once per storage dtype.
 
@@ -59,6 +60,24 @@ def io_bags(lengths: np.ndarray, dim: int, *, seed: int = 1) -> Iterator[tuple[s
         yield f"slide-{i:05d}", features, grid_coords(int(n)), i % 2
 
 
+def write_io_cohort(store: str, names: tuple[str, str, str], lengths: np.ndarray, dim: int, dtype: str, *,
+                    each: Any = None, storage_options: dict[str, Any] | None = None) -> None:
+    """:func:`io_bags` of ``lengths`` as the bag split ``names`` (dataset, encoder, split) of
+    ``store``, float16 bags stored as float16; ``each(bag_id, features, coords)``, if given, gets
+    every bag as stored, e.g. to write the same cohort in another format."""
+    import featurestore
+
+    writer = featurestore.open_store(store, mode="a", **(storage_options or {})).create_bag_split(
+        *names, dim=dim, dtype=dtype, overwrite=True, label_dtype="int64", coords_unit="px",
+        coords_dtype="int64", patch_size_level0=PATCH_PX)
+    for bag_id, features, coords, label in io_bags(lengths, dim):
+        features = features.astype(np.float16) if dtype == "float16" else features
+        writer.add_bag(bag_id, features, coords=coords, label=label, attrs={"patch_size_level0": PATCH_PX})
+        if each is not None:
+            each(bag_id, features, coords)
+    writer.commit()
+
+
 def synthetic_slides(num: int, dim: int, *, seed: int = 0, min_patches: int = 20, max_patches: int = 200,
                      tumour_share: float = 0.15, signal: float = 3.0, empty: int = 0,
                      ) -> Iterator[tuple[str, np.ndarray, np.ndarray, int]]:
@@ -107,4 +126,4 @@ def write_bag_splits(store_url: str | os.PathLike[str], dataset: str, encoders: 
     return {"patches_per_dtype": patches, "splits": list(splits), "encoders": dict(encoders)}
 
 
-__all__ = ["PATCH_PX", "bag_lengths", "grid_coords", "io_bags", "synthetic_slides", "write_bag_splits"]
+__all__ = ["PATCH_PX", "bag_lengths", "grid_coords", "io_bags", "synthetic_slides", "write_bag_splits", "write_io_cohort"]
