@@ -273,11 +273,11 @@ def _run_gate(tmp_path: Path, capsys: pytest.CaptureFixture[str], benches: set[s
 
 # One test per group of benches, not one for all: the groups run on separate xdist workers
 # (scripts/test.sh), and a failure names its bench.
-@pytest.mark.parametrize("benches", [("loader", "write", "read"), ("extract", "extract-zero"), ("bags",),
+@pytest.mark.parametrize("benches", [("loader", "write", "read"), ("extract", "extract-zero"), ("bags", "web"),
                                      ("bag_loader",)], ids="+".join)
 def test_fast_benches_emit_every_target_figure(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                benches: tuple[str, ...]) -> None:
-    """loader, write, read, extract (and its zero-encoder variant), bags, bag_loader at --quick size."""
+    """loader, write, read, extract (and its zero-encoder variant), bags, web, bag_loader at --quick size."""
     pytest.importorskip("torch")
     pytest.importorskip("h5py")
     data, _ = _run_gate(tmp_path, capsys, set(benches))

@@ -258,12 +258,14 @@ def _s3(r: dict[str, Any], out: Reading) -> None:
 
 def _web(r: dict[str, Any], out: Reading) -> None:
     c, p = r["catalog"], r["picture"]
+    out.fig("catalog_warm_ms", c["warm_ms"])
+    out.fig("pca_picture_ms", p["computed_ms"])
     out.notes += [
-        f"- catalog page, {r['splits']} splits of {r['dim']} channels: warm {c['warm_ms']:.1f} ms (target < 200 ms), "
+        f"- catalog page, {r['splits']} splits of {r['dim']} channels: warm {c['warm_ms']:.1f} ms, "
         f"documents evicted {c['documents_evicted_ms']:.1f} ms, first view {c['first_view_ms']:.1f} ms, one split's "
         f"page {c['split_page_warm_ms']:.1f} ms",
         f"- PCA picture of {p['shape'][0]}x{p['shape'][1]} float16, {p['blas_threads']} BLAS thread(s): computed "
-        f"{p['computed_ms']:.1f} ms median (target < 300 ms), cached {p['cached_ms']:.1f} ms; parts "
+        f"{p['computed_ms']:.1f} ms median, cached {p['cached_ms']:.1f} ms; parts "
         + ", ".join(f"{k} {v:.1f} ms" for k, v in p["parts_ms"].items())
         + f"; the default {p['default_blas_threads']} BLAS threads {p['default_threads_ms']} ms; exact SVD "
         f"{p['exact_svd_ms']:.1f} ms = {p['exact_over_randomized']}x"]
@@ -273,7 +275,7 @@ READERS: dict[str, Callable[[dict[str, Any], Reading], None]] = {
     "read": _read, "write": _write, "http": _http, "loader": _loader, "extract": _extract, "s3": _s3, "cold": _cold,
     "bags": _bags, "bag_loader": _bag_loader, "web": _web}
 # The benches whose figures the targets may name, in the order bench all runs them.
-FIGURE_BENCHES = tuple(b for b in READERS if b != "web")
+FIGURE_BENCHES = tuple(READERS)
 
 
 def read_result(bench: str, result: dict[str, Any] | None) -> Reading:

@@ -42,6 +42,7 @@ QUICK_FLAGS: dict[str, list[str]] = {
              "--cuda", "off", "--repeats", "1"],
     "bags": ["--gib", "0.005", "--dim", "256", "--median", "100", "--max", "1000", "--min", "10"],
     "bag_loader": ["--bags", "6", "--patches", "100", "--dim", "256", "--repeats", "1"],
+    "web": ["--splits", "5", "--dim", "16", "--tokens", "16", "--samples", "2", "--repeats", "2"],
 }
 
 
