@@ -377,6 +377,20 @@ def test_cli_group_by_a_column_of_the_labels_table(store: str, tmp_path: Path,
     assert code == 0 and "grouped by case_id" in out, out
 
 
+def test_a_slide_without_label_needs_no_group(store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A slide the task's table leaves unlabelled (and without a case) is left out before the folds
+    are grouped: grouping it was refused before, though the probe never uses it."""
+    slides = _cohort()
+    path = tmp_path / "clinical.csv"
+    path.write_text("slide_id,case_id,subtype\n" + f"{slides[0][0]},,\n" + "".join(
+        f"{s},{c},{'AB'[y]}\n" for s, c, _, y in slides[1:]))
+    code = main(["probe", store, "--dataset", "cohort", "--encoder", "nolineage", "--train", "all", "--folds", "3",
+                 "--group-by", "case_id", "--labels", str(path), "--label-column", "subtype", "--seeds", "1",
+                 "--epochs", "2", "--device", "cpu", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0 and "grouped by case_id" in out and f"{len(slides) - 1} of {len(slides)} samples" in out, out
+
+
 def test_patient_embeddings_labelled_by_the_slide_table(store: str, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """The lab's slide-level clinical table (a patient's row once per slide) labels the patient

@@ -37,8 +37,7 @@ def fold_pairs(info: Any, matched: Matched | None, folds: int, spec: GroupSpec |
                              "--label-column COL takes another task's labels)")
     groups = None
     if spec is not None:
-        every = dense_groups(info, spec, storage_options=storage_options, token=token)
-        groups = [every[int(i)] for i in positions]
+        groups = dense_groups(info, spec, positions, storage_options=storage_options, token=token)
     parts = fold_parts(values, positions, folds, f"split {info.name}", groups,
                        group_name=spec.column if spec is not None else "group")
     summary = matched.summary

@@ -104,13 +104,16 @@ def lineage_of(metadata: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def dense_groups(info: Any, spec: GroupSpec, *, storage_options: dict[str, Any] | None = None,
-                 token: str | None = None) -> list[str]:
-    """The group of every sample of a dense split (``info``: a ``SplitInfo``), by its ids."""
-    ids = info.ds.array.ids
-    if ids is None:
+def dense_groups(info: Any, spec: GroupSpec, positions: Sequence[int] | None = None, *,
+                 storage_options: dict[str, Any] | None = None, token: str | None = None) -> list[str]:
+    """The group of each sample at ``positions`` (default: every sample) of a dense split (``info``:
+    a ``SplitInfo``), by its ids. Only those are looked up: a sample the probe leaves out (no
+    label in the task's table) needs no group."""
+    every = info.ds.array.ids
+    if every is None:
         raise InvalidOption(f"split {info.name} has no sample ids, so its samples cannot be grouped by "
                             f"{spec.column!r}: --group-by needs a split with ids (featurestore embed)")
+    ids = list(every) if positions is None else [every[int(i)] for i in positions]
     source = lineage_of(info.metadata)
     if source is not None and source.get("group_by") == spec.column:
         return list(ids)  # the embeddings are already one per group: each id is its group
@@ -126,14 +129,14 @@ def dense_groups(info: Any, spec: GroupSpec, *, storage_options: dict[str, Any] 
     bags = BagDataset(info.source, source["dataset"], source["encoder"], source["split"],
                       storage_options=None if http else storage_options, token=token if http else None).bags
     where = f"{source['dataset']}/{source['encoder']}/{source['split']} (the source of {info.name})"
-    positions = []
+    at = []
     for sample in ids:
         try:
-            positions.append(bags.position(sample))
+            at.append(bags.position(sample))
         except LookupError:
             raise InvalidLabels(f"sample {sample!r} of {info.name} is no bag of {where}: give --groups CSV with "
                                 f"columns {spec.id_column!r} and {spec.column!r}") from None
-    return bag_groups(bags, positions, spec.column, where)
+    return bag_groups(bags, at, spec.column, where)
 
 
 def read_group_table(path: str, column: str, id_column: str) -> dict[str, str]:
