@@ -177,9 +177,19 @@ def _create(opts: EmbedOptions, prep: _Prepared, store: Any, *, resume: bool, ov
         metadata={lineage.KEY: prep.lineage, "cache_key": lineage.cache_key(prep.lineage, opts.dtype),
                   "source_dtype": "float32",
                   "encoder": {"name": opts.encoder_name, "spec": opts.slide_encoder,
-                              "weights_hash": prep.encoder.weights_hash, "slide_encoder": True}},
+                              "weights_hash": prep.encoder.weights_hash, "slide_encoder": True},
+                  **_class_names(prep)},
         chunk_rows=chunk_rows_for(len(prep.rows), prep.output_dim, opts.dtype),
         resume=resume, overwrite=overwrite, ids=[row.id for row in prep.rows])
+
+
+def _class_names(prep: _Prepared) -> dict[str, Any]:
+    """The source's class names (``label_names`` of an import, ``label_info`` of an extraction),
+    carried with its labels: an export's labels.csv and a probe's report name the classes."""
+    if prep.label_dtype is None:
+        return {}
+    meta = prep.bags.metadata
+    return {key: meta[key] for key in ("label_names", "label_info") if meta.get(key) is not None}
 
 
 def _open_target(opts: EmbedOptions, prep: _Prepared, store: Any) -> tuple[Any, str | None]:
