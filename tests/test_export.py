@@ -76,8 +76,10 @@ def test_trident_round_trip_is_bit_exact(tmp_path: Path, capsys: pytest.CaptureF
                        dtype=np.float16, coords_dtype=np.int64,
                        attrs={"patch_size": 256, "patch_size_level0": 512, "level0_magnification": 40,
                               "target_magnification": 20, "overlap": 0})  # fmt: skip
-    (tmp_path / "labels.csv").write_text("slide_id,label\nTCGA-01.svs,LUAD\nTCGA-02,LUSC\nTCGA-10,LUAD\n"
-                                         "empty-slide,LUSC\n")
+    # The clinical table's other columns (kept as bag attributes) go out in labels.csv and come back:
+    # a number, an empty cell (null), a code that keeps its zero.
+    (tmp_path / "labels.csv").write_text("slide_id,label,case_id,age,site\nTCGA-01.svs,LUAD,P1,61,05\n"
+                                         "TCGA-02,LUSC,P1,61.5,05\nTCGA-10,LUAD,P2,,A2\nempty-slide,LUSC,P3,70,A2\n")
     store = tmp_path / "store"
     import_dir(tmp_path / "features_uni", store, "a", "--labels", str(tmp_path / "labels.csv"), "--chunk-mb", "0.001")
     assert export(store, "a", "trident", tmp_path / "out") == 0
@@ -92,8 +94,12 @@ def test_trident_round_trip_is_bit_exact(tmp_path: Path, capsys: pytest.CaptureF
         assert f["features"].attrs["encoder"] == "uni_v1"
     with h5py.File(tmp_path / "out" / "empty-slide.h5") as f:
         assert f["features"].shape == (0, DIM) and f["coords"].shape == (0, 2)
+    assert (tmp_path / "out" / "labels.csv").read_text().splitlines()[:3] == [
+        "slide_id,label,case_id,age,site", "TCGA-01,LUAD,P1,61,05", "TCGA-02,LUSC,P1,61.5,05"]
     import_dir(tmp_path / "out", store, "b", "--labels", str(tmp_path / "out" / "labels.csv"), "--chunk-mb", "0.001")
     assert_same_bags(store, "a", "b")
+    bags = open_store(str(store)).open_bags("ds", "enc", "b")
+    assert bags.attrs(bags.position("TCGA-10"))["case_id"] == "P2" and bags.attrs(bags.position("TCGA-10"))["age"] is None
     # a second export into the same directory is refused, nothing rewritten; --overwrite replaces
     before = (tmp_path / "out" / "TCGA-02.h5").stat().st_mtime_ns
     assert export(store, "a", "trident", tmp_path / "out") == 1
@@ -109,7 +115,7 @@ def test_clam_round_trip_is_bit_exact(tmp_path: Path) -> None:
     data = slide_files(job / "h5_files", {"s1": 5, "s2": 8, "s3": 1}, dtype=np.float32, coords_dtype=np.int32,
                        attrs={"patch_size": 256, "patch_level": 0, "downsample": [1.0, 1.0],
                               "level_dim": [40000, 30000]})  # fmt: skip
-    (job / "labels.csv").write_text("slide_id,label\ns1,0\ns2,1\ns3,1\n")
+    (job / "labels.csv").write_text("slide_id,label,case_id\ns1,0,P1\ns2,1,P1\ns3,1,P2\n")
     store = tmp_path / "store"
     import_dir(job, store, "a", "--dtype", "float32", "--labels", str(job / "labels.csv"))
     assert export(store, "a", "clam-pt", tmp_path / "out") == 0

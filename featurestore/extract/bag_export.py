@@ -19,7 +19,8 @@ The way out of the store, the inverse of ``featurestore import DIR`` (featuresto
   or ``mpp=`` (``--mpp``); a split imported from STAMP keeps the attributes it came with.
 
 Bag labels go to ``<out>/labels.csv`` (``slide_id,label``; class names when the split has
-``label_names``), the CSV ``featurestore import --labels`` reads. A file keeps the name its slide
+``label_names``; then the import's table columns it kept as bag attributes, ``case_id``...), the
+CSV ``featurestore import --labels`` reads. A file keeps the name its slide
 was imported from, so import -> export -> import gives the same bag ids, features, coordinates,
 attributes and labels, byte for byte (tests/test_export.py). Each file is written under a
 temporary hidden name and renamed when complete: an export cut short leaves no file that looks whole.
@@ -33,6 +34,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +44,7 @@ from featurestore.errors import InvalidOption, SplitExists
 from featurestore.format import dtypes
 
 __all__ = ["FORMATS", "LABELS_CSV", "ExportResult", "atomic_write", "check_file_stem", "export_bags", "export_bar",
-           "labels_csv", "prepare_out", "write_h5"]
+           "labels_csv", "prepare_out", "table_columns", "write_h5"]
 
 FORMATS = ("trident", "clam-pt", "stamp")
 LABELS_CSV = "labels.csv"
@@ -110,7 +112,9 @@ def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str,
     finally:
         bar.close()
     if bags.labels is not None:
-        csv_text = labels_csv(bags.ids, bags.labels, bags.metadata.get("label_names"))
+        columns = table_columns(bags.metadata)
+        csv_text = labels_csv(bags.ids, bags.labels, bags.metadata.get("label_names"),
+                              columns={c: [bags.attrs(i).get(c) for i in range(len(bags))] for c in columns})
         atomic_write(os.path.join(out, LABELS_CSV), csv_text.encode("utf-8"))
     return ExportResult(key, fmt, out, len(bags), len(targets), time.perf_counter() - started)
 
@@ -198,9 +202,17 @@ def _kept_groups(attrs: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
             "coords": dict(attrs.get("coords") or {})}
 
 
-def _bag_root(attrs: dict[str, Any]) -> dict[str, Any]:
-    """A bag written otherwise: its attributes go on the file's root (not the name it came from)."""
-    return {k: v for k, v in attrs.items() if k != "source_file"}
+def table_columns(metadata: dict[str, Any]) -> list[str]:
+    """The columns of the labels CSV an import kept as bag attributes (``case_id``...): labels.csv
+    carries them back out, so a re-import (or a probe's ``--group-by``) finds them again."""
+    columns = (metadata.get("source") or {}).get("table_columns")
+    return [c for c in columns if isinstance(c, str)] if isinstance(columns, list) else []
+
+
+def _bag_root(attrs: dict[str, Any], skip: Sequence[str] = ()) -> dict[str, Any]:
+    """A bag written otherwise: its attributes go on the file's root (not the name it came from,
+    nor the table's columns, which go to labels.csv)."""
+    return {k: v for k, v in attrs.items() if k != "source_file" and k not in skip}
 
 
 def _h5_attributes(attrs: dict[str, Any], bags: Any, i: int, fmt: str) -> dict[str, dict[str, Any]]:
@@ -209,7 +221,7 @@ def _h5_attributes(attrs: dict[str, Any], bags: Any, i: int, fmt: str) -> dict[s
     kept = _kept_groups(attrs)
     if kept is not None:
         return kept
-    root = _bag_root(attrs)
+    root = _bag_root(attrs, table_columns(bags.metadata))
     coords: dict[str, Any] = {"name": bags.ids[i]}
     size = bags.patch_size_of(i) if bags.coords_unit == "px" else None
     if size is not None:
@@ -267,17 +279,25 @@ def _stamp_bag(coords: np.ndarray, attrs: dict[str, Any], bags: Any, i: int,
     return coords.astype(np.float32, copy=False), {"root": root, "features": features, "coords": {}}
 
 
-def labels_csv(ids: list[str], labels: Any, names: list[str] | None, id_column: str = "slide_id") -> str:
-    """``id_column,label`` per sample (a class id as its name when ``names`` has it): the CSV
-    ``featurestore import --labels`` (and ``probe --labels``) reads."""
+def labels_csv(ids: list[str], labels: Any, names: list[str] | None, id_column: str = "slide_id",
+               columns: dict[str, list[Any]] | None = None) -> str:
+    """``id_column,label[,column...]`` per sample (a class id as its name when ``names`` has it;
+    ``columns``: more columns' values per sample, None an empty cell): the CSV ``featurestore
+    import --labels`` (and ``probe --labels``) reads."""
+    columns = columns or {}
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
-    writer.writerow([id_column, "label"])
-    for sample_id, value in zip(ids, np.asarray(labels).reshape(len(ids), -1)[:, 0].tolist()):
+    writer.writerow([id_column, "label", *columns])
+    for k, (sample_id, value) in enumerate(zip(ids, np.asarray(labels).reshape(len(ids), -1)[:, 0].tolist())):
         if names is not None and isinstance(value, int) and 0 <= value < len(names):
             value = names[value]
-        writer.writerow([sample_id, repr(value) if isinstance(value, float) else value])
+        writer.writerow([sample_id, _cell(value), *(_cell(cells[k]) for cells in columns.values())])
     return text.getvalue()
+
+
+def _cell(value: Any) -> Any:
+    """A CSV cell read back as the same value: floats as repr (every digit), null as empty."""
+    return "" if value is None else repr(value) if isinstance(value, float) else value
 
 
 # ---------------------------------------------------------------------- files

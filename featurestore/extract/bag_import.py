@@ -53,12 +53,13 @@ class BagImport(SplitJob):
                 raise SlideFileError(f"{slide.path!r} has {'coords in ' + header.unit if header.coords else 'no coords'}, "
                                      f"but {files.slides[0].path!r} has {'coords in ' + first.unit if first.coords else 'no coords'}: "
                                      "one bag split has one coordinate convention")
-        label_names, label_digest = None, None
+        label_names, label_digest, columns = None, None, None
         if opts.labels:
             table = read_label_table(opts.labels, [s.bag_id for s in files.slides], opts.label_column or "label",
                                      opts.id_column or "slide_id")
             self.labels, label_names, label_digest, self.table_attrs = table.labels, table.names, table.digest, table.attrs
             _refuse_reserved(opts.labels, next(iter(table.attrs.values()), {}))
+            columns = table.columns
             if table.unused:
                 self.notes.append(f"labels CSV: {len(table.unused)} row(s) name no slide in {files.directory!r} "
                                   f"(first: {table.unused[0]!r}): left out")
@@ -78,6 +79,8 @@ class BagImport(SplitJob):
             "source": {"spec": files.spec, "format": f"slide-{files.kind}", "fingerprint": fingerprint,
                        "num_bags": len(files), "labels": opts.labels and os.path.abspath(opts.labels)},
         }
+        if columns:  # the table's other columns, kept as bag attributes: an export writes them back
+            self.metadata["source"]["table_columns"] = columns
         if label_names is not None:
             self.metadata["label_names"] = label_names
 

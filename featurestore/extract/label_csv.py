@@ -42,6 +42,7 @@ class LabelTable:
     digest: str  # of the table and the columns chosen: part of an import's cache key
     attrs: dict[str, dict[str, Any]] = field(default_factory=dict)  # by bag id: the other columns
     unused: list[str] = field(default_factory=list)  # ids of rows that name no slide
+    columns: list[str] = field(default_factory=list)  # the other columns, in the table's order
 
 
 def read_label_csv(path: str, bag_ids: list[str]) -> tuple[dict[str, Any], list[str] | None, str]:
@@ -105,7 +106,7 @@ def read_label_table(path: str, bag_ids: list[str], label_column: str = "label",
     if (label_column, id_column) != ("label", "slide_id"):  # the default keeps the digests of earlier imports
         digest = hashlib.sha256(json.dumps([digest, label_column, id_column]).encode()).hexdigest()
     return LabelTable(labels, names, digest, {b: chosen[b][2] for b in bag_ids},
-                      [slide for slide in table if slide not in used])
+                      [slide for slide in table if slide not in used], others)
 
 
 def _text(path: str) -> str:
