@@ -149,7 +149,9 @@ class ClaimBoard:
             return (Claim(unit, token, again), None) if token is not None else (None, {"state": WORKING})
         if not expired(current):
             return None, current
-        attempts = int(current.get("attempts", 0)) + (current.get("state") == WORKING)
+        # The attempts made so far: a working record counts its own (its worker vanished mid-unit),
+        # a released one those before it (fail() keeps the count, release() takes its own back).
+        attempts = int(current.get("attempts", 0))
         errors = list(current.get("errors", []))
         if current.get("state") == WORKING:  # its worker vanished mid-unit: that was an attempt too
             errors.append(f"{current.get('worker')}: lease of {current.get('lease')} s ran out")
