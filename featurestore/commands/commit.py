@@ -5,6 +5,7 @@ id order, with the failed slides listed in the metadata (docs/EXTRACT.md, "Clust
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 from featurestore.commands.parsers import add_verb
@@ -26,33 +27,54 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from featurestore.core import bag_commit, claims
-    from featurestore.core.claim_status import progress, skipped_text
-    from featurestore.errors import InvalidOption, SplitExists, WrongSplitKind
+    from featurestore.core.claim_status import progress, run_total, skipped_text
+    from featurestore.errors import InvalidOption, WrongSplitKind
     from featurestore.extract.workers_share import commit_extra
     from featurestore.format import layout
 
-    store = open_store_from_args(args.store, args, mode="a")
+    # Opened as an existing store (a mistyped path must not become a new one); the commit writes
+    # through its storage below.
+    store = open_store_from_args(args.store, args)
     with store_errors(args.store):
         meta = store.split_info(args.dataset, args.encoder, args.split)
         key = layout.split_key(args.dataset, args.encoder, args.split)
         if meta.bags is None:
             raise WrongSplitKind(f"split {key} is a dense split: `featurestore commit` commits bag splits of --worker")
-        if meta.complete:
-            raise SplitExists(f"split {key} is already complete: nothing to commit")
-        live = [c for c in progress(store.storage, key, None)["claimed"] if not c["expired"]]
+        if meta.complete:  # a step after the workers, run when the last worker already committed: fine
+            print(f"split {key} is already complete ({(meta.bags or {}).get('count')} bags): nothing to commit")
+            return 0
+        state = progress(store.storage, key, run_total(meta.extra))
+        live = [c for c in state["claimed"] if not c["expired"]]
         if live:
             first = live[0]
             raise InvalidOption(f"split {key}: {len(live)} slide(s) still claimed by live workers "
                                 f"(e.g. {first['id']!r} "
                                 f"by {first['host']} pid {first['pid']}): wait for them (featurestore status)")
+        # Slides neither done nor failed (given back, or never started): counted against the bags
+        # complete on storage too, which a run before the workers (a resume) may have written.
+        ended = set(bag_commit.collect(store.storage, key, meta).records) | {
+            unit for unit, r in claims.read_records(store.storage, key).items()
+            if r.get("state") in (claims.DONE, claims.FAILED)}
+        left = None if state["total"] is None else state["total"] - len(ended)
+        if left:
+            back = state["given_back"]
+            raise InvalidOption(f"split {key}: {left} of {state['total']} slides are not done yet"
+                                + (f" ({len(back)} given back by stopped workers, e.g. {back[0]!r})" if back else "")
+                                + ": start --worker processes to finish them (the one that ends the run "
+                                  "commits; featurestore status shows progress)")
         board = claims.ClaimBoard(store.storage, key, lease=120, max_attempts=1)
         claim, _ = board.claim("_commit", special=True)
         if claim is None:
             raise InvalidOption(f"split {key}: a worker is committing it now: wait (featurestore status)")
-        extra = commit_extra(store.storage, key)
-        if (meta.extra.get("source") or {}).get("kind") != "wsi":
-            extra.pop("skipped")  # an import records no skipped slides
-        final = bag_commit.commit(store.storage, key, meta, extra=extra)
+        try:
+            extra = commit_extra(store.storage, key)
+            if (meta.extra.get("source") or {}).get("kind") != "wsi":
+                extra.pop("skipped")  # an import records no skipped slides
+            final = bag_commit.commit(store.storage, key, meta, extra=extra)
+        except BaseException:
+            with contextlib.suppress(Exception):  # given back: the next try need not wait out its lease
+                board.release(claim, "its commit failed")
+            raise
     failed = final.extra.get("failed") or []
     print(f"committed {key}: {(final.bags or {}).get('count')} bags"
           + (f", {len(failed)} failed slide(s): {', '.join(f['id'] for f in failed)}" if failed else "")

@@ -189,11 +189,13 @@ def format_slide_report(result: Any) -> list[str]:
         lambda secs: f"extracted {result.key}: {result.bags} bag{'' if result.bags == 1 else 's'} of {result.slides} "
         f"slides, {result.patches} patches "
         f"encoded in {result.seconds:.1f}s ({result.patches / secs:.1f} patches/s; {result.wall_seconds:.1f}s in all), "
-        f"{len(result.skipped)} skipped; split: {bags.get('count')} bags, {meta.get('num_samples')} patches, "
+        f"{len(result.skipped)} skipped" + (f", {len(meta['failed'])} failed" if meta.get("failed") else "")
+        + f"; split: {bags.get('count')} bags, {meta.get('num_samples')} patches, "
         f"{meta.get('logical_dtype')}, status {meta.get('status')}")
 
 
 def run_slides(args: argparse.Namespace) -> int:
+    import dataclasses
     import sys
 
     from featurestore.extract.wsi_run import EXIT_SKIPPED, extract_slides
@@ -206,11 +208,18 @@ def run_slides(args: argparse.Namespace) -> int:
         print(f"worker: {result.bags} bag(s) added to {result.key}; not committed by this worker (another "
               "worker commits, or `featurestore commit`; `featurestore status` shows progress)", flush=True)
         return 0
+    failed: list[dict[str, Any]] = []
+    if result.status == "complete" and args.worker:  # this worker committed: every worker's slides
+        result = dataclasses.replace(result, skipped=result.metadata.get("skipped") or result.skipped)
+        failed = result.metadata.get("failed") or []
     for skipped in result.skipped:
         print(f"skipped slide {skipped['id']}: {skipped['reason']}", file=sys.stderr, flush=True)
+    for slide in failed:
+        last = (slide.get("errors") or ["?"])[-1]
+        print(f"failed slide {slide['id']} after {slide.get('attempts')} attempt(s): {last}", file=sys.stderr, flush=True)
     for line in format_slide_report(result):
         print(line, flush=True)
-    return EXIT_SKIPPED if result.skipped else 0
+    return EXIT_SKIPPED if result.skipped or failed else 0
 
 
 def _on_this_rank(store: str, job: Callable[[Any], Any]) -> tuple[Any, Any]:

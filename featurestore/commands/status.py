@@ -57,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  failed: {', '.join(state['failed'])}")
     if state["given_back"]:
         print(f"  given back by stopped workers, for the next worker: {', '.join(state['given_back'])}")
+    if c := state["committing"]:
+        print(f"  committing: by {c['host']} pid {c['pid']}, lease age {c['lease_age']:.0f}s of {c['lease']:.0f}s"
+              + (" EXPIRED (its worker is gone: `featurestore commit` or the next worker takes it over)"
+                 if c["expired"] else ""))
     if state["eta_seconds"] is not None:
         print(f"  estimated time to finish: {state['eta_seconds']:.0f}s")
     return 0

@@ -138,6 +138,10 @@ def store_errors(url: str) -> Iterator[None]:
         text = " ".join(redact(str(error) or type(error).__name__).split())
         if len(text) > 300:
             text = text[:300] + "..."
+        if "://" not in url or url.startswith("file://"):  # a local path: no endpoint, no credentials
+            raise StoreUnreachable(f"cannot use the store at {url}: {type(error).__name__}: {text}. Check the path, "
+                                   "that its file system is mounted writable, and that this user may write "
+                                   "there") from error
         raise StoreUnreachable(
             f"cannot use the store at {redact_url(url)}: {type(error).__name__}: {text}. Check the URL and "
             f"credentials; for S3 behind a custom endpoint pass --storage-options {EXAMPLE} "

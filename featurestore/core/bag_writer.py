@@ -177,6 +177,21 @@ class BagWriter(split_protocol.SplitSession):
         finally:
             split_protocol.explain_put_failure(self._puts.close, self._check_generation)
 
+    def abandon(self) -> None:
+        """End this session without keeping anything of it: its puts are waited for (their errors
+        dropped) and its segment deleted. For a session whose bags will never count (``--worker``:
+        one slide per session, and that slide failed or was given back)."""
+        self._closed = True
+        self._pending.clear()
+        try:
+            self._puts.close()
+        except Exception:  # noqa: BLE001 - what failed is what is being dropped
+            pass
+        try:
+            self._storage.delete_tree(self._segment_key)
+        except Exception:  # noqa: BLE001 - an unreferenced segment is dropped at commit anyway
+            pass
+
     def commit(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Close this session, then lay out every complete bag of every session in id order,
         write the index and mark the split complete (featurestore.core.bag_commit). Call it once,

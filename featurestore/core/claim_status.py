@@ -46,7 +46,24 @@ def progress(storage: Storage, split_key: str, total: int | None, now: float | N
     # given back by a stopped worker (SIGTERM, Ctrl-C: ClaimBoard.release), for the next worker to take
     given_back = sorted(u for u, r in records.items() if r.get("state") == claims.RELEASED and r.get("released"))
     return {"done": len(done), "skipped": skipped, "claimed": claimed, "failed": failed, "left": left,
-            "total": total, "eta_seconds": eta, "workers": len(workers), "given_back": given_back}
+            "total": total, "eta_seconds": eta, "workers": len(workers), "given_back": given_back,
+            "committing": _committing(storage, split_key, now)}
+
+
+def _committing(storage: Storage, split_key: str, now: float) -> dict[str, Any] | None:
+    """The worker committing the split now (its ``_commit`` claim), or None: a commit holds the
+    split for its lease even when its worker died, so status shows who and for how long."""
+    import json
+
+    try:
+        record = json.loads(storage.read(claims.special_key(split_key, "_commit")))
+    except (FileNotFoundError, ValueError):
+        return None
+    if record.get("state") != claims.WORKING:
+        return None
+    return {"worker": record.get("worker"), "host": record.get("host"), "pid": record.get("pid"),
+            "lease_age": round(now - float(record.get("renewed", now)), 1), "lease": record.get("lease"),
+            "expired": claims.expired(record, now)}
 
 
 def done_text(state: dict[str, Any]) -> str:

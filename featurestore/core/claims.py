@@ -37,7 +37,7 @@ from urllib.parse import quote, unquote
 from featurestore.core.storage import Storage
 from featurestore.errors import ConditionalWritesUnsupported
 
-__all__ = ["Claim", "ClaimBoard", "WorkerId", "claims_prefix", "probe", "read_records"]
+__all__ = ["Claim", "ClaimBoard", "WorkerId", "claims_prefix", "probe", "read_records", "special_key"]
 
 WORKING, RELEASED, DONE, FAILED = "working", "released", "done", "failed"
 SUFFIX = ".json"
@@ -84,6 +84,11 @@ def probe(storage: Storage, split_key: str) -> None:
             "(AWS S3, GCS, Azure, SeaweedFS, MinIO; docs/EXTRACT.md) or use torchrun")
 
 
+def special_key(split_key: str, unit: str) -> str:
+    """The claim object of a step of the run (``_create``, ``_commit``), named apart from every bag id."""
+    return f"{claims_prefix(split_key)}/_{unit}.lock"
+
+
 def _key(prefix: str, unit: str) -> str:
     return f"{prefix}/{quote(unit, safe='')}{SUFFIX}"
 
@@ -116,6 +121,7 @@ class ClaimBoard:
     def __init__(self, storage: Storage, split_key: str, *, lease: float, max_attempts: int,
                  worker: WorkerId | None = None) -> None:
         self.storage = storage
+        self.split_key = split_key
         self.prefix = claims_prefix(split_key)
         self.lease = float(lease)
         self.max_attempts = int(max_attempts)
@@ -167,7 +173,7 @@ class ClaimBoard:
         return Claim(unit, token, record), None
 
     def _name(self, unit: str, special: bool) -> str:
-        return f"{self.prefix}/_{unit}.lock" if special else _key(self.prefix, unit)
+        return special_key(self.split_key, unit) if special else _key(self.prefix, unit)
 
     def renew(self, claim: Claim) -> bool:
         """Extend the lease; False when the claim is no longer this worker's."""

@@ -23,13 +23,16 @@ place of torchrun's fixed partition. Every worker is rank 0 of its own one-proce
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from featurestore.core import claims
-from featurestore.errors import FeatureStoreError, InvalidOption, StorageUnavailable, Stopped, StoreUnreachable
+from featurestore.errors import (CacheKeyMismatch, FeatureStoreError, InvalidOption, ReadOnlyStore, ShapeMismatch,
+                                 SplitSettingsMismatch, StorageAccessDenied, StorageFull, StorageUnavailable, Stopped,
+                                 StoreUnreachable)
 from featurestore.extract.worker_stop import StopOnSignal
 
 __all__ = ["ClaimLost", "ClaimShare", "WorkerOptions", "commit_extra"]
@@ -109,8 +112,24 @@ def commit_extra(storage: Any, split_key: str) -> dict[str, Any]:
     return {"skipped": skipped, **({"failed": failed} if failed else {})}
 
 
+_SETTINGS = (CacheKeyMismatch, ShapeMismatch, SplitSettingsMismatch)
+_OVERWRITE_ADVICE = re.compile(r"[.;:]\s*(?:[Uu]se overwrite=True|run with the split's own).*$", re.S)
 _RETRY = object()
 _OUTAGES = (StorageUnavailable, StoreUnreachable)
+# The store refuses every write (full, read-only, access denied): no slide's fault, so none is
+# failed for it; the worker gives its slide back and stops with the store's error.
+_STORE_REFUSES = (StorageFull, StorageAccessDenied, ReadOnlyStore)
+
+
+def _store_refused(error: FeatureStoreError, uid: str) -> FeatureStoreError:
+    """The store's error, its fix as a worker's: the slide went back, and workers go on from the
+    bags done once the store takes writes again (a resume is what every worker does)."""
+    what = str(error).split(": free space")[0].splitlines()[0]
+    fix = "free space" if isinstance(error, StorageFull) else "make the store writable for this worker"
+    out = type(error)(f"{what}: slide {uid!r} given back (not counted as an attempt); {fix}, then start workers "
+                      "again: they go on from the bags already done")
+    out.__cause__ = error
+    return out
 
 
 class _Outage:
@@ -177,6 +196,15 @@ class ClaimShare:
                 outage.wait(error, min(5.0, board.lease / 3))
 
     def _open(self, job: Any, board: claims.ClaimBoard) -> Any:
+        try:
+            return self._open_shared(job, board)
+        except _SETTINGS as error:  # the writer's fix is --overwrite, which --worker refuses
+            what = _OVERWRITE_ADVICE.sub("", str(error))
+            raise type(error)(f"{what}: every worker of a split runs with the same options; start this worker "
+                              "with the split's own (the other workers' command line), or give it another "
+                              "--split") from None
+
+    def _open_shared(self, job: Any, board: claims.ClaimBoard) -> Any:
         claims.probe(job.store.storage, job.split_key())
         deadline = None
         while True:
@@ -264,16 +292,19 @@ class ClaimShare:
                 part = job.work(guarded, [unit])
                 job.close(session, 1)
             except ClaimLost:
+                session.abandon()
                 return None
             except _OUTAGES:
                 raise
+            except _STORE_REFUSES as error:
+                session.abandon()
+                with renewer.lock, stop.deferred(), contextlib.suppress(Exception):
+                    board.release(claim, f"the store refused a write ({type(error).__name__})")
+                raise _store_refused(error, uid) from None
             except Exception as error:  # noqa: BLE001 - one slide's failure is recorded, not fatal
                 if stop.received is not None:  # the stop's doing (a DataLoader worker killed by the same SIGTERM)
                     raise Stopped(stop.received) from error
-                try:
-                    session.close()
-                except Exception:  # noqa: BLE001
-                    pass
+                session.abandon()  # its partial segment goes: nothing of it is, or will be, done
                 line = f"{type(error).__name__}: {error}".splitlines()[0]
                 with renewer.lock, stop.deferred():  # one conditional write of the claim at a time
                     state = board.fail(claim, line)
@@ -305,6 +336,17 @@ class ClaimShare:
         if claim is None or job.split_complete():
             writer.close()
             return {}
+        try:
+            return self._commit_held(job, writer, board, claim, progress)
+        except BaseException:
+            # Given back at once: a worker started next (or `featurestore commit`) commits, rather
+            # than waiting out this claim's lease.
+            with contextlib.suppress(Exception):
+                board.release(claim, "its commit failed")
+            raise
+
+    def _commit_held(self, job: Any, writer: Any, board: claims.ClaimBoard, claim: claims.Claim,
+                     progress: list[Any]) -> dict[str, Any]:
         with _Renewer(board, claim):
             extra = commit_extra(job.store.storage, job.split_key())
             # Every slide's bag must be found complete (or the slide failed) before the commit lays

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from featurestore.core.bag_repair import RepairWriter
-from featurestore.errors import InvalidOption
+from featurestore.errors import InputChanged, InvalidOption
 from featurestore.extract.coords_from import SourceGrid, load_source
 from featurestore.extract.dist import Coordinator, coordinated
 from featurestore.extract.dist_run import progress_bar, run_split
@@ -213,8 +213,8 @@ def _prepare(opts: SlideOptions, coord: Coordinator) -> _Prepared:
                     "output_dtype": output_dtype, "precision": precision},
         "preprocessing": recorded, "token_layout": embedding.to_dict(), "cache_key": cache_key,
         "source_dtype": output_dtype,
-        "source": {"spec": opts.images, "kind": "wsi", "slides": len(refs), "batch_size": opts.batch_size,
-                   "partition": "slide i of the sorted cohort -> rank i % world_size"},
+        "source": {"spec": opts.images, "kind": "wsi", "slides": len(refs), "slides_digest": slides_digest(refs),
+                   "batch_size": opts.batch_size, "partition": "slide i of the sorted cohort -> rank i % world_size"},
     }
     if label_names is not None:
         metadata["label_names"] = label_names
@@ -224,9 +224,31 @@ def _prepare(opts: SlideOptions, coord: Coordinator) -> _Prepared:
                      dtype, int(sample.shape[-1]), encoder_name, metadata, grid)
 
 
+def slides_digest(refs: list[SlideRef]) -> str:
+    """The cohort a split is made of: a digest of its slide ids, in order (the slide list is sorted)."""
+    return hashlib.sha256("\n".join(ref.id for ref in refs).encode()).hexdigest()
+
+
 class _SlidesJob(EncodeJob):
     """Slide extraction as a :func:`~featurestore.extract.dist_run.run_split` job: units are slides,
     each added as one bag by the process that encodes it (a writer session of its own)."""
+
+    def check_kept(self, writer: Any) -> None:
+        """One split, one cohort: a resume, a re-run or a ``--worker`` listing other slides than the
+        run that created the split is refused (two workers with two lists would race at the
+        commit, and a complete split re-run with a new slide would report it complete)."""
+        recorded = writer.metadata.extra.get("source") or {}
+        refs = self.prep.refs
+        if recorded.get("slides_digest") in (None, slides_digest(refs)):  # None: a split from before the digest
+            return
+        listed = {ref.id for ref in refs}
+        gone = sorted(writer.done_ids - listed)
+        detail = f"its bag {gone[0]!r} is not in this list" if gone else "other slide ids"
+        writer.close()
+        raise InputChanged(f"split {self.key} was started on {recorded.get('slides')} slides and this run lists "
+                           f"{len(refs)} ({detail}): every run of a split, each --worker too, takes the same slide "
+                           "list (folder or CSV, and --limit); extract other slides into another --split, or "
+                           "--overwrite to redo this one with this list")
 
     def create(self, *, resume: bool, overwrite: bool) -> Any:
         opts, prep = self.opts, self.prep

@@ -1,0 +1,200 @@
+"""What ``--worker`` runs refuse or give back, so that a split never looks complete with slides
+missing: a store that takes no writes (the slide goes back, uncounted), a commit of an unfinished
+cohort, a failed commit (its claim goes back), a worker listing another cohort than the split's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from test_bags_import import trident_dir
+from test_extract import cli_env, run_cli
+from test_workers import NAME, _import_cmd, _wsi_cmd
+
+from featurestore import open_store
+from featurestore.core import claim_status, claims
+from featurestore.core.storage import LocalStorage
+from featurestore.errors import StorageFull
+from featurestore.extract.workers_share import ClaimShare, WorkerOptions
+
+KEY = "/".join(NAME)
+
+# ``python -c`` in place of ``-m featurestore.cli``: with $FS_FULL set, every chunk put of a
+# writer session (under segments/, the claims apart) fails as a full disk does.
+_FULL_DISK = """
+import errno, os, sys
+from featurestore.core.storage import LocalStorage
+write = LocalStorage.write_sealed
+def full(self, key, payload):
+    if os.environ.get("FS_FULL") and "/segments/" in key and "/.claims/" not in key:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return write(self, key, payload)
+LocalStorage.write_sealed = full
+from featurestore.cli import main
+sys.exit(main())
+"""
+
+
+def _segments(store: Path) -> list[str]:
+    folder = store.joinpath(*NAME, "segments")
+    return sorted(p.name for p in folder.iterdir() if p.name != ".claims") if folder.exists() else []
+
+
+def test_a_full_store_gives_the_slide_back_uncounted_and_stops(tmp_path: Path) -> None:
+    """A full disk is no slide's fault: before, each slide was failed three times in seconds and
+    recorded ``failed`` for good, leaving a segment per attempt on the full disk."""
+    source, store = tmp_path / "src", tmp_path / "store"
+    trident_dir(source, {"a": 5, "b": 6, "c": 7})
+    cmd = _import_cmd(source, str(store), None, "--worker", "--max-attempts", "3")
+    full = subprocess.run([cmd[0], "-c", _FULL_DISK, *cmd[3:]], env={**cli_env(), "FS_FULL": "1"},
+                          capture_output=True, text=True, timeout=240)
+    assert full.returncode == 1, full.stdout + full.stderr
+    line = full.stderr.strip().splitlines()[-1]
+    assert "no space left" in line and "given back (not counted as an attempt)" in line and "free space" in line, line
+    records = claims.read_records(LocalStorage(str(store)), KEY)
+    assert [r["state"] for r in records.values()] == [claims.RELEASED], records
+    assert next(iter(records.values()))["attempts"] == 0
+    assert _segments(store) == []  # the attempt's partial segment went with it
+    done = run_cli(*cmd[3:], timeout=240)  # space freed: the next worker does every slide
+    assert done.returncode == 0, done.stdout + done.stderr
+    meta = open_store(str(store)).split_metadata(*NAME)
+    assert meta["status"] == "complete" and meta["bags"]["count"] == 3 and "failed" not in meta
+
+
+def test_commit_refuses_an_unfinished_cohort_and_a_second_commit_is_a_no_op(tmp_path: Path) -> None:
+    """`featurestore commit` committed whatever bags were done as the complete split (a stopped
+    worker's slide given back, another never started): now it names what is left."""
+    source, store = tmp_path / "src", tmp_path / "store"
+    trident_dir(source, {"a": 5, "b": 6, "c": 7, "d": 8})
+    storage = LocalStorage(str(store))
+    elsewhere = claims.ClaimBoard(storage, KEY, lease=600, max_attempts=3, worker=claims.WorkerId(host="node7", pid=42))
+    held = {unit: elsewhere.claim(unit)[0] for unit in ("c", "d")}  # live elsewhere: the worker below does a, b
+    proc = subprocess.Popen(_import_cmd(source, str(store), None, "--worker", "--no-commit"), env=cli_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and sum(r.get("state") == claims.DONE
+                                         for r in claims.read_records(storage, KEY).values()) < 2:
+        time.sleep(0.1)
+    proc.kill()  # it would wait for c and d
+    proc.wait()
+    claim = held["c"]
+    assert claim is not None and elsewhere.release(claim, "stopped by SIGTERM")  # c given back; d still held
+    refused = run_cli("commit", str(store), *NAME)
+    assert refused.returncode == 1 and "still claimed by live workers" in refused.stderr, refused.stderr
+    claim = held["d"]
+    assert claim is not None and elsewhere.release(claim, "stopped by SIGTERM")
+    refused = run_cli("commit", str(store), *NAME)
+    assert refused.returncode == 1, refused.stdout
+    assert ("2 of 4 slides are not done yet (2 given back by stopped workers, e.g. 'c'): start --worker processes"
+            in refused.stderr), refused.stderr
+    assert open_store(str(store)).split_info(*NAME).status == "writing"
+    finish = run_cli(*_import_cmd(source, str(store), None, "--worker")[3:], timeout=240)
+    assert finish.returncode == 0, finish.stdout + finish.stderr
+    again = run_cli("commit", str(store), *NAME)  # a pipeline's commit step after the last worker committed
+    assert again.returncode == 0 and "is already complete (4 bags): nothing to commit" in again.stdout, again.stderr
+    typo = run_cli("commit", str(tmp_path / "no-store"), *NAME)
+    assert typo.returncode == 1 and not (tmp_path / "no-store").exists()  # never made at a mistyped path
+
+
+def test_a_failed_commit_gives_its_claim_back_and_status_shows_the_committer(tmp_path: Path) -> None:
+    """A worker whose commit fails (a full disk, an outage past its patience) used to keep the
+    `_commit` claim for its lease, and the workers after it exited without committing; status
+    showed nothing of it."""
+    storage = LocalStorage(str(tmp_path))
+
+    class Job:  # what ClaimShare.commit asks of a job, its commit failing
+        key = KEY
+        store = SimpleNamespace(storage=storage)
+
+        def split_key(self) -> str:
+            return KEY
+
+        def split_complete(self) -> bool:
+            return False
+
+        def attach(self) -> Any:
+            return SimpleNamespace(close=lambda: None, done_ids=set())
+
+        def commit(self, writer: Any, progress: list[Any]) -> dict[str, Any]:
+            assert claim_status.progress(storage, KEY, None)["committing"]["expired"] is False
+            raise StorageFull("no space left on the device of store X while writing the index")
+
+    share = ClaimShare(WorkerOptions(lease_seconds=600))
+    with pytest.raises(StorageFull):
+        share.commit(Job(), SimpleNamespace(), [])
+    record = json.loads(storage.read(claims.special_key(KEY, "_commit")))
+    assert record["state"] == claims.RELEASED and claim_status.progress(storage, KEY, None)["committing"] is None
+    other = claims.ClaimBoard(storage, KEY, lease=600, max_attempts=1, worker=claims.WorkerId(host="node7", pid=42))
+    assert other.claim("_commit", special=True)[0] is not None  # the next committer takes it at once
+    assert claim_status.progress(storage, KEY, None)["committing"]["host"] == "node7"
+
+
+def test_a_worker_listing_another_cohort_is_refused(tmp_path: Path) -> None:
+    """Two workers with two slide lists on one split raced at the commit, and a complete split
+    re-run with a new slide reported it complete: a split is one cohort."""
+    pytest.importorskip("openslide")
+    from featurestore.demo.slides import write_cohort
+
+    cohort, store = tmp_path / "cohort", tmp_path / "store"
+    write_cohort(cohort, 2, width=768, height=512, mpp=0.5)
+    env = cli_env(FSW_CALLS=str(tmp_path / "calls.txt"))
+    first = run_cli(*_wsi_cmd(cohort, str(store), None, "--worker", "--no-commit")[3:], env=env, timeout=240)
+    assert first.returncode == 0, first.stdout + first.stderr
+    shutil.copy(cohort / "slide-001.tiff", cohort / "slide-002.tiff")
+    more = run_cli(*_wsi_cmd(cohort, str(store), None, "--worker")[3:], env=env, timeout=240)
+    assert more.returncode == 1, more.stdout + more.stderr
+    assert ("was started on 2 slides and this run lists 3 (other slide ids): every run of a split, each --worker "
+            "too, takes the same slide list" in more.stderr), more.stderr
+    (cohort / "slide-002.tiff").unlink()
+    (cohort / "slide-001.tiff").unlink()  # fewer slides: one of the split's bags is not listed
+    fewer = run_cli(*_wsi_cmd(cohort, str(store), None, "--worker")[3:], env=env, timeout=240)
+    assert fewer.returncode == 1 and "its bag 'slide-001' is not in this list" in fewer.stderr, fewer.stderr
+    assert open_store(str(store)).split_info(*NAME).status == "writing"
+
+
+def test_the_committing_worker_reports_every_workers_skipped_slides(tmp_path: Path) -> None:
+    """The worker that commits exits 3 for a slide another worker skipped, and names it (it printed
+    its own count, 0, and exited 0)."""
+    pytest.importorskip("openslide")
+    from featurestore.demo.slides import write_cohort
+
+    cohort, store = tmp_path / "cohort", tmp_path / "store"
+    write_cohort(cohort, 2, width=768, height=512, mpp=0.5)
+    (cohort / "junk.svs").write_text("not a slide")
+    env = cli_env(FSW_CALLS=str(tmp_path / "calls.txt"))
+    first = run_cli(*_wsi_cmd(cohort, str(store), None, "--worker", "--no-commit")[3:], env=env, timeout=240)
+    assert first.returncode == 0, first.stdout + first.stderr
+    last = run_cli(*_wsi_cmd(cohort, str(store), None, "--worker")[3:], env=env, timeout=240)
+    assert last.returncode == 3, last.stdout + last.stderr
+    assert "skipped slide junk: " in last.stderr and "0 bags of 3 slides" in last.stdout, last.stdout + last.stderr
+    assert ", 1 skipped; split: 2 bags" in last.stdout, last.stdout
+
+
+def test_a_worker_with_other_options_is_told_the_workers_fix(tmp_path: Path) -> None:
+    """A worker started with another option than the split's: refused, with a worker's fix (the
+    writer's own, --overwrite, is refused with --worker and would redo the split under the others)."""
+    source, store = tmp_path / "src", tmp_path / "store"
+    trident_dir(source, {"a": 5, "b": 6})
+    first = run_cli(*_import_cmd(source, str(store), None, "--worker", "--no-commit", "--dtype", "float16")[3:])
+    assert first.returncode == 0, first.stderr
+    other = run_cli(*_import_cmd(source, str(store), None, "--worker", "--dtype", "float32")[3:])
+    assert other.returncode == 1 and len(other.stderr.strip().splitlines()) == 1, other.stderr
+    assert "every worker of a split runs with the same options" in other.stderr, other.stderr
+    assert "overwrite" not in other.stderr, other.stderr
+
+
+def test_a_local_store_that_cannot_be_written_is_told_a_local_fix(tmp_path: Path) -> None:
+    """A local path's failure names the path's fix, not an S3 endpoint's and credentials'."""
+    source = tmp_path / "src"
+    trident_dir(source, {"a": 5})
+    (tmp_path / "afile").write_text("")
+    done = run_cli(*_import_cmd(source, str(tmp_path / "afile" / "store"), None, "--worker")[3:])
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "Not a directory" in done.stderr and "that this user may write there" in done.stderr, done.stderr
+    assert "credentials" not in done.stderr and "--storage-options" not in done.stderr, done.stderr
