@@ -258,6 +258,29 @@ def test_export_refusals_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixt
     assert not (tmp_path / "escape.h5").exists() and not (tmp_path / "out" / "escape.h5").exists()
 
 
+def test_a_bad_out_is_named_not_blamed_on_the_store(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    slide_files(tmp_path / "src", {"s1": 3}, dtype=np.float32, coords_dtype=np.int64, attrs={})
+    import_dir(tmp_path / "src", tmp_path / "store", "all")
+    capsys.readouterr()
+    a_file = tmp_path / "taken.txt"
+    a_file.write_text("not a folder")
+    for out, words in ((a_file, f"--out {a_file} is a file, not a directory: give a folder"),
+                       (a_file / "sub", f"{a_file} is a file, not a directory")):
+        assert export(tmp_path / "store", "all", "trident", out) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err and "cannot use the store" not in err, err
+    # What no check can foresee (/proc/x, a read-only mount) fails in makedirs: still --out's error.
+    def refuse(path: str, exist_ok: bool = False) -> None:
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr("featurestore.extract.bag_export.os.makedirs", refuse)
+    assert export(tmp_path / "store", "all", "trident", tmp_path / "new") == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"cannot write into --out {tmp_path / 'new'} (Permission denied)" in err
+    assert "cannot use the store" not in err, err
+
+
 # ---------------------------------------------------------------------- rm
 def _rm(store: Path, *argv: str, stdin: Any = subprocess.DEVNULL) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -187,10 +187,35 @@ def test_a_latin1_csv_is_one_line_naming_the_line_and_a_bom_is_fine(
     err = one_line(capsys)
     assert "not UTF-8" in err and "byte 0xe9 on line 3" in err and "iconv" in err
     assert nothing_written(tmp_path / "store")
+    # After a byte-order mark (a spreadsheet's "CSV UTF-8" edited in a Latin-1 editor): the same
+    # byte and line, not the ones three bytes earlier.
+    labels.write_bytes(b"\xef\xbb\xbf" + "slide_id,label\na,tumeur\nb,b\u00e9nin\n".encode("latin-1"))
+    assert run_import(tmp_path / "src", tmp_path / "store", "--labels", str(labels)) == 1
+    assert "byte 0xe9 on line 3" in one_line(capsys)
     labels.write_bytes("\ufeffslide_id,label\na,tumeur\nb,b\u00e9nin\n".encode())
     assert run_import(tmp_path / "src", tmp_path / "store", "--labels", str(labels)) == 0
     assert open_store(str(tmp_path / "store")).open_bags("ds", "enc", "s").metadata["label_names"] == [
         "b\u00e9nin", "tumeur"]
+
+
+def test_a_tsv_labels_table_is_tab_separated_and_a_misnamed_one_says_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    slides(tmp_path / "src", {"a": 3, "b": 4})
+    for name, text, hint in (
+            ("l.csv", "slide_id\tlabel\na\t1\nb\t0\n",
+             "the header looks tab-separated: save it as comma-separated text or name it .tsv"),
+            ("l2.csv", "slide_id;label\na;1\nb;0\n", "the header looks semicolon-separated: save it as "
+                                                     "comma-separated text")):
+        (tmp_path / name).write_text(text)
+        assert run_import(tmp_path / "src", tmp_path / "store", "--labels", str(tmp_path / name)) == 1
+        err = one_line(capsys)
+        assert "has no column 'slide_id'" in err and hint in err, err
+        assert nothing_written(tmp_path / "store")
+    # A .tsv was split on commas: "has no column 'slide_id' (it has: slide_id<TAB>case_id ...)".
+    (tmp_path / "l.tsv").write_text("slide_id\tcase_id\tlabel\na\tP1, left\t1\nb\tP2\t0\n")
+    assert run_import(tmp_path / "src", tmp_path / "store", "--labels", str(tmp_path / "l.tsv")) == 0
+    bags = open_store(str(tmp_path / "store")).open_bags("ds", "enc", "s")
+    assert bags.labels.tolist() == [1, 0] and bags.attrs("a")["case_id"] == "P1, left"
 
 
 def test_integer_labels_are_ascii_digits_only(tmp_path: Path) -> None:

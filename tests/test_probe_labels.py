@@ -124,6 +124,31 @@ def test_bad_tables_are_one_line_errors(tmp_path: Path, text: str, column: str, 
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+def test_missing_value_markers_are_empty_cells(tmp_path: Path) -> None:
+    # How pandas (nan, NaN) and R (NA) write a missing value: no class of its own, the slide left out.
+    markers = ("nan", "NaN", "NA", "N/A", " null ", "None", "NONE", "n/a")
+    rows = "".join(f"m{k},{marker}\n" for k, marker in enumerate(markers))
+    read = read_label_table(table(tmp_path, f"slide_id,grade\na,G1\nb,G2\n{rows}a,NaN\n"), "grade")
+    assert read.classes == ["G1", "G2"] and read.values == {"a": 0, "b": 1} and read.empty == len(markers)
+    digits = read_label_table(table(tmp_path, "slide_id,y\na,0\nb,1\nc,nan\n"), "y")
+    assert digits.classes is None and digits.values == {"a": 0, "b": 1}  # still integer class ids
+    with pytest.raises(InvalidLabels, match="column 'y' has no label in any row"):
+        read_label_table(table(tmp_path, "slide_id,y\na,NA\nb,nan\n"), "y")
+
+
+@pytest.mark.parametrize(("name", "text", "hint"), [
+    ("tab.csv", "slide_id\tlabel\na\t1\n", "the header looks tab-separated: save it as comma-separated text or "
+                                              "name it .tsv"),
+    ("semi.csv", "slide_id;label\na;1\n", "the header looks semicolon-separated: save it as comma-separated text"),
+    ("comma.tsv", "slide_id,label\na,1\n", "the header looks comma-separated: name the file .csv"),
+])
+def test_a_header_in_another_separator_says_so(tmp_path: Path, name: str, text: str, hint: str) -> None:
+    with pytest.raises(InvalidLabels) as error:
+        read_label_table(table(tmp_path, text, name=name), "label")
+    assert "has no column 'slide_id' (--id-column)" in str(error.value) and hint in str(error.value)
+    assert "\n" not in str(error.value)
+
+
 def test_an_id_repeated_with_one_label_is_one_row(tmp_path: Path) -> None:
     # A slide table keyed by its patients (a patient's row once per slide) labels patient embeddings.
     text = "slide_id,case_id,grade\ns1,P1,G2\ns2,P1,G2\ns3,P2,\ns4,P2,G1\ns5,P3,G1\ns6,P3,\nx1,,G1\n"
@@ -135,8 +160,15 @@ def test_an_id_repeated_with_one_label_is_one_row(tmp_path: Path) -> None:
 
 
 def test_a_table_that_is_not_utf8_or_matches_no_slide(tmp_path: Path) -> None:
-    with pytest.raises(InvalidLabels, match="is not UTF-8 text"):
+    with pytest.raises(InvalidLabels, match=r"is not UTF-8 text \(byte 0xfc on line 2\)"):
         read_label_table(table(tmp_path, "slide_id,label\nMünchen,1\n", encoding="latin-1"), "label")
+    # Deep in a longer table (past the decoder's first read-ahead), after a byte-order mark: the
+    # line that holds the byte, not the last line csv had parsed before the decoder failed.
+    rows = "".join(f"slide-{k},1\n" for k in range(3000))
+    deep = b"\xef\xbb\xbf" + f"slide_id,label\n{rows}".encode() + "Zürich,0\n".encode("latin-1")
+    (tmp_path / "deep.csv").write_bytes(deep)
+    with pytest.raises(InvalidLabels, match=r"is not UTF-8 text \(byte 0xfc on line 3002\)"):
+        read_label_table(str(tmp_path / "deep.csv"), "label")
     read = read_label_table(table(tmp_path, "slide_id,label\nTCGA-01,1\nTCGA-02,0\n"), "label")
     with pytest.raises(InvalidLabels, match=r"none of the 2 slides of d/e/s has a label .* look like 'TCGA-01'"):
         read.match(["slide-0000", "slide-0001"], "d/e/s")

@@ -91,6 +91,22 @@ def test_cli_errors_are_one_line_and_exit_1(store_path: str, argv: list[str], me
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize(("where", "message"), [
+    ("no/such/dir/r.json", "does not exist"),
+    (".", "is a directory"),
+])
+def test_cli_json_path_is_checked_before_training(store_path: str, tmp_path: Path, where: str, message: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # Without --quiet: a run that trained would print per-seed progress before the error.
+    code = main(["probe", store_path, "--dataset", DATASET, "--encoder", "lin32", "--train", "train",
+                 "--eval", "val", "--seeds", "1", "--epochs", "1", "--device", "cpu",
+                 "--json", str(tmp_path / where)])
+    captured = capsys.readouterr()
+    assert code == 1 and captured.out == ""
+    assert f"--json {tmp_path / where}" in captured.err and message in captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
+
+
 def test_cli_missing_store_and_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--dataset", DATASET, "--encoder", "e", "--train", "train", "--eval", "val"]
     assert main(["probe", str(tmp_path / "absent"), *args]) == 1

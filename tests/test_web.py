@@ -241,6 +241,20 @@ def test_slide_map_draws_every_patch(client: TestClient) -> None:
 
 
 @needs_bags
+def test_slide_map_by_bag_id_as_server_md_documents(client: TestClient) -> None:
+    bag = sorted(BAG_IDS).index("TCGA-A1-0002")
+    by_position = client.get(f"/ui/slidemap/demo/vit-s/slides/{bag}.png")
+    by_id = client.get("/ui/slidemap/demo/vit-s/slides/TCGA-A1-0002.png")
+    assert by_id.status_code == 200 and by_id.headers["content-type"] == "image/png"
+    assert by_id.content == by_position.content
+    missing = client.get("/ui/slidemap/demo/vit-s/slides/TCGA-none.png")
+    assert missing.status_code == 404 and "no bag 'TCGA-none' in demo/vit-s/slides" in missing.text
+    past = client.get("/ui/slidemap/demo/vit-s/slides/99999999999999999999999999.png")
+    assert past.status_code == 416 and "or a bag id" in past.text
+    assert client.get("/ui/slidemap/demo/vit-s/slides/-1.png").status_code == 416
+
+
+@needs_bags
 @pytest.mark.parametrize(("path", "status"), [
     ("/ui/slidemap/demo/vit-s/slides/5.png", 416), ("/ui/slidemap/demo/vit-s/train/0.png", 400),
     ("/ui/pca/demo/vit-s/slides/0.png", 400), ("/ui/slidemap/demo/vit-s/nope/0.png", 404),

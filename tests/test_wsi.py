@@ -111,8 +111,13 @@ def test_slide_list_from_a_spreadsheet_and_broken_lists(tmp_path: Path) -> None:
     with pytest.raises(SlideError, match="line 3 has no path"):
         list_slides(str(tmp_path / "nopath.csv"))
     (tmp_path / "latin.csv").write_bytes("path\nMünchen.svs\n".encode("latin-1"))
-    with pytest.raises(SlideError, match="is not UTF-8 .*save it as UTF-8 CSV"):
+    with pytest.raises(SlideError, match=r"is not UTF-8 \(byte 0xfc on line 2\): save it as UTF-8 CSV"):
         list_slides(str(tmp_path / "latin.csv"))
+    # Past the decoder's first read-ahead: the line holding the byte, not the last one csv had parsed.
+    rows = "".join(f"slide-{k}.svs\n" for k in range(3000))
+    (tmp_path / "long.csv").write_bytes(f"path\n{rows}".encode() + "Zürich.svs\n".encode("latin-1"))
+    with pytest.raises(SlideError, match=r"\(byte 0xfc on line 3002\)"):
+        list_slides(str(tmp_path / "long.csv"))
     (tmp_path / "huge.csv").write_text('path,note\na.svs,"' + "x" * 200_000 + '"\n')
     with pytest.raises(SlideError, match="line 2 is not CSV .*field larger than field limit"):
         list_slides(str(tmp_path / "huge.csv"))

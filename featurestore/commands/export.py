@@ -50,12 +50,13 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from featurestore.errors import InvalidOption
-    from featurestore.extract.bag_export import export_bags
+    from featurestore.extract.bag_export import check_out, export_bags
     from featurestore.extract.embedding_export import export_embeddings
 
     if (args.fmt is None) == (args.attention is None):
         raise InvalidOption("give --format FORMAT (the features) or --attention NAME (a saved attention map), "
                             "one of the two")
+    check_out(args.out)  # before the store is read: a bad --out is no failure of the store
     store = open_store_from_args(args.store, args)
     with store_errors(args.store):
         if args.attention is not None:

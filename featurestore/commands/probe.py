@@ -299,6 +299,8 @@ def _run(args: argparse.Namespace) -> int:
     storage = None if args.store.lower().startswith(("http://", "https://")) else options_from_args(args)
     if args.groups is not None and args.group_by is None:
         raise InvalidOption("--groups CSV gives the column of --group-by COLUMN: add --group-by")
+    if args.json not in (None, "-"):
+        _check_json_out(args.json)
     if args.head == "abmil":
         result = _run_abmil(args, token, storage, None if args.quiet else log)
     else:
@@ -343,6 +345,19 @@ def _run(args: argparse.Namespace) -> int:
             json.dump(result, handle, indent=2, allow_nan=True)
             handle.write("\n")
     return 0
+
+
+def _check_json_out(path: str) -> None:
+    # Checked before training, as --save-predictions is (featurestore.probes.predictions): a bad
+    # path found only when the result is written would lose the whole run.
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InvalidOption(f"--json {path}: directory {folder} does not exist; create it, or give a path in an "
+                            "existing one")
+    if os.path.isdir(path):
+        raise InvalidOption(f"--json {path} is a directory: give a file name, e.g. result.json")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise InvalidOption(f"--json {path}: cannot write there (permission denied); give a path you can write")
 
 
 def _run_abmil(args: argparse.Namespace, token: str | None, storage: dict[str, Any] | None,

@@ -43,8 +43,8 @@ import numpy as np
 from featurestore.errors import InvalidOption, SplitExists
 from featurestore.format import dtypes
 
-__all__ = ["FORMATS", "LABELS_CSV", "ExportResult", "atomic_write", "check_file_stem", "export_bags", "export_bar",
-           "labels_csv", "prepare_out", "table_columns", "write_h5"]
+__all__ = ["FORMATS", "LABELS_CSV", "ExportResult", "atomic_write", "check_file_stem", "check_out", "export_bags",
+           "export_bar", "labels_csv", "prepare_out", "table_columns", "write_h5"]
 
 FORMATS = ("trident", "clam-pt", "stamp")
 LABELS_CSV = "labels.csv"
@@ -119,15 +119,35 @@ def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str,
     return ExportResult(key, fmt, out, len(bags), len(targets), time.perf_counter() - started)
 
 
+def check_out(out: str) -> None:
+    """Refuse an ``out`` that cannot become the folder to write in (a file, a path under one, a
+    folder this user may not write), before the store is read: an OSError there would otherwise
+    surface as the store's failure (the CLI wraps the export in ``store_errors``)."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise InvalidOption(f"--out {out} is a file, not a directory: give a folder to write the files in")
+    existing = os.path.abspath(out)
+    while not os.path.lexists(existing):  # the folder makedirs would create the rest under
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise InvalidOption(f"--out {out}: {existing} is a file, not a directory: give a folder to write the files in")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InvalidOption(f"cannot write into --out {out} (Permission denied): give a folder you can write in")
+
+
 def prepare_out(targets: list[str], out: str, overwrite: bool) -> None:
     """Refuse to write over an earlier export's files (unless ``overwrite``), before writing any;
     make the folders ``targets`` go in."""
+    check_out(out)
     taken = [t for t in targets if os.path.lexists(t)]
     if taken and not overwrite:
         raise SplitExists(f"{out!r} already holds {len(taken)} of the files this export writes (first: "
                           f"{os.path.relpath(taken[0], out)!r}): choose an empty --out directory or pass --overwrite")
     for folder in sorted({os.path.dirname(t) for t in targets}):
-        os.makedirs(folder, exist_ok=True)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as error:  # what check_out cannot foresee: /proc/x, a read-only mount...
+            raise InvalidOption(f"cannot write into --out {out} ({error.strerror or error}): give a folder you can "
+                                "write in") from error
 
 
 def export_bar(total: int, unit: str, progress: bool) -> Any:

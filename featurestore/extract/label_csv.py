@@ -1,8 +1,9 @@
 """The labels CSV of slide bags (``featurestore import DIR --labels CSV``, ``wsi:`` extraction).
 
-One row per slide: an id column (default ``slide_id``; an id may carry its file extension,
-``TCGA-xx.svs``), a label column (default ``label``) and any others (``case_id``, ``site``...),
-which an import keeps as bag attributes so later steps can group slides by patient.
+One row per slide, comma-separated (tab-separated when the file is named ``.tsv``): an id column
+(default ``slide_id``; an id may carry its file extension, ``TCGA-xx.svs``), a label column
+(default ``label``) and any others (``case_id``, ``site``...), which an import keeps as bag
+attributes so later steps can group slides by patient.
 
 Parsing is strict, so a table means one thing whatever the locale or the spreadsheet that wrote
 it: the file is UTF-8 (a BOM is fine; anything else is refused naming the line, not guessed);
@@ -26,7 +27,7 @@ from typing import Any
 
 from featurestore.errors import InvalidLabels
 
-__all__ = ["LabelTable", "read_label_csv", "read_label_table"]
+__all__ = ["LabelTable", "read_label_csv", "read_label_table", "separator_hint", "undecodable_at"]
 
 _INT = re.compile(r"[+-]?[0-9]+\Z")
 _FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\Z")
@@ -64,7 +65,8 @@ def read_label_table(path: str, bag_ids: list[str], label_column: str = "label",
     for wanted, option in ((id_column, "--id-column"), (label_column, "--label-column")):
         if wanted not in header:
             raise InvalidLabels(f"labels CSV {path!r} has no column {wanted!r} (it has: "
-                                f"{', '.join(c for c in header if c) or 'none'}): name the column with {option}")
+                                f"{', '.join(c for c in header if c) or 'none'}): name the column with {option}"
+                                f"{separator_hint(path, header)}")
     others = [c for c in header if c and c not in (id_column, label_column)]
     numeric = {c: all(_is_number(r[c]) for r in rows if r[c]) for c in others}
     table: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}  # slide id as written -> its rows
@@ -118,20 +120,59 @@ def _text(path: str) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
-        line = data[: error.start].count(b"\n") + 1
-        raise InvalidLabels(f"labels CSV {path!r} is not UTF-8 (byte 0x{data[error.start]:02x} on line {line}): save "
-                            "it as UTF-8 ('CSV UTF-8' in a spreadsheet, or iconv -f latin1 -t utf-8 IN > OUT for "
-                            "a Latin-1 file)") from None
+        raise InvalidLabels(f"labels CSV {path!r} is not UTF-8 ({_where(error)}): save it as UTF-8 ('CSV UTF-8' "
+                            "in a spreadsheet, or iconv -f latin1 -t utf-8 IN > OUT for a Latin-1 file)") from None
+
+
+def undecodable_at(path: str, error: UnicodeDecodeError) -> str:
+    """Where the file at ``path``, which a streaming reader failed to decode (``error``), stops being
+    UTF-8: ``byte 0xe9 on line 3``. The reader's own line count is no use: its decoder fails on a
+    read-ahead, before csv has parsed the lines before the byte, so the file is read again whole."""
+    try:
+        with open(path, "rb") as f:
+            f.read().decode("utf-8-sig")
+    except UnicodeDecodeError as whole:
+        return _where(whole)
+    except OSError:
+        pass
+    return f"byte {error.object[error.start]:#04x}"  # the file changed, or went, since the failed read
+
+
+def _where(error: UnicodeDecodeError) -> str:
+    # error.object, not the bytes decoded: utf-8-sig strips a byte-order mark first, and error.start
+    # counts from after it.
+    data = error.object
+    line = data[: error.start].count(b"\n") + 1
+    return f"byte {data[error.start]:#04x} on line {line}"
+
+
+def separator_hint(path: str, header: list[str]) -> str:
+    """What a header of one cell says about the file: another separator than the one its name
+    implies (a TSV or a European spreadsheet's semicolons saved as .csv); else nothing."""
+    if len(header) != 1:
+        return ""
+    tsv = path.lower().endswith(".tsv")
+    if not tsv and "\t" in header[0]:
+        return "; the header looks tab-separated: save it as comma-separated text or name it .tsv"
+    if ";" in header[0]:
+        fix = "save it as comma-separated text" + ("" if tsv else " (or tab-separated as .tsv)")
+        return f"; the header looks semicolon-separated: {fix}"
+    if tsv and "," in header[0]:
+        return "; the header looks comma-separated: name the file .csv"
+    return ""
 
 
 def _rows(path: str, raw: str) -> tuple[list[str], list[dict[str, str]]]:
     """The header (names stripped: ``slide_id, label`` names the same columns) and the rows as
-    ``{column: cell stripped}`` (a short row's missing cells are empty; blank lines skipped)."""
+    ``{column: cell stripped}`` (a short row's missing cells are empty; blank lines skipped).
+    Comma-separated, tab for ``.tsv``, as the probe's tables (featurestore.probes.labels)."""
+    delimiter = "\t" if path.lower().endswith(".tsv") else ","
     try:
-        lines = [line for line in csv.reader(io.StringIO(raw, newline="")) if any(cell.strip() for cell in line)]
+        lines = [line for line in csv.reader(io.StringIO(raw, newline=""), delimiter=delimiter)
+                 if any(cell.strip() for cell in line)]
     except csv.Error as error:
         raise InvalidLabels(f"labels CSV {path!r} is not a CSV file ({error}): save it as comma-separated "
-                            "text") from None
+                            "text (tab-separated as .tsv)") from None
     if not lines:
         raise InvalidLabels(f"labels CSV {path!r} is empty: it needs a header row and one row per slide")
     header = [name.strip() for name in lines[0]]

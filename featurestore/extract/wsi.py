@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from featurestore.errors import InvalidOption, MissingDependency
+from featurestore.extract.label_csv import undecodable_at
 from featurestore.extract.sources import SourceError
 
 # Files OpenSlide reads (https://openslide.org/formats/); other files in a wsi:DIR are ignored.
@@ -112,8 +113,8 @@ def _slides_from_csv(path: str) -> list[SlideRef]:
                 slide = row["path"] if os.path.isabs(row["path"]) else os.path.join(base, row["path"])
                 refs.append(SlideRef(row.get("slide_id") or _stem(slide), slide, row.get("label") or None))
     except UnicodeDecodeError as error:
-        raise SlideError(f"slide list {path!r} is not UTF-8 (byte {error.object[error.start]:#04x} after line "
-                         f"{reader.line_num if reader else 0}): save it as UTF-8 CSV") from None
+        raise SlideError(f"slide list {path!r} is not UTF-8 ({undecodable_at(path, error)}): save it as UTF-8 "
+                         "CSV") from None
     except csv.Error as error:
         raise SlideError(f"slide list {path!r} line {reader.reader.line_num if reader else 1} is not CSV ({error}): save "
                          "it as comma-separated text") from None

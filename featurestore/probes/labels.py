@@ -16,6 +16,8 @@ table keyed by slide id, read when the probe runs, so a new task needs no re-imp
   values, so the head has no class that no slide can have (``1, 2`` is a binary task, not three
   classes of which one is empty); otherwise every value is a class name, and classes are
   numbered in sorted name order (``"1.0"``, ``"-1"`` or ``"١"`` are names, not numbers);
+- a label cell ``nan``, ``NaN``, ``NA``, ``N/A``, ``null`` or ``None`` (any case: how pandas and R
+  write a missing value) is an empty cell, not a class name;
 - a row with an empty label cell, a row with an empty id cell (it labels nothing) and a slide the
   table does not list are left out of the probe (one summary line says how many slides); a table
   that labels none of a split's slides is refused.
@@ -35,11 +37,15 @@ from typing import Any
 import numpy as np
 
 from featurestore.errors import InvalidLabels
+from featurestore.extract.label_csv import separator_hint, undecodable_at
 
 __all__ = ["LabelTable", "Matched", "read_label_table", "table_rows"]
 
 _DIGITS = re.compile(r"[0-9]+")  # str.isdigit() would take any Unicode digit
 _SHOWN = 3  # ids named in a message or summary
+# Label cells that mean "no value": pandas writes a missing value as nan (NaN), R as NA; a class
+# named so would be a class of unlabelled slides. Compared lower-cased.
+_MISSING = frozenset({"nan", "na", "n/a", "null", "none"})
 
 
 @dataclass(frozen=True)
@@ -101,7 +107,7 @@ def column_indices(path: str, header: list[str], columns: Sequence[tuple[str, st
     for column, flag in columns:
         if column not in header:
             raise InvalidLabels(f"{path} has no column {column!r} ({flag}); its columns are: "
-                                f"{', '.join(repr(h) for h in header if h) or 'none'}")
+                                f"{', '.join(repr(h) for h in header if h) or 'none'}{separator_hint(path, header)}")
     return [header.index(column) for column, _ in columns]
 
 
@@ -118,6 +124,8 @@ def read_label_table(path: str | os.PathLike[str], label_column: str, id_column:
             continue  # a blank line
         cells = [cell.strip() for cell in row] + [""] * len(header)
         slide, value = cells[id_at], cells[label_at]
+        if value.lower() in _MISSING:
+            value = ""
         if not slide:  # labels nothing: a clinical table covers other cohorts too
             continue
         if raw.get(slide) and value and raw[slide] != value:
@@ -168,8 +176,8 @@ def table_rows(path: str, what: str, limit: int | None = None) -> list[list[str]
                 if len(rows) == limit:
                     break
     except UnicodeDecodeError as error:
-        raise InvalidLabels(f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} after line "
-                            f"{reader.line_num if reader else 0}): save the table as UTF-8 CSV") from None
+        raise InvalidLabels(f"{path} is not UTF-8 text ({undecodable_at(path, error)}): save the table as UTF-8 "
+                            "CSV") from None
     except csv.Error as error:
         raise InvalidLabels(f"{path} line {reader.line_num}: not a table featurestore can read ({error}); save "
                             "it as comma-separated text (tab-separated as .tsv)") from None

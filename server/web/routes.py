@@ -1,5 +1,5 @@
 """The web page's routes: ``/`` (and ``/ui``) the catalog, ``/ui/splits/{dataset}/{encoder}/{split}``
-one split, ``/ui/pca/.../{index}.png`` and ``/ui/slidemap/.../{index}.png`` pictures,
+one split, ``/ui/pca/.../{index}.png`` and ``/ui/slidemap/.../{bag}.png`` (a position or a bag id) pictures,
 ``/ui/static/...`` the stylesheet and icon, ``/ui/login`` and ``/ui/logout`` (see ``session``).
 
 Plain ``def`` handlers (FastAPI runs them in its thread pool: store reads and pictures do not
@@ -9,6 +9,7 @@ block the event loop). A domain error on a page is answered as an HTML page with
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Annotated, Any
@@ -36,6 +37,7 @@ STATIC_TYPES = {"style.css": "text/css; charset=utf-8", "favicon.svg": "image/sv
 MAX_COMPARED = 3  # other encoders shown beside a split's picture
 BAGS_PER_PAGE = 100
 PICTURE_HEADERS = {"Cache-Control": "private, max-age=60", "X-Content-Type-Options": "nosniff"}
+_POSITION = re.compile(r"-?[0-9]{1,30}")  # ASCII digits (int() takes any script's), within int()'s limit
 
 
 @dataclass
@@ -227,13 +229,18 @@ def pca_png(request: Request, dataset: Name, encoder: Name, split: Name, index: 
     return Response(body, media_type=MEDIA_TYPE, headers=PICTURE_HEADERS)
 
 
-@router.get("/ui/slidemap/{dataset}/{encoder}/{split}/{index}.png")
-def slide_png(request: Request, dataset: Name, encoder: Name, split: Name, index: int,
+@router.get("/ui/slidemap/{dataset}/{encoder}/{split}/{bag}.png")
+def slide_png(request: Request, dataset: Name, encoder: Name, split: Name,
+              bag: Annotated[str, Path(description="the bag's position in the split, or its id")],
               attention: Annotated[str | None, Query(description="an attention map's name")] = None) -> Response:
     for name, what in ((dataset, "dataset"), (encoder, "encoder"), (split, "split"), (attention, "attention map")):
         if name is not None:
             validate_name(name, what)
-    body = web_of(request).figures.slide_png(dataset, encoder, split, index, attention=attention)
+    figures = web_of(request).figures
+    # An integer is a position (the page's own links), anything else an id, only ever looked up
+    # in the split's id index (BagNotFound: 404); an id of digits only is reached by its position.
+    index = int(bag) if _POSITION.fullmatch(bag) else figures.open_bags(dataset, encoder, split).index(bag)
+    body = figures.slide_png(dataset, encoder, split, index, attention=attention)
     return Response(body, media_type=MEDIA_TYPE, headers=PICTURE_HEADERS)
 
 
