@@ -75,13 +75,18 @@ def test_stamp_feats_and_micrometre_coords(tmp_path: Path) -> None:
     assert bags.attrs("slide-a")["root"]["extractor"] == "ctranspath"
 
 
-def test_clam_job_and_pt_files(tmp_path: Path) -> None:
+def test_clam_job_and_pt_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     job = tmp_path / "clam"
     data = trident_dir(job / "h5_files", {"s1": 5, "s2": 8}, dtype=np.float32)
     (job / "pt_files").mkdir()
     for slide, (features, _) in data.items():
         torch.save(torch.from_numpy(features), job / "pt_files" / f"{slide}.pt")
+    torch.save(torch.zeros(3, 16), job / "pt_files" / "s3.pt")  # a run cut short before s3's h5
     assert run_import(job, tmp_path / "store", "--dtype", "float32") == 0  # h5_files first: it has coords
+    out = capsys.readouterr()
+    assert "1 slide(s) of" in out.out + out.err and "have no h5 file in h5_files (first: 's3'): not imported" in (
+        out.out + out.err), out
+    (job / "pt_files" / "s3.pt").unlink()
     bags = open_store(str(tmp_path / "store")).open_bags("ds", "enc", "train")
     np.testing.assert_array_equal(bags.read_numpy("s2")[1], data["s2"][1])
     assert run_import(job / "pt_files", tmp_path / "store", "--dtype", "float32", split="pt") == 0

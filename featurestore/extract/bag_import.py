@@ -26,7 +26,7 @@ from featurestore.extract.import_types import ImportOptions, ImportResult
 from featurestore.extract.input_check import refuse_changed_inputs
 from featurestore.extract.label_csv import read_label_table
 from featurestore.extract.plan import resolve_dtype
-from featurestore.extract.slide_files import Slide, SlideFileError, SlideFiles
+from featurestore.extract.slide_files import PT_SUFFIXES, Slide, SlideFileError, SlideFiles
 
 __all__ = ["BagImport"]
 
@@ -39,7 +39,7 @@ class BagImport(SplitJob):
         self.files = files
         self.labels: dict[str, Any] | None = None
         self.table_attrs: dict[str, dict[str, Any]] | None = None
-        self.notes = _hidden_note(files)
+        self.notes = _hidden_note(files) + _unpaired_note(files)
 
     def load(self) -> None:
         opts, files = self.opts, self.files
@@ -156,6 +156,25 @@ def _refuse_reserved(path: str, columns: dict[str, Any]) -> None:
     if clash:
         raise InvalidLabels(f"labels CSV {path!r} has a column {clash[0]!r}, the name of a bag attribute the import "
                             f"takes from the slide file ({', '.join(_FILE_ATTRS)}): rename the column")
+
+
+def _unpaired_note(files: SlideFiles) -> list[str]:
+    """A CLAM job is imported from its ``h5_files`` (features and coords); slides that have a
+    ``pt_files`` file but no h5 (a run cut short between its two writes) are named, not dropped
+    unseen."""
+    if os.path.basename(files.directory) != "h5_files":
+        return []
+    pt_dir = os.path.join(os.path.dirname(files.directory), "pt_files")
+    try:
+        pt = {os.path.splitext(n)[0] for n in os.listdir(pt_dir)
+              if n.lower().endswith(PT_SUFFIXES) and not n.startswith(".")}
+    except OSError:
+        return []
+    alone = sorted(pt - {slide.bag_id for slide in files.slides})
+    if not alone:
+        return []
+    return [f"{len(alone)} slide(s) of {pt_dir!r} have no h5 file in h5_files (first: {alone[0]!r}): not imported "
+            "(the h5 files hold the coordinates); import pt_files alone for features without coordinates"]
 
 
 def _hidden_note(files: SlideFiles) -> list[str]:
