@@ -64,7 +64,7 @@ def test_float32_store_equals_the_same_bags_in_ram(store: str, batch_size: int, 
     assert stream["runs"] == ram["runs"]
     again = run_mil_probe(store, "cohort", ENCODERS["float32"], loader="stream", **options)
     assert again["runs"] == stream["runs"]  # deterministic on the CPU given the seed
-    assert stream["eval_samples"] == 16 and stream["train_samples"] == 32
+    assert stream["eval_samples"] == 15 and stream["train_samples"] == 32  # val's empty slide left out
 
 
 def test_the_probe_learns_and_folds_are_stratified(store: str) -> None:
@@ -248,6 +248,20 @@ def test_cli_says_when_abmil_is_at_chance_and_compare_is_uninformative(store: st
     compared = capsys.readouterr().out
     assert "uninformative" in compared and "WARNING: AT CHANCE" in compared
     assert "The comparison is uninformative" in compared.replace("\n", " ")
+
+
+def test_an_empty_bag_is_left_out_before_the_folds_and_said_so(store: str) -> None:
+    """A slide without patches is no bag the probe can score: left out up front, named in the
+    report's notes and not counted among the evaluated bags (before, each epoch's loader warned
+    about it, naming a Python-only skip_empty, and the report counted it)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*empty bag")
+        result = run_mil_probe(store, "cohort", ENCODERS["float32"], train_split="train", eval_split="val", seeds=1,
+                               epochs=1, device="cpu")
+    assert result["eval_samples"] == 15, result["eval_samples"]  # 16 slides, one of them empty
+    assert any("1 empty bag(s) of cohort/abmil-f32/val (no patches, e.g. " in note for note in result["label_notes"])
 
 
 @pytest.mark.filterwarnings("ignore:1 empty bag")

@@ -44,8 +44,9 @@ def open_bags(source: str, dataset: str, encoder: str, split: str, *, storage_op
     if table is not None:
         matched = table.match(ds.ids, f"{dataset}/{encoder}/{split}")
         ds.labels, ds.labelled, ds.label_summary = matched.labels, matched.positions, matched.summary
-        return ds
+        return _without_empty(ds, f"{dataset}/{encoder}/{split}")
     ds.labelled, ds.label_summary = np.arange(ds.num_bags, dtype=np.int64), None
+    _without_empty(ds, f"{dataset}/{encoder}/{split}")
     if ds.labels is None:
         raise MissingLabels(f"bag split {dataset}/{encoder}/{split} has no labels, so no slide-level probe can be "
                             "trained on it: give the task's labels from a table (--labels CSV --label-column COL), "
@@ -53,6 +54,19 @@ def open_bags(source: str, dataset: str, encoder: str, split: str, *, storage_op
     if ds.labels.dtype.kind not in "iub":
         raise InvalidLabels(f"bag split {dataset}/{encoder}/{split} has {ds.labels.dtype} labels: the ABMIL probe "
                             "needs integer class ids")
+    return ds
+
+
+def _without_empty(ds: Any, key: str) -> Any:
+    """Empty bags (a slide without tissue) leave the probe's bags before its folds are made: the
+    report counts only bags it trains or evaluates on, and says how many it left out."""
+    lengths = np.asarray(ds.lengths)[ds.labelled]
+    empty = ds.labelled[lengths == 0]
+    if len(empty):
+        ds.labelled = ds.labelled[lengths > 0]
+        note = (f"{len(empty)} empty bag(s) of {key} (no patches, e.g. {ds.ids[int(empty[0])]!r}) left out of the "
+                "probe")
+        ds.label_summary = f"{ds.label_summary}; {note}" if ds.label_summary else note
     return ds
 
 
