@@ -198,3 +198,5 @@ def test_a_local_store_that_cannot_be_written_is_told_a_local_fix(tmp_path: Path
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "Not a directory" in done.stderr and "that this user may write there" in done.stderr, done.stderr
     assert "credentials" not in done.stderr and "--storage-options" not in done.stderr, done.stderr
+    info = run_cli("info", str(store), *NAME, env=env)
+    assert "skipped slides: 1: junk" in info.stdout, info.stdout

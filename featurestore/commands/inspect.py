@@ -202,6 +202,10 @@ def _run_info(args: argparse.Namespace) -> int:
     if meta.is_bags:
         lines = [line for line in lines if line[0] != "labels"]
         lines[2:3] = _bag_lines(store, args, meta)
+        for what in ("skipped", "failed"):  # slides a run left out (wsi extraction, --worker)
+            if left := meta.extra.get(what):
+                lines.append((f"{what} slides", f"{len(left)}: " + ", ".join(str(s.get("id")) for s in left[:10])
+                               + (f", ... {len(left) - 10} more" if len(left) > 10 else "")))
     for name, value in lines:
         print(f"{name:>14}: {value}")
     return 0
