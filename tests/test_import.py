@@ -130,6 +130,29 @@ def test_ragged_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureF
         import_cache(opts(tmp_path, tmp_path / "ints.npy", split="i"))
 
 
+def test_values_refused_mid_import_give_an_import_s_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A value float16 cannot hold (or a NaN) found after the split was made: the message gives a
+    fix that works (--dtype bfloat16 alone was refused: the split exists, incomplete), and names
+    no extraction flag (--precision)."""
+    x = feats().numpy()
+    x[30, 1, 2] = 1e5
+    np.save(tmp_path / "big.npy", x)
+    base = ["import", str(tmp_path / "big.npy"), "--store", str(tmp_path / "store"), "--dataset", "ds",
+            "--encoder-name", "enc", "--split", "b", "--no-progress", "--chunk-mb", str(8 * T * D * 2 / 2**20)]
+    assert main([*base, "--dtype", "float16"]) == 1
+    err = capsys.readouterr().err
+    assert "exceed float16's range" in err and "then rerun with --overwrite" in err and "--precision" not in err, err
+    assert main([*base, "--dtype", "bfloat16", "--overwrite"]) == 0  # the fix as given
+    capsys.readouterr()
+    x[30, 1, 2] = np.nan
+    np.save(tmp_path / "nan.npy", x)
+    base[1], base[9] = str(tmp_path / "nan.npy"), "n"
+    assert main(base) == 1
+    err = capsys.readouterr().err
+    assert "1 NaN and 0 Inf values" in err and "Fix those samples in the cache" in err, err
+    assert "--precision" not in err and "then rerun with --overwrite" in err, err
+
+
 def test_resume_reads_only_the_missing_chunks(tmp_path: Path) -> None:
     x = feats(4)
     (tmp_path / "c").mkdir()

@@ -15,7 +15,7 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
-from featurestore.errors import ShapeMismatch
+from featurestore.errors import Float16Overflow, NonFiniteValues, ShapeMismatch
 from featurestore.extract.dist_run import SplitJob, progress_bar
 from featurestore.extract.import_types import ImportOptions, ImportResult
 from featurestore.extract.input_check import refuse_changed_inputs_of
@@ -110,9 +110,34 @@ def _copy(source: CacheSource, labels: ArraySource | None, writer: Any, opts: Im
             for start in range(lo, hi, opts.batch_size):
                 stop = min(start + opts.batch_size, hi)
                 rows = source.read(start, stop)
-                writer.write(start, rows, labels.read(start, stop) if labels else None)
+                try:
+                    writer.write(start, rows, labels.read(start, stop) if labels else None)
+                except (Float16Overflow, NonFiniteValues) as error:
+                    raise _refused_values(error) from None
                 bar.update(stop - start)
             writer.flush()  # the chunk is complete: on storage now, so a crash keeps it
     finally:
         bar.close()
     return total
+
+
+_ADVICE = (" Use --dtype", " Check the encoder", " Scale the features down")
+
+
+def _refused_values(error: Float16Overflow | NonFiniteValues) -> Exception:
+    """The writer's refusal of a batch with an import's fix: the writer's advice is an
+    extraction's (--precision, --dtype alone), but the split this import began has its dtype set
+    and its first rows written, so the rerun needs --overwrite too."""
+    text = str(error)
+    for advice in _ADVICE:
+        text = text.split(advice)[0]
+    then = "then rerun with --overwrite (the split this run began is replaced)"
+    if isinstance(error, Float16Overflow):
+        fix = f"Store it as --dtype bfloat16 (float32's range, ~4e-3 relative error) or float32 (exact): {then}"
+    elif "bfloat16" in text:
+        fix = f"Store it as --dtype float32 (exact): {then}"
+    elif "float64 values" in text:
+        fix = f"Scale the features down in the cache, {then}"
+    else:
+        fix = f"Fix those samples in the cache (or leave them out of it), {then}"
+    return type(error)(f"{text.rstrip()} {fix}")
