@@ -60,6 +60,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (python: slide encoders)")
     p.add_argument("--autocast", default="none", choices=("none", "bfloat16", "float16"),
                    help="autocast dtype of a python: slide encoder (recorded; default none: float32)")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (it shows on a terminal only)")
     add_storage_options(p)
 
 
@@ -72,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype, max_patches=args.max_patches, seed=args.seed, group_by=args.group_by,
         groups=args.groups, id_column=args.id_column,
         empty_bags=args.empty_bags, no_labels=args.no_labels, resume=args.resume, overwrite=args.overwrite,
-        device=args.device, autocast=args.autocast, storage_options=storage_options(args.storage_options))
+        device=args.device, autocast=args.autocast, storage_options=storage_options(args.storage_options),
+        progress=args.progress)
     with store_errors(args.store), kind_hint("featurestore embed derives slide or patient embeddings from a bag "
                                              "split (--encoder, --split name it)"):
         result = embed(opts)

@@ -25,6 +25,7 @@ from featurestore.embed.pooling import Pooler, gather
 from featurestore.errors import (DatasetNotFound, EmptyBag, EncoderNotFound, InvalidOption, SplitExists,
                                  SplitNotFound)
 from featurestore.extract.dist import Coordinator, coordinated
+from featurestore.extract.dist_run import progress_bar
 from featurestore.format import dtypes, lineage
 from featurestore.format.names import validate_name
 
@@ -56,6 +57,7 @@ class EmbedOptions:
     device: str = "auto"
     autocast: str = "none"
     storage_options: dict[str, Any] = field(default_factory=dict)
+    progress: bool = True  # a bar on stderr (a terminal's only), rows per second
 
     def check(self) -> None:
         for name, value in (("--dataset", self.dataset), ("--encoder", self.encoder), ("--split", self.split),
@@ -252,7 +254,12 @@ def _embed(opts: EmbedOptions, coord: Coordinator) -> EmbedResult:
         if coord.rank != 0:  # attach to the split rank 0 created or resumed
             writer = _create(opts, prep, store, resume=True, overwrite=False)
         mine = [c for c in writer.pending_chunks() if coord.owns(c)]
-        computed = _compute(prep, writer, mine)
+        bar = progress_bar(opts, sum(min(writer.chunk_rows, len(prep.rows) - c * writer.chunk_rows) for c in mine),
+                           "patient" if opts.group_by else "slide", "embed", coord)
+        try:
+            computed = _compute(prep, writer, mine, bar)
+        finally:
+            bar.close()
         if coord.rank == 0:
             writer.flush()
         else:
@@ -265,7 +272,7 @@ def _embed(opts: EmbedOptions, coord: Coordinator) -> EmbedResult:
                        coord.rank)
 
 
-def _compute(prep: _Prepared, writer: Any, chunks: list[int]) -> int:
+def _compute(prep: _Prepared, writer: Any, chunks: list[int], bar: Any) -> int:
     """Compute and write the rows of ``chunks`` (one chunk per write); the number of rows."""
     n, per = len(prep.rows), writer.chunk_rows
     spans = [(c * per, min((c + 1) * per, n)) for c in chunks]
@@ -275,16 +282,16 @@ def _compute(prep: _Prepared, writer: Any, chunks: list[int]) -> int:
         # One stream over all of this rank's rows: the reader thread reads ahead across rows.
         pooler = Pooler(prep.bags, prep.encoder.pooling)
         try:
-            _write(prep, writer, spans, (v for _, v in pooler.pool(rows, kept)))
+            _write(prep, writer, spans, (v for _, v in pooler.pool(rows, kept)), bar)
         finally:
             pooler.close()
     else:
         _write(prep, writer, spans, (_encode(prep.encoder, prep.bags, r, k, prep.device, prep.autocast)
-                                     for r, k in zip(rows, kept, strict=True)))
+                                     for r, k in zip(rows, kept, strict=True)), bar)
     return len(rows)
 
 
-def _write(prep: _Prepared, writer: Any, spans: list[tuple[int, int]], vectors: Any) -> None:
+def _write(prep: _Prepared, writer: Any, spans: list[tuple[int, int]], vectors: Any, bar: Any) -> None:
     for start, stop in spans:
         block = np.empty((stop - start, prep.output_dim), np.float32)
         for i in range(start, stop):
@@ -294,6 +301,7 @@ def _write(prep: _Prepared, writer: Any, spans: list[tuple[int, int]], vectors: 
                     f"slide encoder {prep.encoder.spec} returned {vector.shape[0]} values for {prep.rows[i].id!r}, "
                     f"{prep.output_dim} for the first row: it must return one size")
             block[i - start] = vector
+            bar.update(1)
         row_labels = None
         if prep.label_dtype is not None:
             row_labels = np.asarray([prep.rows[i].label for i in range(start, stop)], dtype=prep.label_dtype)
