@@ -320,12 +320,13 @@ def test_save_predictions_of_patient_embeddings_give_each_folds_auc(store: str, 
                  "--save-predictions", str(table), "--json", str(result)])
     assert code == 0 and "predictions: 60 rows (seed, fold, slide) in" in capsys.readouterr().out
     rows = list(csv.DictReader(table.open(encoding="utf-8")))
-    assert list(rows[0]) == ["seed", "fold", "slide_id", "label", "predicted", "prob_0", "prob_1"]
+    # Patient embeddings' ids are the patients': the column is named as the embedding's --group-by.
+    assert list(rows[0]) == ["seed", "fold", "case_id", "label", "predicted", "prob_0", "prob_1"]
     cases = featurestore.open_store(store).open("cohort", "patients", "all").ids
     runs = json.loads(result.read_text())["runs"]
     for seed in ("0", "1"):
         mine = [r for r in rows if r["seed"] == seed]
-        assert sorted(r["slide_id"] for r in mine) == sorted(cases)  # each patient once, held out
+        assert sorted(r["case_id"] for r in mine) == sorted(cases)  # each patient once, held out
         per_fold = []
         for fold in ("0", "1", "2"):
             held = [r for r in mine if r["fold"] == fold]

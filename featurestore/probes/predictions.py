@@ -7,7 +7,8 @@ Evaluation reads the evaluated samples in position order without shuffling: whol
 time, empty bags left out (as ``BagLoader`` does, and as featurestore.probes.attention relies on),
 or the linear head's batches of rows; so the k-th evaluated row is the k-th evaluated sample. One
 row per (seed, fold, sample): ``seed``, ``fold`` (0 for ``--eval SPLIT``), ``slide_id`` (the
-sample's id; its position in a split without ids), the bags' ``--group-by`` column when given,
+sample's id; its position in a split without ids; named as the embedding's ``--group-by`` column,
+``case_id``, for patient embeddings), the bags' ``--group-by`` column when given,
 ``label`` and ``predicted`` (class names where the split or the ``--labels`` table has them, else
 class ids) and one ``prob_<class>`` column per class. The file is written whole at the end (a
 temporary name renamed), so a probe cut short leaves no half table.
@@ -46,14 +47,14 @@ class PredictionRecorder:
 
     def __init__(self, path: str, *, num_classes: int, count: int, ids: Sequence[str] | None = None,
                  lengths: Any = None, class_names: list[str] | None = None,
-                 group: tuple[str, Callable[[int], Any]] | None = None) -> None:
+                 group: tuple[str, Callable[[int], Any]] | None = None, id_name: str = "slide_id") -> None:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise InvalidOption(f"--save-predictions {path}: directory {folder} does not exist; create it, or "
                                 "give a path in an existing one")
         if os.path.isdir(path):
             raise InvalidOption(f"--save-predictions {path} is a directory: give a file name, e.g. predictions.csv")
-        self.path, self.ids, self.group = path, ids, group
+        self.path, self.ids, self.group, self.id_name = path, ids, group, id_name
         self.names = class_names or [str(c) for c in range(num_classes)]
         self.lengths = np.ones(count, np.int64) if lengths is None else np.asarray(lengths, np.int64)
         self.rows: list[list[Any]] = []
@@ -71,9 +72,14 @@ class PredictionRecorder:
 
     @classmethod
     def of_split(cls, path: str, info: Any, *, num_classes: int, table: Any = None) -> PredictionRecorder:
-        """For the linear head over ``info`` (featurestore.probes.run's ``SplitInfo`` of a dense split)."""
+        """For the linear head over ``info`` (featurestore.probes.run's ``SplitInfo`` of a dense split);
+        patient embeddings (``featurestore embed --group-by case_id``) name their id column so."""
+        from featurestore.probes.groups import lineage_of
+
+        grouped = (lineage_of(info.metadata) or {}).get("group_by")
         return cls(path, num_classes=num_classes, count=info.num_samples, ids=info.ds.array.ids,
-                   class_names=class_names_of(info, table, num_classes))
+                   class_names=class_names_of(info, table, num_classes),
+                   id_name=grouped if isinstance(grouped, str) else "slide_id")
 
     def sink(self, seed: int, fold: int, eval_positions: Sequence[int] | np.ndarray | None
              ) -> Callable[[Any, Any], None]:
@@ -95,7 +101,7 @@ class PredictionRecorder:
 
     def save(self) -> dict[str, Any]:
         """Write the table; returns ``{"path", "rows"}``."""
-        header = ["seed", "fold", "slide_id", *([self.group[0]] if self.group else []), "label", "predicted",
+        header = ["seed", "fold", self.id_name, *([self.group[0]] if self.group else []), "label", "predicted",
                   *(f"prob_{name}" for name in self.names)]
         temp = os.path.join(os.path.dirname(os.path.abspath(self.path)), f".{os.path.basename(self.path)}.tmp")
         try:
