@@ -205,9 +205,10 @@ def test_over_http_the_probe_trains_the_same_head(store: str) -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--encoder", "onelabel", "--folds", "2"], "cohort/onelabel/train holds only label 1 (8 of them)"),
-    (["--encoder", ENCODERS["float32"], "--eval", "val0"], "holds only label 0 (6 of them)"),
-    (["--encoder", ENCODERS["float32"], "--eval", "val0", "--compare", ENCODERS["float16"]], "only label 0"),
+    # the classes by the names the splits record (label_info)
+    (["--encoder", "onelabel", "--folds", "2"], "cohort/onelabel/train holds only label 'positive' (1) (8 of them)"),
+    (["--encoder", ENCODERS["float32"], "--eval", "val0"], "holds only label 'negative' (0) (6 of them)"),
+    (["--encoder", ENCODERS["float32"], "--eval", "val0", "--compare", ENCODERS["float16"]], "only label 'negative'"),
 ])
 def test_one_class_is_refused_not_reported_as_nan(store: str, argv: list[str], message: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:

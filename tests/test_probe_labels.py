@@ -290,8 +290,13 @@ def test_dense_chance_baseline_and_one_class(store: str, tmp_path: Path,
     assert "WARNING: AT CHANCE" in out and "uninformative" in out
     one = table(tmp_path, "slide_id,task\n" + "".join(f"{split}-slide-{i:04d},x\n" for split in ("train", "val")
                                                     for i in range(24 if split == "train" else 12)))
-    with pytest.raises(InvalidLabels, match="holds only label 0 .*AUC is undefined for one"):
+    with pytest.raises(InvalidLabels, match="holds only label 'x' \\(0\\) .*AUC is undefined for one"):
         run_probe(store, "cohort", "emb", labels=read_label_table(one, "task"), **options)
+    rare = table(tmp_path, "slide_id,site\n" + "".join(f"train-slide-{i:04d},{'liver' if i == 0 else 'lung'}\n"
+                                                      for i in range(24)), name="site.csv")
+    with pytest.raises(InvalidLabels, match="class 'liver' \\(0\\) has 1 sample\\(s\\): a fold would train without it"):
+        run_probe(store, "cohort", "emb", labels=read_label_table(rare, "site"),
+                  **{**options, "eval_split": None, "folds": 3})
 
 
 def test_seg_baseline_is_the_best_constant_map() -> None:

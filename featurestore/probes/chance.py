@@ -109,13 +109,20 @@ def mark_comparison(comparison: dict[str, dict[str, Any]], a: Mapping[str, Any],
         row["uninformative"] = all(sides)
 
 
-def check_two_classes(labels: np.ndarray, what: str, fix: str) -> None:
+def class_text(value: Any, names: Sequence[str] | None) -> str:
+    """A class in a message: its name as the table or split gives it (``'lung' (0)``), else its id."""
+    index = int(value)
+    return f"{names[index]!r} ({index})" if names is not None and 0 <= index < len(names) else str(value)
+
+
+def check_two_classes(labels: np.ndarray, what: str, fix: str, names: Sequence[str] | None = None) -> None:
     """:class:`InvalidLabels` when ``labels`` hold fewer than two classes: no probe metric means
-    anything there (AUC is undefined, a constant prediction is perfect)."""
+    anything there (AUC is undefined, a constant prediction is perfect). ``names``: the class
+    names, for the message."""
     values, counts = np.unique(np.asarray(labels).reshape(-1), return_counts=True)
     if len(values) >= 2:
         return
-    held = "no labels" if not len(values) else f"only label {values[0]} ({int(counts[0])} of them)"
+    held = "no labels" if not len(values) else f"only label {class_text(values[0], names)} ({int(counts[0])} of them)"
     raise InvalidLabels(f"{what} holds {held}: a probe needs at least 2 classes (AUC is undefined for one); {fix}")
 
 

@@ -34,12 +34,12 @@ def fold_pairs(info: Any, matched: Matched | None, folds: int, spec: GroupSpec |
     positions = matched.positions
     values = matched.labels[positions]
     chance.check_two_classes(values, f"split {info.name}", "a probe needs samples of each class (--labels CSV "
-                             "--label-column COL takes another task's labels)")
+                             "--label-column COL takes another task's labels)", matched.names)
     groups = None
     if spec is not None:
         groups = dense_groups(info, spec, positions, storage_options=storage_options, token=token)
     parts = fold_parts(values, positions, folds, f"split {info.name}", groups,
-                       group_name=spec.column if spec is not None else "group")
+                       group_name=spec.column if spec is not None else "group", names=matched.names)
     summary = matched.summary
     pairs = [(Matched(matched.labels, train, summary), Matched(matched.labels, held, ""))
              for train, held in parts]

@@ -113,7 +113,7 @@ def dense_baselines(train: Any, evaluate: Any, task: str, num_classes: int,
             values = picked.labels[picked.positions]
         chance.check_two_classes(values.reshape(-1), f"split {info.name}",
                                  "a probe needs samples of each class (--labels CSV --label-column COL takes "
-                                 "another task's labels)")
+                                 "another task's labels)", None if picked is None else picked.names)
         labels.append(values)
     return chance.class_baselines([labels[1]])
 

@@ -68,9 +68,12 @@ def stratified_folds(labels: np.ndarray, k: int, seed: int = FOLD_SEED) -> list[
 
 
 def fold_parts(labels: np.ndarray, pool: np.ndarray, k: int, name: str, groups: Sequence[Any] | None = None,
-               group_name: str = "group") -> list[tuple[np.ndarray, np.ndarray]]:
+               group_name: str = "group", names: Sequence[str] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(train positions, eval positions)`` of each of ``k`` folds of the samples at ``pool``
-    (``labels``, ``groups``: theirs); refused when a fold would evaluate one class only."""
+    (``labels``, ``groups``: theirs); refused when a fold would evaluate one class only
+    (``names``: the class names, for the message)."""
+    from featurestore.probes.chance import class_text
+
     labels = np.asarray(labels).reshape(-1)
     folds = grouped_folds(labels, groups, k, group_name=group_name)
     values = np.unique(labels)
@@ -83,12 +86,13 @@ def fold_parts(labels: np.ndarray, pool: np.ndarray, k: int, name: str, groups: 
         unit = f"{group_name} group(s)"
     fewest, rare = int(min(counts)), values[int(np.argmin(counts))]
     if fewest < 2:  # its one group is held out once, and that fold trains without the class
-        raise InvalidLabels(f"{name}: class {rare} has {fewest} {unit}: a fold would train without it; add samples "
+        raise InvalidLabels(f"{name}: class {class_text(rare, names)} has {fewest} {unit}: a fold would train without it; add samples "
                             "of that class (in other groups) or leave it out (--labels)")
     for i, fold in enumerate(folds):
         if len(np.unique(labels[fold])) < 2:
-            raise InvalidLabels(f"{name}: fold {i + 1} of {k} would evaluate only label {labels[fold][0]} (AUC is "
-                                f"undefined for one class): class {rare} has {fewest} {unit}, fewer than the "
+            raise InvalidLabels(f"{name}: fold {i + 1} of {k} would evaluate only label "
+                                f"{class_text(labels[fold][0], names)} (AUC is undefined for one class): class "
+                                f"{class_text(rare, names)} has {fewest} {unit}, fewer than the "
                                 f"folds; use --folds {fewest} or fewer")
     fold_sets = [pool[f] for f in folds]
     return [(np.sort(np.concatenate([f for j, f in enumerate(fold_sets) if j != i])), fold_sets[i])

@@ -55,6 +55,7 @@ class Matched:
     labels: np.ndarray
     positions: np.ndarray  # the labelled positions, ascending
     summary: str
+    names: list[str] | None = None  # class names by id (the table's text labels), for messages
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class LabelTable:
                    f"{where} labelled ({shown})")
         if absent:
             summary += f"; {len(absent)} without a label left out ({_some(absent)})"
-        return Matched(labels, positions, summary)
+        return Matched(labels, positions, summary, self.classes)
 
 
 def column_indices(path: str, header: list[str], columns: Sequence[tuple[str, str]]) -> list[int]:

@@ -44,8 +44,11 @@ def open_bags(source: str, dataset: str, encoder: str, split: str, *, storage_op
     if table is not None:
         matched = table.match(ds.ids, f"{dataset}/{encoder}/{split}")
         ds.labels, ds.labelled, ds.label_summary = matched.labels, matched.positions, matched.summary
+        ds.class_names = matched.names
         return _without_empty(ds, f"{dataset}/{encoder}/{split}")
     ds.labelled, ds.label_summary = np.arange(ds.num_bags, dtype=np.int64), None
+    names = (ds.metadata or {}).get("label_names") or ((ds.metadata or {}).get("label_info") or {}).get("classes")
+    ds.class_names = [str(n) for n in names] if isinstance(names, list) else None
     _without_empty(ds, f"{dataset}/{encoder}/{split}")
     if ds.labels is None:
         raise MissingLabels(f"bag split {dataset}/{encoder}/{split} has no labels, so no slide-level probe can be "
@@ -191,19 +194,20 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
     where = f"{train.dataset}/{train.encoder}"
     chance.check_two_classes(_labels_at(train, train.labelled), f"{where}/{train.split}",
                              "a slide-level probe needs slides of each class (--labels CSV --label-column COL "
-                             "takes another task's labels)")
+                             "takes another task's labels)", getattr(train, "class_names", None))
     spec = GroupSpec.of(group_by)
     if spec is not None and folds is None:
         raise InvalidOption("--group-by groups the bags of --folds K: add --folds K, or drop --group-by")
     if folds is None:
         parts = [(train.labelled, evaluate.labelled)]
         chance.check_two_classes(_labels_at(evaluate, evaluate.labelled), f"{where}/{evaluate.split}",
-                                 "evaluate on a split holding slides of each class, or use --folds K")
+                                 "evaluate on a split holding slides of each class, or use --folds K",
+                                 getattr(evaluate, "class_names", None))
     else:
         name = f"{where}/{train.split}"
         groups = None if spec is None else bag_groups(train.bags, train.labelled, spec, name)
         parts = fold_parts(train.labels[train.labelled], train.labelled, folds, name, groups,
-                           group_name=spec.column if spec else "group")
+                           group_name=spec.column if spec else "group", names=getattr(train, "class_names", None))
     eval_ds = train if evaluate is None else evaluate
     baselines = chance.class_baselines([_labels_at(eval_ds, index) for _, index in parts])
     if num_classes < 2:
