@@ -426,3 +426,31 @@ def test_import_of_a_bag_cache_with_dtype_int8(tmp_path: Path, capsys: pytest.Ca
         assert np.all(np.abs(back - x) <= int8.error_bound(split.scales[split.position(slide)]))
 
 
+
+
+def test_a_damaged_scales_chunk_is_named_locally_and_over_http(tmp_path: Path) -> None:
+    """One flipped byte in an int8 split's scales: every read needs them, so reads are refused,
+    naming the scales chunk and the repair (a bare zarr checksum ValueError before; the server
+    answered 500 InternalError)."""
+    from fastapi.testclient import TestClient
+
+    from featurestore.errors import CorruptChunk
+    from featurestore.format import wire
+    from server import Settings, create_app
+
+    store = tmp_path / "store"
+    writer = featurestore.open_store(str(store), mode="a").create_split(
+        "d", "e", "s", num_samples=64, sample_shape=(4, 8), dtype="int8", chunk_rows=4)
+    writer.write(0, np.random.default_rng(0).standard_normal((64, 4, 8)).astype(np.float32))
+    writer.commit()
+    chunk = store / "d" / "e" / "s" / "scales" / "c" / "10" / "0" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[5] ^= 0x10
+    chunk.write_bytes(bytes(raw))
+    arr = featurestore.open_store(str(store)).open("d", "e", "s")
+    with pytest.raises(CorruptChunk, match=r"chunk 10 of d/e/s/scales \(the int8 scales of the split's chunk 10; "
+                                           r".*featurestore verify"):
+        arr.read_numpy([3], dtype="float32")
+    with TestClient(create_app(str(store), Settings())) as client:
+        answer = client.get(wire.route(wire.ITEM, dataset="d", encoder="e", split="s", index=3))
+    assert answer.status_code == 500 and answer.json()["error"] == "CorruptChunk", answer.text

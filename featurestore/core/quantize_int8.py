@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from featurestore.core.checked import damage_message
 from featurestore.core.storage import Storage
-from featurestore.errors import DtypeMismatch
+from featurestore.errors import CorruptChunk, DtypeMismatch, FeatureStoreError
 from featurestore.format import dtypes, int8, layout
 from featurestore.format.stats import ChunkStats, RowStats, fold_rows, row_stats_numpy
 
@@ -145,8 +146,27 @@ class ScalesTable:
             import zarr
 
             array = zarr.open_array(store=self._storage.zarr_store(), path=self._key, mode="r")
-            self._table = np.ascontiguousarray(array[:], dtype=np.float32)
+            try:
+                values = array[:]
+            except FeatureStoreError:
+                raise
+            except Exception as error:  # noqa: BLE001 - zarr's crc32c codec or a short chunk: damage
+                raise self._damaged(array, error) from None
+            self._table = np.ascontiguousarray(values, dtype=np.float32)
         return self._table
+
+    def _damaged(self, array: Any, error: Exception) -> CorruptChunk:
+        """The damaged chunk of the scales array, named: every value of an int8 split needs its
+        scales (zarr's own message names neither the array nor the chunk)."""
+        rows = int(array.chunks[0])
+        for chunk, start in enumerate(range(0, int(array.shape[0]), rows)):
+            try:
+                array[start : start + rows]
+            except Exception as reason:  # noqa: BLE001 - the first chunk that fails is the damage
+                covers = f"chunk {start}" if rows == 1 else f"chunks {start}-{start + rows - 1}"
+                return CorruptChunk(damage_message(f"chunk {chunk} of {self._key} (the int8 scales of the split's "
+                                                   f"{covers}; every read of the split needs them)", str(reason)))
+        return CorruptChunk(damage_message(f"{self._key} (the split's int8 scales)", str(error)))
 
     def dequantize(self, codes: np.ndarray, index: np.ndarray, chunk_rows: int, out: np.ndarray) -> np.ndarray:
         return int8.dequantize_into(codes, index // chunk_rows, self.table(), out)
