@@ -91,12 +91,18 @@ STATUS: Mapping[type[BaseException], int] = {
     fse.StoreNotFound: 503,
     fse.NotAFeatureStore: 503,
     fse.UnsupportedFormatVersion: 503,
+    # The object storage behind the store is away (an outage past the retries) or refuses the
+    # server: retryable, a load balancer's "unavailable", not the caller's fault either.
+    fse.StorageUnavailable: 503,
+    fse.StoreUnreachable: 503,
+    fse.StorageAccessDenied: 503,
     # A complete split whose chunks are damaged or missing: the store is broken (see _DAMAGED).
     fse.CorruptChunk: 500,
     fse.MissingChunks: 500,
 }
 
 _DAMAGED = "the server's store is damaged (not a problem with the request): {}"
+STORAGE_RETRY_AFTER_S = 5  # an object store restarting takes seconds
 
 
 def status_for(error: BaseException) -> int:
@@ -140,6 +146,8 @@ def render_error(exc: fse.FeatureStoreError, private_paths: Sequence[str] = ()) 
     # Busy (503), and a split that changed while it was read (409, server/state.py): ask again.
     if (retry_after := getattr(exc, "retry_after", None)) is not None:
         headers["Retry-After"] = str(retry_after)
+    elif isinstance(exc, (fse.StorageUnavailable, fse.StoreUnreachable)):
+        headers["Retry-After"] = str(STORAGE_RETRY_AFTER_S)
     content = wire.error_body(wire.redact(message), type(exc).__name__, **extra)
     return JSONResponse(content, status_code=status, headers=headers or None)
 

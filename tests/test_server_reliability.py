@@ -198,3 +198,34 @@ def test_error_bodies_do_not_show_the_store_path(store_path: str, client: TestCl
         detail = response.json()["detail"]
         assert names in detail, detail
         assert store_path not in detail and real not in detail, detail
+
+
+def test_an_object_store_outage_is_a_retryable_503(tmp_path: Any) -> None:
+    """The S3 server behind `featurestore serve` goes away: the answer is 503 with Retry-After
+    (it was a 500: clients and load balancers do not retry those), and reads work again once the
+    object store is back, without restarting the server."""
+    from _seaweed_restart import restartable_seaweed
+
+    from featurestore.testing import stop_process
+
+    with restartable_seaweed(tmp_path) as (server, restart):
+        server.create_bucket("srv-outage")
+        url, options = "s3://srv-outage/store", dict(server.storage_options)
+        writer = featurestore.open_store(url, mode="a", **options).create_split(
+            "d", "e", "s", num_samples=8, sample_shape=(4, 8), dtype="float16")
+        data = np.arange(8 * 4 * 8, dtype=np.float32).reshape(8, 4, 8)
+        writer.write(0, data)
+        writer.commit()
+        item = wire.route(wire.ITEM, dataset="d", encoder="e", split="s", index=3)
+        with TestClient(create_app(url, Settings(storage_options=options))) as client:
+            assert client.get(item).status_code == 200
+            stop_process(server.process, grace=5)
+            gone = client.get(wire.route(wire.ITEM, dataset="d", encoder="e", split="s", index=5))
+            assert gone.status_code == 503 and gone.headers.get("Retry-After") == "5", gone.text
+            assert gone.json()["error"] in ("StorageUnavailable", "StoreUnreachable"), gone.text
+            restart()
+            deadline = time.time() + 60  # the restarted server answers 5xx until its volumes are up
+            while (back := client.get(item)).status_code != 200 and time.time() < deadline:
+                assert back.status_code == 503, back.text
+                time.sleep(1)
+            assert back.status_code == 200, back.text
