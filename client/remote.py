@@ -210,6 +210,16 @@ class RemoteFeatureArray:
         except fse.SplitChanged:
             self._forget()
             raise
+        except fse.IndexOutOfRange as error:
+            raise self._changed(error) from None
+
+    def _changed(self, error: fse.IndexOutOfRange) -> fse.SplitChanged:
+        """The server's 416 for rows this reader checked against the split it opened: the split
+        was overwritten since with fewer rows (its 416 carries no generation to compare)."""
+        self._forget()
+        return fse.SplitChanged(wire.redact(
+            f"{self.client.url} {'/'.join(self.key)}: the server holds fewer rows than the {len(self)} this reader "
+            f"opened ({str(error).splitlines()[0]}): the split was overwritten since it was opened; open it again"))
 
     def _forget(self) -> None:
         """The split was overwritten: the client's next ``open`` of it asks for its structure again."""
@@ -241,6 +251,8 @@ class RemoteFeatureArray:
         except fse.SplitChanged:
             self._forget()
             raise
+        except fse.IndexOutOfRange as error:
+            raise self._changed(error) from None
 
     def _read_piece(self, index: np.ndarray, out: np.ndarray, served: str | None = None,
                     values: np.ndarray | None = None) -> None:  # fmt: skip

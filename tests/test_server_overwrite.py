@@ -119,3 +119,30 @@ def test_local_overwrite_is_200_or_retryable_409(tmp_path: Any) -> None:
 
 def test_s3_overwrite_is_200_or_retryable_409(seaweed: Any, seaweed_url: str) -> None:
     _overwrite_while_reading(seaweed_url, dict(seaweed.storage_options), {})
+
+
+def test_a_reader_of_a_split_overwritten_with_fewer_rows_gets_split_changed(tmp_path: Any) -> None:
+    """An HTTP reader opened before an overwrite that shrank the split: its rows beyond the new
+    end were answered 416, an IndexOutOfRange for indices it had checked (the 416 carries no
+    generation); now SplitChanged, as for any other overwrite."""
+    from fastapi.testclient import TestClient
+
+    from server import Settings, create_app
+
+    root = str(tmp_path / "store")
+    _write(featurestore.open_store(root, mode="a"), 0)
+    with TestClient(create_app(root, Settings())) as http:
+        client = FeatureClient("http://testserver", http_client=http)
+        arr = client.open("pannuke", "tiny", "s")
+        np.testing.assert_array_equal(arr.read_numpy([N - 1, 2]), values(N, SHAPE, offset=0)[[N - 1, 2]])
+        writer = featurestore.open_store(root, mode="a").create_split(
+            "pannuke", "tiny", "s", num_samples=N // 2, sample_shape=SHAPE, dtype="float32", chunk_rows=CHUNK_ROWS,
+            overwrite=True)
+        writer.write(0, values(N // 2, SHAPE, offset=1))
+        writer.commit()
+        with pytest.raises(SplitChanged, match=f"fewer rows than the {N} this reader opened"):
+            arr.read_numpy([N - 1, 2])
+        with pytest.raises(SplitChanged):
+            arr.read_into([N - 1], np.empty((1, *SHAPE), np.float32), np.empty((1,), np.int64))
+        fresh = client.open("pannuke", "tiny", "s")  # opened again: the new split
+        assert len(fresh) == N // 2
