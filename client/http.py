@@ -181,11 +181,16 @@ class FeatureClient(Transport):
         return self._array(dataset, encoder, split, labels).read(indices)
 
     @reopening
-    def read_samples(self, dataset: str, encoder: str, split: str, indices: Any
+    def read_samples(self, dataset: str, encoder: str, split: str, indices: Any, *, dtype: str | None = None
                      ) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
-        """Features and labels (None without labels) of ``indices``, in one request."""
+        """Features and labels (None without labels) of ``indices``, in one request: the features
+        in the storage dtype (int8 codes for an int8 split), or as ``dtype`` values ("float32",
+        "float16"; an int8 split's values as the store's own read gives them)."""
         arr = self.open(dataset, encoder, split)
         index = wire.as_index_array(indices)
+        if check_read_dtype(dtype, arr.dtype) is not None:
+            values = arr.read_numpy(index, dtype=dtype)
+            return values, None if arr.labels is None else arr.labels.read_numpy(index)
         features = np.empty((len(index), *arr.sample_shape), arr.numpy_dtype)
         if arr.labels is None:
             return arr.read_numpy(index, out=features), None
