@@ -210,3 +210,4 @@ def test_collate_refuses_mixed_sizes() -> None:
     b = (1, torch.zeros(3, 8, 9), None)
     out = collate([a, b])
     assert isinstance(out, Failure) and "--resize" in out.message
+    assert "--overwrite if this run already made the split" in out.message  # a resume would refuse the new size

@@ -438,7 +438,8 @@ def collate(items: list[tuple[int, torch.Tensor, Any] | Failure]) -> tuple[list[
     shapes = {tuple(x.shape) for _, x, _ in good}
     if len(shapes) > 1:
         return Failure(good[0][0], f"images in one batch differ in size {sorted(shapes)}; "
-                                   "pass --resize H W (or --crop) so every image has one size")
+                                   "pass --resize H W (or --crop) so every image has one size, and --overwrite "
+                                   "if this run already made the split (the size is part of its cache key)")
     indices = [i for i, _, _ in good]
     images = torch.stack([x for _, x, _ in good])
     labels = None
