@@ -98,6 +98,15 @@ class BatchPlan:
     def __iter__(self) -> Iterator[np.ndarray]:
         return (self.batch(k) for k in range(self.num_batches))
 
+    def __getitem__(self, k: int) -> np.ndarray:
+        """Batch ``k`` (negative from the end), as a sequence of batches answers it."""
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
+            raise TypeError(f"a plan's batches are indexed by an int, but got {type(k).__name__}: "
+                            "list(plan) for a list")
+        if not -self.num_batches <= k < self.num_batches:
+            raise IndexError(f"batch {k} of an epoch of {self.num_batches} batches")
+        return self.batch(int(k) % self.num_batches)
+
 
 def partition(order: np.ndarray, rank: int, world_size: int, *, drop_last: bool) -> np.ndarray:
     """Rank ``rank``'s contiguous slice of ``order``, all ranks equally long (see module doc)."""

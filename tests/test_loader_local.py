@@ -282,3 +282,18 @@ def test_sampler_batches_use_the_readers_normaliser_with_their_own_messages() ->
         sampling.sampler_batch(3, 4)  # a scalar is not a batch
     with pytest.raises(IndexOutOfRange, match="batch_sampler yielded a bad batch: index 4 is out of range"):
         sampling.sampler_batch([0, 4], 4)
+
+
+def test_a_plan_is_a_sequence_of_its_batches() -> None:
+    """``loader.plan(e)`` "returns an epoch's batches" (docs/LOADER.md): it is indexed as a list
+    of them is (it was iterable only: plan[0] was a TypeError)."""
+    from client import sampling
+
+    plan = sampling.BatchPlan(10, 4, "shuffle", seed=1)
+    batches = list(plan)
+    assert len(plan) == 3 and [b.tolist() for b in batches] == [plan[k].tolist() for k in range(3)]
+    assert plan[-1].tolist() == batches[-1].tolist() and len(plan[-1]) == 2
+    with pytest.raises(IndexError, match="batch 3 of an epoch of 3 batches"):
+        plan[3]
+    with pytest.raises(TypeError, match="list\\(plan\\)"):
+        plan[0:2]  # type: ignore[index]
