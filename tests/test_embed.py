@@ -486,26 +486,6 @@ def test_output_shapes_and_options(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         run_embed(tmp_path, "max", encoder_name="flat")
 
 
-def test_class_names_go_with_the_labels(tmp_path: Path) -> None:
-    """An imported split's class names (``label_names``) reach its embeddings with the labels: the
-    export's labels.csv names the classes, as the bags' own export does; --no-labels drops both."""
-    store = featurestore.open_store(str(tmp_path), mode="a")
-    w = store.create_bag_split("ds", "uni", "train", dim=DIM, label_dtype="int64", patch_size_level0=PATCH,
-                               metadata={"label_names": ["LUAD", "LUSC"]})
-    for bag_id, (n, label, case) in BAGS.items():
-        w.add_bag(bag_id, bag_features(bag_id, n, "float16"), coords=bag_coords(bag_id, n), label=label,
-                  attrs={"case_id": case})
-    w.commit()
-    run_embed(tmp_path, group_by="case_id", encoder_name="patient", out_split="patients")
-    run_embed(tmp_path, encoder_name="bare", no_labels=True)
-    assert store.split_metadata("ds", "patient", "patients")["label_names"] == ["LUAD", "LUSC"]
-    assert "label_names" not in store.split_metadata("ds", "bare", "train")
-    done = cli("export", str(tmp_path), "--dataset", "ds", "--encoder", "patient", "--split", "patients",
-               "--format", "trident", "--out", str(tmp_path / "out"), "--no-progress")
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "out" / "labels.csv").read_text().splitlines() == ["case_id,label", "p1,LUAD", "p2,LUSC",
-                                                                          "p3,LUSC"]
-
 
 def test_embeddings_export_as_one_h5_per_slide_or_patient_and_never_when_stale(tmp_path: Path) -> None:
     import h5py

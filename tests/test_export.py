@@ -16,6 +16,13 @@ import numpy as np
 import pytest
 import torch
 
+from test_embed import BAGS, PATCH
+from test_embed import DIM as EMBED_DIM
+from test_embed import bag_coords as embed_coords
+from test_embed import bag_features as embed_bag
+from test_embed import cli as embed_cli
+from test_embed import run_embed as embed_split
+
 from featurestore import open_store
 from featurestore.cli import main
 
@@ -365,3 +372,24 @@ def test_embedding_splits_in_int8_and_bfloat16_export_as_float32(tmp_path: Path)
             with h5py.File(tmp_path / encoder / f"{sample}.h5") as f:
                 assert f["features"].dtype == np.float32 and np.array_equal(f["features"][:], want[i])
                 assert dict(f.attrs) == {"encoder": encoder}
+
+
+def test_class_names_go_with_the_labels(tmp_path: Path) -> None:
+    """An imported split's class names (``label_names``) reach its embeddings with the labels: the
+    export's labels.csv names the classes, as the bags' own export does; --no-labels drops both."""
+    store = open_store(str(tmp_path), mode="a")
+    w = store.create_bag_split("ds", "uni", "train", dim=EMBED_DIM, label_dtype="int64", patch_size_level0=PATCH,
+                               metadata={"label_names": ["LUAD", "LUSC"]})
+    for bag_id, (n, label, case) in BAGS.items():
+        w.add_bag(bag_id, embed_bag(bag_id, n, "float16"), coords=embed_coords(bag_id, n), label=label,
+                  attrs={"case_id": case})
+    w.commit()
+    embed_split(tmp_path, group_by="case_id", encoder_name="patient", out_split="patients")
+    embed_split(tmp_path, encoder_name="bare", no_labels=True)
+    assert store.split_metadata("ds", "patient", "patients")["label_names"] == ["LUAD", "LUSC"]
+    assert "label_names" not in store.split_metadata("ds", "bare", "train")
+    done = embed_cli("export", str(tmp_path), "--dataset", "ds", "--encoder", "patient", "--split", "patients",
+                     "--format", "trident", "--out", str(tmp_path / "out"), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "labels.csv").read_text().splitlines() == ["case_id,label", "p1,LUAD", "p2,LUSC",
+                                                                          "p3,LUSC"]

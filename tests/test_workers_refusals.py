@@ -174,6 +174,8 @@ def test_the_committing_worker_reports_every_workers_skipped_slides(tmp_path: Pa
     assert last.returncode == 3, last.stdout + last.stderr
     assert "skipped slide junk: " in last.stderr and "0 bags of 3 slides" in last.stdout, last.stdout + last.stderr
     assert ", 1 skipped; split: 2 bags" in last.stdout, last.stdout
+    info = run_cli("info", str(store), *NAME, env=env)
+    assert "skipped slides: 1: junk" in info.stdout, info.stdout
 
 
 def test_a_worker_with_other_options_is_told_the_workers_fix(tmp_path: Path) -> None:
@@ -198,5 +200,20 @@ def test_a_local_store_that_cannot_be_written_is_told_a_local_fix(tmp_path: Path
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "Not a directory" in done.stderr and "that this user may write there" in done.stderr, done.stderr
     assert "credentials" not in done.stderr and "--storage-options" not in done.stderr, done.stderr
-    info = run_cli("info", str(store), *NAME, env=env)
-    assert "skipped slides: 1: junk" in info.stdout, info.stdout
+
+
+def test_a_vanished_worker_counts_one_attempt(tmp_path: Path) -> None:
+    """A worker that dies mid-slide has made one attempt: the taker's is the second (it was counted
+    twice, so with --max-attempts 2 one SIGKILL failed the slide)."""
+    storage = LocalStorage(str(tmp_path))
+    boards = [claims.ClaimBoard(storage, "s", lease=0.2, max_attempts=2, worker=claims.WorkerId(pid=p))
+              for p in (1, 2, 3)]
+    first, _ = boards[0].claim("x")
+    assert first is not None and first.record["attempts"] == 1
+    time.sleep(0.3)  # its worker vanished: the lease runs out
+    second, _ = boards[1].claim("x")
+    assert second is not None and second.record["attempts"] == 2, second.record if second else None
+    time.sleep(0.3)  # the second attempt's worker vanished too: two of two attempts made
+    third, standing = boards[2].claim("x")
+    assert third is None and standing is not None and standing["state"] == claims.FAILED
+    assert standing["attempts"] == 2 and len(standing["errors"]) == 2, standing
