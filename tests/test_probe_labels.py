@@ -177,6 +177,13 @@ def test_a_table_that_is_not_utf8_or_matches_no_slide(tmp_path: Path) -> None:
         twins.match(["x"], "d/e/s")
 
 
+def test_an_empty_table_and_a_header_alone_say_so(tmp_path: Path) -> None:
+    with pytest.raises(InvalidLabels, match=r"empty\.csv is empty: a table needs a header row"):
+        read_label_table(table(tmp_path, "", name="empty.csv"), "label")
+    with pytest.raises(InvalidLabels, match="has a header but no rows: add one row per slide"):
+        read_label_table(table(tmp_path, "slide_id,label\n\n"), "label")
+
+
 def test_cells_with_line_breaks_and_cells_too_long(tmp_path: Path) -> None:
     from featurestore.probes.groups import table_has_column
 

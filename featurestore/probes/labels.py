@@ -115,7 +115,11 @@ def column_indices(path: str, header: list[str], columns: Sequence[tuple[str, st
 def read_label_table(path: str | os.PathLike[str], label_column: str, id_column: str = "slide_id") -> LabelTable:
     """Read ``label_column`` keyed by ``id_column`` from the table at ``path`` (module doc: the rules)."""
     path = os.fspath(path)
-    reader = iter(table_rows(path, "labels"))
+    table = table_rows(path, "labels")
+    if not any(any(cell.strip() for cell in row) for row in table[1:]):
+        raise InvalidLabels(f"{path} is empty: a table needs a header row naming its columns, then one row per "
+                            "slide" if not table else f"{path} has a header but no rows: add one row per slide")
+    reader = iter(table)
     header = [name.strip() for name in next(reader, [])]
     id_at, label_at = column_indices(path, header, ((id_column, "--id-column"), (label_column, "--label-column")))
     raw: dict[str, str] = {}
