@@ -315,3 +315,12 @@ def test_a_flipped_byte_is_repaired_by_extract_resume_verify_chunks(cohort: Path
     assert written == {"zarr.json"} | {f"{a}/c/{i}/0" for a in ("features", "coords", "block_seals") for i in range(first, last + 1)}
     meta = featurestore.open_store(str(store)).open_bags(*NAME).metadata
     assert [s["id"] for s in meta["skipped"]] == ["junk"]
+
+
+def test_a_slide_split_records_the_magnification_a_slide_encoder_asks_for(reference: Path) -> None:
+    """A slide encoder that requires magnification 20 accepts the bags of a 20x extraction (the
+    requirement read another key than extraction writes, so every such encoder was refused)."""
+    from featurestore.embed.slide_encoders import recorded_magnification
+
+    bags = featurestore.open_store(str(reference)).open_bags(*NAME)
+    assert recorded_magnification(bags.metadata) == 20.0

@@ -86,7 +86,12 @@ def load(spec: str) -> SlideEncoder:
 
 
 def recorded_magnification(metadata: dict[str, Any]) -> Any:
-    """The magnification a bag split records: slide extraction's target, or a ``magnification`` key."""
+    """The magnification a bag split records: slide extraction's target (its ``preprocessing``'s
+    ``patching``; ``patching.target`` in a document written otherwise), or a ``magnification`` key."""
+    preprocessing = metadata.get("preprocessing")
+    patching = preprocessing.get("patching") if isinstance(preprocessing, dict) else None
+    if isinstance(patching, dict) and patching.get("magnification") is not None:
+        return patching["magnification"]
     patching = metadata.get("patching")
     if isinstance(patching, dict) and isinstance(patching.get("target"), dict):
         value = patching["target"].get("magnification")
