@@ -22,8 +22,8 @@ from featurestore.core import lineage as core_lineage
 from featurestore.embed import rows as row_plan
 from featurestore.embed import slide_encoders
 from featurestore.embed.pooling import Pooler, gather
-from featurestore.errors import (DatasetNotFound, EmptyBag, EncoderNotFound, InvalidOption, SplitExists,
-                                 SplitNotFound)
+from featurestore.errors import (CacheKeyMismatch, DatasetNotFound, EmptyBag, EncoderNotFound, InvalidMetadata,
+                                 InvalidOption, SplitExists, SplitNotFound)
 from featurestore.extract.dist import Coordinator, coordinated
 from featurestore.extract.dist_run import progress_bar
 from featurestore.format import dtypes, lineage
@@ -194,6 +194,22 @@ def _class_names(prep: _Prepared) -> dict[str, Any]:
     return {key: meta[key] for key in ("label_names", "label_info") if meta.get(key) is not None}
 
 
+def _refuse_other_recipe(key: str, stale: str, existing: dict[str, Any], prep: _Prepared, dtype: str) -> None:
+    try:
+        old = lineage.of(existing)
+    except InvalidMetadata:  # a lineage no longer readable: nothing to compare, nothing worth keeping
+        return
+    if old is None:
+        return
+    differ = lineage.recipe_differences(old, prep.lineage)
+    if existing.get("logical_dtype") not in (None, dtype):
+        differ.append("dtype")
+    if differ:
+        raise CacheKeyMismatch(f"split {key} is stale ({stale}) and was computed with another {', '.join(differ)} "
+                               "than this run's: recomputing it would replace that computation; pass --overwrite "
+                               "to replace it, or give this one another --encoder-name")
+
+
 def _open_target(opts: EmbedOptions, prep: _Prepared, store: Any) -> tuple[Any, str | None]:
     """``(writer or None when already complete, the stale reason when a stale target is recomputed)``."""
     key = f"{opts.dataset}/{opts.encoder_name}/{opts.target_split}"
@@ -206,7 +222,9 @@ def _open_target(opts: EmbedOptions, prep: _Prepared, store: Any) -> tuple[Any, 
     stale = core_lineage.stale_reason(store, existing)  # None for a split that is not derived
     if stale is not None:
         # Its rows describe another source (or a lineage no longer readable): none may be kept,
-        # whatever --resume says.
+        # whatever --resume says. Recomputed only as what it was: another recipe under its name
+        # replaces a computation, which takes --overwrite, as for a current split.
+        _refuse_other_recipe(key, stale, existing, prep, opts.dtype)
         print(f"featurestore embed: {key} is stale ({stale}): recomputing every row", file=sys.stderr)
         return _create(opts, prep, store, resume=False, overwrite=True), stale
     if existing.get("status") != "complete" and not opts.resume:

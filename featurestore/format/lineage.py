@@ -62,6 +62,21 @@ def cache_key(doc: dict[str, Any], dtype: str) -> str:
     return hashlib.sha256(json.dumps({"lineage": doc, "dtype": dtype}, sort_keys=True).encode()).hexdigest()
 
 
+def recipe(doc: dict[str, Any]) -> dict[str, Any]:
+    """What a derived split computes, whatever its source holds now: the lineage without the
+    source's state (generation, counts) and the bags it skipped. A stale split recomputed with
+    the same recipe is the same computation on new bags; with another, it is another split."""
+    source = doc.get("source") or {}
+    return {**{k: v for k, v in doc.items() if k not in ("source", "skipped")},
+            "source": {k: source.get(k) for k in ("dataset", "encoder", "split", "kind")}}
+
+
+def recipe_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The recipe keys in which two lineage documents differ, e.g. ``["slide_encoder", "group_by"]``."""
+    a, b = recipe(old), recipe(new)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
 def of(metadata: dict[str, Any]) -> dict[str, Any] | None:
     """The split's lineage document, checked, or None for a split that records none."""
     doc = metadata.get(KEY)
