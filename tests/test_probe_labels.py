@@ -177,6 +177,24 @@ def test_a_table_that_is_not_utf8_or_matches_no_slide(tmp_path: Path) -> None:
         twins.match(["x"], "d/e/s")
 
 
+def test_a_group_table_naming_a_slide_twice_with_two_groups_is_refused(tmp_path: Path) -> None:
+    """A slide written once bare and once with its file's extension, in two groups, was read with
+    the bare row's group (the other ignored); and "S1.1" gave slide "S1" its group."""
+    from featurestore.probes.groups import read_group_table
+
+    both = table(tmp_path, "slide_id,case_id\nslide-0001,case-00\nslide-0002,case-01\nslide-0001.svs,case-09\n")
+    with pytest.raises(InvalidLabels, match=r"rows 'slide-0001' and 'slide-0001.svs' name one slide with two groups "
+                                            r"in column 'case_id' \('case-00' on line 2, 'case-09' on line 4\)"):
+        read_group_table(both, "case_id", "slide_id")
+    twins = table(tmp_path, "slide_id,case_id\ns2.svs,A\ns2.tiff,B\n", name="twins.csv")
+    with pytest.raises(InvalidLabels, match="rows 's2.svs' and 's2.tiff' name one slide with two groups"):
+        read_group_table(twins, "case_id", "slide_id")
+    dotted = table(tmp_path, "slide_id,case_id\nS1.1,A\nS2.svs,B\nS2,B\n", name="dotted.csv")
+    assert read_group_table(dotted, "case_id", "slide_id") == {"S1.1": "A", "S2.svs": "B", "S2": "B"}
+    labels = read_label_table(table(tmp_path, "slide_id,label\nS1.1,x\nS3.svs,y\n", name="l.csv"), "label")
+    assert labels.match(["S1", "S1.1", "S3"], "d/e/s").labels.tolist() == [-1, 0, 1]  # no ".1" extension
+
+
 def test_an_empty_table_and_a_header_alone_say_so(tmp_path: Path) -> None:
     with pytest.raises(InvalidLabels, match=r"empty\.csv is empty: a table needs a header row"):
         read_label_table(table(tmp_path, "", name="empty.csv"), "label")

@@ -20,20 +20,22 @@ import hashlib
 import io
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from featurestore.errors import InvalidLabels
 
-__all__ = ["LabelTable", "read_label_csv", "read_label_table", "separator_hint", "undecodable_at"]
+__all__ = ["LabelTable", "read_label_csv", "read_label_table", "separator_hint", "slide_stem", "undecodable_at"]
 
 _INT = re.compile(r"[+-]?[0-9]+\Z")
 _FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\Z")
 _JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?\Z")
 _NON_FINITE = ("nan", "inf", "infinity")
 _INT64 = (-(2**63), 2**63 - 1)
+# A file extension an id may carry (.svs, .tiff, .h5): a letter first, so "S1.1" names a slide
+# "S1.1", not slide "S1" with an extension ".1".
+_EXTENSION = re.compile(r"\.[A-Za-z][A-Za-z0-9]{0,7}\Z")
 
 
 @dataclass
@@ -82,8 +84,8 @@ def read_label_table(path: str, bag_ids: list[str], label_column: str = "label",
             raise InvalidLabels(f"labels CSV {path!r} has two rows for slide {slide!r} that differ "
                                 f"({_difference(earlier, entry, label_column)}): keep one row per slide")
         table.setdefault(slide, [entry])
-        stem = os.path.splitext(slide)[0]
-        if stem != slide and all(e[1:] != entry[1:] for e in stems.get(stem, [])):
+        stem = slide_stem(slide)
+        if stem is not None and all(e[1:] != entry[1:] for e in stems.get(stem, [])):
             stems.setdefault(stem, []).append(entry)
     chosen: dict[str, tuple[str, str, dict[str, Any]]] = {}
     for bag in bag_ids:  # the row naming the slide exactly, else the one row naming it with an extension
@@ -122,6 +124,12 @@ def _text(path: str) -> str:
     except UnicodeDecodeError as error:
         raise InvalidLabels(f"labels CSV {path!r} is not UTF-8 ({_where(error)}): save it as UTF-8 ('CSV UTF-8' "
                             "in a spreadsheet, or iconv -f latin1 -t utf-8 IN > OUT for a Latin-1 file)") from None
+
+
+def slide_stem(sample_id: str) -> str | None:
+    """``TCGA-xx`` for ``TCGA-xx.svs`` (an id written with its slide file's extension), else None."""
+    found = _EXTENSION.search(sample_id)
+    return sample_id[: found.start()] if found and found.start() else None
 
 
 def undecodable_at(path: str, error: UnicodeDecodeError) -> str:

@@ -15,13 +15,12 @@ Every failure is one line naming the sample, the column or the file, and the fix
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from featurestore.errors import InvalidLabels, InvalidOption
-from featurestore.probes.labels import column_indices, table_rows
+from featurestore.probes.labels import column_indices, slide_stem, table_rows
 
 __all__ = ["GroupSpec", "bag_groups", "dense_groups", "group_lookup", "lineage_of", "read_group_table",
            "table_groups", "table_has_column"]
@@ -149,7 +148,7 @@ def read_group_table(path: str, column: str, id_column: str) -> dict[str, str]:
     at_id, at_group = column_indices(path, header, ((id_column, "--id-column"), (column, "--group-by")))
     groups: dict[str, str] = {}
     lines: dict[str, int] = {}
-    stems: dict[str, str] = {}
+    stems: dict[str, tuple[str, str]] = {}  # id without its extension -> (the row's id, its group)
     for line, row in enumerate(rows[1:], start=2):
         if not any(cell.strip() for cell in row):
             continue
@@ -162,8 +161,17 @@ def read_group_table(path: str, column: str, id_column: str) -> dict[str, str]:
                                 f"column {column!r} ({groups[sample]!r} on line {lines[sample]}, {group!r} on line "
                                 f"{line}); one sample is in one group: fix the table")
         groups[sample], lines[sample] = group, lines.get(sample, line)
-        stems.setdefault(os.path.splitext(sample)[0], group)  # "TCGA-xx.svs" names slide "TCGA-xx"
-    return {**stems, **groups}
+    for sample, group in groups.items():  # "TCGA-xx.svs" names slide "TCGA-xx", once and alike
+        stem = slide_stem(sample)
+        if stem is None:
+            continue
+        other = (stem, groups[stem]) if stem in groups else stems.get(stem)
+        if other is not None and other[1] != group:
+            raise InvalidLabels(f"{path}: rows {other[0]!r} and {sample!r} name one slide with two groups in column "
+                                f"{column!r} ({other[1]!r} on line {lines[other[0]]}, {group!r} on line "
+                                f"{lines[sample]}): one sample is in one group: fix the table")
+        stems.setdefault(stem, (sample, group))
+    return {**{stem: group for stem, (_, group) in stems.items()}, **groups}
 
 
 def table_has_column(path: str, column: str) -> bool:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from featurestore.errors import InvalidLabels
-from featurestore.extract.label_csv import separator_hint, undecodable_at
+from featurestore.extract.label_csv import separator_hint, slide_stem, undecodable_at
 
 __all__ = ["LabelTable", "Matched", "read_label_table", "table_rows"]
 
@@ -82,7 +82,7 @@ class LabelTable:
         keys = [i if i in self.values else self.stems.get(i) for i in ids]
         for bag, key in zip(ids, keys):
             if key is None and bag in self.stems:
-                twins = sorted(s for s in self.values if os.path.splitext(s)[0] == bag)
+                twins = sorted(s for s in self.values if slide_stem(s) == bag)
                 raise InvalidLabels(f"{self.path}: slide {bag!r} of {where} matches rows {twins[0]!r} and {twins[1]!r} "
                                     f"of column {self.id_column!r}: name the slide exactly")
         labels = np.array([-1 if k is None else self.values[k] for k in keys], np.int64)
@@ -159,8 +159,8 @@ def read_label_table(path: str | os.PathLike[str], label_column: str, id_column:
         values = {slide: number[v] for slide, v in labelled.items()}
     stems: dict[str, str | None] = {}
     for slide in values:
-        stem = os.path.splitext(slide)[0]
-        if stem != slide and stem not in values:
+        stem = slide_stem(slide)
+        if stem is not None and stem not in values:
             stems[stem] = None if stem in stems else slide
     return LabelTable(path=path, label_column=label_column, id_column=id_column, values=values, classes=classes,
                       empty=len(raw) - len(labelled), stems=stems)
