@@ -66,3 +66,21 @@ def flat() -> nn.Module:
 
 def not_a_module() -> Any:
     return lambda features, coords, patch_size_level0: features
+
+
+class Faulty(nn.Module):
+    """Fails on the bag with the most patches of the first rows: raises (``FS_EMBED_FAULT=raise``)
+    or returns NaN (``nan``); as itself (its row sums) otherwise."""
+
+    featurestore_output_dim = 8
+
+    def forward(self, features: torch.Tensor, coords: torch.Tensor, patch_size_level0: int) -> torch.Tensor:
+        if features.shape[1] == 30:  # bag s-b of tests/test_embed.py's BAGS
+            if os.environ.get("FS_EMBED_FAULT") == "raise":
+                raise RuntimeError("CUDA out of memory (simulated)\nsecond line")
+            return torch.full((1, features.shape[2]), float("nan"))
+        return features.sum(dim=1)
+
+
+def faulty() -> Faulty:
+    return Faulty()

@@ -40,3 +40,20 @@ def test_a_stale_embedding_is_not_replaced_by_another_recipe(tmp_path: Path) -> 
     assert _embed(tmp_path, "--slide-encoder", "mean", "--overwrite").returncode == 0  # type: ignore[attr-defined]
     meta = featurestore.open_store(str(tmp_path)).split_metadata("ds", "slide", "train")
     assert meta["lineage"]["slide_encoder"]["spec"] == "mean"
+
+
+def test_a_slide_encoder_that_fails_is_named_with_its_slide(tmp_path: Path) -> None:
+    """A python: slide encoder that raises, or returns NaN: one line naming the slide and a fix
+    embed has (a traceback naming no slide; a row range and extract's --precision before)."""
+    from test_embed import cli_env
+
+    make_bags(tmp_path)
+    spec = ["--slide-encoder", "python:_embed_encoders:faulty", "--device", "cpu"]
+    raised = cli(EMBED[0], str(tmp_path), *EMBED[1:], *spec, env=cli_env(FS_EMBED_FAULT="raise"))
+    err = raised.stderr.strip()
+    assert raised.returncode == 1 and len(err.splitlines()) == 1, err
+    assert "failed on 's-b' (RuntimeError: CUDA out of memory (simulated))" in err and "--resume" in err, err
+    nan = cli(EMBED[0], str(tmp_path), *EMBED[1:], *spec, "--resume", env=cli_env(FS_EMBED_FAULT="nan"))
+    err = nan.stderr.strip()
+    assert nan.returncode == 1 and "returned 8 NaN/Inf values for 's-b'" in err and "--autocast" in err, err
+    assert "--precision" not in err, err

@@ -174,10 +174,23 @@ def call(encoder: SlideEncoder, features: np.ndarray, coords: np.ndarray, patch_
     x = torch.from_numpy(features)[None].to(device)
     c = torch.from_numpy(coords)[None].to(device)
     guard = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
-    with torch.inference_mode(), guard:
-        out = encoder.module(x, c, patch_size_level0=int(patch_size))
+    try:
+        with torch.inference_mode(), guard:
+            out = encoder.module(x, c, patch_size_level0=int(patch_size))
+    except (KeyboardInterrupt, MemoryError):
+        raise
+    except Exception as error:  # noqa: BLE001 - the user's module: one line naming the row it failed on
+        line = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise SlideEncoderError(f"slide encoder {encoder.spec} failed on {row_id!r} ({line}); what was "
+                                "written before it is kept: fix the encoder, then run again with --resume") from error
     if not isinstance(out, torch.Tensor) or not (out.ndim == 1 or (out.ndim == 2 and out.shape[0] == 1)):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise SlideEncoderError(f"slide encoder {encoder.spec} returned {shape} for {row_id!r}: it must return "
                                 "[1, E] or [E]")
-    return out.reshape(-1).float().cpu().numpy()
+    vector = out.reshape(-1).float().cpu().numpy()
+    if not np.isfinite(vector).all():
+        bad = int((~np.isfinite(vector)).sum())
+        raise SlideEncoderError(f"slide encoder {encoder.spec} returned {bad} NaN/Inf values for {row_id!r}: "
+                                "featurestore stores finite values only; check the encoder (under --autocast "
+                                "float16, try --autocast bfloat16 or none), then run again with --resume")
+    return vector
