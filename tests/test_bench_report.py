@@ -75,9 +75,27 @@ def test_args_come_from_each_bench_parser(name: str) -> None:
 
 
 def test_bench_selection() -> None:
+    from featurestore.errors import InvalidOption
+
     assert report.parse_benches("extract, read,extract") == ["extract", "read"]
-    with pytest.raises(ValueError, match="subset of read,write,http,loader,extract"):
+    assert report.parse_benches("bag-loader,bag_loader") == ["bag_loader"]  # the verb's spelling too
+    with pytest.raises(InvalidOption, match=r"subset of read,write,http,loader,extract.*\(gpu unknown"):
         report.parse_benches("read,gpu")
+
+
+def test_the_recorded_command_runs_the_report_again() -> None:
+    """report.json's command: the flags given (the variants --check adds itself, never as
+    --benches, which refuses them; --only, --targets and --allow-missing kept)."""
+    import argparse
+
+    runs = {"web": ("web", None), "extract-zero": ("extract", ["--encoder", "zero"])}
+    args = argparse.Namespace(quick=True, benches=None, targets=None, only="web-catalog-warm,extract-zero-vs-tofile",
+                              allow_missing=True)
+    assert report.command_line(args, runs, check=True) == (
+        "featurestore bench all --quick --check --only web-catalog-warm,extract-zero-vs-tofile --allow-missing")
+    args = argparse.Namespace(quick=False, benches="read,web", targets=None, only=None, allow_missing=False)
+    assert report.command_line(args, {"read": ("read", None), "web": ("web", None)}, check=False) == (
+        "featurestore bench all --benches read,web")
 
 
 def test_json_is_strict() -> None:

@@ -26,3 +26,13 @@ def test_tiny_web_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     # The default BLAS threads are timed only where the server limits them (then beside the limited ones).
     assert picture["default_threads_ms"] is None or picture["default_threads_ms"] > 0
     assert "- catalog page, 5 splits of 16 channels: warm" in printed and "- PCA picture of 16x16 float16" in printed
+
+
+def test_bad_sizes_and_workdirs_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--samples 1 (only the untimed warm-up) and a --workdir the bench cannot write in: one error
+    line before any work (an IndexError and a PermissionError/FileExistsError traceback before)."""
+    (tmp_path / "afile").write_text("")
+    assert main(["bench", "web", "--samples", "1", "--splits", "2", "--dim", "8", "--tokens", "4"]) == 1
+    assert "--samples 1: give 2 or more" in capsys.readouterr().err
+    assert main(["bench", "web", "--workdir", str(tmp_path / "afile")]) == 1
+    assert "cannot write there (File exists)" in capsys.readouterr().err

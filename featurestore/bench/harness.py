@@ -77,7 +77,15 @@ def fresh(path: str) -> str:
 def scratch(args: argparse.Namespace, name: str) -> Iterator[str]:
     """``--workdir`` (kept), or a temp directory (under ``$FEATURESTORE_BENCH_DIR`` if set) removed after."""
     work = args.workdir or tempfile.mkdtemp(prefix=f"fs-bench-{name}-", dir=os.environ.get("FEATURESTORE_BENCH_DIR"))
-    os.makedirs(work, exist_ok=True)
+    try:
+        os.makedirs(work, exist_ok=True)
+        with tempfile.TemporaryFile(dir=work):  # where the bench can write, or one line now
+            pass
+    except OSError as error:
+        from featurestore.errors import InvalidOption
+
+        raise InvalidOption(f"--workdir {work}: cannot write there ({error.strerror or error}): give a directory "
+                            "the bench may create files in") from None
     try:
         yield work
     finally:

@@ -136,12 +136,32 @@ def _command(args: argparse.Namespace) -> int:
 
 
 def parse_benches(text: str) -> list[str]:
-    names = [part.strip() for part in text.split(",") if part.strip()]
+    names = [part.strip().replace("-", "_") for part in text.split(",") if part.strip()]  # bag-loader: the verb
     unknown = [n for n in names if n not in BENCH_NAMES]
     if unknown or not names:
-        raise ValueError(f"--benches takes a comma-separated subset of {','.join(BENCH_NAMES)}, "
-                         f"but got: {text!r}")
+        raise InvalidOption(f"--benches takes a comma-separated subset of {','.join(BENCH_NAMES)}, but got: {text!r}"
+                            + (f" ({', '.join(unknown)} unknown; a target's variant runs through --check)"
+                               if unknown else ""))
     return list(dict.fromkeys(names))  # drop duplicates, keep the order given
+
+
+def command_line(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]], *, check: bool) -> str:
+    """The command that runs this report again: its own flags (the benches asked for, not the
+    targets' variants, which --check adds itself)."""
+    parts = ["featurestore bench all", *(["--quick"] if getattr(args, "quick", False) else [])]
+    asked = getattr(args, "benches", None)
+    if asked:
+        parts.append(f"--benches {asked}")
+    elif not check and list(runs) != list(BENCH_NAMES):
+        parts.append(f"--benches {','.join(runs)}")
+    if check:
+        parts.append("--check")
+        for flag, value in (("--targets", getattr(args, "targets", None)), ("--only", getattr(args, "only", None))):
+            if value:
+                parts.append(f"{flag} {value}")
+        if getattr(args, "allow_missing", False):
+            parts.append("--allow-missing")
+    return " ".join(parts)
 
 
 def bench_args(name: str, extra: Sequence[str] = ()) -> argparse.Namespace:
@@ -163,9 +183,7 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
     os.makedirs(args.out, exist_ok=True)
     report: dict[str, Any] = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": "featurestore bench all" + (" --quick" if quick else "")
-        + ("" if list(runs) == list(BENCH_NAMES) else f" --benches {','.join(runs)}")
-        + (" --check" if before_write else ""),
+        "command": command_line(args, runs, check=before_write is not None),
         "quick": quick, "machine": machine_info(), "benches": {}, "files": [],
     }
     for key, (name, flags) in runs.items():
