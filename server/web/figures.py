@@ -112,7 +112,8 @@ class Figures:
         try:
             entry = self.state.open_split(dataset, encoder, split)
         except WrongSplitKind as error:  # a bag split: its pictures are slide maps
-            raise BadRequest(str(error)) from None
+            raise _other_kind(error, f"its pictures are slide maps: /ui/slidemap/{dataset}/{encoder}/{split}/"
+                                     "BAG.png") from None
         arr = entry.reader
         layout = self.grid_of(arr.metadata, arr.sample_shape)
         if layout is None:
@@ -152,8 +153,9 @@ class Figures:
             return cached[1]
         try:
             bags = self.state.store.open_bags(dataset, encoder, split)
-        except WrongSplitKind as error:
-            raise BadRequest(str(error)) from None
+        except WrongSplitKind as error:  # a dense split: its pictures are PCA pictures of samples
+            raise _other_kind(error, f"its pictures are of samples: /ui/pca/{dataset}/{encoder}/{split}/"
+                                     "INDEX.png") from None
         with self._bags_lock:
             self._bags[key] = (digest, bags)
             while len(self._bags) > _OPEN_BAGS:
@@ -230,3 +232,10 @@ class Figures:
 
 def _itemsize(logical: str) -> int:
     return int(dtypes.storage_dtype(logical).itemsize)
+
+
+def _other_kind(error: WrongSplitKind, advice: str) -> WrongSplitKind:
+    """A picture route of the other kind of split: 404 WrongSplitKind (as the data routes answer),
+    with the page's own way forward instead of the library's (``store.open_bags(...)``)."""
+    what = str(error).partition(WrongSplitKind.DOOR)[0].rstrip(" :;,")
+    return WrongSplitKind(f"{what}: {advice}")
