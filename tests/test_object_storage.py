@@ -296,3 +296,21 @@ def test_processes_that_read_from_s3_exit_cleanly(seaweed_url: str, seaweed: Any
     output = done.stdout.decode(errors="replace")
     failures = output.count("a reader ended with exit status")
     assert done.returncode == 0 and not failures, f"{failures} of 40 processes failed at exit:\n{output[-3000:]}"
+
+
+def test_a_stopped_seaweedfs_leaves_nothing_in_tmp(tmp_path: Any) -> None:
+    """Its logs go to its own directory and its unix sockets are removed when it stops (every run
+    left /tmp/seaweedfs-*-PORT.sock and /tmp/weed.* behind: hundreds of files over the suites)."""
+    import glob
+
+    from featurestore.testing.seaweedfs import SeaweedUnavailable, seaweed_server
+
+    before = set(glob.glob("/tmp/seaweedfs-*.sock")) | set(glob.glob("/tmp/weed.*"))
+    try:
+        with seaweed_server(str(tmp_path / "weed")) as server:
+            assert server.endpoint.startswith("http://127.0.0.1:")
+    except SeaweedUnavailable as exc:
+        pytest.skip(f"SeaweedFS cannot run here: {exc}")
+    left = (set(glob.glob("/tmp/seaweedfs-*.sock")) | set(glob.glob("/tmp/weed.*"))) - before
+    assert not left, sorted(left)
+    assert glob.glob(str(tmp_path / "weed" / "weed.*")), "its logs are in its own directory"

@@ -21,6 +21,7 @@ SeaweedFS's stock layout (the last value of a repeated flag wins).
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -138,9 +139,11 @@ def seaweed_server(directory: str | None = None, *, startup_timeout: float = 60.
     owned = directory is None
     root = tempfile.mkdtemp(prefix="featurestore-weed-") if directory is None else directory
     os.makedirs(root, exist_ok=True)
-    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = free_ports(8)
+    ports = free_ports(8)
+    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = ports
     cmd = [
-        binary, "server", f"-dir={root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        # Its logs in its directory (glog's default is /tmp, where every run left its files).
+        binary, f"-logdir={root}", "server", f"-dir={root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-master.port={master}", f"-master.port.grpc={master_grpc}",
         f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
         f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
@@ -180,8 +183,19 @@ def seaweed_server(directory: str | None = None, *, startup_timeout: float = 60.
     finally:
         stop_process(process, grace=3)
         log.close()
+        _remove_sockets(ports)
         if owned:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _remove_sockets(ports: list[int]) -> None:
+    """The unix sockets weed makes in the temp directory for its local gRPC and S3 (named by
+    service and port), which it leaves behind when stopped."""
+    for port in ports:
+        for folder in {"/tmp", tempfile.gettempdir()}:
+            for path in glob.glob(os.path.join(folder, f"seaweedfs-*-{port}.sock")):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 def _wait_writable(server: SeaweedServer, deadline: float) -> None:
