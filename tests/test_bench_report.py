@@ -151,3 +151,37 @@ def test_s3_bench_runs_and_reports(tmp_path: Path, seaweed: object, capsys: pyte
 
     assert finish("s3", out, None) == 0
     assert "read_vs_ceiling" in capsys.readouterr().out
+
+
+def test_a_stopped_bench_all_reports_what_finished_and_leaves_no_scratch(tmp_path: Path) -> None:
+    """SIGTERM (a job's time limit) during the second bench: the first one's figures are in
+    report.json, the second is marked interrupted, and no scratch directory is left (before, the
+    report was lost and a bench's temp directory stayed)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**os.environ, "FEATURESTORE_BENCH_DIR": str(scratch)}
+    proc = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "bench", "all", "--quick", "--benches",
+                             "web,bags", "--out", str(out)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    seen = ""
+    deadline = time.time() + 300
+    while "=== bags ===" not in seen and time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen += line
+    time.sleep(1.0)  # inside bags: its cohort is being written
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, seen + rest
+    data = json.loads((out / "report.json").read_text())
+    assert data["interrupted"] is True and data["benches"]["web"]["status"] == "ok", seen + rest
+    assert data["benches"]["bags"]["error"] == "interrupted", seen + rest
+    assert list(scratch.iterdir()) == [], list(scratch.iterdir())

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import signal
 import sys
 import time
 import traceback
@@ -109,6 +110,9 @@ def register(subparsers: Any) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
+    # SIGTERM (a job's time limit, `kill`) as Ctrl-C: the benches' scratch directories and child
+    # servers go, and what finished is reported (run()).
+    signal.signal(signal.SIGTERM, _interrupt)
     if not args.check and (args.only or args.targets or args.allow_missing):
         raise InvalidOption("--targets, --only and --allow-missing go with --check: add --check, or drop them")
     rows: list[Any] = []
@@ -133,6 +137,10 @@ def _command(args: argparse.Namespace) -> int:
         print(f"featurestore: error: bench(es) failed: {', '.join(failed)} (see report.md)", file=sys.stderr)
         return 1
     return status
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def parse_benches(text: str) -> list[str]:
@@ -209,6 +217,15 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
             entry["error"] = f"{type(error).__name__}: {error}"
             entry["traceback"] = traceback.format_exc()
             print(f"[bench all] {name} FAILED: {entry['error']}", file=sys.stderr, flush=True)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the benches already done are still reported
+            entry["error"] = "interrupted"
+            entry["seconds"] = time.perf_counter() - started
+            report["benches"][key] = entry
+            report["interrupted"] = True
+            report["files"] = write_report(report, args.out)
+            print(f"[bench all] interrupted during {key}: wrote what finished before it into "
+                  f"{os.path.abspath(args.out)}", file=sys.stderr, flush=True)
+            raise
         entry["seconds"] = time.perf_counter() - started
         report["benches"][key] = entry
     if before_write is not None:
