@@ -119,6 +119,8 @@ def test_only_selects_targets(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert status == 0 and "loader_vs_reader" not in out
     status, _, err = _check(capsys, rep, "--targets", targets, "--only", "st,nope")
     assert status == 1 and err.count("\n") == 1 and "unknown target id(s) nope" in err and "ld, st" in err
+    status, _, err = _check(capsys, rep, "--targets", targets, "--only", "")  # was: every target
+    assert status == 1 and "unknown target id(s) (none given)" in err
 
 
 def test_unreadable_result_is_not_measured(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -148,7 +150,12 @@ def test_report_without_figures_is_read_from_results(tmp_path: Path, capsys: pyt
     (json.dumps({"targets": [_target("x", "gpu", "f", ">=", 1)]}), "names bench 'gpu'"),
     (json.dumps({"targets": [_target("x", "loader", "f", ">=", 1)] * 2}), "target 'x' repeats an id"),
     (json.dumps({"targets": [{**_target("x", "extract", "f", ">=", 1), "variant": "v"}]}), "names variant 'v'"),
-    (json.dumps({"targets": [_target("x", "loader", "f", ">=", "0.9")]}), "has threshold '0.9' (a number)"),
+    (json.dumps({"targets": [_target("x", "loader", "f", ">=", "0.9")]}), "has threshold '0.9' (a finite number)"),
+    ('{"targets": [' + json.dumps(_target("x", "loader", "f", ">=", 1))[:-1].replace('"threshold": 1', '"threshold": NaN')
+     + "}]}", "has threshold nan (a finite number)"),
+    (json.dumps({"targets": [{**_target("x", "loader", "f", ">=", 1), "unit": "GB/s"}]}), "has unit 'GB/s'"),
+    (json.dumps({"targets": [{**_target("x", "loader", "f", ">=", 1), "cache": "lukewarm"}]}), "cache 'lukewarm'"),
+    (json.dumps({"targets": {"a": _target("x", "loader", "f", ">=", 1)}}), "a 'targets' list"),
     (json.dumps({"variants": {"z": {"bench": "extract", "args": []}},
                  "targets": [{**_target("x", "loader", "f", ">=", 1), "variant": "z"}]}), "not a variant of bench 'loader'"),
     (json.dumps([1]), "not a targets file"),

@@ -151,3 +151,23 @@ def test_the_runs_take_their_coordinator_through_coordinated() -> None:
     makers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
                     if "coordinator_from_env()" in path.read_text())
     assert makers == ["extract/dist.py"], makers  # only coordinated() makes one from the environment
+
+
+def test_a_rank_that_loses_its_peers_says_so_in_one_line() -> None:
+    """gloo's "Connection closed by peer" when another rank died (a SIGKILLed node): one RankFailed
+    line with the way forward, not gloo's traceback."""
+    from types import SimpleNamespace
+
+    from featurestore.extract.dist import RankFailed, TorchrunCoordinator
+
+    def closed(*_: object) -> None:
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                           "[127.0.0.1]:5678\nmore")
+
+    coord = object.__new__(TorchrunCoordinator)
+    coord.rank, coord.world_size, coord._dist = 0, 2, SimpleNamespace(all_gather_object=closed)
+    with pytest.raises(RankFailed, match=r"rank 0 of 2 lost touch with the other ranks \(.*Connection closed by "
+                                         r"peer.*\): another rank stopped.*rerun with --resume"):
+        coord.agree(None)
+    with pytest.raises(ValueError, match="its own error"):  # a rank's own error wins over the lost peers
+        coord.agree(ValueError("its own error"))

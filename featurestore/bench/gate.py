@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import operator
 import os
 import sys
@@ -19,6 +20,8 @@ from featurestore.errors import InvalidOption
 
 DEFAULT_TARGETS = os.path.join(os.path.dirname(__file__), "targets.json")
 OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt}
+UNITS = ("x", "%", "ms", "MiB", "")
+CACHES = ("warm", "cold", "disk", "none")
 SKIPPED = "not in the bench's result (that part skipped?)"
 FIELDS = ("id", "bench", "figure", "op", "threshold", "unit", "cache", "what")
 
@@ -53,7 +56,7 @@ class Targets:
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def select(self, only: str | None) -> list[Target]:
-        if not only:
+        if only is None:
             return list(self.targets)
         ids = [part.strip() for part in only.split(",") if part.strip()]
         known = {t.id: t for t in self.targets}
@@ -73,8 +76,10 @@ def load_targets(path: str | None = None) -> Targets:
     except (OSError, ValueError) as error:
         raise InvalidOption(f"--targets {path}: cannot read it as JSON ({error}); give a targets file like "
                             f"{DEFAULT_TARGETS}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("variants", {}), dict):
-        raise InvalidOption(f"--targets {path}: not a targets file (an object with 'targets' and 'variants')")
+    if not isinstance(data, dict) or not isinstance(data.get("variants", {}), dict) \
+            or not isinstance(data.get("targets", []), list):
+        raise InvalidOption(f"--targets {path}: not a targets file (an object with a 'targets' list and a "
+                            "'variants' object)")
     variants = data.get("variants", {})
     for name, variant in variants.items():
         if name in BENCH_NAMES or variant.get("bench") not in BENCH_NAMES or not isinstance(variant.get("args"), list):
@@ -102,8 +107,12 @@ def _problem(raw: Any, seen: set[str], variants: dict[str, Any]) -> str:
         return f"lacks {', '.join(missing)}"
     if raw["op"] not in OPS:
         return f"has op {raw['op']!r} (use one of {' '.join(OPS)})"
-    if isinstance(raw["threshold"], bool) or not isinstance(raw["threshold"], (int, float)):
-        return f"has threshold {raw['threshold']!r} (a number)"
+    if isinstance(raw["threshold"], bool) or not isinstance(raw["threshold"], (int, float)) \
+            or not math.isfinite(raw["threshold"]):
+        return f"has threshold {raw['threshold']!r} (a finite number)"
+    if raw["unit"] not in UNITS or raw["cache"] not in CACHES:
+        return (f"has unit {raw['unit']!r} and cache {raw['cache']!r} (units: {', '.join(map(repr, UNITS))}; "
+                f"caches: {', '.join(CACHES)})")
     if raw["bench"] not in BENCH_NAMES:
         return f"names bench {raw['bench']!r} (not one of {','.join(BENCH_NAMES)})"
     variant = raw.get("variant")

@@ -46,7 +46,9 @@ def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any,
     from featurestore.bench.report import finish
 
     name = verb.replace("-", "_")
-    parser = subparsers.add_parser(verb, help=help, description=(description or help).split("\n\n")[0])
+    # A module docstring's first paragraph, its reST ``literals`` as plain text for --help.
+    about = (description or help).split("\n\n")[0].replace("``", "")
+    parser = subparsers.add_parser(verb, help=help, description=about)
     for flag, (default, text, *more) in flags.items():
         kwargs = {"action": "store_true"} if default is False else {"type": default, "default": None} if isinstance(
             default, type) else {"type": type(default), "default": default}

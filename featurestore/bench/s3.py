@@ -65,7 +65,8 @@ def register(subparsers: Any) -> None:
         "--link-gbit": (float, "put a link of this many Gbit/s between the bench and SeaweedFS (root: a private "
                                "network namespace, tc); default: bare loopback, where both share the cores"),
         "--endpoint": (str, "use this S3 endpoint instead of starting SeaweedFS"),
-        "--bucket": ("featurestore-bench", None), "--key": (str, None), "--secret": (str, None)},
+        "--bucket": ("featurestore-bench", None), "--key": (str, "--endpoint: the access key"),
+        "--secret": (str, "--endpoint: the secret key")},
         repeats=3, description=__doc__,
         workdir="SeaweedFS data, cache and local copy directory (default: a temp dir, removed)")
 

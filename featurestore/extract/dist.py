@@ -75,7 +75,14 @@ class TorchrunCoordinator(Coordinator):
         """All-gather ``(error message, payload)``; raise if any rank failed, else the payloads."""
         message = None if error is None else (str(error) or type(error).__name__)
         gathered: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(gathered, (message, payload))
+        try:
+            self._dist.all_gather_object(gathered, (message, payload))
+        except RuntimeError as lost:  # gloo: a peer's connection closed (its process died, SIGKILL)
+            if error is not None:
+                raise error from None
+            raise RankFailed(f"rank {self.rank} of {self.world_size} lost touch with the other ranks "
+                             f"({str(lost).splitlines()[0][:200]}): another rank stopped, its own log says why; "
+                             "the work done is kept: rerun with --resume") from None
         if error is not None:
             raise error
         for rank, (other, _) in enumerate(gathered):
