@@ -257,9 +257,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--seeds", type=_positive_int, default=3,
                         help="number of seeds K, run as seeds 0..K-1 (default 3)")
     parser.add_argument("--epochs", type=_positive_int, default=None,
-                        help="training epochs (default: 20 linear, 10 seg)")
+                        help="training epochs (default: 20 linear, 10 seg, 20 abmil)")
     parser.add_argument("--lr", type=float, default=None,
-                        help="AdamW learning rate (default: 1e-2 linear, 1e-3 seg)")
+                        help="AdamW learning rate (default: 1e-2 linear, 1e-3 seg, 1e-3 abmil)")
     parser.add_argument("--batch-size", type=_positive_int, default=None,
                         help="default 64 (dense), 1 bag (abmil; more pads to the longest bag, bucketed)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")

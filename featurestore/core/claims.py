@@ -137,7 +137,7 @@ class ClaimBoard:
     def claim(self, unit: str, *, special: bool = False) -> tuple[Claim | None, dict[str, Any] | None]:
         """Try to take ``unit``: (the claim, None) when this worker now holds it, else (None, the
         record that stands: done, failed, or held by a live worker). ``special``: a step of the
-        run rather than a slide (``create``, ``commit``), named apart from every bag id."""
+        run rather than a slide (``_create``, ``_commit``), named apart from every bag id."""
         key = self._name(unit, special)
         record = self._record(unit, WORKING, 1, [], **({"special": True} if special else {}))
         token = self.storage.put_if_absent(key, json.dumps(record).encode())
