@@ -79,6 +79,9 @@ def test_report_warns_when_every_seed_gives_the_same_metric() -> None:
         (["--encoder", "lin32", "--eval", "val", "--compare-store", "/x"], "--compare-store needs --compare"),
         (["--encoder", "lin32", "--eval", "val", "--device", "bogus"], "invalid device"),
         (["--encoder", "lin32", "--eval", "val", "--num-classes", "2"], "is outside [0, 2)"),
+        # --pool is the linear head's: a seg task (auto-detected from class maps) took it silently
+        (["--encoder", "seg32a", "--eval", "val", "--pool", "cls"], "a seg task predicts every patch"),
+        (["--encoder", "seg32a", "--eval", "val", "--head", "abmil", "--pool", "cls"], "pools a bag's patches"),
     ],
 )
 def test_cli_errors_are_one_line_and_exit_1(store_path: str, argv: list[str], message: str,

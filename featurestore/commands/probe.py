@@ -266,8 +266,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--num-classes", type=_positive_int, default=None,
                         help="class count (default: the --labels table's classes, else label_info.classes in "
                         "metadata, else max label + 1)")
-    parser.add_argument("--pool", choices=("mean", "cls"), default="mean",
-                        help="linear probe pooling: mean over patch tokens, or the CLS token")
+    parser.add_argument("--pool", choices=("mean", "cls"), default=None,
+                        help="linear probe pooling: mean over patch tokens (default), or the CLS token")
     parser.add_argument("--loader", choices=LOADERS, default="stream",
                         help="stream: FeatureLoader from the store; ram: read the split into host "
                         "RAM as float32 first (the classic cache, for comparison)")
@@ -301,6 +301,9 @@ def _run(args: argparse.Namespace) -> int:
         raise InvalidOption("--groups CSV gives the column of --group-by COLUMN: add --group-by")
     if args.json not in (None, "-"):
         _check_json_out(args.json)
+    if args.pool is not None and args.head == "abmil":
+        raise InvalidOption(f"--pool {args.pool} pools a sample's tokens for the linear head; --head abmil pools "
+                            "a bag's patches by attention: leave out --pool")
     if args.head == "abmil":
         result = _run_abmil(args, token, storage, None if args.quiet else log)
     else:

@@ -171,7 +171,7 @@ def run_probe(
     batch_size: int = 64,
     device: str = "auto",
     num_classes: int | None = None,
-    pool: str = "mean",
+    pool: str | None = None,
     loader: str = "stream",
     storage_options: dict[str, Any] | None = None,
     token: str | None = None,
@@ -224,7 +224,7 @@ def compare_probes(
     batch_size: int = 64,
     device: str = "auto",
     num_classes: int | None = None,
-    pool: str = "mean",
+    pool: str | None = None,
     loader: str = "stream",
     storage_options: dict[str, Any] | None = None,
     token: str | None = None,
@@ -313,7 +313,7 @@ def _run(
     lr: float | None,
     batch_size: int,
     device: str,
-    pool: str,
+    pool: str | None,
     loader: str,
     log: Callable[[str], None] | None,
     table: LabelTable | None,
@@ -360,8 +360,11 @@ def _run(
         raise InvalidOption(f"lr must be a positive number, but got: {lr!r}")
     overrides: dict[str, Any] = {"epochs": epochs, "lr": lr}
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    if task == "seg" and pool is not None:
+        raise InvalidOption(f"pool {pool!r} (--pool) pools a sample's tokens for the linear head; a seg task "
+                            "predicts every patch: leave it out")
     config: Any = (SegProbeConfig(**overrides) if task == "seg"
-                   else LinearProbeConfig(pool=pool, prefix_tokens=prefix, **overrides))
+                   else LinearProbeConfig(pool=pool or "mean", prefix_tokens=prefix, **overrides))
     if predictions is not None and task != "linear":
         raise InvalidOption(f"--save-predictions applies to the linear and abmil heads, not to task {task}")
     recorder = None if predictions is None else PredictionRecorder.of_split(predictions, evaluate,
