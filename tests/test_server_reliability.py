@@ -229,3 +229,17 @@ def test_an_object_store_outage_is_a_retryable_503(tmp_path: Any) -> None:
                 assert back.status_code == 503, back.text
                 time.sleep(1)
             assert back.status_code == 200, back.text
+
+
+def test_a_damaged_split_document_is_a_500_not_the_stores_503(tmp_path: Any) -> None:
+    """A split's zarr.json that is not JSON: one damaged part of the store, answered 500 as a
+    damaged chunk is (it was 503 NotAFeatureStore, the answer for a missing store); the other
+    splits are served."""
+    root = make_store(str(tmp_path / "store"))
+    (tmp_path / "store" / "pannuke" / "tiny" / "val" / "zarr.json").write_text("{not json")
+    with TestClient(create_app(root, Settings())) as client:
+        bad = client.get(wire.route(wire.ITEM, dataset="pannuke", encoder="tiny", split="val", index=0))
+        assert bad.status_code == 500 and bad.json()["error"] == "InvalidMetadata", bad.text
+        assert "is not valid JSON" in bad.json()["detail"] and "featurestore verify" in bad.json()["detail"]
+        good = client.get(wire.route(wire.ITEM, dataset="pannuke", encoder="tiny", split="train", index=0))
+        assert good.status_code == 200

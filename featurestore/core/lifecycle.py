@@ -26,8 +26,8 @@ from featurestore.core import split_protocol
 from featurestore.core.leftovers import remove_stale_temp_files
 from featurestore.core.split_kind import SplitKind
 from featurestore.core.storage import Storage
-from featurestore.errors import (CacheKeyMismatch, InvalidOption, NotAFeatureStore, ReadOnlyStore, SplitExists,
-                                 SplitNotFound, WrongSplitKind)
+from featurestore.errors import (CacheKeyMismatch, InvalidMetadata, InvalidOption, NotAFeatureStore, ReadOnlyStore,
+                                 SplitExists, SplitNotFound, WrongSplitKind)
 from featurestore.format import key_change, layout
 from featurestore.format.metadata import COMPLETE, WRITING, SplitMetadata
 
@@ -134,7 +134,11 @@ def read_document(storage: Storage, url: str, key: str) -> dict[str, Any] | None
     try:
         return layout.load_document(raw)
     except ValueError as error:
-        raise NotAFeatureStore(f"{url}/{key} is not valid JSON ({error}): the store is damaged") from None
+        # The root's document: no store there. Another (a split's, a group's): one damaged part of
+        # a store (a server answers 500 for it, as for a damaged chunk, not 503 "no store").
+        damaged = NotAFeatureStore if key == layout.ZARR_JSON else InvalidMetadata
+        raise damaged(f"{url}/{key} is not valid JSON ({error}): the store is damaged; `featurestore verify` "
+                      "names what else is") from None
 
 
 def check_split(doc: dict[str, Any], key: str) -> SplitMetadata:
