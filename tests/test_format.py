@@ -235,3 +235,23 @@ def test_longest_valid_name(tmp_path: Path) -> None:
     w.write(0, np.ones((1, 2), np.float32))
     w.commit()
     assert store.datasets() == [name]
+
+
+def test_user_metadata_cannot_set_the_splits_own_keys(tmp_path: Path) -> None:
+    """metadata={"status": "complete"} marked an unwritten split complete (then unreadable as
+    damaged); num_samples, generation, kind... misstated or broke the split the same way."""
+    from featurestore.errors import InvalidMetadata
+
+    store = featurestore.open_store(str(tmp_path / "s"), mode="a")
+    for key, value in (("status", "complete"), ("num_samples", 5), ("generation", "abc"), ("channel_stats", "x"),
+                       ("kind", "bags")):
+        with pytest.raises(InvalidMetadata, match=f"metadata key '{key}' is the split's own"):
+            store.create_split("d", "e", "m", num_samples=2, sample_shape=(4,), dtype="float16",
+                               metadata={key: value})
+        with pytest.raises(InvalidMetadata, match=f"metadata key '{key}' is the split's own"):
+            store.create_bag_split("d", "e", "b", dim=4, metadata={key: value})
+    ok = store.create_split("d", "e", "m", num_samples=2, sample_shape=(4,), dtype="float16",
+                            metadata={"cache_key": "k", "encoder": {"name": "e"}, "note": "mine"})
+    ok.write(0, np.ones((2, 4), np.float32))
+    ok.commit()
+    assert store.split_metadata("d", "e", "m")["note"] == "mine"

@@ -110,6 +110,11 @@ class SplitMetadata:
         user = dict(user or {})
         if provenance is not None:
             user.update({k: v for k, v in dataclasses.asdict(provenance).items() if v is not None})
+        reserved = sorted(set(user) & (_OWN_KEYS - _USER_KEYS))
+        if reserved:  # the split's own record: a user value there would misstate or break the split
+            own = ", ".join(sorted(_OWN_KEYS - _USER_KEYS))
+            raise InvalidMetadata(f"metadata key {reserved[0]!r} is the split's own ({own} are set by "
+                                  "featurestore): name your key otherwise")
         meta = cls(
             dataset=dataset, encoder_name=encoder_name, split=split, num_samples=num_samples,
             sample_shape=tuple(sample_shape), logical_dtype=logical_dtype, chunk_rows=chunk_rows,
@@ -302,3 +307,9 @@ def check_version(version: Any, where: str) -> None:
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# The keys of a split's document that featurestore writes itself, and those of them a caller's
+# metadata= may give (they describe where the values come from).
+_OWN_KEYS = frozenset(f.name for f in dataclasses.fields(SplitMetadata)) - {"extra"}
+_USER_KEYS = frozenset({"source_dtype", "encoder", "preprocessing", "token_layout", "cache_key"})
