@@ -20,6 +20,7 @@ produces each batch. What is particular to bags:
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -177,4 +178,15 @@ class BagLoader(StreamingLoader):
         return {"seed": self.seed, "shuffle": self.shuffle, "batch_size": self.batch_size, "drop_last": self.drop_last,
                 "rank": self.rank, "world_size": self.world_size, "num_bags": self.ds.num_bags,
                 "max_patches": self.max_patches, "bucket": self.bucket, "skip_empty": self.skip_empty,
-                "indices": None if self.indices is None else len(self.indices)}
+                "indices": None if self.indices is None else _indices_key(self.indices)}
+
+    def _resumes(self, key: str, saved: Any) -> bool:
+        # A state saved before the indices were recorded by value held their count only.
+        return key == "indices" and self.indices is not None and saved == len(self.indices)
+
+
+def _indices_key(indices: Any) -> str:
+    """``count:digest`` of a loader's bag subset: the folds of a cross-validation have the same
+    count, and a state saved in one must not resume another."""
+    values = np.ascontiguousarray(np.asarray(indices, np.int64))
+    return f"{len(values)}:{hashlib.sha256(values.tobytes()).hexdigest()[:16]}"

@@ -68,6 +68,11 @@ class StreamingLoader:
         """The arguments a saved state must match to be resumed by this loader."""
         raise NotImplementedError
 
+    def _resumes(self, key: str, saved: Any) -> bool:
+        """Whether a saved ``key`` that differs from this loader's still matches it (a state saved
+        in an older form); none by default."""
+        return False
+
     def _before_epoch(self, skip: int) -> None:
         """As an epoch starts, from batch ``skip`` on: an int8 split dequantized on the CPU starts
         the kernel's load now when the epoch is long enough to pay for it
@@ -102,10 +107,14 @@ class StreamingLoader:
     # ------------------------------------------------------------------ epochs
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration yields (call before each epoch)."""
-        if not isinstance(epoch, (int, np.integer)) or epoch < 0:
+        if not isinstance(epoch, (int, np.integer)) or isinstance(epoch, bool) or epoch < 0:
             raise InvalidOption(f"`epoch` must be a non-negative integer, but got: {epoch!r}")
         if int(epoch) != self.epoch:
-            self._resume_batch = 0  # a resume offset belongs to the epoch it was saved in
+            # Another epoch: the one in flight (a loop left with `break`, or still running) ends,
+            # and neither a resume offset nor its count of batches belongs to the new one (a
+            # state saved now would skip batches the new epoch never gave).
+            self._stop_epoch()
+            self._resume_batch = self._consumed = 0
         self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[Any]:
@@ -117,13 +126,15 @@ class StreamingLoader:
             self._producer = self._make_producer()
         self._consumed = skip
         self.stats = self._start_stats()
+        return self._run(batches)
+
+    def _run(self, batches: Iterator[Any]) -> Iterator[Any]:
+        # A generator, so `break` out of the consumer's loop finalises it at once (CPython frees
+        # it when the loop drops it) and the `finally` joins the threads: nothing leaks. The
+        # threads start at the first next(): an iterator made and dropped unstarted (an error
+        # between iter() and next()) never runs a `finally`, so it must hold none.
         prefetcher = Prefetcher(batches, self._producer, self.prefetch, self.num_threads)
         self._active = prefetcher
-        return self._run(prefetcher)
-
-    def _run(self, prefetcher: Prefetcher) -> Iterator[Any]:
-        # A generator, so `break` out of the consumer's loop finalises it at once (CPython frees
-        # it when the loop drops it) and the `finally` joins the threads: nothing leaks.
         try:
             for batch in prefetcher:
                 self._consumed += 1
@@ -174,9 +185,16 @@ class StreamingLoader:
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
                 raise InvalidOption(f"cannot resume: state[{key!r}] must be a non-negative integer, but got: {value!r}")
         for key, mine in self._identity().items():
-            if key in state and state[key] != mine:
+            if key in state and state[key] != mine and not self._resumes(key, state[key]):
                 raise InvalidOption(f"cannot resume: the state has {key}={state[key]!r}, this loader has "
                                     f"{key}={mine!r}; build the loader with the same arguments as the saved run")
         self.set_epoch(int(state["epoch"]))
-        self._resume_batch = int(state["batch"])
+        batch = int(state["batch"])
+        # The loader's own plan has a length; a user's batch sampler may have none yet (it may
+        # make its batches when the epoch starts).
+        count = None if getattr(self, "batch_sampler", None) is not None else len(self)  # type: ignore[arg-type]
+        if count is not None and batch > count:
+            raise InvalidOption(f"cannot resume: state['batch'] is {batch}, but this loader's epochs have {count} "
+                                "batches; pass the state of a loader built like this one")
+        self._resume_batch = batch
         self._consumed = self._resume_batch
