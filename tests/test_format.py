@@ -255,3 +255,21 @@ def test_user_metadata_cannot_set_the_splits_own_keys(tmp_path: Path) -> None:
     ok.write(0, np.ones((2, 4), np.float32))
     ok.commit()
     assert store.split_metadata("d", "e", "m")["note"] == "mine"
+
+
+@pytest.mark.parametrize(("ids", "says"), [
+    (["a", "a"], "ids\\[1\\] 'a' names an earlier sample too"),
+    ([None, "x"], "ids\\[0\\] is None \\(NoneType\\): sample ids are strings"),
+    ([1, 2], "ids\\[0\\] is 1 \\(int\\)"),
+    (["\ud800", "x"], "is not valid Unicode text"),
+])
+def test_sample_ids_are_distinct_strings(tmp_path: Path, ids: list[object], says: str) -> None:
+    """Duplicates made positions_of ambiguous, None and ints were stored as 'None' and '1', and a
+    lone surrogate failed inside zarr, leaving a split in 'writing'."""
+    from featurestore.errors import ShapeMismatch, SplitNotFound
+
+    store = featurestore.open_store(str(tmp_path / "s"), mode="a")
+    with pytest.raises(ShapeMismatch, match=says):
+        store.create_split("d", "e", "s", num_samples=2, sample_shape=(4,), dtype="float16", ids=ids)  # type: ignore[arg-type]
+    with pytest.raises((SplitNotFound, FeatureStoreError)):
+        store.split_info("d", "e", "s")  # nothing was written

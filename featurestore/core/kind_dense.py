@@ -54,6 +54,8 @@ class DenseKind(SplitKind[SplitWriter]):
             chunk_rows = min(int(chunk_rows), int(num_samples))
         if ids is not None and len(ids) != num_samples:
             raise ShapeMismatch(f"ids has {len(ids)} entries for {num_samples} samples: pass one id per sample")
+        if ids is not None:
+            _check_ids(ids)
         labels = None
         if label_dtype is not None:
             label_np = np.dtype(label_dtype)
@@ -108,6 +110,23 @@ class DenseKind(SplitKind[SplitWriter]):
 def writer(storage: Storage, key: str, meta: SplitMetadata, done: set[int]) -> SplitWriter:
     label_np = np.dtype(meta.labels.dtype) if meta.labels is not None else None
     return SplitWriter(storage, key, meta, done_chunks=done, label_dtype=label_np)
+
+
+def _check_ids(ids: list[str]) -> None:
+    """Sample ids name one sample each (``positions_of``, the server's by-id route): distinct
+    strings a store can hold (UTF-8), refused before anything is written."""
+    seen: set[str] = set()
+    for position, sample_id in enumerate(ids):
+        if not isinstance(sample_id, str):
+            raise ShapeMismatch(f"ids[{position}] is {sample_id!r} ({type(sample_id).__name__}): sample ids are strings")
+        try:
+            sample_id.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ShapeMismatch(f"ids[{position}] {sample_id!r} is not valid Unicode text: sample ids are stored as "
+                                "UTF-8") from None
+        if sample_id in seen:
+            raise ShapeMismatch(f"ids[{position}] {sample_id!r} names an earlier sample too: each id names one sample")
+        seen.add(sample_id)
 
 
 def write_arrays(storage: Storage, key: str, meta: SplitMetadata, ids: list[str] | None) -> None:
