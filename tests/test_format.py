@@ -273,3 +273,14 @@ def test_sample_ids_are_distinct_strings(tmp_path: Path, ids: list[object], says
         store.create_split("d", "e", "s", num_samples=2, sample_shape=(4,), dtype="float16", ids=ids)  # type: ignore[arg-type]
     with pytest.raises((SplitNotFound, FeatureStoreError)):
         store.split_info("d", "e", "s")  # nothing was written
+
+
+def test_commit_with_rows_missing_counts_them_all(tmp_path: Path) -> None:
+    """4 of 20 rows written (one chunk begun): 16 never written, not the 4 left of that chunk."""
+    from featurestore.errors import MissingChunks
+
+    w = featurestore.open_store(str(tmp_path / "s"), mode="a").create_split(
+        "d", "e", "s", num_samples=20, sample_shape=(2,), dtype="float32", chunk_rows=8)
+    w.write(0, np.ones((4, 2), np.float32))
+    with pytest.raises(MissingChunks, match="16 samples were never written \\(first in chunk 0, rows \\(0, 8\\)\\)"):
+        w.commit()

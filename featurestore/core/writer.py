@@ -189,7 +189,10 @@ class SplitWriter(split_protocol.SplitSession):
             return self._meta.to_json()
         self.flush()
         if self._buffers:
-            missing = sum(int((~b.filled).sum()) for b in self._buffers.values())
+            # Rows left out of chunks begun here, and the rows of chunks nobody wrote at all.
+            untouched = [c for c in self._absent_on_storage() if c not in self._buffers]
+            missing = sum(int((~b.filled).sum()) for b in self._buffers.values()) + sum(
+                hi - lo for lo, hi in map(self.chunk_range, untouched))
             first = min(self._buffers)
             raise MissingChunks(
                 f"cannot commit {self._key}: {missing} samples were never written (first in chunk "
