@@ -284,3 +284,13 @@ def test_commit_with_rows_missing_counts_them_all(tmp_path: Path) -> None:
     w.write(0, np.ones((4, 2), np.float32))
     with pytest.raises(MissingChunks, match="16 samples were never written \\(first in chunk 0, rows \\(0, 8\\)\\)"):
         w.commit()
+
+
+def test_a_store_path_that_is_or_is_under_a_file_is_one_error(tmp_path: Path) -> None:
+    """open_store(a file, mode="a") raised FileExistsError, a path under a file NotADirectoryError."""
+    from featurestore.errors import InvalidOption
+
+    (tmp_path / "f").write_text("")
+    for url in (tmp_path / "f", tmp_path / "f" / "store"):
+        with pytest.raises(InvalidOption, match="is, or is under, a file: a store is a directory"):
+            featurestore.open_store(str(url), mode="a")

@@ -5,6 +5,7 @@ cohort, a failed commit (its claim goes back), a worker listing another cohort t
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -198,8 +199,14 @@ def test_a_local_store_that_cannot_be_written_is_told_a_local_fix(tmp_path: Path
     (tmp_path / "afile").write_text("")
     done = run_cli(*_import_cmd(source, str(tmp_path / "afile" / "store"), None, "--worker")[3:])
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert "Not a directory" in done.stderr and "that this user may write there" in done.stderr, done.stderr
-    assert "credentials" not in done.stderr and "--storage-options" not in done.stderr, done.stderr
+    assert "is, or is under, a file: a store is a directory" in done.stderr, done.stderr
+    if not os.path.isdir("/sys/kernel"):
+        return
+    sysfs = run_cli(*_import_cmd(source, "/sys/featurestore-test-store", None, "--worker")[3:])  # not writable
+    assert sysfs.returncode == 1 and len(sysfs.stderr.strip().splitlines()) == 1, sysfs.stderr
+    assert "that this user may write there" in sysfs.stderr, sysfs.stderr
+    for text in (done.stderr, sysfs.stderr):
+        assert "credentials" not in text and "--storage-options" not in text, text
 
 
 def test_a_vanished_worker_counts_one_attempt(tmp_path: Path) -> None:
