@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         ended = set(bag_commit.collect(store.storage, key, meta).records) | {
             unit for unit, r in claims.read_records(store.storage, key).items()
             if r.get("state") in (claims.DONE, claims.FAILED)}
-        left = None if state["total"] is None else state["total"] - len(ended)
+        left = None if state["total"] is None else max(0, state["total"] - len(ended))
         if left:
             back = state["given_back"]
             raise InvalidOption(f"split {key}: {left} of {state['total']} slides are not done yet"
