@@ -351,16 +351,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _check_json_out(path: str) -> None:
-    # Checked before training, as --save-predictions is (featurestore.probes.predictions): a bad
-    # path found only when the result is written would lose the whole run.
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise InvalidOption(f"--json {path}: directory {folder} does not exist; create it, or give a path in an "
-                            "existing one")
-    if os.path.isdir(path):
-        raise InvalidOption(f"--json {path} is a directory: give a file name, e.g. result.json")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise InvalidOption(f"--json {path}: cannot write there (permission denied); give a path you can write")
+    from featurestore.probes.predictions import check_output_file
+
+    check_output_file(path, "--json", "result.json")
 
 
 def _run_abmil(args: argparse.Namespace, token: str | None, storage: dict[str, Any] | None,

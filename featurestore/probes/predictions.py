@@ -25,7 +25,20 @@ import numpy as np
 
 from featurestore.errors import InvalidOption, ShapeMismatch
 
-__all__ = ["PredictionRecorder", "class_names_of"]
+__all__ = ["PredictionRecorder", "check_output_file", "class_names_of"]
+
+
+def check_output_file(path: str, flag: str, example: str) -> None:
+    """Refuse, before any training, an output file that could not be written at the end (its
+    folder missing, a directory in its place, no write permission): a probe's whole run would be lost."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InvalidOption(f"{flag} {path}: directory {folder} does not exist; create it, or give a path in an "
+                            "existing one")
+    if os.path.isdir(path):
+        raise InvalidOption(f"{flag} {path} is a directory: give a file name, e.g. {example}")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise InvalidOption(f"{flag} {path}: cannot write there (permission denied); give a path you can write")
 
 
 def class_names_of(ds: Any, table: Any, num_classes: int) -> list[str] | None:
@@ -48,12 +61,7 @@ class PredictionRecorder:
     def __init__(self, path: str, *, num_classes: int, count: int, ids: Sequence[str] | None = None,
                  lengths: Any = None, class_names: list[str] | None = None,
                  group: tuple[str, Callable[[int], Any]] | None = None, id_name: str = "slide_id") -> None:
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise InvalidOption(f"--save-predictions {path}: directory {folder} does not exist; create it, or "
-                                "give a path in an existing one")
-        if os.path.isdir(path):
-            raise InvalidOption(f"--save-predictions {path} is a directory: give a file name, e.g. predictions.csv")
+        check_output_file(path, "--save-predictions", "predictions.csv")
         self.path, self.ids, self.group, self.id_name = path, ids, group, id_name
         self.names = class_names or [str(c) for c in range(num_classes)]
         self.lengths = np.ones(count, np.int64) if lengths is None else np.asarray(lengths, np.int64)
