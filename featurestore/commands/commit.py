@@ -50,27 +50,27 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidOption(f"split {key}: {len(live)} slide(s) still claimed by live workers "
                                 f"(e.g. {first['id']!r} "
                                 f"by {first['host']} pid {first['pid']}): wait for them (featurestore status)")
-        # Slides neither done nor failed (given back, or never started): counted against the bags
-        # complete on storage too, which a run before the workers (a resume) may have written.
-        ended = set(bag_commit.collect(store.storage, key, meta).records) | {
-            unit for unit, r in claims.read_records(store.storage, key).items()
-            if r.get("state") in (claims.DONE, claims.FAILED)}
-        left = None if state["total"] is None else max(0, state["total"] - len(ended))
-        if left:
-            back = state["given_back"]
-            raise InvalidOption(f"split {key}: {left} of {state['total']} slides are not done yet"
-                                + (f" ({len(back)} given back by stopped workers, e.g. {back[0]!r})" if back else "")
-                                + ": start --worker processes to finish them (the one that ends the run "
-                                  "commits; featurestore status shows progress)")
         board = claims.ClaimBoard(store.storage, key, lease=120, max_attempts=1)
         claim, _ = board.claim("_commit", special=True)
         if claim is None:
             raise InvalidOption(f"split {key}: a worker is committing it now: wait (featurestore status)")
         try:
+            # Slides neither done nor failed (given back, or never started): counted against the
+            # bags complete on storage too, which a run before the workers (a resume) may have
+            # written. Read once, under the claim, and laid out by the commit as read.
+            found = bag_commit.collect(store.storage, key, meta)
+            ended = set(found.records) | set(state["ended"])
+            left = None if state["total"] is None else max(0, state["total"] - len(ended))
+            if left:
+                back = state["given_back"]
+                given = f" ({len(back)} given back by stopped workers, e.g. {back[0]!r})" if back else ""
+                raise InvalidOption(f"split {key}: {left} of {state['total']} slides are not done yet{given}"
+                                    + ": start --worker processes to finish them (the one that ends the run "
+                                      "commits; featurestore status shows progress)")
             extra = commit_extra(store.storage, key)
             if (meta.extra.get("source") or {}).get("kind") != "wsi":
                 extra.pop("skipped")  # an import records no skipped slides
-            final = bag_commit.commit(store.storage, key, meta, extra=extra)
+            final = bag_commit.commit(store.storage, key, meta, extra=extra, found=found)
         except BaseException:
             with contextlib.suppress(Exception):  # given back: the next try need not wait out its lease
                 board.release(claim, "its commit failed")

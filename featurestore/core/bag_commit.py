@@ -104,11 +104,13 @@ def array_document(meta: SplitMetadata, name: str, rows: int) -> bytes:
                                  attributes={"featurestore": attrs})
 
 
-def commit(storage: Storage, key: str, meta: SplitMetadata, extra: dict[str, Any] | None = None) -> SplitMetadata:
+def commit(storage: Storage, key: str, meta: SplitMetadata, extra: dict[str, Any] | None = None,
+           found: Collected | None = None) -> SplitMetadata:
     """Lay out every complete bag of ``key`` and mark the split complete (module doc); ``extra``
-    keys join the metadata's extra keys."""
+    keys join the metadata's extra keys; ``found``: what :func:`collect` gave the caller just
+    before (not read twice)."""
     split_protocol.check_generation(storage, key, meta)
-    found = collect(storage, key, meta)
+    found = found if found is not None else collect(storage, key, meta)
     ids = sorted(found.records)
     entries = [found.records[i] for i in ids]
     offsets = bags.offsets_of([r.length for _, r in entries])

@@ -45,8 +45,9 @@ def progress(storage: Storage, split_key: str, total: int | None, now: float | N
     skipped = sorted(u for u, r in records.items() if r.get("state") == claims.DONE and r.get("skipped"))
     # given back by a stopped worker (SIGTERM, Ctrl-C: ClaimBoard.release), for the next worker to take
     given_back = sorted(u for u, r in records.items() if r.get("state") == claims.RELEASED and r.get("released"))
+    ended = sorted(u for u, r in records.items() if r.get("state") in (claims.DONE, claims.FAILED))
     return {"done": len(done), "skipped": skipped, "claimed": claimed, "failed": failed, "left": left,
-            "total": total, "eta_seconds": eta, "workers": len(workers), "given_back": given_back,
+            "total": total, "eta_seconds": eta, "workers": len(workers), "given_back": given_back, "ended": ended,
             "committing": _committing(storage, split_key, now)}
 
 
