@@ -13,6 +13,7 @@ from featurestore.core.lifecycle import check_split
 from featurestore.core.reader import FeatureArray
 from featurestore.core.seals import SealTable
 from featurestore.core.storage import Storage, open_storage
+from featurestore.core.storage.files import nearest_existing
 from featurestore.core.writer import SplitWriter
 from featurestore.errors import (
     DatasetNotFound,
@@ -78,7 +79,7 @@ class FeatureStore:
                     f"no featurestore at {self.url!r}: check the URL, or create one by writing a "
                     "split (featurestore extract --store URL ..., or open_store(url, mode='a'))"
                 )
-            if root is not None and (os.path.isfile(root) or _under_a_file(root)):
+            if root is not None and not os.path.isdir(nearest_existing(root)):
                 raise InvalidOption(f"{self.url} is, or is under, a file: a store is a directory; give a path to a "
                                     "directory (new or empty for a new store)")
             storage.write(layout.ZARR_JSON, layout.group_document(ROOT_ATTRIBUTES))
@@ -295,13 +296,6 @@ class FeatureStore:
 
 
 __all__ = ["FeatureStore", "check_root", "check_split", "open_store"]
-
-
-def _under_a_file(path: str) -> bool:
-    parent = os.path.dirname(os.path.abspath(path))
-    while parent and not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    return bool(parent) and not os.path.isdir(parent)
 
 
 def check_root(doc: dict[str, Any], url: str) -> None:

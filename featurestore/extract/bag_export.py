@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from featurestore.core.storage.files import nearest_existing
 from featurestore.errors import InvalidOption, SplitExists
 from featurestore.format import dtypes
 
@@ -123,11 +124,9 @@ def check_out(out: str) -> None:
     """Refuse an ``out`` that cannot become the folder to write in (a file, a path under one, a
     folder this user may not write), before the store is read: an OSError there would otherwise
     surface as the store's failure (the CLI wraps the export in ``store_errors``)."""
-    if os.path.lexists(out) and not os.path.isdir(out):
+    existing = nearest_existing(out)  # the folder makedirs would create the rest under
+    if existing == os.path.abspath(out) and not os.path.isdir(existing):
         raise InvalidOption(f"--out {out} is a file, not a directory: give a folder to write the files in")
-    existing = os.path.abspath(out)
-    while not os.path.lexists(existing):  # the folder makedirs would create the rest under
-        existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise InvalidOption(f"--out {out}: {existing} is a file, not a directory: give a folder to write the files in")
     if not os.access(existing, os.W_OK | os.X_OK):

@@ -53,6 +53,16 @@ def temp_path(path: str) -> str:
     return os.path.join(os.path.dirname(path), tmp_name(os.path.basename(path), os.getpid(), uuid.uuid4().hex[:8]))
 
 
+def nearest_existing(path: str) -> str:
+    """``path`` (absolute) if it exists, else its nearest existing ancestor: where ``makedirs``
+    would start creating folders, so what decides whether ``path`` can be a directory (it cannot
+    when this is not one) and who may write there."""
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing) and existing != os.path.dirname(existing):
+        existing = os.path.dirname(existing)
+    return existing
+
+
 def unlink_quietly(path: str) -> None:
     """Remove ``path`` if it is there."""
     try:
