@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from featurestore import open_store
-from featurestore.errors import SplitTakenOver
+from featurestore.errors import SplitExists, SplitTakenOver
 
 DIM = 8
 CHUNK_BYTES = 4 * DIM * 2  # 4 rows per chunk: many chunks, so a commit takes a while
@@ -115,6 +115,37 @@ def _kill_after(proc: subprocess.Popen[str], line: str, count: int = 1) -> list[
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     return printed
+
+def test_a_session_whose_split_another_session_committed_keeps_the_commit(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    store = open_store(str(root), mode="a")
+    first = store.create_bag_split("ds", "enc", "train", dim=DIM)
+    late = store.create_bag_split("ds", "enc", "train", dim=DIM, resume=True)
+    closed = store.create_bag_split("ds", "enc", "train", dim=DIM, resume=True)
+    bags = expected()
+    closed.add_bag("slide-00", bags["slide-00"])
+    closed.close()  # on storage before the commit: the commit takes it
+    for i in (1, 2, 3):
+        first.add_bag(f"slide-{i:02d}", bags[f"slide-{i:02d}"])
+    late.add_bag("slide-04", bags["slide-04"])  # held in its chunk buffer when the other commits
+    assert first.commit()["bags"]["count"] == 4
+    late.add_bag("slide-05", bags["slide-05"])
+    # Its commit used to lay the split out again from what was left: only its own two bags.
+    with pytest.raises(SplitExists, match="committed by another writer session.*2 of this session's 2 bags "
+                                          "are not in it .first: 'slide-04'"):
+        late.commit()
+    split = open_store(str(root)).open_bags("ds", "enc", "train")
+    assert sorted(split.ids) == [f"slide-{i:02d}" for i in range(4)]
+    assert np.array_equal(split.read_numpy("slide-02")[0], bags["slide-02"].astype(np.float16))
+    assert not (root / "ds" / "enc" / "train" / "segments").exists()  # the late session's segment went too
+    assert closed.commit()["bags"]["count"] == 4  # every bag of it is in: nothing to do
+    with pytest.raises(SplitExists, match="committing again would drop its bags"):
+        from featurestore.core import bag_commit
+        from featurestore.core.split_protocol import stored_metadata
+
+        writing = stored_metadata(store.storage, "ds/enc/train").replace(status="writing")
+        bag_commit.commit(store.storage, "ds/enc/train", writing)
+
 
 
 @pytest.mark.parametrize("after", [1, 17, 39])

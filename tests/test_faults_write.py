@@ -23,7 +23,7 @@ from test_extract import cli_env, read_all, run_cli
 
 import featurestore
 from featurestore.demo.synthetic import make_synthetic_pannuke
-from featurestore.errors import SplitTakenOver
+from featurestore.errors import SplitExists, SplitTakenOver
 from featurestore.format import layout
 
 SPLIT = ("pannuke", "enc", "fold1")
@@ -120,6 +120,24 @@ def test_a_writer_whose_split_was_overwritten_refuses_to_write_or_commit(tmp_pat
     assert second.commit()["generation"] == second.generation
     resumed = store.create_split("d", "e", "s", resume=True, **make)
     assert resumed.generation == second.generation  # resume keeps it
+
+
+def test_a_writer_whose_split_another_writer_committed_changes_nothing(tmp_path: Path) -> None:
+    store = featurestore.open_store(str(tmp_path / "s"), mode="a")
+    make = dict(num_samples=8, sample_shape=(2, 3), dtype="float32", chunk_rows=2)
+    first = store.create_split("d", "e", "s", **make)
+    late = store.create_split("d", "e", "s", resume=True, **make)
+    idle = store.create_split("d", "e", "s", resume=True, **make)
+    x = np.arange(48, dtype=np.float32).reshape(8, 2, 3)
+    first.write(0, x)
+    committed = first.commit()
+    # A late writer of the same rows would rewrite sealed chunks of a complete split.
+    with pytest.raises(SplitExists, match="committed by another writer.*changing it"):
+        late.write(0, -x[:2])
+    assert np.array_equal(read_all(str(tmp_path / "s"), ("d", "e", "s")), x)
+    # A writer holding nothing more: its commit changes nothing and returns the stored metadata.
+    assert idle.commit()["completed"] == committed["completed"]
+    assert _verify(tmp_path / "s").returncode == 0
 
 
 def test_a_put_broken_by_an_overwrite_reports_the_takeover(tmp_path: Path) -> None:

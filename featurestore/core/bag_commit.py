@@ -25,7 +25,7 @@ from featurestore.core.present import present_chunks
 from featurestore.core.reader import FeatureArray
 from featurestore.core.seals import put_array, write_seals
 from featurestore.core.storage import Storage
-from featurestore.errors import InvalidLabels
+from featurestore.errors import InvalidLabels, SplitExists
 from featurestore.format import bags, chunks, dtypes, layout
 from featurestore.format.metadata import SplitMetadata, seal
 from featurestore.format.stats import SOURCE_NAMES, merge_rows, report, row_length
@@ -109,7 +109,10 @@ def commit(storage: Storage, key: str, meta: SplitMetadata, extra: dict[str, Any
     """Lay out every complete bag of ``key`` and mark the split complete (module doc); ``extra``
     keys join the metadata's extra keys; ``found``: what :func:`collect` gave the caller just
     before (not read twice)."""
-    split_protocol.check_generation(storage, key, meta)
+    if split_protocol.committed_elsewhere(storage, key, meta):
+        # Its segments went at that commit: laying out what is left would drop the committed bags.
+        raise SplitExists(f"split {key} was committed by another session since this one read it: it is "
+                          "complete, and committing again would drop its bags; read it, or overwrite it")
     found = found if found is not None else collect(storage, key, meta)
     ids = sorted(found.records)
     entries = [found.records[i] for i in ids]

@@ -201,8 +201,33 @@ class BagWriter(split_protocol.SplitSession):
         if self._meta.complete:
             return self._meta.to_json()
         self.close()
+        if split_protocol.committed_elsewhere(self._storage, self._key, self._meta):
+            refusal = self._committed_elsewhere()
+            if self._added - self._stored_ids():  # else: every bag of this session is in that commit
+                raise refusal
+            self._meta = split_protocol.stored_metadata(self._storage, self._key)
+            return self._meta.to_json()
         self._meta = bag_commit.commit(self._storage, self._key, self._meta, extra=extra)
         return self._meta.to_json()
+
+    def _committed_elsewhere(self) -> Exception:
+        """Another session committed the split while this one added bags: this session's segment
+        is dropped (a complete split's segments are gone) and the refusal names its bags that the
+        commit did not take."""
+        self.abandon()
+        missing = sorted(self._added - self._stored_ids())
+        return SplitExists(
+            f"split {self._key} was committed by another writer session while this one was adding bags: "
+            + (f"{len(missing)} of this session's {len(self._added)} bags are not in it (first: {missing[0]!r})"
+               if missing else f"this session's {len(self._added)} bags are in it")
+            + ". A complete split takes no more bags: commit once, after every session has closed; to add "
+            "bags, write the split again with overwrite=True (--overwrite), every bag included")
+
+    def _stored_ids(self) -> set[str]:
+        try:
+            return set(bag_commit.read_strings(self._storage, f"{self._key}/{bags.BAG_IDS}"))
+        except Exception:  # noqa: BLE001 - unreadable ids: every bag of this session counts as missing
+            return set()
 
     # ------------------------------------------------------------------ input checks
     def _check_open(self, bag_id: str) -> None:

@@ -18,27 +18,44 @@ from featurestore.core.present import present_chunks
 from featurestore.core.storage import Storage
 from featurestore.errors import SplitTakenOver
 from featurestore.format import layout
-from featurestore.format.metadata import SplitMetadata, chunk_arrays, unseal
+from featurestore.format.metadata import COMPLETE, SplitMetadata, chunk_arrays, unseal
 from featurestore.format.stats import SOURCE_NAMES, merge_rows, report
 
-__all__ = ["SplitSession", "absent_chunks", "check_generation", "explain_put_failure", "sealed_report"]
+__all__ = ["SplitSession", "absent_chunks", "check_generation", "committed_elsewhere", "explain_put_failure", "sealed_report",
+           "stored_metadata"]
 
 
-def check_generation(storage: Storage, key: str, meta: SplitMetadata) -> None:
-    """Refuse to go on when the split on storage is no longer ``meta``'s generation."""
-    if meta.generation is None:
-        return  # a split written before generations existed
+def check_generation(storage: Storage, key: str, meta: SplitMetadata) -> str | None:
+    """Refuse to go on when the split on storage is no longer ``meta``'s generation; the status
+    stored with it (``writing``, or ``complete`` once a session committed it)."""
     try:
         doc = layout.load_document(storage.read(f"{key}/{layout.ZARR_JSON}"))
-        current = ((doc.get("attributes") or {}).get("featurestore") or {}).get("generation")
+        stored = ((doc.get("attributes") or {}).get("featurestore") or {})
+        current, status = stored.get("generation"), stored.get("status")
     except (FileNotFoundError, ValueError, AttributeError):
-        current = None  # deleted or being rewritten: not ours any more either
+        current, status = None, None  # deleted or being rewritten: not ours any more either
+    if meta.generation is None:
+        return status if isinstance(status, str) else None  # a split written before generations existed
     if current != meta.generation:
         raise SplitTakenOver(
             f"split {key} was taken over by another writer (generation on storage "
             f"{current!r}, this writer's {meta.generation!r}: an --overwrite started "
             "after this run): this run stopped without writing further. Let the other run "
             "finish, or rerun with --overwrite")
+    return status if isinstance(status, str) else None
+
+
+def stored_metadata(storage: Storage, key: str) -> SplitMetadata:
+    """The split's metadata as its document on storage holds it now."""
+    doc = layout.load_document(storage.read(f"{key}/{layout.ZARR_JSON}"))
+    return SplitMetadata.from_json((doc.get("attributes") or {}).get("featurestore"), key)
+
+
+def committed_elsewhere(storage: Storage, key: str, meta: SplitMetadata) -> bool:
+    """Whether another session of ``meta``'s generation has marked the split complete since
+    ``meta`` (still ``writing``) was read: a complete split takes no more chunks, and a second
+    commit would lay it out again from what is left (raises SplitTakenOver as check_generation)."""
+    return not meta.complete and check_generation(storage, key, meta) == COMPLETE
 
 
 _Session = TypeVar("_Session", bound="SplitSession")
@@ -74,12 +91,20 @@ class SplitSession:
         self.close()
 
     def _check_generation(self) -> None:
-        """Refuse to go on when the split on storage is no longer this writer's generation."""
+        """Refuse to go on when the split on storage is no longer this writer's generation, or
+        when another session has committed it meanwhile (:meth:`_committed_elsewhere` says what
+        this session had not stored)."""
         try:
-            check_generation(self._storage, self._key, self._meta)
+            committed = committed_elsewhere(self._storage, self._key, self._meta)
         except SplitTakenOver:
             self._closed = True
             raise
+        if committed:
+            self._closed = True
+            raise self._committed_elsewhere()
+
+    def _committed_elsewhere(self) -> Exception:
+        raise NotImplementedError
 
 
 def explain_put_failure(check: Callable[[], None], generation_check: Callable[[], None]) -> None:

@@ -53,6 +53,7 @@ from featurestore.errors import (
     IndexOutOfRange,
     MissingChunks,
     ShapeMismatch,
+    SplitExists,
     SplitTakenOver,
     WriterClosed,
 )
@@ -184,7 +185,15 @@ class SplitWriter(split_protocol.SplitSession):
         one commits). Committing a split that is already complete changes nothing. Returns the
         split's final metadata.
         """
-        self._check_generation()
+        try:
+            self._check_generation()
+        except SplitExists:
+            if self._buffers:  # rows this writer still held: not in the split another commit made
+                raise
+            # Every chunk was on storage for the other commit, and this writer holds nothing more.
+            self._meta = split_protocol.stored_metadata(self._storage, self._key)
+            self._puts.close()
+            return self._meta.to_json()
         if self._meta.complete and not self._buffers:
             return self._meta.to_json()
         self.flush()
@@ -343,6 +352,15 @@ class SplitWriter(split_protocol.SplitSession):
         if self._closed:
             raise WriterClosed(f"writer for {self._key} is closed: open it again with "
                                "create_split(..., resume=True) (on the command line: --resume)")
+
+    def _committed_elsewhere(self) -> Exception:
+        held = sum(int(b.filled.sum()) for b in self._buffers.values())
+        return SplitExists(
+            f"split {self._key} was committed by another writer while this one was writing (every chunk was "
+            f"on storage then): this writer stopped without changing it"
+            + (f", and the {held} samples it still held are not in it" if held else "")
+            + ". A complete split takes no more writes: to rewrite it, create it again with overwrite=True "
+            "(on the command line: --overwrite)")
 
     def _put_failures(self, check: Callable[[], None]) -> None:
         split_protocol.explain_put_failure(check, self._check_generation)
