@@ -190,7 +190,7 @@ def _respond(state: StoreState, entry: OpenedSplit, arrays: list[Any], index: np
         for arr, out in zip(arrays[1:], outs[1:len(arrays)], strict=True):
             arr.read_numpy(index, out=out)
         if chunks is not None:
-            outs[-1][...] = first.scales.table()[chunks]
+            outs[-1][...] = first.scales.rows(chunks)
 
     return gathered_response(state, entry, nbytes, parts, fill, npy=npy, single=single,
                              media_type=media_type, inline=inline)  # fmt: skip

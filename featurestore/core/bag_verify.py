@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from featurestore.core import block_verify, quantize_int8
+from featurestore.core import block_verify
 from featurestore.core.bag_commit import read_strings
 from featurestore.core.array_check import Expected, check_array, check_seals, seal_rows, seals_expected
 from featurestore.core.split_kind import Findings
@@ -170,8 +170,12 @@ def verify_bags(storage: Storage, key: str, meta: SplitMetadata, result: Finding
     offsets = values.get(bags.OFFSETS)
     if offsets is not None and _offsets_problem(key, offsets, total, result) is None:
         stats = values.get(bags.BAG_STATS)
-        if stats is not None and values.get(layout.FEATURES) is not None:
-            _check_bags(storage, key, meta, offsets, stats, result)
+        scales = values.get(layout.SCALES)
+        # int8 values are codes times scales: damaged or missing scales are already reported
+        # above, and every bag would then look unlike its statistics row, for no fault of its own.
+        if stats is not None and values.get(layout.FEATURES) is not None and (
+                scales is not None or layout.SCALES not in expected):
+            _check_bags(storage, key, meta, offsets, stats, scales, result)
 
 
 def _strings(storage: Storage, array_key: str, n: int, result: Findings) -> list[str] | None:
@@ -208,8 +212,9 @@ def _offsets_problem(key: str, offsets: np.ndarray, total: int, result: Findings
 
 
 def _check_bags(storage: Storage, key: str, meta: SplitMetadata, offsets: np.ndarray,
-                stats: np.ndarray, result: Findings) -> None:
-    """Seals, then each bag's rows against its statistics row, one features chunk at a time."""
+                stats: np.ndarray, scales: np.ndarray | None, result: Findings) -> None:
+    """Seals, then each bag's rows against its statistics row, one features chunk at a time
+    (int8: the sums of a bag's codes times its ``scales`` row)."""
     rows, dim, total = meta.chunk_rows, int(meta.sample_shape[0]), int(meta.num_samples)
     expected_rows: list[ChunkStats] = []
     for i, sealed in enumerate(stats):
@@ -220,7 +225,6 @@ def _check_bags(storage: Storage, key: str, meta: SplitMetadata, offsets: np.nda
             return
         expected_rows.append(ChunkStats.from_row(row))
     stored = dtypes.storage_dtype(meta.logical_dtype)
-    scales = quantize_int8.bag_scales_of(storage, key, meta)  # int8: sums of codes times the bag's scales
     bag, sums = 0, np.zeros(dim, np.float64)
     n = len(expected_rows)
     for index in range(layout.num_chunks(total, rows)):

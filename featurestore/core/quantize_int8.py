@@ -17,8 +17,16 @@ from typing import Any
 import numpy as np
 
 from featurestore.core.checked import damage_message
+from featurestore.core.present import present_chunks
 from featurestore.core.storage import Storage
-from featurestore.errors import CorruptChunk, DtypeMismatch, FeatureStoreError
+from featurestore.errors import (
+    REPAIR_ADVICE,
+    CorruptChunk,
+    DtypeMismatch,
+    FeatureStoreError,
+    InvalidMetadata,
+    MissingChunks,
+)
 from featurestore.format import dtypes, int8, layout
 from featurestore.format.stats import ChunkStats, RowStats, fold_rows, row_stats_numpy
 
@@ -94,16 +102,6 @@ def bag_scales(records: list[Any], dim: int) -> np.ndarray:
     return np.stack([r.scales for r in records]) if records else np.zeros((0, dim), np.float32)
 
 
-def bag_scales_of(storage: Storage, key: str, meta: Any) -> np.ndarray | None:
-    """An int8 bag split's ``scales`` [num_bags, dim] read whole (None for other dtypes)."""
-    if not dtypes.is_int8(meta.logical_dtype):
-        return None
-    import zarr
-
-    return np.asarray(zarr.open_array(store=storage.zarr_store(), path=f"{key}/{layout.SCALES}", mode="r")[:],
-                      dtype=np.float64)
-
-
 def scales_document(meta: Any) -> bytes:
     """The ``scales`` array's zarr.json: float32 [num_chunks, *sample_shape], one row a chunk."""
     return layout.array_document(
@@ -121,20 +119,44 @@ def check_read_dtype(dtype: str | None, logical: str) -> str | None:
     """``read_numpy(dtype=)``: None (the stored values: int8 codes for int8), float32 or float16."""
     if dtype is None:
         return None
-    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    try:
+        name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    except TypeError:  # a torch dtype, or anything numpy does not name
+        name = str(dtype)
     if name not in READ_DTYPES:
         raise DtypeMismatch(f"read dtype {dtype!r} is not offered: use None (stored values, {logical}), "
                             f"{' or '.join(READ_DTYPES)}")
     return name
 
 
-class ScalesTable:
-    """An int8 split's whole ``scales`` array, read once (it is [num_chunks, *S] float32, small)."""
+def _damaged(array: Any, key: str, error: Exception) -> CorruptChunk:
+    """The first damaged chunk of a dense split's scales array, named with the features chunks it covers."""
+    rows = int(array.chunks[0])
+    for chunk, start in enumerate(range(0, int(array.shape[0]), rows)):
+        try:
+            array[start : start + rows]
+        except Exception as reason:  # noqa: BLE001 - the first chunk that fails is the damage
+            covers = f"chunk {start}" if rows == 1 else f"chunks {start}-{start + rows - 1}"
+            return CorruptChunk(damage_message(f"chunk {chunk} of {key} (the int8 scales of the split's {covers}; "
+                                               "every read of the split needs them)", str(reason)))
+    return CorruptChunk(damage_message(f"{key} (the split's int8 scales)", str(error)))
 
-    def __init__(self, storage: Storage, split_key: str) -> None:
+
+class ScalesTable:
+    """An int8 dense split's whole ``scales`` array, read once (it is [num_chunks, *S] float32,
+    small). Every value of the split needs its chunk's row, so a missing document or a damaged
+    chunk is refused, each named (zarr's own messages name neither), and a chunk whose row is
+    absent (zarr would read it as its fill value: codes times 0) is refused by every read that
+    needs it: only rows not written yet may lack it, on a split opened with allow_incomplete."""
+
+    WHAT = "the split's int8 scales, a row per features chunk"
+
+    def __init__(self, storage: Storage, split_key: str, *, complete: bool = True) -> None:
         self._storage = storage
         self._key = f"{split_key}/{layout.SCALES}"
+        self._complete = complete
         self._table: np.ndarray | None = None
+        self._absent = np.zeros(0, np.int64)  # chunks without a row on storage (NaN in the table)
 
     @property
     def loaded(self) -> bool:
@@ -142,34 +164,56 @@ class ScalesTable:
         return self._table is not None
 
     def table(self) -> np.ndarray:
+        """The whole table; on a split still being written, a chunk not written yet has NaN rows."""
+        table = self._load()
+        if self._complete and self._absent.size:
+            raise self._missing(self._absent)
+        return table
+
+    def rows(self, chunks: np.ndarray) -> np.ndarray:
+        """The rows of ``chunks``, each on storage (else MissingChunks)."""
+        return self._load()[self._check(chunks)]
+
+    def dequantize(self, codes: np.ndarray, index: np.ndarray, chunk_rows: int, out: np.ndarray) -> np.ndarray:
+        return int8.dequantize_into(codes, self._check(index // chunk_rows), self._load(), out)
+
+    def _check(self, chunks: np.ndarray) -> np.ndarray:
+        self._load()
+        if self._absent.size and (wanted := np.intersect1d(self._absent, chunks)).size:
+            raise self._missing(wanted)
+        return chunks
+
+    def _load(self) -> np.ndarray:
         if self._table is None:
             import zarr
 
-            array = zarr.open_array(store=self._storage.zarr_store(), path=self._key, mode="r")
             try:
-                values = array[:]
+                array = zarr.open_array(store=self._storage.zarr_store(), path=self._key, mode="r")
+            except FeatureStoreError:
+                raise
+            except Exception as error:  # noqa: BLE001 - zarr's "no array found", or a document that is not JSON
+                raise InvalidMetadata(f"{self._key} ({self.WHAT}) is missing or unreadable on {self._storage.url} "
+                                      f"({type(error).__name__}): the split is damaged: {REPAIR_ADVICE}") from None
+            base, name = self._key.rsplit("/", 1)
+            present = present_chunks(self._storage, base, [(name, array.ndim, None)])  # locally: each file
+            absent = np.array(sorted(set(range(int(array.shape[0]))) - present), np.int64)  # one row a chunk
+            try:
+                table = np.ascontiguousarray(array[:], dtype=np.float32)
             except FeatureStoreError:
                 raise
             except Exception as error:  # noqa: BLE001 - zarr's crc32c codec or a short chunk: damage
-                raise self._damaged(array, error) from None
-            self._table = np.ascontiguousarray(values, dtype=np.float32)
+                raise _damaged(array, self._key, error) from None
+            table[absent] = np.nan
+            self._table, self._absent = table, absent
         return self._table
 
-    def _damaged(self, array: Any, error: Exception) -> CorruptChunk:
-        """The damaged chunk of the scales array, named: every value of an int8 split needs its
-        scales (zarr's own message names neither the array nor the chunk)."""
-        rows = int(array.chunks[0])
-        for chunk, start in enumerate(range(0, int(array.shape[0]), rows)):
-            try:
-                array[start : start + rows]
-            except Exception as reason:  # noqa: BLE001 - the first chunk that fails is the damage
-                covers = f"chunk {start}" if rows == 1 else f"chunks {start}-{start + rows - 1}"
-                return CorruptChunk(damage_message(f"chunk {chunk} of {self._key} (the int8 scales of the split's "
-                                                   f"{covers}; every read of the split needs them)", str(reason)))
-        return CorruptChunk(damage_message(f"{self._key} (the split's int8 scales)", str(error)))
-
-    def dequantize(self, codes: np.ndarray, index: np.ndarray, chunk_rows: int, out: np.ndarray) -> np.ndarray:
-        return int8.dequantize_into(codes, index // chunk_rows, self.table(), out)
+    def _missing(self, chunks: np.ndarray) -> MissingChunks:
+        more = f" (and {len(chunks) - 1} more)" if len(chunks) > 1 else ""
+        if not self._complete:
+            return MissingChunks(f"{self._key}: chunk {int(chunks[0])}{more} has not been written yet ({self.WHAT}): "
+                                 "read only written rows, or resume the split first")
+        return MissingChunks(f"{self._key}: chunk {int(chunks[0])}{more} is missing from a complete split "
+                             f"({self.WHAT}; damaged store): {REPAIR_ADVICE}")
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_table": None}
+        return {**self.__dict__, "_table": None, "_absent": np.zeros(0, np.int64)}

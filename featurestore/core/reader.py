@@ -113,7 +113,7 @@ class FeatureArray(CachedPath, RangesPath, BlocksPath, MemoryPath):
         self.seals: tuple[Any, str] | None = None
         self._id_table: dict[str, int] | None = None
         # int8 dense splits: scales per chunk (a bag split's are per bag: core.bag_array dequantizes)
-        self.scales = (quantize_int8.ScalesTable(storage, split_key)
+        self.scales = (quantize_int8.ScalesTable(storage, split_key, complete=metadata.get("status") == "complete")
                        if dtypes.is_int8(logical_dtype) and "kind" not in metadata else None)
 
     # ------------------------------------------------------------------ sizes
