@@ -211,3 +211,45 @@ def test_server_gone_mid_epoch_with_a_cache_is_one_error(tmp_path: Any) -> None:
     message = str(info.value)
     assert "'gone-cache'" in message and "2 retries" in message and "\n" not in message
     assert elapsed < 30
+
+
+# ---------------------------------------------------------------------- one limit for the host
+def test_two_views_of_one_cache_directory_keep_one_limit(tmp_path: Any) -> None:
+    """Each process counted only its own stores: N processes sharing a cache_dir filled N times
+    cache_bytes (a DataLoader's workers, DDP ranks). Two views of one directory are two processes."""
+    from featurestore.core.storage.chunk_cache import ChunkCache
+
+    views = ChunkCache(str(tmp_path), 4000), ChunkCache(str(tmp_path), 4000)
+    folder = tmp_path / "v1" / "store" / "array"
+    folder.mkdir(parents=True)
+    for i in range(10):
+        view = views[i % 2]
+        if view.reserve(1000):  # chunks just stored are recent: kept, so the rest is not admitted
+            assert view.store(str(folder / str(i)), lambda write: write(b"\0" * 1000), 1000)
+    assert len(list(folder.iterdir())) == 4 and views[0].used_bytes() == 4000
+    assert sum(v.stats["not_admitted"] for v in views) == 6
+
+
+_SHARED_READER = """
+import json, sys
+import numpy as np
+import featurestore
+url, options, cache, limit, seed, rows = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+array = featurestore.open_store(url, cache_dir=cache, cache_bytes=limit, **options).open("ds", "enc", "train")
+for chunk in np.random.default_rng(seed).permutation(-(-len(array) // rows)):
+    array.read_numpy(np.arange(chunk * rows, min(len(array), (chunk + 1) * rows)))
+"""
+
+
+def test_processes_sharing_a_cache_directory_keep_one_limit(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
+    options = seaweed.storage_options
+    _write(seaweed_url, options)
+    chunk = CHUNK_ROWS * int(np.prod(SHAPE)) * 2 + 4
+    limit = 4 * chunk + 200
+    readers = [subprocess.Popen([sys.executable, "-c", _SHARED_READER, seaweed_url, json.dumps(options),
+                                 str(tmp_path / "c"), str(limit), str(seed), str(CHUNK_ROWS)], env=_env())
+               for seed in range(4)]
+    assert [r.wait(timeout=120) for r in readers] == [0] * 4
+    held = sum(os.path.getsize(f) for f in _chunk_files(tmp_path / "c") if os.sep + "features" + os.sep in f)
+    # One chunk at a time per reader: the others' downloads in flight may pass the limit by one each.
+    assert held <= limit + 3 * chunk, (held, limit)

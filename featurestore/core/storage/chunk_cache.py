@@ -23,8 +23,10 @@ opened, plus what it already holds). Room is made by removing the least recently
 (a chunk's mtime is its last use; a process touches it at most every :data:`TOUCH_S`), except
 those used in the last :data:`RECENT_S` and those a loader's plan in this process still needs
 this epoch (``CachedArray.plan``): a chunk that would need one of them removed is not admitted,
-and its rows are read by ranged GETs. Each process counts its own downloads in flight; those of
-other processes can pass the limit by at most :data:`FETCH_THREADS` chunks each.
+and its rows are read by ranged GETs. The bytes held are counted by the host's processes
+together (:data:`USED_FILE`: each stored chunk adds its size, each eviction's scan sets the
+count); each process adds its own downloads in flight, so those of other processes can pass the
+limit by at most :data:`FETCH_THREADS` chunks each.
 
 A full disk (``ENOSPC``, ``EDQUOT``, ``EFBIG``) is one warning naming the directory; the process
 then reads by ranged GETs, as without a cache, and tries the disk again after :data:`FULL_RETRY_S`.
@@ -66,6 +68,9 @@ _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _LAYOUT = "v1"
 #: A chunk's download lock is ``<chunk>.lock`` beside it (cached_array).
 LOCK_SUFFIX = ".lock"
+#: The bytes the chunk files hold, one int64 shared by the host's processes (under flock): a
+#: process counting only its own stores let N processes fill N times the limit.
+USED_FILE = ".used"
 
 
 class ChunkCache:
@@ -93,7 +98,9 @@ class ChunkCache:
             max_bytes = int(stat.f_bavail * stat.f_frsize * DEFAULT_FREE_SHARE) + used
         self.max_bytes = int(max_bytes)
         self.stats = {"hits": 0, "fetched": 0, "fetched_bytes": 0, "waited": 0, "not_admitted": 0, "evicted": 0}
-        self._used = used
+        self._used_path = os.path.join(self._root, USED_FILE)
+        self._shared_used(set_to=used)
+        self._rescan = False  # the count is not to be trusted (a full disk): scan before admitting
         self._pending = 0  # bytes reserved by this process's downloads not written yet
         self._lock = threading.Lock()
         self._inflight: dict[str, Future[bool]] = {}
@@ -154,8 +161,6 @@ class ChunkCache:
         the chunks held may not be removed yet (then it is not admitted: read by ranges)."""
         if self._make_room(nbytes):
             with self._lock:
-                if self._used is not None:
-                    self._used += nbytes
                 self._pending += nbytes
             return True
         self.stats["not_admitted"] += 1
@@ -165,8 +170,8 @@ class ChunkCache:
         """A reservation ends: its chunk was ``written``, or not (its room is free again)."""
         with self._lock:
             self._pending -= nbytes
-            if self._used is not None and not written:
-                self._used -= nbytes
+        if written:
+            self._shared_used(add=nbytes)
 
     def store(self, path: str, fill: Callable[[Callable[[Any], None]], None], nbytes: int,
               check: Callable[[], None] = lambda: None) -> bool:
@@ -207,7 +212,7 @@ class ChunkCache:
         if error.errno not in _FULL_ERRNOS:
             raise error
         with self._lock:
-            self._used = None
+            self._rescan = True
             first = time.monotonic() >= self._full_until
             self._full_until = time.monotonic() + FULL_RETRY_S
         if first:
@@ -218,20 +223,22 @@ class ChunkCache:
 
     def _make_room(self, nbytes: int) -> bool:
         with self._lock:
-            if self._used is not None and self._used + nbytes <= self.max_bytes:
-                return True
-            if time.monotonic() < self._no_room_until:
-                return False
+            pending, rescan = self._pending, self._rescan
+        used = None if rescan else self._shared_used()
+        if used is not None and used + pending + nbytes <= self.max_bytes:
+            return True
+        if time.monotonic() < self._no_room_until:
+            return False
         lock_fd = os.open(os.path.join(self._root, ".evict.lock"), os.O_CREAT | os.O_RDWR, 0o644)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one evictor at a time across the host
             entries, used = self._scan()
-            used += self._pending  # this process's downloads in flight hold room too
-            target = self.max_bytes - nbytes
+            target = self.max_bytes - nbytes - self._pending  # this process's downloads in flight hold room too
             if used > target:
                 used = self._evict(entries, used, target)
+            self._shared_used(set_to=used)
             with self._lock:
-                self._used = used
+                self._rescan = False
                 if used > target:
                     self._no_room_until = time.monotonic() + 2.0
                     return False
@@ -260,6 +267,29 @@ class ChunkCache:
             used -= size
             self.stats["evicted"] += 1
         return used
+
+    def _shared_used(self, *, add: int = 0, set_to: int | None = None) -> int | None:
+        """The bytes the chunk files hold as the host's processes count them (:data:`USED_FILE`),
+        after adding ``add`` or setting it to ``set_to`` (a scan's count); None when it cannot be
+        read (then room is made by a scan, as on a full cache)."""
+        try:
+            fd = os.open(self._used_path, os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError:  # the directory went: the next store or scan says why
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if add or set_to is not None else fcntl.LOCK_SH)
+            raw = os.pread(fd, 8, 0)
+            value = int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else None
+            if value is None and set_to is None:  # a count lost (emptied by hand): the next scan sets it
+                return None
+            if add or set_to is not None:
+                value = set_to if set_to is not None else value + add
+                os.pwrite(fd, value.to_bytes(8, "little", signed=True), 0)
+            return value
+        except OSError:  # a full disk (the pwrite) is the store's to report
+            return None
+        finally:
+            os.close(fd)
 
     def _kept(self, path: str, mtime: float) -> bool:
         """A chunk a loader's plan in this process still needs this epoch, or one used in the last
