@@ -143,11 +143,18 @@ class RemoteBagArray(BagLookup):
         path = wire.route(wire.BAG, **self.route, bag_id=self.ids[position])
         try:
             self._fetch(path, selection, count, step, features, coords, scales)
-        except fse.SplitChanged:  # the client's next open_bags of it asks for its listing again
-            cached = getattr(self.client, "_bags", {})
+        except (fse.SplitChanged, fse.IndexOutOfRange, fse.BagNotFound) as error:
+            cached = getattr(self.client, "_bags", {})  # the client's next open_bags asks for the listing again
             if cached.get(self.key) is self:
                 del cached[self.key]
-            raise
+            if isinstance(error, fse.SplitChanged):
+                raise
+            # Rows and ids were checked against this reader's listing before asking: the server's
+            # 416 or 404 (which carry no generation) means the split was overwritten since.
+            raise fse.SplitChanged(wire.redact(
+                f"{self.client.url} {'/'.join(self.key)}: the server no longer holds bag {self.ids[position]!r} as "
+                f"this reader's listing has it ({str(error).splitlines()[0]}): the split was overwritten since it "
+                "was opened; open it again")) from None
         return coords, scales
 
     def _fetch(self, path: str, selection: slice | np.ndarray, count: int, step: int, features: np.ndarray,

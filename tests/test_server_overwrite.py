@@ -146,3 +146,35 @@ def test_a_reader_of_a_split_overwritten_with_fewer_rows_gets_split_changed(tmp_
             arr.read_into([N - 1], np.empty((1, *SHAPE), np.float32), np.empty((1,), np.int64))
         fresh = client.open("pannuke", "tiny", "s")  # opened again: the new split
         assert len(fresh) == N // 2
+
+
+@pytest.mark.parametrize("change", ["shrunk", "gone"])
+def test_a_bag_reader_of_a_split_overwritten_under_it_gets_split_changed(tmp_path: Any, change: str) -> None:
+    """A held bag reader whose bag shrank (or went) in an overwrite got IndexOutOfRange for rows
+    it never asked for (0:516 from its old listing), and a by-name read failed the same way; now
+    the held reader says SplitChanged and the by-name read reads the split as it is now."""
+    from fastapi.testclient import TestClient
+
+    from server import Settings, create_app
+
+    root = str(tmp_path / "store")
+    rng = np.random.default_rng(0)
+
+    def write(lengths: dict[str, int], overwrite: bool) -> dict[str, np.ndarray]:
+        writer = featurestore.open_store(root, mode="a").create_bag_split("d", "e", "b", dim=8, overwrite=overwrite)
+        bags = {name: rng.standard_normal((n, 8)).astype(np.float16) for name, n in lengths.items()}
+        for name, features in bags.items():
+            writer.add_bag(name, features)
+        writer.commit()
+        return bags
+
+    write({"slide-1": 40, "slide-2": 516}, overwrite=False)
+    with TestClient(create_app(root, Settings())) as http:
+        client = FeatureClient("http://testserver", http_client=http)
+        assert client.read_bag_numpy("d", "e", "b", "slide-2")[0].shape == (516, 8)  # the listing is cached
+        held = client.open_bags("d", "e", "b")
+        now = write({"slide-1": 40, **({"slide-2": 501} if change == "shrunk" else {"slide-3": 9})}, overwrite=True)
+        with pytest.raises(SplitChanged, match="overwritten since it was opened"):
+            held.read_numpy("slide-2")
+        if change == "shrunk":
+            np.testing.assert_array_equal(client.read_bag_numpy("d", "e", "b", "slide-2")[0], now["slide-2"])
