@@ -253,3 +253,25 @@ def test_processes_sharing_a_cache_directory_keep_one_limit(seaweed_url: str, se
     held = sum(os.path.getsize(f) for f in _chunk_files(tmp_path / "c") if os.sep + "features" + os.sep in f)
     # One chunk at a time per reader: the others' downloads in flight may pass the limit by one each.
     assert held <= limit + 3 * chunk, (held, limit)
+
+
+def test_a_download_lock_held_too_long_is_given_up_for_ranged_reads(seaweed_url: str, seaweed: Any, tmp_path: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that stopped (Ctrl-Z, a suspended job) holding a chunk's download lock hung every
+    other process that needed the chunk, uninterruptibly (a blocking flock in a fetch thread)."""
+    import fcntl
+
+    from featurestore.core import cached_array
+
+    monkeypatch.setattr(cached_array, "LOCK_WAIT_S", 0.3)
+    options = seaweed.storage_options
+    values = _write(seaweed_url, options)
+    array = _open(seaweed_url, options, tmp_path / "c")
+    front = array.chunk_cache
+    os.makedirs(os.path.dirname(front.path(0)), exist_ok=True)
+    with open(front.path(0) + ".lock", "w") as held:  # another process's download, stopped
+        fcntl.flock(held, fcntl.LOCK_EX)
+        started = time.monotonic()
+        assert np.array_equal(array.read_numpy([0, 1, CHUNK_ROWS]), values[[0, 1, CHUNK_ROWS]])
+        assert time.monotonic() - started < 20
+    assert front.cache.stats["waited"] == 1 and not front.present(0) and front.present(1)

@@ -18,7 +18,10 @@ fetched again, else the chunk is read by ranges; one warning per process.
 
 The download of chunk ``c`` holds ``flock`` on ``<c>.lock`` (the kernel releases it if the process
 dies): another process that needs the chunk waits on the lock and then finds the file, so a host
-downloads each chunk once. Threads of one process share one download (a future per chunk).
+downloads each chunk once. The wait is bounded (:data:`LOCK_WAIT_S`): a holder that is stopped
+(Ctrl-Z, a suspended job, a debugger) or wedged would otherwise hang every other process of the
+host that needs the chunk; past it, the rows are read by ranged GETs (one warning per process).
+Threads of one process share one download (a future per chunk).
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ from featurestore.format.metadata import COMPLETE, SplitMetadata
 
 _log = logging.getLogger(__name__)
 _warned_odd_entry = False
+_warned_lock = False
+#: The longest a process waits for another's download of a chunk before reading its rows by ranges.
+LOCK_WAIT_S = 30.0
 
 
 def front(cache: ChunkCache, storage: Any, array_key: str, *, chunk_nbytes: int, ndim: int,
@@ -177,11 +183,9 @@ class CachedArray:
         os.makedirs(self.directory, exist_ok=True)  # the cache may have been emptied by hand
         lock_fd = os.open(f"{path}{LOCK_SUFFIX}", os.O_CREAT | os.O_RDWR, 0o644)
         try:
-            try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # another process is downloading it: wait for its file
-                self.cache.stats["waited"] += 1
-                fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            if not _locked(lock_fd, self.cache.stats):
+                _warn_lock(f"{path}{LOCK_SUFFIX}")
+                return False
             if (here := self._here(chunk)) is not None:
                 return here
             if not self.cache.reserve(self.chunk_nbytes):
@@ -214,6 +218,34 @@ class CachedArray:
 
         self.storage.read_whole_into(key, self.chunk_nbytes, PART_BYTES, sink, lambda: answered(time.monotonic()))
         refuse(received.problem(self.chunk_nbytes))
+
+
+def _locked(lock_fd: int, stats: dict[str, int]) -> bool:
+    """The chunk's download lock taken, waiting at most :data:`LOCK_WAIT_S` for another
+    process's download (polled: a blocking flock cannot be given up, nor interrupted)."""
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:  # another process is downloading it: wait for its file
+        stats["waited"] += 1
+    deadline, pause = time.monotonic() + LOCK_WAIT_S, 0.002
+    while time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            continue
+    return False
+
+
+def _warn_lock(lock: str) -> None:
+    global _warned_lock
+    if not _warned_lock:
+        _warned_lock = True
+        _log.warning("chunk cache: another process has held %s for over %.0f s (stopped or stuck?): reading "
+                     "that chunk's rows by ranged GETs instead", lock, LOCK_WAIT_S)
 
 
 class _Received:
