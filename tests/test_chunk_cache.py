@@ -53,6 +53,8 @@ def test_cache_options_and_environment() -> None:
         translate("s3://b", {}, environ={"FEATURESTORE_CACHE_BYTES": "lots"})
     assert "FEATURESTORE_CACHE_BYTES='lots'" in str(info.value) and "\n" not in str(info.value)
     assert parse_bytes(1000, "x") == 1000 and parse_bytes("1.5k", "x") == 1536
+    with pytest.raises(InvalidStorageOptions, match=r"cache_bytes='12M' without a cache directory: give cache_dir"):
+        translate("s3://b", {"cache_bytes": "12M"}, environ={})  # was a limit of no cache, silently
 
 
 # ---------------------------------------------------------------------- same bytes

@@ -132,6 +132,9 @@ def _cache(opts: dict[str, Any], settings: ObjectStoreSettings, environ: Mapping
         raise InvalidStorageOptions(f"{source}={directory!r} must be a directory path: fix it, or leave it out "
                                     "for no chunk cache")
     size, size_source = opts.pop("cache_bytes", None), "cache_bytes"
+    if size is not None and directory is None:  # a limit of no cache: the user meant to have one
+        raise InvalidStorageOptions(f"cache_bytes={size!r} without a cache directory: give cache_dir too "
+                                    f"(--cache-dir, {ENV_DIR}), or leave cache_bytes out")
     if size is None:
         size, size_source = environ.get(ENV_BYTES) or None, ENV_BYTES
     settings.cache_dir = os.fspath(directory) if directory is not None else None
