@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from featurestore import errors as fse
+from featurestore.core.quantize_int8 import check_read_dtype
 from featurestore.format import wire
 
 if TYPE_CHECKING:
@@ -20,9 +21,10 @@ if TYPE_CHECKING:
 __all__ = ["read_ids"]
 
 
-def read_ids(client: FeatureClient, dataset: str, encoder: str, split: str, ids: Any
+def read_ids(client: FeatureClient, dataset: str, encoder: str, split: str, ids: Any, dtype: str | None = None
              ) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
-    """``(features [n, ...] in the storage dtype, labels [n, ...] or None)`` of ``ids``, in their order."""
+    """``(features [n, ...], labels [n, ...] or None)`` of ``ids``, in their order: the features in
+    the storage dtype (int8 codes for an int8 split), or as ``dtype`` values (as read_samples)."""
     if isinstance(ids, (str, bytes)):
         raise fse.InvalidIndices(f"ids must be a list of sample ids, not one {type(ids).__name__}: pass [{ids!r}]")
     ids = list(ids)
@@ -31,8 +33,9 @@ def read_ids(client: FeatureClient, dataset: str, encoder: str, split: str, ids:
         raise fse.InvalidIndices(f"a sample id is a str, but got {type(bad).__name__} {bad!r}; use read_samples "
                                  "for positions")
     arr = client.open(dataset, encoder, split)
-    if arr.dtype == wire.CODES:  # codes come with their chunks' scales: positions decide which
-        return client.read_samples(dataset, encoder, split, arr.positions_of(ids))
+    if arr.dtype == wire.CODES or check_read_dtype(dtype, arr.dtype) is not None:
+        # values, or codes with their chunks' scales: positions decide which
+        return client.read_samples(dataset, encoder, split, arr.positions_of(ids), dtype=dtype)
     features = np.empty((len(ids), *arr.sample_shape), arr.numpy_dtype)
     labels = None if arr.labels is None else np.empty((len(ids), *arr.labels.sample_shape), arr.labels.numpy_dtype)
     path = wire.route(wire.BY_ID, dataset=dataset, encoder=encoder, split=split)

@@ -198,11 +198,13 @@ class FeatureClient(Transport):
         arr.read_into(index, features, labels)
         return features, labels
 
-    def read_ids(self, dataset: str, encoder: str, split: str, ids: Any) -> tuple[np.ndarray, np.ndarray | None]:
-        """Features and labels (None without labels) of the samples named by ``ids``, in one request."""
+    def read_ids(self, dataset: str, encoder: str, split: str, ids: Any, *, dtype: str | None = None
+                 ) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
+        """Features and labels (None without labels) of the samples named by ``ids``, in one
+        request; ``dtype`` as :meth:`read_samples` (an int8 split's values with "float32")."""
         from client.by_id import read_ids
 
-        return read_ids(self, dataset, encoder, split, ids)
+        return read_ids(self, dataset, encoder, split, ids, dtype)
 
     @reopening
     def read_range(self, dataset: str, encoder: str, split: str, start: int, stop: int, *,

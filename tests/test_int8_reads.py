@@ -64,6 +64,27 @@ def test_read_samples_over_http_gives_an_int8_split_s_values_when_asked(tmp_path
         assert codes.dtype == np.int8 and codes.tobytes() == local.read_numpy([9, 2]).tobytes()
 
 
+def test_read_ids_over_http_gives_an_int8_split_s_values_when_asked(tmp_path: Path) -> None:
+    """FeatureClient.read_ids took no dtype: an int8 split gave codes only (its scales dropped)."""
+    from fastapi.testclient import TestClient
+
+    from client import FeatureClient
+    from server import Settings, create_app
+
+    store = tmp_path / "store"
+    writer = featurestore.open_store(str(store), mode="a").create_split(
+        "d", "e", "s", num_samples=8, sample_shape=(2, 8), dtype="int8", chunk_rows=4, ids=[f"s{i}" for i in range(8)])
+    writer.write(0, np.random.default_rng(2).standard_normal((8, 2, 8)).astype(np.float32))
+    writer.commit()
+    local = featurestore.open_store(str(store)).open("d", "e", "s")
+    with TestClient(create_app(str(store), Settings())) as http:
+        client = FeatureClient("http://testserver", http_client=http)
+        values, _ = client.read_ids("d", "e", "s", ["s7", "s1"], dtype="float32")
+        assert values.tobytes() == local.read_numpy([7, 1], dtype="float32").tobytes()
+        codes, _ = client.read_ids("d", "e", "s", ["s7"])
+        assert codes.dtype == np.int8 and codes.tobytes() == local.read_numpy([7]).tobytes()
+
+
 def _int8_split(store: Path, *, commit: bool = True) -> np.ndarray:
     x = np.random.default_rng(1).standard_normal((12, 2, 8)).astype(np.float32)
     writer = featurestore.open_store(str(store), mode="a").create_split(

@@ -44,6 +44,16 @@ def is_exact(kind: str, logical: str) -> bool:
     return kind == logical or (logical == "float32" and kind in ("float16", "bfloat16"))
 
 
+def in_rows(rows: str, refused: np.ndarray) -> str:
+    """``rows`` and which of them hold the refused values (``refused``: a flag per row of the
+    batch), so a batch of many is not searched by hand: "samples [0, 200) (1 of them; first: the
+    batch's row 137)". A batch of one is named by ``rows`` alone."""
+    hit = np.flatnonzero(refused)
+    if len(refused) < 2 or not len(hit):
+        return rows
+    return f"{rows} ({len(hit)} of them; first: the batch's row {int(hit[0])})"
+
+
 def non_finite(nan: int, inf: int, rows: str) -> NonFiniteValues:
     return NonFiniteValues(
         f"{nan} NaN and {inf} Inf values in the features of {rows}: featurestore does not "
@@ -107,9 +117,12 @@ def refuse_out_of_range(source: np.ndarray, kind: str, logical: str, abs_max: np
         return
     wide = dtypes.stored_as_float32(source.view(np.uint16), "bfloat16") if kind == "bfloat16" else source
     if not np.isfinite(largest):  # NaN bits are the largest magnitudes, so a NaN shows here too
-        raise non_finite(int(np.isnan(wide).sum()), int(np.isinf(wide).sum()), rows)
+        raise non_finite(int(np.isnan(wide).sum()), int(np.isinf(wide).sum()), in_rows(rows, ~np.isfinite(abs_max)))
     if logical == "float16":
-        raise float16_overflow(int((np.abs(wide) > dtypes.FLOAT16_MAX).sum()), largest, rows)
+        raise float16_overflow(int((np.abs(wide) > dtypes.FLOAT16_MAX).sum()), largest,
+                               in_rows(rows, abs_max > dtypes.FLOAT16_MAX))
     if logical == "float32":
-        raise float32_overflow(int((np.abs(wide) >= FLOAT32_ROUNDS_TO_INF).sum()), largest, rows)
-    raise bfloat16_overflow(int((np.abs(wide) >= dtypes.BFLOAT16_ROUNDS_TO_INF).sum()), largest, rows)
+        raise float32_overflow(int((np.abs(wide) >= FLOAT32_ROUNDS_TO_INF).sum()), largest,
+                               in_rows(rows, abs_max >= FLOAT32_ROUNDS_TO_INF))
+    raise bfloat16_overflow(int((np.abs(wide) >= dtypes.BFLOAT16_ROUNDS_TO_INF).sum()), largest,
+                            in_rows(rows, abs_max >= dtypes.BFLOAT16_ROUNDS_TO_INF))

@@ -43,6 +43,7 @@ from featurestore.core.batch import (
     check_kind,
     float16_overflow,
     float32_overflow,
+    in_rows,
     is_exact,
     non_finite,
 )
@@ -208,13 +209,16 @@ def _check_range(flat: torch.Tensor, abs_max: np.ndarray, kind: str, logical: st
 
     largest = float(abs_max.max()) if len(abs_max) else 0.0
     if not np.isfinite(largest):
-        raise non_finite(int(torch.isnan(flat).sum()), int(torch.isinf(flat).sum()), rows)
+        raise non_finite(int(torch.isnan(flat).sum()), int(torch.isinf(flat).sum()), in_rows(rows, ~np.isfinite(abs_max)))
     if logical == "float16" and largest > dtypes.FLOAT16_MAX:
-        raise float16_overflow(int((flat.abs() > dtypes.FLOAT16_MAX).sum()), largest, rows)
+        raise float16_overflow(int((flat.abs() > dtypes.FLOAT16_MAX).sum()), largest,
+                               in_rows(rows, abs_max > dtypes.FLOAT16_MAX))
     if logical == "bfloat16" and largest >= dtypes.BFLOAT16_ROUNDS_TO_INF:
-        raise bfloat16_overflow(int((flat.abs() >= dtypes.BFLOAT16_ROUNDS_TO_INF).sum()), largest, rows)
+        raise bfloat16_overflow(int((flat.abs() >= dtypes.BFLOAT16_ROUNDS_TO_INF).sum()), largest,
+                                in_rows(rows, abs_max >= dtypes.BFLOAT16_ROUNDS_TO_INF))
     if kind == "float64" and largest >= FLOAT32_ROUNDS_TO_INF:  # float32 is every cast's first step
-        raise float32_overflow(int((flat.abs() >= FLOAT32_ROUNDS_TO_INF).sum()), largest, rows)
+        raise float32_overflow(int((flat.abs() >= FLOAT32_ROUNDS_TO_INF).sum()), largest,
+                               in_rows(rows, abs_max >= FLOAT32_ROUNDS_TO_INF))
 
 
 def _work(stored: torch.dtype) -> torch.dtype:
