@@ -206,3 +206,24 @@ def test_sigkill_during_import_then_resume(tmp_path: Path) -> None:
         np.testing.assert_array_equal(bags.read_numpy(slide)[0], data[slide][0])
         np.testing.assert_array_equal(bags.read_numpy(slide)[1], data[slide][1])
     assert main(["verify", str(store_path)]) == 0
+
+
+def test_a_complete_split_missing_slides_of_the_same_input_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Two runs of one import at once: the first to commit left out the slides the other was still
+    adding (that run is now told so). A re-run then said "already complete: nothing to do", with
+    slides missing and the same cache key; now it names them and the fix."""
+    from featurestore.extract.bag_import import BagImport
+
+    trident_dir(tmp_path / "h5", {"a": 5, "b": 3, "c": 4})
+    units = BagImport.units
+    with monkeypatch.context() as patch:  # the first run commits before slide c was added
+        patch.setattr(BagImport, "units", lambda self, writer: [u for u in units(self, writer) if u[1].bag_id != "c"])
+        assert run_import(tmp_path / "h5", tmp_path / "store") == 0
+    assert len(open_store(str(tmp_path / "store")).open_bags("ds", "enc", "train")) == 2
+    capsys.readouterr()
+    assert run_import(tmp_path / "h5", tmp_path / "store", "--resume") == 1
+    err = capsys.readouterr().err
+    assert "is complete but lacks 1 of this run's inputs (first: 'c')" in err and "--overwrite" in err, err
+    assert run_import(tmp_path / "h5", tmp_path / "store", "--overwrite") == 0
+    assert len(open_store(str(tmp_path / "store")).open_bags("ds", "enc", "train")) == 3

@@ -95,3 +95,31 @@ def test_writer_raises_storage_full_and_resumes(tmp_path: Path, small_disk: Path
     w.commit()
     got = store.open("d", "e", "s").read_numpy(np.arange(64))
     assert got.tobytes() == x.astype(np.float16).tobytes()
+
+
+def test_a_store_remounted_read_only_mid_write_is_one_error_then_resumes(tmp_path: Path, small_disk: Path) -> None:
+    """A file system gone read-only under a writer raised a bare OSError (EROFS) from the library;
+    now ReadOnlyStore naming the store, the chunk and the resume, and the resume finishes."""
+    import numpy as np
+
+    from featurestore.errors import ReadOnlyStore
+
+    x = np.random.default_rng(1).standard_normal((32, 8, 128)).astype(np.float32)
+    store = featurestore.open_store(str(small_disk / "store"), mode="a")
+    make = dict(num_samples=32, sample_shape=(8, 128), dtype="float16", chunk_bytes=4 * 8 * 128 * 2)
+    w = store.create_split("d", "e", "s", **make)
+    w.write(0, x[:8])
+    w.flush()
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    try:
+        with pytest.raises(ReadOnlyStore, match=r"refused the write of chunk \d+ of d/e/s .*--resume"):
+            for lo in range(8, 32, 4):
+                w.write(lo, x[lo:lo + 4])
+            w.commit()
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
+    w = store.create_split("d", "e", "s", resume=True, **make)
+    for lo in range(0, 32, 4):
+        w.write(lo, x[lo:lo + 4])
+    w.commit()
+    assert store.open("d", "e", "s").read_numpy(np.arange(32)).tobytes() == x.astype(np.float16).tobytes()

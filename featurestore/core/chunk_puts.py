@@ -33,7 +33,7 @@ import numpy as np
 
 from featurestore.core import block_seals
 from featurestore.core.storage import Storage
-from featurestore.errors import StorageFull
+from featurestore.errors import ReadOnlyStore, StorageFull
 from featurestore.format import chunks, layout
 
 # (array name, rows, compressor) of one put; rows are padded to the full chunk shape already.
@@ -183,13 +183,17 @@ class ChunkPuts:
             future.result()
 
     def _explain(self, error: BaseException, index: int) -> BaseException:
+        kept = ("then rerun with --resume (or create_split / create_bag_split(..., resume=True)); the split stays "
+                "'writing' and the chunks already written are kept")
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            full = StorageFull(
+            explained: BaseException = StorageFull(
                 f"no space left on the device of store {self._storage.url} while writing chunk "
-                f"{index} of {self._key}: free space, then rerun with --resume (or "
-                "create_split(..., resume=True)); the split stays 'writing' and the chunks already "
-                "written are kept"
-            )
-            full.__cause__ = error
-            return full
-        return error
+                f"{index} of {self._key}: free space, {kept}")
+        elif isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            explained = ReadOnlyStore(
+                f"store {self._storage.url} refused the write of chunk {index} of {self._key} ({error.strerror}): "
+                f"make it writable (a file system remounted read-only, or permissions), {kept}")
+        else:
+            return error
+        explained.__cause__ = error
+        return explained

@@ -39,9 +39,10 @@ def check_generation(storage: Storage, key: str, meta: SplitMetadata) -> str | N
     if current != meta.generation:
         raise SplitTakenOver(
             f"split {key} was taken over by another writer (generation on storage "
-            f"{current!r}, this writer's {meta.generation!r}: an --overwrite started "
-            "after this run): this run stopped without writing further. Let the other run "
-            "finish, or rerun with --overwrite")
+            f"{current!r}, this writer's {meta.generation!r}: an --overwrite, or a second "
+            "create of this new split, started after this run): this run stopped without writing "
+            "further. Let the other run finish; a rerun with --resume then adds what it lacks "
+            "(--overwrite would replace the other run's work)")
     return status if isinstance(status, str) else None
 
 

@@ -105,6 +105,9 @@ class BagImport(SplitJob):
     def unit_id(self, unit: Slide) -> str:
         return unit.bag_id
 
+    def missing_from(self, writer: Any, meta: dict[str, Any]) -> list[str]:
+        return [slide.bag_id for _, slide in self.units(writer)]  # an import makes a bag of every file
+
     def work(self, writer: Any, mine: list[Slide]) -> int:
         return _copy(self.files, writer, mine, self.labels, self.table_attrs, self.opts)
 

@@ -99,10 +99,25 @@ class SplitJob:
         return writer
 
     def complete(self, writer: Any) -> dict[str, Any] | None:
-        """Rank 0: the split's metadata when :meth:`open` found it complete and intact, else None."""
+        """Rank 0: the split's metadata when :meth:`open` found it complete and intact, else None.
+        A complete split that lacks units of this run (same input, so the same cache key) was
+        committed by another run while this one's units were still being added: refused, not
+        reported as done."""
         if not writer.metadata.complete:
             return None
-        return self.store.split_metadata(self.opts.dataset, self.encoder_name, self.opts.split)
+        meta = self.store.split_metadata(self.opts.dataset, self.encoder_name, self.opts.split)
+        missing = [] if getattr(writer, "repair_ids", None) is not None else self.missing_from(writer, meta)
+        if missing:
+            raise SplitExists(
+                f"split {self.key} is complete but lacks {len(missing)} of this run's inputs (first: {missing[0]!r}): "
+                "another run of the same input committed it before they were added (two runs at once). Rerun "
+                "with --overwrite to write them all")
+        return meta
+
+    def missing_from(self, writer: Any, meta: dict[str, Any]) -> list[str]:
+        """The ids of this run's units that the complete split lacks and did not leave out on
+        purpose (a dense split is complete only with every chunk: none)."""
+        return []
 
     def attach(self) -> Any:
         """Ranks but 0: a writer session of their own on the split rank 0 opened."""

@@ -267,6 +267,10 @@ class _SlidesJob(EncodeJob):
         return [(i, ref) for i, ref in enumerate(self.prep.refs)
                 if ref.id not in done and (repair is None or ref.id in repair)]
 
+    def missing_from(self, writer: Any, meta: dict[str, Any]) -> list[str]:
+        left_out = {s.get("id") for what in ("skipped", "failed") for s in meta.get(what) or [] if isinstance(s, dict)}
+        return [ref.id for _, ref in self.units(writer) if ref.id not in left_out]
+
     def unit_id(self, unit: SlideRef) -> str:
         return unit.id
 
