@@ -250,3 +250,31 @@ def test_the_reader_imports_numpy_ma_before_any_read_thread_needs_it() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, check=True)
     assert done.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8"])
+def test_a_read_converted_to_float32_holds_no_copy_of_the_whole_read(tmp_path: Any, dtype: str) -> None:
+    """read_numpy(dtype="float32") made a whole stored copy and a whole float32 one per read (a
+    server converting ?dtype= held 1.5x each response, kept by malloc after); now the stored rows
+    pass through one buffer of at most CONVERT_PIECE_BYTES (a map of its own), piece by piece."""
+    import tracemalloc
+
+    from featurestore import open_store
+    from featurestore.core.reader import CONVERT_PIECE_BYTES
+
+    x = np.random.default_rng(0).standard_normal((600, 32, 384)).astype(np.float32)  # 28 MiB as float32
+    writer = open_store(str(tmp_path), mode="a").create_split("d", "e", "s", num_samples=600,
+                                                              sample_shape=(32, 384), dtype=dtype)
+    writer.write(0, x)
+    writer.commit()
+    arr = open_store(str(tmp_path)).open("d", "e", "s")
+    index = np.random.default_rng(1).permutation(600)
+    whole = np.empty((600, 32, 384), np.float32)
+    expected = np.concatenate([arr.read_numpy(index[i : i + 7], dtype="float32") for i in range(0, 600, 7)])
+    tracemalloc.start()
+    arr.read_numpy(index, out=whole, dtype="float32")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert whole.tobytes() == expected.tobytes()
+    # int8 gathers each piece's rows' scales: float32, 4x the bytes of an int8 piece
+    assert peak <= (5 if dtype == "int8" else 2) * CONVERT_PIECE_BYTES, peak
