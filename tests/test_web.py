@@ -4,6 +4,7 @@ tests/browser/test_browser.py (opt-in)."""
 
 from __future__ import annotations
 
+import html
 import logging
 import os
 import re
@@ -114,7 +115,7 @@ def test_pages_send_a_strict_content_security_policy(client: TestClient) -> None
 
 @pytest.mark.parametrize(("path", "status"), [
     ("/ui/splits/demo/vit-s/nope", 404), ("/ui/splits/nope/vit-s/train", 404), ("/ui/splits/demo/x/train", 404),
-    ("/ui/splits/demo/vit-s/bad%20name", 400), ("/ui/splits/demo/vit-s/train?sample=-1", 400),
+    ("/ui/splits/demo/vit-s/bad%20name", 400),
 ])  # fmt: skip
 def test_page_errors_are_pages_with_status_codes(client: TestClient, path: str, status: int) -> None:
     answer = client.get(path)
@@ -398,3 +399,51 @@ def test_access_log_masks_the_token() -> None:
                                ("127.0.0.1:1", "GET", f"/?token={TOKEN}&x=1", "1.1", 303), None)  # fmt: skip
     RedactAccessLog().filter(record)
     assert TOKEN not in record.getMessage() and "token=***" in record.getMessage()
+
+
+# ---------------------------------------------------------------------- what a person types
+@pytest.mark.parametrize(("query", "says"), [
+    ("?sample=", None), ("?sample=abc", "sample 'abc' is out of range (0..11)"),
+    ("?sample=-1", "sample -1 is out of range (0..11)"), ("?sample=12", "sample 12 is out of range (0..11)"),
+])  # fmt: skip
+def test_a_typed_sample_number_is_answered_on_the_page(client: TestClient, query: str, says: str | None) -> None:
+    """The page's own form sent an emptied or mistyped box as ?sample=..., answered with the
+    API's JSON 400 ("Input should be a valid integer")."""
+    answer = client.get(TRAIN + query)
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/html"), answer.text
+    shown = html.unescape(answer.text)
+    assert ("out of range" not in shown) if says is None else (says in shown), answer.text
+
+
+@needs_bags
+@pytest.mark.parametrize(("query", "says"), [
+    ("?bag=5", "bag 5 is out of range (0..4)"), ("?bag=x", "bag asked for is out of range (0..4)"),
+    ("?bag=1&start=-3", "slide map of bag 1"),
+])  # fmt: skip
+def test_a_typed_bag_number_is_answered_on_the_page(client: TestClient, query: str, says: str) -> None:
+    answer = client.get(SLIDES + query)
+    assert answer.status_code == 200 and says in answer.text, answer.text
+
+
+def test_a_dense_split_being_written_links_its_document(client: TestClient) -> None:
+    """Its "metadata as JSON" link went to the data route, which answers 409 for a split not complete."""
+    page = client.get("/ui/splits/demo/vit-s/writing").text
+    assert 'href="/zarr/demo/vit-s/writing/zarr.json"' in page, page
+    assert client.get("/zarr/demo/vit-s/writing/zarr.json").json()["attributes"]["featurestore"]["status"] == "writing"
+
+
+@needs_bags
+def test_slide_map_of_a_bag_id_with_a_slash(tmp_path: object) -> None:
+    """The data routes serve a percent-encoded "a/b"; the slide map route did not match it (404)."""
+    import featurestore
+    from featurestore.format.wire import quote_bag_id
+
+    root = str(tmp_path)
+    writer = featurestore.open_store(root, mode="a").create_bag_split("d", "e", "s", dim=4)
+    for i, bag in enumerate(["a/b", "c"]):
+        writer.add_bag(bag, np.ones((3, 4), np.float32) * i, coords=np.arange(6).reshape(3, 2) * 256)
+    writer.commit()
+    with TestClient(create_app(root, Settings())) as local:
+        by_id = local.get(f"/ui/slidemap/d/e/s/{quote_bag_id('a/b')}.png")
+        assert by_id.status_code == 200, by_id.text
+        assert by_id.content == local.get("/ui/slidemap/d/e/s/0.png").content

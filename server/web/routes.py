@@ -22,6 +22,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from featurestore.errors import FeatureStoreError
 from featurestore.format import wire
 from featurestore.format.names import NAME_PATTERN, validate_name
+from server import routes_bags  # noqa: F401 - registers the bag_id path convertor the slide map route uses
 from server.errors import NotFound, relative_to_store, status_for
 from server.state import StoreState
 from server.web import session, views
@@ -93,24 +94,39 @@ def _cleaned(web: Web, row: SplitRow) -> SplitRow:
 
 # ---------------------------------------------------------------------- one split
 @router.get("/ui/splits/{dataset}/{encoder}/{split}", response_class=HTMLResponse)
-def split_page(request: Request, dataset: Name, encoder: Name, split: Name,
-               sample: Annotated[int, Query(ge=0)] = 0, bag: Annotated[int, Query(ge=0)] = 0,
-               start: Annotated[int, Query(ge=0)] = 0) -> HTMLResponse:  # fmt: skip
+def split_page(request: Request, dataset: Name, encoder: Name, split: Name, sample: str = "0", bag: str = "0",
+               start: str = "0") -> HTMLResponse:  # fmt: skip
+    # The numbers come from the page's own form: text a person typed (empty, "abc", "-1") is
+    # answered on the page (out of range), not with the API's JSON 400.
     web = web_of(request)
     try:
         key = (validate_name(dataset, "dataset"), validate_name(encoder, "encoder"), validate_name(split, "split"))
         row = _cleaned(web, web.catalog.row(*key))
         if row.kind == BAGS:
-            extra = _bags(web, row, bag, start)
+            extra = _bags(web, row, _number(bag), max(_number(start), 0))
             json_href = _bags_json_href(request, key)
         else:  # [N, D] (embeddings, pooled features): no tokens to picture, the channel plots show them
             tokens = row.shape is None or len(row.shape) != 2
-            extra = Html(f"<section><h2>Pictures</h2>{_dense_pictures(web, row, sample)}</section>" if tokens else "")
-            json_href = wire.SPLIT.format(dataset=dataset, encoder=encoder, split=split)
+            shown = _dense_pictures(web, row, _number(sample), sample)
+            extra = Html(f"<section><h2>Pictures</h2>{shown}</section>" if tokens else "")
+            # The data route serves complete splits only: a split being written shows its document
+            json_href = (wire.SPLIT.format(dataset=dataset, encoder=encoder, split=split) if row.status == "complete"
+                         else "/zarr/" + "/".join(key) + "/zarr.json")
         stats = None if row.error else web.catalog.channel_stats(*key)
     except FeatureStoreError as error:
         return _error_page(web, error)
     return _html(views.split_page(row, extra, json_href, stats))
+
+
+def _number(text: str) -> int:
+    """A position typed into the page: empty is 0, anything but a whole number -1 (out of range)."""
+    text = text.strip()
+    if not text:
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        return -1
 
 
 def _bags_json_href(request: Request, key: tuple[str, str, str]) -> str:
@@ -121,7 +137,7 @@ def _bags_json_href(request: Request, key: tuple[str, str, str]) -> str:
     return "/zarr/" + "/".join(key) + "/zarr.json"
 
 
-def _picture(web: Web, row: SplitRow, sample: int) -> views.Picture:
+def _picture(web: Web, row: SplitRow, sample: int, asked: str | None = None) -> views.Picture:
     if row.error:
         return views.Picture(row, None, "this split cannot be read")
     if row.status != "complete":
@@ -129,13 +145,14 @@ def _picture(web: Web, row: SplitRow, sample: int) -> views.Picture:
     if row.kind != "dense" or web.figures.grid_of(row.metadata, row.shape[1:]) is None:
         return views.Picture(row, None, f"samples of shape {list(row.shape[1:])} are not a patch grid "
                              f"(token_layout {row.metadata.get('token_layout')!r})")  # fmt: skip
-    if sample >= row.shape[0]:
-        return views.Picture(row, None, f"sample {sample} is out of range (0..{row.shape[0] - 1})")
+    if not 0 <= sample < row.shape[0]:
+        shown = str(sample) if asked is None or _POSITION.fullmatch(asked.strip()) else repr(asked.strip())
+        return views.Picture(row, None, f"sample {shown} is out of range (0..{row.shape[0] - 1})")
     return views.Picture(row, "/ui/pca/" + "/".join(row.key) + f"/{sample}.png")
 
 
-def _dense_pictures(web: Web, row: SplitRow, sample: int) -> Html:
-    shown = [_picture(web, row, sample)]
+def _dense_pictures(web: Web, row: SplitRow, sample: int, asked: str | None = None) -> Html:
+    shown = [_picture(web, row, sample, asked)]
     store = web.state.store
     for other in store.encoders(row.dataset):
         if len(shown) > MAX_COMPARED:
@@ -143,8 +160,8 @@ def _dense_pictures(web: Web, row: SplitRow, sample: int) -> Html:
         if other != row.encoder and row.split in store.splits(row.dataset, other):
             twin = _cleaned(web, web.catalog.row(row.dataset, other, row.split))
             if twin.kind == "dense":
-                shown.append(_picture(web, twin, sample))
-    return views.pictures(row, min(sample, max(row.shape[0] - 1, 0)) if row.shape else 0, shown)
+                shown.append(_picture(web, twin, sample, asked))
+    return views.pictures(row, min(max(sample, 0), max(row.shape[0] - 1, 0)) if row.shape else 0, shown)
 
 
 def _workers(web: Web, row: SplitRow) -> Html:
@@ -182,6 +199,8 @@ def _bags(web: Web, row: SplitRow, chosen: int, start: int) -> Html:
                         "(FEATURESTORE_UI_MAX_SAMPLE_BYTES caps what one picture reads)")
         else:
             note = "this bag is empty (no patches)"
+    elif ids:
+        note = f"bag {chosen if chosen >= 0 else 'asked for'} is out of range (0..{len(ids) - 1})"
     beside = views.attention_figures(_attention(web, row, bags, chosen)) if src is not None else Html("")
     return views.bag_section(row, ids, lengths, labels, chosen, src, start, BAGS_PER_PAGE,
                              note=note, coords=views.coords_text(bags.coords_unit, bags.patch_size_level0,
@@ -229,7 +248,7 @@ def pca_png(request: Request, dataset: Name, encoder: Name, split: Name, index: 
     return Response(body, media_type=MEDIA_TYPE, headers=PICTURE_HEADERS)
 
 
-@router.get("/ui/slidemap/{dataset}/{encoder}/{split}/{bag}.png")
+@router.get("/ui/slidemap/{dataset}/{encoder}/{split}/{bag:bag_id}.png")  # an id may hold "/", as on /v1/bags
 def slide_png(request: Request, dataset: Name, encoder: Name, split: Name,
               bag: Annotated[str, Path(description="the bag's position in the split, or its id")],
               attention: Annotated[str | None, Query(description="an attention map's name")] = None) -> Response:

@@ -310,6 +310,8 @@ def bag_section(row: SplitRow, ids: Sequence[str], lengths: np.ndarray, labels: 
                            "</figcaption></figure>{}</div>", map_src, map_src, chosen, note, beside))
         elif note:
             parts.append(h('<p class="muted">{}</p>', note))
+    elif note:  # a bag number out of range, typed into the address
+        parts.append(h('<p class="muted">{}</p>', note))
     rows = []
     stop = min(len(ids), start + per_page)
     for i in range(start, stop):
