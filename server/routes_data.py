@@ -69,10 +69,13 @@ _INDEX_BODY = {
 }
 
 
-def _pick(entry: OpenedSplit, labels: bool) -> Any:
+def _pick(entry: OpenedSplit, labels: bool, dtype: str | None = None) -> Any:
     arr = entry.reader
     if not labels:
         return arr
+    if dtype is not None:  # a float16 cast of integer labels past 2048 would change them
+        raise BadRequest(f"dtype={dtype} converts features; labels=true answers the labels in their stored dtype: "
+                         "drop dtype")
     if arr.labels is None:
         raise NotFound(f"split {'/'.join(entry.key)} has no labels")
     return arr.labels
@@ -207,7 +210,7 @@ async def item(
 
     def work(inline: bool) -> ArrayResponse:
         entry = state.open_split(dataset, encoder, split, inline=inline)
-        arr = _pick(entry, labels)
+        arr = _pick(entry, labels, dtype)
         if not 0 <= index < len(arr):
             raise IndexOutOfRange(f"index {index} out of range for {len(arr)} samples")
         npy = wire.wants_npy(accept)
@@ -230,7 +233,7 @@ async def batch_range(
 
     def work(inline: bool) -> ArrayResponse:
         entry = state.open_split(dataset, encoder, split, inline=inline)
-        arr = _pick(entry, labels)
+        arr = _pick(entry, labels, dtype)
         if start > stop:
             raise BadRequest(f"start={start} is after stop={stop}")
         if start < 0 or stop > len(arr):
@@ -318,7 +321,7 @@ async def _indexed(request: Request, dataset: str, encoder: str, split: str, lab
         if samples:
             arrays = [entry.reader] + ([entry.reader.labels] if entry.reader.labels is not None else [])
         else:
-            arrays = [_pick(entry, labels)]
+            arrays = [_pick(entry, labels, dtype)]
         index = parse_indices(body, request.headers.get("content-type", ""), len(arrays[0]),
                               state.settings.max_indices)  # fmt: skip
         npy = not samples and wire.wants_npy(accept)

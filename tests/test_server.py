@@ -400,3 +400,23 @@ def test_data_requests_read_the_split_document_only_when_it_changed(tmp_path: An
         assert response.status_code == 200 and len(opened) >= 1
         assert response.headers[wire.GENERATION_HEADER] == new
         assert np.array_equal(_array(response), first)
+
+
+def test_labels_are_never_cast_by_dtype(tmp_path: Any) -> None:
+    """?labels=true&dtype=float16 answered the integer labels as float16 (past 2048 they change)."""
+    from fastapi.testclient import TestClient
+
+    import featurestore
+    from featurestore.format import wire
+    from server import Settings, create_app
+
+    writer = featurestore.open_store(str(tmp_path), mode="a").create_split(
+        "d", "e", "s", num_samples=4, sample_shape=(2,), dtype="float16", label_dtype="int64")
+    writer.write(0, np.zeros((4, 2), np.float32), np.array([0, 1, 2049, 3]))
+    writer.commit()
+    with TestClient(create_app(str(tmp_path), Settings())) as client:
+        item = wire.route(wire.ITEM, dataset="d", encoder="e", split="s", index=2)
+        cast = client.get(item, params={"labels": "true", "dtype": "float16"})
+        assert cast.status_code == 400 and "labels=true answers the labels in their stored dtype" in cast.text
+        plain = client.get(item, params={"labels": "true"})
+        assert plain.status_code == 200 and plain.headers[wire.DTYPE_HEADER] == "int64"
