@@ -65,9 +65,25 @@ class OpenedPerProcess:
 
     def _reader_here(self) -> Any:
         if self._reader is None or self._reader_pid != os.getpid():
-            self._reader = self._open_reader()
+            reader = self._open_reader()
+            self._check_same_split(reader)
+            self._reader = reader
             self._reader_pid = os.getpid()
         return self._reader
+
+    def _check_same_split(self, reader: Any) -> None:
+        """A process reopening the split (a DataLoader worker, a dataset unpickled) must find the
+        generation the dataset was opened on: an overwrite since would feed it other rows under the
+        old length and metadata, where the main process's reader raises SplitChanged."""
+        opened = (getattr(self, "metadata", None) or {}).get("generation")
+        found = (getattr(reader, "metadata", None) or {}).get("generation")
+        if opened is not None and found != opened:
+            from featurestore.errors import SplitChanged
+
+            name = "/".join(str(getattr(self, k, "?")) for k in ("dataset", "encoder", "split"))
+            raise SplitChanged(f"{name}: the split was overwritten since this dataset opened it (generation "
+                               f"{opened!r}, now {found!r}): its length and metadata are the old split's; make the "
+                               "dataset (and its DataLoader) again")
 
     def _open_reader(self) -> Any:
         if _is_http(self.source):

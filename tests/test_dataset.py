@@ -108,3 +108,36 @@ def test_open_errors(local_store: str, tmp_path: Any) -> None:
         FeatureDataset(str(tmp_path / "s"), "d", "e", "half")
     partial = FeatureDataset(str(tmp_path / "s"), "d", "e", "half", allow_incomplete=True)
     assert len(partial) == 4 and torch.equal(partial[1][0], torch.ones(2))
+
+
+@pytest.mark.parametrize("kind", ["dense", "bags"])
+def test_a_dataloader_worker_refuses_a_split_overwritten_since_the_dataset_opened_it(tmp_path: Any, kind: str) -> None:
+    """Workers reopen the split by name: after an overwrite they read the new rows under the old
+    length and metadata (a walk trained three epochs on three versions), while the main process's
+    reader raised SplitChanged. Now a worker raises it too."""
+    from client import BagDataset
+    from featurestore.errors import SplitChanged
+
+    store = featurestore.open_store(str(tmp_path), mode="a")
+
+    def write(value: float, n: int) -> None:
+        if kind == "dense":
+            w = store.create_split("d", "e", "s", num_samples=n, sample_shape=(8,), dtype="float16", overwrite=True)
+            w.write(0, np.full((n, 8), value, np.float32))
+        else:
+            w = store.create_bag_split("d", "e", "s", dim=8, overwrite=True)
+            for i in range(n):
+                w.add_bag(f"b{i}", np.full((3, 8), value, np.float32))
+        w.commit()
+
+    write(1.0, 40)
+    ds = (FeatureDataset if kind == "dense" else BagDataset)(str(tmp_path), "d", "e", "s")
+    reopened = pickle.loads(pickle.dumps(ds))  # what a spawned worker gets
+    assert float(reopened[0][0].flatten()[0]) == 1.0
+    write(2.0, 60)
+    again = pickle.loads(pickle.dumps(ds))
+    with pytest.raises(SplitChanged, match="d/e/s: the split was overwritten since this dataset opened it"):
+        again[0]
+    loader = torch.utils.data.DataLoader(ds, batch_size=10, num_workers=1, collate_fn=lambda items: items)
+    with pytest.raises(Exception, match="SplitChanged|overwritten since this dataset opened it"):
+        list(loader)
