@@ -332,3 +332,37 @@ def test_seg_baseline_is_the_best_constant_map() -> None:
     masks[0] = 0  # an image of one class
     best = max(float(per_image_jaccard(torch.full_like(masks, c), masks, 3).mean()) for c in range(3))
     assert seg_baseline([masks[:2].numpy(), masks[2:].numpy()], 3) == pytest.approx(best)
+
+
+def _float_label_split(root: Path, labels: np.ndarray, name: str) -> None:
+    store = featurestore.open_store(str(root), mode="a")
+    for split in ("train", "val"):
+        w = store.create_split("d", name, split, num_samples=len(labels), sample_shape=(4, 8), dtype="float32",
+                               label_dtype="float32")
+        w.write(0, np.random.default_rng(0).standard_normal((len(labels), 4, 8)).astype(np.float32), labels)
+        w.commit()
+
+
+@pytest.mark.parametrize(("name", "labels", "says"), [
+    ("nan", np.array([0, 1, np.nan, 1, 0, 1] * 4, np.float32), "label nan"),
+    ("frac", np.array([0.5, 1.5, 2.5] * 8, np.float32), "label 0.5"),
+])  # fmt: skip
+@pytest.mark.parametrize("num_classes", [None, 3])
+def test_labels_that_are_not_class_ids_are_one_line(tmp_path: Path, name: str, labels: np.ndarray, says: str,
+                                                   num_classes: int | None) -> None:
+    """A NaN label was a ValueError traceback (with --num-classes: "label -9223372036854775808 is
+    negative"); 0.5, 1.5, 2.5 were truncated to classes 0, 1, 2 and a probe trained on them."""
+    _float_label_split(tmp_path, labels, name)
+    with pytest.raises(InvalidLabels, match=f"{says}.* is not a class id"):
+        run_probe(str(tmp_path), "d", name, train_split="train", eval_split="val", task="linear", seeds=1, epochs=1,
+                  device="cpu", num_classes=num_classes)
+
+
+def test_batch_size_one_with_the_linear_head_is_refused(tmp_path: Path) -> None:
+    """Every batch of one was skipped (BatchNorm): the untrained head was scored, exit 0."""
+    from featurestore.errors import InvalidOption
+
+    _float_label_split(tmp_path, np.array([0, 1] * 6, np.float32), "ok")
+    with pytest.raises(InvalidOption, match="batch_size 1 with the linear head"):
+        run_probe(str(tmp_path), "d", "ok", train_split="train", eval_split="val", task="linear", seeds=1, epochs=1,
+                  device="cpu", batch_size=1)

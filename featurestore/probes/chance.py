@@ -39,12 +39,27 @@ __all__ = ["assess", "check_two_classes", "class_baselines", "mark_comparison", 
 CONSTANT = "best constant prediction"
 
 
+def class_ids(values: Any, where: str) -> np.ndarray:
+    """``values`` as int64 class ids, refusing what is not one (one line naming the first and
+    where it is): NaN, Inf and floats that are not whole numbers (regression targets, or labels
+    damaged on the way) were cast to garbage or truncated (0.5 -> 0) and a probe trained on them."""
+    values = np.asarray(values)
+    if values.dtype.kind == "f" and values.size:
+        bad = ~np.isfinite(values) | (values != np.round(values))
+        if bad.any():
+            at = int(np.flatnonzero(bad.reshape(-1))[0])
+            raise InvalidLabels(f"{where}: label {values.reshape(-1)[at].item()!r} (value {at} of its labels) is not a "
+                                f"class id: a class probe takes whole numbers >= 0; fix the labels, or give a table "
+                                "of class labels (--labels)")
+    return values.astype(np.int64)
+
+
 def class_baselines(label_sets: Sequence[np.ndarray]) -> dict[str, float]:
     """Chance baselines of the class metrics for one or more evaluation sets (folds): the mean
     over the sets, as the probe's metric is the mean over its folds."""
     f1, balanced = [], []
     for labels in label_sets:
-        labels = np.asarray(labels, np.int64).reshape(-1)
+        labels = class_ids(labels, "the evaluated labels").reshape(-1)
         if labels.size and int(labels.min()) < 0:
             raise InvalidLabels(f"label {int(labels.min())} is negative: class ids must be >= 0")
         counts = np.bincount(labels)

@@ -135,8 +135,6 @@ def num_classes_of(infos: Sequence[SplitInfo]) -> int:
 
     The scan reads labels only (never features), 4096 rows at a time.
     """
-    import numpy as np
-
     for info in infos:
         label_info = info.metadata.get("label_info") or {}
         if label_info.get("classes"):
@@ -147,7 +145,8 @@ def num_classes_of(infos: Sequence[SplitInfo]) -> int:
     for info in infos:
         labels = info.ds.array.labels
         for start in range(0, info.num_samples, 4096):
-            values = np.asarray(labels.read_range(start, min(start + 4096, info.num_samples)))
+            values = chance.class_ids(labels.read_range(start, min(start + 4096, info.num_samples)),
+                                      f"split {info.name}, samples from {start}")
             if values.size and int(values.min()) < 0:
                 raise InvalidLabels(f"split {info.name} has negative labels; class ids must be >= 0")
             top = max(top, int(values.max()) if values.size else -1)
@@ -332,6 +331,9 @@ def _run(
     for name, value in (("epochs", epochs), ("batch_size", batch_size)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise InvalidOption(f"{name} must be a positive integer, but got: {value!r}")
+    if task == "linear" and batch_size == 1:  # every batch would be skipped: an untrained head scored
+        raise InvalidOption("batch_size 1 with the linear head: its BatchNorm trains on 2 samples a batch at least; "
+                            "give --batch-size 2 or more")
     if loader not in LOADERS:
         raise InvalidOption(f"loader must be one of {', '.join(LOADERS)}, but got: {loader!r}")
     # Labels first: one class is refused with what the labels hold, not only a class count.

@@ -151,6 +151,11 @@ def class_targets(labels: Tensor, ndim: int, device: torch.device, num_classes: 
         labels = labels[:, 0]
     if labels.ndim != ndim:
         raise InvalidLabels(f"{needs}, but got labels of shape {tuple(labels.shape)}; {instead}")
+    if labels.is_floating_point():  # .long() would truncate 2.5 to 2 and turn NaN into garbage
+        bad = ~torch.isfinite(labels) | (labels != labels.round())
+        if bool(bad.any()):
+            raise InvalidLabels(f"label {labels[bad].flatten()[0].item()!r} is not a class id: a class probe takes "
+                                "whole numbers >= 0; fix the labels, or give a table of class labels (--labels)")
     return check_class_ids(labels.to(device).long(), num_classes)
 
 
