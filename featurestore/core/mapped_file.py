@@ -122,8 +122,10 @@ def read_into(descriptor: Descriptor, target: np.ndarray, offset: int, path: str
     """Fill ``target`` (contiguous bytes) from byte ``offset`` of the file with ``preadv``. A file
     that ends first (truncated in place since its size was checked) is refused by ``check_size``
     (``CorruptChunk`` naming it), where a copy out of its map would have raised SIGBUS."""
+    done = os.preadv(descriptor.fd, [target], offset)  # the whole of it, almost always: no view made
+    if done == target.nbytes:
+        return
     view = memoryview(target).cast("B")
-    done = 0
     while done < len(view):
         got = os.preadv(descriptor.fd, [view[done:]], offset + done)
         if got <= 0:
