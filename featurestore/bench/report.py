@@ -51,11 +51,14 @@ def figure_lines(name: str, bench: str, figures: Figures, *, variants: bool = Fa
     """Every figure with its spread and its targets in ``targets.json``: those of this entry (``name``:
     the bench or its variant), or with ``variants`` (a run of ``featurestore bench NAME``, whose flags
     may be any variant's) every target of the bench, each named."""
-    targets = [t for t in gate.load_targets().targets if (t.bench == bench if variants else t.run == name)]
+    every = gate.load_targets().targets
+    targets = [t for t in every if (t.bench == bench if variants else t.run == name)]
     lines = []
     for fig, f in figures.items():
         found = [t for t in targets if fig == t.figure or fig.startswith(t.figure + "[")]
-        unit = found[0].unit if found else "x"
+        # a variant's figure that only the bench's own targets name: their unit
+        units = [t.unit for t in found or every if t.bench == bench and (fig == t.figure or fig.startswith(t.figure + "["))]
+        unit = units[0] if units else "x"
         spread = f" (repeats {number(f['spread'][0], unit)} - {number(f['spread'][1], unit)})" if f["spread"] else ""
         lines.append(f"- {name}.{fig}: {number(f['value'], unit)}{spread}" + "".join(
             f"; target {t.id} {t.text()}: {'ok' if t.met(f['value']) else 'MISSED'} ({t.what})" for t in found))
