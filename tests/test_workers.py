@@ -221,6 +221,22 @@ def test_two_takers_of_an_expired_claim_one_wins(tmp_path: Path) -> None:
 
 
 
+def test_ids_that_start_with_an_underscore_or_are_long_have_claims_of_their_own(tmp_path: Path) -> None:
+    """A slide "_junk" was claimed under a name read as the run's own objects (never seen as
+    claimed: a skipped one blocked the commit), and an id of 32 CJK characters made a claim name
+    too long for the file system (every worker died on it)."""
+    storage = LocalStorage(str(tmp_path))
+    board = claims.ClaimBoard(storage, "s", lease=60, max_attempts=3)
+    units = ["_junk", "病理切片" * 8, "x" * 300, "plain", "%%not-a-hash"]
+    for unit in units:
+        held, _ = board.claim(unit)
+        assert held is not None, unit
+        assert board.finish(held)
+    assert sorted(claims.read_records(storage, "s")) == sorted(units)
+    assert all(r["state"] == claims.DONE for r in claims.read_records(storage, "s").values())
+    assert board.claim("_junk")[0] is None  # the same object: taken
+
+
 def test_worker_refused_where_conditional_writes_are_missing(tmp_path: Path) -> None:
     source = tmp_path / "src"
     trident_dir(source, {"a": 3, "b": 4})

@@ -25,6 +25,7 @@ within a fraction of the lease (NTP does).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -41,6 +42,9 @@ __all__ = ["Claim", "ClaimBoard", "WorkerId", "claims_prefix", "probe", "read_re
 
 WORKING, RELEASED, DONE, FAILED = "working", "released", "done", "failed"
 SUFFIX = ".json"
+#: Bytes of an encoded id in a claim's name: file systems take 255 a name, and a put's temporary
+#: name adds its writer's pid and a random part.
+MAX_NAME = 150
 
 
 def claims_prefix(split_key: str) -> str:
@@ -90,7 +94,16 @@ def special_key(split_key: str, unit: str) -> str:
 
 
 def _key(prefix: str, unit: str) -> str:
-    return f"{prefix}/{quote(unit, safe='')}{SUFFIX}"
+    """A unit's claim object: its id percent-encoded, named apart from the run's own objects (a
+    leading ``_``, kept by quote(), is encoded: ``_junk`` read as a special object was never seen
+    as claimed); an id too long for a file name once encoded (a few dozen CJK characters) is named
+    by its hash, ``%%`` + hex, which no encoded id can be. The record holds the id either way."""
+    name = quote(unit, safe="")
+    if name.startswith("_"):
+        name = "%5F" + name[1:]
+    if len(name.encode()) > MAX_NAME:
+        name = "%%" + hashlib.sha256(unit.encode()).hexdigest()
+    return f"{prefix}/{name}{SUFFIX}"
 
 
 def read_records(storage: Storage, split_key: str) -> dict[str, dict[str, Any]]:
@@ -100,9 +113,11 @@ def read_records(storage: Storage, split_key: str) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name in names:
         try:
-            out[unquote(name[: -len(SUFFIX)])] = json.loads(storage.read(f"{prefix}/{name}"))
+            record = json.loads(storage.read(f"{prefix}/{name}"))
         except (FileNotFoundError, ValueError):
             continue
+        unit = record.get("unit") if isinstance(record, dict) else None
+        out[unit if isinstance(unit, str) else unquote(name[: -len(SUFFIX)])] = record
     return out
 
 
