@@ -75,6 +75,10 @@ def test_scale_errors_are_one_line_naming_the_slide() -> None:
         geometry({"openslide.mpp-x": "0.5"}, (10, 10), (1.0,), Target(256, mpp=0.25), "c.svs")
     with pytest.raises(InvalidOption, match="exclude each other"):
         Target(256, magnification=20, mpp=0.5)
+    # a traceback (a 30 GB white probe patch) or an apparent hang before
+    with pytest.raises(InvalidOption, match="--patch-size 100000 is larger than any patch encoders take: give at most"):
+        Target(100_000)
+    assert Target(4096).patch_size == 4096  # a region encoder's
 
 
 def test_missing_and_non_slide_files(tmp_path: Path) -> None:
@@ -86,6 +90,25 @@ def test_missing_and_non_slide_files(tmp_path: Path) -> None:
         open_slide(str(junk))
     with pytest.raises(SlideError, match="holds no slide files"):
         list_slides(str(tmp_path / "empty") if (tmp_path / "empty").mkdir() is None else "")
+
+
+def test_a_dangling_link_and_a_fifo_are_listed_and_refused_by_name(tmp_path: Path) -> None:
+    """A folder of links into an archive: a link whose target was gone was not listed at all, so
+    its slide vanished (the split complete and short, exit 0); a FIFO hung OpenSlide."""
+    import os
+
+    folder = tmp_path / "slides"
+    folder.mkdir()
+    write_slide(str(tmp_path / "real.tiff"), width=256, height=256, mpp=0.5)
+    os.symlink(tmp_path / "real.tiff", folder / "a.tiff")
+    os.symlink(tmp_path / "archive" / "gone.svs", folder / "b.svs")
+    os.mkfifo(folder / "c.svs")
+    assert [r.id for r in list_slides(str(folder))] == ["a", "b", "c"]
+    open_slide(str(folder / "a.tiff")).close()
+    with pytest.raises(SlideError, match=r"b\.svs' does not exist \(a link to '.*gone\.svs', which is gone\)"):
+        open_slide(str(folder / "b.svs"))
+    with pytest.raises(SlideError, match=r"c\.svs' is not a regular file"):
+        open_slide(str(folder / "c.svs"))
 
 
 def test_slide_list_csv_ids_and_labels(tmp_path: Path) -> None:

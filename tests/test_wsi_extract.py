@@ -324,3 +324,22 @@ def test_a_slide_split_records_the_magnification_a_slide_encoder_asks_for(refere
 
     bags = featurestore.open_store(str(reference)).open_bags(*NAME)
     assert recorded_magnification(bags.metadata) == 20.0
+
+
+def test_a_slide_changed_on_disk_since_its_bag_was_made_is_refused(cohort: Path, tmp_path: Path) -> None:
+    """A slide re-scanned under its name: --resume and a re-run kept its old bag without a word (a
+    split of two scans); now InputChanged names the file, as for the other sources."""
+    import shutil
+
+    from featurestore.errors import InputChanged
+
+    slides = tmp_path / "slides"
+    shutil.copytree(cohort, slides)  # mtimes kept: older than the split
+    store = tmp_path / "store"
+    assert extract_slides(_opts(slides, store), Coordinator()).status == "complete"
+    assert extract_slides(_opts(slides, store, resume=True), Coordinator()).status == "already-complete"
+    changed = sorted(slides.glob("slide-*.tiff"))[1]
+    later = time.time() + 5
+    os.utime(changed, (later, later))
+    with pytest.raises(InputChanged, match=f"input file {changed} was modified at .* after split"):
+        extract_slides(_opts(slides, store, resume=True), Coordinator())

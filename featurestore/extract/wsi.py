@@ -65,8 +65,11 @@ def list_slides(target: str) -> list[SlideRef]:
     if target.lower().endswith(".csv") and os.path.isfile(target):
         refs = _slides_from_csv(target)
     elif os.path.isdir(target):
-        names = sorted(e.name for e in os.scandir(target)
-                       if e.is_file() and not e.name.startswith(".") and e.name.lower().endswith(SLIDE_SUFFIXES))
+        # Anything but a folder is listed (a link whose target is gone, a FIFO: skipped, named,
+        # when opened), not dropped: a folder of links into an archive would otherwise commit
+        # short with exit status 0.
+        names = sorted(e.name for e in os.scandir(target) if not e.is_dir() and not e.name.startswith(".")
+                       and e.name.lower().endswith(SLIDE_SUFFIXES))
         if not names:
             raise SlideError(f"slide directory {target!r} holds no slide files ({', '.join(SLIDE_SUFFIXES)})")
         refs = [SlideRef(_stem(n), os.path.join(target, n)) for n in names]
@@ -129,7 +132,10 @@ def open_slide(path: str, cache_bytes: int | None = None) -> Any:
     """An ``OpenSlide`` handle, or one :class:`SlideError` line naming the file."""
     openslide = import_openslide()
     if not os.path.exists(path):
-        raise SlideError(f"slide {path!r} does not exist")
+        link = f" (a link to {os.readlink(path)!r}, which is gone)" if os.path.islink(path) else ""
+        raise SlideError(f"slide {path!r} does not exist{link}")
+    if not os.path.isfile(path):  # a FIFO or a device: OpenSlide would wait on it for ever
+        raise SlideError(f"slide {path!r} is not a regular file")
     try:
         slide = openslide.OpenSlide(path)
     except openslide.OpenSlideUnsupportedFormatError as error:
@@ -140,6 +146,10 @@ def open_slide(path: str, cache_bytes: int | None = None) -> Any:
     if cache_bytes is not None:  # OpenSlide's tile cache is per handle; the default grows to 32 MiB
         slide.set_cache(openslide.OpenSlideCache(cache_bytes))
     return slide
+
+
+#: The largest --patch-size: a region encoder's 4096 px (HIPT) with room to spare.
+MAX_PATCH_SIZE = 8192
 
 
 @dataclass(frozen=True)
@@ -162,6 +172,9 @@ class Target:
                 raise InvalidOption(f"{flag} must be a positive number, but got: {value}")
         if self.patch_size < 1:
             raise InvalidOption(f"--patch-size must be a positive integer, but got: {self.patch_size}")
+        if self.patch_size > MAX_PATCH_SIZE:  # its white probe patch alone would take gigabytes
+            raise InvalidOption(f"--patch-size {self.patch_size} is larger than any patch encoders take: give at "
+                                f"most {MAX_PATCH_SIZE} px (patch encoders take 224-1024, region encoders 4096)")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
