@@ -111,6 +111,14 @@ def test_a_dangling_link_and_a_fifo_are_listed_and_refused_by_name(tmp_path: Pat
         open_slide(str(folder / "c.svs"))
 
 
+def test_one_file_listed_under_two_ids_is_refused(tmp_path: Path) -> None:
+    """It was encoded twice, and its two bags could land in different folds of a probe."""
+    write_slide(str(tmp_path / "s.tiff"), width=256, height=256, mpp=0.5)
+    (tmp_path / "list.csv").write_text("path,slide_id\ns.tiff,a\n./s.tiff,b\n")
+    with pytest.raises(SlideError, match="slide ids 'a' and 'b' name the same file"):
+        list_slides(str(tmp_path / "list.csv"))
+
+
 def test_slide_list_csv_ids_and_labels(tmp_path: Path) -> None:
     (tmp_path / "b.tiff").write_bytes(b"")
     (tmp_path / "list.csv").write_text("path,slide_id,label\nb.tiff,case-2,1\n/abs/a.svs,,0\n")

@@ -120,10 +120,11 @@ _SLIDE_ONLY = ("magnification", "mpp", "slide_mpp", "coords_from", "coords_store
 def slide_options_from_args(args: argparse.Namespace) -> Any:
     from featurestore.extract.wsi_run import SlideOptions
 
+    why = {"--crop": "patches are cut at --patch-size", "--resize": "patches are cut at --patch-size",
+           "--compressor": "bag chunks are not compressed"}
     for flag, value in (("--crop", args.crop), ("--resize", args.resize), ("--compressor", args.compressor)):
         if value:
-            raise InvalidOption(f"{flag} does not apply to wsi: sources (patches are cut at --patch-size, "
-                                "bag chunks are not compressed): drop it")
+            raise InvalidOption(f"{flag} does not apply to wsi: sources ({why[flag]}): drop it")
     return SlideOptions(
         images=args.images, encoder=args.encoder, store=args.store, dataset=args.dataset, split=args.split,
         encoder_name=args.encoder_name, dtype=args.dtype, batch_size=args.batch_size, device=args.device,

@@ -78,11 +78,17 @@ def list_slides(target: str) -> list[SlideRef]:
     else:
         raise SlideError(f"slide path {target!r} does not exist: pass wsi:DIR, wsi:SLIDE_FILE or wsi:LIST.csv")
     seen: dict[str, str] = {}
+    files: dict[str, str] = {}
     for ref in refs:
         if ref.id in seen:
             raise SlideError(f"slides {seen[ref.id]!r} and {ref.path!r} share the bag id {ref.id!r}: "
                              "list them in a CSV with distinct slide_id values")
         seen[ref.id] = ref.path
+        real = os.path.realpath(ref.path)
+        if real in files:  # two bags of one slide: encoded twice, and they may fall in different folds
+            raise SlideError(f"slide ids {files[real]!r} and {ref.id!r} name the same file {ref.path!r}: list each "
+                             "slide once")
+        files[real] = ref.id
     return sorted(refs, key=lambda r: r.id)
 
 
