@@ -86,6 +86,16 @@ def test_uncommitted_bag_split_is_not_counted(tmp_path: Path) -> None:
     assert size.data_text() == size.stored_text() == UNCOUNTED
 
 
+def test_a_dense_split_being_written_has_no_storage_figure(tmp_path: Path) -> None:
+    """It showed its planned full size "on storage" (ls, info, the page) with 8 of 40 samples written."""
+    store = featurestore.open_store(str(tmp_path / "s"), mode="a")
+    w = store.create_split("d", "e", "wip", num_samples=40, sample_shape=(4,), dtype="float16")
+    w.write(0, np.zeros((8, 4), np.float32))
+    w.close()
+    size = split_size(store.split_info("d", "e", "wip"))
+    assert size.stored_text() == UNCOUNTED and size.data == 40 * 4 * 2  # the split's planned data, said as such
+
+
 def test_bytes_text() -> None:
     assert [bytes_text(n) for n in (0, 1023, 1024, 139_571, 10 << 20, 5 << 40)] == [
         "0 B", "1023 B", "1.0 KiB", "136.3 KiB", "10.0 MiB", "5.0 TiB"]

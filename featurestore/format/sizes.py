@@ -75,6 +75,8 @@ def split_size(meta: SplitMetadata) -> SplitSize:
     data = meta.num_samples * math.prod(meta.sample_shape) * itemsize
     if meta.labels is not None:
         data += meta.num_samples * math.prod(meta.labels.shape) * np.dtype(meta.labels.dtype).itemsize
+    if not meta.complete:  # its chunks are being written: the geometry would count them all
+        return _size(meta, data, None, "sample ids not counted" if meta.ids else "")
     stored = 0
     for _, _, nbytes in chunk_arrays(meta):
         if nbytes is None:  # compressed features: their uncompressed size
@@ -114,7 +116,7 @@ def _bag_size(meta: SplitMetadata) -> SplitSize:
     return _size(meta, data, stored, "bag ids and attributes not counted")
 
 
-def _size(meta: SplitMetadata, data: int, stored: int, strings: str) -> SplitSize:
+def _size(meta: SplitMetadata, data: int, stored: int | None, strings: str) -> SplitSize:
     notes = (strings,) if strings else ()
     if meta.compressor:  # the figure is the uncompressed layout: no bound either way
         return SplitSize(data, stored, False, (*notes, f"features counted uncompressed, stored with {meta.compressor}"))
