@@ -401,6 +401,16 @@ def test_access_log_masks_the_token() -> None:
     assert TOKEN not in record.getMessage() and "token=***" in record.getMessage()
 
 
+def test_access_log_drops_healthy_health_checks_only() -> None:
+    """docker compose's health check every 10 s buried the requests in the logs."""
+    def line(path: str, status: int) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:1", "GET", path, "1.1", status), None)  # fmt: skip
+
+    assert not RedactAccessLog().filter(line("/healthz", 200))
+    assert RedactAccessLog().filter(line("/healthz", 503)) and RedactAccessLog().filter(line("/v1/datasets", 200))
+
+
 # ---------------------------------------------------------------------- what a person types
 @pytest.mark.parametrize(("query", "says"), [
     ("?sample=", None), ("?sample=abc", "sample 'abc' is out of range (0..11)"),
