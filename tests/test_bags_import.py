@@ -227,3 +227,18 @@ def test_a_complete_split_missing_slides_of_the_same_input_is_refused(tmp_path: 
     assert "is complete but lacks 1 of this run's inputs (first: 'c')" in err and "--overwrite" in err, err
     assert run_import(tmp_path / "h5", tmp_path / "store", "--overwrite") == 0
     assert len(open_store(str(tmp_path / "store")).open_bags("ds", "enc", "train")) == 3
+
+
+def test_each_slide_keeps_its_own_patch_size(tmp_path: Path) -> None:
+    """A TRIDENT job mixing 40x and 20x scans: only the first file's patch_size_level0 counted, for
+    every bag (a slide encoder and a STAMP export got the wrong tile size); a first file without it
+    left every bag without one."""
+    trident_dir(tmp_path / "h5", {"A-40x": 4, "B-20x": 3, "C-none": 2})
+    with h5py.File(tmp_path / "h5" / "B-20x.h5", "r+") as f:
+        f["coords"].attrs["patch_size_level0"] = 256
+    with h5py.File(tmp_path / "h5" / "C-none.h5", "r+") as f:
+        del f["coords"].attrs["patch_size_level0"]
+    assert run_import(tmp_path / "h5", tmp_path / "store") == 0
+    bags = open_store(str(tmp_path / "store")).open_bags("ds", "enc", "train")
+    first = h5py.File(tmp_path / "h5" / "A-40x.h5", "r")["coords"].attrs["patch_size_level0"]
+    assert bags.patch_sizes() == [int(first), 256, int(first)]  # C: the split's (the first file's)

@@ -320,17 +320,11 @@ def _header(path: str, shape: tuple[int, ...], dtype: str, coords: tuple[int, ..
 
 def _patch_size_level0(f: Any) -> Any:
     """The patch side at level 0, in the coordinates' unit, when the file says it."""
+    from featurestore.format.bags import recorded_patch_size
+
     coords = f["coords"].attrs if "coords" in f else {}
-    size = None
-    for attrs, name in ((coords, "patch_size_level0"), (f.attrs, "tile_size_um")):
-        if name in attrs:
-            size = _attr(attrs[name])
-            break
-    else:
-        if "patch_size" in coords and _attr(coords.get("patch_level", 0)) in (0, None):
-            size = _attr(coords["patch_size"])  # CLAM, patches cut at level 0
-    positive = isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0
-    return size if positive else None
+    return recorded_patch_size({str(k): _attr(v) for k, v in coords.items()},
+                               {str(k): _attr(v) for k, v in f.attrs.items()})
 
 
 def _attr(value: Any) -> Any:

@@ -304,13 +304,16 @@ class BagLookup:
         raise NotImplementedError
 
     def patch_size_of(self, i_or_id: int | str) -> int | None:
-        """The bag's patch side in level-0 pixels: the split's ``patch_size_level0``, else the bag's
-        own attribute (slide extraction records one per slide, since slides differ in
-        magnification); None when neither is recorded."""
-        size = self.patch_size_level0
-        if size is None:
-            size = self.attrs(i_or_id).get("patch_size_level0")
-        return int(size) if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0 else None
+        """The bag's patch side in level-0 units: its own where it records one (slide extraction
+        records one per slide, since slides differ in magnification; an import keeps each file's
+        coords attributes, and a TRIDENT job mixing 40x and 20x scans differs file to file), else
+        the split's ``patch_size_level0``; None when neither is recorded."""
+        attrs = self.attrs(i_or_id)
+        size = attrs.get("patch_size_level0")
+        if not _positive(size):
+            size = recorded_patch_size(attrs.get("coords"), attrs.get("root"))
+        size = size if _positive(size) else self.patch_size_level0
+        return int(size) if _positive(size) else None
 
     def patch_sizes(self) -> list[int | None]:
         """:meth:`patch_size_of` of every bag, in order."""
@@ -338,6 +341,27 @@ class BagLookup:
             raise IndexOutOfRange(f"bag position {int(i_or_id)} is outside [0, {len(self.ids)}) of {self._where()}: "
                                   "use 0 <= i < the number of bags, or a bag id")
         return int(i_or_id)
+
+
+def recorded_patch_size(coords: Any, root: Any) -> Any:
+    """The patch side at level 0 a per-slide file records, in its coordinates' unit: the coords'
+    ``patch_size_level0`` (TRIDENT), the root's ``tile_size_um`` (STAMP), or CLAM's ``patch_size``
+    with ``patch_level`` 0; None when it records none."""
+    coords = coords if isinstance(coords, dict) else {}
+    root = root if isinstance(root, dict) else {}
+    if "patch_size_level0" in coords:
+        size = coords["patch_size_level0"]
+    elif "tile_size_um" in root:
+        size = root["tile_size_um"]
+    elif "patch_size" in coords and coords.get("patch_level") == 0:  # TRIDENT's is at its target magnification
+        size = coords["patch_size"]
+    else:
+        return None
+    return size if _positive(size) else None
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def select_rows(rows: Any, length: int, bag: str) -> slice | np.ndarray:
