@@ -233,3 +233,28 @@ def test_sigkill_after_the_chunks_are_linked_then_resume_leaves_no_temporary_fil
     assert main(["verify", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "ds/enc/train: ok (" in out and "leftover" not in out.lower(), out
+
+
+def test_string_arrays_never_write_their_parents_documents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """zarr.create_array on the store wrote each parent group's zarr.json "if absent": on an object
+    store that ignores If-None-Match that replaced the root's, the dataset's, the encoder's and the
+    split's documents with empty groups (the store was no longer a featurestore). Such a server
+    is played here by a local zarr store whose create-if-absent always writes."""
+    from zarr.storage import LocalStore
+
+    async def always(self: Any, key: str, value: Any) -> None:
+        await self.set(key, value)
+
+    monkeypatch.setattr(LocalStore, "set_if_not_exists", always)
+    root = tmp_path / "store"
+    store = open_store(str(root), mode="a")
+    dense = store.create_split("ds", "enc", "dense", num_samples=2, sample_shape=(DIM,), dtype="float16",
+                               ids=["x", "y"])
+    dense.write(0, np.zeros((2, DIM), np.float32))
+    dense.commit()
+    writer = store.create_bag_split("ds", "enc", "bags", dim=DIM)
+    writer.add_bag("a", np.ones((3, DIM), np.float32))
+    writer.commit()
+    reopened = open_store(str(root))  # the root, dataset, encoder and split documents intact
+    assert reopened.open("ds", "enc", "dense").ids == ["x", "y"]
+    assert list(reopened.open_bags("ds", "enc", "bags").ids) == ["a"]

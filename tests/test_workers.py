@@ -237,6 +237,21 @@ def test_ids_that_start_with_an_underscore_or_are_long_have_claims_of_their_own(
     assert board.claim("_junk")[0] is None  # the same object: taken
 
 
+def test_a_committer_that_died_never_makes_the_commit_step_failed(tmp_path: Path) -> None:
+    """`featurestore commit` (max_attempts 1) after the committing worker's lease ran out recorded
+    the _commit step "failed", and nothing could ever commit the split; a step is taken over."""
+    storage = LocalStorage(str(tmp_path))
+    dead = claims.ClaimBoard(storage, "s", lease=0.2, max_attempts=1, worker=claims.WorkerId(pid=1))
+    assert dead.claim("_commit", special=True)[0] is not None
+    time.sleep(0.3)  # its lease runs out
+    command = claims.ClaimBoard(storage, "s", lease=120, max_attempts=1, worker=claims.WorkerId(pid=2))
+    held, _ = command.claim("_commit", special=True)
+    assert held is not None and held.record["taken_from"] == dead.worker.name
+    # one an older version recorded failed is taken over too
+    storage.write(claims.special_key("s", "_commit"), json.dumps({"unit": "_commit", "state": claims.FAILED}).encode())
+    assert claims.ClaimBoard(storage, "s", lease=120, max_attempts=1).claim("_commit", special=True)[0] is not None
+
+
 def test_worker_refused_where_conditional_writes_are_missing(tmp_path: Path) -> None:
     source = tmp_path / "src"
     trident_dir(source, {"a": 3, "b": 4})

@@ -25,6 +25,7 @@ from featurestore.core.present import present_chunks
 from featurestore.core.reader import FeatureArray
 from featurestore.core.seals import put_array, write_seals
 from featurestore.core.storage import Storage
+from featurestore.core.string_arrays import put_strings
 from featurestore.errors import InvalidLabels, SplitExists
 from featurestore.format import bags, chunks, dtypes, layout
 from featurestore.format.metadata import SplitMetadata, seal
@@ -32,7 +33,6 @@ from featurestore.format.stats import SOURCE_NAMES, merge_rows, report, row_leng
 
 __all__ = ["Collected", "collect", "commit"]
 
-STRING_CHUNK = 65536
 
 
 @dataclass
@@ -247,17 +247,10 @@ def _write_index(storage: Storage, key: str, meta: SplitMetadata, ids: list[str]
 
 
 def _put_strings(storage: Storage, array_key: str, values: list[str]) -> None:
-    """A zarr ``string`` array (vlen-utf8, then crc32c), written by zarr-python: every Zarr v3 reader reads it."""
-    import zarr
+    # crc32c after the vlen-utf8 serializer: zarr checks it on every decode, verify reads it too.
     from zarr.codecs import Crc32cCodec
 
-    storage.delete_tree(array_key)
-    # crc32c after the vlen-utf8 serializer: zarr checks it on every decode, verify reads it too.
-    array = zarr.create_array(store=storage.zarr_store(read_only=False), name=array_key, shape=(len(values),),
-                              dtype=str, chunks=(max(1, min(len(values), STRING_CHUNK)),),
-                              compressors=[Crc32cCodec()], overwrite=True)
-    if values:
-        array[:] = np.asarray(values, dtype=object)
+    put_strings(storage, array_key, values, compressors=[Crc32cCodec()])
 
 
 def read_strings(storage: Storage, array_key: str) -> list[str]:

@@ -168,7 +168,10 @@ class ClaimBoard:
             again = {**current, "renewed": time.time()}
             token = self.storage.replace_if(key, json.dumps(again).encode(), seen)
             return (Claim(unit, token, again), None) if token is not None else (None, {"state": WORKING})
-        if not expired(current):
+        # A step of the run (_commit, _create) is never failed for good: a split whose committer
+        # died as often as max_attempts (once, for `featurestore commit`) could not be committed.
+        # One recorded failed by an older version is taken over like an expired one.
+        if not expired(current) and not (special and current.get("state") == FAILED):
             return None, current
         # The attempts made so far: a working record counts its own (its worker vanished mid-unit),
         # a released one those before it (fail() keeps the count, release() takes its own back).
@@ -176,7 +179,7 @@ class ClaimBoard:
         errors = list(current.get("errors", []))
         if current.get("state") == WORKING:  # its worker vanished mid-unit: that was an attempt too
             errors.append(f"{current.get('worker')}: lease of {current.get('lease')} s ran out")
-        if attempts >= self.max_attempts:
+        if attempts >= self.max_attempts and not special:
             failed = self._record(unit, FAILED, attempts, errors)
             self.storage.replace_if(key, json.dumps(failed).encode(), seen)
             return None, failed

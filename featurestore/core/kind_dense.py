@@ -20,6 +20,7 @@ from featurestore.core import dense_verify, lifecycle, quantize_int8, seals
 from featurestore.core.present import present_chunks
 from featurestore.core.split_kind import Findings, SplitKind, check_chunk_bytes
 from featurestore.core.storage import Storage
+from featurestore.core.string_arrays import put_strings
 from featurestore.core.writer import SplitWriter
 from featurestore.errors import DtypeMismatch, InvalidOption, ShapeMismatch, SplitSettingsMismatch
 from featurestore.format import chunks, dtypes, int8, layout
@@ -145,11 +146,7 @@ def write_arrays(storage: Storage, key: str, meta: SplitMetadata, ids: list[str]
         shape=(meta.num_chunks, stats_row_length(meta)), chunk_rows=1, data_type="float64",
         attributes={"featurestore": {"description": "per-chunk partial sums; see docs/FORMAT.md"}}))
     if ids is not None:
-        import zarr
-
-        array = zarr.create_array(store=storage.zarr_store(read_only=False), name=f"{key}/{layout.IDS}",
-                                  shape=(n,), dtype=str, chunks=(max(1, min(n, 65536)),), overwrite=True)
-        array[:] = np.asarray([str(i) for i in ids], dtype=object)
+        put_strings(storage, f"{key}/{layout.IDS}", [str(i) for i in ids])
 
 
 def done_chunks(storage: Storage, key: str, meta: SplitMetadata, crc: bool = True) -> set[int]:
