@@ -242,3 +242,14 @@ def test_each_slide_keeps_its_own_patch_size(tmp_path: Path) -> None:
     bags = open_store(str(tmp_path / "store")).open_bags("ds", "enc", "train")
     first = h5py.File(tmp_path / "h5" / "A-40x.h5", "r")["coords"].attrs["patch_size_level0"]
     assert bags.patch_sizes() == [int(first), 256, int(first)]  # C: the split's (the first file's)
+
+
+def test_pt_dicts_say_which_keys_are_not_imported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A .pt holding {"features", "coords", ...}: its coords were dropped without a word."""
+    (tmp_path / "pt_files").mkdir()
+    for name in ("a", "b"):
+        torch.save({"features": torch.randn(4, DIM), "coords": torch.arange(8).reshape(4, 2) * 256},
+                   tmp_path / "pt_files" / f"{name}.pt")
+    assert run_import(tmp_path / "pt_files", tmp_path / "store", "--dtype", "float32") == 0
+    out = capsys.readouterr().out
+    assert "only their 'features' are imported; not their 'coords' (first: 'coords' in 'a.pt')" in out, out

@@ -393,3 +393,53 @@ def test_class_names_go_with_the_labels(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "labels.csv").read_text().splitlines() == ["case_id,label", "p1,LUAD", "p2,LUSC",
                                                                           "p3,LUSC"]
+
+
+def test_a_nan_in_an_array_attribute_exports_as_nan(tmp_path: Path) -> None:
+    """An import keeps NaN as JSON null: inside an array, [null, null] made h5py raise a TypeError
+    traceback halfway through the export (earlier slides' files already written)."""
+    store = open_store(str(tmp_path / "store"), mode="a")
+    w = store.create_bag_split("ds", "enc", "s", dim=DIM)
+    for name, mpp in (("a1", [0.25, 0.25]), ("a2", [None, None]), ("a3", [0.5, None])):
+        w.add_bag(name, np.ones((2, DIM), np.float32), coords=np.zeros((2, 2), np.int64),
+                  attrs={"coords": {"mpp_xy": mpp}})
+    w.commit()
+    assert export(tmp_path / "store", "s", "trident", tmp_path / "out") == 0
+    with h5py.File(tmp_path / "out" / "a2.h5") as f:
+        assert np.isnan(f["coords"].attrs["mpp_xy"]).all()
+    with h5py.File(tmp_path / "out" / "a3.h5") as f:
+        assert f["coords"].attrs["mpp_xy"][0] == 0.5 and np.isnan(f["coords"].attrs["mpp_xy"][1])
+
+
+def test_clam_coordinates_are_refused_before_any_file_is_written(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The int32 check ran inside the write loop: a refused bag left the files of the bags before
+    it (a CLAM directory that looked cut short)."""
+    store = open_store(str(tmp_path / "store"), mode="a")
+    w = store.create_bag_split("ds", "enc", "s", dim=DIM)
+    w.add_bag("a", np.ones((2, DIM), np.float32), coords=np.zeros((2, 2), np.int64))
+    w.add_bag("b", np.ones((2, DIM), np.float32), coords=np.full((2, 2), 2**40, np.int64))
+    w.commit()
+    assert export(tmp_path / "store", "s", "clam-pt", tmp_path / "out") == 1
+    assert "bag 'b' of ds/enc/s has coordinates beyond int32" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.*"))
+
+
+def test_another_tools_files_export_with_the_keys_the_target_tool_reads(tmp_path: Path) -> None:
+    """TRIDENT -> clam-pt kept TRIDENT's coords attributes only (no patch_level: CLAM's readers
+    raise KeyError, and its patch_size is at the target magnification); CLAM -> trident had no
+    patch_size_level0 for TRIDENT's slide encoders."""
+    job = tmp_path / "tr"
+    slide_files(job, {"s1": 3}, dtype=np.float16, coords_dtype=np.int64,
+                attrs={"patch_size": 256, "patch_size_level0": 512, "level0_magnification": 40})
+    clam = tmp_path / "clam" / "h5_files"
+    slide_files(clam, {"c1": 3}, dtype=np.float32, coords_dtype=np.int32, attrs={"patch_size": 224, "patch_level": 0})
+    store = tmp_path / "store"
+    import_dir(job, store, "tr")
+    import_dir(clam.parent, store, "cl", "--dtype", "float32")
+    assert export(store, "tr", "clam-pt", tmp_path / "o1") == 0
+    with h5py.File(tmp_path / "o1" / "h5_files" / "s1.h5") as f:
+        assert f["coords"].attrs["patch_level"] == 0 and f["coords"].attrs["patch_size"] == 512
+    assert export(store, "cl", "trident", tmp_path / "o2") == 0
+    with h5py.File(tmp_path / "o2" / "c1.h5") as f:
+        assert f["coords"].attrs["patch_size_level0"] == 224 and f["coords"].attrs["patch_size"] == 224

@@ -109,6 +109,23 @@ def test_nan_and_inf_are_refused(tmp_path: Path, dtype: str) -> None:
     assert not store.storage.exists(chunk_keys(store, "d", "e", "s", "features", 3, 1)[0])
 
 
+@pytest.mark.parametrize("dtype", [">f4", ">f2", ">f8"])
+def test_big_endian_values_are_stored_as_their_values(tmp_path: Path, dtype: str) -> None:
+    """An h5 or npy written big-endian reached the statistics kernel as is: a numba typing error
+    (many lines, the file not named) and a split left writing."""
+    store = _store(tmp_path)
+    x = float32_source(5)
+    w = _create(store, 5, dtype="float32")
+    w.write(0, x.astype(dtype))
+    w.commit()
+    got = store.open("d", "e", "s").read_numpy(np.arange(5))
+    assert got.tobytes() == x.astype(dtype).astype(np.float32).tobytes()
+    bags = store.create_bag_split("d", "e", "b", dim=x.shape[-1])
+    bags.add_bag("a", x[0].astype(dtype))
+    bags.commit()
+    assert np.array_equal(store.open_bags("d", "e", "b").read_numpy("a")[0], x[0].astype(dtype).astype(np.float16))
+
+
 def test_wrong_shape_or_dtype_is_refused(tmp_path: Path) -> None:
     store = _store(tmp_path)
     w = _create(store, 10, label_dtype="int64")

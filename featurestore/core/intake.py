@@ -36,6 +36,8 @@ def as_source(features: Any) -> Any:
     if type(features).__module__.startswith("torch"):
         return features
     array = dtypes.as_numpy(features)
+    if not array.dtype.isnative:  # big-endian (an h5 or npy written so): the kernels read native values
+        array = array.astype(array.dtype.newbyteorder("="))
     kind = dtypes.source_dtype_name(array)
     if kind not in ("float32", "float16", "bfloat16", "float64"):
         raise DtypeMismatch(

@@ -81,6 +81,9 @@ def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str,
     if not bags.ids:
         raise InvalidOption(f"bag split {key} holds no bags: nothing to export")
     scales = _stamp_scales(bags, key, mpp) if fmt == "stamp" else []
+    if fmt == "clam-pt" and bags.coords_unit is not None:  # refused before the first file, not halfway
+        for i in range(len(bags)):
+            _clam_coords(bags.coords.read_numpy(np.arange(bags.offsets[i], bags.offsets[i + 1])), key, bags.ids[i])
     plan = [_files_of(bags, i, fmt, out) for i in range(len(bags))]
     targets = [path for paths in plan for path in paths.values()]
     if bags.labels is not None:
@@ -239,6 +242,14 @@ def _h5_attributes(attrs: dict[str, Any], bags: Any, i: int, fmt: str) -> dict[s
     else what the tool itself would write from the split's settings."""
     kept = _kept_groups(attrs)
     if kept is not None:
+        # Another tool's attributes: the keys the target tool reads are added (CLAM's readers and
+        # heatmaps read patch_size at patch_level, TRIDENT's slide encoders patch_size_level0).
+        size = bags.patch_size_of(i) if bags.coords_unit == "px" else None
+        coords = kept["coords"]
+        if size is not None and fmt == "trident" and "patch_size_level0" not in coords:
+            coords["patch_size_level0"] = size
+        elif size is not None and fmt == "clam-pt" and "patch_level" not in coords:
+            coords.update({"patch_size": size, "patch_level": 0})
         return kept
     root = _bag_root(attrs, table_columns(bags.metadata))
     coords: dict[str, Any] = {"name": bags.ids[i]}
@@ -359,6 +370,9 @@ def _set_attrs(node: Any, attrs: dict[str, Any]) -> None:
     for name, value in attrs.items():
         if value is None:
             continue  # HDF5 has no null attribute (the import kept a NaN as null)
+        if isinstance(value, list) and None in value:  # an array holding NaN, kept as nulls
+            numbers = all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in value)
+            value = [float("nan") if v is None else float(v) for v in value] if numbers else json.dumps(value)
         if isinstance(value, dict) or (isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value)):
             value = json.dumps(value, sort_keys=True)  # nested JSON: kept as its text
         node.attrs[name] = value

@@ -44,6 +44,11 @@ class BagImport(SplitJob):
     def load(self) -> None:
         opts, files = self.opts, self.files
         headers = [files.header(slide) for slide in files.slides]
+        if files.dropped:  # a .pt dict's coords and the like: not imported, said so
+            first_key, where = next(iter(files.dropped.items()))
+            self.notes.append(f"the .pt files are dicts: only their 'features' are imported; not their "
+                              f"{', '.join(repr(k) for k in files.dropped)} (first: {first_key!r} in {where!r}). "
+                              "Import coordinates from per-slide h5 files (CLAM's h5_files)")
         first = headers[0]
         for slide, header in zip(files.slides, headers):
             if header.dim != first.dim:

@@ -114,6 +114,7 @@ class SlideFiles:
         self.directory, self.kind = directory, kind
         names = _files(directory, H5_SUFFIXES if kind == "h5" else PT_SUFFIXES)
         self.hidden = _files(directory, H5_SUFFIXES if kind == "h5" else PT_SUFFIXES, hidden=True)
+        self.dropped: dict[str, str] = {}  # a .pt dict's keys other than features -> the first file holding it
         if not names:
             raise SlideFileError(f"directory {directory!r} has no per-slide {kind} files")
         for name in names:
@@ -205,6 +206,9 @@ class SlideFiles:
             raise SlideFileError(f"cannot read {path!r} as a torch tensor file ({type(error).__name__}: "
                                  f"{' '.join(str(error).split())[:200]})") from None
         if isinstance(value, dict) and "features" in value:
+            for other in value:
+                if other != "features":
+                    self.dropped.setdefault(str(other), os.path.basename(path))
             value = value["features"]
         if not isinstance(value, (torch.Tensor, np.ndarray)):
             raise SlideFileError(f"{path!r} holds a {type(value).__name__}, not a [patches, dim] tensor")
