@@ -588,3 +588,37 @@ def test_a_signal_inside_a_claim_write_is_raised_when_the_write_is_over() -> Non
     assert steps == ["write whole"] and stopped.value.signum == signal.SIGTERM and stop.received == signal.SIGTERM
     stop.check()  # raised once: the clean-up after it runs undisturbed
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_time_to_finish_counts_from_the_runs_first_claim(tmp_path: Path) -> None:
+    """Three workers started together finish their first slides within milliseconds: the pace
+    between the first and last slide done said 0 s to finish with 21 of 24 left."""
+    from featurestore.core.claim_status import progress
+
+    storage = LocalStorage(str(tmp_path))
+    for i in range(3):
+        board = claims.ClaimBoard(storage, "s", lease=120, max_attempts=3, worker=claims.WorkerId(pid=i + 1))
+        held, _ = board.claim(f"slide{i}")
+        assert held is not None and board.finish(held)
+    start = min(r["claimed"] for r in claims.read_records(storage, "s").values())
+    eta = progress(storage, "s", 24, now=start + 30.0)["eta_seconds"]  # 3 done in 30 s: 21 left take 210 s
+    assert eta is not None and abs(eta - 210.0) < 1.0, eta
+
+
+def test_status_of_a_split_a_plain_run_left_counts_what_is_on_storage(tmp_path: Path) -> None:
+    """An interrupted plain import said "slides done 0 ... left 24; 0 worker(s) seen" with all 24
+    bags on storage (status read claims only); a dense split got slides and workers too."""
+    from featurestore import open_store
+
+    store = open_store(str(tmp_path), mode="a")
+    bags = store.create_bag_split("d", "e", "b", dim=4)
+    for i in range(3):
+        bags.add_bag(f"s{i}", np.ones((2, 4), np.float32))
+    bags.close()
+    dense = store.create_split("d", "e", "x", num_samples=8, sample_shape=(4,), dtype="float16", chunk_rows=2)
+    dense.write(0, np.zeros((4, 4), np.float32))
+    dense.close()
+    got = run_cli("status", str(tmp_path), "d", "e", "b", env=cli_env())
+    assert got.returncode == 0 and "writing; 3 bag(s) complete on storage; no --worker claims" in got.stdout, got
+    got = run_cli("status", str(tmp_path), "d", "e", "x", env=cli_env())
+    assert got.returncode == 0 and "writing; 2 of 4 chunks on storage (2 samples each)" in got.stdout, got

@@ -45,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
                   + skipped_text(meta.extra))
             return 0
         state = progress(store.storage, key, run_total(meta.extra))
+        if not (state["workers"] or state["committing"]):  # a plain run (torchrun, one process): no claims
+            print(_plain_run(store.storage, key, meta))
+            return 0
     left = "?" if state["left"] is None else state["left"]
     print(f"split {key}: {meta.status}; slides done {done_text(state)}, claimed {len(state['claimed'])}, "
           f"failed {len(state['failed'])}, left {left} (of {state['total'] or '?'}); "
@@ -64,3 +67,23 @@ def run(args: argparse.Namespace) -> int:
     if state["eta_seconds"] is not None:
         print(f"  estimated time to finish: {state['eta_seconds']:.0f}s")
     return 0
+
+
+def _plain_run(storage: Any, key: str, meta: Any) -> str:
+    """What a split written without --worker holds on storage: its complete bags, or its chunks."""
+    from featurestore.core.claim_status import run_total
+
+    if meta.bags is not None:
+        from featurestore.core.bag_commit import collect
+
+        total = run_total(meta.extra)
+        done = len(collect(storage, key, meta).records)
+        return (f"split {key}: {meta.status}; {done} bag(s) complete on storage"
+                + (f" of {total} slides" if total is not None else "")
+                + "; no --worker claims (a plain run): --resume goes on from them")
+    from featurestore.core.present import present_chunks
+    from featurestore.format.metadata import chunk_arrays
+
+    done = len(present_chunks(storage, key, chunk_arrays(meta)))
+    return (f"split {key}: {meta.status}; {done} of {meta.num_chunks} chunks on storage "
+            f"({meta.chunk_rows} samples each); --resume writes the others")

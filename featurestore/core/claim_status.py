@@ -37,10 +37,12 @@ def progress(storage: Storage, split_key: str, total: int | None, now: float | N
                             "expired": claims.expired(r, now), "attempt": r.get("attempts")})
     left = None if total is None else max(total - len(done) - len(failed), 0)
     eta = None
-    times = sorted(float(r.get("renewed", 0)) for r in done)
-    if left is not None and len(times) >= 2 and times[-1] > times[0]:
-        rate = (len(times) - 1) / (times[-1] - times[0])  # slides per second, all workers together
-        eta = left / rate
+    # The pace since the run's first claim, all workers together: between the first and the last
+    # slide done, workers started together finish their first slides within milliseconds of each
+    # other, and that pace said "0 s" with most of the run left.
+    starts = [float(r["claimed"]) for r in records.values() if isinstance(r.get("claimed"), (int, float))]
+    if left is not None and len(done) >= 2 and starts and now > min(starts):
+        eta = left / (len(done) / (now - min(starts)))
     workers = sorted({r.get("worker") for r in records.values() if r.get("worker")})
     skipped = sorted(u for u, r in records.items() if r.get("state") == claims.DONE and r.get("skipped"))
     # given back by a stopped worker (SIGTERM, Ctrl-C: ClaimBoard.release), for the next worker to take
