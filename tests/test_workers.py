@@ -203,6 +203,18 @@ def test_conditional_writes_enforced(backend: str, tmp_path: Path, request: pyte
     claims.probe(storage, "split")  # the probe passes on a server that enforces them
 
 
+def test_the_probe_refuses_a_server_that_ignores_if_match(tmp_path: Path) -> None:
+    """It tested create-if-absent only: behind a server ignoring If-Match, a worker frozen past its
+    lease renewed a slide another had taken over and encoded it again."""
+    class IgnoresIfMatch(LocalStorage):
+        def replace_if(self, key: str, data: bytes, token: Any) -> Any:
+            self.write(key, data)
+            return self.read_versioned(key)[1]
+
+    with pytest.raises(ConditionalWritesUnsupported, match="stale version .*ignores If-Match"):
+        claims.probe(IgnoresIfMatch(str(tmp_path)), "split")
+
+
 def test_two_takers_of_an_expired_claim_one_wins(tmp_path: Path) -> None:
     storage = LocalStorage(str(tmp_path))
     a = claims.ClaimBoard(storage, "s", lease=1, max_attempts=3, worker=claims.WorkerId(pid=1))

@@ -86,6 +86,15 @@ def probe(storage: Storage, split_key: str) -> None:
             f"{storage.url}: the server accepted a second create of {key!r} (it ignores If-None-Match), so "
             "claims could race: run --worker against a server that enforces conditional writes "
             "(AWS S3, GCS, Azure, SeaweedFS, MinIO; docs/EXTRACT.md) or use torchrun")
+    # A replace with a stale token must fail too: else a worker frozen past its lease renews a
+    # slide another worker took over, and the slide is encoded twice.
+    _, token = storage.read_versioned(key)
+    fresh = storage.replace_if(key, b"3", token)
+    if fresh is not None and storage.replace_if(key, b"4", token) is not None:
+        raise ConditionalWritesUnsupported(
+            f"{storage.url}: the server accepted a replace of {key!r} with a stale version (it ignores "
+            "If-Match), so a worker past its lease could keep a slide another took over: run --worker against a "
+            "server that enforces conditional writes (AWS S3, GCS, Azure, SeaweedFS, MinIO) or use torchrun")
 
 
 def special_key(split_key: str, unit: str) -> str:
