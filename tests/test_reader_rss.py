@@ -190,20 +190,28 @@ _SHUFFLED = _SMALL_BUDGET + textwrap.dedent("""
 """)
 
 
+def _numbered_split(tmp_path: Path, n: int, tokens: int) -> str:
+    """A float16 split ds/enc/wide of ``n`` samples [tokens, DIM] in 2 MiB chunks, each sample's
+    first value its own number (mod 1000), as _SHUFFLED checks; the store's root."""
+    root = str(tmp_path / "store")
+    writer = featurestore.open_store(root, mode="a").create_split("ds", "enc", "wide", num_samples=n,
+                                                                  sample_shape=(tokens, DIM), chunk_bytes=2 << 20)
+    step = max(1, (10 << 20) // (tokens * DIM * 4))
+    block = np.zeros((step, tokens, DIM), np.float32)
+    for start in range(0, n, step):
+        rows = min(step, n - start)
+        block[:rows, 0, 0] = np.arange(start, start + rows) % 1000  # each row says which it is
+        writer.write(start, block[:rows])
+    writer.commit()
+    return root
+
+
 def test_shuffled_wide_rows_add_nothing_to_rss_by_default(tmp_path: Path) -> None:
     """Shuffled 64 KiB rows (FeatureLoader's batches of [32, 1024] float16 samples) from a split
     eleven times the bound, page-cached, default mode: read through the maps' descriptors, they map
     nothing in, so the process's peak RSS stays near the bound. Copied out of the maps uncounted
     before, they left the whole split mapped in (~90 MiB here)."""
-    root = str(tmp_path / "store")
-    n = 1440  # 90 MiB
-    writer = featurestore.open_store(root, mode="a").create_split("ds", "enc", "wide", num_samples=n,
-                                                                  sample_shape=(32, DIM), chunk_bytes=2 << 20)
-    block = np.zeros((160, 32, DIM), np.float32)
-    for start in range(0, n, 160):
-        block[:, 0, 0] = np.arange(start, start + 160) % 1000  # each row says which it is
-        writer.write(start, block)
-    writer.commit()
+    root = _numbered_split(tmp_path, 1440, 32)  # 90 MiB
     result = _small_budget_run(_SHUFFLED, root)
     assert result["mmap"] > 0 and result["wrong"] == 0, result
     assert result["growth"] <= (BOUND_MIB + SLACK_MIB) << 20, (
@@ -216,15 +224,7 @@ def test_shuffled_small_rows_add_nothing_to_rss_by_default(tmp_path: Path, mode:
     times the bound: mapped, they left the whole split in RSS (a walk: 2.0 GB of a 2 GB split);
     read through descriptors by default, the peak stays near the bound. ``unbounded`` keeps them
     mapped, faster, and the split shows in RSS (what this test tells apart)."""
-    root = str(tmp_path / "store")
-    n = 45_000  # 90 MiB of [1024] float16 rows
-    writer = featurestore.open_store(root, mode="a").create_split("ds", "enc", "wide", num_samples=n,
-                                                                  sample_shape=(1, DIM), chunk_bytes=2 << 20)
-    block = np.zeros((5000, 1, DIM), np.float32)
-    for start in range(0, n, 5000):
-        block[:, 0, 0] = np.arange(start, start + 5000) % 1000  # each row says which it is
-        writer.write(start, block)
-    writer.commit()
+    root = _numbered_split(tmp_path, 45_000, 1)  # 90 MiB of [1024] float16 rows
     result = _small_budget_run(_SHUFFLED, root, **({"FEATURESTORE_MAPPED_MIB": "unbounded"} if mode != "default" else {}))
     assert result["mmap"] > 0 and result["wrong"] == 0, result
     bounded = result["growth"] <= (BOUND_MIB + SLACK_MIB) << 20
