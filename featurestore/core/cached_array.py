@@ -20,7 +20,8 @@ The download of chunk ``c`` holds ``flock`` on ``<c>.lock`` (the kernel releases
 dies): another process that needs the chunk waits on the lock and then finds the file, so a host
 downloads each chunk once. The wait is bounded (:data:`LOCK_WAIT_S`): a holder that is stopped
 (Ctrl-Z, a suspended job, a debugger) or wedged would otherwise hang every other process of the
-host that needs the chunk; past it, the rows are read by ranged GETs (one warning per process).
+host that needs the chunk; past it, the rows are read by ranged GETs (one warning per process),
+without waiting again for :data:`LOCKED_OUT_S`.
 Threads of one process share one download (a future per chunk).
 """
 
@@ -52,6 +53,8 @@ _warned_odd_entry = False
 _warned_lock = False
 #: The longest a process waits for another's download of a chunk before reading its rows by ranges.
 LOCK_WAIT_S = 30.0
+#: After such a wait, the chunk is read by ranges without waiting for this long, then tried again.
+LOCKED_OUT_S = 300.0
 
 
 def front(cache: ChunkCache, storage: Any, array_key: str, *, chunk_nbytes: int, ndim: int,
@@ -78,6 +81,7 @@ class CachedArray:
         self._last_use: np.ndarray | None = None  # per chunk: the last plan position that reads it
         self._position: Callable[[], int] = lambda: 0
         self._checked: set[tuple[int, int]] = set()  # (pid, chunk) fetched and checked by that process
+        self._locked_out: dict[int, float] = {}  # chunk -> until when another's stuck download is not waited for
         # The process's one check of this generation of the split, shared by its arrays (features
         # and labels, or features and coords) and its ranged reads: one document GET covers all.
         self._generation = generation.for_split(storage, array_key.rpartition("/")[0], {
@@ -180,11 +184,15 @@ class CachedArray:
             return here
         if not self.cache.writable():
             return False
+        if time.monotonic() < self._locked_out.get(chunk, 0.0):  # its holder still stuck: ranges, no wait
+            return False
         os.makedirs(self.directory, exist_ok=True)  # the cache may have been emptied by hand
         lock_fd = os.open(f"{path}{LOCK_SUFFIX}", os.O_CREAT | os.O_RDWR, 0o644)
         try:
             if not _locked(lock_fd, self.cache.stats):
                 _warn_lock(f"{path}{LOCK_SUFFIX}")
+                # A shuffled epoch reads the chunk again and again: one wait, then ranges for a while.
+                self._locked_out[chunk] = time.monotonic() + LOCKED_OUT_S
                 return False
             if (here := self._here(chunk)) is not None:
                 return here
@@ -231,7 +239,7 @@ def _locked(lock_fd: int, stats: dict[str, int]) -> bool:
     deadline, pause = time.monotonic() + LOCK_WAIT_S, 0.002
     while time.monotonic() < deadline:
         time.sleep(pause)
-        pause = min(pause * 2, 0.1)
+        pause = min(pause * 2, 0.02)  # a download usually ends within ms: seen within 20 ms of it
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from featurestore.core.checked import damage_message
-from featurestore.core.present import present_chunks
 from featurestore.core.storage import Storage
 from featurestore.errors import (
     REPAIR_ADVICE,
@@ -194,15 +193,19 @@ class ScalesTable:
             except Exception as error:  # noqa: BLE001 - zarr's "no array found", or a document that is not JSON
                 raise InvalidMetadata(f"{self._key} ({self.WHAT}) is missing or unreadable on {self._storage.url} "
                                       f"({type(error).__name__}): the split is damaged: {REPAIR_ADVICE}") from None
-            base, name = self._key.rsplit("/", 1)
-            present = present_chunks(self._storage, base, [(name, array.ndim, None)])  # locally: each file
-            absent = np.array(sorted(set(range(int(array.shape[0]))) - present), np.int64)  # one row a chunk
             try:
                 table = np.ascontiguousarray(array[:], dtype=np.float32)
             except FeatureStoreError:
                 raise
             except Exception as error:  # noqa: BLE001 - zarr's crc32c codec or a short chunk: damage
                 raise _damaged(array, self._key, error) from None
+            # zarr reads an absent chunk as its fill value, 0: only an all-zero row (a chunk whose
+            # values are all 0 has one too) is asked about, file by file (no listing: a server's
+            # /zarr route and other HTTP stores list nothing).
+            rows = table.reshape(len(table), -1)
+            zero = np.flatnonzero(~rows.any(axis=1)) if rows.shape[1] else np.zeros(0, np.int64)
+            absent = np.array([c for c in zero.tolist()
+                               if self._storage.size(layout.chunk_key(self._key, c, array.ndim)) is None], np.int64)
             table[absent] = np.nan
             self._table, self._absent = table, absent
         return self._table

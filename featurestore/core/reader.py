@@ -230,10 +230,11 @@ class FeatureArray(CachedPath, RangesPath, BlocksPath, MemoryPath):
         elif out.shape != shape or out.dtype != np.dtype(want) or not out.flags.c_contiguous:
             raise ShapeMismatch(f"out has shape {out.shape} and dtype {out.dtype}; this read needs a "
                                 f"C-contiguous {shape} array of {want}")
-        # The stored rows pass through one small buffer of its own map, piece by piece: a whole
-        # stored copy (and a float32 one) per read held a server's memory at 1.5x each converted
-        # response, from malloc, which kept it after (a walk measured 491 MB idle).
-        rows = max(1, min(len(index), CONVERT_PIECE_BYTES // max(self.sample_nbytes, 1)))
+        # Stored rows pass through one buffer of its own map, piece by piece: a whole stored copy
+        # (and a float32 one) per read held a server at 1.5x each converted response, kept by
+        # malloc (a walk: 491 MB idle). Remote pieces are larger: their requests go together.
+        piece_bytes = CONVERT_PIECE_BYTES * (1 if self.path == "mmap" else 16)
+        rows = max(1, min(len(index), piece_bytes // max(self.sample_nbytes, 1)))
         piece = anonymous(rows * self.sample_nbytes).view(self.numpy_dtype).reshape(rows, *self.sample_shape)
         for lo in range(0, len(index), rows):
             part = index[lo : lo + rows]

@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 from featurestore.errors import DtypeMismatch, Float16Overflow, InvalidLabels, NonFiniteValues, ShapeMismatch
-from featurestore.extract.dist_run import SplitJob, progress_bar
+from featurestore.extract.dist_run import SplitJob, left_out, progress_bar
 from featurestore.extract.import_types import ImportOptions, ImportResult
 from featurestore.extract.input_check import refuse_changed_inputs
 from featurestore.extract.label_csv import read_label_table
@@ -111,7 +111,8 @@ class BagImport(SplitJob):
         return unit.bag_id
 
     def missing_from(self, writer: Any, meta: dict[str, Any]) -> list[str]:
-        return [slide.bag_id for _, slide in self.units(writer)]  # an import makes a bag of every file
+        gone = left_out(meta)  # failed for good by --worker runs
+        return [slide.bag_id for _, slide in self.units(writer) if slide.bag_id not in gone]
 
     def work(self, writer: Any, mine: list[Slide]) -> int:
         return _copy(self.files, writer, mine, self.labels, self.table_attrs, self.opts)

@@ -39,7 +39,7 @@ from featurestore.core.bag_repair import RepairWriter
 from featurestore.errors import InputChanged, InvalidOption
 from featurestore.extract.coords_from import SourceGrid, load_source
 from featurestore.extract.dist import Coordinator, coordinated
-from featurestore.extract.dist_run import progress_bar, run_split
+from featurestore.extract.dist_run import left_out, progress_bar, run_split
 from featurestore.extract.encode_loop import EncodeJob, Progress, autocast, feed, first_sample_dtypes, gathered
 from featurestore.extract.encode_loop import load_encoder_on, num_workers, worker_init
 from featurestore.extract.encoders import Encoder, EncoderError, resolve_layout
@@ -277,8 +277,8 @@ class _SlidesJob(EncodeJob):
                 if ref.id not in done and (repair is None or ref.id in repair)]
 
     def missing_from(self, writer: Any, meta: dict[str, Any]) -> list[str]:
-        left_out = {s.get("id") for what in ("skipped", "failed") for s in meta.get(what) or [] if isinstance(s, dict)}
-        return [ref.id for _, ref in self.units(writer) if ref.id not in left_out]
+        gone = left_out(meta)
+        return [ref.id for _, ref in self.units(writer) if ref.id not in gone]
 
     def unit_id(self, unit: SlideRef) -> str:
         return unit.id
