@@ -99,7 +99,8 @@ class ChunkCache:
         self.max_bytes = int(max_bytes)
         self.stats = {"hits": 0, "fetched": 0, "fetched_bytes": 0, "waited": 0, "not_admitted": 0, "evicted": 0}
         self._used_path = os.path.join(self._root, USED_FILE)
-        self._shared_used(set_to=used)
+        if self._shared_used() is None:  # the first process here (others' counts are kept)
+            self._shared_used(set_to=used)
         self._rescan = False  # the count is not to be trusted (a full disk): scan before admitting
         self._pending = 0  # bytes reserved by this process's downloads not written yet
         self._lock = threading.Lock()
@@ -232,11 +233,14 @@ class ChunkCache:
         lock_fd = os.open(os.path.join(self._root, ".evict.lock"), os.O_CREAT | os.O_RDWR, 0o644)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one evictor at a time across the host
+            before = self._shared_used()
             entries, used = self._scan()
             target = self.max_bytes - nbytes - self._pending  # this process's downloads in flight hold room too
             if used > target:
                 used = self._evict(entries, used, target)
-            self._shared_used(set_to=used)
+            # The scan's count, plus what other processes stored while it ran (not lost to the set).
+            after = self._shared_used()
+            self._shared_used(set_to=used + max(0, (after or 0) - (before or 0)))
             with self._lock:
                 self._rescan = False
                 if used > target:
