@@ -427,3 +427,14 @@ def test_import_of_a_bag_cache_with_dtype_int8(tmp_path: Path, capsys: pytest.Ca
 
 
 
+
+
+def test_float32_max_comes_back_finite() -> None:
+    """Its scale, absmax / 127 rounded up, decoded 127 x scale as inf (the report then null)."""
+    from featurestore.format import int8
+
+    top = np.finfo(np.float32).max
+    scales = int8.scales_for(np.array([top, 1.0], np.float32))
+    values = int8.decode(np.array([[127, 127], [-127, -1]], np.int8), scales)
+    assert np.isfinite(values).all() and abs(float(values[0, 0]) - float(top)) <= float(scales[0])
+    assert scales[1] == np.float32(1.0 / 127)  # every other scale as before

@@ -203,7 +203,8 @@ class BagWriter(split_protocol.SplitSession):
         self.close()
         if split_protocol.committed_elsewhere(self._storage, self._key, self._meta):
             refusal = self._committed_elsewhere()
-            if self._added - self._stored_ids():  # else: every bag of this session is in that commit
+            stored = self._stored_ids()
+            if stored is None or self._added - stored:  # else: every bag of this session is in that commit
                 raise refusal
             self._meta = split_protocol.stored_metadata(self._storage, self._key)
             return self._meta.to_json()
@@ -215,19 +216,25 @@ class BagWriter(split_protocol.SplitSession):
         is dropped (a complete split's segments are gone) and the refusal names its bags that the
         commit did not take."""
         self.abandon()
-        missing = sorted(self._added - self._stored_ids())
+        stored = self._stored_ids()
+        missing = sorted(self._added - (stored or set()))
+        if stored is None:
+            said = f"its bag ids could not be read to compare with this session's {len(self._added)} bags"
+        elif missing:
+            said = f"{len(missing)} of this session's {len(self._added)} bags are not in it (first: {missing[0]!r})"
+        else:
+            said = f"this session's {len(self._added)} bags are in it"
         return SplitExists(
-            f"split {self._key} was committed by another writer session while this one was adding bags: "
-            + (f"{len(missing)} of this session's {len(self._added)} bags are not in it (first: {missing[0]!r})"
-               if missing else f"this session's {len(self._added)} bags are in it")
+            f"split {self._key} was committed by another writer session while this one was adding bags: {said}"
             + ". A complete split takes no more bags: commit once, after every session has closed; to add "
             "bags, write the split again with overwrite=True (--overwrite), every bag included")
 
-    def _stored_ids(self) -> set[str]:
+    def _stored_ids(self) -> set[str] | None:
+        """The committed split's bag ids; None when they cannot be read (then nothing is assumed)."""
         try:
             return set(bag_commit.read_strings(self._storage, f"{self._key}/{bags.BAG_IDS}"))
-        except Exception:  # noqa: BLE001 - unreadable ids: every bag of this session counts as missing
-            return set()
+        except Exception:  # noqa: BLE001 - a refusal follows either way: it says the ids were not read
+            return None
 
     # ------------------------------------------------------------------ input checks
     def _check_open(self, bag_id: str) -> None:

@@ -50,11 +50,25 @@ def encode(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     return ratio.astype(np.int8).reshape(rows.shape), scales.reshape(rows.shape[1:]), saturated
 
 
+def _largest_scale() -> np.float32:
+    """The largest float32 scale whose 127 times is finite in float32."""
+    scale = np.float32(float(np.finfo(np.float32).max) / QMAX)
+    with np.errstate(over="ignore"):
+        while not np.isfinite(np.float32(QMAX) * scale):
+            scale = np.nextafter(scale, np.float32(0))
+    return scale
+
+
+_LARGEST_SCALE = _largest_scale()
+
+
 def scales_for(absmax: np.ndarray) -> np.ndarray:
     """Each position's float32 scale from its float32 absmax over the rows (``absmax / 127``)."""
     scales = (absmax.astype(np.float64) / QMAX).astype(np.float32)
     # A scale below float32's normal range divides inexactly (values of ~1e-40 would come back
-    # saturated): such a position gets the smallest normal scale, its values within 6e-39.
+    # saturated): such a position gets the smallest normal scale, its values within 6e-39. One
+    # rounded up past float32's largest value / 127 would decode 127 as inf: kept below it.
+    scales = np.minimum(scales, _LARGEST_SCALE)
     return np.where(absmax > 0, np.maximum(scales, np.finfo(np.float32).tiny), scales).astype(np.float32)
 
 
