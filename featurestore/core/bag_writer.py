@@ -202,21 +202,24 @@ class BagWriter(split_protocol.SplitSession):
             return self._meta.to_json()
         self.close()
         if split_protocol.committed_elsewhere(self._storage, self._key, self._meta):
-            refusal = self._committed_elsewhere()
             stored = self._stored_ids()
-            if stored is None or self._added - stored:  # else: every bag of this session is in that commit
-                raise refusal
+            if stored is None or self._added - stored:
+                raise self._refusal(stored)
+            # Every bag of this session is in that commit: nothing to lay out, no segment to keep.
+            self.abandon()
             self._meta = split_protocol.stored_metadata(self._storage, self._key)
             return self._meta.to_json()
         self._meta = bag_commit.commit(self._storage, self._key, self._meta, extra=extra)
         return self._meta.to_json()
 
     def _committed_elsewhere(self) -> Exception:
+        return self._refusal(self._stored_ids())
+
+    def _refusal(self, stored: set[str] | None) -> Exception:
         """Another session committed the split while this one added bags: this session's segment
         is dropped (a complete split's segments are gone) and the refusal names its bags that the
-        commit did not take."""
+        commit (its ids ``stored``, None: unreadable) did not take."""
         self.abandon()
-        stored = self._stored_ids()
         missing = sorted(self._added - (stored or set()))
         if stored is None:
             said = f"its bag ids could not be read to compare with this session's {len(self._added)} bags"

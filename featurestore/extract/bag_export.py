@@ -81,9 +81,10 @@ def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str,
     if not bags.ids:
         raise InvalidOption(f"bag split {key} holds no bags: nothing to export")
     scales = _stamp_scales(bags, key, mpp) if fmt == "stamp" else []
-    if fmt == "clam-pt" and bags.coords_unit is not None:  # refused before the first file, not halfway
-        for i in range(len(bags)):
-            _clam_coords(bags.coords.read_numpy(np.arange(bags.offsets[i], bags.offsets[i + 1])), key, bags.ids[i])
+    clam_coords = []  # refused before the first file, not halfway; kept for the writes
+    if fmt == "clam-pt" and bags.coords_unit is not None:
+        clam_coords = [_clam_coords(bags.coords.read_numpy(np.arange(bags.offsets[i], bags.offsets[i + 1])), key,
+                                    bags.ids[i]) for i in range(len(bags))]
     plan = [_files_of(bags, i, fmt, out) for i in range(len(bags))]
     targets = [path for paths in plan for path in paths.values()]
     if bags.labels is not None:
@@ -110,8 +111,7 @@ def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str,
                 as_float32 = dtypes.stored_as_float32(features, logical)
                 _write_pt(paths["pt"], as_float32)
                 if coords is not None:
-                    write_h5(paths["h5"], as_float32, _clam_coords(coords, key, bags.ids[i]),
-                             _h5_attributes(attrs, bags, i, "clam-pt"))
+                    write_h5(paths["h5"], as_float32, clam_coords[i], _h5_attributes(attrs, bags, i, "clam-pt"))
             bar.update(1)
     finally:
         bar.close()

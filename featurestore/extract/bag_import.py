@@ -23,7 +23,7 @@ from typing import Any
 from featurestore.errors import DtypeMismatch, Float16Overflow, InvalidLabels, NonFiniteValues, ShapeMismatch
 from featurestore.extract.dist_run import SplitJob, left_out, progress_bar
 from featurestore.extract.import_types import ImportOptions, ImportResult
-from featurestore.extract.input_check import refuse_changed_inputs
+from featurestore.extract.input_check import refuse_changed_files
 from featurestore.extract.label_csv import read_label_table
 from featurestore.extract.plan import resolve_dtype
 from featurestore.extract.slide_files import PT_SUFFIXES, Slide, SlideFileError, SlideFiles
@@ -99,9 +99,7 @@ class BagImport(SplitJob):
     def check_kept(self, writer: Any) -> None:
         # bags kept from an earlier run must still match their files (extract.input_check)
         slides = self.files.slides
-        kept = [i for i, slide in enumerate(slides) if slide.bag_id in writer.done_ids]
-        refuse_changed_inputs(lambda a, b: [s.path for s in slides[a:b]], [(i, i + 1) for i in kept],
-                              writer.metadata.created, self.key)
+        refuse_changed_files([s.path for s in slides], [s.bag_id for s in slides], writer, self.key)
 
     def units(self, writer: Any) -> list[tuple[int, Slide]]:
         done = writer.done_ids

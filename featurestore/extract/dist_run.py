@@ -251,10 +251,10 @@ def resume_existing(store: Any, dataset: str, encoder_name: str, split: str, *, 
     return True
 
 
-__all__ = ["RankShare", "SplitJob", "UnitShare", "progress_bar", "resume_existing", "run_split"]
-
-
 def left_out(meta: dict[str, Any]) -> set[str]:
     """The units a complete split records it left out: skipped (no tissue, not a slide) or failed
     (``--worker``: after ``--max-attempts``)."""
     return {s.get("id") for what in ("skipped", "failed") for s in meta.get(what) or [] if isinstance(s, dict)}
+
+
+__all__ = ["RankShare", "SplitJob", "UnitShare", "left_out", "progress_bar", "resume_existing", "run_split"]

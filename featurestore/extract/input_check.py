@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from featurestore.errors import InputChanged
@@ -57,6 +57,13 @@ def refuse_changed_inputs(files_of: Callable[[int, int], Iterable[str]], kept: I
                     f"input file {path} was modified at {when}, after split {key} was created ({created}): "
                     "rows already stored came from its old content, so the split cannot be resumed or "
                     "re-checked from it; rerun with --overwrite to redo the split from the new input")
+
+
+def refuse_changed_files(paths: Sequence[str], ids: Sequence[str], writer: Any, key: str) -> None:
+    """:func:`refuse_changed_inputs` for a run of one file per unit (a slide, a per-slide file):
+    the files of the units whose bags a resumed ``writer`` keeps (``ids[i]`` is ``paths[i]``'s)."""
+    kept = [(i, i + 1) for i, unit in enumerate(ids) if unit in writer.done_ids]
+    refuse_changed_inputs(lambda a, b: paths[a:b], kept, writer.metadata.created, key)
 
 
 def refuse_changed_inputs_of(writer: Any, files_of: Callable[[int, int], Iterable[str]], key: str) -> None:

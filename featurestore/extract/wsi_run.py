@@ -43,7 +43,7 @@ from featurestore.extract.dist_run import left_out, progress_bar, run_split
 from featurestore.extract.encode_loop import EncodeJob, Progress, autocast, feed, first_sample_dtypes, gathered
 from featurestore.extract.encode_loop import load_encoder_on, num_workers, worker_init
 from featurestore.extract.encoders import Encoder, EncoderError, resolve_layout
-from featurestore.extract.input_check import refuse_changed_inputs
+from featurestore.extract.input_check import refuse_changed_files
 from featurestore.extract.label_csv import read_label_csv
 from featurestore.extract.options import RunOptions, torch_threads
 from featurestore.extract.sources import Preprocessing
@@ -243,9 +243,8 @@ class _SlidesJob(EncodeJob):
         if recorded.get("slides_digest") in (None, slides_digest(refs)):  # None: a split from before the digest
             # The same list: the slides whose bags are kept must be the files they were made from
             # (a slide re-scanned under its name would leave a split of two scans).
-            kept = [(i, i + 1) for i, ref in enumerate(refs) if ref.id in writer.done_ids]
             try:
-                refuse_changed_inputs(lambda a, b: [r.path for r in refs[a:b]], kept, writer.metadata.created, self.key)
+                refuse_changed_files([r.path for r in refs], [r.id for r in refs], writer, self.key)
             except InputChanged:
                 writer.close()
                 raise

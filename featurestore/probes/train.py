@@ -20,6 +20,7 @@ from torch import nn
 
 from featurestore.core.device import resolve_device
 from featurestore.errors import InvalidLabels, InvalidOption, ShapeMismatch
+from featurestore.probes.chance import class_ids
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -152,10 +153,7 @@ def class_targets(labels: Tensor, ndim: int, device: torch.device, num_classes: 
     if labels.ndim != ndim:
         raise InvalidLabels(f"{needs}, but got labels of shape {tuple(labels.shape)}; {instead}")
     if labels.is_floating_point():  # .long() would truncate 2.5 to 2 and turn NaN into garbage
-        bad = ~torch.isfinite(labels) | (labels != labels.round())
-        if bool(bad.any()):
-            raise InvalidLabels(f"label {labels[bad].flatten()[0].item()!r} is not a class id: a class probe takes "
-                                "whole numbers >= 0; fix the labels, or give a table of class labels (--labels)")
+        class_ids(labels.detach().cpu().numpy(), "a batch's labels")
     return check_class_ids(labels.to(device).long(), num_classes)
 
 

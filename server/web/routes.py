@@ -111,7 +111,7 @@ def split_page(request: Request, dataset: Name, encoder: Name, split: Name, samp
             extra = Html(f"<section><h2>Pictures</h2>{shown}</section>" if tokens else "")
             # The data route serves complete splits only: a split being written shows its document
             json_href = (wire.SPLIT.format(dataset=dataset, encoder=encoder, split=split) if row.status == "complete"
-                         else "/zarr/" + "/".join(key) + "/zarr.json")
+                         else _zarr_document(key))
         stats = None if row.error else web.catalog.channel_stats(*key)
     except FeatureStoreError as error:
         return _error_page(web, error)
@@ -123,10 +123,7 @@ def _number(text: str) -> int:
     text = text.strip()
     if not text:
         return 0
-    try:
-        return int(text)
-    except ValueError:
-        return -1
+    return int(text) if _POSITION.fullmatch(text) else -1
 
 
 def _bags_json_href(request: Request, key: tuple[str, str, str]) -> str:
@@ -134,6 +131,11 @@ def _bags_json_href(request: Request, key: tuple[str, str, str]) -> str:
     split's own document through the raw Zarr routes."""
     if any(getattr(r, "path", "").startswith("/v1/bags/") for r in request.app.routes):
         return "/v1/bags/" + "/".join(key)
+    return _zarr_document(key)
+
+
+def _zarr_document(key: tuple[str, str, str]) -> str:
+    """The split's own ``zarr.json`` through the raw Zarr routes."""
     return "/zarr/" + "/".join(key) + "/zarr.json"
 
 
