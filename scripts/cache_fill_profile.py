@@ -4,7 +4,7 @@ Starts SeaweedFS on loopback, writes one ``[256, 384]`` float16 split, then time
 round after round (alternating order), each into a new empty cache directory:
 
 * ``fill ceiling``: every object GET whole on 8 threads, streamed into preallocated files in
-  1 MiB writes (``featurestore.bench.s3_cache.fill_whole``: no checks, locks, renames);
+  1 MiB writes (:func:`fill_whole`: no checks, locks, renames);
 * ``cache fill only``: the cache's own fill of every chunk (``CachedArray.ensure``: streamed
   GET, size and crc32c, download lock, generation check, rename), no rows delivered;
 * ``cache epoch 1``: a ``FeatureLoader`` shuffled epoch through the empty cache (the fills
@@ -25,8 +25,55 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
+
+
+class CpuClock:
+    """CPU seconds (user + system) of this process so far and of another one (the server, from
+    ``/proc``; None where unreadable): on a shared machine a run's seconds swing with the load,
+    its CPU seconds do not."""
+
+    def __init__(self, other_pid: int) -> None:
+        self.other_pid = other_pid
+
+    def read(self) -> tuple[float, float | None]:
+        try:
+            with open(f"/proc/{self.other_pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return time.process_time(), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return time.process_time(), None
+
+
+def fill_whole(store: Any, keys: list[str], directory: str, in_flight: int = 8) -> int:
+    """GET every object of ``keys`` whole on ``in_flight`` threads, each streamed into a new
+    preallocated file of ``directory`` in 1 MiB writes as it arrives (obstore ``store``): the
+    least that filling any chunk cache costs this machine, without featurestore's checks, locks,
+    renames or batches. The files are removed before it returns. Returns the bytes written."""
+    import obstore
+
+    from featurestore.core.storage.files import PIECE_BYTES, preallocate, stream_parts
+
+    os.makedirs(directory, exist_ok=True)
+
+    def fill(item: tuple[int, str]) -> int:
+        number, key = item
+        result = obstore.get(store, key)
+        size = int(result.meta["size"])
+        with open(os.path.join(directory, str(number)), "wb") as f:
+            preallocate(f.fileno(), size)
+            for piece in result.stream(min_chunk_size=PIECE_BYTES):
+                stream_parts(f, [piece])  # the cache's own writes: pieces of at most 1 MiB
+        return size
+
+    try:
+        with ThreadPoolExecutor(in_flight) as pool:
+            return sum(pool.map(fill, enumerate(keys)))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def main() -> None:
@@ -37,7 +84,6 @@ def main() -> None:
 
     import featurestore
     from client import FeatureDataset, FeatureLoader
-    from featurestore.bench.s3_cache import CpuClock, fill_whole
     from featurestore.testing.seaweedfs import seaweed_server
 
     shape, n = (256, 384), args.num_samples

@@ -20,8 +20,7 @@ page-table entries: the page cache keeps the bytes, and the next touch maps them
 read; a long run with one ``MADV_POPULATE_READ`` call), so reads stay warm while RSS stays bounded,
 at the kernel's cost of mapping pages in again (docs/READS.md has the figures). Shuffled rows
 (:func:`scattered`) are not copied out of the maps but read through their descriptors, which
-maps nothing in (core.mapped_file); with ``FEATURESTORE_MAPPED_MIB=unbounded`` only those of at
-least :data:`LONG_RUN`, smaller ones staying mapped.
+maps nothing in (core.descriptor_reads).
 
 Every use re-checks the mapped file's size with ``fstat`` on the map's own descriptor. A file
 truncated in place under a map raises SIGBUS on the first touch of a page past its new end, which
@@ -36,20 +35,22 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 
 from featurestore.core import open_files, pread
-from featurestore.core.mapped_file import Descriptor, MappedFile, map_file, open_descriptor, read_into
-from featurestore.core.reader_ranges import copy_runs
+from featurestore.core.descriptor_reads import read_rows
+from featurestore.core.mapped_file import Descriptor, MappedFile, map_file, open_descriptor
+from featurestore.core.reader_ranges import SortedRows, copy_runs, is_range
 from featurestore.errors import InvalidOption
 
 _POPULATE_RUN = 256 << 10  # runs shorter than this fault in at the cost of a call or less
 DEFAULT_MAPPED_MIB = 64
-#: ``FEATURESTORE_MAPPED_MIB=unbounded``: shuffled rows under :data:`LONG_RUN` stay mapped, uncounted
-#: (faster, ~1/6 of a small-row epoch, but the pages read stay in the process's RSS).
+#: An earlier setting that kept shuffled rows under 64 KiB mapped: no longer faster, so it means
+#: the default (with a warning).
 UNBOUNDED = "unbounded"
 
 
@@ -65,9 +66,6 @@ class ChunkMaps:
         self._descriptors = 0  # maps holding a descriptor for reads
         self.max_bytes = max_bytes
         self.max_resident = max_bytes if max_resident is None else max_resident
-        # FEATURESTORE_MAPPED_MIB set (shared()): shuffled rows under LONG_RUN are read through
-        # descriptors too (ArrayMaps.gather), at a system call per row.
-        self.strict = False
         self._entries: OrderedDict[tuple[str, int], MappedFile] = OrderedDict()
         self._bytes = 0
         self._touched: OrderedDict[MappedFile, None] = OrderedDict()  # maps with pages mapped in, oldest first
@@ -273,7 +271,8 @@ class ArrayMaps:
             return pread.cached_now(entry.path, entry.inode, rows, width) is True
         return pread.resident(entry.address + rows[0] * width, (rows[-1] - rows[0] + 1) * width) is True
 
-    def gather(self, index: np.ndarray, rows: np.ndarray, populate: bool = False, array_nbytes: int = 0) -> float:
+    def gather(self, index: np.ndarray, rows: np.ndarray, populate: bool = False, array_nbytes: int = 0,
+               pool: pread.ReadPool | None = None) -> float:
         """Copy rows ``index`` of the array into ``rows`` (``[len(index), row bytes]``); returns
         when the newest map it used was opened (monotonic; -inf: none).
 
@@ -286,51 +285,71 @@ class ArrayMaps:
         would raise SIGBUS on the copy). What the copies of a chunk mapped in (whole folios,
         counted once per chunk) goes to :meth:`ChunkMaps.touched` at least every quarter of the
         budget, so one long gather (a whole bag) stays within it too. A :func:`scattered` one is
-        read through the maps' descriptors instead (``preadv``): it maps nothing in, so it adds
-        nothing to RSS and has nothing to count."""
+        read through the maps' descriptors instead (``preadv``, over ``pool``'s threads when
+        large: :mod:`~featurestore.core.descriptor_reads`): it maps nothing in, so it adds nothing
+        to RSS and has nothing to count."""
         chunk_rows, width = self._shape
-        runs, chunks = copy_runs(index, chunk_rows)
         maps, folio, current, newest = shared(), FOLIO, -1, float("-inf")
         nbytes = len(index) * width
-        # Rows under LONG_RUN stay with the maps only when unbounded: there a system call per row
-        # costs more than the copy (a [1024] float16 loader epoch 1.2x the time, docs/READS.md).
-        scatter = scattered(nbytes, chunks, chunk_rows * width, array_nbytes, runs=len(runs), rows=len(index))
-        direct = scatter and (maps.strict or nbytes >= len(runs) * LONG_RUN)
-        # Rows read through a descriptor map nothing and skip the count below; any copied out of a
-        # map (a map without a usable descriptor, too) are counted as before.
-        count = maps.strict or not scatter
+        if is_range(index):
+            runs, _ = copy_runs(index, chunk_rows)
+        else:
+            rows_of = SortedRows(index, chunk_rows)
+            if scattered(nbytes, rows_of.chunks, chunk_rows * width, array_nbytes, runs=len(rows_of.starts),
+                         rows=len(index)) and (opened := self._read_direct(rows_of, rows, pool)) is not None:
+                return opened
+            runs = rows_of.runs()
+        # Rows copied out of a map (scattered ones too where a map has no usable descriptor) are
+        # counted.
         touched: list[tuple[MappedFile, int]] = []
         pending = mapped = mapped_to = 0
-        entry = descriptor = None
+        entry = None
         for chunk, first, target, length in runs:
             if chunk != current:
                 if entry is not None:
                     touched.append((entry, mapped))
                     pending += mapped
-                    if count and pending > maps.max_resident // 4:
+                    if pending > maps.max_resident // 4:
                         maps.touched(touched)
                         touched, pending = [], 0
                 view, entry = self.view(chunk, populate)
                 newest, current, mapped, mapped_to = max(newest, entry.opened), chunk, 0, 0
                 released = entry.resident == 0  # nothing of it mapped in: long runs map in first
-                descriptor = maps.descriptor(entry) if direct else None  # held: stays open while used
-            if descriptor is not None:
-                read_into(descriptor, rows[target : target + length], first * width, entry.path, self._check_size)
-                continue
             if released and length * width >= _POPULATE_RUN:
                 entry.map_in(first * width, length * width)
             if length == 1:
                 rows[target] = view[first]
             else:
                 rows[target : target + length] = view[first : first + length]
-            if count:
-                low = max(first * width // folio * folio, mapped_to)
-                high = -(-(first + length) * width // folio) * folio
-                if high > low:
-                    mapped, mapped_to = mapped + high - low, high
-        if entry is not None and count:
+            low = max(first * width // folio * folio, mapped_to)
+            high = -(-(first + length) * width // folio) * folio
+            if high > low:
+                mapped, mapped_to = mapped + high - low, high
+        if entry is not None:
             touched.append((entry, mapped))
             maps.touched(touched)
+        return newest
+
+    def _read_direct(self, rows_of: SortedRows, rows: np.ndarray, pool: pread.ReadPool | None) -> float | None:
+        """Shuffled rows through their chunks' descriptors (:meth:`gather`); returns when the newest
+        map used was opened, or None (nothing read) when a chunk's map has no usable descriptor
+        (its path names another file now): the gather copies out of the maps then. A file's size
+        is not checked first here: a read of a file shorter than it was is refused as it ends."""
+        maps, newest = shared(), float("-inf")
+        firsts = np.flatnonzero(np.diff(rows_of.chunk, prepend=-1))  # each chunk's first row
+        files: list[tuple[Descriptor, str]] = []
+        for chunk in rows_of.chunk[firsts].tolist():
+            entry = self._seen.get(chunk)
+            descriptor = entry.descriptor if entry is not None and entry.rows is not None else None
+            if descriptor is None:
+                _, entry = self.view(chunk)
+                descriptor = maps.descriptor(entry)
+                if descriptor is None:
+                    return None
+            newest = max(newest, entry.opened)
+            files.append((descriptor, entry.path))
+        file_of = np.cumsum(np.diff(rows_of.chunk, prepend=-1) != 0) - 1
+        read_rows(rows, rows_of.order, files, file_of, rows_of.offset * self._shape[1], self._check_size, pool)
         return newest
 
 
@@ -348,7 +367,6 @@ def shared() -> ChunkMaps:
             maps = open_files.max_maps()  # FEATURESTORE_MAX_MAPS may ask for more than the share
             _SHARED = ChunkMaps(maps, pread.memory_limit() // 2, resident_budget(),
                                 max(maps, open_files.descriptor_share()))
-            _SHARED.strict = bounds_small_rows()
         return _SHARED
 
 
@@ -359,8 +377,7 @@ def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int, *, 
     Through a map each such row maps in a folio around it (up to 2 MiB): counted, they would turn
     the budget over, a release and a fault per row (4x the time of a shuffled batch of 2 KiB rows
     here). So they are read through the maps' descriptors (:meth:`ArrayMaps.gather`), which maps
-    nothing (with ``FEATURESTORE_MAPPED_MIB=unbounded`` only rows of at least :data:`LONG_RUN`;
-    smaller ones then keep their pages mapped in, uncounted).
+    nothing.
 
     Never scattered: ``rows`` in ``runs`` of several rows and :data:`LONG_RUN` each (a bag, a row
     range, the parts of them the first-read check leaves to the maps), which mapped back in cost a
@@ -370,17 +387,14 @@ def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int, *, 
     return 2 * nbytes < chunks * min(FOLIO, chunk_bytes) and array_nbytes > shared().max_resident
 
 
-def bounds_small_rows() -> bool:
-    """Whether the budget binds shuffled rows under :data:`LONG_RUN` too (read through descriptors,
-    a system call a row): RSS is what schedulers kill on. ``FEATURESTORE_MAPPED_MIB=unbounded``
-    keeps those rows mapped (a [1024] float16 epoch ~1.13x faster, its pages in RSS)."""
-    return os.environ.get("FEATURESTORE_MAPPED_MIB", "").strip().lower() != UNBOUNDED
-
-
 def resident_budget() -> int:
     """Bytes of chunk maps the process keeps mapped in (in its RSS): ``FEATURESTORE_MAPPED_MIB``
     (MiB, read on first use), default 64; a working set within it is never mapped in again."""
     text = os.environ.get("FEATURESTORE_MAPPED_MIB", "").strip()
+    if text.lower() == UNBOUNDED:
+        warnings.warn(f"FEATURESTORE_MAPPED_MIB={text} no longer changes reads (shuffled rows under 64 KiB "
+                      "read through descriptors measured faster than out of maps): unset it. Using the default, "
+                      f"{DEFAULT_MAPPED_MIB} MiB", DeprecationWarning, stacklevel=2)
     if not text or text.lower() == UNBOUNDED:
         return DEFAULT_MAPPED_MIB << 20
     try:
@@ -389,8 +403,7 @@ def resident_budget() -> int:
         mib = -1.0
     if not mib > 0:
         raise InvalidOption(f"FEATURESTORE_MAPPED_MIB={text!r} is not a positive number: unset it or give the "
-                            f"MiB of chunk maps a process may keep mapped in, e.g. {DEFAULT_MAPPED_MIB} (or "
-                            f"{UNBOUNDED}: shuffled rows under 64 KiB stay mapped)")
+                            f"MiB of chunk maps a process may keep mapped in, e.g. {DEFAULT_MAPPED_MIB}")
     return int(mib * 2**20)
 
 

@@ -414,7 +414,7 @@ class FeatureArray(CachedPath, RangesPath, BlocksPath, MemoryPath):
         return path
 
     def _gather_mmap(self, index: np.ndarray, rows: np.ndarray, populate: bool = True) -> float:
-        return self._array_maps().gather(index, rows, populate, array_nbytes=self.nbytes)
+        return self._array_maps().gather(index, rows, populate, array_nbytes=self.nbytes, pool=self.read_pool)
 
     # ------------------------------------------------------------------ zarr path
     def _gather_zarr(self, index: np.ndarray, out: np.ndarray) -> None:

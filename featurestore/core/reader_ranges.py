@@ -139,7 +139,6 @@ def copy_runs(index: np.ndarray, chunk_rows: int) -> tuple[list[tuple[int, int, 
     ascending storage order, each consecutive in the chunk and in the output, and how many chunks
     they touch. A contiguous ascending index (a whole bag, a row range) is cut at chunk bounds
     without sorting or per-row lists: for a small bag those passes cost more than its copy."""
-    n = len(index)
     if is_range(index):
         first, stop = int(index[0]), int(index[-1]) + 1
         runs = []
@@ -147,12 +146,34 @@ def copy_runs(index: np.ndarray, chunk_rows: int) -> tuple[list[tuple[int, int, 
             lo, hi = max(first, chunk * chunk_rows), min(stop, (chunk + 1) * chunk_rows)
             runs.append((chunk, lo - chunk * chunk_rows, lo - first, hi - lo))
         return runs, len(runs)
-    order = np.argsort(index, kind="stable")
-    chunk_of, offset = np.divmod(index[order], chunk_rows)
-    chunk_list, offset_list, order_list = chunk_of.tolist(), offset.tolist(), order.tolist()
-    runs = [(chunk_list[start], offset_list[start], order_list[start], stop - start)
-            for start, stop in row_runs(chunk_of, offset, order)]
-    return runs, (1 + int(np.count_nonzero(np.diff(chunk_of))) if n else 0)
+    rows = SortedRows(index, chunk_rows)
+    return rows.runs(), rows.chunks
+
+
+class SortedRows:
+    """An index's rows in ascending storage order: ``order`` (their output rows), ``chunk`` and
+    ``offset`` (row in its chunk) of each, ``starts`` (where each run of rows consecutive in a
+    chunk and in the output begins) and how many ``chunks`` they touch: numpy arrays, so a gather
+    that reads row by row (core.descriptor_reads) makes no Python step per row until it reads."""
+
+    def __init__(self, index: np.ndarray, chunk_rows: int) -> None:
+        n = len(index)
+        self.order = np.argsort(index, kind="stable")
+        self.chunk, self.offset = np.divmod(index[self.order], chunk_rows)
+        if n <= 1:  # one row (the server's single item): no numpy passes for it
+            self.starts, self.chunks = np.zeros(n, np.int64), n
+            return
+        chunk_step = np.diff(self.chunk) != 0
+        step = chunk_step | (np.diff(self.offset) != 1) | (np.diff(self.order) != 1)
+        self.starts = np.concatenate(([0], np.flatnonzero(step) + 1))
+        self.chunks = 1 + int(np.count_nonzero(chunk_step))
+
+    def runs(self) -> list[tuple[int, int, int, int]]:
+        """As :func:`copy_runs` lists them."""
+        starts = self.starts
+        lengths = np.diff(np.append(starts, len(self.order))).tolist()
+        return list(zip(self.chunk[starts].tolist(), self.offset[starts].tolist(), self.order[starts].tolist(),
+                        lengths))
 
 
 def row_runs(chunk_of: np.ndarray, offset: np.ndarray, target: np.ndarray | None = None) -> list[tuple[int, int]]:
