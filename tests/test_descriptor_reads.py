@@ -98,3 +98,24 @@ def test_a_shuffled_gather_over_helpers_reads_each_row_and_maps_nothing_in(tmp_p
     assert calls == [64] * 8  # every batch through the descriptors
     assert chunk_maps.shared().resident_bytes == 0  # nothing mapped in, nothing counted
     chunk_maps.shared().clear()
+
+
+def test_helpers_that_never_start_leave_every_row_to_the_caller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool whose threads are all busy (another array's cold reads, a loader's): the caller reads
+    every row itself and returns without waiting for its queued helpers, which are cancelled."""
+    import threading
+
+    monkeypatch.setattr(descriptor_reads, "PIECE_BYTES", WIDTH)
+    monkeypatch.setattr(descriptor_reads, "cores", lambda: 2)
+    files = _files(tmp_path, 2)
+    pool = pread.ReadPool(2)
+    release = threading.Event()
+    busy = [pool.executor().submit(release.wait, 30) for _ in range(2)]  # both threads held
+    n = 40
+    file_of, row = np.arange(n) % 2, np.arange(n) % ROWS_PER_FILE
+    rows = np.zeros((n, WIDTH), np.uint8)
+    descriptor_reads.read_rows(rows, np.arange(n), files, file_of, row * WIDTH, _refuse_short, pool)
+    assert not any(b.done() for b in busy)  # returned while the pool was still busy: nothing waited for the helper
+    assert np.array_equal(rows[:, 0], ((file_of * 7 + row) % 251).astype(np.uint8))
+    release.set()
+    pool.shutdown()

@@ -56,13 +56,16 @@ def read_rows(rows: np.ndarray, targets: np.ndarray, files: Sequence[tuple[Descr
     if helpers < 1:
         read()
         return
-    # The helpers join as they wake (tens of microseconds on a VM); this thread starts at once.
+    # The helpers join as they wake (tens of microseconds on a VM); this thread starts at once and
+    # reads every row no helper took, so a helper still queued when it is done (a busy pool, a
+    # pool shut down meanwhile) is cancelled instead of waited for: only one that started can be
+    # writing into rows.
     executor = pool.executor()
     futures = [executor.submit(read) for _ in range(helpers)]
     try:
         read()
     finally:
-        errors = [future.exception() for future in futures]  # waits for each
+        errors = [None if future.cancel() else future.exception() for future in futures]
     for error in errors:
         if error is not None:
             raise error
