@@ -119,3 +119,17 @@ def test_helpers_that_never_start_leave_every_row_to_the_caller(tmp_path: Path, 
     assert np.array_equal(rows[:, 0], ((file_of * 7 + row) % 251).astype(np.uint8))
     release.set()
     pool.shutdown()
+
+
+def test_a_pool_that_does_not_share_gathers_lends_no_helper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loader's read pool (its producers already read concurrently): the caller reads alone."""
+    monkeypatch.setattr(descriptor_reads, "PIECE_BYTES", WIDTH)
+    monkeypatch.setattr(descriptor_reads, "cores", lambda: 4)
+    files = _files(tmp_path, 2)
+    pool = pread.ReadPool(4, share_gathers=False)
+    n = 40
+    file_of, row = np.arange(n) % 2, np.arange(n) % ROWS_PER_FILE
+    rows = np.zeros((n, WIDTH), np.uint8)
+    descriptor_reads.read_rows(rows, np.arange(n), files, file_of, row * WIDTH, _refuse_short, pool)
+    assert pool._executor is None  # no thread was started for it
+    assert np.array_equal(rows[:, 0], ((file_of * 7 + row) % 251).astype(np.uint8))

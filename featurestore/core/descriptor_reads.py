@@ -52,7 +52,7 @@ def read_rows(rows: np.ndarray, targets: np.ndarray, files: Sequence[tuple[Descr
                 read_into(descriptor, buffers[i], places[i], path, check_size)  # type: ignore[arg-type]
 
     pool = pool or pread.default_pool()
-    helpers = min(count * width // PIECE_BYTES, cores(), pool.threads) - 1
+    helpers = min(count * width // PIECE_BYTES, cores(), pool.threads) - 1 if pool.share_gathers else 0
     if helpers < 1:
         read()
         return

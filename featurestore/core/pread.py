@@ -47,12 +47,15 @@ class ReadPool:
 
     After a fork the child gets a fresh pool on first use (a forked copy of a pool has no threads),
     so DataLoader workers each read with their own. ``shutdown`` stops the threads.
+    ``share_gathers``: a warm shuffled gather may take helpers from it (core.descriptor_reads);
+    False for a pool whose callers already read concurrently (a loader's producers).
     """
 
-    def __init__(self, threads: int = 8) -> None:
+    def __init__(self, threads: int = 8, *, share_gathers: bool = True) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise InvalidOption(f"read threads must be a positive integer, got {threads!r}")
         self.threads = threads
+        self.share_gathers = share_gathers
         self._executor: ThreadPoolExecutor | None = None
         self._pid = -1
         self._lock = threading.RLock()  # a finalizer's shutdown may run inside executor()
