@@ -133,3 +133,32 @@ def test_a_pool_that_does_not_share_gathers_lends_no_helper(tmp_path: Path, monk
     descriptor_reads.read_rows(rows, np.arange(n), files, file_of, row * WIDTH, _refuse_short, pool)
     assert pool._executor is None  # no thread was started for it
     assert np.array_equal(rows[:, 0], ((file_of * 7 + row) % 251).astype(np.uint8))
+
+
+def test_copies_out_of_the_maps_over_helpers_are_right_and_counted(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row ranges, shuffled wide rows and duplicates of a split within the mapped budget (copied
+    out of the maps, not read through descriptors), a chunk's runs per helper: every row its own,
+    and what was mapped in is counted within the budget."""
+    root = str(tmp_path / "store")
+    n, shape = 300, (8, 256)
+    writer = featurestore.open_store(root, mode="a").create_split("ds", "enc", "s", num_samples=n,
+                                                                  sample_shape=shape, chunk_bytes=64 << 10)
+    values = np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32).astype(np.float16)
+    writer.write(0, values)
+    writer.commit()
+    monkeypatch.setattr(chunk_maps, "_SHARED", chunk_maps.ChunkMaps(64, 1 << 40, 256 << 10))
+    monkeypatch.setattr(descriptor_reads, "PIECE_BYTES", 8 << 10)
+    monkeypatch.setattr(descriptor_reads, "cores", lambda: 3)
+    helped: list[int] = []
+    real = descriptor_reads.share
+    monkeypatch.setattr(descriptor_reads, "share", lambda work, count, *a: helped.append(count) or real(work, count, *a))
+    array = featurestore.open_store(root).open("ds", "enc", "s")
+    array.local_read = "mmap"
+    rng = np.random.default_rng(1)
+    for index in (np.arange(n), np.arange(17, 251), rng.permutation(n)[:120], rng.integers(0, n, 90),
+                  np.arange(n)[::-1].copy()):
+        assert np.array_equal(array.read_numpy(index), values[index])
+        assert chunk_maps.shared().resident_bytes <= chunk_maps.shared().max_resident
+    assert helped and max(helped) > 2  # shared, a chunk's runs an item
+    chunk_maps.shared().clear()

@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from featurestore.core import open_files, pread
+from featurestore.core import descriptor_reads, open_files, pread
 from featurestore.core.descriptor_reads import read_rows
 from featurestore.core.mapped_file import Descriptor, MappedFile, map_file, open_descriptor
 from featurestore.core.reader_ranges import SortedRows, copy_runs, is_range
@@ -284,12 +284,12 @@ class ArrayMaps:
         its map's descriptor right before its rows are copied (a file truncated in place since
         would raise SIGBUS on the copy). What the copies of a chunk mapped in (whole folios,
         counted once per chunk) goes to :meth:`ChunkMaps.touched` at least every quarter of the
-        budget, so one long gather (a whole bag) stays within it too. A :func:`scattered` one is
+        budget, so one long gather (a whole bag) stays within it too; a large one over several
+        chunks is shared with ``pool``'s threads, a chunk's runs each. A :func:`scattered` one is
         read through the maps' descriptors instead (``preadv``, over ``pool``'s threads when
         large: :mod:`~featurestore.core.descriptor_reads`): it maps nothing in, so it adds nothing
         to RSS and has nothing to count."""
         chunk_rows, width = self._shape
-        maps, folio, current, newest = shared(), FOLIO, -1, float("-inf")
         nbytes = len(index) * width
         if is_range(index):
             runs, _ = copy_runs(index, chunk_rows)
@@ -299,8 +299,19 @@ class ArrayMaps:
                          rows=len(index)) and (opened := self._read_direct(rows_of, rows, pool)) is not None:
                 return opened
             runs = rows_of.runs()
-        # Rows copied out of a map (scattered ones too where a map has no usable descriptor) are
-        # counted.
+        if nbytes < 2 * descriptor_reads.PIECE_BYTES or runs[0][0] == runs[-1][0]:
+            return self._copy(runs, rows, populate)
+        # A large copy over several chunks: shared with the pool's threads, a chunk's runs each.
+        bounds = [i for i in range(1, len(runs)) if runs[i][0] != runs[i - 1][0]]
+        parts = [runs[lo:hi] for lo, hi in zip([0, *bounds], [*bounds, len(runs)])]
+        opened: list[float] = []
+        descriptor_reads.share(lambda i: opened.append(self._copy(parts[i], rows, populate)), len(parts), nbytes, pool)
+        return max(opened)
+
+    def _copy(self, runs: list[tuple[int, int, int, int]], rows: np.ndarray, populate: bool) -> float:
+        """The runs' rows out of the maps (:meth:`gather`), counted; returns when the newest map
+        used was opened."""
+        width, maps, folio, current, newest = self._shape[1], shared(), FOLIO, -1, float("-inf")
         touched: list[tuple[MappedFile, int]] = []
         pending = mapped = mapped_to = 0
         entry = None

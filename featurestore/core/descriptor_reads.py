@@ -1,5 +1,5 @@
-"""Shuffled rows read through the chunk files' descriptors, vectorized and over the read pool's
-threads.
+"""Shuffled rows read through the chunk files' descriptors, vectorized; a large gather shared with
+the read pool's threads (:func:`share`: these reads, or a copy out of the maps a chunk at a time).
 
 A gather of shuffled rows reads them with ``preadv`` (nothing mapped in, so nothing added to the
 process's RSS; core.chunk_maps). The kernel's copy out of the page cache runs ~14 GB/s on one core
@@ -30,40 +30,50 @@ PIECE_BYTES = 2 << 20
 def read_rows(rows: np.ndarray, targets: np.ndarray, files: Sequence[tuple[Descriptor, str]], file_of: np.ndarray,
               offsets: np.ndarray, check_size: Callable[[str, int], None], pool: pread.ReadPool | None) -> None:
     """``rows[targets[i]]`` (``rows``: C-contiguous ``[n, row bytes]`` uint8) from byte
-    ``offsets[i]`` of ``files[file_of[i]]`` (its descriptor, held open by ``files``, and path).
-    Returns once every row is read (no thread writes into ``rows`` after), raising the first
-    error; a file that ends first is refused by ``check_size`` (:func:`mapped_file.read_into`)."""
+    ``offsets[i]`` of ``files[file_of[i]]`` (its descriptor, held open by ``files``, and path),
+    shared with ``pool``'s threads (:func:`share`). A file that ends first is refused by
+    ``check_size`` (:func:`mapped_file.read_into`)."""
     width = rows.shape[1]
     flat = memoryview(rows).cast("B")
     fds = [files[k][0].fd for k in file_of.tolist()]
     buffers = [flat[start : start + width] for start in (targets * width).tolist()]
     places = offsets.tolist()
+    preadv = os.preadv
 
-    count = len(buffers)
-    taken = itertools.count()  # each next() is atomic: a thread takes the next row as it gets free
+    def read(i: int) -> None:
+        if preadv(fds[i], [buffers[i]], places[i]) != width:  # short: the whole of it again, or why not
+            descriptor, path = files[int(file_of[i])]
+            read_into(descriptor, buffers[i], places[i], path, check_size)  # type: ignore[arg-type]
 
-    def read() -> None:
-        preadv = os.preadv
+    share(read, len(buffers), len(buffers) * width, pool)
+
+
+def share(work: Callable[[int], None], count: int, nbytes: int, pool: pread.ReadPool | None) -> None:
+    """``work(i)`` for each ``i`` in ``range(count)`` (``nbytes`` in all), each thread taking the
+    next ``i`` as it gets free: this one from the start, helpers from ``pool`` (the default pool's)
+    joining as they wake, one per :data:`PIECE_BYTES`, at most one per core (none when the pool
+    does not share gathers). Returns once every item is done and no helper runs (none writes into
+    the caller's rows after), raising the first error."""
+    pool = pool or pread.default_pool()
+    helpers = min(nbytes // PIECE_BYTES, cores(), pool.threads, count) - 1 if pool.share_gathers else 0
+    taken = itertools.count()  # each next() is atomic
+
+    def run() -> None:
         for i in taken:
             if i >= count:
                 return
-            if preadv(fds[i], [buffers[i]], places[i]) != width:  # short: the whole of it again, or why not
-                descriptor, path = files[int(file_of[i])]
-                read_into(descriptor, buffers[i], places[i], path, check_size)  # type: ignore[arg-type]
+            work(i)
 
-    pool = pool or pread.default_pool()
-    helpers = min(count * width // PIECE_BYTES, cores(), pool.threads) - 1 if pool.share_gathers else 0
     if helpers < 1:
-        read()
+        run()
         return
-    # The helpers join as they wake (tens of microseconds on a VM); this thread starts at once and
-    # reads every row no helper took, so a helper still queued when it is done (a busy pool, a
-    # pool shut down meanwhile) is cancelled instead of waited for: only one that started can be
-    # writing into rows.
+    # The helpers join as they wake (tens of microseconds on a VM). This thread does every item no
+    # helper took, so a helper still queued when it is done (a busy pool, one shut down meanwhile)
+    # is cancelled instead of waited for: only one that started can be writing into rows.
     executor = pool.executor()
-    futures = [executor.submit(read) for _ in range(helpers)]
+    futures = [executor.submit(run) for _ in range(helpers)]
     try:
-        read()
+        run()
     finally:
         errors = [None if future.cancel() else future.exception() for future in futures]
     for error in errors:
