@@ -87,7 +87,8 @@ def test_a_shuffled_gather_over_helpers_reads_each_row_and_maps_nothing_in(tmp_p
     monkeypatch.setattr(descriptor_reads, "cores", lambda: 2)
     calls: list[int] = []
     real = chunk_maps.read_rows
-    monkeypatch.setattr(chunk_maps, "read_rows", lambda rows, *a: calls.append(len(rows)) or real(rows, *a))
+    monkeypatch.setattr(chunk_maps, "read_rows",
+                        lambda rows, targets, *a: calls.append(len(targets)) or real(rows, targets, *a))
     array = featurestore.open_store(root).open("ds", "enc", "s")
     array.local_read = "mmap"
     order = np.random.default_rng(5).permutation(n)
@@ -95,7 +96,7 @@ def test_a_shuffled_gather_over_helpers_reads_each_row_and_maps_nothing_in(tmp_p
         got = array.read_numpy(order[start : start + 64])
         assert np.array_equal(got[:, 0, 0].astype(np.int64), order[start : start + 64])
         assert np.array_equal(got[:, -1, -1].astype(np.int64), -order[start : start + 64])
-    assert calls == [64] * 8  # every batch through the descriptors
+    assert sum(calls) == n  # every row through the descriptors
     assert chunk_maps.shared().resident_bytes == 0  # nothing mapped in, nothing counted
     chunk_maps.shared().clear()
 
@@ -162,3 +163,92 @@ def test_copies_out_of_the_maps_over_helpers_are_right_and_counted(tmp_path: Pat
         assert chunk_maps.shared().resident_bytes <= chunk_maps.shared().max_resident
     assert helped and max(helped) > 2  # shared, a chunk's runs an item
     chunk_maps.shared().clear()
+
+
+def _numbered(tmp_path: Path, n: int, chunk_bytes: int) -> tuple[str, np.ndarray]:
+    root = str(tmp_path / "store")
+    values = np.zeros((n, 4, 256), np.float16)
+    values[:, 0, 0] = np.arange(n)
+    writer = featurestore.open_store(root, mode="a").create_split("ds", "enc", "s", num_samples=n,
+                                                                  sample_shape=(4, 256), chunk_bytes=chunk_bytes)
+    writer.write(0, values)
+    writer.commit()
+    return root, values
+
+
+def test_threads_reading_across_many_chunks_hold_a_bounded_number_of_files(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four threads, each batch over ~100 chunks, maps and descriptors bounded at 8: the files held
+    open stay near that bound. Each read held every touched chunk's descriptor until its end, so
+    the threads together held hundreds (a walk: `Too many open files` under ulimit -n 1024)."""
+    import threading
+
+    root, values = _numbered(tmp_path, 2400, 16 << 10)  # 150 chunks of 8 rows
+    monkeypatch.setattr(chunk_maps, "_SHARED", chunk_maps.ChunkMaps(8, 1 << 40, 64 << 10, max_descriptors=8))
+    opened: list[int] = []
+    real = chunk_maps.read_rows
+    monkeypatch.setattr(chunk_maps, "read_rows",
+                        lambda *a: opened.append(len(os.listdir("/proc/self/fd"))) or real(*a))
+    array = featurestore.open_store(root).open("ds", "enc", "s")
+    array.local_read = "mmap"
+    array.verify_reads = "off"  # the first-read checks open files of their own, for a moment
+    baseline = len(os.listdir("/proc/self/fd"))
+    wrong: list[int] = []
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(15):
+            index = rng.choice(2400, 128, replace=False)
+            if not np.array_equal(array.read_numpy(index), values[index]):
+                wrong.append(seed)
+
+    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong and opened
+    # the shared bound (8) plus a group of 4 chunks a thread, and a few the threads open meanwhile
+    assert max(opened) - baseline <= 8 + 4 * 4 + 8, (baseline, max(opened))
+    chunk_maps.shared().clear()
+
+
+def test_a_chunk_truncated_then_repaired_reads_again_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk file truncated in place is refused by name; once a good copy replaces it (written
+    beside it and renamed, as rsync does), the next read of the same array returns its rows."""
+    root, values = _numbered(tmp_path, 640, 16 << 10)
+    monkeypatch.setattr(chunk_maps, "_SHARED", chunk_maps.ChunkMaps(64, 1 << 40, 64 << 10))
+    array = featurestore.open_store(root).open("ds", "enc", "s")
+    array.local_read = "mmap"
+    index = np.array([3 * 8 + 1, 500, 7], np.int64)  # a row of chunk 3 among others
+    assert np.array_equal(array.read_numpy(index), values[index])  # chunk 3 mapped, its descriptor open
+    path = os.path.join(root, "ds", "enc", "s", "features", "c", "3", "0", "0")
+    good = open(path, "rb").read()
+    os.truncate(path, 100)
+    with pytest.raises(CorruptChunk, match="c/3/0/0 has 100 bytes"):
+        array.read_numpy(index)
+    with open(path + ".tmp", "wb") as f:
+        f.write(good)
+    os.replace(path + ".tmp", path)
+    assert np.array_equal(array.read_numpy(index), values[index])
+    chunk_maps.shared().clear()
+
+
+def test_a_pool_shut_down_under_a_read_leaves_its_rows_to_the_caller(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = _files(tmp_path, 2)
+    pool = pread.ReadPool(4)
+    closed = ThreadPoolExecutor(2)
+    closed.shutdown()
+    pool.executor = lambda: closed  # type: ignore[method-assign]  # shut down between the lookup and the submit
+    n = 40
+    file_of, row = np.arange(n) % 2, np.arange(n) % ROWS_PER_FILE
+    rows = np.zeros((n, WIDTH), np.uint8)
+    original = descriptor_reads.PIECE_BYTES
+    try:
+        descriptor_reads.PIECE_BYTES = WIDTH
+        descriptor_reads.read_rows(rows, np.arange(n), files, file_of, row * WIDTH, _refuse_short, pool)
+    finally:
+        descriptor_reads.PIECE_BYTES = original
+    assert np.array_equal(rows[:, 0], ((file_of * 7 + row) % 251).astype(np.uint8))

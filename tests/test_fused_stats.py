@@ -289,3 +289,24 @@ def test_wide_values_are_summed_in_float64_as_the_numpy_reference(source: str, s
     if not is_exact(source, stored):  # exact storage has no error figures to take
         wide = reference_input.astype(np.float64)
         np.testing.assert_allclose(got.rows.sq_source, (wide**2).reshape(4, -1).sum(axis=1), rtol=1e-12)
+
+
+def test_a_forked_child_writes_after_its_parent_wrote(tmp_path: Path) -> None:
+    """The child of a process that wrote (its statistics pools made) writes too: it inherited the
+    pools without their threads, and its first write waited on them forever."""
+    import multiprocessing
+
+    def write(name: str) -> None:
+        writer = featurestore.open_store(str(tmp_path), mode="a").create_split(
+            "ds", "enc", name, num_samples=600, sample_shape=(64,), chunk_rows=23, dtype="float32")
+        writer.write(0, np.ones((600, 64), np.float32))
+        writer.commit()
+
+    write("parent")
+    child = multiprocessing.get_context("fork").Process(target=write, args=("child",))
+    child.start()
+    child.join(60)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+    assert not hung and child.exitcode == 0, "the forked child's write hung or failed"

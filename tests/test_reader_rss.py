@@ -164,7 +164,7 @@ def test_mapped_budget_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.delenv("FEATURESTORE_MAPPED_MIB")
     assert chunk_maps.resident_budget() == chunk_maps.DEFAULT_MAPPED_MIB << 20
     monkeypatch.setenv("FEATURESTORE_MAPPED_MIB", "Unbounded")  # an earlier setting: the default now, said so
-    with pytest.warns(DeprecationWarning, match="FEATURESTORE_MAPPED_MIB=Unbounded no longer changes reads"):
+    with pytest.warns(FutureWarning, match="FEATURESTORE_MAPPED_MIB=Unbounded no longer changes reads"):
         assert chunk_maps.resident_budget() == chunk_maps.DEFAULT_MAPPED_MIB << 20
     for bad in ("0", "-3", "lots"):
         monkeypatch.setenv("FEATURESTORE_MAPPED_MIB", bad)
@@ -218,17 +218,15 @@ def test_shuffled_wide_rows_add_nothing_to_rss_by_default(tmp_path: Path) -> Non
         f"VmRSS grew by {result['growth'] / 2**20:.0f} MiB over a shuffled epoch of a 90 MiB split, bound {BOUND_MIB} MiB")
 
 
-@pytest.mark.parametrize("mode", ["default", "unbounded"])
-def test_shuffled_small_rows_add_nothing_to_rss_by_default(tmp_path: Path, mode: str) -> None:
+def test_shuffled_small_rows_add_nothing_to_rss_by_default(tmp_path: Path) -> None:
     """Shuffled 2 KiB rows (embeddings, class tokens: a linear probe's split) from a split eleven
     times the bound: mapped, they left the whole split in RSS (a walk: 2.0 GB of a 2 GB split);
-    read through descriptors, the peak stays near the bound. ``unbounded``, an earlier setting that
-    kept them mapped, is the default now (reading them so measured faster)."""
+    read through descriptors, the peak stays near the bound."""
     root = _numbered_split(tmp_path, 45_000, 1)  # 90 MiB of [1024] float16 rows
-    result = _small_budget_run(_SHUFFLED, root, **({"FEATURESTORE_MAPPED_MIB": "unbounded"} if mode != "default" else {}))
+    result = _small_budget_run(_SHUFFLED, root)
     assert result["mmap"] > 0 and result["wrong"] == 0, result
     assert result["growth"] <= (BOUND_MIB + SLACK_MIB) << 20, (
-        f"{mode}: VmRSS grew by {result['growth'] / 2**20:.0f} MiB, bound {BOUND_MIB}")
+        f"VmRSS grew by {result['growth'] / 2**20:.0f} MiB, bound {BOUND_MIB}")
 
 
 def test_a_file_truncated_under_a_descriptor_read_is_refused_by_name(tmp_path: Path) -> None:

@@ -343,24 +343,31 @@ class ArrayMaps:
 
     def _read_direct(self, rows_of: SortedRows, rows: np.ndarray, pool: pread.ReadPool | None) -> float | None:
         """Shuffled rows through their chunks' descriptors (:meth:`gather`); returns when the newest
-        map used was opened, or None (nothing read) when a chunk's map has no usable descriptor
-        (its path names another file now): the gather copies out of the maps then. A file's size
-        is not checked first here: a read of a file shorter than it was is refused as it ends."""
-        maps, newest = shared(), float("-inf")
-        firsts = np.flatnonzero(np.diff(rows_of.chunk, prepend=-1))  # each chunk's first row
-        files: list[tuple[Descriptor, str]] = []
-        for chunk in rows_of.chunk[firsts].tolist():
-            entry = self._seen.get(chunk)
-            descriptor = entry.descriptor if entry is not None and entry.rows is not None else None
-            if descriptor is None:
-                _, entry = self.view(chunk)
-                descriptor = maps.descriptor(entry)
+        map used was opened, or None when a chunk's map has no usable descriptor (its path names
+        another file now): the gather copies every row out of the maps then. Each chunk's size is
+        checked on its map first, as for a copy (a file truncated or replaced since is mapped again,
+        or refused, by :meth:`view`). The descriptors are taken a group of chunks at a time: held
+        until their rows are read, those of a read over hundreds of chunks, by several threads at
+        once, outnumbered what the process may open (their maps evicted meanwhile)."""
+        maps, newest, width = shared(), float("-inf"), self._shape[1]
+        starts = np.flatnonzero(np.diff(rows_of.chunk, prepend=-1)).tolist()  # each chunk's first row
+        chunks = rows_of.chunk[starts].tolist()
+        group = max(4, maps.max_descriptors // 4)
+        for lo in range(0, len(chunks), group):
+            files: list[tuple[Descriptor, str]] = []
+            for chunk in chunks[lo : lo + group]:
+                entry = self._seen.get(chunk)
+                descriptor = entry.descriptor if entry is not None and entry.checked_rows() is not None else None
                 if descriptor is None:
-                    return None
-            newest = max(newest, entry.opened)
-            files.append((descriptor, entry.path))
-        file_of = np.cumsum(np.diff(rows_of.chunk, prepend=-1) != 0) - 1
-        read_rows(rows, rows_of.order, files, file_of, rows_of.offset * self._shape[1], self._check_size, pool)
+                    _, entry = self.view(chunk)
+                    descriptor = maps.descriptor(entry)
+                    if descriptor is None:
+                        return None
+                newest = max(newest, entry.opened)
+                files.append((descriptor, entry.path))
+            part = slice(starts[lo], starts[lo + group] if lo + group < len(chunks) else len(rows_of.order))
+            file_of = np.cumsum(np.diff(rows_of.chunk[part], prepend=-1) != 0) - 1
+            read_rows(rows, rows_of.order[part], files, file_of, rows_of.offset[part] * width, self._check_size, pool)
         return newest
 
 
@@ -403,9 +410,10 @@ def resident_budget() -> int:
     (MiB, read on first use), default 64; a working set within it is never mapped in again."""
     text = os.environ.get("FEATURESTORE_MAPPED_MIB", "").strip()
     if text.lower() == UNBOUNDED:
+        # FutureWarning: shown by default (a DeprecationWarning from inside the library is not).
         warnings.warn(f"FEATURESTORE_MAPPED_MIB={text} no longer changes reads (shuffled rows under 64 KiB "
                       "read through descriptors measured faster than out of maps): unset it. Using the default, "
-                      f"{DEFAULT_MAPPED_MIB} MiB", DeprecationWarning, stacklevel=2)
+                      f"{DEFAULT_MAPPED_MIB} MiB", FutureWarning, stacklevel=2)
     if not text or text.lower() == UNBOUNDED:
         return DEFAULT_MAPPED_MIB << 20
     try:

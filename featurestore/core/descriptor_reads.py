@@ -68,10 +68,16 @@ def share(work: Callable[[int], None], count: int, nbytes: int, pool: pread.Read
         run()
         return
     # The helpers join as they wake (tens of microseconds on a VM). This thread does every item no
-    # helper took, so a helper still queued when it is done (a busy pool, one shut down meanwhile)
-    # is cancelled instead of waited for: only one that started can be writing into rows.
-    executor = pool.executor()
-    futures = [executor.submit(run) for _ in range(helpers)]
+    # helper took, so a helper still queued when it is done (a busy pool) is cancelled instead of
+    # waited for, and one the pool would not take (shut down meanwhile) is not needed: only one
+    # that started can be writing into rows, and it is waited for.
+    futures = []
+    try:
+        executor = pool.executor()
+        for _ in range(helpers):
+            futures.append(executor.submit(run))
+    except RuntimeError:  # the pool shut down meanwhile: this thread goes on with what it took
+        pass
     try:
         run()
     finally:

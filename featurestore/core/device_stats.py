@@ -108,6 +108,10 @@ def _run(source: torch.Tensor, logical: str, channels: int, start: int, cap: boo
 _STATS_THREAD: list[ThreadPoolExecutor] = []
 
 
+# A forked child inherits the executor without its thread: work given to it would wait forever.
+os.register_at_fork(after_in_child=_STATS_THREAD.clear)
+
+
 def _stats_thread() -> ThreadPoolExecutor:
     if not _STATS_THREAD:
         _STATS_THREAD.append(ThreadPoolExecutor(1, thread_name_prefix="featurestore-stats"))

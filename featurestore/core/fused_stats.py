@@ -219,6 +219,16 @@ def _run(kernel: Any, args: tuple[Any, ...], items: int, threads: int) -> None:
 run_items = _run  # the int8 kernel's share of the same threads (core.quantize_int8)
 
 
+def _after_fork_in_child() -> None:
+    global _POOL_LOCK
+    # A forked child inherits the pool without its threads: work given to it would wait forever.
+    _POOL.clear()
+    _POOL_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _pool(workers: int) -> ThreadPoolExecutor:
     with _POOL_LOCK:
         if not _POOL or _POOL[0][0] < workers:

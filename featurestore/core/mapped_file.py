@@ -7,9 +7,9 @@ Its rows are read two ways:
   the process's RSS until they are released (:meth:`MappedFile.release`);
 * through a descriptor (:func:`read_into`, ``preadv``; opened by ``ChunkMaps.descriptor``): the
   kernel copies the rows out of the page cache and maps nothing, so nothing is added to RSS. For
-  shuffled rows of 64 KiB and more (still much smaller than a folio) this costs what the copy out
-  of the map costs (one system call per row against the faults that map the row in) and keeps a
-  shuffled epoch of any split out of the process's RSS. The descriptor is opened on first need
+  shuffled rows (much smaller than a folio) this costs about what the copy out of the map costs
+  (one system call per row against the faults that map the row in; core.descriptor_reads) and
+  keeps a shuffled epoch of any split out of the process's RSS. The descriptor is opened on first need
   (:func:`open_descriptor`) and used only if it names the very file that was mapped (same inode
   and size): a file replaced at the same path since is never read by mistake. A map that is only
   ever copied from holds none.
