@@ -241,3 +241,40 @@ def test_a_pool_shut_down_under_a_read_leaves_its_rows_to_the_caller(tmp_path: P
     finally:
         descriptor_reads.PIECE_BYTES = original
     assert np.array_equal(rows[:, 0], ((file_of * 7 + row) % 251).astype(np.uint8))
+
+
+_LOW_LIMIT = """
+import resource, sys, threading
+import numpy as np
+import featurestore
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+arr = featurestore.open_store(sys.argv[1]).open("ds", "enc", "s")  # first reads checked (crc32c)
+values = np.load(sys.argv[2])
+errors = []
+def go(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        index = rng.choice(len(values), 64, replace=False)
+        try:
+            assert np.array_equal(arr.read_numpy(index), values[index])
+        except Exception as error:
+            errors.append(repr(error)[:200])
+threads = [threading.Thread(target=go, args=(seed,)) for seed in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(len(errors), errors[:2])
+"""
+
+
+def test_threads_reading_many_chunks_first_time_under_a_low_descriptor_limit(tmp_path: Path) -> None:
+    """ulimit -n 64, four threads, each batch's first read checking ~60 chunk files: no
+    `Too many open files` (the check opened every file of a read at once: 36 of 80 reads failed)."""
+    import subprocess
+    import sys
+
+    root, values = _split(tmp_path, 4000, (128,), 20 * 128 * 2)  # 200 chunks of 20 rows
+    np.save(tmp_path / "values.npy", values)
+    done = subprocess.run([sys.executable, "-c", _LOW_LIMIT, root, str(tmp_path / "values.npy")],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("0 "), done.stdout
