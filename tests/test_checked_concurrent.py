@@ -128,3 +128,30 @@ def test_streamed_check_finds_what_the_whole_chunk_check_finds(tmp_path: Any, mo
             good_, payload_, trailer_, short_, empty_ = streamed[:5]
             assert good_ is None and "crc32c" in payload_ and "crc32c" in trailer_
             assert "size" in short_ and empty_ == "empty file"
+
+
+def test_files_checked_a_group_at_a_time_keep_their_positions(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten files, four open at a time (a low descriptor limit): each reason, and each question to
+    ``inspect``, is about the file at its own position."""
+    import crc32c
+
+    from featurestore.core import open_files
+
+    monkeypatch.setattr(open_files, "descriptor_share", lambda: 16)  # groups of 4
+    paths = []
+    for k in range(10):
+        payload = bytes([k]) * 1000
+        path = tmp_path / f"c{k}"
+        trailer = crc32c.crc32c(payload).to_bytes(4, "little")
+        path.write_bytes(payload + (b"\0\0\0\0" if k == 5 else trailer))  # 5: a wrong crc32c
+        paths.append(str(path))
+    asked: list[tuple[int, int]] = []
+
+    def inspect(k: int, chunk: memoryview) -> str | None:
+        asked.append((k, chunk[0]))
+        return "not this position's chunk" if k == 7 else None
+
+    reasons = checked.check_files(paths, 1000, None, inspect)
+    assert [k for k, r in enumerate(reasons) if r] == [5, 7] and "crc32c" in reasons[5]
+    assert reasons[7] == "not this position's chunk"
+    assert sorted(asked) == [(k, k) for k in range(10) if k != 5]
