@@ -350,8 +350,9 @@ class ArrayMaps:
         until their rows are read, those of a read over hundreds of chunks, by several threads at
         once, outnumbered what the process may open (their maps evicted meanwhile)."""
         maps, newest, width = shared(), float("-inf"), self._shape[1]
-        starts = np.flatnonzero(np.diff(rows_of.chunk, prepend=-1)).tolist()  # each chunk's first row
+        starts = rows_of.chunk_starts.tolist()  # each chunk's first row
         chunks = rows_of.chunk[starts].tolist()
+        file_of = np.repeat(np.arange(len(chunks)), np.diff([*starts, len(rows_of.order)]))  # each row's chunk
         group = max(4, maps.max_descriptors // 4)
         for lo in range(0, len(chunks), group):
             files: list[tuple[Descriptor, str]] = []
@@ -366,8 +367,8 @@ class ArrayMaps:
                 newest = max(newest, entry.opened)
                 files.append((descriptor, entry.path))
             part = slice(starts[lo], starts[lo + group] if lo + group < len(chunks) else len(rows_of.order))
-            file_of = np.cumsum(np.diff(rows_of.chunk[part], prepend=-1) != 0) - 1
-            read_rows(rows, rows_of.order[part], files, file_of, rows_of.offset[part] * width, self._check_size, pool)
+            read_rows(rows, rows_of.order[part], files, file_of[part] - lo, rows_of.offset[part] * width,
+                      self._check_size, pool)
         return newest
 
 
@@ -414,7 +415,8 @@ def resident_budget() -> int:
         warnings.warn(f"FEATURESTORE_MAPPED_MIB={text} no longer changes reads (shuffled rows under 64 KiB "
                       "read through descriptors measured faster than out of maps): unset it. Using the default, "
                       f"{DEFAULT_MAPPED_MIB} MiB", FutureWarning, stacklevel=2)
-    if not text or text.lower() == UNBOUNDED:
+        return DEFAULT_MAPPED_MIB << 20
+    if not text:
         return DEFAULT_MAPPED_MIB << 20
     try:
         mib = float(text)

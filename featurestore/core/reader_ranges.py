@@ -153,20 +153,23 @@ def copy_runs(index: np.ndarray, chunk_rows: int) -> tuple[list[tuple[int, int, 
 class SortedRows:
     """An index's rows in ascending storage order: ``order`` (their output rows), ``chunk`` and
     ``offset`` (row in its chunk) of each, ``starts`` (where each run of rows consecutive in a
-    chunk and in the output begins) and how many ``chunks`` they touch: numpy arrays, so a gather
-    that reads row by row (core.descriptor_reads) makes no Python step per row until it reads."""
+    chunk and in the output begins), ``chunk_starts`` (where each chunk's rows begin) and how many
+    ``chunks`` they touch: numpy arrays, so a gather that reads row by row (core.descriptor_reads)
+    makes no Python step per row until it reads."""
 
     def __init__(self, index: np.ndarray, chunk_rows: int) -> None:
         n = len(index)
         self.order = np.argsort(index, kind="stable")
         self.chunk, self.offset = np.divmod(index[self.order], chunk_rows)
         if n <= 1:  # one row (the server's single item): no numpy passes for it
-            self.starts, self.chunks = np.zeros(n, np.int64), n
+            self.starts = self.chunk_starts = np.zeros(n, np.int64)
+            self.chunks = n
             return
         chunk_step = np.diff(self.chunk) != 0
         step = chunk_step | (np.diff(self.offset) != 1) | (np.diff(self.order) != 1)
         self.starts = np.concatenate(([0], np.flatnonzero(step) + 1))
-        self.chunks = 1 + int(np.count_nonzero(chunk_step))
+        self.chunk_starts = np.concatenate(([0], np.flatnonzero(chunk_step) + 1))
+        self.chunks = len(self.chunk_starts)
 
     def runs(self) -> list[tuple[int, int, int, int]]:
         """As :func:`copy_runs` lists them."""
