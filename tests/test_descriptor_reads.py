@@ -165,12 +165,19 @@ def test_copies_out_of_the_maps_over_helpers_are_right_and_counted(tmp_path: Pat
     chunk_maps.shared().clear()
 
 
+@pytest.mark.parametrize("helpers", [False, True])
 def test_threads_reading_across_many_chunks_hold_a_bounded_number_of_files(tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            helpers: bool) -> None:
     """Four threads, each batch over ~100 chunks, maps and descriptors bounded at 8: the files held
     open stay near that bound. Each read held every touched chunk's descriptor until its end, so
-    the threads together held hundreds (a walk: `Too many open files` under ulimit -n 1024)."""
+    the threads together held hundreds (a walk: `Too many open files` under ulimit -n 1024); with
+    helpers, the cancelled ones left queued in the busy pool held their reads' descriptors (150)."""
     import threading
+
+    if helpers:
+        monkeypatch.setattr(descriptor_reads, "PIECE_BYTES", 4096)
+        monkeypatch.setattr(descriptor_reads, "cores", lambda: 3)
 
     root, values = _split(tmp_path, 2400, (4, 256), 16 << 10)  # 150 chunks of 8 rows
     monkeypatch.setattr(chunk_maps, "_SHARED", chunk_maps.ChunkMaps(8, 1 << 40, 64 << 10, max_descriptors=8))

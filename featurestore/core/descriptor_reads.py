@@ -71,17 +71,26 @@ def share(work: Callable[[int], None], count: int, nbytes: int, pool: pread.Read
     # helper took, so a helper still queued when it is done (a busy pool) is cancelled instead of
     # waited for, and one the pool would not take (shut down meanwhile) is not needed: only one
     # that started can be writing into rows, and it is waited for.
+    # A cancelled helper stays in the pool's queue until a thread pops it: it reaches the work (and
+    # the descriptors it holds open) only through this cell, emptied on the way out.
+    cell = [run]
+
+    def helper() -> None:
+        if cell:
+            cell[0]()
+
     futures = []
     try:
         executor = pool.executor()
         for _ in range(helpers):
-            futures.append(executor.submit(run))
+            futures.append(executor.submit(helper))
     except RuntimeError:  # the pool shut down meanwhile: this thread goes on with what it took
         pass
     try:
         run()
     finally:
         errors = [None if future.cancel() else future.exception() for future in futures]
+        cell.clear()
     for error in errors:
         if error is not None:
             raise error
