@@ -24,6 +24,8 @@ def test_quick_cold_bench_in_the_report(tmp_path: Path) -> None:
     assert set(shape["rows"]) >= {"device limit", "pread reference", "np.memmap gather", "FeatureArray.read",
                                   "FeatureLoader"}
     assert all(row["gb_per_s"] > 0 for row in shape["rows"].values())
+    # Cold means cold: no map of the readers' or of np.memmap's kept pages past an eviction.
+    assert {name: row["cached_after_evict"] for name, row in shape["rows"].items()} == dict.fromkeys(shape["rows"], 0)
     markdown = (out / "report.md").read_text()
     assert "cold [64x384] float16 (page cache cold)" in markdown and "parallel-pread reference" in markdown
     assert any(title.startswith("cold [") for title in report.throughput_rows(data))

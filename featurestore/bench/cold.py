@@ -6,7 +6,6 @@ What it measures: docs/BENCHMARKS.md, "What each bench measures".
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import shutil
 import threading
@@ -23,7 +22,7 @@ from featurestore.bench.reading import label
 from featurestore.core.buffers import aligned_empty
 from featurestore.errors import InvalidOption
 from featurestore.format import int8 as int8_format
-from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
+from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup, resident_bytes
 
 BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
 # Loader epochs to float32 values on the float16 split and on the int8 one (whose loader
@@ -158,7 +157,8 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
         finally:
             os.close(fd)
 
-    memmap = np.memmap(raw_path, dtype=dtype, mode="r", shape=(n, *shape))
+    def memmap() -> np.memmap:  # made per epoch: a map kept open would keep its pages past the next eviction
+        return np.memmap(raw_path, dtype=dtype, mode="r", shape=(n, *shape))
 
     def budget(fn: Any, slow: bool) -> int:
         """Bytes of ``fn(batch)`` over the epoch; a slow row stops after its time budget (GB/s is
@@ -174,7 +174,12 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
         array = featurestore.open_store(store_dir).open("bench", "enc", "train")
         return budget(lambda idx: array.read(idx).nbytes, slow=False)
 
-    memmap_gather = functools.partial(budget, lambda idx: memmap[idx].nbytes, slow=True)
+    def memmap_gather() -> int:
+        raw = [memmap()]
+        try:
+            return budget(lambda idx: raw[0][idx].nbytes, slow=True)
+        finally:
+            raw.clear()  # fancy indexing copies: nothing else holds the map, which closes here
 
     int8_dir = os.path.join(base, "store-int8")
 
@@ -196,6 +201,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     peaks: dict[str, int] = {}
     errors: dict[str, str] = {}
     seconds: dict[str, list[float]] = {}
+    left: dict[str, int] = {}  # bytes still cached after each method's eviction, the most over the repeats
 
     def method(name: str) -> Method:
         def rate() -> float:
@@ -210,7 +216,9 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
             return gbps(nbytes, elapsed)
 
         def setup() -> None:
+            harness.unmap()  # the readers' maps of chunk files: a mapped page outlives the eviction
             harness.evict(store_dir, raw_path, int8_dir)  # int8_dir: absent unless int8 is measured
+            left[name] = max(left.get(name, 0), resident_bytes(store_dir, raw_path, int8_dir))
             harness.peak_reset()
         return Method(name, rate, setup, lambda: peaks.__setitem__(name, max(peaks.get(name, 0), harness.peak_rss())),
                       own=True)
@@ -219,9 +227,9 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     rates = {name: [r for r in values if r == r] for name, values in times.items()}
     # Same bytes: the reader's and the loader's first batch against the raw file.
     array = featurestore.open_store(store_dir).open("bench", "enc", "train")
-    same = array.read_numpy(batches[0]).tobytes() == memmap[batches[0]].tobytes()
+    same = array.read_numpy(batches[0]).tobytes() == memmap()[batches[0]].tobytes()
     rows = {name: {"gb_per_s": float(np.median(r)), "all_gb_per_s": r, "all_seconds": seconds[name],
-                   "peak_rss": peaks[name]} for name, r in rates.items() if r}
+                   "peak_rss": peaks[name], "cached_after_evict": left[name]} for name, r in rates.items() if r}
     return {"rows": rows, "repeats": config["repeats"], "same_bytes": same, "errors": errors}
 
 

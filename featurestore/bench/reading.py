@@ -170,6 +170,11 @@ def _cold(r: dict[str, Any], out: Reading) -> None:
                          f"memory cgroup {limit >> 20} MiB ({s['cgroup']}), median of {s['repeats']}: loader "
                          f"{loader['gb_per_s'] / rows['device limit']['gb_per_s']:.2f}x the device limit; loader peak "
                          f"RSS {mib(loader['peak_rss'])}; same bytes: {s['same_bytes']}")
+        cached = {name: row["cached_after_evict"] for name, row in rows.items() if "cached_after_evict" in row}
+        if cached:  # an eviction that left pages behind (a map still open) would measure a warm epoch as cold
+            name = max(cached, key=cached.__getitem__)
+            out.notes.append(f"  - still cached after each eviction, the most: {mib(cached[name])} before {name!r} "
+                             f"({cached[name] / s['store_bytes']:.1%} of the store's size)")
         out.notes += [f"  - {name} FAILED: {error}" for name, error in s.get("errors", {}).items()]
 
 

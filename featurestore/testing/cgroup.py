@@ -6,11 +6,15 @@ handled; page cache a child reads is charged to its cgroup, so the limit bounds 
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import shutil
 import subprocess
 import time
 from typing import Any
+
+import numpy as np
 
 
 def files_under(*paths: str) -> list[str]:
@@ -29,6 +33,37 @@ def evict(*paths: str) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def resident_bytes(*paths: str) -> int:
+    """Bytes of the files under ``paths`` now in the page cache (``mincore`` over a map of each):
+    what :func:`evict` left behind, such as pages some process still maps, which it cannot drop."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page, total = mmap.PAGESIZE, 0
+    for name in files_under(*paths):
+        size = os.path.getsize(name)
+        if not size:
+            continue
+        fd = os.open(name, os.O_RDONLY)
+        try:  # a map's address range alone faults nothing in: mincore reads the cache's state
+            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if address in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {name} for mincore failed")
+            try:
+                pages = ctypes.create_string_buffer((size + page - 1) // page)
+                if libc.mincore(address, size, pages) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore of {name} failed")
+                resident = int(np.count_nonzero(np.frombuffer(pages.raw, np.uint8) & 1))
+            finally:
+                libc.munmap(address, size)
+        finally:
+            os.close(fd)
+        total += min(size, resident * page)
+    return total
 
 
 class CgroupUnavailable(RuntimeError):
