@@ -5,6 +5,7 @@ No timing is asserted: the figures' values are whatever this machine gives."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -316,3 +317,52 @@ def test_s3_bench_emits_every_target_figure(tmp_path: Path, seaweed: Any) -> Non
         if t.bench == "s3":
             assert t.figure in found, (t.id, sorted(found))
             assert found[t.figure]["repeats"] == 1  # each ratio's runs are kept per repeat (one at --quick)
+
+
+def _bench_parser(name: str) -> argparse.ArgumentParser:
+    from featurestore.bench import bench_module
+
+    top = argparse.ArgumentParser(prog="featurestore bench")
+    bench_module(name).register(top.add_subparsers(dest="bench"))
+    return next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices[name.replace("_", "-")]
+
+
+@pytest.mark.parametrize("flags, runs", [
+    ([], {"extract"}),
+    (["--encoder", "zero", "--n", "128", "--repeats", "2"], {"extract-zero"}),  # sizes do not matter
+    (["--encoder", "builtin:vit-s14", "--n", "512"], {"extract-vit"}),
+    (["--wsi"], {"extract-wsi"}),
+    (["--wsi", "--encoder", "builtin:vit-s14", "--slides", "1"], {"extract-wsi-vit"}),
+    (["--device", "cuda", "--encoder", "timm:vit_small_patch14_dinov2,pretrained=false"], set()),
+])
+def test_a_lone_run_is_judged_by_the_targets_of_its_identity(flags: list[str], runs: set[str]) -> None:
+    parser = _bench_parser("extract")
+    assert gate.load_targets().runs_matching("extract", parser, parser.parse_args(flags)) == runs
+
+
+def test_a_lone_run_prints_only_the_targets_it_measured(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from featurestore.bench import bench_module
+
+    module = bench_module("extract")
+    monkeypatch.setattr(module, "run", lambda args: {"stub": True})  # the printing, not the bench, is tested
+
+    def figures(bench: str, result: dict[str, Any]) -> reading.Reading:
+        out = reading.Reading()
+        out.fig("vs_encode_only", 1.1)
+        out.fig("vs_tofile", 0.17)
+        return out
+    monkeypatch.setattr(report, "read_result", figures)
+    # A GPU run of a timm encoder (an H200 run printed the CPU vit and zero-encoder targets as MISSED).
+    assert main(["bench", "extract", "--device", "cuda", "--encoder", "timm:vit_small_patch14_dinov2"]) == 0
+    printed = capsys.readouterr().out
+    assert "- extract.vs_encode_only: 1.1x\n" in printed and "- extract.vs_tofile: 0.17x\n" in printed
+    assert "MISSED" not in printed and "targets not checked: extract-zero-vs-tofile, extract-vit-vs-encode-only" in printed
+    assert "(measured with other --encoder, --wsi than this run's)" in printed
+    # The zero-cost encoder's run is judged by its own target, under the bench's name.
+    assert main(["bench", "extract", "--encoder", "zero", "--n", "64"]) == 0
+    printed = capsys.readouterr().out
+    assert "- extract.vs_tofile: 0.17x; target extract-zero-vs-tofile >= 0.6x: MISSED" in printed
+    assert "extract-vit-vs-encode-only" in printed.split("targets not checked:")[1]
+    # A bench without identity flags is judged by all of its targets, as before.
+    assert gate.load_targets().runs_matching("cold", _bench_parser("cold"), _bench_parser("cold").parse_args([])) is None

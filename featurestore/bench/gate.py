@@ -54,6 +54,20 @@ class Target:
 class Targets:
     targets: list[Target]
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # per bench, the flags that say what a run measures (an encoder, a device), not how much of it
+    identity: dict[str, list[str]] = field(default_factory=dict)
+
+    def runs_matching(self, bench: str, parser: argparse.ArgumentParser, args: argparse.Namespace) -> set[str] | None:
+        """The entries (the bench's default run, its variants) whose targets a lone ``featurestore bench
+        NAME`` run with ``args`` measures: those with the same values of the bench's identity flags
+        (a GPU run of a timm encoder is not judged by the CPU ``builtin:vit-s14`` target). None: all."""
+        flags = self.identity.get(bench)
+        if not flags:
+            return None
+        dests = [action.dest for action in parser._actions if set(action.option_strings) & set(flags)]
+        runs = {bench: [], **{name: v["args"] for name, v in self.variants.items() if v["bench"] == bench}}
+        return {name for name, argv in runs.items()
+                if all(getattr(parser.parse_args(argv), d) == getattr(args, d) for d in dests)}
 
     def select(self, only: str | None) -> list[Target]:
         if only is None:
@@ -85,6 +99,12 @@ def load_targets(path: str | None = None) -> Targets:
         if name in BENCH_NAMES or variant.get("bench") not in BENCH_NAMES or not isinstance(variant.get("args"), list):
             raise InvalidOption(f"--targets {path}: variant {name!r} needs a name other than a bench's, a bench of "
                                 f"{','.join(BENCH_NAMES)} and an args list")
+    identity = data.get("identity", {})
+    if not isinstance(identity, dict) or any(b not in BENCH_NAMES or not isinstance(f, list) or
+                                             not all(isinstance(x, str) and x.startswith("--") for x in f)
+                                             for b, f in identity.items()):
+        raise InvalidOption(f"--targets {path}: 'identity' needs an object of a bench of {','.join(BENCH_NAMES)} "
+                            "to a list of its flags (\"--encoder\")")
     targets: list[Target] = []
     for raw in data.get("targets", []):
         problem = _problem(raw, {t.id for t in targets}, variants)
@@ -95,7 +115,7 @@ def load_targets(path: str | None = None) -> Targets:
     if not targets:
         raise InvalidOption(f"--targets {path}: no targets in it (a 'targets' list of objects with "
                             f"{', '.join(FIELDS)})")
-    return Targets(targets, variants)
+    return Targets(targets, variants, identity)
 
 
 def _problem(raw: Any, seen: set[str], variants: dict[str, Any]) -> str:

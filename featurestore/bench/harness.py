@@ -62,8 +62,11 @@ def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any,
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
 
     def command(args: argparse.Namespace) -> int:
+        from featurestore.bench import gate
+
         module = bench_module(name)
-        return finish(name, module.run(args), args.json_out, getattr(module, "failed", None))
+        runs = gate.load_targets().runs_matching(name, parser, args)  # before the run: a bad file fails fast
+        return finish(name, module.run(args), args.json_out, getattr(module, "failed", None), runs)
     parser.set_defaults(func=command)
     return parser
 

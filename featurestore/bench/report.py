@@ -47,13 +47,19 @@ QUICK_FLAGS: dict[str, list[str]] = {
 }
 
 
-def figure_lines(name: str, bench: str, figures: Figures, *, variants: bool = False) -> list[str]:
+def figure_lines(name: str, bench: str, figures: Figures, *, variants: bool = False,
+                 runs: set[str] | None = None) -> list[str]:
     """Every figure with its spread and its targets in ``targets.json``: those of this entry (``name``:
     the bench or its variant), or with ``variants`` (a run of ``featurestore bench NAME``, whose flags
-    may be any variant's) every target of the bench, each named."""
-    every = gate.load_targets().targets
-    targets = [t for t in every if (t.bench == bench if variants else t.run == name)]
+    may be any variant's) every target of the bench, each named, or only those of ``runs`` (the
+    entries measured with this run's identity flags: :meth:`gate.Targets.runs_matching`)."""
+    loaded = gate.load_targets()
+    every = loaded.targets
+    targets = [t for t in every if (t.bench == bench and (runs is None or t.run in runs) if variants else t.run == name)]
     lines = []
+    if variants and runs is not None and (other := [t.id for t in every if t.bench == bench and t.run not in runs]):
+        lines.append(f"- targets not checked: {', '.join(other)} (measured with other "
+                     f"{', '.join(loaded.identity[bench])} than this run's)")
     for fig, f in figures.items():
         found = [t for t in targets if fig == t.figure or fig.startswith(t.figure + "[")]
         # a variant's figure that only the bench's own targets name: their unit
@@ -65,7 +71,8 @@ def figure_lines(name: str, bench: str, figures: Figures, *, variants: bool = Fa
     return lines
 
 
-def print_result(bench: str, result: dict[str, Any], reading: Reading | None = None, run: str | None = None) -> None:
+def print_result(bench: str, result: dict[str, Any], reading: Reading | None = None, run: str | None = None,
+                 runs: set[str] | None = None) -> None:
     """What ``featurestore bench NAME`` prints at its end: rows (as report.md's tables), figures, notes;
     ``run``: the entry of ``bench all`` it is (the bench or one of its variants), whose targets alone
     are checked, under its name."""
@@ -74,7 +81,8 @@ def print_result(bench: str, result: dict[str, Any], reading: Reading | None = N
         print(f"[{bench}] {title}; {bars[0][0]} / method:")
         for name, rate in bars:
             print(f"  {name:<40} {rate:9.3f}  {bars[0][1] / rate if rate else float('nan'):6.2f}x")
-    lines = figure_lines(run, bench, reading.figures) if run else figure_lines(bench, bench, reading.figures, variants=True)
+    lines = figure_lines(run, bench, reading.figures) if run else figure_lines(bench, bench, reading.figures,
+                                                                               variants=True, runs=runs)
     for line in lines + reading.notes:
         print(line)
     if reading.error:
@@ -82,9 +90,10 @@ def print_result(bench: str, result: dict[str, Any], reading: Reading | None = N
 
 
 def finish(bench: str, result: dict[str, Any], json_out: str | None,
-           failed: Callable[[dict[str, Any]], str | None] | None = None) -> int:
-    """The end of ``featurestore bench NAME``: print, write ``--json``; 1 when ``failed(result)`` says why."""
-    print_result(bench, result)
+           failed: Callable[[dict[str, Any]], str | None] | None = None, runs: set[str] | None = None) -> int:
+    """The end of ``featurestore bench NAME``: print (the targets of ``runs`` alone, where given), write
+    ``--json``; 1 when ``failed(result)`` says why."""
+    print_result(bench, result, runs=runs)
     if json_out:
         with open(json_out, "w") as f:
             json.dump(_jsonable(result), f, indent=2)
