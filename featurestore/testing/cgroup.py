@@ -37,7 +37,9 @@ def evict(*paths: str) -> None:
 
 def resident_bytes(*paths: str) -> int:
     """Bytes of the files under ``paths`` now in the page cache (``mincore`` over a map of each):
-    what :func:`evict` left behind, such as pages some process still maps, which it cannot drop."""
+    what :func:`evict` left behind, such as pages some process still maps, which it cannot drop.
+    Linux answers for the page cache only where the caller owns the file or may write it (else
+    for this process's own maps alone), as the benches' writers of their scratch files do."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                                               ctypes.c_int, ctypes.c_int, ctypes.c_long]
