@@ -56,3 +56,18 @@ def test_bag_lengths_by_count_and_by_budget() -> None:
     assert [b[0] for b in bags] == ["slide-00000", "slide-00001", "slide-00002"]
     assert [b[1].shape for b in bags] == [(3, 8), (0, 8), (5, 8)] and bags[2][2].shape == (5, 2)
     assert [b[3] for b in bags] == [0, 1, 0]
+
+
+def test_rss_runs_interleave_the_sizes_and_keep_each_number_s_median(monkeypatch: pytest.MonkeyPatch) -> None:
+    peaks = iter([56, 70, 76, 68, 68, 69])  # N's first process read low: one run alone said 4N/N = 1.25
+    calls: list[str] = []
+
+    def child(function: str, spec: dict[str, str]) -> dict[str, object]:
+        calls.append(spec["label"])
+        return {"baseline_anon": 24, "peak_anon": next(peaks), "n": spec["label"], "ok": True}
+    monkeypatch.setattr(harness, "child", child)
+    out = harness.rss_runs("read:rss_epoch", {"N": {"label": "N"}, "4N": {"label": "4N"}}, runs=3)
+    assert calls == ["N", "4N"] * 3
+    assert out["N"]["peak_anon"] == 68 and out["4N"]["peak_anon"] == 69
+    assert out["N"]["n"] == "N" and out["N"]["ok"] is True and [r["peak_anon"] for r in out["N"]["all"]] == [56, 76, 68]
+    assert out["loader_bytes"] == {"N": 44, "4N": 45}

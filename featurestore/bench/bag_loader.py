@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   **epoch_figures(_spec(stores["float16"], pt_dir=pt_dir, workers=args.workers), args)}
         if not args.skip_rss:
             write_io_cohort(stores["float16"], (DATASET, ENCODER, "b4"), np.tile(lengths, 4), args.dim, "float16")
-            result["rss"] = rss_figures(stores["float16"], ("b", "b4"), prefetch=2)
+            result["rss"] = rss_figures(stores["float16"], ("b", "b4"), prefetch=2, runs=min(3, args.repeats))
         if "int8" in dtypes:
             write_io_cohort(stores["int8"], (DATASET, ENCODER, "b"), lengths, args.dim, "int8")
             result["int8"] = int8_figures(stores, args)
@@ -208,9 +208,9 @@ def _padded(ds: Any, args: argparse.Namespace, *, seed: int, threads: int) -> di
 
 
 # ---------------------------------------------------------------------- 3. RSS
-def rss_figures(store: str, splits: tuple[str, str], prefetch: int = 2) -> dict[str, Any]:
+def rss_figures(store: str, splits: tuple[str, str], prefetch: int = 2, runs: int = 3) -> dict[str, Any]:
     out = harness.rss_runs("bag_loader:rss_epoch", {label: {"store": store, "split": split, "prefetch": prefetch}
-                                                    for label, split in zip(("B", "4B"), splits)})
+                                                    for label, split in zip(("B", "4B"), splits)}, runs)
     largest = max(out[k]["largest_bag_f32_bytes"] for k in ("B", "4B"))
     stored = max(out[k]["largest_bag_stored_bytes"] for k in ("B", "4B"))
     # docs/LOADER.md, "Memory bound of BagLoader": (prefetch + 4) float32 batches, each rounded up

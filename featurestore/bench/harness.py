@@ -253,10 +253,18 @@ def child_result(done: subprocess.CompletedProcess[str]) -> Any:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def rss_runs(function: str, specs: dict[str, Any]) -> dict[str, Any]:
+def rss_runs(function: str, specs: dict[str, Any], runs: int = 3) -> dict[str, Any]:
     """Per label, the child ``function(spec)`` (an epoch through :func:`rss_epoch`: ``baseline_anon``,
-    ``peak_anon``), each in a fresh process; ``loader_bytes``: per label, its peak over its baseline."""
-    out: dict[str, Any] = {label: child(function, spec) for label, spec in specs.items()}
+    ``peak_anon``), ``runs`` times in fresh processes, the labels interleaved; each number the
+    median over the runs (one process's peak moves by a fifth with its threads' timing), the runs
+    kept as ``all``; ``loader_bytes``: per label, its peak over its baseline."""
+    results: dict[str, list[dict[str, Any]]] = {label: [] for label in specs}
+    for _ in range(max(1, runs)):
+        for label, spec in specs.items():
+            results[label].append(child(function, spec))
+    out: dict[str, Any] = {label: {**rs[0], **{k: statistics.median_low([r[k] for r in rs]) for k, v in rs[0].items()
+                                               if isinstance(v, (int, float)) and not isinstance(v, bool)},
+                                   "all": rs} for label, rs in results.items()}
     out["loader_bytes"] = {label: out[label]["peak_anon"] - out[label]["baseline_anon"] for label in specs}
     return out
 

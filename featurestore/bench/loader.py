@@ -108,7 +108,8 @@ def _stall(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- 3. RSS, N vs 4N
 def _rss(store: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
-    out = harness.rss_runs("loader:epoch", {"N": _spec(store, "n", args), "4N": _spec(store, "n4", args)})
+    out = harness.rss_runs("loader:epoch", {"N": _spec(store, "n", args), "4N": _spec(store, "n4", args)},
+                           runs=min(3, args.repeats))
     elements = int(np.prod(shape))
     stored_itemsize = 4 if args.dtype == "float32" else 2
     # docs/LOADER.md: (prefetch + 3) float32 batches handed out or idle in the pool, plus one

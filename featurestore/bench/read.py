@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             n = max(256, int(args.gib * (1 << 30)) // (256 * 384 * 2) // 4)
             for key, rows in (("N", n), ("4N", 4 * n)):
                 harness.write_split(harness.fresh(os.path.join(work, f"rss-{key}")), rows, (256, 384))
-            out["rss"] = harness.rss_runs("read:rss_epoch", {k: os.path.join(work, f"rss-{k}") for k in ("N", "4N")})
+            out["rss"] = harness.rss_runs("read:rss_epoch", {k: os.path.join(work, f"rss-{k}") for k in ("N", "4N")},
+                                          runs=min(3, args.repeats))
     return out
 
 
