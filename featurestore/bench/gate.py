@@ -54,7 +54,7 @@ class Target:
 class Targets:
     targets: list[Target]
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # per bench, the flags that say what a run measures (an encoder, a device), not how much of it
+    # per bench, the flags that say what a run measures (an encoder, a sample shape), not how much of it
     identity: dict[str, list[str]] = field(default_factory=dict)
 
     def runs_matching(self, bench: str, parser: argparse.ArgumentParser, args: argparse.Namespace) -> set[str] | None:
