@@ -56,3 +56,13 @@ def test_a_page_still_mapped_survives_eviction(data: Path) -> None:
 def test_an_empty_file_and_an_absent_path_hold_nothing(tmp_path: Path) -> None:
     (tmp_path / "empty").touch()
     assert resident_bytes(str(tmp_path / "empty"), str(tmp_path / "absent")) == 0
+
+
+def test_a_file_whose_mincore_answer_is_untruthful_is_refused(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mincore reports every page of a file the caller neither owns nor may write as cached: asking
+    it there would read a cold store as warm, so the question is refused by name."""
+    from featurestore.testing import cgroup
+
+    monkeypatch.setattr(cgroup, "mincore_truthful", lambda path, owner: False)
+    with pytest.raises(PermissionError, match=f"{data}: mincore reports every page"):
+        cgroup.resident_bytes(str(data))

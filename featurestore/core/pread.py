@@ -85,6 +85,19 @@ _mincore: Any = None
 def resident(address: int, nbytes: int) -> bool | None:
     """Whether every page of ``[address, address + nbytes)`` of a file map is in the page cache
     (``mincore``, one syscall; the pages need not be mapped in yet), or None where unknown."""
+    pages = _residency(address, nbytes)
+    return None if pages is None else pages.count(0) == 0
+
+
+def resident_pages(address: int, nbytes: int) -> int | None:
+    """How many pages of ``[address, address + nbytes)`` of a file map are in the page cache, as
+    :func:`resident` asks; None where unknown."""
+    pages = _residency(address, nbytes)
+    return None if pages is None else pages.count(1)
+
+
+def _residency(address: int, nbytes: int) -> bytearray | None:
+    """``mincore``'s answer for the pages of the span, a byte each: 1 resident, 0 not."""
     global _mincore
     if _mincore is None:
         try:
@@ -106,7 +119,7 @@ def resident(address: int, nbytes: int) -> bool | None:
     if call(start, length, (ctypes.c_char * pages).from_buffer(vector)) != 0:
         return None
     # Only the lowest bit of each byte means "resident"; counted in C, not per page in Python.
-    return vector.translate(_LOWEST_BIT).count(0) == 0
+    return vector.translate(_LOWEST_BIT)
 
 
 _LOWEST_BIT = bytes(i & 1 for i in range(256))

@@ -6,7 +6,6 @@ handled; page cache a child reads is charged to its cgroup, so the limit bounds 
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import shutil
@@ -15,6 +14,9 @@ import time
 from typing import Any
 
 import numpy as np
+
+from featurestore.core import pread
+from featurestore.core.mapped_file import mincore_truthful
 
 
 def files_under(*paths: str) -> list[str]:
@@ -36,35 +38,29 @@ def evict(*paths: str) -> None:
 
 
 def resident_bytes(*paths: str) -> int:
-    """Bytes of the files under ``paths`` now in the page cache (``mincore`` over a map of each):
-    what :func:`evict` left behind, such as pages some process still maps, which it cannot drop.
-    Linux answers for the page cache only where the caller owns the file or may write it (else
-    for this process's own maps alone), as the benches' writers of their scratch files do."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    page, total = mmap.PAGESIZE, 0
+    """Bytes of the files under ``paths`` now in the page cache (``mincore`` over a map of each, as
+    the reader asks it: core.pread): what :func:`evict` left behind, such as pages some process
+    still maps, which it cannot drop. Refuses a file whose ``mincore`` answer is untruthful
+    (core.mapped_file.mincore_truthful: one this process neither owns nor may write)."""
+    total = 0
     for name in files_under(*paths):
-        size = os.path.getsize(name)
-        if not size:
-            continue
-        fd = os.open(name, os.O_RDONLY)
-        try:  # a map's address range alone faults nothing in: mincore reads the cache's state
-            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if address in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), f"mmap of {name} for mincore failed")
-            try:
-                pages = ctypes.create_string_buffer((size + page - 1) // page)
-                if libc.mincore(address, size, pages) != 0:
-                    raise OSError(ctypes.get_errno(), f"mincore of {name} failed")
-                resident = int(np.count_nonzero(np.frombuffer(pages.raw, np.uint8) & 1))
-            finally:
-                libc.munmap(address, size)
+        with open(name, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not st.st_size:
+                continue
+            if not mincore_truthful(name, st.st_uid):
+                raise PermissionError(f"{name}: mincore reports every page of a file this process neither owns nor "
+                                      "may write as cached; ask as its owner or as root")
+            mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)  # maps nothing in: mincore reads the cache
+        try:
+            view = np.frombuffer(mapped, np.uint8)
+            pages = pread.resident_pages(view.ctypes.data, st.st_size)
+            del view  # the map closes only with no view of it left
         finally:
-            os.close(fd)
-        total += min(size, resident * page)
+            mapped.close()
+        if pages is None:
+            raise OSError(f"{name}: mincore could not say which pages are cached")
+        total += min(st.st_size, pages * mmap.PAGESIZE)
     return total
 
 
