@@ -179,15 +179,13 @@ class SortedRows:
                         lengths))
 
 
-def row_runs(chunk_of: np.ndarray, offset: np.ndarray, target: np.ndarray | None = None) -> list[tuple[int, int]]:
-    """[start, stop) positions of maximal runs where rows are consecutive within one chunk (and,
-    given ``target``, land in consecutive output rows)."""
+def row_runs(chunk_of: np.ndarray, offset: np.ndarray) -> list[tuple[int, int]]:
+    """[start, stop) positions of maximal runs where rows are consecutive within one chunk (runs
+    that also land in consecutive output rows: :class:`SortedRows`)."""
     n = len(chunk_of)
     if n <= 1:  # one row (the server's single item): no numpy passes for it
         return [(0, n)] if n else []
     step = (np.diff(chunk_of) != 0) | (np.diff(offset) != 1)
-    if target is not None:
-        step |= np.diff(target) != 1
     breaks = np.flatnonzero(step) + 1
     bounds = np.concatenate(([0], breaks, [n]))
     return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
