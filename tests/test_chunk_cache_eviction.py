@@ -166,6 +166,39 @@ def test_eviction_keeps_the_limit_and_what_the_plan_needs(seaweed_url: str, seaw
     front.plan(None)
 
 
+def test_two_fetch_threads_never_both_take_the_last_room(tmp_path: Any) -> None:
+    """Room for one more chunk, two fetch threads asking at once: one is admitted, the other reads
+    by ranges. The shared count is read slowly here (as on a loaded host, where a thread is
+    preempted between seeing room and counting its reservation) so both look before either counts."""
+    import threading
+
+    from featurestore.core.storage.chunk_cache import ChunkCache
+
+    cache = ChunkCache(str(tmp_path / "c"), max_bytes=1000)
+    read_count = cache._shared_used
+
+    def slow_count(**kwargs: Any) -> Any:
+        value = read_count(**kwargs)
+        time.sleep(0.2)
+        return value
+
+    cache._shared_used = slow_count  # type: ignore[method-assign]
+    start = threading.Barrier(2)
+    admitted: list[bool] = []
+
+    def ask() -> None:
+        start.wait()
+        admitted.append(cache.reserve(600))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(admitted) == [False, True] and cache.stats["not_admitted"] == 1
+    assert cache._pending == 600  # the one admitted holds its room until its chunk is written
+
+
 @pytest.mark.parametrize("damage", ["flipped byte", "longer", "shorter"])
 def test_a_damaged_chunk_object_is_refused_and_nothing_is_kept(seaweed_url: str, seaweed: Any, tmp_path: Any,
                                                                damage: str) -> None:

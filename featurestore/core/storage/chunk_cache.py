@@ -104,6 +104,7 @@ class ChunkCache:
         self._rescan = False  # the count is not to be trusted (a full disk): scan before admitting
         self._pending = 0  # bytes reserved by this process's downloads not written yet
         self._lock = threading.Lock()
+        self._reserving = threading.Lock()
         self._inflight: dict[str, Future[bool]] = {}
         self._pid = os.getpid()
         self._full_until = 0.0  # monotonic time until which the disk is taken as full
@@ -160,10 +161,13 @@ class ChunkCache:
     def reserve(self, nbytes: int) -> bool:
         """Room for a chunk of ``nbytes``, made by eviction if needed, counted as used; False when
         the chunks held may not be removed yet (then it is not admitted: read by ranges)."""
-        if self._make_room(nbytes):
-            with self._lock:
-                self._pending += nbytes
-            return True
+        # Room found and counted as one step: two fetch threads that both saw room for one chunk
+        # would otherwise both be admitted, and the cache would pass its limit.
+        with self._reserving:
+            if self._make_room(nbytes):
+                with self._lock:
+                    self._pending += nbytes
+                return True
         self.stats["not_admitted"] += 1
         return False
 
