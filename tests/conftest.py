@@ -26,6 +26,21 @@ import pytest
 # dies of SIGABRT or SIGSEGV: a crash at exit then says which thread was where.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """A test that calls code installing a SIGTERM or SIGINT handler in this process (the CLI's
+    main(), a worker loop) must find it restored afterwards: a handler left behind is inherited by
+    every process the session forks later, which then no longer dies on terminate()."""
+    import signal
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    left = {signal.Signals(s).name: h for s, h in before.items() if signal.getsignal(s) is not h}
+    assert not left, f"a handler for {sorted(left)} was left installed by this test: restore it on the way out"
+
+
 _AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",

@@ -18,10 +18,15 @@ def test_quick_report_from_real_benches(tmp_path: Path, capsys: pytest.CaptureFi
     # loader + extract, in this process: 9 s on 2 quiet cores, up to ~100 s when other jobs load
     # them (the loader's two RSS subprocesses importing torch are most of it). read and http run through the same code path (bench_args +
     # run); their quick flags are checked against their own parsers below.
+    import signal
+
     out = tmp_path / "out"
+    before = signal.getsignal(signal.SIGTERM)
     status = main(["bench", "all", "--quick", "--benches", "loader,extract", "--out", str(out)])
     captured = capsys.readouterr()
     assert status == 0, captured.out[-3000:] + captured.err[-3000:]
+    # SIGTERM is the benches' only while they run: this process (and what it forks) gets its own back
+    assert signal.getsignal(signal.SIGTERM) is before
     assert "[bench all] wrote" in captured.out
     assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]
 

@@ -123,8 +123,18 @@ def register(subparsers: Any) -> None:
 
 def _command(args: argparse.Namespace) -> int:
     # SIGTERM (a job's time limit, `kill`) as Ctrl-C: the benches' scratch directories and child
-    # servers go, and what finished is reported (run()).
-    signal.signal(signal.SIGTERM, _interrupt)
+    # servers go, and what finished is reported (run()). Only while the benches run: a process
+    # that calls main() and goes on (a test session) keeps its own SIGTERM, and so do the
+    # processes it forks later (a pool worker that raised KeyboardInterrupt on terminate() instead
+    # of dying could leave its parent waiting in join()).
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _bench_all(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _bench_all(args: argparse.Namespace) -> int:
     if not args.check and (args.only or args.targets or args.allow_missing):
         raise InvalidOption("--targets, --only and --allow-missing go with --check: add --check, or drop them")
     rows: list[Any] = []
