@@ -167,6 +167,18 @@ def wait_warm(timeout: float | None = None) -> bool:
     return "kernels" in _STATE
 
 
+def _before_fork() -> None:
+    # A fork during the load would hand the child its import and compiler locks held by a thread
+    # the child does not have (a DataLoader worker forked as an epoch starts): the fork waits for
+    # the load instead (fused_stats._before_fork).
+    thread = _STATE.get("thread")
+    if thread is not None and thread is not threading.current_thread() and thread.is_alive():
+        thread.join(120.0)  # a bound, not an expected time
+
+
+os.register_at_fork(before=_before_fork)
+
+
 @functools.cache
 def _numba_installed() -> bool:
     return importlib.util.find_spec("numba") is not None
