@@ -44,8 +44,8 @@ class BagLoader(StreamingLoader):
     ``normalize=True``: ``(x - mean) / std`` per channel with the split's stored ``channel_stats``,
     as :class:`client.loader.FeatureLoader` does; padding stays zero.
 
-    ``max_patches`` defaults to the dataset's; the subset drawn for bag i in epoch e depends on
-    ``(seed, e, i)`` only. ``indices`` restricts every epoch to those bags (a cross-validation
+    ``max_patches`` and ``seed`` default to the dataset's; the subset drawn for bag i in epoch e
+    depends on ``(seed, e, i)`` only, and the epoch's order on ``(seed, e)``. ``indices`` restricts every epoch to those bags (a cross-validation
     fold). ``rank`` / ``world_size`` give each DDP rank an equal, contiguous share of the epoch's
     bags (see :func:`client.sampling.partition`). ``piece_mib`` bounds each host read/copy piece
     (docs/LOADER.md, "Bags": the memory bound).
@@ -56,7 +56,7 @@ class BagLoader(StreamingLoader):
         ds: BagDataset,
         batch_size: int = 1,
         shuffle: bool = True,
-        seed: int = 0,
+        seed: int | None = None,
         device: str | torch.device = "cuda",
         dtype: torch.dtype | None = torch.float32,
         max_patches: int | None = None,
@@ -77,6 +77,7 @@ class BagLoader(StreamingLoader):
     ) -> None:
         if not isinstance(ds, BagDataset):
             raise TypeError(f"ds must be a client.BagDataset, but got: {type(ds).__name__}")
+        seed = ds.seed if seed is None else seed  # as max_patches: the dataset's, unless given here
         options = check_loader_options(ds, batch_size=batch_size, prefetch=prefetch, seed=seed, rank=rank,
                                        world_size=world_size, device=device, dtype=dtype, pin_memory=pin_memory,
                                        num_threads=num_threads)  # fmt: skip

@@ -62,6 +62,17 @@ def test_max_patches_subset_is_seeded_sorted_and_per_epoch(bag_store: str) -> No
     assert torch.equal(torch.random.get_rng_state(), state[0]) and np.array_equal(np.random.get_state()[1], state[1])
 
 
+def test_loader_takes_the_datasets_seed_unless_given_its_own(bag_store: str) -> None:
+    """BagDataset(seed=3) then BagLoader(ds): the loader draws the dataset's subsets (it used seed 0)."""
+    ds = BagDataset(bag_store, "cohort", "enc-float32", "all", max_patches=10, seed=3)
+    big = ds.ids.index("slide-03")  # 90 patches
+    loader = BagLoader(ds, batch_size=1, shuffle=False, device="cpu", indices=[big])
+    features, *_ = next(iter(loader))
+    assert loader.seed == 3 and torch.equal(features[0], ds[big][0])
+    own = BagLoader(ds, batch_size=1, shuffle=False, device="cpu", indices=[big], seed=4)
+    assert own.seed == 4 and torch.equal(next(iter(own))[0][0], expected(ds, big, ds.rows(big, seed=4))[0])
+
+
 def test_subsets_are_uniform() -> None:
     # Every row of a 20-row bag is drawn with probability 5/20, every pair with (5*4)/(20*19):
     # over 4000 epochs the counts stay within 5 standard deviations of those expectations.
