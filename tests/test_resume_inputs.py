@@ -143,3 +143,23 @@ def test_a_file_that_fed_no_kept_chunk_may_change(tmp_path: Path) -> None:
     refuse_changed_inputs(lambda a, b: [files[i] for i in range(a, b)], [(0, 1)], created, "d/e/s")
     with pytest.raises(InputChanged, match="new.npy was modified at"):
         refuse_changed_inputs(lambda a, b: [files[i] for i in range(a, b)], [(0, 2)], created, "d/e/s")
+
+
+def test_a_run_with_a_cache_key_does_not_resume_a_split_written_without_one(tmp_path: Path) -> None:
+    """A split a library writer made (no cache key) is not taken over by a keyed run (an extract or
+    import --resume): nothing shows its rows came from that run's inputs. A resume without a key
+    (the library vouching for its rows) still works and keeps the split's key."""
+    from featurestore.errors import CacheKeyMismatch
+
+    kw = dict(num_samples=8, sample_shape=(4,), dtype="float32", chunk_rows=4)
+    store = featurestore.open_store(str(tmp_path / "store"), mode="a")
+    writer = store.create_split(*SPLIT, **kw)
+    writer.write(0, np.ones((4, 4), np.float32))
+    writer.close()
+    with pytest.raises(CacheKeyMismatch, match="written without a cache key, this run has 0123456789abcdef"):
+        store.create_split(*SPLIT, **kw, metadata={"cache_key": "0123456789abcdef" * 4}, resume=True)
+    writer = store.create_split(*SPLIT, **kw, resume=True)
+    writer.write(4, np.full((4, 4), 2, np.float32))
+    writer.commit()
+    assert store.open(*SPLIT).read_numpy([0, 7])[:, 0].tolist() == [1.0, 2.0]
+    assert store.split_metadata(*SPLIT).get("cache_key") is None

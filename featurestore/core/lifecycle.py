@@ -74,11 +74,18 @@ def check_request(url: str, mode: str, *, resume: bool, overwrite: bool) -> None
 
 
 def check_same(meta: SplitMetadata, wanted: SplitMetadata, key: str) -> None:
-    """What every kind's resume checks first: the same kind, and the same cache key if both have one."""
+    """What every kind's resume checks first: the same kind, and the same cache key where the run
+    has one (a split written without a key cannot show that its rows came from this run's inputs).
+    A resume without a key (a library writer adding rows it vouches for) takes the split's."""
     if meta.kind != wanted.kind:
         raise WrongSplitKind(f"split {key} is {kind_words(meta.kind)}, not {kind_words(wanted.kind)}: use another "
                              "split name, or overwrite=True (--overwrite) to replace it")
     old, new = meta.cache_key, wanted.cache_key
+    if new and not old:
+        raise CacheKeyMismatch(
+            f"split {key} was written without a cache key, this run has {new[:16]}: its rows cannot be checked to "
+            "come from this run's inputs, encoder and settings. Use overwrite=True (--overwrite) to replace it, "
+            "or another split name")
     if old and new and old != new:
         why = key_change.explain(meta.to_json(), wanted.to_json())
         raise CacheKeyMismatch(
