@@ -136,7 +136,7 @@ class ReaderContract:
 
     def test_out_of_range_names_the_index(self, written: Any) -> None:
         reader, _, _ = written
-        for bad in (N, N + 100, -1):
+        for bad in (N, N + 100, -1, 2**64, -(10**30)):  # beyond int64 too: out of range, not "not integers"
             with pytest.raises(IndexOutOfRange, match=str(bad)):
                 self._read(reader, [0, bad])
         with pytest.raises(IndexOutOfRange):
