@@ -91,7 +91,9 @@ class OpenedPerProcess:
 
             from client.remote_values import values_over_http
 
-            return values_over_http(self._open_remote(FeatureClient(self.source, token=self.token)))
+            client = FeatureClient(self.source, token=self.token)
+            client.check_stale = False  # the dataset checks and warns once (ds.stale), not each worker
+            return values_over_http(self._open_remote(client))
         import featurestore
 
         return self._open_store(featurestore.open_store(self.source, mode="r", **self.storage_options))

@@ -15,6 +15,7 @@ alone, and nothing here imports the server stack (fastapi).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import httpx
@@ -23,8 +24,10 @@ import numpy as np
 from client.remote import RemoteFeatureArray, reopening
 from client.remote_bag_array import RemoteBagArray
 from client.transport import TOKEN_ENV, ClientError, Transport, make_error
+from featurestore.core.lineage import stale_reason
 from featurestore.core.quantize_int8 import check_read_dtype
-from featurestore.format import wire
+from featurestore.errors import StaleSplitWarning
+from featurestore.format import lineage, wire
 from featurestore.format.bag_listing import BagsListing
 
 __all__ = ["TOKEN_ENV", "ClientError", "FeatureClient", "RemoteBagArray", "RemoteFeatureArray"]
@@ -67,6 +70,9 @@ class FeatureClient(Transport):
                          transport=transport, http_client=http_client)  # fmt: skip
         self._layouts: dict[tuple[str, str, str], RemoteFeatureArray] = {}
         self._bags: dict[tuple[str, str, str], RemoteBagArray] = {}
+        # open() checks a derived split's lineage and warns when it is stale; a dataset, which
+        # checks and warns once itself, turns it off for the readers it opens (client.dataset).
+        self.check_stale = True
 
     def __repr__(self) -> str:
         return f"FeatureClient({self.url!r}, token={'***' if self._token else None})"
@@ -112,8 +118,21 @@ class FeatureClient(Transport):
                 raise make_error(f"{self.url} answered a bad split structure: {error}",
                                  status=200, detail=None, url=self.url) from None  # fmt: skip
             arr = RemoteFeatureArray(self, key, structure)
+            arr.stale = self._stale(key, structure.metadata) if self.check_stale else None
             self._layouts[key] = arr
         return arr
+
+    def _stale(self, key: tuple[str, str, str], metadata: dict[str, Any]) -> str | None:
+        """Why a derived split (``featurestore embed``) no longer describes its source, warned
+        (:class:`StaleSplitWarning`) as the server's ``X-Featurestore-Stale`` header says; None when
+        current or not derived. Read, never served as current (client.stale)."""
+        if lineage.KEY not in metadata:
+            return None
+        reason = stale_reason(ServedSplits(self), metadata)
+        if reason is not None:
+            warnings.warn(f"{'/'.join(key)} is stale: {reason}; its rows describe the old source (compute it "
+                          "again: featurestore embed ... --resume)", StaleSplitWarning, stacklevel=3)
+        return reason
 
     # ------------------------------------------------------------------ bag splits
     def bags(self, dataset: str, encoder: str, split: str, *, attrs: bool = False) -> BagsListing:
@@ -228,3 +247,16 @@ class FeatureClient(Transport):
         params = {**arr.params, wire.DTYPE_PARAM: served} if want or served == wire.CODES else arr.params
         path = wire.route(wire.ITEM, **arr.route, index=int(index))
         return self.fetch_parts("GET", path, parts, params=params, generation=arr.structure.generation)[0]
+
+
+class ServedSplits:
+    """The one call of a store the lineage check makes, ``split_metadata``, answered by a server."""
+
+    def __init__(self, client: FeatureClient) -> None:
+        self.client = client
+
+    def split_metadata(self, dataset: str, encoder: str, split: str) -> dict[str, Any]:
+        # A bag split's metadata comes with its listing; a dense split's from its info route.
+        if self.client.split_kinds(dataset, encoder).get(split) == "bags":
+            return self.client.bags(dataset, encoder, split).metadata
+        return self.client.info(dataset, encoder, split)

@@ -87,6 +87,7 @@ class RemoteFeatureArray:
         self.chunk_rows = array.chunk_rows
         self.max_response_bytes = structure.max_response_bytes
         self.metadata = structure.metadata
+        self.stale: str | None = None  # why a derived split is stale (FeatureClient.open checks)
         self.path = "http"  # the read path, as FeatureArray.path names its own
         self.route = dict(zip(("dataset", "encoder", "split"), key, strict=True))
         self.params: dict[str, str] = {"labels": "true"} if labels else {}

@@ -2,7 +2,8 @@
 split whose source bags were rewritten or removed since ``featurestore embed`` computed it.
 
 It still reads (a user may mean to compare), but never as current: :class:`client.FeatureDataset`
-sets ``ds.stale`` and warns (:class:`featurestore.errors.StaleSplitWarning`), and a probe's report
+sets ``ds.stale`` and warns (:class:`featurestore.errors.StaleSplitWarning`), as
+:meth:`client.FeatureClient.open` does for the array it returns (``arr.stale``), and a probe's report
 ends with a WARNING line, as ``ls``, ``info``, ``verify``, the web page and the server's
 ``X-Featurestore-Stale`` header say. The one check (:func:`featurestore.core.lineage.stale_reason`)
 decides on a store and over HTTP, where the source's metadata comes from the server's routes."""
@@ -17,19 +18,6 @@ from featurestore.format import lineage
 __all__ = ["stale_reason_of"]
 
 
-class _ServedSplits:
-    """The one call of a store the check makes, ``split_metadata``, answered by a server."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-
-    def split_metadata(self, dataset: str, encoder: str, split: str) -> dict[str, Any]:
-        # A bag split's metadata comes with its listing; a dense split's from its info route.
-        if self.client.split_kinds(dataset, encoder).get(split) == "bags":
-            return self.client.bags(dataset, encoder, split).metadata  # type: ignore[no-any-return]
-        return self.client.info(dataset, encoder, split)  # type: ignore[no-any-return]
-
-
 def stale_reason_of(source: str, metadata: dict[str, Any], *, storage_options: dict[str, Any] | None = None,
                     token: str | None = None) -> str | None:
     """Why the split whose ``metadata`` was read from ``source`` (store path, fsspec URL or
@@ -40,7 +28,7 @@ def stale_reason_of(source: str, metadata: dict[str, Any], *, storage_options: d
         import featurestore
 
         return stale_reason(featurestore.open_store(source, **(storage_options or {})), metadata)
-    from client.http import FeatureClient
+    from client.http import FeatureClient, ServedSplits
 
     with FeatureClient(source, token=token) as client:
-        return stale_reason(_ServedSplits(client), metadata)
+        return stale_reason(ServedSplits(client), metadata)

@@ -13,7 +13,7 @@ import pytest
 from _probe_fixtures import one_torch_thread  # noqa: F401  (autouse: one torch thread per test)
 
 import featurestore
-from client import FeatureDataset
+from client import FeatureClient, FeatureDataset
 from featurestore.cli import main
 from featurestore.errors import StaleSplitWarning
 from featurestore.probes.run import run_probe
@@ -48,8 +48,21 @@ def test_a_probe_on_a_stale_embedding_says_so(tmp_path: Path, capsys: pytest.Cap
     with serve_subprocess(root) as (url, _):
         assert run_probe(url, "c", "mean", **options)["stale"] == {"c/mean/all": reason}
         for source in (root, url):
-            with pytest.warns(StaleSplitWarning, match="c/mean/all is stale: source c/bags/all generation changed"):
-                assert FeatureDataset(source, "c", "mean", "all").stale == reason
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ds = FeatureDataset(source, "c", "mean", "all")
+                ds.array.read_numpy([0, 1])  # the reader it opens does not warn a second time
+            assert ds.stale == reason
+            said = [str(w.message) for w in caught if issubclass(w.category, StaleSplitWarning)]
+            assert len(said) == 1 and said[0].startswith("c/mean/all is stale: " + reason), said
+        # A plain FeatureClient: the array it opens says so (arr.stale) and warns, once per split.
+        with FeatureClient(url) as fc, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            arr = fc.open("c", "mean", "all")
+            fc.read_numpy("c", "mean", "all", [0])
+            assert arr.stale == reason
+        said = [str(w.message) for w in caught if issubclass(w.category, StaleSplitWarning)]
+        assert len(said) == 1 and said[0].startswith("c/mean/all is stale: " + reason), said
     assert main(["rm", root, "c", "bags", "all", "--yes"]) == 0
     with serve_subprocess(root) as (url, _):
         gone = {"c/mean/all": "source c/bags/all is gone"}
