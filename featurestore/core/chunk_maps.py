@@ -18,9 +18,8 @@ its page-cache folio, up to 2 MiB), and past the budget the maps touched least r
 their pages with ``madvise(MADV_DONTNEED)``. On a shared file map that removes only this process's
 page-table entries: the page cache keeps the bytes, and the next touch maps them again (no disk
 read; a long run with one ``MADV_POPULATE_READ`` call), so reads stay warm while RSS stays bounded,
-at the kernel's cost of mapping pages in again (docs/READS.md has the figures). Shuffled rows
-(:func:`scattered`) are not copied out of the maps but read through their descriptors, which
-maps nothing in (core.descriptor_reads).
+at the kernel's cost of mapping pages in again (docs/READS.md). Shuffled and large rows
+(:func:`scattered`) are read through the maps' descriptors instead (core.descriptor_reads).
 
 Every use re-checks the mapped file's size with ``fstat`` on the map's own descriptor. A file
 truncated in place under a map raises SIGBUS on the first touch of a page past its new end, which
@@ -390,20 +389,20 @@ def shared() -> ChunkMaps:
 
 
 def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int, *, runs: int = 0, rows: int = 0) -> bool:
-    """Whether a read of ``nbytes`` over ``chunks`` chunks of an array of ``array_nbytes`` copies
-    much less than a folio per chunk (shuffled small rows) from an array larger than the budget.
-
-    Through a map each such row maps in a folio around it (up to 2 MiB): counted, they would turn
-    the budget over, a release and a fault per row (4x the time of a shuffled batch of 2 KiB rows
-    here). So they are read through the maps' descriptors (:meth:`ArrayMaps.gather`), which maps
-    nothing.
-
-    Never scattered: ``rows`` in ``runs`` of several rows and :data:`LONG_RUN` each (a bag, a row
-    range, the parts of them the first-read check leaves to the maps), which mapped back in cost a
+    """Whether a read of ``nbytes`` from an array past the budget goes through the maps' descriptors
+    (:meth:`ArrayMaps.gather`, nothing mapped in): rows of :data:`DIRECT_ROW` or more (a ``preadv``
+    each costs nothing beside its copy; a map's copy pays the release and mapping back of its pages,
+    1.4x slower on warm [1024, 1536] float16 rows), and reads of much less than a folio per chunk
+    (shuffled small rows, each mapping in a folio around it: 4x slower for 2 KiB rows). Not smaller
+    ``rows`` in ``runs`` of :data:`LONG_RUN` each (a bag, a row range), which mapped back in cost a
     fault per 64 KiB as any long read (docs/READS.md, "Resident bytes")."""
+    if array_nbytes <= shared().max_resident:
+        return False
+    if rows and nbytes // rows >= DIRECT_ROW:
+        return True
     if runs and rows >= 2 * runs and nbytes >= runs * LONG_RUN:
         return False
-    return 2 * nbytes < chunks * min(FOLIO, chunk_bytes) and array_nbytes > shared().max_resident
+    return 2 * nbytes < chunks * min(FOLIO, chunk_bytes)
 
 
 def resident_budget() -> int:
@@ -438,6 +437,7 @@ def _folio() -> int:
 
 FOLIO = _folio()  # the largest page-cache folio one touch maps (x86-64: 2 MiB)
 LONG_RUN = 64 << 10  # the kernel's fault-around: a release costs a run this long one fault
+DIRECT_ROW = 256 << 10  # rows this large are read through descriptors past the budget (scattered)
 
 
 def _after_fork_in_child() -> None:
