@@ -244,6 +244,29 @@ def test_large_rows_past_the_budget_are_read_through_descriptors(tmp_path: Path)
     assert result["growth"] <= (BOUND_MIB + SLACK_MIB) << 20, result
 
 
+def test_a_range_of_large_rows_past_the_budget_is_not_copied_out_of_the_maps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sequential read of 512 KiB rows (a loader in order, read_range) from an array past a 1 MiB
+    budget: through descriptors too (1.3x the maps' copy, warm), the same values."""
+    from featurestore.core import open_files
+
+    root = _numbered_split(tmp_path, 40, 256)  # 20 MiB of 512 KiB rows
+    for path in Path(root).rglob("*"):
+        if path.is_file():
+            path.read_bytes()  # page-cached: the mmap gather
+    monkeypatch.setattr(chunk_maps, "_SHARED", chunk_maps.ChunkMaps(open_files.max_maps(), 1 << 40, 1 << 20))
+    copied: list[int] = []
+    copy = chunk_maps.ArrayMaps._copy
+    monkeypatch.setattr(chunk_maps.ArrayMaps, "_copy",
+                        lambda self, runs, rows, populate: copied.append(len(runs)) or copy(self, runs, rows, populate))
+    dense = featurestore.open_store(root).open("ds", "enc", "wide")
+    dense.read_numpy(np.arange(len(dense)))  # the first-read checks
+    copied.clear()
+    got = dense.read_numpy(np.arange(8, 24))
+    assert got[:, 0, 0].tolist() == list(range(8, 24)) and dense.read_counts["mmap"] > 0
+    assert copied == []
+
+
 def test_a_file_truncated_under_a_descriptor_read_is_refused_by_name(tmp_path: Path) -> None:
     """A read through a map's descriptor of a file truncated in place since it was mapped names the
     file (a copy out of the map would have raised SIGBUS); a descriptor is only ever opened on the

@@ -284,13 +284,13 @@ class ArrayMaps:
         would raise SIGBUS on the copy). What the copies of a chunk mapped in (whole folios,
         counted once per chunk) goes to :meth:`ChunkMaps.touched` at least every quarter of the
         budget, so one long gather (a whole bag) stays within it too; a large one over several
-        chunks is shared with ``pool``'s threads, a chunk's runs each. A :func:`scattered` one is
-        read through the maps' descriptors instead (``preadv``, over ``pool``'s threads when
+        chunks is shared with ``pool``'s threads, a chunk's runs each. A :func:`scattered` one (a
+        range too, of rows of :data:`DIRECT_ROW` or more) is read through the maps' descriptors instead (``preadv``, over ``pool``'s threads when
         large: :mod:`~featurestore.core.descriptor_reads`): it maps nothing in, so it adds nothing
         to RSS and has nothing to count."""
         chunk_rows, width = self._shape
         nbytes = len(index) * width
-        if is_range(index):
+        if is_range(index) and (width < DIRECT_ROW or array_nbytes <= shared().max_resident):
             runs, _ = copy_runs(index, chunk_rows)
         else:
             rows_of = SortedRows(index, chunk_rows)
