@@ -45,9 +45,10 @@ class BagLoader(StreamingLoader):
     as :class:`client.loader.FeatureLoader` does; padding stays zero.
 
     ``max_patches`` and ``seed`` default to the dataset's; the subset drawn for bag i in epoch e
-    depends on ``(seed, e, i)`` only, and the epoch's order on ``(seed, e)``. ``indices`` restricts every epoch to those bags (a cross-validation
-    fold). ``rank`` / ``world_size`` give each DDP rank an equal, contiguous share of the epoch's
-    bags (see :func:`client.sampling.partition`). ``piece_mib`` bounds each host read/copy piece
+    depends on ``(seed, e, i)`` only, and the epoch's order on ``(seed, e)``. ``indices``
+    restricts every epoch to those bags (a cross-validation fold). ``rank`` / ``world_size`` give
+    each DDP rank an equal, contiguous share of the epoch's bags (see
+    :func:`client.sampling.partition`). ``piece_mib`` bounds each host read/copy piece
     (docs/LOADER.md, "Bags": the memory bound).
     """
 

@@ -285,9 +285,9 @@ class ArrayMaps:
         counted once per chunk) goes to :meth:`ChunkMaps.touched` at least every quarter of the
         budget, so one long gather (a whole bag) stays within it too; a large one over several
         chunks is shared with ``pool``'s threads, a chunk's runs each. A :func:`scattered` one (a
-        range too, of rows of :data:`DIRECT_ROW` or more) is read through the maps' descriptors instead (``preadv``, over ``pool``'s threads when
-        large: :mod:`~featurestore.core.descriptor_reads`): it maps nothing in, so it adds nothing
-        to RSS and has nothing to count."""
+        range too, of rows of :data:`DIRECT_ROW` or more) is read through the maps' descriptors
+        instead (``preadv``, over ``pool``'s threads when large:
+        :mod:`~featurestore.core.descriptor_reads`): it maps nothing in, adds nothing to RSS."""
         chunk_rows, width = self._shape
         nbytes = len(index) * width
         if is_range(index) and (width < DIRECT_ROW or array_nbytes <= shared().max_resident):
