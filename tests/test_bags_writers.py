@@ -116,6 +116,50 @@ def _kill_after(proc: subprocess.Popen[str], line: str, count: int = 1) -> list[
     assert proc.returncode == -signal.SIGKILL
     return printed
 
+def test_a_commit_while_another_session_closes_is_said_by_that_close(tmp_path: Path) -> None:
+    """Session B is inside close(), its last record's put in flight, when session A commits and
+    deletes the segments: B's put lands after, in no split. B's close() says so (its bag named)
+    and leaves nothing under segments/; before, it returned as if its bag were kept."""
+    import threading
+
+    root = tmp_path / "store"
+    store_a, store_b = open_store(str(root), mode="a"), open_store(str(root), mode="a")
+    a = store_a.create_bag_split("ds", "enc", "train", dim=DIM)
+    b = store_b.create_bag_split("ds", "enc", "train", dim=DIM, resume=True)
+    bags = expected()
+    a.add_bag("slide-00", bags["slide-00"])
+    b.add_bag("slide-01", bags["slide-01"])
+    started, go = threading.Event(), threading.Event()
+    write = store_b.storage.write_sealed
+
+    def held(key: str, payload: Any) -> Any:  # B's record put waits until A has committed
+        if "/segments/" in key and "/records/" in key:
+            started.set()
+            go.wait(10)
+        return write(key, payload)
+
+    store_b.storage.write_sealed = held  # type: ignore[method-assign]
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            b.close()
+        except BaseException as error:  # noqa: BLE001 - checked below
+            errors.append(error)
+
+    closing = threading.Thread(target=close)
+    closing.start()
+    assert started.wait(10)
+    a.commit()
+    go.set()
+    closing.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], SplitExists), errors
+    assert "committed by another writer session" in str(errors[0]) and "'slide-01'" in str(errors[0])
+    assert open_store(str(root)).open_bags("ds", "enc", "train").ids == ["slide-00"]
+    segments = root / "ds" / "enc" / "train" / "segments"
+    assert not [p for p in segments.rglob("*") if p.is_file()], list(segments.rglob("*"))  # B's record went
+
+
 def test_a_session_whose_split_another_session_committed_keeps_the_commit(tmp_path: Path) -> None:
     root = tmp_path / "store"
     store = open_store(str(root), mode="a")

@@ -176,6 +176,12 @@ class BagWriter(split_protocol.SplitSession):
                 self._emit()
         finally:
             split_protocol.explain_put_failure(self._puts.close, self._check_generation)
+        # A commit by another session while these puts were in flight deleted the segments before
+        # they landed: this session's bags are in no split. Said here, not silently left behind.
+        if self._added and split_protocol.committed_elsewhere(self._storage, self._key, self._meta):
+            stored = self._stored_ids()
+            if stored is None or self._added - stored:
+                raise self._refusal(stored)
 
     def abandon(self) -> None:
         """End this session without keeping anything of it: its puts are waited for (their errors
