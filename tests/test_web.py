@@ -427,12 +427,13 @@ def test_a_typed_sample_number_is_answered_on_the_page(client: TestClient, query
 
 @needs_bags
 @pytest.mark.parametrize(("query", "says"), [
-    ("?bag=5", "bag 5 is out of range (0..4)"), ("?bag=x", "bag asked for is out of range (0..4)"),
+    ("?bag=5", "bag 5 is out of range (0..4)"), ("?bag=x", "bag 'x' is out of range (0..4)"),
+    ("?bag=-1", "bag -1 is out of range (0..4)"), ("?bag=" + "9" * 31, f"bag '{'9' * 31}' is out of range (0..4)"),
     ("?bag=1&start=-3", "slide map of bag 1"),
 ])  # fmt: skip
 def test_a_typed_bag_number_is_answered_on_the_page(client: TestClient, query: str, says: str) -> None:
     answer = client.get(SLIDES + query)
-    assert answer.status_code == 200 and says in answer.text, answer.text
+    assert answer.status_code == 200 and says in html.unescape(answer.text), answer.text
 
 
 def test_a_dense_split_being_written_links_its_document(client: TestClient) -> None:

@@ -103,7 +103,7 @@ def split_page(request: Request, dataset: Name, encoder: Name, split: Name, samp
         key = (validate_name(dataset, "dataset"), validate_name(encoder, "encoder"), validate_name(split, "split"))
         row = _cleaned(web, web.catalog.row(*key))
         if row.kind == BAGS:
-            extra = _bags(web, row, _number(bag), max(_number(start), 0))
+            extra = _bags(web, row, _number(bag), max(_number(start), 0), bag)
             json_href = _bags_json_href(request, key)
         else:  # [N, D] (embeddings, pooled features): no tokens to picture, the channel plots show them
             tokens = row.shape is None or len(row.shape) != 2
@@ -182,7 +182,7 @@ def _workers(web: Web, row: SplitRow) -> Html:
              "?" if state["left"] is None else state["left"], eta, claimed)
 
 
-def _bags(web: Web, row: SplitRow, chosen: int, start: int) -> Html:
+def _bags(web: Web, row: SplitRow, chosen: int, start: int, asked: str = "") -> Html:
     if row.status != "complete":  # its bags are not laid out until commit
         return h('<section><h2>Bags</h2><p class="muted">status {}: the bags are listed once the '
                  "split is committed</p></section>{}", row.status, _workers(web, row))
@@ -202,7 +202,8 @@ def _bags(web: Web, row: SplitRow, chosen: int, start: int) -> Html:
         else:
             note = "this bag is empty (no patches)"
     elif ids:
-        note = f"bag {chosen if chosen >= 0 else 'asked for'} is out of range (0..{len(ids) - 1})"
+        shown = str(chosen) if _POSITION.fullmatch(asked.strip()) else repr(asked.strip())  # as for a sample
+        note = f"bag {shown} is out of range (0..{len(ids) - 1})"
     beside = views.attention_figures(_attention(web, row, bags, chosen)) if src is not None else Html("")
     return views.bag_section(row, ids, lengths, labels, chosen, src, start, BAGS_PER_PAGE,
                              note=note, coords=views.coords_text(bags.coords_unit, bags.patch_size_level0,
