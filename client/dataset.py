@@ -13,15 +13,15 @@ id and reopens too, so no file map, fsspec session or HTTP connection is shared 
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
 from client.stale import stale_reason_of
+from featurestore.core.lineage import warn_stale
 from featurestore.core.reader import as_index_array
-from featurestore.errors import IndexOutOfRange, InvalidIndices, InvalidOption, StaleSplitWarning
+from featurestore.errors import IndexOutOfRange, InvalidIndices, InvalidOption
 from featurestore.format import dtypes
 from featurestore.format.redact import redact_url
 
@@ -179,8 +179,7 @@ class FeatureDataset(OpenedPerProcess, torch.utils.data.Dataset):
         self.stale: str | None = stale_reason_of(self.source, self.metadata, storage_options=self.storage_options,
                                                  token=self.token)
         if self.stale is not None:
-            warnings.warn(f"{dataset}/{encoder}/{split} is stale: {self.stale}; its rows describe the old source "
-                          "(compute it again: featurestore embed ... --resume)", StaleSplitWarning, stacklevel=2)
+            warn_stale(f"{dataset}/{encoder}/{split}", self.stale, stacklevel=2)
 
     # ------------------------------------------------------------------ opening
     @property

@@ -15,7 +15,6 @@ alone, and nothing here imports the server stack (fastapi).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import httpx
@@ -24,9 +23,8 @@ import numpy as np
 from client.remote import RemoteFeatureArray, reopening
 from client.remote_bag_array import RemoteBagArray
 from client.transport import TOKEN_ENV, ClientError, Transport, make_error
-from featurestore.core.lineage import stale_reason
+from featurestore.core.lineage import stale_reason, warn_stale
 from featurestore.core.quantize_int8 import check_read_dtype
-from featurestore.errors import StaleSplitWarning
 from featurestore.format import lineage, wire
 from featurestore.format.bag_listing import BagsListing
 
@@ -130,8 +128,7 @@ class FeatureClient(Transport):
             return None
         reason = stale_reason(ServedSplits(self), metadata)
         if reason is not None:
-            warnings.warn(f"{'/'.join(key)} is stale: {reason}; its rows describe the old source (compute it "
-                          "again: featurestore embed ... --resume)", StaleSplitWarning, stacklevel=3)
+            warn_stale("/".join(key), reason, stacklevel=3)
         return reason
 
     # ------------------------------------------------------------------ bag splits

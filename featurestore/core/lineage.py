@@ -9,9 +9,10 @@ gives, :mod:`client.stale`).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
-from featurestore.errors import DatasetNotFound, EncoderNotFound, FeatureStoreError, SplitNotFound
+from featurestore.errors import DatasetNotFound, EncoderNotFound, FeatureStoreError, SplitNotFound, StaleSplitWarning
 from featurestore.format import lineage
 
 
@@ -35,3 +36,10 @@ def stale_reason(store: Any, metadata: dict[str, Any]) -> str | None:
         return lineage.stale_reason(doc, source_metadata(store, doc))
     except FeatureStoreError as error:
         return " ".join(str(error).split()).encode("ascii", "replace").decode()
+
+
+def warn_stale(name: str, reason: str, stacklevel: int) -> None:
+    """The :class:`StaleSplitWarning` a client gives when it opens the stale split ``name``
+    (``stacklevel``: counted from the caller of this function's caller, as ``warnings.warn``'s)."""
+    warnings.warn(f"{name} is stale: {reason}; its rows describe the old source (compute it again: featurestore "
+                  "embed ... --resume)", StaleSplitWarning, stacklevel=stacklevel + 1)
