@@ -19,7 +19,7 @@ their pages with ``madvise(MADV_DONTNEED)``. On a shared file map that removes o
 page-table entries: the page cache keeps the bytes, and the next touch maps them again (no disk
 read; a long run with one ``MADV_POPULATE_READ`` call), so reads stay warm while RSS stays bounded,
 at the kernel's cost of mapping pages in again (docs/READS.md). Shuffled and large rows
-(:func:`scattered`) are read through the maps' descriptors instead (core.descriptor_reads).
+(:func:`scattered`) are read through the maps' descriptors (core.descriptor_reads).
 
 Every use re-checks the mapped file's size with ``fstat`` on the map's own descriptor. A file
 truncated in place under a map raises SIGBUS on the first touch of a page past its new end, which
@@ -48,9 +48,7 @@ from featurestore.errors import InvalidOption
 
 _POPULATE_RUN = 256 << 10  # runs shorter than this fault in at the cost of a call or less
 DEFAULT_MAPPED_MIB = 64
-#: An earlier setting that kept shuffled rows under 64 KiB mapped: no longer faster, so it means
-#: the default (with a warning).
-UNBOUNDED = "unbounded"
+UNBOUNDED = "unbounded"  # an earlier setting (shuffled small rows kept mapped): now the default, warned
 
 
 class ChunkMaps:
@@ -59,8 +57,7 @@ class ChunkMaps:
     def __init__(self, max_maps: int, max_bytes: int, max_resident: int | None = None,
                  max_descriptors: int | None = None) -> None:
         self.max_maps = max_maps
-        # Descriptors of the maps (one each, CPython's mmap's own) and of their reads that map
-        # nothing (one more each, opened on first need), together.
+        # The maps' descriptors (mmap's own) and their reads' (one more each, on first need), together.
         self.max_descriptors = max_maps if max_descriptors is None else max_descriptors
         self._descriptors = 0  # maps holding a descriptor for reads
         self.max_bytes = max_bytes
@@ -290,7 +287,7 @@ class ArrayMaps:
         :mod:`~featurestore.core.descriptor_reads`): it maps nothing in, adds nothing to RSS."""
         chunk_rows, width = self._shape
         nbytes = len(index) * width
-        if is_range(index) and (width < DIRECT_ROW or array_nbytes <= shared().max_resident):
+        if is_range(index) and not direct_rows(width, array_nbytes):
             runs, _ = copy_runs(index, chunk_rows)
         else:
             rows_of = SortedRows(index, chunk_rows)
@@ -396,13 +393,17 @@ def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int, *, 
     (shuffled small rows, each mapping in a folio around it: 4x slower for 2 KiB rows). Not smaller
     ``rows`` in ``runs`` of :data:`LONG_RUN` each (a bag, a row range), which mapped back in cost a
     fault per 64 KiB as any long read (docs/READS.md, "Resident bytes")."""
+    if rows and direct_rows(nbytes // rows, array_nbytes):
+        return True
     if array_nbytes <= shared().max_resident:
         return False
-    if rows and nbytes // rows >= DIRECT_ROW:
-        return True
     if runs and rows >= 2 * runs and nbytes >= runs * LONG_RUN:
         return False
     return 2 * nbytes < chunks * min(FOLIO, chunk_bytes)
+
+
+def direct_rows(width: int, array_nbytes: int) -> bool:  # read through descriptors however they lie
+    return width >= DIRECT_ROW and array_nbytes > shared().max_resident
 
 
 def resident_budget() -> int:
@@ -442,8 +443,7 @@ DIRECT_ROW = 256 << 10  # rows this large are read through descriptors past the 
 
 def _after_fork_in_child() -> None:
     global _SHARED, _SHARED_LOCK
-    # The parent's maps are valid here too, but its lock may be held by a thread that did not
-    # come along: start over (the dropped maps are unmapped as their last references go).
+    # The parent's lock may be held by a thread that did not come along: start over (its maps unmap as dropped).
     _SHARED, _SHARED_LOCK = None, threading.Lock()
 
 
