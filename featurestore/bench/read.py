@@ -18,6 +18,7 @@ import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.bench.reading import label
+from featurestore.core import descriptor_reads
 from featurestore.core.buffers import aligned_empty
 
 PREAD = "preadv per row, no map (limit)"
@@ -71,7 +72,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
     zarray = zarr.open_group(os.path.join(base, "store"), mode="r")["bench/enc/train/features"]
     h5 = h5py.File(h5_path, "r")
     out = aligned_empty((args.batch_size, *shape), np.float16)  # what the loader and server use
-    raw_fd, cores = os.open(raw_path, os.O_RDONLY), os.cpu_count() or 1
+    raw_fd, cores = os.open(raw_path, os.O_RDONLY), descriptor_reads.cores()  # as many as the reader's helpers
     pool, slots = ThreadPoolExecutor(cores), out.reshape(len(out), -1).view(np.uint8)
 
     def pread_rows(idx: np.ndarray, lo: int, hi: int) -> None:
