@@ -289,10 +289,12 @@ def as_index_array(indices: Any) -> np.ndarray:
     index = np.asarray(indices)
     if index.ndim == 0:
         index = index.reshape(1)
-    if index.dtype == object and index.ndim == 1 and all(type(i) is int for i in index.tolist()):
+    values = index.tolist() if index.dtype == object and index.ndim == 1 else []
+    if values and all(type(i) is int for i in values):
         # Python ints beyond 64 bits (numpy keeps them as objects): out of range, as any index is
-        big = max(index.tolist(), key=abs)
-        raise IndexOutOfRange(f"index {big} does not fit in int64: use indices in [0, the split's length)")
+        big = max(values, key=abs)
+        if not -(2**63) <= big < 2**63:
+            raise IndexOutOfRange(f"index {big} does not fit in int64: use indices in [0, the split's length)")
     if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
         raise InvalidIndices(
             f"indices must be a 1-D sequence of integers, got {index.dtype} with shape "
