@@ -8,6 +8,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
+# The suite needs ~2 GB of free disk under the temporary directory at its peak; say so up front
+# rather than as hundreds of "No space left on device" errors.
+tmp=${TMPDIR:-/tmp}
+free_mb=$(df -Pm "$tmp" | awk 'NR==2 {print $4}')
+if [ "${free_mb:-0}" -lt 2048 ]; then
+  echo "[test] warning: only ${free_mb} MB free under $tmp; the suite needs ~2 GB: free space or set TMPDIR" >&2
+fi
 cores=$(nproc)
 workers=${FEATURESTORE_TEST_WORKERS:-$((cores < 8 ? cores : 8))}
 python -m pytest -q -n "$workers" --dist loadgroup "$@"

@@ -170,7 +170,8 @@ import sys, tempfile
 import numpy as np, torch
 import featurestore
 from client import BagDataset, BagLoader, FeatureDataset, FeatureLoader, dequantize
-root = tempfile.mkdtemp()
+work = tempfile.TemporaryDirectory()  # removed by its finalizer at exit
+root = work.name
 store = featurestore.open_store(root, mode="a")
 writer = store.create_split("ds", "enc", "rows", num_samples=64, sample_shape=(4, 8), dtype="int8")
 writer.write(0, np.random.default_rng(0).standard_normal((64, 4, 8), dtype=np.float32))
