@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from featurestore.core import fork_wait
 from featurestore.core.collector_pause import collector_paused
 from featurestore.format import int8
 
@@ -168,12 +169,8 @@ def wait_warm(timeout: float | None = None) -> bool:
 
 
 def _before_fork() -> None:
-    # A fork during the load would hand the child its import and compiler locks held by a thread
-    # the child does not have (a DataLoader worker forked as an epoch starts): the fork waits for
-    # the load instead (fused_stats._before_fork).
-    thread = _STATE.get("thread")
-    if thread is not None and thread is not threading.current_thread() and thread.is_alive():
-        thread.join(120.0)  # a bound, not an expected time
+    # A DataLoader worker forked as an epoch starts: why in featurestore.core.fork_wait.
+    fork_wait.wait_for_loads([_STATE.get("thread")])
 
 
 os.register_at_fork(before=_before_fork)

@@ -64,9 +64,7 @@ def check_files(paths: Sequence[str], payload_bytes: int, executor: Any = None,
     hundreds of MiB (int8 splits have at least 128 rows a chunk) is neither held whole in memory
     (a fresh mapping faulted in per chunk) nor read before its crc starts. ``inspect`` needs the
     whole chunk: those are checked ``CHECK_BYTES`` at a time, in buffers of one pool."""
-    # A group of files at a time, each group's held open together: all of a read over hundreds of
-    # chunks, by several threads, outnumbered what a process may open (EMFILE under ulimit -n 64).
-    group = max(4, open_files.descriptor_share() // 4)
+    group = open_files.per_read(open_files.descriptor_share())
     if len(paths) > group:
         return [reason for lo in range(0, len(paths), group) for reason in check_files(
             paths[lo : lo + group], payload_bytes, executor,

@@ -342,14 +342,13 @@ class ArrayMaps:
         map used was opened, or None when a chunk's map has no usable descriptor (its path names
         another file now): the gather copies every row out of the maps then. Each chunk's size is
         checked on its map first, as for a copy (a file truncated or replaced since is mapped again,
-        or refused, by :meth:`view`). The descriptors are taken a group of chunks at a time: held
-        until their rows are read, those of a read over hundreds of chunks, by several threads at
-        once, outnumbered what the process may open (their maps evicted meanwhile)."""
+        or refused, by :meth:`view`). The descriptors are taken a group of chunks at a time
+        (:func:`open_files.per_read`), held until their rows are read."""
         maps, newest, width = shared(), float("-inf"), self._shape[1]
         starts = rows_of.chunk_starts.tolist()  # each chunk's first row
         chunks = rows_of.chunk[starts].tolist()
         file_of = np.repeat(np.arange(len(chunks)), np.diff([*starts, len(rows_of.order)]))  # each row's chunk
-        group = max(4, maps.max_descriptors // 4)
+        group = open_files.per_read(maps.max_descriptors)
         for lo in range(0, len(chunks), group):
             files: list[tuple[Descriptor, str]] = []
             for chunk in chunks[lo : lo + group]:

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from featurestore.core import fork_wait
 from featurestore.core.batch import Prepared, check_kind, is_exact, refuse_out_of_range
 from featurestore.core.collector_pause import collector_paused
 from featurestore.format import dtypes
@@ -227,17 +228,9 @@ def _after_fork_in_child() -> None:
 
 
 def _before_fork() -> None:
-    # A fork while a warm-up loads the kernels would hand the child locks held by a thread it does
-    # not have (the kernel module's import lock, numba's compiler lock): its first write would wait
-    # forever. The fork waits for the load in flight instead (about a second, once per process).
-    current = threading.current_thread()
-    for thread in list(_WARMING.values()):
-        if thread is not current and thread.is_alive():
-            thread.join(FORK_WAIT_S)
+    fork_wait.wait_for_loads(list(_WARMING.values()))  # why: featurestore.core.fork_wait
 
 
-#: The longest a fork waits for a warm-up in flight (a bound, not an expected time).
-FORK_WAIT_S = 120.0
 os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 

@@ -34,6 +34,14 @@ def descriptor_share() -> int:
     return max(_MIN, soft // _SHARE)
 
 
+def per_read(share: int) -> int:
+    """How many files one read holds open together out of ``share`` descriptors: a quarter (at
+    least 4), the rest taken a group at a time. A read over hundreds of chunks by several threads
+    at once, each holding all of its files, outnumbered what a process may open (EMFILE under
+    ``ulimit -n 64``)."""
+    return max(4, share // 4)
+
+
 def max_maps() -> int:
     """How many chunk maps the process keeps: ``FEATURESTORE_MAX_MAPS``, else a quarter of the
     descriptor limit, at most an eighth of ``vm.max_map_count`` (numpy, torch and malloc map too)."""
