@@ -252,6 +252,8 @@ def test_slide_map_by_bag_id_as_server_md_documents(client: TestClient) -> None:
     assert missing.status_code == 404 and "no bag 'TCGA-none' in demo/vit-s/slides" in missing.text
     past = client.get("/ui/slidemap/demo/vit-s/slides/99999999999999999999999999.png")
     assert past.status_code == 416 and "or a bag id" in past.text
+    longer = client.get(f"/ui/slidemap/demo/vit-s/slides/{'9' * 40}.png")  # a position still, not an id
+    assert longer.status_code == 416 and "or a bag id" in longer.text
     assert client.get("/ui/slidemap/demo/vit-s/slides/-1.png").status_code == 416
 
 

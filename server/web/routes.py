@@ -38,7 +38,9 @@ STATIC_TYPES = {"style.css": "text/css; charset=utf-8", "favicon.svg": "image/sv
 MAX_COMPARED = 3  # other encoders shown beside a split's picture
 BAGS_PER_PAGE = 100
 PICTURE_HEADERS = {"Cache-Control": "private, max-age=60", "X-Content-Type-Options": "nosniff"}
-_POSITION = re.compile(r"-?[0-9]{1,30}")  # ASCII digits (int() takes any script's), within int()'s limit
+# ASCII digits (int() takes any script's), within int()'s 4300-digit limit: a long number is a
+# position out of range (416), never an id lookup.
+_POSITION = re.compile(r"-?[0-9]{1,4300}")
 
 
 @dataclass
