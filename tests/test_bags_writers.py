@@ -160,6 +160,56 @@ def test_a_commit_while_another_session_closes_is_said_by_that_close(tmp_path: P
     assert not [p for p in segments.rglob("*") if p.is_file()], list(segments.rglob("*"))  # B's record went
 
 
+def test_a_bag_that_lands_during_the_commit_is_said_by_the_commit(tmp_path: Path) -> None:
+    """Session B's last record lands after session A's commit listed the segments but before it
+    marked the split complete: B's close() saw a split still writing and returned, and A's commit
+    laid out the split without B's bag. A's commit says so (the bag named); before, nobody did."""
+    import threading
+
+    root = tmp_path / "store"
+    store_a, store_b = open_store(str(root), mode="a"), open_store(str(root), mode="a")
+    a = store_a.create_bag_split("ds", "enc", "train", dim=DIM)
+    b = store_b.create_bag_split("ds", "enc", "train", dim=DIM, resume=True)
+    bags = expected()
+    a.add_bag("slide-00", bags["slide-00"])
+    b.add_bag("slide-01", bags["slide-01"])
+    started, go = threading.Event(), threading.Event()
+    put, write = store_b.storage.write_sealed, store_a.storage.write
+
+    def held(key: str, payload: Any) -> Any:  # B's record put waits until A has listed the segments
+        if "/segments/" in key and "/records/" in key:
+            started.set()
+            go.wait(10)
+        return put(key, payload)
+
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            b.close()
+        except BaseException as error:  # noqa: BLE001 - checked below
+            errors.append(error)
+
+    closing = threading.Thread(target=close)
+
+    def marking(key: str, *parts: Any) -> Any:  # A marks complete only once B's close has returned
+        if key == "ds/enc/train/zarr.json" and started.is_set() and not go.is_set():
+            go.set()
+            closing.join(30)
+        return write(key, *parts)
+
+    store_b.storage.write_sealed = held  # type: ignore[method-assign]
+    store_a.storage.write = marking  # type: ignore[method-assign]
+    closing.start()
+    assert started.wait(10)
+    with pytest.raises(SplitExists, match=r"1 bag\(s\) another writer session added while this commit ran .*'slide-01'"):
+        a.commit()
+    assert not closing.is_alive() and errors == []  # B could not tell: the split was still writing
+    assert open_store(str(root)).open_bags("ds", "enc", "train").ids == ["slide-00"]
+    segments = root / "ds" / "enc" / "train" / "segments"
+    assert not [p for p in segments.rglob("*") if p.is_file()], list(segments.rglob("*"))
+
+
 def test_a_session_whose_split_another_session_committed_keeps_the_commit(tmp_path: Path) -> None:
     root = tmp_path / "store"
     store = open_store(str(root), mode="a")

@@ -430,7 +430,7 @@ def test_a_typed_sample_number_is_answered_on_the_page(client: TestClient, query
 @needs_bags
 @pytest.mark.parametrize(("query", "says"), [
     ("?bag=5", "bag 5 is out of range (0..4)"), ("?bag=x", "bag 'x' is out of range (0..4)"),
-    ("?bag=-1", "bag -1 is out of range (0..4)"), ("?bag=" + "9" * 31, f"bag '{'9' * 31}' is out of range (0..4)"),
+    ("?bag=-1", "bag -1 is out of range (0..4)"), ("?bag=" + "9" * 31, f"bag {'9' * 31} is out of range (0..4)"),
     ("?bag=1&start=-3", "slide map of bag 1"),
 ])  # fmt: skip
 def test_a_typed_bag_number_is_answered_on_the_page(client: TestClient, query: str, says: str) -> None:

@@ -43,6 +43,7 @@ class Collected:
     filled: dict[tuple[str, int], int] = field(default_factory=dict)  # rows held by a segment chunk
     segments: list[str] = field(default_factory=list)
     rows: dict[str, int] = field(default_factory=dict)  # a segment's rows (its chunk count * chunk_rows)
+    listed: set[tuple[str, int]] = field(default_factory=set)  # every record found, complete or not
 
 
 def collect(storage: Storage, key: str, meta: SplitMetadata) -> Collected:
@@ -55,7 +56,8 @@ def collect(storage: Storage, key: str, meta: SplitMetadata) -> Collected:
         base = f"{key}/{bags.SEGMENTS}/{segment}"
         present = present_chunks(storage, base, [(name, 2, _payload(meta, name)) for name in (layout.FEATURES, bags.COORDS)])
         out.rows[segment] = (max(present) + 1) * rows if present else 0
-        indices = sorted(int(n) for n in storage.listdir(f"{base}/{bags.RECORDS}/c") if n.isdigit())
+        indices = _record_indices(storage, base)
+        out.listed.update((segment, i) for i in indices)
         keys = [layout.chunk_key(f"{base}/{bags.RECORDS}", i, 1) for i in indices]
         for index, raw in zip(indices, _read_all(storage, keys)):
             if raw is None or chunks.check(raw, None) is not None:
@@ -70,6 +72,29 @@ def collect(storage: Storage, key: str, meta: SplitMetadata) -> Collected:
                     continue
                 out.records[record.bag_id] = (segment, record)
     return out
+
+
+def _record_indices(storage: Storage, segment_key: str) -> list[int]:
+    return sorted(int(n) for n in storage.listdir(f"{segment_key}/{bags.RECORDS}/c") if n.isdigit())
+
+
+def late_bags(storage: Storage, key: str, found: Collected, taken: set[str]) -> list[str]:
+    """Ids of bags whose records landed after ``found`` was listed and that the split (its ids
+    ``taken``) lacks: a session still adding while the commit ran. Listed again after the split is
+    marked complete, so a later put is seen by its own session's close (a complete split)."""
+    late: list[str] = []
+    for segment in storage.listdir(f"{key}/{bags.SEGMENTS}"):
+        if segment.startswith("."):
+            continue
+        base = f"{key}/{bags.SEGMENTS}/{segment}"
+        new = [i for i in _record_indices(storage, base) if (segment, i) not in found.listed]
+        for raw in _read_all(storage, [layout.chunk_key(f"{base}/{bags.RECORDS}", i, 1) for i in new]):
+            try:
+                _, records = bags.decode_records(raw[: -layout.CRC_BYTES]) if raw else (0, [])
+            except ValueError:
+                continue
+            late += [r.bag_id for r in records if r.bag_id not in taken]
+    return sorted(set(late))
 
 
 def _payload(meta: SplitMetadata, name: str) -> int:
@@ -135,7 +160,13 @@ def commit(storage: Storage, key: str, meta: SplitMetadata, extra: dict[str, Any
         spec["labels"] = {"dtype": labels.dtype.name}
     final = lifecycle.mark_complete(storage, key, meta, num_samples=total, bags=spec,
                                     extra={**meta.extra, **(extra or {})}, **folded_report(meta, stats))
+    late = late_bags(storage, key, found, set(ids))
     storage.delete_tree(f"{key}/{bags.SEGMENTS}")
+    if late:
+        raise SplitExists(f"split {key} is committed with {len(ids)} bags, but {len(late)} bag(s) another writer "
+                          f"session added while this commit ran are not in it (first: {late[0]!r}): commit once, "
+                          "after every session has closed; to include them, write the split again with "
+                          "overwrite=True (--overwrite), every bag included")
     return final
 
 
