@@ -116,13 +116,11 @@ def _kill_after(proc: subprocess.Popen[str], line: str, count: int = 1) -> list[
     assert proc.returncode == -signal.SIGKILL
     return printed
 
-def test_a_commit_while_another_session_closes_is_said_by_that_close(tmp_path: Path) -> None:
-    """Session B is inside close(), its last record's put in flight, when session A commits and
-    deletes the segments: B's put lands after, in no split. B's close() says so (its bag named)
-    and leaves nothing under segments/; before, it returned as if its bag were kept."""
+def _two_sessions(root: Path) -> tuple[Any, Any, Any, Any, Any]:
+    """Two sessions of one new bag split in two stores on ``root`` (A created it, B attached),
+    one bag added by each, and B's record put held until ``go`` is set (``started`` when it is)."""
     import threading
 
-    root = tmp_path / "store"
     store_a, store_b = open_store(str(root), mode="a"), open_store(str(root), mode="a")
     a = store_a.create_bag_split("ds", "enc", "train", dim=DIM)
     b = store_b.create_bag_split("ds", "enc", "train", dim=DIM, resume=True)
@@ -130,24 +128,39 @@ def test_a_commit_while_another_session_closes_is_said_by_that_close(tmp_path: P
     a.add_bag("slide-00", bags["slide-00"])
     b.add_bag("slide-01", bags["slide-01"])
     started, go = threading.Event(), threading.Event()
-    write = store_b.storage.write_sealed
+    put = store_b.storage.write_sealed
 
-    def held(key: str, payload: Any) -> Any:  # B's record put waits until A has committed
+    def held(key: str, payload: Any) -> Any:
         if "/segments/" in key and "/records/" in key:
             started.set()
             go.wait(10)
-        return write(key, payload)
+        return put(key, payload)
 
     store_b.storage.write_sealed = held  # type: ignore[method-assign]
-    errors: list[BaseException] = []
+    return store_a, a, b, started, go
+
+
+def _closing(session: Any, errors: list[BaseException]) -> Any:
+    """A thread (not started) that closes ``session``, keeping what it raises in ``errors``."""
+    import threading
 
     def close() -> None:
         try:
-            b.close()
-        except BaseException as error:  # noqa: BLE001 - checked below
+            session.close()
+        except BaseException as error:  # noqa: BLE001 - checked by the caller
             errors.append(error)
 
-    closing = threading.Thread(target=close)
+    return threading.Thread(target=close)
+
+
+def test_a_commit_while_another_session_closes_is_said_by_that_close(tmp_path: Path) -> None:
+    """Session B is inside close(), its last record's put in flight, when session A commits and
+    deletes the segments: B's put lands after, in no split. B's close() says so (its bag named)
+    and leaves nothing under segments/; before, it returned as if its bag were kept."""
+    root = tmp_path / "store"
+    _, a, b, started, go = _two_sessions(root)
+    errors: list[BaseException] = []
+    closing = _closing(b, errors)
     closing.start()
     assert started.wait(10)
     a.commit()
@@ -164,33 +177,11 @@ def test_a_bag_that_lands_during_the_commit_is_said_by_the_commit(tmp_path: Path
     """Session B's last record lands after session A's commit listed the segments but before it
     marked the split complete: B's close() saw a split still writing and returned, and A's commit
     laid out the split without B's bag. A's commit says so (the bag named); before, nobody did."""
-    import threading
-
     root = tmp_path / "store"
-    store_a, store_b = open_store(str(root), mode="a"), open_store(str(root), mode="a")
-    a = store_a.create_bag_split("ds", "enc", "train", dim=DIM)
-    b = store_b.create_bag_split("ds", "enc", "train", dim=DIM, resume=True)
-    bags = expected()
-    a.add_bag("slide-00", bags["slide-00"])
-    b.add_bag("slide-01", bags["slide-01"])
-    started, go = threading.Event(), threading.Event()
-    put, write = store_b.storage.write_sealed, store_a.storage.write
-
-    def held(key: str, payload: Any) -> Any:  # B's record put waits until A has listed the segments
-        if "/segments/" in key and "/records/" in key:
-            started.set()
-            go.wait(10)
-        return put(key, payload)
-
+    store_a, a, b, started, go = _two_sessions(root)
     errors: list[BaseException] = []
-
-    def close() -> None:
-        try:
-            b.close()
-        except BaseException as error:  # noqa: BLE001 - checked below
-            errors.append(error)
-
-    closing = threading.Thread(target=close)
+    closing = _closing(b, errors)
+    write = store_a.storage.write
 
     def marking(key: str, *parts: Any) -> Any:  # A marks complete only once B's close has returned
         if key == "ds/enc/train/zarr.json" and started.is_set() and not go.is_set():
@@ -198,7 +189,6 @@ def test_a_bag_that_lands_during_the_commit_is_said_by_the_commit(tmp_path: Path
             closing.join(30)
         return write(key, *parts)
 
-    store_b.storage.write_sealed = held  # type: ignore[method-assign]
     store_a.storage.write = marking  # type: ignore[method-assign]
     closing.start()
     assert started.wait(10)
