@@ -1,4 +1,4 @@
-"""Slide encoders for tests/test_embed.py (imported by ``python:_embed_encoders:FACTORY`` specs, also
+"""Slide encoders for tests/test_embed*.py (imported by ``python:_embed_encoders:FACTORY`` specs, also
 in ``featurestore embed`` subprocesses: the tests directory is on their PYTHONPATH)."""
 
 from __future__ import annotations

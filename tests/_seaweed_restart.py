@@ -1,5 +1,6 @@
 """A SeaweedFS server a test can stop and start again on the same ports and directory: an outage
-of the object store that workers must wait out (tests/test_workers.py, tests/test_workers_outage.py)."""
+of the object store that workers must wait out (tests/test_workers_interrupted.py,
+tests/test_workers_outage.py)."""
 
 from __future__ import annotations
 

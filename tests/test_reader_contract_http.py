@@ -3,8 +3,8 @@ as every local and object-storage reader, through the HTTP server.
 
 The store is served in-process (``TestClient(create_app(store))`` handed to ``FeatureClient``),
 so each test opens its own freshly written store in milliseconds; the real ``featurestore serve``
-process and the real transport are exercised by tests/test_client_http.py and
-tests/test_faults_server.py.
+process and the real transport are exercised by tests/test_client_http.py,
+tests/test_client_http_transport.py and tests/test_faults_server.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A ``--worker`` started while the object store is down waits the outage out, as it does mid-run
-(tests/test_workers.py), and finishes: array tasks and spot instances start whenever they are
-scheduled, not when the store is up."""
+(tests/test_workers_interrupted.py), and finishes: array tasks and spot instances start whenever
+they are scheduled, not when the store is up."""
 
 from __future__ import annotations
 
