@@ -171,3 +171,17 @@ def test_a_rank_that_loses_its_peers_says_so_in_one_line() -> None:
         coord.agree(None)
     with pytest.raises(ValueError, match="its own error"):  # a rank's own error wins over the lost peers
         coord.agree(ValueError("its own error"))
+
+
+def test_a_workers_slides_add_their_seconds_and_ranks_keep_the_slowest() -> None:
+    # A --worker process encodes its slides one after another: its closing line's "encoded in"
+    # is their sum (it was the longest slide's, a patches/s several times too high); ranks run
+    # side by side, so a torchrun run's time is its slowest rank's.
+    from featurestore.extract.encode_loop import Progress, gathered
+    from featurestore.extract.wsi_run import _SlidesJob
+
+    parts = [Progress(items=1, patches=100, seconds=2.0, waited=0.5), Progress(items=1, patches=300, seconds=3.0)]
+    slides = _SlidesJob.merge(None, parts)  # type: ignore[arg-type]  # merge reads nothing of the job
+    assert (slides.items, slides.patches, slides.seconds, slides.waited) == (2, 400, 5.0, 0.5)
+    ranks = gathered(parts)
+    assert (ranks.patches, ranks.seconds, ranks.waited) == (400, 3.0, 0.5)

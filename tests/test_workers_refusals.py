@@ -152,6 +152,7 @@ def test_a_worker_listing_another_cohort_is_refused(tmp_path: Path) -> None:
     assert more.returncode == 1, more.stdout + more.stderr
     assert ("was started on 2 slides and this run lists 3 (other slide ids): every run of a split, each --worker "
             "too, takes the same slide list" in more.stderr), more.stderr
+    assert "`featurestore rm` this split, then start the workers" in more.stderr and "overwrite" not in more.stderr
     (cohort / "slide-002.tiff").unlink()
     (cohort / "slide-001.tiff").unlink()  # fewer slides: one of the split's bags is not listed
     fewer = run_cli(*_wsi_cmd(cohort, str(store), None, "--worker")[3:], env=env, timeout=240)
@@ -190,6 +191,14 @@ def test_a_worker_with_other_options_is_told_the_workers_fix(tmp_path: Path) -> 
     assert other.returncode == 1 and len(other.stderr.strip().splitlines()) == 1, other.stderr
     assert "every worker of a split runs with the same options" in other.stderr, other.stderr
     assert "overwrite" not in other.stderr, other.stderr
+
+
+def test_a_worker_import_of_a_source_that_does_not_exist_says_so(tmp_path: Path) -> None:
+    # It said the path "is not a directory of per-slide files: import it without --worker".
+    done = run_cli(*_import_cmd(tmp_path / "nowhere", str(tmp_path / "store"), None, "--worker")[3:])
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"source '{tmp_path / 'nowhere'}' does not exist: give the directory of per-slide" in done.stderr, done.stderr
+    assert not (tmp_path / "store").exists()
 
 
 def test_a_local_store_that_cannot_be_written_is_told_a_local_fix(tmp_path: Path) -> None:

@@ -134,6 +134,14 @@ def test_a_worker_logs_each_slide_it_did_and_why_one_was_skipped(tmp_path: Path)
     assert [s["id"] for s in open_store(str(tmp_path / "store")).split_metadata(*NAME)["skipped"]] == ["junk"]
     status = run_cli("status", str(tmp_path / "store"), *NAME, env=cli_env())
     assert status.stdout.strip() == f"split {'/'.join(NAME)}: complete, 2 bags, 1 skipped: junk", status.stdout
+    # A worker started on the complete split: nothing to do, the slide it left out named, and a way
+    # to redo it that --worker takes (it refuses --overwrite)
+    again = run_cli(*_wsi_cmd(cohort, str(tmp_path / "store"), None, "--worker")[3:],
+                    env=cli_env(**{CALLS: str(tmp_path / "calls.txt")}), timeout=240)
+    assert again.returncode == 0 and "nothing to do; 1 slide(s) skipped or failed are not in it" in again.stdout, (
+        again.stdout + again.stderr)
+    assert "retry them: junk (to redo it: featurestore rm " in again.stdout and "--overwrite" not in again.stdout
+    assert "quantization:" not in again.stdout  # this run measured nothing
     # Before a commit (--no-commit), status counts the skipped slide among the done ones, and says so
     held = run_cli(*_wsi_cmd(cohort, str(tmp_path / "held"), None, "--worker", "--no-commit")[3:],
                    env=cli_env(**{CALLS: str(tmp_path / "calls.txt")}), timeout=240)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from featurestore.commands.parsers import add_debug_option, add_verb
-from featurestore.commands.report_line import quantization_line
+from featurestore.commands.report_line import nothing_to_do, quantization_line
 from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, storage_options, store_errors
 from featurestore.commands.workerargs import add_worker_options, worker_options
 from featurestore.errors import InvalidOption
@@ -158,17 +158,18 @@ def options_from_args(args: argparse.Namespace) -> Any:
         progress=not args.no_progress, threads=args.threads, verify_chunks=args.verify_chunks)
 
 
-def _closing_lines(result: Any, already: str, extracted: Callable[[float], str]) -> list[str]:
-    """The quantization line, then ``already`` (a split complete before this run) or
-    ``extracted(seconds)``, the run's own line (``seconds`` of the encode loop, never 0)."""
+def _closing_lines(result: Any, already: str, extracted: Callable[[float], str], store: str,
+                   worker: bool) -> list[str]:
+    """The quantization line and ``extracted(seconds)``, the run's own line (``seconds`` of the
+    encode loop, never 0); or, for a split complete before this run, ``already`` alone."""
+    if result.status == "already-complete":
+        return [nothing_to_do(already, result.metadata, store=store, key=result.key, worker=worker)]
     q = result.metadata.get("quantization") or {}
     lines = [f"quantization: {quantization_line(q)}"] if q else []
-    if result.status == "already-complete":
-        return [*lines, f"{already}: nothing to do (--overwrite to redo it)"]
     return [*lines, extracted(max(result.seconds, 1e-9))]
 
 
-def format_report(result: Any) -> list[str]:
+def format_report(result: Any, store: str) -> list[str]:
     """The closing lines: quantization report, then one summary line."""
     meta = result.metadata
     shape = "x".join(str(s) for s in [result.num_samples, *meta.get("sample_shape", [])])
@@ -177,10 +178,10 @@ def format_report(result: Any) -> list[str]:
         lambda secs: f"extracted {result.key}: {shape} {meta.get('logical_dtype')}, {result.encoded} samples encoded "
         f"in {result.seconds:.1f}s ({result.encoded / secs:.1f} img/s, "
         f"{result.bytes_written / secs / 1e6:.3g} MB/s written; {result.wall_seconds:.1f}s in all), "
-        f"status {meta.get('status')}")
+        f"status {meta.get('status')}", store, worker=False)
 
 
-def format_slide_report(result: Any) -> list[str]:
+def format_slide_report(result: Any, store: str, worker: bool) -> list[str]:
     """The closing lines of a slide extraction (skipped slides go to stderr, one line each)."""
     meta = result.metadata
     bags = meta.get("bags") or {}
@@ -192,7 +193,7 @@ def format_slide_report(result: Any) -> list[str]:
         f"encoded in {result.seconds:.1f}s ({result.patches / secs:.1f} patches/s; {result.wall_seconds:.1f}s in all), "
         f"{len(result.skipped)} skipped" + (f", {len(meta['failed'])} failed" if meta.get("failed") else "")
         + f"; split: {bags.get('count')} bags, {meta.get('num_samples')} patches, "
-        f"{meta.get('logical_dtype')}, status {meta.get('status')}")
+        f"{meta.get('logical_dtype')}, status {meta.get('status')}", store, worker)
 
 
 def run_slides(args: argparse.Namespace) -> int:
@@ -218,7 +219,7 @@ def run_slides(args: argparse.Namespace) -> int:
     for slide in failed:
         last = (slide.get("errors") or ["?"])[-1]
         print(f"failed slide {slide['id']} after {slide.get('attempts')} attempt(s): {last}", file=sys.stderr, flush=True)
-    for line in format_slide_report(result):
+    for line in format_slide_report(result, args.store, bool(args.worker)):
         print(line, flush=True)
     return EXIT_SKIPPED if result.skipped or failed else 0
 
@@ -243,6 +244,6 @@ def run(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     coord, result = _on_this_rank(opts.store, lambda coord: extract(opts, coord))
     if coord.rank == 0:
-        for line in format_report(result):
+        for line in format_report(result, args.store):
             print(line, flush=True)
     return 0

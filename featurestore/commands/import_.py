@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from featurestore.commands.parsers import add_debug_option, add_verb
-from featurestore.commands.report_line import quantization_line
+from featurestore.commands.report_line import nothing_to_do, quantization_line
 from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, storage_options, store_errors
 from featurestore.commands.workerargs import add_worker_options, worker_options
 
@@ -92,17 +92,17 @@ def run(args: argparse.Namespace) -> int:
     if meta.get("kind") == "bags":
         what = (f"{meta['bags']['count']} bags, {meta['num_samples']} patches x {meta['sample_shape'][0]} "
                 f"{meta.get('logical_dtype')}")
-        return _report(result, "bag split", what, "bags")
+        return _report(result, "bag split", what, "bags", args)
     shape = "x".join(str(s) for s in [result.num_samples, *meta.get("sample_shape", [])])
-    return _report(result, "split", f"{shape} {meta.get('logical_dtype')}", "samples")
+    return _report(result, "split", f"{shape} {meta.get('logical_dtype')}", "samples", args)
 
 
-def _report(result: Any, kind: str, what: str, units: str) -> int:
+def _report(result: Any, kind: str, what: str, units: str, args: argparse.Namespace) -> int:
     """The import's lines, dense or bags alike: nothing to do, or the quantization and what was written."""
     meta = result.metadata
     if result.status == "already-complete":
-        print(f"{kind} {result.key} is already complete with the same cache key ({what}): nothing "
-              "to do (--overwrite to redo it)")
+        print(nothing_to_do(f"{kind} {result.key} is already complete with the same cache key ({what})", meta,
+                            store=args.store, key=result.key, worker=bool(getattr(args, "worker", False))))
         return 0
     q = meta.get("quantization") or {}
     if q:

@@ -27,3 +27,15 @@ def quantization_line(q: dict[str, Any]) -> str:
             f"abs max {_figure(q.get('abs_max'), '.6g')}, "
             f"overflow {q.get('overflow_count', 0)}, NaN {q.get('nan_count', 0)}, Inf {q.get('inf_count', 0)}"
             + (f", saturation {q.get('saturation_count', 0)}" if int8 else ""))
+
+
+def nothing_to_do(what: str, meta: dict[str, Any], *, store: str, key: str, worker: bool) -> str:
+    """The line of a run that found its split complete already: ``what`` it holds, the slides its
+    commit left out (skipped or failed: a re-run does not retry them), and how to redo it (``--worker``
+    refuses ``--overwrite``: the split is removed, then the workers start again)."""
+    ended = [str(s.get("id")) for part in ("skipped", "failed") for s in meta.get(part) or [] if isinstance(s, dict)]
+    left = (f"; {len(ended)} slide(s) skipped or failed are not in it and a re-run does not retry them: "
+            f"{', '.join(ended[:5])}{', ...' if len(ended) > 5 else ''}") if ended else ""
+    redo = (f"to redo it: featurestore rm {store} {' '.join(key.split('/'))} --yes, then start the workers again"
+            if worker else "--overwrite to redo it")
+    return f"{what}: nothing to do{left} ({redo})"

@@ -154,11 +154,14 @@ def feed(loader: Any, thread: WriterThread, bar: Any, device: torch.device, warm
     return done
 
 
-def gathered(progress: list[Progress]) -> Progress:
-    """Every rank's progress as one: counts summed, the slowest rank's seconds, skips sorted by id."""
+def gathered(progress: list[Progress], *, in_turn: bool = False) -> Progress:
+    """Every rank's progress as one: counts summed, the slowest rank's seconds (ranks run side by
+    side), skips sorted by id. ``in_turn``: parts one process ran one after another (a worker's
+    slides): their seconds summed."""
+    time = sum if in_turn else max
     return Progress(sum(p.items for p in progress), sum(p.patches for p in progress),
-                    sum(p.bytes_written for p in progress), max(p.seconds for p in progress),
-                    max(p.waited for p in progress),
+                    sum(p.bytes_written for p in progress), time(p.seconds for p in progress),
+                    time(p.waited for p in progress),
                     sorted((s for p in progress for s in p.skipped), key=lambda s: s["id"]))
 
 

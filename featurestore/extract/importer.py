@@ -48,6 +48,9 @@ def import_cache(opts: ImportOptions) -> ImportResult:
             return run_split(BagImport(opts, SlideFiles(*slides)), share=ClaimShare(opts.worker))
         return run_split(BagImport(opts, SlideFiles(*slides)))
     if opts.worker is not None:
+        if not os.path.exists(opts.source):
+            raise SourceError(f"source {opts.source!r} does not exist: give the directory of per-slide .h5 or .pt "
+                              "files the workers share")
         raise SourceError(f"--worker shares the slides of a bag split, but {opts.source!r} is not a directory of "
                           "per-slide files: import it without --worker")
     if opts.bags:

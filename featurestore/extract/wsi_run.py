@@ -256,7 +256,8 @@ class _SlidesJob(EncodeJob):
         raise InputChanged(f"split {self.key} was started on {recorded.get('slides')} slides and this run lists "
                            f"{len(refs)} ({detail}): every run of a split, each --worker too, takes the same slide "
                            "list (folder or CSV, and --limit); extract other slides into another --split, or "
-                           "--overwrite to redo this one with this list")
+                           + ("`featurestore rm` this split, then start the workers with this list"
+                              if self.opts.worker is not None else "--overwrite to redo this one with this list"))
 
     def create(self, *, resume: bool, overwrite: bool) -> Any:
         opts, prep = self.opts, self.prep
@@ -285,8 +286,8 @@ class _SlidesJob(EncodeJob):
     def unit_record(self, part: Progress) -> dict[str, Any]:
         return {"skipped": part.skipped[0]} if part.skipped else {}
 
-    def merge(self, parts: list[Progress]) -> Progress:
-        return gathered(parts) if parts else Progress()
+    def merge(self, parts: list[Progress]) -> Progress:  # one process's slides, one after another
+        return gathered(parts, in_turn=True) if parts else Progress()
 
     def work(self, writer: Any, mine: list[SlideRef]) -> Progress:
         return _encode_slides(self.opts, self.prep, writer, mine, self.coord)
