@@ -148,6 +148,8 @@ def test_a_worker_logs_each_slide_it_did_and_why_one_was_skipped(tmp_path: Path)
     assert held.returncode == 0, held.stdout + held.stderr
     status = run_cli("status", str(tmp_path / "held"), *NAME, env=cli_env())
     assert "slides done 3 (1 skipped), claimed 0, failed 0, left 0 (of 3)" in status.stdout, status.stdout
+    assert "every slide is done: commit it with `featurestore commit " in status.stdout, status.stdout
+    assert "estimated time to finish" not in status.stdout, status.stdout
     from fastapi.testclient import TestClient  # and the split's web page
 
     from server import Settings, create_app

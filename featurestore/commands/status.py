@@ -64,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  committing: by {c['host']} pid {c['pid']}, lease age {c['lease_age']:.0f}s of {c['lease']:.0f}s"
               + (" EXPIRED (its worker is gone: `featurestore commit` or the next worker takes it over)"
                  if c["expired"] else ""))
-    if state["eta_seconds"] is not None:
+    if state["left"] == 0 and not state["claimed"] and not state["committing"]:  # --no-commit workers all done
+        print(f"  every slide is done: commit it with `featurestore commit {args.store} {key.replace('/', ' ')}`")
+    elif state["eta_seconds"] is not None:
         print(f"  estimated time to finish: {state['eta_seconds']:.0f}s")
     return 0
 
