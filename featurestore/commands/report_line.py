@@ -33,7 +33,9 @@ def nothing_to_do(what: str, meta: dict[str, Any], *, store: str, key: str, work
     """The line of a run that found its split complete already: ``what`` it holds, the slides its
     commit left out (skipped or failed: a re-run does not retry them), and how to redo it (``--worker``
     refuses ``--overwrite``: the split is removed, then the workers start again)."""
-    ended = [str(s.get("id")) for part in ("skipped", "failed") for s in meta.get(part) or [] if isinstance(s, dict)]
+    from featurestore.extract.dist_run import left_out  # loaded already by the run that calls this
+
+    ended = sorted(str(i) for i in left_out(meta))
     left = (f"; {len(ended)} slide(s) skipped or failed are not in it and a re-run does not retry them: "
             f"{', '.join(ended[:5])}{', ...' if len(ended) > 5 else ''}") if ended else ""
     redo = (f"to redo it: featurestore rm {store} {' '.join(key.split('/'))} --yes, then start the workers again"

@@ -14,6 +14,7 @@ a resume or another commit redoes it; it is deterministic, so it writes the same
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,14 +59,7 @@ def collect(storage: Storage, key: str, meta: SplitMetadata) -> Collected:
         out.rows[segment] = (max(present) + 1) * rows if present else 0
         indices = _record_indices(storage, base)
         out.listed.update((segment, i) for i in indices)
-        keys = [layout.chunk_key(f"{base}/{bags.RECORDS}", i, 1) for i in indices]
-        for index, raw in zip(indices, _read_all(storage, keys)):
-            if raw is None or chunks.check(raw, None) is not None:
-                continue  # a record cut short (it is written atomically: only by damage)
-            try:
-                filled, records = bags.decode_records(raw[: -layout.CRC_BYTES])
-            except ValueError:
-                continue
+        for index, filled, records in _records(storage, base, indices):
             out.filled[(segment, index)] = filled
             for record in records:
                 if record.bag_id in out.records or not all(c in present for c in record.chunks(rows)):
@@ -78,6 +72,20 @@ def _record_indices(storage: Storage, segment_key: str) -> list[int]:
     return sorted(int(n) for n in storage.listdir(f"{segment_key}/{bags.RECORDS}/c") if n.isdigit())
 
 
+def _records(storage: Storage, segment_key: str, indices: list[int]) -> Iterator[tuple[int, int, list[bags.BagRecord]]]:
+    """``(index, filled, records)`` of the segment's record chunks ``indices`` whose crc32c checks
+    (a record is written atomically: one cut short or undecodable is damage, and skipped)."""
+    keys = [layout.chunk_key(f"{segment_key}/{bags.RECORDS}", i, 1) for i in indices]
+    for index, raw in zip(indices, _read_all(storage, keys)):
+        if raw is None or chunks.check(raw, None) is not None:
+            continue
+        try:
+            filled, records = bags.decode_records(raw[: -layout.CRC_BYTES])
+        except ValueError:
+            continue
+        yield index, filled, records
+
+
 def late_bags(storage: Storage, key: str, found: Collected, taken: set[str]) -> list[str]:
     """Ids of bags whose records landed after ``found`` was listed and that the split (its ids
     ``taken``) lacks: a session still adding while the commit ran. Listed again after the split is
@@ -88,11 +96,7 @@ def late_bags(storage: Storage, key: str, found: Collected, taken: set[str]) -> 
             continue
         base = f"{key}/{bags.SEGMENTS}/{segment}"
         new = [i for i in _record_indices(storage, base) if (segment, i) not in found.listed]
-        for raw in _read_all(storage, [layout.chunk_key(f"{base}/{bags.RECORDS}", i, 1) for i in new]):
-            try:
-                _, records = bags.decode_records(raw[: -layout.CRC_BYTES]) if raw else (0, [])
-            except ValueError:
-                continue
+        for _, _, records in _records(storage, base, new):
             late += [r.bag_id for r in records if r.bag_id not in taken]
     return sorted(set(late))
 
