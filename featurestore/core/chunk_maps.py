@@ -12,14 +12,15 @@ copying from stays valid: dropping it unmaps it only once that gather lets go of
 The pages a gather touches through a map count in the process's RSS (``VmRSS``, what ``top``,
 SLURM and Kubernetes' working set show) for as long as they stay mapped, although they are only
 page cache: kept, an epoch over a split left the whole split "resident" in the process. So the
-bytes mapped in are bounded too (:func:`resident_budget`, ``FEATURESTORE_MAPPED_MIB``): each
+bytes mapped in are bounded too (:func:`~featurestore.core.map_budget.resident_budget`, ``FEATURESTORE_MAPPED_MIB``): each
 gather reports what it touched (:meth:`ChunkMaps.touched`, in whole folios: one touched row maps
 its page-cache folio, up to 2 MiB), and past the budget the maps touched least recently drop
 their pages with ``madvise(MADV_DONTNEED)``. On a shared file map that removes only this process's
 page-table entries: the page cache keeps the bytes, and the next touch maps them again (no disk
 read; a long run with one ``MADV_POPULATE_READ`` call), so reads stay warm while RSS stays bounded,
 at the kernel's cost of mapping pages in again (docs/READS.md). Shuffled and large rows
-(:func:`scattered`) are read through the maps' descriptors (core.descriptor_reads).
+(:func:`scattered`), and long runs of rows (a bag, a row range), of an array larger than that
+budget are read through the maps' descriptors instead (core.descriptor_reads): nothing mapped in.
 
 Every use re-checks the mapped file's size with ``fstat`` on the map's own descriptor. A file
 truncated in place under a map raises SIGBUS on the first touch of a page past its new end, which
@@ -34,21 +35,18 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 
 from featurestore.core import descriptor_reads, open_files, pread
-from featurestore.core.descriptor_reads import read_rows
+from featurestore.core.descriptor_reads import read_rows, read_runs
 from featurestore.core.mapped_file import Descriptor, MappedFile, map_file, open_descriptor
+from featurestore.core.map_budget import DIRECT_ROW, FOLIO, LONG_RUN, resident_budget
 from featurestore.core.reader_ranges import SortedRows, copy_runs, is_range
-from featurestore.errors import InvalidOption
 
 _POPULATE_RUN = 256 << 10  # runs shorter than this fault in at the cost of a call or less
-DEFAULT_MAPPED_MIB = 64
-UNBOUNDED = "unbounded"  # an earlier setting (shuffled small rows kept mapped): now the default, warned
 
 
 class ChunkMaps:
@@ -284,7 +282,9 @@ class ArrayMaps:
         chunks is shared with ``pool``'s threads, a chunk's runs each. A :func:`scattered` one (a
         range too, of rows of :data:`DIRECT_ROW` or more) is read through the maps' descriptors
         instead (``preadv``, over ``pool``'s threads when large:
-        :mod:`~featurestore.core.descriptor_reads`): it maps nothing in, adds nothing to RSS."""
+        :mod:`~featurestore.core.descriptor_reads`): it maps nothing in, adds nothing to RSS. So
+        are runs of :data:`LONG_RUN` or more on average from such an array, a ``preadv`` per piece
+        of a run (:meth:`_read_runs`)."""
         chunk_rows, width = self._shape
         nbytes = len(index) * width
         if is_range(index) and not direct_rows(width, array_nbytes):
@@ -295,6 +295,9 @@ class ArrayMaps:
                          rows=len(index)) and (opened := self._read_direct(rows_of, rows, pool)) is not None:
                 return opened
             runs = rows_of.runs()
+        if (array_nbytes > shared().max_resident and nbytes >= len(runs) * LONG_RUN
+                and (opened := self._read_runs(runs, rows, pool)) is not None):
+            return opened
         if nbytes < 2 * descriptor_reads.PIECE_BYTES or runs[0][0] == runs[-1][0]:
             return self._copy(runs, rows, populate)
         # A large copy over several chunks: shared with the pool's threads, a chunk's runs each.
@@ -344,10 +347,39 @@ class ArrayMaps:
         checked on its map first, as for a copy (a file truncated or replaced since is mapped again,
         or refused, by :meth:`view`). The descriptors are taken a group of chunks at a time
         (:func:`open_files.per_read`), held until their rows are read."""
-        maps, newest, width = shared(), float("-inf"), self._shape[1]
+        width = self._shape[1]
         starts = rows_of.chunk_starts.tolist()  # each chunk's first row
         chunks = rows_of.chunk[starts].tolist()
         file_of = np.repeat(np.arange(len(chunks)), np.diff([*starts, len(rows_of.order)]))  # each row's chunk
+
+        def read(lo: int, hi: int, files: list[tuple[Descriptor, str]]) -> None:
+            part = slice(starts[lo], starts[hi] if hi < len(chunks) else len(rows_of.order))
+            read_rows(rows, rows_of.order[part], files, file_of[part] - lo, rows_of.offset[part] * width,
+                      self._check_size, pool)
+
+        return self._through_descriptors(chunks, read)
+
+    def _read_runs(self, runs: list[tuple[int, int, int, int]], rows: np.ndarray,
+                   pool: pread.ReadPool | None) -> float | None:
+        """Long runs (a bag, a row range) through their chunks' descriptors, a ``preadv`` per piece
+        of a run: as :meth:`_read_direct`, nothing mapped in, and no mapping back in of pages a
+        release dropped (page cache warm, 8 MiB chunks: 17 GB/s against 11 through the maps)."""
+        chunks = list(dict.fromkeys(run[0] for run in runs))  # ascending, as the runs
+        first_run = np.searchsorted([run[0] for run in runs], chunks).tolist() + [len(runs)]
+
+        def read(lo: int, hi: int, files: list[tuple[Descriptor, str]]) -> None:
+            read_runs(rows, runs[first_run[lo] : first_run[hi]], files, dict(zip(chunks[lo:hi], range(hi - lo))),
+                      self._check_size, pool)
+
+        return self._through_descriptors(chunks, read)
+
+    def _through_descriptors(self, chunks: list[int], read: Callable[[int, int, list[tuple[Descriptor, str]]], None]
+                             ) -> float | None:
+        """``read(lo, hi, files)`` for each group of ``chunks[lo:hi]`` (their descriptors and paths,
+        taken a group at a time, :func:`open_files.per_read`, each chunk's size checked on its map
+        first, as for a copy); returns when the newest map used was opened, or None when a chunk's
+        map has no usable descriptor (its path names another file now): the caller copies then."""
+        maps, newest = shared(), float("-inf")
         group = open_files.per_read(maps.max_descriptors)
         for lo in range(0, len(chunks), group):
             files: list[tuple[Descriptor, str]] = []
@@ -361,9 +393,7 @@ class ArrayMaps:
                         return None
                 newest = max(newest, entry.opened)
                 files.append((descriptor, entry.path))
-            part = slice(starts[lo], starts[lo + group] if lo + group < len(chunks) else len(rows_of.order))
-            read_rows(rows, rows_of.order[part], files, file_of[part] - lo, rows_of.offset[part] * width,
-                      self._check_size, pool)
+            read(lo, min(lo + group, len(chunks)), files)
         return newest
 
 
@@ -390,8 +420,8 @@ def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int, *, 
     each costs nothing beside its copy; a map's copy pays the release and mapping back of its pages,
     1.4x slower on warm [1024, 1536] float16 rows), and reads of much less than a folio per chunk
     (shuffled small rows, each mapping in a folio around it: 4x slower for 2 KiB rows). Not smaller
-    ``rows`` in ``runs`` of :data:`LONG_RUN` each (a bag, a row range), which mapped back in cost a
-    fault per 64 KiB as any long read (docs/READS.md, "Resident bytes")."""
+    ``rows`` in ``runs`` of :data:`LONG_RUN` each (a bag, a row range): those are read a run at a
+    time (:meth:`ArrayMaps._read_runs`; docs/READS.md, "Resident bytes")."""
     if rows and direct_rows(nbytes // rows, array_nbytes):
         return True
     if array_nbytes <= shared().max_resident:
@@ -403,41 +433,6 @@ def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int, *, 
 
 def direct_rows(width: int, array_nbytes: int) -> bool:  # read through descriptors however they lie
     return width >= DIRECT_ROW and array_nbytes > shared().max_resident
-
-
-def resident_budget() -> int:
-    """Bytes of chunk maps the process keeps mapped in (in its RSS): ``FEATURESTORE_MAPPED_MIB``
-    (MiB, read on first use), default 64; a working set within it is never mapped in again."""
-    text = os.environ.get("FEATURESTORE_MAPPED_MIB", "").strip()
-    if text.lower() == UNBOUNDED:
-        # FutureWarning: shown by default (a DeprecationWarning from inside the library is not).
-        warnings.warn(f"FEATURESTORE_MAPPED_MIB={text} no longer changes reads (shuffled rows under 64 KiB "
-                      "read through descriptors measured faster than out of maps): unset it. Using the default, "
-                      f"{DEFAULT_MAPPED_MIB} MiB", FutureWarning, stacklevel=2)
-        return DEFAULT_MAPPED_MIB << 20
-    if not text:
-        return DEFAULT_MAPPED_MIB << 20
-    try:
-        mib = float(text)
-    except ValueError:
-        mib = -1.0
-    if not mib > 0:
-        raise InvalidOption(f"FEATURESTORE_MAPPED_MIB={text!r} is not a positive number: unset it or give the "
-                            f"MiB of chunk maps a process may keep mapped in, e.g. {DEFAULT_MAPPED_MIB}")
-    return int(mib * 2**20)
-
-
-def _folio() -> int:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
-            return max(4096, int(f.read()))
-    except (OSError, ValueError):
-        return 2 << 20
-
-
-FOLIO = _folio()  # the largest page-cache folio one touch maps (x86-64: 2 MiB)
-LONG_RUN = 64 << 10  # the kernel's fault-around: a release costs a run this long one fault
-DIRECT_ROW = 256 << 10  # rows this large are read through descriptors past the budget (scattered)
 
 
 def _after_fork_in_child() -> None:

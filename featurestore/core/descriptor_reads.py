@@ -48,6 +48,26 @@ def read_rows(rows: np.ndarray, targets: np.ndarray, files: Sequence[tuple[Descr
     share(read, len(buffers), len(buffers) * width, pool)
 
 
+def read_runs(rows: np.ndarray, runs: Sequence[tuple[int, int, int, int]], files: Sequence[tuple[Descriptor, str]],
+              file_of: dict[int, int], check_size: Callable[[str, int], None], pool: pread.ReadPool | None) -> None:
+    """Runs ``(chunk, first row in it, first output row, length)`` into ``rows`` from
+    ``files[file_of[chunk]]``, a ``preadv`` per :data:`PIECE_BYTES` of a run, the pieces shared
+    with ``pool``'s threads (:func:`share`)."""
+    width = rows.shape[1]
+    flat, step = memoryview(rows).cast("B"), max(1, PIECE_BYTES // width)
+    pieces = [(file_of[chunk], (first + at) * width, (target + at) * width, min(step, length - at) * width)
+              for chunk, first, target, length in runs for at in range(0, length, step)]
+    preadv = os.preadv
+
+    def read(i: int) -> None:
+        k, offset, start, nbytes = pieces[i]
+        buffer = flat[start : start + nbytes]
+        if preadv(files[k][0].fd, [buffer], offset) != nbytes:  # short: the whole of it again, or why not
+            read_into(files[k][0], buffer, offset, files[k][1], check_size)  # type: ignore[arg-type]
+
+    share(read, len(pieces), sum(piece[3] for piece in pieces), pool)
+
+
 def share(work: Callable[[int], None], count: int, nbytes: int, pool: pread.ReadPool | None) -> None:
     """``work(i)`` for each ``i`` in ``range(count)`` (``nbytes`` in all), each thread taking the
     next ``i`` as it gets free: this one from the start, helpers from ``pool`` (the default pool's)
