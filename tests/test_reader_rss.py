@@ -278,7 +278,8 @@ def test_long_runs_of_small_rows_past_the_budget_are_read_a_run_at_a_time(
     from featurestore.errors import CorruptChunk
 
     root = _numbered_split(tmp_path, 3000, 1)  # 6 MiB of 2 KiB rows in 2 MiB chunks
-    writer = featurestore.open_store(root, mode="a").create_bag_split("ds", "enc", "bags", dim=DIM, chunk_bytes=2 << 20)
+    writer = featurestore.open_store(root, mode="a").create_bag_split("ds", "enc", "bags", dim=DIM,
+                                                                      chunk_bytes=2 << 20)
     rng = np.random.default_rng(0)
     written = [rng.standard_normal((n, DIM)).astype(np.float16) for n in (700, 1500, 90, 2100)]
     for i, block in enumerate(written):

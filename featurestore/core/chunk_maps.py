@@ -12,7 +12,7 @@ copying from stays valid: dropping it unmaps it only once that gather lets go of
 The pages a gather touches through a map count in the process's RSS (``VmRSS``, what ``top``,
 SLURM and Kubernetes' working set show) for as long as they stay mapped, although they are only
 page cache: kept, an epoch over a split left the whole split "resident" in the process. So the
-bytes mapped in are bounded too (:func:`~featurestore.core.map_budget.resident_budget`, ``FEATURESTORE_MAPPED_MIB``): each
+bytes mapped in are bounded too (``FEATURESTORE_MAPPED_MIB``, core.map_budget): each
 gather reports what it touched (:meth:`ChunkMaps.touched`, in whole folios: one touched row maps
 its page-cache folio, up to 2 MiB), and past the budget the maps touched least recently drop
 their pages with ``madvise(MADV_DONTNEED)``. On a shared file map that removes only this process's
