@@ -38,6 +38,11 @@ def nothing_to_do(what: str, meta: dict[str, Any], *, store: str, key: str, work
     ended = sorted(str(i) for i in left_out(meta))
     left = (f"; {len(ended)} slide(s) skipped or failed are not in it and a re-run does not retry them: "
             f"{', '.join(ended[:5])}{', ...' if len(ended) > 5 else ''}") if ended else ""
-    redo = (f"to redo it: featurestore rm {store} {' '.join(key.split('/'))} --yes, then start the workers again"
+    redo = (f"to redo it: featurestore rm {split_args(store, key)} --yes, then start the workers again"
             if worker else "--overwrite to redo it")
     return f"{what}: nothing to do{left} ({redo})"
+
+
+def split_args(store: str, key: str) -> str:
+    """``STORE DATASET ENCODER SPLIT`` as a command line takes them, for a split's ``key``."""
+    return f"{store} {key.replace('/', ' ')}"

@@ -9,6 +9,7 @@ import datetime as _dt
 from typing import Any
 
 from featurestore.commands.parsers import add_verb
+from featurestore.commands.report_line import split_args
 from featurestore.commands.storeargs import add_split_names, add_storage_options, open_store_from_args, store_errors
 
 
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
               + (" EXPIRED (its worker is gone: `featurestore commit` or the next worker takes it over)"
                  if c["expired"] else ""))
     if state["left"] == 0 and not state["claimed"] and not state["committing"]:  # --no-commit workers all done
-        print(f"  every slide is done: commit it with `featurestore commit {args.store} {key.replace('/', ' ')}`")
+        print(f"  every slide is done: commit it with `featurestore commit {split_args(args.store, key)}`")
     elif state["eta_seconds"] is not None:
         print(f"  estimated time to finish: {state['eta_seconds']:.0f}s")
     return 0

@@ -52,7 +52,7 @@ def collect(storage: Storage, key: str, meta: SplitMetadata) -> Collected:
     given the same bag) is taken from the first segment by name: the same choice every time."""
     rows = meta.chunk_rows
     out = Collected()
-    out.segments = [s for s in storage.listdir(f"{key}/{bags.SEGMENTS}") if not s.startswith(".")]
+    out.segments = _segments(storage, key)
     for segment in out.segments:
         base = f"{key}/{bags.SEGMENTS}/{segment}"
         present = present_chunks(storage, base, [(name, 2, _payload(meta, name)) for name in (layout.FEATURES, bags.COORDS)])
@@ -66,6 +66,11 @@ def collect(storage: Storage, key: str, meta: SplitMetadata) -> Collected:
                     continue
                 out.records[record.bag_id] = (segment, record)
     return out
+
+
+def _segments(storage: Storage, key: str) -> list[str]:
+    """The names of the split's writer segments (a dot-name is a temporary of the storage's)."""
+    return [s for s in storage.listdir(f"{key}/{bags.SEGMENTS}") if not s.startswith(".")]
 
 
 def _record_indices(storage: Storage, segment_key: str) -> list[int]:
@@ -91,9 +96,7 @@ def late_bags(storage: Storage, key: str, found: Collected, taken: set[str]) -> 
     ``taken``) lacks: a session still adding while the commit ran. Listed again after the split is
     marked complete, so a later put is seen by its own session's close (a complete split)."""
     late: list[str] = []
-    for segment in storage.listdir(f"{key}/{bags.SEGMENTS}"):
-        if segment.startswith("."):
-            continue
+    for segment in _segments(storage, key):
         base = f"{key}/{bags.SEGMENTS}/{segment}"
         new = [i for i in _record_indices(storage, base) if (segment, i) not in found.listed]
         for _, _, records in _records(storage, base, new):
