@@ -173,10 +173,11 @@ class ChunkCache:
 
     def release(self, nbytes: int, written: bool = False) -> None:
         """A reservation ends: its chunk was ``written``, or not (its room is free again)."""
-        with self._lock:
-            self._pending -= nbytes
+        # Used before no longer pending: a reservation in between would miss it and pass the limit.
         if written:
             self._shared_used(add=nbytes)
+        with self._lock:
+            self._pending -= nbytes
 
     def store(self, path: str, fill: Callable[[Callable[[Any], None]], None], nbytes: int,
               check: Callable[[], None] = lambda: None) -> bool:
@@ -242,9 +243,9 @@ class ChunkCache:
             target = self.max_bytes - nbytes - self._pending  # this process's downloads in flight hold room too
             if used > target:
                 used = self._evict(entries, used, target)
-            # The scan's count, plus what other processes stored while it ran (not lost to the set).
-            after = self._shared_used()
-            self._shared_used(set_to=used + max(0, (after or 0) - (before or 0)))
+            # The scan's count, plus what was stored while it ran (read and set in one step: an add
+            # between a separate read and set was lost, and the cache then admitted past its limit).
+            self._shared_used(rebase=(used, before or 0))
             with self._lock:
                 self._rescan = False
                 if used > target:
@@ -276,21 +277,25 @@ class ChunkCache:
             self.stats["evicted"] += 1
         return used
 
-    def _shared_used(self, *, add: int = 0, set_to: int | None = None) -> int | None:
+    def _shared_used(self, *, add: int = 0, set_to: int | None = None,
+                     rebase: tuple[int, int] | None = None) -> int | None:
         """The bytes the chunk files hold as the host's processes count them (:data:`USED_FILE`),
-        after adding ``add`` or setting it to ``set_to`` (a scan's count); None when it cannot be
-        read (then room is made by a scan, as on a full cache)."""
+        after adding ``add``, setting ``set_to``, or ``rebase=(a scan's count, the count before
+        it)`` plus the adds since, under one lock; None when unreadable (room is made by a scan)."""
         try:
             fd = os.open(self._used_path, os.O_CREAT | os.O_RDWR, 0o644)
         except OSError:  # the directory went: the next store or scan says why
             return None
+        writes = bool(add) or set_to is not None or rebase is not None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX if add or set_to is not None else fcntl.LOCK_SH)
+            fcntl.flock(fd, fcntl.LOCK_EX if writes else fcntl.LOCK_SH)
             raw = os.pread(fd, 8, 0)
             value = int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else None
+            if rebase is not None:
+                set_to = rebase[0] + max(0, (value or 0) - rebase[1])
             if value is None and set_to is None:  # a count lost (emptied by hand): the next scan sets it
                 return None
-            if add or set_to is not None:
+            if writes:
                 value = set_to if set_to is not None else value + add
                 os.pwrite(fd, value.to_bytes(8, "little", signed=True), 0)
             return value
