@@ -57,9 +57,8 @@ PART_BYTES = 8 << 20
 FETCH_THREADS = 8
 #: A process refreshes a cached chunk's mtime (its last use, for LRU) at most this often.
 TOUCH_S = 30.0
-#: A chunk used this recently is not evicted: under a shuffle every chunk is touched all the time,
-#: so a cache smaller than the split keeps a stable set (the rest is read by ranged GETs) instead of
-#: replacing whole chunks on every batch (LRU would download the split several times per epoch).
+#: A chunk used this recently is not evicted: under a shuffle every chunk is touched all the time, so a
+#: smaller cache keeps a stable set (the rest by ranged GETs), not whole chunks replaced every batch.
 RECENT_S = 2 * TOUCH_S
 #: After a full disk, the process reads by ranges and tries the disk again after this long.
 FULL_RETRY_S = 60.0
@@ -172,8 +171,7 @@ class ChunkCache:
         return False
 
     def release(self, nbytes: int, written: bool = False) -> None:
-        """A reservation ends: its chunk was ``written``, or not (its room is free again)."""
-        # Used before no longer pending: a reservation in between would miss it and pass the limit.
+        """A reservation ends, its chunk ``written`` or not; used before not pending (else one between passes)."""
         if written:
             self._shared_used(add=nbytes)
         with self._lock:
@@ -243,9 +241,7 @@ class ChunkCache:
             target = self.max_bytes - nbytes - self._pending  # this process's downloads in flight hold room too
             if used > target:
                 used = self._evict(entries, used, target)
-            # The scan's count, plus what was stored while it ran (read and set in one step: an add
-            # between a separate read and set was lost, and the cache then admitted past its limit).
-            self._shared_used(rebase=(used, before or 0))
+            self._shared_used(rebase=(used, before or 0))  # + what was stored meanwhile, in one locked step
             with self._lock:
                 self._rescan = False
                 if used > target:
@@ -280,8 +276,8 @@ class ChunkCache:
     def _shared_used(self, *, add: int = 0, set_to: int | None = None,
                      rebase: tuple[int, int] | None = None) -> int | None:
         """The bytes the chunk files hold as the host's processes count them (:data:`USED_FILE`),
-        after adding ``add``, setting ``set_to``, or ``rebase=(a scan's count, the count before
-        it)`` plus the adds since, under one lock; None when unreadable (room is made by a scan)."""
+        after ``add``, ``set_to`` or ``rebase=(a scan's count, the count before it)`` plus the adds
+        since (a separate read and set lost them); None when unreadable (room is made by a scan)."""
         try:
             fd = os.open(self._used_path, os.O_CREAT | os.O_RDWR, 0o644)
         except OSError:  # the directory went: the next store or scan says why
