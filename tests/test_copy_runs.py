@@ -40,6 +40,6 @@ def test_a_range_is_recognised_only_when_every_step_is_one() -> None:
     assert is_range(np.arange(7, 20)) and is_range(np.array([3])) and is_range(np.array([3, 4]))
     assert not is_range(np.array([], np.int64))
     assert not is_range(np.array([0, 2, 1, 3]))  # first and last agree with a range, the middle does not
-    assert not is_range(np.array([5, 4])) and not is_range(np.array([1, 1, 3]))
+    assert not is_range(np.array([5, 4])) and not is_range(np.array([1, 1, 3])) and not is_range(np.array([0, 1, 1, 3]))
     runs, chunks = copy_runs(np.arange(60, 130), 64)
     assert runs == [(0, 60, 0, 4), (1, 0, 4, 64), (2, 0, 68, 2)] and chunks == 3

@@ -121,9 +121,11 @@ class RangesPath:
 
 
 def is_range(index: np.ndarray) -> bool:
-    """Whether ``index`` is ``first, first + 1, ..., last`` (a whole bag, a row range)."""
+    """Whether ``index`` is ``first, first + 1, ..., last`` (a whole bag, a row range). Rising
+    everywhere from ``first`` to ``last = first + n - 1`` leaves each step exactly 1: one compare
+    pass, half the time of ``np.diff`` (a bag read asks this of its index several times)."""
     n = len(index)
-    return n > 0 and int(index[-1]) - int(index[0]) == n - 1 and (n < 3 or bool((np.diff(index) == 1).all()))
+    return n > 0 and int(index[-1]) - int(index[0]) == n - 1 and (n < 3 or bool((index[1:] > index[:-1]).all()))
 
 
 def chunks_of(index: np.ndarray, chunk_rows: int) -> np.ndarray:
