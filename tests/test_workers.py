@@ -276,3 +276,35 @@ def test_worker_refused_where_conditional_writes_are_missing(tmp_path: Path) -> 
         from featurestore.core.storage import open_storage
 
         claims.probe(open_storage("memory://fsw-none2"), "s")
+
+
+def test_a_claim_whose_worker_was_killed_on_this_machine_is_free_at_once(tmp_path: Path) -> None:
+    """A worker SIGKILLed (or OOM-killed) left its slide claimed for its whole lease (minutes) even
+    where the next worker runs in the same pid namespace and can see the process is gone. A
+    record from another namespace (another machine or container) still waits for its lease."""
+    storage = LocalStorage(str(tmp_path))
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from featurestore.core import claims\n"
+        "from featurestore.core.storage import LocalStorage\n"
+        f"board = claims.ClaimBoard(LocalStorage({str(tmp_path)!r}), 's', lease=600, max_attempts=3)\n"
+        "assert board.claim('slide-1')[0] is not None\n"
+        "print('claimed', flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True, env=cli_env())
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "claimed"
+    board = claims.ClaimBoard(storage, "s", lease=600, max_attempts=3)
+    taken, record = board.claim("slide-1")
+    assert taken is None and record is not None and record["pid"] == holder.pid  # alive: held
+    assert record["pid_space"] is not None and record["pid_space"] == board.worker.pid_space
+    holder.kill()
+    holder.wait()  # reaped: a zombie still answers kill(pid, 0)
+    key = "s/segments/.claims/slide-1.json"
+    elsewhere = {**json.loads(storage.read(key)), "pid_space": "another-boot/4026531836"}
+    storage.write(key, json.dumps(elsewhere).encode())
+    assert board.claim("slide-1")[0] is None  # the same dead pid in another namespace: its lease decides
+    storage.write(key, json.dumps({**elsewhere, "pid_space": record["pid_space"]}).encode())
+    taken, _ = board.claim("slide-1")
+    assert taken is not None and taken.record["attempts"] == 2 and taken.record["taken_from"] == record["worker"]
+    assert taken.record["errors"] == [f"{record['worker']}: its process {holder.pid} is gone"]
+    # An id naming another process (a test's, a record's) vouches for no namespace.
+    assert claims.WorkerId(pid=holder.pid).pid_space is None and claims.WorkerId(host="node7").pid_space is None

@@ -3,8 +3,8 @@
 ``featurestore extract/import --worker`` runs any number of independent processes on one split;
 nothing coordinates them but objects under ``<split>/segments/.claims/`` (a name ``collect``
 skips and a commit deletes with the segments). Each unit has one claim object, a small JSON
-record ``{"unit", "state", "worker", "host", "pid", "started", "claimed", "renewed", "lease",
-"attempts", "errors", ...}``:
+record ``{"unit", "state", "worker", "host", "pid", "pid_space", "started", "claimed", "renewed",
+"lease", "attempts", "errors", ...}``:
 
 * **claim**: ``put_if_absent`` (local: link of a finished file; S3/GCS/Azure: PUT If-None-Match).
   Exactly one worker creates it; the others see it taken.
@@ -12,8 +12,9 @@ record ``{"unit", "state", "worker", "host", "pid", "started", "claimed", "renew
   it last wrote (local: inode+mtime under a lock; object stores: If-Match etag). A record taken
   over by someone else has another token, so a stale holder's renew fails and it stops.
 * **take over**: a record in state ``working`` whose ``renewed`` is older than its lease (its
-  worker died or stopped), or ``released`` (an attempt failed), is replaced with ``replace_if``
-  the token read: of two takers, one wins.
+  worker died or stopped) or whose worker's process is gone from this pid namespace (a worker
+  killed on this machine, in this container: no lease to wait out), or ``released`` (an attempt
+  failed), is replaced with ``replace_if`` the token read: of two takers, one wins.
 * **finish**: ``done`` (the bag is complete on storage) or, after ``max_attempts`` failed
   attempts, ``failed`` with the errors: never retried, listed in the committed split's metadata.
 * **release**: a worker stopped (SIGTERM, Ctrl-C) gives its unit back as ``released`` with the
@@ -36,6 +37,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from featurestore.core.storage import Storage
+from featurestore.core.storage.process import pid_alive, pid_space
 from featurestore.errors import ConditionalWritesUnsupported
 
 __all__ = ["Claim", "ClaimBoard", "WorkerId", "claims_prefix", "probe", "read_records", "special_key"]
@@ -53,12 +55,19 @@ def claims_prefix(split_key: str) -> str:
 
 @dataclass(frozen=True)
 class WorkerId:
-    """Who holds a claim: host, pid and start time (a restarted pid is another worker)."""
+    """Who holds a claim: host, pid and start time (a restarted pid is another worker), and the
+    pid namespace of this process (:func:`~featurestore.core.storage.process.pid_space`; None for
+    an id naming another process, which this one cannot vouch for)."""
 
     host: str = field(default_factory=socket.gethostname)
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    pid_space: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.pid_space is None and self.pid == os.getpid() and self.host == socket.gethostname():
+            object.__setattr__(self, "pid_space", pid_space())
 
     @property
     def name(self) -> str:
@@ -136,7 +145,15 @@ def expired(record: dict[str, Any], now: float | None = None) -> bool:
         return True
     if record.get("state") != WORKING:
         return False
-    return (now or time.time()) - float(record.get("renewed", 0)) > float(record.get("lease", 0))
+    return (now or time.time()) - float(record.get("renewed", 0)) > float(record.get("lease", 0)) or gone(record)
+
+
+def gone(record: dict[str, Any]) -> bool:
+    """Whether the record's worker ran in this pid namespace and its process no longer exists
+    (SIGKILLed, OOM-killed): its claim is free now, not when its lease runs out. A pid reused
+    since by another process reads as alive: then the lease decides, as for a worker elsewhere."""
+    pid, space = record.get("pid"), record.get("pid_space")
+    return space is not None and space == pid_space() and isinstance(pid, int) and not pid_alive(pid)
 
 
 class ClaimBoard:
@@ -155,7 +172,7 @@ class ClaimBoard:
         now = time.time()
         w = self.worker
         return {"unit": unit, "state": state, "worker": w.name, "host": w.host, "pid": w.pid,
-                "started": w.started, "claimed": now, "renewed": now, "lease": self.lease,
+                "pid_space": w.pid_space, "started": w.started, "claimed": now, "renewed": now, "lease": self.lease,
                 "attempts": attempts, "errors": errors, **extra}
 
     def claim(self, unit: str, *, special: bool = False) -> tuple[Claim | None, dict[str, Any] | None]:
@@ -187,7 +204,8 @@ class ClaimBoard:
         attempts = int(current.get("attempts", 0))
         errors = list(current.get("errors", []))
         if current.get("state") == WORKING:  # its worker vanished mid-unit: that was an attempt too
-            errors.append(f"{current.get('worker')}: lease of {current.get('lease')} s ran out")
+            errors.append(f"{current.get('worker')}: " + (f"its process {current.get('pid')} is gone" if gone(current)
+                                                          else f"lease of {current.get('lease')} s ran out"))
         if attempts >= self.max_attempts and not special:
             failed = self._record(unit, FAILED, attempts, errors)
             self.storage.replace_if(key, json.dumps(failed).encode(), seen)
