@@ -156,7 +156,7 @@ def test_truncated_file_met_while_reading_keeps_earlier_bags(tmp_path: Path, cap
     bad.write_bytes(bytes(raw))
     code = run_import(source, tmp_path / "store", "--chunk-mb", "0.001")
     err = capsys.readouterr().err
-    assert code == 1 and "b.h5" in err
+    assert code == 1 and "b.h5" in err and "re-create it, then rerun the import with --resume" in err
     store = open_store(str(tmp_path / "store"), mode="a")
     writer = store.create_bag_split("ds", "enc", "train", dim=DIM, resume=True, chunk_bytes=int(0.001 * (1 << 20)),
                                     patch_size_level0=512)

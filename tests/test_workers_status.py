@@ -37,6 +37,9 @@ def test_failing_slide_recorded_failed_after_k_attempts(tmp_path: Path) -> None:
     proc = run_cli(*_import_cmd(source, str(store), None, "--worker", "--max-attempts", "2")[3:], timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("slide 'b' failed") == 2, proc.stdout
+    # The file's fix under --worker: re-create it (not a plain run's --resume, which --worker refuses).
+    failed = [line for line in proc.stdout.splitlines() if "slide 'b' failed" in line]
+    assert all("damaged file; re-create it)" in line and "--resume" not in line for line in failed), failed
     import featurestore
 
     meta = featurestore.open_store(str(store)).split_info(*NAME)

@@ -37,7 +37,14 @@ RERUN = "rerun the import with --resume (with --overwrite if the file's size cha
 
 
 class SlideFileError(SourceError):
-    """A per-slide feature file that cannot be imported (one line naming the file)."""
+    """A per-slide feature file that cannot be imported (one line naming the file). ``damaged``:
+    a truncated or damaged file, whose fix is to re-create it and run again: a plain run with
+    ``--resume``; under ``--worker`` (:attr:`worker_text`, which refuses ``--resume``) the slide's
+    next attempt reads the file again, and the worker's line says whether there is one."""
+
+    def __init__(self, problem: str, *, damaged: bool = False) -> None:
+        self.worker_text = f"{problem}: a truncated or damaged file; re-create it" if damaged else problem
+        super().__init__(f"{self.worker_text}, then {RERUN}" if damaged else problem)
 
 
 @dataclass(frozen=True)
@@ -186,8 +193,8 @@ class SlideFiles:
         except SlideFileError:
             raise
         except (OSError, KeyError, ValueError, TypeError) as error:
-            raise SlideFileError(f"cannot read {slide.path!r} ({type(error).__name__}: {error}): a truncated or "
-                                 f"damaged file; re-create it, then {RERUN}") from None
+            raise SlideFileError(f"cannot read {slide.path!r} ({type(error).__name__}: {error})",
+                                 damaged=True) from None
         return features, coords, attrs
 
     def fingerprint(self) -> str:
@@ -225,8 +232,7 @@ def _open_h5(path: str) -> Any:
     try:
         return h5py.File(path, "r")
     except OSError as error:
-        raise SlideFileError(f"cannot open {path!r} as HDF5 ({' '.join(str(error).split())}): a truncated or "
-                             f"damaged file; re-create it, then {RERUN}") from None
+        raise SlideFileError(f"cannot open {path!r} as HDF5 ({' '.join(str(error).split())})", damaged=True) from None
 
 
 def _dataset(f: Any, name: str, path: str) -> Any:

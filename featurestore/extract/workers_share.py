@@ -305,7 +305,8 @@ class ClaimShare:
                 if stop.received is not None:  # the stop's doing (a DataLoader worker killed by the same SIGTERM)
                     raise Stopped(stop.received) from error
                 session.abandon()  # its partial segment goes: nothing of it is, or will be, done
-                line = f"{type(error).__name__}: {error}".splitlines()[0]
+                # A damaged file's own fix, not a plain run's (--resume, which --worker refuses).
+                line = f"{type(error).__name__}: {getattr(error, 'worker_text', error)}".splitlines()[0]
                 with renewer.lock, stop.deferred():  # one conditional write of the claim at a time
                     state = board.fail(claim, line)
                 print(f"featurestore worker: slide {uid!r} failed ({line}); "
