@@ -58,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt as stop:
+        if getattr(stop, "reported", False):  # a --worker's own line said it, and what became of its slide
+            return 128 + getattr(stop, "signum", 2)
         if isinstance(stop, Stopped):  # a --worker stopped by SIGTERM or SIGINT (featurestore.extract.worker_stop)
             print(f"featurestore: stopped by {stop.name}", file=sys.stderr)
             return 128 + stop.signum

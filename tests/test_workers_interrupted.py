@@ -124,6 +124,7 @@ def test_a_stopped_worker_gives_its_slide_back_at_once_uncounted(tmp_path: Path,
     assert worker.wait(timeout=30) == 128 + signum
     log = (tmp_path / "stopped.log").read_text()
     assert f"stopped by {signal.Signals(signum).name}; slide 's0' given back" in log, log
+    assert log.count("stopped by") == 1, log  # one line: the command line adds none of its own
     record = claims.read_records(LocalStorage(str(store)), key)["s0"]
     assert record["state"] == claims.RELEASED and record["attempts"] == 0, record
     status = run_cli("status", str(store), *NAME, timeout=60)

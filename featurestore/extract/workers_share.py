@@ -378,6 +378,7 @@ def _give_back(board: claims.ClaimBoard, claim: claims.Claim | None, me: str, st
     what = (f"; slide {claim.unit!r} given back for another worker (not counted as an attempt)" if given
             else f"; slide {claim.unit!r} left to its lease" if held else "")  # type: ignore[union-attr]
     print(f"{me}: stopped by {name}{what}", flush=True)
+    stopped.reported = True  # type: ignore[attr-defined]  # the command line prints no second line
 
 
 class _WithExtra:
