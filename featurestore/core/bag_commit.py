@@ -14,14 +14,18 @@ a resume or another commit redoes it; it is deterministic, so it writes the same
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import collections
+import itertools
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from featurestore.core import block_seals, lifecycle, quantize_int8, split_protocol
-from featurestore.core.chunk_puts import ChunkPuts
+from featurestore.core.chunk_puts import ChunkPuts, default_workers
 from featurestore.core.present import present_chunks
 from featurestore.core.reader import FeatureArray
 from featurestore.core.seals import put_array, write_seals
@@ -34,6 +38,8 @@ from featurestore.format.stats import SOURCE_NAMES, merge_rows, report, row_leng
 
 __all__ = ["Collected", "collect", "commit"]
 
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass
@@ -53,19 +59,42 @@ def collect(storage: Storage, key: str, meta: SplitMetadata) -> Collected:
     rows = meta.chunk_rows
     out = Collected()
     out.segments = _segments(storage, key)
-    for segment in out.segments:
+
+    def scan(segment: str) -> tuple[set[int], list[int], list[tuple[int, int, list[bags.BagRecord]]]]:
         base = f"{key}/{bags.SEGMENTS}/{segment}"
         present = present_chunks(storage, base, [(name, 2, _payload(meta, name)) for name in (layout.FEATURES, bags.COORDS)])
-        out.rows[segment] = (max(present) + 1) * rows if present else 0
         indices = _record_indices(storage, base)
+        return present, indices, list(_records(storage, base, indices))
+
+    for segment, (present, indices, found) in zip(out.segments, in_flight(storage, scan, out.segments)):
+        out.rows[segment] = (max(present) + 1) * rows if present else 0
         out.listed.update((segment, i) for i in indices)
-        for index, filled, records in _records(storage, base, indices):
+        for index, filled, records in found:
             out.filled[(segment, index)] = filled
             for record in records:
                 if record.bag_id in out.records or not all(c in present for c in record.chunks(rows)):
                     continue
                 out.records[record.bag_id] = (segment, record)
     return out
+
+
+def in_flight(storage: Storage, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
+    """``fn(item)`` of each item, in order, as many at a time as the storage's puts (object
+    storage: 8): a ``--worker`` split has a segment per slide, each a few listings and reads of
+    tens of milliseconds on an object store, which one after another made a 10,000-slide commit
+    take the better part of an hour. At most twice that many results wait to be taken."""
+    items = list(items)
+    workers = min(default_workers(storage), len(items))
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="featurestore-commit") as pool:
+        pending = collections.deque(pool.submit(fn, item) for item in items[: 2 * workers])
+        upcoming = iter(items[2 * workers :])
+        while pending:
+            result = pending.popleft().result()
+            pending.extend(pool.submit(fn, item) for item in itertools.islice(upcoming, 1))
+            yield result
 
 
 def _segments(storage: Storage, key: str) -> list[str]:
@@ -95,13 +124,12 @@ def late_bags(storage: Storage, key: str, found: Collected, taken: set[str]) -> 
     """Ids of bags whose records landed after ``found`` was listed and that the split (its ids
     ``taken``) lacks: a session still adding while the commit ran. Listed again after the split is
     marked complete, so a later put is seen by its own session's close (a complete split)."""
-    late: list[str] = []
-    for segment in _segments(storage, key):
+    def scan(segment: str) -> list[str]:
         base = f"{key}/{bags.SEGMENTS}/{segment}"
         new = [i for i in _record_indices(storage, base) if (segment, i) not in found.listed]
-        for _, _, records in _records(storage, base, new):
-            late += [r.bag_id for r in records if r.bag_id not in taken]
-    return sorted(set(late))
+        return [r.bag_id for _, _, records in _records(storage, base, new) for r in records if r.bag_id not in taken]
+
+    return sorted({bag_id for ids in in_flight(storage, scan, _segments(storage, key)) for bag_id in ids})
 
 
 def _payload(meta: SplitMetadata, name: str) -> int:
@@ -212,35 +240,46 @@ def _write_rows(storage: Storage, key: str, meta: SplitMetadata, found: Collecte
     pieces = [bags.Piece(int(offsets[i]), segment, r.start, r.length)
               for i, (segment, r) in enumerate(entries) if r.length]
     sources: dict[tuple[str, str], FeatureArray] = {}
+    made = threading.Lock()
 
     def source(segment: str, name: str) -> FeatureArray:
-        if (segment, name) not in sources:
-            sources[(segment, name)] = rows_reader(storage, f"{key}/{bags.SEGMENTS}/{segment}", meta, name,
-                                                   found.rows[segment])
-        return sources[(segment, name)]
+        with made:  # one reader per segment array, whichever thread asks first
+            if (segment, name) not in sources:
+                sources[(segment, name)] = rows_reader(storage, f"{key}/{bags.SEGMENTS}/{segment}", meta, name,
+                                                       found.rows[segment])
+            return sources[(segment, name)]
 
     coords_dtype = np.dtype((meta.bags or {})["coords"]["dtype"])
+
+    def lay_out(item: tuple[int, list[bags.Piece]]) -> tuple[np.ndarray, np.ndarray] | None:
+        """Chunk ``index``'s rows read from the segments (None: linked in place instead)."""
+        index, parts = item
+        split_protocol.check_generation(storage, key, meta)
+        place = bags.in_place(parts, index, rows, total, found.filled)
+        if place is not None:
+            segment, at = place
+            base = f"{key}/{bags.SEGMENTS}/{segment}"
+            block_seals.copy_row(storage, base, at, key, index)  # before its chunk, as the puts order them
+            for name in (bags.COORDS, layout.FEATURES):
+                storage.copy(layout.chunk_key(f"{base}/{name}", at, 2), layout.chunk_key(f"{key}/{name}", index, 2))
+            return None
+        features = np.zeros((rows, dim), dtypes.storage_dtype(meta.logical_dtype))
+        coords = np.zeros((rows, 2), coords_dtype)
+        lo = index * rows
+        for part in parts:
+            where = np.arange(part.seg_start, part.seg_start + part.length, dtype=np.int64)
+            at = slice(part.start - lo, part.start - lo + part.length)
+            source(part.segment, layout.FEATURES).read_numpy(where, out=features[at])
+            source(part.segment, bags.COORDS).read_numpy(where, out=coords[at])
+        return coords, features
+
     puts = ChunkPuts(storage, key, block_nbytes=block_seals.block_nbytes(meta))
     try:
-        for index, parts in enumerate(bags.chunk_pieces(pieces, total, rows)):
-            split_protocol.check_generation(storage, key, meta)
-            place = bags.in_place(parts, index, rows, total, found.filled)
-            if place is not None:
-                segment, at = place
-                base = f"{key}/{bags.SEGMENTS}/{segment}"
-                block_seals.copy_row(storage, base, at, key, index)  # before its chunk, as the puts order them
-                for name in (bags.COORDS, layout.FEATURES):
-                    storage.copy(layout.chunk_key(f"{base}/{name}", at, 2), layout.chunk_key(f"{key}/{name}", index, 2))
-                continue
-            features = np.zeros((rows, dim), dtypes.storage_dtype(meta.logical_dtype))
-            coords = np.zeros((rows, 2), coords_dtype)
-            lo = index * rows
-            for part in parts:
-                where = np.arange(part.seg_start, part.seg_start + part.length, dtype=np.int64)
-                at = slice(part.start - lo, part.start - lo + part.length)
-                source(part.segment, layout.FEATURES).read_numpy(where, out=features[at])
-                source(part.segment, bags.COORDS).read_numpy(where, out=coords[at])
-            puts.submit(index, [(bags.COORDS, coords, None), (layout.FEATURES, features, None)])
+        # Chunks read ahead, in order: each gathers from many small segments on a --worker split.
+        planned = list(enumerate(bags.chunk_pieces(pieces, total, rows)))
+        for (index, _), laid in zip(planned, in_flight(storage, lay_out, planned)):
+            if laid is not None:
+                puts.submit(index, [(bags.COORDS, laid[0], None), (layout.FEATURES, laid[1], None)])
     finally:
         puts.close()
     count = layout.num_chunks(total, rows)
