@@ -16,7 +16,8 @@ import pytest
 pytest.importorskip("uvicorn")
 
 import featurestore  # noqa: E402
-from featurestore.testing.serving import load_test, process_rss, serve_subprocess  # noqa: E402
+from featurestore.testing.memory import process_rss  # noqa: E402
+from featurestore.testing.serving import load_test, serve_subprocess  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _server_fixtures import expected, make_store, raw_get  # noqa: E402

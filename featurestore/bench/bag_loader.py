@@ -15,6 +15,7 @@ import numpy as np
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
 from featurestore.demo.synthetic_bags import bag_lengths, write_io_cohort
+from featurestore.testing import memory
 
 DATASET, ENCODER = "bench", "bags"
 
@@ -232,7 +233,7 @@ def rss_epoch(config: dict[str, Any]) -> dict[str, Any]:
 
     ds = BagDataset(config["store"], DATASET, ENCODER, config["split"])
     loader = BagLoader(ds, batch_size=1, device="cpu", dtype=torch.float32, prefetch=config["prefetch"])
-    rss = harness.rss_epoch(float(batch[0][0, 0, 0]) for batch in loader)  # each batch touched, as a consumer would
+    rss = memory.rss_epoch(float(batch[0][0, 0, 0]) for batch in loader)  # each batch touched, as a consumer would
     return {"bags": len(ds), "store_bytes": int(ds.lengths.sum()) * ds.row_nbytes, **rss,
             "largest_bag_f32_bytes": int(ds.lengths.max()) * ds.dim * 4,
             "largest_bag_stored_bytes": int(ds.lengths.max()) * ds.row_nbytes}

@@ -23,6 +23,7 @@ from featurestore.core.buffers import aligned_empty
 from featurestore.errors import InvalidOption
 from featurestore.format import int8 as int8_format
 from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup, resident_bytes
+from featurestore.testing.memory import peak_reset, peak_rss
 
 BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
 # Loader epochs to float32 values on the float16 split and on the int8 one (whose loader
@@ -219,8 +220,8 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
             harness.unmap()  # the readers' maps of chunk files: a mapped page outlives the eviction
             harness.evict(store_dir, raw_path, int8_dir)  # int8_dir: absent unless int8 is measured
             left[name] = max(left.get(name, 0), resident_bytes(store_dir, raw_path, int8_dir))
-            harness.peak_reset()
-        return Method(name, rate, setup, lambda: peaks.__setitem__(name, max(peaks.get(name, 0), harness.peak_rss())),
+            peak_reset()
+        return Method(name, rate, setup, lambda: peaks.__setitem__(name, max(peaks.get(name, 0), peak_rss())),
                       own=True)
 
     times = interleaved([method(name) for name in config["methods"]], config["repeats"])

@@ -1,7 +1,8 @@
 """What every bench shares (docs/BENCHMARKS.md, "The harness"): its parser (:func:`add_bench`) and
 work directory (:func:`scratch`); methods interleaved over repeats (:class:`Method`,
 :func:`interleaved`, :class:`Times`: median, best, per-repeat pairs); cold and warm runs
-(:func:`evict`, :func:`warm`); the one child-process protocol (:func:`child`); RSS; split writing.
+(:func:`evict`, :func:`warm`); the one child-process protocol (:func:`child`), and RSS over
+fresh children (:func:`rss_runs`; the sampling is :mod:`featurestore.testing.memory`'s); split writing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -26,11 +26,10 @@ import numpy as np
 
 import featurestore
 from featurestore.testing.cgroup import evict, files_under
-from featurestore.testing.serving import process_rss
 
 __all__ = ["Method", "Times", "add_bench", "child", "child_process", "child_result", "drain",
            "evict", "feature_bytes", "files_under", "fresh", "gbps", "int8_figures", "interleaved", "parse_dtypes",
-           "parse_shapes", "peak_reset", "peak_rss", "rate", "rss_anon_bytes", "rss_epoch", "rss_runs", "scratch",
+           "parse_shapes", "rate", "rss_runs", "scratch",
            "size", "timed", "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
 
 
@@ -254,10 +253,10 @@ def child_result(done: subprocess.CompletedProcess[str]) -> Any:
 
 
 def rss_runs(function: str, specs: dict[str, Any], runs: int = 3) -> dict[str, Any]:
-    """Per label, the child ``function(spec)`` (an epoch through :func:`rss_epoch`: ``baseline_anon``,
-    ``peak_anon``), ``runs`` times in fresh processes, the labels interleaved; each number the
-    median over the runs (one process's peak moves by a fifth with its threads' timing), the runs
-    kept as ``all``; ``loader_bytes``: per label, its peak over its baseline."""
+    """Per label, the child ``function(spec)`` (an epoch through :func:`testing.memory.rss_epoch`:
+    ``baseline_anon``, ``peak_anon``), ``runs`` times in fresh processes, the labels interleaved;
+    each number the median over the runs (one process's peak moves by a fifth with its threads'
+    timing), the runs kept as ``all``; ``loader_bytes``: per label, its peak over its baseline."""
     results: dict[str, list[dict[str, Any]]] = {label: [] for label in specs}
     for _ in range(max(1, runs)):
         for label, spec in specs.items():
@@ -267,48 +266,6 @@ def rss_runs(function: str, specs: dict[str, Any], runs: int = 3) -> dict[str, A
                                    "all": rs} for label, rs in results.items()}
     out["loader_bytes"] = {label: out[label]["peak_anon"] - out[label]["baseline_anon"] for label in specs}
     return out
-
-
-# ---------------------------------------------------------------------- memory
-def rss_anon_bytes() -> int:
-    """This process's anonymous resident memory (RssAnon), the part a page cache cannot reclaim
-    (without /proc: the peak RSS, the nearest the OS gives)."""
-    import resource
-
-    return process_rss(os.getpid(), "RssAnon") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def peak_reset() -> None:
-    """Reset this process's peak RSS (VmHWM) to its current RSS, where the kernel allows."""
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def peak_rss() -> int:
-    """This process's peak RSS (VmHWM) since the last :func:`peak_reset`."""
-    return process_rss(os.getpid(), "VmHWM")
-
-
-def rss_epoch(batches: Iterable[Any]) -> dict[str, Any]:
-    """(In a child.) One pass over ``batches``, each touched as it is made, its anonymous RSS sampled
-    every 5 ms on a thread: ``baseline_anon``, ``peak_anon`` and ``epoch_s``; and the whole RSS as
-    ``top``, SLURM and Kubernetes count it (anonymous + mapped file pages): ``baseline_rss`` (VmRSS)
-    and ``peak_rss`` (VmHWM, reset at the baseline)."""
-    peak, stop = [rss_anon_bytes()], threading.Event()
-    baseline, baseline_rss = peak[0], process_rss(os.getpid(), "VmRSS")
-    peak_reset()
-
-    def sample() -> None:
-        while not stop.wait(0.005):
-            peak[0] = max(peak[0], rss_anon_bytes())
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    seconds = timed(lambda: drain(batches))
-    stop.set()
-    thread.join()
-    return {"baseline_anon": baseline, "peak_anon": max(peak[0], rss_anon_bytes()), "epoch_s": seconds,
-            "baseline_rss": baseline_rss, "peak_rss": peak_rss()}
 
 
 # ---------------------------------------------------------------------- int8 beside float16

@@ -17,6 +17,7 @@ from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.core import checked
 from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
+from featurestore.testing import memory
 
 DATASET, ENCODER = "bench", "loader"
 
@@ -138,7 +139,7 @@ def epoch(spec: dict[str, Any]) -> dict[str, Any]:
     ds = FeatureDataset(spec["store"], DATASET, ENCODER, spec["split"])
     loader = FeatureLoader(ds, batch_size=spec["batch_size"], device="cpu", dtype=torch.float32,
                            prefetch=spec["prefetch"])
-    rss = harness.rss_epoch(float(features[:, 0, 0].sum()) for features, _ in loader)  # touched, as a consumer would
+    rss = memory.rss_epoch(float(features[:, 0, 0].sum()) for features, _ in loader)  # touched, as a consumer would
     return {"num_samples": ds.num_samples, "store_bytes": ds.num_samples * ds.sample_nbytes,
             "num_threads": loader.num_threads, **rss}
 

@@ -20,6 +20,7 @@ from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.bench.reading import label
 from featurestore.core import descriptor_reads
 from featurestore.core.buffers import aligned_empty
+from featurestore.testing import memory
 
 PREAD = "preadv per row, no map (limit)"
 
@@ -131,5 +132,5 @@ def rss_epoch(path: str) -> dict[str, Any]:
     arr = featurestore.open_store(path).open("bench", "enc", "train")
     out = aligned_empty((64, *arr.sample_shape), arr.numpy_dtype)
     order = np.random.default_rng(0).permutation(len(arr))
-    return {"n": len(arr), **harness.rss_epoch(arr.read_numpy(order[s:s + 64], out=out)
-                                               for s in range(0, len(order) - 63, 64))}
+    return {"n": len(arr), **memory.rss_epoch(arr.read_numpy(order[s:s + 64], out=out)
+                                              for s in range(0, len(order) - 63, 64))}

@@ -27,7 +27,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -248,27 +247,14 @@ def _memory(store: str) -> dict[str, Any]:
     import torch
 
     from client import FeatureDataset, FeatureLoader
-    from featurestore.bench.harness import rss_anon_bytes
+    from featurestore.testing.memory import anon_peak, rss_anon_bytes
 
     dsets = [FeatureDataset(store, DATASET, ENCODERS["float16"], s) for s in ("train", "val")]
     before = rss_anon_bytes()
-    peak = [before]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], rss_anon_bytes())
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with anon_peak(every=0.002) as peak:
         for ds in dsets:
             for _ in FeatureLoader(ds, batch_size=64, shuffle=True, seed=0, device="cpu", dtype=torch.float32):
                 pass
-    finally:
-        done.set()
-        sampler.join()
     stream = max(0, peak[0] - before)
     before = rss_anon_bytes()
     cache = [torch.empty((len(ds), *ds.sample_shape), dtype=torch.float32) for ds in dsets]

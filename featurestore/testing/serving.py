@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from featurestore.testing import stop_process
+from featurestore.testing.memory import process_rss
 
 SHAPE = (256, 384)
 
@@ -28,22 +29,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def process_rss(pid: int, field: str = "VmRSS") -> int:
-    """Resident memory of process ``pid`` in bytes (Linux /proc; 0 where unavailable).
-
-    ``VmRSS`` counts the store's memory-mapped chunk pages the server touched (page cache, not
-    leaks); ``RssAnon`` is the part that is the process's own heap, the one a leak would grow.
-    """
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 @contextlib.contextmanager
