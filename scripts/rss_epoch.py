@@ -132,7 +132,7 @@ def make(store: str, kind: str, bags: int, patches: int, dim: int) -> dict[str, 
         if kind == "bags":
             write_io_cohort(store, (DATASET, ENCODER, f"{kind}-{split}"), np.tile(lengths, tile), dim, "float16")
         else:
-            from featurestore.bench.harness import write_split
+            from featurestore.demo.synthetic_splits import write_split
 
             shape = tuple(int(v) for v in kind.split("-")[1].split("x")) if "-" in kind else (dim,)
             rows = rows * dim * 2 // (int(np.prod(shape)) * 2)

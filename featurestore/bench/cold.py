@@ -20,6 +20,7 @@ from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
 from featurestore.bench.reading import label
 from featurestore.core.buffers import aligned_empty
+from featurestore.demo.synthetic_splits import write_split
 from featurestore.errors import InvalidOption
 from featurestore.format import int8 as int8_format
 from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup, resident_bytes
@@ -84,8 +85,8 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
     print(f"\n[cold] samples [{label(shape)}] {dtype}, N={n} ({n * sample_bytes / 2**30:.2f} GiB, "
           f"{args.chunk_rows}-row chunks), batches of {batch_size}, memory limit {limit >> 20} MiB")
     with open(os.path.join(base, "raw"), "wb") as raw:  # the store and a raw file of the same bytes
-        harness.write_split(os.path.join(base, "store"), n, shape, dtype=dtype, rows=args.chunk_rows,
-                            chunk_bytes=args.chunk_rows * sample_bytes, slabs=lambda _, values: values.tofile(raw))
+        write_split(os.path.join(base, "store"), n, shape, dtype=dtype, rows=args.chunk_rows,
+                    chunk_bytes=args.chunk_rows * sample_bytes, slabs=lambda _, values: values.tofile(raw))
     import torch  # the child measures with it too
 
     cuda = args.cuda == "on" or (args.cuda == "auto" and torch.cuda.is_available())
@@ -93,8 +94,8 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
     out: dict[str, Any] = {"sample_shape": list(shape), "dtype": dtype, "num_samples": n, "batch_size": batch_size,
                            "chunk_rows": args.chunk_rows, "store_bytes": n * sample_bytes, "limit_bytes": limit}
     if int8:  # the same samples as int8 (the writer quantizes them), chunks of as many rows where the format allows
-        harness.write_split(os.path.join(base, "store-int8"), n, shape, dtype="int8", rows=args.chunk_rows,
-                            chunk_bytes=args.chunk_rows * int(np.prod(shape)))
+        write_split(os.path.join(base, "store-int8"), n, shape, dtype="int8", rows=args.chunk_rows,
+                    chunk_bytes=args.chunk_rows * int(np.prod(shape)))
         methods += list(INT8_PAIRS[:2]) + (list(INT8_PAIRS[2:]) if cuda else [])
         out["split_bytes"] = {name: harness.feature_bytes(os.path.join(base, folder, "bench", "enc", "train"))
                               for name, folder in ((dtype, "store"), ("int8", "store-int8"))}

@@ -2,7 +2,8 @@
 work directory (:func:`scratch`); methods interleaved over repeats (:class:`Method`,
 :func:`interleaved`, :class:`Times`: median, best, per-repeat pairs); cold and warm runs
 (:func:`evict`, :func:`warm`); the one child-process protocol (:func:`child`), and RSS over
-fresh children (:func:`rss_runs`; the sampling is :mod:`featurestore.testing.memory`'s); split writing.
+fresh children (:func:`rss_runs`; the sampling is :mod:`featurestore.testing.memory`'s); timed writes
+to ``os.sync()`` (:func:`write_synced`, :func:`tofile_synced`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from featurestore.testing.cgroup import evict, files_under
 __all__ = ["Method", "Times", "add_bench", "child", "child_process", "child_result", "drain",
            "evict", "feature_bytes", "files_under", "fresh", "gbps", "int8_figures", "interleaved", "parse_dtypes",
            "parse_shapes", "rate", "rss_runs", "scratch",
-           "size", "timed", "tofile_synced", "unmap", "warm", "write_split", "write_synced"]
+           "size", "timed", "tofile_synced", "unmap", "warm", "write_synced"]
 
 
 def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any, ...]], *, repeats: int | None = None,
@@ -182,27 +183,6 @@ def warm(*paths: str) -> None:
         with open(name, "rb", buffering=0) as f:
             while f.readinto(buffer):
                 pass
-
-
-def write_split(path: str, n: int, shape: tuple[int, ...], *, dtype: str = "float16", rows: int = 256,
-                names: tuple[str, str, str] = ("bench", "enc", "train"), chunk_bytes: int | None = None,
-                slabs: Callable[[int, np.ndarray], Any] | None = None) -> None:
-    """A split of ``n`` samples written ``rows`` at a time: one random block shifted per slab (content
-    does not matter to I/O; generating it would). Each slab (float32 for int8 and bfloat16, which the
-    writer converts) is also handed to ``slabs(start, values)``."""
-    writer = featurestore.open_store(path, mode="a").create_split(
-        *names, num_samples=n, sample_shape=shape, dtype=dtype, chunk_bytes=chunk_bytes, overwrite=True)
-    block = np.random.default_rng(0).standard_normal((min(rows, n), *shape), dtype=np.float32)
-    try:
-        block = block if dtype == "int8" else block.astype(np.dtype(dtype))
-    except TypeError:  # bfloat16: float32 slabs, the writer converts
-        pass
-    for k, start in enumerate(range(0, n, rows)):
-        values = block[: min(rows, n - start)] + block.dtype.type(k % 64)
-        writer.write(start, values)
-        if slabs:
-            slabs(start, values)
-    writer.commit()
 
 
 def tofile_synced(path: str, values: np.ndarray) -> float:

@@ -16,8 +16,9 @@ import numpy as np
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.core import checked
-from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
+from featurestore.demo.synthetic_splits import write_split
 from featurestore.testing import memory
+from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
 
 DATASET, ENCODER = "bench", "loader"
 
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with harness.scratch(args, "loader") as work:
         store = os.path.join(work, "store")
         for split, rows in (("n", n), ("n4", 4 * n)):
-            harness.write_split(store, rows, shape, dtype=args.dtype, names=(DATASET, ENCODER, split))
+            write_split(store, rows, shape, dtype=args.dtype, names=(DATASET, ENCODER, split))
         results["throughput"] = _throughput(store, args)
         # Over 4N: more batches per epoch, so the unavoidable wait for the first one weighs less.
         results["stall"] = _stall(store, "n4", args)
@@ -163,7 +164,7 @@ def _cgroup_epoch(store: str, shape: tuple[int, ...], args: argparse.Namespace) 
     limit = args.cgroup_limit_mib << 20
     sample_bytes = int(np.prod(shape)) * {"float32": 4}.get(args.dtype, 2)
     rows = -(-int(2.2 * limit) // sample_bytes)  # >= 2x the limit, with margin
-    harness.write_split(store, rows, shape, dtype=args.dtype, names=(DATASET, ENCODER, "big"))
+    write_split(store, rows, shape, dtype=args.dtype, names=(DATASET, ENCODER, "big"))
     out: dict[str, Any] = {"limit_bytes": limit, "store_bytes": rows * sample_bytes, "num_samples": rows}
     try:
         with MemoryCgroup(limit) as group:

@@ -20,6 +20,7 @@ from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.bench.reading import label
 from featurestore.core import descriptor_reads
 from featurestore.core.buffers import aligned_empty
+from featurestore.demo.synthetic_splits import write_split
 from featurestore.testing import memory
 
 PREAD = "preadv per row, no map (limit)"
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not args.skip_rss:  # N and 4N samples of [256x384] float16, each in a fresh process
             n = max(256, int(args.gib * (1 << 30)) // (256 * 384 * 2) // 4)
             for key, rows in (("N", n), ("4N", 4 * n)):
-                harness.write_split(harness.fresh(os.path.join(work, f"rss-{key}")), rows, (256, 384))
+                write_split(harness.fresh(os.path.join(work, f"rss-{key}")), rows, (256, 384))
             out["rss"] = harness.rss_runs("read:rss_epoch", {k: os.path.join(work, f"rss-{k}") for k in ("N", "4N")},
                                           runs=min(3, args.repeats))
     return out
@@ -64,8 +65,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
             for j, sample in enumerate(values):
                 h5.create_dataset(str(start + j), data=sample)
                 torch.save(torch.from_numpy(sample.copy()), os.path.join(base, "pt", f"{start + j}.pt"))
-        harness.write_split(os.path.join(base, "store"), n, shape, rows=max(1, (64 << 20) // sample_bytes),
-                            slabs=copies)
+        write_split(os.path.join(base, "store"), n, shape, rows=max(1, (64 << 20) // sample_bytes), slabs=copies)
 
     store = featurestore.open_store(os.path.join(base, "store"))
     array = store.open("bench", "enc", "train")

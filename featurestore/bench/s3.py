@@ -25,6 +25,7 @@ from featurestore.bench import harness
 from featurestore.testing import netlink as link
 from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.core.buffers import aligned_empty
+from featurestore.demo.synthetic_splits import write_split
 from featurestore.errors import InvalidOption
 
 CEILING, FS_EPOCH, BARE_EPOCH = "ceiling (whole chunks, 8 GETs)", "featurestore epoch (fresh array)", \
@@ -197,7 +198,7 @@ def _bench(args: argparse.Namespace, options: dict[str, Any], server: str) -> di
         if not args.no_cache:
             cache = Epochs(loader, fs_options, work, extra, n, values.nbytes)
             local = f"{work}/local"
-            harness.write_split(local, n, shape, rows=batch, chunk_bytes=chunk_bytes)
+            write_split(local, n, shape, rows=batch, chunk_bytes=chunk_bytes)
             methods.update({EPOCH1: cache.cached(url, EPOCH2), HALF1: cache.cached(url, HALF2, half=True),
                             LOCAL: cache.first(local, {}, cold=True)})
         if args.bags:
