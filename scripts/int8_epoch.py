@@ -51,7 +51,7 @@ def epoch(root: str, dtype: str, batch: int, device: str, seed: int, prefetch: i
     import torch
 
     from client import FeatureDataset, FeatureLoader
-    from featurestore.bench.harness import evict, unmap
+    from featurestore.testing.cgroup import evict, unmap
 
     unmap()
     evict(os.path.join(root, "bench", "enc", dtype))

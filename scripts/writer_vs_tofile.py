@@ -37,7 +37,7 @@ BATCH = 64
 def _child(kind: str, path: str, mb: float, profile: bool) -> None:
     t_import = time.perf_counter()
     import featurestore
-    from featurestore.bench.harness import evict
+    from featurestore.testing.cgroup import evict
     from featurestore.extract.plan import chunk_rows_for
 
     t_import = time.perf_counter() - t_import

@@ -12,6 +12,7 @@ import pytest
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
 from featurestore.demo.synthetic_bags import bag_lengths, io_bags
+from featurestore.testing.cgroup import evict
 
 
 def test_interleaved_runs_every_method_once_per_repeat_in_the_order_given() -> None:
@@ -38,7 +39,7 @@ def test_evict_and_warm_take_files_and_directories(tmp_path: Path) -> None:
     for name in ("d/a", "b"):
         (tmp_path / name).write_bytes(os.urandom(1 << 16))
     harness.warm(str(tmp_path / "d"), str(tmp_path / "b"))
-    harness.evict(str(tmp_path / "d"), str(tmp_path / "b"))  # no error; the pages' residency is the kernel's
+    evict(str(tmp_path / "d"), str(tmp_path / "b"))  # no error; the pages' residency is the kernel's
 
 
 def test_a_failing_child_raises_with_its_stderr() -> None:

@@ -16,6 +16,7 @@ from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
 from featurestore.demo.synthetic_bags import bag_lengths, write_io_cohort
 from featurestore.testing import memory
+from featurestore.testing.cgroup import evict, unmap
 
 DATASET, ENCODER = "bench", "bags"
 
@@ -135,7 +136,7 @@ def _warm_and_cold(runs: dict[str, Any], specs: dict[str, dict[str, Any]], args:
     harness.warm(*paths)
     yield "warm", interleaved([Method(name, fn) for name, fn in runs.items()], args.repeats, warmup=1)
     if not args.skip_cold:
-        harness.unmap()
+        unmap()
         child = functools.partial(harness.child, "bag_loader:cold_epoch")
         yield "cold", interleaved([Method(name, functools.partial(child, spec), own=True)
                                    for name, spec in specs.items()], args.repeats)
@@ -179,7 +180,7 @@ def _runs(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 def cold_epoch(spec: dict[str, Any]) -> float:
     """(A child.) Seconds of one epoch of ``spec["method"]``, the split and CLAM's files evicted first."""
     runs, paths = _runs(spec)
-    harness.evict(_split_dir(spec), *paths)
+    evict(_split_dir(spec), *paths)
     return harness.timed(runs[spec["method"]])
 
 

@@ -19,6 +19,7 @@ import featurestore
 from featurestore.bench import bag_loader, harness
 from featurestore.bench.harness import Method, interleaved
 from featurestore.demo.synthetic_bags import bag_lengths, write_io_cohort
+from featurestore.testing.cgroup import evict
 
 METHODS = ("featurestore", "TRIDENT h5", "CLAM .pt", "parallel pread")
 WHERE = {"featurestore": "store", "TRIDENT h5": "h5", "CLAM .pt": "pt", "parallel pread": "raw"}
@@ -105,7 +106,7 @@ def time_import(built: dict[str, Any], work: str) -> float:
 
     target = os.path.join(work, "imported")
     shutil.rmtree(target, ignore_errors=True)
-    harness.evict(built["paths"]["h5"])
+    evict(built["paths"]["h5"])
     os.sync()
     options = ImportOptions(source=built["paths"]["h5"], store=target, dataset=NAMES[0], encoder_name=NAMES[1],
                             split=NAMES[2], progress=False)
@@ -144,7 +145,7 @@ def measure(built: dict[str, Any], lengths: np.ndarray, args: argparse.Namespace
             return float(result["seconds"])
 
         def setup() -> None:  # only this method's files may be cached
-            harness.evict(*paths.values())
+            evict(*paths.values())
             if temperature == "warm":
                 harness.warm(paths[WHERE[name]])
         return Method(f"{name} {temperature}", run, setup, own=True)
@@ -157,7 +158,7 @@ def measure(built: dict[str, Any], lengths: np.ndarray, args: argparse.Namespace
         return [by_name[f"{n} {t}"] for t in ("cold", "warm") for n in [*pair, "TRIDENT h5", "CLAM .pt"]]
 
     times = interleaved([method(n, t) for t in ("cold", "warm") for n in METHODS], args.repeats, order=order)
-    harness.evict(*paths.values())
+    evict(*paths.values())
     seconds = times.medians()
     rows = {key: {"seconds": s, "bags_per_s": len(lengths) / s, "all_seconds": times[key],
                   "gb_per_s": harness.gbps(nbytes[key.rsplit(" ", 1)[0]], s)} for key, s in seconds.items()}

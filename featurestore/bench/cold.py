@@ -23,7 +23,7 @@ from featurestore.core.buffers import aligned_empty
 from featurestore.demo.synthetic_splits import write_split
 from featurestore.errors import InvalidOption
 from featurestore.format import int8 as int8_format
-from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup, resident_bytes
+from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup, evict, files_under, resident_bytes, unmap
 from featurestore.testing.memory import peak_reset, peak_rss
 
 BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
@@ -137,7 +137,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     store_dir, raw_path = os.path.join(base, "store"), os.path.join(base, "raw")
     order = np.random.default_rng(1).permutation(n)
     batches = [order[i : i + b] for i in range(0, n, b)]
-    chunk_files = harness.files_under(os.path.join(store_dir, "bench", "enc", "train", "features"))
+    chunk_files = files_under(os.path.join(store_dir, "bench", "enc", "train", "features"))
     chunk_bytes = harness.size(*chunk_files)
 
     def device_limit() -> int:  # every chunk file read whole, 4 at a time
@@ -218,8 +218,8 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
             return gbps(nbytes, elapsed)
 
         def setup() -> None:
-            harness.unmap()  # the readers' maps of chunk files: a mapped page outlives the eviction
-            harness.evict(store_dir, raw_path, int8_dir)  # int8_dir: absent unless int8 is measured
+            unmap()  # the readers' maps of chunk files: a mapped page outlives the eviction
+            evict(store_dir, raw_path, int8_dir)  # int8_dir: absent unless int8 is measured
             left[name] = max(left.get(name, 0), resident_bytes(store_dir, raw_path, int8_dir))
             peak_reset()
         return Method(name, rate, setup, lambda: peaks.__setitem__(name, max(peaks.get(name, 0), peak_rss())),

@@ -15,6 +15,7 @@ import numpy as np
 
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
+from featurestore.testing.cgroup import evict
 
 
 def trivial_encoder() -> Any:
@@ -271,7 +272,7 @@ def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
         batches = list(PatchBatches(plans, args.batch_size, lambda _: None))
         patches = sum(len(b) for b in batches)
         files = [r.path for r in refs[:limit]]
-        cold = (lambda: harness.evict(*files)) if args.cold else None  # the slides leave the page cache per pass
+        cold = (lambda: evict(*files)) if args.cold else None  # the slides leave the page cache per pass
         real = encoder != ENCODERS["zero"]
         opts = SlideOptions(images=f"wsi:{slides_dir}", encoder=encoder, store=os.path.join(work, "store"),
                             dataset="bench", split="s", patch_size=args.patch_size, tissue=args.tissue,

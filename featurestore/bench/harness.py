@@ -1,7 +1,7 @@
 """What every bench shares (docs/BENCHMARKS.md, "The harness"): its parser (:func:`add_bench`) and
 work directory (:func:`scratch`); methods interleaved over repeats (:class:`Method`,
 :func:`interleaved`, :class:`Times`: median, best, per-repeat pairs); cold and warm runs
-(:func:`evict`, :func:`warm`); the one child-process protocol (:func:`child`), and RSS over
+(:func:`warm`; eviction: :mod:`featurestore.testing.cgroup`); the one child-process protocol (:func:`child`), and RSS over
 fresh children (:func:`rss_runs`; the sampling is :mod:`featurestore.testing.memory`'s); timed writes
 to ``os.sync()`` (:func:`write_synced`, :func:`tofile_synced`).
 """
@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 
 import featurestore
-from featurestore.testing.cgroup import evict, files_under
+from featurestore.testing.cgroup import files_under
 
 __all__ = ["Method", "Times", "add_bench", "child", "child_process", "child_result", "drain",
-           "evict", "feature_bytes", "files_under", "fresh", "gbps", "int8_figures", "interleaved", "parse_dtypes",
+           "feature_bytes", "fresh", "gbps", "int8_figures", "interleaved", "parse_dtypes",
            "parse_shapes", "rate", "rss_runs", "scratch",
-           "size", "timed", "tofile_synced", "unmap", "warm", "write_synced"]
+           "size", "timed", "tofile_synced", "warm", "write_synced"]
 
 
 def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any, ...]], *, repeats: int | None = None,
@@ -167,13 +167,6 @@ def drain(batches: Iterable[Any]) -> int:
 def rate(fn: Callable[[], Any], nbytes: float) -> Callable[[], float]:
     """A call that runs ``fn`` once and returns GB/s of ``nbytes`` (a :class:`Method` with ``own``)."""
     return lambda: gbps(nbytes, timed(fn))
-
-
-def unmap() -> None:
-    """Close this process's maps of chunk files: a page still mapped is not dropped by :func:`evict`."""
-    from featurestore.core import chunk_maps
-
-    chunk_maps.shared().clear()
 
 
 def warm(*paths: str) -> None:

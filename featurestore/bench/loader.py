@@ -18,7 +18,7 @@ from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.core import checked
 from featurestore.demo.synthetic_splits import write_split
 from featurestore.testing import memory
-from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup
+from featurestore.testing.cgroup import CgroupUnavailable, MemoryCgroup, evict
 
 DATASET, ENCODER = "bench", "loader"
 
@@ -168,7 +168,7 @@ def _cgroup_epoch(store: str, shape: tuple[int, ...], args: argparse.Namespace) 
     out: dict[str, Any] = {"limit_bytes": limit, "store_bytes": rows * sample_bytes, "num_samples": rows}
     try:
         with MemoryCgroup(limit) as group:
-            harness.evict(_split_dir(store, "big"))  # the child must fault every page in, under the limit
+            evict(_split_dir(store, "big"))  # the child must fault every page in, under the limit
             start = time.perf_counter()
             loader = harness.child_process("loader:epoch", _spec(store, "big", args), cgroup=group)
             out["loader_s"] = time.perf_counter() - start

@@ -22,11 +22,12 @@ import numpy as np
 
 import featurestore
 from featurestore.bench import harness
-from featurestore.testing import netlink as link
 from featurestore.bench.harness import Method, gbps, interleaved
 from featurestore.core.buffers import aligned_empty
 from featurestore.demo.synthetic_splits import write_split
 from featurestore.errors import InvalidOption
+from featurestore.testing import netlink as link
+from featurestore.testing.cgroup import evict, unmap
 
 CEILING, FS_EPOCH, BARE_EPOCH = "ceiling (whole chunks, 8 GETs)", "featurestore epoch (fresh array)", \
     "bare get_ranges epoch (new client)"
@@ -279,12 +280,12 @@ class Epochs:
                 if half:
                     self.extra.setdefault(f"downloaded: {name}", []).append((storage.bytes_read - before) / self.nbytes)
                 elif epoch == 0:  # epoch 2 reads the cache files cold; a page still mapped is not dropped
-                    harness.unmap()
-                    harness.evict(directory)
+                    unmap()
+                    evict(directory)
             loader.close()
             # Its files are still mapped by the chunk maps, whose pages (dirty: never written back)
             # would pile up repeat after repeat until writeback starts and slows the later repeats.
-            harness.unmap()
+            unmap()
             shutil.rmtree(directory, ignore_errors=True)
             self.extra.setdefault(second, []).append(speeds[1])
             return speeds[0]
@@ -295,8 +296,8 @@ class Epochs:
         def epoch() -> float:
             loader = self.loader(source, options)
             if cold:
-                harness.unmap()
-                harness.evict(source)
+                unmap()
+                evict(source)
             speed = self.epoch(loader, 0)
             loader.close()
             return speed

@@ -14,6 +14,7 @@ import numpy as np
 import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
+from featurestore.testing.cgroup import evict
 
 
 def register(subparsers: Any) -> None:
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert page.status_code == 200 and page.text.count("<tr>") >= args.splits, page.text[:500]
             warm = interleaved([Method("warm", lambda: client.get("/")),
                                 Method("split", lambda: client.get("/ui/splits/ds0/enc0/split000"))], args.repeats)
-            cold = interleaved([Method("cold", lambda: client.get("/"), lambda: harness.evict(catalog_path))],
+            cold = interleaved([Method("cold", lambda: client.get("/"), lambda: evict(catalog_path))],
                                max(1, args.repeats // 2))
         results["catalog"] = {"first_view_ms": _ms(first), "warm_ms": _ms(warm.median("warm")),
                               "documents_evicted_ms": _ms(cold.median("cold")), "page_bytes": len(page.content),

@@ -19,6 +19,7 @@ from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
 from featurestore.bench.reading import label
 from featurestore.errors import InvalidOption
 from featurestore.extract.plan import chunk_rows_for
+from featurestore.testing.cgroup import evict
 
 METHODS = ("tofile", "float16", "float32", "float16 second")
 
@@ -52,11 +53,11 @@ def first_write(config: dict[str, Any]) -> dict[str, Any]:
 
     if config["second"]:
         write(path + "-first")
-        harness.evict(path + "-first")
+        evict(path + "-first")
         shutil.rmtree(path + "-first")
         os.sync()
     seconds = write(path)
-    harness.evict(path)
+    evict(path)
     return {"seconds": seconds, "pid": os.getpid()}
 
 
@@ -90,7 +91,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], n: int, tag: str, args: argp
             return float(got["seconds"])
         # Untimed: the written (clean) pages leave the page cache, so the next method does not pay
         # for reclaiming them (the last of a round measured up to 3.5x slower).
-        return Method(name, run, teardown=lambda: harness.evict(written[-1]), own=True)
+        return Method(name, run, teardown=lambda: evict(written[-1]), own=True)
 
     orders = list(itertools.permutations(range(len(METHODS))))
 

@@ -51,6 +51,14 @@ def evict(*paths: str) -> None:
         time.sleep(_EVICT_PAUSE_S)
 
 
+def unmap() -> None:
+    """Close this process's maps of chunk files (the reader's process-wide chunk maps): a page still
+    mapped is not dropped by :func:`evict`."""
+    from featurestore.core import chunk_maps
+
+    chunk_maps.shared().clear()
+
+
 def resident_bytes(*paths: str) -> int:
     """Bytes of the files under ``paths`` now in the page cache (``mincore`` over a map of each, as
     the reader asks it: core.pread): what :func:`evict` left behind, such as pages some process
