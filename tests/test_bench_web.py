@@ -29,10 +29,13 @@ def test_tiny_web_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_bad_sizes_and_workdirs_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--samples 1 (only the untimed warm-up) and a --workdir the bench cannot write in: one error
-    line before any work (an IndexError and a PermissionError/FileExistsError traceback before)."""
+    """--samples 1 (only the untimed warm-up), --tokens not a square and a --workdir the bench cannot
+    write in: one error line before any work (an IndexError and a PermissionError/FileExistsError
+    traceback before; --tokens: a ValueError traceback, after the catalog was built)."""
     (tmp_path / "afile").write_text("")
     assert main(["bench", "web", "--samples", "1", "--splits", "2", "--dim", "8", "--tokens", "4"]) == 1
     assert "--samples 1: give 2 or more" in capsys.readouterr().err
+    assert main(["bench", "web", "--samples", "2", "--splits", "2", "--dim", "8", "--tokens", "15"]) == 1
+    assert "--tokens 15 is not a square" in capsys.readouterr().err
     assert main(["bench", "web", "--workdir", str(tmp_path / "afile")]) == 1
     assert "cannot write there (File exists)" in capsys.readouterr().err

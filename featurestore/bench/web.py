@@ -14,6 +14,7 @@ import numpy as np
 import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
+from featurestore.demo.synthetic_splits import write_catalog, write_picture_split
 from featurestore.testing.cgroup import evict
 
 
@@ -23,40 +24,6 @@ def register(subparsers: Any) -> None:
         "--tokens": (1024, "patch tokens of the PCA sample (a square)"),
         "--samples": (5, "samples pictured, each computed once (2 or more: the first is an untimed warm-up)"),
         "--repeats": (10, "timed catalog views per case; the median is kept")})
-
-
-def build_catalog_store(path: str, splits: int, dim: int) -> None:
-    """``splits`` float16 splits of [4, 16, dim] over 5 datasets x 4 encoders x N splits."""
-    store = featurestore.open_store(path, mode="a")
-    rng = np.random.default_rng(0)
-    values = rng.standard_normal((4, 16, dim), dtype=np.float32)
-    for i in range(splits):
-        dataset, encoder, split = f"ds{i % 5}", f"enc{(i // 5) % 4}", f"split{i // 20:03d}"
-        meta = {"encoder": {"name": encoder, "spec": f"timm:vit_{encoder}", "weights_hash": f"{i:016x}"},
-                "preprocessing": {"resize": 224, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]},
-                "token_layout": {"tokens": "patch", "prefix_tokens": 0, "grid": [4, 4]},
-                "cache_key": f"sha256:{i:064x}"}  # fmt: skip
-        w = store.create_split(dataset, encoder, split, num_samples=4, sample_shape=(16, dim), dtype="float16",
-                               metadata=meta)  # fmt: skip
-        w.write(0, values + i)
-        w.commit()
-
-
-def build_picture_store(path: str, samples: int, tokens: int, dim: int) -> tuple[int, int]:
-    side = int(round(tokens**0.5))
-    if side * side != tokens:
-        raise ValueError(f"--tokens {tokens} is not a square (the picture needs a grid)")
-    store = featurestore.open_store(path, mode="a")
-    meta = {"token_layout": {"tokens": "patch", "prefix_tokens": 0, "grid": [side, side]}}
-    w = store.create_split("pictures", "enc", "train", num_samples=samples, sample_shape=(tokens, dim),
-                           dtype="float16", metadata=meta)  # fmt: skip
-    rng = np.random.default_rng(1)
-    for i in range(samples):  # a few strong directions over noise, as encoder tokens have
-        basis = rng.standard_normal((8, dim)).astype(np.float32)
-        weights = rng.standard_normal((tokens, 8)).astype(np.float32) * np.linspace(4, 0.5, 8, dtype=np.float32)
-        w.write(i, (weights @ basis + rng.standard_normal((tokens, dim), dtype=np.float32))[None])
-    w.commit()
-    return side, side
 
 
 def _blas_threads() -> int:
@@ -84,13 +51,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.samples < 2:  # sample 0 warms the route up (imports, BLAS), the others are timed
         raise InvalidOption(f"--samples {args.samples}: give 2 or more (the first is a warm-up, not timed)")
+    side = int(round(args.tokens**0.5))
+    if side * side != args.tokens:
+        raise InvalidOption(f"--tokens {args.tokens} is not a square (the picture needs a grid); give one such as 1024")
 
     from server import Settings, create_app
 
     results: dict[str, Any] = {"benchmark": "web", "cpus": os.cpu_count(), "splits": args.splits, "dim": args.dim}
     with harness.scratch(args, "web") as work:
         catalog_path = os.path.join(work, "catalog")
-        build_catalog_store(catalog_path, args.splits, args.dim)
+        write_catalog(catalog_path, args.splits, args.dim)
         doc = os.path.join(catalog_path, "ds0", "enc0", "split000", "zarr.json")
         results["document_bytes"] = os.path.getsize(doc)
         with TestClient(create_app(catalog_path, Settings())) as client:
@@ -104,8 +74,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "documents_evicted_ms": _ms(cold.median("cold")), "page_bytes": len(page.content),
                               "split_page_warm_ms": _ms(warm.median("split"))}
         picture_path = os.path.join(work, "pictures")
-        grid = build_picture_store(picture_path, args.samples, args.tokens, args.dim)
-        results["picture"] = _bench_picture(picture_path, grid, args)
+        write_picture_split(picture_path, args.samples, side, args.dim)
+        results["picture"] = _bench_picture(picture_path, (side, side), args)
         results["load_average"] = [round(v, 1) for v in os.getloadavg()]
     return results
 
