@@ -72,3 +72,14 @@ def test_rss_runs_interleave_the_sizes_and_keep_each_number_s_median(monkeypatch
     assert out["N"]["peak_anon"] == 68 and out["4N"]["peak_anon"] == 69
     assert out["N"]["n"] == "N" and out["N"]["ok"] is True and [r["peak_anon"] for r in out["N"]["all"]] == [56, 76, 68]
     assert out["loader_bytes"] == {"N": 44, "4N": 45}
+
+
+def test_flag_lists_parse_or_name_the_flag_in_one_line() -> None:
+    from featurestore.errors import InvalidOption
+
+    assert harness.parse_numbers("--batch-sizes", "16,64", int) == [16, 64]
+    assert harness.parse_shapes("256x384,8x8") == [(256, 384), (8, 8)]
+    with pytest.raises(InvalidOption, match=r"--batch-sizes '16,x': give numbers.*such as 16,64"):
+        harness.parse_numbers("--batch-sizes", "16,x", int, "16,64")
+    with pytest.raises(InvalidOption, match="bad shape '8y8'"):
+        harness.parse_shapes("8y8")

@@ -50,7 +50,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     shapes = parse_shapes(args.shapes)
-    sizes = [int(v) for v in str(args.batch_sizes).split(",")]
+    sizes = harness.parse_numbers("--batch-sizes", args.batch_sizes, int, "16,64")
     sizes = sizes * len(shapes) if len(sizes) == 1 else sizes
     if len(sizes) != len(shapes) or min(sizes) < 1:
         raise InvalidOption(f"--batch-sizes {args.batch_sizes!r}: give one positive size, or one per shape "

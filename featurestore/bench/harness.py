@@ -1,9 +1,10 @@
-"""What every bench shares (docs/BENCHMARKS.md, "The harness"): its parser (:func:`add_bench`) and
-work directory (:func:`scratch`); methods interleaved over repeats (:class:`Method`,
-:func:`interleaved`, :class:`Times`: median, best, per-repeat pairs); cold and warm runs
-(:func:`warm`; eviction: :mod:`featurestore.testing.cgroup`); the one child-process protocol (:func:`child`), and RSS over
-fresh children (:func:`rss_runs`; the sampling is :mod:`featurestore.testing.memory`'s); timed writes
-to ``os.sync()`` (:func:`write_synced`, :func:`tofile_synced`).
+"""What every bench shares (docs/BENCHMARKS.md, "The harness"): its parser (:func:`add_bench`), the
+parsing of its list flags (:func:`parse_shapes`, :func:`parse_numbers`, :func:`parse_dtypes`) and
+its work directory (:func:`scratch`); methods interleaved over repeats (:class:`Method`,
+:func:`interleaved`, :class:`Times`: median, best, per-repeat pairs); warm runs (:func:`warm`;
+eviction is :mod:`featurestore.testing.cgroup`'s); the one child-process protocol (:func:`child`),
+and RSS over fresh children (:func:`rss_runs`; the sampling is :mod:`featurestore.testing.memory`'s);
+timed writes to ``os.sync()`` (:func:`write_synced`, :func:`tofile_synced`).
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ import numpy as np
 import featurestore
 from featurestore.testing.cgroup import files_under
 
-__all__ = ["Method", "Times", "add_bench", "child", "child_process", "child_result", "drain",
-           "feature_bytes", "fresh", "gbps", "int8_figures", "interleaved", "parse_dtypes",
-           "parse_shapes", "rate", "rss_runs", "scratch",
-           "size", "timed", "tofile_synced", "warm", "write_synced"]
+__all__ = ["Method", "Times", "add_bench", "child", "child_process", "child_result", "drain", "feature_bytes", "fresh",
+           "gbps", "int8_figures", "interleaved", "parse_dtypes", "parse_numbers", "parse_shapes", "rate", "rss_runs",
+           "scratch", "size", "timed", "tofile_synced", "warm", "write_synced"]
 
 
 def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any, ...]], *, repeats: int | None = None,
@@ -294,13 +294,29 @@ def parse_dtypes(text: str, *, numpy_only: bool = False) -> list[str]:
 
 def parse_shapes(text: str) -> list[tuple[int, ...]]:
     """``"256x384,1024x1536"`` -> [(256, 384), (1024, 1536)]."""
+    from featurestore.errors import InvalidOption
+
     shapes = []
     for part in text.split(","):
         try:
             shapes.append(tuple(int(v) for v in part.strip().lower().split("x")))
         except ValueError:
-            raise ValueError(f"bad shape {part!r} in {text!r}: write shapes as TxD, e.g. 256x384,1024x1536") from None
+            raise InvalidOption(f"bad shape {part!r} in {text!r}: write shapes as TxD, e.g. 256x384,1024x1536"
+                                ) from None
     return shapes
+
+
+def parse_numbers(flag: str, text: Any, kind: type = float, example: str = "250,384") -> list[Any]:
+    """``"250,384"`` -> [250.0, 384.0]: a flag's comma-separated numbers of ``kind``, one or several."""
+    from featurestore.errors import InvalidOption
+
+    try:
+        values = [kind(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise InvalidOption(f"{flag} {text!r}: give numbers, one or several, such as {example}")
+    return values
 
 
 if __name__ == "__main__":  # a child of child_process: MODULE:FUNCTION(config), its result as JSON, the last line

@@ -17,7 +17,6 @@ import numpy as np
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved, parse_shapes
 from featurestore.bench.reading import label
-from featurestore.errors import InvalidOption
 from featurestore.extract.plan import chunk_rows_for
 from featurestore.testing.cgroup import evict
 
@@ -65,11 +64,8 @@ def _sizes(shape: tuple[int, ...], args: argparse.Namespace) -> list[tuple[int, 
     """``(samples, figure label)`` per size of ``--mb`` for ``shape``: the largest is labelled by the
     shape alone (``256x384``), a smaller one by its MB too (``256x384 250MB``)."""
     sample_bytes = int(np.prod(shape)) * 2
-    try:
-        mbs = [float(part) for part in str(args.mb).split(",") if part.strip()]
-    except ValueError:
-        raise InvalidOption(f"--mb {args.mb!r}: give MB as numbers, one or several, such as 250,384") from None
-    ns = sorted({max(args.min_batches * args.batch_size, int(mb * 1e6) // sample_bytes) for mb in mbs})
+    ns = sorted({max(args.min_batches * args.batch_size, int(mb * 1e6) // sample_bytes)
+                 for mb in harness.parse_numbers("--mb", args.mb, float, "250,384")})
     return [(n, label(shape) if n == ns[-1] else f"{label(shape)} {n * sample_bytes / 1e6:.3g}MB") for n in ns]
 
 
