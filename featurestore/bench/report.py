@@ -9,6 +9,7 @@ the command exits 1 at the end: a failure is never silently dropped.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import json
@@ -17,9 +18,10 @@ import os
 import platform
 import signal
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from featurestore import __version__
@@ -127,11 +129,8 @@ def _command(args: argparse.Namespace) -> int:
     # that calls main() and goes on (a test session) keeps its own SIGTERM, and so do the
     # processes it forks later (a pool worker that raised KeyboardInterrupt on terminate() instead
     # of dying could leave its parent waiting in join()).
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
+    with stop_on_sigterm():
         return _bench_all(args)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _bench_all(args: argparse.Namespace) -> int:
@@ -159,6 +158,27 @@ def _bench_all(args: argparse.Namespace) -> int:
         print(f"featurestore: error: bench(es) failed: {', '.join(failed)} (see report.md)", file=sys.stderr)
         return 1
     return status
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in the main thread while this lasts. One raised inside a
+    weakref callback or a ``__del__`` is only printed by Python ("Exception ignored"), and the run
+    went on to its end: such a swallowed stop is raised again a moment later, out of the callback."""
+    previous_hook = sys.unraisablehook
+
+    def swallowed(info: Any) -> None:
+        previous_hook(info)
+        if isinstance(info.exc_value, KeyboardInterrupt) and str(info.exc_value) == "SIGTERM":
+            threading.Timer(0.01, _thread.interrupt_main, (signal.SIGTERM,)).start()
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    sys.unraisablehook = swallowed
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = previous_hook
 
 
 def _interrupt(signum: int, frame: Any) -> None:
