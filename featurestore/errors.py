@@ -236,9 +236,10 @@ class ConditionalWritesUnsupported(FeatureStoreError, RuntimeError):
 
 
 class Stopped(KeyboardInterrupt):
-    """A ``--worker`` stopped by SIGTERM or SIGINT (a spot instance reclaimed, a job preempted or
-    cancelled, a pod ended, Ctrl-C): the slide it held is given back, not counted as an attempt
-    (featurestore.extract.worker_stop). A KeyboardInterrupt, so whatever stops on Ctrl-C stops."""
+    """A command stopped by SIGTERM or SIGINT (a spot instance reclaimed, a job preempted or
+    cancelled, a pod ended, Ctrl-C): a ``--worker`` gives the slide it held back, not counted as an
+    attempt (featurestore.extract.worker_stop); ``bench all`` reports what finished. A
+    KeyboardInterrupt, so whatever stops on Ctrl-C stops."""
 
     def __init__(self, signum: int) -> None:
         import signal

@@ -9,7 +9,6 @@ the command exits 1 at the end: a failure is never silently dropped.
 
 from __future__ import annotations
 
-import _thread
 import argparse
 import contextlib
 import json
@@ -18,7 +17,6 @@ import os
 import platform
 import signal
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -29,7 +27,8 @@ from featurestore.bench import bench_module, gate
 from featurestore.bench.gate import number
 from featurestore.bench.reading import FIGURE_BENCHES as BENCH_NAMES
 from featurestore.bench.reading import Figures, Panels, Reading, read_result
-from featurestore.errors import InvalidOption
+from featurestore.core.swallowed_stops import redelivered
+from featurestore.errors import InvalidOption, Stopped
 
 # Small sizes for CI and a first look: each bench finishes in seconds, the figures are noisy.
 QUICK_FLAGS: dict[str, list[str]] = {
@@ -162,27 +161,18 @@ def _bench_all(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def stop_on_sigterm() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt in the main thread while this lasts. One raised inside a
-    weakref callback or a ``__del__`` is only printed by Python ("Exception ignored"), and the run
-    went on to its end: such a swallowed stop is raised again a moment later, out of the callback."""
-    previous_hook = sys.unraisablehook
-
-    def swallowed(info: Any) -> None:
-        previous_hook(info)
-        if isinstance(info.exc_value, KeyboardInterrupt) and str(info.exc_value) == "SIGTERM":
-            threading.Timer(0.01, _thread.interrupt_main, (signal.SIGTERM,)).start()
-
+    """SIGTERM raises :class:`~featurestore.errors.Stopped` (a KeyboardInterrupt) in the main
+    thread while this lasts, again if Python swallowed it (:mod:`featurestore.core.swallowed_stops`)."""
     previous = signal.signal(signal.SIGTERM, _interrupt)
-    sys.unraisablehook = swallowed
     try:
-        yield
+        with redelivered():
+            yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-        sys.unraisablehook = previous_hook
 
 
 def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    raise Stopped(signum)
 
 
 def parse_benches(text: str) -> list[str]:

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from featurestore.core.swallowed_stops import redelivered
 from featurestore.errors import Stopped
 
 __all__ = ["StopOnSignal"]
@@ -37,13 +38,20 @@ class StopOnSignal:
         self._raised = False  # Stopped is raised once: the worker's clean-up runs undisturbed
         self._deferred = 0
         self._previous: dict[int, Any] = {}
+        self._again: Any = None
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+            # A Stopped raised inside a weakref callback is swallowed: raised once more, after it.
+            self._again = redelivered(before=lambda: setattr(self, "_raised", False))
+            self._again.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._again is not None:
+            self._again.__exit__(None, None, None)
+            self._again = None
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
