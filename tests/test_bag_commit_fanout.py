@@ -79,4 +79,7 @@ def test_in_flight_keeps_the_order_bounds_what_waits_and_raises_where_an_item_fa
     assert max(started) < 9 + 2 * 3 + 1  # no more than twice the workers ahead of the one taken
     with pytest.raises(ValueError, match="item 9"):
         next(results)
+    ran = len(started)
+    time.sleep(0.05)
+    assert len(started) == ran <= 9 + 2 * 3 + 1  # nothing queued behind the failure starts after it
     assert list(bag_commit.in_flight(Hinted(), slow, [])) == []

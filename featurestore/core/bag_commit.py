@@ -88,13 +88,16 @@ def in_flight(storage: Storage, fn: Callable[[T], R], items: Iterable[T]) -> Ite
     if workers <= 1:
         yield from map(fn, items)
         return
-    with ThreadPoolExecutor(workers, thread_name_prefix="featurestore-commit") as pool:
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="featurestore-commit")
+    try:
         pending = collections.deque(pool.submit(fn, item) for item in items[: 2 * workers])
         upcoming = iter(items[2 * workers :])
         while pending:
             result = pending.popleft().result()
             pending.extend(pool.submit(fn, item) for item in itertools.islice(upcoming, 1))
             yield result
+    finally:  # an item failed, or the caller stopped taking: what has not started never does
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _segments(storage: Storage, key: str) -> list[str]:
