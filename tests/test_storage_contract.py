@@ -2,7 +2,7 @@
 
 What the writer and the readers rely on, and nothing more: ``write`` is atomic and replaces,
 ``read``/``read_many``/``read_ranges`` return exactly the bytes written (a missing key is a
-``FileNotFoundError``), ``size``/``exists``/``listdir`` describe what is there,
+``FileNotFoundError``; ``None`` in ``read_present``), ``size``/``exists``/``listdir`` describe what is there,
 ``delete_tree`` removes a prefix and ``copy`` stores a key's value under another key. Subclass
 :class:`StorageContract` for a new backend (the object
 storage backend does) and implement :meth:`open`.
@@ -51,6 +51,9 @@ class StorageContract:
         got = storage.read_ranges(["k/0", "k/1", "k/0"], [0, 10, 1000], [4, 20, 1024])
         assert [bytes(g) for g in got] == [data[0:4], data[::-1][10:20], data[1000:1024]]
         assert [bytes(g) for g in storage.read_many(["k/1", "k/0"])] == [data[::-1], data]
+        # a key deleted meanwhile (a claim, a segment a commit removed) reads as None among the others
+        got = storage.read_present(["k/1", "gone/x", "k/0"])
+        assert [None if g is None else bytes(g) for g in got] == [data[::-1], None, data]
 
     def test_copy_replaces_and_leaves_the_source(self, storage: Storage) -> None:
         storage.write("s/a", b"first")

@@ -202,6 +202,12 @@ def test_conditional_writes_enforced(backend: str, tmp_path: Path, request: pyte
     assert storage.replace_if("c/a.json", b"four", token) is None  # a stale token loses
     assert storage.read_versioned("c/a.json")[0] == b"three"
     claims.probe(storage, "split")  # the probe passes on a server that enforces them
+    # The records read back together (status, a commit's failed slides), whatever buffers the backend hands back.
+    board = claims.ClaimBoard(storage, "split", lease=600, max_attempts=3)
+    for unit in ("b", "a"):
+        assert board.claim(unit)[0] is not None
+    records = claims.read_records(storage, "split")
+    assert sorted(records) == ["a", "b"] and all(r["state"] == claims.WORKING for r in records.values())
 
 
 def test_the_probe_refuses_a_server_that_ignores_if_match(tmp_path: Path) -> None:

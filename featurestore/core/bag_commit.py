@@ -113,7 +113,7 @@ def _records(storage: Storage, segment_key: str, indices: list[int]) -> Iterator
     """``(index, filled, records)`` of the segment's record chunks ``indices`` whose crc32c checks
     (a record is written atomically: one cut short or undecodable is damage, and skipped)."""
     keys = [layout.chunk_key(f"{segment_key}/{bags.RECORDS}", i, 1) for i in indices]
-    for index, raw in zip(indices, _read_all(storage, keys)):
+    for index, raw in zip(indices, storage.read_present(keys)):
         if raw is None or chunks.check(raw, None) is not None:
             continue
         try:
@@ -139,19 +139,6 @@ def _payload(meta: SplitMetadata, name: str) -> int:
     if name == bags.COORDS:
         return meta.chunk_rows * 2 * np.dtype((meta.bags or {})["coords"]["dtype"]).itemsize
     return meta.chunk_rows * int(meta.sample_shape[0]) * dtypes.storage_dtype(meta.logical_dtype).itemsize
-
-
-def _read_all(storage: Storage, keys: list[str]) -> list[bytes | None]:
-    try:
-        return list(storage.read_many(keys))
-    except (FileNotFoundError, IsADirectoryError):
-        out: list[bytes | None] = []
-        for k in keys:
-            try:
-                out.append(storage.read(k))
-            except (FileNotFoundError, IsADirectoryError):
-                out.append(None)
-        return out
 
 
 def array_document(meta: SplitMetadata, name: str, rows: int) -> bytes:

@@ -63,6 +63,20 @@ class Storage:
         """Whole values of many keys (concurrently where the backend can)."""
         return [self.read(k) for k in keys]
 
+    def read_present(self, keys: Sequence[str]) -> list[bytes | None]:
+        """:meth:`read_many`, a key not there (deleted meanwhile: a claim or segment a commit
+        removed) None; the keys are read one by one only when one of them is missing."""
+        try:
+            return list(self.read_many(keys))
+        except (FileNotFoundError, IsADirectoryError):
+            out: list[bytes | None] = []
+            for key in keys:
+                try:
+                    out.append(self.read(key))
+                except (FileNotFoundError, IsADirectoryError):
+                    out.append(None)
+            return out
+
     def read_whole_into(self, key: str, size: int, part_bytes: int, sink: Callable[[Any], None],
                         answered: Callable[[], None] | None = None) -> None:
         """The value of ``key``, expected to hold ``size`` bytes, handed to ``sink`` as consecutive
