@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -154,30 +153,3 @@ def test_a_signal_inside_a_claim_write_is_raised_when_the_write_is_over() -> Non
     stop.check()  # raised once: the clean-up after it runs undisturbed
     assert signal.getsignal(signal.SIGTERM) is before
 
-
-def test_a_stop_python_swallowed_in_a_weakref_callback_is_raised_again() -> None:
-    """A SIGTERM handled while a weakref callback ran raised Stopped there, where Python only
-    prints it ("Exception ignored"); the worker then went on encoding until the scheduler's
-    SIGKILL left its slide to the lease. The swallowed stop is raised again, once, after it."""
-    child = """
-import os, signal, sys, time, weakref
-from featurestore.errors import Stopped
-from featurestore.extract.worker_stop import StopOnSignal
-class Held: pass
-def callback(_):
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(0.05)  # the handler runs in here, its Stopped swallowed with the callback's
-with StopOnSignal() as stop:
-    held = Held()
-    ref = weakref.ref(held, callback)
-    try:
-        del held
-        time.sleep(20)
-        print("ran on")
-    except Stopped as stopped:
-        print("stopped by", stopped.name, sys.unraisablehook is not sys.__unraisablehook__)
-print("after", sys.unraisablehook is sys.__unraisablehook__, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
-"""
-    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
-    assert done.stdout.split("\n")[:2] == ["stopped by SIGTERM True", "after True True"], done.stdout + done.stderr
-    assert "Exception ignored" in done.stderr
