@@ -55,4 +55,12 @@ echo "[setup] installing featurestore[$EXTRAS] (editable; keeping $(cat "$constr
 # (featurestore, server, client) with a multi-line "Editable installation." notice
 # (InformationOnly, not a deprecation); this filter silences that one message and nothing else.
 PYTHONWARNINGS="ignore:Editable installation" pip_quiet install -c "$constraints" -e ".[$EXTRAS]"
+# Byte-compiled sources, as a (non-editable) pip install leaves them: every process that imports
+# featurestore (each CLI call, each bench child, the tests' subprocesses) then loads .pyc files
+# instead of compiling ~250 modules, which it does on every start where PYTHONDONTWRITEBYTECODE=1
+# keeps Python from caching them (0.68 -> 0.5 s to import the CLI here). checked-hash: each import
+# checks the .pyc against its source's hash, so a source edited since is compiled again, never
+# read stale (a timestamp check misses an edit of the same size within its second).
+echo "[setup] byte-compiling featurestore, client and server"
+python -m compileall -q --invalidation-mode checked-hash featurestore client server > /dev/null
 echo "[setup] done: featurestore $(python -c 'import importlib.metadata as m; print(m.version("featurestore"))') in .venv (activate with: . .venv/bin/activate)"
