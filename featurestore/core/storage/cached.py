@@ -53,6 +53,9 @@ class CachedStorage(Storage):
     def read_many(self, keys: Sequence[str]) -> list[Any]:
         return self.backend.read_many(keys)
 
+    def read_present(self, keys: Sequence[str]) -> list[Any]:
+        return self.backend.read_present(keys)
+
     def read_whole_into(self, key: str, size: int, part_bytes: int, sink: Callable[[Any], None],
                         answered: Callable[[], None] | None = None) -> None:
         self.backend.read_whole_into(key, size, part_bytes, sink, answered)
