@@ -314,3 +314,17 @@ def test_a_claim_whose_worker_was_killed_on_this_machine_is_free_at_once(tmp_pat
     assert taken.record["errors"] == [f"{record['worker']}: its process {holder.pid} is gone"]
     # An id naming another process (a test's, a record's) vouches for no namespace.
     assert claims.WorkerId(pid=holder.pid).pid_space is None and claims.WorkerId(host="node7").pid_space is None
+
+
+def test_an_idle_worker_looks_again_less_and_less_often() -> None:
+    """At the end of a run every idle worker asked for every slide another still held every 2 s
+    (W workers: ~W * W * 3 requests each time); now 2 s, growing by half per idle pass up to a third
+    of the lease, jittered so the workers' passes spread out."""
+    from featurestore.extract.workers_share import idle_wait
+
+    waits = [[idle_wait(idle, 120.0) for _ in range(50)] for idle in range(1, 12)]
+    assert 1.5 <= min(waits[0]) and max(waits[0]) <= 2.0  # the first idle pass as before
+    assert all(min(later) > max(earlier) * 0.99 for earlier, later in zip(waits[:4], waits[1:5]))  # grows
+    assert max(waits[-1]) <= 40.0 and min(waits[-1]) >= 30.0  # a third of the lease at most
+    assert len({round(w, 6) for w in waits[3]}) > 1  # jittered
+    assert max(idle_wait(5, 0.3) for _ in range(20)) <= 0.1  # a short lease keeps its short wait
