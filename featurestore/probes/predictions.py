@@ -9,9 +9,10 @@ or the linear head's batches of rows; so the k-th evaluated row is the k-th eval
 row per (seed, fold, sample): ``seed``, ``fold`` (0 for ``--eval SPLIT``), ``slide_id`` (the
 sample's id; its position in a split without ids; named as the embedding's ``--group-by`` column,
 ``case_id``, for patient embeddings), the bags' ``--group-by`` column when given,
-``label`` and ``predicted`` (class names where the split or the ``--labels`` table has them, else
-class ids) and one ``prob_<class>`` column per class. The file is written whole at the end (a
-temporary name renamed), so a probe cut short leaves no half table.
+``label`` and ``predicted`` (class names of the task trained: a ``--labels`` table's own when it
+has them, the split's stored names when its stored labels are the task; else class ids) and one
+``prob_<class>`` column per class. The file is written whole at the end (a temporary name
+renamed), so a probe cut short leaves no half table.
 """
 
 from __future__ import annotations
@@ -42,10 +43,14 @@ def check_output_file(path: str, flag: str, example: str) -> None:
 
 
 def class_names_of(ds: Any, table: Any, num_classes: int) -> list[str] | None:
-    """The class names by id: the ``--labels`` table's, else those the split records
-    (``label_names`` from an import, ``label_info.classes``), when they cover every class."""
-    names = getattr(table, "classes", None) if table is not None else None
-    if names is None:
+    """The class names by id of the task the probe trains: with a ``--labels`` table, the table's
+    (its text labels, or the values of integer codes it renumbered), else None (class ids): the
+    split's stored names belong to the stored labels, another task. Without a table, those the
+    split records (``label_names`` from an import, ``label_info.classes``). Names only when they
+    cover every class."""
+    if table is not None:
+        names = getattr(table, "classes", None)
+    else:
         meta = getattr(ds, "metadata", None) or {}
         names = meta.get("label_names") or (meta.get("label_info") or {}).get("classes")
     names = [str(n) for n in names] if isinstance(names, list) else None

@@ -1,0 +1,97 @@
+"""What a probe run writes and says names the task it trained: the predictions' class names when a
+``--labels`` table gives another task than the stored labels, and the report's warnings."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _probe_fixtures import one_torch_thread  # noqa: F401  (autouse: one torch thread per test)
+
+import featurestore
+from featurestore.cli import main
+
+DIM = 8
+SLIDES = 16
+NAMES = ["LUAD", "LUSC"]  # the stored task's class names (as `featurestore import --labels` records them)
+
+
+def _subtype(i: int) -> int:
+    return i % 2
+
+
+def _grade(i: int) -> int:  # another task, digit-coded, not the subtype (nor its opposite)
+    return (i // 2) % 2
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``cohort/bags/all``: 16 bags whose stored labels are the subtype, named LUAD/LUSC in the
+    metadata; ``cohort/emb/all``: their means as an embedding split with the slides' ids, the same
+    stored labels and names. The features carry both the subtype and the grade."""
+    root = str(tmp_path_factory.mktemp("task") / "store")
+    store = featurestore.open_store(root, mode="a")
+    meta = {"label_names": NAMES}
+    writer = store.create_bag_split("cohort", "bags", "all", dim=DIM, dtype="float32", label_dtype="int64",
+                                    metadata=meta)
+    rng = np.random.default_rng(0)
+    means = []
+    for i in range(SLIDES):
+        patches = rng.normal(0, 1, (6, DIM)).astype(np.float32)
+        patches[:, 0] += 2 * _subtype(i)
+        patches[:, 1] += 2 * _grade(i)
+        writer.add_bag(f"S{i:02d}", patches, label=_subtype(i))
+        means.append(patches.mean(0))
+    writer.commit()
+    ids = [f"S{i:02d}" for i in range(SLIDES)]
+    w = store.create_split("cohort", "emb", "all", num_samples=SLIDES, sample_shape=(DIM,), dtype="float32",
+                           label_shape=(), label_dtype="int64", ids=ids, metadata=meta)
+    w.write(0, np.stack(means).astype(np.float32), np.array([_subtype(i) for i in range(SLIDES)], np.int64))
+    w.commit()
+    return root
+
+
+def _table(tmp_path: Path, named: bool) -> str:
+    path = tmp_path / ("grade-named.csv" if named else "grade.csv")
+    cells = [("low", "high")[_grade(i)] if named else str(_grade(i)) for i in range(SLIDES)]
+    path.write_text("slide_id,subtype,grade\n" + "".join(f"S{i:02d}.svs,{NAMES[_subtype(i)]},{cell}\n"
+                                                          for i, cell in enumerate(cells)))
+    return str(path)
+
+
+@pytest.mark.parametrize("head", ["abmil", "linear"])
+@pytest.mark.parametrize("named", [False, True])
+def test_predictions_name_the_classes_of_the_table_task_not_the_stored_ones(
+        store: str, tmp_path: Path, head: str, named: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """A split imported with --label-column subtype (names LUAD/LUSC) probed on a table's grade:
+    the predictions CSV named the grade's classes 0/1 LUAD/LUSC, so a slide of grade 1 read LUSC."""
+    out = tmp_path / "p.csv"
+    encoder = "bags" if head == "abmil" else "emb"
+    code = main(["probe", store, "--head", head, "--dataset", "cohort", "--encoder", encoder, "--train", "all",
+                 "--folds", "2", "--seeds", "1", "--epochs", "1", "--batch-size", "1" if head == "abmil" else "4",
+                 "--device", "cpu", "--quiet", "--labels", _table(tmp_path, named), "--label-column", "grade",
+                 "--save-predictions", str(out)])
+    capsys.readouterr()
+    assert code == 0
+    rows = list(csv.DictReader(out.open(encoding="utf-8")))
+    classes = ["high", "low"] if named else ["0", "1"]  # the table's names (sorted), else the class ids
+    assert list(rows[0])[-4:] == ["label", "predicted", *(f"prob_{c}" for c in classes)]
+    assert len(rows) == SLIDES
+    for row in rows:
+        i = int(row["slide_id"][1:])
+        assert row["label"] == (("low", "high")[_grade(i)] if named else str(_grade(i))), row
+        assert row["predicted"] in classes
+
+
+def test_predictions_keep_the_stored_names_when_the_stored_labels_are_the_task(
+        store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.csv"
+    assert main(["probe", store, "--head", "linear", "--dataset", "cohort", "--encoder", "emb", "--train", "all",
+                 "--folds", "2", "--seeds", "1", "--epochs", "1", "--batch-size", "4", "--device", "cpu", "--quiet",
+                 "--save-predictions", str(out)]) == 0
+    capsys.readouterr()
+    rows = list(csv.DictReader(out.open(encoding="utf-8")))
+    assert list(rows[0])[-2:] == ["prob_LUAD", "prob_LUSC"]
+    assert all(row["label"] == NAMES[_subtype(int(row["slide_id"][1:]))] for row in rows)
