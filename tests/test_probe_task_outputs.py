@@ -95,3 +95,35 @@ def test_predictions_keep_the_stored_names_when_the_stored_labels_are_the_task(
     rows = list(csv.DictReader(out.open(encoding="utf-8")))
     assert list(rows[0])[-2:] == ["prob_LUAD", "prob_LUSC"]
     assert all(row["label"] == NAMES[_subtype(int(row["slide_id"][1:]))] for row in rows)
+
+
+# ------------------------------------------------------------------------------- a continuous column
+
+
+def test_a_continuous_label_column_is_refused_as_such(store: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """An age column (40.0, 41.5, ...: one value per slide) read as class names failed on its first
+    class: "class '40.0' (0) has 1 sample(s) ... add samples of that class"."""
+    path = tmp_path / "age.csv"
+    path.write_text("slide_id,age\n" + "".join(f"S{i:02d},{40 + 1.5 * i}\n" for i in range(SLIDES)))
+    code = main(["probe", store, "--head", "abmil", "--dataset", "cohort", "--encoder", "bags", "--train", "all",
+                 "--folds", "2", "--seeds", "1", "--epochs", "1", "--device", "cpu", "--quiet",
+                 "--labels", str(path), "--label-column", "age"])
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert (f"column 'age' looks continuous ({SLIDES} distinct numbers over {SLIDES} labelled rows: "
+            "40.0, 41.5, 43.0") in err
+    assert "bin this one into classes" in err and "add samples" not in err
+
+
+@pytest.mark.parametrize("cells", [
+    ["0.5", "1.5"] * 8,  # two classes named by decimals: names, as before
+    [f"{k}.0" for k in range(16)],  # whole numbers written as floats: names (the fold check says what is wrong)
+    ["a", "1.5", "2.5", "3.5"] * 4,  # not all numbers
+])
+def test_columns_that_are_not_measurements_stay_class_names(tmp_path: Path, cells: list[str]) -> None:
+    from featurestore.probes.labels import read_label_table
+
+    path = tmp_path / "t.csv"
+    path.write_text("slide_id,y\n" + "".join(f"S{i:02d},{c}\n" for i, c in enumerate(cells)))
+    assert read_label_table(str(path), "y").classes == sorted(set(cells))

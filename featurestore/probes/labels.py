@@ -15,7 +15,9 @@ table keyed by slide id, read when the probe runs, so a new task needs no re-imp
   coded ``1, 2, 3``, codes ``0, 1, 5``) are numbered in increasing order and named by their
   values, so the head has no class that no slide can have (``1, 2`` is a binary task, not three
   classes of which one is empty); otherwise every value is a class name, and classes are
-  numbered in sorted name order (``"1.0"``, ``"-1"`` or ``"١"`` are names, not numbers);
+  numbered in sorted name order (``"1.0"``, ``"-1"`` or ``"١"`` are names, not numbers); but a
+  column of ASCII numbers, not all whole, with more distinct values than half its labelled rows
+  (an age, a score) is refused as continuous: measurements, not classes;
 - a label cell ``nan``, ``NaN``, ``NA``, ``N/A``, ``null`` or ``None`` (any case: how pandas and R
   write a missing value) is an empty cell, not a class name;
 - a row with an empty label cell, a row with an empty id cell (it labels nothing) and a slide the
@@ -42,6 +44,7 @@ from featurestore.extract.label_csv import separator_hint, slide_stem, undecodab
 __all__ = ["LabelTable", "Matched", "read_label_table", "table_rows"]
 
 _DIGITS = re.compile(r"[0-9]+")  # str.isdigit() would take any Unicode digit
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")  # ASCII, as float() writes one
 _SHOWN = 3  # ids named in a message or summary
 # Label cells that mean "no value": pandas writes a missing value as nan (NaN), R as NA; a class
 # named so would be a class of unlabelled slides. Compared lower-cased.
@@ -154,6 +157,7 @@ def read_label_table(path: str | os.PathLike[str], label_column: str, id_column:
             classes, number = [str(v) for v in present], {v: k for k, v in enumerate(present)}
             values = {slide: number[v] for slide, v in values.items()}
     else:
+        _refuse_continuous(path, label_column, labelled)
         classes = sorted(set(labelled.values()))
         number = {name: k for k, name in enumerate(classes)}
         values = {slide: number[v] for slide, v in labelled.items()}
@@ -164,6 +168,22 @@ def read_label_table(path: str | os.PathLike[str], label_column: str, id_column:
             stems[stem] = None if stem in stems else slide
     return LabelTable(path=path, label_column=label_column, id_column=id_column, values=values, classes=classes,
                       empty=len(raw) - len(labelled), stems=stems)
+
+
+def _refuse_continuous(path: str, column: str, labelled: dict[str, str]) -> None:
+    """Refuse a column of measurements (an age, a score): numbers, some not whole, nearly one
+    distinct value per row. As class names each value would be a class of one or two slides."""
+    if not all(_NUMBER.fullmatch(v) for v in labelled.values()):
+        return
+    values = sorted(set(labelled.values()), key=float)
+    distinct = len({float(v) for v in values})
+    if all(float(v).is_integer() for v in values) or distinct < 3 or 2 * distinct <= len(labelled):
+        return
+    shown = ", ".join(values[:3])
+    raise InvalidLabels(f"{path}: column {column!r} looks continuous ({distinct} distinct numbers over "
+                        f"{len(labelled)} labelled rows: {shown}, ...), not like classes: the probe needs class "
+                        "labels; give a categorical column with --label-column, or bin this one into classes (e.g. "
+                        "below / above a cut-off) in a column of its own")
 
 
 def table_rows(path: str, what: str, limit: int | None = None) -> list[list[str]]:
