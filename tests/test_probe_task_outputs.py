@@ -127,3 +127,22 @@ def test_columns_that_are_not_measurements_stay_class_names(tmp_path: Path, cell
     path = tmp_path / "t.csv"
     path.write_text("slide_id,y\n" + "".join(f"S{i:02d},{c}\n" for i, c in enumerate(cells)))
     assert read_label_table(str(path), "y").classes == sorted(set(cells))
+
+
+# ------------------------------------------------------------------------- trained and scored on one split
+
+
+@pytest.mark.parametrize("head", ["abmil", "linear"])
+def test_training_and_evaluating_on_one_split_says_it_is_the_training_fit(
+        store: str, head: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--train all --eval all scored the slides the head was fitted to, reported like a held-out score."""
+    common = ["probe", store, "--head", head, "--dataset", "cohort", "--encoder", "bags" if head == "abmil" else "emb",
+              "--train", "all", "--seeds", "1", "--epochs", "1", "--device", "cpu", "--quiet",
+              "--batch-size", "1" if head == "abmil" else "4"]
+    assert main([*common, "--eval", "all"]) == 0
+    out = capsys.readouterr().out
+    warned = [line for line in out.splitlines() if "training fit" in line]
+    assert warned == ["Warning: trained and evaluated on the same split 'all': the training fit, not a held-out "
+                      "score; evaluate on another split (--eval) or on folds (--folds K)."], out
+    assert main([*common, "--folds", "2"]) == 0
+    assert "training fit" not in capsys.readouterr().out

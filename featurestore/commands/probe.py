@@ -47,7 +47,7 @@ def format_report(result: dict[str, Any]) -> str:
         lines += ["", f"mean ± sample std over {len(run['seeds'])} seed(s) {run['seeds']}; chance = the best "
                   "constant prediction's score on the same evaluation labels."]
         notes = report_notes(run) + _collapse_notes(run) + _stale_notes(run)
-        lines += [line for note in notes for line in textwrap.wrap(note, width=100)]
+        lines += _training_fit_notes(run) + [line for note in notes for line in textwrap.wrap(note, width=100)]
         return "\n".join(lines)
 
     a, b, comparison = result["a"], result["b"], result["comparison"]
@@ -84,7 +84,7 @@ def format_report(result: dict[str, Any]) -> str:
                      "neither probe learned the task and the verdict says nothing about the storage dtype.")
     notes += _collapse_notes(a) + _collapse_notes(b) + _stale_notes(a) + _stale_notes(b)
     lines.append("")
-    lines += [line for note in notes for line in textwrap.wrap(note, width=100)]
+    lines += _training_fit_notes(a) + [line for note in notes for line in textwrap.wrap(note, width=100)]
     return "\n".join(lines)
 
 
@@ -113,6 +113,15 @@ def _collapse_notes(run: dict[str, Any]) -> list[str]:
         "the probe probably predicts a constant class. Train longer (--epochs), with smaller "
         "batches (--batch-size) or another --lr before reading the comparison."
     ]
+
+
+def _training_fit_notes(run: dict[str, Any]) -> list[str]:
+    # --train X --eval X scores the slides the head was fitted to: a figure of the fit, which
+    # overstates any held-out score (and reads as one unless said). One line, not wrapped.
+    if run.get("folds") or run["train_split"] != run["eval_split"]:
+        return []
+    return [f"Warning: trained and evaluated on the same split {run['eval_split']!r}: the training fit, not a "
+            "held-out score; evaluate on another split (--eval) or on folds (--folds K)."]
 
 
 def _stale_notes(run: dict[str, Any]) -> list[str]:
