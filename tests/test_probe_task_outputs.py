@@ -146,3 +146,41 @@ def test_training_and_evaluating_on_one_split_says_it_is_the_training_fit(
                       "score; evaluate on another split (--eval) or on folds (--folds K)."], out
     assert main([*common, "--folds", "2"]) == 0
     assert "training fit" not in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ the same metric every seed
+
+
+def _run(values: dict[str, list[float]], baselines: dict[str, float], folds: list | None = None) -> dict:
+    from featurestore.probes.chance import assess
+    from featurestore.probes.compare import run_seeds
+
+    seeds = list(range(len(next(iter(values.values())))))
+    result = run_seeds(lambda seed: {name: v[seed] for name, v in values.items()}, seeds)
+    return {**result, "chance": assess(result["metrics"], baselines, folds), "task": "linear",
+            "train_split": "patients", "eval_split": "3 folds", "folds": 3, "num_classes": 2, "config": {"epochs": 1, "lr": 1e-2},
+            "batch_size": 64, "device": "cpu", "loader": "stream", "dataset": "d", "encoder": "m", "dtype": "float32",
+            "sample_shape": [8], "train_samples": 8, "eval_samples": 4, "seconds": 0.0, "source": "store"}
+
+
+def test_the_same_metric_every_seed_claims_a_constant_class_only_at_a_constant_predictions_score() -> None:
+    """Patient embeddings scored balanced accuracy 0.75 under both seeds; the report said the probe
+    "probably predicts a constant class" (a constant scores 0.5) "before reading the comparison"
+    (none was run)."""
+    from featurestore.commands.probe import format_report
+    from featurestore.probes.compare import compare_summaries
+
+    baselines = {"auc": 0.5, "balanced_accuracy": 0.5}
+    # as the walk's 12 patients in 3 folds: 0.75 every seed, AT CHANCE by the folds' standard error
+    per_fold = [{"auc": a, "balanced_accuracy": b} for a, b in ((0.5, 0.5), (1.0, 1.0), (1.0, 0.75))]
+    learned = _run({"auc": [0.83, 0.83], "balanced_accuracy": [0.75, 0.75]}, baselines, [per_fold, per_fold])
+    assert learned["chance"]["balanced_accuracy"]["at_chance"]
+    assert "exactly the same" not in format_report(learned)
+    constant = _run({"auc": [0.5, 0.5], "balanced_accuracy": [0.5, 0.5]}, baselines)
+    text = format_report(constant).replace("\n", " ")
+    assert ("Warning: m gave exactly the same auc, balanced_accuracy under every seed, no better than a constant "
+            "prediction: the probe probably predicts one class everywhere.") in text
+    assert "comparison" not in text and "before reading this number." in text
+    other = _run({"auc": [0.8, 0.9], "balanced_accuracy": [0.7, 0.8]}, baselines)
+    compared = format_report({"a": constant, "b": other, "comparison": compare_summaries(constant, other)})
+    assert "before reading the comparison." in compared.replace("\n", " ")

@@ -82,7 +82,7 @@ def format_report(result: dict[str, Any]) -> str:
     if useless:
         notes.append(f"The comparison is uninformative for {', '.join(useless)}: A and B are both at chance, so "
                      "neither probe learned the task and the verdict says nothing about the storage dtype.")
-    notes += _collapse_notes(a) + _collapse_notes(b) + _stale_notes(a) + _stale_notes(b)
+    notes += _collapse_notes(a, True) + _collapse_notes(b, True) + _stale_notes(a) + _stale_notes(b)
     lines.append("")
     lines += _training_fit_notes(a) + [line for note in notes for line in textwrap.wrap(note, width=100)]
     return "\n".join(lines)
@@ -96,23 +96,30 @@ def _small(value: float, sign: bool = False) -> str:
     return f"{value:+.4f}" if sign else f"{value:.4f}"
 
 
-def _collapse_notes(run: dict[str, Any]) -> list[str]:
-    # Seeds change the initialisation and the batch order, so a trained probe never scores
-    # exactly the same under all of them; when it does, it has almost surely learned a constant
-    # prediction (e.g. background everywhere), and a comparison of two such runs says nothing.
+def _collapse_notes(run: dict[str, Any], compared: bool = False) -> list[str]:
+    # Seeds change the initialisation and the batch order, so a trained probe rarely scores
+    # exactly the same under all of them; when it does at (or below) the score of a constant
+    # prediction (balanced accuracy 1/K, AUC 0.5: what any constant prediction gets), it has
+    # almost surely learned one (e.g. background everywhere). A metric above that score is no
+    # constant prediction, however flat: on a small cohort with fixed folds a learned probe often
+    # gives the same thresholded metric every seed (the AT CHANCE check judges it against the
+    # spread). A metric without a recorded baseline keeps the old rule: flat is suspect.
     if len(run["seeds"]) < 2:
         return []
-    # A metric above the best constant prediction's score is no constant prediction: on a small
-    # cohort with fixed folds a learned probe often gives the same thresholded metric every seed.
-    above = {name for name, c in (run.get("chance") or {}).items() if not c["at_chance"]}
-    flat = [name for name, s in run["metrics"].items() if s["std"] == 0.0 and name not in above]
+    chance = run.get("chance") or {}
+    flat = [name for name, s in run["metrics"].items() if s["std"] == 0.0
+            and (name not in chance or s["mean"] <= chance[name]["baseline"] + _SAME)]
     if not flat:
         return []
+    read = "the comparison" if compared else "this number"
     return [
-        f"Warning: {run['encoder']} gave exactly the same {', '.join(flat)} under every seed: "
-        "the probe probably predicts a constant class. Train longer (--epochs), with smaller "
-        "batches (--batch-size) or another --lr before reading the comparison."
+        f"Warning: {run['encoder']} gave exactly the same {', '.join(flat)} under every seed, no better than "
+        "a constant prediction: the probe probably predicts one class everywhere. Train longer (--epochs), with "
+        f"smaller batches (--batch-size) or another --lr before reading {read}."
     ]
+
+
+_SAME = 1e-6  # a metric computed in float32 against a baseline in float64
 
 
 def _training_fit_notes(run: dict[str, Any]) -> list[str]:
