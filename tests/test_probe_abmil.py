@@ -333,7 +333,7 @@ def test_save_predictions_with_group_by_names_each_slides_group_and_keeps_it_in_
     table = tmp_path / "preds.csv"
     out = run_mil_probe(str(tmp_path / "store"), "cohort", "enc", train_split="train", folds=2, group_by="case_id",
                         seeds=1, epochs=1, device="cpu", save_predictions=str(table))
-    assert out["predictions"] == {"path": str(table), "rows": 16}
+    assert out["predictions"] == {"path": str(table), "rows": 16, "id_column": "slide_id"}
     rows = list(csv.DictReader(table.open(encoding="utf-8")))
     assert list(rows[0]) == ["seed", "fold", "slide_id", "case_id", "label", "predicted", "prob_0", "prob_1"]
     assert all(r["case_id"] == f"patient-{int(r['slide_id'][-2:]) // 2}" for r in rows)

@@ -318,7 +318,7 @@ def test_save_predictions_of_patient_embeddings_give_each_folds_auc(store: str, 
     code = main(["probe", store, "--dataset", "cohort", "--encoder", "patients", "--train", "all", "--folds", "3",
                  "--group-by", "case_id", "--seeds", "2", "--batch-size", "8", "--device", "cpu", "--quiet",
                  "--save-predictions", str(table), "--json", str(result)])
-    assert code == 0 and "predictions: 60 rows (seed, fold, slide) in" in capsys.readouterr().out
+    assert code == 0 and "predictions: 60 rows (seed, fold, case_id) in" in capsys.readouterr().out
     rows = list(csv.DictReader(table.open(encoding="utf-8")))
     # Patient embeddings' ids are the patients': the column is named as the embedding's --group-by.
     assert list(rows[0]) == ["seed", "fold", "case_id", "label", "predicted", "prob_0", "prob_1"]

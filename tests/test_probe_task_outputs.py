@@ -184,3 +184,4 @@ def test_the_same_metric_every_seed_claims_a_constant_class_only_at_a_constant_p
     other = _run({"auc": [0.8, 0.9], "balanced_accuracy": [0.7, 0.8]}, baselines)
     compared = format_report({"a": constant, "b": other, "comparison": compare_summaries(constant, other)})
     assert "before reading the comparison." in compared.replace("\n", " ")
+

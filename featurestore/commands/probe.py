@@ -358,7 +358,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"attention map {saved['name']!r} (seed {saved['seed']}, {saved['bags']} bags) saved in {saved['key']}")
     if result.get("predictions"):
         table = result["predictions"]
-        print(f"predictions: {table['rows']} rows (seed, fold, slide) in {table['path']}")
+        unit = table.get("id_column", "slide_id")  # case_id: patient embeddings, a row per patient
+        print(f"predictions: {table['rows']} rows (seed, fold, {'slide' if unit == 'slide_id' else unit}) in "
+              f"{table['path']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(result, handle, indent=2, allow_nan=True)

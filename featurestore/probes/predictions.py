@@ -113,7 +113,8 @@ class PredictionRecorder:
         return take
 
     def save(self) -> dict[str, Any]:
-        """Write the table; returns ``{"path", "rows"}``."""
+        """Write the table; returns ``{"path", "rows", "id_column"}`` (``id_column``: what a row is
+        of, ``slide_id``, or the grouping column of patient embeddings, ``case_id``)."""
         header = ["seed", "fold", self.id_name, *([self.group[0]] if self.group else []), "label", "predicted",
                   *(f"prob_{name}" for name in self.names)]
         temp = os.path.join(os.path.dirname(os.path.abspath(self.path)), f".{os.path.basename(self.path)}.tmp")
@@ -130,4 +131,4 @@ class PredictionRecorder:
         finally:
             if os.path.exists(temp):
                 os.unlink(temp)
-        return {"path": self.path, "rows": len(self.rows)}
+        return {"path": self.path, "rows": len(self.rows), "id_column": self.id_name}
