@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from featurestore.commands.parsers import add_debug_option, add_verb
+from featurestore.commands.parsers import add_verb
 from featurestore.commands.storeargs import add_split_source, add_storage_options, open_store_from_args, store_errors
 
 # Mirrors featurestore.extract.bag_export.FORMATS, kept here so `featurestore --help` imports nothing.
@@ -45,7 +45,6 @@ def register(subparsers: Any) -> None:
                    help="stamp: level-0 micrometres per pixel of bags that record no mpp (0.25 at 40x, 0.5 at 20x)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_storage_options(p)
-    add_debug_option(p)
 
 
 def run(args: argparse.Namespace) -> int:

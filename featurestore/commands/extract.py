@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from featurestore.commands.parsers import add_debug_option, add_verb
+from featurestore.commands.parsers import add_verb
 from featurestore.commands.report_line import nothing_to_do, quantization_line
 from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, storage_options, store_errors
 from featurestore.commands.workerargs import add_worker_options, worker_options
@@ -107,7 +107,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--queue-size", type=int, default=4, help="batches in flight to the writer thread")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_worker_options(p)
-    add_debug_option(p)
 
 
 def is_slides(args: argparse.Namespace) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from featurestore.commands.parsers import add_debug_option, add_verb
+from featurestore.commands.parsers import add_verb
 from featurestore.commands.report_line import nothing_to_do, quantization_line
 from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, storage_options, store_errors
 from featurestore.commands.workerargs import add_worker_options, worker_options
@@ -67,7 +67,6 @@ def register(subparsers: Any) -> None:
     add_storage_options(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_worker_options(p)
-    add_debug_option(p)
 
 
 def run(args: argparse.Namespace) -> int:

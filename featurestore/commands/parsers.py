@@ -2,7 +2,7 @@
 
 :func:`add_verb` is the opening of each ``register(subparsers)``: the verb's name, its one-line
 help (``featurestore --help``), its description (``featurestore VERB --help``) and the function
-``featurestore.cli`` runs (``func``). The verb's long description is a module constant written as
+``featurestore.cli`` runs (``func``), and ``--debug`` after the verb as before it. The verb's long description is a module constant written as
 plain text (argparse folds its white space and wraps it to the terminal), so that ``register``
 reads as the list of its arguments.
 """
@@ -16,13 +16,12 @@ from typing import Any
 
 def add_verb(subparsers: Any, name: str, run: Callable[[argparse.Namespace], int], help: str,
              description: str | None = None) -> argparse.ArgumentParser:
-    """The sub-parser of verb ``name``; ``featurestore VERB`` calls ``run(args)`` for the exit status."""
+    """The sub-parser of verb ``name``; ``featurestore VERB`` calls ``run(args)`` for the exit status.
+
+    Every verb takes ``--debug`` after its name (``featurestore embed ... --debug``), as before it.
+    """
     parser = subparsers.add_parser(name, help=help, description=description)
     parser.set_defaults(func=run)
-    return parser
-
-
-def add_debug_option(parser: argparse.ArgumentParser) -> None:
-    """``--debug`` after the verb (``featurestore extract ... --debug``), as before it."""
-    # SUPPRESS: the verb's default must not reset a `featurestore --debug extract ...` given before the verb.
+    # SUPPRESS: the verb's default must not reset a `featurestore --debug VERB ...` given before the verb.
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    return parser
