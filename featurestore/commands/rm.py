@@ -33,7 +33,9 @@ def run(args: argparse.Namespace) -> int:
 
     key = layout.split_key(validate_name(args.dataset, "dataset"), validate_name(args.encoder, "encoder"),
                            validate_name(args.split, "split"))
-    store = open_store_from_args(args.store, args, mode="a")
+    # Opened as an existing store (a mistyped path must not become a new, empty one: StoreNotFound,
+    # "check the URL"); the removal writes through its storage below.
+    store = open_store_from_args(args.store, args)
     with store_errors(args.store):
         splits = store.splits(args.dataset, args.encoder)  # DatasetNotFound / EncoderNotFound, one line
         if args.split not in splits:

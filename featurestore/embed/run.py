@@ -249,6 +249,9 @@ def _embed(opts: EmbedOptions, coord: Coordinator) -> EmbedResult:
     error: BaseException | None = None
     try:
         opts.check()
+        # The bag split read is in this store, so it must exist: opened read-only first, a mistyped
+        # path is StoreNotFound ("check the URL") and does not become a new, empty store.
+        open_store(opts.store, mode="r", **opts.storage_options)
         store = open_store(opts.store, mode="a", **opts.storage_options)
         prep = _prepare(opts, store, coord)
     except BaseException as e:  # every rank must reach agree(), or the others would wait forever
