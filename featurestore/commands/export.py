@@ -22,9 +22,10 @@ Write every bag of a bag split as one file per slide, in another tool's layout. 
 import kept (OUT plays TRIDENT's features_<encoder>/). clam-pt: OUT/pt_files/<slide>.pt (float32 features) and
 OUT/h5_files/<slide>.h5 ('features' float32, 'coords' int32). stamp: OUT/<slide>.h5 with 'feats' [n, D] and
 'coords' float32 micrometres, root attributes unit='um', tile_size_um, tile_size_px (level-0 pixel coords are
-converted with each bag's recorded mpp, or --mpp). Labels go to OUT/labels.csv (slide_id,label).
-`featurestore import OUT --labels OUT/labels.csv --dtype <the split's dtype>` gives the same bags back, byte
-for byte (a stamp export of pixel coordinates comes back in micrometres). An embedding split (featurestore embed:
+converted with each bag's recorded mpp, or --mpp). Labels go to OUT/labels.csv (slide_id,label; where the
+bags keep an attribute named label, the labels' column is the one the import read them from, and the export
+says so). `featurestore import OUT --labels OUT/labels.csv --dtype <the split's dtype>` (with that
+--label-column) gives the same bags back, byte for byte (a stamp export of pixel coordinates comes back in micrometres). An embedding split (featurestore embed:
 one [E] vector per slide or patient, with ids) exports as trident (OUT/<id>.h5, 'features' (E,)) or stamp
 ('feats' (E,), root attributes feat_type patient or slide, encoder), labels in OUT/labels.csv.
 --attention NAME instead of --format writes the attention map NAME that probe --head abmil --save-attention
@@ -80,4 +81,6 @@ def run(args: argparse.Namespace) -> int:
                                  overwrite=args.overwrite, progress=not args.no_progress, mpp=args.mpp)
     print(f"exported {result.key}: {result.bags} {'embeddings' if embeddings else 'bags'} as {result.format}, "
           f"{result.files} files in {result.out} ({result.seconds:.1f}s)", flush=True)
+    if result.note:
+        print(result.note, flush=True)
     return 0

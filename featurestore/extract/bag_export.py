@@ -20,7 +20,10 @@ The way out of the store, the inverse of ``featurestore import DIR`` (featuresto
 
 Bag labels go to ``<out>/labels.csv`` (``slide_id,label``; class names when the split has
 ``label_names``; then the import's table columns it kept as bag attributes, ``case_id``...), the
-CSV ``featurestore import --labels`` reads. A file keeps the name its slide
+CSV ``featurestore import --labels`` reads. Where a kept column is itself named ``label`` (or
+``slide_id``: the import read its labels and ids from other columns), the label (id) column takes
+the name the import read it from, never a second column of one name (:func:`csv_columns`), and
+``ExportResult.note`` gives the re-import its ``--label-column`` (``--id-column``). A file keeps the name its slide
 was imported from, so import -> export -> import gives the same bag ids, features, coordinates,
 attributes and labels, byte for byte (tests/test_export.py). Each file is written under a
 temporary hidden name and renamed when complete: an export cut short leaves no file that looks whole.
@@ -44,8 +47,8 @@ from featurestore.core.storage.files import nearest_existing
 from featurestore.errors import InvalidOption, SplitExists
 from featurestore.format import dtypes
 
-__all__ = ["FORMATS", "LABELS_CSV", "ExportResult", "atomic_write", "check_file_stem", "check_out", "export_bags",
-           "export_bar", "labels_csv", "prepare_out", "table_columns", "write_h5"]
+__all__ = ["FORMATS", "LABELS_CSV", "ExportResult", "atomic_write", "check_file_stem", "check_out", "csv_columns",
+           "export_bags", "export_bar", "labels_csv", "prepare_out", "table_columns", "write_h5"]
 
 FORMATS = ("trident", "clam-pt", "stamp")
 LABELS_CSV = "labels.csv"
@@ -61,6 +64,7 @@ class ExportResult:
     bags: int
     files: int
     seconds: float
+    note: str = ""  # a line the user needs to read the files back (the columns of labels.csv)
 
 
 def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str, out: str,
@@ -115,12 +119,15 @@ def export_bags(store: Any, dataset: str, encoder: str, split: str, *, fmt: str,
             bar.update(1)
     finally:
         bar.close()
+    note = ""
     if bags.labels is not None:
         columns = table_columns(bags.metadata)
-        csv_text = labels_csv(bags.ids, bags.labels, bags.metadata.get("label_names"),
-                              columns={c: [bags.attrs(i).get(c) for i in range(len(bags))] for c in columns})
+        id_column, label_column, note = csv_columns(bags.metadata, columns)
+        csv_text = labels_csv(bags.ids, bags.labels, bags.metadata.get("label_names"), id_column,
+                              columns={c: [bags.attrs(i).get(c) for i in range(len(bags))] for c in columns},
+                              label_column=label_column)
         atomic_write(os.path.join(out, LABELS_CSV), csv_text.encode("utf-8"))
-    return ExportResult(key, fmt, out, len(bags), len(targets), time.perf_counter() - started)
+    return ExportResult(key, fmt, out, len(bags), len(targets), time.perf_counter() - started, note)
 
 
 def check_out(out: str) -> None:
@@ -231,6 +238,31 @@ def table_columns(metadata: dict[str, Any]) -> list[str]:
     return [c for c in columns if isinstance(c, str)] if isinstance(columns, list) else []
 
 
+def csv_columns(metadata: dict[str, Any], columns: Sequence[str]) -> tuple[str, str, str]:
+    """labels.csv's id and label column names, and the note for the re-import: ``slide_id`` and
+    ``label``, unless the import kept a table column of that name as a bag attribute; then the
+    column the import read the ids (labels) from, recorded as ``source.id_column``
+    (``source.label_column``), so that ``import --labels OUT/labels.csv`` with the import's own
+    ``--id-column``/``--label-column`` gives the same labels and attributes back."""
+    source = metadata.get("source") or {}
+    taken, names, options = set(columns), [], []
+    for default, recorded, option in (("slide_id", "id_column", "--id-column"),
+                                      ("label", "label_column", "--label-column")):
+        name = default
+        if name in taken:
+            name = source.get(recorded) if isinstance(source.get(recorded), str) else f"split_{default}"
+            while name in taken:  # a split imported before the column was recorded, or an odd table
+                name = f"split_{name}"
+            options.append(f"{option} {name}")
+        taken.add(name)
+        names.append(name)
+    note = "" if not options else (
+        f"labels.csv: the bags keep attributes named {', '.join(d for d in ('slide_id', 'label') if d in columns)}, "
+        f"so its ids and labels are in columns {names[0]!r} and {names[1]!r}: import it with "
+        f"--labels labels.csv {' '.join(options)}")
+    return names[0], names[1], note
+
+
 def _bag_root(attrs: dict[str, Any], skip: Sequence[str] = ()) -> dict[str, Any]:
     """A bag written otherwise: its attributes go on the file's root (not the name it came from,
     nor the table's columns, which go to labels.csv)."""
@@ -310,14 +342,20 @@ def _stamp_bag(coords: np.ndarray, attrs: dict[str, Any], bags: Any, i: int,
 
 
 def labels_csv(ids: list[str], labels: Any, names: list[str] | None, id_column: str = "slide_id",
-               columns: dict[str, list[Any]] | None = None) -> str:
-    """``id_column,label[,column...]`` per sample (a class id as its name when ``names`` has it;
-    ``columns``: more columns' values per sample, None an empty cell): the CSV ``featurestore
-    import --labels`` (and ``probe --labels``) reads."""
+               columns: dict[str, list[Any]] | None = None, label_column: str = "label") -> str:
+    """``id_column,label_column[,column...]`` per sample (a class id as its name when ``names`` has
+    it; ``columns``: more columns' values per sample, None an empty cell): the CSV ``featurestore
+    import --labels`` (and ``probe --labels``) reads. Two columns of one name are refused (a reader
+    could only guess which holds what)."""
     columns = columns or {}
+    header = [id_column, label_column, *columns]
+    if len(set(header)) != len(header):
+        twice = sorted({c for c in header if header.count(c) > 1})
+        raise InvalidOption(f"labels.csv would have two columns named {twice[0]!r} (columns {', '.join(header)}): "
+                            "it would not read back; this is a bug of featurestore export, please report it")
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
-    writer.writerow([id_column, "label", *columns])
+    writer.writerow(header)
     for k, (sample_id, value) in enumerate(zip(ids, np.asarray(labels).reshape(len(ids), -1)[:, 0].tolist())):
         if names is not None and isinstance(value, int) and 0 <= value < len(names):
             value = names[value]

@@ -86,6 +86,10 @@ class BagImport(SplitJob):
         }
         if columns:  # the table's other columns, kept as bag attributes: an export writes them back
             self.metadata["source"]["table_columns"] = columns
+            # and the two it read the ids and labels from: an export names its labels.csv columns after
+            # them where a kept column is named slide_id or label (bag_export.csv_columns)
+            self.metadata["source"].update(id_column=opts.id_column or "slide_id",
+                                           label_column=opts.label_column or "label")
         if label_names is not None:
             self.metadata["label_names"] = label_names
 

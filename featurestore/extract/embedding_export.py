@@ -72,7 +72,10 @@ def export_embeddings(store: Any, dataset: str, encoder: str, split: str, *, fmt
             bar.update(len(block))
     if array.labels is not None:
         names = array.metadata.get("label_names") or (array.metadata.get("label_info") or {}).get("classes")
-        text = labels_csv(ids, array.labels.read_numpy(np.arange(len(ids))), names, grouped_by or "slide_id")
+        id_column = grouped_by or "slide_id"
+        # grouped by a bag attribute named label: the labels' column takes another name than the ids'
+        text = labels_csv(ids, array.labels.read_numpy(np.arange(len(ids))), names, id_column,
+                          label_column="split_label" if id_column == "label" else "label")
         atomic_write(os.path.join(out, LABELS_CSV), text.encode("utf-8"))
     return ExportResult(key, fmt, out, len(ids), len(targets), time.perf_counter() - started)
 
