@@ -196,9 +196,12 @@ def _run_info(args: argparse.Namespace) -> int:
     ]
     if q:
         lines.append(("quantization", quantization_line(q)))
-    derived, _ = lineage_line(store, meta)
+    derived, reason = lineage_line(store, meta)
     if derived is not None:
-        lines.append(("derived from", derived))
+        from featurestore.core.lineage import stale_fix
+
+        key = f"{args.dataset}/{args.encoder}/{args.split}"
+        lines.append(("derived from", derived + (f": {stale_fix(reason, key, args.url)}" if reason else "")))
     if meta.is_bags:
         lines = [line for line in lines if line[0] != "labels"]
         lines[2:3] = _bag_lines(store, args, meta)

@@ -17,6 +17,8 @@ HELP = "progress of a split (slides done, claimed, failed, left, time to finish)
 DESCRIPTION = """\
 Show a split's status. For a bag split being written by --worker processes: the slides done, claimed (worker
 host/pid/start, lease age), failed and left, and an estimated time to finish from the pace of the done slides.
+A derived split (featurestore embed) whose source changed since reads complete STALE, with why and the fix,
+as verify says it.
 """
 
 
@@ -39,11 +41,17 @@ def run(args: argparse.Namespace) -> int:
         meta = store.split_info(args.dataset, args.encoder, args.split)
         key = layout.split_key(args.dataset, args.encoder, args.split)
         if meta.complete:
+            from featurestore.core.lineage import stale_fix, stale_reason
+
             count = (meta.bags or {}).get("count", meta.num_samples)
             failed = meta.extra.get("failed") or []
-            print(f"split {key}: complete, {count} {'bags' if meta.bags else 'samples'}"
+            reason = stale_reason(store, meta.to_json())  # a derived split whose source changed since (as ls, verify)
+            print(f"split {key}: complete" + (" STALE" if reason else "")
+                  + f", {count} {'bags' if meta.bags else 'samples'}"
                   + (f", {len(failed)} slide(s) failed: {', '.join(f['id'] for f in failed)}" if failed else "")
                   + skipped_text(meta.extra))
+            if reason:
+                print(f"  STALE: {reason}: {stale_fix(reason, key, args.store)}")
             return 0
         state = progress(store.storage, key, run_total(meta.extra))
         if not (state["workers"] or state["committing"]):  # a plain run (torchrun, one process): no claims

@@ -55,6 +55,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
+    from featurestore.core.lineage import stale_fix
     from featurestore.core.verify import verify_store
 
     if len(args.names) not in (0, 3):
@@ -80,7 +81,7 @@ def _run_verify(args: argparse.Namespace) -> int:
         reason = _stale(store, result.key)
         if reason is not None:
             stale += 1
-            print(f"STALE {result.key}: {reason}: compute it again (featurestore embed ... --resume)")
+            print(f"STALE {result.key}: {reason}: {stale_fix(reason, result.key, args.url)}")
     for temp in found.leftovers:
         writer = "running" if temp.writer_alive else "not running"
         print(f"LEFTOVER {temp.key}: temporary file of an unfinished write ({_size(temp.size)}, "

@@ -38,7 +38,7 @@ def export_embeddings(store: Any, dataset: str, encoder: str, split: str, *, fmt
                       overwrite: bool = False, progress: bool = True) -> ExportResult:
     """Write every row of the embedding split ``dataset/encoder/split`` of ``store`` (an open
     FeatureStore) under ``out`` as one file per id, in format ``fmt`` (``FORMATS``)."""
-    from featurestore.core.lineage import stale_reason
+    from featurestore.core.lineage import stale_fix, stale_reason
 
     key = f"{dataset}/{encoder}/{split}"
     array = store.open(dataset, encoder, split)
@@ -50,8 +50,8 @@ def export_embeddings(store: Any, dataset: str, encoder: str, split: str, *, fmt
                             f"{'' if array.ids is not None else ' without ids'}: featurestore export writes bag splits "
                             "and embedding splits ([n, E] with ids, featurestore embed); read it with FeatureDataset")
     if reason := stale_reason(store, array.metadata):
-        raise InvalidOption(f"split {key} is stale ({reason}): its files would look current; compute it again "
-                            "(featurestore embed ... --overwrite), then export")
+        raise InvalidOption(f"split {key} is stale ({reason}): its files would look current; "
+                            f"{stale_fix(reason, key, store.url)}, then export")
     ids = list(array.ids)
     for sample_id in ids:
         check_file_stem(sample_id, key)

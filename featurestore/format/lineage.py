@@ -91,7 +91,7 @@ def of(metadata: dict[str, Any]) -> dict[str, Any] | None:
             source[name]  # noqa: B018 - presence
     except (KeyError, TypeError, ValueError) as error:
         raise InvalidMetadata(f"split {where} has a damaged lineage ({type(error).__name__}: {error}): "
-                              "compute it again (featurestore embed ... --overwrite)") from None
+                              f"{RECOMPUTE_IT}") from None
     return dict(doc)
 
 
@@ -100,15 +100,31 @@ def source_key(doc: dict[str, Any]) -> str:
     return f"{source['dataset']}/{source['encoder']}/{source['split']}"
 
 
+# Re-running the embed command recomputes a stale split whole, --resume or not (featurestore.embed.run
+# keeps no row of it), with the recipe it was made with (--overwrite is for another recipe): the fix
+# of a stale or damaged derived split (core.lineage.stale_fix).
+RECOMPUTE = "featurestore embed ... --resume: a stale split is recomputed whole"
+RECOMPUTE_IT = f"compute it again ({RECOMPUTE})"
+GONE = " is gone"  # the ends of stale_reason's reasons that call for another fix (core.lineage.stale_fix)
+REWRITTEN = " is being rewritten"
+
+
+def gone_source(reason: str) -> str | None:
+    """The source key of a reason that says the source is gone, else None."""
+    if reason.startswith("source ") and reason.endswith(GONE):
+        return reason[len("source "):-len(GONE)]
+    return None
+
+
 def stale_reason(doc: dict[str, Any], source_metadata: dict[str, Any] | None) -> str | None:
     """Why a derived split (its lineage ``doc``) no longer describes its source, whose current
     metadata is ``source_metadata`` (None: the source is gone), or None when it is current.
     The text is ASCII (it travels in an HTTP header)."""
     key, saved = source_key(doc), doc["source"]
     if source_metadata is None:
-        return f"source {key} is gone"
+        return f"source {key}{GONE}"
     if source_metadata.get("status") != "complete":
-        return f"source {key} is being rewritten (status {source_metadata.get('status')})"
+        return f"source {key}{REWRITTEN} (status {source_metadata.get('status')})"
     now = source_state(source_metadata)
     if saved["generation"] != now["generation"]:
         return f"source {key} generation changed ({saved['generation']} -> {now['generation']})"
