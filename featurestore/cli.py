@@ -9,7 +9,10 @@ Errors: a :class:`~featurestore.errors.FeatureStoreError` (bad input, a damaged 
 store: the verbs turn storage backend failures into ``StoreUnreachable``) becomes one line on
 stderr and exit status 1; ``--debug`` shows its traceback. A missing optional dependency is one
 line naming the extra to install. Anything else is a bug and keeps its traceback. A closed stdout
-(``featurestore info --json | head -1``) ends the command quietly.
+(``featurestore info --json | head -1``) ends the command quietly. Ctrl-C is one line, exit status
+130: ``featurestore: interrupted``, then what the verb left and its next step where it has one
+(``add_verb(..., interrupted=...)``: import and extract ``--resume``, embed ``--resume``, export
+``--overwrite``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from featurestore import __version__
+from featurestore.commands.parsers import INTERRUPTED
 from featurestore.errors import FeatureStoreError, Stopped
 
 # Optional dependencies and the pyproject extra that brings each (a missing one is one line).
@@ -63,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(stop, Stopped):  # a --worker stopped by SIGTERM or SIGINT (featurestore.extract.worker_stop)
             print(f"featurestore: stopped by {stop.name}", file=sys.stderr)
             return 128 + stop.signum
-        print("featurestore: interrupted", file=sys.stderr)
+        hint = getattr(args, INTERRUPTED, None)  # the verb's next step (commands.parsers.add_verb)
+        print("featurestore: interrupted" + (f": {hint}" if hint else ""), file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader of stdout went away (| head): not an error. Point stdout at devnull so the

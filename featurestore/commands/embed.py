@@ -33,7 +33,9 @@ the chunks written) and torchrun-aware (rows partitioned by rank).
 
 
 def register(subparsers: Any) -> None:
-    p = add_verb(subparsers, "embed", run, HELP, DESCRIPTION)
+    p = add_verb(subparsers, "embed", run, HELP, DESCRIPTION,
+                 interrupted="the embedding split, if begun, is left incomplete (status writing): run the same "
+                 "command with --resume to keep the rows written")
     req = add_split_source(p, encoder_help="the bag split's encoder name", split_help="the bag split")
     req.add_argument("--slide-encoder", required=True, metavar="SPEC", help="mean | max | python:MODULE:FACTORY")
     req.add_argument("--encoder-name", required=True, help="encoder name of the embedding split")

@@ -35,7 +35,9 @@ and 'coords' [n, 2] (the layout of CLAM's heatmap blockmaps); a stale map is ref
 
 
 def register(subparsers: Any) -> None:
-    p = add_verb(subparsers, "export", run, HELP, DESCRIPTION)
+    p = add_verb(subparsers, "export", run, HELP, DESCRIPTION,
+                 interrupted="the output directory is partial (each file in it is whole): "
+                 "an export does not resume; run the same command with --overwrite to write it all")
     req = add_split_source(p, encoder_help="encoder name in the store", split_help="a bag split, or an embedding split")
     req.add_argument("--format", choices=FORMATS, dest="fmt", help="the features' layout (or --attention)")
     req.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if missing)")

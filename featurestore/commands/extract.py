@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from featurestore.commands.parsers import add_verb
+from featurestore.commands.parsers import RESUME_SPLIT, add_verb
 from featurestore.commands.report_line import nothing_to_do, quantization_line
 from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, storage_options, store_errors
 from featurestore.commands.workerargs import add_worker_options, worker_options
@@ -47,7 +47,8 @@ exit status is then 3.
 
 
 def register(subparsers: Any) -> None:
-    p = add_verb(subparsers, "extract", run, "encode images with a frozen encoder into a split", DESCRIPTION)
+    p = add_verb(subparsers, "extract", run, "encode images with a frozen encoder into a split", DESCRIPTION,
+                 interrupted=RESUME_SPLIT)
     req = p.add_argument_group("required")
     req.add_argument("--images", required=True, metavar="SOURCE",
                      help="npy:IMAGES.npy | pannuke:DIR | folder:DIR | python:MODULE:FACTORY | "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from featurestore.commands.parsers import add_verb
+from featurestore.commands.parsers import RESUME_SPLIT, add_verb
 from featurestore.commands.report_line import nothing_to_do, quantization_line
 from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, storage_options, store_errors
 from featurestore.commands.workerargs import add_worker_options, worker_options
@@ -32,7 +32,8 @@ are kept.
 
 
 def register(subparsers: Any) -> None:
-    p = add_verb(subparsers, "import", run, "bring an existing feature cache in as a split", DESCRIPTION)
+    p = add_verb(subparsers, "import", run, "bring an existing feature cache in as a split", DESCRIPTION,
+                 interrupted=RESUME_SPLIT)
     p.add_argument("source", metavar="SOURCE", help="DIR | FILE.h5 | FILE.pt | FILE.npy")
     req = p.add_argument_group("required")
     req.add_argument("--store", required=True, metavar="URL", help="store path or fsspec URL")

@@ -13,15 +13,22 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+INTERRUPTED = "_after_interrupt"  # the namespace attribute of add_verb's ``interrupted``
+# The hints of the writing verbs (``add_verb(..., interrupted=...)``).
+RESUME_SPLIT = ("the split it was writing, if begun, is left incomplete (status writing): run the same command "
+                "with --resume to go on from what was written")
+
 
 def add_verb(subparsers: Any, name: str, run: Callable[[argparse.Namespace], int], help: str,
-             description: str | None = None) -> argparse.ArgumentParser:
+             description: str | None = None, interrupted: str | None = None) -> argparse.ArgumentParser:
     """The sub-parser of verb ``name``; ``featurestore VERB`` calls ``run(args)`` for the exit status.
 
     Every verb takes ``--debug`` after its name (``featurestore embed ... --debug``), as before it.
+    ``interrupted``: what is left after a Ctrl-C and the next step, which ``featurestore.cli`` adds
+    to its one line (``featurestore: interrupted: <interrupted>``, exit status 130).
     """
     parser = subparsers.add_parser(name, help=help, description=description)
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, **{INTERRUPTED: interrupted})
     # SUPPRESS: the verb's default must not reset a `featurestore --debug VERB ...` given before the verb.
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     return parser

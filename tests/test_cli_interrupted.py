@@ -1,0 +1,65 @@
+"""Ctrl-C is one line and exit status 130: ``featurestore: interrupted``, then what the verb left
+and its next step where it has one (commands.parsers.add_verb's ``interrupted``), here for real:
+an embed run stopped by SIGINT says --resume, and --resume finishes it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from test_embed import cli, cli_env
+from test_embed_runs import twin_stores
+
+from featurestore.cli import build_parser
+from featurestore.commands.parsers import INTERRUPTED, RESUME_SPLIT
+
+EMBED = ["--dataset", "ds", "--encoder", "uni", "--split", "train", "--slide-encoder", "python:_embed_encoders:recorder",
+         "--encoder-name", "rec", "--device", "cpu", "--no-progress"]
+
+
+def _hint(*argv: str) -> str | None:
+    return getattr(build_parser().parse_args(list(argv)), INTERRUPTED)
+
+
+def test_each_writing_verb_names_its_next_step() -> None:
+    assert _hint("import", "d", "--store", "s", "--dataset", "d", "--encoder-name", "e", "--split", "x") == RESUME_SPLIT
+    assert _hint("extract", "--images", "d", "--encoder", "e", "--store", "s", "--dataset", "d",
+                 "--split", "x") == RESUME_SPLIT
+    assert "--resume" in RESUME_SPLIT
+    assert "--resume" in (_hint("embed", "s", *EMBED) or "")
+    exported = _hint("export", "s", "--dataset", "d", "--encoder", "e", "--split", "x", "--format", "trident",
+                     "--out", "o") or ""
+    assert "partial" in exported and "--overwrite" in exported and "--resume" not in exported
+    assert _hint("ls", "s") is None and _hint("verify", "s") is None  # nothing to go on from
+
+
+def test_sigint_mid_embed_says_resume_and_resume_finishes(tmp_path: Path) -> None:
+    twin_stores(tmp_path, ("store", "unused"), {f"s-{i:02d}": (3 + i, i % 2, f"p{i // 2}") for i in range(10)})
+    store = str(tmp_path / "store")
+    chunks = tmp_path / "store" / "ds" / "rec" / "train" / "features" / "c"
+    process = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "embed", store, *EMBED],
+                               env=cli_env(FS_EMBED_SLEEP="0.3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and process.poll() is None:
+            if sum((chunks / str(i) / "0").is_file() for i in range(10)) >= 2:
+                break
+            time.sleep(0.02)
+        assert process.poll() is None, "the run ended before it could be interrupted"
+        process.send_signal(signal.SIGINT)  # as Ctrl-C
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, err
+    assert err.splitlines()[-1] == ("featurestore: interrupted: the embedding split, if begun, is left incomplete "
+                                    "(status writing): run the same command with --resume to keep the rows written")
+    assert "Traceback" not in err
+    resumed = cli("embed", store, *EMBED, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert cli("verify", store).returncode == 0
