@@ -92,6 +92,9 @@ def test_info_json_and_help(tmp_path: Path) -> None:
     run_embed(tmp_path)
     meta = json.loads(cli("info", str(tmp_path), "ds", "slide", "train", "--json").stdout)
     assert meta["ids"] is True and meta["lineage"]["source"]["split"] == "train"
+    # the labels as a bag split shows them (they printed as a raw dict, {'shape': [], 'dtype': 'int64'})
+    text = cli("info", str(tmp_path), "ds", "slide", "train").stdout
+    assert "        labels: int64, 2 classes: 0: 2 samples, 1: 3 samples\n" in text, text
 
 
 def test_a_split_of_the_other_kind_is_refused_with_the_verbs_own_fix(tmp_path: Path) -> None:

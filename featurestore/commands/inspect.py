@@ -141,21 +141,42 @@ def class_names(meta: Any) -> list[str] | None:
     return [str(name) for name in names] if isinstance(names, list) else None
 
 
-def label_counts(labels: Any, names: list[str] | None, most: int = 20) -> str:
+def label_counts(labels: Any, names: list[str] | None, most: int = 20, unit: str = "bags") -> str:
     """``int64, 2 classes: 0 negative: 12 bags, 1 positive: 8 bags``: each class with its name
-    (when recorded) and how many bags carry it; float labels (a regression target): their range."""
+    (when recorded) and how many bags (``unit``) carry it; float labels (a regression target): their range."""
     import numpy as np
 
     values = np.asarray(labels)
     if values.dtype.kind == "f":
         finite = values[np.isfinite(values)]
         span = f"{finite.min():.6g} .. {finite.max():.6g}" if len(finite) else "no finite value"
-        return f"{values.dtype}: {span} over {len(values)} bags"
+        return f"{values.dtype}: {span} over {len(values)} {unit}"
     classes, counts = np.unique(values, return_counts=True)
-    shown = [f"{c}{' ' + names[c] if names is not None and 0 <= c < len(names) else ''}: {n} bags"
+    shown = [f"{c}{' ' + names[c] if names is not None and 0 <= c < len(names) else ''}: {n} {unit}"
              for c, n in zip(classes.tolist()[:most], counts.tolist()[:most], strict=True)]
     more = f", ... {len(classes) - most} more classes" if len(classes) > most else ""
     return f"{values.dtype}, {len(classes)} classes: {', '.join(shown)}{more}"
+
+
+def _dense_labels(store: Any, args: argparse.Namespace, meta: Any) -> Any:
+    """info's labels line of a dense split, as a bag split's: the classes and their counts (labels
+    of one value per sample, once complete), else the labels' dtype and shape."""
+    if meta.is_bags or not meta.labels:
+        return None
+    spec = meta.labels.to_json()
+    shape = list(spec.get("shape") or [])
+    text = f"{spec.get('dtype')}" + (f" {shape} per sample" if shape else "")
+    if shape or not meta.complete:
+        return text + ("" if meta.complete else ", not counted until complete")
+    from featurestore.errors import FeatureStoreError
+
+    try:  # damaged labels: info still shows the rest
+        import numpy as np
+
+        labels = store.open(args.dataset, args.encoder, args.split).labels
+        return label_counts(labels.read_numpy(np.arange(len(labels))), class_names(meta), unit="samples")
+    except FeatureStoreError as error:
+        return f"{text}, unreadable: {error}"
 
 
 def run_info(args: argparse.Namespace) -> int:
@@ -185,7 +206,7 @@ def _run_info(args: argparse.Namespace) -> int:
                    f"one padded), compressor {meta.compressor or 'none'}"),
         ("data", size.data_text()),
         ("on storage", size.stored_text()),
-        ("labels", meta.labels.to_json() if meta.labels else None),
+        ("labels", _dense_labels(store, args, meta)),
         ("encoder", f"{encoder.get('name')} spec={encoder.get('spec') or NOT_RECORDED} "
                     f"weights={encoder.get('weights_hash') or NOT_RECORDED}"),
         ("token layout", NOT_RECORDED if meta.token_layout is None else meta.token_layout),
