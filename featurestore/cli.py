@@ -68,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"featurestore: stopped by {stop.name}", file=sys.stderr)
             return 128 + stop.signum
         hint = getattr(args, INTERRUPTED, None)  # the verb's next step (commands.parsers.add_verb)
+        if getattr(args, "worker", False):  # stopped before it shared slides: --worker refuses --resume
+            hint = "start the worker again: it attaches to the split and takes the slides not done"
         print("featurestore: interrupted" + (f": {hint}" if hint else ""), file=sys.stderr)
         return 130
     except BrokenPipeError:

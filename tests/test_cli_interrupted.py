@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from test_embed import cli, cli_env
 from test_embed_runs import twin_stores
@@ -63,3 +64,22 @@ def test_sigint_mid_embed_says_resume_and_resume_finishes(tmp_path: Path) -> Non
     resumed = cli("embed", store, *EMBED, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert cli("verify", store).returncode == 0
+
+
+def test_a_worker_stopped_before_it_shares_slides_is_told_to_start_again(
+        monkeypatch: Any, capsys: Any) -> None:
+    """--worker refuses --resume: a Ctrl-C before the worker shares slides (its own stop line
+    comes only once it does) names the worker's next step, not the plain run's."""
+    import featurestore.extract.importer as importer
+    from featurestore.cli import main
+
+    def stopped(options: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importer, "import_cache", stopped)
+    argv = ["import", "d", "--store", "s", "--dataset", "d", "--encoder-name", "e", "--split", "x"]
+    assert main([*argv, "--worker"]) == 130
+    assert capsys.readouterr().err.strip() == ("featurestore: interrupted: start the worker again: it attaches to "
+                                               "the split and takes the slides not done")
+    assert main(argv) == 130
+    assert capsys.readouterr().err.strip() == f"featurestore: interrupted: {RESUME_SPLIT}"
