@@ -74,3 +74,5 @@ def test_a_probe_on_a_stale_embedding_says_so(tmp_path: Path, capsys: pytest.Cap
     printed = " ".join(capsys.readouterr().out.split())
     assert "WARNING: STALE: c/mean/all was computed from a source that has changed since (source c/bags/all is gone)" \
         in printed
+    # the gone source's own fix (the one verify and status give), not a recompute that would fail
+    assert "write c/bags/all again" in printed and "featurestore rm" in printed and "c/mean/all" in printed

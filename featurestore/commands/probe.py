@@ -132,9 +132,11 @@ def _training_fit_notes(run: dict[str, Any]) -> list[str]:
 
 
 def _stale_notes(run: dict[str, Any]) -> list[str]:
+    from featurestore.core.lineage import stale_fix  # the one fix text of verify, status, info and export
+
     return [f"WARNING: STALE: {split} was computed from a source that has changed since ({reason}): these "
-            "figures describe the old rows. Compute it again (featurestore embed ... --resume recomputes a stale "
-            "split) before reading them." for split, reason in (run.get("stale") or {}).items()]
+            f"figures describe the old rows. Before reading them: {stale_fix(reason, split, run.get('store'))}"
+            for split, reason in (run.get("stale") or {}).items()]
 
 
 def _setup_line(run: dict[str, Any]) -> str:
