@@ -5,14 +5,11 @@ an embed run stopped by SIGINT says --resume, and --resume finishes it."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from test_embed import cli, cli_env
-from test_embed_runs import twin_stores
+from test_embed import cli
+from test_embed_runs import embed_midway, twin_stores
 
 from featurestore.cli import build_parser
 from featurestore.commands.parsers import INTERRUPTED, RESUME_SPLIT
@@ -40,17 +37,8 @@ def test_each_writing_verb_names_its_next_step() -> None:
 def test_sigint_mid_embed_says_resume_and_resume_finishes(tmp_path: Path) -> None:
     twin_stores(tmp_path, ("store", "unused"), {f"s-{i:02d}": (3 + i, i % 2, f"p{i // 2}") for i in range(10)})
     store = str(tmp_path / "store")
-    chunks = tmp_path / "store" / "ds" / "rec" / "train" / "features" / "c"
-    process = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "embed", store, *EMBED],
-                               env=cli_env(FS_EMBED_SLEEP="0.3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
-    deadline = time.monotonic() + 120
+    process = embed_midway(tmp_path / "store", EMBED, 2)
     try:
-        while time.monotonic() < deadline and process.poll() is None:
-            if sum((chunks / str(i) / "0").is_file() for i in range(10)) >= 2:
-                break
-            time.sleep(0.02)
-        assert process.poll() is None, "the run ended before it could be interrupted"
         process.send_signal(signal.SIGINT)  # as Ctrl-C
         _, err = process.communicate(timeout=60)
     finally:

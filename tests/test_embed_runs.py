@@ -26,22 +26,34 @@ def twin_stores(tmp_path: Path, names: tuple[str, str], bags: dict[str, tuple[in
             "python:_embed_encoders:recorder", "--encoder-name", "rec", "--device", "cpu"]
 
 
+def embed_midway(store: Path, args: list[str], rows: int) -> subprocess.Popen[str]:
+    """``featurestore embed STORE ARGS`` (its encoder slowed to 0.3 s a slide) once it has written
+    ``rows`` of its 10 rows' chunks, still running (for a test to stop it there)."""
+    chunks = store / "ds" / "rec" / "train" / "features" / "c"
+    process = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "embed", str(store), *args],
+                               env=cli_env(FS_EMBED_SLEEP="0.3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and process.poll() is None:
+            if sum((chunks / str(i) / "0").is_file() for i in range(10)) >= rows:
+                break
+            time.sleep(0.02)
+        assert process.poll() is None, "the run ended before it could be stopped"
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return process
+
+
 def test_sigkill_then_resume_is_byte_identical(tmp_path: Path) -> None:
     args = twin_stores(tmp_path, ("reference", "store"), {f"s-{i:02d}": (3 + i, i % 2, f"p{i // 2}") for i in range(10)})
     assert cli("embed", str(tmp_path / "reference"), *args).returncode == 0
     chunks = tmp_path / "store" / "ds" / "rec" / "train" / "features" / "c"
-    process = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "embed", str(tmp_path / "store"), *args],
-                               env=cli_env(FS_EMBED_SLEEP="0.3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline and process.poll() is None:
-            if sum((chunks / str(i) / "0").is_file() for i in range(10)) >= 3:
-                break
-            time.sleep(0.02)
-        assert process.poll() is None, "the run ended before it could be killed"
-        process.send_signal(signal.SIGKILL)
-    finally:
-        process.wait(timeout=30)
+    process = embed_midway(tmp_path / "store", args, 3)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
     kept = sum((chunks / str(i) / "0").is_file() for i in range(10))
     assert 3 <= kept < 10
     assert featurestore.open_store(str(tmp_path / "store")).split_status("ds", "rec", "train") == "writing"

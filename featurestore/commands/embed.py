@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from featurestore.commands.parsers import add_verb
+from featurestore.commands.parsers import RESUME_EMBEDDING, add_verb
 from featurestore.commands.storeargs import (add_split_source, add_storage_options, kind_hint, storage_options,
                                              store_errors)
 
@@ -33,9 +33,7 @@ the chunks written) and torchrun-aware (rows partitioned by rank).
 
 
 def register(subparsers: Any) -> None:
-    p = add_verb(subparsers, "embed", run, HELP, DESCRIPTION,
-                 interrupted="the embedding split, if begun, is left incomplete (status writing): run the same "
-                 "command with --resume to keep the rows written")
+    p = add_verb(subparsers, "embed", run, HELP, DESCRIPTION, interrupted=RESUME_EMBEDDING)
     req = add_split_source(p, encoder_help="the bag split's encoder name", split_help="the bag split")
     req.add_argument("--slide-encoder", required=True, metavar="SPEC", help="mean | max | python:MODULE:FACTORY")
     req.add_argument("--encoder-name", required=True, help="encoder name of the embedding split")

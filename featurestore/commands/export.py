@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from featurestore.commands.parsers import add_verb
+from featurestore.commands.parsers import REWRITE_EXPORT, add_verb
 from featurestore.commands.storeargs import add_split_source, add_storage_options, open_store_from_args, store_errors
 
 # Mirrors featurestore.extract.bag_export.FORMATS, kept here so `featurestore --help` imports nothing.
@@ -35,9 +35,7 @@ and 'coords' [n, 2] (the layout of CLAM's heatmap blockmaps); a stale map is ref
 
 
 def register(subparsers: Any) -> None:
-    p = add_verb(subparsers, "export", run, HELP, DESCRIPTION,
-                 interrupted="the output directory is partial (each file in it is whole): "
-                 "an export does not resume; run the same command with --overwrite to write it all")
+    p = add_verb(subparsers, "export", run, HELP, DESCRIPTION, interrupted=REWRITE_EXPORT)
     req = add_split_source(p, encoder_help="encoder name in the store", split_help="a bag split, or an embedding split")
     req.add_argument("--format", choices=FORMATS, dest="fmt", help="the features' layout (or --attention)")
     req.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if missing)")

@@ -17,6 +17,10 @@ INTERRUPTED = "_after_interrupt"  # the namespace attribute of add_verb's ``inte
 # The hints of the writing verbs (``add_verb(..., interrupted=...)``).
 RESUME_SPLIT = ("the split it was writing, if begun, is left incomplete (status writing): run the same command "
                 "with --resume to go on from what was written")
+RESUME_EMBEDDING = ("the embedding split, if begun, is left incomplete (status writing): run the same command with "
+                    "--resume to keep the rows written")
+REWRITE_EXPORT = ("the output directory is partial (each file in it is whole): an export does not resume; run the "
+                  "same command with --overwrite to write it all")
 
 
 def add_verb(subparsers: Any, name: str, run: Callable[[argparse.Namespace], int], help: str,
