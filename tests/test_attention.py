@@ -62,6 +62,7 @@ def test_attention_of_the_eval_split_per_patch_with_lineage(store: str) -> None:
     assert (probe["head"], probe["seed"], probe["seeds"], probe["train_split"], probe["eval_split"]) == \
         ("abmil", 0, [0, 1], "train", "val")
     assert probe["config"]["epochs"] == 8 and probe["metrics"] == result["runs"][0] and lineage["created"]
+    assert probe["labels"] is None  # the split's stored labels were the task
     # one softmax per bag, aligned with the bag's patches: the tumour patches of positive slides
     # (shifted along the cohort's direction) draw the attention, where the model looked
     direction = np.random.default_rng(DIM).standard_normal(DIM).astype(np.float32)

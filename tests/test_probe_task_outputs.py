@@ -85,6 +85,23 @@ def test_predictions_name_the_classes_of_the_table_task_not_the_stored_ones(
         assert row["predicted"] in classes
 
 
+def test_an_attention_map_records_the_table_task_it_was_trained_on(
+        store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A map's lineage named the run's splits and settings but not the task: one trained on a
+    table's grade could not be told from one trained on the stored subtype."""
+    from featurestore import open_store
+    from featurestore.core.bag_attention import open_attention
+
+    assert main(["probe", store, "--head", "abmil", "--dataset", "cohort", "--encoder", "bags", "--train", "all",
+                 "--folds", "2", "--seeds", "1", "--epochs", "1", "--batch-size", "1", "--device", "cpu", "--quiet",
+                 "--labels", _table(tmp_path, False), "--label-column", "grade", "--save-attention", "grade"]) == 0
+    capsys.readouterr()
+    opened = open_store(store)
+    bags = opened.open_bags("cohort", "bags", "all")
+    lineage = open_attention(opened.storage, bags.key, "grade", bags.metadata).lineage
+    assert lineage["probe"]["labels"] == {"table": "grade.csv", "column": "grade", "id_column": "slide_id"}
+
+
 def test_predictions_keep_the_stored_names_when_the_stored_labels_are_the_task(
         store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "p.csv"

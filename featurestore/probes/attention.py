@@ -41,7 +41,7 @@ class AttentionRecorder:
     the evaluated split), for map ``name``; written to ``source`` by :meth:`save`."""
 
     def __init__(self, name: str, evaluated: Any, *, source: str, storage_options: dict[str, Any] | None = None,
-                 fold_seed: int | None = None) -> None:
+                 fold_seed: int | None = None, labels: dict[str, str] | None = None) -> None:
         self.name = validate_name(name, "attention map name (--save-attention)")
         if str(source).startswith(("http://", "https://")):
             raise InvalidOption(f"--save-attention writes into the store, which {redact_url(source)} only serves: "
@@ -49,6 +49,7 @@ class AttentionRecorder:
         self.ds = evaluated
         self.source, self.storage_options = str(source), dict(storage_options or {})
         self.fold_seed = fold_seed
+        self.labels = labels  # the task's table and columns (probes.labels.task_record); None: the stored labels
         lengths = np.asarray(evaluated.lengths, np.int64)
         self.lengths = lengths
         self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -98,7 +99,7 @@ class AttentionRecorder:
                                f"{self.name!r} not saved; run the probe again")
         probe = {"head": "abmil", **{k: result.get(k) for k in _PROBE_KEYS}, "seed": self.seed,
                  "fold_seed": self.fold_seed if result.get("folds") else None,
-                 "metrics": _metrics_of(result, self.seed), "source": redact_url(self.source)}
+                 "metrics": _metrics_of(result, self.seed), "source": redact_url(self.source), "labels": self.labels}
         doc = attention.lineage(name=self.name, split_key=split_key, metadata=ds.metadata, probe=probe,
                                 created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                                 creator_version=__version__)

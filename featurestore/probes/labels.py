@@ -115,6 +115,14 @@ def column_indices(path: str, header: list[str], columns: Sequence[tuple[str, st
     return [header.index(column) for column, _ in columns]
 
 
+def task_record(table: LabelTable | None) -> dict[str, str] | None:
+    """Which labels a probe trained on, for what it saves (an attention map's lineage): the table's
+    file name and columns, or None for the split's stored labels."""
+    if table is None:
+        return None
+    return {"table": os.path.basename(str(table.path)), "column": table.label_column, "id_column": table.id_column}
+
+
 def read_label_table(path: str | os.PathLike[str], label_column: str, id_column: str = "slide_id") -> LabelTable:
     """Read ``label_column`` keyed by ``id_column`` from the table at ``path`` (module doc: the rules)."""
     path = os.fspath(path)

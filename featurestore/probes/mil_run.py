@@ -24,7 +24,7 @@ from featurestore.probes import chance
 from featurestore.probes.compare import SPREAD_FACTOR, compare_summaries, seed_list_of
 from featurestore.probes.folds import FOLD_SEED, fold_parts, stratified_folds
 from featurestore.probes.groups import GroupSpec, bag_groups
-from featurestore.probes.labels import LabelTable
+from featurestore.probes.labels import LabelTable, task_record
 
 __all__ = ["FOLD_SEED", "compare_mil_probes", "fold_parts", "open_bags", "run_mil_probe", "stratified_folds"]
 
@@ -115,7 +115,7 @@ def run_mil_probe(
         from featurestore.probes.attention import AttentionRecorder
 
         recorder = AttentionRecorder(save_attention, sides[1] if sides[1] is not None else sides[0], source=source,
-                                     storage_options=storage_options, fold_seed=FOLD_SEED)
+                                     storage_options=storage_options, fold_seed=FOLD_SEED, labels=task_record(labels))
     predictions = None
     if save_predictions is not None:
         from featurestore.probes.predictions import PredictionRecorder, class_names_of
