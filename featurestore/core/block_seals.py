@@ -93,13 +93,10 @@ def finish(storage: Storage, split_key: str, meta: SplitMetadata) -> dict[str, l
     rows = block_rows(_sample_nbytes(meta), meta.chunk_rows)
     per_chunk = blocks_per_chunk(meta.chunk_rows, rows)
     present = sorted(c for c in (int(c) for c in storage.listdir(f"{key}/c") if c.isdigit()) if c < meta.num_chunks)
-    try:
-        raws = storage.read_many([layout.chunk_key(key, c, 2) for c in present])
-    except FileNotFoundError:  # a chunk directory without its row (a writer killed in between)
-        present = [c for c in present if storage.exists(layout.chunk_key(key, c, 2))]
-        raws = storage.read_many([layout.chunk_key(key, c, 2) for c in present])
+    # None: a chunk directory without its row (a writer killed in between)
+    raws = storage.read_present([layout.chunk_key(key, c, 2) for c in present])
     sound = {c for c, raw in zip(present, raws)
-             if chunks.check(raw, per_chunk * 4) is None
+             if raw is not None and chunks.check(raw, per_chunk * 4) is None
              and int(np.frombuffer(raw, "<u4", count=per_chunk)[-1]) == trailers[c]}
     payload_bytes = meta.chunk_rows * _sample_nbytes(meta)
     for index in range(meta.num_chunks):
