@@ -5,6 +5,7 @@ and the gather of a split that takes this path (rows read, nothing left mapped i
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -227,6 +228,40 @@ def test_a_chunk_truncated_then_repaired_reads_again_at_once(tmp_path: Path, mon
         f.write(good)
     os.replace(path + ".tmp", path)
     assert np.array_equal(array.read_numpy(index), values[index])
+    chunk_maps.shared().clear()
+
+
+def test_descriptor_reads_check_each_chunk_size_once_a_window_not_per_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shuffled batches through descriptors fstat a chunk's map at most once per SIZE_RECHECK_S (a
+    batch touches dozens of chunks: their per-read fstats were a tenth of a warm batch); once the
+    window has passed, a file grown in place (no short read to tell) is refused by name again."""
+    from featurestore.core.mapped_file import MappedFile
+
+    root, values = _split(tmp_path, 640, (4, 256), 16 << 10)  # 80 chunks of 8 rows
+    monkeypatch.setattr(chunk_maps, "_SHARED", chunk_maps.ChunkMaps(128, 1 << 40, 64 << 10, 512))  # all kept
+    array = featurestore.open_store(root).open("ds", "enc", "s")
+    array.local_read = "mmap"
+    rng = np.random.default_rng(1)
+    batches = [rng.choice(640, 16, replace=False) for _ in range(30)]
+    for index in batches[:3]:
+        array.read_numpy(index)  # maps, descriptors, first-read checks
+    checks = []
+    original = MappedFile.checked_rows
+    monkeypatch.setattr(MappedFile, "checked_rows", lambda self: checks.append(1) or original(self))
+    now = [1e9]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    touched = set()
+    for index in batches:
+        assert np.array_equal(array.read_numpy(index), values[index])
+        touched.update((index // 8).tolist())
+    assert 0 < len(checks) <= len(touched) < sum(len(set((b // 8).tolist())) for b in batches)
+    path = os.path.join(root, "ds", "enc", "s", "features", "c", str(int(batches[0][0]) // 8), "0", "0")
+    with open(path, "ab") as f:
+        f.write(b"x" * 64)
+    now[0] += chunk_maps.SIZE_RECHECK_S + 1
+    with pytest.raises(CorruptChunk, match=f"{path} has {16388 + 64} bytes"):
+        array.read_numpy(batches[0])
     chunk_maps.shared().clear()
 
 

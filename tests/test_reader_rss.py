@@ -234,11 +234,11 @@ def test_large_rows_past_the_budget_are_read_through_descriptors(tmp_path: Path)
     (a map's copy paid the release and mapping back of its pages: 1.4x slower warm). Long runs of
     small rows (a bag) are not scattered: they are read a run at a time (the test after next); an
     array within the budget keeps its maps."""
-    budget, big = chunk_maps.shared().max_resident, chunk_maps.DIRECT_ROW
-    assert chunk_maps.scattered(64 * big, 60, 8 << 20, 4 * budget, runs=64, rows=64)
-    assert chunk_maps.scattered(64 * big, 8, 8 << 20, 4 * budget, runs=8, rows=64)  # in runs too
-    assert not chunk_maps.scattered(64 * big, 8, 8 << 20, 4 * budget, runs=8, rows=64 * big // 2048)
-    assert not chunk_maps.scattered(64 * big, 60, 8 << 20, budget // 2, runs=64, rows=64)
+    budget, big = chunk_maps.shared().max_resident, map_budget.DIRECT_ROW
+    assert map_budget.scattered(64 * big, 60, 8 << 20, 4 * budget, budget, runs=64, rows=64)
+    assert map_budget.scattered(64 * big, 8, 8 << 20, 4 * budget, budget, runs=8, rows=64)  # in runs too
+    assert not map_budget.scattered(64 * big, 8, 8 << 20, 4 * budget, budget, runs=8, rows=64 * big // 2048)
+    assert not map_budget.scattered(64 * big, 60, 8 << 20, budget // 2, budget, runs=64, rows=64)
     root = _numbered_split(tmp_path, 180, 256)  # 90 MiB of 512 KiB rows
     result = _small_budget_run(_SHUFFLED, root)
     assert result["mmap"] > 0 and result["wrong"] == 0, result

@@ -240,6 +240,11 @@ class Verified:
             self._here()
             return [c for c in chunks if c not in self._done]
 
+    def complete(self, total: int) -> bool:
+        """Whether all ``total`` chunks of the array are verified in this process: a warm epoch's
+        batches then skip the per-chunk bookkeeping (a set's size read without the lock)."""
+        return len(self._done) >= total and self._pid == os.getpid()
+
     def claim(self, chunks: Sequence[int]) -> tuple[list[int], list[threading.Event]]:
         """Of ``chunks`` not verified yet: those the caller is now to verify (then :meth:`add`, or
         :meth:`release` if it could not), and the events of those another thread is verifying

@@ -19,22 +19,25 @@ their pages with ``madvise(MADV_DONTNEED)``. On a shared file map that removes o
 page-table entries: the page cache keeps the bytes, and the next touch maps them again (no disk
 read; a long run with one ``MADV_POPULATE_READ`` call), so reads stay warm while RSS stays bounded,
 at the kernel's cost of mapping pages in again (docs/READS.md). Shuffled and large rows
-(:func:`scattered`), and long runs of rows (a bag, a row range), of an array larger than that
+(:func:`map_budget.scattered`), and long runs of rows (a bag, a row range), of an array larger than that
 budget are read through the maps' descriptors instead (core.descriptor_reads): nothing mapped in.
 
-Every use re-checks the mapped file's size with ``fstat`` on the map's own descriptor. A file
-truncated in place under a map raises SIGBUS on the first touch of a page past its new end, which
-no Python code can catch (it killed servers and loaders); a size that no longer matches
-is refused here instead, as ``CorruptChunk`` naming the file. What remains is the window between
-that ``fstat`` and the end of the copy of that chunk's rows (microseconds): a truncation landing
-exactly there still raises SIGBUS. featurestore itself never truncates a chunk in place (it
-replaces files atomically, and a replaced file keeps its old inode mapped until unmapped).
+Every copy out of a map re-checks the mapped file's size with ``fstat`` on the map's own
+descriptor. A file truncated in place under a map raises SIGBUS on the first touch of a page past
+its new end, which no Python code can catch (it killed servers and loaders); a size that no longer
+matches is refused here instead, as ``CorruptChunk`` naming the file. What remains is the window
+between that ``fstat`` and the end of the copy of that chunk's rows (microseconds): a truncation
+landing exactly there still raises SIGBUS. featurestore itself never truncates a chunk in place (it
+replaces files atomically, and a replaced file keeps its old inode mapped until unmapped). A read
+through a descriptor cannot fault: a file cut short gives a short read, refused by name, so there
+the size is checked at most every :data:`SIZE_RECHECK_S` (dozens of chunks a shuffled batch).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -43,10 +46,11 @@ import numpy as np
 from featurestore.core import descriptor_reads, open_files, pread
 from featurestore.core.descriptor_reads import read_rows, read_runs
 from featurestore.core.mapped_file import Descriptor, MappedFile, map_file, open_descriptor
-from featurestore.core.map_budget import DIRECT_ROW, FOLIO, LONG_RUN, resident_budget
+from featurestore.core.map_budget import FOLIO, LONG_RUN, direct_rows, resident_budget, scattered
 from featurestore.core.reader_ranges import SortedRows, copy_runs, is_range
 
 _POPULATE_RUN = 256 << 10  # runs shorter than this fault in at the cost of a call or less
+SIZE_RECHECK_S = 1.0  # descriptor reads: per-chunk fstats were ~1/10 of a warm [256, 384] batch
 
 
 class ChunkMaps:
@@ -287,15 +291,18 @@ class ArrayMaps:
         of a run (:meth:`_read_runs`)."""
         chunk_rows, width = self._shape
         nbytes = len(index) * width
-        if is_range(index) and not direct_rows(width, array_nbytes):
+        budget = shared().max_resident
+        if is_range(index) and not direct_rows(width, array_nbytes, budget):
             runs, _ = copy_runs(index, chunk_rows)
         else:
             rows_of = SortedRows(index, chunk_rows)
-            if scattered(nbytes, rows_of.chunks, chunk_rows * width, array_nbytes, runs=len(rows_of.starts),
-                         rows=len(index)) and (opened := self._read_direct(rows_of, rows, pool)) is not None:
+            direct = direct_rows(width, array_nbytes, budget) or scattered(  # wide rows: no runs to count
+                nbytes, rows_of.chunks, chunk_rows * width, array_nbytes, budget, runs=len(rows_of.starts),
+                rows=len(index))
+            if direct and (opened := self._read_direct(rows_of, rows, pool)) is not None:
                 return opened
             runs = rows_of.runs()
-        if (array_nbytes > shared().max_resident and nbytes >= len(runs) * LONG_RUN
+        if (array_nbytes > budget and nbytes >= len(runs) * LONG_RUN
                 and (opened := self._read_runs(runs, rows, pool)) is not None):
             return opened
         if nbytes < 2 * descriptor_reads.PIECE_BYTES or runs[0][0] == runs[-1][0]:
@@ -344,8 +351,9 @@ class ArrayMaps:
         """Shuffled rows through their chunks' descriptors (:meth:`gather`); returns when the newest
         map used was opened, or None when a chunk's map has no usable descriptor (its path names
         another file now): the gather copies every row out of the maps then. Each chunk's size is
-        checked on its map first, as for a copy (a file truncated or replaced since is mapped again,
-        or refused, by :meth:`view`). The descriptors are taken a group of chunks at a time
+        checked on its map, at most every :data:`SIZE_RECHECK_S` (a file of another size is mapped
+        again, or refused, by :meth:`view`; one truncated in between gives a short read, refused by
+        name). The descriptors are taken a group of chunks at a time
         (:func:`open_files.per_read`), held until their rows are read."""
         width = self._shape[1]
         starts = rows_of.chunk_starts.tolist()  # each chunk's first row
@@ -377,23 +385,33 @@ class ArrayMaps:
                              ) -> float | None:
         """``read(lo, hi, files)`` for each group of ``chunks[lo:hi]`` (their descriptors and paths,
         taken a group at a time, :func:`open_files.per_read`, each chunk's size checked on its map
-        first, as for a copy); returns when the newest map used was opened, or None when a chunk's
-        map has no usable descriptor (its path names another file now): the caller copies then."""
+        at most every :data:`SIZE_RECHECK_S`); returns when the newest map used was opened, or None
+        when a chunk's map has no usable descriptor (its path names another file now): the caller
+        copies then."""
         maps, newest = shared(), float("-inf")
         group = open_files.per_read(maps.max_descriptors)
+        stale = time.monotonic() - SIZE_RECHECK_S
+        seen = self._seen
         for lo in range(0, len(chunks), group):
             files: list[tuple[Descriptor, str]] = []
             for chunk in chunks[lo : lo + group]:
-                entry = self._seen.get(chunk)
-                descriptor = entry.descriptor if entry is not None and entry.checked_rows() is not None else None
-                if descriptor is None:
+                entry = seen.get(chunk)
+                descriptor = None if entry is None else entry.descriptor
+                if descriptor is None or (entry.size_checked < stale and entry.checked_rows() is None):
                     _, entry = self.view(chunk)
                     descriptor = maps.descriptor(entry)
                     if descriptor is None:
                         return None
-                newest = max(newest, entry.opened)
+                if entry.opened > newest:
+                    newest = entry.opened
                 files.append((descriptor, entry.path))
-            read(lo, min(lo + group, len(chunks)), files)
+            try:
+                read(lo, min(lo + group, len(chunks)), files)
+            except Exception:  # a file cut short since: its map goes, the next read maps its path again
+                for chunk in chunks[lo : lo + group]:
+                    if (entry := seen.get(chunk)) is not None and entry.checked_rows() is None:
+                        self.forget(chunk)
+                raise
         return newest
 
 
@@ -412,27 +430,6 @@ def shared() -> ChunkMaps:
             _SHARED = ChunkMaps(maps, pread.memory_limit() // 2, resident_budget(),
                                 max(maps, open_files.descriptor_share()))
         return _SHARED
-
-
-def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int, *, runs: int = 0, rows: int = 0) -> bool:
-    """Whether a read of ``nbytes`` from an array past the budget goes through the maps' descriptors
-    (:meth:`ArrayMaps.gather`, nothing mapped in): rows of :data:`DIRECT_ROW` or more (a ``preadv``
-    each costs nothing beside its copy; a map's copy pays the release and mapping back of its pages,
-    1.4x slower on warm [1024, 1536] float16 rows), and reads of much less than a folio per chunk
-    (shuffled small rows, each mapping in a folio around it: 4x slower for 2 KiB rows). Not smaller
-    ``rows`` in ``runs`` of :data:`LONG_RUN` each (a bag, a row range): those are read a run at a
-    time (:meth:`ArrayMaps._read_runs`; docs/READS.md, "Resident bytes")."""
-    if rows and direct_rows(nbytes // rows, array_nbytes):
-        return True
-    if array_nbytes <= shared().max_resident:
-        return False
-    if runs and rows >= 2 * runs and nbytes >= runs * LONG_RUN:
-        return False
-    return 2 * nbytes < chunks * min(FOLIO, chunk_bytes)
-
-
-def direct_rows(width: int, array_nbytes: int) -> bool:  # read through descriptors however they lie
-    return width >= DIRECT_ROW and array_nbytes > shared().max_resident
 
 
 def _after_fork_in_child() -> None:

@@ -45,3 +45,26 @@ def _folio() -> int:
 FOLIO = _folio()  # the largest page-cache folio one touch maps (x86-64: 2 MiB)
 LONG_RUN = 64 << 10  # the kernel's fault-around: a release costs a run this long one fault
 DIRECT_ROW = 256 << 10  # rows this large are read through descriptors past the budget (scattered)
+
+
+def scattered(nbytes: int, chunks: int, chunk_bytes: int, array_nbytes: int, budget: int, *, runs: int = 0,
+              rows: int = 0) -> bool:
+    """Whether a read of ``nbytes`` from an array past the ``budget`` (of the process's maps: the
+    shared :class:`~featurestore.core.chunk_maps.ChunkMaps`' ``max_resident``) goes through the
+    maps' descriptors (``ArrayMaps.gather``, nothing mapped in): rows of :data:`DIRECT_ROW` or more
+    (a ``preadv`` each costs nothing beside its copy; a map's copy pays the release and mapping back
+    of its pages, 1.4x slower on warm [1024, 1536] float16 rows), and reads of much less than a folio
+    per chunk (shuffled small rows, each mapping in a folio around it: 4x slower for 2 KiB rows). Not
+    smaller ``rows`` in ``runs`` of :data:`LONG_RUN` each (a bag, a row range): those are read a run
+    at a time (``ArrayMaps._read_runs``; docs/READS.md, "Resident bytes")."""
+    if rows and direct_rows(nbytes // rows, array_nbytes, budget):
+        return True
+    if array_nbytes <= budget:
+        return False
+    if runs and rows >= 2 * runs and nbytes >= runs * LONG_RUN:
+        return False
+    return 2 * nbytes < chunks * min(FOLIO, chunk_bytes)
+
+
+def direct_rows(width: int, array_nbytes: int, budget: int) -> bool:  # read through descriptors however they lie
+    return width >= DIRECT_ROW and array_nbytes > budget

@@ -58,7 +58,7 @@ class MappedFile:
     was opened, and its descriptor for reads that map nothing (None until opened, and once closed)."""
 
     __slots__ = ("address", "cached", "descriptor", "inode", "mapped", "mincore_truthful", "nbytes", "no_descriptor",
-                 "opened", "path", "resident", "rows")
+                 "opened", "path", "resident", "rows", "size_checked")
 
     def __init__(self, path: str, inode: int, mapped: mmap.mmap, rows: np.ndarray,
                  mincore_truthful: bool = False) -> None:  # fmt: skip
@@ -75,6 +75,7 @@ class MappedFile:
         # map is of the generation its reader opened (featurestore.core.generation).
         self.opened = time.monotonic()
         self.resident = 0  # bytes counted as mapped in since the last release (ChunkMaps.touched)
+        self.size_checked = self.opened  # monotonic: when checked_rows() last found the mapped size
 
     def release(self) -> None:
         """Drop this process's page-table entries of the map (the page cache keeps the bytes)."""
@@ -114,6 +115,7 @@ class MappedFile:
         rows, mapped = self.rows, self.mapped
         if rows is None or mapped is None or mapped.size() != self.nbytes:
             return None
+        self.size_checked = time.monotonic()
         return rows
 
 

@@ -164,14 +164,21 @@ class SortedRows:
         self.order = np.argsort(index, kind="stable")
         self.chunk, self.offset = np.divmod(index[self.order], chunk_rows)
         if n <= 1:  # one row (the server's single item): no numpy passes for it
-            self.starts = self.chunk_starts = np.zeros(n, np.int64)
+            self._starts: np.ndarray | None = np.zeros(n, np.int64)
+            self.chunk_starts = self._starts
             self.chunks = n
             return
-        chunk_step = np.diff(self.chunk) != 0
-        step = chunk_step | (np.diff(self.offset) != 1) | (np.diff(self.order) != 1)
-        self.starts = np.concatenate(([0], np.flatnonzero(step) + 1))
-        self.chunk_starts = np.concatenate(([0], np.flatnonzero(chunk_step) + 1))
+        self._chunk_step = np.diff(self.chunk) != 0
+        self._starts = None  # made when asked: a read through descriptors never asks
+        self.chunk_starts = np.concatenate(([0], np.flatnonzero(self._chunk_step) + 1))
         self.chunks = len(self.chunk_starts)
+
+    @property
+    def starts(self) -> np.ndarray:
+        if self._starts is None:
+            step = self._chunk_step | (np.diff(self.offset) != 1) | (np.diff(self.order) != 1)
+            self._starts = np.concatenate(([0], np.flatnonzero(step) + 1))
+        return self._starts
 
     def runs(self) -> list[tuple[int, int, int, int]]:
         """As :func:`copy_runs` lists them."""
