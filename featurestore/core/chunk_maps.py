@@ -296,9 +296,10 @@ class ArrayMaps:
             runs, _ = copy_runs(index, chunk_rows)
         else:
             rows_of = SortedRows(index, chunk_rows)
-            direct = direct_rows(width, array_nbytes, budget) or scattered(  # wide rows: no runs to count
-                nbytes, rows_of.chunks, chunk_rows * width, array_nbytes, budget, runs=len(rows_of.starts),
-                rows=len(index))
+            direct = direct_rows(width, array_nbytes, budget) or scattered(
+                nbytes, rows_of.chunks, chunk_rows * width, array_nbytes, budget, rows=len(index),
+                # runs >= chunks: under 2 rows a chunk, scattered has no use for their count
+                runs=len(rows_of.starts) if len(index) >= 2 * rows_of.chunks else len(index))
             if direct and (opened := self._read_direct(rows_of, rows, pool)) is not None:
                 return opened
             runs = rows_of.runs()
@@ -358,7 +359,7 @@ class ArrayMaps:
         width = self._shape[1]
         starts = rows_of.chunk_starts.tolist()  # each chunk's first row
         chunks = rows_of.chunk[starts].tolist()
-        file_of = np.repeat(np.arange(len(chunks)), np.diff([*starts, len(rows_of.order)]))  # each row's chunk
+        file_of = rows_of.chunk_positions()  # each row's chunk
 
         def read(lo: int, hi: int, files: list[tuple[Descriptor, str]]) -> None:
             part = slice(starts[lo], starts[hi] if hi < len(chunks) else len(rows_of.order))

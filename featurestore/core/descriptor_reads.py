@@ -35,7 +35,8 @@ def read_rows(rows: np.ndarray, targets: np.ndarray, files: Sequence[tuple[Descr
     ``check_size`` (:func:`mapped_file.read_into`)."""
     width = rows.shape[1]
     flat = memoryview(rows).cast("B")
-    fds = [files[k][0].fd for k in file_of.tolist()]
+    fd_of = [descriptor.fd for descriptor, _ in files]
+    fds = [fd_of[k] for k in file_of.tolist()]
     buffers = [flat[start : start + width] for start in (targets * width).tolist()]
     places = offsets.tolist()
     preadv = os.preadv

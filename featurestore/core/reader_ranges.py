@@ -173,6 +173,12 @@ class SortedRows:
         self.chunk_starts = np.concatenate(([0], np.flatnonzero(self._chunk_step) + 1))
         self.chunks = len(self.chunk_starts)
 
+    def chunk_positions(self) -> np.ndarray:
+        """Each row's chunk as its position among the chunks touched (0, 0, 1, 2, 2, ...)."""
+        if len(self.order) <= 1:
+            return np.zeros(len(self.order), np.int64)
+        return np.concatenate(([0], np.cumsum(self._chunk_step)))
+
     @property
     def starts(self) -> np.ndarray:
         if self._starts is None:
