@@ -170,8 +170,10 @@ def rate(fn: Callable[[], Any], nbytes: float) -> Callable[[], float]:
 
 
 def warm(*paths: str) -> None:
-    """Read every file under ``paths`` once, so later reads come from the page cache."""
-    buffer = bytearray(8 << 20)
+    """Read every file under ``paths`` once, so later reads come from the page cache: in 128 KiB
+    reads, as ``cat`` or ``cp`` do, whose readahead fills it in large folios (8 MiB reads left
+    pages that later reads copied 1.3x slower: docs/BENCHMARKS.md, "The harness")."""
+    buffer = bytearray(128 << 10)
     for name in files_under(*paths):
         with open(name, "rb", buffering=0) as f:
             while f.readinto(buffer):
