@@ -83,3 +83,23 @@ def test_flag_lists_parse_or_name_the_flag_in_one_line() -> None:
         harness.parse_numbers("--batch-sizes", "16,x", int, "16,64")
     with pytest.raises(InvalidOption, match="bad shape '8y8'"):
         harness.parse_shapes("8y8")
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["read", "--batches", "0"], "argument --batches: 0 must be more than 0"),
+    (["web", "--splits", "0"], "argument --splits: 0 must be more than 0"),
+    (["web", "--dim", "abc"], "argument --dim: 'abc' is not an integer"),
+    (["http", "--load-seconds", "-1"], "argument --load-seconds: -1 must be at least 0"),
+])
+def test_a_bench_refuses_a_number_out_of_range_in_one_line(argv: list[str], says: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Every numeric flag of a bench is positive, or at least 0 where 0 means "skip it": a zero
+    count used to end in a traceback (ZeroDivisionError, a missing file) after minutes of work."""
+    from featurestore.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["bench", *argv])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(says)
+    assert main(["bench", "web", "--splits", "2", "--dim", "8", "--tokens", "16", "--samples", "2", "--repeats",
+                 "1", "--debug"]) == 0  # and --debug after a bench's name, as after every verb

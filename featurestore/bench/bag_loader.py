@@ -27,7 +27,8 @@ def register(subparsers: Any) -> None:
         "--bags": (48, "B, bags in the cohort (the RSS run also uses 4B)"),
         "--patches": (2500, "median patches per bag (log-normal, sigma 0.6)"), "--dim": (1024, None),
         "--dtype": ("float16,int8", "float16, or float16,int8: int8 measured beside float16 (docs/BENCHMARKS.md)"),
-        "--workers": (4, "CLAM DataLoader workers (CLAM's default: 4)"), "--batch-size": (8, "padded run's batch size"),
+        "--workers": (4, "CLAM DataLoader workers (CLAM's default: 4)", {"type": harness.number(int, inclusive=True)}),
+        "--batch-size": (8, "padded run's batch size"),
         "--max-patches": (4096, "padded run's max_patches"), "--skip-cold": (False, "warm figures only"),
         "--skip-rss": (False, "skip the B vs 4B subprocesses")}, repeats=5, keep="best")
 

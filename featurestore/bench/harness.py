@@ -30,8 +30,8 @@ import featurestore
 from featurestore.testing.cgroup import files_under
 
 __all__ = ["Method", "Times", "add_bench", "child", "child_process", "child_result", "drain", "feature_bytes", "fresh",
-           "gbps", "int8_figures", "interleaved", "parse_dtypes", "parse_numbers", "parse_shapes", "rate", "rss_runs",
-           "scratch", "size", "timed", "tofile_synced", "warm", "write_synced"]
+           "gbps", "int8_figures", "interleaved", "number", "parse_dtypes", "parse_numbers", "parse_shapes", "rate",
+           "rss_runs", "scratch", "size", "timed", "tofile_synced", "warm", "write_synced"]
 
 
 def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any, ...]], *, repeats: int | None = None,
@@ -49,9 +49,10 @@ def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any,
     # A module docstring's first paragraph, its reST ``literals`` as plain text for --help.
     about = (description or help).split("\n\n")[0].replace("``", "")
     parser = subparsers.add_parser(verb, help=help, description=about)
-    for flag, (default, text, *more) in flags.items():
+    for flag, (default, text, *more) in flags.items():  # a number is positive unless its flag says (number)
         kwargs = {"action": "store_true"} if default is False else {"type": default, "default": None} if isinstance(
-            default, type) else {"type": type(default), "default": default}
+            default, type) else {"type": number(type(default)) if isinstance(default, (int, float)) else type(default),
+                                 "default": default}
         if not isinstance(default, (bool, type)) and default != "" and "default" not in (text or ""):
             text = f"{text} (default {default})" if text else f"default {default}"
         parser.add_argument(flag, help=text, **{**kwargs, **(more[0] if more else {})})
@@ -69,6 +70,20 @@ def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any,
         return finish(name, module.run(args), args.json_out, getattr(module, "failed", None), runs)
     parser.set_defaults(func=command)
     return parser
+
+
+def number(kind: type, low: float = 0, *, inclusive: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a number of ``kind`` above ``low`` (at least ``low`` with ``inclusive``)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text} must be {'at least' if inclusive else 'more than'} {low:g}")
+        return value
+    parse.__name__ = kind.__name__  # what argparse calls the type in its messages
+    return parse
 
 
 def fresh(path: str) -> str:

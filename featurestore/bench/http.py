@@ -27,7 +27,8 @@ def register(subparsers: Any) -> None:
         "--store": (str, "serve this store (its first split) instead of building one"),
         "--num-samples": (1024, "samples in the built store"), "--batch-size": (64, None),
         "--batches": (30, "timed batches per method and repeat"), "--items": (300, "single-item requests timed"),
-        "--load-seconds": (30.0, "seconds of the load test, 0 skips it"),
+        "--load-seconds": (30.0, "seconds of the load test, 0 skips it",
+                           {"type": harness.number(float, inclusive=True)}),
         "--clients": (16, "load-test concurrent clients"),
         "--threads": (2, "FeatureLoader threads over HTTP"),
         "--workers": (1, "server worker processes (featurestore serve --workers)")}, repeats=3)

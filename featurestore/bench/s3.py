@@ -62,7 +62,8 @@ def register(subparsers: Any) -> None:
                             "--weed-args=-filer.maxMB=4 (with '=') for SeaweedFS's stock 4 MiB internal chunks"),
         "--prefetch": (4, "FeatureLoader prefetch, batches in flight"),
         "--no-cache": (False, "skip the chunk cache figures"),
-        "--bags": (48, "slides of the bag figures (0: skip them)"), "--bag-median": (2000, "median patches per slide"),
+        "--bags": (48, "slides of the bag figures (0: skip them)", {"type": harness.number(int, inclusive=True)}),
+        "--bag-median": (2000, "median patches per slide"),
         "--bag-dim": (1024, "feature width of the bag split"),
         "--link-gbit": (float, "put a link of this many Gbit/s between the bench and SeaweedFS (root: a private "
                                "network namespace, tc); default: bare loopback, where both share the cores"),

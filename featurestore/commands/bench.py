@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
+
 from featurestore.bench import bench_module
 
 BENCHES = ("read", "write", "http", "loader", "bag_loader", "extract", "cold", "s3", "bags", "web", "report", "gate")
@@ -20,3 +22,5 @@ def register(subparsers: Any) -> None:
     for name in BENCHES:
         module = bench_module(name)
         module.register(benches)
+    for sub in (parser, *benches.choices.values()):  # --debug after the bench's name too, as after every verb
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
