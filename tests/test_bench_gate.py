@@ -291,8 +291,9 @@ def test_fast_benches_emit_every_target_figure(tmp_path: Path, capsys: pytest.Ca
     data, _ = _run_gate(tmp_path, capsys, set(benches))
     if "extract-zero" in benches:
         assert data["benches"]["extract-zero"]["args"]["encoder"] == "zero"  # the variant's flags reached the bench
-    if "read" in benches:  # the limit of a read that maps nothing in, measured beside the reader
-        assert data["benches"]["read"]["figures"]["vs_pread_limit[256x384]"]["value"] > 0
+    if "read" in benches:  # the limits of a read that maps nothing in (a raw file, the store's files), beside it
+        figures = data["benches"]["read"]["figures"]
+        assert figures["vs_pread_limit[256x384]"]["value"] > 0 and figures["vs_chunk_pread_limit[256x384]"]["value"] > 0
 
 
 @pytest.mark.parametrize("benches", [("http", "cold"), ("extract-vit", "extract-wsi", "extract-wsi-vit")],

@@ -62,6 +62,8 @@ def _read(r: dict[str, Any], out: Reading) -> None:
         out.fig(f"vs_memmap[{tag}]", s["median_paired_vs_memmap"], s["paired_vs_memmap"])
         if "paired_vs_pread" in s:  # the limit of a read that maps nothing in, measured beside it
             out.fig(f"vs_pread_limit[{tag}]", s["median_paired_vs_pread"], s["paired_vs_pread"])
+        if "paired_vs_chunk_pread" in s:  # ... of the same rows out of the store's own files
+            out.fig(f"vs_chunk_pread_limit[{tag}]", s["median_paired_vs_chunk_pread"], s["paired_vs_chunk_pread"])
         out.rows[f"read [{tag}] float16, GB/s"] = [(m, row["gb_per_s"]) for m, row in s["read"].items()]
     runs = [(r.get("rss") or {}).get(k) for k in ("N", "4N")]
     if all(runs):  # N and 4N: the reader's peak anonymous RSS must not grow with the split
