@@ -49,7 +49,7 @@ def add_bench(subparsers: Any, verb: str, help: str, flags: dict[str, tuple[Any,
     # A module docstring's first paragraph, its reST ``literals`` as plain text for --help.
     about = (description or help).split("\n\n")[0].replace("``", "")
     parser = subparsers.add_parser(verb, help=help, description=about)
-    for flag, (default, text, *more) in flags.items():  # a number is positive unless its flag says (number)
+    for flag, (default, text, *more) in flags.items():  # a number must be positive, unless `more` sets its type
         kwargs = {"action": "store_true"} if default is False else {"type": default, "default": None} if isinstance(
             default, type) else {"type": number(type(default)) if isinstance(default, (int, float)) else type(default),
                                  "default": default}
