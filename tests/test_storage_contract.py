@@ -75,6 +75,8 @@ class StorageContract:
         assert storage.exists("t/x/1")
         storage.delete_tree("t/x")
         assert not storage.exists("t/x/1") and storage.listdir("t") == ["y"]
+        storage.delete_tree("t/y")  # one key (a claim record withdrawn)
+        assert not storage.exists("t/y") and storage.listdir("t") == []
 
     def test_write_sealed_appends_the_crc32c_trailer(self, storage: Storage) -> None:
         payload = os.urandom(3000)

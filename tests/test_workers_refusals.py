@@ -233,3 +233,65 @@ def test_a_vanished_worker_counts_one_attempt(tmp_path: Path) -> None:
     third, standing = boards[2].claim("x")
     assert third is None and standing is not None and standing["state"] == claims.FAILED
     assert standing["attempts"] == 2 and len(standing["errors"]) == 2, standing
+
+
+class _PassJob:
+    """What ClaimShare.work asks of a job, for a pass over slides ``a``, ``b``, ``c``: counts how
+    often the split's document is read (``split_complete``), which ``complete`` answers."""
+
+    key = KEY
+
+    def __init__(self, storage: LocalStorage, complete: bool = False) -> None:
+        self.store = SimpleNamespace(storage=storage)
+        self.complete, self.asked, self.encoded = complete, 0, []
+
+    def split_key(self) -> str:
+        return KEY
+
+    def units(self, writer: Any) -> list[tuple[int, str]]:
+        return list(enumerate("abc"))
+
+    def unit_id(self, unit: str) -> str:
+        return unit
+
+    def split_complete(self) -> bool:
+        self.asked += 1
+        return self.complete
+
+    def merge(self, parts: list[Any]) -> dict[str, Any]:
+        return {"parts": parts}
+
+
+def test_a_pass_over_slides_others_hold_reads_no_split_document(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker asked whether the split was committed before every slide it visited: on an object
+    store a GET per slide, beside the claim's own requests, at every pass over slides the other
+    workers hold. It asks only of a claim it took."""
+    import threading
+
+    from featurestore.extract import workers_share
+
+    storage = LocalStorage(str(tmp_path))
+    other = claims.ClaimBoard(storage, KEY, lease=600, max_attempts=3, worker=claims.WorkerId(host="node7", pid=42))
+    held = [other.claim(u)[0] for u in "abc"]
+    monkeypatch.setattr(workers_share, "idle_wait", lambda idle, lease: 0.05)
+    job = _PassJob(storage)
+    ends = threading.Timer(0.5, lambda: [other.finish(claim) for claim in held])  # the other worker is done
+    ends.start()
+    try:
+        got = ClaimShare(WorkerOptions(lease_seconds=600)).work(job, SimpleNamespace(done_ids=set()))
+    finally:
+        ends.cancel()
+    assert got == {"parts": []} and job.asked == 0, job.asked
+
+
+def test_a_claim_taken_on_a_split_committed_meanwhile_is_withdrawn(tmp_path: Path) -> None:
+    """The last worker's commit removes every claim; a worker still passing over the slides then
+    takes a claim afresh, finds the split complete, removes that claim and stops: no slide is
+    redone, and no claim is left in the complete split."""
+    storage = LocalStorage(str(tmp_path))
+    job = _PassJob(storage, complete=True)
+    share = ClaimShare(WorkerOptions(lease_seconds=600))
+    share._one = lambda *a: pytest.fail("a slide of a complete split was worked on")  # type: ignore[method-assign]
+    assert share.work(job, SimpleNamespace(done_ids=set())) == {"parts": []}
+    assert job.asked == 1 and claims.read_records(storage, KEY) == {}

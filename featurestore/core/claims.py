@@ -250,6 +250,11 @@ class ClaimBoard:
         attempts = max(0, int(claim.record.get("attempts", 1)) - 1)  # the next claim counts it again
         return self._end(claim, RELEASED, attempts=attempts, released=f"{self.worker.name}: {why}")
 
+    def withdraw(self, claim: Claim) -> None:
+        """Remove the claim's record: taken on a split committed meanwhile (a commit removes every
+        claim), it must not stay behind there."""
+        self.storage.delete_tree(self._name(claim.unit, claim.record.get("special", False)))
+
     def _end(self, claim: Claim, state: str, **extra: Any) -> bool:
         record = {**claim.record, "state": state, "renewed": time.time(), **extra}
         key = self._name(claim.unit, claim.record.get("special", False))

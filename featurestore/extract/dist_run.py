@@ -158,7 +158,7 @@ class SplitJob:
         return True
 
     def split_complete(self) -> bool:
-        """Whether the split is committed: one read of its document (asked before every claim)."""
+        """Whether the split is committed: one read of its document (asked of every claim a worker takes)."""
         from featurestore.format import layout
         from featurestore.format.metadata import COMPLETE
 

@@ -250,16 +250,20 @@ class ClaimShare:
                     taken = len(parts)
                     for unit in pending:
                         try:
-                            # Committed meanwhile (by the last worker): its claims went with the
-                            # segments, and a new claim would redo a slide of a complete split.
-                            if job.split_complete():
-                                return job.merge(parts)
                             with stop.deferred():  # a claim is taken whole, or not at all
                                 claim, standing = board.claim(job.unit_id(unit))
                             if claim is None:
                                 if standing is not None and standing.get("state") == claims.WORKING:
                                     waiting.append(unit)
                                 continue
+                            # Committed meanwhile (by the last worker)? Its claims went with the
+                            # segments, so this one was taken afresh and would redo a slide of a
+                            # complete split. Asked of a claim taken, not of every slide visited: a
+                            # pass over slides other workers hold reads no split document.
+                            if job.split_complete():
+                                board.withdraw(claim)
+                                claim = None
+                                return job.merge(parts)
                             started = time.monotonic()
                             part = self._one(job, writer, board, claim, unit, stop)
                             uid, claim = claim.unit, None  # ended: done, failed, released or lost

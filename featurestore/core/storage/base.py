@@ -118,6 +118,7 @@ class Storage:
         raise NotImplementedError
 
     def delete_tree(self, prefix: str) -> None:
+        """Every key under ``prefix``, or the one key ``prefix`` names; nothing if none."""
         raise NotImplementedError
 
     def local_path(self, key: str) -> str | None:

@@ -109,7 +109,14 @@ class LocalStorage(Storage):
             return []
 
     def delete_tree(self, prefix: str) -> None:
-        shutil.rmtree(self._path(prefix), ignore_errors=True)
+        path = self._path(prefix)
+        if os.path.isfile(path):  # one key: removed, as an object store's delete of it and fsspec's rm do
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            return
+        shutil.rmtree(path, ignore_errors=True)
 
     def put_if_absent(self, key: str, data: bytes) -> str | None:
         return conditional.local_put_if_absent(self._path(key), data)
