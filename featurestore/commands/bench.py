@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 from featurestore.bench import bench_module
+from featurestore.commands.parsers import add_debug
 
 BENCHES = ("read", "write", "http", "loader", "bag_loader", "extract", "cold", "s3", "bags", "web", "report", "gate")
 
@@ -23,4 +23,4 @@ def register(subparsers: Any) -> None:
         module = bench_module(name)
         module.register(benches)
     for sub in (parser, *benches.choices.values()):  # --debug after the bench's name too, as after every verb
-        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+        add_debug(sub)

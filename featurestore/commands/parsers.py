@@ -2,9 +2,10 @@
 
 :func:`add_verb` is the opening of each ``register(subparsers)``: the verb's name, its one-line
 help (``featurestore --help``), its description (``featurestore VERB --help``) and the function
-``featurestore.cli`` runs (``func``), and ``--debug`` after the verb as before it. The verb's long description is a module constant written as
-plain text (argparse folds its white space and wraps it to the terminal), so that ``register``
-reads as the list of its arguments.
+``featurestore.cli`` runs (``func``), and ``--debug`` after the verb as before it
+(:func:`add_debug`, which ``featurestore bench`` gives each bench too). The verb's long
+description is a module constant written as plain text (argparse folds its white space and wraps
+it to the terminal), so that ``register`` reads as the list of its arguments.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def add_verb(subparsers: Any, name: str, run: Callable[[argparse.Namespace], int
     """
     parser = subparsers.add_parser(name, help=help, description=description)
     parser.set_defaults(func=run, **{INTERRUPTED: interrupted})
+    add_debug(parser)
+    return parser
+
+
+def add_debug(parser: argparse.ArgumentParser) -> None:
+    """``--debug`` after a verb's name (``featurestore embed ... --debug``), as before it."""
     # SUPPRESS: the verb's default must not reset a `featurestore --debug VERB ...` given before the verb.
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-    return parser
