@@ -58,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = argv  # what was typed: a report records it (featurestore bench all)
     debug = args.debug or "--debug" in argv
     try:
         return int(args.func(args) or 0)

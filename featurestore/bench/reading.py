@@ -9,6 +9,7 @@ missing key, and says which (:attr:`Reading.error`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -124,8 +125,10 @@ def _loader(r: dict[str, Any], out: Reading) -> None:
     out.notes.append(f"- loader stall over {s['batches']} batches with a {s['consumer_step_s'] * 1e3:.1f} ms "
                      "consumer step")
     if rss:
+        cache = rss["4N"]["num_samples"] * math.prod(r["sample_shape"]) * 4  # what the loader replaces
         out.notes.append(f"- loader's own anonymous memory: N {mib(rss['loader_bytes']['N'])}, 4N "
-                         f"{mib(rss['loader_bytes']['4N'])}; bound {mib(rss['bound_bytes'])} + 32 MiB")
+                         f"{mib(rss['loader_bytes']['4N'])}; bound {mib(rss['bound_bytes'])} + 32 MiB; the 4N "
+                         f"samples as an in-RAM float32 cache: {mib(cache)}")
     if cg:
         out.notes.append(f"- cgroup epoch: skipped ({cg['skipped']})" if "skipped" in cg else
                          f"- cgroup limit {mib(cg['limit_bytes'])}, store {mib(cg['store_bytes'])}: loader rc "
@@ -275,9 +278,7 @@ def _web(r: dict[str, Any], out: Reading) -> None:
         f"page {c['split_page_warm_ms']:.1f} ms",
         f"- PCA picture of {p['shape'][0]}x{p['shape'][1]} float16, {p['blas_threads']} BLAS thread(s): computed "
         f"{p['computed_ms']:.1f} ms median, cached {p['cached_ms']:.1f} ms; parts "
-        + ", ".join(f"{k} {v:.1f} ms" for k, v in p["parts_ms"].items())
-        + f"; the default {p['default_blas_threads']} BLAS threads {p['default_threads_ms']} ms; exact SVD "
-        f"{p['exact_svd_ms']:.1f} ms = {p['exact_over_randomized']}x"]
+        + ", ".join(f"{k} {v:.1f} ms" for k, v in p["parts_ms"].items())]
 
 
 READERS: dict[str, Callable[[dict[str, Any], Reading], None]] = {

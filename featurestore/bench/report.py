@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import signal
 import sys
 import time
@@ -185,25 +186,6 @@ def parse_benches(text: str) -> list[str]:
     return list(dict.fromkeys(names))  # drop duplicates, keep the order given
 
 
-def command_line(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]], *, check: bool) -> str:
-    """The command that runs this report again: its own flags (the benches asked for, not the
-    targets' variants, which --check adds itself)."""
-    parts = ["featurestore bench all", *(["--quick"] if getattr(args, "quick", False) else [])]
-    asked = getattr(args, "benches", None)
-    if asked:
-        parts.append(f"--benches {asked}")
-    elif not check and list(runs) != list(BENCH_NAMES):
-        parts.append(f"--benches {','.join(runs)}")
-    if check:
-        parts.append("--check")
-        for flag, value in (("--targets", getattr(args, "targets", None)), ("--only", getattr(args, "only", None))):
-            if value:
-                parts.append(f"{flag} {value}")
-        if getattr(args, "allow_missing", False):
-            parts.append("--allow-missing")
-    return " ".join(parts)
-
-
 def bench_args(name: str, extra: Sequence[str] = ()) -> argparse.Namespace:
     """The bench's own parser, parsed from ``extra`` flags only: its defaults, not a copy of them."""
     module = bench_module(name)
@@ -223,7 +205,8 @@ def run(args: argparse.Namespace, runs: dict[str, tuple[str, list[str] | None]] 
     os.makedirs(args.out, exist_ok=True)
     report: dict[str, Any] = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": command_line(args, runs, check=before_write is not None),
+        # What was typed (main() keeps it), so the report says how to run it again.
+        "command": shlex.join(["featurestore", *getattr(args, "argv", ["bench", "all"])]),
         "quick": quick, "machine": machine_info(), "benches": {}, "files": [],
     }
     for key, (name, flags) in runs.items():
@@ -301,17 +284,6 @@ def throughput_rows(report: dict[str, Any], readings: dict[str, tuple[str, Readi
             (readings or _readings(report)).items() for title, bars in reading.rows.items()}
 
 
-def rss_series(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """From the loader bench: per run (N, 4N), its anonymous RSS after imports and at its peak, and
-    the float32 in-RAM cache of the same samples it replaces (MiB)."""
-    loader = (report["benches"].get("loader") or {}).get("result") or {}
-    elements = math.prod(loader.get("sample_shape") or [0])
-    runs = [(label, (loader.get("rss") or {}).get(label)) for label in ("N", "4N")]
-    return [{"label": f"{label} = {run['num_samples']} samples", "peak_anon_mib": run["peak_anon"] / 2**20,
-             "baseline_mib": run["baseline_anon"] / 2**20, "cache_mib": run["num_samples"] * elements * 4 / 2**20}
-            for label, run in runs if run]
-
-
 def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     """A markdown section holding one table (cells flattened to one line, ``|`` escaped)."""
     return ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
@@ -340,10 +312,6 @@ def render_markdown(report: dict[str, Any]) -> str:
     other = [line for name, (bench, reading) in readings.items() for line in figure_lines(
         name, bench, reading.figures, variants="bench" not in report["benches"][name]) + reading.notes]
     lines += ["", "## Other figures", "", *other] if other else []
-    if series := rss_series(report):
-        lines += _table("Memory: one loader epoch vs the in-RAM float32 cache", (
-            "run", "anon RSS after imports (MiB)", "peak during the epoch (MiB)", "float32 cache (MiB)"), [
-            (s["label"], *(f"{s[k]:.1f}" for k in ("baseline_mib", "peak_anon_mib", "cache_mib"))) for s in series])
     if report.get("render_errors"):
         lines += ["", "## Report notes", "", "Results the report could not read all of:", "",
                   *(f"- {where}: {error}" for where, error in report["render_errors"].items())]

@@ -9,8 +9,6 @@ import os
 import statistics
 from typing import Any
 
-import numpy as np
-
 import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
@@ -24,15 +22,6 @@ def register(subparsers: Any) -> None:
         "--tokens": (1024, "patch tokens of the PCA sample (a square)"),
         "--samples": (5, "samples pictured, each computed once (2 or more: the first is an untimed warm-up)"),
         "--repeats": (10, "timed catalog views per case; the median is kept")})
-
-
-def _blas_threads() -> int:
-    try:
-        from threadpoolctl import ThreadpoolController
-    except ImportError:
-        return 0
-    found = [c.num_threads for c in ThreadpoolController().select(user_api="blas").lib_controllers]
-    return max(found) if found else 0
 
 
 def _ms(seconds: float) -> float:
@@ -89,8 +78,7 @@ def _bench_picture(path: str, grid: tuple[int, int], args: argparse.Namespace) -
     from server.web.blas import limit_blas_threads
     from server.web.png import encode_png
 
-    default_threads = _blas_threads()
-    limited = limit_blas_threads(Settings().ui_blas_threads)  # what featurestore serve does
+    limit_blas_threads(Settings().ui_blas_threads)  # what featurestore serve does
     with TestClient(create_app(path, Settings())) as client:
         client.get("/ui/pca/pictures/enc/train/0.png")  # imports, BLAS start-up: not a sample's cost
         computed = [_timed(lambda i=i: client.get(f"/ui/pca/pictures/enc/train/{i}.png"))[0]
@@ -100,26 +88,9 @@ def _bench_picture(path: str, grid: tuple[int, int], args: argparse.Namespace) -
     arr = featurestore.open_store(path).open("pictures", "enc", "train")
     read, stored = _timed(lambda: arr.read_numpy([1])[0])
     cast, sample = _timed(lambda: dtypes.stored_as_float32(stored, "float16"))
-
-    def default_blas() -> Any:  # threadpoolctl lets this thread, the one that set the limit, change it
-        from threadpoolctl import threadpool_limits
-
-        with threadpool_limits(limits=default_threads, user_api="blas"):
-            return pictures.pca_picture(sample, 0, grid)
-
-    # The computation alone, with the BLAS threads the server sets and with the default ones, alternating.
-    image = pictures.pca_picture(sample, 0, grid)
-    fits = interleaved([Method("server", lambda: pictures.pca_picture(sample, 0, grid)),
-                        *([Method("default", default_blas)] if limited else [])], max(3, args.samples))
+    fit, image = _timed(lambda: pictures.pca_picture(sample, 0, grid))
     png, _ = _timed(lambda: encode_png(image))
-    centred = sample - sample.mean(axis=0)
-    exact, _ = _timed(lambda: np.linalg.svd(centred, full_matrices=False))
-    fit = fits.median("server")
     return {"shape": [args.tokens, args.dim], "computed_ms": _ms(statistics.median(computed)),
             "computed_max_ms": _ms(max(computed)), "cached_ms": _ms(cached.median("cached")),
             "parts_ms": {"read": _ms(read), "float16->float32": _ms(cast), "components+image": _ms(fit),
-                         "png": _ms(png)},
-            "blas_threads": Settings().ui_blas_threads if limited else default_threads,
-            "default_blas_threads": default_threads,
-            "default_threads_ms": _ms(fits.median("default")) if limited else None, "server_threads_ms": _ms(fit),
-            "exact_svd_ms": _ms(exact), "exact_over_randomized": round(exact / fit, 1) if fit else None}
+                         "png": _ms(png)}, "blas_threads": Settings().ui_blas_threads}

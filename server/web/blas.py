@@ -2,7 +2,7 @@
 
 The pictures' products are skinny (``[1024, 3072] @ [3072, 8]``) and memory-bound: a second BLAS
 thread gains little on an idle machine, and on a busy one OpenBLAS's threads wait on each other.
-Measured with ``featurestore bench web`` on a shared 2-core VM (load average 7-10): the
+Measured on a shared 2-core VM (load average 7-10): the
 components of a ``[1024, 3072]`` sample took a median 217-654 ms with OpenBLAS's default 2
 threads and 53-78 ms with one, in four runs (docs/SERVER.md, "The web page"). The server computes up to
 ``FEATURESTORE_UI_PICTURES_AT_ONCE`` pictures side by side anyway; that is where its cores go.
