@@ -15,7 +15,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from featurestore.errors import FeatureStoreError, InvalidStorageOptions, StoreUnreachable, WrongSplitKind
+from featurestore.errors import (FeatureStoreError, InvalidOption, InvalidStorageOptions, StoreUnreachable,
+                                 WrongSplitKind)
 from featurestore.format.redact import redact, redact_url
 
 ENV = "FEATURESTORE_STORAGE_OPTIONS"
@@ -55,15 +56,54 @@ _JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", boo
 
 
 def add_split_names(parser: argparse.ArgumentParser, store: bool = False) -> None:
-    """``DATASET ENCODER SPLIT``, or ``DATASET/ENCODER/SPLIT`` as ``featurestore ls`` prints it: the
-    split of the store before them (``STORE``, added here with ``store=True``), as ``args.dataset``,
-    ``args.encoder`` and ``args.split``."""
+    """``DATASET ENCODER SPLIT``, ``DATASET/ENCODER/SPLIT`` as ``featurestore ls`` prints it, or
+    ``--dataset/--encoder/--split`` as the verbs that read a split (embed, export, probe) take them:
+    the split of the store before them (``STORE``, added here with ``store=True``), as
+    ``args.dataset``, ``args.encoder`` and ``args.split``. Call after :func:`add_verb` (the verb's
+    ``run`` gets the names resolved)."""
     if store:
         parser.add_argument("store", metavar="STORE", help="store path or fsspec URL")
-    parser.add_argument("dataset", metavar="DATASET", help="the split: DATASET ENCODER SPLIT, or DATASET/ENCODER/SPLIT "
-                        "as `featurestore ls` prints it")
+    parser.add_argument("dataset", metavar="DATASET", nargs="?", help="the split: DATASET ENCODER SPLIT, or "
+                        "DATASET/ENCODER/SPLIT as `featurestore ls` prints it")
     parser.add_argument("encoder", metavar="ENCODER", nargs="?")
     parser.add_argument("split", metavar="SPLIT", nargs="?", action=_SplitNames)
+    add_split_flags(parser)
+    run = parser.get_default("func")
+    parser.set_defaults(func=lambda args: run(_named(args)))
+
+
+NAMES = ("dataset", "encoder", "split")
+
+
+def add_split_flags(parser: argparse.ArgumentParser) -> None:
+    """``--dataset/--encoder/--split``, the other way to name the split (:func:`flagged_split`)."""
+    flags = parser.add_argument_group("or the split by flags, as embed, export and probe take it")
+    for name in NAMES:
+        flags.add_argument(f"--{name}", dest=f"{name}_flag", metavar=name.upper())
+
+
+def flagged_split(args: argparse.Namespace, positionals: bool) -> list[str] | None:
+    """The split named by all three flags (None: by none of them); ``positionals``: whether it was
+    also named by positionals, which is one name too many."""
+    flags = [getattr(args, f"{name}_flag") for name in NAMES]
+    if all(flag is None for flag in flags):
+        return None
+    if positionals:
+        raise InvalidOption("name the split once: DATASET ENCODER SPLIT or --dataset/--encoder/--split, not both")
+    if None in flags:
+        raise InvalidOption(f"--dataset, --encoder and --split go together, but got only "
+                            f"{', '.join(f'--{n}' for n, f in zip(NAMES, flags) if f is not None)}: give all three")
+    return flags
+
+
+def _named(args: argparse.Namespace) -> argparse.Namespace:
+    flags = flagged_split(args, positionals=args.dataset is not None)
+    if flags is not None:
+        args.dataset, args.encoder, args.split = flags
+    elif args.dataset is None:
+        raise InvalidOption("name a split: DATASET ENCODER SPLIT, DATASET/ENCODER/SPLIT as `featurestore ls` "
+                            "prints it, or --dataset/--encoder/--split")
+    return args
 
 
 class _SplitNames(argparse.Action):
@@ -72,6 +112,8 @@ class _SplitNames(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         given = [v for v in (namespace.dataset, namespace.encoder, values) if v is not None]
+        if not given:  # named by the flags, or not at all: _named says which
+            return
         parts = str(given[0]).strip("/").split("/") if len(given) == 1 else given
         if len(parts) != 3 or not all(parts):
             raise argparse.ArgumentError(None, f"{' '.join(given)!r} names no split: give DATASET ENCODER SPLIT, "

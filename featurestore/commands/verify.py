@@ -14,7 +14,8 @@ from typing import Any
 
 from featurestore.format.sizes import bytes_text as _size
 from featurestore.commands.parsers import add_verb
-from featurestore.commands.storeargs import add_storage_options, open_store_from_args, store_errors
+from featurestore.commands.storeargs import (add_split_flags, add_storage_options, flagged_split, open_store_from_args,
+                                            store_errors)
 from featurestore.errors import FeatureStoreError, InvalidOption
 
 EXIT_CLEAN, EXIT_DAMAGED, EXIT_NOT_CHECKED = 0, 1, 2
@@ -39,7 +40,9 @@ def register(subparsers: Any) -> None:
     verify = add_verb(subparsers, "verify", run_verify, HELP, DESCRIPTION)
     verify.add_argument("url")
     verify.add_argument("names", nargs="*", metavar="DATASET ENCODER SPLIT",
-                        help="optionally restrict to one dataset, encoder and split")
+                        help="optionally one split: DATASET ENCODER SPLIT, or DATASET/ENCODER/SPLIT as "
+                        "`featurestore ls` prints it (default: every split)")
+    add_split_flags(verify)
     add_storage_options(verify)
 
 
@@ -58,12 +61,13 @@ def _run_verify(args: argparse.Namespace) -> int:
     from featurestore.core.lineage import stale_fix
     from featurestore.core.verify import verify_store
 
-    if len(args.names) not in (0, 3):
-        raise InvalidOption(
-            f"verify takes DATASET ENCODER SPLIT together or none of them, got {args.names!r}"
-        )
+    names = args.names[0].strip("/").split("/") if len(args.names) == 1 else args.names
+    if len(names) not in (0, 3) or not all(names):
+        raise InvalidOption(f"verify takes one split, DATASET ENCODER SPLIT or DATASET/ENCODER/SPLIT, or none "
+                            f"(every split), but got {' '.join(args.names)!r}")
+    names = flagged_split(args, positionals=bool(names)) or names
     store = open_store_from_args(args.url, args)
-    found = verify_store(store, *(args.names or [None, None, None]))
+    found = verify_store(store, *(names or [None, None, None]))
     for problem in found.problems:
         print(f"DAMAGED {problem}")
     damaged = checked = stale = 0
