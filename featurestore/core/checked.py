@@ -133,7 +133,8 @@ def _check_streamed(paths: Sequence[str], payload_bytes: int, executor: Any) -> 
             trailers[k] += view[cut:]
             if offset + size == expected and crcs[k].to_bytes(CRC_BYTES, "little") != bytes(trailers[k]):
                 reasons[k] = "crc32c mismatch (flipped or truncated bytes)"
-        del views, slab  # back to the pool
+        views.clear()  # back to the pool (the closure holds the list, not its views)
+        del slab
     finally:
         for future in inflight:  # a read raised: none may still use a descriptor closed below
             future.cancel()
@@ -184,7 +185,7 @@ def _check_buffered(paths: Sequence[str], payload_bytes: int, executor: Any = No
                     reasons[k] = "crc32c mismatch (flipped or truncated bytes)"
                 elif inspect is not None:
                     reasons[k] = inspect(k, memoryview(buffer)[:expected])
-            del buffers  # back to the pool
+            buffers.clear()  # back to the pool
         finally:
             for fd in fds.values():
                 os.close(fd)
