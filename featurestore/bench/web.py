@@ -78,7 +78,7 @@ def _bench_picture(path: str, grid: tuple[int, int], args: argparse.Namespace) -
     from server.web.blas import limit_blas_threads
     from server.web.png import encode_png
 
-    limit_blas_threads(Settings().ui_blas_threads)  # what featurestore serve does
+    limited = limit_blas_threads(Settings().ui_blas_threads)  # what featurestore serve does
     with TestClient(create_app(path, Settings())) as client:
         client.get("/ui/pca/pictures/enc/train/0.png")  # imports, BLAS start-up: not a sample's cost
         computed = [_timed(lambda i=i: client.get(f"/ui/pca/pictures/enc/train/{i}.png"))[0]
@@ -93,4 +93,4 @@ def _bench_picture(path: str, grid: tuple[int, int], args: argparse.Namespace) -
     return {"shape": [args.tokens, args.dim], "computed_ms": _ms(statistics.median(computed)),
             "computed_max_ms": _ms(max(computed)), "cached_ms": _ms(cached.median("cached")),
             "parts_ms": {"read": _ms(read), "float16->float32": _ms(cast), "components+image": _ms(fit),
-                         "png": _ms(png)}, "blas_threads": Settings().ui_blas_threads}
+                         "png": _ms(png)}, "blas_threads": Settings().ui_blas_threads if limited else None}  # None: the library's own
