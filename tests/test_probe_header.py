@@ -30,6 +30,15 @@ def test_dense_header_keeps_its_shape() -> None:
     assert "features [4, 8], 200 train + 40 eval samples" in format_report(_run("linear", [4, 8], "samples"))
 
 
+def test_folds_header_counts_every_sample_and_each_folds_share() -> None:
+    # Each fold trains on the others: its own train + eval is every labelled sample, not "of fold 0".
+    run = {**_run("abmil", ["bag", 1536], "bags"), "eval_split": "5 folds", "train_samples": 18,
+           "eval_samples": 6, "eval_per_fold": [6, 6, 4, 4, 4]}
+    assert "features [patches, 1536] per bag, 24 bags in 5 folds, 4-6 evaluated per fold" in format_report(run)
+    run = {**_run("linear", [4, 8], "samples"), "train_samples": 160, "eval_samples": 40, "eval_per_fold": [40] * 5}
+    assert "200 samples in 5 folds, 40 evaluated per fold" in format_report(run)
+
+
 def test_seed_line_is_one_wording_for_both_heads() -> None:
     split = SimpleNamespace(dataset="cohort", encoder="uni", dtype="float16")
     assert seed_line(split, 2, {"auc": 0.81234, "acc": 0.5}, 5, 3.14) == (

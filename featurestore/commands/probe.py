@@ -158,9 +158,17 @@ def _side(run: dict[str, Any]) -> str:
         + (f" (the eval split as {run['eval_dtype']})" if run.get("eval_dtype", run["dtype"]) != run["dtype"] else "")
         + ", features "
         f"{run['sample_shape'] if unit == 'samples' else '[patches, %d] per bag' % run['sample_shape'][-1]}, "
-        f"{run['train_samples']} train + {run['eval_samples']} eval "
-        f"{unit}, {run['seconds']:.1f} s ({run['source']})"
+        f"{_counts(run, unit)}, {run['seconds']:.1f} s ({run['source']})"
     )
+
+
+def _counts(run: dict[str, Any], unit: str) -> str:
+    """``200 train + 40 eval bags``; for folds, every labelled one and what each fold evaluates."""
+    sizes = run.get("eval_per_fold")
+    if not sizes:
+        return f"{run['train_samples']} train + {run['eval_samples']} eval {unit}"
+    each = f"{min(sizes)}" if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"
+    return f"{run['train_samples'] + run['eval_samples']} {unit} in {len(sizes)} folds, {each} evaluated per fold"
 
 
 def _mean_std(summary: dict[str, Any]) -> str:

@@ -238,7 +238,7 @@ def _run(train: Any, evaluate: Any, *, folds: int | None, num_classes: int, seed
         "train_split": train.split, "eval_split": evaluate.split if evaluate is not None else f"{folds} folds",
         "eval_dtype": evaluate.stored_dtype if evaluate is not None else train.stored_dtype,
         "folds": folds, "group_by": spec.column if spec else None, "train_samples": train_bags,
-        "eval_samples": eval_bags,
+        "eval_samples": eval_bags, "eval_per_fold": [len(index) for _, index in parts] if folds else None,
         "patches": int(train.lengths.sum()), "sample_shape": ["bag", train.dim], "task": "abmil",
         "num_classes": num_classes, "device": str(torch_device), "loader": loader, "batch_size": batch_size,
         "max_patches": max_patches, "config": asdict(config), "seconds": time.perf_counter() - started,

@@ -394,6 +394,7 @@ def _run(
         "group_by": None if spec is None else spec.column,
         "train_samples": train.num_samples if matched is None else len(matched[0].positions),
         "eval_samples": evaluate.num_samples if matched is None else len(matched[1].positions),
+        "eval_per_fold": [len(pair[1].positions) for pair in pairs] if n_folds is not None else None,
         "sample_shape": list(train.sample_shape), "task": task, "num_classes": num_classes,
         "token_grid": None if grid is None else list(grid), "prefix_tokens_dropped": prefix,
         "device": str(torch_device), "loader": loader, "batch_size": batch_size,
