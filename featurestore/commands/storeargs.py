@@ -114,11 +114,18 @@ class _SplitNames(argparse.Action):
         given = [v for v in (namespace.dataset, namespace.encoder, values) if v is not None]
         if not given:  # named by the flags, or not at all: _named says which
             return
-        parts = str(given[0]).strip("/").split("/") if len(given) == 1 else given
-        if len(parts) != 3 or not all(parts):
+        parts = split_parts(given)
+        if parts is None:
             raise argparse.ArgumentError(None, f"{' '.join(given)!r} names no split: give DATASET ENCODER SPLIT, "
                                          "or DATASET/ENCODER/SPLIT as `featurestore ls` prints it")
         namespace.dataset, namespace.encoder, namespace.split = parts
+
+
+def split_parts(given: list[str]) -> list[str] | None:
+    """``[DATASET, ENCODER, SPLIT]`` from three names or one ``DATASET/ENCODER/SPLIT``; None when
+    ``given`` (one or more names) is neither."""
+    parts = str(given[0]).strip("/").split("/") if len(given) == 1 else list(given)
+    return parts if len(parts) == 3 and all(parts) else None
 
 
 def add_split_source(parser: argparse.ArgumentParser, encoder_help: str, split_help: str) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 from featurestore.format.sizes import bytes_text as _size
 from featurestore.commands.parsers import add_verb
 from featurestore.commands.storeargs import (add_split_flags, add_storage_options, flagged_split, open_store_from_args,
-                                            store_errors)
+                                            split_parts, store_errors)
 from featurestore.errors import FeatureStoreError, InvalidOption
 
 EXIT_CLEAN, EXIT_DAMAGED, EXIT_NOT_CHECKED = 0, 1, 2
@@ -61,8 +61,8 @@ def _run_verify(args: argparse.Namespace) -> int:
     from featurestore.core.lineage import stale_fix
     from featurestore.core.verify import verify_store
 
-    names = args.names[0].strip("/").split("/") if len(args.names) == 1 else args.names
-    if len(names) not in (0, 3) or not all(names):
+    names = split_parts(args.names) if args.names else []
+    if names is None:
         raise InvalidOption(f"verify takes one split, DATASET ENCODER SPLIT or DATASET/ENCODER/SPLIT, or none "
                             f"(every split), but got {' '.join(args.names)!r}")
     names = flagged_split(args, positionals=bool(names)) or names
