@@ -23,7 +23,6 @@ import os
 import queue
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -110,16 +109,12 @@ def main() -> None:
         "read-ahead limit": lambda: read_ahead(batches, into),
         **{f"{kind}, {t} thread{'s' * (t > 1)}": (lambda loader=loader: harness.drain(loader))
            for t, loader in loaders.items()}}
-    seconds: dict[str, list[float]] = {name: [] for name in methods}
-    for r in range(-1, args.repeats):  # one untimed round: maps, buffers, threads
-        for name in (list(methods) if r % 2 == 0 else list(methods)[::-1]):
-            start = time.perf_counter()
-            methods[name]()
-            if r >= 0:
-                seconds[name].append(time.perf_counter() - start)
-    for name, times in seconds.items():
-        ratios = [a / b for a, b in zip(seconds["reader"], times)]
-        print(f"{name:<24} {nbytes / np.median(times) / 1e9:6.2f} GB/s  reader / it {np.median(ratios):.3f}x "
+    # One untimed round (maps, buffers, threads), then rounds in turn forward and backward.
+    seconds = harness.interleaved([harness.Method(name, fn) for name, fn in methods.items()], args.repeats, warmup=1,
+                                  order=lambda r, ms: ms if r % 2 == 0 else ms[::-1])
+    for name in seconds:
+        ratios = seconds.pairs("reader", name)
+        print(f"{name:<24} {nbytes / seconds.median(name) / 1e9:6.2f} GB/s  reader / it {np.median(ratios):.3f}x "
               f"median (rounds {min(ratios):.2f}-{max(ratios):.2f})")
     for loader in loaders.values():
         loader.close()

@@ -30,7 +30,11 @@ def sequential(files: list[str], piece: int, threads: int = 1) -> Callable[[], N
                 os.preadv(fd, [buffer], offset)
         finally:
             os.close(fd)
-    return lambda: list(ThreadPoolExecutor(threads).map(one, files))
+
+    def fill() -> None:
+        with ThreadPoolExecutor(threads) as pool:  # its threads end with the fill
+            list(pool.map(one, files))
+    return fill
 
 
 def pieces(files: list[str], piece: int, threads: int) -> Callable[[], None]:
