@@ -212,6 +212,35 @@ def test_two_fetch_threads_never_both_take_the_last_room(tmp_path: Any) -> None:
     assert cache._pending == 600  # the one admitted holds its room until its chunk is written
 
 
+def test_a_chunk_stored_while_the_eviction_scan_runs_still_counts(tmp_path: Any) -> None:
+    """A fetch thread's chunk is renamed into place after the eviction scan listed the directory,
+    and its reservation is released before the scan ends: the chunk counted nowhere, and one chunk
+    more than the limit was admitted (a CI run held 5 chunks under a 4-chunk limit)."""
+    from featurestore.core.storage.chunk_cache import ChunkCache
+
+    cache = ChunkCache(str(tmp_path / "c"), max_bytes=4 * 1000 + 200)
+    folder = tmp_path / "c" / "v1" / "store" / "array"
+    folder.mkdir(parents=True)
+
+    def put(i: int) -> bool:
+        return cache.store(str(folder / str(i)), lambda write: write(b"\0" * 1000), 1000)
+
+    for i in range(3):
+        assert cache.reserve(1000) and put(i)
+    assert cache.reserve(1000)  # chunk 3: the last room, its download in flight
+    scan = cache._scan
+
+    def scan_then_chunk_3_lands() -> Any:
+        listed = scan()  # chunk 3 not there yet
+        assert put(3)  # renamed in, counted, its reservation released
+        return listed
+
+    cache._scan = scan_then_chunk_3_lands  # type: ignore[method-assign]
+    assert not cache.reserve(1000)  # chunk 4: no room (chunks 0-3 are recent, so kept)
+    cache._scan = scan  # type: ignore[method-assign]
+    assert cache.used_bytes() == 4000 <= cache.max_bytes and cache.stats["not_admitted"] == 1
+
+
 @pytest.mark.parametrize("damage", ["flipped byte", "longer", "shorter"])
 def test_a_damaged_chunk_object_is_refused_and_nothing_is_kept(seaweed_url: str, seaweed: Any, tmp_path: Any,
                                                                damage: str) -> None:

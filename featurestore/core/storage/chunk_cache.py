@@ -237,8 +237,11 @@ class ChunkCache:
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one evictor at a time across the host
             before = self._shared_used()
+            # This process's downloads in flight hold room too, as they stand before the scan: one
+            # renamed in while the scan lists the directory is missed by it and may be released by now.
+            pending = self._pending
             entries, used = self._scan()
-            target = self.max_bytes - nbytes - self._pending  # this process's downloads in flight hold room too
+            target = self.max_bytes - nbytes - pending
             if used > target:
                 used = self._evict(entries, used, target)
             self._shared_used(rebase=(used, before or 0))  # + what was stored meanwhile, in one locked step
@@ -260,14 +263,12 @@ class ChunkCache:
             if self._kept(path, mtime):
                 continue
             unlink_quietly(path)
-            # And its download lock (cached_array), or one empty file per chunk ever cached would
-            # stay. A process that found the chunk gone a moment ago may hold that lock; one that
-            # comes later makes a new one: at worst the chunk is downloaded twice, each download
-            # renamed into place whole.
+            # And its download lock (cached_array), or one empty file per chunk ever cached would stay.
+            # A process that found the chunk gone a moment ago may hold that lock, and one that comes
+            # later makes a new one: at worst the chunk is downloaded twice, each renamed in whole.
             unlink_quietly(f"{path}{LOCK_SUFFIX}")
             directory, name = os.path.split(path)
-            # This process's map of it would keep the file's pages and disk blocks (the array's
-            # maps are keyed by this directory, reader._array_maps).
+            # This process's map of it would keep its pages and disk blocks (maps keyed by directory).
             chunk_maps.shared().forget(directory, int(name))
             used -= size
             self.stats["evicted"] += 1
@@ -354,10 +355,9 @@ _shared: dict[tuple[str, int | None], ChunkCache | None] = {}  # None: a directo
 _shared_lock = threading.Lock()
 
 _FETCH_POOL = "featurestore-cache"
-# The process's fetch threads, shared by all its caches: a pool per cache directory
-# would leave FETCH_THREADS idle threads behind for every directory the process ever opened
-# (a process opening one per repeat, as ``bench s3`` does, held 146 threads after ten), and
-# FETCH_THREADS is a per-process bound on downloads in flight.
+# The process's fetch threads, shared by all its caches (FETCH_THREADS bounds its downloads in
+# flight): a pool per cache directory left FETCH_THREADS idle threads behind for each directory
+# ever opened (``bench s3``, which opens one per repeat, held 146 threads after ten).
 _pools: dict[str, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
