@@ -130,7 +130,8 @@ def _state(front: Any) -> str:
     cache, now = front.cache, time.monotonic()
     ages = {c: round(time.time() - os.stat(front.path(c)).st_mtime, 1) for c in range(13) if front.present(c)}
     return (f"stats {cache.stats}, used {cache.used_bytes()} of {cache.max_bytes}, last use age (s) by chunk {ages}, "
-            f"full for {cache._full_until - now:.1f} s more, no room for {cache._no_room_until - now:.1f} s more")
+            f"full for {max(0.0, cache._full_until - now):.1f} s more, no room for "
+            f"{max(0.0, cache._no_room_until - now):.1f} s more")
 
 
 def test_eviction_keeps_the_limit_and_what_the_plan_needs(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:
@@ -239,6 +240,49 @@ def test_a_chunk_stored_while_the_eviction_scan_runs_still_counts(tmp_path: Any)
     assert not cache.reserve(1000)  # chunk 4: no room (chunks 0-3 are recent, so kept)
     cache._scan = scan  # type: ignore[method-assign]
     assert cache.used_bytes() == 4000 <= cache.max_bytes and cache.stats["not_admitted"] == 1
+
+
+def test_a_child_forked_while_the_cache_makes_room_makes_room_itself(tmp_path: Any) -> None:
+    """A fork (a DataLoader worker starting) while a fetch thread makes room, holding the cache's
+    reservation lock and its eviction flock: the child inherited both as held, by a thread it does
+    not have, and its own first eviction waited forever (and its copy of the flock would have kept
+    the host's evictions waiting until it exited). Now it waits only for the parent's eviction."""
+    import threading
+    import warnings
+
+    from featurestore.core.storage.chunk_cache import shared
+
+    cache = shared(str(tmp_path / "c"), 1000)
+    assert cache is not None
+    parent, inside, go = os.getpid(), threading.Event(), threading.Event()
+    scan = cache._scan
+
+    def held_scan() -> Any:
+        if os.getpid() == parent and not go.is_set():
+            inside.set()
+            go.wait(30)
+        return scan()
+
+    cache._scan = held_scan  # type: ignore[method-assign]
+    maker = threading.Thread(target=cache.reserve, args=(5000,))  # no room: the slow path, both locks held
+    maker.start()
+    assert inside.wait(30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads running (Python 3.12+)
+        pid = os.fork()
+    if pid == 0:  # the child makes room itself, within a bound
+        try:
+            child = threading.Thread(target=cache.reserve, args=(5000,), daemon=True)
+            child.start()
+            child.join(20)
+            os._exit(3 if child.is_alive() else 0)
+        finally:
+            os._exit(4)
+    time.sleep(0.3)  # the child waits for the parent's eviction by now
+    go.set()
+    maker.join(30)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child waited for locks of a thread it does not have"
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "longer", "shorter"])

@@ -43,6 +43,7 @@ from featurestore.core import generation
 from featurestore.core.checked import damage_message
 from featurestore.core.storage.chunk_cache import LOCK_SUFFIX, PART_BYTES, ChunkCache
 from featurestore.core.storage.files import unlink_quietly
+from featurestore.core.storage.lock_files import lock_file
 from featurestore.errors import CorruptChunk
 from featurestore.format import chunks as chunk_codec
 from featurestore.format import layout
@@ -187,8 +188,7 @@ class CachedArray:
         if time.monotonic() < self._locked_out.get(chunk, 0.0):  # its holder still stuck: ranges, no wait
             return False
         os.makedirs(self.directory, exist_ok=True)  # the cache may have been emptied by hand
-        lock_fd = os.open(f"{path}{LOCK_SUFFIX}", os.O_CREAT | os.O_RDWR, 0o644)
-        try:
+        with lock_file(f"{path}{LOCK_SUFFIX}") as lock_fd:  # closing it releases the flock
             if not _locked(lock_fd, self.cache.stats):
                 _warn_lock(f"{path}{LOCK_SUFFIX}")
                 # A shuffled epoch reads the chunk again and again: one wait, then ranges for a while.
@@ -204,8 +204,6 @@ class CachedArray:
             if stored:
                 self._checked.add((os.getpid(), chunk))
             return stored
-        finally:
-            os.close(lock_fd)  # releases the flock
 
     def _download(self, chunk: int, write: Callable[[Any], None], answered: Callable[[float], None]) -> None:
         """Stream the chunk into ``write``, checking its size and crc32c trailer on the way

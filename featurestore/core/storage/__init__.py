@@ -3,7 +3,8 @@
 Layers inside the package, each importing only the ones below it:
 
 * :mod:`.base` (the :class:`Storage` interface), :mod:`.files` (local file writes),
-  :mod:`.process` (``pid_alive``), :mod:`.options` (``storage_options`` -> obstore settings),
+  :mod:`.process` (``pid_alive``), :mod:`.lock_files` (lock files a forked child lets go),
+  :mod:`.options` (``storage_options`` -> obstore settings),
   :mod:`.io_loop` (the object-storage event loop);
 * the backends: :mod:`.local`, :mod:`.fsspec`, :mod:`.obstore` (with :mod:`.obstore_client`);
 * :mod:`.chunk_cache` (the cache directory) and :mod:`.cached` (a backend wrapped in it);

@@ -47,6 +47,7 @@ from typing import Any
 
 from featurestore.core import chunk_maps
 from featurestore.core.storage.files import preallocate, stream_parts, temp_path, unlink_quietly
+from featurestore.core.storage.lock_files import lock_file
 from featurestore.core.storage.process import pid_alive
 from featurestore.errors import InvalidStorageOptions
 from featurestore.format.names import TMP_SUFFIX, tmp_writer_pid
@@ -233,8 +234,7 @@ class ChunkCache:
             return True
         if time.monotonic() < self._no_room_until:
             return False
-        lock_fd = os.open(os.path.join(self._root, ".evict.lock"), os.O_CREAT | os.O_RDWR, 0o644)
-        try:
+        with lock_file(os.path.join(self._root, ".evict.lock")) as lock_fd:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one evictor at a time across the host
             before = self._shared_used()
             # This process's downloads in flight hold room too, as they stand before the scan: one
@@ -251,8 +251,6 @@ class ChunkCache:
                     self._no_room_until = time.monotonic() + 2.0
                     return False
             return True
-        finally:
-            os.close(lock_fd)
 
     def _evict(self, entries: list[tuple[float, int, str]], used: int, target: int) -> int:
         # Below the target by a twentieth: the next few chunks need no scan.
@@ -279,27 +277,22 @@ class ChunkCache:
         """The bytes the chunk files hold as the host's processes count them (:data:`USED_FILE`),
         after ``add``, ``set_to`` or ``rebase=(a scan's count, the count before it)`` plus the adds
         since (a separate read and set lost them); None when unreadable (room is made by a scan)."""
-        try:
-            fd = os.open(self._used_path, os.O_CREAT | os.O_RDWR, 0o644)
-        except OSError:  # the directory went: the next store or scan says why
-            return None
         writes = bool(add) or set_to is not None or rebase is not None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX if writes else fcntl.LOCK_SH)
-            raw = os.pread(fd, 8, 0)
-            value = int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else None
-            if rebase is not None:
-                set_to = rebase[0] + max(0, (value or 0) - rebase[1])
-            if value is None and set_to is None:  # a count lost (emptied by hand): the next scan sets it
-                return None
-            if writes:
-                value = set_to if set_to is not None else value + add
-                os.pwrite(fd, value.to_bytes(8, "little", signed=True), 0)
-            return value
-        except OSError:  # a full disk (the pwrite) is the store's to report
-            return None
-        finally:
-            os.close(fd)
+            with lock_file(self._used_path) as fd:
+                fcntl.flock(fd, fcntl.LOCK_EX if writes else fcntl.LOCK_SH)
+                raw = os.pread(fd, 8, 0)
+                value = int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else None
+                if rebase is not None:
+                    set_to = rebase[0] + max(0, (value or 0) - rebase[1])
+                if value is None and set_to is None:  # a count lost (emptied by hand): the next scan sets it
+                    return None
+                if writes:
+                    value = set_to if set_to is not None else value + add
+                    os.pwrite(fd, value.to_bytes(8, "little", signed=True), 0)
+                return value
+        except OSError:  # the directory went (the next store or scan says why), or a full disk (the
+            return None  # pwrite: the store's to report)
 
     def _kept(self, path: str, mtime: float) -> bool:
         """A chunk a loader's plan in this process still needs this epoch, or one used in the last
@@ -377,7 +370,7 @@ def _after_fork_in_child() -> None:
     _shared_lock, _pools_lock = threading.Lock(), threading.Lock()
     _pools.clear()
     for cache in filter(None, _shared.values()):  # None: a directory that could not be written
-        cache._lock = threading.Lock()
+        cache._lock, cache._reserving = threading.Lock(), threading.Lock()  # a fetch thread may have held them
         cache._inflight, cache._pending = {}, 0
         cache._pid = os.getpid()
 
@@ -438,13 +431,8 @@ def _write(f: Any, data: Any) -> None:
 def _remove_idle_lock(path: str) -> None:
     """Remove a download lock no process holds (one held is a download in progress)."""
     try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        unlink_quietly(path)
-    except BlockingIOError:
+        with lock_file(path, os.O_RDWR) as fd:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            unlink_quietly(path)
+    except OSError:  # gone already, or held (BlockingIOError): a download in progress
         pass
-    finally:
-        os.close(fd)
