@@ -205,6 +205,17 @@ def _pool() -> BufferPool:
     return _POOL
 
 
+def _after_fork_in_child() -> None:
+    # A forked reader (a DataLoader worker) makes its own: a parent's read thread may have held the
+    # pool's lock at the fork (its first checked read would wait for it forever), and its idle
+    # buffers are the parent's pages.
+    global _POOL
+    _POOL = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def lease(nbytes: int) -> np.ndarray:
     """A uint8 buffer of ``nbytes`` from the checked reads' pool (a block-checked read's blocks:
     featurestore.core.reader_blocks), back in the pool when dropped."""

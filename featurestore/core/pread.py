@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -59,6 +60,7 @@ class ReadPool:
         self._executor: ThreadPoolExecutor | None = None
         self._pid = -1
         self._lock = threading.RLock()  # a finalizer's shutdown may run inside executor()
+        _POOLS.add(self)
 
     def executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -78,6 +80,17 @@ class ReadPool:
 
 
 _DEFAULT: ReadPool | None = None
+_POOLS: weakref.WeakSet[ReadPool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A thread that did not come along may have held a pool's lock (in executor(), which every
+    # shared gather calls): the child's first read through that pool would wait for it forever.
+    for pool in list(_POOLS):
+        pool._lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _mincore: Any = None
 
