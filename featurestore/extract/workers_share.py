@@ -225,8 +225,8 @@ class ClaimShare:
                 writer = job.open()
                 board.finish(claim)
                 return writer
-            deadline = deadline or time.time() + 2 * board.lease
-            if time.time() > deadline:
+            deadline = deadline or time.monotonic() + 2 * board.lease  # a wait: the clock a step cannot move
+            if time.monotonic() > deadline:
                 raise FeatureStoreError(f"split {job.key}: another worker claimed its creation "
                                         f"{2 * board.lease:.0f} s ago and it still does not exist")
             time.sleep(min(1.0, board.lease / 3))
