@@ -34,6 +34,7 @@ from client.bag_dataset import BagDataset
 from client.readahead import bag_chunks
 from client.loader_options import check_count, check_loader_options
 from client.streaming import StreamingLoader, channel_normalization
+from featurestore.core import descriptor_reads
 from featurestore.errors import IndexOutOfRange, InvalidOption
 
 
@@ -111,9 +112,12 @@ class BagLoader(StreamingLoader):
         self.return_ids = bool(return_ids)
         self.pin_memory = options.pin_memory
         self.piece_bytes = int(piece_mib * 2**20)
-        # One bag per batch is one long read: two threads keep a local disk busy; remote reads
-        # are latency bound. Never more than `prefetch` batches in flight (the memory bound).
-        self.num_threads = min(num_threads or (2 if ds.read_path != "http" else 4), self.prefetch)
+        # One bag per batch is one long read: two threads keep a local disk busy, but on two cores
+        # the second only contends with the first and the consumer (warm epochs: 0.84-0.88x the
+        # bare reader with one, 0.69-0.76x with two; cold and the stall alike). Remote reads are
+        # latency bound. Never more than `prefetch` batches in flight (the memory bound).
+        local = 2 if descriptor_reads.cores() > 2 else 1
+        self.num_threads = min(num_threads or (local if ds.read_path != "http" else 4), self.prefetch)
         self._warned_epoch = -1
         self._init_epochs()
 

@@ -151,6 +151,22 @@ def test_a_second_epoch_maps_no_fresh_bag_buffer(bag_store: str, monkeypatch: py
     loader.close()
 
 
+@pytest.mark.parametrize("cores, threads", [(1, 1), (2, 1), (4, 2), (16, 2)])
+def test_read_ahead_threads_follow_the_cores(bag_store: str, monkeypatch: pytest.MonkeyPatch, cores: int,
+                                             threads: int) -> None:
+    """Two read-ahead threads locally, one on two cores or fewer (where a second contends with the
+    first and the consumer); a count given is kept, and none exceeds ``prefetch``."""
+    from featurestore.core import descriptor_reads
+
+    monkeypatch.setattr(descriptor_reads, "cores", lambda: cores)
+    ds = BagDataset(bag_store, "cohort", "enc-float16", "all")
+    assert BagLoader(ds, device="cpu").num_threads == threads
+    assert BagLoader(ds, device="cpu", num_threads=2).num_threads == 2
+    assert BagLoader(ds, device="cpu", prefetch=1, num_threads=2).num_threads == 1
+    loader = BagLoader(ds, batch_size=1, shuffle=False, device="cpu", dtype=torch.float32)
+    assert [int(b[3][0]) for b in quiet(loader)] == [expected(ds, i)[2] for i in range(len(ds)) if LENGTHS[i]]
+
+
 def test_empty_bag_raises_without_skip_empty(bag_store: str) -> None:
     ds = BagDataset(bag_store, "cohort", "enc-float32", "all")
     loader = BagLoader(ds, batch_size=1, shuffle=False, device="cpu", skip_empty=False)
