@@ -1,5 +1,6 @@
 """A process forked while one of its threads holds the lock of a process-wide reading object (the
-pool of check buffers, a read pool) gets a child whose first use of that object works. Before, the
+pool of check buffers, a read pool, the object-storage I/O loop as it starts) gets a child whose
+first use of that object works. Before, the
 child inherited the lock as held, by a thread it does not have, and its first read waited forever:
 a DataLoader worker forked while a loader's thread read in the parent. (The chunk cache's locks:
 tests/test_chunk_cache_eviction.py.)"""
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from featurestore.core import checked, pread
+from featurestore.core.storage import io_loop
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -67,3 +69,15 @@ def test_a_child_forked_while_a_read_pool_starts_its_threads_reads_with_its_own(
         assert _child_exit(lambda: pool.executor().submit(int).result(10)) == 0
     finally:
         release.set()
+
+
+def test_a_child_forked_while_the_object_io_loop_starts_starts_its_own() -> None:
+    release = _held(io_loop._loop_lock)
+    try:
+        assert _child_exit(lambda: io_loop.run(_nothing())) == 0
+    finally:
+        release.set()
+
+
+async def _nothing() -> None:
+    return None

@@ -69,9 +69,10 @@ _activity = _Activity()
 
 
 def _forget_parent_activity() -> None:
-    # A forked child has none of its parent's requests in flight (nor its loop, nor its threads).
-    global _activity
-    _activity = _Activity()
+    # A forked child has none of its parent's requests in flight (nor its loop, nor its threads,
+    # one of which may have held the loop's lock while starting it).
+    global _activity, _loop_lock
+    _activity, _loop_lock = _Activity(), threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_parent_activity)
