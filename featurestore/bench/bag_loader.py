@@ -218,7 +218,7 @@ def rss_figures(store: str, splits: tuple[str, str], prefetch: int = 2, runs: in
     stored = max(out[k]["largest_bag_stored_bytes"] for k in ("B", "4B"))
     # docs/LOADER.md, "Memory bound of BagLoader": (prefetch + 4) float32 batches, each rounded up
     # at most 25 %, + a staging piece per read-ahead thread and the consumer, + a constant.
-    threads = min(2, prefetch)
+    threads = max(out[k]["num_threads"] for k in ("B", "4B"))
     bound = int((prefetch + 4) * 1.25 * largest + (threads + 1) * min(64 << 20, 1.25 * stored)) + (32 << 20)
     out["growth_bytes"] = out["loader_bytes"]["4B"] - out["loader_bytes"]["B"]
     # What top shows (file pages of the maps included): the 4x larger split's peak over the other's.
@@ -237,5 +237,5 @@ def rss_epoch(config: dict[str, Any]) -> dict[str, Any]:
     loader = BagLoader(ds, batch_size=1, device="cpu", dtype=torch.float32, prefetch=config["prefetch"])
     rss = memory.rss_epoch(float(batch[0][0, 0, 0]) for batch in loader)  # each batch touched, as a consumer would
     return {"bags": len(ds), "store_bytes": int(ds.lengths.sum()) * ds.row_nbytes, **rss,
-            "largest_bag_f32_bytes": int(ds.lengths.max()) * ds.dim * 4,
+            "num_threads": loader.num_threads, "largest_bag_f32_bytes": int(ds.lengths.max()) * ds.dim * 4,
             "largest_bag_stored_bytes": int(ds.lengths.max()) * ds.row_nbytes}
