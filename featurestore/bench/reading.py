@@ -276,8 +276,8 @@ def _web(r: dict[str, Any], out: Reading) -> None:
         f"- catalog page, {r['splits']} splits of {r['dim']} channels: warm {c['warm_ms']:.1f} ms, "
         f"documents evicted {c['documents_evicted_ms']:.1f} ms, first view {c['first_view_ms']:.1f} ms, one split's "
         f"page {c['split_page_warm_ms']:.1f} ms",
-        f"- PCA picture of {p['shape'][0]}x{p['shape'][1]} float16, {p['blas_threads'] or 'the default'} BLAS thread(s): computed "
-        f"{p['computed_ms']:.1f} ms median, cached {p['cached_ms']:.1f} ms; parts "
+        f"- PCA picture of {p['shape'][0]}x{p['shape'][1]} float16, {p['blas_threads'] or 'the default'} BLAS "
+        f"thread(s): computed {p['computed_ms']:.1f} ms median, cached {p['cached_ms']:.1f} ms; parts "
         + ", ".join(f"{k} {v:.1f} ms" for k, v in p["parts_ms"].items())]
 
 

@@ -93,4 +93,5 @@ def _bench_picture(path: str, grid: tuple[int, int], args: argparse.Namespace) -
     return {"shape": [args.tokens, args.dim], "computed_ms": _ms(statistics.median(computed)),
             "computed_max_ms": _ms(max(computed)), "cached_ms": _ms(cached.median("cached")),
             "parts_ms": {"read": _ms(read), "float16->float32": _ms(cast), "components+image": _ms(fit),
-                         "png": _ms(png)}, "blas_threads": Settings().ui_blas_threads if limited else None}  # None: the library's own
+                         "png": _ms(png)},
+            "blas_threads": Settings().ui_blas_threads if limited else None}  # None: the library's own

@@ -35,14 +35,6 @@ def lock_file(path: str, flags: int = os.O_CREAT | os.O_RDWR) -> Iterator[int]:
             os.close(fd)
 
 
-def _before_fork() -> None:
-    _guard.acquire()
-
-
-def _after_fork_in_parent() -> None:
-    _guard.release()
-
-
 def _after_fork_in_child() -> None:
     for fd in _open_here:
         with contextlib.suppress(OSError):
@@ -51,4 +43,4 @@ def _after_fork_in_child() -> None:
     _guard.release()
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_guard.acquire, after_in_parent=_guard.release, after_in_child=_after_fork_in_child)
