@@ -117,6 +117,9 @@ def test_resolve_layout_modes_and_inference() -> None:
     assert resolve_layout(_plain(), 21, (64, 64), "patch", prefix_override=1).grid is None
     with pytest.raises(EncoderError, match="--prefix-tokens"):
         resolve_layout(_plain(), 1000, (64, 64), "patch")
+    # An override beyond the tokens names itself, not "pass --prefix-tokens N".
+    with pytest.raises(EncoderError, match=r"--prefix-tokens 30 does not fit .*21 tokens: give 0\.\.21"):
+        resolve_layout(_plain(5, (16, 16)), 21, (64, 64), "patch", prefix_override=30)
     with pytest.raises(EncoderError, match="no CLS token"):
         resolve_layout(_plain(0, (16, 16)), 16, (64, 64), "cls")
 

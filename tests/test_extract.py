@@ -310,8 +310,10 @@ def _bad_input(kind: str, tmp: Path, fold: Path) -> tuple[list[str], dict[str, s
         encoder = "python:test_extract:nan_encoder"
     elif kind == "nan-mid-run":  # NaN from the second batch: the writer refuses it
         env.update(FSX_BAD_AFTER="2", FSX_BAD_SCALE="nan")
+    extra = {"negative-prefix": ["--prefix-tokens", "-1"],
+             "prefix-beyond-tokens": ["--prefix-tokens", "500"]}.get(kind, [])
     args = ["extract", "--images", images, "--encoder", encoder, "--store", str(tmp / "s"), "--dataset", "d",
-            "--encoder-name", "enc", "--split", "s", "--batch-size", "4", "--num-workers", "1"]
+            "--encoder-name", "enc", "--split", "s", "--batch-size", "4", "--num-workers", "1", *extra]
     return args, env
 
 
@@ -324,6 +326,9 @@ BAD = {
     "overflow": "--dtype bfloat16",
     "nan": "NaN",
     "nan-mid-run": "NaN",
+    # Option values are named as given (not "pass --prefix-tokens N" to one who passed it).
+    "negative-prefix": "--prefix-tokens must be 0 or more.*-1",
+    "prefix-beyond-tokens": "--prefix-tokens 500 does not fit .* 17 tokens",
 }
 
 
@@ -350,7 +355,8 @@ def test_bad_input_is_one_line_exit_1_and_never_complete(kind: str, fold: Path, 
         monkeypatch.setenv(key, value)
     code = main(args)
     _assert_one_line_failure(code, capfd.readouterr().err, kind, tmp_path)
-    if kind in ("missing-file", "malformed-npy", "encoder-import", "wrong-rank", "nan"):
+    if kind in ("missing-file", "malformed-npy", "encoder-import", "wrong-rank", "nan", "negative-prefix",
+                "prefix-beyond-tokens"):
         assert not (tmp_path / "s").exists()  # found before anything touched the store
 
 

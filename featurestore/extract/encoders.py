@@ -262,6 +262,9 @@ def resolve_layout(encoder: Encoder, tokens: int, image_hw: tuple[int, int], mod
     if prefix is not None and grid is None:
         side = math.isqrt(max(0, tokens - prefix))
         grid = (side, side) if side * side == tokens - prefix else None
+    if prefix_override is not None and not 0 <= prefix_override <= tokens:
+        raise EncoderError(f"--prefix-tokens {prefix_override} does not fit encoder {encoder.spec}'s {tokens} tokens: "
+                           f"give 0..{tokens} (its CLS + register tokens), or leave it out")
     if prefix is None or not 0 <= prefix <= tokens:
         if mode == "all":
             return TokenLayout(mode, tokens, None, None)

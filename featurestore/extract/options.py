@@ -53,6 +53,9 @@ class RunOptions:
             raise InvalidOption(f"--num-workers must be 0 (load in the main process) or more, but got: {self.num_workers}")
         if self.queue_size < 1:
             raise InvalidOption(f"--queue-size must be a positive integer, but got: {self.queue_size}")
+        if self.prefix_tokens is not None and self.prefix_tokens < 0:
+            raise InvalidOption(f"--prefix-tokens must be 0 or more (CLS + register tokens), but got: "
+                                f"{self.prefix_tokens}")
         if self.resume and self.overwrite:
             raise InvalidOption("--resume and --overwrite exclude each other: choose one")
 
