@@ -310,7 +310,7 @@ def _bad_input(kind: str, tmp: Path, fold: Path) -> tuple[list[str], dict[str, s
         encoder = "python:test_extract:nan_encoder"
     elif kind == "nan-mid-run":  # NaN from the second batch: the writer refuses it
         env.update(FSX_BAD_AFTER="2", FSX_BAD_SCALE="nan")
-    extra = {"negative-prefix": ["--prefix-tokens", "-1"],
+    extra = {"bad-compressor": ["--compressor", "zstdx"], "negative-prefix": ["--prefix-tokens", "-1"],
              "prefix-beyond-tokens": ["--prefix-tokens", "500"]}.get(kind, [])
     args = ["extract", "--images", images, "--encoder", encoder, "--store", str(tmp / "s"), "--dataset", "d",
             "--encoder-name", "enc", "--split", "s", "--batch-size", "4", "--num-workers", "1", *extra]
@@ -327,6 +327,7 @@ BAD = {
     "nan": "NaN",
     "nan-mid-run": "NaN",
     # Option values are named as given (not "pass --prefix-tokens N" to one who passed it).
+    "bad-compressor": "unsupported compressor 'zstdx'.*leave --compressor out",
     "negative-prefix": "--prefix-tokens must be 0 or more.*-1",
     "prefix-beyond-tokens": "--prefix-tokens 500 does not fit .* 17 tokens",
 }
@@ -355,8 +356,8 @@ def test_bad_input_is_one_line_exit_1_and_never_complete(kind: str, fold: Path, 
         monkeypatch.setenv(key, value)
     code = main(args)
     _assert_one_line_failure(code, capfd.readouterr().err, kind, tmp_path)
-    if kind in ("missing-file", "malformed-npy", "encoder-import", "wrong-rank", "nan", "negative-prefix",
-                "prefix-beyond-tokens"):
+    if kind in ("missing-file", "malformed-npy", "encoder-import", "wrong-rank", "nan", "bad-compressor",
+                "negative-prefix", "prefix-beyond-tokens"):
         assert not (tmp_path / "s").exists()  # found before anything touched the store
 
 

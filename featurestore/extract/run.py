@@ -42,6 +42,7 @@ from featurestore.extract.sources import (
 )
 from featurestore.extract.workers import DieWithParent
 from featurestore.extract.writer_thread import WriterThread
+from featurestore.format.layout import parse_compressor
 from featurestore.format.metadata import Provenance
 
 
@@ -53,6 +54,11 @@ class ExtractOptions(RunOptions):
     resize: tuple[int, int] | None = None
     compressor: str | None = None
     verify_chunks: bool = False  # re-read every chunk of an existing split: crc32c, seal, features vs stats
+
+    def check(self) -> None:
+        super().check()
+        if self.compressor is not None:  # before the store is opened: a bad name must not create one
+            parse_compressor(self.compressor)
 
 
 @dataclass

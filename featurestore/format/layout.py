@@ -105,8 +105,8 @@ def parse_compressor(compressor: str) -> tuple[str, int]:
     name, _, level = str(compressor).partition(":")
     if name != "zstd" or (level and not level.lstrip("-").isdigit()):
         raise InvalidOption(
-            f"unsupported compressor {compressor!r}: use None (uncompressed, memory-mappable), "
-            "'zstd' or 'zstd:LEVEL'"
+            f"unsupported compressor {compressor!r}: use 'zstd' or 'zstd:LEVEL', or none (None; on the "
+            "command line, leave --compressor out): uncompressed, memory-mappable"
         )
     return name, int(level) if level else 3
 
