@@ -130,6 +130,22 @@ def test_ragged_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureF
         import_cache(opts(tmp_path, tmp_path / "ints.npy", split="i"))
 
 
+def test_bad_token_layout_and_an_empty_cache_are_refused_before_a_split(tmp_path: Path) -> None:
+    """A non-positive --grid was stored as the split's grid; an empty cache named no file and no fix."""
+    torch.save(feats(), tmp_path / "f.pt")
+    for grid in ((-2, -2), (0, 4)):
+        with pytest.raises(ShapeMismatch, match=rf"--grid {grid[0]} {grid[1]}: H and W must be positive.*--grid 1 4"):
+            import_cache(opts(tmp_path, tmp_path / "f.pt", split="g", grid=grid))
+    with pytest.raises(ShapeMismatch, match=r"--grid 3 3 needs 9 .*give H W with H x W = 4"):
+        import_cache(opts(tmp_path, tmp_path / "f.pt", split="g", grid=(3, 3)))
+    with pytest.raises(ShapeMismatch, match=r"--prefix-tokens 7 does not fit .*: give 0 to 3"):
+        import_cache(opts(tmp_path, tmp_path / "f.pt", split="g", prefix_tokens=7))
+    np.save(tmp_path / "none.npy", np.zeros((0, T, D), dtype=np.float32))
+    with pytest.raises(SourceError, match=r"cache '.*none\.npy' holds 0 samples .*at least one sample"):
+        import_cache(opts(tmp_path, tmp_path / "none.npy", split="g"))
+    assert not (tmp_path / "store").exists()  # nothing written
+
+
 def test_values_refused_mid_import_give_an_import_s_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A value float16 cannot hold (or a NaN) found after the split was made: the message gives a
     fix that works (--dtype bfloat16 alone was refused: the split exists, incomplete), and names

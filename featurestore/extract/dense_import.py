@@ -15,7 +15,7 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
-from featurestore.errors import Float16Overflow, NonFiniteValues, ShapeMismatch
+from featurestore.errors import Float16Overflow, NonFiniteValues, ShapeMismatch, SourceError
 from featurestore.extract.dist_run import SplitJob, progress_bar
 from featurestore.extract.import_types import ImportOptions, ImportResult
 from featurestore.extract.input_check import refuse_changed_inputs_of
@@ -33,13 +33,18 @@ def _token_layout(shape: tuple[int, ...], prefix: int, grid: tuple[int, int] | N
                 "encoder_prefix_tokens": None}
     tokens = shape[0]
     if not 0 <= prefix < tokens:
-        raise ShapeMismatch(f"--prefix-tokens {prefix} does not fit samples of {tokens} tokens")
+        raise ShapeMismatch(f"--prefix-tokens {prefix} does not fit samples of {tokens} tokens: "
+                            f"give 0 to {tokens - 1} (the CLS/register tokens before the patches)")
+    if grid is not None and min(grid) < 1:
+        raise ShapeMismatch(f"--grid {grid[0]} {grid[1]}: H and W must be positive (H x W = the "
+                            f"{tokens - prefix} patch tokens), e.g. --grid 1 {tokens - prefix}")
     if grid is None:
         side = int(round((tokens - prefix) ** 0.5))
         grid = (side, side) if side * side == tokens - prefix else None
     elif grid[0] * grid[1] != tokens - prefix:
         raise ShapeMismatch(f"--grid {grid[0]} {grid[1]} needs {grid[0] * grid[1]} patch tokens, but samples "
-                            f"have {tokens} tokens with {prefix} prefix tokens")
+                            f"have {tokens} tokens with {prefix} prefix tokens: give H W with H x W = "
+                            f"{tokens - prefix}")
     return {"tokens": "all" if prefix else "patch", "prefix_tokens": prefix,
             "grid": list(grid) if grid else None, "encoder_tokens": tokens, "encoder_prefix_tokens": prefix}
 
@@ -57,6 +62,9 @@ class DenseImport(SplitJob):
 
         opts = self.opts
         source = self.source = open_cache(opts.source, opts.key, opts.labels)
+        if source.num_samples < 1:
+            raise SourceError(f"cache {opts.source!r} holds 0 samples ({source.spec}): nothing to import; "
+                              "give a cache with at least one sample")
         labels = self.labels = open_labels(opts.labels, source)
         source_dtype = source.dtype  # float64 too: the writer measures the float64 -> stored error
         self.dtype = resolve_dtype(opts.dtype, source_dtype)
