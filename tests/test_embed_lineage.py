@@ -143,6 +143,23 @@ def test_output_shapes_and_options(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         run_embed(tmp_path, "max", encoder_name="flat")
 
 
+def test_a_negative_seed_and_an_empty_out_split_are_refused_in_one_line(tmp_path: Path) -> None:
+    """--seed -1 --max-patches K was numpy's traceback; --out-split '' silently wrote the --split name."""
+    from featurestore.errors import InvalidName
+
+    make_bags(tmp_path, "float32")
+    with pytest.raises(InvalidOption, match=r"--seed must be an integer >= 0 .*got -1: pass e.g. --seed 0"):
+        run_embed(tmp_path, "mean", max_patches=2, seed=-1, encoder_name="neg")
+    with pytest.raises(InvalidName, match="invalid --out-split ''"):
+        run_embed(tmp_path, "mean", out_split="", encoder_name="empty")
+    assert not {"neg", "empty"} & set(featurestore.open_store(str(tmp_path)).encoders("ds"))  # nothing written
+    result = cli("embed", str(tmp_path), "--dataset", "ds", "--encoder", "uni", "--split", "train", "--slide-encoder",
+                 "mean", "--encoder-name", "neg", "--seed", "-1", "--max-patches", "2", "--no-progress")
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        "featurestore: error: --seed must be an integer >= 0 (it seeds the --max-patches subsets), got -1: "
+        "pass e.g. --seed 0"], result.stderr
+
+
 def test_embeddings_export_as_one_h5_per_slide_or_patient_and_never_when_stale(tmp_path: Path) -> None:
     import h5py
 

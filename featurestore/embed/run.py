@@ -71,6 +71,9 @@ class EmbedOptions:
             raise InvalidOption("--groups CSV gives each slide's value of --group-by COLUMN: add --group-by")
         if self.max_patches is not None and (isinstance(self.max_patches, bool) or self.max_patches < 1):
             raise InvalidOption(f"--max-patches must be a positive integer, got {self.max_patches!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise InvalidOption(f"--seed must be an integer >= 0 (it seeds the --max-patches subsets), "
+                                f"got {self.seed!r}: pass e.g. --seed 0")
         if self.empty_bags not in EMPTY_BAGS:
             raise InvalidOption(f"--empty-bags {self.empty_bags!r} is not one of {', '.join(EMPTY_BAGS)}")
         if self.autocast not in slide_encoders.AUTOCAST:
@@ -84,7 +87,7 @@ class EmbedOptions:
 
     @property
     def target_split(self) -> str:
-        return self.out_split or self.split
+        return self.split if self.out_split is None else self.out_split
 
 
 @dataclass
