@@ -169,6 +169,11 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value
+    if getattr(args, "cache_bytes", None) is not None:
+        # Checked here too: a local store takes no storage options, so a bad value went unnoticed.
+        from featurestore.core.storage.options import parse_bytes
+
+        parse_bytes(args.cache_bytes, "--cache-bytes")
     return options
 
 
