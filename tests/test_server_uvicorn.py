@@ -130,6 +130,30 @@ def test_serve_cli_errors_are_one_line(tmp_path: object) -> None:
     assert out.returncode == 1 and "--workers" in out.stderr
 
 
+def test_serve_an_empty_url_a_busy_port_or_an_unknown_host_is_one_line(store_path: str) -> None:
+    """'' was a ValueError traceback of server/state.py; a busy port or a host not of this machine
+    was uvicorn's bare errno among its log lines (exit 3), after the app had started."""
+    def serve(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "featurestore.cli", "serve", *args],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    out = serve("", "--port", "0")
+    assert (out.returncode, out.stderr) == (1, "featurestore: error: store URL '' is empty: pass a directory path or "
+                                               "an fsspec URL such as s3://bucket/prefix\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = serve(store_path, "--host", "127.0.0.1", "--port", str(port))
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"featurestore: error: --host '127.0.0.1' --port {port}: cannot listen there "
+                                 "(Address already in use): give an address of this machine"), out.stderr
+    out = serve(store_path, "--host", "no such host.invalid", "--port", "0")
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("featurestore: error: --host 'no such host.invalid' --port 0: cannot listen there ")
+    assert "(--port 0 picks one)" in out.stderr
+
+
 def test_local_and_served_reads_agree_bit_for_bit(server: tuple[str, object], store_path: str) -> None:
     from client import FeatureClient
 

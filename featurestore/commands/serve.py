@@ -16,7 +16,7 @@ from typing import Any
 from featurestore.commands.parsers import add_verb
 from featurestore.commands.storeargs import ENV as STORAGE_ENV
 from featurestore.commands.storeargs import add_cache_options, add_storage_options, options_from_args, store_errors
-from featurestore.errors import InvalidOption
+from featurestore.errors import InvalidOption, StoreNotFound
 
 DEFAULT_TOKEN_ENV = "FEATURESTORE_TOKEN"
 
@@ -55,6 +55,9 @@ def register(subparsers: Any) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if not args.url:  # the server would read "" as "no FEATURESTORE_STORE": a traceback
+        raise StoreNotFound(f"store URL {args.url!r} is empty: pass a directory path or an fsspec URL such as "
+                            "s3://bucket/prefix")
     if not 0 <= args.port <= 65535:
         raise InvalidOption(f"--port must be in 0..65535, but got: {args.port}")
     if args.workers < 1:
@@ -63,6 +66,23 @@ def _check(args: argparse.Namespace) -> None:
         raise InvalidOption(
             f"--max-response-bytes must be a positive integer, but got: {args.max_response_bytes}"
         )
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Bind once as uvicorn will, so an unknown host or a busy port is one line naming it (uvicorn
+    logs a bare errno after starting the app, and exits 3)."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as error:
+        raise InvalidOption(f"--host {host!r} --port {port}: cannot listen there ({error.strerror or error}): give "
+                            "an address of this machine (127.0.0.1; 0.0.0.0 for every interface) and a free port "
+                            "(--port 0 picks one)") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         settings = Settings()
         limit_blas_threads(settings.ui_blas_threads)  # this process's BLAS (the page's pictures)
         app = create_app(settings=settings)
+    _check_listen(args.host, args.port)
     common = dict(
         host=args.host,
         port=args.port,
