@@ -10,7 +10,7 @@ import torch
 
 import featurestore
 from featurestore.cli import main
-from featurestore.errors import CacheKeyMismatch, ShapeMismatch
+from featurestore.errors import CacheKeyMismatch, NonFiniteValues, ShapeMismatch
 from featurestore.extract.importer import ImportOptions, import_cache
 from featurestore.extract.sources import SourceError
 
@@ -144,6 +144,27 @@ def test_bad_token_layout_and_an_empty_cache_are_refused_before_a_split(tmp_path
     with pytest.raises(SourceError, match=r"cache '.*none\.npy' holds 0 samples .*at least one sample"):
         import_cache(opts(tmp_path, tmp_path / "none.npy", split="g"))
     assert not (tmp_path / "store").exists()  # nothing written
+
+
+def test_reading_a_split_an_import_left_incomplete_names_a_fix_that_fits(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The message said `featurestore extract ... --resume` (not how this split was written) and
+    allow_incomplete=True, which no CLI verb takes."""
+    from featurestore.errors import IncompleteSplit
+
+    x = feats()
+    x[0, 0, 0] = float("nan")
+    torch.save(x, tmp_path / "f.pt")
+    with pytest.raises(NonFiniteValues):
+        import_cache(opts(tmp_path, tmp_path / "f.pt", split="w"))
+    fix = (r"plus --resume \(`featurestore extract \.\.\.` or `featurestore import \.\.\.`\); "
+           r"or, in Python, .*allow_incomplete")
+    with pytest.raises(IncompleteSplit, match=fix):
+        stored(tmp_path, "w")
+    rc = main(["probe", str(tmp_path / "store"), "--dataset", "ds", "--encoder", "enc", "--train", "w", "--eval", "w",
+               "--quiet", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "`featurestore import ...`" in err, err
 
 
 def test_values_refused_mid_import_give_an_import_s_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

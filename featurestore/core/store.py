@@ -134,8 +134,9 @@ class FeatureStore:
         if not meta.complete and not allow_incomplete:
             raise IncompleteSplit(
                 f"split {key} is not complete (status {meta.status!r}): its writer is still "
-                "running or died. Resume it (featurestore extract ... --resume), or pass "
-                "allow_incomplete=True to read it as it is"
+                "running or died. Resume it: rerun the command that wrote it plus --resume "
+                "(`featurestore extract ...` or `featurestore import ...`); or, in Python, read it as it "
+                "is with allow_incomplete=True"
             )
         user_meta = meta.to_json()  # arr.metadata stays a dict for users (SPEC)
         self._require_inside(dataset, encoder, split, layout.FEATURES, layout.LABELS)
