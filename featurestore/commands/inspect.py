@@ -47,10 +47,17 @@ def _run_ls(args: argparse.Namespace) -> int:
     from featurestore.core.verify import iter_splits
     from featurestore.format.sizes import split_size
 
+    from featurestore.errors import FeatureStoreError
+
     store = _store(args)
-    rows = []
+    rows, unreadable = [], []
     for ds, enc, sp in iter_splits(store):
-        meta = store.split_info(ds, enc, sp)
+        try:
+            meta = store.split_info(ds, enc, sp)
+        except FeatureStoreError as error:  # one damaged document must not hide the other splits
+            rows.append((f"{ds}/{enc}/{sp}", "UNREADABLE", "-", "-", "-", "-"))
+            unreadable.append(f"{ds}/{enc}/{sp}: {error}")
+            continue
         shape = [meta.num_samples, *meta.sample_shape]
         text = "x".join(map(str, shape))
         if meta.is_bags:  # bag count, patch rows x dim (before the first commit: not counted yet)
@@ -66,7 +73,9 @@ def _run_ls(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    return 0
+    for line in unreadable:
+        print(f"featurestore: error: {line}", file=sys.stderr)
+    return 1 if unreadable else 0
 
 
 def lineage_line(store: Any, meta: Any) -> tuple[str | None, str | None]:
