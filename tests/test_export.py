@@ -284,7 +284,7 @@ def test_a_bad_out_is_named_not_blamed_on_the_store(tmp_path: Path, capsys: pyte
     monkeypatch.setattr("featurestore.extract.bag_export.os.makedirs", refuse)
     assert export(tmp_path / "store", "all", "trident", tmp_path / "new") == 1
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"cannot write into --out {tmp_path / 'new'} (Permission denied)" in err
+    assert len(err.splitlines()) == 1 and f"cannot write into --out {str(tmp_path / 'new')!r} (Permission denied)" in err
     assert "cannot use the store" not in err, err
 
 

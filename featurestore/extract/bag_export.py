@@ -140,7 +140,7 @@ def check_out(out: str) -> None:
     if not os.path.isdir(existing):
         raise InvalidOption(f"--out {out}: {existing} is a file, not a directory: give a folder to write the files in")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise InvalidOption(f"cannot write into --out {out} (Permission denied): give a folder you can write in")
+        raise InvalidOption(f"cannot write into --out {out!r} (Permission denied): give a folder you can write in")
 
 
 def prepare_out(targets: list[str], out: str, overwrite: bool) -> None:
@@ -155,7 +155,7 @@ def prepare_out(targets: list[str], out: str, overwrite: bool) -> None:
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as error:  # what check_out cannot foresee: /proc/x, a read-only mount...
-            raise InvalidOption(f"cannot write into --out {out} ({error.strerror or error}): give a folder you can "
+            raise InvalidOption(f"cannot write into --out {out!r} ({error.strerror or error}): give a folder you can "
                                 "write in") from error
 
 
