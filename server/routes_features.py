@@ -15,9 +15,10 @@ from urllib.parse import unquote
 
 from fastapi import APIRouter, Path, Request
 
+from featurestore.errors import FeatureStoreError
 from featurestore.format import wire
 from featurestore.format.names import NAME_PATTERN, validate_name
-from server.errors import NotFound
+from server.errors import NotFound, relative_to_store
 from server.state import StoreState
 
 router = APIRouter()
@@ -50,12 +51,21 @@ def encoders(request: Request, dataset: Name) -> dict[str, Any]:
 def splits(request: Request, dataset: Name, encoder: Name) -> dict[str, Any]:
     validate_name(dataset, "dataset")
     validate_name(encoder, "encoder")
-    store = state_of(request).store
+    state = state_of(request)
+    store = state.store
     names = list(store.splits(dataset, encoder))
-    status = {name: store.split_status(dataset, encoder, name) for name in names}
-    # "dense" (read through /v1/features/...) or "bags" (through /v1/bags/...).
-    kind = {name: store.split_kind(dataset, encoder, name) for name in names}
-    return {"dataset": dataset, "encoder": encoder, "splits": names, "status": status, "kind": kind}
+    status, kind, unreadable = {}, {}, {}
+    for name in names:
+        try:
+            meta = store.split_info(dataset, encoder, name)
+        except FeatureStoreError as error:  # one damaged document must not hide its siblings
+            status[name] = "unreadable"
+            unreadable[name] = wire.redact(relative_to_store(str(error), state.private_paths))
+            continue
+        # "dense" (read through /v1/features/...) or "bags" (through /v1/bags/...).
+        status[name], kind[name] = meta.status, meta.kind
+    return {"dataset": dataset, "encoder": encoder, "splits": names, "status": status, "kind": kind,
+            **({"unreadable": unreadable} if unreadable else {})}
 
 
 @router.get(wire.SPLIT, tags=["features"])

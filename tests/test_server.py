@@ -48,6 +48,25 @@ def test_healthz_and_listings(client: TestClient) -> None:
     assert body["status"] == {"f32": "complete", "train": "complete", "val": "complete", "writing": "writing"}
 
 
+def test_a_split_whose_document_is_unreadable_is_listed_beside_the_others(tmp_path: Any) -> None:
+    import featurestore
+
+    store = featurestore.open_store(str(tmp_path), mode="a")
+    for split in ("a", "b"):
+        writer = store.create_split("d", "e", split, num_samples=2, sample_shape=(4,), dtype="float16")
+        writer.write(0, np.ones((2, 4), np.float32))
+        writer.commit()
+    (tmp_path / "d" / "e" / "a" / "zarr.json").write_text('{"garbage')
+    with TestClient(create_app(settings=Settings(store=str(tmp_path)))) as client:
+        response = client.get("/v1/datasets/d/encoders/e/splits")
+        assert response.status_code == 200, response.text  # it was a 500 for the whole encoder
+        body = response.json()
+        assert body["splits"] == ["a", "b"] and body["status"] == {"a": "unreadable", "b": "complete"}
+        assert body["kind"] == {"b": "dense"}
+        assert "not valid JSON" in body["unreadable"]["a"] and str(tmp_path) not in body["unreadable"]["a"]
+        assert client.get("/v1/features/d/e/b/batch", params={"start": 0, "stop": 2}).status_code == 200
+
+
 def test_metadata_is_the_split_metadata(client: TestClient, store_path: str) -> None:
     import featurestore
 
