@@ -16,7 +16,7 @@ from typing import Any
 from featurestore.commands.parsers import add_verb
 from featurestore.commands.storeargs import ENV as STORAGE_ENV
 from featurestore.commands.storeargs import add_cache_options, add_storage_options, options_from_args, store_errors
-from featurestore.errors import InvalidOption, StoreNotFound
+from featurestore.errors import InvalidOption
 
 DEFAULT_TOKEN_ENV = "FEATURESTORE_TOKEN"
 
@@ -55,9 +55,9 @@ def register(subparsers: Any) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if not args.url:  # the server would read "" as "no FEATURESTORE_STORE": a traceback
-        raise StoreNotFound(f"store URL {args.url!r} is empty: pass a directory path or an fsspec URL such as "
-                            "s3://bucket/prefix")
+    from featurestore.core.storage.factory import check_url
+
+    check_url(args.url)  # before the server, which would read "" as "no FEATURESTORE_STORE": a traceback
     if not 0 <= args.port <= 65535:
         raise InvalidOption(f"--port must be in 0..65535, but got: {args.port}")
     if args.workers < 1:

@@ -17,14 +17,19 @@ from featurestore.core.storage.local import LocalStorage
 from featurestore.errors import StoreNotFound
 
 
+def check_url(url: Any) -> None:
+    """Refuse a store URL that is empty (or not a path at all) in the one message every caller gives."""
+    if not isinstance(url, (str, os.PathLike)) or not str(url):
+        raise StoreNotFound(f"store URL {url!r} is empty: pass a directory path or an fsspec URL such as s3://bucket/prefix")
+
+
 def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:
     """A local path or ``file://`` URL gets :class:`LocalStorage` (memory-mappable); ``s3://``,
     ``gs://`` and ``az://`` get the obstore backend (:class:`.obstore.ObjectStorage`; set
     ``FEATURESTORE_OBJECT_BACKEND=fsspec`` to go through fsspec instead), wrapped in the chunk
     cache (:func:`.cached.with_chunk_cache`) when its settings name a ``cache_dir``; any other
     fsspec URL gets :class:`FsspecStorage`."""
-    if not isinstance(url, (str, os.PathLike)) or not str(url):
-        raise StoreNotFound(f"store URL {url!r} is empty: pass a directory path or an fsspec URL such as s3://bucket/prefix")
+    check_url(url)
     url = os.fspath(url)
     if url.startswith("file://"):
         url = url[len("file://"):]
