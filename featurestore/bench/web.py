@@ -13,6 +13,7 @@ import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
 from featurestore.demo.synthetic_splits import write_catalog, write_picture_split
+from featurestore.errors import InvalidOption
 from featurestore.testing.cgroup import evict
 
 
@@ -36,15 +37,13 @@ def _timed(fn: Any) -> tuple[float, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from fastapi.testclient import TestClient
 
-    from featurestore.errors import InvalidOption
+    from server import Settings, create_app
 
     if args.samples < 2:  # sample 0 warms the route up (imports, BLAS), the others are timed
         raise InvalidOption(f"--samples {args.samples}: give 2 or more (the first is a warm-up, not timed)")
     side = int(round(args.tokens**0.5))
     if side * side != args.tokens:
         raise InvalidOption(f"--tokens {args.tokens} is not a square (the picture needs a grid); give one such as 1024")
-
-    from server import Settings, create_app
 
     results: dict[str, Any] = {"benchmark": "web", "cpus": os.cpu_count(), "splits": args.splits, "dim": args.dim}
     with harness.scratch(args, "web") as work:
@@ -81,7 +80,7 @@ def _bench_picture(path: str, grid: tuple[int, int], args: argparse.Namespace) -
     limited = limit_blas_threads(Settings().ui_blas_threads)  # what featurestore serve does
     with TestClient(create_app(path, Settings())) as client:
         client.get("/ui/pca/pictures/enc/train/0.png")  # imports, BLAS start-up: not a sample's cost
-        computed = [_timed(lambda i=i: client.get(f"/ui/pca/pictures/enc/train/{i}.png"))[0]
+        computed = [harness.timed(lambda i=i: client.get(f"/ui/pca/pictures/enc/train/{i}.png"))
                     for i in range(1, args.samples)]
         cached = interleaved([Method("cached", lambda: client.get("/ui/pca/pictures/enc/train/1.png"))], args.repeats)
         assert client.app.state.web.figures.computed == args.samples  # type: ignore[attr-defined]
@@ -89,7 +88,7 @@ def _bench_picture(path: str, grid: tuple[int, int], args: argparse.Namespace) -
     read, stored = _timed(lambda: arr.read_numpy([1])[0])
     cast, sample = _timed(lambda: dtypes.stored_as_float32(stored, "float16"))
     fit, image = _timed(lambda: pictures.pca_picture(sample, 0, grid))
-    png, _ = _timed(lambda: encode_png(image))
+    png = harness.timed(lambda: encode_png(image))
     return {"shape": [args.tokens, args.dim], "computed_ms": _ms(statistics.median(computed)),
             "computed_max_ms": _ms(max(computed)), "cached_ms": _ms(cached.median("cached")),
             "parts_ms": {"read": _ms(read), "float16->float32": _ms(cast), "components+image": _ms(fit),
