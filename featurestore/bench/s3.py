@@ -295,13 +295,11 @@ class Epochs:
     def first(self, source: str, options: dict[str, Any], cold: bool = False) -> Any:
         """GB/s of a new loader's first epoch; ``cold``: ``source`` (local) evicted first."""
         def epoch() -> float:
-            loader = self.loader(source, options)
-            if cold:
-                unmap()
-                evict(source)
-            speed = self.epoch(loader, 0)
-            loader.close()
-            return speed
+            with self.loader(source, options) as loader:
+                if cold:
+                    unmap()
+                    evict(source)
+                return self.epoch(loader, 0)
         return epoch
 
 
