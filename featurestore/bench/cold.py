@@ -29,8 +29,8 @@ from featurestore.testing.memory import peak_reset, peak_rss
 BASE_METHODS = ("device limit", "pread reference", "np.memmap gather", "FeatureArray.read", "FeatureLoader")
 # Loader epochs to float32 values on the float16 split and on the int8 one (whose loader
 # dequantizes), interleaved in the same child: int8's samples/s over float16's, per repeat.
-INT8_PAIRS = ("FeatureLoader -> float32", "FeatureLoader [int8]", "FeatureLoader -> cuda float32",
-              "FeatureLoader -> cuda [int8]")
+INT8_PAIRS = {"cpu": ("FeatureLoader -> float32", "FeatureLoader [int8]"),
+              "cuda": ("FeatureLoader -> cuda float32", "FeatureLoader -> cuda [int8]")}
 
 
 def register(subparsers: Any) -> None:
@@ -96,7 +96,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
     if int8:  # the same samples as int8 (the writer quantizes them), chunks of as many rows where the format allows
         write_split(os.path.join(base, "store-int8"), n, shape, dtype="int8", rows=args.chunk_rows,
                     chunk_bytes=args.chunk_rows * int(np.prod(shape)))
-        methods += list(INT8_PAIRS[:2]) + (list(INT8_PAIRS[2:]) if cuda else [])
+        methods += [*INT8_PAIRS["cpu"], *(INT8_PAIRS["cuda"] if cuda else ())]
         out["split_bytes"] = {name: harness.feature_bytes(os.path.join(base, folder, "bench", "enc", "train"))
                               for name, folder in ((dtype, "store"), ("int8", "store-int8"))}
     config = {"base": base, "shape": list(shape), "dtype": dtype, "n": n, "batch_size": batch_size,
@@ -119,8 +119,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], batch_size: int, dtype: str,
         rows = out["rows"]
         out["int8"] = harness.int8_figures(out["split_bytes"], dtype, {
             device: {dtype: rows[ref]["all_seconds"], "int8": rows[q]["all_seconds"]}
-            for device, (ref, q) in (("cpu", INT8_PAIRS[:2]), ("cuda", INT8_PAIRS[2:])) if ref in rows and q in rows},
-            n, "samples")
+            for device, (ref, q) in INT8_PAIRS.items() if ref in rows and q in rows}, n, "samples")
     return out
 
 
@@ -132,9 +131,9 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     from client import FeatureDataset, FeatureLoader
 
     base, shape, n, b = config["base"], tuple(config["shape"]), config["n"], config["batch_size"]
-    dtype = np.dtype(config.get("dtype", "float16"))
+    dtype = np.dtype(config["dtype"])
     sample_bytes = int(np.prod(shape)) * dtype.itemsize
-    store_dir, raw_path = os.path.join(base, "store"), os.path.join(base, "raw")
+    store_dir, raw_path, int8_dir = (os.path.join(base, name) for name in ("store", "raw", "store-int8"))
     order = np.random.default_rng(1).permutation(n)
     batches = [order[i : i + b] for i in range(0, n, b)]
     chunk_files = files_under(os.path.join(store_dir, "bench", "enc", "train", "features"))
@@ -162,28 +161,19 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     def memmap() -> np.memmap:  # made per epoch: a map kept open would keep its pages past the next eviction
         return np.memmap(raw_path, dtype=dtype, mode="r", shape=(n, *shape))
 
-    def budget(fn: Any, slow: bool) -> int:
-        """Bytes of ``fn(batch)`` over the epoch; a slow row stops after its time budget (GB/s is
-        per byte, so a prefix of the same shuffled epoch measures the same rate)."""
-        total, start = 0, time.perf_counter()
-        for idx in batches:
-            total += fn(idx)
-            if slow and time.perf_counter() - start > config["slow_seconds"]:
-                break
-        return total
-
     def reader() -> int:
         array = featurestore.open_store(store_dir).open("bench", "enc", "train")
-        return budget(lambda idx: array.read(idx).nbytes, slow=False)
+        return sum(array.read(idx).nbytes for idx in batches)
 
     def memmap_gather() -> int:
-        raw = [memmap()]
-        try:
-            return budget(lambda idx: raw[0][idx].nbytes, slow=True)
-        finally:
-            raw.clear()  # fancy indexing copies: nothing else holds the map, which closes here
-
-    int8_dir = os.path.join(base, "store-int8")
+        """Bytes gathered until the time budget runs out: this row is page-fault bound, and GB/s is
+        per byte, so a prefix of the same shuffled epoch measures the same rate."""
+        raw, total, start = memmap(), 0, time.perf_counter()
+        for idx in batches:
+            total += raw[idx].nbytes  # fancy indexing copies: only raw holds the map, which closes on return
+            if time.perf_counter() - start > config["slow_seconds"]:
+                break
+        return total
 
     def loader(device: str, store: str = store_dir, out: Any = None) -> Any:
         def epoch() -> int:
@@ -198,8 +188,8 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
 
     fns = {"device limit": device_limit, "pread reference": pread_reference, "np.memmap gather": memmap_gather,
            "FeatureArray.read": reader, "FeatureLoader": loader("cpu"), "FeatureLoader -> cuda": loader("cuda")}
-    for name, device, store in zip(INT8_PAIRS, ("cpu", "cpu", "cuda", "cuda"), (store_dir, int8_dir) * 2):
-        fns[name] = loader(device, store, torch.float32)
+    for device, pair in INT8_PAIRS.items():  # float32 out of the float16 split, then of the int8 one
+        fns.update({name: loader(device, store, torch.float32) for name, store in zip(pair, (store_dir, int8_dir))})
     peaks: dict[str, int] = {}
     errors: dict[str, str] = {}
     seconds: dict[str, list[float]] = {}
