@@ -15,6 +15,7 @@ import numpy as np
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, interleaved
 from featurestore.demo.synthetic_bags import bag_lengths, write_io_cohort
+from featurestore.errors import InvalidOption
 from featurestore.testing import memory
 from featurestore.testing.cgroup import evict, unmap
 
@@ -34,8 +35,6 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from featurestore.errors import InvalidOption
-
     dtypes = harness.parse_dtypes(args.dtype)
     if not set(dtypes) <= {"float16", "int8"}:
         raise InvalidOption(f"--dtype {args.dtype!r}: the cohort is float16, int8 measured beside it; give "
@@ -44,7 +43,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with harness.scratch(args, "bag-loader") as work:
         stores = {d: os.path.join(work, d, "store") for d in dtypes}
         pt_dir = os.path.join(work, "pt_files")
-        write_io_cohort(stores["float16"], (DATASET, ENCODER, "b"), lengths, args.dim, "float16", each=clam_files(pt_dir))
+        write_io_cohort(stores["float16"], (DATASET, ENCODER, "b"), lengths, args.dim, "float16",
+                        each=clam_files(pt_dir))
         result = {"benchmark": "bag-loader", "bags": args.bags, "dim": args.dim, "dtype": "float16",
                   "workers": args.workers, "patches": int(lengths.sum()),
                   **epoch_figures(_spec(stores["float16"], pt_dir=pt_dir, workers=args.workers), args)}
@@ -74,7 +74,8 @@ def int8_figures(stores: dict[str, str], args: argparse.Namespace) -> dict[str, 
 
 
 def clam_files(pt_dir: str) -> Any:
-    """For :func:`~featurestore.demo.synthetic_bags.write_io_cohort`'s ``each``: CLAM's ``pt_files/<slide>.pt``, float32 features only."""
+    """For :func:`~featurestore.demo.synthetic_bags.write_io_cohort`'s ``each``: CLAM's
+    ``pt_files/<slide>.pt``, float32 features only."""
     import torch
 
     os.makedirs(pt_dir, exist_ok=True)
@@ -158,12 +159,11 @@ def _runs(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     ds = BagDataset(spec["store"], DATASET, ENCODER, spec["split"])
     seed = spec["seed"]
     order = [int(b[0]) for b in BagLoader(ds, batch_size=1, seed=seed, device="cpu").plan()]
-    # The loader as a user builds it (2 read-ahead threads); more threads than cores only add
-    # hand-over latency on page-cached data (2 cores: 4 threads 0.65x the reader, 2 threads 0.95-1.2x).
-    loaders = {"loader": BagLoader(ds, batch_size=1, seed=seed, device="cpu", dtype=None),
-               "loader_f32": BagLoader(ds, batch_size=1, seed=seed, device="cpu", dtype=torch.float32)}
-    runs: dict[str, Any] = {"reader": lambda: harness.drain(ds.bags.read_numpy(i) for i in order),
-                            **{name: functools.partial(harness.drain, loader) for name, loader in loaders.items()}}
+    runs: dict[str, Any] = {"reader": lambda: harness.drain(ds.bags.read_numpy(i) for i in order)}
+    # The loader as a user builds it: its default read-ahead threads (docs/LOADER.md: more than the
+    # cores only add hand-over latency on page-cached data).
+    for name, dtype in (("loader", None), ("loader_f32", torch.float32)):
+        runs[name] = functools.partial(harness.drain, BagLoader(ds, batch_size=1, seed=seed, device="cpu", dtype=dtype))
     paths: list[str] = []
     if spec["pt_dir"]:
         paths = [os.path.join(spec["pt_dir"], f"{bag_id}.pt") for bag_id in ds.ids]
@@ -214,17 +214,14 @@ def _padded(ds: Any, args: argparse.Namespace, *, seed: int, threads: int) -> di
 def rss_figures(store: str, splits: tuple[str, str], prefetch: int = 2, runs: int = 3) -> dict[str, Any]:
     out = harness.rss_runs("bag_loader:rss_epoch", {label: {"store": store, "split": split, "prefetch": prefetch}
                                                     for label, split in zip(("B", "4B"), splits)}, runs)
-    largest = max(out[k]["largest_bag_f32_bytes"] for k in ("B", "4B"))
-    stored = max(out[k]["largest_bag_stored_bytes"] for k in ("B", "4B"))
+    largest, stored, threads = (max(out["B"][key], out["4B"][key])
+                                for key in ("largest_bag_f32_bytes", "largest_bag_stored_bytes", "num_threads"))
     # docs/LOADER.md, "Memory bound of BagLoader": (prefetch + 4) float32 batches, each rounded up
     # at most 25 %, + a staging piece per read-ahead thread and the consumer, + a constant.
-    threads = max(out[k]["num_threads"] for k in ("B", "4B"))
     bound = int((prefetch + 4) * 1.25 * largest + (threads + 1) * min(64 << 20, 1.25 * stored)) + (32 << 20)
-    out["growth_bytes"] = out["loader_bytes"]["4B"] - out["loader_bytes"]["B"]
-    # What top shows (file pages of the maps included): the 4x larger split's peak over the other's.
-    out["rss_growth_bytes"] = out["4B"]["peak_rss"] - out["B"]["peak_rss"]
-    out["bound_bytes"] = bound
-    return out
+    return {**out, "growth_bytes": out["loader_bytes"]["4B"] - out["loader_bytes"]["B"],
+            # What top shows (file pages of the maps included): the 4x larger split's peak over the other's.
+            "rss_growth_bytes": out["4B"]["peak_rss"] - out["B"]["peak_rss"], "bound_bytes": bound}
 
 
 def rss_epoch(config: dict[str, Any]) -> dict[str, Any]:
