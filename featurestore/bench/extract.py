@@ -30,10 +30,8 @@ def trivial_encoder() -> Any:
 
         def __init__(self) -> None:
             super().__init__()
-            generator = torch.Generator().manual_seed(0)
             self.proj = torch.nn.Conv2d(3, 384, 16, 16, bias=False)
-            with torch.no_grad():
-                self.proj.weight.copy_(torch.randn(self.proj.weight.shape, generator=generator) * 0.05)
+            torch.nn.init.normal_(self.proj.weight, std=0.05, generator=torch.Generator().manual_seed(0))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             grid = self.proj(x).flatten(2).transpose(1, 2)
@@ -99,8 +97,7 @@ def register(subparsers: Any) -> None:
 
 
 def _encode_only(opts: Any) -> None:
-    """The extraction's loader, batches and encoder, the device synchronised per batch; the
-    features are dropped."""
+    """:func:`encode_pass` over the images, in the batches extraction makes of them."""
     from featurestore.extract.sources import Failure, PreparedImages, Preprocessing, collate, open_source
 
     source = open_source(opts.images)
@@ -134,43 +131,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               dataset="bench", split="s", batch_size=args.batch_size, chunk_mb=args.chunk_mb,
                               num_workers=args.num_workers, progress=False, device=args.device,
                               precision=args.precision)
-        waits: list[float] = []
-        state: dict[str, Any] = {}
+        done: list[Any] = []  # each extraction's result
 
         def run_extract() -> None:
-            result = extract(opts)
+            done.append(extract(opts))
             os.sync()  # the same finish line as tofile's
-            waits.append(result.writer_wait_seconds)
-            state["shape"] = tuple(result.metadata["sample_shape"])
 
         def block(rows: int) -> np.ndarray:
-            return np.random.default_rng(0).standard_normal((rows, *state["shape"]), dtype=np.float32)
-
-        def write_raw(path: str) -> float:  # the disk's own write rate, for the same bytes
-            seconds = harness.tofile_synced(path, block(args.n).astype(np.float16))
-            os.unlink(path)
-            return seconds
+            shape = done[0].metadata["sample_shape"]
+            return np.random.default_rng(0).standard_normal((rows, *shape), dtype=np.float32)
 
         def clean() -> None:
             for path in ("store", "write"):
                 shutil.rmtree(os.path.join(work, path), ignore_errors=True)
             os.sync()
 
+        raw = os.path.join(work, "raw")
         # Interleaved: a slow moment hits every method alike.
         times = interleaved([Method("encode_only_s", lambda: _encode_only(opts)),
                              Method("extract_s", run_extract),
-                             Method("tofile_s", lambda: write_raw(os.path.join(work, "raw")), own=True),
+                             # the disk's own write rate, for the same bytes
+                             Method("tofile_s", lambda: harness.tofile_synced(raw, block(args.n).astype(np.float16)),
+                                    teardown=lambda: os.unlink(raw), own=True),
                              Method("write_only_s", lambda: harness.write_synced(
                                  os.path.join(work, "write"), block(64), 64, n=args.n,
                                  chunk_bytes=int(args.chunk_mb * (1 << 20))), teardown=clean, own=True)], args.repeats)
-        shape, best = state["shape"], times.bests()
+        shape, best = tuple(done[0].metadata["sample_shape"]), times.bests()
         nbytes, extracted = args.n * int(np.prod(shape)) * 2, best["extract_s"]
         return {"benchmark": "extract", "encoder": spec, "device": args.device, "images": args.n,
                 "image_size": args.image_size, "batch_size": args.batch_size, "cpu_count": os.cpu_count(),
                 "load_average_1m": os.getloadavg()[0], "sample_shape": list(shape), "stored_dtype": "float16",
                 "bytes": nbytes, **best, "ratio": extracted / best["encode_only_s"],
                 "extract_vs_tofile": best["tofile_s"] / extracted,
-                "writer_wait_s": waits[times["extract_s"].index(extracted)],
+                "writer_wait_s": done[times["extract_s"].index(extracted)].writer_wait_seconds,
                 "extract_write_mb_s": nbytes / extracted / 1e6, "write_only_mb_s": nbytes / best["write_only_s"] / 1e6,
                 "tofile_mb_s": nbytes / best["tofile_s"] / 1e6, "encode_only_img_s": args.n / best["encode_only_s"],
                 "extract_img_s": args.n / extracted, "repeats": dict(times)}
@@ -268,8 +261,7 @@ def run_wsi(args: argparse.Namespace) -> dict[str, Any]:
         if args.max_patches:
             held = np.cumsum([len(plan) for plan in plans])  # type: ignore[arg-type]
             limit = min(limit, int(np.searchsorted(held, args.max_patches)) + 1)
-        plans = plans[:limit]
-        batches = list(PatchBatches(plans, args.batch_size, lambda _: None))
+        batches = list(PatchBatches(plans[:limit], args.batch_size, lambda _: None))
         patches = sum(len(b) for b in batches)
         files = [r.path for r in refs[:limit]]
         cold = (lambda: evict(*files)) if args.cold else None  # the slides leave the page cache per pass
