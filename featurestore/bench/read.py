@@ -16,7 +16,7 @@ import numpy as np
 
 import featurestore
 from featurestore.bench import harness
-from featurestore.bench.harness import Method, gbps, interleaved
+from featurestore.bench.harness import Method, interleaved
 from featurestore.bench.reading import label
 from featurestore.core import descriptor_reads
 from featurestore.core.buffers import aligned_empty
@@ -41,10 +41,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "shapes": [_bench_shape(work, shape, args) for shape in harness.parse_shapes(args.shapes)]}
         if not args.skip_rss:  # N and 4N samples of [256x384] float16, each in a fresh process
             n = max(256, int(args.gib * (1 << 30)) // (256 * 384 * 2) // 4)
+            paths = {key: os.path.join(work, f"rss-{key}") for key in ("N", "4N")}
             for key, rows in (("N", n), ("4N", 4 * n)):
-                write_split(harness.fresh(os.path.join(work, f"rss-{key}")), rows, (256, 384))
-            out["rss"] = harness.rss_runs("read:rss_epoch", {k: os.path.join(work, f"rss-{k}") for k in ("N", "4N")},
-                                          runs=min(3, args.repeats))
+                write_split(harness.fresh(paths[key]), rows, (256, 384))
+            out["rss"] = harness.rss_runs("read:rss_epoch", paths, runs=min(3, args.repeats))
     return out
 
 
@@ -76,9 +76,8 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
     out = aligned_empty((args.batch_size, *shape), np.float16)  # what the loader and server use
     raw_fd, cores = os.open(raw_path, os.O_RDONLY), descriptor_reads.cores()  # as many as the reader's helpers
     pool, slots = ThreadPoolExecutor(cores), out.reshape(len(out), -1).view(np.uint8)
-    # The same rows out of the store's own chunk files: the page cache holds each file's pages its
-    # own way (a row of a small file read 1.2-1.5x slower than of one large file here), so this is
-    # the limit for the very pages the reader copies.
+    # The same rows out of the store's own chunk files, the limit for the very pages the reader copies:
+    # the page cache holds each file's pages its own way (docs/BENCHMARKS.md, "What each bench measures").
     chunk_fds = [os.open(array.storage.local_path(key), os.O_RDONLY) for key in array.chunk_keys()]
 
     def pread_rows(idx: np.ndarray, lo: int, hi: int, chunked: bool = False) -> None:
@@ -113,27 +112,25 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
         orders[:] = [rng.choice(n, size=args.batch_size, replace=False) for _ in range(args.batches + 1)]
         return methods
 
-    def method(name: str) -> Method:  # one untimed batch first
+    def method(name: str) -> Method:  # one untimed batch first; GB/s of the timed ones
         batches = counts.get(name, args.batches)
-        return Method(name, lambda: harness.drain(fns[name](order) for order in orders[1:batches + 1]),
-                      lambda: fns[name](orders[0]))
+        gb_per_s = harness.rate(lambda: harness.drain(fns[name](order) for order in orders[1:batches + 1]),
+                                batches * args.batch_size * sample_bytes)
+        return Method(name, gb_per_s, lambda: fns[name](orders[0]), own=True)
 
-    seconds = interleaved([method(name) for name in fns], args.repeats, order=draw)
-    rates = harness.Times({name: [gbps(counts.get(name, args.batches) * args.batch_size * sample_bytes, t)
-                                  for t in values] for name, values in seconds.items()})
+    rates = interleaved([method(name) for name in fns], args.repeats, order=draw)
     h5.close()
     pool.shutdown()
     for fd in (raw_fd, *chunk_fds):
         os.close(fd)
     best = {name: max(values) for name, values in rates.items()}
-    paired = rates.pairs("featurestore", "np.memmap gather")  # run back to back in each repeat
-    vs_pread, vs_chunks = rates.pairs("featurestore", PREAD), rates.pairs("featurestore", CHUNK_PREAD)
     rows = {name: {"gb_per_s": rate, "vs_memmap": rate / best["np.memmap gather"]} for name, rate in best.items()}
     shutil.rmtree(base, ignore_errors=True)
-    return {"sample_shape": list(shape), "num_samples": n, "read": rows, "paired_vs_memmap": paired,
-            "median_paired_vs_memmap": float(np.median(paired)), "paired_vs_pread": vs_pread,
-            "median_paired_vs_pread": float(np.median(vs_pread)), "paired_vs_chunk_pread": vs_chunks,
-            "median_paired_vs_chunk_pread": float(np.median(vs_chunks))}
+    result = {"sample_shape": list(shape), "num_samples": n, "read": rows}
+    for key, other in (("memmap", "np.memmap gather"), ("pread", PREAD), ("chunk_pread", CHUNK_PREAD)):
+        pairs = result[f"paired_vs_{key}"] = rates.pairs("featurestore", other)  # back to back in each repeat
+        result[f"median_paired_vs_{key}"] = float(np.median(pairs))
+    return result
 
 
 def rss_epoch(path: str) -> dict[str, Any]:
