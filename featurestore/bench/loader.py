@@ -56,7 +56,6 @@ def _split_dir(store: str, split: str) -> str:
     return os.path.join(store, DATASET, ENCODER, split)
 
 
-# ---------------------------------------------------------------------- 1. throughput
 def _throughput(store: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -83,7 +82,6 @@ def _throughput(store: str, args: argparse.Namespace) -> dict[str, Any]:
             "loader_vs_reader_float32": best["reader_f32"] / best["loader_f32"], "times_s": dict(times)}
 
 
-# ---------------------------------------------------------------------- 2. stall
 def _stall(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
     from client import FeatureDataset, FeatureLoader
 
@@ -108,7 +106,6 @@ def _stall(store: str, split: str, args: argparse.Namespace) -> dict[str, Any]:
             "batches": int(loader.stats["batches"])}
 
 
-# ---------------------------------------------------------------------- 3. RSS, N vs 4N
 def _rss(store: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
     out = harness.rss_runs("loader:epoch", {"N": _spec(store, "n", args), "4N": _spec(store, "n4", args)},
                            runs=min(3, args.repeats))
@@ -159,10 +156,9 @@ def ram_tensor(spec: dict[str, Any]) -> dict[str, Any]:
     return {"loaded_bytes": ram.numel() * 4}
 
 
-# ---------------------------------------------------------------------- 4. cgroup
 def _cgroup_epoch(store: str, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
     limit = args.cgroup_limit_mib << 20
-    sample_bytes = int(np.prod(shape)) * {"float32": 4}.get(args.dtype, 2)
+    sample_bytes = int(np.prod(shape)) * (4 if args.dtype == "float32" else 2)
     rows = -(-int(2.2 * limit) // sample_bytes)  # >= 2x the limit, with margin
     write_split(store, rows, shape, dtype=args.dtype, names=(DATASET, ENCODER, "big"))
     out: dict[str, Any] = {"limit_bytes": limit, "store_bytes": rows * sample_bytes, "num_samples": rows}

@@ -73,8 +73,7 @@ def _sizes(shape: tuple[int, ...], args: argparse.Namespace) -> list[tuple[int, 
 
 
 def _bench_shape(work: str, shape: tuple[int, ...], n: int, tag: str, args: argparse.Namespace) -> dict[str, Any]:
-    sample_bytes = int(np.prod(shape)) * 2
-    nbytes = n * sample_bytes
+    nbytes = n * int(np.prod(shape)) * 2
     chunk_rows = chunk_rows_for(shape, "float16", args.chunk_mb, args.batch_size)
     written: list[str] = []
     pids: list[int] = []  # the process of every timing: each a new one
