@@ -138,8 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             os.sync()  # the same finish line as tofile's
 
         def block(rows: int) -> np.ndarray:
-            shape = done[0].metadata["sample_shape"]
-            return np.random.default_rng(0).standard_normal((rows, *shape), dtype=np.float32)
+            return np.random.default_rng(0).standard_normal((rows, *done[0].metadata["sample_shape"]), dtype=np.float32)
 
         def clean() -> None:
             for path in ("store", "write"):
@@ -207,9 +206,8 @@ def encode_pass(opts: Any, dataset: Any, plan: list[Any], workers: int | None, c
     from featurestore.extract.encode_loop import autocast, resolve_precision
     from featurestore.extract.encoders import load_encoder
 
-    encoder = load_encoder(opts.encoder)
     device = resolve_device(opts.device)
-    encoder.to(device)
+    encoder = load_encoder(opts.encoder).to(device)
     precision = resolve_precision(opts.precision, device)
     loader = _data_loader(dataset(encoder), plan, workers, collate_fn=collate, pin_memory=device.type == "cuda")
     with torch.inference_mode():
