@@ -68,8 +68,7 @@ def _bench_shape(work: str, shape: tuple[int, ...], args: argparse.Namespace) ->
                 torch.save(torch.from_numpy(sample.copy()), os.path.join(base, "pt", f"{start + j}.pt"))
         write_split(os.path.join(base, "store"), n, shape, rows=max(1, (64 << 20) // sample_bytes), slabs=copies)
 
-    store = featurestore.open_store(os.path.join(base, "store"))
-    array = store.open("bench", "enc", "train")
+    array = featurestore.open_store(os.path.join(base, "store")).open("bench", "enc", "train")
     memmap = np.memmap(raw_path, dtype=np.float16, mode="r", shape=(n, *shape))
     zarray = zarr.open_group(os.path.join(base, "store"), mode="r")["bench/enc/train/features"]
     h5 = h5py.File(h5_path, "r")
