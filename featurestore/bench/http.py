@@ -6,7 +6,6 @@ What it measures: docs/BENCHMARKS.md, "What each bench measures".
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import socket
 import struct
@@ -73,7 +72,7 @@ class RawTCP:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def read(self, index: np.ndarray, out: np.ndarray, *, gather: bool) -> np.ndarray:
+    def read(self, index: np.ndarray, out: np.ndarray, *, gather: bool) -> None:
         index = np.ascontiguousarray(index, dtype=np.int64)
         self.sock.sendall(struct.pack("<IB", len(index), 0 if gather else 1) + index.tobytes())
         view, got = out.reshape(-1).view(np.uint8).data, 0
@@ -82,7 +81,6 @@ class RawTCP:
             if not k:
                 raise ConnectionError("raw TCP baseline server went away")
             got += k
-        return out
 
     def close(self) -> None:
         self.sock.close()
@@ -135,7 +133,8 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
     }
     # Methods alternate batch by batch, and each is rated by its median batch time: on a shared
     # machine the load changes from second to second, and this way every method sees the same
-    # conditions and a scheduling hiccup does not decide the ratio.
+    # conditions and a scheduling hiccup does not decide the ratio. One untimed batch each first
+    # warms connections and caches.
     rng = np.random.default_rng(0)
     current: list[Any] = [None]
 
@@ -144,27 +143,22 @@ def _measure(url: str, proc: subprocess.Popen[bytes], path: str, key: tuple[str,
         return methods
 
     try:
-        for fn in methods.values():
-            fn(np.arange(batch) % n)  # warm-up: connections, caches
         times = interleaved([Method(name, lambda fn=fn: fn(current[0])) for name, fn in methods.items()],
-                            args.repeats * args.batches, order=draw)
+                            args.repeats * args.batches, warmup=1, order=draw)
     finally:
         raw.close()
         naive.close()
     median = {name: gbps(out.nbytes, seconds) for name, seconds in times.medians().items()}
     loader = _loader_vs_client(url, key, remote, args)
 
-    rng = np.random.default_rng(99)
-    latencies = [harness.timed(lambda i=i: fc.item(*key, int(i))) for i in rng.integers(0, n, size=args.items + 10)]
-    lat = np.array(latencies[10:]) * 1e3
-    p50, p99 = float(np.percentile(lat, 50)), float(np.percentile(lat, 99))
+    items = np.random.default_rng(99).integers(0, n, size=args.items + 10)  # the first 10 warm up, not kept
+    lat = np.array([harness.timed(lambda i=i: fc.item(*key, int(i))) for i in items][10:]) * 1e3
+    p50, p99 = np.percentile(lat, [50, 99]).tolist()
     fc.close()
 
     # Each repeat's own ratio (its batches' median times, side by side): the spread of the figure.
-    per = args.batches
-    paired_vs_raw = {name: [float(np.median(times["raw tcp"][r * per:(r + 1) * per])
-                                  / np.median(times[name][r * per:(r + 1) * per])) for r in range(args.repeats)]
-                     for name in ("http", "http naive client")}
+    by_repeat = {name: np.median(np.reshape(v, (args.repeats, args.batches)), axis=1) for name, v in times.items()}
+    paired_vs_raw = {name: (by_repeat["raw tcp"] / by_repeat[name]).tolist() for name in ("http", "http naive client")}
     results: dict[str, Any] = {
         "benchmark": "http", "paired_vs_raw_tcp": paired_vs_raw, "batch_size": batch,
         "sample_shape": list(remote.sample_shape), "page_cache": "warm", "gb_per_s": median,
@@ -182,16 +176,13 @@ def _loader_vs_client(url: str, key: tuple[str, str, str], remote: Any,
     """FeatureLoader over HTTP (uniform shuffle, CPU, stored dtype) against FeatureClient reading
     the same batches (features+labels, one request each) one after another; epochs alternate."""
     try:
-        import torch  # noqa: F401
-
-        from client import FeatureDataset, FeatureLoader
+        from client import FeatureDataset, FeatureLoader  # client.loader imports torch
     except ImportError:  # the client extra without torch: nothing to compare
         return {}
     n, batch = len(remote), args.batch_size
     ds = FeatureDataset(url, *key)
-    threads = max(1, args.threads)
     loader = FeatureLoader(ds, batch_size=batch, order="shuffle", device="cpu", dtype=None,
-                           num_threads=threads, prefetch=threads + 1, drop_last=True)  # fmt: skip
+                           num_threads=args.threads, prefetch=args.threads + 1, drop_last=True)  # fmt: skip
     features = np.empty((batch, *remote.sample_shape), remote.numpy_dtype)
     labels = None if remote.labels is None else np.empty((batch, *remote.labels.sample_shape),
                                                          remote.labels.numpy_dtype)  # fmt: skip
@@ -208,12 +199,12 @@ def _loader_vs_client(url: str, key: tuple[str, str, str], remote: Any,
         return methods
 
     # Epochs alternate; the warm-up epoch warms connections and threads. Seconds per batch.
-    times = interleaved([Method("loader", functools.partial(harness.drain, loader), lambda: loader.set_epoch(epoch[0])),
+    times = interleaved([Method("loader", lambda: harness.drain(loader), lambda: loader.set_epoch(epoch[0])),
                          Method("client", client_epoch)], args.repeats, warmup=1, order=next_epoch)
     per_batch = {name: [s / max(batches, 1) for s in seconds] for name, seconds in times.items()}
     nbytes = features.nbytes + (0 if labels is None else labels.nbytes)
     rates = {name: gbps(nbytes, float(np.median(v))) for name, v in per_batch.items()}
-    return {"gb_per_s": rates, "loader_vs_client": rates["loader"] / rates["client"], "threads": threads,
+    return {"gb_per_s": rates, "loader_vs_client": rates["loader"] / rates["client"], "threads": args.threads,
             "per_epoch_s": per_batch}
 
 
