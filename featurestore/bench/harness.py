@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 import featurestore
+from featurestore.errors import InvalidOption
 from featurestore.testing.cgroup import files_under
 
 __all__ = ["Method", "Times", "add_bench", "child", "child_process", "child_result", "drain", "feature_bytes", "fresh",
@@ -102,8 +103,6 @@ def scratch(args: argparse.Namespace, name: str) -> Iterator[str]:
         with tempfile.TemporaryFile(dir=work):  # where the bench can write, or one line now
             pass
     except OSError as error:
-        from featurestore.errors import InvalidOption
-
         raise InvalidOption(f"--workdir {work}: cannot write there ({error.strerror or error}): give a directory "
                             "the bench may create files in") from None
     try:
@@ -294,8 +293,6 @@ def parse_dtypes(text: str, *, numpy_only: bool = False) -> list[str]:
     """``"float16,float32"`` -> the stored dtypes a bench measures in turn, one column each
     (``numpy_only``: no bfloat16, for a bench whose raw twin holds the same bytes). int8 is never a
     column of its own: it is measured beside float16, its reference, so it needs float16 listed."""
-    from featurestore.errors import InvalidOption
-
     names = [part.strip() for part in str(text).split(",") if part.strip()]
     for name in names or [text]:
         try:
@@ -311,8 +308,6 @@ def parse_dtypes(text: str, *, numpy_only: bool = False) -> list[str]:
 
 def parse_shapes(text: str) -> list[tuple[int, ...]]:
     """``"256x384,1024x1536"`` -> [(256, 384), (1024, 1536)]."""
-    from featurestore.errors import InvalidOption
-
     shapes = []
     for part in text.split(","):
         try:
@@ -325,8 +320,6 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
 
 def parse_numbers(flag: str, text: Any, kind: type = float, example: str = "250,384") -> list[Any]:
     """``"250,384"`` -> [250.0, 384.0]: a flag's comma-separated numbers of ``kind``, one or several."""
-    from featurestore.errors import InvalidOption
-
     try:
         values = [kind(part) for part in str(text).split(",") if part.strip()]
     except ValueError:
