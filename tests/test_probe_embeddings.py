@@ -339,6 +339,27 @@ def test_save_predictions_of_patient_embeddings_give_each_folds_auc(store: str, 
     assert code == 1 and "--save-predictions keeps one run's outputs" in err and len(err.strip().splitlines()) == 1
 
 
+def test_save_predictions_of_slide_embeddings_name_each_slides_group(store: str, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Grouped folds on slide embeddings: the table names each slide's group beside its id, from the
+    source bag split's attributes (the lineage) or from a --groups table, so a patient-level score
+    can be taken from it; every held-out slide once per seed."""
+    import csv
+
+    case_of = {s: c for s, c, _, _ in _cohort()}
+    for encoder, extra in (("mean", []), ("nolineage", ["--groups", _cases(tmp_path)])):
+        table = tmp_path / f"{encoder}.csv"
+        code = main(["probe", store, "--dataset", "cohort", "--encoder", encoder, "--train", "all", "--folds", "3",
+                     "--group-by", "case_id", *extra, "--seeds", "1", "--epochs", "2", "--batch-size", "8",
+                     "--device", "cpu", "--quiet", "--save-predictions", str(table)])
+        assert code == 0, capsys.readouterr().err
+        rows = list(csv.DictReader(table.open(encoding="utf-8")))
+        assert list(rows[0])[:5] == ["seed", "fold", "slide_id", "case_id", "label"]
+        assert sorted(r["slide_id"] for r in rows) == sorted(case_of)
+        assert all(r["case_id"] == case_of[r["slide_id"]] for r in rows)
+        assert len({(r["case_id"], r["fold"]) for r in rows}) == len(set(case_of.values()))  # a case in one fold
+
+
 def test_abmil_groups_from_a_table_where_the_bags_have_none(store: str, tmp_path: Path) -> None:
     """Bags without a case_id attribute (extracted from slides) are grouped by a table given to the
     probe, --groups or the --labels table holding the column: the same folds, so the same runs, as

@@ -8,7 +8,8 @@ time, empty bags left out (as ``BagLoader`` does, and as featurestore.probes.att
 or the linear head's batches of rows; so the k-th evaluated row is the k-th evaluated sample. One
 row per (seed, fold, sample): ``seed``, ``fold`` (0 for ``--eval SPLIT``), ``slide_id`` (the
 sample's id; its position in a split without ids; named as the embedding's ``--group-by`` column,
-``case_id``, for patient embeddings), the bags' ``--group-by`` column when given,
+``case_id``, for patient embeddings), the ``--group-by`` column when given (bags, slide embeddings;
+not for embeddings already one per group, whose id is the group),
 ``label`` and ``predicted`` (class names of the task trained: a ``--labels`` table's own when it
 has them, the split's stored names when its stored labels are the task; else class ids) and one
 ``prob_<class>`` column per class. The file is written whole at the end (a temporary name
@@ -60,12 +61,13 @@ def class_names_of(ds: Any, table: Any, num_classes: int) -> list[str] | None:
 class PredictionRecorder:
     """The class probabilities of the samples one probe run evaluates, written to ``path`` by
     :meth:`save`. ``ids``: the evaluated split's sample ids (None: positions); ``lengths``: a bag
-    split's bag lengths (empty bags are not evaluated); ``group``: ``(column, value of position)``,
-    a column holding each sample's group."""
+    split's bag lengths (empty bags are not evaluated); ``group``: ``(column, groups of positions)``,
+    a column holding each sample's group, looked up for the evaluated samples alone when saving."""
 
     def __init__(self, path: str, *, num_classes: int, count: int, ids: Sequence[str] | None = None,
                  lengths: Any = None, class_names: list[str] | None = None,
-                 group: tuple[str, Callable[[int], Any]] | None = None, id_name: str = "slide_id") -> None:
+                 group: tuple[str, Callable[[list[int]], Sequence[Any]]] | None = None,
+                 id_name: str = "slide_id") -> None:
         check_output_file(path, "--save-predictions", "predictions.csv")
         self.path, self.ids, self.group, self.id_name = path, ids, group, id_name
         self.names = class_names or [str(c) for c in range(num_classes)]
@@ -79,20 +81,30 @@ class PredictionRecorder:
         ``GroupSpec`` (featurestore.probes.groups)."""
         from featurestore.probes.groups import group_lookup
 
-        group = None if group_by is None else group_lookup(ds.bags, group_by)
+        group = None
+        if group_by is not None:
+            column, of = group_lookup(ds.bags, group_by)
+            group = column, lambda positions: [of(i) for i in positions]
         return cls(path, num_classes=num_classes, count=len(ds.ids), ids=ds.ids, lengths=ds.lengths,
                    class_names=class_names, group=group)
 
     @classmethod
-    def of_split(cls, path: str, info: Any, *, num_classes: int, table: Any = None) -> PredictionRecorder:
+    def of_split(cls, path: str, info: Any, *, num_classes: int, table: Any = None, group_by: Any = None,
+                 access: tuple[dict[str, Any] | None, str | None] = (None, None)) -> PredictionRecorder:
         """For the linear head over ``info`` (featurestore.probes.run's ``SplitInfo`` of a dense split);
-        patient embeddings (``featurestore embed --group-by case_id``) name their id column so."""
-        from featurestore.probes.groups import lineage_of
+        patient embeddings (``featurestore embed --group-by case_id``) name their id column so.
+        ``group_by``: the folds' ``GroupSpec``, its column added unless it is the id column;
+        ``access``: ``(storage_options, token)`` of the source bag split its groups are read from."""
+        from featurestore.probes.groups import dense_groups, lineage_of
 
         grouped = (lineage_of(info.metadata) or {}).get("group_by")
+        id_name = grouped if isinstance(grouped, str) else "slide_id"
+        group = None
+        if group_by is not None and group_by.column != id_name:
+            group = group_by.column, lambda positions: dense_groups(
+                info, group_by, positions, storage_options=access[0], token=access[1])
         return cls(path, num_classes=num_classes, count=info.num_samples, ids=info.ds.array.ids,
-                   class_names=class_names_of(info, table, num_classes),
-                   id_name=grouped if isinstance(grouped, str) else "slide_id")
+                   class_names=class_names_of(info, table, num_classes), group=group, id_name=id_name)
 
     def sink(self, seed: int, fold: int, eval_positions: Sequence[int] | np.ndarray | None
              ) -> Callable[[Any, Any], None]:
@@ -117,13 +129,17 @@ class PredictionRecorder:
         of, ``slide_id``, or the grouping column of patient embeddings, ``case_id``)."""
         header = ["seed", "fold", self.id_name, *([self.group[0]] if self.group else []), "label", "predicted",
                   *(f"prob_{name}" for name in self.names)]
+        groups: dict[int, Any] = {}
+        if self.group:  # looked up now, for the evaluated samples only (others may have no group)
+            positions = sorted({row[2] for row in self.rows})
+            groups = dict(zip(positions, self.group[1](positions)))
         temp = os.path.join(os.path.dirname(os.path.abspath(self.path)), f".{os.path.basename(self.path)}.tmp")
         try:
             with open(temp, "w", encoding="utf-8", newline="") as handle:
                 writer = csv.writer(handle, lineterminator="\n")
                 writer.writerow(header)
                 for seed, fold, i, target, predicted, *probabilities in self.rows:
-                    group = [self.group[1](i)] if self.group else []
+                    group = [groups[i]] if self.group else []
                     sample = self.ids[i] if self.ids is not None else i
                     writer.writerow([seed, fold, sample, *group, self.names[target], self.names[predicted],
                                      *(f"{p:.6g}" for p in probabilities)])

@@ -369,8 +369,8 @@ def _run(
                    else LinearProbeConfig(pool=pool or "mean", prefix_tokens=prefix, **overrides))
     if predictions is not None and task != "linear":
         raise InvalidOption(f"--save-predictions applies to the linear and abmil heads, not to task {task}")
-    recorder = None if predictions is None else PredictionRecorder.of_split(predictions, evaluate,
-                                                                             num_classes=num_classes, table=table)
+    recorder = None if predictions is None else PredictionRecorder.of_split(
+        predictions, evaluate, num_classes=num_classes, table=table, group_by=spec, access=(storage_options, token))
     held = None if loader != "ram" or n_folds is None else read_all(train)
     makes = [_batches(train, evaluate, batch_size=batch_size, device=torch_device, loader=loader,
                       matched=pair, held=held) for pair in pairs]
