@@ -75,8 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # Labels required: the split's, or the table's (ds.labelled: the slides it labels).
         table = read_label_table(args.labels, args.label_column, args.id_column) if args.labels else None
-        ds = open_bags(args.store, args.dataset, args.encoder, args.split, storage_options=options_from_args(args),
-                       table=table)
+        ds = open_bags(args.store, args.dataset, args.encoder, args.split,
+                       storage_options=options_from_args(args, args.store), table=table)
         # Same seed on every rank: the same epoch order, so the shares are a partition of it.
         loader = BagLoader(ds, batch_size=1, shuffle=True, seed=args.seed, device=device, indices=ds.labelled,
                            max_patches=args.max_patches, rank=rank, world_size=world_size, return_ids=True)

@@ -70,8 +70,10 @@ def test_cache_flags_join_the_storage_options(monkeypatch: pytest.MonkeyPatch) -
     add_cache_options(parser)
     monkeypatch.setenv("FEATURESTORE_STORAGE_OPTIONS", '{"endpoint_url": "http://127.0.0.1:1"}')
     args = parser.parse_args(["--cache-dir", "/c", "--cache-bytes", "5G"])
-    assert options_from_args(args) == {"endpoint_url": "http://127.0.0.1:1", "cache_dir": "/c", "cache_bytes": "5G"}
-    assert options_from_args(parser.parse_args([])) == {"endpoint_url": "http://127.0.0.1:1"}
+    url = "s3://bucket/store"
+    expected = {"endpoint_url": "http://127.0.0.1:1", "cache_dir": "/c", "cache_bytes": "5G"}
+    assert options_from_args(args, url) == expected
+    assert options_from_args(parser.parse_args([]), url) == {"endpoint_url": "http://127.0.0.1:1"}
 
 
 def test_forked_workers_read_through_the_cache(seaweed_url: str, seaweed: Any, tmp_path: Any) -> None:

@@ -10,7 +10,7 @@ import argparse
 from typing import Any
 
 from featurestore.commands.parsers import RESUME_EMBEDDING, add_verb
-from featurestore.commands.storeargs import (add_split_source, add_storage_options, kind_hint, storage_options,
+from featurestore.commands.storeargs import (add_split_source, add_storage_options, kind_hint, options_from_args,
                                              store_errors)
 
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype, max_patches=args.max_patches, seed=args.seed, group_by=args.group_by,
         groups=args.groups, id_column=args.id_column,
         empty_bags=args.empty_bags, no_labels=args.no_labels, resume=args.resume, overwrite=args.overwrite,
-        device=args.device, autocast=args.autocast, storage_options=storage_options(args.storage_options),
+        device=args.device, autocast=args.autocast, storage_options=options_from_args(args, args.store),
         progress=args.progress)
     with store_errors(args.store), kind_hint("featurestore embed derives slide or patient embeddings from a bag "
                                              "split (--encoder, --split name it)"):

@@ -15,7 +15,8 @@ from typing import Any
 
 from featurestore.commands.parsers import RESUME_SPLIT, add_verb
 from featurestore.commands.report_line import nothing_to_do, quantization_line
-from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, storage_options, store_errors
+from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, store_errors
+from featurestore.commands.storeargs import options_from_args as store_options
 from featurestore.commands.workerargs import add_worker_options, worker_options
 from featurestore.errors import InvalidOption
 
@@ -133,7 +134,7 @@ def slide_options_from_args(args: argparse.Namespace) -> Any:
         num_workers=args.num_workers, limit=args.limit, magnification=args.magnification, mpp=args.mpp,
         slide_mpp=args.slide_mpp, patch_size=args.patch_size, tissue=args.tissue, min_tissue=args.min_tissue,
         mean=_triple(args.mean, "--mean"), std=_triple(args.std, "--std"),
-        storage_options=storage_options(args.storage_options), queue_size=args.queue_size,
+        storage_options=store_options(args, args.store, args.coords_store), queue_size=args.queue_size,
         progress=not args.no_progress, threads=args.threads, verify_chunks=args.verify_chunks,
         coords_from=args.coords_from, coords_store=args.coords_store, worker=worker_options(args))
 
@@ -154,7 +155,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         num_workers=args.num_workers, limit=args.limit, crop=_size(args.crop, "--crop"),
         resize=_size(args.resize, "--resize"), mean=_triple(args.mean, "--mean"),
         std=_triple(args.std, "--std"), compressor=args.compressor,
-        storage_options=storage_options(args.storage_options), queue_size=args.queue_size,
+        storage_options=store_options(args, args.store), queue_size=args.queue_size,
         progress=not args.no_progress, threads=args.threads, verify_chunks=args.verify_chunks)
 
 

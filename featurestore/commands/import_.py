@@ -10,7 +10,7 @@ from typing import Any
 
 from featurestore.commands.parsers import RESUME_SPLIT, add_verb
 from featurestore.commands.report_line import nothing_to_do, quantization_line
-from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, storage_options, store_errors
+from featurestore.commands.storeargs import add_rewrite_options, add_storage_options, options_from_args, store_errors
 from featurestore.commands.workerargs import add_worker_options, worker_options
 
 
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         source=args.source, store=args.store, dataset=args.dataset, encoder_name=args.encoder_name,
         split=args.split, dtype=args.dtype, labels=args.labels, key=args.key, prefix_tokens=args.prefix_tokens,
         grid=tuple(args.grid) if args.grid else None, batch_size=args.batch_size, chunk_mb=args.chunk_mb,
-        resume=args.resume, overwrite=args.overwrite, storage_options=storage_options(args.storage_options),
+        resume=args.resume, overwrite=args.overwrite, storage_options=options_from_args(args, args.store),
         progress=not args.no_progress, verify_chunks=args.verify_chunks, bags=args.bags,
         label_column=args.label_column, id_column=args.id_column, worker=worker_options(args))
     with store_errors(args.store):

@@ -16,7 +16,8 @@ import textwrap
 from typing import Any
 
 from featurestore.commands.parsers import add_verb
-from featurestore.commands.storeargs import add_cache_options, add_storage_options, kind_hint, options_from_args
+from featurestore.commands.storeargs import (add_cache_options, add_storage_options, is_http, kind_hint,
+                                             options_from_args, refuse_unused)
 from featurestore.errors import InvalidOption
 
 # Mirrors featurestore.probes.run.TASKS / LOADERS, kept here so `featurestore --help` imports nothing.
@@ -321,8 +322,11 @@ def _run(args: argparse.Namespace) -> int:
     if (args.labels is None) != (args.label_column is None):
         raise InvalidOption("--labels CSV and --label-column COL go together: the table and the column of the task's "
                             "labels")
+    stores = (args.store, args.compare_store)
+    if args.token:  # the flag; $FEATURESTORE_TOKEN is set once for every store
+        refuse_unused("--token", "a featurestore server's http(s):// URL", [s for s in stores if s], is_http)
     token = args.token or os.environ.get("FEATURESTORE_TOKEN") or None
-    storage = None if args.store.lower().startswith(("http://", "https://")) else options_from_args(args)
+    storage = options_from_args(args, *stores, servers=True)  # the probes pass it to the stores that are no server
     if args.groups is not None and args.group_by is None:
         raise InvalidOption("--groups CSV gives the column of --group-by COLUMN: add --group-by")
     if args.json not in (None, "-"):
@@ -343,10 +347,8 @@ def _run(args: argparse.Namespace) -> int:
             epochs=args.epochs, lr=args.lr, batch_size=args.batch_size or 64, device=args.device,
             num_classes=args.num_classes, pool=args.pool, loader=args.loader, token=token,
             log=None if args.quiet else log, labels=_label_table(args), folds=args.folds,
-            group_by=_group_spec(args),
+            group_by=_group_spec(args), storage_options=storage,
         )
-        if storage is not None:
-            common["storage_options"] = storage
         from featurestore.probes.run import compare_probes, run_probe
 
         if args.compare:

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     os.environ["FEATURESTORE_STORE"] = args.url
     # Parsed here so a bad JSON is one line naming the flag; workers read it from the env.
-    os.environ[STORAGE_ENV] = json.dumps(options_from_args(args))
+    os.environ[STORAGE_ENV] = json.dumps(options_from_args(args, args.url))
     if args.token_env:
         token = os.environ.get(args.token_env)
         if not token:

@@ -3,7 +3,9 @@ way to fail (docs/FORMAT.md, "Storage options").
 
 Every verb that takes a store URL (extract, ls, info, verify, serve, probe, ...) adds the flag with
 :func:`add_storage_options` and opens the store through :func:`open_store_from_args`, so the JSON
-is parsed, the environment consulted and backend failures turned into one line in one place.
+is parsed, the environment consulted and backend failures turned into one line in one place. The
+flag (and ``--cache-dir``/``--cache-bytes``) typed for stores that would ignore it, a local path
+above all, is refused there too (:func:`options_from_args`); the environment variables are not.
 """
 
 from __future__ import annotations
@@ -162,19 +164,71 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
                         "of the free space there)")
 
 
-def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """``--storage-options`` (or its variable) with ``--cache-dir``/``--cache-bytes`` on top."""
+def options_from_args(args: argparse.Namespace, *urls: str | None, servers: bool = False) -> dict[str, Any]:
+    """``--storage-options`` (or its variable) with ``--cache-dir``/``--cache-bytes`` on top, for the
+    stores at ``urls`` (None: one not given). A flag typed on the command line that none of them
+    takes is refused (:func:`refuse_unused`): a local path takes no options and no cache, only
+    object storage has the cache, and with ``servers`` (probe) an http(s):// URL is a featurestore
+    server, which opens its store with its own. Their environment variables are not refused: they
+    are set once for all of a user's stores."""
     options = storage_options(getattr(args, "storage_options", None))
-    for name in ("cache_dir", "cache_bytes"):
-        value = getattr(args, name, None)
-        if value is not None:
-            options[name] = value
+    stores = [os.fspath(url) for url in urls if url is not None]
+    if getattr(args, "storage_options", None) is not None and options:  # the flag, and not '{}'
+        refuse_unused("--storage-options", "object-storage URLs (s3://, gs://, az://, other fsspec URLs)", stores,
+                      lambda url: not is_local(url) and not (servers and is_http(url)), servers)
     if getattr(args, "cache_bytes", None) is not None:
-        # Checked here too: a local store takes no storage options, so a bad value went unnoticed.
+        # The value first: a bad one is named as such wherever it was going.
         from featurestore.core.storage.options import parse_bytes
 
         parse_bytes(args.cache_bytes, "--cache-bytes")
+    for name in ("cache_dir", "cache_bytes"):
+        value = getattr(args, name, None)
+        if value is not None:
+            if value:
+                refuse_unused(f"--{name.replace('_', '-')} {value}", "object-storage URLs (s3://, gs://, az://), "
+                              "whose chunks it keeps on local disk", stores, is_object_storage, servers)
+            options[name] = value
     return options
+
+
+def is_local(url: str) -> bool:
+    """A local path or ``file://`` URL: read in place, with no storage options and no chunk cache."""
+    return "://" not in url or url.lower().startswith("file://")
+
+
+def is_http(url: str) -> bool:
+    return url.lower().startswith(("http://", "https://"))
+
+
+def is_object_storage(url: str) -> bool:
+    """An s3:// (gs://, az://...) URL: the backend the chunk cache wraps (core/storage/factory.py)."""
+    from featurestore.core.storage.factory import OBJECT_SCHEMES
+
+    return "://" in url and url.split("://", 1)[0].lower() in OBJECT_SCHEMES
+
+
+def refuse_unused(flag: str, purpose: str, urls: list[str], takes: Any, servers: bool = False) -> None:
+    """One line refusing ``flag`` (``purpose``: what it is for), typed on the command line, when no
+    store at ``urls`` (the ones it goes to) ``takes`` it: it would be ignored. Names the first store,
+    what it is (``servers``: an http(s):// URL is a featurestore server, as probe reads it) and the
+    fix; the caller puts the flag's value into ``flag`` only where it is no secret."""
+    if not urls or any(takes(url) for url in urls):
+        return
+    url = urls[0]
+    scheme = url.split("://", 1)[0].lower()
+    kind, fix = (f"an {scheme}:// URL" if is_http(url) else f"a {scheme}:// URL"), ""
+    if is_local(url):
+        kind = "a local path"
+        if not url.startswith(("/", ".", "~")) and "://" not in url and flag != "--token":  # the scheme forgotten?
+            fix = f", or write the store as s3://{url} if it is a bucket"
+    elif is_http(url) and servers:
+        kind, fix = "a featurestore server's URL", (" (the server opens its store with its own: featurestore serve "
+                                                    "STORE --storage-options JSON --cache-dir DIR)")
+    elif is_object_storage(url):
+        kind = "an object-storage URL"
+        fix = " (its credentials go in --storage-options)" if flag == "--token" else ""
+    raise InvalidOption(f"{flag} is for {purpose}; {redact_url(url)!r} is {kind}, which takes none: drop the "
+                        f"flag{fix}")
 
 
 @contextlib.contextmanager
@@ -192,7 +246,7 @@ def store_errors(url: str) -> Iterator[None]:
         text = " ".join(redact(str(error) or type(error).__name__).split())
         if len(text) > 300:
             text = text[:300] + "..."
-        if "://" not in url or url.startswith("file://"):  # a local path: no endpoint, no credentials
+        if is_local(url):  # no endpoint, no credentials
             raise StoreUnreachable(f"cannot use the store at {url}: {type(error).__name__}: {text}. Check the path, "
                                    "that its file system is mounted writable, and that this user may write "
                                    "there") from error
@@ -219,6 +273,6 @@ def kind_hint(hint: str) -> Iterator[None]:
 def open_store_from_args(url: str, args: argparse.Namespace, mode: str = "r") -> Any:
     from featurestore import open_store
 
-    options = options_from_args(args)
+    options = options_from_args(args, url)
     with store_errors(url):
         return open_store(url, mode=mode, **options)
