@@ -1,8 +1,9 @@
 """Options typed on the command line that the store would ignore are refused in one line naming the
 value and the fix: ``--storage-options`` and ``--cache-dir``/``--cache-bytes`` with a local store (a
-bucket whose s3:// was forgotten), ``probe --token`` with a store that is no server. Their
-environment variables, set once for all of a user's stores, are not refused, nor is
-``--storage-options '{}'``; an object-storage URL still takes them."""
+bucket whose s3:// was forgotten), ``probe --token`` with a store that is no server, ``embed
+--device cuda`` with mean or max pooling. Their environment variables, set once for all of a
+user's stores, are not refused, nor is ``--storage-options '{}'``; an object-storage URL still
+takes them."""
 
 from __future__ import annotations
 
@@ -139,6 +140,17 @@ def test_probe_storage_options_for_a_server_are_refused(capsys: pytest.CaptureFi
     assert "--storage-options is for object-storage URLs" in err
     assert "'http://127.0.0.1:1' is a featurestore server's URL, which takes none: drop the flag" in err
     assert "featurestore serve STORE --storage-options JSON" in err and SECRET not in err
+
+
+@pytest.mark.parametrize("pooling", ["mean", "max"])
+def test_embed_device_with_pooling_is_refused(pooling: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["embed", str(tmp_path / "store"), *SPLIT, "--slide-encoder", pooling, "--encoder-name", "m"]
+    err = _error([*argv, "--device", "cuda:1"], capsys)
+    assert err == (f"featurestore: error: --device cuda:1 applies to python: slide encoders; {pooling} pooling runs "
+                   "in float32/float64 on the CPU: drop --device\n")
+    for device in ("cpu", "auto"):  # what pooling does: past the check, to the missing store
+        assert "no featurestore at" in _error([*argv, "--device", device], capsys)
 
 
 def _parsed(argv: list[str]) -> argparse.Namespace:

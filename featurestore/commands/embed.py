@@ -12,6 +12,7 @@ from typing import Any
 from featurestore.commands.parsers import RESUME_EMBEDDING, add_verb
 from featurestore.commands.storeargs import (add_split_source, add_storage_options, kind_hint, options_from_args,
                                              store_errors)
+from featurestore.errors import InvalidOption
 
 
 HELP = "slide or patient embeddings of a bag split (mean, max or a torch slide encoder), with lineage"
@@ -67,7 +68,11 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from featurestore.embed.run import EmbedOptions, embed
+    from featurestore.embed.slide_encoders import POOLINGS
 
+    if args.slide_encoder in POOLINGS and args.device not in ("auto", "cpu"):  # auto, the default: the CPU here
+        raise InvalidOption(f"--device {args.device} applies to python: slide encoders; {args.slide_encoder} pooling "
+                            "runs in float32/float64 on the CPU: drop --device")
     opts = EmbedOptions(
         store=args.store, dataset=args.dataset, encoder=args.encoder, split=args.split,
         slide_encoder=args.slide_encoder, encoder_name=args.encoder_name, out_split=args.out_split,
