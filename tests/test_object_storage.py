@@ -5,9 +5,11 @@ dies mid-epoch, a moto server this module stops itself."""
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -317,3 +319,50 @@ def test_a_stopped_seaweedfs_leaves_nothing_in_tmp(tmp_path: Any) -> None:
     assert not left, left
     assert not set(glob.glob("/tmp/weed.*")) - logs_before
     assert glob.glob(str(tmp_path / "weed" / "weed.*")), "its logs are in its own directory"
+
+
+def test_seaweedfs_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """A process running SeaweedFS through ``seaweed_server`` killed with SIGKILL (no ``finally``
+    runs) takes the server with it: nothing is left holding its ports and directory."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("util-linux setpriv is not installed: the server cannot be tied to its parent")
+    script = ("import sys, time\nfrom featurestore.testing.seaweedfs import seaweed_server\n"
+              "with seaweed_server(sys.argv[1]) as server:\n"
+              "    print(server.process.pid, flush=True)\n    time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    weed = 0
+    try:
+        line = parent.stdout.readline() if parent.stdout else ""
+        if not line.strip():
+            _, err = parent.communicate(timeout=60)
+            if "SeaweedUnavailable" in err:  # as the session's fixture skips
+                pytest.skip(f"SeaweedFS cannot run here: {err.strip().splitlines()[-1]}")
+            raise AssertionError(f"the process starting SeaweedFS failed (exit status {parent.returncode}): {err}")
+        weed = int(line)
+        os.kill(weed, 0)  # running
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _running(weed):
+            time.sleep(0.1)
+        assert not _running(weed), f"weed (pid {weed}) outlived the process that started it"
+    finally:
+        parent.kill()
+        parent.wait(30)
+        if weed and _running(weed):  # the failure above: not left behind for the rest of the session
+            os.kill(weed, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan is reaped by init, but give it no credit before)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
