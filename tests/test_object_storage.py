@@ -329,6 +329,8 @@ def test_seaweedfs_dies_with_the_process_that_started_it(tmp_path: Path) -> None
     import subprocess
     import sys
 
+    from featurestore.testing import running
+
     if shutil.which("setpriv") is None:
         pytest.skip("util-linux setpriv is not installed: the server cannot be tied to its parent")
     script = ("import sys, time\nfrom featurestore.testing.seaweedfs import seaweed_server\n"
@@ -349,20 +351,11 @@ def test_seaweedfs_dies_with_the_process_that_started_it(tmp_path: Path) -> None
         parent.send_signal(signal.SIGKILL)
         parent.wait(30)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _running(weed):
+        while time.monotonic() < deadline and running(weed):
             time.sleep(0.1)
-        assert not _running(weed), f"weed (pid {weed}) outlived the process that started it"
+        assert not running(weed), f"weed (pid {weed}) outlived the process that started it"
     finally:
         parent.kill()
         parent.wait(30)
-        if weed and _running(weed):  # the failure above: not left behind for the rest of the session
+        if weed and running(weed):  # the failure above: not left behind for the rest of the session
             os.kill(weed, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan is reaped by init, but give it no credit before)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -181,3 +181,34 @@ def test_an_int8_split_reads_through_the_servers_zarr_route(tmp_path: object) ->
     with serve_subprocess(root) as (url, _):
         served = featurestore.open_store(f"{url}/zarr").open("d", "e", "s").read_numpy([0, 5, 11], dtype="float32")
     assert served.tobytes() == local.tobytes()
+
+
+def test_served_process_stops_with_the_process_that_started_it(store_path: str) -> None:
+    """A process holding ``serve_subprocess`` killed with SIGKILL (its ``finally`` never runs): the
+    kernel sends the server SIGTERM, and it stops instead of keeping its port."""
+    import shutil
+
+    from featurestore.testing import running
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("util-linux setpriv is not installed: the server cannot be tied to its parent")
+    script = ("import sys, time\nfrom featurestore.testing.serving import serve_subprocess\n"
+              "with serve_subprocess(sys.argv[1]) as (url, proc):\n"
+              "    print(proc.pid, url, flush=True)\n    time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script, store_path], stdout=subprocess.PIPE, text=True)
+    server = 0
+    try:
+        line = parent.stdout.readline() if parent.stdout else ""
+        assert line.strip(), f"the process starting the server failed (exit status {parent.wait(60)})"
+        server = int(line.split()[0])
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and running(server):
+            time.sleep(0.1)
+        assert not running(server), f"featurestore serve (pid {server}) outlived the process that started it"
+    finally:
+        parent.kill()
+        parent.wait(30)
+        if server and running(server):
+            os.kill(server, signal.SIGKILL)

@@ -30,7 +30,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from featurestore.testing import stop_process
+from featurestore.testing import dies_with_this_process, stop_process
 
 #: Credentials handed to clients; SeaweedFS without IAM config accepts any pair.
 ACCESS_KEY = "featurestore"
@@ -163,7 +162,8 @@ def seaweed_server(directory: str | None = None, *, startup_timeout: float = 60.
         json.dump({"identities": [{"name": "featurestore", "credentials": [
             {"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}], "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}, f)
     cmd += [f"-s3.config={config_path}", *extra_args]
-    cmd = _dies_with_this_process(cmd)
+    # Killed with this process, as stop_process ends: weed takes ~25 s to stop on SIGTERM, its data is scratch.
+    cmd = dies_with_this_process(cmd, "KILL")
     log_path = os.path.join(root, "weed.log")
     log = open(log_path, "wb")
     try:
@@ -188,20 +188,6 @@ def seaweed_server(directory: str | None = None, *, startup_timeout: float = 60.
         _remove_sockets(ports)
         if owned:
             shutil.rmtree(root, ignore_errors=True)
-
-
-def _dies_with_this_process(cmd: list[str]) -> list[str]:
-    """``cmd`` run so that the kernel kills it when this process dies, however it dies (SIGKILL, a
-    job's time limit, an out-of-memory kill): a server the ``finally`` below never got to stop would
-    keep its ports and its directory. SIGKILL, as :func:`stop_process` ends with: weed takes ~25 s
-    to shut down on SIGTERM, and its data is scratch. util-linux's ``setpriv --pdeathsig`` sets
-    that before it execs ``cmd`` (the pid stays the server's); ``preexec_fn`` could, but is unsafe
-    in a process with threads. The signal follows the thread that started the child, so only a
-    child of the main thread, which lives as long as the process, gets it."""
-    setpriv = shutil.which("setpriv")
-    if setpriv is None or threading.current_thread() is not threading.main_thread():
-        return cmd
-    return [setpriv, "--pdeathsig", "KILL", "--", *cmd]
 
 
 def _remove_sockets(ports: list[int]) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from featurestore.testing import stop_process
+from featurestore.testing import dies_with_this_process, stop_process
 from featurestore.testing.memory import process_rss
 
 SHAPE = (256, 384)
@@ -41,7 +41,7 @@ def serve_subprocess(store: str, *, env: dict[str, str] | None = None, args: tup
     port = free_port()
     cmd = [sys.executable, "-m", "featurestore.cli", "serve", store, "--port", str(port),
            "--log-level", "warning", "--no-access-log", *args]  # fmt: skip
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(dies_with_this_process(cmd), env={**os.environ, **(env or {})}, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_timeout
