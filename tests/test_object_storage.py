@@ -5,7 +5,6 @@ dies mid-epoch, a moto server this module stops itself."""
 from __future__ import annotations
 
 import asyncio
-import os
 import pickle
 import time
 import uuid
@@ -325,37 +324,18 @@ def test_seaweedfs_dies_with_the_process_that_started_it(tmp_path: Path) -> None
     """A process running SeaweedFS through ``seaweed_server`` killed with SIGKILL (no ``finally``
     runs) takes the server with it: nothing is left holding its ports and directory."""
     import shutil
-    import signal
-    import subprocess
-    import sys
 
-    from featurestore.testing import running
+    from _orphans import outlives_sigkilled_parent
 
     if shutil.which("setpriv") is None:
         pytest.skip("util-linux setpriv is not installed: the server cannot be tied to its parent")
     script = ("import sys, time\nfrom featurestore.testing.seaweedfs import seaweed_server\n"
               "with seaweed_server(sys.argv[1]) as server:\n"
               "    print(server.process.pid, flush=True)\n    time.sleep(600)\n")
-    parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-    weed = 0
     try:
-        line = parent.stdout.readline() if parent.stdout else ""
-        if not line.strip():
-            _, err = parent.communicate(timeout=60)
-            if "SeaweedUnavailable" in err:  # as the session's fixture skips
-                pytest.skip(f"SeaweedFS cannot run here: {err.strip().splitlines()[-1]}")
-            raise AssertionError(f"the process starting SeaweedFS failed (exit status {parent.returncode}): {err}")
-        weed = int(line)
-        os.kill(weed, 0)  # running
-        parent.send_signal(signal.SIGKILL)
-        parent.wait(30)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and running(weed):
-            time.sleep(0.1)
-        assert not running(weed), f"weed (pid {weed}) outlived the process that started it"
-    finally:
-        parent.kill()
-        parent.wait(30)
-        if weed and running(weed):  # the failure above: not left behind for the rest of the session
-            os.kill(weed, signal.SIGKILL)
+        weed, outlived = outlives_sigkilled_parent(script, str(tmp_path))
+    except RuntimeError as error:
+        if "SeaweedUnavailable" in str(error):  # as the session's fixture skips
+            pytest.skip(f"SeaweedFS cannot run here: {str(error).strip().splitlines()[-1]}")
+        raise
+    assert not outlived, f"weed (pid {weed}) outlived the process that started it"

@@ -188,27 +188,12 @@ def test_served_process_stops_with_the_process_that_started_it(store_path: str) 
     kernel sends the server SIGTERM, and it stops instead of keeping its port."""
     import shutil
 
-    from featurestore.testing import running
+    from _orphans import outlives_sigkilled_parent
 
     if shutil.which("setpriv") is None:
         pytest.skip("util-linux setpriv is not installed: the server cannot be tied to its parent")
     script = ("import sys, time\nfrom featurestore.testing.serving import serve_subprocess\n"
               "with serve_subprocess(sys.argv[1]) as (url, proc):\n"
               "    print(proc.pid, url, flush=True)\n    time.sleep(600)\n")
-    parent = subprocess.Popen([sys.executable, "-c", script, store_path], stdout=subprocess.PIPE, text=True)
-    server = 0
-    try:
-        line = parent.stdout.readline() if parent.stdout else ""
-        assert line.strip(), f"the process starting the server failed (exit status {parent.wait(60)})"
-        server = int(line.split()[0])
-        parent.send_signal(signal.SIGKILL)
-        parent.wait(30)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and running(server):
-            time.sleep(0.1)
-        assert not running(server), f"featurestore serve (pid {server}) outlived the process that started it"
-    finally:
-        parent.kill()
-        parent.wait(30)
-        if server and running(server):
-            os.kill(server, signal.SIGKILL)
+    server, outlived = outlives_sigkilled_parent(script, store_path)
+    assert not outlived, f"featurestore serve (pid {server}) outlived the process that started it"
