@@ -18,6 +18,7 @@ import numpy as np
 import featurestore
 from featurestore.bench import harness
 from featurestore.bench.harness import Method, gbps, interleaved
+from featurestore.testing import dies_with_this_process
 from featurestore.testing.serving import SHAPE, build_store, load_test, serve_subprocess
 
 
@@ -65,7 +66,7 @@ class RawTCP:
     """Client side of the raw baseline; the server runs in its own process, like uvicorn."""
 
     def __init__(self, store: str, key: tuple[str, str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _RAW_SERVER, store, *key],
+        self.proc = subprocess.Popen(dies_with_this_process([sys.executable, "-c", _RAW_SERVER, store, *key]),
                                      stdout=subprocess.PIPE)  # fmt: skip
         assert self.proc.stdout is not None
         port = int(self.proc.stdout.readline())
