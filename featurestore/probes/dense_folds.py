@@ -23,9 +23,10 @@ __all__ = ["fold_pairs"]
 
 def fold_pairs(info: Any, matched: Matched | None, folds: int, spec: GroupSpec | None, *,
                storage_options: dict[str, Any] | None = None, token: str | None = None,
-               ) -> tuple[list[tuple[Matched, Matched]], dict[str, float]]:
-    """``([(train, eval) per fold], chance baselines)`` of ``info``'s samples (those ``matched``
-    labels, with its labels; else every sample with its stored labels)."""
+               ) -> tuple[list[tuple[Matched, Matched]], dict[str, float], dict[int, str] | None]:
+    """``([(train, eval) per fold], chance baselines, groups)`` of ``info``'s samples (those
+    ``matched`` labels, with its labels; else every sample with its stored labels); ``groups``: each
+    of those samples' ``spec`` group by position (None without ``spec``), for the predictions table."""
     from featurestore.probes.dense_labels import stored_labels
 
     if matched is None:
@@ -44,4 +45,4 @@ def fold_pairs(info: Any, matched: Matched | None, folds: int, spec: GroupSpec |
     pairs = [(Matched(matched.labels, train, summary), Matched(matched.labels, held, ""))
              for train, held in parts]
     baselines = chance.class_baselines([matched.labels[held] for _, held in parts])
-    return pairs, baselines
+    return pairs, baselines, None if groups is None else dict(zip(positions.tolist(), groups))

@@ -90,19 +90,18 @@ class PredictionRecorder:
 
     @classmethod
     def of_split(cls, path: str, info: Any, *, num_classes: int, table: Any = None, group_by: Any = None,
-                 access: tuple[dict[str, Any] | None, str | None] = (None, None)) -> PredictionRecorder:
+                 groups: dict[int, str] | None = None) -> PredictionRecorder:
         """For the linear head over ``info`` (featurestore.probes.run's ``SplitInfo`` of a dense split);
         patient embeddings (``featurestore embed --group-by case_id``) name their id column so.
-        ``group_by``: the folds' ``GroupSpec``, its column added unless it is the id column;
-        ``access``: ``(storage_options, token)`` of the source bag split its groups are read from."""
-        from featurestore.probes.groups import dense_groups, lineage_of
+        ``group_by``: the folds' ``GroupSpec``, its column added unless it is the id column, with
+        ``groups``, each sample's group by position (as the folds looked them up: ``fold_pairs``)."""
+        from featurestore.probes.groups import lineage_of
 
         grouped = (lineage_of(info.metadata) or {}).get("group_by")
         id_name = grouped if isinstance(grouped, str) else "slide_id"
         group = None
-        if group_by is not None and group_by.column != id_name:
-            group = group_by.column, lambda positions: dense_groups(
-                info, group_by, positions, storage_options=access[0], token=access[1])
+        if group_by is not None and groups is not None and group_by.column != id_name:
+            group = group_by.column, lambda positions: [groups[i] for i in positions]
         return cls(path, num_classes=num_classes, count=info.num_samples, ids=info.ds.array.ids,
                    class_names=class_names_of(info, table, num_classes), group=group, id_name=id_name)
 

@@ -344,10 +344,10 @@ def _run(
     if n_folds is None:
         matched = None if table is None else (table_labels(train, table), table_labels(evaluate, table))
         baselines = dense_baselines(train, evaluate, task, num_classes, matched)
-        pairs: list[Any] = [matched]
+        pairs, groups = [matched], None
     else:
-        pairs, baselines = fold_pairs(train, None if table is None else table_labels(train, table), n_folds, spec,
-                                      storage_options=storage_options, token=token)
+        pairs, baselines, groups = fold_pairs(train, None if table is None else table_labels(train, table),
+                                              n_folds, spec, storage_options=storage_options, token=token)
         matched = pairs[0]
     if num_classes < 2:
         raise InvalidOption(f"num_classes is {num_classes}: a probe needs at least 2 classes")
@@ -370,7 +370,7 @@ def _run(
     if predictions is not None and task != "linear":
         raise InvalidOption(f"--save-predictions applies to the linear and abmil heads, not to task {task}")
     recorder = None if predictions is None else PredictionRecorder.of_split(
-        predictions, evaluate, num_classes=num_classes, table=table, group_by=spec, access=(storage_options, token))
+        predictions, evaluate, num_classes=num_classes, table=table, group_by=spec, groups=groups)
     held = None if loader != "ram" or n_folds is None else read_all(train)
     makes = [_batches(train, evaluate, batch_size=batch_size, device=torch_device, loader=loader,
                       matched=pair, held=held) for pair in pairs]
